@@ -1,0 +1,43 @@
+# zerorun: `make demo` (the main job) and `make test` (the whole suite) work on a fresh Debian machine with only
+# the Rust toolchain and python3; both run the idempotent `make setup` first.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+TORCH_VERSION := 2.11.0
+# Debian packages the build and the tests need (checked with dpkg, installed only when missing).
+APT_PACKAGES := pkg-config
+CARGO ?= cargo
+
+.PHONY: setup demo test test-rust check-fresh bench clean-venv
+
+setup: .libtorch
+	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "setup: installing Debian packages:$$missing"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing; \
+	fi
+
+# The venv is rebuilt only when torch is not the pinned version.
+$(VENV)/.torch-$(TORCH_VERSION):
+	@if ! $(VENV)/bin/python -c 'import torch,sys; sys.exit(torch.__version__.split("+")[0] != "$(TORCH_VERSION)")' 2>/dev/null; then \
+	  echo "setup: installing torch==$(TORCH_VERSION) into $(VENV) (libtorch for tch)"; \
+	  $(PYTHON) -m venv $(VENV) && \
+	  $(VENV)/bin/pip install --quiet --progress-bar off --disable-pip-version-check torch==$(TORCH_VERSION) numpy; \
+	fi
+	@touch $@
+
+.libtorch: $(VENV)/.torch-$(TORCH_VERSION)
+	@ln -sfn "$$($(VENV)/bin/python -c 'import torch,os; print(os.path.dirname(torch.__file__))')" .libtorch
+	@touch -h .libtorch
+
+demo: setup
+	$(CARGO) build --release --bin zerorun --example gpt
+	./target/release/examples/gpt --config configs/zero2.json --ranks 2 --steps 30
+
+test: setup
+	$(CARGO) test --workspace --all-targets
+
+bench: setup
+	$(CARGO) build --release --bin zerorun
+	./target/release/zerorun bench adam

@@ -1,0 +1,1 @@
+//! zerorun-optim

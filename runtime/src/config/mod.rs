@@ -1,0 +1,338 @@
+//! ds_config.json: DeepSpeed's keys, defaults and meanings, parsed into typed structs.
+//!
+//! A config written for DeepSpeed loads unchanged and means the same thing. Every error names the JSON path of
+//! the key at fault; unknown keys are errors that suggest the closest known key. `Config` keeps the batch keys as
+//! given until [`Config::resolve`] applies the batch rule for a world size.
+mod aio;
+mod batch;
+mod checkpointing;
+mod error;
+mod optimizer;
+mod precision;
+mod reader;
+mod scheduler;
+mod zero;
+
+use std::path::Path;
+
+use serde::Serialize;
+use serde_json::Value;
+
+pub use aio::AioConfig;
+pub use batch::{BatchInput, BatchSizes};
+pub use checkpointing::{ActivationCheckpointingConfig, CheckpointConfig, TagValidation};
+pub use error::{ConfigError, Result};
+pub use optimizer::{AdagradParams, AdamParams, LambParams, LionParams, OptimizerConfig, SgdParams, ZERO_SUPPORTED};
+pub use precision::{Bf16Config, Fp16Config, Precision};
+pub use scheduler::{
+    LrRangeTestParams, OneCycleParams, SchedulerConfig, WarmupCosineLrParams, WarmupDecayLrParams, WarmupLrParams, WarmupType,
+};
+pub use zero::{OffloadDevice, OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig};
+
+use reader::{MaybeAuto, Section};
+
+/// How gradients are combined across ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AllreduceOp {
+    Mean,
+    Sum,
+}
+
+/// The dtype gradients travel in (`communication_data_type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CommDataType {
+    Fp32,
+    Fp16,
+    Bf16,
+}
+
+/// A whole ds_config with every default filled in.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Config {
+    /// Global batch per optimizer step. None until given or resolved.
+    pub train_batch_size: Option<u64>,
+    pub train_micro_batch_size_per_gpu: Option<u64>,
+    pub gradient_accumulation_steps: Option<u64>,
+    /// Clip gradients to this global L2 norm; 0 disables.
+    pub gradient_clipping: f64,
+    /// Log a line every this many optimizer steps; None: no periodic log.
+    pub steps_per_print: Option<u64>,
+    pub wall_clock_breakdown: bool,
+    pub memory_breakdown: bool,
+    /// Divide gradients by the world size before the reduction rather than after.
+    pub prescale_gradients: bool,
+    pub gradient_predivide_factor: f64,
+    pub gradient_allreduce_op: AllreduceOp,
+    /// None: gradients travel in the parameters' dtype.
+    pub communication_data_type: Option<CommDataType>,
+    pub zero_allow_untested_optimizer: bool,
+    pub zero_force_ds_cpu_optimizer: bool,
+    /// zerorun's own key: seconds any collective or rendezvous may block before it is an error.
+    pub comms_timeout: f64,
+    pub optimizer: Option<OptimizerConfig>,
+    pub scheduler: Option<SchedulerConfig>,
+    pub fp16: Fp16Config,
+    pub bf16: Bf16Config,
+    pub zero_optimization: ZeroConfig,
+    pub aio: AioConfig,
+    pub checkpoint: CheckpointConfig,
+    pub activation_checkpointing: ActivationCheckpointingConfig,
+}
+
+/// Top-level DeepSpeed sections zerorun accepts and does not act on (monitoring, autotuning, other features).
+const IGNORED_SECTIONS: &[&str] = &[
+    "tensorboard",
+    "wandb",
+    "csv_monitor",
+    "comet",
+    "flops_profiler",
+    "comms_logger",
+    "autotuning",
+    "elasticity",
+    "data_efficiency",
+    "curriculum_learning",
+    "compression_training",
+    "pipeline",
+    "sparse_attention",
+    "amp",
+    "nebula",
+    "progressive_layer_drop",
+    "eigenvalue",
+    "quantize_training",
+    "hybrid_engine",
+    "compile",
+    "timers",
+    "dump_state",
+    "sparse_gradients",
+    "fp32_allreduce",
+    "zero_ignore_unused_parameters",
+];
+
+impl Config {
+    /// Reads and validates a ds_config.json file.
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Config> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| ConfigError::Read { file: path.display().to_string(), message: e.to_string() })?;
+        Config::from_json_str(&text)
+    }
+
+    /// Reads and validates a config given as a JSON string.
+    pub fn from_json_str(text: &str) -> Result<Config> {
+        let value: Value = serde_json::from_str(text).map_err(|e| ConfigError::Json { message: e.to_string() })?;
+        Config::from_value(value)
+    }
+
+    /// Reads and validates a config given as a JSON value.
+    pub fn from_value(value: Value) -> Result<Config> {
+        let mut s = Section::new("", value)?;
+        let mut batch_key = |key: &'static str| -> Result<Option<u64>> {
+            // "auto" batch values are inferred by the batch rule, like missing ones.
+            Ok(match s.uint_auto(&[key])? {
+                MaybeAuto::Value(v) => Some(v),
+                MaybeAuto::Absent | MaybeAuto::Auto => None,
+            })
+        };
+        let train_batch_size = batch_key("train_batch_size")?;
+        let train_micro_batch_size_per_gpu = batch_key("train_micro_batch_size_per_gpu")?;
+        let gradient_accumulation_steps = batch_key("gradient_accumulation_steps")?;
+
+        let mut ignored = Vec::new();
+        let zero_optimization = match s.take("zero_optimization") {
+            None => ZeroConfig::from_legacy_bool(false)?,
+            Some(Value::Bool(enabled)) => ZeroConfig::from_legacy_bool(enabled)?,
+            Some(v) => ZeroConfig::read(Section::new("zero_optimization", v)?, &mut ignored)?,
+        };
+        let optimizer = match s.take("optimizer") {
+            None => None,
+            Some(v) => Some(OptimizerConfig::read(Section::new("optimizer", v)?)?),
+        };
+        let default_lr = optimizer.as_ref().map_or(1e-3, OptimizerConfig::lr);
+        let scheduler = match s.take("scheduler") {
+            None => None,
+            Some(v) => Some(SchedulerConfig::read(Section::new("scheduler", v)?, default_lr)?),
+        };
+        let fp16 = Fp16Config::read(s.section("fp16")?)?;
+        let bf16 = match s.take_aliased(&["bf16", "bfloat16"])? {
+            None => Bf16Config::default(),
+            Some((key, v)) => Bf16Config::read(Section::new(key, v)?)?,
+        };
+        let gradient_allreduce_op = match s.choice("gradient_allreduce_op", &["mean", "sum"], "mean")? {
+            "sum" => AllreduceOp::Sum,
+            _ => AllreduceOp::Mean,
+        };
+        let communication_data_type = match s.opt_string("communication_data_type")? {
+            None => None,
+            Some(t) => Some(match t.as_str() {
+                "fp32" | "float32" => CommDataType::Fp32,
+                "fp16" | "float16" => CommDataType::Fp16,
+                "bf16" | "bfp16" | "bfloat16" => CommDataType::Bf16,
+                _ => {
+                    return Err(ConfigError::Invalid {
+                        path: "communication_data_type".into(),
+                        value: format!("\"{t}\""),
+                        allowed: "one of \"fp32\", \"fp16\", \"bf16\"".into(),
+                    })
+                }
+            }),
+        };
+        let config = Config {
+            train_batch_size,
+            train_micro_batch_size_per_gpu,
+            gradient_accumulation_steps,
+            gradient_clipping: s.float("gradient_clipping", 1.0)?,
+            steps_per_print: s.opt_uint("steps_per_print")?,
+            wall_clock_breakdown: s.bool("wall_clock_breakdown", false)?,
+            memory_breakdown: s.bool("memory_breakdown", false)?,
+            prescale_gradients: s.bool("prescale_gradients", false)?,
+            gradient_predivide_factor: s.float("gradient_predivide_factor", 1.0)?,
+            gradient_allreduce_op,
+            communication_data_type,
+            zero_allow_untested_optimizer: s.bool("zero_allow_untested_optimizer", false)?,
+            zero_force_ds_cpu_optimizer: s.bool("zero_force_ds_cpu_optimizer", true)?,
+            comms_timeout: s.float("comms_timeout", 1800.0)?,
+            optimizer,
+            scheduler,
+            fp16,
+            bf16,
+            zero_optimization,
+            aio: AioConfig::read(s.section("aio")?)?,
+            checkpoint: CheckpointConfig::read(s.section("checkpoint")?)?,
+            activation_checkpointing: ActivationCheckpointingConfig::read(s.section("activation_checkpointing")?)?,
+        };
+        for key in IGNORED_SECTIONS {
+            if let Some(path) = s.ignore(key) {
+                ignored.push(path);
+            }
+        }
+        s.finish()?;
+        for path in ignored {
+            tracing::warn!(key = %path, "zerorun does not implement this DeepSpeed setting; ignored");
+        }
+        if config.activation_checkpointing.partition_activations {
+            tracing::warn!(key = "activation_checkpointing.partition_activations", "no model parallelism in zerorun; ignored");
+        }
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks combinations no single section can see.
+    fn validate(&self) -> Result<()> {
+        let z = &self.zero_optimization;
+        if self.fp16.enabled && self.bf16.enabled {
+            return Err(ConfigError::Conflict {
+                path: "bf16.enabled".into(),
+                message: "`fp16.enabled` and `bf16.enabled` are both true; enable one of them".into(),
+            });
+        }
+        if z.offload_param.device != OffloadDevice::None && z.stage < 3 {
+            return Err(ConfigError::Conflict {
+                path: "zero_optimization.offload_param.device".into(),
+                message: format!("parameter offload needs `zero_optimization.stage` 3 (it is {})", z.stage),
+            });
+        }
+        if z.offload_optimizer.device != OffloadDevice::None && z.stage == 0 {
+            return Err(ConfigError::Conflict {
+                path: "zero_optimization.offload_optimizer.device".into(),
+                message: "optimizer offload needs `zero_optimization.stage` >= 1 (it is 0)".into(),
+            });
+        }
+        for (section, device, path) in [
+            ("offload_optimizer", z.offload_optimizer.device, &z.offload_optimizer.nvme_path),
+            ("offload_param", z.offload_param.device, &z.offload_param.nvme_path),
+        ] {
+            if device == OffloadDevice::Nvme && path.as_deref().map_or(true, str::is_empty) {
+                return Err(ConfigError::Missing {
+                    path: format!("zero_optimization.{section}.nvme_path"),
+                    when: format!("when `zero_optimization.{section}.device` is \"nvme\""),
+                });
+            }
+        }
+        if self.gradient_allreduce_op == AllreduceOp::Sum && z.stage == 3 {
+            return Err(ConfigError::Conflict {
+                path: "gradient_allreduce_op".into(),
+                message: "\"sum\" is not supported at `zero_optimization.stage` 3; use \"mean\"".into(),
+            });
+        }
+        if let Some(opt) = &self.optimizer {
+            if z.stage >= 1 && !self.zero_allow_untested_optimizer && !ZERO_SUPPORTED.contains(&opt.name()) {
+                return Err(ConfigError::Conflict {
+                    path: "optimizer.type".into(),
+                    message: format!(
+                        "{} is not among ZeRO's supported optimizers ({}); set `zero_allow_untested_optimizer` to true to use it at stage {}",
+                        opt.name(),
+                        ZERO_SUPPORTED.join(", "),
+                        z.stage
+                    ),
+                });
+            }
+        }
+        let invalid = |path: &str, value: f64, allowed: &str| ConfigError::Invalid { path: path.into(), value: value.to_string(), allowed: allowed.into() };
+        if !(self.gradient_clipping >= 0.0) {
+            return Err(invalid("gradient_clipping", self.gradient_clipping, "must be >= 0 (0 disables clipping)"));
+        }
+        if !(self.gradient_predivide_factor > 0.0) {
+            return Err(invalid("gradient_predivide_factor", self.gradient_predivide_factor, "must be > 0"));
+        }
+        if !(self.comms_timeout > 0.0) {
+            return Err(invalid("comms_timeout", self.comms_timeout, "must be > 0 seconds"));
+        }
+        if self.steps_per_print == Some(0) {
+            return Err(invalid("steps_per_print", 0.0, "must be >= 1 (leave it out for no periodic log)"));
+        }
+        Ok(())
+    }
+
+    /// The batch keys as given.
+    pub fn batch_input(&self) -> BatchInput {
+        BatchInput {
+            train_batch_size: self.train_batch_size,
+            train_micro_batch_size_per_gpu: self.train_micro_batch_size_per_gpu,
+            gradient_accumulation_steps: self.gradient_accumulation_steps,
+        }
+    }
+
+    /// The batch sizes for `world_size` data-parallel ranks.
+    pub fn batch_sizes(&self, world_size: usize) -> Result<BatchSizes> {
+        self.batch_input().resolve(world_size as u64)
+    }
+
+    /// A copy with the batch values inferred for `world_size`: the fully resolved config.
+    pub fn resolve(&self, world_size: usize) -> Result<Config> {
+        let b = self.batch_sizes(world_size)?;
+        Ok(Config {
+            train_batch_size: Some(b.train_batch_size),
+            train_micro_batch_size_per_gpu: Some(b.train_micro_batch_size_per_gpu),
+            gradient_accumulation_steps: Some(b.gradient_accumulation_steps),
+            ..self.clone()
+        })
+    }
+
+    pub fn stage(&self) -> u8 {
+        self.zero_optimization.stage
+    }
+
+    pub fn precision(&self) -> Precision {
+        if self.fp16.enabled {
+            Precision::Fp16
+        } else if self.bf16.enabled {
+            Precision::Bf16
+        } else {
+            Precision::Fp32
+        }
+    }
+
+    /// The config as JSON with DeepSpeed's key names; it reads back to an equal `Config`.
+    pub fn to_value(&self) -> Value {
+        serde_json::to_value(self).expect("config serializes")
+    }
+}
+
+impl std::str::FromStr for Config {
+    type Err = ConfigError;
+    fn from_str(s: &str) -> Result<Config> {
+        Config::from_json_str(s)
+    }
+}

@@ -1,0 +1,23 @@
+//! One module per subcommand; each returns a typed error that `main` renders once.
+pub mod config;
+
+/// An error of any subcommand, rendered once by `main`.
+#[derive(Debug, thiserror::Error)]
+pub enum CliError {
+    #[error(transparent)]
+    Config(#[from] zerorun::ConfigError),
+    #[error("{0}")]
+    Usage(String),
+    #[error("{context}: {source}")]
+    Io { context: String, source: std::io::Error },
+}
+
+/// Writes command output to stdout; a closed pipe (`zerorun ... | head`) ends the output quietly.
+pub fn emit(text: &str) -> Result<(), CliError> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|_| out.write_all(b"\n")).and_then(|_| out.flush()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(CliError::Io { context: "writing to stdout".into(), source: e }),
+        _ => Ok(()),
+    }
+}

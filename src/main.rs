@@ -1,0 +1,40 @@
+//! The `zerorun` command line: config, estimate, launch, bench, consolidate.
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+mod cli;
+
+#[derive(Parser)]
+#[command(name = "zerorun", version, about = "ZeRO-style memory-sharding training runtime for tch training loops")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Inspect ds_config.json files.
+    #[command(subcommand)]
+    Config(cli::config::ConfigCommand),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    // Logs (warnings about ignored keys, progress) go to stderr; stdout carries the command's output.
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
+        .with_target(false)
+        .init();
+    let result = match cli.command {
+        Command::Config(c) => cli::config::run(c),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
