@@ -1,1 +1,54 @@
-//! zerorun-optim
+//! zerorun-optim: optimizers on flat fp32 shards, LR schedules, loss scaling and norms.
+//!
+//! Knows nothing of tensors or ranks: an optimizer steps a `&mut [f32]` shard with gradients given as f32, bf16 or
+//! f16 slices, optionally writing the updated parameters to a 16-bit copy in the same pass. Every element's math is
+//! independent of every other's, so results are bitwise the same whatever the thread count or vector width.
+mod adagrad;
+mod adam;
+mod dispatch;
+mod lamb;
+mod lion;
+pub mod loss_scale;
+pub mod norm;
+pub mod schedule;
+mod sgd;
+mod shard;
+mod state;
+
+pub use adagrad::{Adagrad, AdagradConfig};
+pub use adam::{Adam, AdamConfig};
+pub use dispatch::{simd_level, SimdLevel};
+pub use lamb::{Lamb, LambConfig};
+pub use lion::{Lion, LionConfig};
+pub use loss_scale::{LossScaler, LossScalerConfig, LossScalerState};
+pub use sgd::{Sgd, SgdConfig};
+pub use shard::{Grads, Group, ParamsOut};
+pub use state::OptimizerState;
+
+/// Errors of this crate: wrong shapes of the inputs of a step, state that does not fit, loss scale at its floor.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum OptimError {
+    #[error("{what} has {got} elements, expected {expected}")]
+    Length { what: &'static str, got: usize, expected: usize },
+    #[error("parameter group {index} covers {start}..{end}, outside the shard of {len} elements")]
+    GroupRange { index: usize, start: usize, end: usize, len: usize },
+    #[error("parameter groups {first:?} and {second:?} overlap")]
+    GroupOverlap { first: std::ops::Range<usize>, second: std::ops::Range<usize> },
+    #[error("optimizer state has no buffer `{name}`")]
+    MissingState { name: String },
+    #[error("current loss scale {scale} is already at the minimum ({min}) and gradients still overflow")]
+    LossScaleAtMinimum { scale: f64, min: f64 },
+}
+
+pub type Result<T> = std::result::Result<T, OptimError>;
+
+/// An optimizer over one flat fp32 shard. `step` advances the step count by one.
+pub trait Optimizer: Send {
+    fn name(&self) -> &'static str;
+    /// Updates `params` in place from `grads`, group by group (each group has its own lr and weight decay), and
+    /// writes the updated values to `out` when given (the 16-bit model copy).
+    fn step(&mut self, params: &mut [f32], grads: Grads<'_>, groups: &[Group], out: Option<ParamsOut<'_>>) -> Result<()>;
+    /// The state as plain data (for checkpoints and resharding).
+    fn state(&self) -> &OptimizerState;
+    fn state_mut(&mut self) -> &mut OptimizerState;
+}

@@ -152,7 +152,7 @@ impl Config {
         let default_lr = optimizer.as_ref().map_or(1e-3, OptimizerConfig::lr);
         let scheduler = match s.take("scheduler") {
             None => None,
-            Some(v) => Some(SchedulerConfig::read(Section::new("scheduler", v)?, default_lr)?),
+            Some(v) => Some(scheduler::read_scheduler(Section::new("scheduler", v)?, default_lr)?),
         };
         let fp16 = Fp16Config::read(s.section("fp16")?)?;
         let bf16 = match s.take_aliased(&["bf16", "bfloat16"])? {

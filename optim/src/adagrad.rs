@@ -1,0 +1,62 @@
+//! Adagrad, as torch.optim.Adagrad computes it (lr_decay, initial accumulator, weight decay).
+use crate::dispatch::for_each_chunk;
+use crate::shard::{check, Grads, Group, ParamsOut};
+use crate::{Optimizer, OptimizerState, Result};
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct AdagradConfig {
+    pub eps: f32,
+    pub lr_decay: f32,
+    pub initial_accumulator_value: f32,
+}
+
+impl Default for AdagradConfig {
+    fn default() -> Self {
+        AdagradConfig { eps: 1e-10, lr_decay: 0.0, initial_accumulator_value: 0.0 }
+    }
+}
+
+/// Adagrad over one flat shard: `sum` of squared gradients.
+pub struct Adagrad {
+    pub config: AdagradConfig,
+    state: OptimizerState,
+}
+
+impl Adagrad {
+    pub fn new(config: AdagradConfig, len: usize) -> Self {
+        Adagrad { state: OptimizerState::new(&["sum"], len, config.initial_accumulator_value), config }
+    }
+}
+
+impl Optimizer for Adagrad {
+    fn name(&self) -> &'static str {
+        "Adagrad"
+    }
+
+    fn step(&mut self, params: &mut [f32], grads: Grads<'_>, groups: &[Group], out: Option<ParamsOut<'_>>) -> Result<()> {
+        check(params.len(), &grads, groups, out.as_ref())?;
+        self.state.step += 1;
+        let t = self.state.step;
+        let eps = self.config.eps;
+        let clrs: Vec<f32> = groups.iter().map(|g| (g.lr as f64 / (1.0 + (t - 1) as f64 * self.config.lr_decay as f64)) as f32).collect();
+        let [sum] = self.state.split::<1>();
+        for_each_chunk(params, grads, groups, [sum], out, |gi, p, g, [sum]| {
+            let (clr, wd) = (clrs[gi], groups[gi].weight_decay);
+            for ((p, g), s) in p.iter_mut().zip(g).zip(sum.iter_mut()) {
+                let d = g + wd * *p;
+                *s += d * d;
+                let std = s.sqrt() + eps;
+                *p -= clr * (d / std);
+            }
+        });
+        Ok(())
+    }
+
+    fn state(&self) -> &OptimizerState {
+        &self.state
+    }
+
+    fn state_mut(&mut self) -> &mut OptimizerState {
+        &mut self.state
+    }
+}

@@ -1,0 +1,138 @@
+//! Adam and AdamW, as torch.optim.AdamW computes them (and DeepSpeedCPUAdam, with its `adam_w_mode`).
+use crate::dispatch::for_each_chunk;
+use crate::shard::{check, Grads, Group, ParamsOut};
+use crate::{Optimizer, OptimizerState, Result};
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct AdamConfig {
+    pub betas: (f32, f32),
+    pub eps: f32,
+    pub bias_correction: bool,
+    pub amsgrad: bool,
+    /// true: decoupled weight decay (AdamW); false: L2 penalty added to the gradient (classic Adam).
+    pub adam_w_mode: bool,
+}
+
+impl Default for AdamConfig {
+    fn default() -> Self {
+        AdamConfig { betas: (0.9, 0.999), eps: 1e-8, bias_correction: true, amsgrad: false, adam_w_mode: true }
+    }
+}
+
+/// Adam over one flat shard: `exp_avg`, `exp_avg_sq` (and `max_exp_avg_sq` with amsgrad).
+pub struct Adam {
+    pub config: AdamConfig,
+    state: OptimizerState,
+}
+
+impl Adam {
+    pub fn new(config: AdamConfig, len: usize) -> Self {
+        let names: &[&str] = if config.amsgrad { &["exp_avg", "exp_avg_sq", "max_exp_avg_sq"] } else { &["exp_avg", "exp_avg_sq"] };
+        Adam { state: OptimizerState::new(names, len, 0.0), config }
+    }
+}
+
+/// Per-step constants of one group, computed once in f64 and rounded to f32.
+#[derive(Clone, Copy)]
+struct Consts {
+    one_minus_beta1: f32,
+    beta2: f32,
+    one_minus_beta2: f32,
+    step_size: f32,
+    bias_correction2_sqrt: f32,
+    eps: f32,
+    decay: f32,
+    l2: f32,
+}
+
+impl Adam {
+    fn consts(&self, t: u64, g: &Group) -> Consts {
+        let (b1, b2) = (self.config.betas.0 as f64, self.config.betas.1 as f64);
+        let (bc1, bc2) = if self.config.bias_correction { (1.0 - b1.powi(t as i32), 1.0 - b2.powi(t as i32)) } else { (1.0, 1.0) };
+        let (lr, wd) = (g.lr as f64, g.weight_decay as f64);
+        Consts {
+            one_minus_beta1: (1.0 - b1) as f32,
+            beta2: b2 as f32,
+            one_minus_beta2: (1.0 - b2) as f32,
+            step_size: (lr / bc1) as f32,
+            bias_correction2_sqrt: bc2.sqrt() as f32,
+            eps: self.config.eps,
+            decay: if self.config.adam_w_mode { (1.0 - lr * wd) as f32 } else { 1.0 },
+            l2: if self.config.adam_w_mode { 0.0 } else { wd as f32 },
+        }
+    }
+}
+
+impl Optimizer for Adam {
+    fn name(&self) -> &'static str {
+        if self.config.adam_w_mode {
+            "AdamW"
+        } else {
+            "Adam"
+        }
+    }
+
+    fn step(&mut self, params: &mut [f32], grads: Grads<'_>, groups: &[Group], out: Option<ParamsOut<'_>>) -> Result<()> {
+        check(params.len(), &grads, groups, out.as_ref())?;
+        for (_, b) in &self.state.buffers {
+            if b.len() != params.len() {
+                return Err(crate::OptimError::Length { what: "optimizer state", got: b.len(), expected: params.len() });
+            }
+        }
+        self.state.step += 1;
+        let t = self.state.step;
+        let consts: Vec<Consts> = groups.iter().map(|g| self.consts(t, g)).collect();
+        if self.config.amsgrad {
+            let [m, v, vmax] = self.state.split::<3>();
+            for_each_chunk(params, grads, groups, [m, v, vmax], out, |gi, p, g, [m, v, vmax]| amsgrad_kernel(&consts[gi], p, g, m, v, vmax));
+        } else {
+            let [m, v] = self.state.split::<2>();
+            for_each_chunk(params, grads, groups, [m, v], out, |gi, p, g, [m, v]| adam_kernel(&consts[gi], p, g, m, v));
+        }
+        Ok(())
+    }
+
+    fn state(&self) -> &OptimizerState {
+        &self.state
+    }
+
+    fn state_mut(&mut self) -> &mut OptimizerState {
+        &mut self.state
+    }
+}
+
+// torch: param.mul_(1 - lr*wd); exp_avg.lerp_(grad, 1-beta1); exp_avg_sq.mul_(beta2).addcmul_(grad, grad, 1-beta2);
+// denom = exp_avg_sq.sqrt() / bias_correction2_sqrt + eps; param.addcdiv_(exp_avg, denom, -step_size).
+#[inline(always)]
+fn adam_kernel(c: &Consts, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
+    let n = p.len();
+    let (p, g, m, v) = (&mut p[..n], &g[..n], &mut m[..n], &mut v[..n]);
+    for i in 0..n {
+        let grad = g[i] + c.l2 * p[i];
+        let pi = p[i] * c.decay;
+        let mi = m[i] + c.one_minus_beta1 * (grad - m[i]);
+        let vi = c.beta2 * v[i] + c.one_minus_beta2 * grad * grad;
+        let denom = vi.sqrt() / c.bias_correction2_sqrt + c.eps;
+        m[i] = mi;
+        v[i] = vi;
+        p[i] = pi - c.step_size * (mi / denom);
+    }
+}
+
+#[inline(always)]
+fn amsgrad_kernel(c: &Consts, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], vmax: &mut [f32]) {
+    let n = p.len();
+    let (p, g, m, v, vmax) = (&mut p[..n], &g[..n], &mut m[..n], &mut v[..n], &mut vmax[..n]);
+    for i in 0..n {
+        let grad = g[i] + c.l2 * p[i];
+        let pi = p[i] * c.decay;
+        let mi = m[i] + c.one_minus_beta1 * (grad - m[i]);
+        let vi = c.beta2 * v[i] + c.one_minus_beta2 * grad * grad;
+        let vm = vmax[i].max(vi);
+        let denom = vm.sqrt() / c.bias_correction2_sqrt + c.eps;
+        m[i] = mi;
+        v[i] = vi;
+        vmax[i] = vm;
+        p[i] = pi - c.step_size * (mi / denom);
+    }
+}

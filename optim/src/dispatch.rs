@@ -1,0 +1,171 @@
+//! Runtime CPU feature detection and the parallel tile loop every optimizer shares.
+//!
+//! Kernels are plain element-wise Rust loops written so LLVM vectorizes them; running them inside a
+//! `#[target_feature]` function lets LLVM use AVX-512 or AVX2 when the CPU has them (detected once at run time).
+//! No fused multiply-add is written or allowed to form (Rust does not contract `a * b + c`), and vector sqrt and
+//! division are exact, so every level gives bitwise the same results.
+use std::ops::Range;
+use std::sync::OnceLock;
+
+use rayon::prelude::*;
+
+use crate::shard::{Grads, Group, ParamsOut};
+
+/// The vector instruction set the kernels run with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SimdLevel {
+    Avx512,
+    Avx2,
+    Neon,
+    Scalar,
+}
+
+/// Detected once; `ZERORUN_SIMD=scalar|avx2|avx512` lowers it (for tests and benchmarks), never raises it.
+pub fn simd_level() -> SimdLevel {
+    static LEVEL: OnceLock<SimdLevel> = OnceLock::new();
+    *LEVEL.get_or_init(|| {
+        let detected = detect();
+        let wanted = match std::env::var("ZERORUN_SIMD").as_deref() {
+            Ok("scalar") => SimdLevel::Scalar,
+            Ok("avx2") if detected == SimdLevel::Avx512 => SimdLevel::Avx2,
+            _ => detected,
+        };
+        wanted
+    })
+}
+
+#[cfg(target_arch = "x86_64")]
+fn detect() -> SimdLevel {
+    if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512vl") && is_x86_feature_detected!("avx512bw") {
+        SimdLevel::Avx512
+    } else if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+        SimdLevel::Avx2
+    } else {
+        SimdLevel::Scalar
+    }
+}
+
+#[cfg(target_arch = "aarch64")]
+fn detect() -> SimdLevel {
+    SimdLevel::Neon
+}
+
+#[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+fn detect() -> SimdLevel {
+    SimdLevel::Scalar
+}
+
+/// Runs `f` compiled for the detected instruction set (`f` is inlined into the feature-enabled function).
+#[inline(always)]
+pub(crate) fn vectorized<R>(f: impl FnOnce() -> R) -> R {
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx512f,avx512vl,avx512bw,avx2,fma,f16c")]
+        unsafe fn avx512<R>(f: impl FnOnce() -> R) -> R {
+            f()
+        }
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn avx2<R>(f: impl FnOnce() -> R) -> R {
+            f()
+        }
+        match simd_level() {
+            // SAFETY: the level was detected on this CPU (or lowered by the user).
+            SimdLevel::Avx512 => unsafe { avx512(f) },
+            SimdLevel::Avx2 => unsafe { avx2(f) },
+            _ => f(),
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        f()
+    }
+}
+
+/// Elements per parallel tile: 16 Ki f32 = 64 KiB per array, so a tile's arrays stay in L2.
+pub(crate) const TILE: usize = 16 * 1024;
+/// Elements staged at once when gradients arrive in 16 bits.
+pub(crate) const STAGE: usize = 1024;
+
+/// A mutable buffer shared by tiles that touch disjoint element ranges.
+pub(crate) struct Disjoint<T> {
+    ptr: *mut T,
+    len: usize,
+}
+impl<T> Clone for Disjoint<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for Disjoint<T> {}
+// SAFETY: tiles take disjoint ranges only (see `for_each_chunk`).
+unsafe impl<T: Send> Send for Disjoint<T> {}
+unsafe impl<T: Send> Sync for Disjoint<T> {}
+
+impl<T> Disjoint<T> {
+    pub fn new(buf: &mut [T]) -> Self {
+        Disjoint { ptr: buf.as_mut_ptr(), len: buf.len() }
+    }
+
+    /// SAFETY: callers take each element range at most once at a time.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn range<'a>(self, r: Range<usize>) -> &'a mut [T] {
+        assert!(r.start <= r.end && r.end <= self.len);
+        std::slice::from_raw_parts_mut(self.ptr.add(r.start), r.len())
+    }
+}
+
+enum Out {
+    Bf16(Disjoint<half::bf16>),
+    F16(Disjoint<half::f16>),
+}
+
+/// Splits every group into tiles and runs them in parallel. For each chunk of at most `STAGE` elements the
+/// kernel gets the group's index, the params of the chunk, its gradients as f32, and the states sliced to it;
+/// afterwards the chunk's updated params are written to `out`.
+pub(crate) fn for_each_chunk<const S: usize>(
+    params: &mut [f32],
+    grads: Grads<'_>,
+    groups: &[Group],
+    states: [&mut [f32]; S],
+    out: Option<ParamsOut<'_>>,
+    kernel: impl Fn(usize, &mut [f32], &[f32], [&mut [f32]; S]) + Sync,
+) {
+    let p = Disjoint::new(params);
+    let st: [Disjoint<f32>; S] = states.map(|s| Disjoint::new(s));
+    let out = out.map(|o| match o {
+        ParamsOut::Bf16(o) => Out::Bf16(Disjoint::new(o)),
+        ParamsOut::F16(o) => Out::F16(Disjoint::new(o)),
+    });
+    let tiles: Vec<(usize, Range<usize>)> = groups
+        .iter()
+        .enumerate()
+        .flat_map(|(gi, g)| (g.range.start..g.range.end).step_by(TILE).map(move |s| (gi, s..(s + TILE).min(g.range.end))))
+        .collect();
+    tiles.par_iter().for_each(|(gi, tile)| {
+        vectorized(|| {
+            let mut staged = [0f32; STAGE];
+            for start in tile.clone().step_by(STAGE) {
+                let r = start..(start + STAGE).min(tile.end);
+                let g = &mut staged[..r.len()];
+                grads.load(r.clone(), g);
+                // SAFETY: tiles are disjoint ranges of the shard (groups do not overlap), and so are the chunks
+                // within a tile; every buffer has the shard's length (checked by the caller).
+                let (pr, sr) = unsafe { (p.range(r.clone()), st.map(|s| s.range(r.clone()))) };
+                kernel(*gi, pr, g, sr);
+                match &out {
+                    Some(Out::Bf16(o)) => {
+                        let o = unsafe { o.range(r.clone()) };
+                        for (d, s) in o.iter_mut().zip(pr.iter()) {
+                            *d = half::bf16::from_f32(*s);
+                        }
+                    }
+                    Some(Out::F16(o)) => {
+                        let o = unsafe { o.range(r.clone()) };
+                        half::slice::HalfFloatSliceExt::convert_from_f32_slice(o, pr);
+                    }
+                    None => {}
+                }
+            }
+        })
+    });
+}

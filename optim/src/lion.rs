@@ -1,0 +1,70 @@
+//! Lion (Chen et al. 2023), as DeepSpeed's CPU Lion computes it: sign of an interpolated momentum.
+use crate::dispatch::for_each_chunk;
+use crate::shard::{check, Grads, Group, ParamsOut};
+use crate::{Optimizer, OptimizerState, Result};
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct LionConfig {
+    pub betas: (f32, f32),
+}
+
+impl Default for LionConfig {
+    fn default() -> Self {
+        LionConfig { betas: (0.9, 0.99) }
+    }
+}
+
+/// Lion over one flat shard: `exp_avg`.
+pub struct Lion {
+    pub config: LionConfig,
+    state: OptimizerState,
+}
+
+impl Lion {
+    pub fn new(config: LionConfig, len: usize) -> Self {
+        Lion { state: OptimizerState::new(&["exp_avg"], len, 0.0), config }
+    }
+}
+
+/// torch.sign: -1, 0 or 1 (0 stays 0).
+#[inline(always)]
+fn sign(x: f32) -> f32 {
+    if x > 0.0 {
+        1.0
+    } else if x < 0.0 {
+        -1.0
+    } else {
+        0.0
+    }
+}
+
+impl Optimizer for Lion {
+    fn name(&self) -> &'static str {
+        "Lion"
+    }
+
+    fn step(&mut self, params: &mut [f32], grads: Grads<'_>, groups: &[Group], out: Option<ParamsOut<'_>>) -> Result<()> {
+        check(params.len(), &grads, groups, out.as_ref())?;
+        self.state.step += 1;
+        let (b1, b2) = self.config.betas;
+        let [m] = self.state.split::<1>();
+        for_each_chunk(params, grads, groups, [m], out, |gi, p, g, [m]| {
+            let (lr, wd) = (groups[gi].lr, groups[gi].weight_decay);
+            let decay = 1.0 - lr * wd;
+            for ((p, g), m) in p.iter_mut().zip(g).zip(m.iter_mut()) {
+                let c = b1 * *m + (1.0 - b1) * g;
+                *p = *p * decay - lr * sign(c);
+                *m = b2 * *m + (1.0 - b2) * g;
+            }
+        });
+        Ok(())
+    }
+
+    fn state(&self) -> &OptimizerState {
+        &self.state
+    }
+
+    fn state_mut(&mut self) -> &mut OptimizerState {
+        &mut self.state
+    }
+}

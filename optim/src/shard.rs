@@ -1,0 +1,110 @@
+//! The inputs of a step: gradients in any of the three float dtypes, parameter groups, the 16-bit output copy.
+use std::ops::Range;
+
+use half::{bf16, f16};
+
+use crate::{OptimError, Result};
+
+/// Gradients of a shard, in the dtype the engine reduced them in.
+#[derive(Clone, Copy)]
+pub enum Grads<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [bf16]),
+    F16(&'a [f16]),
+}
+
+/// Where updated parameters are copied in 16 bits (the model's weights under mixed precision).
+pub enum ParamsOut<'a> {
+    Bf16(&'a mut [bf16]),
+    F16(&'a mut [f16]),
+}
+
+/// A parameter group: an element range of the shard and its hyper-parameters.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Group {
+    pub range: Range<usize>,
+    pub lr: f32,
+    pub weight_decay: f32,
+}
+
+impl Group {
+    /// One group over a whole shard.
+    pub fn whole(len: usize, lr: f32, weight_decay: f32) -> Vec<Group> {
+        vec![Group { range: 0..len, lr, weight_decay }]
+    }
+}
+
+impl Grads<'_> {
+    pub fn len(&self) -> usize {
+        match self {
+            Grads::F32(g) => g.len(),
+            Grads::Bf16(g) => g.len(),
+            Grads::F16(g) => g.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Bytes per element, for bandwidth accounting.
+    pub fn elem_bytes(&self) -> usize {
+        match self {
+            Grads::F32(_) => 4,
+            _ => 2,
+        }
+    }
+
+    /// Writes elements `range` as f32 into `dst` (len = range.len()).
+    #[inline]
+    pub(crate) fn load(&self, range: Range<usize>, dst: &mut [f32]) {
+        match self {
+            Grads::F32(g) => dst.copy_from_slice(&g[range]),
+            Grads::Bf16(g) => {
+                for (d, s) in dst.iter_mut().zip(&g[range]) {
+                    *d = f32::from_bits((s.to_bits() as u32) << 16);
+                }
+            }
+            Grads::F16(g) => half::slice::HalfFloatSliceExt::convert_to_f32_slice(&g[range], dst),
+        }
+    }
+}
+
+impl ParamsOut<'_> {
+    pub fn len(&self) -> usize {
+        match self {
+            ParamsOut::Bf16(o) => o.len(),
+            ParamsOut::F16(o) => o.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Checks the lengths of a step's inputs against the shard.
+pub(crate) fn check(params: usize, grads: &Grads<'_>, groups: &[Group], out: Option<&ParamsOut<'_>>) -> Result<()> {
+    if grads.len() != params {
+        return Err(OptimError::Length { what: "gradient shard", got: grads.len(), expected: params });
+    }
+    if let Some(out) = out {
+        if out.len() != params {
+            return Err(OptimError::Length { what: "16-bit parameter copy", got: out.len(), expected: params });
+        }
+    }
+    for (index, g) in groups.iter().enumerate() {
+        if g.range.start > g.range.end || g.range.end > params {
+            return Err(OptimError::GroupRange { index, start: g.range.start, end: g.range.end, len: params });
+        }
+    }
+    // Tiles of different groups run in parallel on the same buffers: groups must not overlap.
+    let mut order: Vec<&Group> = groups.iter().collect();
+    order.sort_by_key(|g| g.range.start);
+    for pair in order.windows(2) {
+        if pair[1].range.start < pair[0].range.end {
+            return Err(OptimError::GroupOverlap { first: pair[0].range.clone(), second: pair[1].range.clone() });
+        }
+    }
+    Ok(())
+}

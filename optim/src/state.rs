@@ -1,0 +1,50 @@
+//! Optimizer state as plain data: a step count and named fp32 buffers, element-aligned with the shard.
+//! Element range `r` of the shard maps to range `r` of every buffer, so checkpoints can reshard it.
+use serde::{Deserialize, Serialize};
+
+use crate::{OptimError, Result};
+
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct OptimizerState {
+    /// Optimizer steps taken (the `t` of bias correction).
+    pub step: u64,
+    /// Named buffers (`exp_avg`, `exp_avg_sq`, ...), each as long as the shard.
+    pub buffers: Vec<(String, Vec<f32>)>,
+}
+
+impl OptimizerState {
+    pub fn new(names: &[&str], len: usize, init: f32) -> Self {
+        OptimizerState { step: 0, buffers: names.iter().map(|n| (n.to_string(), vec![init; len])).collect() }
+    }
+
+    pub fn get(&self, name: &str) -> Result<&[f32]> {
+        self.buffers.iter().find(|(n, _)| n == name).map(|(_, b)| b.as_slice()).ok_or_else(|| OptimError::MissingState { name: name.into() })
+    }
+
+    pub fn get_mut(&mut self, name: &str) -> Result<&mut Vec<f32>> {
+        self.buffers.iter_mut().find(|(n, _)| n == name).map(|(_, b)| b).ok_or_else(|| OptimError::MissingState { name: name.into() })
+    }
+
+    /// Bytes held by the buffers.
+    pub fn bytes(&self) -> usize {
+        self.buffers.iter().map(|(_, b)| b.len() * 4).sum()
+    }
+
+    /// Replaces the state with `other`, checking that it has the same buffers of the same length.
+    pub fn load(&mut self, other: OptimizerState) -> Result<()> {
+        for (name, buf) in &self.buffers {
+            let theirs = other.get(name)?;
+            if theirs.len() != buf.len() {
+                return Err(OptimError::Length { what: "loaded optimizer state buffer", got: theirs.len(), expected: buf.len() });
+            }
+        }
+        *self = other;
+        Ok(())
+    }
+
+    /// The first `N` buffers, mutably, for a kernel.
+    pub(crate) fn split<const N: usize>(&mut self) -> [&mut [f32]; N] {
+        let mut it = self.buffers.iter_mut().map(|(_, b)| b.as_mut_slice());
+        std::array::from_fn(|_| it.next().expect("state has the kernel's buffers"))
+    }
+}
