@@ -25,7 +25,7 @@ fn required_steps(p: &mut Section, key: &'static str, kind: &str) -> Result<u64>
 }
 
 /// Reads the section; `optimizer_lr` is the default of `warmup_max_lr`.
-pub(crate) fn read_scheduler(mut s: Section, optimizer_lr: f64) -> Result<Self> {
+pub(crate) fn read_scheduler(mut s: Section, optimizer_lr: f64) -> Result<SchedulerConfig> {
     let type_path = s.path_of("type");
     let Some(name) = s.opt_string("type")? else {
         return Err(ConfigError::Missing { path: type_path, when: "when a scheduler section is given".into() });
