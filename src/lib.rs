@@ -1,5 +1,18 @@
 //! zerorun: a ZeRO-style memory-sharding training runtime for tch (libtorch) training loops.
+//!
+//! ```no_run
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! use tch::nn;
+//! let vs = nn::VarStore::new(tch::Device::Cpu);
+//! // ... build the model on vs.root() ...
+//! let config = zerorun::Config::from_file("configs/zero2.json")?;
+//! let comm = zerorun::runtime::comm::threads::group(1, std::time::Duration::from_secs(60)).pop().unwrap();
+//! let mut engine = zerorun::initialize(&vs, config, Box::new(comm))?;
+//! // for each micro-batch: engine.backward(&loss)?; engine.step()?;
+//! # Ok(()) }
+//! ```
 pub use zerorun_offload as offload;
 pub use zerorun_optim as optim;
 pub use zerorun_runtime as runtime;
 pub use zerorun_runtime::config::{self, Config, ConfigError};
+pub use zerorun_runtime::{initialize, Engine, EngineOptions, Error, StepOutcome};

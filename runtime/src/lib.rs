@@ -1,6 +1,18 @@
 //! zerorun-runtime: everything that knows about ranks and tensors.
 //!
 //! - [`config`]: ds_config.json, parsed and validated.
+//! - [`comm`]: collectives behind one trait (threads backend).
+//! - [`engine`]: the ZeRO engine (stages 0-2) over a tch `VarStore`.
+pub mod comm;
 pub mod config;
+pub mod engine;
+mod error;
 
 pub use config::{Config, ConfigError};
+pub use engine::{Engine, EngineOptions, StepOutcome};
+pub use error::{Error, Result};
+
+/// Builds the engine for `vs` from `config` on the given communicator (see [`Engine::new`]).
+pub fn initialize(vs: &tch::nn::VarStore, config: Config, comm: Box<dyn comm::Communicator>) -> Result<Engine> {
+    Engine::new(vs, config, comm, EngineOptions::default())
+}

@@ -1,0 +1,192 @@
+//! What both examples share: flags, starting ranks, seeded batches, loading and saving weights.
+#![allow(dead_code)]
+use std::path::PathBuf;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use tch::{nn, Tensor};
+use zerorun::runtime::comm::{threads, Communicator};
+use zerorun::{Config, Engine, StepOutcome};
+
+/// Flags every example takes.
+#[derive(clap::Args, Clone, Debug)]
+pub struct CommonArgs {
+    /// A DeepSpeed-style ds_config.json.
+    #[arg(long)]
+    pub config: PathBuf,
+    /// Optimizer steps to run.
+    #[arg(long, default_value_t = 20)]
+    pub steps: u64,
+    /// Seed of the data, the initial weights and the batch order (never of the world size).
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Initial weights by parameter name (e.g. pretrained), safetensors.
+    #[arg(long)]
+    pub init: Option<PathBuf>,
+    /// Rank 0 writes every parameter, full fp32, here at the end (safetensors).
+    #[arg(long)]
+    pub save_final: Option<PathBuf>,
+    /// Where checkpoints go.
+    #[arg(long)]
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Save a checkpoint every K optimizer steps.
+    #[arg(long)]
+    pub save_every: Option<u64>,
+    /// Continue from CHECKPOINT_DIR/latest.
+    #[arg(long)]
+    pub resume: bool,
+    /// Run this many ranks as threads of this process (the threads backend).
+    #[arg(long, default_value_t = 1)]
+    pub ranks: usize,
+}
+
+impl CommonArgs {
+    /// Refuses flags whose feature is not in this build, rather than ignoring them.
+    pub fn check(&self) -> Result<(), String> {
+        if self.checkpoint_dir.is_some() || self.save_every.is_some() || self.resume {
+            return Err("--checkpoint-dir, --save-every and --resume need sharded checkpoints, which this build does not have yet".into());
+        }
+        if self.ranks == 0 {
+            return Err("--ranks must be >= 1".into());
+        }
+        if std::env::var("WORLD_SIZE").is_ok_and(|w| w != "1") {
+            return Err("WORLD_SIZE is set, but this build runs ranks as threads only; use --ranks N".into());
+        }
+        Ok(())
+    }
+}
+
+/// splitmix64: a small, seedable generator so batches depend only on (seed, step).
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64, stream: u64) -> Self {
+        Rng(seed ^ stream.wrapping_mul(0x9E37_79B9_7F4A_7C15))
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n
+    }
+}
+
+/// Which samples of a global batch of `train` samples this rank's micro-batch `micro_index` holds.
+pub fn micro_batch_range(rank: usize, world: usize, micro_index: u64, micro: u64) -> std::ops::Range<usize> {
+    let first = (micro_index as usize * world + rank) * micro as usize;
+    first..first + micro as usize
+}
+
+/// Model construction draws from libtorch's global generator: one rank at a time, from the seed, so the
+/// initial weights never depend on how many ranks run.
+static INIT: Mutex<()> = Mutex::new(());
+
+pub fn build_model<M>(seed: u64, init: Option<&PathBuf>, f: impl FnOnce(&nn::VarStore) -> M) -> Result<(nn::VarStore, M), String> {
+    let _guard = INIT.lock().unwrap_or_else(|p| p.into_inner());
+    tch::manual_seed(seed as i64);
+    let mut vs = nn::VarStore::new(tch::Device::Cpu);
+    let model = f(&vs);
+    if let Some(path) = init {
+        vs.load(path).map_err(|e| format!("--init {}: {e}", path.display()))?;
+    }
+    let _ = &mut vs;
+    Ok((vs, model))
+}
+
+/// Runs `train(rank, comm)` on `ranks` threads and returns rank 0's result; the first failing rank's error wins.
+pub fn run_ranks<T: Send>(ranks: usize, timeout: Duration, train: impl Fn(Box<dyn Communicator>) -> Result<T, String> + Sync) -> Result<T, String> {
+    let comms = threads::group(ranks, timeout);
+    let results: Vec<Result<T, String>> = std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .map(|c| {
+                let train = &train;
+                s.spawn(move || {
+                    let rank = c.rank();
+                    train(Box::new(c)).map_err(|e| format!("rank {rank}: {e}"))
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("a rank panicked".into()))).collect()
+    });
+    let mut first = None;
+    let mut out = None;
+    for (rank, r) in results.into_iter().enumerate() {
+        match r {
+            Ok(v) if rank == 0 => out = Some(v),
+            Ok(_) => {}
+            Err(e) => {
+                first.get_or_insert(e);
+            }
+        }
+    }
+    match (first, out) {
+        (Some(e), _) => Err(e),
+        (None, Some(v)) => Ok(v),
+        (None, None) => Err("rank 0 returned nothing".into()),
+    }
+}
+
+/// Per-step timing and the lines rank 0 prints.
+pub struct Progress {
+    times: Vec<f64>,
+    started: Instant,
+    pub last_loss: f64,
+    pub first_loss: Option<f64>,
+}
+
+impl Progress {
+    pub fn new() -> Self {
+        Progress { times: Vec::new(), started: Instant::now(), last_loss: f64::NAN, first_loss: None }
+    }
+
+    pub fn record(&mut self, engine: &Engine, outcome: StepOutcome) {
+        if let StepOutcome::Stepped { step, loss, .. } = outcome {
+            self.times.push(self.started.elapsed().as_secs_f64());
+            self.started = Instant::now();
+            self.last_loss = loss;
+            self.first_loss.get_or_insert(loss);
+            if engine.rank() == 0 {
+                println!("step {step} loss {loss:.6}");
+            }
+        }
+    }
+
+    /// Median optimizer-step time after the first two steps (warm-up).
+    pub fn median_step_s(&self) -> f64 {
+        let mut t: Vec<f64> = self.times.iter().skip(2).copied().collect();
+        if t.is_empty() {
+            t = self.times.clone();
+        }
+        t.sort_by(f64::total_cmp);
+        t.get(t.len() / 2).copied().unwrap_or(0.0)
+    }
+}
+
+/// Rank 0 writes every parameter, full fp32, by name.
+pub fn save_final(engine: &Engine, path: &PathBuf) -> Result<(), String> {
+    if engine.rank() != 0 {
+        return Ok(());
+    }
+    let params = engine.full_parameters();
+    Tensor::write_safetensors(&params, path).map_err(|e| format!("--save-final {}: {e}", path.display()))
+}
+
+/// Reads and validates the config; errors name the file.
+pub fn load_config(path: &PathBuf) -> Result<Config, String> {
+    Config::from_file(path).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// libtorch's intra-op threads: the cores shared among the thread ranks.
+pub fn share_cores(ranks: usize) {
+    if std::env::var("OMP_NUM_THREADS").is_err() {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        tch::set_num_threads((cores / ranks).max(1) as i32);
+    }
+}

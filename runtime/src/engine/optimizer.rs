@@ -1,0 +1,51 @@
+//! Builds the zerorun-optim optimizer and LR schedule named by the config.
+use zerorun_optim::schedule::LrScheduler;
+use zerorun_optim::{Adagrad, AdagradConfig, Adam, AdamConfig, Lamb, LambConfig, Lion, LionConfig, Optimizer, Sgd, SgdConfig};
+
+use crate::config::{Config, OptimizerConfig};
+
+/// The optimizer for a shard of `len` elements, its base lr and weight decay. No optimizer section: AdamW with
+/// DeepSpeed's defaults.
+pub fn build(config: &Config, len: usize) -> (Box<dyn Optimizer>, f64, f64) {
+    let default = OptimizerConfig::AdamW(crate::config::AdamParams {
+        lr: 1e-3,
+        betas: [0.9, 0.999],
+        eps: 1e-8,
+        weight_decay: 0.0,
+        bias_correction: true,
+        amsgrad: false,
+        adam_w_mode: true,
+        torch_adam: false,
+    });
+    let f = |x: f64| x as f32;
+    match config.optimizer.as_ref().unwrap_or(&default) {
+        OptimizerConfig::Adam(p) | OptimizerConfig::AdamW(p) => {
+            let c = AdamConfig { betas: (f(p.betas[0]), f(p.betas[1])), eps: f(p.eps), bias_correction: p.bias_correction, amsgrad: p.amsgrad, adam_w_mode: p.adam_w_mode };
+            (Box::new(Adam::new(c, len)), p.lr, p.weight_decay)
+        }
+        OptimizerConfig::Adagrad(p) => {
+            let c = AdagradConfig { eps: f(p.eps), lr_decay: f(p.lr_decay), initial_accumulator_value: f(p.initial_accumulator_value) };
+            (Box::new(Adagrad::new(c, len)), p.lr, p.weight_decay)
+        }
+        OptimizerConfig::Lamb(p) => {
+            let c = LambConfig {
+                betas: (f(p.betas[0]), f(p.betas[1])),
+                eps: f(p.eps),
+                bias_correction: p.bias_correction,
+                eps_inside_sqrt: p.eps_inside_sqrt,
+                max_coeff: f(p.max_coeff),
+                min_coeff: f(p.min_coeff),
+            };
+            (Box::new(Lamb::new(c, len)), p.lr, p.weight_decay)
+        }
+        OptimizerConfig::Lion(p) => (Box::new(Lion::new(LionConfig { betas: (f(p.betas[0]), f(p.betas[1])) }, len)), p.lr, p.weight_decay),
+        OptimizerConfig::SGD(p) => {
+            let c = SgdConfig { momentum: f(p.momentum), dampening: f(p.dampening), nesterov: p.nesterov };
+            (Box::new(Sgd::new(c, len)), p.lr, p.weight_decay)
+        }
+    }
+}
+
+pub fn scheduler(config: &Config, base_lr: f64) -> Option<LrScheduler> {
+    config.scheduler.clone().map(|s| LrScheduler::new(s, base_lr))
+}

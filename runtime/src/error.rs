@@ -1,0 +1,25 @@
+//! The runtime's error type: every failure a training step can meet, typed, with what the user needs to act.
+use crate::comm::CommError;
+use crate::config::ConfigError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error(transparent)]
+    Comm(#[from] CommError),
+    #[error(transparent)]
+    Optim(#[from] zerorun_optim::OptimError),
+    #[error("libtorch: {0}")]
+    Torch(#[from] tch::TchError),
+    /// A setting this build of the engine does not run yet; names the key.
+    #[error("`{key}` = {value}: {why}")]
+    Unsupported { key: &'static str, value: String, why: &'static str },
+    /// The model handed to the engine cannot be sharded as it is.
+    #[error("parameter `{name}`: {why}")]
+    Parameter { name: String, why: String },
+    #[error("{0}")]
+    Usage(String),
+}
+
+pub type Result<T> = std::result::Result<T, Error>;
