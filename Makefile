@@ -32,8 +32,8 @@ $(VENV)/.torch-$(TORCH_VERSION):
 	@touch -h .libtorch
 
 demo: setup
-	$(CARGO) build --release --bin zerorun --example gpt
-	./target/release/examples/gpt --config configs/zero2.json --ranks 2 --steps 30
+	$(CARGO) build --release --bin zerorun --example gpt --example mlp
+	./target/release/examples/gpt --config configs/zero2.json --ranks 2 --steps 40
 
 test: setup
 	$(CARGO) test --workspace --all-targets

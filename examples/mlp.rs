@@ -1,0 +1,126 @@
+//! An MLP (`layers.0` ... `layers.{L-1}`, exact-erf GELU between layers, none after the last) regressing
+//! synthetic data from a seed, or `--data FILE.safetensors` (tensors `x` and `y`), with mean-squared error.
+//!
+//!     cargo run --release --example mlp -- --config configs/zero1.json --ranks 3 --steps 20
+use std::time::Duration;
+
+use clap::Parser;
+use tch::nn::{self, Module};
+use tch::{Kind, Tensor};
+use zerorun::{Engine, EngineOptions};
+
+#[path = "support/mod.rs"]
+mod support;
+use support::*;
+
+#[derive(Parser, Debug)]
+#[command(about = "Train an MLP on regression data with zerorun")]
+struct Args {
+    #[command(flatten)]
+    common: CommonArgs,
+    #[arg(long = "in", default_value_t = 16)]
+    input: i64,
+    #[arg(long, default_value_t = 32)]
+    hidden: i64,
+    #[arg(long, default_value_t = 3)]
+    layers: i64,
+    #[arg(long, default_value_t = 4)]
+    out: i64,
+    /// Training data: a safetensors file with `x` [N, in] and `y` [N, out] (default: synthetic from --seed).
+    #[arg(long)]
+    data: Option<std::path::PathBuf>,
+}
+
+pub struct Mlp {
+    layers: Vec<nn::Linear>,
+}
+
+impl Mlp {
+    pub fn new(p: nn::Path, input: i64, hidden: i64, layers: i64, out: i64) -> Self {
+        let dims: Vec<i64> = (0..=layers).map(|i| if i == 0 { input } else if i == layers { out } else { hidden }).collect();
+        Mlp { layers: (0..layers as usize).map(|i| nn::linear(&p / "layers" / i, dims[i], dims[i + 1], Default::default())).collect() }
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Tensor {
+        let mut h = x.shallow_clone();
+        for (i, l) in self.layers.iter().enumerate() {
+            h = l.forward(&h);
+            if i + 1 < self.layers.len() {
+                h = h.gelu("none");
+            }
+        }
+        h
+    }
+}
+
+/// Synthetic regression data: x ~ N(0, 1), y = a fixed random linear map of sin(x), from the seed.
+fn synthetic(seed: u64, n: i64, input: i64, out: i64) -> (Tensor, Tensor) {
+    let _g = tch::no_grad_guard();
+    tch::manual_seed(seed as i64 ^ 0x5EED);
+    let x = Tensor::randn([n, input], (Kind::Float, tch::Device::Cpu));
+    let w = Tensor::randn([input, out], (Kind::Float, tch::Device::Cpu)) / (input as f64).sqrt();
+    let y = x.sin().matmul(&w);
+    (x, y)
+}
+
+fn load_data(path: &std::path::Path) -> Result<(Tensor, Tensor), String> {
+    let tensors = Tensor::read_safetensors(path).map_err(|e| format!("--data {}: {e}", path.display()))?;
+    let get = |name: &str| {
+        tensors.iter().find(|(n, _)| n == name).map(|(_, t)| t.to_kind(Kind::Float)).ok_or_else(|| format!("--data {}: no tensor `{name}`", path.display()))
+    };
+    Ok((get("x")?, get("y")?))
+}
+
+fn main() {
+    let args = Args::parse();
+    if let Err(e) = run(&args) {
+        eprintln!("error: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn run(args: &Args) -> Result<(), String> {
+    let a = &args.common;
+    a.check()?;
+    let config = load_config(&a.config)?;
+    let (x, y) = match &args.data {
+        Some(p) => load_data(p)?,
+        None => synthetic(a.seed, 1024, args.input, args.out),
+    };
+    if x.size() != [x.size()[0], args.input] || y.size() != [x.size()[0], args.out] {
+        return Err(format!("data shapes x {:?} and y {:?} do not fit --in {} --out {}", x.size(), y.size(), args.input, args.out));
+    }
+    let samples = x.size()[0] as u64;
+    // Tensors are not Sync: each rank thread rebuilds them from the plain values.
+    let (xv, yv) = (Vec::<f32>::try_from(x.reshape([-1])).map_err(|e| e.to_string())?, Vec::<f32>::try_from(y.reshape([-1])).map_err(|e| e.to_string())?);
+    share_cores(a.ranks);
+    let timeout = Duration::from_secs_f64(config.comms_timeout);
+    let (median, last) = run_ranks(a.ranks, timeout, |comm| {
+        let (vs, model) = build_model(a.seed, a.init.as_ref(), |vs| Mlp::new(vs.root(), args.input, args.hidden, args.layers, args.out))?;
+        let mut engine = Engine::new(&vs, config.clone(), comm, EngineOptions::default()).map_err(|e| e.to_string())?;
+        let x = Tensor::from_slice(&xv).view([samples as i64, args.input]);
+        let y = Tensor::from_slice(&yv).view([samples as i64, args.out]);
+        let b = engine.batch_sizes();
+        let (rank, world) = (engine.rank(), engine.world_size());
+        let mut progress = Progress::new();
+        for step in 0..a.steps {
+            let mut rng = Rng::new(a.seed, step);
+            let order: Vec<i64> = (0..b.train_batch_size).map(|_| rng.below(samples) as i64).collect();
+            for m in 0..b.gradient_accumulation_steps {
+                let idx = Tensor::from_slice(&order[micro_batch_range(rank, world, m, b.train_micro_batch_size_per_gpu)]);
+                let pred = model.forward(&x.index_select(0, &idx));
+                let loss = pred.mse_loss(&y.index_select(0, &idx), tch::Reduction::Mean);
+                engine.backward(&loss).map_err(|e| e.to_string())?;
+                let outcome = engine.step().map_err(|e| e.to_string())?;
+                progress.record(&engine, outcome);
+            }
+        }
+        if let Some(path) = &a.save_final {
+            save_final(&engine, path)?;
+        }
+        Ok((progress.median_step_s(), progress.last_loss))
+    })?;
+    println!("median_step_s {median:.6}");
+    println!("summary: {} ranks (threads), ZeRO stage {}, {} optimizer steps, final loss {last:.6}", a.ranks, config.stage(), a.steps);
+    Ok(())
+}
