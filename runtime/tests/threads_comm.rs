@@ -1,0 +1,128 @@
+//! The threads backend against a straightforward local reference: every op, world sizes 1-4, sizes 0, 1,
+//! non-divisible and large; size mismatches and departed ranks are errors, never hangs.
+use std::time::Duration;
+
+use zerorun_runtime::comm::threads::group;
+use zerorun_runtime::comm::{CommError, Communicator, ReduceOp};
+
+fn input(rank: usize, n: usize) -> Vec<f32> {
+    (0..n).map(|i| ((i * 7 + rank * 13) % 17) as f32 - 8.0 + rank as f32 * 0.25).collect()
+}
+
+fn on_ranks<T: Send>(world: usize, f: impl Fn(&dyn Communicator) -> T + Sync) -> Vec<T> {
+    let comms = group(world, Duration::from_secs(20));
+    std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .into_iter()
+            .map(|c| {
+                let f = &f;
+                s.spawn(move || f(&c))
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+#[test]
+fn all_reduce_matches_the_reference() {
+    for world in 1..=4 {
+        for n in [0usize, 1, 7, 1000, 1 << 20] {
+            for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {
+                let out = on_ranks(world, |c| {
+                    let mut b = input(c.rank(), n);
+                    c.all_reduce(&mut b, op).unwrap();
+                    b
+                });
+                let inputs: Vec<Vec<f32>> = (0..world).map(|r| input(r, n)).collect();
+                let expect: Vec<f32> = (0..n)
+                    .map(|i| {
+                        let vals: Vec<f32> = inputs.iter().map(|x| x[i]).collect();
+                        match op {
+                            ReduceOp::Sum => vals.iter().sum(),
+                            ReduceOp::Avg => vals.iter().sum::<f32>() / world as f32,
+                            ReduceOp::Max => vals.iter().copied().fold(f32::NEG_INFINITY, f32::max),
+                        }
+                    })
+                    .collect();
+                for o in out {
+                    assert_eq!(o, expect, "world {world}, n {n}, {op:?}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn reduce_scatter_all_gather_and_broadcast() {
+    for world in 1..=4 {
+        let part = 5;
+        let n = part * world;
+        let out = on_ranks(world, |c| {
+            let mut shard = vec![0f32; part];
+            c.reduce_scatter(&input(c.rank(), n), &mut shard, ReduceOp::Sum).unwrap();
+            let mut full = vec![-1f32; n];
+            full[c.rank() * part..(c.rank() + 1) * part].copy_from_slice(&shard);
+            c.all_gather_in_place(&mut full).unwrap();
+            let mut b = if c.rank() == world - 1 { vec![42f32; 3] } else { vec![0f32; 3] };
+            c.broadcast(&mut b, world - 1).unwrap();
+            c.barrier().unwrap();
+            (full, b)
+        });
+        let inputs: Vec<Vec<f32>> = (0..world).map(|r| input(r, n)).collect();
+        let sum: Vec<f32> = (0..n).map(|i| inputs.iter().map(|x| x[i]).sum()).collect();
+        for (full, b) in out {
+            assert_eq!(full, sum, "reduce-scatter then all-gather is an all-reduce (world {world})");
+            assert_eq!(b, vec![42f32; 3]);
+        }
+    }
+}
+
+#[test]
+fn size_mismatch_is_an_error_on_every_rank() {
+    let out = on_ranks(3, |c| {
+        let mut b = vec![1f32; 4 + c.rank()];
+        c.all_reduce(&mut b, ReduceOp::Sum).unwrap_err()
+    });
+    for (rank, e) in out.into_iter().enumerate() {
+        assert_eq!(e, CommError::SizeMismatch { op: "all_reduce", rank, sizes: vec![4, 5, 6] });
+    }
+}
+
+#[test]
+fn a_departed_rank_is_named_not_waited_for() {
+    let comms = group(3, Duration::from_secs(30));
+    let start = std::time::Instant::now();
+    let errs: Vec<String> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .into_iter()
+            .map(|c| {
+                s.spawn(move || {
+                    if c.rank() == 1 {
+                        drop(c); // rank 1 dies before the collective
+                        return String::new();
+                    }
+                    let mut b = vec![0f32; 8];
+                    c.all_reduce(&mut b, ReduceOp::Sum).unwrap_err().to_string()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(start.elapsed() < Duration::from_secs(5), "survivors must not wait for the timeout");
+    assert!(errs[0].starts_with("all_reduce on rank 0: rank 1 left the group"), "{}", errs[0]);
+    assert!(errs[2].starts_with("all_reduce on rank 2: rank 1 left the group"), "{}", errs[2]);
+}
+
+#[test]
+fn a_missing_rank_times_out_with_the_op_and_ranks() {
+    let mut comms = group(2, Duration::from_millis(300));
+    let _silent = comms.pop().unwrap();
+    let c = comms.pop().unwrap();
+    match c.barrier().unwrap_err() {
+        CommError::Timeout { op, rank, missing, waited } => {
+            assert_eq!((op, rank, missing), ("barrier", 0, vec![1]));
+            assert!(waited >= Duration::from_millis(300));
+        }
+        other => panic!("{other}"),
+    }
+}
