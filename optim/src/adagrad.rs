@@ -5,9 +5,9 @@ use crate::{Optimizer, OptimizerState, Result};
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct AdagradConfig {
-    pub eps: f32,
-    pub lr_decay: f32,
-    pub initial_accumulator_value: f32,
+    pub eps: f64,
+    pub lr_decay: f64,
+    pub initial_accumulator_value: f64,
 }
 
 impl Default for AdagradConfig {
@@ -24,7 +24,7 @@ pub struct Adagrad {
 
 impl Adagrad {
     pub fn new(config: AdagradConfig, len: usize) -> Self {
-        Adagrad { state: OptimizerState::new(&["sum"], len, config.initial_accumulator_value), config }
+        Adagrad { state: OptimizerState::new(&["sum"], len, config.initial_accumulator_value as f32), config }
     }
 }
 
@@ -37,11 +37,11 @@ impl Optimizer for Adagrad {
         check(params.len(), &grads, groups, out.as_ref())?;
         self.state.step += 1;
         let t = self.state.step;
-        let eps = self.config.eps;
-        let clrs: Vec<f32> = groups.iter().map(|g| (g.lr as f64 / (1.0 + (t - 1) as f64 * self.config.lr_decay as f64)) as f32).collect();
+        let eps = self.config.eps as f32;
+        let clrs: Vec<(f32, f32)> = groups.iter().map(|g| ((g.lr / (1.0 + (t - 1) as f64 * self.config.lr_decay)) as f32, g.weight_decay as f32)).collect();
         let [sum] = self.state.split::<1>();
         for_each_chunk(params, grads, groups, [sum], out, |gi, p, g, [sum]| {
-            let (clr, wd) = (clrs[gi], groups[gi].weight_decay);
+            let (clr, wd) = clrs[gi];
             for ((p, g), s) in p.iter_mut().zip(g).zip(sum.iter_mut()) {
                 let d = g + wd * *p;
                 *s += d * d;

@@ -5,8 +5,8 @@ use crate::{Optimizer, OptimizerState, Result};
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct AdamConfig {
-    pub betas: (f32, f32),
-    pub eps: f32,
+    pub betas: (f64, f64),
+    pub eps: f64,
     pub bias_correction: bool,
     pub amsgrad: bool,
     /// true: decoupled weight decay (AdamW); false: L2 penalty added to the gradient (classic Adam).
@@ -47,16 +47,16 @@ struct Consts {
 
 impl Adam {
     fn consts(&self, t: u64, g: &Group) -> Consts {
-        let (b1, b2) = (self.config.betas.0 as f64, self.config.betas.1 as f64);
+        let (b1, b2) = self.config.betas;
         let (bc1, bc2) = if self.config.bias_correction { (1.0 - b1.powi(t as i32), 1.0 - b2.powi(t as i32)) } else { (1.0, 1.0) };
-        let (lr, wd) = (g.lr as f64, g.weight_decay as f64);
+        let (lr, wd) = (g.lr, g.weight_decay);
         Consts {
             one_minus_beta1: (1.0 - b1) as f32,
             beta2: b2 as f32,
             one_minus_beta2: (1.0 - b2) as f32,
             step_size: (lr / bc1) as f32,
             bias_correction2_sqrt: bc2.sqrt() as f32,
-            eps: self.config.eps,
+            eps: self.config.eps as f32,
             decay: if self.config.adam_w_mode { (1.0 - lr * wd) as f32 } else { 1.0 },
             l2: if self.config.adam_w_mode { 0.0 } else { wd as f32 },
         }

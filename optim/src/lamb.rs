@@ -11,12 +11,12 @@ use crate::{Optimizer, OptimizerState, Result};
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct LambConfig {
-    pub betas: (f32, f32),
-    pub eps: f32,
+    pub betas: (f64, f64),
+    pub eps: f64,
     pub bias_correction: bool,
     pub eps_inside_sqrt: bool,
-    pub max_coeff: f32,
-    pub min_coeff: f32,
+    pub max_coeff: f64,
+    pub min_coeff: f64,
 }
 
 impl Default for LambConfig {
@@ -30,7 +30,7 @@ pub struct Lamb {
     pub config: LambConfig,
     state: OptimizerState,
     /// Trust ratios of the last step, one per group.
-    pub last_coeffs: Vec<f32>,
+    pub last_coeffs: Vec<f64>,
 }
 
 impl Lamb {
@@ -53,11 +53,12 @@ impl Lamb {
         let t = self.state.step as i32;
         let c = self.config.clone();
         let (b1, b2) = c.betas;
-        let (bc1, bc2) = if c.bias_correction { (1.0 - (b1 as f64).powi(t), 1.0 - (b2 as f64).powi(t)) } else { (1.0, 1.0) };
-        let (bc1, bc2) = (bc1 as f32, bc2 as f32);
+        let (bc1, bc2) = if c.bias_correction { (1.0 - b1.powi(t), 1.0 - b2.powi(t)) } else { (1.0, 1.0) };
+        let (bc1, bc2, eps) = (bc1 as f32, bc2 as f32, c.eps as f32);
+        let (c1, k1, c2, k2) = (b1 as f32, (1.0 - b1) as f32, b2 as f32, (1.0 - b2) as f32);
         let update = move |m: f32, v: f32, p: f32, wd: f32| -> f32 {
             let (mh, vh) = (m / bc1, v / bc2);
-            let denom = if c.eps_inside_sqrt { (vh + c.eps).sqrt() } else { vh.sqrt() + c.eps };
+            let denom = if c.eps_inside_sqrt { (vh + eps).sqrt() } else { vh.sqrt() + eps };
             mh / denom + wd * p
         };
         let [m, v] = self.state.split::<2>();
@@ -67,6 +68,7 @@ impl Lamb {
         // order, so the result does not depend on the thread count).
         let mut norms = vec![0f64; groups.len() * 2];
         for (gi, group) in groups.iter().enumerate() {
+            let wd = group.weight_decay as f32;
             let tiles: Vec<_> = (group.range.start..group.range.end).step_by(TILE).map(|s| s..(s + TILE).min(group.range.end)).collect();
             let partial: Vec<(f64, f64)> = tiles
                 .par_iter()
@@ -81,9 +83,9 @@ impl Lamb {
                             // SAFETY: tiles and chunks are disjoint ranges of the shard.
                             let (p, m, v) = unsafe { (pd.range(r.clone()), md.range(r.clone()), vd.range(r.clone())) };
                             for i in 0..g.len() {
-                                m[i] = b1 * m[i] + (1.0 - b1) * g[i];
-                                v[i] = b2 * v[i] + (1.0 - b2) * g[i] * g[i];
-                                let u = update(m[i], v[i], p[i], group.weight_decay);
+                                m[i] = c1 * m[i] + k1 * g[i];
+                                v[i] = c2 * v[i] + k2 * g[i] * g[i];
+                                let u = update(m[i], v[i], p[i], wd);
                                 w2 += (p[i] as f64) * (p[i] as f64);
                                 u2 += (u as f64) * (u as f64);
                             }
@@ -102,7 +104,7 @@ impl Lamb {
             .map(|gi| {
                 let (w, u) = (norms[2 * gi].sqrt(), norms[2 * gi + 1].sqrt());
                 if w > 0.0 && u > 0.0 {
-                    ((w / u) as f32).clamp(c.min_coeff, c.max_coeff)
+                    (w / u).clamp(c.min_coeff, c.max_coeff)
                 } else {
                     1.0
                 }
@@ -113,8 +115,8 @@ impl Lamb {
         let coeffs = &self.last_coeffs;
         let mut out = out;
         for (gi, group) in groups.iter().enumerate() {
-            let step = group.lr * coeffs[gi];
-            let wd = group.weight_decay;
+            let step = (group.lr * coeffs[gi]) as f32;
+            let wd = group.weight_decay as f32;
             let r = group.range.clone();
             // SAFETY: groups are disjoint (checked); one group at a time here.
             let (p, m, v) = unsafe { (pd.range(r.clone()), md.range(r.clone()), vd.range(r.clone())) };

@@ -5,7 +5,7 @@ use crate::{Optimizer, OptimizerState, Result};
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct LionConfig {
-    pub betas: (f32, f32),
+    pub betas: (f64, f64),
 }
 
 impl Default for LionConfig {
@@ -47,14 +47,15 @@ impl Optimizer for Lion {
         check(params.len(), &grads, groups, out.as_ref())?;
         self.state.step += 1;
         let (b1, b2) = self.config.betas;
+        let (c1, k1, c2, k2) = (b1 as f32, (1.0 - b1) as f32, b2 as f32, (1.0 - b2) as f32);
+        let consts: Vec<(f32, f32)> = groups.iter().map(|g| (g.lr as f32, (1.0 - g.lr * g.weight_decay) as f32)).collect();
         let [m] = self.state.split::<1>();
         for_each_chunk(params, grads, groups, [m], out, |gi, p, g, [m]| {
-            let (lr, wd) = (groups[gi].lr, groups[gi].weight_decay);
-            let decay = 1.0 - lr * wd;
+            let (lr, decay) = consts[gi];
             for ((p, g), m) in p.iter_mut().zip(g).zip(m.iter_mut()) {
-                let c = b1 * *m + (1.0 - b1) * g;
+                let c = c1 * *m + k1 * g;
                 *p = *p * decay - lr * sign(c);
-                *m = b2 * *m + (1.0 - b2) * g;
+                *m = c2 * *m + k2 * g;
             }
         });
         Ok(())

@@ -5,8 +5,8 @@ use crate::{Optimizer, OptimizerState, Result};
 
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct SgdConfig {
-    pub momentum: f32,
-    pub dampening: f32,
+    pub momentum: f64,
+    pub dampening: f64,
     pub nesterov: bool,
 }
 
@@ -33,22 +33,25 @@ impl Optimizer for Sgd {
         self.state.step += 1;
         let first = self.state.step == 1;
         let SgdConfig { momentum, dampening, nesterov } = self.config.clone();
+        let (momentum, keep) = (momentum as f32, (1.0 - dampening) as f32);
         if momentum == 0.0 {
+            let consts: Vec<(f32, f32)> = groups.iter().map(|g| (g.lr as f32, g.weight_decay as f32)).collect();
             for_each_chunk(params, grads, groups, [], out, |gi, p, g, []| {
-                let (lr, wd) = (groups[gi].lr, groups[gi].weight_decay);
+                let (lr, wd) = consts[gi];
                 for (p, g) in p.iter_mut().zip(g) {
                     let d = g + wd * *p;
                     *p -= lr * d;
                 }
             });
         } else {
+            let consts: Vec<(f32, f32)> = groups.iter().map(|g| (g.lr as f32, g.weight_decay as f32)).collect();
             let [buf] = self.state.split::<1>();
             for_each_chunk(params, grads, groups, [buf], out, |gi, p, g, [buf]| {
-                let (lr, wd) = (groups[gi].lr, groups[gi].weight_decay);
+                let (lr, wd) = consts[gi];
                 for ((p, g), b) in p.iter_mut().zip(g).zip(buf.iter_mut()) {
                     let d = g + wd * *p;
                     // torch: the buffer starts as a copy of the first gradient.
-                    *b = if first { d } else { momentum * *b + (1.0 - dampening) * d };
+                    *b = if first { d } else { momentum * *b + keep * d };
                     let d = if nesterov { d + momentum * *b } else { *b };
                     *p -= lr * d;
                 }

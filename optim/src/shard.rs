@@ -23,13 +23,14 @@ pub enum ParamsOut<'a> {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Group {
     pub range: Range<usize>,
-    pub lr: f32,
-    pub weight_decay: f32,
+    /// Hyper-parameters are f64, as torch's Python floats: derived constants are computed in f64 and rounded once.
+    pub lr: f64,
+    pub weight_decay: f64,
 }
 
 impl Group {
     /// One group over a whole shard.
-    pub fn whole(len: usize, lr: f32, weight_decay: f32) -> Vec<Group> {
+    pub fn whole(len: usize, lr: f64, weight_decay: f64) -> Vec<Group> {
         vec![Group { range: 0..len, lr, weight_decay }]
     }
 }

@@ -144,7 +144,7 @@ impl Engine {
         let groups = layout
             .decay_runs(optimized.clone())
             .into_iter()
-            .map(|(range, decay)| Group { range, lr: base_lr as f32, weight_decay: if decay { weight_decay as f32 } else { 0.0 } })
+            .map(|(range, decay)| Group { range, lr: base_lr, weight_decay: if decay { weight_decay } else { 0.0 } })
             .collect();
         let scheduler = optimizer::scheduler(&config, base_lr);
         let grad_shard = if z.stage == 0 { Vec::new() } else { vec![0f32; layout.partition_len()] };
@@ -263,7 +263,7 @@ impl Engine {
         }
 
         for g in &mut self.groups {
-            g.lr = lr as f32;
+            g.lr = lr;
         }
         let params = &mut f32_slice(&self.flat_params)[self.optimized.clone()];
         self.optimizer.step(params, Grads::F32(grads), &self.groups, None)?;

@@ -17,30 +17,29 @@ pub fn build(config: &Config, len: usize) -> (Box<dyn Optimizer>, f64, f64) {
         adam_w_mode: true,
         torch_adam: false,
     });
-    let f = |x: f64| x as f32;
     match config.optimizer.as_ref().unwrap_or(&default) {
         OptimizerConfig::Adam(p) | OptimizerConfig::AdamW(p) => {
-            let c = AdamConfig { betas: (f(p.betas[0]), f(p.betas[1])), eps: f(p.eps), bias_correction: p.bias_correction, amsgrad: p.amsgrad, adam_w_mode: p.adam_w_mode };
+            let c = AdamConfig { betas: (p.betas[0], p.betas[1]), eps: p.eps, bias_correction: p.bias_correction, amsgrad: p.amsgrad, adam_w_mode: p.adam_w_mode };
             (Box::new(Adam::new(c, len)), p.lr, p.weight_decay)
         }
         OptimizerConfig::Adagrad(p) => {
-            let c = AdagradConfig { eps: f(p.eps), lr_decay: f(p.lr_decay), initial_accumulator_value: f(p.initial_accumulator_value) };
+            let c = AdagradConfig { eps: p.eps, lr_decay: p.lr_decay, initial_accumulator_value: p.initial_accumulator_value };
             (Box::new(Adagrad::new(c, len)), p.lr, p.weight_decay)
         }
         OptimizerConfig::Lamb(p) => {
             let c = LambConfig {
-                betas: (f(p.betas[0]), f(p.betas[1])),
-                eps: f(p.eps),
+                betas: (p.betas[0], p.betas[1]),
+                eps: p.eps,
                 bias_correction: p.bias_correction,
                 eps_inside_sqrt: p.eps_inside_sqrt,
-                max_coeff: f(p.max_coeff),
-                min_coeff: f(p.min_coeff),
+                max_coeff: p.max_coeff,
+                min_coeff: p.min_coeff,
             };
             (Box::new(Lamb::new(c, len)), p.lr, p.weight_decay)
         }
-        OptimizerConfig::Lion(p) => (Box::new(Lion::new(LionConfig { betas: (f(p.betas[0]), f(p.betas[1])) }, len)), p.lr, p.weight_decay),
+        OptimizerConfig::Lion(p) => (Box::new(Lion::new(LionConfig { betas: (p.betas[0], p.betas[1]) }, len)), p.lr, p.weight_decay),
         OptimizerConfig::SGD(p) => {
-            let c = SgdConfig { momentum: f(p.momentum), dampening: f(p.dampening), nesterov: p.nesterov };
+            let c = SgdConfig { momentum: p.momentum, dampening: p.dampening, nesterov: p.nesterov };
             (Box::new(Sgd::new(c, len)), p.lr, p.weight_decay)
         }
     }
