@@ -17,6 +17,9 @@ enum Command {
     /// Inspect ds_config.json files.
     #[command(subcommand)]
     Config(cli::config::ConfigCommand),
+    /// Benchmarks that report ratios against a reference measured in the same run.
+    #[command(subcommand)]
+    Bench(cli::bench::BenchCommand),
 }
 
 fn main() -> ExitCode {
@@ -29,6 +32,7 @@ fn main() -> ExitCode {
         .init();
     let result = match cli.command {
         Command::Config(c) => cli::config::run(c),
+        Command::Bench(c) => cli::bench::run(c),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -146,8 +146,15 @@ pub(crate) fn for_each_chunk<const S: usize>(
             let mut staged = [0f32; STAGE];
             for start in tile.clone().step_by(STAGE) {
                 let r = start..(start + STAGE).min(tile.end);
-                let g = &mut staged[..r.len()];
-                grads.load(r.clone(), g);
+                // f32 gradients are read in place; 16-bit ones are widened into an L1-resident buffer.
+                let g: &[f32] = match grads {
+                    Grads::F32(g) => &g[r.clone()],
+                    _ => {
+                        let g = &mut staged[..r.len()];
+                        grads.load(r.clone(), g);
+                        g
+                    }
+                };
                 // SAFETY: tiles are disjoint ranges of the shard (groups do not overlap), and so are the chunks
                 // within a tile; every buffer has the shard's length (checked by the caller).
                 let (pr, sr) = unsafe { (p.range(r.clone()), st.map(|s| s.range(r.clone()))) };
@@ -156,7 +163,7 @@ pub(crate) fn for_each_chunk<const S: usize>(
                     Some(Out::Bf16(o)) => {
                         let o = unsafe { o.range(r.clone()) };
                         for (d, s) in o.iter_mut().zip(pr.iter()) {
-                            *d = half::bf16::from_f32(*s);
+                            *d = half::bf16::from_bits(bf16_bits(*s));
                         }
                     }
                     Some(Out::F16(o)) => {
@@ -168,4 +175,18 @@ pub(crate) fn for_each_chunk<const S: usize>(
             }
         })
     });
+}
+
+/// f32 to bf16 bits, rounding to nearest even and quieting NaNs (the same values as `half::bf16::from_f32`),
+/// written without branches so it vectorizes.
+#[inline(always)]
+pub(crate) fn bf16_bits(x: f32) -> u16 {
+    let b = x.to_bits();
+    let rounded = (b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16;
+    let quiet = ((b >> 16) as u16) | 0x0040;
+    if (b & 0x7fff_ffff) > 0x7f80_0000 {
+        quiet
+    } else {
+        rounded
+    }
 }

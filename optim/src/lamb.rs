@@ -129,7 +129,7 @@ impl Lamb {
                 })
             });
             match out.as_mut() {
-                Some(ParamsOut::Bf16(o)) => o[r.clone()].iter_mut().zip(p.iter()).for_each(|(d, s)| *d = half::bf16::from_f32(*s)),
+                Some(ParamsOut::Bf16(o)) => o[r.clone()].iter_mut().zip(p.iter()).for_each(|(d, s)| *d = half::bf16::from_bits(crate::dispatch::bf16_bits(*s))),
                 Some(ParamsOut::F16(o)) => half::slice::HalfFloatSliceExt::convert_from_f32_slice(&mut o[r.clone()], p),
                 None => {}
             }

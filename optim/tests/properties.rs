@@ -219,3 +219,19 @@ fn dynamic_loss_scaling_follows_deepspeed() {
     assert_eq!(fixed.update(true).unwrap(), StepDecision::Skip);
     assert_eq!(fixed.scale(), 128.0);
 }
+
+#[test]
+fn bf16_copy_out_rounds_like_half_including_ties_and_nan() {
+    // Values at, around and between bf16 ties, infinities and NaN go through the optimizer's copy-out.
+    let specials = [0.0f32, -0.0, 1.0, 1.00390625, 1.0078125, 1.005859375, 1.001953125, -3.0e38, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, 1e-40, f32::MAX];
+    let mut p: Vec<f32> = specials.iter().copied().chain((0..5000).map(|i| f32::from_bits(0x3f80_0000 + i * 977))).collect();
+    let n = p.len();
+    let g = vec![0f32; n];
+    let mut out = vec![bf16::ZERO; n];
+    // SGD with lr 0 leaves p unchanged, so the copy-out sees exactly these values.
+    let mut opt = Sgd::new(SgdConfig::default(), n);
+    opt.step(&mut p, Grads::F32(&g), &Group::whole(n, 0.0, 0.0), Some(ParamsOut::Bf16(&mut out))).unwrap();
+    for (o, x) in out.iter().zip(&p) {
+        assert_eq!(o.to_bits(), bf16::from_f32(*x).to_bits(), "{x:e}");
+    }
+}

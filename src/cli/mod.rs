@@ -1,4 +1,5 @@
 //! One module per subcommand; each returns a typed error that `main` renders once.
+pub mod bench;
 pub mod config;
 
 /// An error of any subcommand, rendered once by `main`.
