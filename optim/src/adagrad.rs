@@ -1,5 +1,5 @@
 //! Adagrad, as torch.optim.Adagrad computes it (lr_decay, initial accumulator, weight decay).
-use crate::dispatch::for_each_chunk;
+use crate::dispatch::{for_each_chunk, Kernel};
 use crate::shard::{check, Grads, Group, ParamsOut};
 use crate::{Optimizer, OptimizerState, Result};
 
@@ -40,15 +40,7 @@ impl Optimizer for Adagrad {
         let eps = self.config.eps as f32;
         let clrs: Vec<(f32, f32)> = groups.iter().map(|g| ((g.lr / (1.0 + (t - 1) as f64 * self.config.lr_decay)) as f32, g.weight_decay as f32)).collect();
         let [sum] = self.state.split::<1>();
-        for_each_chunk(params, grads, groups, [sum], out, |gi, p, g, [sum]| {
-            let (clr, wd) = clrs[gi];
-            for ((p, g), s) in p.iter_mut().zip(g).zip(sum.iter_mut()) {
-                let d = g + wd * *p;
-                *s += d * d;
-                let std = s.sqrt() + eps;
-                *p -= clr * (d / std);
-            }
-        });
+        for_each_chunk(params, grads, groups, [sum], out, &AdagradKernel { consts: &clrs, eps });
         Ok(())
     }
 
@@ -58,5 +50,24 @@ impl Optimizer for Adagrad {
 
     fn state_mut(&mut self) -> &mut OptimizerState {
         &mut self.state
+    }
+}
+
+struct AdagradKernel<'a> {
+    /// (lr after decay, weight decay) per group.
+    consts: &'a [(f32, f32)],
+    eps: f32,
+}
+
+impl Kernel<1> for AdagradKernel<'_> {
+    #[inline(always)]
+    fn run(&self, group: usize, p: &mut [f32], g: &[f32], [sum]: [&mut [f32]; 1]) {
+        let (clr, wd) = self.consts[group];
+        for ((p, g), s) in p.iter_mut().zip(g).zip(sum.iter_mut()) {
+            let d = g + wd * *p;
+            *s += d * d;
+            let std = s.sqrt() + self.eps;
+            *p -= clr * (d / std);
+        }
     }
 }

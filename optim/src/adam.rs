@@ -1,5 +1,5 @@
 //! Adam and AdamW, as torch.optim.AdamW computes them (and DeepSpeedCPUAdam, with its `adam_w_mode`).
-use crate::dispatch::for_each_chunk;
+use crate::dispatch::{for_each_chunk, Kernel};
 use crate::shard::{check, Grads, Group, ParamsOut};
 use crate::{Optimizer, OptimizerState, Result};
 
@@ -84,10 +84,10 @@ impl Optimizer for Adam {
         let consts: Vec<Consts> = groups.iter().map(|g| self.consts(t, g)).collect();
         if self.config.amsgrad {
             let [m, v, vmax] = self.state.split::<3>();
-            for_each_chunk(params, grads, groups, [m, v, vmax], out, |gi, p, g, [m, v, vmax]| amsgrad_kernel(&consts[gi], p, g, m, v, vmax));
+            for_each_chunk(params, grads, groups, [m, v, vmax], out, &AmsgradKernel(&consts));
         } else {
             let [m, v] = self.state.split::<2>();
-            for_each_chunk(params, grads, groups, [m, v], out, |gi, p, g, [m, v]| adam_kernel(&consts[gi], p, g, m, v));
+            for_each_chunk(params, grads, groups, [m, v], out, &AdamKernel(&consts));
         }
         Ok(())
     }
@@ -98,6 +98,23 @@ impl Optimizer for Adam {
 
     fn state_mut(&mut self) -> &mut OptimizerState {
         &mut self.state
+    }
+}
+
+struct AdamKernel<'a>(&'a [Consts]);
+struct AmsgradKernel<'a>(&'a [Consts]);
+
+impl Kernel<2> for AdamKernel<'_> {
+    #[inline(always)]
+    fn run(&self, group: usize, p: &mut [f32], g: &[f32], [m, v]: [&mut [f32]; 2]) {
+        adam_kernel(&self.0[group], p, g, m, v)
+    }
+}
+
+impl Kernel<3> for AmsgradKernel<'_> {
+    #[inline(always)]
+    fn run(&self, group: usize, p: &mut [f32], g: &[f32], [m, v, vmax]: [&mut [f32]; 3]) {
+        amsgrad_kernel(&self.0[group], p, g, m, v, vmax)
     }
 }
 

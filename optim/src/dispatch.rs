@@ -55,32 +55,6 @@ fn detect() -> SimdLevel {
     SimdLevel::Scalar
 }
 
-/// Runs `f` compiled for the detected instruction set (`f` is inlined into the feature-enabled function).
-#[inline(always)]
-pub(crate) fn vectorized<R>(f: impl FnOnce() -> R) -> R {
-    #[cfg(target_arch = "x86_64")]
-    {
-        #[target_feature(enable = "avx512f,avx512vl,avx512bw,avx2,fma,f16c")]
-        unsafe fn avx512<R>(f: impl FnOnce() -> R) -> R {
-            f()
-        }
-        #[target_feature(enable = "avx2,fma,f16c")]
-        unsafe fn avx2<R>(f: impl FnOnce() -> R) -> R {
-            f()
-        }
-        match simd_level() {
-            // SAFETY: the level was detected on this CPU (or lowered by the user).
-            SimdLevel::Avx512 => unsafe { avx512(f) },
-            SimdLevel::Avx2 => unsafe { avx2(f) },
-            _ => f(),
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        f()
-    }
-}
-
 /// Elements per parallel tile: 16 Ki f32 = 64 KiB per array, so a tile's arrays stay in L2.
 pub(crate) const TILE: usize = 16 * 1024;
 /// Elements staged at once when gradients arrive in 16 bits.
@@ -119,62 +93,104 @@ enum Out {
     F16(Disjoint<half::f16>),
 }
 
-/// Splits every group into tiles and runs them in parallel. For each chunk of at most `STAGE` elements the
-/// kernel gets the group's index, the params of the chunk, its gradients as f32, and the states sliced to it;
-/// afterwards the chunk's updated params are written to `out`.
-pub(crate) fn for_each_chunk<const S: usize>(
+/// An element-wise optimizer kernel over one chunk: the group's index, the params, the gradients as f32 and the
+/// `S` state buffers, all sliced to the chunk. Implementations mark `run` `#[inline(always)]`.
+pub(crate) trait Kernel<const S: usize>: Sync {
+    fn run(&self, group: usize, p: &mut [f32], g: &[f32], states: [&mut [f32]; S]);
+}
+
+/// The buffers of one step, shared by the tiles.
+struct Step<'a, const S: usize> {
+    p: Disjoint<f32>,
+    states: [Disjoint<f32>; S],
+    out: Option<Out>,
+    grads: Grads<'a>,
+}
+
+/// One tile: chunks of `STAGE` elements through the kernel, then into the 16-bit copy.
+#[inline(always)]
+fn tile_body<const S: usize, K: Kernel<S>>(kernel: &K, step: &Step<'_, S>, group: usize, tile: Range<usize>) {
+    let mut staged = [0f32; STAGE];
+    for start in tile.clone().step_by(STAGE) {
+        let r = start..(start + STAGE).min(tile.end);
+        // f32 gradients are read in place; 16-bit ones are widened into an L1-resident buffer.
+        let g: &[f32] = match step.grads {
+            Grads::F32(g) => &g[r.clone()],
+            _ => {
+                let g = &mut staged[..r.len()];
+                step.grads.load(r.clone(), g);
+                g
+            }
+        };
+        // SAFETY: tiles are disjoint ranges of the shard (groups do not overlap), and so are the chunks within a
+        // tile; every buffer has the shard's length (checked by the caller).
+        let (pr, sr) = unsafe { (step.p.range(r.clone()), step.states.map(|s| s.range(r.clone()))) };
+        kernel.run(group, pr, g, sr);
+        match &step.out {
+            Some(Out::Bf16(o)) => {
+                let o = unsafe { o.range(r.clone()) };
+                for (d, s) in o.iter_mut().zip(pr.iter()) {
+                    *d = half::bf16::from_bits(bf16_bits(*s));
+                }
+            }
+            Some(Out::F16(o)) => {
+                let o = unsafe { o.range(r.clone()) };
+                half::slice::HalfFloatSliceExt::convert_from_f32_slice(o, pr);
+            }
+            None => {}
+        }
+    }
+}
+
+/// `tile_body` compiled for the detected instruction set. LLVM inlines `tile_body` and the `#[inline(always)]`
+/// kernel into each `#[target_feature]` clone; a closure would not do, since a closure body is not force-inlined
+/// and keeps the baseline instruction set.
+fn run_tile<const S: usize, K: Kernel<S>>(kernel: &K, step: &Step<'_, S>, group: usize, tile: Range<usize>) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx512f,avx512vl,avx512bw,avx2,fma,f16c")]
+        unsafe fn avx512<const S: usize, K: Kernel<S>>(k: &K, s: &Step<'_, S>, g: usize, t: Range<usize>) {
+            tile_body(k, s, g, t)
+        }
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn avx2<const S: usize, K: Kernel<S>>(k: &K, s: &Step<'_, S>, g: usize, t: Range<usize>) {
+            tile_body(k, s, g, t)
+        }
+        match simd_level() {
+            // SAFETY: the level was detected on this CPU (or lowered by the user).
+            SimdLevel::Avx512 => unsafe { avx512(kernel, step, group, tile) },
+            SimdLevel::Avx2 => unsafe { avx2(kernel, step, group, tile) },
+            _ => tile_body(kernel, step, group, tile),
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    tile_body(kernel, step, group, tile)
+}
+
+/// Splits every group into tiles and runs `kernel` over them in parallel, writing updated params to `out`.
+pub(crate) fn for_each_chunk<const S: usize, K: Kernel<S>>(
     params: &mut [f32],
     grads: Grads<'_>,
     groups: &[Group],
     states: [&mut [f32]; S],
     out: Option<ParamsOut<'_>>,
-    kernel: impl Fn(usize, &mut [f32], &[f32], [&mut [f32]; S]) + Sync,
+    kernel: &K,
 ) {
-    let p = Disjoint::new(params);
-    let st: [Disjoint<f32>; S] = states.map(|s| Disjoint::new(s));
-    let out = out.map(|o| match o {
-        ParamsOut::Bf16(o) => Out::Bf16(Disjoint::new(o)),
-        ParamsOut::F16(o) => Out::F16(Disjoint::new(o)),
-    });
+    let step = Step {
+        p: Disjoint::new(params),
+        states: states.map(|s| Disjoint::new(s)),
+        out: out.map(|o| match o {
+            ParamsOut::Bf16(o) => Out::Bf16(Disjoint::new(o)),
+            ParamsOut::F16(o) => Out::F16(Disjoint::new(o)),
+        }),
+        grads,
+    };
     let tiles: Vec<(usize, Range<usize>)> = groups
         .iter()
         .enumerate()
         .flat_map(|(gi, g)| (g.range.start..g.range.end).step_by(TILE).map(move |s| (gi, s..(s + TILE).min(g.range.end))))
         .collect();
-    tiles.par_iter().for_each(|(gi, tile)| {
-        vectorized(|| {
-            let mut staged = [0f32; STAGE];
-            for start in tile.clone().step_by(STAGE) {
-                let r = start..(start + STAGE).min(tile.end);
-                // f32 gradients are read in place; 16-bit ones are widened into an L1-resident buffer.
-                let g: &[f32] = match grads {
-                    Grads::F32(g) => &g[r.clone()],
-                    _ => {
-                        let g = &mut staged[..r.len()];
-                        grads.load(r.clone(), g);
-                        g
-                    }
-                };
-                // SAFETY: tiles are disjoint ranges of the shard (groups do not overlap), and so are the chunks
-                // within a tile; every buffer has the shard's length (checked by the caller).
-                let (pr, sr) = unsafe { (p.range(r.clone()), st.map(|s| s.range(r.clone()))) };
-                kernel(*gi, pr, g, sr);
-                match &out {
-                    Some(Out::Bf16(o)) => {
-                        let o = unsafe { o.range(r.clone()) };
-                        for (d, s) in o.iter_mut().zip(pr.iter()) {
-                            *d = half::bf16::from_bits(bf16_bits(*s));
-                        }
-                    }
-                    Some(Out::F16(o)) => {
-                        let o = unsafe { o.range(r.clone()) };
-                        half::slice::HalfFloatSliceExt::convert_from_f32_slice(o, pr);
-                    }
-                    None => {}
-                }
-            }
-        })
-    });
+    tiles.par_iter().for_each(|(gi, tile)| run_tile(kernel, &step, *gi, tile.clone()));
 }
 
 /// f32 to bf16 bits, rounding to nearest even and quieting NaNs (the same values as `half::bf16::from_f32`),

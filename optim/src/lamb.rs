@@ -5,7 +5,7 @@
 //! engine passes a `reduce` callback that sums the per-group squared norms over ranks before they are used.
 use rayon::prelude::*;
 
-use crate::dispatch::{vectorized, Disjoint, STAGE, TILE};
+use crate::dispatch::{Disjoint, STAGE, TILE};
 use crate::shard::{check, Grads, Group, ParamsOut};
 use crate::{Optimizer, OptimizerState, Result};
 
@@ -73,7 +73,7 @@ impl Lamb {
             let partial: Vec<(f64, f64)> = tiles
                 .par_iter()
                 .map(|tile| {
-                    vectorized(|| {
+                    {
                         let (mut w2, mut u2) = (0f64, 0f64);
                         let mut g = [0f32; STAGE];
                         for s in tile.clone().step_by(STAGE) {
@@ -91,7 +91,7 @@ impl Lamb {
                             }
                         }
                         (w2, u2)
-                    })
+                    }
                 })
                 .collect();
             for (w2, u2) in partial {
@@ -121,12 +121,10 @@ impl Lamb {
             // SAFETY: groups are disjoint (checked); one group at a time here.
             let (p, m, v) = unsafe { (pd.range(r.clone()), md.range(r.clone()), vd.range(r.clone())) };
             p.par_chunks_mut(TILE).zip(m.par_chunks(TILE)).zip(v.par_chunks(TILE)).for_each(|((p, m), v)| {
-                vectorized(|| {
-                    for i in 0..p.len() {
-                        let u = update(m[i], v[i], p[i], wd);
-                        p[i] -= step * u;
-                    }
-                })
+                for i in 0..p.len() {
+                    let u = update(m[i], v[i], p[i], wd);
+                    p[i] -= step * u;
+                }
             });
             match out.as_mut() {
                 Some(ParamsOut::Bf16(o)) => o[r.clone()].iter_mut().zip(p.iter()).for_each(|(d, s)| *d = half::bf16::from_bits(crate::dispatch::bf16_bits(*s))),

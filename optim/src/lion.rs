@@ -1,5 +1,5 @@
 //! Lion (Chen et al. 2023), as DeepSpeed's CPU Lion computes it: sign of an interpolated momentum.
-use crate::dispatch::for_each_chunk;
+use crate::dispatch::{for_each_chunk, Kernel};
 use crate::shard::{check, Grads, Group, ParamsOut};
 use crate::{Optimizer, OptimizerState, Result};
 
@@ -50,14 +50,7 @@ impl Optimizer for Lion {
         let (c1, k1, c2, k2) = (b1 as f32, (1.0 - b1) as f32, b2 as f32, (1.0 - b2) as f32);
         let consts: Vec<(f32, f32)> = groups.iter().map(|g| (g.lr as f32, (1.0 - g.lr * g.weight_decay) as f32)).collect();
         let [m] = self.state.split::<1>();
-        for_each_chunk(params, grads, groups, [m], out, |gi, p, g, [m]| {
-            let (lr, decay) = consts[gi];
-            for ((p, g), m) in p.iter_mut().zip(g).zip(m.iter_mut()) {
-                let c = c1 * *m + k1 * g;
-                *p = *p * decay - lr * sign(c);
-                *m = c2 * *m + k2 * g;
-            }
-        });
+        for_each_chunk(params, grads, groups, [m], out, &LionKernel { consts: &consts, c1, k1, c2, k2 });
         Ok(())
     }
 
@@ -67,5 +60,26 @@ impl Optimizer for Lion {
 
     fn state_mut(&mut self) -> &mut OptimizerState {
         &mut self.state
+    }
+}
+
+struct LionKernel<'a> {
+    /// (lr, 1 - lr * weight decay) per group.
+    consts: &'a [(f32, f32)],
+    c1: f32,
+    k1: f32,
+    c2: f32,
+    k2: f32,
+}
+
+impl Kernel<1> for LionKernel<'_> {
+    #[inline(always)]
+    fn run(&self, group: usize, p: &mut [f32], g: &[f32], [m]: [&mut [f32]; 1]) {
+        let (lr, decay) = self.consts[group];
+        for ((p, g), m) in p.iter_mut().zip(g).zip(m.iter_mut()) {
+            let c = self.c1 * *m + self.k1 * g;
+            *p = *p * decay - lr * sign(c);
+            *m = self.c2 * *m + self.k2 * g;
+        }
     }
 }

@@ -2,7 +2,7 @@
 //! they do not depend on the thread count; the engine all-reduces the one scalar a rank returns.
 use rayon::prelude::*;
 
-use crate::dispatch::{vectorized, STAGE, TILE};
+use crate::dispatch::{STAGE, TILE};
 use crate::shard::Grads;
 
 /// Sum of squares of a shard, accumulated in f64.
@@ -13,7 +13,7 @@ pub fn sum_of_squares(grads: Grads<'_>) -> f64 {
         .collect::<Vec<_>>()
         .par_iter()
         .map(|&start| {
-            vectorized(|| {
+            {
                 let end = (start + TILE).min(n);
                 let mut buf = [0f32; STAGE];
                 let mut total = 0f64;
@@ -31,7 +31,7 @@ pub fn sum_of_squares(grads: Grads<'_>) -> f64 {
                     total += lanes.iter().sum::<f64>();
                 }
                 total
-            })
+            }
         })
         .collect();
     tiles.iter().sum()
@@ -44,7 +44,7 @@ pub fn has_overflow(grads: Grads<'_>) -> bool {
 
 /// Multiplies a shard by `factor` (gradient clipping, unscaling).
 pub fn scale_in_place(x: &mut [f32], factor: f32) {
-    x.par_chunks_mut(TILE).for_each(|c| vectorized(|| c.iter_mut().for_each(|v| *v *= factor)));
+    x.par_chunks_mut(TILE).for_each(|c| c.iter_mut().for_each(|v| *v *= factor));
 }
 
 /// The factor that clips gradients of global norm `total_norm` to `max_norm` (torch's clip_grad_norm_ and

@@ -1,5 +1,5 @@
 //! SGD with momentum, dampening, Nesterov and weight decay, as torch.optim.SGD computes it.
-use crate::dispatch::for_each_chunk;
+use crate::dispatch::{for_each_chunk, Kernel};
 use crate::shard::{check, Grads, Group, ParamsOut};
 use crate::{Optimizer, OptimizerState, Result};
 
@@ -33,29 +33,13 @@ impl Optimizer for Sgd {
         self.state.step += 1;
         let first = self.state.step == 1;
         let SgdConfig { momentum, dampening, nesterov } = self.config.clone();
-        let (momentum, keep) = (momentum as f32, (1.0 - dampening) as f32);
+        let consts: Vec<(f32, f32)> = groups.iter().map(|g| (g.lr as f32, g.weight_decay as f32)).collect();
         if momentum == 0.0 {
-            let consts: Vec<(f32, f32)> = groups.iter().map(|g| (g.lr as f32, g.weight_decay as f32)).collect();
-            for_each_chunk(params, grads, groups, [], out, |gi, p, g, []| {
-                let (lr, wd) = consts[gi];
-                for (p, g) in p.iter_mut().zip(g) {
-                    let d = g + wd * *p;
-                    *p -= lr * d;
-                }
-            });
+            for_each_chunk(params, grads, groups, [], out, &PlainKernel(&consts));
         } else {
-            let consts: Vec<(f32, f32)> = groups.iter().map(|g| (g.lr as f32, g.weight_decay as f32)).collect();
             let [buf] = self.state.split::<1>();
-            for_each_chunk(params, grads, groups, [buf], out, |gi, p, g, [buf]| {
-                let (lr, wd) = consts[gi];
-                for ((p, g), b) in p.iter_mut().zip(g).zip(buf.iter_mut()) {
-                    let d = g + wd * *p;
-                    // torch: the buffer starts as a copy of the first gradient.
-                    *b = if first { d } else { momentum * *b + keep * d };
-                    let d = if nesterov { d + momentum * *b } else { *b };
-                    *p -= lr * d;
-                }
-            });
+            let k = MomentumKernel { consts: &consts, momentum: momentum as f32, keep: (1.0 - dampening) as f32, nesterov, first };
+            for_each_chunk(params, grads, groups, [buf], out, &k);
         }
         Ok(())
     }
@@ -66,5 +50,42 @@ impl Optimizer for Sgd {
 
     fn state_mut(&mut self) -> &mut OptimizerState {
         &mut self.state
+    }
+}
+
+struct PlainKernel<'a>(&'a [(f32, f32)]);
+
+impl Kernel<0> for PlainKernel<'_> {
+    #[inline(always)]
+    fn run(&self, group: usize, p: &mut [f32], g: &[f32], _: [&mut [f32]; 0]) {
+        let (lr, wd) = self.0[group];
+        for (p, g) in p.iter_mut().zip(g) {
+            let d = g + wd * *p;
+            *p -= lr * d;
+        }
+    }
+}
+
+struct MomentumKernel<'a> {
+    consts: &'a [(f32, f32)],
+    momentum: f32,
+    /// 1 - dampening.
+    keep: f32,
+    nesterov: bool,
+    /// torch: the buffer starts as a copy of the first gradient.
+    first: bool,
+}
+
+impl Kernel<1> for MomentumKernel<'_> {
+    #[inline(always)]
+    fn run(&self, group: usize, p: &mut [f32], g: &[f32], [buf]: [&mut [f32]; 1]) {
+        let (lr, wd) = self.consts[group];
+        let (momentum, keep) = (self.momentum, self.keep);
+        for ((p, g), b) in p.iter_mut().zip(g).zip(buf.iter_mut()) {
+            let d = g + wd * *p;
+            *b = if self.first { d } else { momentum * *b + keep * d };
+            let d = if self.nesterov { d + momentum * *b } else { *b };
+            *p -= lr * d;
+        }
     }
 }

@@ -235,3 +235,62 @@ fn bf16_copy_out_rounds_like_half_including_ties_and_nan() {
         assert_eq!(o.to_bits(), bf16::from_f32(*x).to_bits(), "{x:e}");
     }
 }
+
+/// Bit pattern digest of a fixed run of every optimizer (FNV-1a over the params' bits).
+fn digest_of_all_optimizers() -> u64 {
+    let n = 40_000;
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    let groups = vec![Group { range: 0..25_000, lr: 1e-2, weight_decay: 0.1 }, Group { range: 25_000..n, lr: 3e-3, weight_decay: 0.0 }];
+    let opts: Vec<Box<dyn Optimizer>> = vec![
+        Box::new(Adam::new(AdamConfig::default(), n)),
+        Box::new(Adam::new(AdamConfig { amsgrad: true, adam_w_mode: false, ..Default::default() }, n)),
+        Box::new(Sgd::new(SgdConfig { momentum: 0.9, dampening: 0.1, nesterov: false }, n)),
+        Box::new(Adagrad::new(AdagradConfig::default(), n)),
+        Box::new(Lion::new(LionConfig::default(), n)),
+        Box::new(Lamb::new(LambConfig::default(), n)),
+    ];
+    for mut opt in opts {
+        let mut p = data(n, 3);
+        let mut out = vec![bf16::ZERO; n];
+        for s in 0..4 {
+            let g: Vec<bf16> = data(n, 50 + s).iter().map(|x| bf16::from_f32(*x)).collect();
+            opt.step(&mut p, Grads::Bf16(&g), &groups, Some(ParamsOut::Bf16(&mut out))).unwrap();
+            let g32 = data(n, 90 + s);
+            opt.step(&mut p, Grads::F32(&g32), &groups, None).unwrap();
+        }
+        for x in p.iter().map(|x| x.to_bits() as u64).chain(out.iter().map(|x| x.to_bits() as u64)) {
+            h = (h ^ x).wrapping_mul(0x100_0000_01b3);
+        }
+    }
+    h
+}
+
+#[test]
+fn simd_digest_helper() {
+    // Run by `every_simd_level_gives_the_same_bits` in a child process with ZERORUN_SIMD set.
+    if std::env::var("ZERORUN_DIGEST").is_ok() {
+        println!("DIGEST {:x} {:?}", digest_of_all_optimizers(), simd_level());
+    }
+}
+
+#[test]
+fn every_simd_level_gives_the_same_bits() {
+    let run = |level: &str| {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "simd_digest_helper", "--nocapture", "--test-threads", "1"])
+            .env("ZERORUN_DIGEST", "1")
+            .env("ZERORUN_SIMD", level)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let at = text.find("DIGEST ").unwrap_or_else(|| panic!("no digest: {text}"));
+        let mut parts = text[at..].split_whitespace().skip(1);
+        (parts.next().unwrap().to_string(), parts.next().unwrap().to_string())
+    };
+    let (scalar, level) = run("scalar");
+    assert_eq!(level, "Scalar");
+    for l in ["avx2", "native"] {
+        let (d, used) = run(l);
+        assert_eq!(d, scalar, "{used} differs from the scalar build");
+    }
+}
