@@ -14,6 +14,7 @@ pub mod schedule;
 mod sgd;
 mod shard;
 mod state;
+pub mod traffic;
 
 pub use adagrad::{Adagrad, AdagradConfig};
 pub use adam::{Adam, AdamConfig};
