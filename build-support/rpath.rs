@@ -1,11 +1,28 @@
 //! Shared build script: embeds an rpath to libtorch's `lib` folder into every binary of the package
 //! (CLI, examples, tests), so they run without LD_LIBRARY_PATH. torch-sys (links = "tch") exports the
 //! folder it linked against as `DEP_TCH_LIBTORCH_LIB` to its direct dependents.
+//!
+//! For the zerorun package itself it also compiles `src/cli/native/fused_adamw.cpp`: libtorch's fused AdamW
+//! kernel, which tch does not bind, for `zerorun bench adam`.
 fn main() {
     println!("cargo:rerun-if-env-changed=DEP_TCH_LIBTORCH_LIB");
     if let Ok(lib) = std::env::var("DEP_TCH_LIBTORCH_LIB") {
         let lib = std::fs::canonicalize(&lib).unwrap_or_else(|_| lib.into());
         println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib.display());
+        let shim = std::path::Path::new("src/cli/native/fused_adamw.cpp");
+        if std::env::var("CARGO_PKG_NAME").as_deref() == Ok("zerorun") && shim.exists() {
+            println!("cargo:rerun-if-changed={}", shim.display());
+            let include = lib.parent().expect("libtorch lib folder has a parent").join("include");
+            cc::Build::new()
+                .cpp(true)
+                .pic(true)
+                .warnings(false)
+                .include(&include)
+                .flag("-std=c++17")
+                .flag("-D_GLIBCXX_USE_CXX11_ABI=1")
+                .file(shim)
+                .compile("zerorun_fused_adamw");
+        }
         // libtorch_cuda.so (in the +cu wheels) needs the link to keep it even when nothing names it directly.
         println!("cargo:rustc-link-arg=-Wl,--no-as-needed");
     }

@@ -4,6 +4,7 @@
 //! f16 slices, optionally writing the updated parameters to a 16-bit copy in the same pass. Every element's math is
 //! independent of every other's, so results are bitwise the same whatever the thread count or vector width.
 mod adagrad;
+pub mod aligned;
 mod adam;
 mod dispatch;
 mod lamb;
@@ -17,6 +18,7 @@ mod state;
 pub mod traffic;
 
 pub use adagrad::{Adagrad, AdagradConfig};
+pub use aligned::AlignedVec;
 pub use adam::{Adam, AdamConfig};
 pub use dispatch::{simd_level, SimdLevel};
 pub use lamb::{Lamb, LambConfig};

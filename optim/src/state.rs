@@ -2,6 +2,7 @@
 //! Element range `r` of the shard maps to range `r` of every buffer, so checkpoints can reshard it.
 use serde::{Deserialize, Serialize};
 
+use crate::aligned::AlignedVec;
 use crate::{OptimError, Result};
 
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
@@ -9,20 +10,20 @@ pub struct OptimizerState {
     /// Optimizer steps taken (the `t` of bias correction).
     pub step: u64,
     /// Named buffers (`exp_avg`, `exp_avg_sq`, ...), each as long as the shard.
-    pub buffers: Vec<(String, Vec<f32>)>,
+    pub buffers: Vec<(String, AlignedVec)>,
 }
 
 impl OptimizerState {
     pub fn new(names: &[&str], len: usize, init: f32) -> Self {
-        OptimizerState { step: 0, buffers: names.iter().map(|n| (n.to_string(), vec![init; len])).collect() }
+        OptimizerState { step: 0, buffers: names.iter().map(|n| (n.to_string(), AlignedVec::filled(len, init))).collect() }
     }
 
     pub fn get(&self, name: &str) -> Result<&[f32]> {
         self.buffers.iter().find(|(n, _)| n == name).map(|(_, b)| b.as_slice()).ok_or_else(|| OptimError::MissingState { name: name.into() })
     }
 
-    pub fn get_mut(&mut self, name: &str) -> Result<&mut Vec<f32>> {
-        self.buffers.iter_mut().find(|(n, _)| n == name).map(|(_, b)| b).ok_or_else(|| OptimError::MissingState { name: name.into() })
+    pub fn get_mut(&mut self, name: &str) -> Result<&mut [f32]> {
+        self.buffers.iter_mut().find(|(n, _)| n == name).map(|(_, b)| b.as_mut_slice()).ok_or_else(|| OptimError::MissingState { name: name.into() })
     }
 
     /// Bytes held by the buffers.

@@ -1,0 +1,21 @@
+//! `zerorun bench adam --json`: one object per (size, gradient dtype) with the documented keys. Shape only:
+//! performance is judged from the benchmark's numbers, never by a test.
+use std::process::Command;
+
+#[test]
+fn bench_adam_json_lines_have_the_documented_keys() {
+    let out = Command::new(env!("CARGO_BIN_EXE_zerorun")).args(["bench", "adam", "--params", "65536", "--repeats", "1", "--json"]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(rows.len(), 2);
+    for (row, grads) in rows.iter().zip(["f32", "bf16"]) {
+        assert_eq!(row["params"], 65536);
+        assert_eq!(row["grads"], grads);
+        for key in ["zerorun_params_per_s", "torch_params_per_s", "torch_fused_params_per_s", "torch_cpp_params_per_s", "limit_params_per_s"] {
+            assert!(row[key].as_f64().is_some_and(|v| v > 0.0), "{key} in {row}");
+        }
+    }
+    let bad = Command::new(env!("CARGO_BIN_EXE_zerorun")).args(["bench", "adam", "--params", "0"]).output().unwrap();
+    assert!(!bad.status.success());
+    assert_eq!(String::from_utf8_lossy(&bad.stderr).trim(), "error: --params must be >= 1");
+}
