@@ -186,14 +186,14 @@ fn run(args: &Args) -> Result<(), String> {
             save_final(&engine, path)?;
         }
         let state_bytes: usize = engine.memory_bytes().iter().map(|(_, b)| b).sum();
-        Ok((progress.first_loss.unwrap_or(f64::NAN), progress.last_loss, progress.median_step_s(), engine.layout().numel, state_bytes))
+        Ok((progress.first_loss.unwrap_or(f64::NAN), progress.last_loss, progress.median_step_s(), engine.layout().numel, state_bytes, engine.world_size()))
     })?;
-    let (first, last, median, params, bytes) = summary;
+    let Some((first, last, median, params, bytes, world)) = summary else { return Ok(()) };
     println!("median_step_s {median:.4}");
     let stage = config.stage();
     println!(
-        "summary: {} ranks (threads), ZeRO stage {stage}, {params} parameters, {} optimizer steps, loss {first:.4} -> {last:.4}, model-state bytes on rank 0: {bytes}",
-        a.ranks, a.steps
+        "summary: {world} ranks, ZeRO stage {stage}, {params} parameters, {} optimizer steps, loss {first:.4} -> {last:.4}, model-state bytes on rank 0: {bytes}",
+        a.steps
     );
     Ok(())
 }

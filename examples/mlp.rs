@@ -95,7 +95,7 @@ fn run(args: &Args) -> Result<(), String> {
     let (xv, yv) = (Vec::<f32>::try_from(x.reshape([-1])).map_err(|e| e.to_string())?, Vec::<f32>::try_from(y.reshape([-1])).map_err(|e| e.to_string())?);
     share_cores(a.ranks);
     let timeout = Duration::from_secs_f64(config.comms_timeout);
-    let (median, last) = run_ranks(a.ranks, timeout, |comm| {
+    let result = run_ranks(a.ranks, timeout, |comm| {
         let (vs, model) = build_model(a.seed, a.init.as_ref(), |vs| Mlp::new(vs.root(), args.input, args.hidden, args.layers, args.out))?;
         let mut engine = Engine::new(&vs, config.clone(), comm, EngineOptions::default()).map_err(|e| e.to_string())?;
         let x = Tensor::from_slice(&xv).view([samples as i64, args.input]);
@@ -118,9 +118,10 @@ fn run(args: &Args) -> Result<(), String> {
         if let Some(path) = &a.save_final {
             save_final(&engine, path)?;
         }
-        Ok((progress.median_step_s(), progress.last_loss))
+        Ok((progress.median_step_s(), progress.last_loss, engine.world_size()))
     })?;
+    let Some((median, last, world)) = result else { return Ok(()) };
     println!("median_step_s {median:.6}");
-    println!("summary: {} ranks (threads), ZeRO stage {}, {} optimizer steps, final loss {last:.6}", a.ranks, config.stage(), a.steps);
+    println!("summary: {world} ranks, ZeRO stage {}, {} optimizer steps, final loss {last:.6}", config.stage(), a.steps);
     Ok(())
 }

@@ -17,6 +17,8 @@ enum Command {
     /// Inspect ds_config.json files.
     #[command(subcommand)]
     Config(cli::config::ConfigCommand),
+    /// Start N ranks of a program on this host (torchrun-compatible variables).
+    Launch(cli::launch::LaunchArgs),
     /// Benchmarks that report ratios against a reference measured in the same run.
     #[command(subcommand)]
     Bench(cli::bench::BenchCommand),
@@ -33,6 +35,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Config(c) => cli::config::run(c),
         Command::Bench(c) => cli::bench::run(c),
+        Command::Launch(a) => cli::launch::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

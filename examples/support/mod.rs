@@ -5,6 +5,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use tch::{nn, Tensor};
+use zerorun::runtime::comm::env::{communicator_from_env, RankInfo};
 use zerorun::runtime::comm::{threads, Communicator};
 use zerorun::{Config, Engine, StepOutcome};
 
@@ -35,7 +36,8 @@ pub struct CommonArgs {
     /// Continue from CHECKPOINT_DIR/latest.
     #[arg(long)]
     pub resume: bool,
-    /// Run this many ranks as threads of this process (the threads backend).
+    /// Run this many ranks as threads of this process (the threads backend). Under `zerorun launch`, each
+    /// process is one rank instead.
     #[arg(long, default_value_t = 1)]
     pub ranks: usize,
 }
@@ -49,8 +51,8 @@ impl CommonArgs {
         if self.ranks == 0 {
             return Err("--ranks must be >= 1".into());
         }
-        if std::env::var("WORLD_SIZE").is_ok_and(|w| w != "1") {
-            return Err("WORLD_SIZE is set, but this build runs ranks as threads only; use --ranks N".into());
+        if self.ranks > 1 && std::env::var("WORLD_SIZE").is_ok_and(|w| w != "1") {
+            return Err("--ranks starts thread ranks inside one process; under `zerorun launch` leave it out".into());
         }
         Ok(())
     }
@@ -99,8 +101,15 @@ pub fn build_model<M>(seed: u64, init: Option<&PathBuf>, f: impl FnOnce(&nn::Var
     Ok((vs, model))
 }
 
-/// Runs `train(rank, comm)` on `ranks` threads and returns rank 0's result; the first failing rank's error wins.
-pub fn run_ranks<T: Send>(ranks: usize, timeout: Duration, train: impl Fn(Box<dyn Communicator>) -> Result<T, String> + Sync) -> Result<T, String> {
+/// Runs `train(comm)` as this process's rank when started by `zerorun launch` (or torchrun), else on `ranks`
+/// threads. Returns rank 0's result (None in the processes of other ranks); the first failing rank's error wins.
+pub fn run_ranks<T: Send>(ranks: usize, timeout: Duration, train: impl Fn(Box<dyn Communicator>) -> Result<T, String> + Sync) -> Result<Option<T>, String> {
+    let info = RankInfo::from_env().map_err(|e| e.to_string())?;
+    if info.is_distributed() {
+        let comm = communicator_from_env(timeout).map_err(|e| e.to_string())?;
+        let result = train(comm).map_err(|e| format!("rank {}: {e}", info.rank))?;
+        return Ok((info.rank == 0).then_some(result));
+    }
     let comms = threads::group(ranks, timeout);
     let results: Vec<Result<T, String>> = std::thread::scope(|s| {
         let handles: Vec<_> = comms
@@ -128,7 +137,7 @@ pub fn run_ranks<T: Send>(ranks: usize, timeout: Duration, train: impl Fn(Box<dy
     }
     match (first, out) {
         (Some(e), _) => Err(e),
-        (None, Some(v)) => Ok(v),
+        (None, Some(v)) => Ok(Some(v)),
         (None, None) => Err("rank 0 returned nothing".into()),
     }
 }

@@ -100,11 +100,11 @@ impl ZerorunAdam {
 extern "C" {
     /// `src/cli/native/fused_adamw.cpp`: libtorch's `_fused_adamw_` on one tensor (0 on success).
     fn zerorun_fused_adamw(
-        p: *mut tch::Tensor,
-        g: *mut tch::Tensor,
-        m: *mut tch::Tensor,
-        v: *mut tch::Tensor,
-        step: *mut tch::Tensor,
+        p: *mut std::ffi::c_void,
+        g: *mut std::ffi::c_void,
+        m: *mut std::ffi::c_void,
+        v: *mut std::ffi::c_void,
+        step: *mut std::ffi::c_void,
         lr: f64,
         beta1: f64,
         beta2: f64,
@@ -128,7 +128,7 @@ impl TorchFusedAdam {
 
     fn step(&mut self) -> f64 {
         let [p, g, m, v, s] = &mut self.t;
-        let ptr = |t: &mut Tensor| t.as_mut_ptr() as *mut Tensor;
+        let ptr = |t: &mut Tensor| t.as_mut_ptr() as *mut std::ffi::c_void;
         timed(|| {
             // SAFETY: tch's handles point at live at::Tensor objects, which is what the shim takes.
             let rc = unsafe { zerorun_fused_adamw(ptr(p), ptr(g), ptr(m), ptr(v), ptr(s), 1e-3, 0.9, 0.999, 0.01, 1e-8) };

@@ -1,6 +1,7 @@
 //! One module per subcommand; each returns a typed error that `main` renders once.
 pub mod bench;
 pub mod config;
+pub mod launch;
 
 /// An error of any subcommand, rendered once by `main`.
 #[derive(Debug, thiserror::Error)]

@@ -1,7 +1,10 @@
 //! Collectives for one data-parallel group, behind one trait so the engine does not care which backend runs them.
 //!
-//! Backends: [`threads`] (ranks as threads of one process). Every blocking wait has a timeout
+//! Backends: [`threads`] (ranks as threads of one process) and [`shm`] (ranks as processes on one host, through
+//! shared memory). [`env`] reads the rank and world size from the variables `zerorun launch` or torchrun set. Every blocking wait has a timeout
 //! (`comms_timeout`), and a departed peer is an error on every surviving rank, never a hang.
+pub mod env;
+pub mod shm;
 pub mod threads;
 
 use std::time::Duration;
@@ -23,8 +26,14 @@ pub enum CommError {
     BadArgument { op: &'static str, rank: usize, what: String },
     #[error("{op} on rank {rank}: rank {dead} left the group after {waited:?} of waiting")]
     PeerGone { op: &'static str, rank: usize, dead: usize, waited: Duration },
+    #[error("{op} on rank {rank} of group {group}: rank {dead} (pid {pid}) died; waited {waited:?}")]
+    PeerDied { op: &'static str, rank: usize, group: String, dead: usize, pid: u32, waited: Duration },
     #[error("{op} on rank {rank}: timed out after {waited:?} waiting for ranks {missing:?} (comms_timeout)")]
     Timeout { op: &'static str, rank: usize, missing: Vec<usize>, waited: Duration },
+    #[error("{op} on rank {rank}: ranks called different collectives ({ops:?} by rank)")]
+    OpMismatch { op: &'static str, rank: usize, ops: Vec<&'static str> },
+    #[error("rendezvous of rank {rank} of {world_size} at {place}: {what}")]
+    Rendezvous { rank: usize, world_size: usize, place: String, what: String },
 }
 
 pub type CommResult<T> = std::result::Result<T, CommError>;

@@ -1,0 +1,328 @@
+//! Ranks as processes on one host, exchanging through one shared-memory segment (memmap2 over /dev/shm).
+//!
+//! Layout: a header (magic, world size, slot size, an attach count, and per rank an arrival counter, pid, and the
+//! op and length of its current collective), then one staging slot per rank and one result slot. A collective
+//! moves its buffer through the slots in chunks; ranks meet at barriers made of the arrival counters.
+//!
+//! Nothing is left in /dev/shm: rank 0 unlinks the segment as soon as every rank has mapped it, so the memory is
+//! returned when the last process exits, however it exits. A barrier that waits checks, every 50 ms, that the
+//! ranks it waits for are alive (by pid) and that `comms_timeout` has not passed; either failure is an error that
+//! names the operation, the group, the rank and the time waited.
+use std::cell::Cell;
+use std::fs::OpenOptions;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use memmap2::MmapMut;
+
+use super::env::RankInfo;
+use super::{combine, CommError, CommResult, Communicator, ReduceOp};
+
+const MAGIC: u64 = 0x5a45_524f_5255_4e31; // "ZERORUN1"
+const HEADER: usize = 64 * 1024;
+const RANK_BLOCK: usize = 256;
+const RANKS_AT: usize = 256;
+const MAX_RANKS: usize = (HEADER - RANKS_AT) / RANK_BLOCK;
+/// Bytes per staging slot: large enough that barriers cost little next to the copies.
+const SLOT_BYTES: usize = 16 << 20;
+
+// Header words.
+const W_MAGIC: usize = 0;
+const W_WORLD: usize = 1;
+const W_SLOT: usize = 2;
+const W_ATTACHED: usize = 3;
+// Per-rank words.
+const R_ARRIVE: usize = 0;
+const R_PID: usize = 1;
+const R_OP: usize = 2;
+const R_LEN: usize = 3;
+
+const OPS: [&str; 5] = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier"];
+
+fn op_code(op: &str) -> u64 {
+    OPS.iter().position(|o| *o == op).unwrap_or(OPS.len()) as u64 + 1
+}
+
+/// One rank's handle on a shared-memory group.
+pub struct ShmComm {
+    rank: usize,
+    world_size: usize,
+    group: String,
+    map: MmapMut,
+    slot_elems: usize,
+    /// Barriers this rank has entered (its arrival counter).
+    seq: Cell<u64>,
+    timeout: Duration,
+}
+
+/// `/dev/shm/zerorun-<run id>` with anything but letters, digits, '-' and '.' replaced.
+pub fn segment_path(run_id: &str) -> PathBuf {
+    let clean: String = run_id.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '.' { c } else { '_' }).collect();
+    PathBuf::from(format!("/dev/shm/zerorun-{clean}"))
+}
+
+impl ShmComm {
+    /// Creates (rank 0) or attaches to (other ranks) the job's segment and waits until every rank is there.
+    pub fn join(info: &RankInfo, timeout: Duration) -> CommResult<ShmComm> {
+        let (rank, world_size) = (info.rank, info.world_size);
+        let path = segment_path(&info.run_id);
+        let place = path.display().to_string();
+        let fail = |what: String| CommError::Rendezvous { rank, world_size, place: place.clone(), what };
+        if world_size > MAX_RANKS {
+            return Err(fail(format!("at most {MAX_RANKS} ranks per host")));
+        }
+        let total = HEADER + (world_size + 1) * SLOT_BYTES;
+        let start = Instant::now();
+        let map = if rank == 0 {
+            // Written under a temporary name and renamed, so no rank ever maps a half-initialised segment.
+            let tmp = PathBuf::from(format!("{}.tmp-{}", path.display(), std::process::id()));
+            let file = OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&tmp).map_err(|e| fail(format!("create: {e}")))?;
+            file.set_len(total as u64).map_err(|e| fail(format!("size {total} bytes: {e}")))?;
+            // SAFETY: the file is ours and stays mapped for the life of the communicator.
+            let map = unsafe { MmapMut::map_mut(&file) }.map_err(|e| fail(format!("mmap: {e}")))?;
+            let c = ShmComm::with_map(info, map, timeout);
+            c.word(W_WORLD).store(world_size as u64, Ordering::Relaxed);
+            c.word(W_SLOT).store(SLOT_BYTES as u64, Ordering::Relaxed);
+            c.rank_word(0, R_PID).store(std::process::id() as u64, Ordering::Relaxed);
+            c.word(W_MAGIC).store(MAGIC, Ordering::Release);
+            std::fs::rename(&tmp, &path).map_err(|e| fail(format!("publish: {e}")))?;
+            while c.word(W_ATTACHED).load(Ordering::Acquire) < world_size as u64 - 1 {
+                if start.elapsed() > timeout {
+                    let _ = std::fs::remove_file(&path);
+                    let missing: Vec<usize> = (1..world_size).filter(|&r| c.rank_word(r, R_PID).load(Ordering::Acquire) == 0).collect();
+                    return Err(fail(format!("ranks {missing:?} did not attach within {timeout:?} (comms_timeout)")));
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            // Every rank has it mapped: unlink now, so nothing outlives the processes.
+            std::fs::remove_file(&path).map_err(|e| fail(format!("unlink: {e}")))?;
+            c.barrier_op("rendezvous")?;
+            return Ok(c);
+        } else {
+            let file = loop {
+                match OpenOptions::new().read(true).write(true).open(&path) {
+                    Ok(f) if f.metadata().map(|m| m.len() as usize == total).unwrap_or(false) => break f,
+                    Ok(f) => {
+                        let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+                        if len as usize != total && len != 0 {
+                            return Err(fail(format!("segment has {len} bytes, expected {total}: is WORLD_SIZE the same on every rank?")));
+                        }
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                    Err(e) => return Err(fail(format!("open: {e}"))),
+                }
+                if start.elapsed() > timeout {
+                    return Err(fail(format!("rank 0 did not create the segment within {timeout:?} (comms_timeout)")));
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            };
+            // SAFETY: as above; the segment is shared by design and accessed through atomics and barriers.
+            unsafe { MmapMut::map_mut(&file) }.map_err(|e| fail(format!("mmap: {e}")))?
+        };
+        let c = ShmComm::with_map(info, map, timeout);
+        if c.word(W_MAGIC).load(Ordering::Acquire) != MAGIC || c.word(W_WORLD).load(Ordering::Relaxed) != world_size as u64 {
+            return Err(fail("the segment belongs to another job (magic or world size differ)".into()));
+        }
+        c.rank_word(rank, R_PID).store(std::process::id() as u64, Ordering::Relaxed);
+        c.word(W_ATTACHED).fetch_add(1, Ordering::AcqRel);
+        c.barrier_op("rendezvous")?;
+        Ok(c)
+    }
+
+    fn with_map(info: &RankInfo, map: MmapMut, timeout: Duration) -> ShmComm {
+        ShmComm {
+            rank: info.rank,
+            world_size: info.world_size,
+            group: info.run_id.clone(),
+            map,
+            slot_elems: SLOT_BYTES / 4,
+            seq: Cell::new(0),
+            timeout,
+        }
+    }
+
+    fn word(&self, i: usize) -> &AtomicU64 {
+        // SAFETY: the header is inside the mapping, 8-byte aligned, and only accessed atomically.
+        unsafe { &*(self.map.as_ptr().add(i * 8) as *const AtomicU64) }
+    }
+
+    fn rank_word(&self, rank: usize, i: usize) -> &AtomicU64 {
+        // SAFETY: as above.
+        unsafe { &*(self.map.as_ptr().add(RANKS_AT + rank * RANK_BLOCK + i * 8) as *const AtomicU64) }
+    }
+
+    /// Slot `k` (k = world_size is the result slot) as f32. Writers and readers are kept apart by barriers.
+    #[allow(clippy::mut_from_ref)]
+    fn slot(&self, k: usize) -> &mut [f32] {
+        // SAFETY: slots are disjoint regions of the mapping, 64 KiB aligned; who writes what between which
+        // barriers is fixed by each collective below.
+        unsafe { std::slice::from_raw_parts_mut(self.map.as_ptr().add(HEADER + k * SLOT_BYTES) as *mut f32, self.slot_elems) }
+    }
+
+    fn alive(pid: u64) -> bool {
+        // SAFETY: signal 0 only checks that the process exists.
+        pid == 0 || unsafe { libc::kill(pid as libc::pid_t, 0) } == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+    }
+
+    fn barrier_op(&self, op: &'static str) -> CommResult<()> {
+        let target = self.seq.get() + 1;
+        self.seq.set(target);
+        self.rank_word(self.rank, R_ARRIVE).store(target, Ordering::Release);
+        let start = Instant::now();
+        let mut spins = 0u32;
+        let mut next_check = Duration::from_millis(50);
+        loop {
+            if (0..self.world_size).all(|k| self.rank_word(k, R_ARRIVE).load(Ordering::Acquire) >= target) {
+                return Ok(());
+            }
+            spins += 1;
+            if spins < 64 {
+                std::hint::spin_loop();
+            } else if spins < 256 {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(50));
+            }
+            let waited = start.elapsed();
+            if waited >= next_check {
+                next_check = waited + Duration::from_millis(50);
+                for k in 0..self.world_size {
+                    let pid = self.rank_word(k, R_PID).load(Ordering::Acquire);
+                    if self.rank_word(k, R_ARRIVE).load(Ordering::Acquire) < target && !Self::alive(pid) {
+                        return Err(CommError::PeerDied { op, rank: self.rank, group: self.group.clone(), dead: k, pid: pid as u32, waited });
+                    }
+                }
+                if waited >= self.timeout {
+                    let missing = (0..self.world_size).filter(|&k| self.rank_word(k, R_ARRIVE).load(Ordering::Acquire) < target).collect();
+                    return Err(CommError::Timeout { op, rank: self.rank, missing, waited });
+                }
+            }
+        }
+    }
+
+    /// Publishes (op, len) and checks after a barrier that every rank called the same collective with the same size.
+    fn handshake(&self, op: &'static str, len: usize) -> CommResult<()> {
+        self.rank_word(self.rank, R_OP).store(op_code(op), Ordering::Relaxed);
+        self.rank_word(self.rank, R_LEN).store(len as u64, Ordering::Relaxed);
+        self.barrier_op(op)?;
+        let ops: Vec<u64> = (0..self.world_size).map(|k| self.rank_word(k, R_OP).load(Ordering::Relaxed)).collect();
+        let lens: Vec<usize> = (0..self.world_size).map(|k| self.rank_word(k, R_LEN).load(Ordering::Relaxed) as usize).collect();
+        let result = if ops.iter().any(|o| *o != ops[0]) {
+            let ops = ops.iter().map(|&o| OPS.get(o as usize - 1).copied().unwrap_or("?")).collect();
+            Err(CommError::OpMismatch { op, rank: self.rank, ops })
+        } else if lens.iter().any(|l| *l != lens[0]) {
+            Err(CommError::SizeMismatch { op, rank: self.rank, sizes: lens })
+        } else {
+            Ok(())
+        };
+        // Nobody rewrites its op and length before everyone has read them.
+        self.barrier_op(op)?;
+        result
+    }
+
+    fn parts(&self, op: &'static str, len: usize) -> CommResult<usize> {
+        if len % self.world_size != 0 {
+            return Err(CommError::BadArgument { op, rank: self.rank, what: format!("{len} elements do not split into {} equal parts", self.world_size) });
+        }
+        Ok(len / self.world_size)
+    }
+}
+
+impl Communicator for ShmComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    fn all_reduce(&self, buf: &mut [f32], op: ReduceOp) -> CommResult<()> {
+        const OP: &str = "all_reduce";
+        self.handshake(OP, buf.len())?;
+        let n = self.world_size;
+        for chunk in buf.chunks_mut(self.slot_elems) {
+            let l = chunk.len();
+            self.slot(self.rank)[..l].copy_from_slice(chunk);
+            self.barrier_op(OP)?;
+            // Rank r reduces segment r of every slot into the result slot.
+            let seg = (l * self.rank / n)..(l * (self.rank + 1) / n);
+            let parts: Vec<&[f32]> = (0..n).map(|k| &self.slot(k)[seg.clone()]).collect();
+            let result = &mut self.slot(n)[seg.clone()];
+            for (i, r) in result.iter_mut().enumerate() {
+                *r = combine(&parts, i, op);
+            }
+            self.barrier_op(OP)?;
+            chunk.copy_from_slice(&self.slot(n)[..l]);
+            self.barrier_op(OP)?;
+        }
+        Ok(())
+    }
+
+    fn reduce_scatter(&self, input: &[f32], output: &mut [f32], op: ReduceOp) -> CommResult<()> {
+        const OP: &str = "reduce_scatter";
+        let part = self.parts(OP, input.len())?;
+        if output.len() != part {
+            return Err(CommError::BadArgument { op: OP, rank: self.rank, what: format!("output has {} elements, expected {part}", output.len()) });
+        }
+        self.handshake(OP, input.len())?;
+        let n = self.world_size;
+        let q = self.slot_elems / n; // elements of each part per round
+        for a in (0..part).step_by(q.max(1)) {
+            let b = (a + q).min(part);
+            let slot = self.slot(self.rank);
+            for k in 0..n {
+                slot[k * q..k * q + (b - a)].copy_from_slice(&input[k * part + a..k * part + b]);
+            }
+            self.barrier_op(OP)?;
+            let r = self.rank;
+            let parts: Vec<&[f32]> = (0..n).map(|k| &self.slot(k)[r * q..r * q + (b - a)]).collect();
+            for (i, o) in output[a..b].iter_mut().enumerate() {
+                *o = combine(&parts, i, op);
+            }
+            self.barrier_op(OP)?;
+        }
+        Ok(())
+    }
+
+    fn all_gather_in_place(&self, buf: &mut [f32]) -> CommResult<()> {
+        const OP: &str = "all_gather";
+        let part = self.parts(OP, buf.len())?;
+        self.handshake(OP, buf.len())?;
+        let r = self.rank;
+        for a in (0..part).step_by(self.slot_elems) {
+            let b = (a + self.slot_elems).min(part);
+            self.slot(r)[..b - a].copy_from_slice(&buf[r * part + a..r * part + b]);
+            self.barrier_op(OP)?;
+            for k in (0..self.world_size).filter(|&k| k != r) {
+                buf[k * part + a..k * part + b].copy_from_slice(&self.slot(k)[..b - a]);
+            }
+            self.barrier_op(OP)?;
+        }
+        Ok(())
+    }
+
+    fn broadcast(&self, buf: &mut [f32], root: usize) -> CommResult<()> {
+        const OP: &str = "broadcast";
+        if root >= self.world_size {
+            return Err(CommError::BadArgument { op: OP, rank: self.rank, what: format!("root {root} is not a rank of {}", self.world_size) });
+        }
+        self.handshake(OP, buf.len())?;
+        for chunk in buf.chunks_mut(self.slot_elems) {
+            if self.rank == root {
+                self.slot(root)[..chunk.len()].copy_from_slice(chunk);
+            }
+            self.barrier_op(OP)?;
+            if self.rank != root {
+                chunk.copy_from_slice(&self.slot(root)[..chunk.len()]);
+            }
+            self.barrier_op(OP)?;
+        }
+        Ok(())
+    }
+
+    fn barrier(&self) -> CommResult<()> {
+        self.barrier_op("barrier")
+    }
+}

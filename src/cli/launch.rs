@@ -1,0 +1,226 @@
+//! `zerorun launch --nproc-per-node N [--master-addr A] [--master-port P] [--backend B] -- PROGRAM ARGS...`
+//!
+//! Starts N ranks as child processes with torchrun's variables, prefixes their output with the rank, shares the
+//! cores among them, forwards SIGINT/SIGTERM, and when one rank fails stops the others within 5 seconds and exits
+//! non-zero naming the rank, how it ended and its last lines.
+use std::collections::VecDeque;
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use clap::Args;
+
+use super::CliError;
+
+#[derive(Args)]
+pub struct LaunchArgs {
+    /// Ranks to start on this host.
+    #[arg(long)]
+    pub nproc_per_node: usize,
+    #[arg(long, default_value = "127.0.0.1")]
+    pub master_addr: String,
+    /// Default: a free port.
+    #[arg(long)]
+    pub master_port: Option<u16>,
+    /// How the ranks communicate: shm (shared memory, the default) or threads (the program runs its own ranks).
+    #[arg(long, default_value = "shm")]
+    pub backend: String,
+    /// The program and its arguments.
+    #[arg(last = true, required = true)]
+    pub command: Vec<String>,
+}
+
+/// Lines of each rank's output kept for the failure report.
+const TAIL: usize = 10;
+/// After one rank fails, the others get this long to fail on their own (they detect the dead peer), then SIGTERM,
+/// then SIGKILL after as long again: at most 5 seconds in all.
+const GRACE: Duration = Duration::from_millis(1500);
+
+struct Rank {
+    child: Child,
+    tail: Arc<Mutex<VecDeque<String>>>,
+    status: Option<ExitStatus>,
+}
+
+fn describe(status: ExitStatus) -> String {
+    match (status.code(), status.signal()) {
+        (Some(c), _) => format!("exited with status {c}"),
+        (None, Some(s)) => format!("was killed by signal {s} ({})", signal_name(s)),
+        _ => "ended".into(),
+    }
+}
+
+fn signal_name(s: i32) -> &'static str {
+    match s {
+        libc::SIGKILL => "SIGKILL",
+        libc::SIGTERM => "SIGTERM",
+        libc::SIGINT => "SIGINT",
+        libc::SIGSEGV => "SIGSEGV",
+        libc::SIGABRT => "SIGABRT",
+        libc::SIGBUS => "SIGBUS",
+        _ => "signal",
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).unwrap_or(29500)
+}
+
+/// Copies a child's stream to ours line by line with a `[rank R]` prefix, keeping the last lines.
+fn pump(rank: usize, stream: impl std::io::Read + Send + 'static, to_stderr: bool, tail: Arc<Mutex<VecDeque<String>>>) {
+    std::thread::spawn(move || {
+        for line in BufReader::new(stream).lines() {
+            let Ok(line) = line else { break };
+            let text = format!("[rank {rank}] {line}");
+            if to_stderr {
+                let _ = writeln!(std::io::stderr().lock(), "{text}");
+            } else {
+                let _ = writeln!(std::io::stdout().lock(), "{text}");
+            }
+            let mut t = tail.lock().unwrap_or_else(|p| p.into_inner());
+            if t.len() == TAIL {
+                t.pop_front();
+            }
+            t.push_back(line);
+        }
+    });
+}
+
+fn signal_group(child: &Child, sig: i32) {
+    // Each rank leads its own process group, so its children (a shell's `sleep`, say) get the signal too.
+    // SAFETY: plain kill(2) on a pid we started.
+    unsafe { libc::kill(-(child.id() as libc::pid_t), sig) };
+}
+
+pub fn run(args: LaunchArgs) -> Result<(), CliError> {
+    let n = args.nproc_per_node;
+    if n == 0 {
+        return Err(CliError::Usage("--nproc-per-node must be >= 1".into()));
+    }
+    if !matches!(args.backend.as_str(), "shm" | "threads") {
+        return Err(CliError::Usage(format!("--backend {:?}: this build has shm and threads", args.backend)));
+    }
+    let port = args.master_port.unwrap_or_else(free_port);
+    let run_id = format!("{}-{}", std::process::id(), std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
+    let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+    let threads = (cores / n).max(1).to_string();
+    let stop = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(sig, stop.clone()).map_err(|e| CliError::Io { context: "installing signal handlers".into(), source: e })?;
+    }
+
+    let mut ranks = Vec::with_capacity(n);
+    for rank in 0..n {
+        let mut cmd = Command::new(&args.command[0]);
+        cmd.args(&args.command[1..])
+            .env("RANK", rank.to_string())
+            .env("LOCAL_RANK", rank.to_string())
+            .env("WORLD_SIZE", n.to_string())
+            .env("LOCAL_WORLD_SIZE", n.to_string())
+            .env("GROUP_RANK", "0")
+            .env("MASTER_ADDR", &args.master_addr)
+            .env("MASTER_PORT", port.to_string())
+            .env("ZERORUN_BACKEND", &args.backend)
+            .env("ZERORUN_RUN_ID", &run_id)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0);
+        // Share the cores among the ranks unless the user chose.
+        for var in ["OMP_NUM_THREADS", "RAYON_NUM_THREADS", "MKL_NUM_THREADS"] {
+            if std::env::var_os(var).is_none() {
+                cmd.env(var, &threads);
+            }
+        }
+        let mut child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(e) => {
+                for r in &ranks {
+                    let r: &Rank = r;
+                    signal_group(&r.child, libc::SIGKILL);
+                }
+                return Err(CliError::Io { context: format!("starting rank {rank} ({})", args.command[0]), source: e });
+            }
+        };
+        let tail = Arc::new(Mutex::new(VecDeque::new()));
+        pump(rank, child.stdout.take().expect("piped"), false, tail.clone());
+        pump(rank, child.stderr.take().expect("piped"), true, tail.clone());
+        ranks.push(Rank { child, tail, status: None });
+    }
+
+    let mut failed: Option<(usize, ExitStatus, Instant)> = None;
+    let mut forwarded = false;
+    let mut termed = false;
+    loop {
+        for (i, r) in ranks.iter_mut().enumerate() {
+            if r.status.is_none() {
+                if let Ok(Some(s)) = r.child.try_wait() {
+                    r.status = Some(s);
+                    if !s.success() && failed.is_none() {
+                        failed = Some((i, s, Instant::now()));
+                    }
+                }
+            }
+        }
+        if ranks.iter().all(|r| r.status.is_some()) {
+            break;
+        }
+        if stop.load(Ordering::Relaxed) && !forwarded {
+            forwarded = true;
+            for r in ranks.iter().filter(|r| r.status.is_none()) {
+                signal_group(&r.child, libc::SIGTERM);
+            }
+        }
+        if let Some((_, _, at)) = failed {
+            if !termed && at.elapsed() >= GRACE {
+                termed = true;
+                for r in ranks.iter().filter(|r| r.status.is_none()) {
+                    signal_group(&r.child, libc::SIGTERM);
+                }
+            }
+            if at.elapsed() >= 2 * GRACE {
+                for r in ranks.iter().filter(|r| r.status.is_none()) {
+                    signal_group(&r.child, libc::SIGKILL);
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // A rank killed before the rendezvous finished can leave its segment behind; nothing else can.
+    let segment = zerorun::runtime::comm::shm::segment_path(&run_id);
+    let _ = std::fs::remove_file(&segment);
+    if let Ok(entries) = std::fs::read_dir("/dev/shm") {
+        let prefix = format!("{}.tmp-", segment.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default());
+        for e in entries.flatten() {
+            if e.file_name().to_string_lossy().starts_with(&prefix) {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+    }
+    std::thread::sleep(Duration::from_millis(50)); // let the pumps flush the last lines
+    if let Some((rank, status, _)) = failed {
+        let tail = ranks[rank].tail.lock().unwrap_or_else(|p| p.into_inner());
+        let last: Vec<String> = tail.iter().map(|l| format!("  {l}")).collect();
+        let others: Vec<String> = ranks
+            .iter()
+            .enumerate()
+            .filter(|(i, r)| *i != rank && r.status.is_some_and(|s| !s.success()))
+            .map(|(i, r)| format!("rank {i} {}", describe(r.status.expect("reaped"))))
+            .collect();
+        let mut msg = format!("rank {rank} {}", describe(status));
+        if !others.is_empty() {
+            msg += &format!("; then {}", others.join(", "));
+        }
+        if !last.is_empty() {
+            msg += &format!("\nlast lines of rank {rank}:\n{}", last.join("\n"));
+        }
+        return Err(CliError::Usage(msg));
+    }
+    if forwarded {
+        return Err(CliError::Usage("stopped by a signal; every rank was asked to stop".into()));
+    }
+    Ok(())
+}
