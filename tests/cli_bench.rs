@@ -19,3 +19,21 @@ fn bench_adam_json_lines_have_the_documented_keys() {
     assert!(!bad.status.success());
     assert_eq!(String::from_utf8_lossy(&bad.stderr).trim(), "error: --params must be >= 1");
 }
+
+#[test]
+fn bench_comm_json_lines_cover_every_op_and_memcpy() {
+    for backend in ["shm", "threads"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_zerorun"))
+            .args(["bench", "comm", "--backend", backend, "--max-bytes", "65536", "--repeats", "1", "--json"])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{backend}: {}", String::from_utf8_lossy(&out.stderr));
+        let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        for op in ["all_reduce", "reduce_scatter", "all_gather"] {
+            let sizes: Vec<u64> = rows.iter().filter(|r| r["op"] == op).map(|r| r["bytes"].as_u64().unwrap()).collect();
+            assert_eq!(sizes, vec![4096, 16384, 65536], "{backend} {op}");
+            assert!(rows.iter().filter(|r| r["op"] == op).all(|r| r["ranks"] == 2 && r["busbw_gbps"].as_f64().unwrap() > 0.0));
+        }
+        assert!(rows.last().unwrap()["memcpy_gbps"].as_f64().unwrap() > 0.0);
+    }
+}

@@ -101,12 +101,16 @@ fn segments() -> Vec<String> {
 }
 
 #[test]
-fn shm_conformance_at_world_sizes_1_to_4() {
+fn shm_conformance_at_world_sizes_1_to_4_direct_and_staged() {
     let dir = std::env::temp_dir();
-    for n in 1..=4 {
-        let out = launch(n, "conformance", &dir).output().unwrap();
+    for (n, staged) in [(1, false), (2, false), (3, false), (4, false), (2, true), (3, true)] {
+        let mut cmd = launch(n, "conformance", &dir);
+        if staged {
+            cmd.env("ZERORUN_SHM_STAGING", "1");
+        }
+        let out = cmd.output().unwrap();
         let text = String::from_utf8_lossy(&out.stdout);
-        assert!(out.status.success(), "world size {n}:\n{text}\n{}", String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success(), "world size {n} (staged {staged}):\n{text}\n{}", String::from_utf8_lossy(&out.stderr));
         for r in 0..n {
             assert!(text.contains(&format!("conformance ok on rank {r}")), "world size {n}, rank {r}:\n{text}");
         }

@@ -24,11 +24,33 @@ pub enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Bus bandwidth of all_reduce, reduce_scatter and all_gather (nccl-tests formulas) beside a single-core memcpy.
+    Comm {
+        /// shm (rank processes over shared memory) or threads (rank threads in this process).
+        #[arg(long, default_value = "shm")]
+        backend: String,
+        #[arg(long, default_value_t = 2)]
+        ranks: usize,
+        /// Largest message, bytes (from 4 KiB up by factors of 4).
+        #[arg(long, default_value_t = 256 << 20)]
+        max_bytes: usize,
+        #[arg(long, default_value_t = 5)]
+        repeats: usize,
+        /// One JSON object per line.
+        #[arg(long)]
+        json: bool,
+        /// Internal: run as one rank of the benchmark (set by the benchmark itself).
+        #[arg(long, hide = true)]
+        worker: bool,
+    },
 }
 
 pub fn run(command: BenchCommand) -> Result<(), CliError> {
     match command {
         BenchCommand::Adam { params, repeats, json } => bench_adam(params, repeats.max(1), json),
+        BenchCommand::Comm { backend, ranks, max_bytes, repeats, json, worker } => {
+            super::bench_comm::run(&backend, ranks, max_bytes, repeats.max(1), json, worker)
+        }
     }
 }
 

@@ -1,5 +1,6 @@
 //! One module per subcommand; each returns a typed error that `main` renders once.
 pub mod bench;
+pub mod bench_comm;
 pub mod config;
 pub mod launch;
 

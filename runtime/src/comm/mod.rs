@@ -3,6 +3,7 @@
 //! Backends: [`threads`] (ranks as threads of one process) and [`shm`] (ranks as processes on one host, through
 //! shared memory). [`env`] reads the rank and world size from the variables `zerorun launch` or torchrun set. Every blocking wait has a timeout
 //! (`comms_timeout`), and a departed peer is an error on every surviving rank, never a hang.
+mod cma;
 pub mod env;
 pub mod shm;
 pub mod threads;
@@ -54,18 +55,20 @@ pub trait Communicator: Send {
     fn barrier(&self) -> CommResult<()>;
 }
 
-/// Element `i` of the combination of `parts` under `op` (`Avg` divides the sum by the number of ranks).
-#[inline]
-pub(crate) fn combine(parts: &[&[f32]], i: usize, op: ReduceOp) -> f32 {
-    match op {
-        ReduceOp::Sum | ReduceOp::Avg => {
-            let s: f32 = parts.iter().map(|p| p[i]).sum();
-            if op == ReduceOp::Avg {
-                s / parts.len() as f32
-            } else {
-                s
-            }
+/// Writes the combination of `parts` under `op` into `dst` (all the same length), in rank order, with loops that
+/// vectorize (`Avg` divides the sum by the number of parts).
+pub(crate) fn reduce_into(dst: &mut [f32], parts: &[&[f32]], op: ReduceOp) {
+    let n = dst.len();
+    dst.copy_from_slice(&parts[0][..n]);
+    for p in &parts[1..] {
+        let p = &p[..n];
+        match op {
+            ReduceOp::Sum | ReduceOp::Avg => dst.iter_mut().zip(p).for_each(|(d, x)| *d += x),
+            ReduceOp::Max => dst.iter_mut().zip(p).for_each(|(d, x)| *d = d.max(*x)),
         }
-        ReduceOp::Max => parts.iter().map(|p| p[i]).fold(f32::NEG_INFINITY, f32::max),
+    }
+    if op == ReduceOp::Avg {
+        let k = parts.len() as f32;
+        dst.iter_mut().for_each(|d| *d /= k);
     }
 }

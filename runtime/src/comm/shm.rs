@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use memmap2::MmapMut;
 
 use super::env::RankInfo;
-use super::{combine, CommError, CommResult, Communicator, ReduceOp};
+use super::{reduce_into, CommError, CommResult, Communicator, ReduceOp};
 
 const MAGIC: u64 = 0x5a45_524f_5255_4e31; // "ZERORUN1"
 const HEADER: usize = 64 * 1024;
@@ -37,6 +37,12 @@ const R_ARRIVE: usize = 0;
 const R_PID: usize = 1;
 const R_OP: usize = 2;
 const R_LEN: usize = 3;
+/// Address of the rank's buffer in the current collective (for direct reads).
+const R_ADDR: usize = 4;
+/// Result of the direct-read probe: 1 = could read every peer, 2 = could not.
+const R_DIRECT: usize = 5;
+/// Elements reduced at a time in the direct path (256 KiB: the chunk and its scratch stay in L2).
+const REDUCE_CHUNK: usize = 64 * 1024;
 
 const OPS: [&str; 5] = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier"];
 
@@ -54,6 +60,10 @@ pub struct ShmComm {
     /// Barriers this rank has entered (its arrival counter).
     seq: Cell<u64>,
     timeout: Duration,
+    /// Ranks read each other's buffers directly (cross-memory attach) instead of staging through the slots.
+    direct: bool,
+    /// Scratch of the direct reduction: an accumulator and a landing buffer, REDUCE_CHUNK each, reused.
+    scratch: std::cell::RefCell<Vec<f32>>,
 }
 
 /// `/dev/shm/zerorun-<run id>` with anything but letters, digits, '-' and '.' replaced.
@@ -74,6 +84,7 @@ impl ShmComm {
         }
         let total = HEADER + (world_size + 1) * SLOT_BYTES;
         let start = Instant::now();
+        super::cma::allow_peers_to_read();
         let map = if rank == 0 {
             // Written under a temporary name and renamed, so no rank ever maps a half-initialised segment.
             let tmp = PathBuf::from(format!("{}.tmp-{}", path.display(), std::process::id()));
@@ -97,7 +108,9 @@ impl ShmComm {
             }
             // Every rank has it mapped: unlink now, so nothing outlives the processes.
             std::fs::remove_file(&path).map_err(|e| fail(format!("unlink: {e}")))?;
+            let mut c = c;
             c.barrier_op("rendezvous")?;
+            c.probe_direct()?;
             return Ok(c);
         } else {
             let file = loop {
@@ -126,7 +139,9 @@ impl ShmComm {
         }
         c.rank_word(rank, R_PID).store(std::process::id() as u64, Ordering::Relaxed);
         c.word(W_ATTACHED).fetch_add(1, Ordering::AcqRel);
+        let mut c = c;
         c.barrier_op("rendezvous")?;
+        c.probe_direct()?;
         Ok(c)
     }
 
@@ -139,7 +154,85 @@ impl ShmComm {
             slot_elems: SLOT_BYTES / 4,
             seq: Cell::new(0),
             timeout,
+            direct: false,
+            scratch: std::cell::RefCell::new(Vec::new()),
         }
+    }
+
+    /// Whether collectives read peers' buffers directly (one copy) rather than through the staging slots.
+    pub fn is_direct(&self) -> bool {
+        self.direct
+    }
+
+    /// Every rank tries to read every other; direct reads are used only if all succeed.
+    fn probe_direct(&mut self) -> CommResult<()> {
+        if std::env::var("ZERORUN_SHM_STAGING").is_ok() {
+            return Ok(());
+        }
+        self.rank_word(self.rank, R_ADDR).store(&super::cma::PROBE as *const u64 as u64, Ordering::Relaxed);
+        self.barrier_op("rendezvous")?;
+        let ok = (0..self.world_size).filter(|&k| k != self.rank).all(|k| {
+            let pid = self.rank_word(k, R_PID).load(Ordering::Relaxed) as u32;
+            let addr = self.rank_word(k, R_ADDR).load(Ordering::Relaxed) as usize;
+            let mut v = [0f32; 2];
+            super::cma::read(pid, addr, &mut v).is_ok() && u64::from(v[0].to_bits()) | (u64::from(v[1].to_bits()) << 32) == super::cma::PROBE
+        });
+        self.rank_word(self.rank, R_DIRECT).store(if ok { 1 } else { 2 }, Ordering::Relaxed);
+        self.barrier_op("rendezvous")?;
+        self.direct = (0..self.world_size).all(|k| self.rank_word(k, R_DIRECT).load(Ordering::Relaxed) == 1);
+        tracing::debug!(rank = self.rank, direct = self.direct, "shm backend ready");
+        Ok(())
+    }
+
+    /// Reads `dst.len()` elements at element offset `offset` of rank `k`'s buffer in this collective.
+    fn read_peer(&self, op: &'static str, k: usize, offset: usize, dst: &mut [f32]) -> CommResult<()> {
+        let pid = self.rank_word(k, R_PID).load(Ordering::Relaxed);
+        let addr = self.rank_word(k, R_ADDR).load(Ordering::Relaxed) as usize + offset * 4;
+        super::cma::read(pid as u32, addr, dst).map_err(|e| {
+            if e.raw_os_error() == Some(libc::ESRCH) {
+                CommError::PeerDied { op, rank: self.rank, group: self.group.clone(), dead: k, pid: pid as u32, waited: Duration::ZERO }
+            } else {
+                CommError::BadArgument { op, rank: self.rank, what: format!("reading rank {k}'s buffer: {e}") }
+            }
+        })
+    }
+
+    /// Combines, in rank order, elements `range` of every rank's buffer (`local` is this rank's) and hands each
+    /// finished chunk to `emit(offset in range, values)`. A chunk of `local` is read before it is emitted, so
+    /// `emit` may overwrite that chunk of `local`.
+    fn reduce_direct(&self, op: &'static str, range: std::ops::Range<usize>, local: *const f32, how: ReduceOp, mut emit: impl FnMut(usize, &[f32])) -> CommResult<()> {
+        let mut scratch = self.scratch.borrow_mut();
+        if scratch.len() < 2 * REDUCE_CHUNK {
+            scratch.resize(2 * REDUCE_CHUNK, 0.0);
+        }
+        let (acc, tmp) = scratch.split_at_mut(REDUCE_CHUNK);
+        for a in (range.start..range.end).step_by(REDUCE_CHUNK) {
+            let b = (a + REDUCE_CHUNK).min(range.end);
+            let (acc, tmp) = (&mut acc[..b - a], &mut tmp[..b - a]);
+            for k in 0..self.world_size {
+                let part: &[f32] = if k == self.rank {
+                    // SAFETY: `local` holds at least range.end elements; this chunk is not written until `emit`.
+                    unsafe { std::slice::from_raw_parts(local.add(a), b - a) }
+                } else {
+                    self.read_peer(op, k, a, tmp)?;
+                    tmp
+                };
+                if k == 0 {
+                    acc.copy_from_slice(part);
+                } else {
+                    match how {
+                        ReduceOp::Sum | ReduceOp::Avg => acc.iter_mut().zip(part).for_each(|(d, x)| *d += x),
+                        ReduceOp::Max => acc.iter_mut().zip(part).for_each(|(d, x)| *d = d.max(*x)),
+                    }
+                }
+            }
+            if how == ReduceOp::Avg {
+                let n = self.world_size as f32;
+                acc.iter_mut().for_each(|d| *d /= n);
+            }
+            emit(a - range.start, acc);
+        }
+        Ok(())
     }
 
     fn word(&self, i: usize) -> &AtomicU64 {
@@ -202,7 +295,8 @@ impl ShmComm {
     }
 
     /// Publishes (op, len) and checks after a barrier that every rank called the same collective with the same size.
-    fn handshake(&self, op: &'static str, len: usize) -> CommResult<()> {
+    fn handshake(&self, op: &'static str, len: usize, addr: *const f32) -> CommResult<()> {
+        self.rank_word(self.rank, R_ADDR).store(addr as u64, Ordering::Relaxed);
         self.rank_word(self.rank, R_OP).store(op_code(op), Ordering::Relaxed);
         self.rank_word(self.rank, R_LEN).store(len as u64, Ordering::Relaxed);
         self.barrier_op(op)?;
@@ -240,18 +334,35 @@ impl Communicator for ShmComm {
 
     fn all_reduce(&self, buf: &mut [f32], op: ReduceOp) -> CommResult<()> {
         const OP: &str = "all_reduce";
-        self.handshake(OP, buf.len())?;
+        self.handshake(OP, buf.len(), buf.as_ptr())?;
         let n = self.world_size;
+        if self.direct {
+            // Reduce-scatter: rank r combines segment r of every buffer into its own (peers read only other
+            // segments of ours meanwhile); then all-gather: read every other segment from its owner.
+            let len = buf.len();
+            let seg = |k: usize| (len * k / n)..(len * (k + 1) / n);
+            let mine = seg(self.rank);
+            let base = buf.as_mut_ptr();
+            self.reduce_direct(OP, mine.clone(), base, op, |off, vals| {
+                // SAFETY: inside our own buffer; that chunk was read before it is overwritten.
+                unsafe { std::ptr::copy_nonoverlapping(vals.as_ptr(), base.add(mine.start + off), vals.len()) }
+            })?;
+            self.barrier_op(OP)?;
+            for k in (0..n).filter(|&k| k != self.rank) {
+                let s = seg(k);
+                self.read_peer(OP, k, s.start, &mut buf[s])?;
+            }
+            return self.barrier_op(OP);
+        }
         for chunk in buf.chunks_mut(self.slot_elems) {
             let l = chunk.len();
             self.slot(self.rank)[..l].copy_from_slice(chunk);
             self.barrier_op(OP)?;
             // Rank r reduces segment r of every slot into the result slot.
             let seg = (l * self.rank / n)..(l * (self.rank + 1) / n);
-            let parts: Vec<&[f32]> = (0..n).map(|k| &self.slot(k)[seg.clone()]).collect();
-            let result = &mut self.slot(n)[seg.clone()];
-            for (i, r) in result.iter_mut().enumerate() {
-                *r = combine(&parts, i, op);
+            if !seg.is_empty() {
+                let parts: Vec<&[f32]> = (0..n).map(|k| &self.slot(k)[seg.clone()]).collect();
+                reduce_into(&mut self.slot(n)[seg.clone()], &parts, op);
             }
             self.barrier_op(OP)?;
             chunk.copy_from_slice(&self.slot(n)[..l]);
@@ -266,8 +377,13 @@ impl Communicator for ShmComm {
         if output.len() != part {
             return Err(CommError::BadArgument { op: OP, rank: self.rank, what: format!("output has {} elements, expected {part}", output.len()) });
         }
-        self.handshake(OP, input.len())?;
+        self.handshake(OP, input.len(), input.as_ptr())?;
         let n = self.world_size;
+        if self.direct {
+            let r = self.rank;
+            self.reduce_direct(OP, r * part..(r + 1) * part, input.as_ptr(), op, |off, vals| output[off..off + vals.len()].copy_from_slice(vals))?;
+            return self.barrier_op(OP);
+        }
         let q = self.slot_elems / n; // elements of each part per round
         for a in (0..part).step_by(q.max(1)) {
             let b = (a + q).min(part);
@@ -278,9 +394,7 @@ impl Communicator for ShmComm {
             self.barrier_op(OP)?;
             let r = self.rank;
             let parts: Vec<&[f32]> = (0..n).map(|k| &self.slot(k)[r * q..r * q + (b - a)]).collect();
-            for (i, o) in output[a..b].iter_mut().enumerate() {
-                *o = combine(&parts, i, op);
-            }
+            reduce_into(&mut output[a..b], &parts, op);
             self.barrier_op(OP)?;
         }
         Ok(())
@@ -289,8 +403,14 @@ impl Communicator for ShmComm {
     fn all_gather_in_place(&self, buf: &mut [f32]) -> CommResult<()> {
         const OP: &str = "all_gather";
         let part = self.parts(OP, buf.len())?;
-        self.handshake(OP, buf.len())?;
+        self.handshake(OP, buf.len(), buf.as_ptr())?;
         let r = self.rank;
+        if self.direct {
+            for k in (0..self.world_size).filter(|&k| k != r) {
+                self.read_peer(OP, k, k * part, &mut buf[k * part..(k + 1) * part])?;
+            }
+            return self.barrier_op(OP);
+        }
         for a in (0..part).step_by(self.slot_elems) {
             let b = (a + self.slot_elems).min(part);
             self.slot(r)[..b - a].copy_from_slice(&buf[r * part + a..r * part + b]);
@@ -308,7 +428,13 @@ impl Communicator for ShmComm {
         if root >= self.world_size {
             return Err(CommError::BadArgument { op: OP, rank: self.rank, what: format!("root {root} is not a rank of {}", self.world_size) });
         }
-        self.handshake(OP, buf.len())?;
+        self.handshake(OP, buf.len(), buf.as_ptr())?;
+        if self.direct {
+            if self.rank != root && !buf.is_empty() {
+                self.read_peer(OP, root, 0, buf)?;
+            }
+            return self.barrier_op(OP);
+        }
         for chunk in buf.chunks_mut(self.slot_elems) {
             if self.rank == root {
                 self.slot(root)[..chunk.len()].copy_from_slice(chunk);

@@ -6,7 +6,7 @@
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use super::{combine, CommError, CommResult, Communicator, ReduceOp};
+use super::{reduce_into, CommError, CommResult, Communicator, ReduceOp};
 
 struct State {
     /// Barrier generation and arrivals in the current one.
@@ -136,10 +136,11 @@ impl Communicator for ThreadComm {
         let n = buf.len();
         let seg = |r: usize| (n * r / self.world_size)..(n * (r + 1) / self.world_size);
         let mine = seg(self.rank);
-        let reduced: Vec<f32> = {
+        let mut reduced = vec![0f32; mine.len()];
+        if !reduced.is_empty() {
             let parts: Vec<&[f32]> = slots.iter().map(|s| unsafe { &Self::view(*s)[mine.clone()] }).collect();
-            (0..mine.len()).map(|i| combine(&parts, i, op)).collect()
-        };
+            reduce_into(&mut reduced, &parts, op);
+        }
         self.barrier_op(OP)?;
         for s in &slots {
             // SAFETY: segment `mine` of every buffer is written by this rank only, between the two barriers.
@@ -160,9 +161,9 @@ impl Communicator for ThreadComm {
         let slots = self.exchange(OP, input.as_ptr() as usize, input.len())?;
         self.check_sizes(OP, &slots)?;
         let r = self.rank * part..(self.rank + 1) * part;
-        let parts: Vec<&[f32]> = slots.iter().map(|s| unsafe { &Self::view(*s)[r.clone()] }).collect();
-        for (i, o) in output.iter_mut().enumerate() {
-            *o = combine(&parts, i, op);
+        if part > 0 {
+            let parts: Vec<&[f32]> = slots.iter().map(|s| unsafe { &Self::view(*s)[r.clone()] }).collect();
+            reduce_into(output, &parts, op);
         }
         self.barrier_op(OP)
     }

@@ -1,0 +1,142 @@
+//! `zerorun bench comm`: bus bandwidth of the collectives, measured by ranks the command starts itself (processes
+//! through `zerorun launch` for shm, threads for the threads backend), beside a single-core memcpy.
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use zerorun::runtime::comm::env::communicator_from_env;
+use zerorun::runtime::comm::{threads, Communicator, ReduceOp};
+
+use super::{emit, CliError};
+
+const OPS: [&str; 3] = ["all_reduce", "reduce_scatter", "all_gather"];
+
+fn sizes(max_bytes: usize) -> Vec<usize> {
+    std::iter::successors(Some(4096usize), |b| Some(b * 4)).take_while(|b| *b <= max_bytes.max(4096)).collect()
+}
+
+/// nccl-tests: algbw = S / t with S the full array; busbw = algbw * 2(n-1)/n for all-reduce, * (n-1)/n for
+/// reduce-scatter and all-gather.
+fn busbw(op: &str, bytes: usize, ranks: usize, secs: f64) -> f64 {
+    let algbw = bytes as f64 / secs / 1e9;
+    let n = ranks as f64;
+    if op == "all_reduce" {
+        algbw * 2.0 * (n - 1.0) / n
+    } else {
+        algbw * (n - 1.0) / n
+    }
+}
+
+/// Median seconds of one collective on this rank (rank 0's view is reported).
+fn measure(c: &dyn Communicator, op: &str, bytes: usize, repeats: usize) -> Result<f64, CliError> {
+    let n = c.world_size();
+    let elems = (bytes / 4 / n).max(1) * n;
+    let mut buf = vec![1.0f32; elems];
+    let mut out = vec![0f32; elems / n];
+    let fail = |e: zerorun::runtime::comm::CommError| CliError::Usage(e.to_string());
+    let mut times = Vec::with_capacity(repeats);
+    for rep in 0..=repeats {
+        c.barrier().map_err(fail)?;
+        let t = Instant::now();
+        match op {
+            "all_reduce" => c.all_reduce(&mut buf, ReduceOp::Sum).map_err(fail)?,
+            "reduce_scatter" => c.reduce_scatter(&buf, &mut out, ReduceOp::Sum).map_err(fail)?,
+            _ => c.all_gather_in_place(&mut buf).map_err(fail)?,
+        }
+        if rep > 0 {
+            times.push(t.elapsed().as_secs_f64());
+        }
+        if op == "all_reduce" {
+            buf.iter_mut().for_each(|x| *x = 1.0); // keep values finite across repeats
+        }
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[times.len() / 2])
+}
+
+/// Single-core memcpy bandwidth (bytes copied per second), best of `repeats` over 256 MiB.
+fn memcpy_gbps(repeats: usize) -> f64 {
+    let n = 64 << 20;
+    let src = vec![1.0f32; n];
+    let mut dst = vec![0.0f32; n];
+    let best = (0..=repeats)
+        .map(|_| {
+            let t = Instant::now();
+            dst.copy_from_slice(&src);
+            std::hint::black_box(&dst);
+            t.elapsed().as_secs_f64()
+        })
+        .fold(f64::MAX, f64::min);
+    (n * 4) as f64 / best / 1e9
+}
+
+/// Every measurement of one rank; rank 0 prints them.
+fn rank_main(c: &dyn Communicator, max_bytes: usize, repeats: usize, json: bool) -> Result<(), CliError> {
+    let rows: Vec<(&str, usize, f64)> = {
+        let mut rows = Vec::new();
+        for op in OPS {
+            for bytes in sizes(max_bytes) {
+                let secs = measure(c, op, bytes, repeats)?;
+                rows.push((op, bytes, busbw(op, bytes, c.world_size(), secs)));
+            }
+        }
+        rows
+    };
+    if c.rank() != 0 {
+        return Ok(());
+    }
+    for (op, bytes, bw) in rows {
+        if json {
+            emit(&serde_json::json!({"op": op, "bytes": bytes, "ranks": c.world_size(), "busbw_gbps": bw}).to_string())?;
+        } else {
+            emit(&format!("{op:>15} {bytes:>12} B  busbw {bw:>7.2} GB/s"))?;
+        }
+    }
+    Ok(())
+}
+
+pub fn run(backend: &str, ranks: usize, max_bytes: usize, repeats: usize, json: bool, worker: bool) -> Result<(), CliError> {
+    if ranks < 2 {
+        return Err(CliError::Usage("--ranks must be >= 2".into()));
+    }
+    if worker {
+        let c = communicator_from_env(Duration::from_secs(600)).map_err(|e| CliError::Usage(e.to_string()))?;
+        return rank_main(c.as_ref(), max_bytes, repeats, json);
+    }
+    let memcpy = memcpy_gbps(repeats);
+    if !json {
+        emit(&format!("# {backend}, {ranks} ranks; single-core memcpy {memcpy:.2} GB/s"))?;
+    }
+    match backend {
+        "threads" => {
+            let comms = threads::group(ranks, Duration::from_secs(600));
+            let results: Vec<Result<(), CliError>> = std::thread::scope(|s| {
+                let hs: Vec<_> = comms.into_iter().map(|c| s.spawn(move || rank_main(&c, max_bytes, repeats, json))).collect();
+                hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(CliError::Usage("a rank panicked".into())))).collect()
+            });
+            results.into_iter().collect::<Result<Vec<()>, CliError>>()?;
+        }
+        "shm" => {
+            let me = std::env::current_exe().map_err(|e| CliError::Io { context: "finding zerorun".into(), source: e })?;
+            let mut cmd = Command::new(&me);
+            cmd.args(["launch", "--nproc-per-node", &ranks.to_string(), "--"]).arg(&me);
+            cmd.args(["bench", "comm", "--worker", "--backend", backend, "--ranks", &ranks.to_string()]);
+            cmd.args(["--max-bytes", &max_bytes.to_string(), "--repeats", &repeats.to_string()]);
+            if json {
+                cmd.arg("--json");
+            }
+            let out = cmd.stderr(Stdio::inherit()).output().map_err(|e| CliError::Io { context: "starting the ranks".into(), source: e })?;
+            let text = String::from_utf8_lossy(&out.stdout);
+            for line in text.lines() {
+                emit(line.strip_prefix("[rank 0] ").unwrap_or(line))?;
+            }
+            if !out.status.success() {
+                return Err(CliError::Usage("the benchmark's ranks failed (see above)".into()));
+            }
+        }
+        other => return Err(CliError::Usage(format!("--backend {other:?}: this build has shm and threads"))),
+    }
+    if json {
+        emit(&serde_json::json!({"memcpy_gbps": memcpy}).to_string())?;
+    }
+    Ok(())
+}
