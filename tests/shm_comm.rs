@@ -6,7 +6,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use zerorun::runtime::comm::env::communicator_from_env;
-use zerorun::runtime::comm::{Communicator, ReduceOp};
+use zerorun::runtime::comm::{Collectives, Communicator, Element, ReduceOp};
 
 fn input(rank: usize, n: usize, salt: usize) -> Vec<f32> {
     (0..n).map(|i| ((i * 7 + rank * 13 + salt) % 17) as f32 - 8.0 + rank as f32 * 0.25).collect()
@@ -50,6 +50,9 @@ fn conformance_worker() {
         c.broadcast(&mut b, world - 1).unwrap();
         assert_eq!(b, input(99, n, 1), "broadcast n {n}");
     }
+    check_dtype::<half::bf16>(c.as_ref(), half::bf16::from_f32);
+    check_dtype::<half::f16>(c.as_ref(), half::f16::from_f32);
+    check_dtype::<i64>(c.as_ref(), |x| (x * 4.0) as i64);
     // A size mismatch is an error on every rank, and the group stays usable.
     let mut b = vec![1f32; 4 + rank];
     let e = c.all_reduce(&mut b, ReduceOp::Sum);
@@ -58,6 +61,37 @@ fn conformance_worker() {
     }
     c.barrier().unwrap();
     println!("conformance ok on rank {rank}");
+}
+
+/// All-reduce and reduce-scatter of another element type, over more elements than a staging slot holds.
+fn check_dtype<T: Element + PartialEq + std::fmt::Debug>(c: &dyn Communicator, make: fn(f32) -> T) {
+    let (rank, world) = (c.rank(), c.world_size());
+    let n = 9_000_000 - 9_000_000 % world;
+    let inputs: Vec<Vec<T>> = (0..world).map(|r| input(r, n, 3).into_iter().map(make).collect()).collect();
+    for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {
+        let fold = |i: usize| {
+            let mut acc = inputs[0][i];
+            for x in &inputs[1..] {
+                acc = if op == ReduceOp::Max { T::max(acc, x[i]) } else { T::add(acc, x[i]) };
+            }
+            if op == ReduceOp::Avg {
+                T::div(acc, world)
+            } else {
+                acc
+            }
+        };
+        let mut b = inputs[rank].clone();
+        c.all_reduce(&mut b, op).unwrap();
+        for (i, v) in b.iter().enumerate() {
+            assert_eq!(*v, fold(i), "{:?} all_reduce {op:?} at {i}", T::DTYPE);
+        }
+        let part = n / world;
+        let mut shard = vec![make(0.0); part];
+        c.reduce_scatter(&inputs[rank], &mut shard, op).unwrap();
+        for (i, v) in shard.iter().enumerate() {
+            assert_eq!(*v, fold(rank * part + i), "{:?} reduce_scatter {op:?} at {i}", T::DTYPE);
+        }
+    }
 }
 
 /// Worker: all-reduces for up to a minute; writes its pid where the test can find it.

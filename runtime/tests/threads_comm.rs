@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use zerorun_runtime::comm::threads::group;
-use zerorun_runtime::comm::{CommError, Communicator, ReduceOp};
+use zerorun_runtime::comm::{Collectives, CommError, Communicator, Dtype, Element, ReduceOp};
 
 fn input(rank: usize, n: usize) -> Vec<f32> {
     (0..n).map(|i| ((i * 7 + rank * 13) % 17) as f32 - 8.0 + rank as f32 * 0.25).collect()
@@ -125,4 +125,55 @@ fn a_missing_rank_times_out_with_the_op_and_ranks() {
         }
         other => panic!("{other}"),
     }
+}
+
+/// Reference combination in rank order with the element type's own arithmetic.
+fn reference<T: Element>(inputs: &[Vec<T>], op: ReduceOp) -> Vec<T> {
+    (0..inputs[0].len())
+        .map(|i| {
+            let mut acc = inputs[0][i];
+            for x in &inputs[1..] {
+                acc = if op == ReduceOp::Max { T::max(acc, x[i]) } else { T::add(acc, x[i]) };
+            }
+            if op == ReduceOp::Avg {
+                T::div(acc, inputs.len())
+            } else {
+                acc
+            }
+        })
+        .collect()
+}
+
+fn check_dtype<T: Element + PartialEq + std::fmt::Debug>(make: fn(f32) -> T) {
+    for world in 1..=4 {
+        let n = 1003;
+        let inputs: Vec<Vec<T>> = (0..world).map(|r| input(r, n).into_iter().map(make).collect()).collect();
+        for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {
+            let out = on_ranks(world, |c| {
+                let mut b = inputs[c.rank()].clone();
+                c.all_reduce(&mut b, op).unwrap();
+                b
+            });
+            let expect = reference(&inputs, op);
+            for o in out {
+                assert_eq!(o, expect, "{:?} world {world} {op:?}", T::DTYPE);
+            }
+        }
+    }
+    // A different element type on one rank is an error on every rank.
+    let out = on_ranks(2, |c| {
+        if c.rank() == 0 {
+            c.all_reduce(&mut vec![make(1.0); 4], ReduceOp::Sum).unwrap_err()
+        } else {
+            c.all_reduce(&mut vec![1f32; 4], ReduceOp::Sum).unwrap_err()
+        }
+    });
+    assert!(matches!(&out[0], CommError::DtypeMismatch { .. }) || T::DTYPE == Dtype::F32, "{:?}", out[0]);
+}
+
+#[test]
+fn every_element_type_reduces_like_the_reference() {
+    check_dtype::<half::bf16>(half::bf16::from_f32);
+    check_dtype::<half::f16>(half::f16::from_f32);
+    check_dtype::<i64>(|x| (x * 4.0) as i64);
 }

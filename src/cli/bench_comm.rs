@@ -4,7 +4,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use zerorun::runtime::comm::env::communicator_from_env;
-use zerorun::runtime::comm::{threads, Communicator, ReduceOp};
+use zerorun::runtime::comm::{threads, Collectives, Communicator, ReduceOp};
 
 use super::{emit, CliError};
 

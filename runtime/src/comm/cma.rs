@@ -12,12 +12,12 @@ pub(crate) fn allow_peers_to_read() {
     unsafe { libc::prctl(PR_SET_PTRACER, libc::c_ulong::MAX, 0, 0, 0) };
 }
 
-/// Copies `dst.len()` f32 from address `addr` of process `pid` into `dst`.
-pub(crate) fn read(pid: u32, addr: usize, dst: &mut [f32]) -> io::Result<()> {
-    let bytes = std::mem::size_of_val(dst);
+/// Copies `dst.len()` bytes from address `addr` of process `pid` into `dst`.
+pub(crate) fn read(pid: u32, addr: usize, dst: &mut [u8]) -> io::Result<()> {
+    let bytes = dst.len();
     let mut done = 0usize;
     while done < bytes {
-        let local = libc::iovec { iov_base: unsafe { (dst.as_mut_ptr() as *mut u8).add(done) } as *mut libc::c_void, iov_len: bytes - done };
+        let local = libc::iovec { iov_base: unsafe { dst.as_mut_ptr().add(done) } as *mut libc::c_void, iov_len: bytes - done };
         let remote = libc::iovec { iov_base: (addr + done) as *mut libc::c_void, iov_len: bytes - done };
         // SAFETY: the local iovec is our own buffer; the kernel checks the remote one.
         let n = unsafe { libc::syscall(libc::SYS_process_vm_readv, pid as libc::pid_t, &local as *const libc::iovec, 1usize, &remote as *const libc::iovec, 1usize, 0usize) };

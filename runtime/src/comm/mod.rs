@@ -3,12 +3,16 @@
 //! Backends: [`threads`] (ranks as threads of one process) and [`shm`] (ranks as processes on one host, through
 //! shared memory). [`env`] reads the rank and world size from the variables `zerorun launch` or torchrun set. Every blocking wait has a timeout
 //! (`comms_timeout`), and a departed peer is an error on every surviving rank, never a hang.
+pub mod buffer;
 mod cma;
 pub mod env;
 pub mod shm;
 pub mod threads;
 
 use std::time::Duration;
+
+pub use buffer::{BufMut, BufRef, Dtype, Element};
+pub(crate) use buffer::reduce_into;
 
 /// How values from the ranks are combined.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -23,6 +27,8 @@ pub enum ReduceOp {
 pub enum CommError {
     #[error("{op} on rank {rank}: buffer sizes differ between ranks ({sizes:?} elements by rank)")]
     SizeMismatch { op: &'static str, rank: usize, sizes: Vec<usize> },
+    #[error("{op} on rank {rank}: element types differ between ranks ({dtypes:?} by rank)")]
+    DtypeMismatch { op: &'static str, rank: usize, dtypes: Vec<Dtype> },
     #[error("{op} on rank {rank}: {what}")]
     BadArgument { op: &'static str, rank: usize, what: String },
     #[error("{op} on rank {rank}: rank {dead} left the group after {waited:?} of waiting")]
@@ -40,35 +46,35 @@ pub enum CommError {
 pub type CommResult<T> = std::result::Result<T, CommError>;
 
 /// A process group of `world_size` ranks. Calls are collective: every rank makes the same calls in the same
-/// order with buffers of the same sizes.
+/// order with buffers of the same sizes and element type. Use the typed methods of [`Collectives`].
 pub trait Communicator: Send {
     fn rank(&self) -> usize;
     fn world_size(&self) -> usize;
     /// Combines `buf` over all ranks; every rank ends with the result.
-    fn all_reduce(&self, buf: &mut [f32], op: ReduceOp) -> CommResult<()>;
+    fn all_reduce_buf(&self, buf: BufMut<'_>, op: ReduceOp) -> CommResult<()>;
     /// `input` is `world_size` equal parts; rank r ends with the combination of every rank's part r in `output`.
-    fn reduce_scatter(&self, input: &[f32], output: &mut [f32], op: ReduceOp) -> CommResult<()>;
+    fn reduce_scatter_buf(&self, input: BufRef<'_>, output: BufMut<'_>, op: ReduceOp) -> CommResult<()>;
     /// `buf` is `world_size` equal parts; rank r contributes its part r, and every rank ends with all parts.
-    fn all_gather_in_place(&self, buf: &mut [f32]) -> CommResult<()>;
+    fn all_gather_buf(&self, buf: BufMut<'_>) -> CommResult<()>;
     /// Every rank ends with `root`'s `buf`.
-    fn broadcast(&self, buf: &mut [f32], root: usize) -> CommResult<()>;
+    fn broadcast_buf(&self, buf: BufMut<'_>, root: usize) -> CommResult<()>;
     fn barrier(&self) -> CommResult<()>;
 }
 
-/// Writes the combination of `parts` under `op` into `dst` (all the same length), in rank order, with loops that
-/// vectorize (`Avg` divides the sum by the number of parts).
-pub(crate) fn reduce_into(dst: &mut [f32], parts: &[&[f32]], op: ReduceOp) {
-    let n = dst.len();
-    dst.copy_from_slice(&parts[0][..n]);
-    for p in &parts[1..] {
-        let p = &p[..n];
-        match op {
-            ReduceOp::Sum | ReduceOp::Avg => dst.iter_mut().zip(p).for_each(|(d, x)| *d += x),
-            ReduceOp::Max => dst.iter_mut().zip(p).for_each(|(d, x)| *d = d.max(*x)),
-        }
+/// The collectives on typed slices (f32, bf16, f16, i64), for any communicator.
+pub trait Collectives: Communicator {
+    fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> CommResult<()> {
+        self.all_reduce_buf(BufMut::new(buf), op)
     }
-    if op == ReduceOp::Avg {
-        let k = parts.len() as f32;
-        dst.iter_mut().for_each(|d| *d /= k);
+    fn reduce_scatter<T: Element>(&self, input: &[T], output: &mut [T], op: ReduceOp) -> CommResult<()> {
+        self.reduce_scatter_buf(BufRef::new(input), BufMut::new(output), op)
+    }
+    fn all_gather_in_place<T: Element>(&self, buf: &mut [T]) -> CommResult<()> {
+        self.all_gather_buf(BufMut::new(buf))
+    }
+    fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> CommResult<()> {
+        self.broadcast_buf(BufMut::new(buf), root)
     }
 }
+
+impl<C: Communicator + ?Sized> Collectives for C {}

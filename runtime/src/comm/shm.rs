@@ -17,7 +17,8 @@ use std::time::{Duration, Instant};
 use memmap2::MmapMut;
 
 use super::env::RankInfo;
-use super::{reduce_into, CommError, CommResult, Communicator, ReduceOp};
+use super::buffer::fold_into;
+use super::{reduce_into, BufMut, BufRef, CommError, CommResult, Communicator, Dtype, ReduceOp};
 
 const MAGIC: u64 = 0x5a45_524f_5255_4e31; // "ZERORUN1"
 const HEADER: usize = 64 * 1024;
@@ -41,8 +42,10 @@ const R_LEN: usize = 3;
 const R_ADDR: usize = 4;
 /// Result of the direct-read probe: 1 = could read every peer, 2 = could not.
 const R_DIRECT: usize = 5;
-/// Elements reduced at a time in the direct path (256 KiB: the chunk and its scratch stay in L2).
-const REDUCE_CHUNK: usize = 64 * 1024;
+/// Element type of the current collective.
+const R_DTYPE: usize = 6;
+/// Bytes reduced at a time in the direct path (256 KiB: the chunk and its scratch stay in L2).
+const REDUCE_CHUNK: usize = 256 * 1024;
 
 const OPS: [&str; 5] = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier"];
 
@@ -56,14 +59,14 @@ pub struct ShmComm {
     world_size: usize,
     group: String,
     map: MmapMut,
-    slot_elems: usize,
     /// Barriers this rank has entered (its arrival counter).
     seq: Cell<u64>,
     timeout: Duration,
     /// Ranks read each other's buffers directly (cross-memory attach) instead of staging through the slots.
     direct: bool,
-    /// Scratch of the direct reduction: an accumulator and a landing buffer, REDUCE_CHUNK each, reused.
-    scratch: std::cell::RefCell<Vec<f32>>,
+    /// Scratch of the direct reduction: an accumulator and a landing buffer, REDUCE_CHUNK bytes each, reused
+    /// (u64 words keep every element type aligned).
+    scratch: std::cell::RefCell<Vec<u64>>,
 }
 
 /// `/dev/shm/zerorun-<run id>` with anything but letters, digits, '-' and '.' replaced.
@@ -151,7 +154,6 @@ impl ShmComm {
             world_size: info.world_size,
             group: info.run_id.clone(),
             map,
-            slot_elems: SLOT_BYTES / 4,
             seq: Cell::new(0),
             timeout,
             direct: false,
@@ -174,8 +176,8 @@ impl ShmComm {
         let ok = (0..self.world_size).filter(|&k| k != self.rank).all(|k| {
             let pid = self.rank_word(k, R_PID).load(Ordering::Relaxed) as u32;
             let addr = self.rank_word(k, R_ADDR).load(Ordering::Relaxed) as usize;
-            let mut v = [0f32; 2];
-            super::cma::read(pid, addr, &mut v).is_ok() && u64::from(v[0].to_bits()) | (u64::from(v[1].to_bits()) << 32) == super::cma::PROBE
+            let mut v = [0u8; 8];
+            super::cma::read(pid, addr, &mut v).is_ok() && u64::from_ne_bytes(v) == super::cma::PROBE
         });
         self.rank_word(self.rank, R_DIRECT).store(if ok { 1 } else { 2 }, Ordering::Relaxed);
         self.barrier_op("rendezvous")?;
@@ -184,10 +186,13 @@ impl ShmComm {
         Ok(())
     }
 
-    /// Reads `dst.len()` elements at element offset `offset` of rank `k`'s buffer in this collective.
-    fn read_peer(&self, op: &'static str, k: usize, offset: usize, dst: &mut [f32]) -> CommResult<()> {
+    /// Reads `dst.len()` bytes at byte offset `offset` of rank `k`'s buffer in this collective.
+    fn read_peer(&self, op: &'static str, k: usize, offset: usize, dst: &mut [u8]) -> CommResult<()> {
+        if dst.is_empty() {
+            return Ok(());
+        }
         let pid = self.rank_word(k, R_PID).load(Ordering::Relaxed);
-        let addr = self.rank_word(k, R_ADDR).load(Ordering::Relaxed) as usize + offset * 4;
+        let addr = self.rank_word(k, R_ADDR).load(Ordering::Relaxed) as usize + offset;
         super::cma::read(pid as u32, addr, dst).map_err(|e| {
             if e.raw_os_error() == Some(libc::ESRCH) {
                 CommError::PeerDied { op, rank: self.rank, group: self.group.clone(), dead: k, pid: pid as u32, waited: Duration::ZERO }
@@ -197,40 +202,44 @@ impl ShmComm {
         })
     }
 
-    /// Combines, in rank order, elements `range` of every rank's buffer (`local` is this rank's) and hands each
-    /// finished chunk to `emit(offset in range, values)`. A chunk of `local` is read before it is emitted, so
-    /// `emit` may overwrite that chunk of `local`.
-    fn reduce_direct(&self, op: &'static str, range: std::ops::Range<usize>, local: *const f32, how: ReduceOp, mut emit: impl FnMut(usize, &[f32])) -> CommResult<()> {
+    /// Combines, in rank order, bytes `range` (whole `dtype` elements) of every rank's buffer (`local` is this
+    /// rank's) and hands each finished chunk to `emit(offset in range, bytes)`. A chunk of `local` is read before
+    /// it is emitted, so `emit` may overwrite that chunk of `local`.
+    fn reduce_direct(
+        &self,
+        op: &'static str,
+        range: std::ops::Range<usize>,
+        local: *const u8,
+        dtype: Dtype,
+        how: ReduceOp,
+        mut emit: impl FnMut(usize, &[u8]),
+    ) -> CommResult<()> {
         let mut scratch = self.scratch.borrow_mut();
-        if scratch.len() < 2 * REDUCE_CHUNK {
-            scratch.resize(2 * REDUCE_CHUNK, 0.0);
+        if scratch.len() < 2 * REDUCE_CHUNK / 8 {
+            scratch.resize(2 * REDUCE_CHUNK / 8, 0);
         }
-        let (acc, tmp) = scratch.split_at_mut(REDUCE_CHUNK);
+        let (acc, tmp) = bytemuck::cast_slice_mut::<u64, u8>(&mut scratch).split_at_mut(REDUCE_CHUNK);
         for a in (range.start..range.end).step_by(REDUCE_CHUNK) {
             let b = (a + REDUCE_CHUNK).min(range.end);
-            let (acc, tmp) = (&mut acc[..b - a], &mut tmp[..b - a]);
+            // Only one peer's chunk fits the landing buffer at a time: fold as we go, in rank order.
             for k in 0..self.world_size {
-                let part: &[f32] = if k == self.rank {
-                    // SAFETY: `local` holds at least range.end elements; this chunk is not written until `emit`.
+                let part: &[u8] = if k == self.rank {
+                    // SAFETY: `local` holds at least range.end bytes; this chunk is not written until `emit`.
                     unsafe { std::slice::from_raw_parts(local.add(a), b - a) }
                 } else {
-                    self.read_peer(op, k, a, tmp)?;
-                    tmp
+                    self.read_peer(op, k, a, &mut tmp[..b - a])?;
+                    &tmp[..b - a]
                 };
                 if k == 0 {
-                    acc.copy_from_slice(part);
+                    acc[..b - a].copy_from_slice(part);
                 } else {
-                    match how {
-                        ReduceOp::Sum | ReduceOp::Avg => acc.iter_mut().zip(part).for_each(|(d, x)| *d += x),
-                        ReduceOp::Max => acc.iter_mut().zip(part).for_each(|(d, x)| *d = d.max(*x)),
-                    }
+                    fold_into(dtype, &mut acc[..b - a], part, how);
                 }
             }
             if how == ReduceOp::Avg {
-                let n = self.world_size as f32;
-                acc.iter_mut().for_each(|d| *d /= n);
+                super::buffer::divide(dtype, &mut acc[..b - a], self.world_size);
             }
-            emit(a - range.start, acc);
+            emit(a - range.start, &acc[..b - a]);
         }
         Ok(())
     }
@@ -245,12 +254,12 @@ impl ShmComm {
         unsafe { &*(self.map.as_ptr().add(RANKS_AT + rank * RANK_BLOCK + i * 8) as *const AtomicU64) }
     }
 
-    /// Slot `k` (k = world_size is the result slot) as f32. Writers and readers are kept apart by barriers.
+    /// Slot `k` (k = world_size is the result slot). Writers and readers are kept apart by barriers.
     #[allow(clippy::mut_from_ref)]
-    fn slot(&self, k: usize) -> &mut [f32] {
+    fn slot(&self, k: usize) -> &mut [u8] {
         // SAFETY: slots are disjoint regions of the mapping, 64 KiB aligned; who writes what between which
         // barriers is fixed by each collective below.
-        unsafe { std::slice::from_raw_parts_mut(self.map.as_ptr().add(HEADER + k * SLOT_BYTES) as *mut f32, self.slot_elems) }
+        unsafe { std::slice::from_raw_parts_mut(self.map.as_ptr().add(HEADER + k * SLOT_BYTES) as *mut u8, SLOT_BYTES) }
     }
 
     fn alive(pid: u64) -> bool {
@@ -294,23 +303,29 @@ impl ShmComm {
         }
     }
 
-    /// Publishes (op, len) and checks after a barrier that every rank called the same collective with the same size.
-    fn handshake(&self, op: &'static str, len: usize, addr: *const f32) -> CommResult<()> {
+    /// Publishes (op, length, element type, address) and checks after a barrier that every rank called the same
+    /// collective with the same size and type.
+    fn handshake(&self, op: &'static str, len: usize, dtype: Dtype, addr: *const u8) -> CommResult<()> {
         self.rank_word(self.rank, R_ADDR).store(addr as u64, Ordering::Relaxed);
         self.rank_word(self.rank, R_OP).store(op_code(op), Ordering::Relaxed);
         self.rank_word(self.rank, R_LEN).store(len as u64, Ordering::Relaxed);
+        self.rank_word(self.rank, R_DTYPE).store(dtype.code(), Ordering::Relaxed);
         self.barrier_op(op)?;
-        let ops: Vec<u64> = (0..self.world_size).map(|k| self.rank_word(k, R_OP).load(Ordering::Relaxed)).collect();
-        let lens: Vec<usize> = (0..self.world_size).map(|k| self.rank_word(k, R_LEN).load(Ordering::Relaxed) as usize).collect();
+        let all = |w: usize| -> Vec<u64> { (0..self.world_size).map(|k| self.rank_word(k, w).load(Ordering::Relaxed)).collect() };
+        let (ops, lens, dtypes) = (all(R_OP), all(R_LEN), all(R_DTYPE));
         let result = if ops.iter().any(|o| *o != ops[0]) {
             let ops = ops.iter().map(|&o| OPS.get(o as usize - 1).copied().unwrap_or("?")).collect();
             Err(CommError::OpMismatch { op, rank: self.rank, ops })
+        } else if dtypes.iter().any(|d| *d != dtypes[0]) {
+            let names = [Dtype::F32, Dtype::Bf16, Dtype::F16, Dtype::I64];
+            let dtypes = dtypes.iter().map(|&d| names[(d as usize).saturating_sub(1).min(3)]).collect();
+            Err(CommError::DtypeMismatch { op, rank: self.rank, dtypes })
         } else if lens.iter().any(|l| *l != lens[0]) {
-            Err(CommError::SizeMismatch { op, rank: self.rank, sizes: lens })
+            Err(CommError::SizeMismatch { op, rank: self.rank, sizes: lens.iter().map(|&l| l as usize).collect() })
         } else {
             Ok(())
         };
-        // Nobody rewrites its op and length before everyone has read them.
+        // Nobody rewrites its words before everyone has read them.
         self.barrier_op(op)?;
         result
     }
@@ -332,110 +347,115 @@ impl Communicator for ShmComm {
         self.world_size
     }
 
-    fn all_reduce(&self, buf: &mut [f32], op: ReduceOp) -> CommResult<()> {
+    fn all_reduce_buf(&self, buf: BufMut<'_>, op: ReduceOp) -> CommResult<()> {
         const OP: &str = "all_reduce";
-        self.handshake(OP, buf.len(), buf.as_ptr())?;
+        let (dtype, es, len) = (buf.dtype, buf.dtype.size(), buf.len());
+        let bytes = buf.bytes;
+        self.handshake(OP, len, dtype, bytes.as_ptr())?;
         let n = self.world_size;
+        let seg = |k: usize| (len * k / n * es)..(len * (k + 1) / n * es);
         if self.direct {
             // Reduce-scatter: rank r combines segment r of every buffer into its own (peers read only other
             // segments of ours meanwhile); then all-gather: read every other segment from its owner.
-            let len = buf.len();
-            let seg = |k: usize| (len * k / n)..(len * (k + 1) / n);
             let mine = seg(self.rank);
-            let base = buf.as_mut_ptr();
-            self.reduce_direct(OP, mine.clone(), base, op, |off, vals| {
+            let base = bytes.as_mut_ptr();
+            self.reduce_direct(OP, mine.clone(), base, dtype, op, |off, vals| {
                 // SAFETY: inside our own buffer; that chunk was read before it is overwritten.
                 unsafe { std::ptr::copy_nonoverlapping(vals.as_ptr(), base.add(mine.start + off), vals.len()) }
             })?;
             self.barrier_op(OP)?;
             for k in (0..n).filter(|&k| k != self.rank) {
                 let s = seg(k);
-                self.read_peer(OP, k, s.start, &mut buf[s])?;
+                self.read_peer(OP, k, s.start, &mut bytes[s])?;
             }
             return self.barrier_op(OP);
         }
-        for chunk in buf.chunks_mut(self.slot_elems) {
-            let l = chunk.len();
-            self.slot(self.rank)[..l].copy_from_slice(chunk);
+        let chunk_elems = SLOT_BYTES / es;
+        for start in (0..len).step_by(chunk_elems.max(1)) {
+            let l = chunk_elems.min(len - start);
+            let chunk = &mut bytes[start * es..(start + l) * es];
+            self.slot(self.rank)[..chunk.len()].copy_from_slice(chunk);
             self.barrier_op(OP)?;
             // Rank r reduces segment r of every slot into the result slot.
-            let seg = (l * self.rank / n)..(l * (self.rank + 1) / n);
-            if !seg.is_empty() {
-                let parts: Vec<&[f32]> = (0..n).map(|k| &self.slot(k)[seg.clone()]).collect();
-                reduce_into(&mut self.slot(n)[seg.clone()], &parts, op);
-            }
+            let s = (l * self.rank / n * es)..(l * (self.rank + 1) / n * es);
+            let parts: Vec<&[u8]> = (0..n).map(|k| &self.slot(k)[s.clone()]).collect();
+            reduce_into(dtype, &mut self.slot(n)[s.clone()], &parts, op);
             self.barrier_op(OP)?;
-            chunk.copy_from_slice(&self.slot(n)[..l]);
+            chunk.copy_from_slice(&self.slot(n)[..chunk.len()]);
             self.barrier_op(OP)?;
         }
         Ok(())
     }
 
-    fn reduce_scatter(&self, input: &[f32], output: &mut [f32], op: ReduceOp) -> CommResult<()> {
+    fn reduce_scatter_buf(&self, input: BufRef<'_>, output: BufMut<'_>, op: ReduceOp) -> CommResult<()> {
         const OP: &str = "reduce_scatter";
         let part = self.parts(OP, input.len())?;
-        if output.len() != part {
-            return Err(CommError::BadArgument { op: OP, rank: self.rank, what: format!("output has {} elements, expected {part}", output.len()) });
+        if output.len() != part || output.dtype != input.dtype {
+            return Err(CommError::BadArgument { op: OP, rank: self.rank, what: format!("output has {} {:?} elements, expected {part} {:?}", output.len(), output.dtype, input.dtype) });
         }
-        self.handshake(OP, input.len(), input.as_ptr())?;
+        let (dtype, es) = (input.dtype, input.dtype.size());
+        self.handshake(OP, input.len(), dtype, input.bytes.as_ptr())?;
         let n = self.world_size;
+        let r = self.rank;
+        let pb = part * es;
         if self.direct {
-            let r = self.rank;
-            self.reduce_direct(OP, r * part..(r + 1) * part, input.as_ptr(), op, |off, vals| output[off..off + vals.len()].copy_from_slice(vals))?;
+            let out = output.bytes;
+            self.reduce_direct(OP, r * pb..(r + 1) * pb, input.bytes.as_ptr(), dtype, op, |off, vals| out[off..off + vals.len()].copy_from_slice(vals))?;
             return self.barrier_op(OP);
         }
-        let q = self.slot_elems / n; // elements of each part per round
-        for a in (0..part).step_by(q.max(1)) {
-            let b = (a + q).min(part);
-            let slot = self.slot(self.rank);
+        let q = (SLOT_BYTES / n / es).max(1) * es; // bytes of each part per round
+        for a in (0..pb).step_by(q) {
+            let b = (a + q).min(pb);
+            let slot = self.slot(r);
             for k in 0..n {
-                slot[k * q..k * q + (b - a)].copy_from_slice(&input[k * part + a..k * part + b]);
+                slot[k * q..k * q + (b - a)].copy_from_slice(&input.bytes[k * pb + a..k * pb + b]);
             }
             self.barrier_op(OP)?;
-            let r = self.rank;
-            let parts: Vec<&[f32]> = (0..n).map(|k| &self.slot(k)[r * q..r * q + (b - a)]).collect();
-            reduce_into(&mut output[a..b], &parts, op);
+            let parts: Vec<&[u8]> = (0..n).map(|k| &self.slot(k)[r * q..r * q + (b - a)]).collect();
+            reduce_into(dtype, &mut output.bytes[a..b], &parts, op);
             self.barrier_op(OP)?;
         }
         Ok(())
     }
 
-    fn all_gather_in_place(&self, buf: &mut [f32]) -> CommResult<()> {
+    fn all_gather_buf(&self, buf: BufMut<'_>) -> CommResult<()> {
         const OP: &str = "all_gather";
-        let part = self.parts(OP, buf.len())?;
-        self.handshake(OP, buf.len(), buf.as_ptr())?;
+        let pb = self.parts(OP, buf.len())? * buf.dtype.size();
+        let bytes = buf.bytes;
+        self.handshake(OP, bytes.len() / buf.dtype.size(), buf.dtype, bytes.as_ptr())?;
         let r = self.rank;
         if self.direct {
             for k in (0..self.world_size).filter(|&k| k != r) {
-                self.read_peer(OP, k, k * part, &mut buf[k * part..(k + 1) * part])?;
+                self.read_peer(OP, k, k * pb, &mut bytes[k * pb..(k + 1) * pb])?;
             }
             return self.barrier_op(OP);
         }
-        for a in (0..part).step_by(self.slot_elems) {
-            let b = (a + self.slot_elems).min(part);
-            self.slot(r)[..b - a].copy_from_slice(&buf[r * part + a..r * part + b]);
+        for a in (0..pb).step_by(SLOT_BYTES) {
+            let b = (a + SLOT_BYTES).min(pb);
+            self.slot(r)[..b - a].copy_from_slice(&bytes[r * pb + a..r * pb + b]);
             self.barrier_op(OP)?;
             for k in (0..self.world_size).filter(|&k| k != r) {
-                buf[k * part + a..k * part + b].copy_from_slice(&self.slot(k)[..b - a]);
+                bytes[k * pb + a..k * pb + b].copy_from_slice(&self.slot(k)[..b - a]);
             }
             self.barrier_op(OP)?;
         }
         Ok(())
     }
 
-    fn broadcast(&self, buf: &mut [f32], root: usize) -> CommResult<()> {
+    fn broadcast_buf(&self, buf: BufMut<'_>, root: usize) -> CommResult<()> {
         const OP: &str = "broadcast";
         if root >= self.world_size {
             return Err(CommError::BadArgument { op: OP, rank: self.rank, what: format!("root {root} is not a rank of {}", self.world_size) });
         }
-        self.handshake(OP, buf.len(), buf.as_ptr())?;
+        let bytes = buf.bytes;
+        self.handshake(OP, bytes.len() / buf.dtype.size(), buf.dtype, bytes.as_ptr())?;
         if self.direct {
-            if self.rank != root && !buf.is_empty() {
-                self.read_peer(OP, root, 0, buf)?;
+            if self.rank != root {
+                self.read_peer(OP, root, 0, bytes)?;
             }
             return self.barrier_op(OP);
         }
-        for chunk in buf.chunks_mut(self.slot_elems) {
+        for chunk in bytes.chunks_mut(SLOT_BYTES) {
             if self.rank == root {
                 self.slot(root)[..chunk.len()].copy_from_slice(chunk);
             }

@@ -6,7 +6,7 @@
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use super::{reduce_into, CommError, CommResult, Communicator, ReduceOp};
+use super::{reduce_into, BufMut, BufRef, CommError, CommResult, Communicator, Dtype, ReduceOp};
 
 struct State {
     /// Barrier generation and arrivals in the current one.
@@ -14,8 +14,8 @@ struct State {
     arrived: Vec<bool>,
     /// Ranks whose communicator was dropped (thread finished or panicked).
     departed: Vec<bool>,
-    /// Published buffers: (address, length) per rank.
-    slots: Vec<(usize, usize)>,
+    /// Published buffers: (address, bytes, element type) per rank.
+    slots: Vec<(usize, usize, Dtype)>,
 }
 
 struct Shared {
@@ -38,7 +38,7 @@ pub fn group(world_size: usize, timeout: Duration) -> Vec<ThreadComm> {
             generation: 0,
             arrived: vec![false; world_size],
             departed: vec![false; world_size],
-            slots: vec![(0, 0); world_size],
+            slots: vec![(0, 0, Dtype::F32); world_size],
         }),
         cv: Condvar::new(),
         timeout,
@@ -84,31 +84,34 @@ impl ThreadComm {
         }
     }
 
-    /// Publishes (addr, len), waits for all, and returns every rank's slot.
-    fn exchange(&self, op: &'static str, addr: usize, len: usize) -> CommResult<Vec<(usize, usize)>> {
-        self.shared.state.lock().unwrap_or_else(|p| p.into_inner()).slots[self.rank] = (addr, len);
+    /// Publishes (address, bytes, dtype), waits for all, checks that every rank passed the same size and type,
+    /// and returns every rank's slot.
+    fn exchange(&self, op: &'static str, addr: usize, bytes: usize, dtype: Dtype) -> CommResult<Vec<(usize, usize, Dtype)>> {
+        self.shared.state.lock().unwrap_or_else(|p| p.into_inner()).slots[self.rank] = (addr, bytes, dtype);
         self.barrier_op(op)?;
         let slots = self.shared.state.lock().unwrap_or_else(|p| p.into_inner()).slots.clone();
+        let mismatch = if slots.iter().any(|s| s.2 != slots[0].2) {
+            Some(CommError::DtypeMismatch { op, rank: self.rank, dtypes: slots.iter().map(|s| s.2).collect() })
+        } else if slots.iter().any(|s| s.1 != slots[0].1) {
+            Some(CommError::SizeMismatch { op, rank: self.rank, sizes: slots.iter().map(|s| s.1 / s.2.size()).collect() })
+        } else {
+            None
+        };
+        if let Some(e) = mismatch {
+            // Every rank sees the same slots, so all return this error together; the closing barrier keeps them
+            // in step for the next call.
+            self.barrier_op(op)?;
+            return Err(e);
+        }
         Ok(slots)
     }
 
-    fn check_sizes(&self, op: &'static str, slots: &[(usize, usize)]) -> CommResult<()> {
-        if slots.iter().any(|s| s.1 != slots[0].1) {
-            // Every rank sees the same slots, so all return this error together; the closing barrier keeps
-            // them in step for the next call.
-            let sizes = slots.iter().map(|s| s.1).collect();
-            self.barrier_op(op)?;
-            return Err(CommError::SizeMismatch { op, rank: self.rank, sizes });
-        }
-        Ok(())
-    }
-
     /// SAFETY: a published slot stays valid until the closing barrier of the same collective.
-    unsafe fn view<'a>(slot: (usize, usize)) -> &'a [f32] {
+    unsafe fn view<'a>(slot: (usize, usize, Dtype)) -> &'a [u8] {
         if slot.1 == 0 {
             return &[];
         }
-        std::slice::from_raw_parts(slot.0 as *const f32, slot.1)
+        std::slice::from_raw_parts(slot.0 as *const u8, slot.1)
     }
 
     fn check_parts(&self, op: &'static str, len: usize) -> CommResult<usize> {
@@ -128,70 +131,63 @@ impl Communicator for ThreadComm {
         self.world_size
     }
 
-    fn all_reduce(&self, buf: &mut [f32], op: ReduceOp) -> CommResult<()> {
+    fn all_reduce_buf(&self, buf: BufMut<'_>, op: ReduceOp) -> CommResult<()> {
         const OP: &str = "all_reduce";
-        let slots = self.exchange(OP, buf.as_mut_ptr() as usize, buf.len())?;
-        self.check_sizes(OP, &slots)?;
+        let (es, n) = (buf.dtype.size(), buf.len());
+        let slots = self.exchange(OP, buf.bytes.as_mut_ptr() as usize, buf.bytes.len(), buf.dtype)?;
         // Rank r combines segment r into a private buffer, then (after everyone has read) writes it everywhere.
-        let n = buf.len();
-        let seg = |r: usize| (n * r / self.world_size)..(n * (r + 1) / self.world_size);
-        let mine = seg(self.rank);
-        let mut reduced = vec![0f32; mine.len()];
-        if !reduced.is_empty() {
-            let parts: Vec<&[f32]> = slots.iter().map(|s| unsafe { &Self::view(*s)[mine.clone()] }).collect();
-            reduce_into(&mut reduced, &parts, op);
-        }
+        let mine = (n * self.rank / self.world_size * es)..(n * (self.rank + 1) / self.world_size * es);
+        let mut reduced = vec![0u64; mine.len().div_ceil(8)];
+        let reduced = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut reduced)[..mine.len()];
+        let parts: Vec<&[u8]> = slots.iter().map(|s| unsafe { &Self::view(*s)[mine.clone()] }).collect();
+        reduce_into(buf.dtype, reduced, &parts, op);
         self.barrier_op(OP)?;
         for s in &slots {
             // SAFETY: segment `mine` of every buffer is written by this rank only, between the two barriers.
-            let dst = unsafe { std::slice::from_raw_parts_mut((s.0 as *mut f32).add(mine.start), mine.len()) };
+            let dst = unsafe { std::slice::from_raw_parts_mut((s.0 as *mut u8).add(mine.start), mine.len()) };
             if !dst.is_empty() {
-                dst.copy_from_slice(&reduced);
+                dst.copy_from_slice(reduced);
             }
         }
         self.barrier_op(OP)
     }
 
-    fn reduce_scatter(&self, input: &[f32], output: &mut [f32], op: ReduceOp) -> CommResult<()> {
+    fn reduce_scatter_buf(&self, input: BufRef<'_>, output: BufMut<'_>, op: ReduceOp) -> CommResult<()> {
         const OP: &str = "reduce_scatter";
         let part = self.check_parts(OP, input.len())?;
-        if output.len() != part {
-            return Err(CommError::BadArgument { op: OP, rank: self.rank, what: format!("output has {} elements, expected {part}", output.len()) });
+        if output.len() != part || output.dtype != input.dtype {
+            return Err(CommError::BadArgument { op: OP, rank: self.rank, what: format!("output has {} {:?} elements, expected {part} {:?}", output.len(), output.dtype, input.dtype) });
         }
-        let slots = self.exchange(OP, input.as_ptr() as usize, input.len())?;
-        self.check_sizes(OP, &slots)?;
-        let r = self.rank * part..(self.rank + 1) * part;
-        if part > 0 {
-            let parts: Vec<&[f32]> = slots.iter().map(|s| unsafe { &Self::view(*s)[r.clone()] }).collect();
-            reduce_into(output, &parts, op);
-        }
+        let slots = self.exchange(OP, input.bytes.as_ptr() as usize, input.bytes.len(), input.dtype)?;
+        let pb = part * input.dtype.size();
+        let r = self.rank * pb..(self.rank + 1) * pb;
+        let parts: Vec<&[u8]> = slots.iter().map(|s| unsafe { &Self::view(*s)[r.clone()] }).collect();
+        reduce_into(input.dtype, output.bytes, &parts, op);
         self.barrier_op(OP)
     }
 
-    fn all_gather_in_place(&self, buf: &mut [f32]) -> CommResult<()> {
+    fn all_gather_buf(&self, buf: BufMut<'_>) -> CommResult<()> {
         const OP: &str = "all_gather";
-        let part = self.check_parts(OP, buf.len())?;
-        let slots = self.exchange(OP, buf.as_mut_ptr() as usize, buf.len())?;
-        self.check_sizes(OP, &slots)?;
+        let pb = self.check_parts(OP, buf.len())? * buf.dtype.size();
+        let slots = self.exchange(OP, buf.bytes.as_mut_ptr() as usize, buf.bytes.len(), buf.dtype)?;
         for (k, s) in slots.iter().enumerate() {
             if k != self.rank {
                 // SAFETY: part k of rank k's buffer is written by nobody during this collective.
-                let src = unsafe { &Self::view(*s)[k * part..(k + 1) * part] };
-                buf[k * part..(k + 1) * part].copy_from_slice(src);
+                let src = unsafe { &Self::view(*s)[k * pb..(k + 1) * pb] };
+                buf.bytes[k * pb..(k + 1) * pb].copy_from_slice(src);
             }
         }
         self.barrier_op(OP)
     }
 
-    fn broadcast(&self, buf: &mut [f32], root: usize) -> CommResult<()> {
+    fn broadcast_buf(&self, buf: BufMut<'_>, root: usize) -> CommResult<()> {
         const OP: &str = "broadcast";
         if root >= self.world_size {
             return Err(CommError::BadArgument { op: OP, rank: self.rank, what: format!("root {root} is not a rank of {}", self.world_size) });
         }
-        let slots = self.exchange(OP, buf.as_mut_ptr() as usize, buf.len())?;
-        self.check_sizes(OP, &slots)?;
+        let slots = self.exchange(OP, buf.bytes.as_mut_ptr() as usize, buf.bytes.len(), buf.dtype)?;
         if self.rank != root {
-            buf.copy_from_slice(unsafe { Self::view(slots[root]) });
+            buf.bytes.copy_from_slice(unsafe { Self::view(slots[root]) });
         }
         self.barrier_op(OP)
     }

@@ -15,7 +15,7 @@ use zerorun_optim::norm;
 use zerorun_optim::schedule::LrScheduler;
 use zerorun_optim::{Grads, Group, Optimizer};
 
-use crate::comm::{Communicator, ReduceOp};
+use crate::comm::{Collectives, Communicator, ReduceOp};
 use crate::config::{BatchSizes, Config, OffloadDevice, OptimizerConfig, Precision};
 use crate::error::{Error, Result};
 pub use layout::{FlatLayout, ParamSlot};

@@ -1,0 +1,196 @@
+//! Typed views of collective buffers: the element types a collective can carry, and their reductions.
+//!
+//! Backends move bytes; only the reduction needs the element type. `Element` ties a Rust type to its `Dtype`;
+//! `BufMut` / `BufRef` are the dyn-compatible byte views the `Communicator` trait takes.
+use half::{bf16, f16};
+
+use super::ReduceOp;
+
+/// The element types of collectives: f32, bf16, f16 for tensors, i64 for bookkeeping.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dtype {
+    F32,
+    Bf16,
+    F16,
+    I64,
+}
+
+impl Dtype {
+    pub fn size(self) -> usize {
+        match self {
+            Dtype::F32 => 4,
+            Dtype::Bf16 | Dtype::F16 => 2,
+            Dtype::I64 => 8,
+        }
+    }
+
+    pub(crate) fn code(self) -> u64 {
+        self as u64 + 1
+    }
+}
+
+/// A Rust type a collective can carry.
+pub trait Element: bytemuck::Pod + Send + Sync {
+    const DTYPE: Dtype;
+    fn add(a: Self, b: Self) -> Self;
+    fn max(a: Self, b: Self) -> Self;
+    /// The mean of a sum over `n` ranks.
+    fn div(a: Self, n: usize) -> Self;
+}
+
+impl Element for f32 {
+    const DTYPE: Dtype = Dtype::F32;
+    #[inline(always)]
+    fn add(a: f32, b: f32) -> f32 {
+        a + b
+    }
+    #[inline(always)]
+    fn max(a: f32, b: f32) -> f32 {
+        a.max(b)
+    }
+    #[inline(always)]
+    fn div(a: f32, n: usize) -> f32 {
+        a / n as f32
+    }
+}
+
+/// 16-bit floats are combined in f32 and rounded once per step, as NCCL does.
+macro_rules! half_element {
+    ($t:ty, $d:expr) => {
+        impl Element for $t {
+            const DTYPE: Dtype = $d;
+            #[inline(always)]
+            fn add(a: $t, b: $t) -> $t {
+                <$t>::from_f32(a.to_f32() + b.to_f32())
+            }
+            #[inline(always)]
+            fn max(a: $t, b: $t) -> $t {
+                <$t>::from_f32(a.to_f32().max(b.to_f32()))
+            }
+            #[inline(always)]
+            fn div(a: $t, n: usize) -> $t {
+                <$t>::from_f32(a.to_f32() / n as f32)
+            }
+        }
+    };
+}
+half_element!(bf16, Dtype::Bf16);
+half_element!(f16, Dtype::F16);
+
+impl Element for i64 {
+    const DTYPE: Dtype = Dtype::I64;
+    #[inline(always)]
+    fn add(a: i64, b: i64) -> i64 {
+        a.wrapping_add(b)
+    }
+    #[inline(always)]
+    fn max(a: i64, b: i64) -> i64 {
+        a.max(b)
+    }
+    #[inline(always)]
+    fn div(a: i64, n: usize) -> i64 {
+        a / n as i64
+    }
+}
+
+/// A mutable collective buffer: bytes and what they hold.
+pub struct BufMut<'a> {
+    pub bytes: &'a mut [u8],
+    pub dtype: Dtype,
+}
+
+/// A read-only collective buffer.
+pub struct BufRef<'a> {
+    pub bytes: &'a [u8],
+    pub dtype: Dtype,
+}
+
+impl<'a> BufMut<'a> {
+    pub fn new<T: Element>(v: &'a mut [T]) -> Self {
+        BufMut { bytes: bytemuck::cast_slice_mut(v), dtype: T::DTYPE }
+    }
+
+    /// Elements.
+    pub fn len(&self) -> usize {
+        self.bytes.len() / self.dtype.size()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.bytes.is_empty()
+    }
+}
+
+impl<'a> BufRef<'a> {
+    pub fn new<T: Element>(v: &'a [T]) -> Self {
+        BufRef { bytes: bytemuck::cast_slice(v), dtype: T::DTYPE }
+    }
+
+    pub fn len(&self) -> usize {
+        self.bytes.len() / self.dtype.size()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.bytes.is_empty()
+    }
+}
+
+/// `acc[i] = op(acc[i], part[i])` (Avg folds as a sum; the division comes once at the end).
+fn fold_typed<T: Element>(acc: &mut [T], part: &[T], op: ReduceOp) {
+    let part = &part[..acc.len()];
+    match op {
+        ReduceOp::Sum | ReduceOp::Avg => acc.iter_mut().zip(part).for_each(|(d, x)| *d = T::add(*d, *x)),
+        ReduceOp::Max => acc.iter_mut().zip(part).for_each(|(d, x)| *d = T::max(*d, *x)),
+    }
+}
+
+fn reduce_typed<T: Element>(dst: &mut [u8], parts: &[&[u8]], op: ReduceOp) {
+    let dst: &mut [T] = bytemuck::cast_slice_mut(dst);
+    let n = dst.len();
+    dst.copy_from_slice(&bytemuck::cast_slice::<u8, T>(parts[0])[..n]);
+    for p in &parts[1..] {
+        fold_typed(dst, bytemuck::cast_slice(p), op);
+    }
+    if op == ReduceOp::Avg {
+        let k = parts.len();
+        dst.iter_mut().for_each(|d| *d = T::div(*d, k));
+    }
+}
+
+/// Folds one more rank's values into an accumulator: `acc[i] = op(acc[i], part[i])`, with Avg as a sum (follow
+/// with [`divide`]).
+pub(crate) fn fold_into(dtype: Dtype, acc: &mut [u8], part: &[u8], op: ReduceOp) {
+    match dtype {
+        Dtype::F32 => fold_typed::<f32>(bytemuck::cast_slice_mut(acc), bytemuck::cast_slice(part), op),
+        Dtype::Bf16 => fold_typed::<bf16>(bytemuck::cast_slice_mut(acc), bytemuck::cast_slice(part), op),
+        Dtype::F16 => fold_typed::<f16>(bytemuck::cast_slice_mut(acc), bytemuck::cast_slice(part), op),
+        Dtype::I64 => fold_typed::<i64>(bytemuck::cast_slice_mut(acc), bytemuck::cast_slice(part), op),
+    }
+}
+
+/// Writes the combination of `parts` (byte views of `dtype` elements, each at least as long as `dst`) into `dst`,
+/// in rank order. `Avg` divides the sum by the number of parts.
+pub(crate) fn reduce_into(dtype: Dtype, dst: &mut [u8], parts: &[&[u8]], op: ReduceOp) {
+    if dst.is_empty() {
+        return;
+    }
+    match dtype {
+        Dtype::F32 => reduce_typed::<f32>(dst, parts, op),
+        Dtype::Bf16 => reduce_typed::<bf16>(dst, parts, op),
+        Dtype::F16 => reduce_typed::<f16>(dst, parts, op),
+        Dtype::I64 => reduce_typed::<i64>(dst, parts, op),
+    }
+}
+
+fn divide_typed<T: Element>(dst: &mut [u8], n: usize) {
+    bytemuck::cast_slice_mut::<u8, T>(dst).iter_mut().for_each(|d| *d = T::div(*d, n));
+}
+
+/// Divides every element by `n` (the mean after a sum over `n` ranks).
+pub(crate) fn divide(dtype: Dtype, dst: &mut [u8], n: usize) {
+    match dtype {
+        Dtype::F32 => divide_typed::<f32>(dst, n),
+        Dtype::Bf16 => divide_typed::<bf16>(dst, n),
+        Dtype::F16 => divide_typed::<f16>(dst, n),
+        Dtype::I64 => divide_typed::<i64>(dst, n),
+    }
+}
