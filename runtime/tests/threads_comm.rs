@@ -177,3 +177,62 @@ fn every_element_type_reduces_like_the_reference() {
     check_dtype::<half::f16>(half::f16::from_f32);
     check_dtype::<i64>(|x| (x * 4.0) as i64);
 }
+
+#[test]
+fn async_collectives_run_in_order_while_the_caller_works() {
+    use zerorun_runtime::comm::async_comm::CommThread;
+    let comms = group(3, Duration::from_secs(20));
+    let results: Vec<(Vec<f32>, Vec<f32>, bool)> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .into_iter()
+            .map(|c| {
+                s.spawn(move || {
+                    let rank = c.rank();
+                    let t = CommThread::spawn(Box::new(c));
+                    let a = t.all_reduce(input(rank, 3000), ReduceOp::Sum);
+                    let b = t.all_gather({
+                        let mut v = vec![0f32; 9];
+                        v[rank * 3..rank * 3 + 3].copy_from_slice(&[rank as f32; 3]);
+                        v
+                    });
+                    // Work on the caller's thread while both are queued or running.
+                    let busy: f64 = (0..100_000).map(|i| (i as f64).sqrt()).sum();
+                    let mut b = b;
+                    while !b.is_done() {
+                        std::thread::yield_now();
+                    }
+                    (a.wait().unwrap(), b.wait().unwrap(), busy > 0.0)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let inputs: Vec<Vec<f32>> = (0..3).map(|r| input(r, 3000)).collect();
+    let sum: Vec<f32> = (0..3000).map(|i| inputs.iter().map(|x| x[i]).sum()).collect();
+    for (a, b, worked) in results {
+        assert_eq!(a, sum);
+        assert_eq!(b, vec![0., 0., 0., 1., 1., 1., 2., 2., 2.]);
+        assert!(worked);
+    }
+}
+
+#[test]
+fn async_wait_timeout_hands_the_pending_collective_back() {
+    use zerorun_runtime::comm::async_comm::CommThread;
+    let mut comms = group(2, Duration::from_secs(20));
+    let late = comms.pop().unwrap();
+    let t = CommThread::spawn(Box::new(comms.pop().unwrap()));
+    let h = t.all_reduce(vec![1f32; 4], ReduceOp::Sum);
+    // Rank 1 has not joined: the handle comes back unfinished.
+    let h = match h.wait_timeout(Duration::from_millis(100)) {
+        Err(h) => h,
+        Ok(r) => panic!("finished without its peer: {r:?}"),
+    };
+    let peer = std::thread::spawn(move || {
+        let mut b = vec![2f32; 4];
+        late.all_reduce(&mut b, ReduceOp::Sum).unwrap();
+        b
+    });
+    assert_eq!(h.wait().unwrap(), vec![3f32; 4]);
+    assert_eq!(peer.join().unwrap(), vec![3f32; 4]);
+}

@@ -1,0 +1,143 @@
+//! Collectives that run on a communication thread, in submission order, while the caller computes.
+//!
+//! A group's communicator moves onto its own thread; `submit` queues a job and returns a [`Handle`] to wait on.
+//! Jobs own their buffers (moved in, handed back with the result), so no borrow outlives the call that made it.
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender, TryRecvError};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use super::{Collectives, CommError, CommResult, Communicator, Element, ReduceOp};
+
+type Job = Box<dyn FnOnce(&dyn Communicator) + Send>;
+
+/// A communicator driven by its own thread.
+pub struct CommThread {
+    rank: usize,
+    world_size: usize,
+    jobs: Option<Sender<Job>>,
+    thread: Option<JoinHandle<Box<dyn Communicator>>>,
+}
+
+/// The pending result of a submitted collective.
+pub struct Handle<R> {
+    rx: Receiver<CommResult<R>>,
+    ready: Option<CommResult<R>>,
+    op: &'static str,
+    rank: usize,
+}
+
+fn thread_gone(op: &'static str, rank: usize) -> CommError {
+    CommError::BadArgument { op, rank, what: "the communication thread ended before the collective finished".into() }
+}
+
+impl<R> Handle<R> {
+    /// Blocks until the collective finished (the communicator's own timeout bounds the wait).
+    pub fn wait(mut self) -> CommResult<R> {
+        if let Some(r) = self.ready.take() {
+            return r;
+        }
+        self.rx.recv().unwrap_or_else(|_| Err(thread_gone(self.op, self.rank)))
+    }
+
+    /// Waits at most `timeout`; gives the handle back if the collective is still running.
+    pub fn wait_timeout(mut self, timeout: Duration) -> Result<CommResult<R>, Handle<R>> {
+        if let Some(r) = self.ready.take() {
+            return Ok(r);
+        }
+        match self.rx.recv_timeout(timeout) {
+            Ok(r) => Ok(r),
+            Err(RecvTimeoutError::Timeout) => Err(self),
+            Err(RecvTimeoutError::Disconnected) => Ok(Err(thread_gone(self.op, self.rank))),
+        }
+    }
+
+    /// Whether the collective has finished (successfully or not); does not block.
+    pub fn is_done(&mut self) -> bool {
+        if self.ready.is_some() {
+            return true;
+        }
+        match self.rx.try_recv() {
+            Ok(r) => {
+                self.ready = Some(r);
+                true
+            }
+            Err(TryRecvError::Empty) => false,
+            Err(TryRecvError::Disconnected) => {
+                self.ready = Some(Err(thread_gone(self.op, self.rank)));
+                true
+            }
+        }
+    }
+}
+
+impl CommThread {
+    /// Moves `comm` onto a new communication thread.
+    pub fn spawn(comm: Box<dyn Communicator>) -> CommThread {
+        let (rank, world_size) = (comm.rank(), comm.world_size());
+        let (tx, rx) = channel::<Job>();
+        let thread = std::thread::Builder::new()
+            .name(format!("zerorun-comm-{rank}"))
+            .spawn(move || {
+                for job in rx {
+                    job(comm.as_ref());
+                }
+                comm
+            })
+            .expect("spawning the communication thread");
+        CommThread { rank, world_size, jobs: Some(tx), thread: Some(thread) }
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    /// Queues `f` to run on the communication thread after everything submitted before it.
+    pub fn submit<R: Send + 'static>(&self, op: &'static str, f: impl FnOnce(&dyn Communicator) -> CommResult<R> + Send + 'static) -> Handle<R> {
+        let (tx, rx) = channel();
+        let job: Job = Box::new(move |c| {
+            let _ = tx.send(f(c));
+        });
+        if let Some(jobs) = &self.jobs {
+            let _ = jobs.send(job);
+        }
+        Handle { rx, ready: None, op, rank: self.rank }
+    }
+
+    /// All-reduce of an owned buffer, handed back when done.
+    pub fn all_reduce<T: Element>(&self, mut buf: Vec<T>, op: ReduceOp) -> Handle<Vec<T>> {
+        self.submit("all_reduce", move |c| c.all_reduce(&mut buf, op).map(|_| buf))
+    }
+
+    /// Reduce-scatter of an owned input; the result is (input, this rank's reduced part).
+    pub fn reduce_scatter<T: Element + Default>(&self, input: Vec<T>, op: ReduceOp) -> Handle<(Vec<T>, Vec<T>)> {
+        let part = input.len() / self.world_size.max(1);
+        self.submit("reduce_scatter", move |c| {
+            let mut out = vec![T::default(); part];
+            c.reduce_scatter(&input, &mut out, op).map(|_| (input, out))
+        })
+    }
+
+    /// In-place all-gather of an owned buffer (this rank's part filled in), handed back when done.
+    pub fn all_gather<T: Element>(&self, mut buf: Vec<T>) -> Handle<Vec<T>> {
+        self.submit("all_gather", move |c| c.all_gather_in_place(&mut buf).map(|_| buf))
+    }
+
+    /// Finishes the queued jobs and returns the communicator.
+    pub fn into_inner(mut self) -> Box<dyn Communicator> {
+        self.jobs.take();
+        self.thread.take().expect("joined once").join().expect("the communication thread panicked")
+    }
+}
+
+impl Drop for CommThread {
+    fn drop(&mut self) {
+        self.jobs.take();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
