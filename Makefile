@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 TORCH_VERSION := 2.11.0
 # Debian packages the build and the tests need (checked with dpkg, installed only when missing).
-APT_PACKAGES := pkg-config
+APT_PACKAGES := pkg-config libopenmpi-dev openmpi-bin libclang-dev
 CARGO ?= cargo
 
 .PHONY: setup demo test test-rust check-fresh bench clean-venv
@@ -36,7 +36,7 @@ demo: setup
 	./target/release/examples/gpt --config configs/zero2.json --ranks 2 --steps 150
 
 test: setup
-	$(CARGO) test --workspace --all-targets
+	$(CARGO) test --workspace --all-targets --features mpi
 
 bench: setup
 	$(CARGO) build --release --bin zerorun

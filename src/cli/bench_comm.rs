@@ -115,10 +115,23 @@ pub fn run(backend: &str, ranks: usize, max_bytes: usize, repeats: usize, json: 
             });
             results.into_iter().collect::<Result<Vec<()>, CliError>>()?;
         }
-        "shm" => {
+        "shm" | "mpi" => {
             let me = std::env::current_exe().map_err(|e| CliError::Io { context: "finding zerorun".into(), source: e })?;
-            let mut cmd = Command::new(&me);
-            cmd.args(["launch", "--nproc-per-node", &ranks.to_string(), "--"]).arg(&me);
+            let mut cmd;
+            if backend == "shm" {
+                cmd = Command::new(&me);
+                cmd.args(["launch", "--nproc-per-node", &ranks.to_string(), "--"]).arg(&me);
+            } else {
+                if !cfg!(feature = "mpi") {
+                    return Err(CliError::Usage("--backend mpi: this zerorun was built without `--features mpi`".into()));
+                }
+                cmd = Command::new("mpirun");
+                // SAFETY: geteuid has no preconditions.
+                if unsafe { libc::geteuid() } == 0 {
+                    cmd.arg("--allow-run-as-root");
+                }
+                cmd.args(["--oversubscribe", "-np", &ranks.to_string()]).arg(&me);
+            }
             cmd.args(["bench", "comm", "--worker", "--backend", backend, "--ranks", &ranks.to_string()]);
             cmd.args(["--max-bytes", &max_bytes.to_string(), "--repeats", &repeats.to_string()]);
             if json {
@@ -127,13 +140,17 @@ pub fn run(backend: &str, ranks: usize, max_bytes: usize, repeats: usize, json: 
             let out = cmd.stderr(Stdio::inherit()).output().map_err(|e| CliError::Io { context: "starting the ranks".into(), source: e })?;
             let text = String::from_utf8_lossy(&out.stdout);
             for line in text.lines() {
+                if backend == "shm" {
                 emit(line.strip_prefix("[rank 0] ").unwrap_or(line))?;
+            } else if line.starts_with('{') || line.contains("busbw") {
+                emit(line)?;
+            }
             }
             if !out.status.success() {
                 return Err(CliError::Usage("the benchmark's ranks failed (see above)".into()));
             }
         }
-        other => return Err(CliError::Usage(format!("--backend {other:?}: this build has shm and threads"))),
+        other => return Err(CliError::Usage(format!("--backend {other:?}: choose shm, threads or mpi"))),
     }
     if json {
         emit(&serde_json::json!({"memcpy_gbps": memcpy}).to_string())?;

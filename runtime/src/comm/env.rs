@@ -48,7 +48,9 @@ impl RankInfo {
             return Err(CommError::Rendezvous { rank, world_size, place: "the environment".into(), what: "RANK must be below WORLD_SIZE".into() });
         }
         let run_id = var(&["ZERORUN_RUN_ID"]).unwrap_or_else(|| format!("{master_addr}-{master_port}"));
-        let backend = var(&["ZERORUN_BACKEND"]).unwrap_or_else(|| "shm".into());
+        // Under mpirun the MPI backend is the natural choice; elsewhere shared memory.
+        let under_mpirun = std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some();
+        let backend = var(&["ZERORUN_BACKEND"]).unwrap_or_else(|| if under_mpirun { "mpi" } else { "shm" }.into());
         Ok(RankInfo { rank, local_rank, world_size, local_world_size, master_addr, master_port, run_id, backend })
     }
 
@@ -61,6 +63,17 @@ impl RankInfo {
 /// The communicator for this process, as the environment says (`timeout` is the config's comms_timeout).
 pub fn communicator_from_env(timeout: Duration) -> CommResult<Box<dyn Communicator>> {
     let info = RankInfo::from_env()?;
+    if info.backend == "mpi" {
+        #[cfg(feature = "mpi")]
+        return Ok(Box::new(super::mpi::MpiComm::init(timeout)?));
+        #[cfg(not(feature = "mpi"))]
+        return Err(CommError::Rendezvous {
+            rank: info.rank,
+            world_size: info.world_size,
+            place: "MPI".into(),
+            what: "this build has no MPI backend: build with `--features mpi`".into(),
+        });
+    }
     if info.world_size == 1 {
         return Ok(Box::new(threads::group(1, timeout).pop().expect("one rank")));
     }

@@ -7,6 +7,8 @@ pub mod async_comm;
 pub mod buffer;
 mod cma;
 pub mod env;
+#[cfg(feature = "mpi")]
+pub mod mpi;
 pub mod shm;
 pub mod threads;
 

@@ -1,0 +1,191 @@
+//! Ranks as MPI processes (rsmpi over OpenMPI), for CPU clusters: `mpirun -np N PROGRAM` with the `mpi` feature.
+//!
+//! Every reduction is an all-to-all of the ranks' segments, a fold in rank order on the segment's owner, and an
+//! all-gather: the same arithmetic, in the same order, as the threads and shm backends, so results are bitwise
+//! the same whichever backend runs. A handshake (one all-gather of op, length and type) turns mismatched calls
+//! into errors on every rank.
+//!
+//! Blocking MPI calls cannot be cancelled, so `comms_timeout` is enforced by a watchdog thread: a collective
+//! still running when it expires is logged (operation, rank, time waited) and the process exits with status 124;
+//! mpirun then stops the other ranks. A dead peer is handled by the MPI runtime, which aborts the job.
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use mpi::topology::{Communicator as _, SimpleCommunicator};
+use mpi::traits::*;
+
+use super::buffer::{divide, fold_into};
+use super::{BufMut, BufRef, CommError, CommResult, Communicator, Dtype, ReduceOp};
+
+/// One rank's MPI communicator (MPI_COMM_WORLD).
+pub struct MpiComm {
+    world: SimpleCommunicator,
+    rank: usize,
+    world_size: usize,
+    /// The collective in progress and when it started (ms since `epoch`); 0 when idle.
+    current: Arc<(Mutex<&'static str>, AtomicU64)>,
+    epoch: Instant,
+    _universe: mpi::environment::Universe,
+}
+
+// SAFETY: MPI is initialised with MPI_THREAD_SERIALIZED, and the communicator is used by one thread at a time
+// (`&self` methods are never called concurrently: the trait is Send, not Sync).
+unsafe impl Send for MpiComm {}
+
+const OPS: [&str; 5] = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier"];
+
+impl MpiComm {
+    /// Initialises MPI and starts the watchdog.
+    pub fn init(timeout: Duration) -> CommResult<MpiComm> {
+        let fail = |what: String| CommError::Rendezvous { rank: 0, world_size: 0, place: "MPI_COMM_WORLD".into(), what };
+        let (universe, threading) = mpi::initialize_with_threading(mpi::Threading::Serialized).ok_or_else(|| fail("MPI is already initialised".into()))?;
+        if threading < mpi::Threading::Serialized {
+            return Err(fail(format!("the MPI library offers only {threading:?} threading; zerorun needs Serialized")));
+        }
+        let world = universe.world();
+        let (rank, world_size) = (world.rank() as usize, world.size() as usize);
+        let current = Arc::new((Mutex::new(""), AtomicU64::new(0)));
+        let epoch = Instant::now();
+        let watched = current.clone();
+        std::thread::Builder::new()
+            .name("zerorun-mpi-watchdog".into())
+            .spawn(move || loop {
+                std::thread::sleep(Duration::from_millis(100));
+                let started = watched.1.load(Ordering::Acquire);
+                if started == 0 {
+                    continue;
+                }
+                let waited = epoch.elapsed().saturating_sub(Duration::from_millis(started - 1));
+                if waited > timeout {
+                    let op = *watched.0.lock().unwrap_or_else(|p| p.into_inner());
+                    let e = CommError::Timeout { op, rank, missing: Vec::new(), waited };
+                    tracing::error!("{e}; MPI collectives cannot be cancelled, so this rank exits");
+                    eprintln!("error: {e}; MPI collectives cannot be cancelled, so this rank exits");
+                    std::process::exit(124);
+                }
+            })
+            .map_err(|e| fail(format!("starting the watchdog: {e}")))?;
+        Ok(MpiComm { world, rank, world_size, current, epoch, _universe: universe })
+    }
+
+    fn watch<R>(&self, op: &'static str, f: impl FnOnce() -> R) -> R {
+        *self.current.0.lock().unwrap_or_else(|p| p.into_inner()) = op;
+        self.current.1.store(self.epoch.elapsed().as_millis() as u64 + 1, Ordering::Release);
+        let r = f();
+        self.current.1.store(0, Ordering::Release);
+        r
+    }
+
+    /// Every rank shares (op, length, type); any difference is an error on every rank.
+    fn handshake(&self, op: &'static str, len: usize, dtype: Dtype) -> CommResult<()> {
+        let code = OPS.iter().position(|o| *o == op).unwrap_or(OPS.len()) as u64 + 1;
+        let mine = [code, len as u64, dtype.code()];
+        let mut all = vec![0u64; 3 * self.world_size];
+        self.watch(op, || self.world.all_gather_into(&mine[..], &mut all[..]));
+        let col = |i: usize| -> Vec<u64> { all.chunks(3).map(|c| c[i]).collect() };
+        let (ops, lens, types) = (col(0), col(1), col(2));
+        if ops.iter().any(|o| *o != ops[0]) {
+            return Err(CommError::OpMismatch { op, rank: self.rank, ops: ops.iter().map(|&o| OPS.get(o as usize - 1).copied().unwrap_or("?")).collect() });
+        }
+        if types.iter().any(|t| *t != types[0]) {
+            let names = [Dtype::F32, Dtype::Bf16, Dtype::F16, Dtype::I64];
+            return Err(CommError::DtypeMismatch { op, rank: self.rank, dtypes: types.iter().map(|&t| names[(t as usize).saturating_sub(1).min(3)]).collect() });
+        }
+        if lens.iter().any(|l| *l != lens[0]) {
+            return Err(CommError::SizeMismatch { op, rank: self.rank, sizes: lens.iter().map(|&l| l as usize).collect() });
+        }
+        Ok(())
+    }
+
+    /// `blocks` holds `world_size` blocks of `seg` bytes; returns this rank's block folded over all ranks' blocks
+    /// (all-to-all, then a fold in rank order).
+    fn reduce_blocks(&self, op: &'static str, blocks: &[u8], seg: usize, dtype: Dtype, how: ReduceOp) -> Vec<u8> {
+        let mut recv = vec![0u8; blocks.len()];
+        self.watch(op, || self.world.all_to_all_into(blocks, &mut recv[..]));
+        let mut acc = recv[..seg].to_vec();
+        for k in 1..self.world_size {
+            fold_into(dtype, &mut acc, &recv[k * seg..(k + 1) * seg], how);
+        }
+        if how == ReduceOp::Avg {
+            divide(dtype, &mut acc, self.world_size);
+        }
+        acc
+    }
+}
+
+impl Communicator for MpiComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    fn all_reduce_buf(&self, buf: BufMut<'_>, op: ReduceOp) -> CommResult<()> {
+        const OP: &str = "all_reduce";
+        let (dtype, es, len, n) = (buf.dtype, buf.dtype.size(), buf.len(), self.world_size);
+        self.handshake(OP, len, dtype)?;
+        if len == 0 {
+            return Ok(()); // every rank agreed on the length: nothing to move (and MPI rejects aliased empty buffers)
+        }
+        // Equal blocks for the all-to-all: segments of ceil(len / n) elements, the last padded.
+        let seg = len.div_ceil(n) * es;
+        let mut blocks = vec![0u8; seg * n];
+        blocks[..buf.bytes.len()].copy_from_slice(buf.bytes);
+        let mine = self.reduce_blocks(OP, &blocks, seg, dtype, op);
+        self.watch(OP, || self.world.all_gather_into(&mine[..], &mut blocks[..]));
+        let total = buf.bytes.len();
+        buf.bytes.copy_from_slice(&blocks[..total]);
+        Ok(())
+    }
+
+    fn reduce_scatter_buf(&self, input: BufRef<'_>, output: BufMut<'_>, op: ReduceOp) -> CommResult<()> {
+        const OP: &str = "reduce_scatter";
+        let n = self.world_size;
+        if input.len() % n != 0 || output.len() != input.len() / n || output.dtype != input.dtype {
+            return Err(CommError::BadArgument { op: OP, rank: self.rank, what: format!("input of {} and output of {} elements do not split over {n} ranks", input.len(), output.len()) });
+        }
+        self.handshake(OP, input.len(), input.dtype)?;
+        if input.is_empty() {
+            return Ok(());
+        }
+        let mine = self.reduce_blocks(OP, input.bytes, output.bytes.len(), input.dtype, op);
+        output.bytes.copy_from_slice(&mine);
+        Ok(())
+    }
+
+    fn all_gather_buf(&self, buf: BufMut<'_>) -> CommResult<()> {
+        const OP: &str = "all_gather";
+        let n = self.world_size;
+        if buf.len() % n != 0 {
+            return Err(CommError::BadArgument { op: OP, rank: self.rank, what: format!("{} elements do not split into {n} equal parts", buf.len()) });
+        }
+        self.handshake(OP, buf.len(), buf.dtype)?;
+        if buf.is_empty() {
+            return Ok(());
+        }
+        let pb = buf.bytes.len() / n;
+        let mine = buf.bytes[self.rank * pb..(self.rank + 1) * pb].to_vec();
+        self.watch(OP, || self.world.all_gather_into(&mine[..], &mut buf.bytes[..]));
+        Ok(())
+    }
+
+    fn broadcast_buf(&self, buf: BufMut<'_>, root: usize) -> CommResult<()> {
+        const OP: &str = "broadcast";
+        if root >= self.world_size {
+            return Err(CommError::BadArgument { op: OP, rank: self.rank, what: format!("root {root} is not a rank of {}", self.world_size) });
+        }
+        self.handshake(OP, buf.len(), buf.dtype)?;
+        if !buf.bytes.is_empty() {
+            self.watch(OP, || self.world.process_at_rank(root as i32).broadcast_into(&mut buf.bytes[..]));
+        }
+        Ok(())
+    }
+
+    fn barrier(&self) -> CommResult<()> {
+        self.watch("barrier", || self.world.barrier());
+        Ok(())
+    }
+}
