@@ -8,7 +8,7 @@ TORCH_VERSION := 2.11.0
 APT_PACKAGES := pkg-config libopenmpi-dev openmpi-bin libclang-dev
 CARGO ?= cargo
 
-.PHONY: setup demo test test-rust check-fresh bench clean-venv
+.PHONY: setup demo test bench gpu-binaries
 
 setup: .libtorch
 	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
@@ -37,6 +37,13 @@ demo: setup
 
 test: setup
 	$(CARGO) test --workspace --all-targets --features mpi
+
+# Binaries for scripts/gpu-check.sh on the GPU machine (no Rust toolchain there): stripped, under 64 MiB together.
+gpu-binaries: setup
+	$(CARGO) build --release --bin zerorun --example gpu_probe
+	mkdir -p gpu-bin
+	strip -o gpu-bin/zerorun target/release/zerorun
+	strip -o gpu-bin/gpu_probe target/release/examples/gpu_probe
 
 bench: setup
 	$(CARGO) build --release --bin zerorun

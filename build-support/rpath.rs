@@ -23,7 +23,10 @@ fn main() {
                 .file(shim)
                 .compile("zerorun_fused_adamw");
         }
-        // libtorch_cuda.so (in the +cu wheels) needs the link to keep it even when nothing names it directly.
-        println!("cargo:rustc-link-arg=-Wl,--no-as-needed");
+        // libtorch_cuda.so registers the CUDA backend when loaded, but nothing calls into it by name, so
+        // `--as-needed` would drop it and tch would see no GPU. Keep it, whatever the link order.
+        if lib.join("libtorch_cuda.so").exists() {
+            println!("cargo:rustc-link-arg=-Wl,--push-state,--no-as-needed,-ltorch_cuda,--pop-state");
+        }
     }
 }
