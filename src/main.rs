@@ -17,6 +17,8 @@ enum Command {
     /// Inspect ds_config.json files.
     #[command(subcommand)]
     Config(cli::config::ConfigCommand),
+    /// Model-state memory per device and per host for every stage and offload option.
+    Estimate(cli::estimate::EstimateArgs),
     /// Start N ranks of a program on this host (torchrun-compatible variables).
     Launch(cli::launch::LaunchArgs),
     /// Benchmarks that report ratios against a reference measured in the same run.
@@ -36,6 +38,7 @@ fn main() -> ExitCode {
         Command::Config(c) => cli::config::run(c),
         Command::Bench(c) => cli::bench::run(c),
         Command::Launch(a) => cli::launch::run(a),
+        Command::Estimate(a) => cli::estimate::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

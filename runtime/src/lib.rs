@@ -3,10 +3,12 @@
 //! - [`config`]: ds_config.json, parsed and validated.
 //! - [`comm`]: collectives behind one trait (threads backend).
 //! - [`engine`]: the ZeRO engine (stages 0-2) over a tch `VarStore`.
+//! - [`estimate`]: model-state memory per stage and offload option, before a run.
 pub mod comm;
 pub mod config;
 pub mod engine;
 mod error;
+pub mod estimate;
 
 pub use config::{Config, ConfigError};
 pub use engine::{Engine, EngineOptions, StepOutcome};

@@ -1,0 +1,156 @@
+//! Memory of model states before a run: for every ZeRO stage and offload option, the bytes per device and per host,
+//! as DeepSpeed's estimators compute them (../shared/reference/zero-facts.md), plus the exact model-state bytes a
+//! rank holds (parameters, gradients, optimizer states: what the engine's accounting measures).
+use serde::Serialize;
+
+use crate::config::{Config, OffloadDevice, Precision};
+
+/// DeepSpeed's additional buffer factor for host memory.
+pub const ADDITIONAL_BUFFER_FACTOR: f64 = 1.5;
+
+/// What the estimate is about.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EstimateInput {
+    pub params: u64,
+    /// Parameters of the largest layer (gathered whole at stage 3); None leaves that term out.
+    pub largest_layer_params: Option<u64>,
+    pub nodes: u64,
+    pub gpus_per_node: u64,
+    pub precision: Precision,
+    /// fp32 values the optimizer keeps per parameter (Adam: 2).
+    pub optimizer_states: u64,
+}
+
+impl EstimateInput {
+    pub fn new(params: u64) -> Self {
+        EstimateInput { params, largest_layer_params: None, nodes: 1, gpus_per_node: 1, precision: Precision::Bf16, optimizer_states: 2 }
+    }
+
+    /// Precision and optimizer from a config.
+    pub fn with_config(mut self, config: &Config) -> Self {
+        self.precision = config.precision();
+        self.optimizer_states = config.optimizer.as_ref().map_or(2, |o| o.states_per_param() as u64);
+        self
+    }
+
+    fn ranks(&self) -> u64 {
+        (self.nodes * self.gpus_per_node).max(1)
+    }
+
+    /// Bytes per parameter of (parameters, gradients, optimizer states incl. an fp32 master copy when the
+    /// parameters are 16-bit).
+    pub fn bytes_per_param(&self) -> (u64, u64, u64) {
+        match self.precision {
+            Precision::Fp32 => (4, 4, 4 * self.optimizer_states),
+            Precision::Fp16 | Precision::Bf16 => (2, 2, 4 + 4 * self.optimizer_states),
+        }
+    }
+}
+
+/// One row of the estimate.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct EstimateRow {
+    pub stage: u8,
+    pub offload_optimizer: OffloadDevice,
+    pub offload_param: OffloadDevice,
+    /// Accelerator (or, on CPU runs, process) memory per rank, DeepSpeed's estimator.
+    pub per_device_bytes: u64,
+    /// Host memory per node, DeepSpeed's estimator (with the additional buffer factor).
+    pub per_host_bytes: u64,
+    /// Exact parameter + gradient + optimizer-state bytes one rank holds wherever they live (no buffers).
+    pub model_states_bytes: u64,
+}
+
+/// Model-state bytes one rank holds at `stage` (the ZeRO paper's formulas, generalised to any precision and
+/// optimizer): stage 0 keeps everything, 1 shards optimizer states, 2 also gradients, 3 also parameters.
+pub fn model_states_bytes(input: &EstimateInput, stage: u8) -> u64 {
+    let (p, g, o) = input.bytes_per_param();
+    let (psi, n) = (input.params as f64, input.ranks() as f64);
+    let per_param = match stage {
+        0 => (p + g + o) as f64,
+        1 => (p + g) as f64 + o as f64 / n,
+        2 => p as f64 + (g + o) as f64 / n,
+        _ => (p + g + o) as f64 / n,
+    };
+    (psi * per_param).round() as u64
+}
+
+/// Every stage and CPU-offload option, in DeepSpeed's estimator terms.
+pub fn estimate(input: &EstimateInput) -> Vec<EstimateRow> {
+    let psi = input.params as f64;
+    let n = input.ranks() as f64;
+    let gpn = input.gpus_per_node as f64;
+    let abf = ADDITIONAL_BUFFER_FACTOR;
+    // DeepSpeed: the largest layer is gathered in 16 bits with its gradient (4 bytes per parameter).
+    let largest = 4.0 * input.largest_layer_params.unwrap_or(0) as f64;
+    // With zero.Init, stage-3 host memory is divided among the nodes.
+    let g = 1.0 / input.nodes.max(1) as f64;
+    let (pb, gb, ob) = input.bytes_per_param();
+    let full = (pb + gb + ob) as f64; // 16 for mixed-precision Adam
+    let states = (gb + ob) as f64; // gradients + optimizer states (14)
+    use OffloadDevice::{Cpu, None as Off};
+    let row = |stage: u8, oo: OffloadDevice, op: OffloadDevice, device: f64, host: f64| EstimateRow {
+        stage,
+        offload_optimizer: oo,
+        offload_param: op,
+        per_device_bytes: device.round() as u64,
+        per_host_bytes: host.round() as u64,
+        model_states_bytes: model_states_bytes(input, stage),
+    };
+    let load = psi * 4.0 * gpn * abf; // fp32 weights loaded on the host, once per local rank
+    vec![
+        row(0, Off, Off, psi * full, load),
+        row(1, Off, Off, psi * (pb + gb) as f64 + psi * ob as f64 / n, load),
+        row(1, Cpu, Off, psi * pb as f64, psi * (4.0 * n).max(full) * abf),
+        row(2, Off, Off, psi * pb as f64 + psi * (states + 4.0) / n, load),
+        row(2, Cpu, Off, psi * pb as f64, psi * (4.0 * n).max(full) * abf),
+        row(3, Off, Off, largest + psi * (full + 2.0) / n, psi * 4.0 * g * abf),
+        row(3, Cpu, Off, largest + psi * pb as f64 / n, psi * full * g * abf),
+        row(3, Cpu, Cpu, largest, psi * (full + 2.0) * g * abf),
+    ]
+}
+
+/// The row matching a config's stage and offload settings.
+pub fn row_for<'a>(rows: &'a [EstimateRow], config: &Config) -> Option<&'a EstimateRow> {
+    let z = &config.zero_optimization;
+    let cpu_like = |d: OffloadDevice| if d == OffloadDevice::None { OffloadDevice::None } else { OffloadDevice::Cpu };
+    rows.iter().find(|r| r.stage == z.stage && r.offload_optimizer == cpu_like(z.offload_optimizer.device) && r.offload_param == cpu_like(z.offload_param.device))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn zero_paper_worked_example() {
+        // Psi = 7.5e9, N = 64, mixed-precision Adam: 120 GB, 31.4 GB, 16.6 GB, 1.9 GB.
+        let input = EstimateInput { nodes: 8, gpus_per_node: 8, ..EstimateInput::new(7_500_000_000) };
+        let gb = |s| model_states_bytes(&input, s) as f64 / 1e9;
+        assert!((gb(0) - 120.0).abs() < 0.05);
+        assert!((gb(1) - 31.4).abs() < 0.05);
+        assert!((gb(2) - 16.6).abs() < 0.05);
+        assert!((gb(3) - 1.875).abs() < 0.01);
+    }
+
+    #[test]
+    fn deepspeed_estimator_rows() {
+        let input = EstimateInput { nodes: 1, gpus_per_node: 4, largest_layer_params: Some(1000), ..EstimateInput::new(1_000_000) };
+        let rows = estimate(&input);
+        let find = |s, oo, op| rows.iter().find(|r| r.stage == s && r.offload_optimizer == oo && r.offload_param == op).unwrap();
+        use OffloadDevice::{Cpu, None as Off};
+        // ZeRO-2: GPU 2P + 18P/N without offload; 2P with it, host P * max(4N, 16) * 1.5.
+        assert_eq!(find(2, Off, Off).per_device_bytes, 2_000_000 + 18_000_000 / 4);
+        assert_eq!(find(2, Cpu, Off).per_device_bytes, 2_000_000);
+        assert_eq!(find(2, Cpu, Off).per_host_bytes, 24_000_000);
+        // ZeRO-3: L + 18P/N; L + 2P/N with optimizer offload (host 16 P g abf); L with both (host 18 P g abf).
+        assert_eq!(find(3, Off, Off).per_device_bytes, 4_000 + 18_000_000 / 4);
+        assert_eq!(find(3, Cpu, Off).per_device_bytes, 4_000 + 500_000);
+        assert_eq!(find(3, Cpu, Off).per_host_bytes, 24_000_000);
+        assert_eq!(find(3, Cpu, Cpu).per_device_bytes, 4_000);
+        assert_eq!(find(3, Cpu, Cpu).per_host_bytes, 27_000_000);
+        // fp32 training: 4 + 4 + 8 bytes per parameter.
+        let fp32 = EstimateInput { precision: Precision::Fp32, ..input };
+        assert_eq!(model_states_bytes(&fp32, 0), 16_000_000);
+        assert_eq!(model_states_bytes(&fp32, 2), 4_000_000 + 12_000_000 / 4);
+    }
+}

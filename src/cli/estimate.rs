@@ -1,0 +1,135 @@
+//! `zerorun estimate`: model-state memory per device and per host for every stage and offload option.
+//!
+//!     zerorun estimate --params P [--largest-layer-params L] [--nodes X] [--gpus-per-node Y] [--json]
+//!     zerorun estimate --config ds_config.json --model MODEL_DESC.json [--nodes X] [--gpus-per-node Y]
+use std::path::PathBuf;
+
+use clap::Args;
+use serde::Deserialize;
+use zerorun::runtime::estimate::{estimate, row_for, EstimateInput};
+use zerorun::Config;
+
+use super::{emit, CliError};
+
+#[derive(Args)]
+pub struct EstimateArgs {
+    /// Parameter count (accepts 1e9, 7.5e9, ...).
+    #[arg(long)]
+    params: Option<f64>,
+    /// Parameters of the largest layer (stage 3 gathers it whole); default: from --model, else all.
+    #[arg(long)]
+    largest_layer_params: Option<f64>,
+    #[arg(long, default_value_t = 1)]
+    nodes: u64,
+    #[arg(long, default_value_t = 1)]
+    gpus_per_node: u64,
+    /// A ds_config.json: its precision and optimizer are used, and its row is marked.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// A model description: {"layers", "hidden", "vocab", "seq_len"} of a GPT, or {"params"}.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Print `{"rows": [...]}`.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ModelDesc {
+    params: Option<f64>,
+    layers: Option<u64>,
+    hidden: Option<u64>,
+    vocab: Option<u64>,
+    seq_len: Option<u64>,
+    /// The output head shares the token embedding (GPT-2); default false.
+    tied: Option<bool>,
+    largest_layer_params: Option<f64>,
+}
+
+impl ModelDesc {
+    /// (params, largest layer) of a GPT: 12 h^2 + 13 h per block (attention 4 h^2, MLP 8 h^2, biases, two norms),
+    /// token and position embeddings, a final norm and (unless tied) the output head; the largest layer is the
+    /// embedding or one block.
+    fn sizes(&self, file: &PathBuf) -> Result<(u64, Option<u64>), CliError> {
+        if let Some(p) = self.params {
+            return Ok((p as u64, self.largest_layer_params.map(|l| l as u64)));
+        }
+        match (self.layers, self.hidden, self.vocab) {
+            (Some(l), Some(h), Some(v)) => {
+                let block = 12 * h * h + 13 * h;
+                let embed = v * h + self.seq_len.unwrap_or(0) * h;
+                let head = if self.tied.unwrap_or(false) { 0 } else { v * h + v };
+                Ok((l * block + embed + 2 * h + head, Some(self.largest_layer_params.map_or(block.max(v * h), |x| x as u64))))
+            }
+            _ => Err(CliError::Usage(format!("{}: give \"params\", or \"layers\", \"hidden\" and \"vocab\"", file.display()))),
+        }
+    }
+}
+
+/// Bytes in the largest binary unit that keeps the number >= 1.
+fn human(b: u64) -> String {
+    let units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < units.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.2} {}", units[u])
+    }
+}
+
+pub fn run(a: EstimateArgs) -> Result<(), CliError> {
+    let config = a.config.as_ref().map(Config::from_file).transpose()?;
+    let (params, mut largest) = match (&a.model, a.params) {
+        (Some(path), None) => {
+            let text = std::fs::read_to_string(path).map_err(|e| CliError::Io { context: format!("reading {}", path.display()), source: e })?;
+            let desc: ModelDesc = serde_json::from_str(&text).map_err(|e| CliError::Usage(format!("{}: {e}", path.display())))?;
+            desc.sizes(path)?
+        }
+        (None, Some(p)) if p >= 1.0 => (p as u64, None),
+        (Some(_), Some(_)) => return Err(CliError::Usage("give --params or --model, not both".into())),
+        _ => return Err(CliError::Usage("give --params P (>= 1) or --model MODEL_DESC.json".into())),
+    };
+    if let Some(l) = a.largest_layer_params {
+        largest = Some(l as u64);
+    }
+    if a.nodes == 0 || a.gpus_per_node == 0 {
+        return Err(CliError::Usage("--nodes and --gpus-per-node must be >= 1".into()));
+    }
+    let mut input = EstimateInput { largest_layer_params: largest, nodes: a.nodes, gpus_per_node: a.gpus_per_node, ..EstimateInput::new(params) };
+    if let Some(c) = &config {
+        input = input.with_config(c);
+    }
+    let rows = estimate(&input);
+    let mine = config.as_ref().and_then(|c| row_for(&rows, c));
+    if a.json {
+        return emit(&serde_json::json!({ "params": params, "ranks": a.nodes * a.gpus_per_node, "rows": rows }).to_string());
+    }
+    emit(&format!(
+        "Model states for {params} parameters ({:?}, {} optimizer values per parameter) on {} node(s) x {} device(s):",
+        input.precision, input.optimizer_states, a.nodes, a.gpus_per_node
+    ))?;
+    if largest.is_none() {
+        emit("(largest layer not given: stage-3 rows leave out the gathered layer; pass --largest-layer-params)")?;
+    }
+    emit(&format!("{:>12} {:>12} {:>14}  {}", "per device", "per host", "model states", "options"))?;
+    for r in &rows {
+        let mark = if mine == Some(r) { "   <- this config" } else { "" };
+        let off = |d| format!("{d:?}").to_lowercase();
+        emit(&format!(
+            "{:>12} {:>12} {:>14}  stage {}, offload_optimizer {}, offload_param {}{mark}",
+            human(r.per_device_bytes),
+            human(r.per_host_bytes),
+            human(r.model_states_bytes),
+            r.stage,
+            off(r.offload_optimizer),
+            off(r.offload_param)
+        ))?;
+    }
+    Ok(())
+}
