@@ -5,56 +5,13 @@ use std::time::Duration;
 
 use serde_json::json;
 use tch::nn::{self, Module, OptimizerConfig};
-use tch::{Kind, Tensor};
+use tch::Tensor;
 use zerorun::runtime::comm::threads;
 use zerorun::{Config, Engine, EngineOptions};
 
-const IN: i64 = 8;
-const HIDDEN: i64 = 16;
-const OUT: i64 = 3;
-const SAMPLES: i64 = 96;
-const GLOBAL_BATCH: i64 = 12;
-const STEPS: i64 = 20;
-const LR: f64 = 0.01;
-const WD: f64 = 0.05;
-const CLIP: f64 = 0.5;
-
-fn mlp(p: nn::Path) -> nn::Sequential {
-    nn::seq()
-        .add(nn::linear(&p / "layers" / 0, IN, HIDDEN, Default::default()))
-        .add_fn(|x| x.gelu("none"))
-        .add(nn::linear(&p / "layers" / 1, HIDDEN, HIDDEN, Default::default()))
-        .add_fn(|x| x.gelu("none"))
-        .add(nn::linear(&p / "layers" / 2, HIDDEN, OUT, Default::default()))
-}
-
-fn data() -> (Vec<f32>, Vec<f32>) {
-    let _g = tch::no_grad_guard();
-    tch::manual_seed(11);
-    let x = Tensor::randn([SAMPLES, IN], (Kind::Float, tch::Device::Cpu));
-    let y = x.sin().matmul(&Tensor::randn([IN, OUT], (Kind::Float, tch::Device::Cpu)));
-    (Vec::try_from(x.reshape([-1])).unwrap(), Vec::try_from(y.reshape([-1])).unwrap())
-}
-
-/// The samples of global batch `step`, in order.
-fn batch_indices(step: i64) -> Vec<i64> {
-    (0..GLOBAL_BATCH).map(|i| (step * 7 + i * 5) % SAMPLES).collect()
-}
-
-fn init_store() -> (nn::VarStore, nn::Sequential) {
-    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let _g = LOCK.lock().unwrap_or_else(|p| p.into_inner());
-    tch::manual_seed(5);
-    let vs = nn::VarStore::new(tch::Device::Cpu);
-    let model = mlp(vs.root());
-    (vs, model)
-}
-
-fn params_of(vs: &nn::VarStore) -> Vec<(String, Vec<f32>)> {
-    let mut v: Vec<_> = vs.variables().into_iter().map(|(n, t)| (n, Vec::<f32>::try_from(t.detach().reshape([-1])).unwrap())).collect();
-    v.sort_by(|a, b| a.0.cmp(&b.0));
-    v
-}
+#[path = "common/mlp.rs"]
+mod mlp;
+use mlp::*;
 
 fn reference() -> Vec<(String, Vec<f32>)> {
     let (x, y) = data();

@@ -10,7 +10,6 @@ use zerorun::runtime::comm::{Collectives, ReduceOp};
 
 #[path = "common/conformance.rs"]
 mod conformance;
-use conformance::input;
 
 /// Worker: all-reduces for up to a minute; writes its pid where the test can find it.
 fn loop_worker() {

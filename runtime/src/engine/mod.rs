@@ -1,19 +1,21 @@
 //! The ZeRO engine for stages 0-2: wraps a tch `VarStore` so a training loop shards its optimizer states
 //! (stage 1) and gradients (stage 2) across the data-parallel ranks of a [`Communicator`].
 //!
-//! Parameters are packed into one contiguous fp32 buffer and the model's tensors become views into it
-//! (`set_data`), so the optimizer steps the model's own storage. Each step, gradients are gathered into a flat
-//! gradient buffer, reduced (all-reduce at stage 0, reduce-scatter at stages 1-2), clipped by the global norm,
-//! stepped on the owned partition, and the updated partitions all-gathered.
+//! Parameters are packed into one contiguous buffer of the model's dtype and the model's tensors become views
+//! into it (`set_data`). fp32 models: the optimizer steps that buffer itself; gradients accumulate in autograd
+//! over micro-batches and are reduced once per optimizer step. 16-bit models (bf16, fp16): each rank keeps an
+//! fp32 master copy of the part it optimizes; gradients are reduced after every micro-batch and accumulated in
+//! fp32 there; the optimizer writes the updated 16-bit parameters in the same pass, and stages 1-2 all-gather them.
 pub mod layout;
 mod optimizer;
+mod views;
 
 use std::time::Instant;
 
 use tch::{nn, Kind, Tensor};
-use zerorun_optim::norm;
+use zerorun_optim::loss_scale::StepDecision;
 use zerorun_optim::schedule::LrScheduler;
-use zerorun_optim::{Grads, Group, Optimizer};
+use zerorun_optim::{norm, AlignedVec, Grads, Group, LossScaler, LossScalerConfig, Optimizer, ParamsOut};
 
 use crate::comm::{Collectives, Communicator, ReduceOp};
 use crate::config::{BatchSizes, Config, OffloadDevice, OptimizerConfig, Precision};
@@ -27,6 +29,8 @@ pub enum StepOutcome {
     Accumulating,
     /// An optimizer step was taken; `loss` is the mean over micro-batches and ranks.
     Stepped { step: u64, loss: f64, grad_norm: f64, lr: f64 },
+    /// fp16 gradients overflowed on some rank: no update, the loss scale was lowered (`scale` is the new one).
+    Skipped { step: u64, loss: f64, scale: f64 },
 }
 
 /// Options a program sets in code rather than in ds_config.json.
@@ -45,36 +49,35 @@ pub struct Engine {
     comm: Box<dyn Communicator>,
     config: Config,
     batch: BatchSizes,
+    precision: Precision,
     layout: FlatLayout,
     /// The model's parameters, in layout order; views into `flat_params`.
     params: Vec<Tensor>,
+    /// All parameters, in the model's dtype.
     flat_params: Tensor,
+    /// Gradients gathered from the parameters, in the communication dtype.
     flat_grads: Tensor,
-    /// This rank's reduced gradient partition (stages 1-2).
-    grad_shard: Vec<f32>,
+    /// This rank's reduced gradient partition, in the communication dtype (stages 1-2).
+    grad_part: Option<Tensor>,
+    /// fp32 master of the optimized range (16-bit models only; fp32 models step `flat_params` directly).
+    master: Option<AlignedVec>,
+    /// fp32 reduced gradients of the optimized range: accumulated over micro-batches (16-bit models), or the
+    /// boundary's reduction (fp32 models at stages 1-2).
+    grad_acc: AlignedVec,
     optimizer: Box<dyn Optimizer>,
     /// Groups relative to the optimized range (the partition at stages 1-2, everything at stage 0).
     groups: Vec<Group>,
     optimized: std::ops::Range<usize>,
     base_lr: f64,
     scheduler: Option<LrScheduler>,
+    scaler: Option<LossScaler>,
     micro_steps: u64,
     global_steps: u64,
     global_samples: u64,
+    skipped_steps: u64,
     loss_sum: f64,
     loss_count: u64,
     step_started: Option<Instant>,
-}
-
-/// A contiguous fp32 CPU tensor's elements.
-fn f32_slice(t: &Tensor) -> &mut [f32] {
-    debug_assert!(t.kind() == Kind::Float && t.is_contiguous());
-    let n = t.numel();
-    if n == 0 {
-        return &mut [];
-    }
-    // SAFETY: the tensor is contiguous fp32 on the CPU and outlives the returned slice at every call site.
-    unsafe { std::slice::from_raw_parts_mut(t.data_ptr() as *mut f32, n) }
 }
 
 impl Engine {
@@ -94,13 +97,11 @@ impl Engine {
                 why: "optimizer offload is not in this build yet; remove the offload_optimizer section",
             });
         }
-        if config.precision() != Precision::Fp32 {
-            let key = if config.fp16.enabled { "fp16.enabled" } else { "bf16.enabled" };
-            return Err(Error::Unsupported { key, value: "true".into(), why: "16-bit model weights are not in this build yet; train in fp32" });
-        }
         if let Some(OptimizerConfig::Lamb(_)) = &config.optimizer {
             return Err(Error::Unsupported { key: "optimizer.type", value: "\"Lamb\"".into(), why: "Lamb needs per-tensor trust ratios across ranks, not in this build yet" });
         }
+        let precision = config.precision();
+        let kind = views::kind_of(precision);
 
         let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().filter(|(_, t)| t.requires_grad()).collect();
         named.sort_by(|a, b| a.0.cmp(&b.0));
@@ -111,8 +112,13 @@ impl Engine {
             if t.device() != tch::Device::Cpu {
                 return Err(Error::Parameter { name: name.clone(), why: format!("is on {:?}; this build trains on the CPU", t.device()) });
             }
-            if t.kind() != Kind::Float {
-                return Err(Error::Parameter { name: name.clone(), why: format!("has dtype {:?}; fp32 parameters are expected", t.kind()) });
+            if t.kind() != kind {
+                let hint = match precision {
+                    Precision::Fp32 => "the config trains in fp32: keep the VarStore in Float",
+                    Precision::Bf16 => "bf16.enabled is true: convert the VarStore with `vs.bfloat16()` first",
+                    Precision::Fp16 => "fp16.enabled is true: convert the VarStore with `vs.half()` first",
+                };
+                return Err(Error::Parameter { name: name.clone(), why: format!("has dtype {:?}; {hint}", t.kind()) });
             }
         }
         let specs: Vec<(String, Vec<i64>, bool)> = named
@@ -126,7 +132,7 @@ impl Engine {
         let layout = FlatLayout::new(&specs, world_size);
 
         // Pack the parameters into the flat buffer and make the model's tensors views into it.
-        let flat_params = Tensor::zeros([layout.padded as i64], (Kind::Float, tch::Device::Cpu));
+        let flat_params = Tensor::zeros([layout.padded as i64], (kind, tch::Device::Cpu));
         let mut params = Vec::with_capacity(named.len());
         tch::no_grad(|| {
             for ((_, mut t), slot) in named.into_iter().zip(&layout.slots) {
@@ -137,9 +143,13 @@ impl Engine {
             }
         });
         // Every rank starts from rank 0's weights.
-        comm.broadcast(f32_slice(&flat_params), 0)?;
+        views::broadcast(comm.as_ref(), &flat_params, 0)?;
 
         let optimized = if z.stage == 0 { 0..layout.padded } else { layout.partition(rank) };
+        let master = (precision != Precision::Fp32).then(|| {
+            let part = flat_params.narrow(0, optimized.start as i64, optimized.len() as i64).to_kind(Kind::Float);
+            AlignedVec::from_slice(views::slice::<f32>(&part))
+        });
         let (optimizer, base_lr, weight_decay) = optimizer::build(&config, optimized.len());
         let groups = layout
             .decay_runs(optimized.clone())
@@ -147,26 +157,37 @@ impl Engine {
             .map(|(range, decay)| Group { range, lr: base_lr, weight_decay: if decay { weight_decay } else { 0.0 } })
             .collect();
         let scheduler = optimizer::scheduler(&config, base_lr);
-        let grad_shard = if z.stage == 0 { Vec::new() } else { vec![0f32; layout.partition_len()] };
-        let flat_grads = Tensor::zeros([layout.padded as i64], (Kind::Float, tch::Device::Cpu));
-        tracing::info!(rank, world_size, stage = z.stage, params = layout.numel, partition = layout.partition_len(), "zerorun engine ready");
+        let comm_kind = views::comm_kind(config.communication_data_type, precision);
+        let flat_grads = Tensor::zeros([layout.padded as i64], (comm_kind, tch::Device::Cpu));
+        let grad_part = (z.stage > 0).then(|| Tensor::zeros([layout.partition_len() as i64], (comm_kind, tch::Device::Cpu)));
+        let grad_acc = AlignedVec::filled(if z.stage > 0 || precision != Precision::Fp32 { optimized.len() } else { 0 }, 0.0);
+        let scaler = config.fp16.enabled.then(|| {
+            let f = &config.fp16;
+            LossScaler::new(LossScalerConfig::from_fp16(f.loss_scale, f.initial_scale_power, f.loss_scale_window, f.hysteresis, f.consecutive_hysteresis, f.min_loss_scale))
+        });
+        tracing::info!(rank, world_size, stage = z.stage, ?precision, params = layout.numel, partition = layout.partition_len(), "zerorun engine ready");
         Ok(Engine {
             comm,
             config,
             batch,
+            precision,
             layout,
             params,
             flat_params,
             flat_grads,
-            grad_shard,
+            grad_part,
+            master,
+            grad_acc,
             optimizer,
             groups,
             optimized,
             base_lr,
             scheduler,
+            scaler,
             micro_steps: 0,
             global_steps: 0,
             global_samples: 0,
+            skipped_steps: 0,
             loss_sum: 0.0,
             loss_count: 0,
             step_started: None,
@@ -193,12 +214,23 @@ impl Engine {
         &self.layout
     }
 
+    /// Optimizer steps taken, skipped ones included (as DeepSpeed counts them).
     pub fn global_steps(&self) -> u64 {
         self.global_steps
     }
 
     pub fn global_samples(&self) -> u64 {
         self.global_samples
+    }
+
+    /// Steps skipped because fp16 gradients overflowed.
+    pub fn skipped_steps(&self) -> u64 {
+        self.skipped_steps
+    }
+
+    /// The current fp16 loss scale (1 without fp16).
+    pub fn loss_scale(&self) -> f64 {
+        self.scaler.as_ref().map_or(1.0, LossScaler::scale)
     }
 
     /// The learning rate the next optimizer step uses.
@@ -211,16 +243,17 @@ impl Engine {
         (self.micro_steps + 1) % self.batch.gradient_accumulation_steps == 0
     }
 
-    /// Backward of one micro-batch's loss, scaled by 1/gradient_accumulation_steps as DeepSpeed does.
+    /// Backward of one micro-batch's loss, scaled by 1/gradient_accumulation_steps as DeepSpeed does (and by the
+    /// loss scale under fp16).
     pub fn backward(&mut self, loss: &Tensor) -> Result<()> {
         if self.step_started.is_none() {
             self.step_started = Some(Instant::now());
         }
         self.loss_sum += loss.f_double_value(&[])?;
         self.loss_count += 1;
-        let gas = self.batch.gradient_accumulation_steps;
-        if gas > 1 {
-            (loss / gas as f64).f_backward()?;
+        let factor = self.loss_scale() / self.batch.gradient_accumulation_steps as f64;
+        if factor != 1.0 {
+            (loss * factor).f_backward()?;
         } else {
             loss.f_backward()?;
         }
@@ -230,69 +263,112 @@ impl Engine {
     /// Ends a micro-batch; at the accumulation boundary reduces gradients and steps the optimizer.
     pub fn step(&mut self) -> Result<StepOutcome> {
         self.micro_steps += 1;
-        if self.micro_steps % self.batch.gradient_accumulation_steps != 0 {
+        let boundary = self.micro_steps % self.batch.gradient_accumulation_steps == 0;
+        // 16-bit models reduce every micro-batch and accumulate in fp32; fp32 models accumulate in autograd.
+        if self.precision != Precision::Fp32 {
+            self.reduce_micro_batch()?;
+        }
+        if !boundary {
             return Ok(StepOutcome::Accumulating);
         }
-        self.collect_grads()?;
+        if self.precision == Precision::Fp32 {
+            self.reduce_fp32()?;
+        }
         let lr = self.lr();
         let stage = self.config.zero_optimization.stage;
-        let grads: &mut [f32] = if stage == 0 {
-            let g = f32_slice(&self.flat_grads);
-            self.comm.all_reduce(g, ReduceOp::Avg)?;
-            g
-        } else {
-            let full = f32_slice(&self.flat_grads);
-            if self.config.zero_optimization.reduce_scatter {
-                self.comm.reduce_scatter(full, &mut self.grad_shard, ReduceOp::Avg)?;
-            } else {
-                self.comm.all_reduce(full, ReduceOp::Avg)?;
-                self.grad_shard.copy_from_slice(&full[self.optimized.clone()]);
-            }
-            &mut self.grad_shard
-        };
 
-        // Global gradient norm: the ranks' partitions are disjoint, so one all-reduce of a scalar suffices.
-        let mut sq = [norm::sum_of_squares(Grads::F32(grads)) as f32];
+        // Global squared norm: the ranks' parts are disjoint at stages 1-2, so one all-reduce of a scalar; an
+        // inf or NaN anywhere makes it non-finite on every rank, which is how an fp16 overflow is agreed on.
+        let mut sq = [norm::sum_of_squares(Grads::F32(self.grads())) as f32];
         if stage > 0 {
             self.comm.all_reduce(&mut sq, ReduceOp::Sum)?;
         }
-        let grad_norm = (sq[0] as f64).sqrt();
-        let coef = norm::clip_coefficient(grad_norm, self.config.gradient_clipping);
-        if coef < 1.0 {
-            norm::scale_in_place(grads, coef as f32);
+        let loss = self.finish_loss()?;
+        let scale = self.loss_scale();
+        if let Some(scaler) = self.scaler.as_mut() {
+            if scaler.update(!sq[0].is_finite())? == StepDecision::Skip {
+                self.skipped_steps += 1;
+                self.global_steps += 1;
+                self.global_samples += self.batch.train_batch_size;
+                self.grad_acc.fill(0.0);
+                let scale = scaler.scale();
+                tracing::warn!(step = self.global_steps, scale, "fp16 gradients overflowed; step skipped and loss scale lowered");
+                self.step_started = None;
+                return Ok(StepOutcome::Skipped { step: self.global_steps, loss, scale });
+            }
         }
-
+        let grad_norm = (sq[0] as f64).sqrt() / scale;
+        let coef = norm::clip_coefficient(grad_norm, self.config.gradient_clipping) / scale;
+        if coef != 1.0 {
+            norm::scale_in_place(self.grads(), coef as f32);
+        }
         for g in &mut self.groups {
             g.lr = lr;
         }
-        let params = &mut f32_slice(&self.flat_params)[self.optimized.clone()];
-        self.optimizer.step(params, Grads::F32(grads), &self.groups, None)?;
+        self.apply_optimizer()?;
         if stage > 0 {
-            self.comm.all_gather_in_place(f32_slice(&self.flat_params))?;
+            views::all_gather(self.comm.as_ref(), &self.flat_params)?;
         }
         if let Some(s) = self.scheduler.as_mut() {
             s.step();
         }
         self.global_steps += 1;
         self.global_samples += self.batch.train_batch_size;
-
-        let mut loss = [(self.loss_sum / self.loss_count.max(1) as f64) as f32];
-        self.comm.all_reduce(&mut loss, ReduceOp::Avg)?;
-        self.loss_sum = 0.0;
-        self.loss_count = 0;
-        let loss = loss[0] as f64;
         if let Some(every) = self.config.steps_per_print {
             if self.global_steps % every == 0 && self.rank() == 0 {
                 let secs = self.step_started.map_or(0.0, |t| t.elapsed().as_secs_f64());
                 let samples_per_s = if secs > 0.0 { self.batch.train_batch_size as f64 / secs } else { 0.0 };
-                tracing::info!(step = self.global_steps, loss, lr, grad_norm, samples_per_s, "train");
+                tracing::info!(step = self.global_steps, loss, lr, grad_norm, loss_scale = self.loss_scale(), samples_per_s, "train");
             }
         }
         self.step_started = None;
         Ok(StepOutcome::Stepped { step: self.global_steps, loss, grad_norm, lr })
     }
 
-    /// Copies every parameter's gradient into the flat buffer and clears it for the next accumulation.
+    /// The fp32 gradients of the optimized range.
+    fn grads(&mut self) -> &mut [f32] {
+        if self.precision == Precision::Fp32 && self.config.zero_optimization.stage == 0 && self.flat_grads.kind() == Kind::Float {
+            views::slice::<f32>(&self.flat_grads)
+        } else {
+            &mut self.grad_acc
+        }
+    }
+
+    /// The mean loss over this step's micro-batches and all ranks.
+    fn finish_loss(&mut self) -> Result<f64> {
+        let mut loss = [(self.loss_sum / self.loss_count.max(1) as f64) as f32];
+        self.comm.all_reduce(&mut loss, ReduceOp::Avg)?;
+        self.loss_sum = 0.0;
+        self.loss_count = 0;
+        Ok(loss[0] as f64)
+    }
+
+    fn apply_optimizer(&mut self) -> Result<()> {
+        let range = self.optimized.clone();
+        match self.master.as_mut() {
+            None => {
+                let params = &mut views::slice::<f32>(&self.flat_params)[range];
+                let grads: &[f32] = if self.config.zero_optimization.stage == 0 && self.flat_grads.kind() == Kind::Float {
+                    views::slice::<f32>(&self.flat_grads)
+                } else {
+                    &self.grad_acc
+                };
+                self.optimizer.step(params, Grads::F32(grads), &self.groups, None)?;
+            }
+            Some(master) => {
+                // The update writes the 16-bit model copy of the range in the same pass.
+                let out = match self.precision {
+                    Precision::Bf16 => ParamsOut::Bf16(&mut views::slice::<half::bf16>(&self.flat_params)[range]),
+                    _ => ParamsOut::F16(&mut views::slice::<half::f16>(&self.flat_params)[range]),
+                };
+                self.optimizer.step(master, Grads::F32(&self.grad_acc), &self.groups, Some(out))?;
+                self.grad_acc.fill(0.0);
+            }
+        }
+        Ok(())
+    }
+
+    /// Copies every parameter's gradient into the flat gradient buffer and clears it for the next micro-batch.
     fn collect_grads(&mut self) -> Result<()> {
         tch::no_grad(|| -> Result<()> {
             for (t, slot) in self.params.iter_mut().zip(&self.layout.slots) {
@@ -310,17 +386,77 @@ impl Engine {
         })
     }
 
-    /// Every parameter by name, full fp32 (the model's own values; identical on every rank).
-    pub fn full_parameters(&self) -> Vec<(String, Tensor)> {
-        self.layout.slots.iter().zip(&self.params).map(|(s, t)| (s.name.clone(), t.detach().copy())).collect()
+    /// Reduces the gathered gradients: `prescale_gradients` / `gradient_predivide_factor` as DeepSpeed applies
+    /// them (divide by the factor before a sum, multiply by factor / world size after), else a mean.
+    fn reduce(&mut self) -> Result<()> {
+        let ws = self.world_size() as f64;
+        let f = self.config.gradient_predivide_factor;
+        let predivide = self.config.prescale_gradients || f != 1.0;
+        if predivide {
+            let _ = self.flat_grads.f_mul_scalar_(1.0 / f)?;
+        }
+        let op = if predivide { ReduceOp::Sum } else { ReduceOp::Avg };
+        match &self.grad_part {
+            None => views::all_reduce(self.comm.as_ref(), &self.flat_grads, op)?,
+            Some(part) => {
+                if self.config.zero_optimization.reduce_scatter {
+                    views::reduce_scatter(self.comm.as_ref(), &self.flat_grads, part, op)?;
+                } else {
+                    views::all_reduce(self.comm.as_ref(), &self.flat_grads, op)?;
+                    let r = self.optimized.clone();
+                    let mut p = part.shallow_clone();
+                    p.f_copy_(&self.flat_grads.narrow(0, r.start as i64, r.len() as i64))?;
+                }
+            }
+        }
+        if predivide {
+            let post = f / ws;
+            let _ = match &self.grad_part {
+                None => self.flat_grads.f_mul_scalar_(post)?,
+                Some(p) => p.shallow_clone().f_mul_scalar_(post)?,
+            };
+        }
+        Ok(())
     }
 
-    /// Model-state bytes this rank holds, by category (fp32 training: parameters, gradients, optimizer states).
+    /// fp32 models at the boundary: gather, reduce, and (stages 1-2) take the partition as fp32.
+    fn reduce_fp32(&mut self) -> Result<()> {
+        self.collect_grads()?;
+        self.reduce()?;
+        if let Some(part) = &self.grad_part {
+            self.grad_acc.fill(0.0);
+            views::accumulate(&mut self.grad_acc, part);
+        } else if self.flat_grads.kind() != Kind::Float {
+            self.grad_acc.fill(0.0);
+            views::accumulate(&mut self.grad_acc, &self.flat_grads);
+        }
+        Ok(())
+    }
+
+    /// 16-bit models, every micro-batch: gather, reduce, accumulate the optimized range in fp32.
+    fn reduce_micro_batch(&mut self) -> Result<()> {
+        self.collect_grads()?;
+        self.reduce()?;
+        match &self.grad_part {
+            Some(part) => views::accumulate(&mut self.grad_acc, part),
+            None => views::accumulate(&mut self.grad_acc, &self.flat_grads),
+        }
+        Ok(())
+    }
+
+    /// Every parameter by name as full fp32 (the model's own values; identical on every rank).
+    pub fn full_parameters(&self) -> Vec<(String, Tensor)> {
+        self.layout.slots.iter().zip(&self.params).map(|(s, t)| (s.name.clone(), t.detach().to_kind(Kind::Float))).collect()
+    }
+
+    /// Bytes this rank holds, by category.
     pub fn memory_bytes(&self) -> Vec<(&'static str, usize)> {
+        let bytes = |t: &Tensor| t.numel() * t.kind().elt_size_in_bytes();
         vec![
-            ("parameters", self.layout.padded * 4),
-            ("gradients_full", self.layout.padded * 4),
-            ("gradients_shard", self.grad_shard.len() * 4),
+            ("parameters", bytes(&self.flat_params)),
+            ("master_fp32", self.master.as_ref().map_or(0, |m| m.len() * 4)),
+            ("gradients_full", bytes(&self.flat_grads)),
+            ("gradients_partition", self.grad_part.as_ref().map_or(0, bytes) + self.grad_acc.len() * 4),
             ("optimizer_states", self.optimizer.state().bytes()),
         ]
     }
