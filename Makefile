@@ -33,7 +33,7 @@ $(VENV)/.torch-$(TORCH_VERSION):
 
 demo: setup
 	$(CARGO) build --release --bin zerorun --example gpt --example mlp
-	./target/release/examples/gpt --config configs/zero2.json --ranks 2 --steps 150
+	./target/release/zerorun launch --nproc-per-node 2 -- ./target/release/examples/gpt --config configs/zero2.json --steps 150
 
 test: setup
 	$(CARGO) test --workspace --all-targets --features mpi

@@ -1,5 +1,6 @@
 //! What both examples share: flags, starting ranks, seeded batches, loading and saving weights.
 #![allow(dead_code)]
+pub mod gpt_model;
 use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
