@@ -8,6 +8,7 @@
 //! fp32 there; the optimizer writes the updated 16-bit parameters in the same pass, and stages 1-2 all-gather them.
 pub mod layout;
 mod optimizer;
+pub mod sampler;
 mod views;
 
 use std::time::Instant;
@@ -236,6 +237,11 @@ impl Engine {
     /// The learning rate the next optimizer step uses.
     pub fn lr(&self) -> f64 {
         self.scheduler.as_ref().map_or(self.base_lr, LrScheduler::lr)
+    }
+
+    /// A sampler giving this rank its micro-batches of every global batch (torch's DistributedSampler by batch).
+    pub fn sampler(&self, dataset_len: usize, seed: u64, shuffle: bool) -> sampler::DistributedSampler {
+        sampler::DistributedSampler { dataset_len, seed, shuffle, batch: self.batch, rank: self.rank(), world_size: self.world_size() }
     }
 
     /// Whether the next `step` is an optimizer step (the last micro-batch of an accumulation).
