@@ -40,10 +40,11 @@ test: setup
 
 # Binaries for scripts/gpu-check.sh on the GPU machine (no Rust toolchain there): stripped, under 64 MiB together.
 gpu-binaries: setup
-	$(CARGO) build --release --bin zerorun --example gpu_probe
+	$(CARGO) build --release --features nccl --bin zerorun --example gpu_probe --example nccl_check
 	mkdir -p gpu-bin
 	strip -o gpu-bin/zerorun target/release/zerorun
 	strip -o gpu-bin/gpu_probe target/release/examples/gpu_probe
+	strip -o gpu-bin/nccl_check target/release/examples/nccl_check
 
 bench: setup
 	$(CARGO) build --release --bin zerorun

@@ -74,6 +74,37 @@ pub fn communicator_from_env(timeout: Duration) -> CommResult<Box<dyn Communicat
             what: "this build has no MPI backend: build with `--features mpi`".into(),
         });
     }
+    if info.backend == "nccl" {
+        #[cfg(feature = "nccl")]
+        {
+            // Rank 0 makes the NCCL id; the others get it through a shared-memory rendezvous.
+            super::nccl::preflight(info.rank, info.world_size)?;
+            let mut id = [0i64; 16];
+            if info.rank == 0 {
+                let bytes = super::nccl::unique_id()?;
+                for (w, c) in id.iter_mut().zip(bytes.chunks(8)) {
+                    *w = i64::from_ne_bytes(c.try_into().expect("8 bytes"));
+                }
+            }
+            if info.world_size > 1 {
+                use super::Collectives;
+                let boot = shm::ShmComm::join(&RankInfo { run_id: format!("{}-nccl", info.run_id), ..info.clone() }, timeout)?;
+                boot.broadcast(&mut id, 0)?;
+            }
+            let mut bytes = [0u8; 128];
+            for (c, w) in bytes.chunks_mut(8).zip(id) {
+                c.copy_from_slice(&w.to_ne_bytes());
+            }
+            return Ok(Box::new(super::nccl::NcclComm::new(info.local_rank, info.rank, info.world_size, bytes)?));
+        }
+        #[cfg(not(feature = "nccl"))]
+        return Err(CommError::Rendezvous {
+            rank: info.rank,
+            world_size: info.world_size,
+            place: "NCCL".into(),
+            what: "this build has no NCCL backend: build with `--features nccl`".into(),
+        });
+    }
     if info.world_size == 1 {
         return Ok(Box::new(threads::group(1, timeout).pop().expect("one rank")));
     }

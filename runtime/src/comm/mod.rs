@@ -9,6 +9,8 @@ mod cma;
 pub mod env;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 pub mod shm;
 pub mod threads;
 

@@ -1,0 +1,187 @@
+//! NCCL through cudarc (feature `nccl`, dynamic loading: it builds without CUDA and loads libcuda and libnccl at
+//! run time). This backend takes host buffers, like the others, staging them through device memory: it is the
+//! conformance and bootstrap path; the engine's device-resident buffers come with the GPU work (issue 11).
+//!
+//! cudarc panics at first use when a library is missing, so [`preflight`] checks first and names what is
+//! missing. cudarc looks for `libnccl.so`; the pip wheel ships only `libnccl.so.2`: scripts/gpu-check.sh links one
+//! to the other, and the error says so. The link must point at the NCCL libtorch_cuda itself loads: two NCCL
+//! copies in one process interpose each other's symbols and NCCL reports a "corrupted comm object" (seen on the
+//! H200 image, whose /usr/lib has another NCCL).
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaStream};
+use cudarc::nccl::{Comm, Id, ReduceOp as NcclOp};
+use half::{bf16, f16};
+
+use super::{BufMut, BufRef, CommError, CommResult, Communicator, Dtype, ReduceOp};
+
+fn dl_ok(name: &str) -> bool {
+    let c = std::ffi::CString::new(name).expect("no NUL in library names");
+    // SAFETY: dlopen/dlclose with a valid C string; the handle is closed at once.
+    unsafe {
+        let h = libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL);
+        if h.is_null() {
+            return false;
+        }
+        libc::dlclose(h);
+    }
+    true
+}
+
+/// Checks that the CUDA driver and NCCL can be loaded, before cudarc is touched.
+pub fn preflight(rank: usize, world_size: usize) -> CommResult<()> {
+    let fail = |what: String| CommError::Rendezvous { rank, world_size, place: "NCCL".into(), what };
+    if !dl_ok("libcuda.so") && !dl_ok("libcuda.so.1") {
+        return Err(fail("no CUDA driver (libcuda.so) on this machine: NCCL needs a GPU".into()));
+    }
+    if !dl_ok("libnccl.so") {
+        let hint = if dl_ok("libnccl.so.2") {
+            "only libnccl.so.2 is on the library path, and cudarc loads libnccl.so: link one to the other in a folder on LD_LIBRARY_PATH (scripts/gpu-check.sh does)"
+        } else {
+            "libnccl.so is not on the library path (pip: nvidia-nccl-cu13 puts it under site-packages/nvidia/*/lib)"
+        };
+        return Err(fail(hint.into()));
+    }
+    Ok(())
+}
+
+/// One rank's NCCL communicator on device `device`.
+pub struct NcclComm {
+    comm: Comm,
+    stream: Arc<CudaStream>,
+    rank: usize,
+    world_size: usize,
+}
+
+// SAFETY: the communicator and its stream are used from one thread at a time (the trait is Send, not Sync).
+unsafe impl Send for NcclComm {}
+
+fn nccl_err(op: &'static str, rank: usize, e: impl std::fmt::Debug) -> CommError {
+    CommError::BadArgument { op, rank, what: format!("NCCL/CUDA: {e:?}") }
+}
+
+/// A fresh NCCL unique id as bytes, for rank 0 to share through a rendezvous.
+pub fn unique_id() -> CommResult<[u8; 128]> {
+    preflight(0, 0)?;
+    let id = Id::new().map_err(|e| nccl_err("rendezvous", 0, e.0))?;
+    Ok(id.internal().map(|c| c as u8))
+}
+
+impl NcclComm {
+    pub fn new(device: usize, rank: usize, world_size: usize, id: [u8; 128]) -> CommResult<NcclComm> {
+        preflight(rank, world_size)?;
+        let ctx = CudaContext::new(device).map_err(|e| nccl_err("rendezvous", rank, e))?;
+        let stream = ctx.default_stream();
+        let id = Id::uninit(id.map(|b| b as std::ffi::c_char));
+        let comm = Comm::from_rank(stream.clone(), rank, world_size, id).map_err(|e| nccl_err("rendezvous", rank, e.0))?;
+        Ok(NcclComm { comm, stream, rank, world_size })
+    }
+
+    fn op(op: ReduceOp) -> NcclOp {
+        match op {
+            ReduceOp::Sum => NcclOp::Sum,
+            ReduceOp::Avg => NcclOp::Avg,
+            ReduceOp::Max => NcclOp::Max,
+        }
+    }
+
+    /// Copies `input` to the device, runs `f(comm, device input, device output)`, copies the output into `out`.
+    fn staged<T>(&self, op: &'static str, input: &[T], out: &mut [T], f: impl FnOnce(&Comm, &cudarc::driver::CudaSlice<T>, &mut cudarc::driver::CudaSlice<T>) -> Result<(), cudarc::nccl::result::NcclError>) -> CommResult<()>
+    where
+        T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits + Copy,
+    {
+        let e = |x: cudarc::driver::DriverError| nccl_err(op, self.rank, x);
+        let src = self.stream.clone_htod(input).map_err(e)?;
+        let mut dst = self.stream.alloc_zeros::<T>(out.len().max(1)).map_err(e)?;
+        f(&self.comm, &src, &mut dst).map_err(|x| nccl_err(op, self.rank, x.0))?;
+        self.stream.memcpy_dtoh(&dst.slice(..out.len()), out).map_err(e)?;
+        self.stream.synchronize().map_err(e)?;
+        Ok(())
+    }
+}
+
+macro_rules! by_dtype {
+    ($dtype:expr, $f:ident ! ($($arg:tt)*)) => {
+        match $dtype {
+            Dtype::F32 => $f!(f32, $($arg)*),
+            Dtype::Bf16 => $f!(bf16, $($arg)*),
+            Dtype::F16 => $f!(f16, $($arg)*),
+            Dtype::I64 => $f!(i64, $($arg)*),
+        }
+    };
+}
+
+impl Communicator for NcclComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    fn all_reduce_buf(&self, buf: BufMut<'_>, op: ReduceOp) -> CommResult<()> {
+        if buf.is_empty() {
+            return Ok(());
+        }
+        macro_rules! run {
+            ($t:ty, $buf:expr, $op:expr) => {{
+                let v: &mut [$t] = bytemuck::cast_slice_mut($buf.bytes);
+                let input = v.to_vec();
+                let o = Self::op($op);
+                self.staged("all_reduce", &input, v, |c, s, d| c.all_reduce(s, d, &o).map(|_| ()))
+            }};
+        }
+        by_dtype!(buf.dtype, run!(buf, op))
+    }
+
+    fn reduce_scatter_buf(&self, input: BufRef<'_>, output: BufMut<'_>, op: ReduceOp) -> CommResult<()> {
+        if input.is_empty() {
+            return Ok(());
+        }
+        macro_rules! run {
+            ($t:ty, $input:expr, $output:expr, $op:expr) => {{
+                let i: &[$t] = bytemuck::cast_slice($input.bytes);
+                let out: &mut [$t] = bytemuck::cast_slice_mut($output.bytes);
+                let o = Self::op($op);
+                self.staged("reduce_scatter", i, out, |c, s, d| c.reduce_scatter(s, d, &o).map(|_| ()))
+            }};
+        }
+        by_dtype!(input.dtype, run!(input, output, op))
+    }
+
+    fn all_gather_buf(&self, buf: BufMut<'_>) -> CommResult<()> {
+        if buf.is_empty() {
+            return Ok(());
+        }
+        let (rank, n) = (self.rank, self.world_size);
+        macro_rules! run {
+            ($t:ty, $buf:expr) => {{
+                let v: &mut [$t] = bytemuck::cast_slice_mut($buf.bytes);
+                let part = v.len() / n;
+                let mine = v[rank * part..(rank + 1) * part].to_vec();
+                self.staged("all_gather", &mine, v, |c, s, d| c.all_gather(s, d).map(|_| ()))
+            }};
+        }
+        by_dtype!(buf.dtype, run!(buf))
+    }
+
+    fn broadcast_buf(&self, buf: BufMut<'_>, root: usize) -> CommResult<()> {
+        if buf.is_empty() {
+            return Ok(());
+        }
+        macro_rules! run {
+            ($t:ty, $buf:expr, $root:expr) => {{
+                let v: &mut [$t] = bytemuck::cast_slice_mut($buf.bytes);
+                let input = v.to_vec();
+                self.staged("broadcast", &input, v, |c, s, d| c.broadcast(Some(s), d, $root as i32).map(|_| ()))
+            }};
+        }
+        by_dtype!(buf.dtype, run!(buf, root))
+    }
+
+    fn barrier(&self) -> CommResult<()> {
+        let mut one = [0f32];
+        self.all_reduce_buf(BufMut::new(&mut one), ReduceOp::Sum)
+    }
+}
