@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use mpi::topology::{Communicator as _, SimpleCommunicator};
 use mpi::traits::*;
 
+use super::agreement::{self, Call};
 use super::buffer::{divide, fold_into};
 use super::{BufMut, BufRef, CommError, CommResult, Communicator, Dtype, ReduceOp};
 
@@ -32,8 +33,6 @@ pub struct MpiComm {
 // SAFETY: MPI is initialised with MPI_THREAD_SERIALIZED, and the communicator is used by one thread at a time
 // (`&self` methods are never called concurrently: the trait is Send, not Sync).
 unsafe impl Send for MpiComm {}
-
-const OPS: [&str; 5] = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier"];
 
 impl MpiComm {
     /// Initialises MPI and starts the watchdog.
@@ -60,8 +59,8 @@ impl MpiComm {
                 if waited > timeout {
                     let op = *watched.0.lock().unwrap_or_else(|p| p.into_inner());
                     let e = CommError::Timeout { op, rank, missing: Vec::new(), waited };
-                    tracing::error!("{e}; MPI collectives cannot be cancelled, so this rank exits");
-                    eprintln!("error: {e}; MPI collectives cannot be cancelled, so this rank exits");
+                    // Logged through tracing (the library never prints); the exit status 124 tells the launcher.
+                    tracing::error!("{e}; MPI collectives cannot be cancelled, so this rank exits with status 124");
                     std::process::exit(124);
                 }
             })
@@ -79,23 +78,11 @@ impl MpiComm {
 
     /// Every rank shares (op, length, type); any difference is an error on every rank.
     fn handshake(&self, op: &'static str, len: usize, dtype: Dtype) -> CommResult<()> {
-        let code = OPS.iter().position(|o| *o == op).unwrap_or(OPS.len()) as u64 + 1;
-        let mine = [code, len as u64, dtype.code()];
+        let mine = Call::new(op, len, dtype).words();
         let mut all = vec![0u64; 3 * self.world_size];
         self.watch(op, || self.world.all_gather_into(&mine[..], &mut all[..]));
-        let col = |i: usize| -> Vec<u64> { all.chunks(3).map(|c| c[i]).collect() };
-        let (ops, lens, types) = (col(0), col(1), col(2));
-        if ops.iter().any(|o| *o != ops[0]) {
-            return Err(CommError::OpMismatch { op, rank: self.rank, ops: ops.iter().map(|&o| OPS.get(o as usize - 1).copied().unwrap_or("?")).collect() });
-        }
-        if types.iter().any(|t| *t != types[0]) {
-            let names = [Dtype::F32, Dtype::Bf16, Dtype::F16, Dtype::I64];
-            return Err(CommError::DtypeMismatch { op, rank: self.rank, dtypes: types.iter().map(|&t| names[(t as usize).saturating_sub(1).min(3)]).collect() });
-        }
-        if lens.iter().any(|l| *l != lens[0]) {
-            return Err(CommError::SizeMismatch { op, rank: self.rank, sizes: lens.iter().map(|&l| l as usize).collect() });
-        }
-        Ok(())
+        let calls: Vec<Call> = all.chunks(3).map(Call::from_words).collect();
+        agreement::check(op, self.rank, &calls)
     }
 
     /// `blocks` holds `world_size` blocks of `seg` bytes; returns this rank's block folded over all ranks' blocks

@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 use memmap2::MmapMut;
 
 use super::env::RankInfo;
+use super::agreement::{self, Call};
 use super::buffer::fold_into;
 use super::{reduce_into, BufMut, BufRef, CommError, CommResult, Communicator, Dtype, ReduceOp};
 
@@ -47,11 +48,6 @@ const R_DTYPE: usize = 6;
 /// Bytes reduced at a time in the direct path (256 KiB: the chunk and its scratch stay in L2).
 const REDUCE_CHUNK: usize = 256 * 1024;
 
-const OPS: [&str; 5] = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier"];
-
-fn op_code(op: &str) -> u64 {
-    OPS.iter().position(|o| *o == op).unwrap_or(OPS.len()) as u64 + 1
-}
 
 /// One rank's handle on a shared-memory group.
 pub struct ShmComm {
@@ -307,24 +303,14 @@ impl ShmComm {
     /// collective with the same size and type.
     fn handshake(&self, op: &'static str, len: usize, dtype: Dtype, addr: *const u8) -> CommResult<()> {
         self.rank_word(self.rank, R_ADDR).store(addr as u64, Ordering::Relaxed);
-        self.rank_word(self.rank, R_OP).store(op_code(op), Ordering::Relaxed);
-        self.rank_word(self.rank, R_LEN).store(len as u64, Ordering::Relaxed);
-        self.rank_word(self.rank, R_DTYPE).store(dtype.code(), Ordering::Relaxed);
+        let [c, l, d] = Call::new(op, len, dtype).words();
+        self.rank_word(self.rank, R_OP).store(c, Ordering::Relaxed);
+        self.rank_word(self.rank, R_LEN).store(l, Ordering::Relaxed);
+        self.rank_word(self.rank, R_DTYPE).store(d, Ordering::Relaxed);
         self.barrier_op(op)?;
-        let all = |w: usize| -> Vec<u64> { (0..self.world_size).map(|k| self.rank_word(k, w).load(Ordering::Relaxed)).collect() };
-        let (ops, lens, dtypes) = (all(R_OP), all(R_LEN), all(R_DTYPE));
-        let result = if ops.iter().any(|o| *o != ops[0]) {
-            let ops = ops.iter().map(|&o| OPS.get(o as usize - 1).copied().unwrap_or("?")).collect();
-            Err(CommError::OpMismatch { op, rank: self.rank, ops })
-        } else if dtypes.iter().any(|d| *d != dtypes[0]) {
-            let names = [Dtype::F32, Dtype::Bf16, Dtype::F16, Dtype::I64];
-            let dtypes = dtypes.iter().map(|&d| names[(d as usize).saturating_sub(1).min(3)]).collect();
-            Err(CommError::DtypeMismatch { op, rank: self.rank, dtypes })
-        } else if lens.iter().any(|l| *l != lens[0]) {
-            Err(CommError::SizeMismatch { op, rank: self.rank, sizes: lens.iter().map(|&l| l as usize).collect() })
-        } else {
-            Ok(())
-        };
+        let word = |k: usize, w: usize| self.rank_word(k, w).load(Ordering::Relaxed);
+        let calls: Vec<Call> = (0..self.world_size).map(|k| Call::from_words(&[word(k, R_OP), word(k, R_LEN), word(k, R_DTYPE)])).collect();
+        let result = agreement::check(op, self.rank, &calls);
         // Nobody rewrites its words before everyone has read them.
         self.barrier_op(op)?;
         result

@@ -6,6 +6,7 @@
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+use super::agreement::{self, Call};
 use super::{reduce_into, BufMut, BufRef, CommError, CommResult, Communicator, Dtype, ReduceOp};
 
 struct State {
@@ -14,8 +15,9 @@ struct State {
     arrived: Vec<bool>,
     /// Ranks whose communicator was dropped (thread finished or panicked).
     departed: Vec<bool>,
-    /// Published buffers: (address, bytes, element type) per rank.
+    /// Published buffers: (address, bytes, element type) per rank, and each rank's call.
     slots: Vec<(usize, usize, Dtype)>,
+    calls: Vec<Call>,
 }
 
 struct Shared {
@@ -39,6 +41,7 @@ pub fn group(world_size: usize, timeout: Duration) -> Vec<ThreadComm> {
             arrived: vec![false; world_size],
             departed: vec![false; world_size],
             slots: vec![(0, 0, Dtype::F32); world_size],
+            calls: vec![Call::new("barrier", 0, Dtype::F32); world_size],
         }),
         cv: Condvar::new(),
         timeout,
@@ -87,18 +90,18 @@ impl ThreadComm {
     /// Publishes (address, bytes, dtype), waits for all, checks that every rank passed the same size and type,
     /// and returns every rank's slot.
     fn exchange(&self, op: &'static str, addr: usize, bytes: usize, dtype: Dtype) -> CommResult<Vec<(usize, usize, Dtype)>> {
-        self.shared.state.lock().unwrap_or_else(|p| p.into_inner()).slots[self.rank] = (addr, bytes, dtype);
+        {
+            let mut st = self.shared.state.lock().unwrap_or_else(|p| p.into_inner());
+            st.slots[self.rank] = (addr, bytes, dtype);
+            st.calls[self.rank] = Call::new(op, bytes / dtype.size(), dtype);
+        }
         self.barrier_op(op)?;
-        let slots = self.shared.state.lock().unwrap_or_else(|p| p.into_inner()).slots.clone();
-        let mismatch = if slots.iter().any(|s| s.2 != slots[0].2) {
-            Some(CommError::DtypeMismatch { op, rank: self.rank, dtypes: slots.iter().map(|s| s.2).collect() })
-        } else if slots.iter().any(|s| s.1 != slots[0].1) {
-            Some(CommError::SizeMismatch { op, rank: self.rank, sizes: slots.iter().map(|s| s.1 / s.2.size()).collect() })
-        } else {
-            None
+        let (slots, calls) = {
+            let st = self.shared.state.lock().unwrap_or_else(|p| p.into_inner());
+            (st.slots.clone(), st.calls.clone())
         };
-        if let Some(e) = mismatch {
-            // Every rank sees the same slots, so all return this error together; the closing barrier keeps them
+        if let Err(e) = agreement::check(op, self.rank, &calls) {
+            // Every rank sees the same calls, so all return this error together; the closing barrier keeps them
             // in step for the next call.
             self.barrier_op(op)?;
             return Err(e);

@@ -1,0 +1,69 @@
+//! Every backend checks, before moving data, that all ranks called the same collective with the same size and
+//! element type: a mismatch is an error on every rank, never corruption. This is that check, once.
+use super::{CommError, CommResult, Dtype};
+
+const OPS: [&str; 5] = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier"];
+const DTYPES: [Dtype; 4] = [Dtype::F32, Dtype::Bf16, Dtype::F16, Dtype::I64];
+
+/// What one rank passed to a collective, as three words a backend can publish anywhere (shared memory, MPI).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Call {
+    pub op: u64,
+    pub len: u64,
+    pub dtype: u64,
+}
+
+impl Call {
+    pub fn new(op: &str, len: usize, dtype: Dtype) -> Call {
+        Call { op: OPS.iter().position(|o| *o == op).unwrap_or(OPS.len()) as u64 + 1, len: len as u64, dtype: dtype.code() }
+    }
+
+    pub fn words(self) -> [u64; 3] {
+        [self.op, self.len, self.dtype]
+    }
+
+    pub fn from_words(w: &[u64]) -> Call {
+        Call { op: w[0], len: w[1], dtype: w[2] }
+    }
+}
+
+fn op_name(code: u64) -> &'static str {
+    (code as usize).checked_sub(1).and_then(|i| OPS.get(i)).copied().unwrap_or("?")
+}
+
+fn dtype_of(code: u64) -> Dtype {
+    DTYPES[(code as usize).saturating_sub(1).min(DTYPES.len() - 1)]
+}
+
+/// Errors unless every rank's call matches: the operation first, then the element type, then the length.
+pub(crate) fn check(op: &'static str, rank: usize, calls: &[Call]) -> CommResult<()> {
+    let first = calls[0];
+    if calls.iter().any(|c| c.op != first.op) {
+        return Err(CommError::OpMismatch { op, rank, ops: calls.iter().map(|c| op_name(c.op)).collect() });
+    }
+    if calls.iter().any(|c| c.dtype != first.dtype) {
+        return Err(CommError::DtypeMismatch { op, rank, dtypes: calls.iter().map(|c| dtype_of(c.dtype)).collect() });
+    }
+    if calls.iter().any(|c| c.len != first.len) {
+        return Err(CommError::SizeMismatch { op, rank, sizes: calls.iter().map(|c| c.len as usize).collect() });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_the_first_kind_of_disagreement() {
+        let a = Call::new("all_reduce", 4, Dtype::F32);
+        assert_eq!(check("all_reduce", 0, &[a, a]), Ok(()));
+        let e = check("all_reduce", 1, &[a, Call::new("barrier", 4, Dtype::F32)]).unwrap_err();
+        assert_eq!(e.to_string(), "all_reduce on rank 1: ranks called different collectives ([\"all_reduce\", \"barrier\"] by rank)");
+        let e = check("all_reduce", 0, &[a, Call::new("all_reduce", 5, Dtype::Bf16)]).unwrap_err();
+        assert!(matches!(e, CommError::DtypeMismatch { .. }));
+        let e = check("all_reduce", 0, &[a, Call::new("all_reduce", 5, Dtype::F32)]).unwrap_err();
+        assert_eq!(e, CommError::SizeMismatch { op: "all_reduce", rank: 0, sizes: vec![4, 5] });
+        assert_eq!(Call::from_words(&a.words()), a);
+    }
+}
