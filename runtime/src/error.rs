@@ -10,6 +10,8 @@ pub enum Error {
     Comm(#[from] CommError),
     #[error(transparent)]
     Optim(#[from] zerorun_optim::OptimError),
+    #[error(transparent)]
+    Checkpoint(#[from] crate::checkpoint::CheckpointError),
     #[error("libtorch: {0}")]
     Torch(#[from] tch::TchError),
     /// A setting this build of the engine does not run yet; names the key.

@@ -4,6 +4,7 @@
 //! - [`comm`]: collectives behind one trait (threads backend).
 //! - [`engine`]: the ZeRO engine (stages 0-2) over a tch `VarStore`.
 //! - [`estimate`]: model-state memory per stage and offload option, before a run.
+pub mod checkpoint;
 pub mod comm;
 pub mod config;
 pub mod engine;

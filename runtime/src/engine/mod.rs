@@ -6,6 +6,7 @@
 //! over micro-batches and are reduced once per optimizer step. 16-bit models (bf16, fp16): each rank keeps an
 //! fp32 master copy of the part it optimizes; gradients are reduced after every micro-batch and accumulated in
 //! fp32 there; the optimizer writes the updated 16-bit parameters in the same pass, and stages 1-2 all-gather them.
+mod checkpointing;
 pub mod layout;
 mod optimizer;
 pub mod sampler;

@@ -1,0 +1,134 @@
+//! File mechanics: atomic replacement, checksums, a streaming safetensors writer and a memory-mapped reader.
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::{BufWriter, Read, Write};
+use std::path::Path;
+
+use memmap2::Mmap;
+
+use super::{io_err, CheckpointError, Result};
+
+/// Writes `bytes` to `path` atomically: a temporary file, fsync, rename, fsync of the folder.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let tmp = path.with_extension("tmp");
+    let mut f = File::create(&tmp).map_err(|e| io_err(&tmp, e))?;
+    f.write_all(bytes).map_err(|e| io_err(&tmp, e))?;
+    f.sync_all().map_err(|e| io_err(&tmp, e))?;
+    std::fs::rename(&tmp, path).map_err(|e| io_err(path, e))?;
+    sync_dir(path.parent().unwrap_or(Path::new(".")))
+}
+
+pub fn sync_dir(dir: &Path) -> Result<()> {
+    File::open(dir).and_then(|d| d.sync_all()).map_err(|e| io_err(dir, e))
+}
+
+/// CRC-32 of a whole file.
+pub fn crc_of(path: &Path) -> Result<u32> {
+    let mut f = File::open(path).map_err(|e| CheckpointError::Missing { path: path.to_path_buf(), what: e.to_string() })?;
+    let mut h = crc32fast::Hasher::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f.read(&mut buf).map_err(|e| io_err(path, e))?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+    }
+    Ok(h.finalize())
+}
+
+/// Writes tensors of one dtype (`"F32"` with 4-byte or `"BF16"` with 2-byte elements) as safetensors, one at a
+/// time, so memory stays bounded by the largest tensor the caller holds. `tensors` gives (name, shape);
+/// `fill(i, out)` appends tensor i's little-endian bytes. The file is written under a temporary name, fsynced and
+/// renamed; returns its CRC-32.
+pub fn write_safetensors(
+    path: &Path,
+    tensors: &[(String, Vec<usize>)],
+    dtype: &str,
+    mut fill: impl FnMut(usize, &mut dyn Write) -> std::io::Result<()>,
+) -> Result<u32> {
+    let elem = if dtype == "BF16" { 2 } else { 4 };
+    let mut header = BTreeMap::new();
+    let mut offset = 0usize;
+    let mut offsets = Vec::with_capacity(tensors.len());
+    for (name, shape) in tensors {
+        let bytes = shape.iter().product::<usize>() * elem;
+        header.insert(name.clone(), serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + bytes]}));
+        offsets.push(offset);
+        offset += bytes;
+    }
+    let mut text = serde_json::to_string(&header).expect("header serializes");
+    while text.len() % 8 != 0 {
+        text.push(' ');
+    }
+    let tmp = path.with_extension("tmp");
+    let file = File::create(&tmp).map_err(|e| io_err(&tmp, e))?;
+    let mut w = CrcWriter { inner: BufWriter::with_capacity(1 << 20, file), crc: crc32fast::Hasher::new(), written: 0 };
+    let at = |w: &CrcWriter<_>, e: std::io::Error| io_err(&tmp, format!("{e} (at byte offset {})", w.written));
+    w.write_all(&(text.len() as u64).to_le_bytes()).map_err(|e| at(&w, e))?;
+    w.write_all(text.as_bytes()).map_err(|e| at(&w, e))?;
+    let data_start = w.written;
+    for (i, (name, shape)) in tensors.iter().enumerate() {
+        fill(i, &mut w).map_err(|e| at(&w, e))?;
+        let expected = data_start + offsets[i] + shape.iter().product::<usize>() * elem;
+        if w.written != expected {
+            return Err(io_err(&tmp, format!("tensor `{name}` wrote {} bytes too few or many", w.written as i64 - expected as i64)));
+        }
+    }
+    let crc = w.crc.clone().finalize();
+    let file = w.inner.into_inner().map_err(|e| io_err(&tmp, e.error()))?;
+    file.sync_all().map_err(|e| io_err(&tmp, e))?;
+    std::fs::rename(&tmp, path).map_err(|e| io_err(path, e))?;
+    Ok(crc)
+}
+
+struct CrcWriter<W: Write> {
+    inner: W,
+    crc: crc32fast::Hasher,
+    written: usize,
+}
+
+impl<W: Write> Write for CrcWriter<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.crc.update(&buf[..n]);
+        self.written += n;
+        Ok(n)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+/// Appends f32 values as little-endian bytes.
+pub fn write_f32(w: &mut dyn Write, v: &[f32]) -> std::io::Result<()> {
+    w.write_all(bytemuck::cast_slice(v))
+}
+
+/// A memory-mapped safetensors file: only the pages of the ranges read are loaded.
+pub struct MappedTensors {
+    map: Mmap,
+    path: std::path::PathBuf,
+}
+
+impl MappedTensors {
+    pub fn open(path: &Path) -> Result<MappedTensors> {
+        let f = File::open(path).map_err(|e| CheckpointError::Missing { path: path.to_path_buf(), what: e.to_string() })?;
+        // SAFETY: checkpoint files are not modified while mapped (new checkpoints go to new files).
+        let map = unsafe { Mmap::map(&f) }.map_err(|e| io_err(path, e))?;
+        safetensors::SafeTensors::deserialize(&map).map_err(|e| io_err(path, format!("not a valid safetensors file: {e}")))?;
+        Ok(MappedTensors { map, path: path.to_path_buf() })
+    }
+
+    /// Elements `range` of f32 tensor `name` into `out`.
+    pub fn read_f32(&self, name: &str, range: std::ops::Range<usize>, out: &mut [f32]) -> Result<()> {
+        let st = safetensors::SafeTensors::deserialize(&self.map).map_err(|e| io_err(&self.path, e))?;
+        let t = st.tensor(name).map_err(|e| io_err(&self.path, format!("tensor `{name}`: {e}")))?;
+        let data = t.data();
+        let bytes = data.get(range.start * 4..range.end * 4).ok_or_else(|| io_err(&self.path, format!("tensor `{name}` has {} elements, wanted {range:?}", data.len() / 4)))?;
+        for (o, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+            *o = f32::from_le_bytes(c.try_into().expect("4 bytes"));
+        }
+        Ok(())
+    }
+}

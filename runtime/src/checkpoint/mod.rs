@@ -1,0 +1,42 @@
+//! Checkpoint format: one safetensors file per rank with the fp32 values it optimizes (its master range) and the
+//! optimizer state of that range, and a JSON manifest saying which flat element range lives in which file. The
+//! flat index space is the engine's layout (parameters in name order), the same at every world size and stage,
+//! so a checkpoint loads at any world size or stage 0-2 by reading overlaps of ranges.
+//!
+//! Writes are atomic: files go to a temporary name, are fsynced and renamed; the tag's folder is assembled under
+//! a temporary name and renamed into place last, and `latest` is replaced only after that. A crash at any point
+//! leaves the previous checkpoint and `latest` as they were.
+pub mod files;
+pub mod manifest;
+
+pub use manifest::{Manifest, ParamEntry, RankEntry, FORMAT_VERSION};
+
+use std::path::{Path, PathBuf};
+
+/// Checkpoint failures, each naming the file (and offset) at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    #[error("{path}: {what}")]
+    Io { path: PathBuf, what: String },
+    #[error("{path}: checksum mismatch (manifest {expected:08x}, file {actual:08x}): the file is damaged")]
+    Checksum { path: PathBuf, expected: u32, actual: u32 },
+    #[error("{path}: format version {found} is newer than this zerorun reads ({supported})")]
+    NewerFormat { path: PathBuf, found: u32, supported: u32 },
+    #[error("{path}: the checkpoint does not match the model: {what}")]
+    Mismatch { path: PathBuf, what: String },
+    #[error("{path}: no checkpoint here ({what})")]
+    Missing { path: PathBuf, what: String },
+}
+
+pub type Result<T> = std::result::Result<T, CheckpointError>;
+
+pub(crate) fn io_err(path: &Path, e: impl std::fmt::Display) -> CheckpointError {
+    CheckpointError::Io { path: path.to_path_buf(), what: e.to_string() }
+}
+
+/// The tag `latest` names in `dir`.
+pub fn latest_tag(dir: &Path) -> Result<String> {
+    let p = dir.join("latest");
+    let tag = std::fs::read_to_string(&p).map_err(|e| CheckpointError::Missing { path: p.clone(), what: e.to_string() })?;
+    Ok(tag.trim().to_string())
+}

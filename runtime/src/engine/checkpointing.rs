@@ -1,0 +1,205 @@
+//! Saving and loading the engine's state in the checkpoint format of [`crate::checkpoint`].
+use std::path::{Path, PathBuf};
+
+use tch::Kind;
+
+use super::{views, Engine};
+use crate::checkpoint::files::{self, MappedTensors};
+use crate::checkpoint::{latest_tag, CheckpointError, Manifest, ParamEntry, RankEntry, FORMAT_VERSION};
+use crate::comm::{Collectives, ReduceOp};
+use crate::config::Precision;
+use crate::error::Result;
+
+fn check_tag(tag: &str) -> Result<()> {
+    if tag.is_empty() || tag.starts_with('.') || tag.contains(['/', '\\']) || tag == "latest" {
+        return Err(crate::Error::Usage(format!("checkpoint tag {tag:?}: use a plain folder name (not `latest`, no '/')")));
+    }
+    Ok(())
+}
+
+impl Engine {
+    /// The fp32 values of this rank's optimized range (the master copy, or the parameters themselves in fp32).
+    fn optimized_values(&self) -> Vec<f32> {
+        match &self.master {
+            Some(m) => m.to_vec(),
+            None => views::slice::<f32>(&self.flat_params)[self.optimized.clone()].to_vec(),
+        }
+    }
+
+    /// Saves under `dir/<tag>/` (default tag `global_step{N}`) and points `dir/latest` at it once it is complete.
+    /// Collective: every rank calls it. Returns the checkpoint's folder.
+    pub fn save_checkpoint(&mut self, dir: impl AsRef<Path>, tag: Option<&str>) -> Result<PathBuf> {
+        let dir = dir.as_ref();
+        let tag = tag.map(str::to_string).unwrap_or_else(|| format!("global_step{}", self.global_steps));
+        check_tag(&tag)?;
+        let (rank, ws, stage) = (self.rank(), self.world_size(), self.config.zero_optimization.stage);
+        let staging = dir.join(format!(".{tag}.partial"));
+        if rank == 0 {
+            std::fs::create_dir_all(dir).map_err(|e| CheckpointError::Io { path: dir.into(), what: e.to_string() })?;
+            if staging.exists() {
+                std::fs::remove_dir_all(&staging).map_err(|e| CheckpointError::Io { path: staging.clone(), what: e.to_string() })?;
+            }
+            std::fs::create_dir(&staging).map_err(|e| CheckpointError::Io { path: staging.clone(), what: e.to_string() })?;
+        }
+        self.comm.barrier()?;
+        // Stage 0: every rank holds everything, so rank 0 writes it; stages 1-2: each rank its partition.
+        let writes = stage > 0 || rank == 0;
+        let mut crcs = vec![0i64; ws];
+        if writes {
+            let values = self.optimized_values();
+            let state = self.optimizer.state();
+            let mut tensors = vec![("params".to_string(), vec![values.len()])];
+            tensors.extend(state.buffers.iter().map(|(n, b)| (n.clone(), vec![b.len()])));
+            let file = staging.join(format!("rank{rank}.safetensors"));
+            let crc = files::write_safetensors(&file, &tensors, "F32", |i, w| {
+                if i == 0 {
+                    files::write_f32(w, &values)
+                } else {
+                    files::write_f32(w, &state.buffers[i - 1].1)
+                }
+            })?;
+            crcs[rank] = crc as i64;
+        }
+        self.comm.all_reduce(&mut crcs, ReduceOp::Sum)?;
+        if rank == 0 {
+            let layout = &self.layout;
+            let ranks = (0..if stage > 0 { ws } else { 1 })
+                .map(|r| {
+                    let range = if stage > 0 { layout.partition(r) } else { 0..layout.padded };
+                    RankEntry { file: format!("rank{r}.safetensors"), start: range.start, end: range.end, crc32: crcs[r] as u32 }
+                })
+                .collect();
+            let manifest = Manifest {
+                format_version: FORMAT_VERSION,
+                tag: tag.clone(),
+                global_steps: self.global_steps,
+                global_samples: self.global_samples,
+                skipped_steps: self.skipped_steps,
+                optimizer_steps: self.optimizer.state().step,
+                optimizer: self.optimizer.name().to_string(),
+                state_names: self.optimizer.state().buffers.iter().map(|(n, _)| n.clone()).collect(),
+                scheduler_last_batch_iteration: self.scheduler.as_ref().map(|s| s.last_batch_iteration),
+                loss_scaler: self.scaler.as_ref().map(|s| s.state.clone()),
+                world_size: ws,
+                stage,
+                precision: format!("{:?}", self.precision).to_lowercase(),
+                numel: layout.numel,
+                params: layout.slots.iter().map(|s| ParamEntry { name: s.name.clone(), shape: s.shape.clone(), start: s.range.start, len: s.range.len() }).collect(),
+                ranks,
+                config: self.config.to_value(),
+            };
+            manifest.write(&staging.join("manifest.json"))?;
+            files::sync_dir(&staging)?;
+            // Put the complete folder in place, then point `latest` at it.
+            let target = dir.join(&tag);
+            let io = |p: &Path, e: std::io::Error| CheckpointError::Io { path: p.to_path_buf(), what: e.to_string() };
+            if target.exists() {
+                let old = dir.join(format!(".{tag}.old"));
+                let _ = std::fs::remove_dir_all(&old);
+                std::fs::rename(&target, &old).map_err(|e| io(&target, e))?;
+                std::fs::rename(&staging, &target).map_err(|e| io(&staging, e))?;
+                let _ = std::fs::remove_dir_all(&old);
+            } else {
+                std::fs::rename(&staging, &target).map_err(|e| io(&staging, e))?;
+            }
+            files::sync_dir(dir)?;
+            files::write_atomic(&dir.join("latest"), tag.as_bytes())?;
+        }
+        self.comm.barrier()?;
+        tracing::info!(tag, step = self.global_steps, "checkpoint saved");
+        Ok(dir.join(tag))
+    }
+
+    /// Loads `dir/<tag>` (default: the tag `dir/latest` names), written at any world size and stage 0-2: each rank
+    /// reads only the element ranges it optimizes. Collective. Returns the tag loaded.
+    pub fn load_checkpoint(&mut self, dir: impl AsRef<Path>, tag: Option<&str>) -> Result<String> {
+        let dir = dir.as_ref();
+        let tag = match tag {
+            Some(t) => t.to_string(),
+            None => latest_tag(dir)?,
+        };
+        let path = dir.join(&tag);
+        let manifest_path = path.join("manifest.json");
+        let m = Manifest::read(&manifest_path)?;
+        let mismatch = |what: String| CheckpointError::Mismatch { path: manifest_path.clone(), what };
+        let ours: Vec<(&str, &[i64])> = self.layout.slots.iter().map(|s| (s.name.as_str(), s.shape.as_slice())).collect();
+        let theirs: Vec<(&str, &[i64])> = m.params.iter().map(|p| (p.name.as_str(), p.shape.as_slice())).collect();
+        if ours != theirs {
+            let differing: Vec<String> = ours
+                .iter()
+                .zip(theirs.iter().map(Some).chain(std::iter::repeat(None)))
+                .filter(|(a, b)| Some(*a) != *b)
+                .take(3)
+                .map(|(a, b)| match b {
+                    Some(b) => format!("model `{}` {:?} vs checkpoint `{}` {:?}", a.0, a.1, b.0, b.1),
+                    None => format!("model `{}` {:?} is not in the checkpoint", a.0, a.1),
+                })
+                .collect();
+            let what = if differing.is_empty() { format!("the checkpoint has {} parameters, the model {}", theirs.len(), ours.len()) } else { differing.join("; ") };
+            return Err(mismatch(format!("parameters differ: {what}")).into());
+        }
+        let our_states: Vec<String> = self.optimizer.state().buffers.iter().map(|(n, _)| n.clone()).collect();
+        if self.optimizer.name() != m.optimizer || our_states != m.state_names {
+            return Err(mismatch(format!("optimizer {} with {:?}, but the config builds {} with {:?}", m.optimizer, m.state_names, self.optimizer.name(), our_states)).into());
+        }
+
+        // Read the overlap of every saved range with ours.
+        let want = self.optimized.start..self.optimized.end.min(m.numel);
+        let len = self.optimized.len();
+        let mut values = vec![0f32; len];
+        let mut states: Vec<Vec<f32>> = m.state_names.iter().map(|_| vec![0f32; len]).collect();
+        for entry in &m.ranks {
+            let (a, b) = (entry.start.max(want.start), entry.end.min(want.end));
+            if a >= b {
+                continue;
+            }
+            let file = path.join(&entry.file);
+            let crc = files::crc_of(&file)?;
+            if crc != entry.crc32 {
+                return Err(CheckpointError::Checksum { path: file, expected: entry.crc32, actual: crc }.into());
+            }
+            let t = MappedTensors::open(&file)?;
+            let (src, dst) = (a - entry.start..b - entry.start, a - self.optimized.start..b - self.optimized.start);
+            t.read_f32("params", src.clone(), &mut values[dst.clone()])?;
+            for (name, buf) in m.state_names.iter().zip(states.iter_mut()) {
+                t.read_f32(name, src.clone(), &mut buf[dst.clone()])?;
+            }
+        }
+
+        // Install: optimizer state, values (master or parameters), the 16-bit copy, counters and schedules.
+        let st = self.optimizer.state_mut();
+        st.step = m.optimizer_steps;
+        for ((_, buf), v) in st.buffers.iter_mut().zip(&states) {
+            buf.copy_from_slice(v);
+        }
+        let range = self.optimized.clone();
+        match (&mut self.master, self.precision) {
+            (None, _) => views::slice::<f32>(&self.flat_params)[range].copy_from_slice(&values),
+            (Some(master), p) => {
+                master.copy_from_slice(&values);
+                let t = tch::Tensor::from_slice(&values).to_kind(if p == Precision::Bf16 { Kind::BFloat16 } else { Kind::Half });
+                let mut dst = self.flat_params.narrow(0, range.start as i64, range.len() as i64);
+                dst.copy_(&t);
+            }
+        }
+        if self.config.zero_optimization.stage > 0 {
+            views::all_gather(self.comm.as_ref(), &self.flat_params)?;
+        }
+        if let (Some(s), Some(it)) = (self.scheduler.as_mut(), m.scheduler_last_batch_iteration) {
+            s.last_batch_iteration = it;
+        }
+        if let (Some(s), Some(state)) = (self.scaler.as_mut(), m.loss_scaler.clone()) {
+            s.state = state;
+        }
+        self.global_steps = m.global_steps;
+        self.global_samples = m.global_samples;
+        self.skipped_steps = m.skipped_steps;
+        self.micro_steps = 0;
+        self.loss_sum = 0.0;
+        self.loss_count = 0;
+        self.grad_acc.fill(0.0);
+        self.comm.barrier()?;
+        tracing::info!(tag, step = self.global_steps, from_world_size = m.world_size, from_stage = m.stage, "checkpoint loaded");
+        Ok(tag)
+    }
+}
