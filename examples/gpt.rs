@@ -55,7 +55,8 @@ fn run(args: &Args) -> Result<(), String> {
         let b = engine.batch_sizes();
         let (rank, world) = (engine.rank(), engine.world_size());
         let mut progress = Progress::new();
-        for step in 0..a.steps {
+        let first = resume(a, &mut engine)?;
+        for step in first..a.steps {
             for m in 0..b.gradient_accumulation_steps {
                 let range = micro_batch_range(rank, world, m, b.train_micro_batch_size_per_gpu);
                 let (x, y) = corpus.batch(a.seed, step, b.train_batch_size, range, cfg.block);
@@ -64,6 +65,7 @@ fn run(args: &Args) -> Result<(), String> {
                 engine.backward(&loss).map_err(|e| e.to_string())?;
                 let outcome = engine.step().map_err(|e| e.to_string())?;
                 progress.record(&engine, outcome);
+                maybe_save(a, &mut engine, outcome)?;
             }
         }
         if let Some(path) = &a.save_final {

@@ -103,7 +103,8 @@ fn run(args: &Args) -> Result<(), String> {
         let b = engine.batch_sizes();
         let (rank, world) = (engine.rank(), engine.world_size());
         let mut progress = Progress::new();
-        for step in 0..a.steps {
+        let first = resume(a, &mut engine)?;
+        for step in first..a.steps {
             let mut rng = Rng::new(a.seed, step);
             let order: Vec<i64> = (0..b.train_batch_size).map(|_| rng.below(samples) as i64).collect();
             for m in 0..b.gradient_accumulation_steps {
@@ -113,6 +114,7 @@ fn run(args: &Args) -> Result<(), String> {
                 engine.backward(&loss).map_err(|e| e.to_string())?;
                 let outcome = engine.step().map_err(|e| e.to_string())?;
                 progress.record(&engine, outcome);
+                maybe_save(a, &mut engine, outcome)?;
             }
         }
         if let Some(path) = &a.save_final {

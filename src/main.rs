@@ -19,6 +19,8 @@ enum Command {
     Config(cli::config::ConfigCommand),
     /// Model-state memory per device and per host for every stage and offload option.
     Estimate(cli::estimate::EstimateArgs),
+    /// Full weights by parameter name from a sharded checkpoint (safetensors).
+    Consolidate(cli::consolidate::ConsolidateArgs),
     /// Start N ranks of a program on this host (torchrun-compatible variables).
     Launch(cli::launch::LaunchArgs),
     /// Benchmarks that report ratios against a reference measured in the same run.
@@ -39,6 +41,7 @@ fn main() -> ExitCode {
         Command::Bench(c) => cli::bench::run(c),
         Command::Launch(a) => cli::launch::run(a),
         Command::Estimate(a) => cli::estimate::run(a),
+        Command::Consolidate(a) => cli::consolidate::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -46,8 +46,11 @@ pub struct CommonArgs {
 impl CommonArgs {
     /// Refuses flags whose feature is not in this build, rather than ignoring them.
     pub fn check(&self) -> Result<(), String> {
-        if self.checkpoint_dir.is_some() || self.save_every.is_some() || self.resume {
-            return Err("--checkpoint-dir, --save-every and --resume need sharded checkpoints, which this build does not have yet".into());
+        if (self.save_every.is_some() || self.resume) && self.checkpoint_dir.is_none() {
+            return Err("--save-every and --resume need --checkpoint-dir".into());
+        }
+        if self.save_every == Some(0) {
+            return Err("--save-every must be >= 1".into());
         }
         if self.ranks == 0 {
             return Err("--ranks must be >= 1".into());
@@ -177,6 +180,27 @@ impl Progress {
         t.sort_by(f64::total_cmp);
         t.get(t.len() / 2).copied().unwrap_or(0.0)
     }
+}
+
+/// `--resume`: continues from CHECKPOINT_DIR/latest (any world size and stage); returns the first step to run.
+pub fn resume(args: &CommonArgs, engine: &mut Engine) -> Result<u64, String> {
+    match (&args.checkpoint_dir, args.resume) {
+        (Some(dir), true) => {
+            engine.load_checkpoint(dir, None).map_err(|e| e.to_string())?;
+            Ok(engine.global_steps())
+        }
+        _ => Ok(0),
+    }
+}
+
+/// `--save-every K`: a checkpoint after every K-th optimizer step.
+pub fn maybe_save(args: &CommonArgs, engine: &mut Engine, outcome: StepOutcome) -> Result<(), String> {
+    if let (Some(dir), Some(every)) = (&args.checkpoint_dir, args.save_every) {
+        if outcome != StepOutcome::Accumulating && engine.global_steps() % every == 0 {
+            engine.save_checkpoint(dir, None).map_err(|e| e.to_string())?;
+        }
+    }
+    Ok(())
 }
 
 /// Rank 0 writes every parameter, full fp32, by name.

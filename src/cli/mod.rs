@@ -2,6 +2,7 @@
 pub mod bench;
 pub mod bench_comm;
 pub mod config;
+pub mod consolidate;
 pub mod estimate;
 pub mod launch;
 

@@ -1,0 +1,74 @@
+//! `zerorun consolidate CHECKPOINT_DIR OUT.safetensors [--tag TAG] [--dtype fp32|bf16]`: full weights by
+//! parameter name from a sharded checkpoint, tensor by tensor (memory bounded by the largest tensor).
+use std::path::PathBuf;
+
+use clap::Args;
+use zerorun::runtime::checkpoint::files::{self, MappedTensors};
+use zerorun::runtime::checkpoint::{latest_tag, CheckpointError, Manifest};
+
+use super::{emit, CliError};
+
+#[derive(Args)]
+pub struct ConsolidateArgs {
+    /// The folder given to save_checkpoint (holds `latest` and the tags).
+    dir: PathBuf,
+    /// Output safetensors file.
+    out: PathBuf,
+    /// Which checkpoint (default: the one `latest` names).
+    #[arg(long)]
+    tag: Option<String>,
+    /// fp32 (the master weights, exact) or bf16.
+    #[arg(long, default_value = "fp32")]
+    dtype: String,
+}
+
+fn ck(e: CheckpointError) -> CliError {
+    CliError::Usage(e.to_string())
+}
+
+pub fn run(a: ConsolidateArgs) -> Result<(), CliError> {
+    let dtype = match a.dtype.as_str() {
+        "fp32" => "F32",
+        "bf16" => "BF16",
+        other => return Err(CliError::Usage(format!("--dtype {other:?}: choose fp32 or bf16"))),
+    };
+    let tag = match &a.tag {
+        Some(t) => t.clone(),
+        None => latest_tag(&a.dir).map_err(ck)?,
+    };
+    let folder = a.dir.join(&tag);
+    let m = Manifest::read(&folder.join("manifest.json")).map_err(ck)?;
+    // Verify and open every rank file once.
+    let mut opened = Vec::with_capacity(m.ranks.len());
+    for r in &m.ranks {
+        let path = folder.join(&r.file);
+        let crc = files::crc_of(&path).map_err(ck)?;
+        if crc != r.crc32 {
+            return Err(ck(CheckpointError::Checksum { path, expected: r.crc32, actual: crc }));
+        }
+        opened.push((r, MappedTensors::open(&path).map_err(ck)?));
+    }
+    let tensors: Vec<(String, Vec<usize>)> = m.params.iter().map(|p| (p.name.clone(), p.shape.iter().map(|&d| d as usize).collect())).collect();
+    let mut buf = Vec::new();
+    files::write_safetensors(&a.out, &tensors, dtype, |i, w| {
+        let p = &m.params[i];
+        buf.clear();
+        buf.resize(p.len, 0f32);
+        let want = p.start..p.start + p.len;
+        for (r, t) in &opened {
+            let (lo, hi) = (r.start.max(want.start), r.end.min(want.end));
+            if lo < hi {
+                t.read_f32("params", lo - r.start..hi - r.start, &mut buf[lo - want.start..hi - want.start])
+                    .map_err(|e| std::io::Error::other(e.to_string()))?;
+            }
+        }
+        if dtype == "BF16" {
+            let v: Vec<u16> = buf.iter().map(|x| half::bf16::from_f32(*x).to_bits()).collect();
+            w.write_all(bytemuck::cast_slice(&v))
+        } else {
+            files::write_f32(w, &buf)
+        }
+    })
+    .map_err(ck)?;
+    emit(&format!("{}: {} tensors, {} parameters from {} ({} rank files, world size {}, stage {})", a.out.display(), m.params.len(), m.numel, folder.display(), m.ranks.len(), m.world_size, m.stage))
+}
