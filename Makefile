@@ -18,16 +18,20 @@ setup: .libtorch
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing; \
 	fi
 
-# The venv is rebuilt only when torch is not the pinned version.
-$(VENV)/.torch-$(TORCH_VERSION):
-	@if ! $(VENV)/bin/python -c 'import torch,sys; sys.exit(torch.__version__.split("+")[0] != "$(TORCH_VERSION)")' 2>/dev/null; then \
-	  echo "setup: installing torch==$(TORCH_VERSION) into $(VENV) (libtorch for tch)"; \
-	  $(PYTHON) -m venv $(VENV) && \
-	  $(VENV)/bin/pip install --quiet --progress-bar off --disable-pip-version-check torch==$(TORCH_VERSION) numpy; \
+# Python packages of the venv: torch (libtorch for tch), numpy (torch warns without it), safetensors (tests read
+# zerorun's consolidated checkpoints from Python). Installed only when one is missing or torch is not pinned.
+PY_PACKAGES := torch==$(TORCH_VERSION) numpy safetensors
+VENV_STAMP := $(VENV)/.deps-torch$(TORCH_VERSION)-numpy-safetensors
+
+$(VENV_STAMP):
+	@if ! $(VENV)/bin/python -c 'import torch, numpy, safetensors, sys; sys.exit(torch.__version__.split("+")[0] != "$(TORCH_VERSION)")' 2>/dev/null; then \
+	  echo "setup: installing $(PY_PACKAGES) into $(VENV)"; \
+	  ( [ -x $(VENV)/bin/python ] || $(PYTHON) -m venv $(VENV) ) && \
+	  $(VENV)/bin/pip install --quiet --progress-bar off --disable-pip-version-check $(PY_PACKAGES); \
 	fi
 	@touch $@
 
-.libtorch: $(VENV)/.torch-$(TORCH_VERSION)
+.libtorch: $(VENV_STAMP)
 	@ln -sfn "$$($(VENV)/bin/python -c 'import torch,os; print(os.path.dirname(torch.__file__))')" .libtorch
 	@touch -h .libtorch
 

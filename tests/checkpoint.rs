@@ -158,5 +158,19 @@ fn consolidate_gives_the_full_weights_by_name() {
     let mut got: Vec<(String, Vec<f32>)> = loaded.into_iter().map(|(n, t)| (n, Vec::<f32>::try_from(t.reshape([-1])).unwrap())).collect();
     got.sort_by(|a, b| a.0.cmp(&b.0));
     assert_eq!(got, params);
+    // Python's safetensors + torch read it too (the project venv has both).
+    let python = Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python");
+    let script = "import sys, torch\nfrom safetensors.torch import load_file\nt = load_file(sys.argv[1])\nfor k in sorted(t): print(k, tuple(t[k].shape), repr(float(t[k].double().sum())))";
+    let py = std::process::Command::new(&python).args(["-c", script, out.to_str().unwrap()]).output().expect("the project venv (make setup)");
+    assert!(py.status.success(), "{}", String::from_utf8_lossy(&py.stderr));
+    let lines: Vec<String> = String::from_utf8_lossy(&py.stdout).lines().map(str::to_string).collect();
+    assert_eq!(lines.len(), params.len());
+    for ((name, values), line) in params.iter().zip(&lines) {
+        let sum: f64 = values.iter().map(|v| *v as f64).sum();
+        let mut parts = line.rsplitn(2, ' ');
+        let py_sum: f64 = parts.next().unwrap().parse().unwrap();
+        assert!(parts.next().unwrap().starts_with(&format!("{name} (")), "{line}");
+        assert!((py_sum - sum).abs() <= 1e-9 * sum.abs().max(1.0), "{name}: python {py_sum} vs {sum}");
+    }
     std::fs::remove_dir_all(&dir).unwrap();
 }
