@@ -35,7 +35,8 @@ fn zerorun_run(world: usize, stage: u8, gas: u64) -> Vec<(String, Vec<f32>)> {
         "gradient_accumulation_steps": gas,
         "gradient_clipping": CLIP,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
-        "zero_optimization": {"stage": stage}
+        // Small buckets: stages 1-2 reduce in many rounds, several of them ending inside a parameter.
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 50}
     }))
     .unwrap();
     let (xv, yv) = data();

@@ -57,8 +57,11 @@ pub struct Engine {
     params: Vec<Tensor>,
     /// All parameters, in the model's dtype.
     flat_params: Tensor,
-    /// Gradients gathered from the parameters, in the communication dtype.
+    /// Gradients gathered from the parameters, in the communication dtype: all of them at stage 0; at stages
+    /// 1-2 one reduction round (`reduce_bucket_size` elements: `round_len` of every rank's partition).
     flat_grads: Tensor,
+    /// Elements of each rank's partition reduced per round (stages 1-2).
+    round_len: usize,
     /// This rank's reduced gradient partition, in the communication dtype (stages 1-2).
     grad_part: Option<Tensor>,
     /// fp32 master of the optimized range (16-bit models only; fp32 models step `flat_params` directly).
@@ -160,7 +163,11 @@ impl Engine {
             .collect();
         let scheduler = optimizer::scheduler(&config, base_lr);
         let comm_kind = views::comm_kind(config.communication_data_type, precision);
-        let flat_grads = Tensor::zeros([layout.padded as i64], (comm_kind, tch::Device::Cpu));
+        // Stages 1-2 reduce in rounds: each takes `round_len` elements of every rank's partition, so the buffer is
+        // one bucket (reduce_bucket_size), not the whole model.
+        let round_len = (z.reduce_bucket_size as usize / world_size).clamp(1, layout.partition_len().max(1));
+        let staged = if z.stage == 0 { layout.padded } else { round_len * world_size };
+        let flat_grads = Tensor::zeros([staged as i64], (comm_kind, tch::Device::Cpu));
         let grad_part = (z.stage > 0).then(|| Tensor::zeros([layout.partition_len() as i64], (comm_kind, tch::Device::Cpu)));
         let grad_acc = AlignedVec::filled(if z.stage > 0 || precision != Precision::Fp32 { optimized.len() } else { 0 }, 0.0);
         let scaler = config.fp16.enabled.then(|| {
@@ -177,6 +184,7 @@ impl Engine {
             params,
             flat_params,
             flat_grads,
+            round_len,
             grad_part,
             master,
             grad_acc,
@@ -375,60 +383,82 @@ impl Engine {
         Ok(())
     }
 
-    /// Copies every parameter's gradient into the flat gradient buffer and clears it for the next micro-batch.
-    fn collect_grads(&mut self) -> Result<()> {
+    /// Copies the gradients of flat elements `range` into `dst` (as long as the range). Padding, and parameters
+    /// this step did not use (as DDP's ignore_unused_parameters), give zeros.
+    fn gather_grads(&self, dst: &Tensor, range: std::ops::Range<usize>) -> Result<()> {
         tch::no_grad(|| -> Result<()> {
-            for (t, slot) in self.params.iter_mut().zip(&self.layout.slots) {
-                let mut dst = self.flat_grads.narrow(0, slot.range.start as i64, slot.range.len() as i64);
+            let _ = dst.shallow_clone().f_zero_()?;
+            let first = self.layout.slots.partition_point(|s| s.range.end <= range.start);
+            for (slot, t) in self.layout.slots[first..].iter().zip(&self.params[first..]) {
+                if slot.range.start >= range.end {
+                    break;
+                }
                 let g = t.grad();
                 if g.defined() {
-                    dst.f_copy_(&g.reshape([-1]))?;
-                    t.zero_grad();
-                } else {
-                    // A parameter this step did not use: zero gradient, as DDP's ignore_unused_parameters.
-                    let _ = dst.f_zero_()?;
+                    let (a, b) = (slot.range.start.max(range.start), slot.range.end.min(range.end));
+                    let src = g.reshape([-1]).narrow(0, (a - slot.range.start) as i64, (b - a) as i64);
+                    dst.narrow(0, (a - range.start) as i64, (b - a) as i64).f_copy_(&src)?;
                 }
             }
             Ok(())
         })
     }
 
-    /// Reduces the gathered gradients: `prescale_gradients` / `gradient_predivide_factor` as DeepSpeed applies
-    /// them (divide by the factor before a sum, multiply by factor / world size after), else a mean.
+    /// Clears the parameters' gradients for the next micro-batch.
+    fn clear_param_grads(&mut self) {
+        for t in &mut self.params {
+            t.zero_grad();
+        }
+    }
+
+    /// Gathers and reduces the gradients: `prescale_gradients` / `gradient_predivide_factor` as DeepSpeed applies
+    /// them (divide by the factor before a sum, multiply by factor / world size after), else a mean. Stage 0
+    /// all-reduces everything; stages 1-2 reduce-scatter round by round into this rank's partition.
     fn reduce(&mut self) -> Result<()> {
-        let ws = self.world_size() as f64;
+        let (ws, rank) = (self.world_size(), self.rank());
         let f = self.config.gradient_predivide_factor;
         let predivide = self.config.prescale_gradients || f != 1.0;
-        if predivide {
-            let _ = self.flat_grads.f_mul_scalar_(1.0 / f)?;
-        }
         let op = if predivide { ReduceOp::Sum } else { ReduceOp::Avg };
-        match &self.grad_part {
-            None => views::all_reduce(self.comm.as_ref(), &self.flat_grads, op)?,
-            Some(part) => {
-                if self.config.zero_optimization.reduce_scatter {
-                    views::reduce_scatter(self.comm.as_ref(), &self.flat_grads, part, op)?;
-                } else {
-                    views::all_reduce(self.comm.as_ref(), &self.flat_grads, op)?;
-                    let r = self.optimized.clone();
-                    let mut p = part.shallow_clone();
-                    p.f_copy_(&self.flat_grads.narrow(0, r.start as i64, r.len() as i64))?;
-                }
+        let post = f / ws as f64;
+        let Some(part_buf) = self.grad_part.as_ref().map(Tensor::shallow_clone) else {
+            self.gather_grads(&self.flat_grads, 0..self.layout.padded)?;
+            if predivide {
+                let _ = self.flat_grads.f_mul_scalar_(1.0 / f)?;
+            }
+            views::all_reduce(self.comm.as_ref(), &self.flat_grads, op)?;
+            if predivide {
+                let _ = self.flat_grads.f_mul_scalar_(post)?;
+            }
+            self.clear_param_grads();
+            return Ok(());
+        };
+        let part = self.layout.partition_len();
+        for c in (0..part).step_by(self.round_len) {
+            let l = self.round_len.min(part - c);
+            let mut staged = self.flat_grads.narrow(0, 0, (ws * l) as i64);
+            for k in 0..ws {
+                self.gather_grads(&staged.narrow(0, (k * l) as i64, l as i64), k * part + c..k * part + c + l)?;
+            }
+            if predivide {
+                let _ = staged.f_mul_scalar_(1.0 / f)?;
+            }
+            let mut out = part_buf.narrow(0, c as i64, l as i64);
+            if self.config.zero_optimization.reduce_scatter {
+                views::reduce_scatter(self.comm.as_ref(), &staged, &out, op)?;
+            } else {
+                views::all_reduce(self.comm.as_ref(), &staged, op)?;
+                out.f_copy_(&staged.narrow(0, (rank * l) as i64, l as i64))?;
+            }
+            if predivide {
+                let _ = out.f_mul_scalar_(post)?;
             }
         }
-        if predivide {
-            let post = f / ws;
-            let _ = match &self.grad_part {
-                None => self.flat_grads.f_mul_scalar_(post)?,
-                Some(p) => p.shallow_clone().f_mul_scalar_(post)?,
-            };
-        }
+        self.clear_param_grads();
         Ok(())
     }
 
-    /// fp32 models at the boundary: gather, reduce, and (stages 1-2) take the partition as fp32.
+    /// fp32 models at the boundary: reduce, and (stages 1-2) take the partition as fp32.
     fn reduce_fp32(&mut self) -> Result<()> {
-        self.collect_grads()?;
         self.reduce()?;
         if let Some(part) = &self.grad_part {
             self.grad_acc.fill(0.0);
@@ -440,9 +470,8 @@ impl Engine {
         Ok(())
     }
 
-    /// 16-bit models, every micro-batch: gather, reduce, accumulate the optimized range in fp32.
+    /// 16-bit models, every micro-batch: reduce, accumulate the optimized range in fp32.
     fn reduce_micro_batch(&mut self) -> Result<()> {
-        self.collect_grads()?;
         self.reduce()?;
         match &self.grad_part {
             Some(part) => views::accumulate(&mut self.grad_acc, part),
@@ -462,7 +491,7 @@ impl Engine {
         vec![
             ("parameters", bytes(&self.flat_params)),
             ("master_fp32", self.master.as_ref().map_or(0, |m| m.len() * 4)),
-            ("gradients_full", bytes(&self.flat_grads)),
+            ("gradients_staging", bytes(&self.flat_grads)),
             ("gradients_partition", self.grad_part.as_ref().map_or(0, bytes) + self.grad_acc.len() * 4),
             ("optimizer_states", self.optimizer.state().bytes()),
         ]
