@@ -101,7 +101,6 @@ pub fn build_model<M>(seed: u64, init: Option<&PathBuf>, f: impl FnOnce(&nn::Var
     if let Some(path) = init {
         vs.load(path).map_err(|e| format!("--init {}: {e}", path.display()))?;
     }
-    let _ = &mut vs;
     Ok((vs, model))
 }
 
