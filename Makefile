@@ -40,7 +40,7 @@ demo: setup
 	./target/release/zerorun launch --nproc-per-node 2 -- ./target/release/examples/gpt --config configs/zero2.json --steps 150
 
 test: setup
-	$(CARGO) test --workspace --all-targets --features mpi,nccl
+	$(CARGO) test --workspace --all-targets --features mpi,nccl --no-fail-fast
 
 # Binaries for scripts/gpu-check.sh on the GPU machine (no Rust toolchain there): stripped, under 64 MiB together.
 gpu-binaries: setup

@@ -3,9 +3,26 @@
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+/// An example's executable: integration tests live in target/<profile>/deps, and `cargo test --all-targets` builds
+/// the examples into target/<profile>/examples as `NAME-<hash>` (`cargo build` also copies them to `NAME`).
 fn example(name: &str) -> std::path::PathBuf {
-    // Integration tests live in target/<profile>/deps; `cargo test --all-targets` builds examples next to them.
-    std::env::current_exe().unwrap().parent().unwrap().parent().unwrap().join("examples").join(name)
+    let dir = std::env::current_exe().unwrap().parent().unwrap().parent().unwrap().join("examples");
+    let plain = dir.join(name);
+    if plain.exists() {
+        return plain;
+    }
+    let prefix = format!("{name}-");
+    std::fs::read_dir(&dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| {
+            let f = e.file_name().to_string_lossy().into_owned();
+            f.starts_with(&prefix) && !f.contains('.')
+        })
+        .max_by_key(|e| e.metadata().and_then(|m| m.modified()).ok())
+        .map(|e| e.path())
+        .unwrap_or(plain)
 }
 
 /// Direct children of `parent` whose command line contains `needle` (read from /proc: no procps needed).
