@@ -3,26 +3,14 @@
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-/// An example's executable: integration tests live in target/<profile>/deps, and `cargo test --all-targets` builds
-/// the examples into target/<profile>/examples as `NAME-<hash>` (`cargo build` also copies them to `NAME`).
-fn example(name: &str) -> std::path::PathBuf {
-    let dir = std::env::current_exe().unwrap().parent().unwrap().parent().unwrap().join("examples");
-    let plain = dir.join(name);
-    if plain.exists() {
-        return plain;
-    }
-    let prefix = format!("{name}-");
-    std::fs::read_dir(&dir)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter(|e| {
-            let f = e.file_name().to_string_lossy().into_owned();
-            f.starts_with(&prefix) && !f.contains('.')
-        })
-        .max_by_key(|e| e.metadata().and_then(|m| m.modified()).ok())
-        .map(|e| e.path())
-        .unwrap_or(plain)
+/// The MLP example's executable, built here: `cargo test --all-targets` builds examples as test harnesses, not as
+/// the programs themselves.
+fn mlp_example() -> std::path::PathBuf {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let st = Command::new(cargo).args(["build", "--quiet", "--example", "mlp"]).current_dir(env!("CARGO_MANIFEST_DIR")).status().unwrap();
+    assert!(st.success(), "cargo build --example mlp failed");
+    // Integration tests live in target/<profile>/deps; the example lands in target/<profile>/examples.
+    std::env::current_exe().unwrap().parent().unwrap().parent().unwrap().join("examples").join("mlp")
 }
 
 /// Direct children of `parent` whose command line contains `needle` (read from /proc: no procps needed).
@@ -44,8 +32,8 @@ fn children_running(parent: i32, needle: &str) -> Vec<i32> {
 
 #[test]
 fn killing_a_rank_during_saves_never_breaks_latest() {
-    let mlp = example("mlp");
-    assert!(mlp.exists(), "build the examples first (cargo test --all-targets does): {}", mlp.display());
+    let mlp = mlp_example();
+    assert!(mlp.exists(), "{} is missing after building it", mlp.display());
     let dir = std::env::temp_dir().join(format!("zerorun-ckpt-kill-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
