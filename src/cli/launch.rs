@@ -155,14 +155,21 @@ pub fn run(args: LaunchArgs) -> Result<(), CliError> {
     let mut forwarded = false;
     let mut termed = false;
     loop {
+        // Among ranks that ended since the last poll, one killed by a signal is the likelier first cause (the
+        // others may just have noticed it and exited with an error).
+        let mut ended = Vec::new();
         for (i, r) in ranks.iter_mut().enumerate() {
             if r.status.is_none() {
                 if let Ok(Some(s)) = r.child.try_wait() {
                     r.status = Some(s);
-                    if !s.success() && failed.is_none() {
-                        failed = Some((i, s, Instant::now()));
-                    }
+                    ended.push((i, s));
                 }
+            }
+        }
+        if failed.is_none() {
+            let bad = ended.iter().filter(|(_, s)| !s.success());
+            if let Some(&(i, s)) = bad.clone().find(|(_, s)| s.signal().is_some()).or(bad.clone().next()) {
+                failed = Some((i, s, Instant::now()));
             }
         }
         if ranks.iter().all(|r| r.status.is_some()) {

@@ -45,6 +45,8 @@ const R_ADDR: usize = 4;
 const R_DIRECT: usize = 5;
 /// Element type of the current collective.
 const R_DTYPE: usize = 6;
+/// Set when this rank saw a peer die: if it exits too, others name the first death, not this rank.
+const R_FAILED: usize = 7;
 /// Bytes reduced at a time in the direct path (256 KiB: the chunk and its scratch stay in L2).
 const REDUCE_CHUNK: usize = 256 * 1024;
 
@@ -285,11 +287,17 @@ impl ShmComm {
             let waited = start.elapsed();
             if waited >= next_check {
                 next_check = waited + Duration::from_millis(50);
-                for k in 0..self.world_size {
-                    let pid = self.rank_word(k, R_PID).load(Ordering::Acquire);
-                    if self.rank_word(k, R_ARRIVE).load(Ordering::Acquire) < target && !Self::alive(pid) {
-                        return Err(CommError::PeerDied { op, rank: self.rank, group: self.group.clone(), dead: k, pid: pid as u32, waited });
-                    }
+                // Name the rank that died first: a rank that died after seeing another die flagged itself.
+                let dead: Vec<usize> = (0..self.world_size)
+                    .filter(|&k| {
+                        self.rank_word(k, R_ARRIVE).load(Ordering::Acquire) < target && !Self::alive(self.rank_word(k, R_PID).load(Ordering::Acquire))
+                    })
+                    .collect();
+                let first = dead.iter().copied().find(|&k| self.rank_word(k, R_FAILED).load(Ordering::Acquire) == 0).or(dead.first().copied());
+                if let Some(k) = first {
+                    self.rank_word(self.rank, R_FAILED).store(1, Ordering::Release);
+                    let pid = self.rank_word(k, R_PID).load(Ordering::Acquire) as u32;
+                    return Err(CommError::PeerDied { op, rank: self.rank, group: self.group.clone(), dead: k, pid, waited });
                 }
                 if waited >= self.timeout {
                     let missing = (0..self.world_size).filter(|&k| self.rank_word(k, R_ARRIVE).load(Ordering::Acquire) < target).collect();
