@@ -1,6 +1,35 @@
-//! Every backend checks, before moving data, that all ranks called the same collective with the same size and
-//! element type: a mismatch is an error on every rank, never corruption. This is that check, once.
-use super::{CommError, CommResult, Dtype};
+//! The argument checks every backend makes: locally (a buffer that does not split into equal parts, a bad root)
+//! and across ranks (the same collective, size and element type everywhere: a mismatch is an error on every rank,
+//! never corruption). Written once here.
+use super::{BufMut, BufRef, CommError, CommResult, Dtype};
+
+/// Elements per part when `len` elements split into `world_size` equal parts.
+pub(crate) fn equal_parts(op: &'static str, rank: usize, world_size: usize, len: usize) -> CommResult<usize> {
+    if len % world_size != 0 {
+        return Err(CommError::BadArgument { op, rank, what: format!("{len} elements do not split into {world_size} equal parts") });
+    }
+    Ok(len / world_size)
+}
+
+/// The part length of a reduce-scatter whose output must be one part of the input, of the same type.
+pub(crate) fn scatter_output(op: &'static str, rank: usize, world_size: usize, input: &BufRef<'_>, output: &BufMut<'_>) -> CommResult<usize> {
+    let part = equal_parts(op, rank, world_size, input.len())?;
+    if output.len() != part || output.dtype != input.dtype {
+        return Err(CommError::BadArgument {
+            op,
+            rank,
+            what: format!("output has {} {:?} elements, expected {part} {:?}", output.len(), output.dtype, input.dtype),
+        });
+    }
+    Ok(part)
+}
+
+pub(crate) fn root(op: &'static str, rank: usize, world_size: usize, root: usize) -> CommResult<()> {
+    if root >= world_size {
+        return Err(CommError::BadArgument { op, rank, what: format!("root {root} is not a rank of {world_size}") });
+    }
+    Ok(())
+}
 
 const OPS: [&str; 5] = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier"];
 const DTYPES: [Dtype; 4] = [Dtype::F32, Dtype::Bf16, Dtype::F16, Dtype::I64];

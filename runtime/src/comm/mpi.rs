@@ -130,10 +130,7 @@ impl Communicator for MpiComm {
 
     fn reduce_scatter_buf(&self, input: BufRef<'_>, output: BufMut<'_>, op: ReduceOp) -> CommResult<()> {
         const OP: &str = "reduce_scatter";
-        let n = self.world_size;
-        if input.len() % n != 0 || output.len() != input.len() / n || output.dtype != input.dtype {
-            return Err(CommError::BadArgument { op: OP, rank: self.rank, what: format!("input of {} and output of {} elements do not split over {n} ranks", input.len(), output.len()) });
-        }
+        agreement::scatter_output(OP, self.rank, self.world_size, &input, &output)?;
         self.handshake(OP, input.len(), input.dtype)?;
         if input.is_empty() {
             return Ok(());
@@ -146,9 +143,7 @@ impl Communicator for MpiComm {
     fn all_gather_buf(&self, buf: BufMut<'_>) -> CommResult<()> {
         const OP: &str = "all_gather";
         let n = self.world_size;
-        if buf.len() % n != 0 {
-            return Err(CommError::BadArgument { op: OP, rank: self.rank, what: format!("{} elements do not split into {n} equal parts", buf.len()) });
-        }
+        agreement::equal_parts(OP, self.rank, n, buf.len())?;
         self.handshake(OP, buf.len(), buf.dtype)?;
         if buf.is_empty() {
             return Ok(());
@@ -161,9 +156,7 @@ impl Communicator for MpiComm {
 
     fn broadcast_buf(&self, buf: BufMut<'_>, root: usize) -> CommResult<()> {
         const OP: &str = "broadcast";
-        if root >= self.world_size {
-            return Err(CommError::BadArgument { op: OP, rank: self.rank, what: format!("root {root} is not a rank of {}", self.world_size) });
-        }
+        agreement::root(OP, self.rank, self.world_size, root)?;
         self.handshake(OP, buf.len(), buf.dtype)?;
         if !buf.bytes.is_empty() {
             self.watch(OP, || self.world.process_at_rank(root as i32).broadcast_into(&mut buf.bytes[..]));

@@ -324,12 +324,6 @@ impl ShmComm {
         result
     }
 
-    fn parts(&self, op: &'static str, len: usize) -> CommResult<usize> {
-        if len % self.world_size != 0 {
-            return Err(CommError::BadArgument { op, rank: self.rank, what: format!("{len} elements do not split into {} equal parts", self.world_size) });
-        }
-        Ok(len / self.world_size)
-    }
 }
 
 impl Communicator for ShmComm {
@@ -383,10 +377,7 @@ impl Communicator for ShmComm {
 
     fn reduce_scatter_buf(&self, input: BufRef<'_>, output: BufMut<'_>, op: ReduceOp) -> CommResult<()> {
         const OP: &str = "reduce_scatter";
-        let part = self.parts(OP, input.len())?;
-        if output.len() != part || output.dtype != input.dtype {
-            return Err(CommError::BadArgument { op: OP, rank: self.rank, what: format!("output has {} {:?} elements, expected {part} {:?}", output.len(), output.dtype, input.dtype) });
-        }
+        let part = agreement::scatter_output(OP, self.rank, self.world_size, &input, &output)?;
         let (dtype, es) = (input.dtype, input.dtype.size());
         self.handshake(OP, input.len(), dtype, input.bytes.as_ptr())?;
         let n = self.world_size;
@@ -414,7 +405,7 @@ impl Communicator for ShmComm {
 
     fn all_gather_buf(&self, buf: BufMut<'_>) -> CommResult<()> {
         const OP: &str = "all_gather";
-        let pb = self.parts(OP, buf.len())? * buf.dtype.size();
+        let pb = agreement::equal_parts(OP, self.rank, self.world_size, buf.len())? * buf.dtype.size();
         let bytes = buf.bytes;
         self.handshake(OP, bytes.len() / buf.dtype.size(), buf.dtype, bytes.as_ptr())?;
         let r = self.rank;
@@ -438,9 +429,7 @@ impl Communicator for ShmComm {
 
     fn broadcast_buf(&self, buf: BufMut<'_>, root: usize) -> CommResult<()> {
         const OP: &str = "broadcast";
-        if root >= self.world_size {
-            return Err(CommError::BadArgument { op: OP, rank: self.rank, what: format!("root {root} is not a rank of {}", self.world_size) });
-        }
+        agreement::root(OP, self.rank, self.world_size, root)?;
         let bytes = buf.bytes;
         self.handshake(OP, bytes.len() / buf.dtype.size(), buf.dtype, bytes.as_ptr())?;
         if self.direct {

@@ -117,12 +117,6 @@ impl ThreadComm {
         std::slice::from_raw_parts(slot.0 as *const u8, slot.1)
     }
 
-    fn check_parts(&self, op: &'static str, len: usize) -> CommResult<usize> {
-        if len % self.world_size != 0 {
-            return Err(CommError::BadArgument { op, rank: self.rank, what: format!("{len} elements do not split into {} equal parts", self.world_size) });
-        }
-        Ok(len / self.world_size)
-    }
 }
 
 impl Communicator for ThreadComm {
@@ -157,10 +151,7 @@ impl Communicator for ThreadComm {
 
     fn reduce_scatter_buf(&self, input: BufRef<'_>, output: BufMut<'_>, op: ReduceOp) -> CommResult<()> {
         const OP: &str = "reduce_scatter";
-        let part = self.check_parts(OP, input.len())?;
-        if output.len() != part || output.dtype != input.dtype {
-            return Err(CommError::BadArgument { op: OP, rank: self.rank, what: format!("output has {} {:?} elements, expected {part} {:?}", output.len(), output.dtype, input.dtype) });
-        }
+        let part = agreement::scatter_output(OP, self.rank, self.world_size, &input, &output)?;
         let slots = self.exchange(OP, input.bytes.as_ptr() as usize, input.bytes.len(), input.dtype)?;
         let pb = part * input.dtype.size();
         let r = self.rank * pb..(self.rank + 1) * pb;
@@ -171,7 +162,7 @@ impl Communicator for ThreadComm {
 
     fn all_gather_buf(&self, buf: BufMut<'_>) -> CommResult<()> {
         const OP: &str = "all_gather";
-        let pb = self.check_parts(OP, buf.len())? * buf.dtype.size();
+        let pb = agreement::equal_parts(OP, self.rank, self.world_size, buf.len())? * buf.dtype.size();
         let slots = self.exchange(OP, buf.bytes.as_mut_ptr() as usize, buf.bytes.len(), buf.dtype)?;
         for (k, s) in slots.iter().enumerate() {
             if k != self.rank {
@@ -185,9 +176,7 @@ impl Communicator for ThreadComm {
 
     fn broadcast_buf(&self, buf: BufMut<'_>, root: usize) -> CommResult<()> {
         const OP: &str = "broadcast";
-        if root >= self.world_size {
-            return Err(CommError::BadArgument { op: OP, rank: self.rank, what: format!("root {root} is not a rank of {}", self.world_size) });
-        }
+        agreement::root(OP, self.rank, self.world_size, root)?;
         let slots = self.exchange(OP, buf.bytes.as_mut_ptr() as usize, buf.bytes.len(), buf.dtype)?;
         if self.rank != root {
             buf.bytes.copy_from_slice(unsafe { Self::view(slots[root]) });

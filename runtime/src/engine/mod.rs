@@ -340,9 +340,15 @@ impl Engine {
         Ok(StepOutcome::Stepped { step: self.global_steps, loss, grad_norm, lr })
     }
 
+    /// Whether the reduced fp32 gradients are the flat gradient buffer itself (fp32 at stage 0), rather than the
+    /// fp32 accumulator of the optimized range.
+    fn grads_in_flat_buffer(&self) -> bool {
+        self.precision == Precision::Fp32 && self.config.zero_optimization.stage == 0 && self.flat_grads.kind() == Kind::Float
+    }
+
     /// The fp32 gradients of the optimized range.
     fn grads(&mut self) -> &mut [f32] {
-        if self.precision == Precision::Fp32 && self.config.zero_optimization.stage == 0 && self.flat_grads.kind() == Kind::Float {
+        if self.grads_in_flat_buffer() {
             views::slice::<f32>(&self.flat_grads)
         } else {
             &mut self.grad_acc
@@ -363,7 +369,7 @@ impl Engine {
         match self.master.as_mut() {
             None => {
                 let params = &mut views::slice::<f32>(&self.flat_params)[range];
-                let grads: &[f32] = if self.config.zero_optimization.stage == 0 && self.flat_grads.kind() == Kind::Float {
+                let grads: &[f32] = if self.grads_in_flat_buffer() {
                     views::slice::<f32>(&self.flat_grads)
                 } else {
                     &self.grad_acc
@@ -463,7 +469,7 @@ impl Engine {
         if let Some(part) = &self.grad_part {
             self.grad_acc.fill(0.0);
             views::accumulate(&mut self.grad_acc, part);
-        } else if self.flat_grads.kind() != Kind::Float {
+        } else if !self.grads_in_flat_buffer() {
             self.grad_acc.fill(0.0);
             views::accumulate(&mut self.grad_acc, &self.flat_grads);
         }
