@@ -193,6 +193,8 @@ impl ShmComm {
         let addr = self.rank_word(k, R_ADDR).load(Ordering::Relaxed) as usize + offset;
         super::cma::read(pid as u32, addr, dst).map_err(|e| {
             if e.raw_os_error() == Some(libc::ESRCH) {
+                // As in barrier_op: flag this rank, so peers name the first death if this rank exits too.
+                self.rank_word(self.rank, R_FAILED).store(1, Ordering::Release);
                 CommError::PeerDied { op, rank: self.rank, group: self.group.clone(), dead: k, pid: pid as u32, waited: Duration::ZERO }
             } else {
                 CommError::BadArgument { op, rank: self.rank, what: format!("reading rank {k}'s buffer: {e}") }
