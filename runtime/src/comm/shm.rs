@@ -193,8 +193,6 @@ impl ShmComm {
         let addr = self.rank_word(k, R_ADDR).load(Ordering::Relaxed) as usize + offset;
         super::cma::read(pid as u32, addr, dst).map_err(|e| {
             if e.raw_os_error() == Some(libc::ESRCH) {
-                // As in barrier_op: flag this rank, so peers name the first death if this rank exits too.
-                self.rank_word(self.rank, R_FAILED).store(1, Ordering::Release);
                 CommError::PeerDied { op, rank: self.rank, group: self.group.clone(), dead: k, pid: pid as u32, waited: Duration::ZERO }
             } else {
                 CommError::BadArgument { op, rank: self.rank, what: format!("reading rank {k}'s buffer: {e}") }
@@ -267,6 +265,13 @@ impl ShmComm {
         pid == 0 || unsafe { libc::kill(pid as libc::pid_t, 0) } == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
     }
 
+    fn flag_failure<T>(&self, r: CommResult<T>) -> CommResult<T> {
+        if r.is_err() {
+            self.rank_word(self.rank, R_FAILED).store(1, Ordering::Release);
+        }
+        r
+    }
+
     fn barrier_op(&self, op: &'static str) -> CommResult<()> {
         let target = self.seq.get() + 1;
         self.seq.set(target);
@@ -297,7 +302,6 @@ impl ShmComm {
                     .collect();
                 let first = dead.iter().copied().find(|&k| self.rank_word(k, R_FAILED).load(Ordering::Acquire) == 0).or(dead.first().copied());
                 if let Some(k) = first {
-                    self.rank_word(self.rank, R_FAILED).store(1, Ordering::Release);
                     let pid = self.rank_word(k, R_PID).load(Ordering::Acquire) as u32;
                     return Err(CommError::PeerDied { op, rank: self.rank, group: self.group.clone(), dead: k, pid, waited });
                 }
@@ -328,16 +332,8 @@ impl ShmComm {
 
 }
 
-impl Communicator for ShmComm {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn world_size(&self) -> usize {
-        self.world_size
-    }
-
-    fn all_reduce_buf(&self, buf: BufMut<'_>, op: ReduceOp) -> CommResult<()> {
+impl ShmComm {
+    fn all_reduce_buf_impl(&self, buf: BufMut<'_>, op: ReduceOp) -> CommResult<()> {
         const OP: &str = "all_reduce";
         let (dtype, es, len) = (buf.dtype, buf.dtype.size(), buf.len());
         let bytes = buf.bytes;
@@ -377,7 +373,7 @@ impl Communicator for ShmComm {
         Ok(())
     }
 
-    fn reduce_scatter_buf(&self, input: BufRef<'_>, output: BufMut<'_>, op: ReduceOp) -> CommResult<()> {
+    fn reduce_scatter_buf_impl(&self, input: BufRef<'_>, output: BufMut<'_>, op: ReduceOp) -> CommResult<()> {
         const OP: &str = "reduce_scatter";
         let part = agreement::scatter_output(OP, self.rank, self.world_size, &input, &output)?;
         let (dtype, es) = (input.dtype, input.dtype.size());
@@ -405,7 +401,7 @@ impl Communicator for ShmComm {
         Ok(())
     }
 
-    fn all_gather_buf(&self, buf: BufMut<'_>) -> CommResult<()> {
+    fn all_gather_buf_impl(&self, buf: BufMut<'_>) -> CommResult<()> {
         const OP: &str = "all_gather";
         let pb = agreement::equal_parts(OP, self.rank, self.world_size, buf.len())? * buf.dtype.size();
         let bytes = buf.bytes;
@@ -429,7 +425,7 @@ impl Communicator for ShmComm {
         Ok(())
     }
 
-    fn broadcast_buf(&self, buf: BufMut<'_>, root: usize) -> CommResult<()> {
+    fn broadcast_buf_impl(&self, buf: BufMut<'_>, root: usize) -> CommResult<()> {
         const OP: &str = "broadcast";
         agreement::root(OP, self.rank, self.world_size, root)?;
         let bytes = buf.bytes;
@@ -453,7 +449,36 @@ impl Communicator for ShmComm {
         Ok(())
     }
 
+}
+
+/// Any failed collective flags this rank before returning, whatever the cause, so that if it exits, peers name the
+/// rank whose death started it rather than this one.
+impl Communicator for ShmComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    fn all_reduce_buf(&self, buf: BufMut<'_>, op: ReduceOp) -> CommResult<()> {
+        self.flag_failure(self.all_reduce_buf_impl(buf, op))
+    }
+
+    fn reduce_scatter_buf(&self, input: BufRef<'_>, output: BufMut<'_>, op: ReduceOp) -> CommResult<()> {
+        self.flag_failure(self.reduce_scatter_buf_impl(input, output, op))
+    }
+
+    fn all_gather_buf(&self, buf: BufMut<'_>) -> CommResult<()> {
+        self.flag_failure(self.all_gather_buf_impl(buf))
+    }
+
+    fn broadcast_buf(&self, buf: BufMut<'_>, root: usize) -> CommResult<()> {
+        self.flag_failure(self.broadcast_buf_impl(buf, root))
+    }
+
     fn barrier(&self) -> CommResult<()> {
-        self.barrier_op("barrier")
+        self.flag_failure(self.barrier_op("barrier"))
     }
 }
