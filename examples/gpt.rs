@@ -50,7 +50,7 @@ fn run(args: &Args) -> Result<(), String> {
     let timeout = Duration::from_secs_f64(config.comms_timeout);
     let summary = run_ranks(a.ranks, timeout, |comm| {
         let (vs, model) = build_model(a.seed, a.init.as_ref(), |vs| Gpt::new(vs.root(), &cfg))?;
-        let options = EngineOptions { no_weight_decay: Some(no_decay_for_1d) };
+        let options = EngineOptions { no_weight_decay: Some(no_decay_for_1d), activation_checkpointing: a.activation_checkpointing, ..Default::default() }.units_of(&model);
         let mut engine = Engine::new(&vs, config.clone(), comm, options).map_err(|e| e.to_string())?;
         let b = engine.batch_sizes();
         let (rank, world) = (engine.rank(), engine.world_size());
@@ -60,16 +60,16 @@ fn run(args: &Args) -> Result<(), String> {
             for m in 0..b.gradient_accumulation_steps {
                 let range = micro_batch_range(rank, world, m, b.train_micro_batch_size_per_gpu);
                 let (x, y) = corpus.batch(a.seed, step, b.train_batch_size, range, cfg.block);
-                let logits = model.forward(&x);
+                let logits = engine.forward(&model, &x).map_err(|e| e.to_string())?;
                 let loss = logits.view([-1, cfg.vocab]).cross_entropy_for_logits(&y.view([-1]));
-                engine.backward(&loss).map_err(|e| e.to_string())?;
+                engine.backward_units(&model, &loss).map_err(|e| e.to_string())?;
                 let outcome = engine.step().map_err(|e| e.to_string())?;
                 progress.record(&engine, outcome);
                 maybe_save(a, &mut engine, outcome)?;
             }
         }
         if let Some(path) = &a.save_final {
-            save_final(&engine, path)?;
+            save_final(&mut engine, path)?;
         }
         let state_bytes: usize = engine.memory_bytes().iter().map(|(_, b)| b).sum();
         Ok((progress.first_loss.unwrap_or(f64::NAN), progress.last_loss, progress.median_step_s(), engine.layout().numel, state_bytes, engine.world_size()))

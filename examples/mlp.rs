@@ -7,7 +7,7 @@ use std::time::Duration;
 use clap::Parser;
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
-use zerorun::{Engine, EngineOptions};
+use zerorun::{Engine, EngineOptions, UnitModel};
 
 #[path = "support/mod.rs"]
 mod support;
@@ -41,15 +41,21 @@ impl Mlp {
         Mlp { layers: (0..layers as usize).map(|i| nn::linear(&p / "layers" / i, dims[i], dims[i + 1], Default::default())).collect() }
     }
 
-    pub fn forward(&self, x: &Tensor) -> Tensor {
-        let mut h = x.shallow_clone();
-        for (i, l) in self.layers.iter().enumerate() {
-            h = l.forward(&h);
-            if i + 1 < self.layers.len() {
-                h = h.gelu("none");
-            }
+}
+
+/// One unit per layer (stage 3 gathers one layer at a time).
+impl UnitModel for Mlp {
+    fn unit_prefixes(&self) -> Vec<Vec<String>> {
+        (0..self.layers.len()).map(|i| vec![format!("layers.{i}")]).collect()
+    }
+
+    fn forward_unit(&self, unit: usize, x: &Tensor) -> Tensor {
+        let h = self.layers[unit].forward(x);
+        if unit + 1 < self.layers.len() {
+            h.gelu("none")
+        } else {
+            h
         }
-        h
     }
 }
 
@@ -97,7 +103,8 @@ fn run(args: &Args) -> Result<(), String> {
     let timeout = Duration::from_secs_f64(config.comms_timeout);
     let result = run_ranks(a.ranks, timeout, |comm| {
         let (vs, model) = build_model(a.seed, a.init.as_ref(), |vs| Mlp::new(vs.root(), args.input, args.hidden, args.layers, args.out))?;
-        let mut engine = Engine::new(&vs, config.clone(), comm, EngineOptions::default()).map_err(|e| e.to_string())?;
+        let options = EngineOptions { activation_checkpointing: a.activation_checkpointing, ..Default::default() }.units_of(&model);
+        let mut engine = Engine::new(&vs, config.clone(), comm, options).map_err(|e| e.to_string())?;
         let x = Tensor::from_slice(&xv).view([samples as i64, args.input]);
         let y = Tensor::from_slice(&yv).view([samples as i64, args.out]);
         let b = engine.batch_sizes();
@@ -109,16 +116,16 @@ fn run(args: &Args) -> Result<(), String> {
             let order: Vec<i64> = (0..b.train_batch_size).map(|_| rng.below(samples) as i64).collect();
             for m in 0..b.gradient_accumulation_steps {
                 let idx = Tensor::from_slice(&order[micro_batch_range(rank, world, m, b.train_micro_batch_size_per_gpu)]);
-                let pred = model.forward(&x.index_select(0, &idx));
+                let pred = engine.forward(&model, &x.index_select(0, &idx)).map_err(|e| e.to_string())?;
                 let loss = pred.mse_loss(&y.index_select(0, &idx), tch::Reduction::Mean);
-                engine.backward(&loss).map_err(|e| e.to_string())?;
+                engine.backward_units(&model, &loss).map_err(|e| e.to_string())?;
                 let outcome = engine.step().map_err(|e| e.to_string())?;
                 progress.record(&engine, outcome);
                 maybe_save(a, &mut engine, outcome)?;
             }
         }
         if let Some(path) = &a.save_final {
-            save_final(&engine, path)?;
+            save_final(&mut engine, path)?;
         }
         Ok((progress.median_step_s(), progress.last_loss, engine.world_size()))
     })?;

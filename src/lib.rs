@@ -16,4 +16,5 @@ pub use zerorun_optim as optim;
 pub use zerorun_runtime as runtime;
 pub use zerorun_runtime::config::{self, Config, ConfigError};
 pub use zerorun_runtime::estimate::{estimate, EstimateInput, EstimateRow};
+pub use zerorun_runtime::engine::{Sequence, UnitModel, Whole};
 pub use zerorun_runtime::{initialize, Engine, EngineOptions, Error, StepOutcome};

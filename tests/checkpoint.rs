@@ -70,7 +70,7 @@ fn train(world: usize, config: Config, until: i64, ckpt: Ckpt) -> Vec<(String, V
                             }
                         }
                     }
-                    engine.full_parameters().into_iter().map(|(n, t)| (n, Vec::<f32>::try_from(t.reshape([-1])).unwrap())).collect()
+                    engine.full_parameters().unwrap().into_iter().map(|(n, t)| (n, Vec::<f32>::try_from(t.reshape([-1])).unwrap())).collect()
                 })
             })
             .collect();

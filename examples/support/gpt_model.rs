@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
+use zerorun::UnitModel;
 
 use super::Rng;
 
@@ -86,13 +87,32 @@ impl Gpt {
     }
 
     pub fn forward(&self, idx: &Tensor) -> Tensor {
-        let t = idx.size()[1];
-        let pos = Tensor::arange(t, (Kind::Int64, idx.device()));
-        let mut x = self.tok.forward(idx) + self.pos.forward(&pos);
-        for b in &self.blocks {
-            x = b.forward(&x);
+        let mut x = idx.shallow_clone();
+        for u in 0..self.blocks.len() + 2 {
+            x = self.forward_unit(u, &x);
         }
-        self.head.forward(&self.ln_f.forward(&x))
+        x
+    }
+}
+
+/// Units for stage 3: the embeddings, each block, and the final norm with the head.
+impl UnitModel for Gpt {
+    fn unit_prefixes(&self) -> Vec<Vec<String>> {
+        let mut units = vec![vec!["tok".to_string(), "pos".to_string()]];
+        units.extend((0..self.blocks.len()).map(|i| vec![format!("blocks.{i}")]));
+        units.push(vec!["ln_f".to_string(), "head".to_string()]);
+        units
+    }
+
+    fn forward_unit(&self, unit: usize, x: &Tensor) -> Tensor {
+        if unit == 0 {
+            let pos = Tensor::arange(x.size()[1], (Kind::Int64, x.device()));
+            self.tok.forward(x) + self.pos.forward(&pos)
+        } else if unit <= self.blocks.len() {
+            self.blocks[unit - 1].forward(x)
+        } else {
+            self.head.forward(&self.ln_f.forward(x))
+        }
     }
 }
 

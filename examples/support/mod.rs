@@ -41,6 +41,9 @@ pub struct CommonArgs {
     /// process is one rank instead.
     #[arg(long, default_value_t = 1)]
     pub ranks: usize,
+    /// Stage 3: keep only each unit's input in forward and recompute the unit in backward.
+    #[arg(long)]
+    pub activation_checkpointing: bool,
 }
 
 impl CommonArgs {
@@ -202,12 +205,12 @@ pub fn maybe_save(args: &CommonArgs, engine: &mut Engine, outcome: StepOutcome) 
     Ok(())
 }
 
-/// Rank 0 writes every parameter, full fp32, by name.
-pub fn save_final(engine: &Engine, path: &PathBuf) -> Result<(), String> {
+/// Rank 0 writes every parameter, full fp32, by name. Every rank calls it (stage 3 gathers the units).
+pub fn save_final(engine: &mut Engine, path: &PathBuf) -> Result<(), String> {
+    let params = engine.full_parameters().map_err(|e| e.to_string())?;
     if engine.rank() != 0 {
         return Ok(());
     }
-    let params = engine.full_parameters();
     Tensor::write_safetensors(&params, path).map_err(|e| format!("--save-final {}: {e}", path.display()))
 }
 

@@ -12,32 +12,65 @@ pub struct ParamSlot {
     pub decay: bool,
 }
 
-/// Parameters concatenated in name order, right-padded to a multiple of the world size, split evenly.
+/// A unit of the layout: a run of slots padded to a multiple of the world size, split evenly among the ranks.
+#[derive(Debug, Clone, PartialEq)]
+pub struct UnitSpan {
+    /// Padded flat range.
+    pub range: Range<usize>,
+    /// Indices of its slots.
+    pub slots: Range<usize>,
+}
+
+impl UnitSpan {
+    /// Elements of the unit each rank owns.
+    pub fn chunk_len(&self, world_size: usize) -> usize {
+        self.range.len() / world_size
+    }
+
+    /// The flat range of the unit rank `r` owns.
+    pub fn chunk(&self, rank: usize, world_size: usize) -> Range<usize> {
+        let c = self.chunk_len(world_size);
+        self.range.start + rank * c..self.range.start + (rank + 1) * c
+    }
+}
+
+/// Parameters concatenated in order in units, each unit right-padded to a multiple of the world size and split
+/// evenly. Stages 0-2 use one unit (the whole model); stage 3 one per model unit, gathered one at a time.
 #[derive(Debug, Clone, PartialEq)]
 pub struct FlatLayout {
     pub slots: Vec<ParamSlot>,
+    pub units: Vec<UnitSpan>,
     /// Elements of real parameters.
     pub numel: usize,
-    /// `numel` rounded up to a multiple of `world_size`.
+    /// Flat length: real elements plus every unit's padding.
     pub padded: usize,
     pub world_size: usize,
 }
 
 impl FlatLayout {
-    /// `params`: (name, shape, decay) in the order they are laid out.
+    /// One unit. `params`: (name, shape, decay) in the order they are laid out.
     pub fn new(params: &[(String, Vec<i64>, bool)], world_size: usize) -> Self {
-        let mut offset = 0;
-        let slots = params
-            .iter()
-            .map(|(name, shape, decay)| {
+        Self::with_units(&[params.to_vec()], world_size)
+    }
+
+    /// Units in order, each a list of (name, shape, decay).
+    pub fn with_units(units: &[Vec<(String, Vec<i64>, bool)>], world_size: usize) -> Self {
+        let ws = world_size.max(1);
+        let (mut offset, mut numel) = (0, 0);
+        let mut slots = Vec::new();
+        let mut spans = Vec::new();
+        for unit in units {
+            let (start, first_slot) = (offset, slots.len());
+            for (name, shape, decay) in unit {
                 let n: usize = shape.iter().map(|&d| d as usize).product();
-                let slot = ParamSlot { name: name.clone(), shape: shape.clone(), range: offset..offset + n, decay: *decay };
+                slots.push(ParamSlot { name: name.clone(), shape: shape.clone(), range: offset..offset + n, decay: *decay });
                 offset += n;
-                slot
-            })
-            .collect();
-        let padded = offset.div_ceil(world_size.max(1)) * world_size.max(1);
-        FlatLayout { slots, numel: offset, padded, world_size }
+                numel += n;
+            }
+            offset = start + (offset - start).div_ceil(ws) * ws;
+            spans.push(UnitSpan { range: start..offset, slots: first_slot..slots.len() });
+        }
+        FlatLayout { slots, units: spans, numel, padded: offset, world_size: ws }
     }
 
     /// Elements each rank owns.
@@ -45,10 +78,27 @@ impl FlatLayout {
         self.padded / self.world_size
     }
 
-    /// The flat range rank `r` owns.
+    /// The flat range rank `r` owns, for a one-unit layout (stages 0-2).
     pub fn partition(&self, rank: usize) -> Range<usize> {
+        debug_assert_eq!(self.units.len(), 1, "a layout of several units has no contiguous partition");
         let p = self.partition_len();
         rank * p..(rank + 1) * p
+    }
+
+    /// The flat ranges rank `r` owns, one per unit; concatenated they make its shard.
+    pub fn shard_pieces(&self, rank: usize) -> Vec<Range<usize>> {
+        self.units.iter().map(|u| u.chunk(rank, self.world_size)).collect()
+    }
+
+    /// Weight-decay groups of rank `r`'s shard, relative to the shard's start.
+    pub fn shard_decay_runs(&self, rank: usize) -> Vec<(Range<usize>, bool)> {
+        let mut offset = 0;
+        let mut runs = Vec::new();
+        for piece in self.shard_pieces(rank) {
+            runs.extend(self.decay_runs(piece.clone()).into_iter().map(|(r, d)| (r.start + offset..r.end + offset, d)));
+            offset += piece.len();
+        }
+        runs
     }
 
     /// Weight-decay groups within `range`, as ranges relative to its start: runs of slots with the same `decay`
@@ -93,6 +143,20 @@ mod tests {
         assert_eq!(l.partition(2), 10..15);
         assert_eq!(l.slots[1].range, 6..9);
         assert_eq!(layout(1).padded, 13);
+    }
+
+    #[test]
+    fn units_are_padded_one_by_one_and_shards_take_a_chunk_of_each() {
+        let a = vec![("a.weight".to_string(), vec![2, 3], true), ("a.bias".to_string(), vec![3], false)];
+        let b = vec![("b.weight".to_string(), vec![2, 2], true)];
+        let l = FlatLayout::with_units(&[a, b], 2);
+        // Unit a: 9 elements padded to 10; unit b: 4 elements at 10..14.
+        assert_eq!(l.units.iter().map(|u| u.range.clone()).collect::<Vec<_>>(), vec![0..10, 10..14]);
+        assert_eq!((l.numel, l.padded, l.partition_len()), (13, 14, 7));
+        assert_eq!(l.slots[2].range, 10..14);
+        assert_eq!(l.shard_pieces(1), vec![5..10, 12..14]);
+        // Rank 1's shard: a.weight[5], a.bias + padding (no decay), then b.weight[2..4].
+        assert_eq!(l.shard_decay_runs(1), vec![(0..1, true), (1..5, false), (5..7, true)]);
     }
 
     #[test]

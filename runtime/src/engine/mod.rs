@@ -8,8 +8,12 @@
 //! fp32 there; the optimizer writes the updated 16-bit parameters in the same pass, and stages 1-2 all-gather them.
 mod checkpointing;
 pub mod layout;
+mod native;
 mod optimizer;
 pub mod sampler;
+mod sharded_unit;
+mod stage3;
+pub mod units;
 mod views;
 
 use std::time::Instant;
@@ -22,7 +26,10 @@ use zerorun_optim::{norm, AlignedVec, Grads, Group, LossScaler, LossScalerConfig
 use crate::comm::{Collectives, Communicator, ReduceOp};
 use crate::config::{BatchSizes, Config, OffloadDevice, OptimizerConfig, Precision};
 use crate::error::{Error, Result};
-pub use layout::{FlatLayout, ParamSlot};
+pub use layout::{FlatLayout, ParamSlot, UnitSpan};
+use sharded_unit::ShardedUnit;
+pub use stage3::{CommVolume, GatheredBytes};
+pub use units::{Sequence, UnitModel, Whole};
 
 /// What `step` did.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -40,6 +47,20 @@ pub enum StepOutcome {
 pub struct EngineOptions {
     /// Parameters (by name) that get no weight decay, e.g. biases and norm weights.
     pub no_weight_decay: Option<fn(&str, &[i64]) -> bool>,
+    /// The model's units (parameter-name prefixes, in execution order; see [`UnitModel`]). Stage 3 gathers
+    /// parameters unit by unit; without units the whole model is one unit.
+    pub units: Option<Vec<Vec<String>>>,
+    /// Stage 3: keep only each unit's input in forward and recompute the unit in backward
+    /// (`engine.backward_units(&model, &loss)`).
+    pub activation_checkpointing: bool,
+}
+
+impl EngineOptions {
+    /// Takes the units of `model`.
+    pub fn units_of(mut self, model: &dyn UnitModel) -> Self {
+        self.units = Some(model.unit_prefixes());
+        self
+    }
 }
 
 /// Biases and norm weights (1-D parameters) get no weight decay: the usual transformer recipe.
@@ -53,10 +74,19 @@ pub struct Engine {
     batch: BatchSizes,
     precision: Precision,
     layout: FlatLayout,
-    /// The model's parameters, in layout order; views into `flat_params`.
+    /// The model's parameters, in layout order; views into `flat_params` (stages 0-2) or into their unit's
+    /// buffer (stage 3).
     params: Vec<Tensor>,
-    /// All parameters, in the model's dtype.
+    /// All parameters in the model's dtype (stages 0-2); this rank's shard of every unit (stage 3).
     flat_params: Tensor,
+    /// Stage 3: one per unit, in execution order (empty at stages 0-2).
+    units: Vec<ShardedUnit>,
+    unit_prefixes: Vec<Vec<String>>,
+    /// Stage 3: what the current micro-batch's forward kept for backward.
+    records: Vec<stage3::UnitRecord>,
+    activation_checkpointing: bool,
+    gathered: GatheredBytes,
+    comm_volume: CommVolume,
     /// Gradients gathered from the parameters, in the communication dtype: all of them at stage 0; at stages
     /// 1-2 one reduction round (`reduce_bucket_size` elements: `round_len` of every rank's partition).
     flat_grads: Tensor,
@@ -92,9 +122,6 @@ impl Engine {
         let rank = comm.rank();
         let batch = config.batch_sizes(world_size)?;
         let z = &config.zero_optimization;
-        if z.stage == 3 {
-            return Err(Error::Unsupported { key: "zero_optimization.stage", value: "3".into(), why: "stage 3 is not in this build yet; use stage 0, 1 or 2" });
-        }
         if z.offload_optimizer.device != OffloadDevice::None {
             return Err(Error::Unsupported {
                 key: "zero_optimization.offload_optimizer.device",
@@ -112,6 +139,17 @@ impl Engine {
         named.sort_by(|a, b| a.0.cmp(&b.0));
         if named.is_empty() {
             return Err(Error::Usage("the VarStore has no trainable parameters".into()));
+        }
+        let stage3 = z.stage == 3;
+        let unit_prefixes = options.units.clone().unwrap_or_else(|| vec![vec![String::new()]]);
+        let names: Vec<String> = named.iter().map(|(n, _)| n.clone()).collect();
+        let unit_of = units::assign(&unit_prefixes, &names)?;
+        if stage3 {
+            // Stage 3 lays parameters out unit by unit, in execution order (stable: by name within a unit).
+            let mut order: Vec<usize> = (0..named.len()).collect();
+            order.sort_by_key(|&i| unit_of[i]);
+            let mut taken: Vec<Option<(String, Tensor)>> = named.into_iter().map(Some).collect();
+            named = order.iter().map(|&i| taken[i].take().expect("each index once")).collect();
         }
         for (name, t) in &named {
             if t.device() != tch::Device::Cpu {
@@ -134,30 +172,49 @@ impl Engine {
                 (n.clone(), shape, decay)
             })
             .collect();
-        let layout = FlatLayout::new(&specs, world_size);
-
-        // Pack the parameters into the flat buffer and make the model's tensors views into it.
-        let flat_params = Tensor::zeros([layout.padded as i64], (kind, tch::Device::Cpu));
-        let mut params = Vec::with_capacity(named.len());
-        tch::no_grad(|| {
-            for ((_, mut t), slot) in named.into_iter().zip(&layout.slots) {
-                let mut view = flat_params.narrow(0, slot.range.start as i64, slot.range.len() as i64);
-                view.copy_(&t.reshape([-1]));
-                t.set_data(&view.view(slot.shape.as_slice()));
-                params.push(t);
+        let layout = if stage3 {
+            let mut by_unit: Vec<Vec<(String, Vec<i64>, bool)>> = vec![Vec::new(); unit_prefixes.len()];
+            let mut sorted_units = unit_of.clone();
+            sorted_units.sort_unstable();
+            for (spec, u) in specs.iter().zip(sorted_units) {
+                by_unit[u].push(spec.clone());
             }
-        });
-        // Every rank starts from rank 0's weights.
-        views::broadcast(comm.as_ref(), &flat_params, 0)?;
+            FlatLayout::with_units(&by_unit, world_size)
+        } else {
+            FlatLayout::new(&specs, world_size)
+        };
 
-        let optimized = if z.stage == 0 { 0..layout.padded } else { layout.partition(rank) };
+        let (flat_params, params, sharded_units) = if stage3 {
+            Self::shard_units(&layout, named, kind, comm.as_ref(), &config)?
+        } else {
+            // Pack the parameters into the flat buffer and make the model's tensors views into it.
+            let flat_params = Tensor::zeros([layout.padded as i64], (kind, tch::Device::Cpu));
+            let mut params = Vec::with_capacity(named.len());
+            tch::no_grad(|| {
+                for ((_, mut t), slot) in named.into_iter().zip(&layout.slots) {
+                    let mut view = flat_params.narrow(0, slot.range.start as i64, slot.range.len() as i64);
+                    view.copy_(&t.reshape([-1]));
+                    t.set_data(&view.view(slot.shape.as_slice()));
+                    params.push(t);
+                }
+            });
+            // Every rank starts from rank 0's weights.
+            views::broadcast(comm.as_ref(), &flat_params, 0)?;
+            (flat_params, params, Vec::new())
+        };
+
+        let optimized = match z.stage {
+            0 => 0..layout.padded,
+            3 => 0..layout.partition_len(),
+            _ => layout.partition(rank),
+        };
         let master = (precision != Precision::Fp32).then(|| {
             let part = flat_params.narrow(0, optimized.start as i64, optimized.len() as i64).to_kind(Kind::Float);
             AlignedVec::from_slice(views::slice::<f32>(&part))
         });
         let (optimizer, base_lr, weight_decay) = optimizer::build(&config, optimized.len());
-        let groups = layout
-            .decay_runs(optimized.clone())
+        let runs = if stage3 { layout.shard_decay_runs(rank) } else { layout.decay_runs(optimized.clone()) };
+        let groups = runs
             .into_iter()
             .map(|(range, decay)| Group { range, lr: base_lr, weight_decay: if decay { weight_decay } else { 0.0 } })
             .collect();
@@ -165,16 +222,24 @@ impl Engine {
         let comm_kind = views::comm_kind(config.communication_data_type, precision);
         // Stages 1-2 reduce in rounds: each takes `round_len` elements of every rank's partition, so the buffer is
         // one bucket (reduce_bucket_size), not the whole model.
+        // Stage 3 reduces one unit at a time, so its buffers are one unit long.
         let round_len = (z.reduce_bucket_size as usize / world_size).clamp(1, layout.partition_len().max(1));
-        let staged = if z.stage == 0 { layout.padded } else { round_len * world_size };
+        let largest_unit = layout.units.iter().map(|u| u.range.len()).max().unwrap_or(0);
+        let staged = match z.stage {
+            0 => layout.padded,
+            3 => largest_unit,
+            _ => round_len * world_size,
+        };
         let flat_grads = Tensor::zeros([staged as i64], (comm_kind, tch::Device::Cpu));
-        let grad_part = (z.stage > 0).then(|| Tensor::zeros([layout.partition_len() as i64], (comm_kind, tch::Device::Cpu)));
+        let part_len = if stage3 { largest_unit / world_size } else { layout.partition_len() };
+        let grad_part = (z.stage > 0).then(|| Tensor::zeros([part_len as i64], (comm_kind, tch::Device::Cpu)));
         let grad_acc = AlignedVec::filled(if z.stage > 0 || precision != Precision::Fp32 { optimized.len() } else { 0 }, 0.0);
         let scaler = config.fp16.enabled.then(|| {
             let f = &config.fp16;
             LossScaler::new(LossScalerConfig::from_fp16(f.loss_scale, f.initial_scale_power, f.loss_scale_window, f.hysteresis, f.consecutive_hysteresis, f.min_loss_scale))
         });
-        tracing::info!(rank, world_size, stage = z.stage, ?precision, params = layout.numel, partition = layout.partition_len(), "zerorun engine ready");
+        tracing::info!(rank, world_size, stage = z.stage, ?precision, params = layout.numel, partition = layout.partition_len(), units = layout.units.len(), "zerorun engine ready");
+        let persistent_bytes = sharded_units.iter().filter(|u| u.persistent).map(ShardedUnit::full_bytes).sum();
         Ok(Engine {
             comm,
             config,
@@ -183,6 +248,12 @@ impl Engine {
             layout,
             params,
             flat_params,
+            units: sharded_units,
+            unit_prefixes,
+            records: Vec::new(),
+            activation_checkpointing: options.activation_checkpointing,
+            gathered: GatheredBytes { current: persistent_bytes, peak: persistent_bytes },
+            comm_volume: CommVolume::default(),
             flat_grads,
             round_len,
             grad_part,
@@ -261,12 +332,25 @@ impl Engine {
     /// Backward of one micro-batch's loss, scaled by 1/gradient_accumulation_steps as DeepSpeed does (and by the
     /// loss scale under fp16).
     pub fn backward(&mut self, loss: &Tensor) -> Result<()> {
+        self.backward_impl(None, loss)
+    }
+
+    /// [`Engine::backward`] with the model at hand, which stage 3 needs to recompute units under activation
+    /// checkpointing. Works at every stage.
+    pub fn backward_units(&mut self, model: &dyn UnitModel, loss: &Tensor) -> Result<()> {
+        self.backward_impl(Some(model), loss)
+    }
+
+    fn backward_impl(&mut self, model: Option<&dyn UnitModel>, loss: &Tensor) -> Result<()> {
         if self.step_started.is_none() {
             self.step_started = Some(Instant::now());
         }
         self.loss_sum += loss.f_double_value(&[])?;
         self.loss_count += 1;
         let factor = self.loss_scale() / self.batch.gradient_accumulation_steps as f64;
+        if !self.units.is_empty() {
+            return self.backward_units_impl(model, loss, factor);
+        }
         if factor != 1.0 {
             (loss * factor).f_backward()?;
         } else {
@@ -280,13 +364,15 @@ impl Engine {
         self.micro_steps += 1;
         let boundary = self.micro_steps % self.batch.gradient_accumulation_steps == 0;
         // 16-bit models reduce every micro-batch and accumulate in fp32; fp32 models accumulate in autograd.
-        if self.precision != Precision::Fp32 {
+        // Stage 3 reduced each unit in backward already.
+        let stage3 = !self.units.is_empty();
+        if self.precision != Precision::Fp32 && !stage3 {
             self.reduce_micro_batch()?;
         }
         if !boundary {
             return Ok(StepOutcome::Accumulating);
         }
-        if self.precision == Precision::Fp32 {
+        if self.precision == Precision::Fp32 && !stage3 {
             self.reduce_fp32()?;
         }
         let lr = self.lr();
@@ -321,8 +407,12 @@ impl Engine {
             g.lr = lr;
         }
         self.apply_optimizer()?;
-        if stage > 0 {
+        if stage3 {
+            self.grad_acc.fill(0.0);
+            self.refresh_gathered_units()?;
+        } else if stage > 0 {
             views::all_gather(self.comm.as_ref(), &self.flat_params)?;
+            self.comm_volume.all_gather_elements += self.layout.padded as u64;
         }
         if let Some(s) = self.scheduler.as_mut() {
             s.step();
@@ -422,17 +512,15 @@ impl Engine {
     /// all-reduces everything; stages 1-2 reduce-scatter round by round into this rank's partition.
     fn reduce(&mut self) -> Result<()> {
         let (ws, rank) = (self.world_size(), self.rank());
-        let f = self.config.gradient_predivide_factor;
-        let predivide = self.config.prescale_gradients || f != 1.0;
-        let op = if predivide { ReduceOp::Sum } else { ReduceOp::Avg };
-        let post = f / ws as f64;
+        let (op, pre, post) = self.reduce_factors();
         let Some(part_buf) = self.grad_part.as_ref().map(Tensor::shallow_clone) else {
             self.gather_grads(&self.flat_grads, 0..self.layout.padded)?;
-            if predivide {
-                let _ = self.flat_grads.f_mul_scalar_(1.0 / f)?;
+            if let Some(pre) = pre {
+                let _ = self.flat_grads.f_mul_scalar_(pre)?;
             }
             views::all_reduce(self.comm.as_ref(), &self.flat_grads, op)?;
-            if predivide {
+            self.comm_volume.all_reduce_elements += self.layout.padded as u64;
+            if let Some(post) = post {
                 let _ = self.flat_grads.f_mul_scalar_(post)?;
             }
             self.clear_param_grads();
@@ -445,22 +533,35 @@ impl Engine {
             for k in 0..ws {
                 self.gather_grads(&staged.narrow(0, (k * l) as i64, l as i64), k * part + c..k * part + c + l)?;
             }
-            if predivide {
-                let _ = staged.f_mul_scalar_(1.0 / f)?;
+            if let Some(pre) = pre {
+                let _ = staged.f_mul_scalar_(pre)?;
             }
             let mut out = part_buf.narrow(0, c as i64, l as i64);
             if self.config.zero_optimization.reduce_scatter {
                 views::reduce_scatter(self.comm.as_ref(), &staged, &out, op)?;
+                self.comm_volume.reduce_scatter_elements += (ws * l) as u64;
             } else {
                 views::all_reduce(self.comm.as_ref(), &staged, op)?;
+                self.comm_volume.all_reduce_elements += (ws * l) as u64;
                 out.f_copy_(&staged.narrow(0, (rank * l) as i64, l as i64))?;
             }
-            if predivide {
+            if let Some(post) = post {
                 let _ = out.f_mul_scalar_(post)?;
             }
         }
         self.clear_param_grads();
         Ok(())
+    }
+
+    /// The reduction's op and scale factors: `prescale_gradients` / `gradient_predivide_factor` as DeepSpeed applies
+    /// them (multiply by `pre` before a sum, by `post` = factor / world size after), else a plain mean.
+    fn reduce_factors(&self) -> (ReduceOp, Option<f64>, Option<f64>) {
+        let f = self.config.gradient_predivide_factor;
+        if self.config.prescale_gradients || f != 1.0 {
+            (ReduceOp::Sum, Some(1.0 / f), Some(f / self.world_size() as f64))
+        } else {
+            (ReduceOp::Avg, None, None)
+        }
     }
 
     /// fp32 models at the boundary: reduce, and (stages 1-2) take the partition as fp32.
@@ -486,9 +587,13 @@ impl Engine {
         Ok(())
     }
 
-    /// Every parameter by name as full fp32 (the model's own values; identical on every rank).
-    pub fn full_parameters(&self) -> Vec<(String, Tensor)> {
-        self.layout.slots.iter().zip(&self.params).map(|(s, t)| (s.name.clone(), t.detach().to_kind(Kind::Float))).collect()
+    /// Every parameter by name as full fp32 copies (identical on every rank). Collective at stage 3, where it
+    /// gathers the units one at a time: every rank calls it.
+    pub fn full_parameters(&mut self) -> Result<Vec<(String, Tensor)>> {
+        if !self.units.is_empty() {
+            return self.gather_full_parameters();
+        }
+        Ok(self.layout.slots.iter().zip(&self.params).map(|(s, t)| (s.name.clone(), t.detach().to_kind(Kind::Float).copy())).collect())
     }
 
     /// Bytes this rank holds, by category.
@@ -496,6 +601,7 @@ impl Engine {
         let bytes = |t: &Tensor| t.numel() * t.kind().elt_size_in_bytes();
         vec![
             ("parameters", bytes(&self.flat_params)),
+            ("parameters_gathered", self.gathered.current),
             ("master_fp32", self.master.as_ref().map_or(0, |m| m.len() * 4)),
             ("gradients_staging", bytes(&self.flat_grads)),
             ("gradients_partition", self.grad_part.as_ref().map_or(0, bytes) + self.grad_acc.len() * 4),

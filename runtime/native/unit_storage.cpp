@@ -1,0 +1,57 @@
+// Two things stage 3 needs from libtorch that tch 0.24 does not bind. Tensors arrive as tch's handles
+// (pointers to at::Tensor); errors come back as a malloc'ed message (nullptr on success) for Rust to free.
+//
+// - Resizing a tensor's storage in place (what FSDP2 does with `untyped_storage().resize_(0)`): every view of a
+//   unit's flat buffer, autograd's saved ones included, shares the one StorageImpl, so freeing it releases the
+//   gathered parameters everywhere, and re-growing it before backward makes them valid again.
+// - Backward from a unit's output with a given output gradient into a chosen list of inputs, returning the
+//   gradients instead of accumulating them into `.grad` (torch::autograd::grad with allow_unused).
+#include <ATen/core/Tensor.h>
+#include <ATen/native/Resize.h>
+#include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <vector>
+
+static char *message(const char *what) {
+    char *m = static_cast<char *>(std::malloc(std::strlen(what) + 1));
+    if (m) std::strcpy(m, what);
+    return m;
+}
+
+extern "C" char *zerorun_resize_storage(at::Tensor *t, int64_t nbytes) {
+    try {
+        at::native::resize_bytes_cpu(t->storage().unsafeGetStorageImpl(), static_cast<size_t>(nbytes));
+        return nullptr;
+    } catch (const std::exception &e) {
+        return message(e.what());
+    }
+}
+
+extern "C" int64_t zerorun_storage_nbytes(at::Tensor *t) {
+    return static_cast<int64_t>(t->storage().nbytes());
+}
+
+extern "C" char *zerorun_grad(at::Tensor **roots, at::Tensor **root_grads, int n_roots, at::Tensor **inputs, int n_inputs,
+                              at::Tensor **outputs) {
+    try {
+        std::vector<at::Tensor> r, g, in;
+        for (int i = 0; i < n_roots; ++i) {
+            r.push_back(*roots[i]);
+            g.push_back(root_grads[i] ? *root_grads[i] : at::Tensor());
+        }
+        for (int i = 0; i < n_inputs; ++i) in.push_back(*inputs[i]);
+        auto grads = torch::autograd::grad(r, in, g, /*retain_graph=*/false, /*create_graph=*/false, /*allow_unused=*/true);
+        for (int i = 0; i < n_inputs; ++i) outputs[i] = new at::Tensor(grads[i]);
+        return nullptr;
+    } catch (const std::exception &e) {
+        return message(e.what());
+    }
+}
+
+extern "C" int zerorun_grad_enabled() {
+    return c10::GradMode::is_enabled() ? 1 : 0;
+}

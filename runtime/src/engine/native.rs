@@ -1,0 +1,63 @@
+//! Safe wrappers over `native/unit_storage.cpp`: the libtorch calls stage 3 needs and tch does not bind.
+use std::ffi::{c_char, c_void, CStr};
+
+use tch::Tensor;
+
+use crate::error::{Error, Result};
+
+extern "C" {
+    fn zerorun_resize_storage(t: *mut c_void, nbytes: i64) -> *mut c_char;
+    fn zerorun_storage_nbytes(t: *mut c_void) -> i64;
+    fn zerorun_grad(roots: *const *mut c_void, root_grads: *const *mut c_void, n_roots: i32, inputs: *const *mut c_void, n_inputs: i32, outputs: *mut *mut c_void) -> *mut c_char;
+    fn zerorun_grad_enabled() -> i32;
+}
+
+fn ptr(t: &Tensor) -> *mut c_void {
+    t.as_ptr() as *mut c_void
+}
+
+/// Turns the shim's malloc'ed message (null: success) into a result.
+fn check(message: *mut c_char, what: &str) -> Result<()> {
+    if message.is_null() {
+        return Ok(());
+    }
+    // SAFETY: the shim returns a NUL-terminated string from malloc, owned by us from here on.
+    let text = unsafe { CStr::from_ptr(message) }.to_string_lossy().into_owned();
+    unsafe { libc::free(message as *mut c_void) };
+    Err(Error::Torch(tch::TchError::Torch(format!("{what}: {text}"))))
+}
+
+/// Resizes the storage under `t` (and under every view of it) to `nbytes`: 0 frees it, the full size makes the
+/// views valid again (with undefined contents until written).
+pub fn resize_storage(t: &Tensor, nbytes: usize) -> Result<()> {
+    check(unsafe { zerorun_resize_storage(ptr(t), nbytes as i64) }, "resizing a unit's storage")
+}
+
+/// Bytes of the storage under `t`.
+pub fn storage_nbytes(t: &Tensor) -> usize {
+    unsafe { zerorun_storage_nbytes(ptr(t)) as usize }
+}
+
+/// Whether autograd records operations on this thread (false inside `tch::no_grad`).
+pub fn grad_enabled() -> bool {
+    unsafe { zerorun_grad_enabled() != 0 }
+}
+
+/// Backward from `roots` (each with its output gradient; `None` for a scalar root: a gradient of one) into
+/// `inputs` only, returning their gradients (`None` where an input took no part) instead of accumulating `.grad`.
+/// The graph is freed.
+pub fn grad(roots: &[(&Tensor, Option<&Tensor>)], inputs: &[&Tensor]) -> Result<Vec<Option<Tensor>>> {
+    let r: Vec<*mut c_void> = roots.iter().map(|(t, _)| ptr(t)).collect();
+    let g: Vec<*mut c_void> = roots.iter().map(|(_, g)| g.map_or(std::ptr::null_mut(), ptr)).collect();
+    let i: Vec<*mut c_void> = inputs.iter().map(|t| ptr(t)).collect();
+    let mut out = vec![std::ptr::null_mut::<c_void>(); inputs.len()];
+    check(unsafe { zerorun_grad(r.as_ptr(), g.as_ptr(), r.len() as i32, i.as_ptr(), i.len() as i32, out.as_mut_ptr()) }, "backward of a unit")?;
+    Ok(out
+        .into_iter()
+        .map(|p| {
+            // SAFETY: the shim allocated each output with `new at::Tensor`, which tch's Tensor owns and deletes.
+            let t = unsafe { Tensor::from_ptr(p as *mut torch_sys::C_tensor) };
+            t.defined().then_some(t)
+        })
+        .collect())
+}

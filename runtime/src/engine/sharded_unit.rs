@@ -1,0 +1,136 @@
+//! One unit's parameters at stage 3 (FSDP's FlatParameter): a flat buffer of the unit's padded length whose
+//! storage exists only while the unit is gathered. Sharded -> Gathered -> Sharded, one explicit state.
+//!
+//! The model's tensors are views into the buffer while gathered and point at an empty tensor while sharded, so a
+//! stray use outside the engine is a shape error, not a read of freed memory. Releasing resizes the buffer's
+//! storage to zero bytes, which also frees what autograd's saved views of the parameters hold; gathering grows it
+//! back before backward needs them.
+use tch::{Kind, Tensor};
+
+use super::layout::{ParamSlot, UnitSpan};
+use super::{native, views};
+use crate::comm::Communicator;
+use crate::error::Result;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UnitState {
+    /// Only this rank's chunk exists (in the engine's shard buffer).
+    Sharded,
+    /// The full parameters are in the unit's buffer and the model's tensors view them.
+    Gathered,
+}
+
+pub struct ShardedUnit {
+    pub span: UnitSpan,
+    /// Where this rank's chunk of the unit sits in the shard buffer.
+    pub shard_offset: usize,
+    /// Small units stay gathered for the whole run (`stage3_param_persistence_threshold`).
+    pub persistent: bool,
+    full: Tensor,
+    /// Views of `full` with the parameters' shapes.
+    views: Vec<Tensor>,
+    /// The model's tensors (same TensorImpl as the VarStore's).
+    params: Vec<Tensor>,
+    empty: Tensor,
+    state: UnitState,
+}
+
+impl ShardedUnit {
+    /// Packs `params` (the unit's tensors, in slot order) into a new buffer and makes them views of it; the unit
+    /// starts gathered with the model's own values.
+    pub fn new(span: UnitSpan, slots: &[ParamSlot], params: Vec<Tensor>, kind: Kind, shard_offset: usize, persistent: bool) -> ShardedUnit {
+        let full = Tensor::zeros([span.range.len() as i64], (kind, tch::Device::Cpu));
+        let mut views = Vec::with_capacity(params.len());
+        let mut params = params;
+        tch::no_grad(|| {
+            for (slot, t) in slots.iter().zip(params.iter_mut()) {
+                let view = full.narrow(0, (slot.range.start - span.range.start) as i64, slot.range.len() as i64).view(slot.shape.as_slice());
+                view.shallow_clone().copy_(t);
+                t.set_data(&view);
+                views.push(view);
+            }
+        });
+        let empty = Tensor::zeros([0], (kind, tch::Device::Cpu));
+        ShardedUnit { span, shard_offset, persistent, full, views, params, empty, state: UnitState::Gathered }
+    }
+
+    pub fn state(&self) -> UnitState {
+        self.state
+    }
+
+    /// The model's tensors of this unit, in slot order.
+    pub fn params(&self) -> &[Tensor] {
+        &self.params
+    }
+
+    /// Bytes of the unit's full parameters.
+    pub fn full_bytes(&self) -> usize {
+        self.span.range.len() * self.full.kind().elt_size_in_bytes()
+    }
+
+    /// The gathered flat buffer (the unit's padded length).
+    pub fn full(&self) -> &Tensor {
+        &self.full
+    }
+
+    fn chunk_of_full(&self, rank: usize, ws: usize) -> Tensor {
+        let c = self.span.chunk_len(ws);
+        self.full.narrow(0, (rank * c) as i64, c as i64)
+    }
+
+    fn chunk_of_shard(&self, shard: &Tensor, ws: usize) -> Tensor {
+        shard.narrow(0, self.shard_offset as i64, self.span.chunk_len(ws) as i64)
+    }
+
+    /// Sharded -> Gathered: regrows the buffer and all-gathers every rank's chunk from `shard`. Returns the
+    /// elements gathered (0 if it already was).
+    pub fn gather(&mut self, comm: &dyn Communicator, shard: &Tensor) -> Result<usize> {
+        if self.state == UnitState::Gathered {
+            return Ok(0);
+        }
+        native::resize_storage(&self.full, self.full_bytes())?;
+        self.fill_from(comm, shard)?;
+        tch::no_grad(|| {
+            for (t, v) in self.params.iter_mut().zip(&self.views) {
+                t.set_data(v);
+            }
+        });
+        self.state = UnitState::Gathered;
+        Ok(self.span.range.len())
+    }
+
+    /// Gathered: refreshes the full parameters from the shards (after an optimizer step). Returns the elements.
+    pub fn refresh(&mut self, comm: &dyn Communicator, shard: &Tensor) -> Result<usize> {
+        debug_assert_eq!(self.state, UnitState::Gathered);
+        self.fill_from(comm, shard)?;
+        Ok(self.span.range.len())
+    }
+
+    fn fill_from(&self, comm: &dyn Communicator, shard: &Tensor) -> Result<()> {
+        let (rank, ws) = (comm.rank(), comm.world_size());
+        self.chunk_of_full(rank, ws).copy_(&self.chunk_of_shard(shard, ws));
+        views::all_gather(comm, &self.full)?;
+        Ok(())
+    }
+
+    /// Gathered -> Sharded: the model's tensors point at an empty tensor and the buffer's storage is freed.
+    pub fn release(&mut self) -> Result<()> {
+        if self.state == UnitState::Sharded {
+            return Ok(());
+        }
+        tch::no_grad(|| {
+            for t in self.params.iter_mut() {
+                t.set_data(&self.empty);
+            }
+        });
+        native::resize_storage(&self.full, 0)?;
+        debug_assert_eq!(native::storage_nbytes(&self.full), 0);
+        self.state = UnitState::Sharded;
+        Ok(())
+    }
+
+    /// Gathered: copies this rank's chunk of the full parameters into `shard` (at start-up).
+    pub fn store_chunk(&self, shard: &Tensor, rank: usize, ws: usize) {
+        self.chunk_of_shard(shard, ws).copy_(&self.chunk_of_full(rank, ws));
+    }
+}

@@ -1,0 +1,285 @@
+//! Stage 3's walk over the units: forward gathers each unit, runs it on its input detached as a new leaf and
+//! releases it; backward walks the units in reverse, gathers each again, backpropagates from its saved output
+//! with the gradient of the next unit's input, reduce-scatters the unit's gradients into this rank's shard and
+//! releases parameters and full gradients. With activation checkpointing only unit inputs are kept and each
+//! unit is recomputed in backward.
+use tch::Tensor;
+
+use super::sharded_unit::UnitState;
+use super::units::UnitModel;
+use super::{native, views, Engine};
+use crate::error::{Error, Result};
+
+/// What forward keeps of one unit for backward.
+pub(super) struct UnitRecord {
+    /// The unit's input as run: a leaf that requires grad (units after the first, floating inputs).
+    input: Tensor,
+    /// The unit's output with its graph (None under activation checkpointing: recomputed in backward).
+    output: Option<Tensor>,
+}
+
+/// Elements moved by the engine's collectives since it started (counted by the caller's rank).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CommVolume {
+    pub all_gather_elements: u64,
+    pub reduce_scatter_elements: u64,
+    pub all_reduce_elements: u64,
+}
+
+/// Bytes of gathered full parameters: now and at most since the last reset.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GatheredBytes {
+    pub current: usize,
+    pub peak: usize,
+}
+
+impl Engine {
+    /// Runs `model` on `input`, unit by unit. At stages 0-2 this is just the units in order; at stage 3 it
+    /// gathers each unit's parameters only while it runs. Under `tch::no_grad` nothing is kept for backward.
+    pub fn forward(&mut self, model: &dyn UnitModel, input: &Tensor) -> Result<Tensor> {
+        let prefixes = model.unit_prefixes();
+        if self.units.is_empty() {
+            let mut h = input.shallow_clone();
+            for i in 0..prefixes.len() {
+                h = model.forward_unit(i, &h);
+            }
+            return Ok(h);
+        }
+        if prefixes != self.unit_prefixes {
+            return Err(Error::Usage(format!(
+                "the model's units {prefixes:?} are not the ones the engine was built with {:?} (EngineOptions::units)",
+                self.unit_prefixes
+            )));
+        }
+        let train = native::grad_enabled();
+        self.records.clear();
+        let n = self.units.len();
+        let keep = self.kept_after_forward();
+        let mut h = input.shallow_clone();
+        for i in 0..n {
+            self.gather_unit(i)?;
+            let last = i + 1 == n;
+            if !train {
+                h = model.forward_unit(i, &h);
+                if !self.units[i].persistent {
+                    self.release_unit(i)?;
+                }
+                continue;
+            }
+            let x = if i > 0 && h.is_floating_point() { h.detach().set_requires_grad(true) } else { h.shallow_clone() };
+            let recompute = self.activation_checkpointing && !last;
+            let y = if recompute { tch::no_grad(|| model.forward_unit(i, &x)) } else { model.forward_unit(i, &x) };
+            self.records.push(UnitRecord { input: x, output: (!recompute).then(|| y.shallow_clone()) });
+            if !last && !self.units[i].persistent && !keep[i] {
+                self.release_unit(i)?;
+            }
+            h = y;
+        }
+        Ok(h)
+    }
+
+    /// Which units forward leaves gathered because backward reuses them soon: the last one always, and units
+    /// whose reuse distance (elements of the units after them) is within `stage3_max_reuse_distance`, while the
+    /// live gathered elements stay within `stage3_max_live_parameters`.
+    fn kept_after_forward(&self) -> Vec<bool> {
+        let z = &self.config.zero_optimization;
+        let n = self.units.len();
+        let mut keep = vec![false; n];
+        let mut later = 0u64;
+        let mut live = 0u64;
+        for i in (0..n).rev() {
+            let len = self.units[i].span.range.len() as u64;
+            if self.units[i].persistent {
+                later += len;
+                continue;
+            }
+            if i + 1 == n || (later <= z.stage3_max_reuse_distance && live + len <= z.stage3_max_live_parameters) {
+                keep[i] = true;
+                live += len;
+            }
+            later += len;
+        }
+        keep
+    }
+
+    /// Stage 3 backward from a loss computed from `forward`'s output. `model` recomputes units when activation
+    /// checkpointing is on.
+    pub(super) fn backward_units_impl(&mut self, model: Option<&dyn UnitModel>, loss: &Tensor, factor: f64) -> Result<()> {
+        let records = std::mem::take(&mut self.records);
+        if records.len() != self.units.len() {
+            return Err(Error::Usage("at stage 3 the loss must come from `engine.forward(&model, input)` (run with gradients), once per backward".into()));
+        }
+        let root = if factor != 1.0 { loss * factor } else { loss.shallow_clone() };
+        let mut upstream: Option<Tensor> = None;
+        for i in (0..records.len()).rev() {
+            let last = i + 1 == records.len();
+            let rec = &records[i];
+            self.gather_unit(i)?;
+            let output = match &rec.output {
+                Some(y) => y.shallow_clone(),
+                None => {
+                    let model = model.ok_or_else(|| {
+                        Error::Usage("activation checkpointing recomputes units in backward: call `engine.backward_units(&model, &loss)`".into())
+                    })?;
+                    model.forward_unit(i, &rec.input)
+                }
+            };
+            let takes_input = i > 0 && rec.input.requires_grad();
+            let grads = {
+                let params = self.units[i].params();
+                let mut inputs: Vec<&Tensor> = params.iter().collect();
+                if takes_input {
+                    inputs.push(&rec.input);
+                }
+                let start: Option<(&Tensor, Option<&Tensor>)> = if last { Some((&root, None)) } else { upstream.as_ref().map(|g| (&output, Some(g))) };
+                match start {
+                    Some(r) if output.requires_grad() || last => native::grad(&[r], &inputs)?,
+                    _ => (0..inputs.len()).map(|_| None).collect(),
+                }
+            };
+            let mut grads = grads;
+            upstream = if takes_input { grads.pop().flatten() } else { None };
+            self.reduce_unit(i, &grads)?;
+            if !self.units[i].persistent {
+                self.release_unit(i)?;
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn gather_unit(&mut self, i: usize) -> Result<()> {
+        if self.units[i].state() == UnitState::Gathered {
+            return Ok(());
+        }
+        let n = self.units[i].gather(self.comm.as_ref(), &self.flat_params)?;
+        self.comm_volume.all_gather_elements += n as u64;
+        self.gathered.current += self.units[i].full_bytes();
+        self.gathered.peak = self.gathered.peak.max(self.gathered.current);
+        Ok(())
+    }
+
+    pub(super) fn release_unit(&mut self, i: usize) -> Result<()> {
+        if self.units[i].state() == UnitState::Sharded {
+            return Ok(());
+        }
+        self.units[i].release()?;
+        self.gathered.current -= self.units[i].full_bytes();
+        Ok(())
+    }
+
+    /// Reduce-scatters unit `i`'s gradients (slot order; None: unused, zeros) into this rank's shard and adds
+    /// them to the fp32 accumulator, with the predivide rules of `reduce`.
+    fn reduce_unit(&mut self, i: usize, grads: &[Option<Tensor>]) -> Result<()> {
+        let (ws, rank) = (self.world_size(), self.rank());
+        let span = self.units[i].span.clone();
+        let (len, chunk, offset) = (span.range.len(), span.chunk_len(ws), self.units[i].shard_offset);
+        let mut staged = self.flat_grads.narrow(0, 0, len as i64);
+        tch::no_grad(|| -> Result<()> {
+            let _ = staged.f_zero_()?;
+            for (slot, g) in self.layout.slots[span.slots.clone()].iter().zip(grads) {
+                if let Some(g) = g {
+                    let at = (slot.range.start - span.range.start) as i64;
+                    staged.narrow(0, at, slot.range.len() as i64).f_copy_(&g.reshape([-1]))?;
+                }
+            }
+            Ok(())
+        })?;
+        let (op, pre, post) = self.reduce_factors();
+        if let Some(pre) = pre {
+            let _ = staged.f_mul_scalar_(pre)?;
+        }
+        let part = self.grad_part.as_ref().expect("stage 3 has a gradient part").narrow(0, 0, chunk as i64);
+        if self.config.zero_optimization.reduce_scatter {
+            views::reduce_scatter(self.comm.as_ref(), &staged, &part, op)?;
+            self.comm_volume.reduce_scatter_elements += len as u64;
+        } else {
+            views::all_reduce(self.comm.as_ref(), &staged, op)?;
+            self.comm_volume.all_reduce_elements += len as u64;
+            part.shallow_clone().f_copy_(&staged.narrow(0, (rank * chunk) as i64, chunk as i64))?;
+        }
+        if let Some(post) = post {
+            let _ = part.shallow_clone().f_mul_scalar_(post)?;
+        }
+        views::accumulate(&mut self.grad_acc[offset..offset + chunk], &part);
+        Ok(())
+    }
+
+    /// After an optimizer step: units that stay gathered take the new values of every rank's shard.
+    pub(super) fn refresh_gathered_units(&mut self) -> Result<()> {
+        for u in &mut self.units {
+            if u.state() == UnitState::Gathered {
+                self.comm_volume.all_gather_elements += u.refresh(self.comm.as_ref(), &self.flat_params)? as u64;
+            }
+        }
+        Ok(())
+    }
+
+    /// Bytes of gathered full parameters (stage 3): now, and the peak since [`Engine::reset_gathered_peak`].
+    pub fn gathered_bytes(&self) -> GatheredBytes {
+        self.gathered
+    }
+
+    pub fn reset_gathered_peak(&mut self) {
+        self.gathered.peak = self.gathered.current;
+    }
+
+    /// Elements this rank's collectives moved since the engine started.
+    pub fn comm_volume(&self) -> CommVolume {
+        self.comm_volume
+    }
+
+    /// Every parameter by name as full fp32 (stage 3 gathers unit by unit: collective there).
+    pub(super) fn gather_full_parameters(&mut self) -> Result<Vec<(String, Tensor)>> {
+        let mut out = Vec::with_capacity(self.layout.slots.len());
+        for i in 0..self.units.len() {
+            let was = self.units[i].state();
+            self.gather_unit(i)?;
+            let span = self.units[i].span.clone();
+            for (slot, t) in self.layout.slots[span.slots].iter().zip(self.units[i].params()) {
+                // A copy: the unit's storage may be freed below.
+                out.push((slot.name.clone(), t.detach().to_kind(tch::Kind::Float).copy()));
+            }
+            if was == UnitState::Sharded {
+                self.release_unit(i)?;
+            }
+        }
+        Ok(out)
+    }
+}
+
+impl Engine {
+    /// Start-up at stage 3: packs each unit's parameters into its buffer, takes rank 0's values, keeps this
+    /// rank's chunk of every unit in the shard and releases all but the persistent units. Returns (shard, the
+    /// model's tensors in layout order, units).
+    pub(super) fn shard_units(
+        layout: &super::FlatLayout,
+        named: Vec<(String, Tensor)>,
+        kind: tch::Kind,
+        comm: &dyn crate::comm::Communicator,
+        config: &crate::config::Config,
+    ) -> Result<(Tensor, Vec<Tensor>, Vec<super::ShardedUnit>)> {
+        let z = &config.zero_optimization;
+        let (rank, ws) = (comm.rank(), comm.world_size());
+        let shard = Tensor::zeros([layout.partition_len() as i64], (kind, tch::Device::Cpu));
+        let params: Vec<Tensor> = named.into_iter().map(|(_, t)| t).collect();
+        let mut units = Vec::with_capacity(layout.units.len());
+        let (mut offset, mut persistent_total) = (0, 0u64);
+        for span in &layout.units {
+            let numel: u64 = layout.slots[span.slots.clone()].iter().map(|s| s.range.len() as u64).sum();
+            let persistent = numel < z.stage3_param_persistence_threshold && persistent_total + numel <= z.stage3_model_persistence_threshold;
+            if persistent {
+                persistent_total += numel;
+            }
+            let own: Vec<Tensor> = params[span.slots.clone()].iter().map(Tensor::shallow_clone).collect();
+            let mut unit = super::ShardedUnit::new(span.clone(), &layout.slots[span.slots.clone()], own, kind, offset, persistent);
+            views::broadcast(comm, unit.full(), 0)?;
+            unit.store_chunk(&shard, rank, ws);
+            if !persistent {
+                unit.release()?;
+            }
+            offset += span.chunk_len(ws);
+            units.push(unit);
+        }
+        Ok((shard, params, units))
+    }
+}

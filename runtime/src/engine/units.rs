@@ -1,0 +1,108 @@
+//! A model as a list of units run in order (embedding, each block, head): the granularity at which stage 3
+//! gathers parameters. Any model is at least one unit.
+use tch::Tensor;
+
+use crate::error::{Error, Result};
+
+/// A model the engine runs unit by unit. Unit `i`'s parameters are the trainable variables whose names are one
+/// of its prefixes or start with a prefix and a `.` (the empty prefix takes every parameter); each parameter
+/// belongs to exactly one unit, and unit `i` only uses its own parameters.
+pub trait UnitModel {
+    /// The parameter-name prefixes of every unit, in execution order.
+    fn unit_prefixes(&self) -> Vec<Vec<String>>;
+    /// Runs unit `unit` on the previous unit's output (the model's input for unit 0).
+    fn forward_unit(&self, unit: usize, input: &Tensor) -> Tensor;
+}
+
+/// A whole model as one unit: `Whole(|x| model.forward(x))`.
+pub struct Whole<F: Fn(&Tensor) -> Tensor>(pub F);
+
+impl<F: Fn(&Tensor) -> Tensor> UnitModel for Whole<F> {
+    fn unit_prefixes(&self) -> Vec<Vec<String>> {
+        vec![vec![String::new()]]
+    }
+
+    fn forward_unit(&self, _unit: usize, input: &Tensor) -> Tensor {
+        (self.0)(input)
+    }
+}
+
+/// A stack of units given as closures with their prefixes: `Sequence::new().unit(["tok", "pos"], |x| ...)`.
+#[derive(Default)]
+pub struct Sequence<'a> {
+    units: Vec<(Vec<String>, Box<dyn Fn(&Tensor) -> Tensor + 'a>)>,
+}
+
+impl<'a> Sequence<'a> {
+    pub fn new() -> Self {
+        Sequence { units: Vec::new() }
+    }
+
+    /// Appends a unit owning the parameters under `prefixes`.
+    pub fn unit<S: Into<String>>(mut self, prefixes: impl IntoIterator<Item = S>, forward: impl Fn(&Tensor) -> Tensor + 'a) -> Self {
+        self.units.push((prefixes.into_iter().map(Into::into).collect(), Box::new(forward)));
+        self
+    }
+}
+
+impl UnitModel for Sequence<'_> {
+    fn unit_prefixes(&self) -> Vec<Vec<String>> {
+        self.units.iter().map(|(p, _)| p.clone()).collect()
+    }
+
+    fn forward_unit(&self, unit: usize, input: &Tensor) -> Tensor {
+        (self.units[unit].1)(input)
+    }
+}
+
+fn owns(prefix: &str, name: &str) -> bool {
+    prefix.is_empty() || name == prefix || (name.starts_with(prefix) && name.as_bytes().get(prefix.len()) == Some(&b'.'))
+}
+
+/// The unit of every parameter name: `names` are assigned in order; errors name a parameter no unit (or two
+/// units) claim, and a unit that owns no parameter.
+pub fn assign(prefixes: &[Vec<String>], names: &[String]) -> Result<Vec<usize>> {
+    let mut unit_of = Vec::with_capacity(names.len());
+    let mut used = vec![false; prefixes.len()];
+    for name in names {
+        let owners: Vec<usize> = (0..prefixes.len()).filter(|&u| prefixes[u].iter().any(|p| owns(p, name))).collect();
+        match owners.as_slice() {
+            [u] => {
+                used[*u] = true;
+                unit_of.push(*u);
+            }
+            [] => return Err(Error::Parameter { name: name.clone(), why: format!("belongs to no unit (unit prefixes: {prefixes:?})") }),
+            many => return Err(Error::Parameter { name: name.clone(), why: format!("belongs to several units: {many:?}; each parameter needs exactly one") }),
+        }
+    }
+    if let Some(u) = used.iter().position(|u| !u) {
+        return Err(Error::Usage(format!("unit {u} (prefixes {:?}) owns no trainable parameter", prefixes[u])));
+    }
+    Ok(unit_of)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn names(v: &[&str]) -> Vec<String> {
+        v.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn prefixes_match_whole_path_segments() {
+        let units = vec![names(&["tok", "pos"]), names(&["blocks.1"]), names(&["blocks.10"])];
+        let got = assign(&units, &names(&["blocks.1.w", "blocks.10.w", "pos.weight", "tok.weight"])).unwrap();
+        assert_eq!(got, vec![1, 2, 0, 0]);
+    }
+
+    #[test]
+    fn unclaimed_doubly_claimed_and_empty_units_are_errors() {
+        let e = assign(&[names(&["a"])], &names(&["b.w"])).unwrap_err().to_string();
+        assert!(e.starts_with("parameter `b.w`: belongs to no unit"), "{e}");
+        let e = assign(&[names(&["a"]), names(&[""])], &names(&["a.w"])).unwrap_err().to_string();
+        assert!(e.contains("belongs to several units: [0, 1]"), "{e}");
+        let e = assign(&[names(&["a"]), names(&["c"])], &names(&["a.w"])).unwrap_err().to_string();
+        assert_eq!(e, "unit 1 (prefixes [\"c\"]) owns no trainable parameter");
+    }
+}
