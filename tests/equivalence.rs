@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use serde_json::json;
-use tch::nn::{self, Module, OptimizerConfig};
+use tch::nn::Module;
 use tch::Tensor;
 use zerorun::runtime::comm::threads;
 use zerorun::{Config, Engine, EngineOptions};
@@ -12,22 +12,6 @@ use zerorun::{Config, Engine, EngineOptions};
 #[path = "common/mlp.rs"]
 mod mlp;
 use mlp::*;
-
-fn reference() -> Vec<(String, Vec<f32>)> {
-    let (x, y) = data();
-    let (x, y) = (Tensor::from_slice(&x).view([SAMPLES, IN]), Tensor::from_slice(&y).view([SAMPLES, OUT]));
-    let (vs, model) = init_store();
-    let mut opt = nn::AdamW { beta1: 0.9, beta2: 0.999, wd: WD, eps: 1e-8, amsgrad: false }.build(&vs, LR).unwrap();
-    for step in 0..STEPS {
-        let idx = Tensor::from_slice(&batch_indices(step));
-        let loss = model.forward(&x.index_select(0, &idx)).mse_loss(&y.index_select(0, &idx), tch::Reduction::Mean);
-        opt.zero_grad();
-        loss.backward();
-        opt.clip_grad_norm(CLIP);
-        opt.step();
-    }
-    params_of(&vs)
-}
 
 fn zerorun_run(world: usize, stage: u8, gas: u64) -> Vec<(String, Vec<f32>)> {
     let config = Config::from_value(json!({
@@ -77,21 +61,9 @@ fn zerorun_run(world: usize, stage: u8, gas: u64) -> Vec<(String, Vec<f32>)> {
     first
 }
 
-fn max_relative_difference(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) -> f64 {
-    assert_eq!(a.iter().map(|p| &p.0).collect::<Vec<_>>(), b.iter().map(|p| &p.0).collect::<Vec<_>>());
-    a.iter()
-        .zip(b)
-        .map(|((_, x), (_, y))| {
-            let diff = x.iter().zip(y).map(|(p, q)| (p - q).abs() as f64).fold(0.0, f64::max);
-            let scale = y.iter().map(|q| q.abs() as f64).fold(1e-6, f64::max);
-            diff / scale
-        })
-        .fold(0.0, f64::max)
-}
-
 #[test]
 fn stages_0_to_2_match_single_process_adamw_at_world_sizes_1_to_4() {
-    let reference = reference();
+    let reference = adamw_reference();
     let start = init_store();
     let initial = params_of(&start.0);
     assert!(max_relative_difference(&initial, &reference) > 1e-2, "the reference must have trained");

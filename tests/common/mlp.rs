@@ -1,7 +1,8 @@
 //! A small MLP, its data and the order of its global batches, shared by the engine tests.
 #![allow(dead_code)]
-use tch::nn::{self, Module};
+use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Kind, Tensor};
+use zerorun::UnitModel;
 
 pub const IN: i64 = 8;
 pub const HIDDEN: i64 = 16;
@@ -68,4 +69,70 @@ pub fn params_of(vs: &nn::VarStore) -> Vec<(String, Vec<f32>)> {
 pub fn loss_on(model: &nn::Sequential, x: &Tensor, y: &Tensor, rows: &[i64]) -> Tensor {
     let idx = Tensor::from_slice(rows);
     model.forward(&x.index_select(0, &idx)).to_kind(Kind::Float).mse_loss(&y.index_select(0, &idx), tch::Reduction::Mean)
+}
+
+/// The same MLP as separate layers with one unit each (stage 3 gathers one layer at a time); the same initial
+/// weights as [`init_store`].
+pub struct Layers(pub Vec<nn::Linear>);
+
+impl UnitModel for Layers {
+    fn unit_prefixes(&self) -> Vec<Vec<String>> {
+        (0..self.0.len()).map(|i| vec![format!("layers.{i}")]).collect()
+    }
+
+    fn forward_unit(&self, unit: usize, x: &Tensor) -> Tensor {
+        let h = self.0[unit].forward(x);
+        if unit + 1 < self.0.len() {
+            h.gelu("none")
+        } else {
+            h
+        }
+    }
+}
+
+impl Layers {
+    pub fn forward_all(&self, x: &Tensor) -> Tensor {
+        (0..self.0.len()).fold(x.shallow_clone(), |h, u| self.forward_unit(u, &h))
+    }
+}
+
+/// [`init_store`] as [`Layers`], with layer sizes `dims` (default dims: [IN, HIDDEN, HIDDEN, OUT]).
+pub fn init_layers(dims: &[i64]) -> (nn::VarStore, Layers) {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _g = LOCK.lock().unwrap_or_else(|p| p.into_inner());
+    tch::manual_seed(5);
+    let vs = nn::VarStore::new(tch::Device::Cpu);
+    let p = vs.root();
+    let layers = (0..dims.len() - 1).map(|i| nn::linear(&p / "layers" / i, dims[i], dims[i + 1], Default::default())).collect();
+    (vs, Layers(layers))
+}
+
+/// A single-process tch loop with libtorch's AdamW on the global batches: what every engine run must match.
+pub fn adamw_reference() -> Vec<(String, Vec<f32>)> {
+    let (x, y) = data();
+    let (x, y) = (Tensor::from_slice(&x).view([SAMPLES, IN]), Tensor::from_slice(&y).view([SAMPLES, OUT]));
+    let (vs, model) = init_store();
+    let mut opt = nn::AdamW { beta1: 0.9, beta2: 0.999, wd: WD, eps: 1e-8, amsgrad: false }.build(&vs, LR).unwrap();
+    for step in 0..STEPS {
+        let idx = Tensor::from_slice(&batch_indices(step));
+        let loss = model.forward(&x.index_select(0, &idx)).mse_loss(&y.index_select(0, &idx), tch::Reduction::Mean);
+        opt.zero_grad();
+        loss.backward();
+        opt.clip_grad_norm(CLIP);
+        opt.step();
+    }
+    params_of(&vs)
+}
+
+/// The largest difference over parameters, relative to each parameter's largest magnitude.
+pub fn max_relative_difference(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) -> f64 {
+    assert_eq!(a.iter().map(|p| &p.0).collect::<Vec<_>>(), b.iter().map(|p| &p.0).collect::<Vec<_>>());
+    a.iter()
+        .zip(b)
+        .map(|((_, x), (_, y))| {
+            let diff = x.iter().zip(y).map(|(p, q)| (p - q).abs() as f64).fold(0.0, f64::max);
+            let scale = y.iter().map(|q| q.abs() as f64).fold(1e-6, f64::max);
+            diff / scale
+        })
+        .fold(0.0, f64::max)
 }

@@ -596,16 +596,26 @@ impl Engine {
         Ok(self.layout.slots.iter().zip(&self.params).map(|(s, t)| (s.name.clone(), t.detach().to_kind(Kind::Float).copy())).collect())
     }
 
-    /// Bytes this rank holds, by category.
+    /// Bytes this rank holds, by category: `parameters` (the model-dtype values kept between steps: all of them
+    /// at stages 0-2, the shard at stage 3), `parameters_gathered` (stage 3 units gathered now), `gradients_full`
+    /// (autograd's `.grad` tensors of the model, stages 0-2), `gradients_shard` (the fp32 reduced gradients of the
+    /// optimized range), `master_fp32`, `optimizer_states`, `communication_buffers` (reduction staging).
     pub fn memory_bytes(&self) -> Vec<(&'static str, usize)> {
         let bytes = |t: &Tensor| t.numel() * t.kind().elt_size_in_bytes();
+        let autograd: usize = self.params.iter().map(|t| t.grad()).filter(Tensor::defined).map(|g| bytes(&g)).sum();
+        let (shard, staging) = if self.grads_in_flat_buffer() {
+            (bytes(&self.flat_grads), 0)
+        } else {
+            (self.grad_acc.len() * 4, bytes(&self.flat_grads))
+        };
         vec![
             ("parameters", bytes(&self.flat_params)),
             ("parameters_gathered", self.gathered.current),
+            ("gradients_full", autograd),
+            ("gradients_shard", shard),
             ("master_fp32", self.master.as_ref().map_or(0, |m| m.len() * 4)),
-            ("gradients_staging", bytes(&self.flat_grads)),
-            ("gradients_partition", self.grad_part.as_ref().map_or(0, bytes) + self.grad_acc.len() * 4),
             ("optimizer_states", self.optimizer.state().bytes()),
+            ("communication_buffers", staging + self.grad_part.as_ref().map_or(0, bytes)),
         ]
     }
 }

@@ -1,0 +1,187 @@
+//! Stage 3: the MLP with one unit per layer, and as a single unit, at world sizes 1-4 (with gradient
+//! accumulation and activation checkpointing) ends at the single-process AdamW reference within 1e-5; gathered
+//! full parameters never exceed the two largest units plus persistent ones; model-state bytes per rank are 16Psi/N
+//! (fp32 Adam) within 5%; comm volume is 3Psi per step; misuse gives errors that say what to do.
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use tch::Tensor;
+use zerorun::runtime::comm::threads;
+use zerorun::{Config, Engine, EngineOptions, Whole};
+
+#[path = "common/mlp.rs"]
+mod mlp;
+use mlp::*;
+
+#[derive(Clone, Copy, Debug)]
+enum Units {
+    PerLayer,
+    Whole,
+}
+
+fn config(gas: u64, zero: Value) -> Config {
+    let mut z = json!({"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0});
+    for (k, v) in zero.as_object().unwrap() {
+        z[k] = v.clone();
+    }
+    Config::from_value(json!({
+        "train_batch_size": GLOBAL_BATCH, "gradient_accumulation_steps": gas, "gradient_clipping": CLIP,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
+        "zero_optimization": z
+    }))
+    .unwrap()
+}
+
+/// What one rank saw: final full parameters (sorted by name), peak gathered bytes, comm volume of one step.
+struct RankRun {
+    params: Vec<(String, Vec<f32>)>,
+    peak_gathered: usize,
+    memory: Vec<(&'static str, usize)>,
+    volume_per_step: u64,
+}
+
+fn run(world: usize, config: Config, units: Units, checkpointing: bool, dims: &[i64]) -> Vec<RankRun> {
+    let (xv, yv) = data();
+    let comms = threads::group(world, Duration::from_secs(60));
+    let dims = dims.to_vec();
+    std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .into_iter()
+            .map(|comm| {
+                let (config, xv, yv, dims) = (config.clone(), &xv, &yv, dims.clone());
+                s.spawn(move || {
+                    let (x, y) = (Tensor::from_slice(xv).view([SAMPLES, IN]), Tensor::from_slice(yv).view([SAMPLES, OUT]));
+                    let (vs, layers) = init_layers(&dims);
+                    let whole = Whole(|x: &Tensor| layers.forward_all(x));
+                    let model: &dyn zerorun::UnitModel = match units {
+                        Units::PerLayer => &layers,
+                        Units::Whole => &whole,
+                    };
+                    let options = EngineOptions { activation_checkpointing: checkpointing, ..Default::default() }.units_of(model);
+                    let mut engine = Engine::new(&vs, config, Box::new(comm), options).unwrap();
+                    let b = engine.batch_sizes();
+                    let (rank, micro) = (engine.rank() as i64, b.train_micro_batch_size_per_gpu as i64);
+                    let mut volume_per_step = 0;
+                    for step in 0..STEPS {
+                        let before = engine.comm_volume();
+                        let order = batch_indices(step);
+                        for m in 0..b.gradient_accumulation_steps as i64 {
+                            let first = ((m * world as i64 + rank) * micro) as usize;
+                            let idx = Tensor::from_slice(&order[first..first + micro as usize]);
+                            let pred = engine.forward(model, &x.index_select(0, &idx)).unwrap();
+                            let loss = pred.mse_loss(&y.index_select(0, &idx), tch::Reduction::Mean);
+                            engine.backward_units(model, &loss).unwrap();
+                            engine.step().unwrap();
+                        }
+                        let after = engine.comm_volume();
+                        volume_per_step = (after.all_gather_elements - before.all_gather_elements) + (after.reduce_scatter_elements - before.reduce_scatter_elements);
+                    }
+                    let peak_gathered = engine.gathered_bytes().peak;
+                    let memory = engine.memory_bytes();
+                    let mut params: Vec<(String, Vec<f32>)> =
+                        engine.full_parameters().unwrap().into_iter().map(|(n, t)| (n, Vec::<f32>::try_from(t.reshape([-1])).unwrap())).collect();
+                    params.sort_by(|a, b| a.0.cmp(&b.0));
+                    RankRun { params, peak_gathered, memory, volume_per_step }
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+const DIMS: [i64; 4] = [IN, HIDDEN, HIDDEN, OUT];
+
+#[test]
+fn stage3_matches_single_process_adamw_per_layer_whole_and_with_activation_checkpointing() {
+    let reference = adamw_reference();
+    let cases = [
+        (1, 1, Units::PerLayer, false),
+        (2, 2, Units::PerLayer, false),
+        (3, 1, Units::PerLayer, false),
+        (4, 1, Units::PerLayer, false),
+        (3, 2, Units::Whole, false),
+        (2, 1, Units::PerLayer, true),
+        (3, 2, Units::PerLayer, true),
+    ];
+    for (world, gas, units, ac) in cases {
+        let runs = run(world, config(gas, json!({})), units, ac, &DIMS);
+        for (rank, r) in runs.iter().enumerate() {
+            let d = max_relative_difference(&r.params, &reference);
+            assert!(d <= 1e-5, "world size {world}, accumulation {gas}, {units:?}, checkpointing {ac}, rank {rank}: {d:e}");
+        }
+    }
+    // The defaults keep these small units gathered (persistence threshold 1e5 elements): same result.
+    let runs = run(3, config(1, json!({"stage3_param_persistence_threshold": 100000, "stage3_max_reuse_distance": 1000000000})), Units::PerLayer, false, &DIMS);
+    assert!(max_relative_difference(&runs[0].params, &reference) <= 1e-5);
+    let persistent: usize = runs[0].memory.iter().find(|(n, _)| *n == "parameters_gathered").unwrap().1;
+    let all: usize = DIMS.windows(2).map(|w| ((w[0] * w[1] + w[1]) as usize).div_ceil(3) * 3 * 4).sum();
+    assert_eq!(persistent, all, "every unit stays gathered under the default persistence threshold");
+}
+
+#[test]
+fn gathered_parameters_stay_within_the_two_largest_units_and_model_states_are_16_psi_over_n() {
+    // Larger layers so padding is negligible: 64 -> 256 -> 256 -> 3.
+    let dims = [IN, 256, 256, OUT];
+    let world = 2;
+    let runs = run(world, config(1, json!({})), Units::PerLayer, false, &dims);
+    let unit_bytes: Vec<usize> = dims.windows(2).map(|w| ((w[0] * w[1] + w[1]) as usize).div_ceil(world) * world * 4).collect();
+    let mut sorted = unit_bytes.clone();
+    sorted.sort_unstable_by(|a, b| b.cmp(a));
+    let psi: usize = dims.windows(2).map(|w| (w[0] * w[1] + w[1]) as usize).sum();
+    for (rank, r) in runs.iter().enumerate() {
+        assert!(r.peak_gathered > 0, "rank {rank}: stage 3 gathered something");
+        assert!(r.peak_gathered <= sorted[0] + sorted[1], "rank {rank}: peak gathered {} > two largest units {}", r.peak_gathered, sorted[0] + sorted[1]);
+        assert!(r.peak_gathered < unit_bytes.iter().sum::<usize>(), "rank {rank}: never the whole model");
+        let get = |name: &str| r.memory.iter().find(|(n, _)| *n == name).map_or(0, |(_, b)| *b);
+        assert_eq!(get("parameters_gathered"), 0, "rank {rank}: nothing stays gathered after the step");
+        let measured = get("parameters") + get("gradients_shard") + get("master_fp32") + get("optimizer_states");
+        let expected = 16.0 * psi as f64 / world as f64;
+        let rel = (measured as f64 - expected).abs() / expected;
+        assert!(rel <= 0.05, "rank {rank}: model states {measured} B vs 16 Psi / N = {expected} B ({:.1}% off)", rel * 100.0);
+    }
+    // Per step: all-gather in forward (every unit but the last, which backward reuses), all-gather in backward,
+    // reduce-scatter: 3 Psi less the last unit, in padded elements.
+    let padded: Vec<u64> = unit_bytes.iter().map(|b| (b / 4) as u64).collect();
+    let want = 3 * padded.iter().sum::<u64>() - padded[padded.len() - 1];
+    assert_eq!(runs[0].volume_per_step, want);
+    let three_psi = 3 * psi as u64;
+    assert!((want as f64 - three_psi as f64).abs() / three_psi as f64 <= 0.02, "within padding and the last unit of 3 Psi");
+}
+
+#[test]
+fn misuse_at_stage_3_is_a_clear_error() {
+    let comm = threads::group(1, Duration::from_secs(10)).pop().unwrap();
+    let (vs, layers) = init_layers(&DIMS);
+    // A parameter no unit claims.
+    let bad = EngineOptions { units: Some(vec![vec!["layers.0".into()], vec!["layers.1".into()]]), ..Default::default() };
+    let e = Engine::new(&vs, config(1, json!({})), Box::new(comm), bad).err().unwrap().to_string();
+    assert!(e.starts_with("parameter `layers.2.bias`: belongs to no unit"), "{e}");
+
+    let comm = threads::group(1, Duration::from_secs(10)).pop().unwrap();
+    let (vs, layers2) = init_layers(&DIMS);
+    let mut engine = Engine::new(&vs, config(1, json!({})), Box::new(comm), EngineOptions::default().units_of(&layers2)).unwrap();
+    let x = Tensor::ones([2, IN], (tch::Kind::Float, tch::Device::Cpu));
+    // A plain backward without the engine's forward.
+    let loss = Tensor::ones([1], (tch::Kind::Float, tch::Device::Cpu)).sum(tch::Kind::Float);
+    let e = engine.backward(&loss).unwrap_err().to_string();
+    assert!(e.contains("must come from `engine.forward(&model, input)`"), "{e}");
+    // A model with other units than the engine's.
+    let whole = Whole(|x: &Tensor| layers.forward_all(x));
+    let e = engine.forward(&whole, &x).unwrap_err().to_string();
+    assert!(e.contains("are not the ones the engine was built with"), "{e}");
+    // Using the model outside the engine while it is sharded fails in libtorch, not with garbage.
+    let outside = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| layers2.forward_all(&x)));
+    assert!(outside.is_err(), "a released unit must not compute");
+}
+
+#[test]
+fn activation_checkpointing_needs_the_model_in_backward() {
+    let comm = threads::group(1, Duration::from_secs(10)).pop().unwrap();
+    let (vs, layers) = init_layers(&DIMS);
+    let options = EngineOptions { activation_checkpointing: true, ..Default::default() }.units_of(&layers);
+    let mut engine = Engine::new(&vs, config(1, json!({})), Box::new(comm), options).unwrap();
+    let x = Tensor::ones([2, IN], (tch::Kind::Float, tch::Device::Cpu));
+    let loss = engine.forward(&layers, &x).unwrap().sum(tch::Kind::Float);
+    let e = engine.backward(&loss).unwrap_err().to_string();
+    assert!(e.contains("call `engine.backward_units(&model, &loss)`"), "{e}");
+}
