@@ -94,20 +94,22 @@ const DIMS: [i64; 4] = [IN, HIDDEN, HIDDEN, OUT];
 #[test]
 fn stage3_matches_single_process_adamw_per_layer_whole_and_with_activation_checkpointing() {
     let reference = adamw_reference();
+    // (world size, accumulation, units, activation checkpointing, overlap_comm: prefetch on the comm thread)
     let cases = [
-        (1, 1, Units::PerLayer, false),
-        (2, 2, Units::PerLayer, false),
-        (3, 1, Units::PerLayer, false),
-        (4, 1, Units::PerLayer, false),
-        (3, 2, Units::Whole, false),
-        (2, 1, Units::PerLayer, true),
-        (3, 2, Units::PerLayer, true),
+        (1, 1, Units::PerLayer, false, true),
+        (2, 2, Units::PerLayer, false, true),
+        (3, 1, Units::PerLayer, false, true),
+        (4, 1, Units::PerLayer, false, true),
+        (3, 1, Units::PerLayer, false, false),
+        (3, 2, Units::Whole, false, true),
+        (2, 1, Units::PerLayer, true, true),
+        (3, 2, Units::PerLayer, true, false),
     ];
-    for (world, gas, units, ac) in cases {
-        let runs = run(world, config(gas, json!({})), units, ac, &DIMS);
+    for (world, gas, units, ac, overlap) in cases {
+        let runs = run(world, config(gas, json!({"overlap_comm": overlap})), units, ac, &DIMS);
         for (rank, r) in runs.iter().enumerate() {
             let d = max_relative_difference(&r.params, &reference);
-            assert!(d <= 1e-5, "world size {world}, accumulation {gas}, {units:?}, checkpointing {ac}, rank {rank}: {d:e}");
+            assert!(d <= 1e-5, "world size {world}, accumulation {gas}, {units:?}, checkpointing {ac}, overlap {overlap}, rank {rank}: {d:e}");
         }
     }
     // The defaults keep these small units gathered (persistence threshold 1e5 elements): same result.
@@ -123,7 +125,8 @@ fn gathered_parameters_stay_within_the_two_largest_units_and_model_states_are_16
     // Larger layers so padding is negligible: 64 -> 256 -> 256 -> 3.
     let dims = [IN, 256, 256, OUT];
     let world = 2;
-    let runs = run(world, config(1, json!({})), Units::PerLayer, false, &dims);
+    // Prefetch on, one unit ahead.
+    let runs = run(world, config(1, json!({"overlap_comm": true, "stage3_prefetch_bucket_size": 1})), Units::PerLayer, false, &dims);
     let unit_bytes: Vec<usize> = dims.windows(2).map(|w| ((w[0] * w[1] + w[1]) as usize).div_ceil(world) * world * 4).collect();
     let mut sorted = unit_bytes.clone();
     sorted.sort_unstable_by(|a, b| b.cmp(a));
@@ -132,6 +135,8 @@ fn gathered_parameters_stay_within_the_two_largest_units_and_model_states_are_16
         assert!(r.peak_gathered > 0, "rank {rank}: stage 3 gathered something");
         assert!(r.peak_gathered <= sorted[0] + sorted[1], "rank {rank}: peak gathered {} > two largest units {}", r.peak_gathered, sorted[0] + sorted[1]);
         assert!(r.peak_gathered < unit_bytes.iter().sum::<usize>(), "rank {rank}: never the whole model");
+        // Without prefetch one unit is gathered at a time; more means the next unit's all-gather was in flight.
+        assert!(r.peak_gathered > sorted[0], "rank {rank}: prefetch gathered the next unit while one computed");
         let get = |name: &str| r.memory.iter().find(|(n, _)| *n == name).map_or(0, |(_, b)| *b);
         assert_eq!(get("parameters_gathered"), 0, "rank {rank}: nothing stays gathered after the step");
         let measured = get("parameters") + get("gradients_shard") + get("master_fp32") + get("optimizer_states");

@@ -6,7 +6,7 @@ use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender, TryRecvError}
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use super::{Collectives, CommError, CommResult, Communicator, Element, ReduceOp};
+use super::{BufMut, BufRef, Collectives, CommError, CommResult, Communicator, Dtype, Element, ReduceOp};
 
 type Job = Box<dyn FnOnce(&dyn Communicator) + Send>;
 
@@ -87,14 +87,6 @@ impl CommThread {
         CommThread { rank, world_size, jobs: Some(tx), thread: Some(thread) }
     }
 
-    pub fn rank(&self) -> usize {
-        self.rank
-    }
-
-    pub fn world_size(&self) -> usize {
-        self.world_size
-    }
-
     /// Queues `f` to run on the communication thread after everything submitted before it.
     pub fn submit<R: Send + 'static>(&self, op: &'static str, f: impl FnOnce(&dyn Communicator) -> CommResult<R> + Send + 'static) -> Handle<R> {
         let (tx, rx) = channel();
@@ -126,10 +118,87 @@ impl CommThread {
         self.submit("all_gather", move |c| c.all_gather_in_place(&mut buf).map(|_| buf))
     }
 
+    /// All-gather, in place, into memory the caller owns. Returns at once; the collective runs after everything
+    /// submitted before it.
+    ///
+    /// # Safety
+    /// `buf` must stay allocated, and neither read nor written by anyone else, until the handle is waited on
+    /// (or the thread has ended: dropping the `CommThread` waits for it).
+    pub unsafe fn all_gather_raw(&self, buf: BufMut<'_>) -> Handle<()> {
+        let raw = RawBuf::new(buf.bytes.as_mut_ptr(), buf.bytes.len(), buf.dtype);
+        self.submit("all_gather", move |c| c.all_gather_buf(unsafe { raw.buf_mut() }))
+    }
+
     /// Finishes the queued jobs and returns the communicator.
     pub fn into_inner(mut self) -> Box<dyn Communicator> {
         self.jobs.take();
         self.thread.take().expect("joined once").join().expect("the communication thread panicked")
+    }
+}
+
+/// A buffer lent to the communication thread by a caller that keeps it alive until the job ends.
+struct RawBuf {
+    ptr: *mut u8,
+    len: usize,
+    dtype: Dtype,
+}
+
+// SAFETY: the memory is only touched by the job while the lender waits (or, for `all_gather_raw`, by the
+// contract that it leaves the buffer alone until the handle is waited on).
+unsafe impl Send for RawBuf {}
+
+impl RawBuf {
+    fn new(ptr: *mut u8, len: usize, dtype: Dtype) -> Self {
+        RawBuf { ptr, len, dtype }
+    }
+
+    /// # Safety
+    /// The lender's buffer is alive and lent to this job alone.
+    unsafe fn buf_mut(&self) -> BufMut<'static> {
+        let bytes: &'static mut [u8] = if self.len == 0 { &mut [] } else { unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) } };
+        BufMut { bytes, dtype: self.dtype }
+    }
+
+    unsafe fn buf_ref(&self) -> BufRef<'static> {
+        let bytes: &'static [u8] = if self.len == 0 { &[] } else { unsafe { std::slice::from_raw_parts(self.ptr, self.len) } };
+        BufRef { bytes, dtype: self.dtype }
+    }
+}
+
+/// Blocking collectives through the thread, so they stay in order with the jobs submitted before them: the
+/// caller's buffers are lent to the job and the call returns when it is done.
+impl Communicator for CommThread {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    fn all_reduce_buf(&self, buf: BufMut<'_>, op: ReduceOp) -> CommResult<()> {
+        let raw = RawBuf::new(buf.bytes.as_mut_ptr(), buf.bytes.len(), buf.dtype);
+        self.submit("all_reduce", move |c| c.all_reduce_buf(unsafe { raw.buf_mut() }, op)).wait()
+    }
+
+    fn reduce_scatter_buf(&self, input: BufRef<'_>, output: BufMut<'_>, op: ReduceOp) -> CommResult<()> {
+        let i = RawBuf::new(input.bytes.as_ptr() as *mut u8, input.bytes.len(), input.dtype);
+        let o = RawBuf::new(output.bytes.as_mut_ptr(), output.bytes.len(), output.dtype);
+        self.submit("reduce_scatter", move |c| c.reduce_scatter_buf(unsafe { i.buf_ref() }, unsafe { o.buf_mut() }, op)).wait()
+    }
+
+    fn all_gather_buf(&self, buf: BufMut<'_>) -> CommResult<()> {
+        let raw = RawBuf::new(buf.bytes.as_mut_ptr(), buf.bytes.len(), buf.dtype);
+        self.submit("all_gather", move |c| c.all_gather_buf(unsafe { raw.buf_mut() })).wait()
+    }
+
+    fn broadcast_buf(&self, buf: BufMut<'_>, root: usize) -> CommResult<()> {
+        let raw = RawBuf::new(buf.bytes.as_mut_ptr(), buf.bytes.len(), buf.dtype);
+        self.submit("broadcast", move |c| c.broadcast_buf(unsafe { raw.buf_mut() }, root)).wait()
+    }
+
+    fn barrier(&self) -> CommResult<()> {
+        self.submit("barrier", |c| c.barrier()).wait()
     }
 }
 

@@ -10,6 +10,7 @@ mod checkpointing;
 pub mod layout;
 mod native;
 mod optimizer;
+mod prefetch;
 pub mod sampler;
 mod sharded_unit;
 mod stage3;
@@ -69,7 +70,7 @@ pub fn no_decay_for_1d(_name: &str, shape: &[i64]) -> bool {
 }
 
 pub struct Engine {
-    comm: Box<dyn Communicator>,
+    comm: prefetch::EngineComm,
     config: Config,
     batch: BatchSizes,
     precision: Precision,
@@ -241,7 +242,7 @@ impl Engine {
         tracing::info!(rank, world_size, stage = z.stage, ?precision, params = layout.numel, partition = layout.partition_len(), units = layout.units.len(), "zerorun engine ready");
         let persistent_bytes = sharded_units.iter().filter(|u| u.persistent).map(ShardedUnit::full_bytes).sum();
         Ok(Engine {
-            comm,
+            comm: prefetch::EngineComm::new(comm, stage3 && z.overlap_comm && world_size > 1),
             config,
             batch,
             precision,

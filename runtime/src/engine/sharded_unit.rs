@@ -9,13 +9,16 @@ use tch::{Kind, Tensor};
 
 use super::layout::{ParamSlot, UnitSpan};
 use super::{native, views};
-use crate::comm::Communicator;
+use crate::comm::async_comm::{CommThread, Handle};
+use crate::comm::{BufMut, Communicator, Dtype};
 use crate::error::Result;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum UnitState {
     /// Only this rank's chunk exists (in the engine's shard buffer).
     Sharded,
+    /// The buffer exists and its all-gather runs on the communication thread (a prefetch).
+    Gathering,
     /// The full parameters are in the unit's buffer and the model's tensors view them.
     Gathered,
 }
@@ -33,6 +36,8 @@ pub struct ShardedUnit {
     params: Vec<Tensor>,
     empty: Tensor,
     state: UnitState,
+    /// The prefetch in flight (state Gathering).
+    pending: Option<Handle<()>>,
 }
 
 impl ShardedUnit {
@@ -51,7 +56,7 @@ impl ShardedUnit {
             }
         });
         let empty = Tensor::zeros([0], (kind, tch::Device::Cpu));
-        ShardedUnit { span, shard_offset, persistent, full, views, params, empty, state: UnitState::Gathered }
+        ShardedUnit { span, shard_offset, persistent, full, views, params, empty, state: UnitState::Gathered, pending: None }
     }
 
     pub fn state(&self) -> UnitState {
@@ -82,20 +87,51 @@ impl ShardedUnit {
         shard.narrow(0, self.shard_offset as i64, self.span.chunk_len(ws) as i64)
     }
 
-    /// Sharded -> Gathered: regrows the buffer and all-gathers every rank's chunk from `shard`. Returns the
-    /// elements gathered (0 if it already was).
+    /// Sharded -> Gathered: regrows the buffer and all-gathers every rank's chunk from `shard` (Gathering ->
+    /// Gathered: waits for the prefetch). Returns the elements gathered by this call (0 if it already was, or
+    /// the prefetch counted them).
     pub fn gather(&mut self, comm: &dyn Communicator, shard: &Tensor) -> Result<usize> {
-        if self.state == UnitState::Gathered {
-            return Ok(0);
-        }
-        native::resize_storage(&self.full, self.full_bytes())?;
-        self.fill_from(comm, shard)?;
+        let gathered = match self.state {
+            UnitState::Gathered => return Ok(0),
+            UnitState::Gathering => {
+                let pending = self.pending.take().expect("a gathering unit has a handle");
+                pending.wait()?;
+                0
+            }
+            UnitState::Sharded => {
+                native::resize_storage(&self.full, self.full_bytes())?;
+                self.fill_from(comm, shard)?;
+                self.span.range.len()
+            }
+        };
         tch::no_grad(|| {
             for (t, v) in self.params.iter_mut().zip(&self.views) {
                 t.set_data(v);
             }
         });
         self.state = UnitState::Gathered;
+        Ok(gathered)
+    }
+
+    /// Sharded -> Gathering: regrows the buffer, puts this rank's chunk in and starts the all-gather on the
+    /// communication thread. Returns the elements it will gather.
+    pub fn begin_gather(&mut self, thread: &CommThread, shard: &Tensor) -> Result<usize> {
+        debug_assert_eq!(self.state, UnitState::Sharded);
+        native::resize_storage(&self.full, self.full_bytes())?;
+        let (rank, ws) = (thread.rank(), thread.world_size());
+        self.chunk_of_full(rank, ws).copy_(&self.chunk_of_shard(shard, ws));
+        let dtype = match self.full.kind() {
+            Kind::BFloat16 => Dtype::Bf16,
+            Kind::Half => Dtype::F16,
+            _ => Dtype::F32,
+        };
+        let as_bytes = self.full.view_dtype(Kind::Uint8);
+        let bytes = views::slice::<u8>(&as_bytes);
+        // SAFETY: the buffer is ours; nothing reads or writes it, resizes or frees it until `gather` waits on
+        // the handle (release refuses a Gathering unit, and dropping the engine joins the thread first).
+        let handle = unsafe { thread.all_gather_raw(BufMut { bytes, dtype }) };
+        self.pending = Some(handle);
+        self.state = UnitState::Gathering;
         Ok(self.span.range.len())
     }
 
@@ -115,8 +151,13 @@ impl ShardedUnit {
 
     /// Gathered -> Sharded: the model's tensors point at an empty tensor and the buffer's storage is freed.
     pub fn release(&mut self) -> Result<()> {
-        if self.state == UnitState::Sharded {
-            return Ok(());
+        match self.state {
+            UnitState::Sharded => return Ok(()),
+            UnitState::Gathering => {
+                // Finish the collective before the memory goes.
+                self.gather_pending_only()?;
+            }
+            UnitState::Gathered => {}
         }
         tch::no_grad(|| {
             for t in self.params.iter_mut() {
@@ -126,6 +167,13 @@ impl ShardedUnit {
         native::resize_storage(&self.full, 0)?;
         debug_assert_eq!(native::storage_nbytes(&self.full), 0);
         self.state = UnitState::Sharded;
+        Ok(())
+    }
+
+    fn gather_pending_only(&mut self) -> Result<()> {
+        if let Some(h) = self.pending.take() {
+            h.wait()?;
+        }
         Ok(())
     }
 

@@ -7,7 +7,7 @@ use tch::Tensor;
 
 use super::sharded_unit::UnitState;
 use super::units::UnitModel;
-use super::{native, views, Engine};
+use super::{native, prefetch, views, Engine};
 use crate::error::{Error, Result};
 
 /// What forward keeps of one unit for backward.
@@ -58,6 +58,7 @@ impl Engine {
         let mut h = input.shallow_clone();
         for i in 0..n {
             self.gather_unit(i)?;
+            self.prefetch(i + 1..n)?;
             let last = i + 1 == n;
             if !train {
                 h = model.forward_unit(i, &h);
@@ -115,6 +116,7 @@ impl Engine {
             let last = i + 1 == records.len();
             let rec = &records[i];
             self.gather_unit(i)?;
+            self.prefetch((0..i).rev())?;
             let output = match &rec.output {
                 Some(y) => y.shallow_clone(),
                 None => {
@@ -148,13 +150,39 @@ impl Engine {
     }
 
     pub(super) fn gather_unit(&mut self, i: usize) -> Result<()> {
-        if self.units[i].state() == UnitState::Gathered {
+        let state = self.units[i].state();
+        if state == UnitState::Gathered {
             return Ok(());
         }
         let n = self.units[i].gather(self.comm.as_ref(), &self.flat_params)?;
         self.comm_volume.all_gather_elements += n as u64;
+        if state == UnitState::Sharded {
+            self.count_gathered(i);
+        }
+        Ok(())
+    }
+
+    fn count_gathered(&mut self, i: usize) {
         self.gathered.current += self.units[i].full_bytes();
         self.gathered.peak = self.gathered.peak.max(self.gathered.current);
+    }
+
+    /// With `overlap_comm`, starts the all-gathers of the units that come next in `order` (see
+    /// [`prefetch::units_to_prefetch`]); they finish on the communication thread while this rank computes.
+    fn prefetch(&mut self, order: impl Iterator<Item = usize>) -> Result<()> {
+        let Some(thread) = self.comm.thread() else { return Ok(()) };
+        let z = &self.config.zero_optimization;
+        let sizes: Vec<u64> = self.units.iter().map(|u| u.span.range.len() as u64).collect();
+        let sharded: Vec<bool> = self.units.iter().map(|u| u.state() == UnitState::Sharded).collect();
+        let live: u64 = self.units.iter().filter(|u| !u.persistent && u.state() != UnitState::Sharded).map(|u| u.span.range.len() as u64).sum();
+        let in_flight = self.units.iter().filter(|u| u.state() == UnitState::Gathering).count();
+        let picked = prefetch::units_to_prefetch(order, &sizes, &sharded, live, in_flight, z.stage3_prefetch_bucket_size, z.stage3_max_live_parameters);
+        for u in picked {
+            let n = self.units[u].begin_gather(thread, &self.flat_params)?;
+            self.comm_volume.all_gather_elements += n as u64;
+            self.gathered.current += self.units[u].full_bytes();
+            self.gathered.peak = self.gathered.peak.max(self.gathered.current);
+        }
         Ok(())
     }
 
