@@ -19,7 +19,7 @@ fn config(stage: u8, gas: u64, bf16: bool) -> Config {
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
         "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.001, "warmup_max_lr": LR, "warmup_num_steps": 5, "warmup_type": "linear"}},
         "bf16": {"enabled": bf16},
-        "zero_optimization": {"stage": stage}
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}
     }))
     .unwrap()
 }
@@ -44,12 +44,13 @@ fn train(world: usize, config: Config, until: i64, ckpt: Ckpt) -> Vec<(String, V
                 let (config, xv, yv, ckpt) = (config.clone(), &xv, &yv, &ckpt);
                 s.spawn(move || {
                     let (x, y) = (Tensor::from_slice(xv).view([SAMPLES, IN]), Tensor::from_slice(yv).view([SAMPLES, OUT]));
-                    let (mut vs, model) = init_store();
+                    // One unit per layer: stage 3 gathers them one by one; other stages just run them in order.
+                    let (mut vs, model) = init_layers(&[IN, HIDDEN, HIDDEN, OUT]);
                     if bf16 {
                         vs.bfloat16();
                     }
                     let x = if bf16 { x.to_kind(Kind::BFloat16) } else { x };
-                    let mut engine = Engine::new(&vs, config, Box::new(comm), EngineOptions::default()).unwrap();
+                    let mut engine = Engine::new(&vs, config, Box::new(comm), EngineOptions::default().units_of(&model)).unwrap();
                     if let Ckpt::Resume(dir) | Ckpt::ResumeSaveAt(dir, _) = ckpt {
                         engine.load_checkpoint(dir, None).unwrap();
                     }
@@ -60,8 +61,8 @@ fn train(world: usize, config: Config, until: i64, ckpt: Ckpt) -> Vec<(String, V
                         for m in 0..b.gradient_accumulation_steps as i64 {
                             let first = ((m * world as i64 + rank) * micro) as usize;
                             let idx = Tensor::from_slice(&order[first..first + micro as usize]);
-                            let pred = model.forward(&x.index_select(0, &idx)).to_kind(Kind::Float);
-                            engine.backward(&pred.mse_loss(&y.index_select(0, &idx), tch::Reduction::Mean)).unwrap();
+                            let pred = engine.forward(&model, &x.index_select(0, &idx)).unwrap().to_kind(Kind::Float);
+                            engine.backward_units(&model, &pred.mse_loss(&y.index_select(0, &idx), tch::Reduction::Mean)).unwrap();
                             engine.step().unwrap();
                         }
                         if let Ckpt::SaveAt(at, dir) | Ckpt::ResumeSaveAt(dir, at) = ckpt {
@@ -70,7 +71,10 @@ fn train(world: usize, config: Config, until: i64, ckpt: Ckpt) -> Vec<(String, V
                             }
                         }
                     }
-                    engine.full_parameters().unwrap().into_iter().map(|(n, t)| (n, Vec::<f32>::try_from(t.reshape([-1])).unwrap())).collect()
+                    let mut p: Vec<(String, Vec<f32>)> =
+                        engine.full_parameters().unwrap().into_iter().map(|(n, t)| (n, Vec::<f32>::try_from(t.reshape([-1])).unwrap())).collect();
+                    p.sort_by(|a, b| a.0.cmp(&b.0));
+                    p
                 })
             })
             .collect();
@@ -94,7 +98,7 @@ fn rel(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) -> f64 {
 
 #[test]
 fn resume_at_the_same_world_size_and_stage_is_bitwise() {
-    for (stage, bf16) in [(0, false), (1, false), (2, false), (2, true)] {
+    for (stage, bf16) in [(0, false), (1, false), (2, false), (2, true), (3, false), (3, true)] {
         let dir = tmp(&format!("bitwise{stage}{bf16}"));
         let straight = train(2, config(stage, 2, bf16), 12, Ckpt::SaveAt(6, &dir));
         assert_eq!(std::fs::read_to_string(dir.join("latest")).unwrap(), "global_step6");
@@ -107,10 +111,12 @@ fn resume_at_the_same_world_size_and_stage_is_bitwise() {
 #[test]
 fn resharding_across_world_sizes_and_stages() {
     let reference = train(1, config(0, 1, false), 12, Ckpt::None);
-    // 4 ranks at stage 2 -> 2 ranks at stage 1 -> 3 ranks at stage 0 (3 ranks: uneven partitions).
+    // 4 ranks at stage 2 -> 2 ranks at stage 1 -> 3 ranks at stage 3 -> 3 ranks at stage 0 (3 ranks: uneven
+    // partitions; stage 3: a chunk of every unit per rank, laid out by unit).
     let dir = tmp("reshard");
     train(4, config(2, 1, false), 4, Ckpt::SaveAt(4, &dir));
-    train(2, config(1, 1, false), 8, Ckpt::ResumeSaveAt(&dir, 8));
+    train(2, config(1, 1, false), 6, Ckpt::ResumeSaveAt(&dir, 6));
+    train(3, config(3, 1, false), 8, Ckpt::ResumeSaveAt(&dir, 8));
     assert_eq!(std::fs::read_to_string(dir.join("latest")).unwrap(), "global_step8");
     let end = train(3, config(0, 1, false), 12, Ckpt::Resume(&dir));
     let d = rel(&end, &reference);
@@ -140,9 +146,9 @@ fn damaged_missing_and_newer_checkpoints_are_named() {
     let e = load_err(&dir);
     assert!(e.starts_with(&format!("{}: no checkpoint here", file.display())), "{e}");
     let manifest = dir.join("global_step2/manifest.json");
-    let text = std::fs::read_to_string(&manifest).unwrap().replacen("\"format_version\": 1", "\"format_version\": 99", 1);
+    let text = std::fs::read_to_string(&manifest).unwrap().replacen("\"format_version\": 2", "\"format_version\": 99", 1);
     std::fs::write(&manifest, text).unwrap();
-    assert_eq!(load_err(&dir), format!("{}: format version 99 is newer than this zerorun reads (1)", manifest.display()));
+    assert_eq!(load_err(&dir), format!("{}: format version 99 is newer than this zerorun reads (2)", manifest.display()));
     std::fs::remove_dir_all(&dir).unwrap();
     assert!(load_err(&dir).starts_with(&format!("{}: no checkpoint here", dir.join("latest").display())));
 }
@@ -150,7 +156,8 @@ fn damaged_missing_and_newer_checkpoints_are_named() {
 #[test]
 fn consolidate_gives_the_full_weights_by_name() {
     let dir = tmp("consolidate");
-    let params = train(3, config(2, 1, false), 3, Ckpt::SaveAt(3, &dir));
+    // Stage 3 on 3 ranks: every rank file holds a chunk of every unit.
+    let params = train(3, config(3, 1, false), 3, Ckpt::SaveAt(3, &dir));
     let out = dir.join("full.safetensors");
     let st = std::process::Command::new(env!("CARGO_BIN_EXE_zerorun")).args(["consolidate", dir.to_str().unwrap(), out.to_str().unwrap()]).output().unwrap();
     assert!(st.status.success(), "{}", String::from_utf8_lossy(&st.stderr));

@@ -54,13 +54,9 @@ pub fn run(a: ConsolidateArgs) -> Result<(), CliError> {
         let p = &m.params[i];
         buf.clear();
         buf.resize(p.len, 0f32);
-        let want = p.start..p.start + p.len;
-        for (r, t) in &opened {
-            let (lo, hi) = (r.start.max(want.start), r.end.min(want.end));
-            if lo < hi {
-                t.read_f32("params", lo - r.start..hi - r.start, &mut buf[lo - want.start..hi - want.start])
-                    .map_err(|e| std::io::Error::other(e.to_string()))?;
-            }
+        for loc in m.locate(p.start..p.start + p.len) {
+            let dst = loc.dst_offset..loc.dst_offset + loc.file_range.len();
+            opened[loc.entry].1.read_f32("params", loc.file_range, &mut buf[dst]).map_err(|e| std::io::Error::other(e.to_string()))?;
         }
         if dtype == "BF16" {
             let v: Vec<u16> = buf.iter().map(|x| half::bf16::from_f32(*x).to_bits()).collect();

@@ -7,7 +7,8 @@ use zerorun_optim::LossScalerState;
 use super::{files, io_err, CheckpointError, Result};
 
 /// Bumped when the layout of checkpoints changes; a newer version is refused with a clear error.
-pub const FORMAT_VERSION: u32 = 1;
+/// 2: rank files hold a list of flat ranges (stage 3 shards: one chunk per unit); version 1 files still load.
+pub const FORMAT_VERSION: u32 = 2;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ParamEntry {
@@ -21,10 +22,44 @@ pub struct ParamEntry {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RankEntry {
     pub file: String,
-    /// The flat element range this file holds (`params` and every state buffer cover it).
+    /// The first and last flat element this file covers (version 1: the one range it holds).
     pub start: usize,
     pub end: usize,
+    /// The flat element ranges this file holds, concatenated in this order (`params` and every state buffer
+    /// cover them). Empty in version 1: `start..end`.
+    #[serde(default)]
+    pub ranges: Vec<[usize; 2]>,
     pub crc32: u32,
+}
+
+impl RankEntry {
+    pub fn new(file: String, ranges: &[std::ops::Range<usize>], crc32: u32) -> Self {
+        RankEntry {
+            file,
+            start: ranges.first().map_or(0, |r| r.start),
+            end: ranges.last().map_or(0, |r| r.end),
+            ranges: ranges.iter().map(|r| [r.start, r.end]).collect(),
+            crc32,
+        }
+    }
+
+    /// The flat ranges of the file, in file order.
+    pub fn pieces(&self) -> Vec<std::ops::Range<usize>> {
+        if self.ranges.is_empty() {
+            vec![self.start..self.end]
+        } else {
+            self.ranges.iter().map(|r| r[0]..r[1]).collect()
+        }
+    }
+}
+
+/// Where part of a flat range lives: in rank file `entry`, elements `file_range` of its tensors, to go to
+/// `dst_offset` of the wanted range.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Located {
+    pub entry: usize,
+    pub file_range: std::ops::Range<usize>,
+    pub dst_offset: usize,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -53,6 +88,28 @@ pub struct Manifest {
 }
 
 impl Manifest {
+    /// The pieces of flat range `want` held by the rank files (elements no file holds, padding, are absent).
+    pub fn locate(&self, want: std::ops::Range<usize>) -> Vec<Located> {
+        let mut out = Vec::new();
+        for (entry, r) in self.ranks.iter().enumerate() {
+            let mut file_offset = 0;
+            for piece in r.pieces() {
+                let (lo, hi) = (piece.start.max(want.start), piece.end.min(want.end));
+                if lo < hi {
+                    let at = file_offset + (lo - piece.start);
+                    out.push(Located { entry, file_range: at..at + (hi - lo), dst_offset: lo - want.start });
+                }
+                file_offset += piece.len();
+            }
+        }
+        out
+    }
+
+    /// The entry of parameter `name`.
+    pub fn param(&self, name: &str) -> Option<&ParamEntry> {
+        self.params.iter().find(|p| p.name == name)
+    }
+
     pub fn read(path: &Path) -> Result<Manifest> {
         let text = std::fs::read_to_string(path).map_err(|e| CheckpointError::Missing { path: path.to_path_buf(), what: e.to_string() })?;
         let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| io_err(path, format!("not valid JSON: {e}")))?;
@@ -65,5 +122,47 @@ impl Manifest {
 
     pub fn write(&self, path: &Path) -> Result<()> {
         files::write_atomic(path, serde_json::to_string_pretty(self).expect("manifest serializes").as_bytes())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn locate_walks_the_ranges_of_every_file_in_order() {
+        let m = Manifest {
+            format_version: FORMAT_VERSION,
+            tag: "t".into(),
+            global_steps: 0,
+            global_samples: 0,
+            skipped_steps: 0,
+            optimizer_steps: 0,
+            optimizer: "adamw".into(),
+            state_names: vec![],
+            scheduler_last_batch_iteration: None,
+            loss_scaler: None,
+            world_size: 2,
+            stage: 3,
+            precision: "fp32".into(),
+            numel: 14,
+            params: vec![],
+            // Two units 0..10 and 10..14, chunks of 5 and 2.
+            ranks: vec![RankEntry::new("rank0".into(), &[0..5, 10..12], 0), RankEntry::new("rank1".into(), &[5..10, 12..14], 0)],
+            config: serde_json::Value::Null,
+        };
+        let got = m.locate(4..13);
+        assert_eq!(
+            got,
+            vec![
+                Located { entry: 0, file_range: 4..5, dst_offset: 0 },
+                Located { entry: 0, file_range: 5..7, dst_offset: 6 },
+                Located { entry: 1, file_range: 0..5, dst_offset: 1 },
+                Located { entry: 1, file_range: 5..6, dst_offset: 8 },
+            ]
+        );
+        // Version 1 entries: one range from start and end.
+        let v1: RankEntry = serde_json::from_str(r#"{"file": "rank0.safetensors", "start": 3, "end": 9, "crc32": 1}"#).unwrap();
+        assert_eq!(v1.pieces(), vec![3..9]);
     }
 }

@@ -18,6 +18,16 @@ fn check_tag(tag: &str) -> Result<()> {
 }
 
 impl Engine {
+    /// The flat ranges of the layout rank `r` optimizes, in the order of its optimized values: everything at
+    /// stage 0, its partition at stages 1-2, a chunk of every unit at stage 3.
+    fn optimized_pieces(&self, r: usize) -> Vec<std::ops::Range<usize>> {
+        match self.config.zero_optimization.stage {
+            0 => vec![0..self.layout.padded],
+            3 => self.layout.shard_pieces(r),
+            _ => vec![self.layout.partition(r)],
+        }
+    }
+
     /// The fp32 values of this rank's optimized range (the master copy, or the parameters themselves in fp32).
     fn optimized_values(&self) -> Vec<f32> {
         match &self.master {
@@ -64,10 +74,7 @@ impl Engine {
         if rank == 0 {
             let layout = &self.layout;
             let ranks = (0..if stage > 0 { ws } else { 1 })
-                .map(|r| {
-                    let range = if stage > 0 { layout.partition(r) } else { 0..layout.padded };
-                    RankEntry { file: format!("rank{r}.safetensors"), start: range.start, end: range.end, crc32: crcs[r] as u32 }
-                })
+                .map(|r| RankEntry::new(format!("rank{r}.safetensors"), &self.optimized_pieces(r), crcs[r] as u32))
                 .collect();
             let manifest = Manifest {
                 format_version: FORMAT_VERSION,
@@ -110,8 +117,8 @@ impl Engine {
         Ok(dir.join(tag))
     }
 
-    /// Loads `dir/<tag>` (default: the tag `dir/latest` names), written at any world size and stage 0-2: each rank
-    /// reads only the element ranges it optimizes. Collective. Returns the tag loaded.
+    /// Loads `dir/<tag>` (default: the tag `dir/latest` names), written at any world size and stage 0-3: each rank
+    /// reads only the element ranges it optimizes, matching parameters by name. Collective. Returns the tag loaded.
     pub fn load_checkpoint(&mut self, dir: impl AsRef<Path>, tag: Option<&str>) -> Result<String> {
         let dir = dir.as_ref();
         let tag = match tag {
@@ -122,48 +129,63 @@ impl Engine {
         let manifest_path = path.join("manifest.json");
         let m = Manifest::read(&manifest_path)?;
         let mismatch = |what: String| CheckpointError::Mismatch { path: manifest_path.clone(), what };
-        let ours: Vec<(&str, &[i64])> = self.layout.slots.iter().map(|s| (s.name.as_str(), s.shape.as_slice())).collect();
-        let theirs: Vec<(&str, &[i64])> = m.params.iter().map(|p| (p.name.as_str(), p.shape.as_slice())).collect();
-        if ours != theirs {
-            let differing: Vec<String> = ours
-                .iter()
-                .zip(theirs.iter().map(Some).chain(std::iter::repeat(None)))
-                .filter(|(a, b)| Some(*a) != *b)
-                .take(3)
-                .map(|(a, b)| match b {
-                    Some(b) => format!("model `{}` {:?} vs checkpoint `{}` {:?}", a.0, a.1, b.0, b.1),
-                    None => format!("model `{}` {:?} is not in the checkpoint", a.0, a.1),
-                })
-                .collect();
-            let what = if differing.is_empty() { format!("the checkpoint has {} parameters, the model {}", theirs.len(), ours.len()) } else { differing.join("; ") };
-            return Err(mismatch(format!("parameters differ: {what}")).into());
+        // Parameters are matched by name, so layouts in another order (stage 3 lays out by unit) load too.
+        let mut problems: Vec<String> = Vec::new();
+        for slot in &self.layout.slots {
+            match m.param(&slot.name) {
+                None => problems.push(format!("model `{}` {:?} is not in the checkpoint", slot.name, slot.shape)),
+                Some(p) if p.shape != slot.shape => problems.push(format!("model `{}` {:?} vs checkpoint {:?}", slot.name, slot.shape, p.shape)),
+                Some(_) => {}
+            }
+        }
+        if problems.is_empty() && m.params.len() != self.layout.slots.len() {
+            let extra: Vec<&str> = m.params.iter().filter(|p| !self.layout.slots.iter().any(|s| s.name == p.name)).map(|p| p.name.as_str()).take(3).collect();
+            problems.push(format!("the checkpoint has {} parameters, the model {} (not in the model: {extra:?})", m.params.len(), self.layout.slots.len()));
+        }
+        if !problems.is_empty() {
+            problems.truncate(3);
+            return Err(mismatch(format!("parameters differ: {}", problems.join("; "))).into());
         }
         let our_states: Vec<String> = self.optimizer.state().buffers.iter().map(|(n, _)| n.clone()).collect();
         if self.optimizer.name() != m.optimizer || our_states != m.state_names {
             return Err(mismatch(format!("optimizer {} with {:?}, but the config builds {} with {:?}", m.optimizer, m.state_names, self.optimizer.name(), our_states)).into());
         }
 
-        // Read the overlap of every saved range with ours.
-        let want = self.optimized.start..self.optimized.end.min(m.numel);
+        // Verify and map every rank file once; read, for every parameter piece we optimize, where it lives there.
+        let mut opened: Vec<Option<MappedTensors>> = (0..m.ranks.len()).map(|_| None).collect();
         let len = self.optimized.len();
         let mut values = vec![0f32; len];
         let mut states: Vec<Vec<f32>> = m.state_names.iter().map(|_| vec![0f32; len]).collect();
-        for entry in &m.ranks {
-            let (a, b) = (entry.start.max(want.start), entry.end.min(want.end));
-            if a >= b {
-                continue;
+        let mut dst_base = 0;
+        for piece in self.optimized_pieces(self.rank()) {
+            for slot in &self.layout.slots {
+                let (a, b) = (slot.range.start.max(piece.start), slot.range.end.min(piece.end));
+                if a >= b {
+                    continue;
+                }
+                let theirs = m.param(&slot.name).expect("checked above");
+                let from = theirs.start + (a - slot.range.start);
+                for loc in m.locate(from..from + (b - a)) {
+                    let file = &mut opened[loc.entry];
+                    if file.is_none() {
+                        let entry = &m.ranks[loc.entry];
+                        let p = path.join(&entry.file);
+                        let crc = files::crc_of(&p)?;
+                        if crc != entry.crc32 {
+                            return Err(CheckpointError::Checksum { path: p, expected: entry.crc32, actual: crc }.into());
+                        }
+                        *file = Some(MappedTensors::open(&p)?);
+                    }
+                    let t = file.as_ref().expect("opened above");
+                    let at = dst_base + (a - piece.start) + loc.dst_offset;
+                    let dst = at..at + loc.file_range.len();
+                    t.read_f32("params", loc.file_range.clone(), &mut values[dst.clone()])?;
+                    for (name, buf) in m.state_names.iter().zip(states.iter_mut()) {
+                        t.read_f32(name, loc.file_range.clone(), &mut buf[dst.clone()])?;
+                    }
+                }
             }
-            let file = path.join(&entry.file);
-            let crc = files::crc_of(&file)?;
-            if crc != entry.crc32 {
-                return Err(CheckpointError::Checksum { path: file, expected: entry.crc32, actual: crc }.into());
-            }
-            let t = MappedTensors::open(&file)?;
-            let (src, dst) = (a - entry.start..b - entry.start, a - self.optimized.start..b - self.optimized.start);
-            t.read_f32("params", src.clone(), &mut values[dst.clone()])?;
-            for (name, buf) in m.state_names.iter().zip(states.iter_mut()) {
-                t.read_f32(name, src.clone(), &mut buf[dst.clone()])?;
-            }
+            dst_base += piece.len();
         }
 
         // Install: optimizer state, values (master or parameters), the 16-bit copy, counters and schedules.
@@ -173,7 +195,7 @@ impl Engine {
             buf.copy_from_slice(v);
         }
         let range = self.optimized.clone();
-        match (&mut self.master, self.precision) {
+        tch::no_grad(|| match (&mut self.master, self.precision) {
             (None, _) => views::slice::<f32>(&self.flat_params)[range].copy_from_slice(&values),
             (Some(master), p) => {
                 master.copy_from_slice(&values);
@@ -181,9 +203,11 @@ impl Engine {
                 let mut dst = self.flat_params.narrow(0, range.start as i64, range.len() as i64);
                 dst.copy_(&t);
             }
-        }
-        if self.config.zero_optimization.stage > 0 {
-            views::all_gather(self.comm.as_ref(), &self.flat_params)?;
+        });
+        match self.config.zero_optimization.stage {
+            0 => {}
+            3 => self.refresh_gathered_units()?,
+            _ => views::all_gather(self.comm.as_ref(), &self.flat_params)?,
         }
         if let (Some(s), Some(it)) = (self.scheduler.as_mut(), m.scheduler_last_batch_iteration) {
             s.last_batch_iteration = it;
