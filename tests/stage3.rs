@@ -190,3 +190,43 @@ fn activation_checkpointing_needs_the_model_in_backward() {
     let e = engine.backward(&loss).unwrap_err().to_string();
     assert!(e.contains("call `engine.backward_units(&model, &loss)`"), "{e}");
 }
+
+#[test]
+fn saving_the_16bit_model_at_stage_3_gathers_on_rank_0_or_refuses_by_name() {
+    let dir = std::env::temp_dir().join(format!("zerorun-save16-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("model.safetensors");
+    let save = |gather: bool| -> Vec<Result<Vec<(String, Vec<f32>)>, String>> {
+        let comms = threads::group(2, Duration::from_secs(30));
+        std::thread::scope(|s| {
+            let hs: Vec<_> = comms
+                .into_iter()
+                .map(|comm| {
+                    let path = path.clone();
+                    s.spawn(move || {
+                        let (vs, layers) = init_layers(&DIMS);
+                        let cfg = config(1, json!({"stage3_gather_16bit_weights_on_model_save": gather}));
+                        let mut engine = Engine::new(&vs, cfg, Box::new(comm), EngineOptions::default().units_of(&layers)).unwrap();
+                        engine.save_16bit_model(&path).map_err(|e| e.to_string())?;
+                        let mut full: Vec<(String, Vec<f32>)> =
+                            engine.full_parameters().unwrap().into_iter().map(|(n, t)| (n, Vec::<f32>::try_from(t.reshape([-1])).unwrap())).collect();
+                        full.sort_by(|a, b| a.0.cmp(&b.0));
+                        Ok(full)
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    };
+    for r in save(false) {
+        let e = r.unwrap_err();
+        assert!(e.starts_with("`zero_optimization.stage3_gather_16bit_weights_on_model_save` = false: at stage 3 the weights are sharded"), "{e}");
+    }
+    assert!(!path.exists(), "nothing written when refused");
+    let full = save(true).remove(0).unwrap();
+    let mut saved: Vec<(String, Vec<f32>)> = Tensor::read_safetensors(&path).unwrap().into_iter().map(|(n, t)| (n, Vec::<f32>::try_from(t.reshape([-1])).unwrap())).collect();
+    saved.sort_by(|a, b| a.0.cmp(&b.0));
+    assert_eq!(saved, full, "the file holds the full weights, not empty shards");
+    assert!(saved.iter().all(|(_, v)| !v.is_empty()));
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -591,10 +591,35 @@ impl Engine {
     /// Every parameter by name as full fp32 copies (identical on every rank). Collective at stage 3, where it
     /// gathers the units one at a time: every rank calls it.
     pub fn full_parameters(&mut self) -> Result<Vec<(String, Tensor)>> {
+        self.full_parameters_as(Kind::Float)
+    }
+
+    fn full_parameters_as(&mut self, kind: Kind) -> Result<Vec<(String, Tensor)>> {
         if !self.units.is_empty() {
-            return self.gather_full_parameters();
+            return self.gather_full_parameters(kind);
         }
-        Ok(self.layout.slots.iter().zip(&self.params).map(|(s, t)| (s.name.clone(), t.detach().to_kind(Kind::Float).copy())).collect())
+        Ok(self.layout.slots.iter().zip(&self.params).map(|(s, t)| (s.name.clone(), t.detach().to_kind(kind).copy())).collect())
+    }
+
+    /// DeepSpeed's `save_16bit_model`: rank 0 writes every parameter in the model's dtype (safetensors, by name).
+    /// Collective. At stage 3 this gathers the units one at a time and needs
+    /// `zero_optimization.stage3_gather_16bit_weights_on_model_save`; without it the weights exist only as
+    /// shards, so it refuses and says where full weights come from instead of writing empty tensors.
+    pub fn save_16bit_model(&mut self, path: impl AsRef<std::path::Path>) -> Result<()> {
+        let path = path.as_ref();
+        if !self.units.is_empty() && !self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save {
+            return Err(Error::Unsupported {
+                key: "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+                value: "false".into(),
+                why: "at stage 3 the weights are sharded across ranks; set it to true to gather them on save, or save_checkpoint and run `zerorun consolidate DIR OUT`",
+            });
+        }
+        let params = self.full_parameters_as(views::kind_of(self.precision))?;
+        if self.rank() == 0 {
+            Tensor::write_safetensors(&params, path).map_err(|e| Error::Usage(format!("{}: {e}", path.display())))?;
+        }
+        self.comm.barrier()?;
+        Ok(())
     }
 
     /// Bytes this rank holds, by category: `parameters` (the model-dtype values kept between steps: all of them

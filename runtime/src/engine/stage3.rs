@@ -256,8 +256,8 @@ impl Engine {
         self.comm_volume
     }
 
-    /// Every parameter by name as full fp32 (stage 3 gathers unit by unit: collective there).
-    pub(super) fn gather_full_parameters(&mut self) -> Result<Vec<(String, Tensor)>> {
+    /// Every parameter by name as full copies of `kind` (stage 3 gathers unit by unit: collective there).
+    pub(super) fn gather_full_parameters(&mut self, kind: tch::Kind) -> Result<Vec<(String, Tensor)>> {
         let mut out = Vec::with_capacity(self.layout.slots.len());
         for i in 0..self.units.len() {
             let was = self.units[i].state();
@@ -265,7 +265,7 @@ impl Engine {
             let span = self.units[i].span.clone();
             for (slot, t) in self.layout.slots[span.slots].iter().zip(self.units[i].params()) {
                 // A copy: the unit's storage may be freed below.
-                out.push((slot.name.clone(), t.detach().to_kind(tch::Kind::Float).copy()));
+                out.push((slot.name.clone(), t.detach().to_kind(kind).copy()));
             }
             if was == UnitState::Sharded {
                 self.release_unit(i)?;
