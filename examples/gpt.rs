@@ -71,6 +71,7 @@ fn run(args: &Args) -> Result<(), String> {
         if let Some(path) = &a.save_final {
             save_final(&mut engine, path)?;
         }
+        finish_reports(&mut engine)?;
         let state_bytes: usize = engine.memory_bytes().iter().map(|(_, b)| b).sum();
         Ok((progress.first_loss.unwrap_or(f64::NAN), progress.last_loss, progress.median_step_s(), engine.layout().numel, state_bytes, engine.world_size()))
     })?;

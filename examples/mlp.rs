@@ -127,6 +127,7 @@ fn run(args: &Args) -> Result<(), String> {
         if let Some(path) = &a.save_final {
             save_final(&mut engine, path)?;
         }
+        finish_reports(&mut engine)?;
         Ok((progress.median_step_s(), progress.last_loss, engine.world_size()))
     })?;
     let Some((median, last, world)) = result else { return Ok(()) };

@@ -226,3 +226,18 @@ pub fn share_cores(ranks: usize) {
         tch::set_num_threads((cores / ranks).max(1) as i32);
     }
 }
+
+/// At the end of a run: the memory report when asked for (`memory_breakdown` or `zerorun launch --memory-report`),
+/// and the wall-clock breakdown when the config sets `wall_clock_breakdown`. Rank 0 prints them.
+pub fn finish_reports(engine: &mut Engine) -> Result<(), String> {
+    if let Some(files) = engine.finish_memory_report().map_err(|e| e.to_string())? {
+        if let (Some(table), Some(svg)) = (files.table, files.svg) {
+            println!("{table}");
+            println!("memory report: {} (and memory_rank*.json, memory.png)", svg.display());
+        }
+    }
+    if engine.config().wall_clock_breakdown && engine.rank() == 0 {
+        println!("{}", engine.wall_clock_summary());
+    }
+    Ok(())
+}

@@ -10,6 +10,7 @@ pub mod config;
 pub mod engine;
 mod error;
 pub mod estimate;
+pub mod report;
 
 pub use config::{Config, ConfigError};
 pub use engine::{Engine, EngineOptions, StepOutcome};

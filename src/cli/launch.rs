@@ -1,4 +1,4 @@
-//! `zerorun launch --nproc-per-node N [--master-addr A] [--master-port P] [--backend B] -- PROGRAM ARGS...`
+//! `zerorun launch --nproc-per-node N [--master-addr A] [--master-port P] [--backend B] [--memory-report [DIR]] -- PROGRAM ARGS...`
 //!
 //! Starts N ranks as child processes with torchrun's variables, prefixes their output with the rank, shares the
 //! cores among them, forwards SIGINT/SIGTERM, and when one rank fails stops the others within 5 seconds and exits
@@ -28,6 +28,11 @@ pub struct LaunchArgs {
     /// How the ranks communicate: shm (shared memory, the default) or threads (the program runs its own ranks).
     #[arg(long, default_value = "shm")]
     pub backend: String,
+    /// Each rank writes memory_rank{r}.json here at the end of the run, and rank 0 draws memory.svg/png and
+    /// prints the table (the program must call `Engine::finish_memory_report`, as the examples do).
+    /// Without DIR: the working directory.
+    #[arg(long, value_name = "DIR", num_args = 0..=1, default_missing_value = ".")]
+    pub memory_report: Option<std::path::PathBuf>,
     /// The program and its arguments.
     #[arg(last = true, required = true)]
     pub command: Vec<String>,
@@ -104,6 +109,13 @@ pub fn run(args: LaunchArgs) -> Result<(), CliError> {
         return Err(CliError::Usage(format!("--backend {:?}: this build has shm and threads", args.backend)));
     }
     let port = args.master_port.unwrap_or_else(free_port);
+    let memory_report = match &args.memory_report {
+        Some(d) => {
+            std::fs::create_dir_all(d).map_err(|e| CliError::Io { context: format!("--memory-report {}", d.display()), source: e })?;
+            Some(std::fs::canonicalize(d).map_err(|e| CliError::Io { context: format!("--memory-report {}", d.display()), source: e })?)
+        }
+        None => None,
+    };
     let run_id = format!("{}-{}", std::process::id(), std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
     let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
     let threads = (cores / n).max(1).to_string();
@@ -129,6 +141,9 @@ pub fn run(args: LaunchArgs) -> Result<(), CliError> {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .process_group(0);
+        if let Some(d) = &memory_report {
+            cmd.env(zerorun::runtime::engine::MEMORY_REPORT_ENV, d);
+        }
         // Share the cores among the ranks unless the user chose.
         for var in ["OMP_NUM_THREADS", "RAYON_NUM_THREADS", "MKL_NUM_THREADS"] {
             if std::env::var_os(var).is_none() {

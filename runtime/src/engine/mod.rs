@@ -11,6 +11,7 @@ pub mod layout;
 mod native;
 mod optimizer;
 mod prefetch;
+mod reporting;
 pub mod sampler;
 mod sharded_unit;
 mod stage3;
@@ -27,8 +28,11 @@ use zerorun_optim::{norm, AlignedVec, Grads, Group, LossScaler, LossScalerConfig
 use crate::comm::{Collectives, Communicator, ReduceOp};
 use crate::config::{BatchSizes, Config, OffloadDevice, OptimizerConfig, Precision};
 use crate::error::{Error, Result};
+use crate::report::memory::MemoryTracker;
+use crate::report::{Phase, PhaseTimes};
 pub use layout::{FlatLayout, ParamSlot, UnitSpan};
 use sharded_unit::ShardedUnit;
+pub use reporting::{MemoryReportFiles, MEMORY_REPORT_ENV};
 pub use stage3::{CommVolume, GatheredBytes};
 pub use units::{Sequence, UnitModel, Whole};
 
@@ -88,6 +92,8 @@ pub struct Engine {
     activation_checkpointing: bool,
     gathered: GatheredBytes,
     comm_volume: CommVolume,
+    memory: MemoryTracker,
+    times: PhaseTimes,
     /// Gradients gathered from the parameters, in the communication dtype: all of them at stage 0; at stages
     /// 1-2 one reduction round (`reduce_bucket_size` elements: `round_len` of every rank's partition).
     flat_grads: Tensor,
@@ -255,6 +261,8 @@ impl Engine {
             activation_checkpointing: options.activation_checkpointing,
             gathered: GatheredBytes { current: persistent_bytes, peak: persistent_bytes },
             comm_volume: CommVolume::default(),
+            memory: MemoryTracker::default(),
+            times: PhaseTimes::default(),
             flat_grads,
             round_len,
             grad_part,
@@ -349,15 +357,24 @@ impl Engine {
         self.loss_sum += loss.f_double_value(&[])?;
         self.loss_count += 1;
         let factor = self.loss_scale() / self.batch.gradient_accumulation_steps as f64;
+        let (started, comm_before) = (Instant::now(), self.times.comm());
         if !self.units.is_empty() {
-            return self.backward_units_impl(model, loss, factor);
-        }
-        if factor != 1.0 {
+            self.backward_units_impl(model, loss, factor)?;
+        } else if factor != 1.0 {
             (loss * factor).f_backward()?;
         } else {
             loss.f_backward()?;
         }
+        self.times.add(Phase::Backward, started.elapsed().saturating_sub(self.times.comm() - comm_before));
         Ok(())
+    }
+
+    /// Runs `f` as collective time of `phase`.
+    fn timed<T>(&mut self, phase: Phase, f: impl FnOnce(&mut Self) -> T) -> T {
+        let t = Instant::now();
+        let out = f(self);
+        self.times.add(phase, t.elapsed());
+        out
     }
 
     /// Ends a micro-batch; at the accumulation boundary reduces gradients and steps the optimizer.
@@ -368,13 +385,13 @@ impl Engine {
         // Stage 3 reduced each unit in backward already.
         let stage3 = !self.units.is_empty();
         if self.precision != Precision::Fp32 && !stage3 {
-            self.reduce_micro_batch()?;
+            self.timed(Phase::ReduceScatter, Self::reduce_micro_batch)?;
         }
         if !boundary {
             return Ok(StepOutcome::Accumulating);
         }
         if self.precision == Precision::Fp32 && !stage3 {
-            self.reduce_fp32()?;
+            self.timed(Phase::ReduceScatter, Self::reduce_fp32)?;
         }
         let lr = self.lr();
         let stage = self.config.zero_optimization.stage;
@@ -395,7 +412,7 @@ impl Engine {
                 self.grad_acc.fill(0.0);
                 let scale = scaler.scale();
                 tracing::warn!(step = self.global_steps, scale, "fp16 gradients overflowed; step skipped and loss scale lowered");
-                self.step_started = None;
+                self.end_of_step();
                 return Ok(StepOutcome::Skipped { step: self.global_steps, loss, scale });
             }
         }
@@ -407,12 +424,12 @@ impl Engine {
         for g in &mut self.groups {
             g.lr = lr;
         }
-        self.apply_optimizer()?;
+        self.timed(Phase::Step, Self::apply_optimizer)?;
         if stage3 {
             self.grad_acc.fill(0.0);
-            self.refresh_gathered_units()?;
+            self.timed(Phase::AllGather, Self::refresh_gathered_units)?;
         } else if stage > 0 {
-            views::all_gather(self.comm.as_ref(), &self.flat_params)?;
+            self.timed(Phase::AllGather, |e| views::all_gather(e.comm.as_ref(), &e.flat_params))?;
             self.comm_volume.all_gather_elements += self.layout.padded as u64;
         }
         if let Some(s) = self.scheduler.as_mut() {
@@ -427,7 +444,7 @@ impl Engine {
                 tracing::info!(step = self.global_steps, loss, lr, grad_norm, loss_scale = self.loss_scale(), samples_per_s, "train");
             }
         }
-        self.step_started = None;
+        self.end_of_step();
         Ok(StepOutcome::Stepped { step: self.global_steps, loss, grad_norm, lr })
     }
 

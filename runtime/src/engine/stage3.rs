@@ -37,6 +37,13 @@ impl Engine {
     /// Runs `model` on `input`, unit by unit. At stages 0-2 this is just the units in order; at stage 3 it
     /// gathers each unit's parameters only while it runs. Under `tch::no_grad` nothing is kept for backward.
     pub fn forward(&mut self, model: &dyn UnitModel, input: &Tensor) -> Result<Tensor> {
+        let (started, comm_before) = (std::time::Instant::now(), self.times.comm());
+        let out = self.forward_impl(model, input);
+        self.times.add(crate::report::Phase::Forward, started.elapsed().saturating_sub(self.times.comm() - comm_before));
+        out
+    }
+
+    fn forward_impl(&mut self, model: &dyn UnitModel, input: &Tensor) -> Result<Tensor> {
         let prefixes = model.unit_prefixes();
         if self.units.is_empty() {
             let mut h = input.shallow_clone();
@@ -154,7 +161,9 @@ impl Engine {
         if state == UnitState::Gathered {
             return Ok(());
         }
+        let t = std::time::Instant::now();
         let n = self.units[i].gather(self.comm.as_ref(), &self.flat_params)?;
+        self.times.add(crate::report::Phase::AllGather, t.elapsed());
         self.comm_volume.all_gather_elements += n as u64;
         if state == UnitState::Sharded {
             self.count_gathered(i);
@@ -217,6 +226,7 @@ impl Engine {
             let _ = staged.f_mul_scalar_(pre)?;
         }
         let part = self.grad_part.as_ref().expect("stage 3 has a gradient part").narrow(0, 0, chunk as i64);
+        let t = std::time::Instant::now();
         if self.config.zero_optimization.reduce_scatter {
             views::reduce_scatter(self.comm.as_ref(), &staged, &part, op)?;
             self.comm_volume.reduce_scatter_elements += len as u64;
@@ -225,6 +235,7 @@ impl Engine {
             self.comm_volume.all_reduce_elements += len as u64;
             part.shallow_clone().f_copy_(&staged.narrow(0, (rank * chunk) as i64, chunk as i64))?;
         }
+        self.times.add(crate::report::Phase::ReduceScatter, t.elapsed());
         if let Some(post) = post {
             let _ = part.shallow_clone().f_mul_scalar_(post)?;
         }

@@ -1,0 +1,122 @@
+//! The engine's end of the memory report and the wall-clock breakdown: sampling after every optimizer step,
+//! printing every `steps_per_print`, and the files at the end of the run.
+use std::path::PathBuf;
+
+use super::Engine;
+use crate::config::Precision;
+use crate::estimate::{model_states_bytes, EstimateInput};
+use crate::report::memory::{self, MemoryReport, ModelStates, SCHEMA_VERSION};
+use crate::error::Result;
+
+/// Set by `zerorun launch --memory-report DIR` for its ranks: where the memory report goes.
+pub const MEMORY_REPORT_ENV: &str = "ZERORUN_MEMORY_REPORT";
+
+/// What [`Engine::finish_memory_report`] wrote (rank 0 also drew the picture and made the table).
+#[derive(Debug, Clone)]
+pub struct MemoryReportFiles {
+    pub json: PathBuf,
+    /// Rank 0: the table of every rank and the pictures.
+    pub table: Option<String>,
+    pub svg: Option<PathBuf>,
+    pub png: Option<PathBuf>,
+}
+
+impl Engine {
+    /// After every optimizer step (taken or skipped): a memory sample and the step's phase times.
+    pub(super) fn end_of_step(&mut self) {
+        let now = self.memory_bytes();
+        let peaks = [("parameters_gathered", self.gathered.peak)];
+        self.memory.sample(self.global_steps, &now, &peaks);
+        self.reset_gathered_peak();
+        let times = self.times.end_step();
+        if self.config.wall_clock_breakdown && self.rank() == 0 && self.config.steps_per_print.is_some_and(|k| self.global_steps % k == 0) {
+            let ms = |p: crate::report::Phase| times[p as usize].as_secs_f64() * 1e3;
+            use crate::report::Phase::*;
+            tracing::info!(
+                step = self.global_steps,
+                forward_ms = ms(Forward),
+                backward_ms = ms(Backward),
+                step_ms = ms(Step),
+                all_gather_ms = ms(AllGather),
+                reduce_scatter_ms = ms(ReduceScatter),
+                offload_io_ms = ms(OffloadIo),
+                "wall_clock_breakdown"
+            );
+        }
+        self.step_started = None;
+    }
+
+    /// The mean time per step of each phase so far, as one line (`wall_clock_breakdown`).
+    pub fn wall_clock_summary(&self) -> String {
+        self.times.summary()
+    }
+
+    /// Model-state bytes by ZeRO's formula for this run (the estimator's number).
+    pub fn estimated_model_state_bytes(&self) -> u64 {
+        let input = EstimateInput { gpus_per_node: self.world_size() as u64, ..EstimateInput::new(self.layout.numel as u64) }.with_config(&self.config);
+        model_states_bytes(&input, self.config.zero_optimization.stage)
+    }
+
+    /// This rank's report: the categories' current and peak bytes, model states measured and estimated, the
+    /// process's peak RSS and the per-step samples.
+    pub fn memory_report(&self) -> MemoryReport {
+        let now = self.memory_bytes();
+        let mut tracker_categories = self.memory.categories.clone();
+        for (name, b) in &now {
+            let c = tracker_categories.entry(name.to_string()).or_default();
+            c.current_bytes = *b as u64;
+            c.peak_bytes = c.peak_bytes.max(*b as u64);
+        }
+        MemoryReport {
+            schema_version: SCHEMA_VERSION,
+            rank: self.rank(),
+            world_size: self.world_size(),
+            stage: self.config.zero_optimization.stage,
+            precision: match self.precision {
+                Precision::Fp32 => "fp32",
+                Precision::Bf16 => "bf16",
+                Precision::Fp16 => "fp16",
+            }
+            .into(),
+            categories: tracker_categories,
+            model_states: ModelStates { measured_bytes: memory::model_state_bytes(&now), estimated_bytes: self.estimated_model_state_bytes() },
+            peak_rss_bytes: memory::rss().1,
+            steps: self.memory.steps.clone(),
+        }
+    }
+
+    /// Where the memory report goes: `zerorun launch --memory-report DIR` (through the environment), else the
+    /// working directory when the config sets `memory_breakdown`; None: no report.
+    pub fn memory_report_dir(&self) -> Option<PathBuf> {
+        match std::env::var(MEMORY_REPORT_ENV) {
+            Ok(d) if !d.is_empty() => Some(PathBuf::from(d)),
+            _ => self.config.memory_breakdown.then(|| PathBuf::from(".")),
+        }
+    }
+
+    /// At the end of a run, when a report is asked for: every rank writes `memory_rank{r}.json`; rank 0 then
+    /// reads them all, draws `memory.svg` and `memory.png` and returns the table. Collective. None: no report.
+    pub fn finish_memory_report(&mut self) -> Result<Option<MemoryReportFiles>> {
+        match self.memory_report_dir() {
+            Some(dir) => self.write_memory_report(&dir).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// Writes the memory report into `dir` now (see [`Engine::finish_memory_report`]). Collective.
+    pub fn write_memory_report(&mut self, dir: &std::path::Path) -> Result<MemoryReportFiles> {
+        let dir = dir.to_path_buf();
+        let json = self.memory_report().write(&dir)?;
+        self.comm.barrier()?;
+        let mut files = MemoryReportFiles { json, table: None, svg: None, png: None };
+        if self.rank() == 0 {
+            let reports = (0..self.world_size()).map(|r| MemoryReport::read(&dir, r)).collect::<Result<Vec<_>>>()?;
+            let (svg, png) = crate::report::plot::draw_memory(&dir, &reports)?;
+            files.table = Some(memory::table(&reports));
+            files.svg = Some(svg);
+            files.png = Some(png);
+        }
+        self.comm.barrier()?;
+        Ok(files)
+    }
+}

@@ -1,0 +1,221 @@
+//! The measured memory report. Schema (version [`SCHEMA_VERSION`]) of `memory_rank{r}.json`:
+//!
+//! ```text
+//! { "schema_version": 1, "rank": r, "world_size": n, "stage": s, "precision": "fp32" | "bf16" | "fp16",
+//!   "categories": { name: { "current_bytes": u64, "peak_bytes": u64 } },     // see Engine::memory_bytes
+//!   "model_states": { "measured_bytes": u64, "estimated_bytes": u64 },       // params + gradients + optimizer
+//!   "peak_rss_bytes": u64,                                                   // the process's VmHWM
+//!   "steps": [ { "step": u64, "rss_bytes": u64, "categories": { name: u64 } } ] }      // parameters_gathered: the
+//!                                                                                         // step's peak
+//! ```
+//!
+//! `model_states.measured_bytes` sums what the engine keeps between steps (`parameters`, `gradients_full`,
+//! `gradients_shard`, `master_fp32`, `optimizer_states`); `estimated_bytes` is
+//! [`crate::estimate::model_states_bytes`] for the run's stage, precision and optimizer. RSS is per process:
+//! thread ranks of one process share it.
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+pub const SCHEMA_VERSION: u32 = 1;
+
+/// Categories counted as model states (what ZeRO's formulas describe).
+pub const MODEL_STATE_CATEGORIES: [&str; 5] = ["parameters", "gradients_full", "gradients_shard", "master_fp32", "optimizer_states"];
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CategoryBytes {
+    pub current_bytes: u64,
+    pub peak_bytes: u64,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModelStates {
+    pub measured_bytes: u64,
+    pub estimated_bytes: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StepSample {
+    pub step: u64,
+    pub rss_bytes: u64,
+    pub categories: BTreeMap<String, u64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemoryReport {
+    pub schema_version: u32,
+    pub rank: usize,
+    pub world_size: usize,
+    pub stage: u8,
+    pub precision: String,
+    pub categories: BTreeMap<String, CategoryBytes>,
+    pub model_states: ModelStates,
+    pub peak_rss_bytes: u64,
+    pub steps: Vec<StepSample>,
+}
+
+/// The engine's running record: per-category current and peak, one sample per optimizer step.
+#[derive(Debug, Default)]
+pub struct MemoryTracker {
+    pub categories: BTreeMap<String, CategoryBytes>,
+    pub steps: Vec<StepSample>,
+}
+
+impl MemoryTracker {
+    /// Folds in the bytes held now; `peaks` are peaks the engine tracked between samples (e.g. gathered units).
+    pub fn observe(&mut self, now: &[(&'static str, usize)], peaks: &[(&'static str, usize)]) {
+        for (name, b) in now {
+            let c = self.categories.entry(name.to_string()).or_default();
+            c.current_bytes = *b as u64;
+            c.peak_bytes = c.peak_bytes.max(*b as u64);
+        }
+        for (name, b) in peaks {
+            let c = self.categories.entry(name.to_string()).or_default();
+            c.peak_bytes = c.peak_bytes.max(*b as u64);
+        }
+    }
+
+    /// One sample at the end of optimizer step `step`: the bytes held now, except categories in `peaks`,
+    /// which report their peak within the step (gathered stage 3 units are released by its end).
+    pub fn sample(&mut self, step: u64, now: &[(&'static str, usize)], peaks: &[(&'static str, usize)]) {
+        self.observe(now, peaks);
+        let categories = now
+            .iter()
+            .map(|(n, b)| (n.to_string(), peaks.iter().find(|(p, _)| p == n).map_or(*b, |(_, pb)| (*pb).max(*b)) as u64))
+            .collect();
+        self.steps.push(StepSample { step, rss_bytes: rss().0, categories });
+    }
+}
+
+/// Model-state bytes of a category list (see [`MODEL_STATE_CATEGORIES`]).
+pub fn model_state_bytes(now: &[(&'static str, usize)]) -> u64 {
+    now.iter().filter(|(n, _)| MODEL_STATE_CATEGORIES.contains(n)).map(|(_, b)| *b as u64).sum()
+}
+
+/// This process's resident memory now and at its peak (VmRSS, VmHWM), in bytes; zeros where /proc is absent.
+pub fn rss() -> (u64, u64) {
+    let Ok(status) = std::fs::read_to_string("/proc/self/status") else { return (0, 0) };
+    let field = |key: &str| {
+        status.lines().find_map(|l| l.strip_prefix(key)).and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok()).map_or(0, |kb| kb * 1024)
+    };
+    (field("VmRSS:"), field("VmHWM:"))
+}
+
+pub fn report_path(dir: &Path, rank: usize) -> PathBuf {
+    dir.join(format!("memory_rank{rank}.json"))
+}
+
+impl MemoryReport {
+    pub fn write(&self, dir: &Path) -> Result<PathBuf> {
+        let path = report_path(dir, self.rank);
+        std::fs::create_dir_all(dir).map_err(|e| Error::Usage(format!("memory report folder {}: {e}", dir.display())))?;
+        let text = serde_json::to_string_pretty(self).expect("the report serializes");
+        crate::checkpoint::files::write_atomic(&path, text.as_bytes())?;
+        Ok(path)
+    }
+
+    /// Reads `memory_rank{r}.json`; a newer schema or a malformed file is an error naming it.
+    pub fn read(dir: &Path, rank: usize) -> Result<MemoryReport> {
+        let path = report_path(dir, rank);
+        let text = std::fs::read_to_string(&path).map_err(|e| Error::Usage(format!("{}: {e}", path.display())))?;
+        let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::Usage(format!("{}: not JSON: {e}", path.display())))?;
+        let found = v.get("schema_version").and_then(|x| x.as_u64()).unwrap_or(0) as u32;
+        if found > SCHEMA_VERSION {
+            return Err(Error::Usage(format!("{}: schema version {found} is newer than this zerorun reads ({SCHEMA_VERSION})", path.display())));
+        }
+        serde_json::from_value(v).map_err(|e| Error::Usage(format!("{}: not a zerorun memory report: {e}", path.display())))
+    }
+}
+
+fn mib(b: u64) -> String {
+    format!("{:.2}", b as f64 / (1024.0 * 1024.0))
+}
+
+/// One table: rows are categories (current / peak), columns are ranks; model states measured next to the
+/// estimate; peak RSS.
+pub fn table(reports: &[MemoryReport]) -> String {
+    let mut names: Vec<&String> = Vec::new();
+    for r in reports {
+        for n in r.categories.keys() {
+            if !names.contains(&n) {
+                names.push(n);
+            }
+        }
+    }
+    let order = |n: &str| MODEL_STATE_CATEGORIES.iter().position(|c| *c == n).unwrap_or(MODEL_STATE_CATEGORIES.len());
+    names.sort_by_key(|n| (order(n), n.to_string()));
+    let mut rows: Vec<(String, Vec<String>)> = Vec::new();
+    for n in names {
+        let cells = reports
+            .iter()
+            .map(|r| r.categories.get(n).map_or("-".into(), |c| if c.peak_bytes > c.current_bytes { format!("{} (peak {})", mib(c.current_bytes), mib(c.peak_bytes)) } else { mib(c.current_bytes) }))
+            .collect();
+        rows.push((n.clone(), cells));
+    }
+    rows.push(("model states, measured".into(), reports.iter().map(|r| mib(r.model_states.measured_bytes)).collect()));
+    rows.push(("model states, estimate".into(), reports.iter().map(|r| mib(r.model_states.estimated_bytes)).collect()));
+    rows.push(("peak RSS (process)".into(), reports.iter().map(|r| mib(r.peak_rss_bytes)).collect()));
+    let header: Vec<String> = reports.iter().map(|r| format!("rank {}", r.rank)).collect();
+    let first = rows.iter().map(|r| r.0.len()).max().unwrap_or(0).max("memory (MiB)".len());
+    let widths: Vec<usize> = (0..reports.len()).map(|i| rows.iter().map(|r| r.1[i].len()).chain([header[i].len()]).max().unwrap_or(0)).collect();
+    let mut out = format!("{:<first$}", "memory (MiB)");
+    for (h, w) in header.iter().zip(&widths) {
+        out += &format!("  {h:>w$}");
+    }
+    for (name, cells) in rows {
+        out += &format!("\n{name:<first$}");
+        for (c, w) in cells.iter().zip(&widths) {
+            out += &format!("  {c:>w$}");
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn report(rank: usize) -> MemoryReport {
+        let mut t = MemoryTracker::default();
+        t.sample(1, &[("parameters", 1 << 20), ("optimizer_states", 2 << 20)], &[]);
+        t.sample(2, &[("parameters", 1 << 20), ("optimizer_states", 2 << 20)], &[("parameters_gathered", 3 << 20)]);
+        MemoryReport {
+            schema_version: SCHEMA_VERSION,
+            rank,
+            world_size: 2,
+            stage: 3,
+            precision: "fp32".into(),
+            categories: t.categories,
+            model_states: ModelStates { measured_bytes: 3 << 20, estimated_bytes: 3 << 20 },
+            peak_rss_bytes: 100 << 20,
+            steps: t.steps,
+        }
+    }
+
+    #[test]
+    fn reports_round_trip_and_newer_schemas_are_refused() {
+        let dir = std::env::temp_dir().join(format!("zerorun-memreport-{}", std::process::id()));
+        let r = report(1);
+        let path = r.write(&dir).unwrap();
+        assert_eq!(path, dir.join("memory_rank1.json"));
+        assert_eq!(MemoryReport::read(&dir, 1).unwrap(), r);
+        let text = std::fs::read_to_string(&path).unwrap().replace("\"schema_version\": 1", "\"schema_version\": 7");
+        std::fs::write(&path, text).unwrap();
+        let e = MemoryReport::read(&dir, 1).unwrap_err().to_string();
+        assert_eq!(e, format!("{}: schema version 7 is newer than this zerorun reads (1)", path.display()));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn the_table_has_a_row_per_category_and_a_column_per_rank() {
+        let t = table(&[report(0), report(1)]);
+        let lines: Vec<&str> = t.lines().collect();
+        assert!(lines[0].starts_with("memory (MiB)") && lines[0].ends_with("rank 1"), "{t}");
+        assert!(lines[1].starts_with("parameters ") && lines[1].ends_with("1.00"), "{t}");
+        assert!(t.contains("parameters_gathered") && t.contains("0.00 (peak 3.00)"), "{t}");
+        assert!(t.contains("model states, estimate") && t.contains("peak RSS (process)"), "{t}");
+    }
+}

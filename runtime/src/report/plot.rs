@@ -1,0 +1,126 @@
+//! `memory.svg` and `memory.png`: bytes per category stacked for every optimizer step, one panel per rank, the
+//! model-state estimate as a line and the process's resident memory as a second line.
+use std::path::Path;
+use std::sync::OnceLock;
+
+use plotters::coord::Shift;
+use plotters::prelude::*;
+
+use super::memory::{MemoryReport, MODEL_STATE_CATEGORIES};
+use crate::error::{Error, Result};
+
+/// Where Debian's fonts-dejavu-core puts its sans font (`make setup` installs it); plotters needs a font to
+/// measure and draw text.
+const FONT_PATHS: [&str; 2] = ["/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf", "/usr/share/fonts/dejavu/DejaVuSans.ttf"];
+
+fn register_font() -> Result<()> {
+    static FONT: OnceLock<std::result::Result<(), String>> = OnceLock::new();
+    FONT.get_or_init(|| {
+        let bytes = FONT_PATHS.iter().find_map(|p| std::fs::read(p).ok()).ok_or_else(|| format!("no font for the memory plot (looked for {FONT_PATHS:?}; Debian: fonts-dejavu-core)"))?;
+        let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
+        plotters::style::register_font("sans-serif", FontStyle::Normal, bytes).map_err(|_| "the DejaVu font did not load".to_string())
+    })
+    .clone()
+    .map_err(Error::Usage)
+}
+
+const MIB: f64 = 1024.0 * 1024.0;
+
+/// Colors by category, in stacking order (model states first).
+fn categories(reports: &[MemoryReport]) -> Vec<String> {
+    let mut names: Vec<String> = Vec::new();
+    for r in reports {
+        for n in r.categories.keys() {
+            if !names.contains(n) {
+                names.push(n.clone());
+            }
+        }
+    }
+    let order = |n: &str| MODEL_STATE_CATEGORIES.iter().position(|c| *c == n).unwrap_or(MODEL_STATE_CATEGORIES.len());
+    names.sort_by_key(|n| (order(n), n.clone()));
+    names
+}
+
+fn draw<DB: DrawingBackend>(root: DrawingArea<DB, Shift>, reports: &[MemoryReport]) -> std::result::Result<(), String> {
+    let err = |e: DrawingAreaErrorKind<DB::ErrorType>| e.to_string();
+    root.fill(&WHITE).map_err(err)?;
+    let names = categories(reports);
+    // The legend in a strip at the top, five entries a row, so it never hides bars.
+    let rows = (names.len() + 2).div_ceil(5) as u32;
+    let (strip, body) = root.split_vertically(12 + 20 * rows);
+    let entry = |i: usize| (12 + (i % 5) as i32 * 188, 10 + (i / 5) as i32 * 20);
+    let font = ("sans-serif", 13).into_font();
+    for (i, name) in names.iter().enumerate() {
+        let (x, y) = entry(i);
+        strip.draw(&Rectangle::new([(x, y + 2), (x + 14, y + 14)], Palette99::pick(i).to_rgba().filled())).map_err(err)?;
+        strip.draw(&Text::new(name.clone(), (x + 20, y + 1), font.clone())).map_err(err)?;
+    }
+    for (k, (label, color)) in [("model states, estimate", BLACK), ("resident memory (right axis)", RED)].into_iter().enumerate() {
+        let (x, y) = entry(names.len() + k);
+        strip.draw(&PathElement::new([(x, y + 8), (x + 14, y + 8)], color.stroke_width(2))).map_err(err)?;
+        strip.draw(&Text::new(label, (x + 20, y + 1), font.clone())).map_err(err)?;
+    }
+    let panels = body.split_evenly((reports.len().max(1), 1));
+    for (panel, r) in panels.iter().zip(reports) {
+        let first = r.steps.first().map_or(0, |s| s.step) as f64;
+        let last = r.steps.last().map_or(1, |s| s.step) as f64;
+        let stacked_max = r.steps.iter().map(|s| s.categories.values().sum::<u64>()).max().unwrap_or(0) as f64;
+        let rss_max = r.steps.iter().map(|s| s.rss_bytes).max().unwrap_or(0) as f64;
+        // The engine's bytes on the left axis; the process's resident memory (libtorch included, usually far
+        // larger) on its own right axis so it does not flatten the bars.
+        let ymax = stacked_max.max(r.model_states.estimated_bytes as f64).max(1.0) * 1.15 / MIB;
+        let x_range = (first - 0.5)..(last + 0.5);
+        let mut chart = ChartBuilder::on(panel)
+            .caption(format!("rank {} of {}: ZeRO stage {}, {}", r.rank, r.world_size, r.stage, r.precision), ("sans-serif", 18))
+            .margin(12)
+            .x_label_area_size(36)
+            .y_label_area_size(64)
+            .right_y_label_area_size(if rss_max > 0.0 { 64 } else { 0 })
+            .build_cartesian_2d(x_range.clone(), 0f64..ymax)
+            .map_err(err)?
+            .set_secondary_coord(x_range, 0f64..(rss_max.max(1.0) * 1.15 / MIB));
+        let steps = r.steps.len().clamp(1, 12);
+        chart
+            .configure_mesh()
+            .x_desc("optimizer step")
+            .y_desc("engine MiB (bars)")
+            .x_labels(steps)
+            .x_label_formatter(&|x| format!("{x:.0}"))
+            .disable_x_mesh()
+            .light_line_style(WHITE)
+            .draw()
+            .map_err(err)?;
+        if rss_max > 0.0 {
+            chart.configure_secondary_axes().y_desc("resident MiB (red line)").draw().map_err(err)?;
+        }
+        let width = if r.steps.len() > 1 { 0.8 * (last - first) / (r.steps.len() - 1) as f64 } else { 0.8 };
+        for (i, name) in names.iter().enumerate() {
+            let color = Palette99::pick(i).to_rgba();
+            let bars = r.steps.iter().map(|s| {
+                let below: u64 = names[..i].iter().filter_map(|n| s.categories.get(n)).sum();
+                let own = s.categories.get(name).copied().unwrap_or(0);
+                let x = s.step as f64;
+                Rectangle::new([(x - width / 2.0, below as f64 / MIB), (x + width / 2.0, (below + own) as f64 / MIB)], color.filled())
+            });
+            chart.draw_series(bars).map_err(err)?;
+        }
+        let est = r.model_states.estimated_bytes as f64 / MIB;
+        chart.draw_series(LineSeries::new([(first - 0.5, est), (last + 0.5, est)], BLACK.stroke_width(2))).map_err(err)?;
+        if rss_max > 0.0 {
+            let rss = r.steps.iter().map(|s| (s.step as f64, s.rss_bytes as f64 / MIB));
+            chart.draw_secondary_series(LineSeries::new(rss, RED.stroke_width(2))).map_err(err)?;
+        }
+    }
+    root.present().map_err(err)?;
+    Ok(())
+}
+
+/// Draws `memory.svg` and `memory.png` into `dir` from every rank's report.
+pub fn draw_memory(dir: &Path, reports: &[MemoryReport]) -> Result<(std::path::PathBuf, std::path::PathBuf)> {
+    register_font()?;
+    let (svg, png) = (dir.join("memory.svg"), dir.join("memory.png"));
+    let size = (960, 80 + 320 * reports.len().max(1) as u32);
+    draw(SVGBackend::new(&svg, size).into_drawing_area(), reports).map_err(|e| Error::Usage(format!("{}: {e}", svg.display())))?;
+    draw(BitMapBackend::new(&png, size).into_drawing_area(), reports).map_err(|e| Error::Usage(format!("{}: {e}", png.display())))?;
+    Ok((svg, png))
+}
