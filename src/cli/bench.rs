@@ -43,6 +43,29 @@ pub enum BenchCommand {
         #[arg(long, hide = true)]
         worker: bool,
     },
+    /// Write and read GiB/s of the NVMe swapper on a folder, beside dd with O_DIRECT on the same folder and size.
+    Swap {
+        /// The folder to test (where nvme_path would point).
+        #[arg(long, default_value = ".")]
+        dir: std::path::PathBuf,
+        /// Bytes per write and read (rounded up to MiB).
+        #[arg(long, default_value_t = 1 << 30)]
+        size: usize,
+        /// aio.block_size: bytes per request.
+        #[arg(long, default_value_t = 1 << 20)]
+        block_size: usize,
+        /// aio.queue_depth: requests in flight.
+        #[arg(long, default_value_t = 8)]
+        queue_depth: usize,
+        /// aio.intra_op_parallelism: I/O threads.
+        #[arg(long, default_value_t = 1)]
+        threads: usize,
+        #[arg(long, default_value_t = 3)]
+        repeats: usize,
+        /// One JSON object.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 pub fn run(command: BenchCommand) -> Result<(), CliError> {
@@ -51,6 +74,13 @@ pub fn run(command: BenchCommand) -> Result<(), CliError> {
         BenchCommand::Comm { backend, ranks, max_bytes, repeats, json, worker } => {
             super::bench_comm::run(&backend, ranks, max_bytes, repeats.max(1), json, worker)
         }
+        BenchCommand::Swap { dir, size, block_size, queue_depth, threads, repeats, json } => super::bench_swap::run(super::bench_swap::SwapBenchArgs {
+            dir,
+            size,
+            io: zerorun::offload::IoConfig { block_size, queue_depth, intra_op_parallelism: threads },
+            repeats: repeats.max(1),
+            json,
+        }),
     }
 }
 

@@ -1,6 +1,7 @@
 //! One module per subcommand; each returns a typed error that `main` renders once.
 pub mod bench;
 pub mod bench_comm;
+pub mod bench_swap;
 pub mod config;
 pub mod consolidate;
 pub mod estimate;
