@@ -4,7 +4,6 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde_json::json;
-use tch::nn::Module;
 use tch::{Kind, Tensor};
 use zerorun::runtime::comm::threads;
 use zerorun::{Config, Engine, EngineOptions};

@@ -1,7 +1,8 @@
-//! Parallel block I/O on a swap file: a request is cut into `block_size` blocks that `intra_op_parallelism`
-//! threads read or write with positioned I/O, up to `queue_depth` blocks in flight per thread's turn. Blocking
-//! pread/pwrite on O_DIRECT files from several threads keeps an NVMe queue busy without libaio; `single_submit`
-//! and `overlap_events` are libaio submission details with no counterpart here and are accepted as is.
+//! Parallel block I/O on a swap file: a request is cut into `block_size` blocks written or read with positioned
+//! I/O by `intra_op_parallelism x queue_depth` workers, each with one blocking request in flight, so the device
+//! sees `queue_depth` requests per I/O thread as with libaio. Blocking pread/pwrite on O_DIRECT files keeps an NVMe
+//! queue busy without libaio; `single_submit` and `overlap_events` are libaio submission details with no
+//! counterpart here and are accepted as is.
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
@@ -13,9 +14,9 @@ use crate::swap_file::SwapFile;
 pub struct IoConfig {
     /// Bytes per request (a multiple of 4 KiB).
     pub block_size: usize,
-    /// Requests in flight at once, over all threads.
+    /// Requests in flight per I/O thread.
     pub queue_depth: usize,
-    /// I/O threads.
+    /// I/O threads per operation.
     pub intra_op_parallelism: usize,
 }
 
@@ -27,9 +28,9 @@ impl Default for IoConfig {
 }
 
 impl IoConfig {
-    /// Threads issuing blocking requests: enough for `queue_depth` in flight, at most 64.
+    /// Workers issuing blocking requests: `queue_depth` per I/O thread, at most 64.
     pub fn workers(&self) -> usize {
-        self.queue_depth.max(self.intra_op_parallelism).clamp(1, 64)
+        (self.queue_depth.max(1) * self.intra_op_parallelism.max(1)).clamp(1, 64)
     }
 
     fn block(&self) -> usize {

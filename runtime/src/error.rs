@@ -12,6 +12,8 @@ pub enum Error {
     Optim(#[from] zerorun_optim::OptimError),
     #[error(transparent)]
     Checkpoint(#[from] crate::checkpoint::CheckpointError),
+    #[error(transparent)]
+    Offload(#[from] zerorun_offload::OffloadError),
     #[error("libtorch: {0}")]
     Torch(#[from] tch::TchError),
     /// A setting this build of the engine does not run yet; names the key.

@@ -57,7 +57,7 @@ impl Engine {
         let mut crcs = vec![0i64; ws];
         if writes {
             let values = self.optimized_values();
-            let state = self.optimizer.state();
+            let state = self.optimizer.export_state()?;
             let mut tensors = vec![("params".to_string(), vec![values.len()])];
             tensors.extend(state.buffers.iter().map(|(n, b)| (n.clone(), vec![b.len()])));
             let file = staging.join(format!("rank{rank}.safetensors"));
@@ -82,9 +82,9 @@ impl Engine {
                 global_steps: self.global_steps,
                 global_samples: self.global_samples,
                 skipped_steps: self.skipped_steps,
-                optimizer_steps: self.optimizer.state().step,
+                optimizer_steps: self.optimizer.step_count(),
                 optimizer: self.optimizer.name().to_string(),
-                state_names: self.optimizer.state().buffers.iter().map(|(n, _)| n.clone()).collect(),
+                state_names: self.optimizer.state_names(),
                 scheduler_last_batch_iteration: self.scheduler.as_ref().map(|s| s.last_batch_iteration),
                 loss_scaler: self.scaler.as_ref().map(|s| s.state.clone()),
                 world_size: ws,
@@ -146,7 +146,7 @@ impl Engine {
             problems.truncate(3);
             return Err(mismatch(format!("parameters differ: {}", problems.join("; "))).into());
         }
-        let our_states: Vec<String> = self.optimizer.state().buffers.iter().map(|(n, _)| n.clone()).collect();
+        let our_states: Vec<String> = self.optimizer.state_names();
         if self.optimizer.name() != m.optimizer || our_states != m.state_names {
             return Err(mismatch(format!("optimizer {} with {:?}, but the config builds {} with {:?}", m.optimizer, m.state_names, self.optimizer.name(), our_states)).into());
         }
@@ -189,11 +189,11 @@ impl Engine {
         }
 
         // Install: optimizer state, values (master or parameters), the 16-bit copy, counters and schedules.
-        let st = self.optimizer.state_mut();
-        st.step = m.optimizer_steps;
-        for ((_, buf), v) in st.buffers.iter_mut().zip(&states) {
-            buf.copy_from_slice(v);
-        }
+        let state = zerorun_optim::OptimizerState {
+            step: m.optimizer_steps,
+            buffers: m.state_names.iter().cloned().zip(states.iter().map(|v| zerorun_optim::AlignedVec::from_slice(v))).collect(),
+        };
+        self.optimizer.import_state(state)?;
         let range = self.optimized.clone();
         tch::no_grad(|| match (&mut self.master, self.precision) {
             (None, _) => views::slice::<f32>(&self.flat_params)[range].copy_from_slice(&values),

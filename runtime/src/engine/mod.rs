@@ -15,6 +15,7 @@ mod reporting;
 pub mod sampler;
 mod sharded_unit;
 mod stage3;
+mod swapped_optimizer;
 pub mod units;
 mod views;
 
@@ -23,7 +24,7 @@ use std::time::Instant;
 use tch::{nn, Kind, Tensor};
 use zerorun_optim::loss_scale::StepDecision;
 use zerorun_optim::schedule::LrScheduler;
-use zerorun_optim::{norm, AlignedVec, Grads, Group, LossScaler, LossScalerConfig, Optimizer, ParamsOut};
+use zerorun_optim::{norm, AlignedVec, Grads, Group, LossScaler, LossScalerConfig, ParamsOut};
 
 use crate::comm::{Collectives, Communicator, ReduceOp};
 use crate::config::{BatchSizes, Config, OffloadDevice, OptimizerConfig, Precision};
@@ -68,6 +69,12 @@ impl EngineOptions {
     }
 }
 
+/// Distinguishes engines of one process (thread ranks, tests) in swap-file names.
+fn next_engine_id() -> usize {
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
 /// Biases and norm weights (1-D parameters) get no weight decay: the usual transformer recipe.
 pub fn no_decay_for_1d(_name: &str, shape: &[i64]) -> bool {
     shape.len() <= 1
@@ -106,7 +113,7 @@ pub struct Engine {
     /// fp32 reduced gradients of the optimized range: accumulated over micro-batches (16-bit models), or the
     /// boundary's reduction (fp32 models at stages 1-2).
     grad_acc: AlignedVec,
-    optimizer: Box<dyn Optimizer>,
+    optimizer: optimizer::OptimizerTier,
     /// Groups relative to the optimized range (the partition at stages 1-2, everything at stage 0).
     groups: Vec<Group>,
     optimized: std::ops::Range<usize>,
@@ -129,11 +136,11 @@ impl Engine {
         let rank = comm.rank();
         let batch = config.batch_sizes(world_size)?;
         let z = &config.zero_optimization;
-        if z.offload_optimizer.device != OffloadDevice::None {
+        if z.offload_param.device == OffloadDevice::Nvme {
             return Err(Error::Unsupported {
-                key: "zero_optimization.offload_optimizer.device",
-                value: format!("{:?}", z.offload_optimizer.device).to_lowercase(),
-                why: "optimizer offload is not in this build yet; remove the offload_optimizer section",
+                key: "zero_optimization.offload_param.device",
+                value: "nvme".into(),
+                why: "parameter shards on NVMe are not in this build yet; use \"cpu\" (on CPU runs the shards already live in host memory) or offload_optimizer to NVMe",
             });
         }
         if let Some(OptimizerConfig::Lamb(_)) = &config.optimizer {
@@ -219,7 +226,40 @@ impl Engine {
             let part = flat_params.narrow(0, optimized.start as i64, optimized.len() as i64).to_kind(Kind::Float);
             AlignedVec::from_slice(views::slice::<f32>(&part))
         });
-        let (optimizer, base_lr, weight_decay) = optimizer::build(&config, optimized.len());
+        // The in-memory optimizer is built only without NVMe offload: its states would be the very bytes NVMe
+        // offload keeps out of memory.
+        let nvme = z.offload_optimizer.device == OffloadDevice::Nvme;
+        let (optimizer, base_lr, weight_decay) = optimizer::build(&config, if nvme { 0 } else { optimized.len() });
+        let optimizer = match z.offload_optimizer.device {
+            OffloadDevice::Nvme => {
+                let o = &z.offload_optimizer;
+                let dir = std::path::PathBuf::from(o.nvme_path.clone().expect("the config requires nvme_path for nvme"));
+                let io = zerorun_offload::IoConfig {
+                    block_size: config.aio.block_size as usize,
+                    queue_depth: config.aio.queue_depth as usize,
+                    intra_op_parallelism: config.aio.intra_op_parallelism as usize,
+                };
+                let prefix = format!("zerorun-{}-{}-rank{rank}", std::process::id(), next_engine_id());
+                let swapped = swapped_optimizer::SwappedOptimizer::new(
+                    |len| optimizer::build(&config, len).0,
+                    optimized.len(),
+                    z.sub_group_size as usize,
+                    &dir,
+                    &prefix,
+                    io,
+                    o.buffer_count as usize,
+                    (o.pipeline_read, o.pipeline_write),
+                )?;
+                tracing::info!(rank, dir = %dir.display(), bytes = swapped.swapped_bytes(), "optimizer states on NVMe");
+                optimizer::OptimizerTier::Nvme(swapped)
+            }
+            device => {
+                if device == OffloadDevice::Cpu {
+                    tracing::info!(rank, "offload_optimizer.device = cpu: a CPU run keeps optimizer states in host memory already");
+                }
+                optimizer::OptimizerTier::Memory(optimizer)
+            }
+        };
         let runs = if stage3 { layout.shard_decay_runs(rank) } else { layout.decay_runs(optimized.clone()) };
         let groups = runs
             .into_iter()
@@ -482,7 +522,7 @@ impl Engine {
                 } else {
                     &self.grad_acc
                 };
-                self.optimizer.step(params, Grads::F32(grads), &self.groups, None)?;
+                self.optimizer.step(params, grads, &self.groups, None)?;
             }
             Some(master) => {
                 // The update writes the 16-bit model copy of the range in the same pass.
@@ -490,7 +530,7 @@ impl Engine {
                     Precision::Bf16 => ParamsOut::Bf16(&mut views::slice::<half::bf16>(&self.flat_params)[range]),
                     _ => ParamsOut::F16(&mut views::slice::<half::f16>(&self.flat_params)[range]),
                 };
-                self.optimizer.step(master, Grads::F32(&self.grad_acc), &self.groups, Some(out))?;
+                self.optimizer.step(master, &self.grad_acc, &self.groups, Some(out))?;
                 self.grad_acc.fill(0.0);
             }
         }
@@ -657,7 +697,8 @@ impl Engine {
             ("gradients_full", autograd),
             ("gradients_shard", shard),
             ("master_fp32", self.master.as_ref().map_or(0, |m| m.len() * 4)),
-            ("optimizer_states", self.optimizer.state().bytes()),
+            ("optimizer_states", self.optimizer.resident_bytes()),
+            ("optimizer_states_nvme", self.optimizer.swapped_bytes()),
             ("communication_buffers", staging + self.grad_part.as_ref().map_or(0, bytes)),
         ]
     }

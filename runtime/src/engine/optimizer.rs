@@ -48,3 +48,72 @@ pub fn build(config: &Config, len: usize) -> (Box<dyn Optimizer>, f64, f64) {
 pub fn scheduler(config: &Config, base_lr: f64) -> Option<LrScheduler> {
     config.scheduler.clone().map(|s| LrScheduler::new(s, base_lr))
 }
+
+/// Where the optimizer's states live: host memory (no offload; also `offload_optimizer.device = cpu` on a CPU run,
+/// where host memory is the only memory, so nothing is copied), or NVMe, swapped sub-group by sub-group.
+pub(super) enum OptimizerTier {
+    Memory(Box<dyn Optimizer>),
+    Nvme(super::swapped_optimizer::SwappedOptimizer),
+}
+
+impl OptimizerTier {
+    pub fn name(&self) -> &'static str {
+        match self {
+            OptimizerTier::Memory(o) => o.name(),
+            OptimizerTier::Nvme(o) => o.name(),
+        }
+    }
+
+    pub fn state_names(&self) -> Vec<String> {
+        match self {
+            OptimizerTier::Memory(o) => o.state().buffers.iter().map(|(n, _)| n.clone()).collect(),
+            OptimizerTier::Nvme(o) => o.state_names().to_vec(),
+        }
+    }
+
+    /// Optimizer steps taken (bias correction's t).
+    pub fn step_count(&self) -> u64 {
+        match self {
+            OptimizerTier::Memory(o) => o.state().step,
+            OptimizerTier::Nvme(o) => o.step_count(),
+        }
+    }
+
+    pub fn step(&mut self, params: &mut [f32], grads: &[f32], groups: &[zerorun_optim::Group], out: Option<zerorun_optim::ParamsOut<'_>>) -> crate::Result<()> {
+        match self {
+            OptimizerTier::Memory(o) => Ok(o.step(params, zerorun_optim::Grads::F32(grads), groups, out)?),
+            OptimizerTier::Nvme(o) => o.step(params, grads, groups, out),
+        }
+    }
+
+    /// State bytes in host memory between steps.
+    pub fn resident_bytes(&self) -> usize {
+        match self {
+            OptimizerTier::Memory(o) => o.state().bytes(),
+            OptimizerTier::Nvme(o) => o.resident_bytes(),
+        }
+    }
+
+    /// State bytes on NVMe.
+    pub fn swapped_bytes(&self) -> usize {
+        match self {
+            OptimizerTier::Memory(_) => 0,
+            OptimizerTier::Nvme(o) => o.swapped_bytes(),
+        }
+    }
+
+    /// The whole state (for a checkpoint): borrowed from memory, or read back from NVMe.
+    pub fn export_state(&mut self) -> crate::Result<std::borrow::Cow<'_, zerorun_optim::OptimizerState>> {
+        match self {
+            OptimizerTier::Memory(o) => Ok(std::borrow::Cow::Borrowed(o.state())),
+            OptimizerTier::Nvme(o) => Ok(std::borrow::Cow::Owned(o.export_state()?)),
+        }
+    }
+
+    pub fn import_state(&mut self, state: zerorun_optim::OptimizerState) -> crate::Result<()> {
+        match self {
+            OptimizerTier::Memory(o) => Ok(o.state_mut().load(state)?),
+            OptimizerTier::Nvme(o) => o.import_state(&state),
+        }
+    }
+}

@@ -1,0 +1,249 @@
+//! Optimizer states on NVMe (ZeRO-Infinity's optimizer offload): the optimized range is cut into sub-groups of
+//! `sub_group_size` elements, each with its own optimizer whose state buffers live in a swap file between steps.
+//! A step reads sub-group k+1 (`pipeline_read`) and writes k-1 (`pipeline_write`) while k steps, with at most
+//! `buffer_count` host buffers in use, so resident state is a few sub-groups whatever the model size.
+use std::collections::VecDeque;
+use std::ops::Range;
+use std::path::Path;
+
+use zerorun_offload::{BufferPool, HostBuffer, IoConfig, SwapHandle, Swapper};
+use zerorun_optim::{AlignedVec, Grads, Group, Optimizer, OptimizerState, ParamsOut};
+
+use crate::error::{Error, Result};
+
+struct SubGroup {
+    range: Range<usize>,
+    optimizer: Box<dyn Optimizer>,
+    /// The engine's groups restricted to this sub-group, relative to its start.
+    groups: Vec<Group>,
+}
+
+pub(super) struct SwappedOptimizer {
+    name: &'static str,
+    state_names: Vec<String>,
+    subgroups: Vec<SubGroup>,
+    swapper: Swapper,
+    pool: BufferPool,
+    step: u64,
+    pipeline_read: bool,
+    pipeline_write: bool,
+    buffer_count: usize,
+    /// State buffers lent to whichever sub-group steps, by sub-group length (at most two lengths: the full
+    /// size and the last sub-group's), so a step allocates nothing.
+    scratch: Vec<(usize, Vec<AlignedVec>)>,
+}
+
+fn key(k: usize) -> String {
+    format!("optim{k}")
+}
+
+fn offload_err(e: zerorun_offload::OffloadError) -> Error {
+    Error::Offload(e)
+}
+
+impl SwappedOptimizer {
+    /// `build(len)` makes an optimizer for `len` elements (the config's). Writes every sub-group's initial state
+    /// to `dir`, so each step is the same read-step-write pipeline.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        build: impl Fn(usize) -> Box<dyn Optimizer>,
+        len: usize,
+        sub_group_size: usize,
+        dir: &Path,
+        prefix: &str,
+        io: IoConfig,
+        buffer_count: usize,
+        pipeline: (bool, bool),
+    ) -> Result<SwappedOptimizer> {
+        let size = sub_group_size.max(1);
+        let probe = build(0);
+        let name = probe.name();
+        let state_names: Vec<String> = probe.state().buffers.iter().map(|(n, _)| n.clone()).collect();
+        let bytes_per_element = 4 * state_names.len();
+        let needed = len as u64 * bytes_per_element as u64;
+        zerorun_offload::preflight::check(dir, needed).map_err(offload_err)?;
+        let swapper = Swapper::new(dir, prefix, io);
+        let buffer_count = buffer_count.max(2);
+        let largest = size.min(len.max(1)) * bytes_per_element;
+        let mut s = SwappedOptimizer {
+            name,
+            state_names,
+            subgroups: Vec::new(),
+            swapper,
+            pool: BufferPool::new(buffer_count * largest.div_ceil(zerorun_offload::PAGE) * zerorun_offload::PAGE),
+            step: 0,
+            pipeline_read: pipeline.0,
+            pipeline_write: pipeline.1,
+            buffer_count,
+            scratch: Vec::new(),
+        };
+        for start in (0..len.max(1)).step_by(size) {
+            let range = start..(start + size).min(len);
+            let mut optimizer = build(range.len());
+            let buf = s.pack(optimizer.as_mut(), range.len());
+            for (_, b) in optimizer.state_mut().buffers.iter_mut() {
+                *b = AlignedVec::filled(0, 0.0);
+            }
+            s.swapper.swap_out(&key(s.subgroups.len()), buf, range.len() * bytes_per_element).wait().map(|b| s.pool.give_back(b)).map_err(offload_err)?;
+            s.subgroups.push(SubGroup { range, optimizer, groups: Vec::new() });
+        }
+        // The sub-groups' initial states were allocated and freed one by one: give the freed pages back.
+        #[cfg(target_os = "linux")]
+        unsafe {
+            libc::malloc_trim(0);
+        }
+        for g in &s.subgroups {
+            if !s.scratch.iter().any(|(l, _)| *l == g.range.len()) {
+                s.scratch.push((g.range.len(), s.state_names.iter().map(|_| AlignedVec::filled(g.range.len(), 0.0)).collect()));
+            }
+        }
+        Ok(s)
+    }
+
+    pub fn name(&self) -> &'static str {
+        self.name
+    }
+
+    pub fn state_names(&self) -> &[String] {
+        &self.state_names
+    }
+
+    pub fn step_count(&self) -> u64 {
+        self.step
+    }
+
+    /// Bytes of state on NVMe.
+    pub fn swapped_bytes(&self) -> usize {
+        self.subgroups.iter().map(|g| g.range.len() * 4 * self.state_names.len()).sum()
+    }
+
+    /// State and host buffers resident now: the scratch state and the idle swap buffers.
+    pub fn resident_bytes(&self) -> usize {
+        self.pool.idle_bytes() + self.scratch.iter().flat_map(|(_, v)| v.iter()).map(|b| b.len() * 4).sum::<usize>()
+    }
+
+    fn pack(&self, optimizer: &mut dyn Optimizer, len: usize) -> HostBuffer {
+        pack(&self.pool, optimizer, len)
+    }
+
+    fn read(&self, k: usize) -> SwapHandle<HostBuffer> {
+        let bytes = self.subgroups[k].range.len() * 4 * self.state_names.len();
+        self.swapper.swap_in(&key(k), self.pool.take(bytes))
+    }
+
+    /// One optimizer step over the whole range, sub-group by sub-group. `groups` are the engine's (relative to
+    /// the range start).
+    pub fn step(&mut self, params: &mut [f32], grads: &[f32], groups: &[Group], mut out: Option<ParamsOut<'_>>) -> Result<()> {
+        for g in &mut self.subgroups {
+            g.groups = groups
+                .iter()
+                .filter_map(|x| {
+                    let (a, b) = (x.range.start.max(g.range.start), x.range.end.min(g.range.end));
+                    (a < b).then(|| Group { range: a - g.range.start..b - g.range.start, lr: x.lr, weight_decay: x.weight_decay })
+                })
+                .collect();
+        }
+        let n = self.subgroups.len();
+        let mut next_read = Some(self.read(0));
+        let mut writes: VecDeque<SwapHandle<HostBuffer>> = VecDeque::new();
+        let step = self.step;
+        for k in 0..n {
+            let buf = next_read.take().expect("sub-group k was read").wait().map_err(offload_err)?;
+            if self.pipeline_read && k + 1 < n {
+                next_read = Some(self.read(k + 1));
+            }
+            let sg = &mut self.subgroups[k];
+            let range = sg.range.clone();
+            let scratch = &mut self.scratch.iter_mut().find(|(l, _)| *l == range.len()).expect("a scratch set per sub-group length").1;
+            lend(sg.optimizer.as_mut(), scratch, range.len(), &buf, step);
+            self.pool.give_back(buf);
+            let sub_out = out.as_mut().map(|o| match o {
+                ParamsOut::Bf16(s) => ParamsOut::Bf16(&mut s[range.clone()]),
+                ParamsOut::F16(s) => ParamsOut::F16(&mut s[range.clone()]),
+            });
+            let r = sg.optimizer.step(&mut params[range.clone()], Grads::F32(&grads[range.clone()]), &sg.groups, sub_out);
+            let packed = pack(&self.pool, sg.optimizer.as_mut(), range.len());
+            take_back(sg.optimizer.as_mut(), scratch);
+            r?;
+            writes.push_back(self.swapper.swap_out(&key(k), packed, range.len() * 4 * self.state_names.len()));
+            // One buffer is being stepped and one read ahead; the rest may be writes in flight.
+            let max_writes = if self.pipeline_write { self.buffer_count.saturating_sub(2).max(1) } else { 0 };
+            while writes.len() > max_writes {
+                let b = writes.pop_front().expect("non-empty").wait().map_err(offload_err)?;
+                self.pool.give_back(b);
+            }
+            if !self.pipeline_read && k + 1 < n {
+                next_read = Some(self.read(k + 1));
+            }
+        }
+        for w in writes {
+            let b = w.wait().map_err(offload_err)?;
+            self.pool.give_back(b);
+        }
+        self.step += 1;
+        Ok(())
+    }
+
+    /// The whole state (checkpoints), read back sub-group by sub-group.
+    pub fn export_state(&mut self) -> Result<OptimizerState> {
+        let len: usize = self.subgroups.iter().map(|g| g.range.len()).sum();
+        let mut state = OptimizerState { step: self.step, buffers: self.state_names.iter().map(|n| (n.clone(), AlignedVec::filled(len, 0.0))).collect() };
+        for k in 0..self.subgroups.len() {
+            let buf = self.read(k).wait().map_err(offload_err)?;
+            let r = self.subgroups[k].range.clone();
+            let src: &[f32] = bytemuck::cast_slice(&buf.as_slice()[..r.len() * 4 * self.state_names.len()]);
+            for (i, (_, b)) in state.buffers.iter_mut().enumerate() {
+                b[r.clone()].copy_from_slice(&src[i * r.len()..(i + 1) * r.len()]);
+            }
+            self.pool.give_back(buf);
+        }
+        Ok(state)
+    }
+
+    /// Replaces the state (checkpoint load): every sub-group's part is written to its swap file.
+    pub fn import_state(&mut self, state: &OptimizerState) -> Result<()> {
+        for k in 0..self.subgroups.len() {
+            let r = self.subgroups[k].range.clone();
+            let mut buf = self.pool.take(r.len() * 4 * self.state_names.len());
+            let dst: &mut [f32] = bytemuck::cast_slice_mut(&mut buf.as_mut_slice()[..r.len() * 4 * self.state_names.len()]);
+            for (i, (_, b)) in state.buffers.iter().enumerate() {
+                dst[i * r.len()..(i + 1) * r.len()].copy_from_slice(&b[r.clone()]);
+            }
+            let b = self.swapper.swap_out(&key(k), buf, r.len() * 4 * self.state_names.len()).wait().map_err(offload_err)?;
+            self.pool.give_back(b);
+        }
+        self.step = state.step;
+        Ok(())
+    }
+}
+
+/// Copies an optimizer's state buffers into a host buffer from `pool`, for writing.
+fn pack(pool: &BufferPool, optimizer: &mut dyn Optimizer, len: usize) -> HostBuffer {
+    let names = optimizer.state().buffers.len();
+    let mut buf = pool.take(len * 4 * names);
+    let out: &mut [f32] = bytemuck::cast_slice_mut(&mut buf.as_mut_slice()[..len * 4 * names]);
+    for (i, (_, b)) in optimizer.state().buffers.iter().enumerate() {
+        out[i * len..(i + 1) * len].copy_from_slice(&b[..len]);
+    }
+    buf
+}
+
+/// Lends the scratch buffers (as long as the sub-group) to an optimizer, filled with the state read from disk,
+/// with the step count of the run.
+fn lend(optimizer: &mut dyn Optimizer, scratch: &mut [AlignedVec], len: usize, buf: &HostBuffer, step: u64) {
+    let st = optimizer.state_mut();
+    let names = st.buffers.len();
+    let src: &[f32] = bytemuck::cast_slice(&buf.as_slice()[..len * 4 * names]);
+    st.step = step;
+    for (i, ((_, b), s)) in st.buffers.iter_mut().zip(scratch.iter_mut()).enumerate() {
+        std::mem::swap(b, s);
+        b.copy_from_slice(&src[i * len..(i + 1) * len]);
+    }
+}
+
+/// Takes the scratch buffers back after a step (the optimizer is left with empty ones).
+fn take_back(optimizer: &mut dyn Optimizer, scratch: &mut [AlignedVec]) {
+    for ((_, b), s) in optimizer.state_mut().buffers.iter_mut().zip(scratch.iter_mut()) {
+        std::mem::swap(b, s);
+    }
+}

@@ -1,0 +1,225 @@
+//! Optimizer states off the process's working memory: `offload_optimizer.device = cpu` and `nvme` give the
+//! parameters of the in-memory run bitwise (stages 1-3, fp32 and bf16, many sub-groups), checkpoints of an NVMe
+//! run resume bitwise, a full filesystem fails at start-up by name, a swap file removed mid-run is an error
+//! naming it, no swap file outlives its engine, and NVMe offload lowers the peak RSS of a real run.
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use tch::{Kind, Tensor};
+use zerorun::runtime::comm::threads;
+use zerorun::{Config, Engine, EngineOptions};
+
+#[path = "common/mlp.rs"]
+mod mlp;
+use mlp::*;
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("zerorun-offload-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn config(stage: u8, bf16: bool, offload: Value) -> Config {
+    Config::from_value(json!({
+        "train_batch_size": GLOBAL_BATCH, "gradient_accumulation_steps": 2, "gradient_clipping": CLIP,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
+        "bf16": {"enabled": bf16},
+        "aio": {"block_size": 8192, "queue_depth": 2, "intra_op_parallelism": 2},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, "sub_group_size": 37, "offload_optimizer": offload}
+    }))
+    .unwrap()
+}
+
+type Params = Vec<(String, Vec<f32>)>;
+
+/// Trains 2 thread ranks for `steps` (saving or resuming a checkpoint in `ckpt` when given) and returns rank 0's
+/// full parameters.
+fn train(config: Config, steps: i64, save_at: Option<(&Path, i64)>, resume: Option<&Path>) -> Result<Params, String> {
+    let (xv, yv) = data();
+    let comms = threads::group(2, Duration::from_secs(60));
+    let bf16 = config.bf16.enabled;
+    let mut out: Vec<Result<Params, String>> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .into_iter()
+            .map(|comm| {
+                let (config, xv, yv) = (config.clone(), &xv, &yv);
+                s.spawn(move || -> Result<Params, String> {
+                    let (mut vs, model) = init_layers(&[IN, HIDDEN, HIDDEN, OUT]);
+                    if bf16 {
+                        vs.bfloat16();
+                    }
+                    let x = Tensor::from_slice(xv).view([SAMPLES, IN]).to_kind(if bf16 { Kind::BFloat16 } else { Kind::Float });
+                    let y = Tensor::from_slice(yv).view([SAMPLES, OUT]);
+                    let mut engine = Engine::new(&vs, config, Box::new(comm), EngineOptions::default().units_of(&model)).map_err(|e| e.to_string())?;
+                    if let Some(dir) = resume {
+                        engine.load_checkpoint(dir, None).map_err(|e| e.to_string())?;
+                    }
+                    let rank = engine.rank();
+                    for step in engine.global_steps() as i64..steps {
+                        let order = batch_indices(step);
+                        for m in 0..2usize {
+                            let first = (m * 2 + rank) * 3;
+                            let idx = Tensor::from_slice(&order[first..first + 3]);
+                            let pred = engine.forward(&model, &x.index_select(0, &idx)).map_err(|e| e.to_string())?.to_kind(Kind::Float);
+                            let loss = pred.mse_loss(&y.index_select(0, &idx), tch::Reduction::Mean);
+                            engine.backward_units(&model, &loss).map_err(|e| e.to_string())?;
+                            engine.step().map_err(|e| e.to_string())?;
+                        }
+                        if let Some((dir, at)) = save_at {
+                            if engine.global_steps() as i64 == at {
+                                engine.save_checkpoint(dir, None).map_err(|e| e.to_string())?;
+                            }
+                        }
+                    }
+                    let mut p: Params = engine.full_parameters().unwrap().into_iter().map(|(n, t)| (n, Vec::<f32>::try_from(t.reshape([-1])).unwrap())).collect();
+                    p.sort_by(|a, b| a.0.cmp(&b.0));
+                    Ok(p)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    out.remove(0)
+}
+
+fn files_in(dir: &Path) -> Vec<String> {
+    std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect()
+}
+
+#[test]
+fn offloaded_runs_are_bitwise_the_in_memory_run() {
+    let swap = tmp("bitwise");
+    for stage in [1u8, 2, 3] {
+        for bf16 in [false, true] {
+            let memory = train(config(stage, bf16, json!({})), 6, None, None).unwrap();
+            let cpu = train(config(stage, bf16, json!({"device": "cpu"})), 6, None, None).unwrap();
+            assert_eq!(cpu, memory, "cpu offload, stage {stage}, bf16 {bf16}");
+            let nvme = train(config(stage, bf16, json!({"device": "nvme", "nvme_path": swap, "buffer_count": 3})), 6, None, None).unwrap();
+            assert_eq!(nvme, memory, "nvme offload, stage {stage}, bf16 {bf16}");
+            assert!(files_in(&swap).is_empty(), "swap files are removed with the engine: {:?}", files_in(&swap));
+        }
+    }
+    // Without pipelining the result is the same.
+    let plain = train(config(2, false, json!({"device": "nvme", "nvme_path": swap, "pipeline_read": false, "pipeline_write": false})), 6, None, None).unwrap();
+    assert_eq!(plain, train(config(2, false, json!({})), 6, None, None).unwrap());
+    std::fs::remove_dir_all(&swap).unwrap();
+}
+
+#[test]
+fn an_nvme_run_checkpoints_and_resumes_bitwise() {
+    let (swap, ck) = (tmp("ckswap"), tmp("ck"));
+    let nvme = || config(2, false, json!({"device": "nvme", "nvme_path": swap}));
+    let straight = train(nvme(), 8, Some((&ck, 4)), None).unwrap();
+    let resumed = train(nvme(), 8, None, Some(&ck)).unwrap();
+    assert_eq!(resumed, straight);
+    // The checkpoint loads into an in-memory run too (same format).
+    assert_eq!(train(config(2, false, json!({})), 8, None, Some(&ck)).unwrap(), straight);
+    assert!(files_in(&swap).is_empty());
+    std::fs::remove_dir_all(&swap).unwrap();
+    std::fs::remove_dir_all(&ck).unwrap();
+}
+
+#[test]
+fn a_removed_swap_file_is_an_error_naming_it_and_nothing_stays_behind() {
+    let swap = tmp("removed");
+    let comm = threads::group(1, Duration::from_secs(10)).pop().unwrap();
+    let (vs, model) = init_layers(&[IN, HIDDEN, HIDDEN, OUT]);
+    let cfg = Config::from_value(json!({
+        "train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+        "zero_optimization": {"stage": 1, "sub_group_size": 100, "offload_optimizer": {"device": "nvme", "nvme_path": swap}}
+    }))
+    .unwrap();
+    let mut engine = Engine::new(&vs, cfg, Box::new(comm), EngineOptions::default().units_of(&model)).unwrap();
+    let x = Tensor::ones([4, IN], (Kind::Float, tch::Device::Cpu));
+    let step = |engine: &mut Engine| -> Result<(), String> {
+        let loss = engine.forward(&model, &x).map_err(|e| e.to_string())?.square().mean(Kind::Float);
+        engine.backward_units(&model, &loss).map_err(|e| e.to_string())?;
+        engine.step().map(|_| ()).map_err(|e| e.to_string())
+    };
+    step(&mut engine).unwrap();
+    let files = files_in(&swap);
+    assert!(!files.is_empty(), "the states are on disk");
+    let victim = swap.join(files.iter().min().unwrap());
+    std::fs::remove_file(&victim).unwrap();
+    let e = step(&mut engine).unwrap_err();
+    assert!(e.contains(&victim.display().to_string()) && e.contains("the swap file is gone"), "{e}");
+    drop(engine);
+    assert!(files_in(&swap).is_empty(), "no stray swap files after the error: {:?}", files_in(&swap));
+    std::fs::remove_dir_all(&swap).unwrap();
+}
+
+#[test]
+fn a_full_filesystem_fails_at_start_up_naming_nvme_path() {
+    let mnt = tmp("full");
+    // A 1 MiB tmpfs (root, as CI runs); the states of this model (2 x 4 bytes x ~5000 params per rank of one)
+    // plus the margin do not fit.
+    let mounted = std::process::Command::new("mount").args(["-t", "tmpfs", "-o", "size=1m", "tmpfs"]).arg(&mnt).status().is_ok_and(|s| s.success());
+    let comm = threads::group(1, Duration::from_secs(10)).pop().unwrap();
+    let (vs, model) = init_layers(&[IN, 256, 256, OUT]);
+    let cfg = Config::from_value(json!({
+        "train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+        "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "nvme", "nvme_path": mnt}}
+    }))
+    .unwrap();
+    let result = Engine::new(&vs, cfg, Box::new(comm), EngineOptions::default().units_of(&model));
+    if mounted {
+        let e = result.err().expect("the preflight refuses a full filesystem").to_string();
+        assert!(e.starts_with(&format!("nvme_path {}: needs ", mnt.display())) && e.contains("free"), "{e}");
+        assert!(files_in(&mnt).is_empty(), "nothing left on the small filesystem");
+        let _ = std::process::Command::new("umount").arg(&mnt).status();
+    } else {
+        // Without the right to mount: the same check against this filesystem's real free space.
+        eprintln!("mount not permitted here; checking the preflight against the free space instead");
+        drop(result);
+        let free = zerorun::offload::preflight::free_bytes(&mnt).unwrap();
+        let e = zerorun::offload::preflight::check(&mnt, free).unwrap_err().to_string();
+        assert!(e.starts_with(&format!("nvme_path {}: needs ", mnt.display())), "{e}");
+    }
+    std::fs::remove_dir_all(&mnt).unwrap();
+}
+
+/// The example program's peak RSS with the given offload section (a fresh process per run).
+fn peak_rss(mlp: &Path, dir: &Path, offload: Value) -> u64 {
+    let cfg = dir.join(format!("cfg-{}.json", offload.get("device").and_then(|d| d.as_str()).unwrap_or("none")));
+    std::fs::write(
+        &cfg,
+        json!({"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+               "zero_optimization": {"stage": 1, "sub_group_size": 250000, "offload_optimizer": offload}})
+        .to_string(),
+    )
+    .unwrap();
+    let out = std::process::Command::new(mlp)
+        .args(["--config", cfg.to_str().unwrap(), "--steps", "2", "--in", "1024", "--hidden", "2048", "--layers", "4", "--out", "8"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.lines().find_map(|l| l.strip_prefix("peak_rss_bytes ")).expect("the example prints its peak RSS").trim().parse().unwrap()
+}
+
+#[test]
+fn nvme_offload_lowers_peak_rss_by_most_of_the_optimizer_states() {
+    // The example program, built as a program (cargo test builds examples as test harnesses).
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let status = std::process::Command::new(env!("CARGO")).args(["build", "--quiet", "--example", "mlp"]).current_dir(root).status().unwrap();
+    assert!(status.success());
+    let mlp = root.join("target/debug/examples/mlp");
+    let dir = tmp("rss");
+    let swap = dir.join("swap");
+    std::fs::create_dir_all(&swap).unwrap();
+    // 1024*2048 + 2*2048*2048 + 2048*8 weights: ~10.5M parameters, 84 MB of Adam moments, in sub-groups of
+    // 250k elements (2 MB of state each) with 4 swap buffers.
+    let params: u64 = 1024 * 2048 + 2048 + 2 * (2048 * 2048 + 2048) + 2048 * 8 + 8;
+    let state_bytes = 8 * params;
+    let in_memory = peak_rss(&mlp, &dir, json!({}));
+    let on_nvme = peak_rss(&mlp, &dir, json!({"device": "nvme", "nvme_path": swap, "buffer_count": 4}));
+    let saved = in_memory.saturating_sub(on_nvme);
+    assert!(
+        saved as f64 >= 0.8 * state_bytes as f64,
+        "peak RSS {in_memory} in memory vs {on_nvme} with NVMe: saved {saved} bytes, want >= 80% of the {state_bytes} bytes of optimizer states"
+    );
+    assert!(files_in(&swap).is_empty());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
