@@ -299,7 +299,7 @@ impl Engine {
             unit_prefixes,
             records: Vec::new(),
             activation_checkpointing: options.activation_checkpointing,
-            gathered: GatheredBytes { current: persistent_bytes, peak: persistent_bytes },
+            gathered: GatheredBytes { current: persistent_bytes, peak: persistent_bytes, step_peak: persistent_bytes },
             comm_volume: CommVolume::default(),
             memory: MemoryTracker::default(),
             times: PhaseTimes::default(),

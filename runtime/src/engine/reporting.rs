@@ -25,9 +25,9 @@ impl Engine {
     /// After every optimizer step (taken or skipped): a memory sample and the step's phase times.
     pub(super) fn end_of_step(&mut self) {
         let now = self.memory_bytes();
-        let peaks = [("parameters_gathered", self.gathered.peak)];
+        let peaks = [("parameters_gathered", self.gathered.step_peak)];
         self.memory.sample(self.global_steps, &now, &peaks);
-        self.reset_gathered_peak();
+        self.gathered.step_peak = self.gathered.current;
         let times = self.times.end_step();
         if self.config.wall_clock_breakdown && self.rank() == 0 && self.config.steps_per_print.is_some_and(|k| self.global_steps % k == 0) {
             let ms = |p: crate::report::Phase| times[p as usize].as_secs_f64() * 1e3;

@@ -26,11 +26,20 @@ pub struct CommVolume {
     pub all_reduce_elements: u64,
 }
 
-/// Bytes of gathered full parameters: now and at most since the last reset.
+/// Bytes of gathered full parameters: now, at most over the run, and at most in the current optimizer step.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct GatheredBytes {
     pub current: usize,
     pub peak: usize,
+    pub step_peak: usize,
+}
+
+impl GatheredBytes {
+    pub(super) fn add(&mut self, bytes: usize) {
+        self.current += bytes;
+        self.peak = self.peak.max(self.current);
+        self.step_peak = self.step_peak.max(self.current);
+    }
 }
 
 impl Engine {
@@ -172,8 +181,8 @@ impl Engine {
     }
 
     fn count_gathered(&mut self, i: usize) {
-        self.gathered.current += self.units[i].full_bytes();
-        self.gathered.peak = self.gathered.peak.max(self.gathered.current);
+        let bytes = self.units[i].full_bytes();
+        self.gathered.add(bytes);
     }
 
     /// With `overlap_comm`, starts the all-gathers of the units that come next in `order` (see
@@ -189,8 +198,8 @@ impl Engine {
         for u in picked {
             let n = self.units[u].begin_gather(thread, &self.flat_params)?;
             self.comm_volume.all_gather_elements += n as u64;
-            self.gathered.current += self.units[u].full_bytes();
-            self.gathered.peak = self.gathered.peak.max(self.gathered.current);
+            let bytes = self.units[u].full_bytes();
+            self.gathered.add(bytes);
         }
         Ok(())
     }
@@ -253,13 +262,9 @@ impl Engine {
         Ok(())
     }
 
-    /// Bytes of gathered full parameters (stage 3): now, and the peak since [`Engine::reset_gathered_peak`].
+    /// Bytes of gathered full parameters (stage 3): now, the run's peak, the current step's peak.
     pub fn gathered_bytes(&self) -> GatheredBytes {
         self.gathered
-    }
-
-    pub fn reset_gathered_peak(&mut self) {
-        self.gathered.peak = self.gathered.current;
     }
 
     /// Elements this rank's collectives moved since the engine started.
