@@ -8,7 +8,7 @@ TORCH_VERSION := 2.11.0
 APT_PACKAGES := pkg-config libopenmpi-dev openmpi-bin libclang-dev fonts-dejavu-core
 CARGO ?= cargo
 
-.PHONY: setup demo test bench gpu-binaries
+.PHONY: setup demo test bench bench-deepspeed gpu-binaries
 
 setup: .libtorch
 	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
@@ -37,7 +37,7 @@ $(VENV_STAMP):
 
 demo: setup
 	$(CARGO) build --release --bin zerorun --example gpt --example mlp
-	./target/release/zerorun launch --nproc-per-node 2 -- ./target/release/examples/gpt --config configs/zero2.json --steps 150
+	./target/release/zerorun launch --nproc-per-node 2 --memory-report . -- ./target/release/examples/gpt --config configs/zero2.json --steps 150
 
 test: setup
 	$(CARGO) test --workspace --all-targets --features mpi,nccl --no-fail-fast
@@ -53,3 +53,10 @@ gpu-binaries: setup
 bench: setup
 	$(CARGO) build --release --bin zerorun
 	./target/release/zerorun bench adam
+
+# zerorun beside DeepSpeed 0.19.8 (CPU, gloo) on the same GPT, weights, data order and ds_config.json: writes
+# bench/deepspeed/results.{json,md}. Not part of `make test` (it installs DeepSpeed and takes minutes).
+bench-deepspeed: setup
+	$(VENV)/bin/pip install -q deepspeed==0.19.8 ninja
+	$(CARGO) build --release --bin zerorun --example gpt
+	$(VENV)/bin/python bench/deepspeed/side_by_side.py

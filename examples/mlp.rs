@@ -133,7 +133,5 @@ fn run(args: &Args) -> Result<(), String> {
     let Some((median, last, world)) = result else { return Ok(()) };
     println!("median_step_s {median:.6}");
     println!("summary: {world} ranks, ZeRO stage {}, {} optimizer steps, final loss {last:.6}", config.stage(), a.steps);
-    // This process's peak resident memory (what offloading lowers).
-    println!("peak_rss_bytes {}", zerorun::runtime::report::memory::rss().1);
     Ok(())
 }

@@ -228,7 +228,8 @@ pub fn share_cores(ranks: usize) {
 }
 
 /// At the end of a run: the memory report when asked for (`memory_breakdown` or `zerorun launch --memory-report`),
-/// and the wall-clock breakdown when the config sets `wall_clock_breakdown`. Rank 0 prints them.
+/// and the wall-clock breakdown when the config sets `wall_clock_breakdown` (rank 0 prints them); every rank
+/// prints `peak_rss_bytes`.
 pub fn finish_reports(engine: &mut Engine) -> Result<(), String> {
     if let Some(files) = engine.finish_memory_report().map_err(|e| e.to_string())? {
         if let (Some(table), Some(svg)) = (files.table, files.svg) {
@@ -239,5 +240,7 @@ pub fn finish_reports(engine: &mut Engine) -> Result<(), String> {
     if engine.config().wall_clock_breakdown && engine.rank() == 0 {
         println!("{}", engine.wall_clock_summary());
     }
+    // Every rank: this process's peak resident memory (what sharding and offloading lower).
+    println!("peak_rss_bytes {}", zerorun::runtime::report::memory::rss().1);
     Ok(())
 }
