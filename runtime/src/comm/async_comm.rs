@@ -129,6 +129,16 @@ impl CommThread {
         self.submit("all_gather", move |c| c.all_gather_buf(unsafe { raw.buf_mut() }))
     }
 
+    /// Reduce-scatter from and into memory the caller owns. Returns at once.
+    ///
+    /// # Safety
+    /// As [`CommThread::all_gather_raw`]: both buffers stay allocated and untouched until the handle is waited on.
+    pub unsafe fn reduce_scatter_raw(&self, input: BufRef<'_>, output: BufMut<'_>, op: ReduceOp) -> Handle<()> {
+        let i = RawBuf::new(input.bytes.as_ptr() as *mut u8, input.bytes.len(), input.dtype);
+        let o = RawBuf::new(output.bytes.as_mut_ptr(), output.bytes.len(), output.dtype);
+        self.submit("reduce_scatter", move |c| c.reduce_scatter_buf(unsafe { i.buf_ref() }, unsafe { o.buf_mut() }, op))
+    }
+
     /// Finishes the queued jobs and returns the communicator.
     pub fn into_inner(mut self) -> Box<dyn Communicator> {
         self.jobs.take();

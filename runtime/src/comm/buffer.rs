@@ -120,6 +120,12 @@ impl<'a> BufMut<'a> {
     }
 }
 
+impl<'a> From<BufMut<'a>> for BufRef<'a> {
+    fn from(b: BufMut<'a>) -> Self {
+        BufRef { bytes: b.bytes, dtype: b.dtype }
+    }
+}
+
 impl<'a> BufRef<'a> {
     pub fn new<T: Element>(v: &'a [T]) -> Self {
         BufRef { bytes: bytemuck::cast_slice(v), dtype: T::DTYPE }

@@ -272,10 +272,12 @@ impl Engine {
         // Stage 3 reduces one unit at a time, so its buffers are one unit long.
         let round_len = (z.reduce_bucket_size as usize / world_size).clamp(1, layout.partition_len().max(1));
         let largest_unit = layout.units.iter().map(|u| u.range.len()).max().unwrap_or(0);
+        let overlap = z.overlap_comm && world_size > 1 && z.stage > 0;
         let staged = match z.stage {
             0 => layout.padded,
             3 => largest_unit,
-            _ => round_len * world_size,
+            // Two halves with overlap_comm: one reduces while the next round is gathered into the other.
+            _ => round_len * world_size * if overlap { 2 } else { 1 },
         };
         let flat_grads = Tensor::zeros([staged as i64], (comm_kind, tch::Device::Cpu));
         let part_len = if stage3 { largest_unit / world_size } else { layout.partition_len() };
@@ -288,7 +290,7 @@ impl Engine {
         tracing::info!(rank, world_size, stage = z.stage, ?precision, params = layout.numel, partition = layout.partition_len(), units = layout.units.len(), "zerorun engine ready");
         let persistent_bytes = sharded_units.iter().filter(|u| u.persistent).map(ShardedUnit::full_bytes).sum();
         Ok(Engine {
-            comm: prefetch::EngineComm::new(comm, stage3 && z.overlap_comm && world_size > 1),
+            comm: prefetch::EngineComm::new(comm, overlap),
             config,
             batch,
             precision,
@@ -584,6 +586,9 @@ impl Engine {
             self.clear_param_grads();
             return Ok(());
         };
+        if self.comm.thread().is_some() && self.config.zero_optimization.reduce_scatter {
+            return self.reduce_overlapped(part_buf, op, pre, post);
+        }
         let part = self.layout.partition_len();
         for c in (0..part).step_by(self.round_len) {
             let l = self.round_len.min(part - c);
@@ -605,6 +610,45 @@ impl Engine {
             }
             if let Some(post) = post {
                 let _ = out.f_mul_scalar_(post)?;
+            }
+        }
+        self.clear_param_grads();
+        Ok(())
+    }
+
+    /// `overlap_comm` at stages 1-2: the rounds of [`Engine::reduce`] with two staging halves, so round c's
+    /// reduce-scatter runs on the communication thread while round c+1 is gathered into the other half.
+    fn reduce_overlapped(&mut self, part_buf: Tensor, op: ReduceOp, pre: Option<f64>, post: Option<f64>) -> Result<()> {
+        let ws = self.world_size();
+        let part = self.layout.partition_len();
+        let half = ws * self.round_len;
+        let mut pending: Option<(crate::comm::async_comm::Handle<()>, Tensor)> = None;
+        for (i, c) in (0..part).step_by(self.round_len).enumerate() {
+            let l = self.round_len.min(part - c);
+            let mut staged = self.flat_grads.narrow(0, ((i % 2) * half) as i64, (ws * l) as i64);
+            for k in 0..ws {
+                self.gather_grads(&staged.narrow(0, (k * l) as i64, l as i64), k * part + c..k * part + c + l)?;
+            }
+            if let Some(pre) = pre {
+                let _ = staged.f_mul_scalar_(pre)?;
+            }
+            let out = part_buf.narrow(0, c as i64, l as i64);
+            let thread = self.comm.thread().expect("overlap runs on the communication thread");
+            // SAFETY: `staged` (this round's half) and `out` (this round's slice of the partition) are not touched
+            // until the handle is waited on: the next round writes the other half, and the one after waits first.
+            let handle = unsafe { thread.reduce_scatter_raw(views::buf_mut(&staged).into(), views::buf_mut(&out), op) };
+            self.comm_volume.reduce_scatter_elements += (ws * l) as u64;
+            if let Some((h, mut prev)) = pending.replace((handle, out)) {
+                h.wait()?;
+                if let Some(post) = post {
+                    let _ = prev.f_mul_scalar_(post)?;
+                }
+            }
+        }
+        if let Some((h, mut prev)) = pending {
+            h.wait()?;
+            if let Some(post) = post {
+                let _ = prev.f_mul_scalar_(post)?;
             }
         }
         self.clear_param_grads();

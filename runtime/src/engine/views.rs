@@ -38,6 +38,18 @@ pub fn slice<T>(t: &Tensor) -> &mut [T] {
     unsafe { std::slice::from_raw_parts_mut(t.data_ptr() as *mut T, n) }
 }
 
+/// A contiguous CPU tensor as a collective buffer (see [`slice`] for the conditions).
+pub fn buf_mut(t: &Tensor) -> crate::comm::BufMut<'_> {
+    let dtype = match t.kind() {
+        Kind::BFloat16 => crate::comm::Dtype::Bf16,
+        Kind::Half => crate::comm::Dtype::F16,
+        _ => crate::comm::Dtype::F32,
+    };
+    let bytes = t.numel() * t.kind().elt_size_in_bytes();
+    let bytes: &mut [u8] = if bytes == 0 { &mut [] } else { unsafe { std::slice::from_raw_parts_mut(t.data_ptr() as *mut u8, bytes) } };
+    crate::comm::BufMut { bytes, dtype }
+}
+
 /// Runs a collective on a flat tensor of any supported kind.
 pub fn all_reduce(comm: &dyn Communicator, t: &Tensor, op: ReduceOp) -> CommResult<()> {
     match t.kind() {
