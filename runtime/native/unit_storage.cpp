@@ -55,3 +55,14 @@ extern "C" char *zerorun_grad(at::Tensor **roots, at::Tensor **root_grads, int n
 extern "C" int zerorun_grad_enabled() {
     return c10::GradMode::is_enabled() ? 1 : 0;
 }
+
+// Makes `grad` the `.grad` of `param` (a leaf): autograd then accumulates into it in place, so gradients can be
+// views of one flat buffer (DDP's gradient_as_bucket_view).
+extern "C" char *zerorun_set_grad(at::Tensor *param, at::Tensor *grad) {
+    try {
+        param->mutable_grad() = *grad;
+        return nullptr;
+    } catch (const std::exception &e) {
+        return message(e.what());
+    }
+}

@@ -222,6 +222,7 @@ impl Engine {
         self.loss_sum = 0.0;
         self.loss_count = 0;
         self.grad_acc.fill(0.0);
+        self.consume_grads()?;
         self.comm.barrier()?;
         tracing::info!(tag, step = self.global_steps, from_world_size = m.world_size, from_stage = m.stage, "checkpoint loaded");
         Ok(tag)

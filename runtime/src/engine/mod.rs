@@ -69,6 +69,18 @@ impl EngineOptions {
     }
 }
 
+/// See [`Engine::fp32_grads_in_buffer`] (a function of the fields, so callers can borrow others beside it).
+fn fp32_grads_in<'a>(precision: Precision, stage: u8, flat_grads: &'a Tensor, grad_buffer: &'a Option<Tensor>, optimized: &std::ops::Range<usize>) -> Option<&'a mut [f32]> {
+    if precision != Precision::Fp32 {
+        return None;
+    }
+    match stage {
+        0 if flat_grads.kind() == Kind::Float => Some(views::slice::<f32>(flat_grads)),
+        1 | 2 => grad_buffer.as_ref().map(|g| &mut views::slice::<f32>(g)[optimized.clone()]),
+        _ => None,
+    }
+}
+
 /// Distinguishes engines of one process (thread ranks, tests) in swap-file names.
 fn next_engine_id() -> usize {
     static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
@@ -104,6 +116,10 @@ pub struct Engine {
     /// Gradients gathered from the parameters, in the communication dtype: all of them at stage 0; at stages
     /// 1-2 one reduction round (`reduce_bucket_size` elements: `round_len` of every rank's partition).
     flat_grads: Tensor,
+    /// Stages 0-2 when gradients travel in the model's dtype: the flat buffer the model's `.grad` tensors are views
+    /// of (DDP's gradient_as_bucket_view), so autograd accumulates into it and no copy precedes a reduction. At
+    /// stage 0 it is `flat_grads` itself. Calling `detach_()` on such a gradient fails, as under DDP.
+    grad_buffer: Option<Tensor>,
     /// Elements of each rank's partition reduced per round (stages 1-2).
     round_len: usize,
     /// This rank's reduced gradient partition, in the communication dtype (stages 1-2).
@@ -280,9 +296,23 @@ impl Engine {
             _ => round_len * world_size * if overlap { 2 } else { 1 },
         };
         let flat_grads = Tensor::zeros([staged as i64], (comm_kind, tch::Device::Cpu));
+        let grad_buffer = match z.stage {
+            3 => None,
+            _ if comm_kind != kind => None,
+            0 => Some(flat_grads.shallow_clone()),
+            _ => Some(Tensor::zeros([layout.padded as i64], (comm_kind, tch::Device::Cpu))),
+        };
+        if let Some(g) = &grad_buffer {
+            for (slot, t) in layout.slots.iter().zip(&params) {
+                let view = tch::no_grad(|| g.narrow(0, slot.range.start as i64, slot.range.len() as i64).view(slot.shape.as_slice()));
+                native::set_grad(t, &view)?;
+            }
+        }
+        // fp32 models at stages 1-2 with gradient views reduce each rank's partition in place in the buffer.
+        let fp32_in_place = precision == Precision::Fp32 && grad_buffer.is_some();
         let part_len = if stage3 { largest_unit / world_size } else { layout.partition_len() };
-        let grad_part = (z.stage > 0).then(|| Tensor::zeros([part_len as i64], (comm_kind, tch::Device::Cpu)));
-        let grad_acc = AlignedVec::filled(if z.stage > 0 || precision != Precision::Fp32 { optimized.len() } else { 0 }, 0.0);
+        let grad_part = (z.stage > 0 && !(fp32_in_place && z.stage < 3)).then(|| Tensor::zeros([part_len as i64], (comm_kind, tch::Device::Cpu)));
+        let grad_acc = AlignedVec::filled(if (z.stage > 0 && !fp32_in_place) || precision != Precision::Fp32 { optimized.len() } else { 0 }, 0.0);
         let scaler = config.fp16.enabled.then(|| {
             let f = &config.fp16;
             LossScaler::new(LossScalerConfig::from_fp16(f.loss_scale, f.initial_scale_power, f.loss_scale_window, f.hysteresis, f.consecutive_hysteresis, f.min_loss_scale))
@@ -306,6 +336,7 @@ impl Engine {
             memory: MemoryTracker::default(),
             times: PhaseTimes::default(),
             flat_grads,
+            grad_buffer,
             round_len,
             grad_part,
             master,
@@ -452,6 +483,9 @@ impl Engine {
                 self.global_steps += 1;
                 self.global_samples += self.batch.train_batch_size;
                 self.grad_acc.fill(0.0);
+                if let Some(g) = &self.grad_buffer {
+                    let _ = g.shallow_clone().f_zero_()?;
+                }
                 let scale = scaler.scale();
                 tracing::warn!(step = self.global_steps, scale, "fp16 gradients overflowed; step skipped and loss scale lowered");
                 self.end_of_step();
@@ -467,6 +501,7 @@ impl Engine {
             g.lr = lr;
         }
         self.timed(Phase::Step, Self::apply_optimizer)?;
+        self.consume_grads()?;
         if stage3 {
             self.grad_acc.fill(0.0);
             self.timed(Phase::AllGather, Self::refresh_gathered_units)?;
@@ -490,19 +525,32 @@ impl Engine {
         Ok(StepOutcome::Stepped { step: self.global_steps, loss, grad_norm, lr })
     }
 
-    /// Whether the reduced fp32 gradients are the flat gradient buffer itself (fp32 at stage 0), rather than the
-    /// fp32 accumulator of the optimized range.
+    /// Where the reduced fp32 gradients of the optimized range are, when not in the fp32 accumulator: fp32 models
+    /// at stage 0 reduce in `flat_grads`, and with gradient views at stages 1-2 in the partition of `grad_buffer`.
+    fn fp32_grads_in_buffer(&self) -> Option<&mut [f32]> {
+        fp32_grads_in(self.precision, self.config.zero_optimization.stage, &self.flat_grads, &self.grad_buffer, &self.optimized)
+    }
+
+    /// Whether the reduced fp32 gradients are in a flat buffer rather than the fp32 accumulator.
     fn grads_in_flat_buffer(&self) -> bool {
-        self.precision == Precision::Fp32 && self.config.zero_optimization.stage == 0 && self.flat_grads.kind() == Kind::Float
+        self.fp32_grads_in_buffer().is_some()
     }
 
     /// The fp32 gradients of the optimized range.
     fn grads(&mut self) -> &mut [f32] {
-        if self.grads_in_flat_buffer() {
-            views::slice::<f32>(&self.flat_grads)
-        } else {
-            &mut self.grad_acc
+        match fp32_grads_in(self.precision, self.config.zero_optimization.stage, &self.flat_grads, &self.grad_buffer, &self.optimized) {
+            Some(g) => g,
+            None => &mut self.grad_acc,
         }
+    }
+
+    /// After the gradients were used (the optimizer step, or a micro-batch's accumulation into fp32): with gradient
+    /// views, zero the buffer autograd accumulates into (without views, `reduce` cleared the `.grad` tensors).
+    fn consume_grads(&mut self) -> Result<()> {
+        if let Some(g) = &self.grad_buffer {
+            let _ = g.shallow_clone().f_zero_()?;
+        }
+        Ok(())
     }
 
     /// The mean loss over this step's micro-batches and all ranks.
@@ -519,10 +567,10 @@ impl Engine {
         match self.master.as_mut() {
             None => {
                 let params = &mut views::slice::<f32>(&self.flat_params)[range];
-                let grads: &[f32] = if self.grads_in_flat_buffer() {
-                    views::slice::<f32>(&self.flat_grads)
-                } else {
-                    &self.grad_acc
+                let in_buffer = fp32_grads_in(self.precision, self.config.zero_optimization.stage, &self.flat_grads, &self.grad_buffer, &self.optimized);
+                let grads: &[f32] = match in_buffer {
+                    Some(g) => g,
+                    None => &self.grad_acc,
                 };
                 self.optimizer.step(params, grads, &self.groups, None)?;
             }
@@ -560,8 +608,12 @@ impl Engine {
         })
     }
 
-    /// Clears the parameters' gradients for the next micro-batch.
+    /// Clears the parameters' gradients for the next micro-batch, once `reduce` copied them out (without gradient
+    /// views; with views the buffer is zeroed by `consume_grads` once the reduced values were used).
     fn clear_param_grads(&mut self) {
+        if self.grad_buffer.is_some() {
+            return;
+        }
         for t in &mut self.params {
             t.zero_grad();
         }
@@ -573,8 +625,11 @@ impl Engine {
     fn reduce(&mut self) -> Result<()> {
         let (ws, rank) = (self.world_size(), self.rank());
         let (op, pre, post) = self.reduce_factors();
-        let Some(part_buf) = self.grad_part.as_ref().map(Tensor::shallow_clone) else {
-            self.gather_grads(&self.flat_grads, 0..self.layout.padded)?;
+        if self.config.zero_optimization.stage == 0 {
+            // With gradient views the gradients are in `flat_grads` already.
+            if self.grad_buffer.is_none() {
+                self.gather_grads(&self.flat_grads, 0..self.layout.padded)?;
+            }
             if let Some(pre) = pre {
                 let _ = self.flat_grads.f_mul_scalar_(pre)?;
             }
@@ -585,9 +640,9 @@ impl Engine {
             }
             self.clear_param_grads();
             return Ok(());
-        };
+        }
         if self.comm.thread().is_some() && self.config.zero_optimization.reduce_scatter {
-            return self.reduce_overlapped(part_buf, op, pre, post);
+            return self.reduce_overlapped(op, pre, post);
         }
         let part = self.layout.partition_len();
         for c in (0..part).step_by(self.round_len) {
@@ -599,7 +654,7 @@ impl Engine {
             if let Some(pre) = pre {
                 let _ = staged.f_mul_scalar_(pre)?;
             }
-            let mut out = part_buf.narrow(0, c as i64, l as i64);
+            let mut out = self.reduced_slice(c, l);
             if self.config.zero_optimization.reduce_scatter {
                 views::reduce_scatter(self.comm.as_ref(), &staged, &out, op)?;
                 self.comm_volume.reduce_scatter_elements += (ws * l) as u64;
@@ -618,7 +673,7 @@ impl Engine {
 
     /// `overlap_comm` at stages 1-2: the rounds of [`Engine::reduce`] with two staging halves, so round c's
     /// reduce-scatter runs on the communication thread while round c+1 is gathered into the other half.
-    fn reduce_overlapped(&mut self, part_buf: Tensor, op: ReduceOp, pre: Option<f64>, post: Option<f64>) -> Result<()> {
+    fn reduce_overlapped(&mut self, op: ReduceOp, pre: Option<f64>, post: Option<f64>) -> Result<()> {
         let ws = self.world_size();
         let part = self.layout.partition_len();
         let half = ws * self.round_len;
@@ -632,7 +687,7 @@ impl Engine {
             if let Some(pre) = pre {
                 let _ = staged.f_mul_scalar_(pre)?;
             }
-            let out = part_buf.narrow(0, c as i64, l as i64);
+            let out = self.reduced_slice(c, l);
             let thread = self.comm.thread().expect("overlap runs on the communication thread");
             // SAFETY: `staged` (this round's half) and `out` (this round's slice of the partition) are not touched
             // until the handle is waited on: the next round writes the other half, and the one after waits first.
@@ -655,6 +710,16 @@ impl Engine {
         Ok(())
     }
 
+    /// Where elements `c..c+l` of this rank's reduced partition go: in place in the gradient buffer (fp32 with
+    /// gradient views: the round's input was copied to staging first), else the communication-dtype partition.
+    fn reduced_slice(&self, c: usize, l: usize) -> Tensor {
+        match (&self.grad_part, &self.grad_buffer) {
+            (Some(part), _) => part.narrow(0, c as i64, l as i64),
+            (None, Some(g)) => g.narrow(0, (self.optimized.start + c) as i64, l as i64),
+            (None, None) => unreachable!("stages 1-2 have a partition buffer or gradient views"),
+        }
+    }
+
     /// The reduction's op and scale factors: `prescale_gradients` / `gradient_predivide_factor` as DeepSpeed applies
     /// them (multiply by `pre` before a sum, by `post` = factor / world size after), else a plain mean.
     fn reduce_factors(&self) -> (ReduceOp, Option<f64>, Option<f64>) {
@@ -669,12 +734,13 @@ impl Engine {
     /// fp32 models at the boundary: reduce, and (stages 1-2) take the partition as fp32.
     fn reduce_fp32(&mut self) -> Result<()> {
         self.reduce()?;
-        if let Some(part) = &self.grad_part {
-            self.grad_acc.fill(0.0);
-            views::accumulate(&mut self.grad_acc, part);
-        } else if !self.grads_in_flat_buffer() {
-            self.grad_acc.fill(0.0);
-            views::accumulate(&mut self.grad_acc, &self.flat_grads);
+        if self.grads_in_flat_buffer() {
+            return Ok(());
+        }
+        self.grad_acc.fill(0.0);
+        match &self.grad_part {
+            Some(part) => views::accumulate(&mut self.grad_acc, part),
+            None => views::accumulate(&mut self.grad_acc, &self.flat_grads),
         }
         Ok(())
     }
@@ -686,7 +752,7 @@ impl Engine {
             Some(part) => views::accumulate(&mut self.grad_acc, part),
             None => views::accumulate(&mut self.grad_acc, &self.flat_grads),
         }
-        Ok(())
+        self.consume_grads()
     }
 
     /// Every parameter by name as full fp32 copies (identical on every rank). Collective at stage 3, where it
@@ -729,16 +795,25 @@ impl Engine {
     /// optimized range), `master_fp32`, `optimizer_states`, `communication_buffers` (reduction staging).
     pub fn memory_bytes(&self) -> Vec<(&'static str, usize)> {
         let bytes = |t: &Tensor| t.numel() * t.kind().elt_size_in_bytes();
-        let autograd: usize = self.params.iter().map(|t| t.grad()).filter(Tensor::defined).map(|g| bytes(&g)).sum();
-        let (shard, staging) = if self.grads_in_flat_buffer() {
-            (bytes(&self.flat_grads), 0)
+        // With gradient views the `.grad` tensors are the gradient buffer: counted once, as the full gradients.
+        let full = match &self.grad_buffer {
+            Some(g) => bytes(g),
+            None => self.params.iter().map(|t| t.grad()).filter(Tensor::defined).map(|g| bytes(&g)).sum(),
+        };
+        let staging = if self.config.zero_optimization.stage == 0 && (self.grad_buffer.is_some() || self.grads_in_flat_buffer()) {
+            0
         } else {
-            (self.grad_acc.len() * 4, bytes(&self.flat_grads))
+            bytes(&self.flat_grads)
+        };
+        let shard = if self.config.zero_optimization.stage == 0 && self.grad_buffer.is_none() && self.grads_in_flat_buffer() {
+            bytes(&self.flat_grads)
+        } else {
+            self.grad_acc.len() * 4
         };
         vec![
             ("parameters", bytes(&self.flat_params)),
             ("parameters_gathered", self.gathered.current),
-            ("gradients_full", autograd),
+            ("gradients_full", full),
             ("gradients_shard", shard),
             ("master_fp32", self.master.as_ref().map_or(0, |m| m.len() * 4)),
             ("optimizer_states", self.optimizer.resident_bytes()),

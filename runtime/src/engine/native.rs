@@ -10,6 +10,7 @@ extern "C" {
     fn zerorun_storage_nbytes(t: *mut c_void) -> i64;
     fn zerorun_grad(roots: *const *mut c_void, root_grads: *const *mut c_void, n_roots: i32, inputs: *const *mut c_void, n_inputs: i32, outputs: *mut *mut c_void) -> *mut c_char;
     fn zerorun_grad_enabled() -> i32;
+    fn zerorun_set_grad(param: *mut c_void, grad: *mut c_void) -> *mut c_char;
 }
 
 fn ptr(t: &Tensor) -> *mut c_void {
@@ -60,4 +61,9 @@ pub fn grad(roots: &[(&Tensor, Option<&Tensor>)], inputs: &[&Tensor]) -> Result<
             t.defined().then_some(t)
         })
         .collect())
+}
+
+/// Makes `grad` the `.grad` of the leaf `param`; autograd accumulates into it in place from then on.
+pub fn set_grad(param: &Tensor, grad: &Tensor) -> Result<()> {
+    check(unsafe { zerorun_set_grad(ptr(param), ptr(grad)) }, "setting a parameter's gradient")
 }
