@@ -54,7 +54,7 @@ fn run(args: &Args) -> Result<(), String> {
         let mut engine = Engine::new(&vs, config.clone(), comm, options).map_err(|e| e.to_string())?;
         let b = engine.batch_sizes();
         let (rank, world) = (engine.rank(), engine.world_size());
-        let mut progress = Progress::new();
+        let mut progress = Progress::new(a.steps);
         let first = resume(a, &mut engine)?;
         for step in first..a.steps {
             for m in 0..b.gradient_accumulation_steps {

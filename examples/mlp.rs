@@ -109,7 +109,7 @@ fn run(args: &Args) -> Result<(), String> {
         let y = Tensor::from_slice(&yv).view([samples as i64, args.out]);
         let b = engine.batch_sizes();
         let (rank, world) = (engine.rank(), engine.world_size());
-        let mut progress = Progress::new();
+        let mut progress = Progress::new(a.steps);
         let first = resume(a, &mut engine)?;
         for step in first..a.steps {
             let mut rng = Rng::new(a.seed, step);

@@ -148,27 +148,43 @@ pub fn run_ranks<T: Send>(ranks: usize, timeout: Duration, train: impl Fn(Box<dy
     }
 }
 
-/// Per-step timing and the lines rank 0 prints.
+/// Per-step timing and what rank 0 prints: one `step N loss X` line per optimizer step, or, when stdout is a
+/// terminal, one progress line rewritten in place with the loss and samples/s.
 pub struct Progress {
     times: Vec<f64>,
     started: Instant,
     pub last_loss: f64,
     pub first_loss: Option<f64>,
+    total_steps: u64,
+    terminal: bool,
 }
 
 impl Progress {
-    pub fn new() -> Self {
-        Progress { times: Vec::new(), started: Instant::now(), last_loss: f64::NAN, first_loss: None }
+    pub fn new(total_steps: u64) -> Self {
+        use std::io::IsTerminal;
+        Progress { times: Vec::new(), started: Instant::now(), last_loss: f64::NAN, first_loss: None, total_steps, terminal: std::io::stdout().is_terminal() }
     }
 
     pub fn record(&mut self, engine: &Engine, outcome: StepOutcome) {
         if let StepOutcome::Stepped { step, loss, .. } = outcome {
-            self.times.push(self.started.elapsed().as_secs_f64());
+            let secs = self.started.elapsed().as_secs_f64();
+            self.times.push(secs);
             self.started = Instant::now();
             self.last_loss = loss;
             self.first_loss.get_or_insert(loss);
             if engine.rank() == 0 {
-                println!("step {step} loss {loss:.6}");
+                if self.terminal {
+                    use std::io::Write;
+                    let done = (step * 30 / self.total_steps.max(1)).min(30) as usize;
+                    let samples_per_s = engine.batch_sizes().train_batch_size as f64 / secs.max(1e-9);
+                    print!("\r[{}{}] step {step}/{} loss {loss:.4} {samples_per_s:.0} samples/s ", "#".repeat(done), " ".repeat(30 - done), self.total_steps);
+                    let _ = std::io::stdout().flush();
+                    if step >= self.total_steps {
+                        println!();
+                    }
+                } else {
+                    println!("step {step} loss {loss:.6}");
+                }
             }
         }
     }

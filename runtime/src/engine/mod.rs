@@ -430,6 +430,7 @@ impl Engine {
         self.loss_sum += loss.f_double_value(&[])?;
         self.loss_count += 1;
         let factor = self.loss_scale() / self.batch.gradient_accumulation_steps as f64;
+        let _span = Phase::Backward.span().entered();
         let (started, comm_before) = (Instant::now(), self.times.comm());
         if !self.units.is_empty() {
             self.backward_units_impl(model, loss, factor)?;
@@ -444,6 +445,7 @@ impl Engine {
 
     /// Runs `f` as collective time of `phase`.
     fn timed<T>(&mut self, phase: Phase, f: impl FnOnce(&mut Self) -> T) -> T {
+        let _span = phase.span().entered();
         let t = Instant::now();
         let out = f(self);
         self.times.add(phase, t.elapsed());

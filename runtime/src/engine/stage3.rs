@@ -46,6 +46,7 @@ impl Engine {
     /// Runs `model` on `input`, unit by unit. At stages 0-2 this is just the units in order; at stage 3 it
     /// gathers each unit's parameters only while it runs. Under `tch::no_grad` nothing is kept for backward.
     pub fn forward(&mut self, model: &dyn UnitModel, input: &Tensor) -> Result<Tensor> {
+        let _span = crate::report::Phase::Forward.span().entered();
         let (started, comm_before) = (std::time::Instant::now(), self.times.comm());
         let out = self.forward_impl(model, input);
         self.times.add(crate::report::Phase::Forward, started.elapsed().saturating_sub(self.times.comm() - comm_before));

@@ -15,6 +15,11 @@ pub enum Phase {
 impl Phase {
     pub const ALL: [Phase; 6] = [Phase::Forward, Phase::Backward, Phase::Step, Phase::AllGather, Phase::ReduceScatter, Phase::OffloadIo];
 
+    /// A tracing span for this phase (`RUST_LOG=zerorun_runtime=trace` with a span-aware subscriber shows them).
+    pub fn span(self) -> tracing::Span {
+        tracing::trace_span!("phase", name = self.name())
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Phase::Forward => "forward",
