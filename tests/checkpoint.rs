@@ -180,3 +180,44 @@ fn consolidate_gives_the_full_weights_by_name() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn checkpoints_carry_the_rng_state_and_the_model_weights() {
+    for (stage, gather) in [(2u8, false), (3, false), (3, true)] {
+        let dir = tmp(&format!("rng{stage}{gather}"));
+        let comm = threads::group(1, Duration::from_secs(10)).pop().unwrap();
+        let (vs, model) = init_layers(&[IN, HIDDEN, HIDDEN, OUT]);
+        let cfg = Config::from_value(json!({
+            "train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, "stage3_gather_16bit_weights_on_model_save": gather}
+        }))
+        .unwrap();
+        let mut engine = Engine::new(&vs, cfg, Box::new(comm), EngineOptions::default().units_of(&model)).unwrap();
+        // The generator is process-wide: hold the init lock so no other test draws from it meanwhile.
+        let guard = rng_lock();
+        tch::manual_seed(1234);
+        let tag = engine.save_checkpoint(&dir, None).unwrap();
+        let after_save = Tensor::randn([8], (Kind::Float, tch::Device::Cpu));
+        let _ = Tensor::randn([100], (Kind::Float, tch::Device::Cpu));
+        engine.load_checkpoint(&dir, None).unwrap();
+        let after_load = Tensor::randn([8], (Kind::Float, tch::Device::Cpu));
+        drop(guard);
+        assert_eq!(Vec::<f32>::try_from(after_load).unwrap(), Vec::<f32>::try_from(after_save).unwrap(), "stage {stage}: the generator resumes where it was saved");
+        let manifest: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(tag.join("manifest.json")).unwrap()).unwrap();
+        assert_eq!(manifest["rng_states"].as_array().unwrap().len(), 1);
+        assert_eq!(manifest["params"][0]["dtype"], "F32");
+        let weights = tag.join("model.safetensors");
+        if stage < 3 || gather {
+            assert_eq!(manifest["model_weights"], "model.safetensors");
+            let mut saved: Vec<(String, Vec<f32>)> = Tensor::read_safetensors(&weights).unwrap().into_iter().map(|(n, t)| (n, Vec::<f32>::try_from(t.reshape([-1])).unwrap())).collect();
+            saved.sort_by(|a, b| a.0.cmp(&b.0));
+            let mut full: Vec<(String, Vec<f32>)> = engine.full_parameters().unwrap().into_iter().map(|(n, t)| (n, Vec::<f32>::try_from(t.reshape([-1])).unwrap())).collect();
+            full.sort_by(|a, b| a.0.cmp(&b.0));
+            assert_eq!(saved, full, "stage {stage}: model.safetensors holds the full weights");
+        } else {
+            assert!(!weights.exists());
+            assert!(manifest["model_weights"].as_str().unwrap().starts_with("absent: stage 3 without"), "{}", manifest["model_weights"]);
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -31,14 +31,14 @@ CASES = {
 }
 
 
-def config(zero, offload):
+def config(zero, offload, batch=16):
     # torch_adam: DeepSpeed's plain (non-offload) CPU path is torch.optim.AdamW (FusedAdam needs CUDA); with
     # offload DeepSpeed requires its CPU Adam, so the flag is left out there. zerorun reads both forms.
     params = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}
     if not offload:
         params["torch_adam"] = True
     return {
-        "train_batch_size": 16,
+        "train_batch_size": batch,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 1.0,
         "steps_per_print": 1000,
@@ -81,26 +81,33 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--cases", default=",".join(CASES))
-    ap.add_argument("--out", default=HERE)
+    ap.add_argument("--out", default=HERE, help="where results.json, results.md and work/ go")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--embd", type=int, default=64)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--block", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=16, help="train_batch_size")
     a = ap.parse_args()
+    shape = ["--layers", str(a.layers), "--embd", str(a.embd), "--heads", str(a.heads), "--block", str(a.block)]
     work = os.path.join(a.out, "work")
     os.makedirs(work, exist_ok=True)
     env = dict(os.environ, DS_ACCELERATOR="cpu", PATH=VENV_BIN + ":" + os.environ.get("PATH", ""), OMP_NUM_THREADS="1")
     init = os.path.join(work, "init.safetensors")
     # The initial weights, once, from the tch model (0 steps, saved by name); DeepSpeed loads the same file.
     first_cfg = os.path.join(work, "init.json")
-    json.dump(config({"stage": 0}, False), open(first_cfg, "w"))
-    run([GPT, "--config", first_cfg, "--steps", "0", "--save-final", init], env, os.path.join(work, "init.log"))
+    json.dump(config({"stage": 0}, False, a.batch), open(first_cfg, "w"))
+    run([GPT, "--config", first_cfg, "--steps", "0", "--save-final", init] + shape, env, os.path.join(work, "init.log"))
+    params = sum(len(v) for v in load_safetensors(init).values())
     rows = []
     for name in a.cases.split(","):
         zero = CASES[name]
         offload = "offload_optimizer" in zero
         cfg_path = os.path.join(work, f"{name}.json")
-        json.dump(config(zero, offload), open(cfg_path, "w"), indent=2)
+        json.dump(config(zero, offload, a.batch), open(cfg_path, "w"), indent=2)
         zr_final, ds_final = os.path.join(work, f"{name}.zerorun.safetensors"), os.path.join(work, f"{name}.deepspeed.safetensors")
-        zr_out, _ = run([ZR, "launch", "--nproc-per-node", "2", "--", GPT, "--config", cfg_path, "--steps", str(a.steps), "--init", init, "--save-final", zr_final], env, os.path.join(work, f"{name}.zerorun.log"))
+        zr_out, _ = run([ZR, "launch", "--nproc-per-node", "2", "--", GPT, "--config", cfg_path, "--steps", str(a.steps), "--init", init, "--save-final", zr_final] + shape, env, os.path.join(work, f"{name}.zerorun.log"))
         ds_cmd = [os.path.join(VENV_BIN, "deepspeed"), "--num_gpus", "2", "--master_port", str(29600 + len(rows)), os.path.join(HERE, "gpt_deepspeed.py"),
-                  "--config", cfg_path, "--steps", str(a.steps), "--init", init, "--save-final", ds_final]
+                  "--config", cfg_path, "--steps", str(a.steps), "--init", init, "--save-final", ds_final] + shape
         ds_out, _ = run(ds_cmd, env, os.path.join(work, f"{name}.deepspeed.log"))
         zl, zt, zr = parse(zr_out)
         dl, dt, dr = parse(ds_out)
@@ -118,8 +125,9 @@ def main():
         }
         rows.append(row)
         print(json.dumps(row), flush=True)
-    json.dump({"steps": a.steps, "ranks": 2, "rows": rows}, open(os.path.join(a.out, "results.json"), "w"), indent=2)
-    md = ["| case | max loss rel. diff | param max rel. diff | step time zerorun / DeepSpeed | peak RSS per rank zerorun / DeepSpeed |", "|---|---|---|---|---|"]
+    model = {"layers": a.layers, "embd": a.embd, "heads": a.heads, "block": a.block, "params": params, "train_batch_size": a.batch}
+    json.dump({"steps": a.steps, "ranks": 2, "model": model, "rows": rows}, open(os.path.join(a.out, "results.json"), "w"), indent=2)
+    md = [f"GPT {a.layers} blocks, width {a.embd}, {params} parameters, global batch {a.batch}, 2 ranks, {a.steps} steps", "","| case | max loss rel. diff | param max rel. diff | step time zerorun / DeepSpeed | peak RSS per rank zerorun / DeepSpeed |", "|---|---|---|---|---|"]
     for r in rows:
         md.append(
             f"| {r['case']} | {r['max_loss_rel_diff']:.1e} | {r['param_max_rel_diff']:.1e} | "

@@ -66,3 +66,40 @@ extern "C" char *zerorun_set_grad(at::Tensor *param, at::Tensor *grad) {
         return message(e.what());
     }
 }
+
+// The default CPU generator's state (what tch::manual_seed seeds and dropout draws from), as bytes, for
+// checkpoints. `zerorun_rng_state_len` gives the size; get copies it out, set restores it.
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/core/Generator.h>
+
+extern "C" int64_t zerorun_rng_state_len() {
+    auto g = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(g.mutex());
+    return g.get_state().numel();
+}
+
+extern "C" char *zerorun_rng_state_get(uint8_t *out, int64_t len) {
+    try {
+        auto g = at::detail::getDefaultCPUGenerator();
+        std::lock_guard<std::mutex> lock(g.mutex());
+        auto s = g.get_state();
+        if (s.numel() != len) return message("generator state size changed");
+        std::memcpy(out, s.data_ptr<uint8_t>(), len);
+        return nullptr;
+    } catch (const std::exception &e) {
+        return message(e.what());
+    }
+}
+
+extern "C" char *zerorun_rng_state_set(const uint8_t *in, int64_t len) {
+    try {
+        auto g = at::detail::getDefaultCPUGenerator();
+        std::lock_guard<std::mutex> lock(g.mutex());
+        auto s = at::empty({len}, at::kByte);
+        std::memcpy(s.data_ptr<uint8_t>(), in, len);
+        g.set_state(s);
+        return nullptr;
+    } catch (const std::exception &e) {
+        return message(e.what());
+    }
+}

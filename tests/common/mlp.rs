@@ -49,9 +49,15 @@ pub fn batch_indices(step: i64) -> Vec<i64> {
     (0..GLOBAL_BATCH).map(|i| (step * 7 + i * 5) % SAMPLES).collect()
 }
 
+/// libtorch's default generator is process-wide: whoever seeds and draws from it holds this lock.
+static RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+pub fn rng_lock() -> std::sync::MutexGuard<'static, ()> {
+    RNG.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 pub fn init_store() -> (nn::VarStore, nn::Sequential) {
-    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let _g = LOCK.lock().unwrap_or_else(|p| p.into_inner());
+    let _g = rng_lock();
     tch::manual_seed(5);
     let vs = nn::VarStore::new(tch::Device::Cpu);
     let model = mlp(vs.root());
@@ -98,8 +104,7 @@ impl Layers {
 
 /// [`init_store`] as [`Layers`], with layer sizes `dims` (default dims: [IN, HIDDEN, HIDDEN, OUT]).
 pub fn init_layers(dims: &[i64]) -> (nn::VarStore, Layers) {
-    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let _g = LOCK.lock().unwrap_or_else(|p| p.into_inner());
+    let _g = rng_lock();
     tch::manual_seed(5);
     let vs = nn::VarStore::new(tch::Device::Cpu);
     let p = vs.root();

@@ -14,9 +14,12 @@ pub const FORMAT_VERSION: u32 = 2;
 pub struct ParamEntry {
     pub name: String,
     pub shape: Vec<i64>,
-    /// Flat element range (in the layout shared by every world size).
+    /// Flat element range in this checkpoint's layout.
     pub start: usize,
     pub len: usize,
+    /// The model's dtype when saved ("F32", "BF16", "F16"); values in the rank files are the fp32 master.
+    #[serde(default)]
+    pub dtype: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -83,6 +86,13 @@ pub struct Manifest {
     pub numel: usize,
     pub params: Vec<ParamEntry>,
     pub ranks: Vec<RankEntry>,
+    /// libtorch's CPU generator state of every rank, hex (restored when resuming at the same world size).
+    #[serde(default)]
+    pub rng_states: Vec<String>,
+    /// `model.safetensors` in the tag folder: every parameter in the model's dtype by name, or why it is absent
+    /// (stage 3 without `stage3_gather_16bit_weights_on_model_save`).
+    #[serde(default)]
+    pub model_weights: Option<String>,
     /// The resolved config of the run that saved it.
     pub config: serde_json::Value,
 }
@@ -149,6 +159,8 @@ mod tests {
             params: vec![],
             // Two units 0..10 and 10..14, chunks of 5 and 2.
             ranks: vec![RankEntry::new("rank0".into(), &[0..5, 10..12], 0), RankEntry::new("rank1".into(), &[5..10, 12..14], 0)],
+            rng_states: vec![],
+            model_weights: None,
             config: serde_json::Value::Null,
         };
         let got = m.locate(4..13);

@@ -17,7 +17,38 @@ fn check_tag(tag: &str) -> Result<()> {
     Ok(())
 }
 
+fn dtype_name(p: Precision) -> &'static str {
+    match p {
+        Precision::Fp32 => "F32",
+        Precision::Bf16 => "BF16",
+        Precision::Fp16 => "F16",
+    }
+}
+
+fn to_hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn from_hex(text: &str) -> std::result::Result<Vec<u8>, String> {
+    if text.len() % 2 != 0 {
+        return Err("odd number of hex digits".into());
+    }
+    (0..text.len()).step_by(2).map(|i| u8::from_str_radix(&text[i..i + 2], 16).map_err(|e| format!("not hex at {i}: {e}"))).collect()
+}
+
 impl Engine {
+    /// Every rank's CPU generator state, hex, on every rank (rank r fills slot r of a zeroed buffer; one sum).
+    fn gather_rng_states(&mut self) -> Result<Vec<String>> {
+        let mine = super::native::rng_state()?;
+        let (ws, rank, n) = (self.world_size(), self.rank(), mine.len());
+        let mut all = vec![0i64; ws * n];
+        for (d, b) in all[rank * n..(rank + 1) * n].iter_mut().zip(&mine) {
+            *d = *b as i64;
+        }
+        self.comm.all_reduce(&mut all, ReduceOp::Sum)?;
+        Ok((0..ws).map(|r| to_hex(&all[r * n..(r + 1) * n].iter().map(|&x| x as u8).collect::<Vec<u8>>())).collect())
+    }
+
     /// The flat ranges of the layout rank `r` optimizes, in the order of its optimized values: everything at
     /// stage 0, its partition at stages 1-2, a chunk of every unit at stage 3.
     fn optimized_pieces(&self, r: usize) -> Vec<std::ops::Range<usize>> {
@@ -71,6 +102,19 @@ impl Engine {
             crcs[rank] = crc as i64;
         }
         self.comm.all_reduce(&mut crcs, ReduceOp::Sum)?;
+        let rng_states = self.gather_rng_states()?;
+        // The model's weights in its dtype, by name (DeepSpeed's model states file); stage 3 gathers them only
+        // when configured to, and says so otherwise.
+        let model_weights = if stage < 3 || self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save {
+            let weights = self.full_parameters_as(views::kind_of(self.precision))?;
+            if rank == 0 {
+                let file = staging.join("model.safetensors");
+                tch::Tensor::write_safetensors(&weights, &file).map_err(|e| CheckpointError::Io { path: file.clone(), what: e.to_string() })?;
+            }
+            "model.safetensors".to_string()
+        } else {
+            "absent: stage 3 without zero_optimization.stage3_gather_16bit_weights_on_model_save; `zerorun consolidate` assembles them from the rank files".to_string()
+        };
         if rank == 0 {
             let layout = &self.layout;
             let ranks = (0..if stage > 0 { ws } else { 1 })
@@ -91,8 +135,14 @@ impl Engine {
                 stage,
                 precision: format!("{:?}", self.precision).to_lowercase(),
                 numel: layout.numel,
-                params: layout.slots.iter().map(|s| ParamEntry { name: s.name.clone(), shape: s.shape.clone(), start: s.range.start, len: s.range.len() }).collect(),
+                params: layout
+                    .slots
+                    .iter()
+                    .map(|s| ParamEntry { name: s.name.clone(), shape: s.shape.clone(), start: s.range.start, len: s.range.len(), dtype: dtype_name(self.precision).into() })
+                    .collect(),
                 ranks,
+                rng_states,
+                model_weights: Some(model_weights),
                 config: self.config.to_value(),
             };
             manifest.write(&staging.join("manifest.json"))?;
@@ -214,6 +264,14 @@ impl Engine {
         }
         if let (Some(s), Some(state)) = (self.scaler.as_mut(), m.loss_scaler.clone()) {
             s.state = state;
+        }
+        match m.rng_states.get(self.rank()) {
+            Some(hex) if m.world_size == self.world_size() => super::native::set_rng_state(&from_hex(hex).map_err(|what| mismatch(format!("rng_states[{}]: {what}", self.rank())))?)?,
+            _ if !m.rng_states.is_empty() => tracing::warn!(from = m.world_size, to = self.world_size(), "another world size: the CPU generator is not restored"),
+            _ => {}
+        }
+        if let Some(p) = m.params.iter().find(|p| !p.dtype.is_empty() && p.dtype != dtype_name(self.precision)) {
+            tracing::info!(saved = %p.dtype, now = dtype_name(self.precision), "the checkpoint was saved in another precision; values come from its fp32 master");
         }
         self.global_steps = m.global_steps;
         self.global_samples = m.global_samples;

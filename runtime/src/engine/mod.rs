@@ -763,7 +763,7 @@ impl Engine {
         self.full_parameters_as(Kind::Float)
     }
 
-    fn full_parameters_as(&mut self, kind: Kind) -> Result<Vec<(String, Tensor)>> {
+    pub(super) fn full_parameters_as(&mut self, kind: Kind) -> Result<Vec<(String, Tensor)>> {
         if !self.units.is_empty() {
             return self.gather_full_parameters(kind);
         }

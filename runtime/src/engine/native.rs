@@ -11,6 +11,9 @@ extern "C" {
     fn zerorun_grad(roots: *const *mut c_void, root_grads: *const *mut c_void, n_roots: i32, inputs: *const *mut c_void, n_inputs: i32, outputs: *mut *mut c_void) -> *mut c_char;
     fn zerorun_grad_enabled() -> i32;
     fn zerorun_set_grad(param: *mut c_void, grad: *mut c_void) -> *mut c_char;
+    fn zerorun_rng_state_len() -> i64;
+    fn zerorun_rng_state_get(out: *mut u8, len: i64) -> *mut c_char;
+    fn zerorun_rng_state_set(input: *const u8, len: i64) -> *mut c_char;
 }
 
 fn ptr(t: &Tensor) -> *mut c_void {
@@ -66,4 +69,17 @@ pub fn grad(roots: &[(&Tensor, Option<&Tensor>)], inputs: &[&Tensor]) -> Result<
 /// Makes `grad` the `.grad` of the leaf `param`; autograd accumulates into it in place from then on.
 pub fn set_grad(param: &Tensor, grad: &Tensor) -> Result<()> {
     check(unsafe { zerorun_set_grad(ptr(param), ptr(grad)) }, "setting a parameter's gradient")
+}
+
+/// The state of libtorch's default CPU generator (seeded by `tch::manual_seed`; dropout draws from it).
+pub fn rng_state() -> Result<Vec<u8>> {
+    let len = unsafe { zerorun_rng_state_len() } as usize;
+    let mut out = vec![0u8; len];
+    check(unsafe { zerorun_rng_state_get(out.as_mut_ptr(), len as i64) }, "reading the CPU generator state")?;
+    Ok(out)
+}
+
+/// Restores a state from [`rng_state`].
+pub fn set_rng_state(state: &[u8]) -> Result<()> {
+    check(unsafe { zerorun_rng_state_set(state.as_ptr(), state.len() as i64) }, "restoring the CPU generator state")
 }
