@@ -49,7 +49,8 @@ fn run(args: &Args) -> Result<(), String> {
     share_cores(a.ranks);
     let timeout = Duration::from_secs_f64(config.comms_timeout);
     let summary = run_ranks(a.ranks, timeout, |comm| {
-        let (vs, model) = build_model(a.seed, a.init.as_ref(), |vs| Gpt::new(vs.root(), &cfg))?;
+        let (mut vs, model) = build_model(a.seed, a.init.as_ref(), |vs| Gpt::new(vs.root(), &cfg))?;
+        to_config_precision(&config, &mut vs);
         let options = EngineOptions { no_weight_decay: Some(no_decay_for_1d), activation_checkpointing: a.activation_checkpointing, ..Default::default() }.units_of(&model);
         let mut engine = Engine::new(&vs, config.clone(), comm, options).map_err(|e| e.to_string())?;
         let b = engine.batch_sizes();
@@ -60,7 +61,7 @@ fn run(args: &Args) -> Result<(), String> {
             for m in 0..b.gradient_accumulation_steps {
                 let range = micro_batch_range(rank, world, m, b.train_micro_batch_size_per_gpu);
                 let (x, y) = corpus.batch(a.seed, step, b.train_batch_size, range, cfg.block);
-                let logits = engine.forward(&model, &x).map_err(|e| e.to_string())?;
+                let logits = engine.forward(&model, &x).map_err(|e| e.to_string())?.to_kind(tch::Kind::Float);
                 let loss = logits.view([-1, cfg.vocab]).cross_entropy_for_logits(&y.view([-1]));
                 engine.backward_units(&model, &loss).map_err(|e| e.to_string())?;
                 let outcome = engine.step().map_err(|e| e.to_string())?;

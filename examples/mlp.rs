@@ -102,10 +102,11 @@ fn run(args: &Args) -> Result<(), String> {
     share_cores(a.ranks);
     let timeout = Duration::from_secs_f64(config.comms_timeout);
     let result = run_ranks(a.ranks, timeout, |comm| {
-        let (vs, model) = build_model(a.seed, a.init.as_ref(), |vs| Mlp::new(vs.root(), args.input, args.hidden, args.layers, args.out))?;
+        let (mut vs, model) = build_model(a.seed, a.init.as_ref(), |vs| Mlp::new(vs.root(), args.input, args.hidden, args.layers, args.out))?;
+        let kind = to_config_precision(&config, &mut vs);
         let options = EngineOptions { activation_checkpointing: a.activation_checkpointing, ..Default::default() }.units_of(&model);
         let mut engine = Engine::new(&vs, config.clone(), comm, options).map_err(|e| e.to_string())?;
-        let x = Tensor::from_slice(&xv).view([samples as i64, args.input]);
+        let x = Tensor::from_slice(&xv).view([samples as i64, args.input]).to_kind(kind);
         let y = Tensor::from_slice(&yv).view([samples as i64, args.out]);
         let b = engine.batch_sizes();
         let (rank, world) = (engine.rank(), engine.world_size());
@@ -116,7 +117,7 @@ fn run(args: &Args) -> Result<(), String> {
             let order: Vec<i64> = (0..b.train_batch_size).map(|_| rng.below(samples) as i64).collect();
             for m in 0..b.gradient_accumulation_steps {
                 let idx = Tensor::from_slice(&order[micro_batch_range(rank, world, m, b.train_micro_batch_size_per_gpu)]);
-                let pred = engine.forward(&model, &x.index_select(0, &idx)).map_err(|e| e.to_string())?;
+                let pred = engine.forward(&model, &x.index_select(0, &idx)).map_err(|e| e.to_string())?.to_kind(Kind::Float);
                 let loss = pred.mse_loss(&y.index_select(0, &idx), tch::Reduction::Mean);
                 engine.backward_units(&model, &loss).map_err(|e| e.to_string())?;
                 let outcome = engine.step().map_err(|e| e.to_string())?;

@@ -37,7 +37,7 @@ class Block(nn.Module):
         att = q.matmul(k.transpose(-2, -1)) * (1.0 / math.sqrt(hs))
         mask = torch.ones(t, t, dtype=torch.bool).triu(1)
         att = att.masked_fill(mask, float("-inf")).softmax(-1, dtype=torch.float)
-        y = att.matmul(v).transpose(1, 2).contiguous().view(b, t, c)
+        y = att.to(v.dtype).matmul(v).transpose(1, 2).contiguous().view(b, t, c)
         return self.attn_proj(y)
 
     def forward(self, x):

@@ -55,7 +55,7 @@ impl Block {
         let att = q.matmul(&k.transpose(-2, -1)) * (1.0 / (hs as f64).sqrt());
         let mask = Tensor::ones([t, t], (Kind::Bool, x.device())).triu(1);
         let att = att.masked_fill(&mask, f64::NEG_INFINITY).softmax(-1, Kind::Float);
-        let y = att.matmul(&v).transpose(1, 2).contiguous().view([b, t, c]);
+        let y = att.to_kind(v.kind()).matmul(&v).transpose(1, 2).contiguous().view([b, t, c]);
         self.attn_proj.forward(&y)
     }
 

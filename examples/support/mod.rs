@@ -107,6 +107,20 @@ pub fn build_model<M>(seed: u64, init: Option<&PathBuf>, f: impl FnOnce(&nn::Var
     Ok((vs, model))
 }
 
+/// Converts the model to the config's precision (bf16 / fp16 configs train 16-bit parameters with an fp32
+/// master); returns the kind inputs should have.
+pub fn to_config_precision(config: &Config, vs: &mut nn::VarStore) -> tch::Kind {
+    if config.bf16.enabled {
+        vs.bfloat16();
+        tch::Kind::BFloat16
+    } else if config.fp16.enabled {
+        vs.half();
+        tch::Kind::Half
+    } else {
+        tch::Kind::Float
+    }
+}
+
 /// Runs `train(comm)` as this process's rank when started by `zerorun launch` (or torchrun), else on `ranks`
 /// threads. Returns rank 0's result (None in the processes of other ranks); the first failing rank's error wins.
 pub fn run_ranks<T: Send>(ranks: usize, timeout: Duration, train: impl Fn(Box<dyn Communicator>) -> Result<T, String> + Sync) -> Result<Option<T>, String> {
