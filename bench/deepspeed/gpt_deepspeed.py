@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 import os
+import sys
 import time
 
 import torch
@@ -144,7 +145,7 @@ def main():
             first = (m * world + rank) * micro
             x, y = batch(ids, a.seed, step, train, (first, first + micro), a.block)
             logits = engine(x)
-            loss = F.cross_entropy(logits.view(-1, vocab), y.view(-1))
+            loss = F.cross_entropy(logits.float().view(-1, vocab), y.view(-1))
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
@@ -163,6 +164,12 @@ def main():
                 save_file({n: p.detach().float().contiguous().clone() for n, p in engine.module.named_parameters()}, a.save_final)
     torch.distributed.barrier()
     print(f"peak_rss_bytes {peak_rss()}", flush=True)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    # DeepSpeed 0.19.8 on CPU can abort at interpreter exit ("terminate called without an active exception") after
+    # a finished run; leave without running its exit handlers once everything is written.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

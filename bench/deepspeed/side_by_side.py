@@ -28,10 +28,19 @@ CASES = {
     "stage3": {"stage": 3},
     "stage2_cpu_offload": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
     "stage3_cpu_offload": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}},
+    # bf16 (not in the default list: DeepSpeed's CPU bf16 path is checked case by case, see README)
+    "stage2_bf16": {"stage": 2, "bf16": True},
+    # bf16 with gradients reduced in fp32 by both (DeepSpeed's bf16 optimizer and zerorun otherwise differ in the
+    # reduction dtype only).
+    "stage2_bf16_fp32_comm": {"stage": 2, "bf16": True, "comm": "fp32"},
 }
+DEFAULT_CASES = ["stage0", "stage1", "stage2", "stage3", "stage2_cpu_offload", "stage3_cpu_offload"]
 
 
 def config(zero, offload, batch=16):
+    zero = dict(zero)
+    bf16 = zero.pop("bf16", False)
+    comm = zero.pop("comm", None)
     # torch_adam: DeepSpeed's plain (non-offload) CPU path is torch.optim.AdamW (FusedAdam needs CUDA); with
     # offload DeepSpeed requires its CPU Adam, so the flag is left out there. zerorun reads both forms.
     params = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}
@@ -43,7 +52,9 @@ def config(zero, offload, batch=16):
         "gradient_clipping": 1.0,
         "steps_per_print": 1000,
         "optimizer": {"type": "AdamW", "params": params},
+        "bf16": {"enabled": bf16},
         "zero_optimization": zero,
+        **({"communication_data_type": comm} if comm else {}),
     }
 
 
@@ -80,7 +91,7 @@ def run(cmd, env, log):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--cases", default=",".join(DEFAULT_CASES), help=f"comma-separated, from {', '.join(CASES)}")
     ap.add_argument("--out", default=HERE, help="where results.json, results.md and work/ go")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--embd", type=int, default=64)
