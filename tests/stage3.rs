@@ -230,3 +230,23 @@ fn saving_the_16bit_model_at_stage_3_gathers_on_rank_0_or_refuses_by_name() {
     assert!(saved.iter().all(|(_, v)| !v.is_empty()));
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn stage2_with_units_reduces_unit_by_unit_and_holds_no_full_gradients() {
+    let reference = adamw_reference();
+    let dims = [IN, HIDDEN, HIDDEN, OUT];
+    for (world, gas) in [(2, 2), (3, 1)] {
+        let runs = run(world, config(gas, json!({"stage": 2})), Units::PerLayer, false, &dims);
+        let padded: u64 = dims.windows(2).map(|w| ((w[0] * w[1] + w[1]) as u64).div_ceil(world as u64) * world as u64).sum();
+        for (rank, r) in runs.iter().enumerate() {
+            let d = max_relative_difference(&r.params, &reference);
+            assert!(d <= 1e-5, "world size {world}, rank {rank}: {d:e}");
+            let get = |name: &str| r.memory.iter().find(|(n, _)| *n == name).map_or(0, |(_, b)| *b);
+            assert_eq!(get("gradients_full"), 0, "no full gradients are held");
+            assert_eq!(get("gradients_shard"), 4 * padded as usize / world, "the fp32 gradient shard");
+            assert_eq!(get("parameters"), 4 * padded as usize, "parameters stay whole at stage 2");
+            // Per step: one reduce-scatter per micro-batch and one all-gather of every unit.
+            assert_eq!(r.volume_per_step, padded * (gas as u64 + 1), "world size {world}");
+        }
+    }
+}

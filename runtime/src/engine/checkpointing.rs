@@ -1,7 +1,6 @@
 //! Saving and loading the engine's state in the checkpoint format of [`crate::checkpoint`].
 use std::path::{Path, PathBuf};
 
-use tch::Kind;
 
 use super::{views, Engine};
 use crate::checkpoint::files::{self, MappedTensors};
@@ -54,7 +53,7 @@ impl Engine {
     fn optimized_pieces(&self, r: usize) -> Vec<std::ops::Range<usize>> {
         match self.config.zero_optimization.stage {
             0 => vec![0..self.layout.padded],
-            3 => self.layout.shard_pieces(r),
+            _ if !self.units.is_empty() => self.layout.shard_pieces(r),
             _ => vec![self.layout.partition(r)],
         }
     }
@@ -63,7 +62,7 @@ impl Engine {
     fn optimized_values(&self) -> Vec<f32> {
         match &self.master {
             Some(m) => m.to_vec(),
-            None => views::slice::<f32>(&self.flat_params)[self.optimized.clone()].to_vec(),
+            None => Vec::<f32>::try_from(&self.read_shard()).expect("fp32 parameters"),
         }
     }
 
@@ -244,19 +243,13 @@ impl Engine {
             buffers: m.state_names.iter().cloned().zip(states.iter().map(|v| zerorun_optim::AlignedVec::from_slice(v))).collect(),
         };
         self.optimizer.import_state(state)?;
-        let range = self.optimized.clone();
-        tch::no_grad(|| match (&mut self.master, self.precision) {
-            (None, _) => views::slice::<f32>(&self.flat_params)[range].copy_from_slice(&values),
-            (Some(master), p) => {
-                master.copy_from_slice(&values);
-                let t = tch::Tensor::from_slice(&values).to_kind(if p == Precision::Bf16 { Kind::BFloat16 } else { Kind::Half });
-                let mut dst = self.flat_params.narrow(0, range.start as i64, range.len() as i64);
-                dst.copy_(&t);
-            }
-        });
+        if let Some(master) = &mut self.master {
+            master.copy_from_slice(&values);
+        }
+        self.write_shard(&tch::Tensor::from_slice(&values))?;
         match self.config.zero_optimization.stage {
             0 => {}
-            3 => self.refresh_gathered_units()?,
+            _ if !self.units.is_empty() => self.refresh_gathered_units()?,
             _ => views::all_gather(self.comm.as_ref(), &self.flat_params)?,
         }
         if let (Some(s), Some(it)) = (self.scheduler.as_mut(), m.scheduler_last_batch_iteration) {

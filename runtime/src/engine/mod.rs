@@ -54,7 +54,8 @@ pub struct EngineOptions {
     /// Parameters (by name) that get no weight decay, e.g. biases and norm weights.
     pub no_weight_decay: Option<fn(&str, &[i64]) -> bool>,
     /// The model's units (parameter-name prefixes, in execution order; see [`UnitModel`]). Stage 3 gathers
-    /// parameters unit by unit; without units the whole model is one unit.
+    /// parameters unit by unit (without units the whole model is one unit); stage 2 reduces gradients unit by unit
+    /// during backward, so no full gradients are held. With units, train through `engine.forward`.
     pub units: Option<Vec<Vec<String>>>,
     /// Stage 3: keep only each unit's input in forward and recompute the unit in backward
     /// (`engine.backward_units(&model, &loss)`).
@@ -66,6 +67,17 @@ impl EngineOptions {
     pub fn units_of(mut self, model: &dyn UnitModel) -> Self {
         self.units = Some(model.unit_prefixes());
         self
+    }
+}
+
+/// This rank's optimized values in the model's dtype: a view of `flat_params` where they are contiguous (stages
+/// 0-1, 2 without units, 3's shard), the concatenation of its chunk of every unit at stage 2 with units.
+fn shard_values(flat_params: &Tensor, layout: &FlatLayout, rank: usize, stage: u8, by_units: bool, optimized: &std::ops::Range<usize>) -> Tensor {
+    if stage == 2 && by_units {
+        let pieces: Vec<Tensor> = layout.shard_pieces(rank).into_iter().map(|p| flat_params.narrow(0, p.start as i64, p.len() as i64)).collect();
+        Tensor::cat(&pieces, 0)
+    } else {
+        flat_params.narrow(0, optimized.start as i64, optimized.len() as i64)
     }
 }
 
@@ -171,11 +183,15 @@ impl Engine {
             return Err(Error::Usage("the VarStore has no trainable parameters".into()));
         }
         let stage3 = z.stage == 3;
+        // Stage 2 with the model's units: gradients are reduced unit by unit during backward, so no rank holds the
+        // full gradients (ZeRO-2's memory), with parameters laid out by unit like stage 3 but never released.
+        let stage2_units = z.stage == 2 && options.units.is_some();
+        let by_units = stage3 || stage2_units;
         let unit_prefixes = options.units.clone().unwrap_or_else(|| vec![vec![String::new()]]);
         let names: Vec<String> = named.iter().map(|(n, _)| n.clone()).collect();
         let unit_of = units::assign(&unit_prefixes, &names)?;
-        if stage3 {
-            // Stage 3 lays parameters out unit by unit, in execution order (stable: by name within a unit).
+        if by_units {
+            // Units lay parameters out unit by unit, in execution order (stable: by name within a unit).
             let mut order: Vec<usize> = (0..named.len()).collect();
             order.sort_by_key(|&i| unit_of[i]);
             let mut taken: Vec<Option<(String, Tensor)>> = named.into_iter().map(Some).collect();
@@ -202,7 +218,7 @@ impl Engine {
                 (n.clone(), shape, decay)
             })
             .collect();
-        let layout = if stage3 {
+        let layout = if by_units {
             let mut by_unit: Vec<Vec<(String, Vec<i64>, bool)>> = vec![Vec::new(); unit_prefixes.len()];
             let mut sorted_units = unit_of.clone();
             sorted_units.sort_unstable();
@@ -230,16 +246,28 @@ impl Engine {
             });
             // Every rank starts from rank 0's weights.
             views::broadcast(comm.as_ref(), &flat_params, 0)?;
-            (flat_params, params, Vec::new())
+            let mut units = Vec::new();
+            if stage2_units {
+                let mut offset = 0;
+                for span in &layout.units {
+                    let own: Vec<Tensor> = params[span.slots.clone()].iter().map(Tensor::shallow_clone).collect();
+                    let region = flat_params.narrow(0, span.range.start as i64, span.range.len() as i64);
+                    units.push(ShardedUnit::in_place(span.clone(), &layout.slots[span.slots.clone()], own, region, offset));
+                    offset += span.chunk_len(world_size);
+                }
+            }
+            (flat_params, params, units)
         };
 
+        // The optimized range: a range of `flat_params` (stages 0-2), or of the shard space (the concatenation of
+        // this rank's chunk of every unit) with units.
         let optimized = match z.stage {
             0 => 0..layout.padded,
-            3 => 0..layout.partition_len(),
+            _ if by_units => 0..layout.partition_len(),
             _ => layout.partition(rank),
         };
         let master = (precision != Precision::Fp32).then(|| {
-            let part = flat_params.narrow(0, optimized.start as i64, optimized.len() as i64).to_kind(Kind::Float);
+            let part = shard_values(&flat_params, &layout, rank, z.stage, by_units, &optimized).to_kind(Kind::Float);
             AlignedVec::from_slice(views::slice::<f32>(&part))
         });
         // The in-memory optimizer is built only without NVMe offload: its states would be the very bytes NVMe
@@ -276,7 +304,7 @@ impl Engine {
                 optimizer::OptimizerTier::Memory(optimizer)
             }
         };
-        let runs = if stage3 { layout.shard_decay_runs(rank) } else { layout.decay_runs(optimized.clone()) };
+        let runs = if by_units { layout.shard_decay_runs(rank) } else { layout.decay_runs(optimized.clone()) };
         let groups = runs
             .into_iter()
             .map(|(range, decay)| Group { range, lr: base_lr, weight_decay: if decay { weight_decay } else { 0.0 } })
@@ -291,13 +319,13 @@ impl Engine {
         let overlap = z.overlap_comm && world_size > 1 && z.stage > 0;
         let staged = match z.stage {
             0 => layout.padded,
-            3 => largest_unit,
+            _ if by_units => largest_unit,
             // Two halves with overlap_comm: one reduces while the next round is gathered into the other.
             _ => round_len * world_size * if overlap { 2 } else { 1 },
         };
         let flat_grads = Tensor::zeros([staged as i64], (comm_kind, tch::Device::Cpu));
         let grad_buffer = match z.stage {
-            3 => None,
+            _ if by_units => None,
             _ if comm_kind != kind => None,
             0 => Some(flat_grads.shallow_clone()),
             _ => Some(Tensor::zeros([layout.padded as i64], (comm_kind, tch::Device::Cpu))),
@@ -310,17 +338,18 @@ impl Engine {
         }
         // fp32 models at stages 1-2 with gradient views reduce each rank's partition in place in the buffer.
         let fp32_in_place = precision == Precision::Fp32 && grad_buffer.is_some();
-        let part_len = if stage3 { largest_unit / world_size } else { layout.partition_len() };
-        let grad_part = (z.stage > 0 && !(fp32_in_place && z.stage < 3)).then(|| Tensor::zeros([part_len as i64], (comm_kind, tch::Device::Cpu)));
+        let part_len = if by_units { largest_unit / world_size } else { layout.partition_len() };
+        let grad_part = (z.stage > 0 && !(fp32_in_place && !by_units)).then(|| Tensor::zeros([part_len as i64], (comm_kind, tch::Device::Cpu)));
         let grad_acc = AlignedVec::filled(if (z.stage > 0 && !fp32_in_place) || precision != Precision::Fp32 { optimized.len() } else { 0 }, 0.0);
         let scaler = config.fp16.enabled.then(|| {
             let f = &config.fp16;
             LossScaler::new(LossScalerConfig::from_fp16(f.loss_scale, f.initial_scale_power, f.loss_scale_window, f.hysteresis, f.consecutive_hysteresis, f.min_loss_scale))
         });
         tracing::info!(rank, world_size, stage = z.stage, ?precision, params = layout.numel, partition = layout.partition_len(), units = layout.units.len(), "zerorun engine ready");
-        let persistent_bytes = sharded_units.iter().filter(|u| u.persistent).map(ShardedUnit::full_bytes).sum();
+        // Gathered bytes count units' own buffers (stage 3); stage 2's units are regions of `flat_params`.
+        let persistent_bytes = sharded_units.iter().filter(|u| u.persistent && u.owns_buffer()).map(ShardedUnit::full_bytes).sum();
         Ok(Engine {
-            comm: prefetch::EngineComm::new(comm, overlap),
+            comm: prefetch::EngineComm::new(comm, overlap && !stage2_units),
             config,
             batch,
             precision,
@@ -565,6 +594,9 @@ impl Engine {
     }
 
     fn apply_optimizer(&mut self) -> Result<()> {
+        if self.shard_in_pieces() {
+            return self.apply_optimizer_on_pieces();
+        }
         let range = self.optimized.clone();
         match self.master.as_mut() {
             None => {
@@ -587,6 +619,59 @@ impl Engine {
             }
         }
         Ok(())
+    }
+
+    /// Stage 2 with units: this rank's shard is a chunk of every unit inside the full parameter buffer; the
+    /// optimizer steps a contiguous copy of it (the fp32 values, or the 16-bit output with an fp32 master), which is
+    /// then written back (a transient buffer of one shard, not held between steps).
+    fn apply_optimizer_on_pieces(&mut self) -> Result<()> {
+        match self.master.as_mut() {
+            None => {
+                let scratch = self.read_shard();
+                self.optimizer.step(views::slice::<f32>(&scratch), &self.grad_acc, &self.groups, None)?;
+                self.write_shard(&scratch)?;
+            }
+            Some(master) => {
+                let scratch = Tensor::zeros([self.optimized.len() as i64], (self.flat_params.kind(), tch::Device::Cpu));
+                let out = match self.precision {
+                    Precision::Bf16 => ParamsOut::Bf16(views::slice::<half::bf16>(&scratch)),
+                    _ => ParamsOut::F16(views::slice::<half::f16>(&scratch)),
+                };
+                self.optimizer.step(master, &self.grad_acc, &self.groups, Some(out))?;
+                self.grad_acc.fill(0.0);
+                self.write_shard(&scratch)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether this rank's optimized values are pieces of the full parameter buffer (stage 2 with units).
+    fn shard_in_pieces(&self) -> bool {
+        self.config.zero_optimization.stage == 2 && !self.units.is_empty()
+    }
+
+    /// This rank's optimized values in the model's dtype, in the optimizer's order (a view where contiguous).
+    pub(super) fn read_shard(&self) -> Tensor {
+        let z = &self.config.zero_optimization;
+        shard_values(&self.flat_params, &self.layout, self.rank(), z.stage, !self.units.is_empty(), &self.optimized)
+    }
+
+    /// Writes values in the optimizer's order (any float kind) into this rank's part of the parameters.
+    pub(super) fn write_shard(&self, values: &Tensor) -> Result<()> {
+        let values = values.to_kind(self.flat_params.kind());
+        tch::no_grad(|| -> Result<()> {
+            if self.shard_in_pieces() {
+                let mut at = 0i64;
+                for piece in self.layout.shard_pieces(self.rank()) {
+                    let n = piece.len() as i64;
+                    self.flat_params.narrow(0, piece.start as i64, n).f_copy_(&values.narrow(0, at, n))?;
+                    at += n;
+                }
+            } else {
+                self.flat_params.narrow(0, self.optimized.start as i64, self.optimized.len() as i64).f_copy_(&values)?;
+            }
+            Ok(())
+        })
     }
 
     /// Copies the gradients of flat elements `range` into `dst` (as long as the range). Padding, and parameters

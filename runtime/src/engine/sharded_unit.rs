@@ -38,6 +38,9 @@ pub struct ShardedUnit {
     state: UnitState,
     /// The prefetch in flight (state Gathering).
     pending: Option<Handle<()>>,
+    /// Stage 2 with units: the buffer is a region of the engine's full parameter buffer and holds this rank's
+    /// chunk itself (always gathered; never resized).
+    in_place: bool,
 }
 
 impl ShardedUnit {
@@ -56,7 +59,23 @@ impl ShardedUnit {
             }
         });
         let empty = Tensor::zeros([0], (kind, tch::Device::Cpu));
-        ShardedUnit { span, shard_offset, persistent, full, views, params, empty, state: UnitState::Gathered, pending: None }
+        ShardedUnit { span, shard_offset, persistent, full, views, params, empty, state: UnitState::Gathered, pending: None, in_place: false }
+    }
+
+    /// Stage 2 with units: a unit over `region` of the engine's full parameter buffer, which the model's tensors
+    /// (`params`, in slot order) already view. Always gathered; refreshing all-gathers the region in place.
+    pub fn in_place(span: UnitSpan, slots: &[ParamSlot], params: Vec<Tensor>, region: Tensor, shard_offset: usize) -> ShardedUnit {
+        let views = slots
+            .iter()
+            .map(|slot| region.narrow(0, (slot.range.start - span.range.start) as i64, slot.range.len() as i64).view(slot.shape.as_slice()))
+            .collect();
+        let empty = Tensor::zeros([0], (region.kind(), tch::Device::Cpu));
+        ShardedUnit { span, shard_offset, persistent: true, full: region, views, params, empty, state: UnitState::Gathered, pending: None, in_place: true }
+    }
+
+    /// Whether the unit's buffer is its own (stage 3) rather than a region of the engine's parameters (stage 2).
+    pub fn owns_buffer(&self) -> bool {
+        !self.in_place
     }
 
     pub fn state(&self) -> UnitState {
@@ -144,13 +163,16 @@ impl ShardedUnit {
 
     fn fill_from(&self, comm: &dyn Communicator, shard: &Tensor) -> Result<()> {
         let (rank, ws) = (comm.rank(), comm.world_size());
-        self.chunk_of_full(rank, ws).copy_(&self.chunk_of_shard(shard, ws));
+        if !self.in_place {
+            self.chunk_of_full(rank, ws).copy_(&self.chunk_of_shard(shard, ws));
+        }
         views::all_gather(comm, &self.full)?;
         Ok(())
     }
 
     /// Gathered -> Sharded: the model's tensors point at an empty tensor and the buffer's storage is freed.
     pub fn release(&mut self) -> Result<()> {
+        assert!(!self.in_place, "an in-place unit (stage 2) is never released");
         match self.state {
             UnitState::Sharded => return Ok(()),
             UnitState::Gathering => {
