@@ -125,7 +125,11 @@ impl Engine {
     pub(super) fn backward_units_impl(&mut self, model: Option<&dyn UnitModel>, loss: &Tensor, factor: f64) -> Result<()> {
         let records = std::mem::take(&mut self.records);
         if records.len() != self.units.len() {
-            return Err(Error::Usage("at stage 3 the loss must come from `engine.forward(&model, input)` (run with gradients), once per backward".into()));
+            let stage = self.config.zero_optimization.stage;
+            let plain = if stage == 2 { "; for a plain loop at stage 2 build the engine without EngineOptions::units" } else { "" };
+            return Err(Error::Usage(format!(
+                "the engine runs the model's units at stage {stage}: the loss must come from `engine.forward(&model, input)` (run with gradients), once per backward{plain}"
+            )));
         }
         let root = if factor != 1.0 { loss * factor } else { loss.shallow_clone() };
         let mut upstream: Option<Tensor> = None;
