@@ -1,0 +1,66 @@
+//! The MLP example as separate processes under `zerorun launch` (shm backend, communication thread with prefetch at
+//! stage 3, per-unit reduction at stage 2) ends at the parameters of one process at stage 0, within 1e-5, and prints
+//! the same per-step losses.
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// The MLP example's executable, built here (`cargo test --all-targets` builds examples as test harnesses).
+fn mlp_example() -> PathBuf {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let st = Command::new(cargo).args(["build", "--quiet", "--example", "mlp"]).current_dir(env!("CARGO_MANIFEST_DIR")).status().unwrap();
+    assert!(st.success(), "cargo build --example mlp failed");
+    std::env::current_exe().unwrap().parent().unwrap().parent().unwrap().join("examples").join("mlp")
+}
+
+fn run(mlp: &Path, dir: &Path, ranks: usize, zero: &str, out: &Path) -> Vec<String> {
+    let cfg = dir.join(format!("c{ranks}-{}.json", out.file_stem().unwrap().to_string_lossy()));
+    std::fs::write(&cfg, format!(r#"{{"train_batch_size": 12, "gradient_clipping": 1.0, "optimizer": {{"type": "AdamW", "params": {{"lr": 0.003, "weight_decay": 0.01}}}}, "zero_optimization": {zero}}}"#)).unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_zerorun"))
+        .args(["launch", "--nproc-per-node", &ranks.to_string(), "--"])
+        .arg(mlp)
+        .args(["--config", cfg.to_str().unwrap(), "--steps", "8", "--seed", "3", "--in", "16", "--hidden", "48", "--layers", "4", "--out", "4"])
+        .args(["--save-final", out.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(o.status.success(), "{ranks} ranks, {zero}: {}\n{text}", String::from_utf8_lossy(&o.stderr));
+    text.lines().filter_map(|l| l.strip_prefix("[rank 0] ")).filter(|l| l.starts_with("step ")).map(str::to_string).collect()
+}
+
+fn load(p: &Path) -> Vec<(String, Vec<f32>)> {
+    let mut v: Vec<_> = tch::Tensor::read_safetensors(p).unwrap().into_iter().map(|(n, t)| (n, Vec::<f32>::try_from(t.reshape([-1])).unwrap())).collect();
+    v.sort_by(|a, b| a.0.cmp(&b.0));
+    v
+}
+
+#[test]
+fn processes_at_stages_2_and_3_match_one_process() {
+    let mlp = mlp_example();
+    let dir = std::env::temp_dir().join(format!("zerorun-launch-eq-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let reference = dir.join("ref.safetensors");
+    let ref_losses = run(&mlp, &dir, 1, r#"{"stage": 0}"#, &reference);
+    assert_eq!(ref_losses.len(), 8);
+    let reference = load(&reference);
+    for (name, zero) in [
+        ("stage2", r#"{"stage": 2}"#),
+        ("stage3", r#"{"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 1}"#),
+    ] {
+        let out = dir.join(format!("{name}.safetensors"));
+        let losses = run(&mlp, &dir, 3, zero, &out);
+        assert_eq!(losses.len(), 8, "{name}");
+        for (a, b) in losses.iter().zip(&ref_losses) {
+            let (x, y): (f64, f64) = (a.rsplit(' ').next().unwrap().parse().unwrap(), b.rsplit(' ').next().unwrap().parse().unwrap());
+            assert!((x - y).abs() <= 1e-5 * y.abs(), "{name}: `{a}` vs `{b}`");
+        }
+        let got = load(&out);
+        assert_eq!(got.iter().map(|p| &p.0).collect::<Vec<_>>(), reference.iter().map(|p| &p.0).collect::<Vec<_>>());
+        for ((n, x), (_, y)) in got.iter().zip(&reference) {
+            let scale = y.iter().map(|v| v.abs()).fold(1e-6f32, f32::max);
+            let d = x.iter().zip(y).map(|(p, q)| (p - q).abs()).fold(0.0f32, f32::max) / scale;
+            assert!(d <= 1e-5, "{name}: {n} differs by {d:e}");
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
