@@ -87,17 +87,12 @@ impl Engine {
         let mut crcs = vec![0i64; ws];
         if writes {
             let values = self.optimized_values();
-            let state = self.optimizer.export_state()?;
             let mut tensors = vec![("params".to_string(), vec![values.len()])];
-            tensors.extend(state.buffers.iter().map(|(n, b)| (n.clone(), vec![b.len()])));
+            tensors.extend(self.optimizer.state_names().into_iter().map(|n| (n, vec![values.len()])));
             let file = staging.join(format!("rank{rank}.safetensors"));
-            let crc = files::write_safetensors(&file, &tensors, "F32", |i, w| {
-                if i == 0 {
-                    files::write_f32(w, &values)
-                } else {
-                    files::write_f32(w, &state.buffers[i - 1].1)
-                }
-            })?;
+            // State buffers stream from wherever they live (NVMe: one sub-group at a time).
+            let optimizer = &mut self.optimizer;
+            let crc = files::write_safetensors(&file, &tensors, "F32", |i, w| if i == 0 { files::write_f32(w, &values) } else { optimizer.write_state(i - 1, w) })?;
             crcs[rank] = crc as i64;
         }
         self.comm.all_reduce(&mut crcs, ReduceOp::Sum)?;

@@ -102,11 +102,12 @@ impl OptimizerTier {
         }
     }
 
-    /// The whole state (for a checkpoint): borrowed from memory, or read back from NVMe.
-    pub fn export_state(&mut self) -> crate::Result<std::borrow::Cow<'_, zerorun_optim::OptimizerState>> {
+    /// Writes state buffer `index` (the optimizer's order, whole range) as little-endian f32: from memory, or read
+    /// back from NVMe one sub-group at a time, so a checkpoint never holds the whole state.
+    pub fn write_state(&mut self, index: usize, w: &mut dyn std::io::Write) -> std::io::Result<()> {
         match self {
-            OptimizerTier::Memory(o) => Ok(std::borrow::Cow::Borrowed(o.state())),
-            OptimizerTier::Nvme(o) => Ok(std::borrow::Cow::Owned(o.export_state()?)),
+            OptimizerTier::Memory(o) => w.write_all(bytemuck::cast_slice(&o.state().buffers[index].1)),
+            OptimizerTier::Nvme(o) => o.write_state(index, w),
         }
     }
 

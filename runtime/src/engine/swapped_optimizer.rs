@@ -184,20 +184,18 @@ impl SwappedOptimizer {
         Ok(())
     }
 
-    /// The whole state (checkpoints), read back sub-group by sub-group.
-    pub fn export_state(&mut self) -> Result<OptimizerState> {
-        let len: usize = self.subgroups.iter().map(|g| g.range.len()).sum();
-        let mut state = OptimizerState { step: self.step, buffers: self.state_names.iter().map(|n| (n.clone(), AlignedVec::filled(len, 0.0))).collect() };
+    /// Writes state buffer `index` of the whole range, reading one sub-group at a time.
+    pub fn write_state(&mut self, index: usize, w: &mut dyn std::io::Write) -> std::io::Result<()> {
+        let names = self.state_names.len();
         for k in 0..self.subgroups.len() {
-            let buf = self.read(k).wait().map_err(offload_err)?;
-            let r = self.subgroups[k].range.clone();
-            let src: &[f32] = bytemuck::cast_slice(&buf.as_slice()[..r.len() * 4 * self.state_names.len()]);
-            for (i, (_, b)) in state.buffers.iter_mut().enumerate() {
-                b[r.clone()].copy_from_slice(&src[i * r.len()..(i + 1) * r.len()]);
-            }
+            let buf = self.read(k).wait().map_err(|e| std::io::Error::other(e.to_string()))?;
+            let len = self.subgroups[k].range.len();
+            let src: &[f32] = bytemuck::cast_slice(&buf.as_slice()[..len * 4 * names]);
+            let r = w.write_all(bytemuck::cast_slice(&src[index * len..(index + 1) * len]));
             self.pool.give_back(buf);
+            r?;
         }
-        Ok(state)
+        Ok(())
     }
 
     /// Replaces the state (checkpoint load): every sub-group's part is written to its swap file.
