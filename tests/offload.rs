@@ -191,7 +191,7 @@ fn peak_rss(mlp: &Path, dir: &Path, offload: Value) -> u64 {
     )
     .unwrap();
     let out = std::process::Command::new(mlp)
-        .args(["--config", cfg.to_str().unwrap(), "--steps", "2", "--in", "1024", "--hidden", "2048", "--layers", "4", "--out", "8"])
+        .args(["--config", cfg.to_str().unwrap(), "--steps", "2", "--in", "1024", "--hidden", "4096", "--layers", "4", "--out", "8"])
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -209,9 +209,9 @@ fn nvme_offload_lowers_peak_rss_by_most_of_the_optimizer_states() {
     let dir = tmp("rss");
     let swap = dir.join("swap");
     std::fs::create_dir_all(&swap).unwrap();
-    // 1024*2048 + 2*2048*2048 + 2048*8 weights: ~10.5M parameters, 84 MB of Adam moments, in sub-groups of
-    // 250k elements (2 MB of state each) with 4 swap buffers.
-    let params: u64 = 1024 * 2048 + 2048 + 2 * (2048 * 2048 + 2048) + 2048 * 8 + 8;
+    // 1024*4096 + 2*4096*4096 + 4096*8 weights: ~37.8M parameters, 302 MB of Adam moments (large beside the
+    // allocator's and the threads' noise of ~15 MB), in sub-groups of 250k elements (2 MB of state each).
+    let params: u64 = 1024 * 4096 + 4096 + 2 * (4096 * 4096 + 4096) + 4096 * 8 + 8;
     let state_bytes = 8 * params;
     let in_memory = peak_rss(&mlp, &dir, json!({}));
     let on_nvme = peak_rss(&mlp, &dir, json!({"device": "nvme", "nvme_path": swap, "buffer_count": 4}));

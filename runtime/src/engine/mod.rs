@@ -295,7 +295,7 @@ impl Engine {
                     (o.pipeline_read, o.pipeline_write),
                 )?;
                 tracing::info!(rank, dir = %dir.display(), bytes = swapped.swapped_bytes(), "optimizer states on NVMe");
-                optimizer::OptimizerTier::Nvme(swapped)
+                optimizer::OptimizerTier::Nvme(Box::new(swapped))
             }
             device => {
                 if device == OffloadDevice::Cpu {
@@ -336,10 +336,11 @@ impl Engine {
                 native::set_grad(t, &view)?;
             }
         }
-        // fp32 models at stages 1-2 with gradient views reduce each rank's partition in place in the buffer.
+        // fp32 models at stages 1-2 with gradient views reduce each rank's partition in place in the buffer (units
+        // never have gradient views: they reduce unit by unit).
         let fp32_in_place = precision == Precision::Fp32 && grad_buffer.is_some();
         let part_len = if by_units { largest_unit / world_size } else { layout.partition_len() };
-        let grad_part = (z.stage > 0 && !(fp32_in_place && !by_units)).then(|| Tensor::zeros([part_len as i64], (comm_kind, tch::Device::Cpu)));
+        let grad_part = (z.stage > 0 && !fp32_in_place).then(|| Tensor::zeros([part_len as i64], (comm_kind, tch::Device::Cpu)));
         let grad_acc = AlignedVec::filled(if (z.stage > 0 && !fp32_in_place) || precision != Precision::Fp32 { optimized.len() } else { 0 }, 0.0);
         let scaler = config.fp16.enabled.then(|| {
             let f = &config.fp16;

@@ -53,7 +53,7 @@ pub fn scheduler(config: &Config, base_lr: f64) -> Option<LrScheduler> {
 /// where host memory is the only memory, so nothing is copied), or NVMe, swapped sub-group by sub-group.
 pub(super) enum OptimizerTier {
     Memory(Box<dyn Optimizer>),
-    Nvme(super::swapped_optimizer::SwappedOptimizer),
+    Nvme(Box<super::swapped_optimizer::SwappedOptimizer>),
 }
 
 impl OptimizerTier {
