@@ -1,9 +1,11 @@
 //! zerorun-runtime: everything that knows about ranks and tensors.
 //!
 //! - [`config`]: ds_config.json, parsed and validated.
-//! - [`comm`]: collectives behind one trait (threads backend).
-//! - [`engine`]: the ZeRO engine (stages 0-2) over a tch `VarStore`.
+//! - [`comm`]: collectives behind one trait (threads, shm, MPI, NCCL backends; a communication thread).
+//! - [`engine`]: the ZeRO engine (stages 0-3, offload) over a tch `VarStore`.
+//! - [`checkpoint`]: the sharded checkpoint format.
 //! - [`estimate`]: model-state memory per stage and offload option, before a run.
+//! - [`report`]: the measured memory report, its picture, and the wall-clock breakdown.
 pub mod checkpoint;
 pub mod comm;
 pub mod config;

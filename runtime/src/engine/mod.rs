@@ -1,11 +1,16 @@
-//! The ZeRO engine for stages 0-2: wraps a tch `VarStore` so a training loop shards its optimizer states
-//! (stage 1) and gradients (stage 2) across the data-parallel ranks of a [`Communicator`].
+//! The ZeRO engine: wraps a tch `VarStore` so a training loop shards its optimizer states (stage 1), gradients
+//! (stage 2) and parameters (stage 3) across the data-parallel ranks of a [`Communicator`].
 //!
-//! Parameters are packed into one contiguous buffer of the model's dtype and the model's tensors become views
-//! into it (`set_data`). fp32 models: the optimizer steps that buffer itself; gradients accumulate in autograd
-//! over micro-batches and are reduced once per optimizer step. 16-bit models (bf16, fp16): each rank keeps an
-//! fp32 master copy of the part it optimizes; gradients are reduced after every micro-batch and accumulated in
-//! fp32 there; the optimizer writes the updated 16-bit parameters in the same pass, and stages 1-2 all-gather them.
+//! Stages 0-2: parameters are packed into one contiguous buffer of the model's dtype and the model's tensors
+//! become views into it (`set_data`); their `.grad` tensors are views of the buffer the reduction runs in. fp32
+//! models: the optimizer steps the parameter buffer itself; gradients accumulate in autograd over micro-batches
+//! and are reduced once per optimizer step. 16-bit models (bf16, fp16): each rank keeps an fp32 master copy of the
+//! part it optimizes; gradients are reduced after every micro-batch and accumulated in fp32 there; the optimizer
+//! writes the updated 16-bit parameters in the same pass, and stages 1-2 all-gather them.
+//!
+//! With the model's units (see [`units`]): stage 3 keeps one buffer per unit, gathered only while the unit runs
+//! (`sharded_unit.rs`, `stage3.rs`); stage 2 walks the same units in backward and reduces each unit's gradients at once.
+//! Optimizer states live in memory or on NVMe (`optimizer.rs`, `swapped_optimizer.rs`).
 mod checkpointing;
 pub mod layout;
 mod native;
