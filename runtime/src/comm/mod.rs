@@ -1,7 +1,7 @@
 //! Collectives for one data-parallel group, behind one trait so the engine does not care which backend runs them.
 //!
 //! Backends: [`threads`] (ranks as threads of one process) and [`shm`] (ranks as processes on one host, through
-//! shared memory). [`env`] reads the rank and world size from the variables `zerorun launch` or torchrun set. Every blocking wait has a timeout
+//! shared memory). [`env`](mod@env) reads the rank and world size from the variables `zerorun launch` or torchrun set. Every blocking wait has a timeout
 //! (`comms_timeout`), and a departed peer is an error on every surviving rank, never a hang.
 mod agreement;
 pub mod async_comm;
