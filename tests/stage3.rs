@@ -5,6 +5,7 @@
 use std::time::Duration;
 
 use serde_json::{json, Value};
+use tch::nn::Module;
 use tch::Tensor;
 use zerorun::runtime::comm::threads;
 use zerorun::{Config, Engine, EngineOptions, Whole};
@@ -248,5 +249,37 @@ fn stage2_with_units_reduces_unit_by_unit_and_holds_no_full_gradients() {
             // Per step: one reduce-scatter per micro-batch and one all-gather of every unit.
             assert_eq!(r.volume_per_step, padded * (gas as u64 + 1), "world size {world}");
         }
+    }
+}
+
+#[test]
+fn evaluation_under_no_grad_gathers_and_releases_and_a_sequence_is_a_unit_model() {
+    let comms = threads::group(2, Duration::from_secs(30));
+    let outs: Vec<(Vec<f32>, Vec<f32>, usize)> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .into_iter()
+            .map(|comm| {
+                s.spawn(move || {
+                    let (vs, layers) = init_layers(&DIMS);
+                    let x = Tensor::from_slice(&data().0[..(4 * IN) as usize]).view([4, IN]);
+                    // The full model's output before any sharding.
+                    let expected = Vec::<f32>::try_from(layers.forward_all(&x).reshape([-1])).unwrap();
+                    // The same layers as closures: a Sequence with the same prefixes is the same unit model.
+                    let l = &layers.0;
+                    let seq = zerorun::Sequence::new()
+                        .unit(["layers.0"], |x| l[0].forward(x).gelu("none"))
+                        .unit(["layers.1"], |x| l[1].forward(x).gelu("none"))
+                        .unit(["layers.2"], |x| l[2].forward(x));
+                    let mut engine = Engine::new(&vs, config(1, json!({})), Box::new(comm), EngineOptions::default().units_of(&seq)).unwrap();
+                    let got = tch::no_grad(|| engine.forward(&seq, &x)).unwrap();
+                    (expected, Vec::<f32>::try_from(got.reshape([-1])).unwrap(), engine.gathered_bytes().current)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (expected, got, gathered) in outs {
+        assert_eq!(got, expected, "evaluation through the units gives the model's output");
+        assert_eq!(gathered, 0, "nothing stays gathered after an evaluation forward");
     }
 }
