@@ -193,7 +193,10 @@ impl ShmComm {
         let addr = self.rank_word(k, R_ADDR).load(Ordering::Relaxed) as usize + offset;
         super::cma::read(pid as u32, addr, dst).map_err(|e| {
             if e.raw_os_error() == Some(libc::ESRCH) {
-                CommError::PeerDied { op, rank: self.rank, group: self.group.clone(), dead: k, pid: pid as u32, waited: Duration::ZERO }
+                // Rank k is gone; if it left because it saw another rank die (it flagged itself), name that one.
+                let dead = self.first_death(|_| true).unwrap_or(k);
+                let pid = self.rank_word(dead, R_PID).load(Ordering::Acquire) as u32;
+                CommError::PeerDied { op, rank: self.rank, group: self.group.clone(), dead, pid, waited: Duration::ZERO }
             } else {
                 CommError::BadArgument { op, rank: self.rank, what: format!("reading rank {k}'s buffer: {e}") }
             }
@@ -261,8 +264,20 @@ impl ShmComm {
     }
 
     fn alive(pid: u64) -> bool {
+        if pid == 0 {
+            return true;
+        }
         // SAFETY: signal 0 only checks that the process exists.
-        pid == 0 || unsafe { libc::kill(pid as libc::pid_t, 0) } == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+        let exists = unsafe { libc::kill(pid as libc::pid_t, 0) } == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH);
+        // A killed rank its parent has not reaped yet is a zombie: dead, though signal 0 still finds it.
+        exists && !std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| s.rsplit_once(')').is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')))
+    }
+
+    /// Among the ranks that are gone and satisfy `candidate`, the one that died first: a rank that left after
+    /// seeing another die flagged itself, so an unflagged one is the cause.
+    fn first_death(&self, candidate: impl Fn(usize) -> bool) -> Option<usize> {
+        let dead: Vec<usize> = (0..self.world_size).filter(|&k| k != self.rank && candidate(k) && !Self::alive(self.rank_word(k, R_PID).load(Ordering::Acquire))).collect();
+        dead.iter().copied().find(|&k| self.rank_word(k, R_FAILED).load(Ordering::Acquire) == 0).or(dead.first().copied())
     }
 
     fn flag_failure<T>(&self, r: CommResult<T>) -> CommResult<T> {
@@ -294,14 +309,9 @@ impl ShmComm {
             let waited = start.elapsed();
             if waited >= next_check {
                 next_check = waited + Duration::from_millis(50);
-                // Name the rank that died first: a rank that died after seeing another die flagged itself.
-                let dead: Vec<usize> = (0..self.world_size)
-                    .filter(|&k| {
-                        self.rank_word(k, R_ARRIVE).load(Ordering::Acquire) < target && !Self::alive(self.rank_word(k, R_PID).load(Ordering::Acquire))
-                    })
-                    .collect();
-                let first = dead.iter().copied().find(|&k| self.rank_word(k, R_FAILED).load(Ordering::Acquire) == 0).or(dead.first().copied());
-                if let Some(k) = first {
+                // A rank that did not arrive is gone: name the rank that died first, which may be one that arrived
+                // and died afterwards (the missing rank saw it die, flagged itself and left).
+                if let Some(k) = self.first_death(|k| self.rank_word(k, R_ARRIVE).load(Ordering::Acquire) < target).and_then(|_| self.first_death(|_| true)) {
                     let pid = self.rank_word(k, R_PID).load(Ordering::Acquire) as u32;
                     return Err(CommError::PeerDied { op, rank: self.rank, group: self.group.clone(), dead: k, pid, waited });
                 }
