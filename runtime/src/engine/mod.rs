@@ -16,6 +16,7 @@ pub mod layout;
 mod native;
 mod optimizer;
 mod prefetch;
+mod reduce;
 mod reporting;
 pub mod sampler;
 mod sharded_unit;
@@ -581,15 +582,6 @@ impl Engine {
         }
     }
 
-    /// After the gradients were used (the optimizer step, or a micro-batch's accumulation into fp32): with gradient
-    /// views, zero the buffer autograd accumulates into (without views, `reduce` cleared the `.grad` tensors).
-    fn consume_grads(&mut self) -> Result<()> {
-        if let Some(g) = &self.grad_buffer {
-            let _ = g.shallow_clone().f_zero_()?;
-        }
-        Ok(())
-    }
-
     /// The mean loss over this step's micro-batches and all ranks.
     fn finish_loss(&mut self) -> Result<f64> {
         let mut loss = [(self.loss_sum / self.loss_count.max(1) as f64) as f32];
@@ -678,174 +670,6 @@ impl Engine {
             }
             Ok(())
         })
-    }
-
-    /// Copies the gradients of flat elements `range` into `dst` (as long as the range). Padding, and parameters
-    /// this step did not use (as DDP's ignore_unused_parameters), give zeros.
-    fn gather_grads(&self, dst: &Tensor, range: std::ops::Range<usize>) -> Result<()> {
-        tch::no_grad(|| -> Result<()> {
-            let _ = dst.shallow_clone().f_zero_()?;
-            let first = self.layout.slots.partition_point(|s| s.range.end <= range.start);
-            for (slot, t) in self.layout.slots[first..].iter().zip(&self.params[first..]) {
-                if slot.range.start >= range.end {
-                    break;
-                }
-                let g = t.grad();
-                if g.defined() {
-                    let (a, b) = (slot.range.start.max(range.start), slot.range.end.min(range.end));
-                    let src = g.reshape([-1]).narrow(0, (a - slot.range.start) as i64, (b - a) as i64);
-                    dst.narrow(0, (a - range.start) as i64, (b - a) as i64).f_copy_(&src)?;
-                }
-            }
-            Ok(())
-        })
-    }
-
-    /// Clears the parameters' gradients for the next micro-batch, once `reduce` copied them out (without gradient
-    /// views; with views the buffer is zeroed by `consume_grads` once the reduced values were used).
-    fn clear_param_grads(&mut self) {
-        if self.grad_buffer.is_some() {
-            return;
-        }
-        for t in &mut self.params {
-            t.zero_grad();
-        }
-    }
-
-    /// Gathers and reduces the gradients: `prescale_gradients` / `gradient_predivide_factor` as DeepSpeed applies
-    /// them (divide by the factor before a sum, multiply by factor / world size after), else a mean. Stage 0
-    /// all-reduces everything; stages 1-2 reduce-scatter round by round into this rank's partition.
-    fn reduce(&mut self) -> Result<()> {
-        let (ws, rank) = (self.world_size(), self.rank());
-        let (op, pre, post) = self.reduce_factors();
-        if self.config.zero_optimization.stage == 0 {
-            // With gradient views the gradients are in `flat_grads` already.
-            if self.grad_buffer.is_none() {
-                self.gather_grads(&self.flat_grads, 0..self.layout.padded)?;
-            }
-            if let Some(pre) = pre {
-                let _ = self.flat_grads.f_mul_scalar_(pre)?;
-            }
-            views::all_reduce(self.comm.as_ref(), &self.flat_grads, op)?;
-            self.comm_volume.all_reduce_elements += self.layout.padded as u64;
-            if let Some(post) = post {
-                let _ = self.flat_grads.f_mul_scalar_(post)?;
-            }
-            self.clear_param_grads();
-            return Ok(());
-        }
-        if self.comm.thread().is_some() && self.config.zero_optimization.reduce_scatter {
-            return self.reduce_overlapped(op, pre, post);
-        }
-        let part = self.layout.partition_len();
-        for c in (0..part).step_by(self.round_len) {
-            let l = self.round_len.min(part - c);
-            let mut staged = self.flat_grads.narrow(0, 0, (ws * l) as i64);
-            for k in 0..ws {
-                self.gather_grads(&staged.narrow(0, (k * l) as i64, l as i64), k * part + c..k * part + c + l)?;
-            }
-            if let Some(pre) = pre {
-                let _ = staged.f_mul_scalar_(pre)?;
-            }
-            let mut out = self.reduced_slice(c, l);
-            if self.config.zero_optimization.reduce_scatter {
-                views::reduce_scatter(self.comm.as_ref(), &staged, &out, op)?;
-                self.comm_volume.reduce_scatter_elements += (ws * l) as u64;
-            } else {
-                views::all_reduce(self.comm.as_ref(), &staged, op)?;
-                self.comm_volume.all_reduce_elements += (ws * l) as u64;
-                out.f_copy_(&staged.narrow(0, (rank * l) as i64, l as i64))?;
-            }
-            if let Some(post) = post {
-                let _ = out.f_mul_scalar_(post)?;
-            }
-        }
-        self.clear_param_grads();
-        Ok(())
-    }
-
-    /// `overlap_comm` at stages 1-2: the rounds of [`Engine::reduce`] with two staging halves, so round c's
-    /// reduce-scatter runs on the communication thread while round c+1 is gathered into the other half.
-    fn reduce_overlapped(&mut self, op: ReduceOp, pre: Option<f64>, post: Option<f64>) -> Result<()> {
-        let ws = self.world_size();
-        let part = self.layout.partition_len();
-        let half = ws * self.round_len;
-        let mut pending: Option<(crate::comm::async_comm::Handle<()>, Tensor)> = None;
-        for (i, c) in (0..part).step_by(self.round_len).enumerate() {
-            let l = self.round_len.min(part - c);
-            let mut staged = self.flat_grads.narrow(0, ((i % 2) * half) as i64, (ws * l) as i64);
-            for k in 0..ws {
-                self.gather_grads(&staged.narrow(0, (k * l) as i64, l as i64), k * part + c..k * part + c + l)?;
-            }
-            if let Some(pre) = pre {
-                let _ = staged.f_mul_scalar_(pre)?;
-            }
-            let out = self.reduced_slice(c, l);
-            let thread = self.comm.thread().expect("overlap runs on the communication thread");
-            // SAFETY: `staged` (this round's half) and `out` (this round's slice of the partition) are not touched
-            // until the handle is waited on: the next round writes the other half, and the one after waits first.
-            let handle = unsafe { thread.reduce_scatter_raw(views::buf_mut(&staged).into(), views::buf_mut(&out), op) };
-            self.comm_volume.reduce_scatter_elements += (ws * l) as u64;
-            if let Some((h, mut prev)) = pending.replace((handle, out)) {
-                h.wait()?;
-                if let Some(post) = post {
-                    let _ = prev.f_mul_scalar_(post)?;
-                }
-            }
-        }
-        if let Some((h, mut prev)) = pending {
-            h.wait()?;
-            if let Some(post) = post {
-                let _ = prev.f_mul_scalar_(post)?;
-            }
-        }
-        self.clear_param_grads();
-        Ok(())
-    }
-
-    /// Where elements `c..c+l` of this rank's reduced partition go: in place in the gradient buffer (fp32 with
-    /// gradient views: the round's input was copied to staging first), else the communication-dtype partition.
-    fn reduced_slice(&self, c: usize, l: usize) -> Tensor {
-        match (&self.grad_part, &self.grad_buffer) {
-            (Some(part), _) => part.narrow(0, c as i64, l as i64),
-            (None, Some(g)) => g.narrow(0, (self.optimized.start + c) as i64, l as i64),
-            (None, None) => unreachable!("stages 1-2 have a partition buffer or gradient views"),
-        }
-    }
-
-    /// The reduction's op and scale factors: `prescale_gradients` / `gradient_predivide_factor` as DeepSpeed applies
-    /// them (multiply by `pre` before a sum, by `post` = factor / world size after), else a plain mean.
-    fn reduce_factors(&self) -> (ReduceOp, Option<f64>, Option<f64>) {
-        let f = self.config.gradient_predivide_factor;
-        if self.config.prescale_gradients || f != 1.0 {
-            (ReduceOp::Sum, Some(1.0 / f), Some(f / self.world_size() as f64))
-        } else {
-            (ReduceOp::Avg, None, None)
-        }
-    }
-
-    /// fp32 models at the boundary: reduce, and (stages 1-2) take the partition as fp32.
-    fn reduce_fp32(&mut self) -> Result<()> {
-        self.reduce()?;
-        if self.grads_in_flat_buffer() {
-            return Ok(());
-        }
-        self.grad_acc.fill(0.0);
-        match &self.grad_part {
-            Some(part) => views::accumulate(&mut self.grad_acc, part),
-            None => views::accumulate(&mut self.grad_acc, &self.flat_grads),
-        }
-        Ok(())
-    }
-
-    /// 16-bit models, every micro-batch: reduce, accumulate the optimized range in fp32.
-    fn reduce_micro_batch(&mut self) -> Result<()> {
-        self.reduce()?;
-        match &self.grad_part {
-            Some(part) => views::accumulate(&mut self.grad_acc, part),
-            None => views::accumulate(&mut self.grad_acc, &self.flat_grads),
-        }
-        self.consume_grads()
     }
 
     /// Every parameter by name as full fp32 copies (identical on every rank). Collective at stage 3, where it

@@ -221,12 +221,12 @@ impl Engine {
     /// Reduce-scatters unit `i`'s gradients (slot order; None: unused, zeros) into this rank's shard and adds
     /// them to the fp32 accumulator, with the predivide rules of `reduce`.
     fn reduce_unit(&mut self, i: usize, grads: &[Option<Tensor>]) -> Result<()> {
-        let (ws, rank) = (self.world_size(), self.rank());
+        let ws = self.world_size();
         let span = self.units[i].span.clone();
         let (len, chunk, offset) = (span.range.len(), span.chunk_len(ws), self.units[i].shard_offset);
-        let mut staged = self.flat_grads.narrow(0, 0, len as i64);
+        let staged = self.flat_grads.narrow(0, 0, len as i64);
         tch::no_grad(|| -> Result<()> {
-            let _ = staged.f_zero_()?;
+            let _ = staged.shallow_clone().f_zero_()?;
             for (slot, g) in self.layout.slots[span.slots.clone()].iter().zip(grads) {
                 if let Some(g) = g {
                     let at = (slot.range.start - span.range.start) as i64;
@@ -235,24 +235,10 @@ impl Engine {
             }
             Ok(())
         })?;
-        let (op, pre, post) = self.reduce_factors();
-        if let Some(pre) = pre {
-            let _ = staged.f_mul_scalar_(pre)?;
-        }
-        let part = self.grad_part.as_ref().expect("stage 3 has a gradient part").narrow(0, 0, chunk as i64);
+        let part = self.grad_part.as_ref().expect("units have a gradient part").narrow(0, 0, chunk as i64);
         let t = std::time::Instant::now();
-        if self.config.zero_optimization.reduce_scatter {
-            views::reduce_scatter(self.comm.as_ref(), &staged, &part, op)?;
-            self.comm_volume.reduce_scatter_elements += len as u64;
-        } else {
-            views::all_reduce(self.comm.as_ref(), &staged, op)?;
-            self.comm_volume.all_reduce_elements += len as u64;
-            part.shallow_clone().f_copy_(&staged.narrow(0, (rank * chunk) as i64, chunk as i64))?;
-        }
+        self.reduce_bucket(&staged, &part)?;
         self.times.add(crate::report::Phase::ReduceScatter, t.elapsed());
-        if let Some(post) = post {
-            let _ = part.shallow_clone().f_mul_scalar_(post)?;
-        }
         views::accumulate(&mut self.grad_acc[offset..offset + chunk], &part);
         Ok(())
     }
