@@ -1,5 +1,6 @@
 //! Optimizer states off the process's working memory: `offload_optimizer.device = cpu` and `nvme` give the
-//! parameters of the in-memory run bitwise (stages 1-3, fp32 and bf16, many sub-groups), checkpoints of an NVMe
+//! parameters of the in-memory run bitwise (stages 1-3, fp32 and bf16, many sub-groups), as do parameters on NVMe
+//! (`offload_param`, stage 3: read ahead, `max_in_cpu`, `buffer_size`), checkpoints of an NVMe
 //! run resume bitwise, a full filesystem fails at start-up by name, a swap file removed mid-run is an error
 //! naming it, no swap file outlives its engine, and NVMe offload lowers the peak RSS of a real run.
 use std::path::{Path, PathBuf};
@@ -22,12 +23,21 @@ fn tmp(name: &str) -> PathBuf {
 }
 
 fn config(stage: u8, bf16: bool, offload: Value) -> Config {
+    zero_config(stage, bf16, json!({"offload_optimizer": offload}))
+}
+
+/// The test's config with `extra` keys added to `zero_optimization`.
+fn zero_config(stage: u8, bf16: bool, extra: Value) -> Config {
+    let mut zero = json!({"stage": stage, "stage3_param_persistence_threshold": 0, "sub_group_size": 37});
+    for (k, v) in extra.as_object().unwrap() {
+        zero[k] = v.clone();
+    }
     Config::from_value(json!({
         "train_batch_size": GLOBAL_BATCH, "gradient_accumulation_steps": 2, "gradient_clipping": CLIP,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
         "bf16": {"enabled": bf16},
         "aio": {"block_size": 8192, "queue_depth": 2, "intra_op_parallelism": 2},
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, "sub_group_size": 37, "offload_optimizer": offload}
+        "zero_optimization": zero
     }))
     .unwrap()
 }
@@ -119,6 +129,105 @@ fn an_nvme_run_checkpoints_and_resumes_bitwise() {
     assert!(files_in(&swap).is_empty());
     std::fs::remove_dir_all(&swap).unwrap();
     std::fs::remove_dir_all(&ck).unwrap();
+}
+
+#[test]
+fn parameters_on_nvme_train_bitwise_like_in_memory() {
+    let swap = tmp("params");
+    for bf16 in [false, true] {
+        let memory = train(zero_config(3, bf16, json!({})), 6, None, None).unwrap();
+        // Every unit on NVMe; two buffers (a read-ahead window of one unit) and five; with the comm thread
+        // prefetching all-gathers (which take their chunks from the reads started ahead) and without.
+        for (buffers, overlap) in [(2, false), (5, false), (2, true), (5, true)] {
+            let offload = json!({"device": "nvme", "nvme_path": swap, "max_in_cpu": 0, "buffer_count": buffers});
+            let nvme = train(zero_config(3, bf16, json!({"offload_param": offload, "overlap_comm": overlap})), 6, None, None).unwrap();
+            assert_eq!(nvme, memory, "parameters on NVMe, bf16 {bf16}, {buffers} buffers, overlap_comm {overlap}");
+            assert!(files_in(&swap).is_empty(), "swap files are removed with the engine: {:?}", files_in(&swap));
+        }
+        // Units 0 and 2 in host memory (max_in_cpu: their chunks are 72 and 26 elements), unit 1 on NVMe, with
+        // the optimizer states on NVMe too.
+        let both = json!({
+            "offload_param": {"device": "nvme", "nvme_path": swap, "max_in_cpu": 100},
+            "offload_optimizer": {"device": "nvme", "nvme_path": swap}
+        });
+        assert_eq!(train(zero_config(3, bf16, both), 6, None, None).unwrap(), memory, "parameters and optimizer on NVMe, bf16 {bf16}");
+        assert!(files_in(&swap).is_empty());
+    }
+    std::fs::remove_dir_all(&swap).unwrap();
+}
+
+#[test]
+fn a_run_with_parameters_on_nvme_checkpoints_and_resumes_bitwise() {
+    let (swap, ck) = (tmp("pckswap"), tmp("pck"));
+    for bf16 in [false, true] {
+        let nvme = || zero_config(3, bf16, json!({"offload_param": {"device": "nvme", "nvme_path": swap, "max_in_cpu": 0}}));
+        let straight = train(nvme(), 8, Some((&ck, 4)), None).unwrap();
+        assert_eq!(train(nvme(), 8, None, Some(&ck)).unwrap(), straight, "bf16 {bf16}");
+        // The same checkpoint resumes in memory.
+        assert_eq!(train(zero_config(3, bf16, json!({})), 8, None, Some(&ck)).unwrap(), straight, "bf16 {bf16}");
+        std::fs::remove_dir_all(&ck).unwrap();
+        std::fs::create_dir_all(&ck).unwrap();
+    }
+    assert!(files_in(&swap).is_empty());
+    std::fs::remove_dir_all(&swap).unwrap();
+    std::fs::remove_dir_all(&ck).unwrap();
+}
+
+/// A one-rank stage-3 engine over the MLP with `offload_param`.
+fn one_rank_stage3(offload_param: Value) -> Result<(Engine, Layers), zerorun::Error> {
+    let comm = threads::group(1, Duration::from_secs(10)).pop().unwrap();
+    let (vs, model) = init_layers(&[IN, HIDDEN, HIDDEN, OUT]);
+    let cfg = Config::from_value(json!({
+        "train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "offload_param": offload_param}
+    }))
+    .unwrap();
+    let engine = Engine::new(&vs, cfg, Box::new(comm), EngineOptions::default().units_of(&model))?;
+    Ok((engine, model))
+}
+
+fn category(engine: &Engine, name: &str) -> usize {
+    engine.memory_bytes().into_iter().find(|(n, _)| *n == name).unwrap().1
+}
+
+#[test]
+fn parameters_on_nvme_leave_memory_and_max_in_cpu_keeps_them() {
+    let swap = tmp("pmem");
+    let shard_bytes = 4 * (IN * HIDDEN + HIDDEN + HIDDEN * HIDDEN + HIDDEN + HIDDEN * OUT + OUT) as usize;
+    let (engine, _) = one_rank_stage3(json!({"device": "nvme", "nvme_path": swap, "max_in_cpu": 0, "buffer_count": 3})).unwrap();
+    assert_eq!(category(&engine, "parameters_nvme"), shard_bytes);
+    // What stays in memory is the idle swap buffers (at most 3 pages here), not the shard.
+    assert!(category(&engine, "parameters") <= 3 * 4096, "{}", category(&engine, "parameters"));
+    assert_eq!(files_in(&swap).len(), 3, "one swap file per unit: {:?}", files_in(&swap));
+    drop(engine);
+    // The default max_in_cpu (1e9 elements) keeps a small model's shard in host memory: no file at all.
+    let (engine, _) = one_rank_stage3(json!({"device": "nvme", "nvme_path": swap})).unwrap();
+    assert_eq!((category(&engine, "parameters_nvme"), category(&engine, "parameters")), (0, shard_bytes));
+    assert!(files_in(&swap).is_empty());
+    drop(engine);
+    // A swap buffer must hold the largest unit's shard.
+    let e = one_rank_stage3(json!({"device": "nvme", "nvme_path": swap, "max_in_cpu": 0, "buffer_size": 100})).err().unwrap().to_string();
+    let largest = HIDDEN * HIDDEN + HIDDEN;
+    assert_eq!(
+        e,
+        format!("`zero_optimization.offload_param.buffer_size`: 100 is not allowed: at least the largest unit's shard on this rank, {largest} elements (or split that unit)")
+    );
+    assert!(files_in(&swap).is_empty());
+    std::fs::remove_dir_all(&swap).unwrap();
+}
+
+#[test]
+fn a_removed_parameter_swap_file_is_an_error_naming_it() {
+    let swap = tmp("premoved");
+    let (mut engine, model) = one_rank_stage3(json!({"device": "nvme", "nvme_path": swap, "max_in_cpu": 0})).unwrap();
+    let victim = swap.join(files_in(&swap).into_iter().min().unwrap());
+    std::fs::remove_file(&victim).unwrap();
+    let x = Tensor::ones([4, IN], (Kind::Float, tch::Device::Cpu));
+    let e = engine.forward(&model, &x).err().expect("the unit's chunk cannot be read").to_string();
+    assert!(e.contains(&victim.display().to_string()) && e.contains("the swap file is gone"), "{e}");
+    drop(engine);
+    assert!(files_in(&swap).is_empty(), "{:?}", files_in(&swap));
+    std::fs::remove_dir_all(&swap).unwrap();
 }
 
 #[test]

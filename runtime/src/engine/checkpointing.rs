@@ -59,11 +59,11 @@ impl Engine {
     }
 
     /// The fp32 values of this rank's optimized range (the master copy, or the parameters themselves in fp32).
-    fn optimized_values(&self) -> Vec<f32> {
-        match &self.master {
+    fn optimized_values(&mut self) -> Result<Vec<f32>> {
+        Ok(match &self.master {
             Some(m) => m.to_vec(),
-            None => Vec::<f32>::try_from(&self.read_shard()).expect("fp32 parameters"),
-        }
+            None => Vec::<f32>::try_from(&self.read_shard()?).expect("fp32 parameters"),
+        })
     }
 
     /// Saves under `dir/<tag>/` (default tag `global_step{N}`) and points `dir/latest` at it once it is complete.
@@ -86,7 +86,7 @@ impl Engine {
         let writes = stage > 0 || rank == 0;
         let mut crcs = vec![0i64; ws];
         if writes {
-            let values = self.optimized_values();
+            let values = self.optimized_values()?;
             let mut tensors = vec![("params".to_string(), vec![values.len()])];
             tensors.extend(self.optimizer.state_names().into_iter().map(|n| (n, vec![values.len()])));
             let file = staging.join(format!("rank{rank}.safetensors"));

@@ -10,7 +10,8 @@
 //!
 //! With the model's units (see [`units`]): stage 3 keeps one buffer per unit, gathered only while the unit runs
 //! (`sharded_unit.rs`, `stage3.rs`); stage 2 walks the same units in backward and reduces each unit's gradients at once.
-//! Optimizer states live in memory or on NVMe (`optimizer.rs`, `swapped_optimizer.rs`).
+//! Optimizer states live in memory or on NVMe (`optimizer.rs`, `swapped_optimizer.rs`); so does stage 3's
+//! parameter shard (`swapped_params.rs`).
 mod checkpointing;
 pub mod layout;
 mod native;
@@ -22,6 +23,7 @@ pub mod sampler;
 mod sharded_unit;
 mod stage3;
 mod swapped_optimizer;
+mod swapped_params;
 pub mod units;
 mod views;
 
@@ -119,8 +121,11 @@ pub struct Engine {
     /// The model's parameters, in layout order; views into `flat_params` (stages 0-2) or into their unit's
     /// buffer (stage 3).
     params: Vec<Tensor>,
-    /// All parameters in the model's dtype (stages 0-2); this rank's shard of every unit (stage 3).
+    /// All parameters in the model's dtype (stages 0-2); this rank's shard of every unit (stage 3; empty when
+    /// the shard is on NVMe).
     flat_params: Tensor,
+    /// Stage 3 with `offload_param.device = nvme`: where the shard lives instead of `flat_params`.
+    swapped_params: Option<swapped_params::SwappedParams>,
     /// Stage 3: one per unit, in execution order (empty at stages 0-2).
     units: Vec<ShardedUnit>,
     unit_prefixes: Vec<Vec<String>>,
@@ -170,13 +175,6 @@ impl Engine {
         let rank = comm.rank();
         let batch = config.batch_sizes(world_size)?;
         let z = &config.zero_optimization;
-        if z.offload_param.device == OffloadDevice::Nvme {
-            return Err(Error::Unsupported {
-                key: "zero_optimization.offload_param.device",
-                value: "nvme".into(),
-                why: "parameter shards on NVMe are not in this build yet; use \"cpu\" (on CPU runs the shards already live in host memory) or offload_optimizer to NVMe",
-            });
-        }
         if let Some(OptimizerConfig::Lamb(_)) = &config.optimizer {
             return Err(Error::Unsupported { key: "optimizer.type", value: "\"Lamb\"".into(), why: "Lamb needs per-tensor trust ratios across ranks, not in this build yet" });
         }
@@ -236,7 +234,7 @@ impl Engine {
             FlatLayout::new(&specs, world_size)
         };
 
-        let (flat_params, params, sharded_units) = if stage3 {
+        let (mut flat_params, params, sharded_units) = if stage3 {
             Self::shard_units(&layout, named, kind, comm.as_ref(), &config)?
         } else {
             // Pack the parameters into the flat buffer and make the model's tensors views into it.
@@ -276,6 +274,24 @@ impl Engine {
             let part = shard_values(&flat_params, &layout, rank, z.stage, by_units, &optimized).to_kind(Kind::Float);
             AlignedVec::from_slice(views::slice::<f32>(&part))
         });
+        let io = zerorun_offload::IoConfig {
+            block_size: config.aio.block_size as usize,
+            queue_depth: config.aio.queue_depth as usize,
+            intra_op_parallelism: config.aio.intra_op_parallelism as usize,
+        };
+        let swapped_params = if stage3 && z.offload_param.device == OffloadDevice::Nvme {
+            let chunks = sharded_units.iter().map(|u| u.shard_range(world_size)).collect();
+            let persistent: Vec<bool> = sharded_units.iter().map(|u| u.persistent).collect();
+            let prefix = format!("zerorun-{}-{}-rank{rank}-params", std::process::id(), next_engine_id());
+            let swapped = swapped_params::SwappedParams::new(&flat_params, chunks, &persistent, &z.offload_param, io, &prefix)?;
+            flat_params = Tensor::zeros([0], (kind, tch::Device::Cpu));
+            Some(swapped)
+        } else {
+            if stage3 && z.offload_param.device == OffloadDevice::Cpu {
+                tracing::info!(rank, "offload_param.device = cpu: a CPU run keeps parameter shards in host memory already");
+            }
+            None
+        };
         // The in-memory optimizer is built only without NVMe offload: its states would be the very bytes NVMe
         // offload keeps out of memory.
         let nvme = z.offload_optimizer.device == OffloadDevice::Nvme;
@@ -284,11 +300,6 @@ impl Engine {
             OffloadDevice::Nvme => {
                 let o = &z.offload_optimizer;
                 let dir = std::path::PathBuf::from(o.nvme_path.clone().expect("the config requires nvme_path for nvme"));
-                let io = zerorun_offload::IoConfig {
-                    block_size: config.aio.block_size as usize,
-                    queue_depth: config.aio.queue_depth as usize,
-                    intra_op_parallelism: config.aio.intra_op_parallelism as usize,
-                };
                 let prefix = format!("zerorun-{}-{}-rank{rank}", std::process::id(), next_engine_id());
                 let swapped = swapped_optimizer::SwappedOptimizer::new(
                     |len| optimizer::build(&config, len).0,
@@ -363,6 +374,7 @@ impl Engine {
             layout,
             params,
             flat_params,
+            swapped_params,
             units: sharded_units,
             unit_prefixes,
             records: Vec::new(),
@@ -592,8 +604,8 @@ impl Engine {
     }
 
     fn apply_optimizer(&mut self) -> Result<()> {
-        if self.shard_in_pieces() {
-            return self.apply_optimizer_on_pieces();
+        if self.steps_a_copy_of_the_shard() {
+            return self.apply_optimizer_on_copy();
         }
         let range = self.optimized.clone();
         match self.master.as_mut() {
@@ -619,28 +631,29 @@ impl Engine {
         Ok(())
     }
 
-    /// Stage 2 with units: this rank's shard is a chunk of every unit inside the full parameter buffer; the
-    /// optimizer steps a contiguous copy of it (the fp32 values, or the 16-bit output with an fp32 master), which is
-    /// then written back (a transient buffer of one shard, not held between steps).
-    fn apply_optimizer_on_pieces(&mut self) -> Result<()> {
-        match self.master.as_mut() {
-            None => {
-                let scratch = self.read_shard();
-                self.optimizer.step(views::slice::<f32>(&scratch), &self.grad_acc, &self.groups, None)?;
-                self.write_shard(&scratch)?;
-            }
-            Some(master) => {
-                let scratch = Tensor::zeros([self.optimized.len() as i64], (self.flat_params.kind(), tch::Device::Cpu));
-                let out = match self.precision {
-                    Precision::Bf16 => ParamsOut::Bf16(views::slice::<half::bf16>(&scratch)),
-                    _ => ParamsOut::F16(views::slice::<half::f16>(&scratch)),
-                };
-                self.optimizer.step(master, &self.grad_acc, &self.groups, Some(out))?;
-                self.grad_acc.fill(0.0);
-                self.write_shard(&scratch)?;
-            }
+    /// When this rank's shard is not one contiguous range in memory (stage 2 with units: a chunk of every unit
+    /// inside the full parameter buffer; stage 3 with parameters on NVMe), the optimizer steps a contiguous copy
+    /// of it (the fp32 values, or the 16-bit output with an fp32 master), which is then written back: a transient
+    /// buffer of one shard, not held between steps.
+    fn apply_optimizer_on_copy(&mut self) -> Result<()> {
+        if self.master.is_none() {
+            let scratch = self.read_shard()?;
+            self.optimizer.step(views::slice::<f32>(&scratch), &self.grad_acc, &self.groups, None)?;
+            return self.write_shard(&scratch);
         }
-        Ok(())
+        let scratch = Tensor::zeros([self.optimized.len() as i64], (views::kind_of(self.precision), tch::Device::Cpu));
+        let out = match self.precision {
+            Precision::Bf16 => ParamsOut::Bf16(views::slice::<half::bf16>(&scratch)),
+            _ => ParamsOut::F16(views::slice::<half::f16>(&scratch)),
+        };
+        let master = self.master.as_mut().expect("checked above");
+        self.optimizer.step(master, &self.grad_acc, &self.groups, Some(out))?;
+        self.grad_acc.fill(0.0);
+        self.write_shard(&scratch)
+    }
+
+    fn steps_a_copy_of_the_shard(&self) -> bool {
+        self.shard_in_pieces() || self.swapped_params.is_some()
     }
 
     /// Whether this rank's optimized values are pieces of the full parameter buffer (stage 2 with units).
@@ -648,14 +661,22 @@ impl Engine {
         self.config.zero_optimization.stage == 2 && !self.units.is_empty()
     }
 
-    /// This rank's optimized values in the model's dtype, in the optimizer's order (a view where contiguous).
-    pub(super) fn read_shard(&self) -> Tensor {
+    /// This rank's optimized values in the model's dtype, in the optimizer's order (a view where contiguous in
+    /// memory; read from NVMe where the shard is there).
+    pub(super) fn read_shard(&mut self) -> Result<Tensor> {
+        let len = self.optimized.len();
+        if let Some(swapped) = self.swapped_params.as_mut() {
+            return swapped.read_all(len);
+        }
         let z = &self.config.zero_optimization;
-        shard_values(&self.flat_params, &self.layout, self.rank(), z.stage, !self.units.is_empty(), &self.optimized)
+        Ok(shard_values(&self.flat_params, &self.layout, self.rank(), z.stage, !self.units.is_empty(), &self.optimized))
     }
 
     /// Writes values in the optimizer's order (any float kind) into this rank's part of the parameters.
-    pub(super) fn write_shard(&self, values: &Tensor) -> Result<()> {
+    pub(super) fn write_shard(&mut self, values: &Tensor) -> Result<()> {
+        if let Some(swapped) = self.swapped_params.as_mut() {
+            return swapped.write_all(values);
+        }
         let values = values.to_kind(self.flat_params.kind());
         tch::no_grad(|| -> Result<()> {
             if self.shard_in_pieces() {
@@ -707,7 +728,7 @@ impl Engine {
     }
 
     /// Bytes this rank holds, by category: `parameters` (the model-dtype values kept between steps: all of them
-    /// at stages 0-2, the shard at stage 3), `parameters_gathered` (stage 3 units gathered now), `gradients_full`
+    /// at stages 0-2, the shard at stage 3), `parameters_nvme` (the shard's chunks on NVMe), `parameters_gathered` (stage 3 units gathered now), `gradients_full`
     /// (autograd's `.grad` tensors of the model, stages 0-2), `gradients_shard` (the fp32 reduced gradients of the
     /// optimized range), `master_fp32`, `optimizer_states`, `communication_buffers` (reduction staging).
     pub fn memory_bytes(&self) -> Vec<(&'static str, usize)> {
@@ -727,8 +748,10 @@ impl Engine {
         } else {
             self.grad_acc.len() * 4
         };
+        let (params_resident, params_nvme) = self.swapped_params.as_ref().map_or((0, 0), |s| (s.resident_bytes(), s.swapped_bytes()));
         vec![
-            ("parameters", bytes(&self.flat_params)),
+            ("parameters", bytes(&self.flat_params) + params_resident),
+            ("parameters_nvme", params_nvme),
             ("parameters_gathered", self.gathered.current),
             ("gradients_full", full),
             ("gradients_shard", shard),

@@ -102,69 +102,71 @@ impl ShardedUnit {
         self.full.narrow(0, (rank * c) as i64, c as i64)
     }
 
-    fn chunk_of_shard(&self, shard: &Tensor, ws: usize) -> Tensor {
-        shard.narrow(0, self.shard_offset as i64, self.span.chunk_len(ws) as i64)
+    /// Copies this rank's chunk (bytes of the model's dtype) into its place in the full buffer.
+    fn put_chunk(&self, rank: usize, ws: usize, chunk: &[u8]) {
+        let n = self.span.chunk_len(ws) * self.full.kind().elt_size_in_bytes();
+        assert_eq!(chunk.len(), n, "a unit's chunk has the unit's chunk length");
+        views::bytes(&self.full)[rank * n..(rank + 1) * n].copy_from_slice(chunk);
     }
 
-    /// Sharded -> Gathered: regrows the buffer and all-gathers every rank's chunk from `shard` (Gathering ->
-    /// Gathered: waits for the prefetch). Returns the elements gathered by this call (0 if it already was, or
-    /// the prefetch counted them).
-    pub fn gather(&mut self, comm: &dyn Communicator, shard: &Tensor) -> Result<usize> {
-        let gathered = match self.state {
-            UnitState::Gathered => return Ok(0),
-            UnitState::Gathering => {
-                let pending = self.pending.take().expect("a gathering unit has a handle");
-                pending.wait()?;
-                0
-            }
-            UnitState::Sharded => {
-                native::resize_storage(&self.full, self.full_bytes())?;
-                self.fill_from(comm, shard)?;
-                self.span.range.len()
-            }
-        };
+    /// Sharded -> Gathered: regrows the buffer and all-gathers every rank's chunk, this rank's being `chunk`.
+    /// Returns the elements gathered.
+    pub fn gather(&mut self, comm: &dyn Communicator, chunk: &[u8]) -> Result<usize> {
+        debug_assert_eq!(self.state, UnitState::Sharded);
+        native::resize_storage(&self.full, self.full_bytes())?;
+        self.fill_from(comm, Some(chunk))?;
+        self.point_params_at_views();
+        Ok(self.span.range.len())
+    }
+
+    /// Gathering -> Gathered: waits for the prefetch.
+    pub fn finish_gather(&mut self) -> Result<()> {
+        debug_assert_eq!(self.state, UnitState::Gathering);
+        self.pending.take().expect("a gathering unit has a handle").wait()?;
+        self.point_params_at_views();
+        Ok(())
+    }
+
+    fn point_params_at_views(&mut self) {
         tch::no_grad(|| {
             for (t, v) in self.params.iter_mut().zip(&self.views) {
                 t.set_data(v);
             }
         });
         self.state = UnitState::Gathered;
-        Ok(gathered)
     }
 
-    /// Sharded -> Gathering: regrows the buffer, puts this rank's chunk in and starts the all-gather on the
+    /// Sharded -> Gathering: regrows the buffer, puts this rank's `chunk` in and starts the all-gather on the
     /// communication thread. Returns the elements it will gather.
-    pub fn begin_gather(&mut self, thread: &CommThread, shard: &Tensor) -> Result<usize> {
+    pub fn begin_gather(&mut self, thread: &CommThread, chunk: &[u8]) -> Result<usize> {
         debug_assert_eq!(self.state, UnitState::Sharded);
         native::resize_storage(&self.full, self.full_bytes())?;
-        let (rank, ws) = (thread.rank(), thread.world_size());
-        self.chunk_of_full(rank, ws).copy_(&self.chunk_of_shard(shard, ws));
+        self.put_chunk(thread.rank(), thread.world_size(), chunk);
         let dtype = match self.full.kind() {
             Kind::BFloat16 => Dtype::Bf16,
             Kind::Half => Dtype::F16,
             _ => Dtype::F32,
         };
-        let as_bytes = self.full.view_dtype(Kind::Uint8);
-        let bytes = views::slice::<u8>(&as_bytes);
-        // SAFETY: the buffer is ours; nothing reads or writes it, resizes or frees it until `gather` waits on
-        // the handle (release refuses a Gathering unit, and dropping the engine joins the thread first).
+        let bytes = views::bytes(&self.full);
+        // SAFETY: the buffer is ours; nothing reads or writes it, resizes or frees it until `finish_gather` waits
+        // on the handle (release finishes a Gathering unit first, and dropping the engine joins the thread first).
         let handle = unsafe { thread.all_gather_raw(BufMut { bytes, dtype }) };
         self.pending = Some(handle);
         self.state = UnitState::Gathering;
         Ok(self.span.range.len())
     }
 
-    /// Gathered: refreshes the full parameters from the shards (after an optimizer step). Returns the elements.
-    pub fn refresh(&mut self, comm: &dyn Communicator, shard: &Tensor) -> Result<usize> {
+    /// Gathered: refreshes the full parameters after an optimizer step, from this rank's new `chunk` (None: an
+    /// in-place unit, whose region already holds it). Returns the elements.
+    pub fn refresh(&mut self, comm: &dyn Communicator, chunk: Option<&[u8]>) -> Result<usize> {
         debug_assert_eq!(self.state, UnitState::Gathered);
-        self.fill_from(comm, shard)?;
+        self.fill_from(comm, chunk)?;
         Ok(self.span.range.len())
     }
 
-    fn fill_from(&self, comm: &dyn Communicator, shard: &Tensor) -> Result<()> {
-        let (rank, ws) = (comm.rank(), comm.world_size());
-        if !self.in_place {
-            self.chunk_of_full(rank, ws).copy_(&self.chunk_of_shard(shard, ws));
+    fn fill_from(&self, comm: &dyn Communicator, chunk: Option<&[u8]>) -> Result<()> {
+        if let Some(chunk) = chunk {
+            self.put_chunk(comm.rank(), comm.world_size(), chunk);
         }
         views::all_gather(comm, &self.full)?;
         Ok(())
@@ -201,6 +203,12 @@ impl ShardedUnit {
 
     /// Gathered: copies this rank's chunk of the full parameters into `shard` (at start-up).
     pub fn store_chunk(&self, shard: &Tensor, rank: usize, ws: usize) {
-        self.chunk_of_shard(shard, ws).copy_(&self.chunk_of_full(rank, ws));
+        let r = self.shard_range(ws);
+        shard.narrow(0, r.start as i64, r.len() as i64).copy_(&self.chunk_of_full(rank, ws));
+    }
+
+    /// This rank's chunk's range in shard space.
+    pub fn shard_range(&self, ws: usize) -> std::ops::Range<usize> {
+        self.shard_offset..self.shard_offset + self.span.chunk_len(ws)
     }
 }

@@ -6,6 +6,7 @@
 use tch::Tensor;
 
 use super::sharded_unit::UnitState;
+use super::swapped_params::Chunk;
 use super::units::UnitModel;
 use super::{native, prefetch, views, Engine};
 use crate::error::{Error, Result};
@@ -76,6 +77,7 @@ impl Engine {
         for i in 0..n {
             self.gather_unit(i)?;
             self.prefetch(i + 1..n)?;
+            self.read_ahead(i + 1..n);
             let last = i + 1 == n;
             if !train {
                 h = model.forward_unit(i, &h);
@@ -138,6 +140,7 @@ impl Engine {
             let rec = &records[i];
             self.gather_unit(i)?;
             self.prefetch((0..i).rev())?;
+            self.read_ahead((0..i).rev());
             let output = match &rec.output {
                 Some(y) => y.shallow_clone(),
                 None => {
@@ -171,18 +174,46 @@ impl Engine {
     }
 
     pub(super) fn gather_unit(&mut self, i: usize) -> Result<()> {
-        let state = self.units[i].state();
-        if state == UnitState::Gathered {
-            return Ok(());
-        }
         let t = std::time::Instant::now();
-        let n = self.units[i].gather(self.comm.as_ref(), &self.flat_params)?;
-        self.times.add(crate::report::Phase::AllGather, t.elapsed());
-        self.comm_volume.all_gather_elements += n as u64;
-        if state == UnitState::Sharded {
-            self.count_gathered(i);
+        match self.units[i].state() {
+            UnitState::Gathered => return Ok(()),
+            UnitState::Gathering => self.units[i].finish_gather()?,
+            UnitState::Sharded => {
+                let chunk = self.unit_chunk(i)?;
+                let gathered = self.units[i].gather(self.comm.as_ref(), chunk.bytes());
+                self.recycle(chunk);
+                self.comm_volume.all_gather_elements += gathered? as u64;
+                self.count_gathered(i);
+            }
         }
+        self.times.add(crate::report::Phase::AllGather, t.elapsed());
         Ok(())
+    }
+
+    /// This rank's chunk of unit `i`: a view of the shard, or read from NVMe (`offload_param`).
+    fn unit_chunk(&mut self, i: usize) -> Result<Chunk> {
+        match self.swapped_params.as_mut() {
+            Some(swapped) => swapped.chunk(i),
+            None => {
+                let r = self.units[i].shard_range(self.comm.world_size());
+                Ok(Chunk::InMemory(self.flat_params.narrow(0, r.start as i64, r.len() as i64)))
+            }
+        }
+    }
+
+    fn recycle(&self, chunk: Chunk) {
+        if let Some(swapped) = &self.swapped_params {
+            swapped.recycle(chunk);
+        }
+    }
+
+    /// With parameters on NVMe, starts reading the chunks of the units that come next in `order` and are not
+    /// gathered yet, so the reads overlap this unit's compute.
+    fn read_ahead(&mut self, order: impl Iterator<Item = usize>) {
+        if let Some(swapped) = self.swapped_params.as_mut() {
+            let units = &self.units;
+            swapped.read_ahead(order, |u| units[u].state() == UnitState::Sharded);
+        }
     }
 
     fn count_gathered(&mut self, i: usize) {
@@ -193,7 +224,9 @@ impl Engine {
     /// With `overlap_comm`, starts the all-gathers of the units that come next in `order` (see
     /// [`prefetch::units_to_prefetch`]); they finish on the communication thread while this rank computes.
     fn prefetch(&mut self, order: impl Iterator<Item = usize>) -> Result<()> {
-        let Some(thread) = self.comm.thread() else { return Ok(()) };
+        if self.comm.thread().is_none() {
+            return Ok(());
+        }
         let z = &self.config.zero_optimization;
         let sizes: Vec<u64> = self.units.iter().map(|u| u.span.range.len() as u64).collect();
         let sharded: Vec<bool> = self.units.iter().map(|u| u.state() == UnitState::Sharded).collect();
@@ -201,7 +234,11 @@ impl Engine {
         let in_flight = self.units.iter().filter(|u| u.state() == UnitState::Gathering).count();
         let picked = prefetch::units_to_prefetch(order, &sizes, &sharded, live, in_flight, z.stage3_prefetch_bucket_size, z.stage3_max_live_parameters);
         for u in picked {
-            let n = self.units[u].begin_gather(thread, &self.flat_params)?;
+            let chunk = self.unit_chunk(u)?;
+            let thread = self.comm.thread().expect("checked above");
+            let n = self.units[u].begin_gather(thread, chunk.bytes());
+            self.recycle(chunk);
+            let n = n?;
             self.comm_volume.all_gather_elements += n as u64;
             let bytes = self.units[u].full_bytes();
             self.gathered.add(bytes);
@@ -245,11 +282,22 @@ impl Engine {
 
     /// After an optimizer step: units that stay gathered take the new values of every rank's shard.
     pub(super) fn refresh_gathered_units(&mut self) -> Result<()> {
-        for u in &mut self.units {
-            if u.state() == UnitState::Gathered {
-                self.comm_volume.all_gather_elements += u.refresh(self.comm.as_ref(), &self.flat_params)? as u64;
+        for i in 0..self.units.len() {
+            if self.units[i].state() != UnitState::Gathered {
+                continue;
             }
+            let n = if self.units[i].owns_buffer() {
+                let chunk = self.unit_chunk(i)?;
+                let n = self.units[i].refresh(self.comm.as_ref(), Some(chunk.bytes()));
+                self.recycle(chunk);
+                n?
+            } else {
+                self.units[i].refresh(self.comm.as_ref(), None)?
+            };
+            self.comm_volume.all_gather_elements += n as u64;
         }
+        // The next forward starts at the first unit: its chunk's read can start now.
+        self.read_ahead(0..self.units.len());
         Ok(())
     }
 

@@ -38,6 +38,17 @@ pub fn slice<T>(t: &Tensor) -> &mut [T] {
     unsafe { std::slice::from_raw_parts_mut(t.data_ptr() as *mut T, n) }
 }
 
+/// A contiguous CPU tensor's bytes, whatever its kind (see [`slice`] for the conditions).
+#[allow(clippy::mut_from_ref)]
+pub fn bytes(t: &Tensor) -> &mut [u8] {
+    debug_assert!(t.is_contiguous());
+    let n = t.numel() * t.kind().elt_size_in_bytes();
+    if n == 0 {
+        return &mut [];
+    }
+    unsafe { std::slice::from_raw_parts_mut(t.data_ptr() as *mut u8, n) }
+}
+
 /// A contiguous CPU tensor as a collective buffer (see [`slice`] for the conditions).
 pub fn buf_mut(t: &Tensor) -> crate::comm::BufMut<'_> {
     let dtype = match t.kind() {

@@ -1,0 +1,226 @@
+//! Stage 3's parameter shard on NVMe (ZeRO-Infinity's `offload_param.device = nvme`). This rank's chunk of each
+//! unit lives in a swap file of its own between uses. Just ahead of the unit's all-gather the chunk is read into
+//! one of `buffer_count` host buffers (read-ahead follows the order forward and backward visit the units), copied
+//! into the unit's gathered buffer, and the host buffer goes back to the pool: the chunk does not change before the
+//! optimizer step, so nothing is written back until the step writes the new values.
+//!
+//! The first units (execution order) whose chunks fit in `max_in_cpu` elements, and persistent units (which stay
+//! gathered anyway), keep their chunk in host memory instead.
+use std::collections::{HashMap, VecDeque};
+use std::ops::Range;
+use std::path::Path;
+
+use tch::{Kind, Tensor};
+use zerorun_offload::{BufferPool, HostBuffer, IoConfig, SwapHandle, Swapper, PAGE};
+
+use super::views;
+use crate::config::{ConfigError, OffloadParamConfig};
+use crate::error::Result;
+
+/// One unit's chunk of the shard, ready to copy from: a view of a host tensor, or a host buffer read from NVMe.
+pub(super) enum Chunk {
+    InMemory(Tensor),
+    Read { buffer: HostBuffer, bytes: usize },
+}
+
+impl Chunk {
+    /// The chunk's elements, as bytes of the model's dtype.
+    pub fn bytes(&self) -> &[u8] {
+        match self {
+            Chunk::InMemory(t) => views::bytes(t),
+            Chunk::Read { buffer, bytes } => &buffer.as_slice()[..*bytes],
+        }
+    }
+}
+
+pub(super) struct SwappedParams {
+    kind: Kind,
+    /// Per unit: its chunk's range in shard space (the concatenation of this rank's chunk of every unit).
+    chunks: Vec<Range<usize>>,
+    /// Per unit: the chunk kept in host memory (`max_in_cpu`, persistent units), or None: on NVMe.
+    in_memory: Vec<Option<Tensor>>,
+    swapper: Swapper,
+    pool: BufferPool,
+    /// Reads started ahead, by unit.
+    reads: HashMap<usize, SwapHandle<HostBuffer>>,
+    /// Writes in flight (the optimizer step's new values).
+    writes: VecDeque<SwapHandle<HostBuffer>>,
+    buffer_count: usize,
+}
+
+fn key(unit: usize) -> String {
+    format!("param{unit}")
+}
+
+impl SwappedParams {
+    /// Moves `shard` (this rank's values, shard space) out of memory: units whose chunks are not kept in host
+    /// memory are written to swap files under `nvme_path`. `chunks` and `persistent` are per unit.
+    pub fn new(
+        shard: &Tensor,
+        chunks: Vec<Range<usize>>,
+        persistent: &[bool],
+        config: &OffloadParamConfig,
+        io: IoConfig,
+        prefix: &str,
+    ) -> Result<SwappedParams> {
+        let kind = shard.kind();
+        let elt = kind.elt_size_in_bytes();
+        let mut in_cpu = 0u64;
+        let in_memory: Vec<Option<Tensor>> = chunks
+            .iter()
+            .zip(persistent)
+            .map(|(r, &persistent)| {
+                let fits = in_cpu + r.len() as u64 <= config.max_in_cpu;
+                if fits {
+                    in_cpu += r.len() as u64;
+                }
+                (persistent || fits).then(|| shard.narrow(0, r.start as i64, r.len() as i64).copy())
+            })
+            .collect();
+        let swapped: Vec<usize> = (0..chunks.len()).filter(|&u| in_memory[u].is_none()).collect();
+        let largest = swapped.iter().map(|&u| chunks[u].len()).max().unwrap_or(0);
+        if largest as u64 > config.buffer_size {
+            return Err(ConfigError::Invalid {
+                path: "zero_optimization.offload_param.buffer_size".into(),
+                value: config.buffer_size.to_string(),
+                allowed: format!("at least the largest unit's shard on this rank, {largest} elements (or split that unit)"),
+            }
+            .into());
+        }
+        let dir = Path::new(config.nvme_path.as_deref().expect("the config requires nvme_path for nvme"));
+        let bytes_on_nvme: u64 = swapped.iter().map(|&u| (chunks[u].len() * elt) as u64).sum();
+        zerorun_offload::preflight::check(dir, bytes_on_nvme)?;
+        let buffer_count = (config.buffer_count as usize).max(2);
+        let buffer_bytes = (largest * elt).div_ceil(PAGE).max(1) * PAGE;
+        let mut s = SwappedParams {
+            kind,
+            chunks,
+            in_memory,
+            swapper: Swapper::new(dir, prefix, io),
+            pool: BufferPool::new(buffer_count * buffer_bytes),
+            reads: HashMap::new(),
+            writes: VecDeque::new(),
+            buffer_count,
+        };
+        for u in swapped {
+            let r = s.chunks[u].clone();
+            s.write(u, &shard.narrow(0, r.start as i64, r.len() as i64))?;
+        }
+        s.flush()?;
+        tracing::info!(dir = %dir.display(), bytes = bytes_on_nvme, units_on_nvme = s.in_memory.iter().filter(|c| c.is_none()).count(), "parameter shards on NVMe");
+        Ok(s)
+    }
+
+    fn chunk_bytes(&self, unit: usize) -> usize {
+        self.chunks[unit].len() * self.kind.elt_size_in_bytes()
+    }
+
+    /// Starts reading the chunks of the first units of `order` that `needed` says will be gathered, as far as
+    /// the buffers allow (one stays free for a read nobody saw coming).
+    pub fn read_ahead(&mut self, order: impl Iterator<Item = usize>, needed: impl Fn(usize) -> bool) {
+        let window = self.buffer_count - 1;
+        for u in order.filter(|&u| needed(u) && self.in_memory[u].is_none()).take(window) {
+            if self.reads.len() >= window {
+                break;
+            }
+            if !self.reads.contains_key(&u) {
+                let buffer = self.pool.take(self.chunk_bytes(u));
+                self.reads.insert(u, self.swapper.swap_in(&key(u), buffer));
+            }
+        }
+    }
+
+    /// Unit `unit`'s chunk: from memory, from the read started ahead, or read now.
+    pub fn chunk(&mut self, unit: usize) -> Result<Chunk> {
+        if let Some(t) = &self.in_memory[unit] {
+            return Ok(Chunk::InMemory(t.shallow_clone()));
+        }
+        let bytes = self.chunk_bytes(unit);
+        let read = match self.reads.remove(&unit) {
+            Some(r) => r,
+            None => self.swapper.swap_in(&key(unit), self.pool.take(bytes)),
+        };
+        Ok(Chunk::Read { buffer: read.wait()?, bytes })
+    }
+
+    /// Returns a chunk's buffer to the pool.
+    pub fn recycle(&self, chunk: Chunk) {
+        if let Chunk::Read { buffer, .. } = chunk {
+            self.pool.give_back(buffer);
+        }
+    }
+
+    /// Stores `values` (the unit's chunk, the model's dtype) as the unit's chunk. The write runs in the
+    /// background; a read started ahead of it is dropped (it would see the old values), and a later read of
+    /// the unit waits for the write.
+    pub fn write(&mut self, unit: usize, values: &Tensor) -> Result<()> {
+        debug_assert_eq!(values.numel(), self.chunks[unit].len());
+        if let Some(t) = &self.in_memory[unit] {
+            tch::no_grad(|| t.shallow_clone().f_copy_(values))?;
+            return Ok(());
+        }
+        if let Some(stale) = self.reads.remove(&unit) {
+            self.pool.give_back(stale.wait()?);
+        }
+        let bytes = self.chunk_bytes(unit);
+        let mut buffer = self.pool.take(bytes);
+        let values = values.contiguous();
+        buffer.as_mut_slice()[..bytes].copy_from_slice(views::bytes(&values));
+        self.writes.push_back(self.swapper.swap_out(&key(unit), buffer, bytes));
+        while self.writes.len() >= self.buffer_count {
+            self.finish_oldest_write()?;
+        }
+        Ok(())
+    }
+
+    fn finish_oldest_write(&mut self) -> Result<()> {
+        if let Some(w) = self.writes.pop_front() {
+            self.pool.give_back(w.wait()?);
+        }
+        Ok(())
+    }
+
+    /// Waits for every write, so an I/O error surfaces in the step that caused it.
+    pub fn flush(&mut self) -> Result<()> {
+        while !self.writes.is_empty() {
+            self.finish_oldest_write()?;
+        }
+        Ok(())
+    }
+
+    /// The whole shard in memory (checkpoints, the optimizer step of fp32 models): every unit's chunk in order.
+    pub fn read_all(&mut self, len: usize) -> Result<Tensor> {
+        let out = Tensor::zeros([len as i64], (self.kind, tch::Device::Cpu));
+        let dst = views::bytes(&out);
+        let elt = self.kind.elt_size_in_bytes();
+        for u in 0..self.chunks.len() {
+            self.read_ahead(u + 1..self.chunks.len(), |_| true);
+            let chunk = self.chunk(u)?;
+            let r = self.chunks[u].clone();
+            dst[r.start * elt..r.end * elt].copy_from_slice(chunk.bytes());
+            self.recycle(chunk);
+        }
+        Ok(out)
+    }
+
+    /// Replaces the whole shard (shard space, any float kind) and waits for the writes.
+    pub fn write_all(&mut self, values: &Tensor) -> Result<()> {
+        let values = values.to_kind(self.kind);
+        for u in 0..self.chunks.len() {
+            let r = self.chunks[u].clone();
+            self.write(u, &values.narrow(0, r.start as i64, r.len() as i64))?;
+        }
+        self.flush()
+    }
+
+    /// Bytes of parameters on NVMe.
+    pub fn swapped_bytes(&self) -> usize {
+        (0..self.chunks.len()).filter(|&u| self.in_memory[u].is_none()).map(|u| self.chunk_bytes(u)).sum()
+    }
+
+    /// Bytes in host memory between steps: chunks kept there and idle swap buffers.
+    pub fn resident_bytes(&self) -> usize {
+        let kept: usize = (0..self.chunks.len()).filter(|&u| self.in_memory[u].is_some()).map(|u| self.chunk_bytes(u)).sum();
+        kept + self.pool.idle_bytes()
+    }
+}
