@@ -2,7 +2,7 @@
 use std::path::{Path, PathBuf};
 
 
-use super::{views, Engine};
+use super::{views, Engine, ParamSlot};
 use crate::checkpoint::files::{self, MappedTensors};
 use crate::checkpoint::{latest_tag, CheckpointError, Manifest, ParamEntry, RankEntry, FORMAT_VERSION};
 use crate::comm::{Collectives, ReduceOp};
@@ -33,6 +33,73 @@ fn from_hex(text: &str) -> std::result::Result<Vec<u8>, String> {
         return Err("odd number of hex digits".into());
     }
     (0..text.len()).step_by(2).map(|i| u8::from_str_radix(&text[i..i + 2], 16).map_err(|e| format!("not hex at {i}: {e}"))).collect()
+}
+
+/// Reads this rank's optimized elements (optimizer order) from a checkpoint's rank files, any range at a time,
+/// matching parameters by name. Each file is checksummed and mapped when first needed.
+struct ShardReader<'a> {
+    m: &'a Manifest,
+    dir: &'a Path,
+    slots: &'a [ParamSlot],
+    /// This rank's optimized flat ranges with where each starts in optimizer order.
+    pieces: Vec<(usize, std::ops::Range<usize>)>,
+    opened: Vec<Option<MappedTensors>>,
+}
+
+impl<'a> ShardReader<'a> {
+    fn new(m: &'a Manifest, dir: &'a Path, slots: &'a [ParamSlot], pieces: &[std::ops::Range<usize>]) -> Self {
+        let mut base = 0;
+        let pieces = pieces
+            .iter()
+            .map(|p| {
+                base += p.len();
+                (base - p.len(), p.clone())
+            })
+            .collect();
+        ShardReader { m, dir, slots, pieces, opened: (0..m.ranks.len()).map(|_| None).collect() }
+    }
+
+    fn file(&mut self, entry: usize) -> Result<&MappedTensors> {
+        if self.opened[entry].is_none() {
+            let e = &self.m.ranks[entry];
+            let p = self.dir.join(&e.file);
+            let crc = files::crc_of(&p)?;
+            if crc != e.crc32 {
+                return Err(CheckpointError::Checksum { path: p, expected: e.crc32, actual: crc }.into());
+            }
+            self.opened[entry] = Some(MappedTensors::open(&p)?);
+        }
+        Ok(self.opened[entry].as_ref().expect("opened above"))
+    }
+
+    /// Fills `out[i]` (each `want.len()` long) with tensor `names[i]` of the checkpoint over `want`, a range of
+    /// this rank's optimized elements. Padding, which no file holds, is left as it is.
+    fn read(&mut self, want: std::ops::Range<usize>, names: &[&str], out: &mut [&mut [f32]]) -> Result<()> {
+        for (base, piece) in self.pieces.clone() {
+            let (lo, hi) = (want.start.max(base), want.end.min(base + piece.len()));
+            if lo >= hi {
+                continue;
+            }
+            let flat = piece.start + (lo - base)..piece.start + (hi - base);
+            for slot in self.slots {
+                let (a, b) = (slot.range.start.max(flat.start), slot.range.end.min(flat.end));
+                if a >= b {
+                    continue;
+                }
+                let theirs = self.m.param(&slot.name).expect("names checked before reading");
+                let from = theirs.start + (a - slot.range.start);
+                for loc in self.m.locate(from..from + (b - a)) {
+                    let at = base + (a - piece.start) - want.start + loc.dst_offset;
+                    let dst = at..at + loc.file_range.len();
+                    let file = self.file(loc.entry)?;
+                    for (name, o) in names.iter().zip(out.iter_mut()) {
+                        file.read_f32(name, loc.file_range.clone(), &mut o[dst.clone()])?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 impl Engine {
@@ -195,49 +262,14 @@ impl Engine {
             return Err(mismatch(format!("optimizer {} with {:?}, but the config builds {} with {:?}", m.optimizer, m.state_names, self.optimizer.name(), our_states)).into());
         }
 
-        // Verify and map every rank file once; read, for every parameter piece we optimize, where it lives there.
-        let mut opened: Vec<Option<MappedTensors>> = (0..m.ranks.len()).map(|_| None).collect();
-        let len = self.optimized.len();
-        let mut values = vec![0f32; len];
-        let mut states: Vec<Vec<f32>> = m.state_names.iter().map(|_| vec![0f32; len]).collect();
-        let mut dst_base = 0;
-        for piece in self.optimized_pieces(self.rank()) {
-            for slot in &self.layout.slots {
-                let (a, b) = (slot.range.start.max(piece.start), slot.range.end.min(piece.end));
-                if a >= b {
-                    continue;
-                }
-                let theirs = m.param(&slot.name).expect("checked above");
-                let from = theirs.start + (a - slot.range.start);
-                for loc in m.locate(from..from + (b - a)) {
-                    let file = &mut opened[loc.entry];
-                    if file.is_none() {
-                        let entry = &m.ranks[loc.entry];
-                        let p = path.join(&entry.file);
-                        let crc = files::crc_of(&p)?;
-                        if crc != entry.crc32 {
-                            return Err(CheckpointError::Checksum { path: p, expected: entry.crc32, actual: crc }.into());
-                        }
-                        *file = Some(MappedTensors::open(&p)?);
-                    }
-                    let t = file.as_ref().expect("opened above");
-                    let at = dst_base + (a - piece.start) + loc.dst_offset;
-                    let dst = at..at + loc.file_range.len();
-                    t.read_f32("params", loc.file_range.clone(), &mut values[dst.clone()])?;
-                    for (name, buf) in m.state_names.iter().zip(states.iter_mut()) {
-                        t.read_f32(name, loc.file_range.clone(), &mut buf[dst.clone()])?;
-                    }
-                }
-            }
-            dst_base += piece.len();
-        }
-
-        // Install: optimizer state, values (master or parameters), the 16-bit copy, counters and schedules.
-        let state = zerorun_optim::OptimizerState {
-            step: m.optimizer_steps,
-            buffers: m.state_names.iter().cloned().zip(states.iter().map(|v| zerorun_optim::AlignedVec::from_slice(v))).collect(),
-        };
-        self.optimizer.import_state(state)?;
+        // Values first (the master or the parameters), then the optimizer state, which an NVMe run takes one
+        // sub-group at a time, so the whole state is never assembled in memory.
+        let pieces = self.optimized_pieces(self.rank());
+        let mut reader = ShardReader::new(&m, &path, &self.layout.slots, &pieces);
+        let mut values = vec![0f32; self.optimized.len()];
+        reader.read(0..values.len(), &["params"], &mut [&mut values])?;
+        let names: Vec<&str> = m.state_names.iter().map(String::as_str).collect();
+        self.optimizer.import_from(m.optimizer_steps, &mut |range, out| reader.read(range, &names, out))?;
         if let Some(master) = &mut self.master {
             master.copy_from_slice(&values);
         }

@@ -111,10 +111,22 @@ impl OptimizerTier {
         }
     }
 
-    pub fn import_state(&mut self, state: zerorun_optim::OptimizerState) -> crate::Result<()> {
+    /// Replaces the state (checkpoint load) at optimizer step `step`: `fill(range, buffers)` writes every state
+    /// buffer over `range` of the optimized elements. In memory that is one call; on NVMe one per sub-group, each
+    /// written to its swap file before the next is read.
+    pub fn import_from(&mut self, step: u64, fill: &mut dyn FnMut(std::ops::Range<usize>, &mut [&mut [f32]]) -> crate::Result<()>) -> crate::Result<()> {
         match self {
-            OptimizerTier::Memory(o) => Ok(o.state_mut().load(state)?),
-            OptimizerTier::Nvme(o) => o.import_state(&state),
+            OptimizerTier::Memory(o) => {
+                let len = o.state().buffers.first().map_or(0, |(_, b)| b.len());
+                let mut buffers: Vec<(String, zerorun_optim::AlignedVec)> =
+                    o.state().buffers.iter().map(|(n, _)| (n.clone(), zerorun_optim::AlignedVec::filled(len, 0.0))).collect();
+                {
+                    let mut out: Vec<&mut [f32]> = buffers.iter_mut().map(|(_, b)| b.as_mut_slice()).collect();
+                    fill(0..len, &mut out)?;
+                }
+                Ok(o.state_mut().load(zerorun_optim::OptimizerState { step, buffers })?)
+            }
+            OptimizerTier::Nvme(o) => o.import_from(step, fill),
         }
     }
 }

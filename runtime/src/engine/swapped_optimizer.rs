@@ -7,7 +7,7 @@ use std::ops::Range;
 use std::path::Path;
 
 use zerorun_offload::{BufferPool, HostBuffer, IoConfig, SwapHandle, Swapper};
-use zerorun_optim::{AlignedVec, Grads, Group, Optimizer, OptimizerState, ParamsOut};
+use zerorun_optim::{AlignedVec, Grads, Group, Optimizer, ParamsOut};
 
 use crate::error::{Error, Result};
 
@@ -198,19 +198,29 @@ impl SwappedOptimizer {
         Ok(())
     }
 
-    /// Replaces the state (checkpoint load): every sub-group's part is written to its swap file.
-    pub fn import_state(&mut self, state: &OptimizerState) -> Result<()> {
+    /// Replaces the state (checkpoint load): `fill` writes each sub-group's part into a host buffer, which goes to
+    /// the sub-group's swap file before the next is filled.
+    pub fn import_from(&mut self, step: u64, fill: &mut dyn FnMut(Range<usize>, &mut [&mut [f32]]) -> Result<()>) -> Result<()> {
+        let names = self.state_names.len();
         for k in 0..self.subgroups.len() {
             let r = self.subgroups[k].range.clone();
-            let mut buf = self.pool.take(r.len() * 4 * self.state_names.len());
-            let dst: &mut [f32] = bytemuck::cast_slice_mut(&mut buf.as_mut_slice()[..r.len() * 4 * self.state_names.len()]);
-            for (i, (_, b)) in state.buffers.iter().enumerate() {
-                dst[i * r.len()..(i + 1) * r.len()].copy_from_slice(&b[r.clone()]);
+            let bytes = r.len() * 4 * names;
+            let mut buf = self.pool.take(bytes);
+            let filled = {
+                let all: &mut [f32] = bytemuck::cast_slice_mut(&mut buf.as_mut_slice()[..bytes]);
+                // Padding, which no checkpoint file holds, starts at zero like a fresh state.
+                all.fill(0.0);
+                let mut out: Vec<&mut [f32]> = all.chunks_mut(r.len().max(1)).collect();
+                fill(r.clone(), &mut out)
+            };
+            if let Err(e) = filled {
+                self.pool.give_back(buf);
+                return Err(e);
             }
-            let b = self.swapper.swap_out(&key(k), buf, r.len() * 4 * self.state_names.len()).wait().map_err(offload_err)?;
+            let b = self.swapper.swap_out(&key(k), buf, bytes).wait().map_err(offload_err)?;
             self.pool.give_back(b);
         }
-        self.step = state.step;
+        self.step = step;
         Ok(())
     }
 }
