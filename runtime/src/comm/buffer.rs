@@ -187,6 +187,34 @@ pub(crate) fn reduce_into(dtype: Dtype, dst: &mut [u8], parts: &[&[u8]], op: Red
     }
 }
 
+/// SAFETY: `a`, `b` and `dst` hold `n` elements of `T`; `dst` may be `a` or `b` (element i is read before it is
+/// written), otherwise it overlaps neither.
+unsafe fn combine_pair_typed<T: Element>(dst: *mut T, a: *const T, b: *const T, n: usize, op: ReduceOp, mean_of: usize) {
+    for i in 0..n {
+        let (x, y) = (a.add(i).read_unaligned(), b.add(i).read_unaligned());
+        let v = match op {
+            ReduceOp::Sum => T::add(x, y),
+            ReduceOp::Avg => T::div(T::add(x, y), mean_of),
+            ReduceOp::Max => T::max(x, y),
+        };
+        dst.add(i).write_unaligned(v);
+    }
+}
+
+/// `dst = op(a, b)` over `bytes` bytes of `dtype` elements in one pass, `Avg` dividing the sum by `mean_of` (the
+/// ranks): what [`reduce_into`] gives for two parts, without a copy first. `dst` may be `a` or `b`.
+///
+/// SAFETY: the three pointers hold `bytes` bytes; `dst` is `a`, `b`, or overlaps neither.
+pub(crate) unsafe fn combine_pair(dtype: Dtype, dst: *mut u8, a: *const u8, b: *const u8, bytes: usize, op: ReduceOp, mean_of: usize) {
+    let n = bytes / dtype.size();
+    match dtype {
+        Dtype::F32 => combine_pair_typed::<f32>(dst.cast(), a.cast(), b.cast(), n, op, mean_of),
+        Dtype::Bf16 => combine_pair_typed::<bf16>(dst.cast(), a.cast(), b.cast(), n, op, mean_of),
+        Dtype::F16 => combine_pair_typed::<f16>(dst.cast(), a.cast(), b.cast(), n, op, mean_of),
+        Dtype::I64 => combine_pair_typed::<i64>(dst.cast(), a.cast(), b.cast(), n, op, mean_of),
+    }
+}
+
 fn divide_typed<T: Element>(dst: &mut [u8], n: usize) {
     bytemuck::cast_slice_mut::<u8, T>(dst).iter_mut().for_each(|d| *d = T::div(*d, n));
 }

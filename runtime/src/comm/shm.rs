@@ -18,7 +18,7 @@ use memmap2::MmapMut;
 
 use super::env::RankInfo;
 use super::agreement::{self, Call};
-use super::buffer::fold_into;
+use super::buffer::{combine_pair, fold_into};
 use super::{reduce_into, BufMut, BufRef, CommError, CommResult, Communicator, Dtype, ReduceOp};
 
 const MAGIC: u64 = 0x5a45_524f_5255_4e31; // "ZERORUN1"
@@ -204,29 +204,32 @@ impl ShmComm {
     }
 
     /// Combines, in rank order, bytes `range` (whole `dtype` elements) of every rank's buffer (`local` is this
-    /// rank's) and hands each finished chunk to `emit(offset in range, bytes)`. A chunk of `local` is read before
-    /// it is emitted, so `emit` may overwrite that chunk of `local`.
-    fn reduce_direct(
-        &self,
-        op: &'static str,
-        range: std::ops::Range<usize>,
-        local: *const u8,
-        dtype: Dtype,
-        how: ReduceOp,
-        mut emit: impl FnMut(usize, &[u8]),
-    ) -> CommResult<()> {
+    /// rank's) into `dst` (`range.len()` bytes; it may be `local`'s own `range`: each chunk of `local` is read
+    /// before that chunk of `dst` is written).
+    fn reduce_direct(&self, op: &'static str, range: std::ops::Range<usize>, local: *const u8, dst: *mut u8, dtype: Dtype, how: ReduceOp) -> CommResult<()> {
         let mut scratch = self.scratch.borrow_mut();
         if scratch.len() < 2 * REDUCE_CHUNK / 8 {
             scratch.resize(2 * REDUCE_CHUNK / 8, 0);
         }
         let (acc, tmp) = bytemuck::cast_slice_mut::<u64, u8>(&mut scratch).split_at_mut(REDUCE_CHUNK);
+        let n = self.world_size;
         for a in (range.start..range.end).step_by(REDUCE_CHUNK) {
             let b = (a + REDUCE_CHUNK).min(range.end);
+            // SAFETY: `local` holds at least range.end bytes and `dst` range.len(); the chunk of `local` is read
+            // before the same chunk of `dst` is written.
+            let (mine, out) = unsafe { (local.add(a), dst.add(a - range.start)) };
+            if n == 2 {
+                // Two ranks: one landing buffer for the peer's chunk and one fused pass, in rank order.
+                let peer = 1 - self.rank;
+                self.read_peer(op, peer, a, &mut tmp[..b - a])?;
+                let (first, second) = if self.rank == 0 { (mine, tmp.as_ptr()) } else { (tmp.as_ptr(), mine) };
+                unsafe { combine_pair(dtype, out, first, second, b - a, how, n) };
+                continue;
+            }
             // Only one peer's chunk fits the landing buffer at a time: fold as we go, in rank order.
-            for k in 0..self.world_size {
+            for k in 0..n {
                 let part: &[u8] = if k == self.rank {
-                    // SAFETY: `local` holds at least range.end bytes; this chunk is not written until `emit`.
-                    unsafe { std::slice::from_raw_parts(local.add(a), b - a) }
+                    unsafe { std::slice::from_raw_parts(mine, b - a) }
                 } else {
                     self.read_peer(op, k, a, &mut tmp[..b - a])?;
                     &tmp[..b - a]
@@ -238,9 +241,9 @@ impl ShmComm {
                 }
             }
             if how == ReduceOp::Avg {
-                super::buffer::divide(dtype, &mut acc[..b - a], self.world_size);
+                super::buffer::divide(dtype, &mut acc[..b - a], n);
             }
-            emit(a - range.start, &acc[..b - a]);
+            unsafe { std::ptr::copy_nonoverlapping(acc.as_ptr(), out, b - a) };
         }
         Ok(())
     }
@@ -355,10 +358,8 @@ impl ShmComm {
             // segments of ours meanwhile); then all-gather: read every other segment from its owner.
             let mine = seg(self.rank);
             let base = bytes.as_mut_ptr();
-            self.reduce_direct(OP, mine.clone(), base, dtype, op, |off, vals| {
-                // SAFETY: inside our own buffer; that chunk was read before it is overwritten.
-                unsafe { std::ptr::copy_nonoverlapping(vals.as_ptr(), base.add(mine.start + off), vals.len()) }
-            })?;
+            // SAFETY: our own segment of our own buffer.
+            self.reduce_direct(OP, mine.clone(), base, unsafe { base.add(mine.start) }, dtype, op)?;
             self.barrier_op(OP)?;
             for k in (0..n).filter(|&k| k != self.rank) {
                 let s = seg(k);
@@ -392,8 +393,7 @@ impl ShmComm {
         let r = self.rank;
         let pb = part * es;
         if self.direct {
-            let out = output.bytes;
-            self.reduce_direct(OP, r * pb..(r + 1) * pb, input.bytes.as_ptr(), dtype, op, |off, vals| out[off..off + vals.len()].copy_from_slice(vals))?;
+            self.reduce_direct(OP, r * pb..(r + 1) * pb, input.bytes.as_ptr(), output.bytes.as_mut_ptr(), dtype, op)?;
             return self.barrier_op(OP);
         }
         let q = (SLOT_BYTES / n / es).max(1) * es; // bytes of each part per round
