@@ -1,5 +1,6 @@
 //! The shm backend with real processes under `zerorun launch`: conformance against a local reference at world
-//! sizes 1-4, and a rank killed with SIGKILL in the middle of an all-reduce loop.
+//! sizes 1-4 (heap buffers read through process_vm_readv, shared-region buffers read through the peers' mappings),
+//! and a rank killed with SIGKILL in the middle of an all-reduce loop.
 //!
 //! The ranks are this test binary run again in worker mode (ZERORUN_TEST_WORKER names the worker).
 use std::process::Command;
@@ -64,6 +65,9 @@ fn shm_conformance_at_world_sizes_1_to_4_direct_and_staged() {
         assert!(out.status.success(), "world size {n} (staged {staged}):\n{text}\n{}", String::from_utf8_lossy(&out.stderr));
         for r in 0..n {
             assert!(text.contains(&format!("conformance ok on rank {r}")), "world size {n}, rank {r}:\n{text}");
+            // Direct runs map each other's buffer regions (and run the shared-buffer section); staged ones do not.
+            let shared = n > 1 && !staged;
+            assert!(text.contains(&format!("conformance ok on rank {r} (shared buffers {shared})")), "world size {n}, rank {r}:\n{text}");
         }
     }
 }

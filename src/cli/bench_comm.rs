@@ -4,6 +4,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use zerorun::runtime::comm::env::communicator_from_env;
+use zerorun::runtime::comm::region::SharedBuffer;
 use zerorun::runtime::comm::{threads, Collectives, Communicator, ReduceOp};
 
 use super::{emit, CliError};
@@ -26,21 +27,39 @@ fn busbw(op: &str, bytes: usize, ranks: usize, secs: f64) -> f64 {
     }
 }
 
+enum Buffer {
+    Shared(SharedBuffer),
+    Heap(Vec<f32>),
+}
+
+impl Buffer {
+    fn as_mut(&mut self) -> &mut [f32] {
+        match self {
+            Buffer::Shared(b) => b.as_mut(),
+            Buffer::Heap(v) => v,
+        }
+    }
+}
+
 /// Median seconds of one collective on this rank (rank 0's view is reported).
 fn measure(c: &dyn Communicator, op: &str, bytes: usize, repeats: usize) -> Result<f64, CliError> {
     let n = c.world_size();
     let elems = (bytes / 4 / n).max(1) * n;
-    let mut buf = vec![1.0f32; elems];
-    let mut out = vec![0f32; elems / n];
+    // Allocated as the engine allocates the buffers it hands to collectives: in the shared region where the
+    // backend's peers map it (shm), on the heap otherwise.
+    let alloc = |len: usize| if c.prefers_shared_buffers() { Buffer::Shared(SharedBuffer::zeroed(len * 4)) } else { Buffer::Heap(vec![0f32; len]) };
+    let (mut buf_mem, mut out_mem) = (alloc(elems), alloc(elems / n));
+    let (buf, out) = (buf_mem.as_mut(), out_mem.as_mut());
+    buf.fill(1.0);
     let fail = |e: zerorun::runtime::comm::CommError| CliError::Usage(e.to_string());
     let mut times = Vec::with_capacity(repeats);
     for rep in 0..=repeats {
         c.barrier().map_err(fail)?;
         let t = Instant::now();
         match op {
-            "all_reduce" => c.all_reduce(&mut buf, ReduceOp::Sum).map_err(fail)?,
-            "reduce_scatter" => c.reduce_scatter(&buf, &mut out, ReduceOp::Sum).map_err(fail)?,
-            _ => c.all_gather_in_place(&mut buf).map_err(fail)?,
+            "all_reduce" => c.all_reduce(buf, ReduceOp::Sum).map_err(fail)?,
+            "reduce_scatter" => c.reduce_scatter(buf, out, ReduceOp::Sum).map_err(fail)?,
+            _ => c.all_gather_in_place(buf).map_err(fail)?,
         }
         if rep > 0 {
             times.push(t.elapsed().as_secs_f64());

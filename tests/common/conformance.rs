@@ -45,6 +45,9 @@ pub fn run(c: &dyn Communicator) {
         c.broadcast(&mut b, world - 1).unwrap();
         assert_eq!(b, input(99, n, 1), "broadcast n {n}");
     }
+    if c.prefers_shared_buffers() {
+        shared_buffers(c);
+    }
     check_dtype::<half::bf16>(c, half::bf16::from_f32);
     check_dtype::<half::f16>(c, half::f16::from_f32);
     check_dtype::<i64>(c, |x| (x * 4.0) as i64);
@@ -55,7 +58,66 @@ pub fn run(c: &dyn Communicator) {
         assert!(e.unwrap_err().to_string().contains("buffer sizes differ between ranks"));
     }
     c.barrier().unwrap();
-    println!("conformance ok on rank {rank}");
+    println!("conformance ok on rank {rank} (shared buffers {})", c.prefers_shared_buffers());
+}
+
+/// The same ops on buffers in the shm backend's shared region, which peers read through their mapping: on every
+/// rank, then on even ranks only (peers of odd ranks fall back to process_vm_readv per peer).
+fn shared_buffers(c: &dyn Communicator) {
+    use zerorun::runtime::comm::region::SharedBuffer;
+    let (rank, world) = (c.rank(), c.world_size());
+    for everywhere in [true, false] {
+        let in_region = everywhere || rank % 2 == 0;
+        let alloc = |len: usize| -> (Option<SharedBuffer>, Vec<f32>) {
+            if in_region {
+                (Some(SharedBuffer::zeroed(len * 4)), Vec::new())
+            } else {
+                (None, vec![0f32; len])
+            }
+        };
+        for n in [1000usize, 16_777_217] {
+            let full = n - n % world;
+            let part = full / world;
+            let inputs: Vec<Vec<f32>> = (0..world).map(|r| input(r, full, 7)).collect();
+            let (mut mem, mut heap) = alloc(full);
+            assert_eq!(mem.as_ref().is_some_and(|m| m.in_region()), in_region, "rank {rank}: the buffer is where it was asked to be");
+            let buf: &mut [f32] = match mem.as_mut() {
+                Some(m) => m.as_mut(),
+                None => &mut heap,
+            };
+            for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {
+                buf.copy_from_slice(&inputs[rank]);
+                c.all_reduce(buf, op).unwrap();
+                for i in 0..full {
+                    let vals = inputs.iter().map(|x| x[i]);
+                    let e = match op {
+                        ReduceOp::Sum => vals.sum::<f32>(),
+                        ReduceOp::Avg => vals.sum::<f32>() / world as f32,
+                        ReduceOp::Max => vals.fold(f32::NEG_INFINITY, f32::max),
+                    };
+                    assert_eq!(buf[i], e, "shared all_reduce {op:?} n {full} at {i} (everywhere {everywhere})");
+                }
+            }
+            buf.copy_from_slice(&inputs[rank]);
+            let mut shard = vec![0f32; part];
+            c.reduce_scatter(buf, &mut shard, ReduceOp::Sum).unwrap();
+            for i in 0..part {
+                let e: f32 = inputs.iter().map(|x| x[rank * part + i]).sum();
+                assert_eq!(shard[i], e, "shared reduce_scatter n {full} at {i}");
+            }
+            buf.fill(-1.0);
+            buf[rank * part..(rank + 1) * part].copy_from_slice(&inputs[rank][rank * part..(rank + 1) * part]);
+            c.all_gather_in_place(buf).unwrap();
+            for k in 0..world {
+                assert_eq!(&buf[k * part..(k + 1) * part], &inputs[k][k * part..(k + 1) * part], "shared all_gather part {k}");
+            }
+            if rank == 0 {
+                buf.copy_from_slice(&inputs[1 % world]);
+            }
+            c.broadcast(buf, 0).unwrap();
+            assert_eq!(buf, &inputs[1 % world][..], "shared broadcast n {full}");
+        }
+    }
 }
 
 /// All-reduce and reduce-scatter of another element type, over more elements than a staging slot holds.

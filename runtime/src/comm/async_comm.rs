@@ -14,6 +14,7 @@ type Job = Box<dyn FnOnce(&dyn Communicator) + Send>;
 pub struct CommThread {
     rank: usize,
     world_size: usize,
+    shared_buffers: bool,
     jobs: Option<Sender<Job>>,
     thread: Option<JoinHandle<Box<dyn Communicator>>>,
 }
@@ -73,7 +74,7 @@ impl<R> Handle<R> {
 impl CommThread {
     /// Moves `comm` onto a new communication thread.
     pub fn spawn(comm: Box<dyn Communicator>) -> CommThread {
-        let (rank, world_size) = (comm.rank(), comm.world_size());
+        let (rank, world_size, shared_buffers) = (comm.rank(), comm.world_size(), comm.prefers_shared_buffers());
         let (tx, rx) = channel::<Job>();
         let thread = std::thread::Builder::new()
             .name(format!("zerorun-comm-{rank}"))
@@ -84,7 +85,7 @@ impl CommThread {
                 comm
             })
             .expect("spawning the communication thread");
-        CommThread { rank, world_size, jobs: Some(tx), thread: Some(thread) }
+        CommThread { rank, world_size, shared_buffers, jobs: Some(tx), thread: Some(thread) }
     }
 
     /// Queues `f` to run on the communication thread after everything submitted before it.
@@ -184,6 +185,10 @@ impl Communicator for CommThread {
 
     fn world_size(&self) -> usize {
         self.world_size
+    }
+
+    fn prefers_shared_buffers(&self) -> bool {
+        self.shared_buffers
     }
 
     fn all_reduce_buf(&self, buf: BufMut<'_>, op: ReduceOp) -> CommResult<()> {

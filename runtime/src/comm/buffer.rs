@@ -187,31 +187,50 @@ pub(crate) fn reduce_into(dtype: Dtype, dst: &mut [u8], parts: &[&[u8]], op: Red
     }
 }
 
-/// SAFETY: `a`, `b` and `dst` hold `n` elements of `T`; `dst` may be `a` or `b` (element i is read before it is
-/// written), otherwise it overlaps neither.
-unsafe fn combine_pair_typed<T: Element>(dst: *mut T, a: *const T, b: *const T, n: usize, op: ReduceOp, mean_of: usize) {
-    for i in 0..n {
-        let (x, y) = (a.add(i).read_unaligned(), b.add(i).read_unaligned());
-        let v = match op {
-            ReduceOp::Sum => T::add(x, y),
-            ReduceOp::Avg => T::div(T::add(x, y), mean_of),
-            ReduceOp::Max => T::max(x, y),
-        };
-        dst.add(i).write_unaligned(v);
+#[inline(always)]
+fn pair<T: Element>(x: T, y: T, op: ReduceOp, mean_of: usize) -> T {
+    match op {
+        ReduceOp::Sum => T::add(x, y),
+        ReduceOp::Avg => T::div(T::add(x, y), mean_of),
+        ReduceOp::Max => T::max(x, y),
     }
 }
 
-/// `dst = op(a, b)` over `bytes` bytes of `dtype` elements in one pass, `Avg` dividing the sum by `mean_of` (the
-/// ranks): what [`reduce_into`] gives for two parts, without a copy first. `dst` may be `a` or `b`.
-///
-/// SAFETY: the three pointers hold `bytes` bytes; `dst` is `a`, `b`, or overlaps neither.
-pub(crate) unsafe fn combine_pair(dtype: Dtype, dst: *mut u8, a: *const u8, b: *const u8, bytes: usize, op: ReduceOp, mean_of: usize) {
-    let n = bytes / dtype.size();
+fn combine_typed<T: Element>(dst: &mut [u8], a: &[u8], b: &[u8], op: ReduceOp, mean_of: usize) {
+    let dst: &mut [T] = bytemuck::cast_slice_mut(dst);
+    let (a, b): (&[T], &[T]) = (bytemuck::cast_slice(&a[..dst.len() * T::DTYPE.size()]), bytemuck::cast_slice(&b[..dst.len() * T::DTYPE.size()]));
+    dst.iter_mut().zip(a.iter().zip(b)).for_each(|(d, (x, y))| *d = pair(*x, *y, op, mean_of));
+}
+
+fn combine_in_place_typed<T: Element>(dst: &mut [u8], other: &[u8], other_first: bool, op: ReduceOp, mean_of: usize) {
+    let dst: &mut [T] = bytemuck::cast_slice_mut(dst);
+    let other: &[T] = bytemuck::cast_slice(&other[..dst.len() * T::DTYPE.size()]);
+    if other_first {
+        dst.iter_mut().zip(other).for_each(|(d, x)| *d = pair(*x, *d, op, mean_of));
+    } else {
+        dst.iter_mut().zip(other).for_each(|(d, x)| *d = pair(*d, *x, op, mean_of));
+    }
+}
+
+/// `dst = op(a, b)` for two ranks' values in one pass (`Avg` divides the sum by `mean_of`): what
+/// [`reduce_into`] gives for two parts, without copying one of them first.
+pub(crate) fn combine_pair(dtype: Dtype, dst: &mut [u8], a: &[u8], b: &[u8], op: ReduceOp, mean_of: usize) {
     match dtype {
-        Dtype::F32 => combine_pair_typed::<f32>(dst.cast(), a.cast(), b.cast(), n, op, mean_of),
-        Dtype::Bf16 => combine_pair_typed::<bf16>(dst.cast(), a.cast(), b.cast(), n, op, mean_of),
-        Dtype::F16 => combine_pair_typed::<f16>(dst.cast(), a.cast(), b.cast(), n, op, mean_of),
-        Dtype::I64 => combine_pair_typed::<i64>(dst.cast(), a.cast(), b.cast(), n, op, mean_of),
+        Dtype::F32 => combine_typed::<f32>(dst, a, b, op, mean_of),
+        Dtype::Bf16 => combine_typed::<bf16>(dst, a, b, op, mean_of),
+        Dtype::F16 => combine_typed::<f16>(dst, a, b, op, mean_of),
+        Dtype::I64 => combine_typed::<i64>(dst, a, b, op, mean_of),
+    }
+}
+
+/// [`combine_pair`] where `dst` holds one of the two inputs: `dst = op(other, dst)` if `other_first`, else
+/// `op(dst, other)`.
+pub(crate) fn combine_pair_in_place(dtype: Dtype, dst: &mut [u8], other: &[u8], other_first: bool, op: ReduceOp, mean_of: usize) {
+    match dtype {
+        Dtype::F32 => combine_in_place_typed::<f32>(dst, other, other_first, op, mean_of),
+        Dtype::Bf16 => combine_in_place_typed::<bf16>(dst, other, other_first, op, mean_of),
+        Dtype::F16 => combine_in_place_typed::<f16>(dst, other, other_first, op, mean_of),
+        Dtype::I64 => combine_in_place_typed::<i64>(dst, other, other_first, op, mean_of),
     }
 }
 

@@ -12,6 +12,7 @@ pub mod env;
 pub mod mpi;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+pub mod region;
 pub mod shm;
 pub mod threads;
 
@@ -65,6 +66,11 @@ pub trait Communicator: Send {
     /// Every rank ends with `root`'s `buf`.
     fn broadcast_buf(&self, buf: BufMut<'_>, root: usize) -> CommResult<()>;
     fn barrier(&self) -> CommResult<()>;
+    /// Whether peers read buffers in this process's [`region::SharedRegion`] through their own mapping (one
+    /// memcpy), so the engine should allocate the buffers it hands to collectives there.
+    fn prefers_shared_buffers(&self) -> bool {
+        false
+    }
 }
 
 /// The collectives on typed slices (f32, bf16, f16, i64), for any communicator.

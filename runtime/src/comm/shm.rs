@@ -17,8 +17,9 @@ use std::time::{Duration, Instant};
 use memmap2::MmapMut;
 
 use super::env::RankInfo;
+use super::region::{PeerRegion, SharedRegion};
 use super::agreement::{self, Call};
-use super::buffer::{combine_pair, fold_into};
+use super::buffer::{combine_pair, combine_pair_in_place, fold_into};
 use super::{reduce_into, BufMut, BufRef, CommError, CommResult, Communicator, Dtype, ReduceOp};
 
 const MAGIC: u64 = 0x5a45_524f_5255_4e31; // "ZERORUN1"
@@ -47,6 +48,12 @@ const R_DIRECT: usize = 5;
 const R_DTYPE: usize = 6;
 /// Set when this rank saw a peer die: if it exits too, others name the first death, not this rank.
 const R_FAILED: usize = 7;
+/// This rank's shared buffer region (region.rs), for peers to map: fd number, base address, length (0: none).
+const R_REGION_FD: usize = 8;
+const R_REGION_BASE: usize = 9;
+const R_REGION_LEN: usize = 10;
+/// Result of mapping every peer's region: 1 = all mapped, 2 = not.
+const R_REGION_OK: usize = 11;
 /// Bytes reduced at a time in the direct path (256 KiB: the chunk and its scratch stay in L2).
 const REDUCE_CHUNK: usize = 256 * 1024;
 
@@ -65,6 +72,11 @@ pub struct ShmComm {
     /// Scratch of the direct reduction: an accumulator and a landing buffer, REDUCE_CHUNK bytes each, reused
     /// (u64 words keep every element type aligned).
     scratch: std::cell::RefCell<Vec<u64>>,
+    /// Every peer's shared buffer region mapped here (None for this rank, or where mapping failed): buffers in a
+    /// peer's region are read with memcpy, others through `process_vm_readv`.
+    peers: Vec<Option<PeerRegion>>,
+    /// Every rank mapped every other's region, so buffers in this process's region are read at memcpy speed.
+    shared_buffers: bool,
 }
 
 /// `/dev/shm/zerorun-<run id>` with anything but letters, digits, '-' and '.' replaced.
@@ -156,6 +168,8 @@ impl ShmComm {
             timeout,
             direct: false,
             scratch: std::cell::RefCell::new(Vec::new()),
+            peers: Vec::new(),
+            shared_buffers: false,
         }
     }
 
@@ -180,13 +194,51 @@ impl ShmComm {
         self.rank_word(self.rank, R_DIRECT).store(if ok { 1 } else { 2 }, Ordering::Relaxed);
         self.barrier_op("rendezvous")?;
         self.direct = (0..self.world_size).all(|k| self.rank_word(k, R_DIRECT).load(Ordering::Relaxed) == 1);
-        tracing::debug!(rank = self.rank, direct = self.direct, "shm backend ready");
+        if self.direct {
+            self.map_peer_regions()?;
+        }
+        tracing::debug!(rank = self.rank, direct = self.direct, shared_buffers = self.shared_buffers, "shm backend ready");
         Ok(())
+    }
+
+    /// Publishes this process's buffer region and maps every peer's (through `/proc/<pid>/fd`, which needs the
+    /// same rights as `process_vm_readv`).
+    fn map_peer_regions(&mut self) -> CommResult<()> {
+        let (fd, base, len) = SharedRegion::process().map_or((0, 0, 0), SharedRegion::published);
+        self.rank_word(self.rank, R_REGION_FD).store(fd, Ordering::Relaxed);
+        self.rank_word(self.rank, R_REGION_BASE).store(base, Ordering::Relaxed);
+        self.rank_word(self.rank, R_REGION_LEN).store(len, Ordering::Relaxed);
+        self.barrier_op("rendezvous")?;
+        self.peers = (0..self.world_size)
+            .map(|k| {
+                let published = (self.rank_word(k, R_REGION_FD).load(Ordering::Relaxed), self.rank_word(k, R_REGION_BASE).load(Ordering::Relaxed), self.rank_word(k, R_REGION_LEN).load(Ordering::Relaxed));
+                if k == self.rank || published.2 == 0 {
+                    return None;
+                }
+                let pid = self.rank_word(k, R_PID).load(Ordering::Relaxed) as u32;
+                PeerRegion::map(pid, published).map_err(|e| tracing::debug!(rank = self.rank, peer = k, error = %e, "cannot map the peer's buffer region")).ok()
+            })
+            .collect();
+        let ok = len != 0 && (0..self.world_size).all(|k| k == self.rank || self.peers[k].is_some());
+        self.rank_word(self.rank, R_REGION_OK).store(if ok { 1 } else { 2 }, Ordering::Relaxed);
+        self.barrier_op("rendezvous")?;
+        self.shared_buffers = (0..self.world_size).all(|k| self.rank_word(k, R_REGION_OK).load(Ordering::Relaxed) == 1);
+        Ok(())
+    }
+
+    /// Rank `k`'s bytes at byte offset `offset` of its buffer in this collective, when they are in its region.
+    fn peer_bytes(&self, k: usize, offset: usize, len: usize) -> Option<&[u8]> {
+        let addr = self.rank_word(k, R_ADDR).load(Ordering::Relaxed) as usize + offset;
+        self.peers.get(k)?.as_ref()?.bytes(addr, len)
     }
 
     /// Reads `dst.len()` bytes at byte offset `offset` of rank `k`'s buffer in this collective.
     fn read_peer(&self, op: &'static str, k: usize, offset: usize, dst: &mut [u8]) -> CommResult<()> {
         if dst.is_empty() {
+            return Ok(());
+        }
+        if let Some(src) = self.peer_bytes(k, offset, dst.len()) {
+            dst.copy_from_slice(src);
             return Ok(());
         }
         let pid = self.rank_word(k, R_PID).load(Ordering::Relaxed);
@@ -221,15 +273,32 @@ impl ShmComm {
             if n == 2 {
                 // Two ranks: one landing buffer for the peer's chunk and one fused pass, in rank order.
                 let peer = 1 - self.rank;
-                self.read_peer(op, peer, a, &mut tmp[..b - a])?;
-                let (first, second) = if self.rank == 0 { (mine, tmp.as_ptr()) } else { (tmp.as_ptr(), mine) };
-                unsafe { combine_pair(dtype, out, first, second, b - a, how, n) };
+                let theirs = match self.peer_bytes(peer, a, b - a) {
+                    Some(mapped) => mapped.as_ptr(),
+                    None => {
+                        self.read_peer(op, peer, a, &mut tmp[..b - a])?;
+                        tmp.as_ptr()
+                    }
+                };
+                // SAFETY: chunks of `local`, `dst` and the peer's bytes (mapped or landed in `tmp`), `b - a` long;
+                // `dst` either is `local`'s chunk (all-reduce) or overlaps neither.
+                let theirs = unsafe { std::slice::from_raw_parts(theirs, b - a) };
+                let out_chunk = unsafe { std::slice::from_raw_parts_mut(out, b - a) };
+                if std::ptr::eq(out as *const u8, mine) {
+                    combine_pair_in_place(dtype, out_chunk, theirs, self.rank == 1, how, n);
+                } else {
+                    let mine = unsafe { std::slice::from_raw_parts(mine, b - a) };
+                    let (first, second) = if self.rank == 0 { (mine, theirs) } else { (theirs, mine) };
+                    combine_pair(dtype, out_chunk, first, second, how, n);
+                }
                 continue;
             }
             // Only one peer's chunk fits the landing buffer at a time: fold as we go, in rank order.
             for k in 0..n {
                 let part: &[u8] = if k == self.rank {
                     unsafe { std::slice::from_raw_parts(mine, b - a) }
+                } else if let Some(mapped) = self.peer_bytes(k, a, b - a) {
+                    mapped
                 } else {
                     self.read_peer(op, k, a, &mut tmp[..b - a])?;
                     &tmp[..b - a]
@@ -302,14 +371,17 @@ impl ShmComm {
                 return Ok(());
             }
             spins += 1;
+            let waited = start.elapsed();
+            // Peers of one collective arrive within microseconds of each other: spin, then yield (which hands
+            // the core to any other runnable rank on an oversubscribed host), and only sleep (whose wake-up costs
+            // 50-100 us, more than a whole 1 MiB collective) once the wait is clearly long.
             if spins < 64 {
                 std::hint::spin_loop();
-            } else if spins < 256 {
+            } else if waited < Duration::from_millis(2) {
                 std::thread::yield_now();
             } else {
                 std::thread::sleep(Duration::from_micros(50));
             }
-            let waited = start.elapsed();
             if waited >= next_check {
                 next_check = waited + Duration::from_millis(50);
                 // A rank that did not arrive is gone: name the rank that died first, which may be one that arrived
@@ -486,6 +558,10 @@ impl Communicator for ShmComm {
 
     fn broadcast_buf(&self, buf: BufMut<'_>, root: usize) -> CommResult<()> {
         self.flag_failure(self.broadcast_buf_impl(buf, root))
+    }
+
+    fn prefers_shared_buffers(&self) -> bool {
+        self.shared_buffers
     }
 
     fn barrier(&self) -> CommResult<()> {

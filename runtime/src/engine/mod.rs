@@ -187,6 +187,8 @@ impl Engine {
             return Err(Error::Usage("the VarStore has no trainable parameters".into()));
         }
         let stage3 = z.stage == 3;
+        // Buffers the collectives read go where the peers map them (the shm backend's shared region).
+        let shared = comm.prefers_shared_buffers();
         // Stage 2 with the model's units: gradients are reduced unit by unit during backward, so no rank holds the
         // full gradients (ZeRO-2's memory), with parameters laid out by unit like stage 3 but never released.
         let stage2_units = z.stage == 2 && options.units.is_some();
@@ -238,7 +240,7 @@ impl Engine {
             Self::shard_units(&layout, named, kind, comm.as_ref(), &config)?
         } else {
             // Pack the parameters into the flat buffer and make the model's tensors views into it.
-            let flat_params = Tensor::zeros([layout.padded as i64], (kind, tch::Device::Cpu));
+            let flat_params = views::comm_zeros(layout.padded, kind, shared)?;
             let mut params = Vec::with_capacity(named.len());
             tch::no_grad(|| {
                 for ((_, mut t), slot) in named.into_iter().zip(&layout.slots) {
@@ -340,12 +342,12 @@ impl Engine {
             // Two halves with overlap_comm: one reduces while the next round is gathered into the other.
             _ => round_len * world_size * if overlap { 2 } else { 1 },
         };
-        let flat_grads = Tensor::zeros([staged as i64], (comm_kind, tch::Device::Cpu));
+        let flat_grads = views::comm_zeros(staged, comm_kind, shared)?;
         let grad_buffer = match z.stage {
             _ if by_units => None,
             _ if comm_kind != kind => None,
             0 => Some(flat_grads.shallow_clone()),
-            _ => Some(Tensor::zeros([layout.padded as i64], (comm_kind, tch::Device::Cpu))),
+            _ => Some(views::comm_zeros(layout.padded, comm_kind, shared)?),
         };
         if let Some(g) = &grad_buffer {
             for (slot, t) in layout.slots.iter().zip(&params) {

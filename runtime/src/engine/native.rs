@@ -14,6 +14,8 @@ extern "C" {
     fn zerorun_rng_state_len() -> i64;
     fn zerorun_rng_state_get(out: *mut u8, len: i64) -> *mut c_char;
     fn zerorun_rng_state_set(input: *const u8, len: i64) -> *mut c_char;
+    fn zerorun_region_allocator_init(alloc: extern "C" fn(usize) -> *mut c_void, free: extern "C" fn(*mut c_void, usize));
+    fn zerorun_region_empty(numel: i64, scalar_type: i32, out: *mut *mut c_void) -> *mut c_char;
 }
 
 fn ptr(t: &Tensor) -> *mut c_void {
@@ -77,6 +79,29 @@ pub fn rng_state() -> Result<Vec<u8>> {
     let mut out = vec![0u8; len];
     check(unsafe { zerorun_rng_state_get(out.as_mut_ptr(), len as i64) }, "reading the CPU generator state")?;
     Ok(out)
+}
+
+/// A zeroed 1-D tensor of `len` elements of `kind` in the shared buffer region (comm/region.rs); its storage
+/// allocates there when resized too.
+pub fn region_zeros(len: usize, kind: tch::Kind) -> Result<Tensor> {
+    static INIT: std::sync::Once = std::sync::Once::new();
+    // SAFETY: plain function pointers with the C signatures the shim expects.
+    INIT.call_once(|| unsafe { zerorun_region_allocator_init(crate::comm::region::region_alloc, crate::comm::region::region_free) });
+    let mut out = std::ptr::null_mut::<c_void>();
+    // c10::ScalarType numbering (tch keeps its own mapping private).
+    let scalar_type = match kind {
+        tch::Kind::Uint8 => 0,
+        tch::Kind::Int64 => 4,
+        tch::Kind::Half => 5,
+        tch::Kind::Float => 6,
+        tch::Kind::Double => 7,
+        tch::Kind::BFloat16 => 15,
+        other => return Err(Error::Usage(format!("no shared buffers of {other:?}"))),
+    };
+    check(unsafe { zerorun_region_empty(len as i64, scalar_type, &mut out) }, "allocating a shared buffer")?;
+    // SAFETY: allocated by the shim with `new at::Tensor`, owned by tch's Tensor from here.
+    let mut t = unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) };
+    Ok(tch::no_grad(|| t.f_zero_())?)
 }
 
 /// Restores a state from [`rng_state`].

@@ -46,8 +46,9 @@ pub struct ShardedUnit {
 impl ShardedUnit {
     /// Packs `params` (the unit's tensors, in slot order) into a new buffer and makes them views of it; the unit
     /// starts gathered with the model's own values.
-    pub fn new(span: UnitSpan, slots: &[ParamSlot], params: Vec<Tensor>, kind: Kind, shard_offset: usize, persistent: bool) -> ShardedUnit {
-        let full = Tensor::zeros([span.range.len() as i64], (kind, tch::Device::Cpu));
+    /// `shared`: the buffer goes in the shm backend's shared region (see `views::comm_zeros`).
+    pub fn new(span: UnitSpan, slots: &[ParamSlot], params: Vec<Tensor>, kind: Kind, shard_offset: usize, persistent: bool, shared: bool) -> Result<ShardedUnit> {
+        let full = views::comm_zeros(span.range.len(), kind, shared)?;
         let mut views = Vec::with_capacity(params.len());
         let mut params = params;
         tch::no_grad(|| {
@@ -59,7 +60,7 @@ impl ShardedUnit {
             }
         });
         let empty = Tensor::zeros([0], (kind, tch::Device::Cpu));
-        ShardedUnit { span, shard_offset, persistent, full, views, params, empty, state: UnitState::Gathered, pending: None, in_place: false }
+        Ok(ShardedUnit { span, shard_offset, persistent, full, views, params, empty, state: UnitState::Gathered, pending: None, in_place: false })
     }
 
     /// Stage 2 with units: a unit over `region` of the engine's full parameter buffer, which the model's tensors

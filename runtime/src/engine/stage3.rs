@@ -354,7 +354,7 @@ impl Engine {
                 persistent_total += numel;
             }
             let own: Vec<Tensor> = params[span.slots.clone()].iter().map(Tensor::shallow_clone).collect();
-            let mut unit = super::ShardedUnit::new(span.clone(), &layout.slots[span.slots.clone()], own, kind, offset, persistent);
+            let mut unit = super::ShardedUnit::new(span.clone(), &layout.slots[span.slots.clone()], own, kind, offset, persistent, comm.prefers_shared_buffers())?;
             views::broadcast(comm, unit.full(), 0)?;
             unit.store_chunk(&shard, rank, ws);
             if !persistent {

@@ -24,6 +24,15 @@ pub fn comm_kind(c: Option<CommDataType>, p: Precision) -> Kind {
     }
 }
 
+/// A zeroed flat buffer of `len` elements that the engine hands to collectives: in the shared buffer region
+/// when the communicator's peers map it (`shared`), an ordinary tensor otherwise.
+pub fn comm_zeros(len: usize, kind: Kind, shared: bool) -> crate::error::Result<Tensor> {
+    if shared {
+        return super::native::region_zeros(len, kind);
+    }
+    Ok(Tensor::zeros([len as i64], (kind, tch::Device::Cpu)))
+}
+
 /// A contiguous CPU tensor's elements as `T`.
 ///
 /// SAFETY (for callers): the tensor must be contiguous, on the CPU, of `T`'s kind, and outlive the slice; the
