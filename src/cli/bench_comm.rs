@@ -35,7 +35,7 @@ enum Buffer {
 impl Buffer {
     fn as_mut(&mut self) -> &mut [f32] {
         match self {
-            Buffer::Shared(b) => b.as_mut(),
+            Buffer::Shared(b) => b.as_slice_mut(),
             Buffer::Heap(v) => v,
         }
     }

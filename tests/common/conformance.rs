@@ -82,7 +82,7 @@ fn shared_buffers(c: &dyn Communicator) {
             let (mut mem, mut heap) = alloc(full);
             assert_eq!(mem.as_ref().is_some_and(|m| m.in_region()), in_region, "rank {rank}: the buffer is where it was asked to be");
             let buf: &mut [f32] = match mem.as_mut() {
-                Some(m) => m.as_mut(),
+                Some(m) => m.as_slice_mut(),
                 None => &mut heap,
             };
             for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {

@@ -238,7 +238,7 @@ impl SharedBuffer {
     }
 
     /// The buffer as elements of `T` (its length must be a multiple of `T`'s size).
-    pub fn as_mut<T: bytemuck::Pod>(&mut self) -> &mut [T] {
+    pub fn as_slice_mut<T: bytemuck::Pod>(&mut self) -> &mut [T] {
         // SAFETY: page- (or 8-byte-) aligned memory of `len` bytes owned by self.
         bytemuck::cast_slice_mut(unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) })
     }
