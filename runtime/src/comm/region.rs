@@ -1,7 +1,8 @@
 //! Shared buffer memory for the shm backend: one memfd per process, mapped by every peer once, from which the
 //! engine allocates the buffers it hands to collectives (gradient and parameter buffers, stage-3 units). A peer
 //! then reads such a buffer with a plain memcpy from its own mapping, where `process_vm_readv` (cma.rs) pins and
-//! copies page by page at under half of memcpy's speed.
+//! copies page by page at under half of memcpy's speed; an all-reduce writes each reduced segment straight into
+//! every rank's buffer.
 //!
 //! The region is a large sparse file (pages exist only once written); blocks are page-granular, and freeing one
 //! punches it out of the file, so its memory goes back to the system for every process that maps it.
@@ -165,30 +166,36 @@ fn map(fd: libc::c_int, len: usize, prot: libc::c_int) -> io::Result<*mut u8> {
     Ok(p as *mut u8)
 }
 
-/// A peer's region, mapped read-only into this process.
+/// A peer's region, mapped into this process.
 pub struct PeerRegion {
     /// Where the region starts in the peer.
     remote_base: usize,
-    local: *const u8,
+    local: *mut u8,
     len: usize,
 }
 
-// SAFETY: a read-only mapping owned by this value.
+// SAFETY: a mapping owned by this value; what is read or written through it is ordered by the collectives.
 unsafe impl Send for PeerRegion {}
 
 impl PeerRegion {
     /// Maps process `pid`'s region, published as (fd, base, len), through `/proc/<pid>/fd/<fd>`.
     pub fn map(pid: u32, (fd, base, len): (u64, u64, u64)) -> io::Result<PeerRegion> {
-        let file = std::fs::File::open(format!("/proc/{pid}/fd/{fd}"))?;
-        let local = map(file.as_raw_fd(), len as usize, libc::PROT_READ)?;
+        let file = std::fs::OpenOptions::new().read(true).write(true).open(format!("/proc/{pid}/fd/{fd}"))?;
+        let local = map(file.as_raw_fd(), len as usize, libc::PROT_READ | libc::PROT_WRITE)?;
         Ok(PeerRegion { remote_base: base as usize, local, len: len as usize })
     }
 
     /// The peer's bytes `[addr, addr + len)` (its addresses) if they are in its region.
     pub fn bytes(&self, addr: usize, len: usize) -> Option<&[u8]> {
-        (addr >= self.remote_base && addr + len <= self.remote_base + self.len)
-            // SAFETY: inside the mapping; the collective's barriers keep the peer from changing them meanwhile.
-            .then(|| unsafe { std::slice::from_raw_parts(self.local.add(addr - self.remote_base), len) })
+        // SAFETY: inside the mapping; the collective's barriers keep the peer from changing them meanwhile.
+        self.ptr(addr, len).map(|p| unsafe { std::slice::from_raw_parts(p, len) })
+    }
+
+    /// Where the peer's bytes `[addr, addr + len)` are mapped here, if they are in its region: a collective may
+    /// write there what the peer waits for (all-reduce pushes each reduced segment to every rank).
+    pub fn ptr(&self, addr: usize, len: usize) -> Option<*mut u8> {
+        // SAFETY (of the offset): inside the mapping.
+        (addr >= self.remote_base && addr + len <= self.remote_base + self.len).then(|| unsafe { self.local.add(addr - self.remote_base) })
     }
 }
 

@@ -226,6 +226,22 @@ impl ShmComm {
         Ok(())
     }
 
+    /// Whether every rank's buffer of this collective (`bytes` long) is in its shared region: the same answer on
+    /// every rank, since each sees every rank's published address and region.
+    fn all_buffers_shared(&self, bytes: usize) -> bool {
+        let own = self.rank_word(self.rank, R_ADDR).load(Ordering::Relaxed) as usize;
+        self.shared_buffers
+            && SharedRegion::process().is_some_and(|r| r.contains(own, bytes))
+            && (0..self.world_size).all(|k| k == self.rank || self.peer_ptr(k, 0, bytes).is_some())
+    }
+
+    /// Where rank `k`'s bytes at byte offset `offset` of its buffer in this collective are mapped here, when they
+    /// are in its region.
+    fn peer_ptr(&self, k: usize, offset: usize, len: usize) -> Option<*mut u8> {
+        let addr = self.rank_word(k, R_ADDR).load(Ordering::Relaxed) as usize + offset;
+        self.peers.get(k)?.as_ref()?.ptr(addr, len)
+    }
+
     /// Rank `k`'s bytes at byte offset `offset` of its buffer in this collective, when they are in its region.
     fn peer_bytes(&self, k: usize, offset: usize, len: usize) -> Option<&[u8]> {
         let addr = self.rank_word(k, R_ADDR).load(Ordering::Relaxed) as usize + offset;
@@ -258,7 +274,9 @@ impl ShmComm {
     /// Combines, in rank order, bytes `range` (whole `dtype` elements) of every rank's buffer (`local` is this
     /// rank's) into `dst` (`range.len()` bytes; it may be `local`'s own `range`: each chunk of `local` is read
     /// before that chunk of `dst` is written).
-    fn reduce_direct(&self, op: &'static str, range: std::ops::Range<usize>, local: *const u8, dst: *mut u8, dtype: Dtype, how: ReduceOp) -> CommResult<()> {
+    /// Each finished chunk is also copied to every pointer of `push` (each `range.len()` bytes, not overlapping).
+    #[allow(clippy::too_many_arguments)]
+    fn reduce_direct(&self, op: &'static str, range: std::ops::Range<usize>, local: *const u8, dst: *mut u8, push: &[*mut u8], dtype: Dtype, how: ReduceOp) -> CommResult<()> {
         let mut scratch = self.scratch.borrow_mut();
         if scratch.len() < 2 * REDUCE_CHUNK / 8 {
             scratch.resize(2 * REDUCE_CHUNK / 8, 0);
@@ -291,6 +309,7 @@ impl ShmComm {
                     let (first, second) = if self.rank == 0 { (mine, theirs) } else { (theirs, mine) };
                     combine_pair(dtype, out_chunk, first, second, how, n);
                 }
+                push_chunk(push, a - range.start, out_chunk);
                 continue;
             }
             // Only one peer's chunk fits the landing buffer at a time: fold as we go, in rank order.
@@ -313,6 +332,7 @@ impl ShmComm {
                 super::buffer::divide(dtype, &mut acc[..b - a], n);
             }
             unsafe { std::ptr::copy_nonoverlapping(acc.as_ptr(), out, b - a) };
+            push_chunk(push, a - range.start, &acc[..b - a]);
         }
         Ok(())
     }
@@ -417,6 +437,14 @@ impl ShmComm {
 
 }
 
+/// Copies a finished chunk (at byte `offset` of the reduced range) to the same place in each of `push`.
+fn push_chunk(push: &[*mut u8], offset: usize, chunk: &[u8]) {
+    for &p in push {
+        // SAFETY: each destination holds the whole range (reduce_direct's contract).
+        unsafe { std::ptr::copy_nonoverlapping(chunk.as_ptr(), p.add(offset), chunk.len()) };
+    }
+}
+
 impl ShmComm {
     fn all_reduce_buf_impl(&self, buf: BufMut<'_>, op: ReduceOp) -> CommResult<()> {
         const OP: &str = "all_reduce";
@@ -430,8 +458,18 @@ impl ShmComm {
             // segments of ours meanwhile); then all-gather: read every other segment from its owner.
             let mine = seg(self.rank);
             let base = bytes.as_mut_ptr();
-            // SAFETY: our own segment of our own buffer.
-            self.reduce_direct(OP, mine.clone(), base, unsafe { base.add(mine.start) }, dtype, op)?;
+            // When every rank's buffer is in its shared region, each rank also writes its reduced segment into
+            // every peer's buffer (no rank then reads what a peer has just written, which costs a cross-core
+            // transfer of dirty lines) and one barrier ends the collective.
+            let push: Option<Vec<*mut u8>> = self.all_buffers_shared(bytes.len()).then(|| {
+                (0..n).filter(|&k| k != self.rank).map(|k| self.peer_ptr(k, mine.start, mine.len()).expect("checked: the peer's buffer is mapped")).collect()
+            });
+            // SAFETY: our own segment of our own buffer; the pushed-to ranges are this segment of the peers'
+            // buffers, which their owners neither read nor write during the collective.
+            self.reduce_direct(OP, mine.clone(), base, unsafe { base.add(mine.start) }, push.as_deref().unwrap_or(&[]), dtype, op)?;
+            if push.is_some() {
+                return self.barrier_op(OP);
+            }
             self.barrier_op(OP)?;
             for k in (0..n).filter(|&k| k != self.rank) {
                 let s = seg(k);
@@ -465,7 +503,7 @@ impl ShmComm {
         let r = self.rank;
         let pb = part * es;
         if self.direct {
-            self.reduce_direct(OP, r * pb..(r + 1) * pb, input.bytes.as_ptr(), output.bytes.as_mut_ptr(), dtype, op)?;
+            self.reduce_direct(OP, r * pb..(r + 1) * pb, input.bytes.as_ptr(), output.bytes.as_mut_ptr(), &[], dtype, op)?;
             return self.barrier_op(OP);
         }
         let q = (SLOT_BYTES / n / es).max(1) * es; // bytes of each part per round
