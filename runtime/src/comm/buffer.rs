@@ -276,3 +276,33 @@ pub(crate) fn divide(dtype: Dtype, dst: &mut [u8], n: usize) {
         Dtype::I64 => divide_typed::<i64>(dst, n),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The two-rank folds give what `reduce_into` gives, for every op, element type of the backends' tests,
+    /// alignment (the streaming f32 sum has a head and a tail) and aliasing.
+    #[test]
+    fn pair_folds_match_reduce_into() {
+        let a: Vec<f32> = (0..103).map(|i| (i as f32 * 0.37).sin() * 3.0).collect();
+        let b: Vec<f32> = (0..103).map(|i| (i as f32 * 0.91).cos() * 2.0).collect();
+        for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {
+            for skip in 0..4 {
+                let (a, b) = (&a[skip..], &b[skip..]);
+                let (ab, bb): (&[u8], &[u8]) = (bytemuck::cast_slice(a), bytemuck::cast_slice(b));
+                let mut want = vec![0f32; a.len()];
+                reduce_into(Dtype::F32, bytemuck::cast_slice_mut(&mut want), &[ab, bb], op);
+                let mut got = vec![0f32; a.len() + 1];
+                combine_pair(Dtype::F32, bytemuck::cast_slice_mut(&mut got[1..]), ab, bb, op, 2);
+                assert_eq!(&got[1..], &want[..], "{op:?}, skip {skip}");
+                let mut in_place = b.to_vec();
+                combine_pair_in_place(Dtype::F32, bytemuck::cast_slice_mut(&mut in_place), ab, true, op, 2);
+                assert_eq!(in_place, want, "{op:?} in place, other first");
+                let mut in_place = a.to_vec();
+                combine_pair_in_place(Dtype::F32, bytemuck::cast_slice_mut(&mut in_place), bb, false, op, 2);
+                assert_eq!(in_place, want, "{op:?} in place, other second");
+            }
+        }
+    }
+}
