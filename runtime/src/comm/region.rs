@@ -12,7 +12,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::{Mutex, OnceLock};
 
 /// Bytes of address space the region reserves (nothing is allocated until used).
-const REGION_BYTES: usize = 1 << 40;
+const REGION_BYTES: usize = 256 << 30;
 const PAGE: usize = 4096;
 
 /// Page-granular best-fit allocator over `0..capacity`: pure bookkeeping, no memory.

@@ -636,8 +636,15 @@ impl Engine {
     /// When this rank's shard is not one contiguous range in memory (stage 2 with units: a chunk of every unit
     /// inside the full parameter buffer; stage 3 with parameters on NVMe), the optimizer steps a contiguous copy
     /// of it (the fp32 values, or the 16-bit output with an fp32 master), which is then written back: a transient
-    /// buffer of one shard, not held between steps.
+    /// buffer of one shard, not held between steps. 16-bit parameters on NVMe skip the copy.
     fn apply_optimizer_on_copy(&mut self) -> Result<()> {
+        if let (Some(master), Some(swapped)) = (self.master.as_mut(), self.swapped_params.as_mut()) {
+            // 16-bit parameters on NVMe: step the master, then write each unit's rounded chunk (the same rounding
+            // as the step's own 16-bit output), with no copy of the shard.
+            self.optimizer.step(master, &self.grad_acc, &self.groups, None)?;
+            self.grad_acc.fill(0.0);
+            return swapped.write_all_from_f32(master);
+        }
         if self.master.is_none() {
             let scratch = self.read_shard()?;
             self.optimizer.step(views::slice::<f32>(&scratch), &self.grad_acc, &self.groups, None)?;

@@ -155,8 +155,15 @@ impl SwappedParams {
     /// the unit waits for the write.
     pub fn write(&mut self, unit: usize, values: &Tensor) -> Result<()> {
         debug_assert_eq!(values.numel(), self.chunks[unit].len());
+        let values = values.contiguous();
+        self.write_with(unit, |dst| dst.copy_from_slice(views::bytes(&values)))
+    }
+
+    /// [`write`](Self::write) with the chunk's bytes (the model's dtype) produced by `fill`, straight into the
+    /// memory they go to.
+    fn write_with(&mut self, unit: usize, fill: impl FnOnce(&mut [u8])) -> Result<()> {
         if let Some(t) = &self.in_memory[unit] {
-            tch::no_grad(|| t.shallow_clone().f_copy_(values))?;
+            fill(views::bytes(t));
             return Ok(());
         }
         if let Some(stale) = self.reads.remove(&unit) {
@@ -164,8 +171,7 @@ impl SwappedParams {
         }
         let bytes = self.chunk_bytes(unit);
         let mut buffer = self.pool.take(bytes);
-        let values = values.contiguous();
-        buffer.as_mut_slice()[..bytes].copy_from_slice(views::bytes(&values));
+        fill(&mut buffer.as_mut_slice()[..bytes]);
         self.writes.push_back(self.swapper.swap_out(&key(unit), buffer, bytes));
         while self.writes.len() >= self.buffer_count {
             self.finish_oldest_write()?;
@@ -209,6 +215,21 @@ impl SwappedParams {
         for u in 0..self.chunks.len() {
             let r = self.chunks[u].clone();
             self.write(u, &values.narrow(0, r.start as i64, r.len() as i64))?;
+        }
+        self.flush()
+    }
+
+    /// Replaces the whole shard with an fp32 master's values (shard space) rounded to the model's dtype, unit by
+    /// unit through the swap buffers: the 16-bit optimizer step needs no copy of the shard.
+    pub fn write_all_from_f32(&mut self, master: &[f32]) -> Result<()> {
+        let kind = self.kind;
+        for u in 0..self.chunks.len() {
+            let src = &master[self.chunks[u].clone()];
+            self.write_with(u, |dst| match kind {
+                Kind::BFloat16 => half::slice::HalfFloatSliceExt::convert_from_f32_slice(bytemuck::cast_slice_mut::<u8, half::bf16>(dst), src),
+                Kind::Half => half::slice::HalfFloatSliceExt::convert_from_f32_slice(bytemuck::cast_slice_mut::<u8, half::f16>(dst), src),
+                _ => dst.copy_from_slice(bytemuck::cast_slice(src)),
+            })?;
         }
         self.flush()
     }
