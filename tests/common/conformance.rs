@@ -8,6 +8,16 @@ pub fn input(rank: usize, n: usize, salt: usize) -> Vec<f32> {
 }
 
 
+/// The reference: element `i` of every rank's input combined in rank order.
+fn reduced(inputs: &[Vec<f32>], i: usize, op: ReduceOp) -> f32 {
+    let vals = inputs.iter().map(|x| x[i]);
+    match op {
+        ReduceOp::Sum => vals.sum::<f32>(),
+        ReduceOp::Avg => vals.sum::<f32>() / inputs.len() as f32,
+        ReduceOp::Max => vals.fold(f32::NEG_INFINITY, f32::max),
+    }
+}
+
 /// Every op at several sizes, checked on every rank; prints `conformance ok on rank R` at the end.
 pub fn run(c: &dyn Communicator) {
     let (rank, world) = (c.rank(), c.world_size());
@@ -17,13 +27,7 @@ pub fn run(c: &dyn Communicator) {
             c.all_reduce(&mut b, op).unwrap();
             let inputs: Vec<Vec<f32>> = (0..world).map(|r| input(r, n, salt)).collect();
             for i in 0..n {
-                let vals = inputs.iter().map(|x| x[i]);
-                let e = match op {
-                    ReduceOp::Sum => vals.sum::<f32>(),
-                    ReduceOp::Avg => vals.sum::<f32>() / world as f32,
-                    ReduceOp::Max => vals.fold(f32::NEG_INFINITY, f32::max),
-                };
-                assert_eq!(b[i], e, "all_reduce {op:?} n {n} at {i}");
+                assert_eq!(b[i], reduced(&inputs, i, op), "all_reduce {op:?} n {n} at {i}");
             }
         }
         let full = n - n % world;
@@ -89,13 +93,7 @@ fn shared_buffers(c: &dyn Communicator) {
                 buf.copy_from_slice(&inputs[rank]);
                 c.all_reduce(buf, op).unwrap();
                 for i in 0..full {
-                    let vals = inputs.iter().map(|x| x[i]);
-                    let e = match op {
-                        ReduceOp::Sum => vals.sum::<f32>(),
-                        ReduceOp::Avg => vals.sum::<f32>() / world as f32,
-                        ReduceOp::Max => vals.fold(f32::NEG_INFINITY, f32::max),
-                    };
-                    assert_eq!(buf[i], e, "shared all_reduce {op:?} n {full} at {i} (everywhere {everywhere})");
+                    assert_eq!(buf[i], reduced(&inputs, i, op), "shared all_reduce {op:?} n {full} at {i} (everywhere {everywhere})");
                 }
             }
             buf.copy_from_slice(&inputs[rank]);

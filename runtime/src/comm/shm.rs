@@ -289,7 +289,8 @@ impl ShmComm {
             // before the same chunk of `dst` is written.
             let (mine, out) = unsafe { (local.add(a), dst.add(a - range.start)) };
             if n == 2 {
-                // Two ranks: one landing buffer for the peer's chunk and one fused pass, in rank order.
+                // Two ranks: the peer's chunk from its mapped region (else landed in `tmp`) and one fused pass, in
+                // rank order.
                 let peer = 1 - self.rank;
                 let theirs = match self.peer_bytes(peer, a, b - a) {
                     Some(mapped) => mapped.as_ptr(),
