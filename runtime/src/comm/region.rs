@@ -166,6 +166,14 @@ fn map(fd: libc::c_int, len: usize, prot: libc::c_int) -> io::Result<*mut u8> {
     Ok(p as *mut u8)
 }
 
+/// Peer regions mapped in this process now (their pages count in its RSS once read; see report::memory::rss).
+static PEERS_MAPPED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Whether this process maps any peer's region.
+pub fn peers_mapped() -> bool {
+    PEERS_MAPPED.load(std::sync::atomic::Ordering::Relaxed) > 0
+}
+
 /// A peer's region, mapped into this process.
 pub struct PeerRegion {
     /// Where the region starts in the peer.
@@ -182,6 +190,7 @@ impl PeerRegion {
     pub fn map(pid: u32, (fd, base, len): (u64, u64, u64)) -> io::Result<PeerRegion> {
         let file = std::fs::OpenOptions::new().read(true).write(true).open(format!("/proc/{pid}/fd/{fd}"))?;
         let local = map(file.as_raw_fd(), len as usize, libc::PROT_READ | libc::PROT_WRITE)?;
+        PEERS_MAPPED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(PeerRegion { remote_base: base as usize, local, len: len as usize })
     }
 
@@ -203,6 +212,7 @@ impl Drop for PeerRegion {
     fn drop(&mut self) {
         // SAFETY: our own mapping.
         unsafe { libc::munmap(self.local as *mut libc::c_void, self.len) };
+        PEERS_MAPPED.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
     }
 }
 

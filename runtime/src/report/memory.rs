@@ -96,12 +96,23 @@ pub fn model_state_bytes(now: &[(&'static str, usize)]) -> u64 {
 }
 
 /// This process's resident memory now and at its peak (VmRSS, VmHWM), in bytes; zeros where /proc is absent.
+///
+/// Under the shm backend a process maps its peers' shared buffer regions, and the pages of theirs it has read
+/// count in its RSS although they are the peers' memory (and in their RSS). Both numbers leave those out: shared
+/// resident pages (RssShmem) beyond this process's own region blocks. That estimate never exceeds the peers' pages
+/// (own blocks are counted whole), so the result does not undercount this process.
 pub fn rss() -> (u64, u64) {
     let Ok(status) = std::fs::read_to_string("/proc/self/status") else { return (0, 0) };
     let field = |key: &str| {
         status.lines().find_map(|l| l.strip_prefix(key)).and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok()).map_or(0, |kb| kb * 1024)
     };
-    (field("VmRSS:"), field("VmHWM:"))
+    let peers = if crate::comm::region::peers_mapped() {
+        let own = crate::comm::region::SharedRegion::process().map_or(0, |r| r.used() as u64);
+        field("RssShmem:").saturating_sub(own)
+    } else {
+        0
+    };
+    (field("VmRSS:").saturating_sub(peers), field("VmHWM:").saturating_sub(peers))
 }
 
 pub fn report_path(dir: &Path, rank: usize) -> PathBuf {
