@@ -239,9 +239,11 @@ impl SwappedParams {
         (0..self.chunks.len()).filter(|&u| self.in_memory[u].is_none()).map(|u| self.chunk_bytes(u)).sum()
     }
 
-    /// Bytes in host memory between steps: chunks kept there and idle swap buffers.
+    /// Bytes in host memory between steps: chunks kept there, idle swap buffers, and those of the reads started
+    /// ahead (at least a chunk's pages each).
     pub fn resident_bytes(&self) -> usize {
         let kept: usize = (0..self.chunks.len()).filter(|&u| self.in_memory[u].is_some()).map(|u| self.chunk_bytes(u)).sum();
-        kept + self.pool.idle_bytes()
+        let reading: usize = self.reads.keys().map(|&u| self.chunk_bytes(u).div_ceil(PAGE) * PAGE).sum();
+        kept + self.pool.idle_bytes() + reading
     }
 }
