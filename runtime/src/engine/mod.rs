@@ -10,9 +10,12 @@
 //!
 //! With the model's units (see [`units`]): stage 3 keeps one buffer per unit, gathered only while the unit runs
 //! (`sharded_unit.rs`, `stage3.rs`); stage 2 walks the same units in backward and reduces each unit's gradients at once.
+//! Stage 2 of a plain loop lays buckets out like units and reduces each when autograd's hooks say its gradients are
+//! all written (`grad_hooks.rs`).
 //! Optimizer states live in memory or on NVMe (`optimizer.rs`, `swapped_optimizer.rs`); so does stage 3's
 //! parameter shard (`swapped_params.rs`).
 mod checkpointing;
+mod grad_hooks;
 pub mod layout;
 mod native;
 mod optimizer;
@@ -129,6 +132,10 @@ pub struct Engine {
     /// Stage 3: one per unit, in execution order (empty at stages 0-2).
     units: Vec<ShardedUnit>,
     unit_prefixes: Vec<Vec<String>>,
+    /// Stage 2 of a plain loop: the gradient hooks that reduce bucket by bucket during backward.
+    grad_hooks: Option<grad_hooks::GradHooks>,
+    /// The first error a gradient hook met (it cannot return one through autograd); `backward` returns it.
+    hook_error: Option<Error>,
     /// Stage 3: what the current micro-batch's forward kept for backward.
     records: Vec<stage3::UnitRecord>,
     activation_checkpointing: bool,
@@ -191,11 +198,20 @@ impl Engine {
         let shared = comm.prefers_shared_buffers();
         // Stage 2 with the model's units: gradients are reduced unit by unit during backward, so no rank holds the
         // full gradients (ZeRO-2's memory), with parameters laid out by unit like stage 3 but never released.
-        let stage2_units = z.stage == 2 && options.units.is_some();
+        // Stage 2 of a plain loop (no units given): buckets of whole parameters laid out like units, reduced from
+        // gradient hooks during backward (grad_hooks.rs), so no rank holds the full gradients either.
+        let hooked = z.stage == 2 && options.units.is_none();
+        let stage2_units = z.stage == 2;
         let by_units = stage3 || stage2_units;
         let unit_prefixes = options.units.clone().unwrap_or_else(|| vec![vec![String::new()]]);
         let names: Vec<String> = named.iter().map(|(n, _)| n.clone()).collect();
-        let unit_of = units::assign(&unit_prefixes, &names)?;
+        let unit_of = if hooked {
+            let sizes: Vec<usize> = named.iter().map(|(_, t)| t.numel()).collect();
+            grad_hooks::buckets(&sizes, z.reduce_bucket_size)
+        } else {
+            units::assign(&unit_prefixes, &names)?
+        };
+        let unit_count = unit_of.iter().max().map_or(0, |m| m + 1).max(unit_prefixes.len());
         if by_units {
             // Units lay parameters out unit by unit, in execution order (stable: by name within a unit).
             let mut order: Vec<usize> = (0..named.len()).collect();
@@ -225,7 +241,7 @@ impl Engine {
             })
             .collect();
         let layout = if by_units {
-            let mut by_unit: Vec<Vec<(String, Vec<i64>, bool)>> = vec![Vec::new(); unit_prefixes.len()];
+            let mut by_unit: Vec<Vec<(String, Vec<i64>, bool)>> = vec![Vec::new(); unit_count];
             let mut sorted_units = unit_of.clone();
             sorted_units.sort_unstable();
             for (spec, u) in specs.iter().zip(sorted_units) {
@@ -368,7 +384,12 @@ impl Engine {
         tracing::info!(rank, world_size, stage = z.stage, ?precision, params = layout.numel, partition = layout.partition_len(), units = layout.units.len(), "zerorun engine ready");
         // Gathered bytes count units' own buffers (stage 3); stage 2's units are regions of `flat_params`.
         let persistent_bytes = sharded_units.iter().filter(|u| u.persistent && u.owns_buffer()).map(ShardedUnit::full_bytes).sum();
-        Ok(Engine {
+        let bucket_of = hooked.then(|| {
+            let mut sorted = unit_of.clone();
+            sorted.sort_unstable();
+            sorted
+        });
+        let mut engine = Engine {
             comm: prefetch::EngineComm::new(comm, overlap && !stage2_units),
             config,
             batch,
@@ -379,6 +400,8 @@ impl Engine {
             swapped_params,
             units: sharded_units,
             unit_prefixes,
+            grad_hooks: None,
+            hook_error: None,
             records: Vec::new(),
             activation_checkpointing: options.activation_checkpointing,
             gathered: GatheredBytes { current: persistent_bytes, peak: persistent_bytes, step_peak: persistent_bytes },
@@ -404,7 +427,11 @@ impl Engine {
             loss_sum: 0.0,
             loss_count: 0,
             step_started: None,
-        })
+        };
+        if let Some(bucket_of) = bucket_of {
+            engine.grad_hooks = Some(grad_hooks::GradHooks::install(&engine.params, bucket_of)?);
+        }
+        Ok(engine)
     }
 
     pub fn rank(&self) -> usize {
@@ -482,7 +509,9 @@ impl Engine {
         let factor = self.loss_scale() / self.batch.gradient_accumulation_steps as f64;
         let _span = Phase::Backward.span().entered();
         let (started, comm_before) = (Instant::now(), self.times.comm());
-        if !self.units.is_empty() {
+        if self.grad_hooks.is_some() {
+            self.backward_hooked(|| Ok(if factor != 1.0 { (loss * factor).f_backward()? } else { loss.f_backward()? }))?;
+        } else if !self.units.is_empty() {
             self.backward_units_impl(model, loss, factor)?;
         } else if factor != 1.0 {
             (loss * factor).f_backward()?;
@@ -504,6 +533,10 @@ impl Engine {
 
     /// Ends a micro-batch; at the accumulation boundary reduces gradients and steps the optimizer.
     pub fn step(&mut self) -> Result<StepOutcome> {
+        if self.grad_hooks.is_some() {
+            // Gradients of a backward the engine did not run are still in `.grad`.
+            self.finish_hooked_reduction()?;
+        }
         self.micro_steps += 1;
         let boundary = self.micro_steps % self.batch.gradient_accumulation_steps == 0;
         // 16-bit models reduce every micro-batch and accumulate in fp32; fp32 models accumulate in autograd.

@@ -16,6 +16,9 @@ extern "C" {
     fn zerorun_rng_state_set(input: *const u8, len: i64) -> *mut c_char;
     fn zerorun_region_allocator_init(alloc: extern "C" fn(usize) -> *mut c_void, free: extern "C" fn(*mut c_void, usize));
     fn zerorun_region_empty(numel: i64, scalar_type: i32, out: *mut *mut c_void) -> *mut c_char;
+    fn zerorun_on_grad_ready(param: *mut c_void, f: extern "C" fn(*mut c_void, i64), ctx: *mut c_void, index: i64) -> *mut c_char;
+    fn zerorun_remove_grad_ready(param: *mut c_void);
+    fn zerorun_reset_grad(param: *mut c_void);
 }
 
 fn ptr(t: &Tensor) -> *mut c_void {
@@ -102,6 +105,21 @@ pub fn region_zeros(len: usize, kind: tch::Kind) -> Result<Tensor> {
     // SAFETY: allocated by the shim with `new at::Tensor`, owned by tch's Tensor from here.
     let mut t = unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) };
     Ok(tch::no_grad(|| t.f_zero_())?)
+}
+
+/// Calls `f(ctx, index)` each time autograd has accumulated `param`'s gradient (a post-accumulate-grad hook on
+/// the tensor, replacing any earlier one). `ctx` must stay valid until [`remove_grad_ready`].
+pub fn on_grad_ready(param: &Tensor, f: extern "C" fn(*mut c_void, i64), ctx: *mut c_void, index: usize) -> Result<()> {
+    check(unsafe { zerorun_on_grad_ready(ptr(param), f, ctx, index as i64) }, "registering a gradient hook")
+}
+
+pub fn remove_grad_ready(param: &Tensor) {
+    unsafe { zerorun_remove_grad_ready(ptr(param)) }
+}
+
+/// Frees `param`'s `.grad` (`param.grad = None`).
+pub fn reset_grad(param: &Tensor) {
+    unsafe { zerorun_reset_grad(ptr(param)) }
 }
 
 /// Restores a state from [`rng_state`].

@@ -56,7 +56,7 @@ impl Engine {
 
     fn forward_impl(&mut self, model: &dyn UnitModel, input: &Tensor) -> Result<Tensor> {
         let prefixes = model.unit_prefixes();
-        if self.units.is_empty() {
+        if self.units.is_empty() || self.grad_hooks.is_some() {
             let mut h = input.shallow_clone();
             for i in 0..prefixes.len() {
                 h = model.forward_unit(i, &h);
@@ -257,7 +257,7 @@ impl Engine {
 
     /// Reduce-scatters unit `i`'s gradients (slot order; None: unused, zeros) into this rank's shard and adds
     /// them to the fp32 accumulator, with the predivide rules of `reduce`.
-    fn reduce_unit(&mut self, i: usize, grads: &[Option<Tensor>]) -> Result<()> {
+    pub(super) fn reduce_unit(&mut self, i: usize, grads: &[Option<Tensor>]) -> Result<()> {
         let ws = self.world_size();
         let span = self.units[i].span.clone();
         let (len, chunk, offset) = (span.range.len(), span.chunk_len(ws), self.units[i].shard_offset);

@@ -1,0 +1,156 @@
+//! Stage 2 for plain training loops (no units given): the parameters are cut into buckets of about
+//! `reduce_bucket_size` elements (whole parameters, in layout order), laid out like units, and a post-accumulate-grad
+//! hook on every parameter counts down its bucket. When autograd has written the last gradient of a bucket, the
+//! engine reduce-scatters the bucket into this rank's fp32 shard and frees those `.grad` tensors, while backward
+//! goes on: no rank ever holds the full gradients (DeepSpeed's stage 2 with its gradient hooks). The order buckets
+//! complete in is autograd's, the same on every rank for the same graph.
+use std::cell::Cell;
+use std::ffi::c_void;
+
+use tch::Tensor;
+
+use super::{native, Engine};
+use crate::error::{Error, Result};
+
+/// Cuts parameters of `sizes` elements (layout order) into buckets of at most `bucket` elements (a larger
+/// parameter is a bucket of its own). Returns each parameter's bucket.
+pub(super) fn buckets(sizes: &[usize], bucket: u64) -> Vec<usize> {
+    let mut out = Vec::with_capacity(sizes.len());
+    let (mut current, mut filled) = (0usize, 0u64);
+    for &n in sizes {
+        if filled > 0 && filled + n as u64 > bucket {
+            current += 1;
+            filled = 0;
+        }
+        out.push(current);
+        filled += n as u64;
+    }
+    out
+}
+
+/// What the hooks reach: the engine while `engine.backward` runs it (null otherwise: a backward the engine does not
+/// run leaves the gradients in `.grad`, and `step` reduces them).
+struct HookTarget {
+    engine: Cell<*mut Engine>,
+}
+
+/// The hooks of one engine and the buckets' countdown. Dropping it removes the hooks.
+pub(super) struct GradHooks {
+    params: Vec<Tensor>,
+    target: Box<HookTarget>,
+    /// Each parameter's bucket (unit), by layout slot.
+    bucket_of: Vec<usize>,
+    /// Per bucket: gradients still to come in this backward.
+    pending: Vec<usize>,
+    /// Per bucket: its parameters.
+    count: Vec<usize>,
+}
+
+extern "C" fn grad_ready(ctx: *mut c_void, slot: i64) {
+    // SAFETY: ctx is the GradHooks' boxed target, alive until the hooks are removed (GradHooks::drop).
+    let target = unsafe { &*(ctx as *const HookTarget) };
+    let engine = target.engine.get();
+    if engine.is_null() {
+        return;
+    }
+    // SAFETY: set by `Engine::backward_hooked` from its `&mut self` for the duration of the backward call, during
+    // which nothing else touches the engine.
+    let engine = unsafe { &mut *engine };
+    // A panic must not unwind into libtorch's C++ frames.
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| engine.on_grad_ready(slot as usize)));
+    let error = match result {
+        Ok(Ok(())) => return,
+        Ok(Err(e)) => e,
+        Err(_) => Error::Usage("a gradient hook panicked".into()),
+    };
+    engine.hook_error.get_or_insert(error);
+}
+
+impl GradHooks {
+    /// Installs a hook on every parameter (layout order) with its bucket.
+    pub fn install(params: &[Tensor], bucket_of: Vec<usize>) -> Result<GradHooks> {
+        let buckets = bucket_of.iter().max().map_or(0, |m| m + 1);
+        let mut count = vec![0usize; buckets];
+        for &b in &bucket_of {
+            count[b] += 1;
+        }
+        let target = Box::new(HookTarget { engine: Cell::new(std::ptr::null_mut()) });
+        let hooks = GradHooks { params: params.iter().map(Tensor::shallow_clone).collect(), target, bucket_of, pending: count.clone(), count };
+        let ctx = &*hooks.target as *const HookTarget as *mut c_void;
+        for (slot, p) in hooks.params.iter().enumerate() {
+            native::on_grad_ready(p, grad_ready, ctx, slot)?;
+        }
+        Ok(hooks)
+    }
+}
+
+impl Drop for GradHooks {
+    fn drop(&mut self) {
+        for p in &self.params {
+            native::remove_grad_ready(p);
+        }
+    }
+}
+
+impl Engine {
+    /// Runs `backward` (autograd over the user's graph) with the hooks pointed at this engine, then reduces the
+    /// buckets whose gradients did not all come (unused parameters).
+    pub(super) fn backward_hooked(&mut self, backward: impl FnOnce() -> Result<()>) -> Result<()> {
+        let me: *mut Engine = self;
+        self.grad_hooks.as_ref().expect("hooked mode").target.engine.set(me);
+        let ran = backward();
+        // SAFETY: `me` came from `self` above, and nothing used `self` since (the hooks ran through `me`).
+        let this = unsafe { &mut *me };
+        this.grad_hooks.as_ref().expect("hooked mode").target.engine.set(std::ptr::null_mut());
+        ran?;
+        if let Some(e) = this.hook_error.take() {
+            return Err(e);
+        }
+        this.finish_hooked_reduction()
+    }
+
+    fn on_grad_ready(&mut self, slot: usize) -> Result<()> {
+        let hooks = self.grad_hooks.as_mut().expect("hooked mode");
+        let b = hooks.bucket_of[slot];
+        hooks.pending[b] = hooks.pending[b].saturating_sub(1);
+        if hooks.pending[b] == 0 {
+            self.reduce_bucket_of_hooks(b)?;
+        }
+        Ok(())
+    }
+
+    /// Reduces bucket `b` from the parameters' `.grad` (a missing one counts as zeros), frees them and resets the
+    /// countdown.
+    fn reduce_bucket_of_hooks(&mut self, b: usize) -> Result<()> {
+        let grads: Vec<Option<Tensor>> = self.units[b]
+            .params()
+            .iter()
+            .map(|p| {
+                let g = p.grad();
+                g.defined().then_some(g)
+            })
+            .collect();
+        let t = std::time::Instant::now();
+        self.reduce_unit(b, &grads)?;
+        self.times.add(crate::report::Phase::ReduceScatter, t.elapsed());
+        for p in self.units[b].params() {
+            native::reset_grad(p);
+        }
+        let hooks = self.grad_hooks.as_mut().expect("hooked mode");
+        hooks.pending[b] = hooks.count[b];
+        Ok(())
+    }
+
+    /// Reduces every bucket that has gradients not reduced yet: some of its parameters took no part in the
+    /// graph, or the backward ran outside `engine.backward`. Every rank calls it at the same point.
+    pub(super) fn finish_hooked_reduction(&mut self) -> Result<()> {
+        for b in 0..self.units.len() {
+            let hooks = self.grad_hooks.as_ref().expect("hooked mode");
+            let started = hooks.pending[b] < hooks.count[b];
+            if started || self.units[b].params().iter().any(|p| p.grad().defined()) {
+                self.reduce_bucket_of_hooks(b)?;
+            }
+        }
+        Ok(())
+    }
+}

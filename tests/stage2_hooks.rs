@@ -1,0 +1,103 @@
+//! Stage 2 in a plain training loop (no units): gradient hooks reduce bucket by bucket during `engine.backward`,
+//! so no parameter holds a gradient when it returns; the result is stage 1's; an unused parameter and a backward
+//! run outside the engine are reduced at `step`.
+use std::time::Duration;
+
+use serde_json::json;
+use tch::nn::Module;
+use tch::Tensor;
+use zerorun::runtime::comm::threads;
+use zerorun::{Config, Engine, EngineOptions};
+
+#[path = "common/mlp.rs"]
+mod mlp;
+use mlp::*;
+
+#[derive(Clone, Copy, PartialEq)]
+enum Backward {
+    /// `engine.backward(&loss)`.
+    Engine,
+    /// `loss.backward()` by the program itself, then `engine.step()`.
+    Direct,
+}
+
+struct Run {
+    params: Vec<(String, Vec<f32>)>,
+    /// Parameters that still had a `.grad` right after a backward (rank 0, every micro-batch).
+    grads_left: usize,
+    /// `gradients_full` bytes right after a backward (rank 0, the largest seen).
+    full_gradient_bytes: usize,
+}
+
+/// 2 thread ranks, 6 steps of the MLP, plus an extra parameter the model never uses when `unused`.
+fn run(stage: u8, backward: Backward, unused: bool) -> Run {
+    let config = Config::from_value(json!({
+        "train_batch_size": GLOBAL_BATCH, "gradient_clipping": CLIP,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
+        // Buckets smaller than a weight: several buckets, some of one bias.
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 100}
+    }))
+    .unwrap();
+    let (xv, yv) = data();
+    let comms = threads::group(2, Duration::from_secs(60));
+    let mut runs: Vec<Run> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .into_iter()
+            .map(|comm| {
+                let (config, xv, yv) = (config.clone(), &xv, &yv);
+                s.spawn(move || {
+                    let (x, y) = (Tensor::from_slice(xv).view([SAMPLES, IN]), Tensor::from_slice(yv).view([SAMPLES, OUT]));
+                    let (vs, model) = init_store();
+                    if unused {
+                        let _ = vs.root().var("unused", &[5], tch::nn::Init::Const(0.5));
+                    }
+                    let mut engine = Engine::new(&vs, config, Box::new(comm), EngineOptions::default()).unwrap();
+                    let micro = engine.batch_sizes().train_micro_batch_size_per_gpu as usize;
+                    let rank = engine.rank();
+                    let (mut grads_left, mut full_gradient_bytes) = (0, 0);
+                    for step in 0..6 {
+                        let order = batch_indices(step);
+                        let idx = Tensor::from_slice(&order[rank * micro..(rank + 1) * micro]);
+                        let loss = model.forward(&x.index_select(0, &idx)).mse_loss(&y.index_select(0, &idx), tch::Reduction::Mean);
+                        match backward {
+                            Backward::Engine => engine.backward(&loss).unwrap(),
+                            Backward::Direct => loss.backward(),
+                        }
+                        grads_left += vs.trainable_variables().iter().filter(|t| t.grad().defined()).count();
+                        let full = engine.memory_bytes().into_iter().find(|(n, _)| *n == "gradients_full").unwrap().1;
+                        full_gradient_bytes = full_gradient_bytes.max(full);
+                        engine.step().unwrap();
+                    }
+                    let mut params = params_of(&vs);
+                    params.retain(|(n, _)| n != "unused");
+                    Run { params, grads_left, full_gradient_bytes }
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    runs.remove(0)
+}
+
+#[test]
+fn plain_loop_stage2_reduces_during_backward_and_matches_stage1() {
+    let stage1 = run(1, Backward::Engine, false);
+    assert!(stage1.grads_left > 0 && stage1.full_gradient_bytes > 0, "stage 1 keeps the full gradients until step");
+    let stage2 = run(2, Backward::Engine, false);
+    assert_eq!((stage2.grads_left, stage2.full_gradient_bytes), (0, 0), "every bucket was reduced and freed inside backward");
+    let d = max_relative_difference(&stage2.params, &stage1.params);
+    assert!(d <= 1e-6, "stage 2 with hooks vs stage 1: max relative difference {d:e}");
+}
+
+#[test]
+fn unused_parameters_and_backward_outside_the_engine_are_reduced_at_step() {
+    let reference = run(2, Backward::Engine, false);
+    // The unused parameter's bucket never completes in backward: engine.backward reduces it before returning.
+    let unused = run(2, Backward::Engine, true);
+    assert_eq!(unused.grads_left, 0);
+    assert!(max_relative_difference(&unused.params, &reference.params) <= 1e-6);
+    // A backward the engine did not run leaves the gradients in `.grad`; step reduces them, same sums.
+    let direct = run(2, Backward::Direct, false);
+    assert!(direct.grads_left > 0, "nothing was reduced during a backward the engine did not run");
+    assert_eq!(direct.params, reference.params);
+}
