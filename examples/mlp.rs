@@ -29,6 +29,10 @@ struct Args {
     /// Training data: a safetensors file with `x` [N, in] and `y` [N, out] (default: synthetic from --seed).
     #[arg(long)]
     data: Option<std::path::PathBuf>,
+    /// Train as a plain loop: no units given to the engine, the model called directly, `engine.backward(&loss)`
+    /// (stage 2 then reduces from gradient hooks; stage 3 treats the whole model as one unit).
+    #[arg(long)]
+    plain_loop: bool,
 }
 
 pub struct Mlp {
@@ -104,7 +108,8 @@ fn run(args: &Args) -> Result<(), String> {
     let result = run_ranks(a.ranks, timeout, |comm| {
         let (mut vs, model) = build_model(a.seed, a.init.as_ref(), |vs| Mlp::new(vs.root(), args.input, args.hidden, args.layers, args.out))?;
         let kind = to_config_precision(&config, &mut vs);
-        let options = EngineOptions { activation_checkpointing: a.activation_checkpointing, ..Default::default() }.units_of(&model);
+        let options = EngineOptions { activation_checkpointing: a.activation_checkpointing, ..Default::default() };
+        let options = if args.plain_loop { options } else { options.units_of(&model) };
         let mut engine = Engine::new(&vs, config.clone(), comm, options).map_err(|e| e.to_string())?;
         let x = Tensor::from_slice(&xv).view([samples as i64, args.input]).to_kind(kind);
         let y = Tensor::from_slice(&yv).view([samples as i64, args.out]);
@@ -117,9 +122,18 @@ fn run(args: &Args) -> Result<(), String> {
             let order: Vec<i64> = (0..b.train_batch_size).map(|_| rng.below(samples) as i64).collect();
             for m in 0..b.gradient_accumulation_steps {
                 let idx = Tensor::from_slice(&order[micro_batch_range(rank, world, m, b.train_micro_batch_size_per_gpu)]);
-                let pred = engine.forward(&model, &x.index_select(0, &idx)).map_err(|e| e.to_string())?.to_kind(Kind::Float);
-                let loss = pred.mse_loss(&y.index_select(0, &idx), tch::Reduction::Mean);
-                engine.backward_units(&model, &loss).map_err(|e| e.to_string())?;
+                let input = x.index_select(0, &idx);
+                let pred = if args.plain_loop {
+                    (0..model.layers.len()).fold(input, |h, i| model.forward_unit(i, &h))
+                } else {
+                    engine.forward(&model, &input).map_err(|e| e.to_string())?
+                };
+                let loss = pred.to_kind(Kind::Float).mse_loss(&y.index_select(0, &idx), tch::Reduction::Mean);
+                if args.plain_loop {
+                    engine.backward(&loss).map_err(|e| e.to_string())?;
+                } else {
+                    engine.backward_units(&model, &loss).map_err(|e| e.to_string())?;
+                }
                 let outcome = engine.step().map_err(|e| e.to_string())?;
                 progress.record(&engine, outcome);
                 maybe_save(a, &mut engine, outcome)?;

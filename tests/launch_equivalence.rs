@@ -1,6 +1,7 @@
-//! The MLP example as separate processes under `zerorun launch` (shm backend, communication thread with prefetch at
-//! stage 3, per-unit reduction at stage 2) ends at the parameters of one process at stage 0, within 1e-5, and prints
-//! the same per-step losses.
+//! The MLP example as separate processes under `zerorun launch` (shm backend with shared buffer regions,
+//! communication thread with prefetch at stage 3, per-unit reduction at stage 2, and stage 2 of a plain loop reducing
+//! from gradient hooks) ends at the parameters of one process at stage 0, within 1e-5, and prints the same per-step
+//! losses.
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -12,7 +13,7 @@ fn mlp_example() -> PathBuf {
     std::env::current_exe().unwrap().parent().unwrap().parent().unwrap().join("examples").join("mlp")
 }
 
-fn run(mlp: &Path, dir: &Path, ranks: usize, zero: &str, out: &Path) -> Vec<String> {
+fn run(mlp: &Path, dir: &Path, ranks: usize, zero: &str, extra: &[&str], out: &Path) -> Vec<String> {
     let cfg = dir.join(format!("c{ranks}-{}.json", out.file_stem().unwrap().to_string_lossy()));
     std::fs::write(&cfg, format!(r#"{{"train_batch_size": 12, "gradient_clipping": 1.0, "optimizer": {{"type": "AdamW", "params": {{"lr": 0.003, "weight_decay": 0.01}}}}, "zero_optimization": {zero}}}"#)).unwrap();
     let o = Command::new(env!("CARGO_BIN_EXE_zerorun"))
@@ -20,6 +21,7 @@ fn run(mlp: &Path, dir: &Path, ranks: usize, zero: &str, out: &Path) -> Vec<Stri
         .arg(mlp)
         .args(["--config", cfg.to_str().unwrap(), "--steps", "8", "--seed", "3", "--in", "16", "--hidden", "48", "--layers", "4", "--out", "4"])
         .args(["--save-final", out.to_str().unwrap()])
+        .args(extra)
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&o.stdout).into_owned();
@@ -40,15 +42,17 @@ fn processes_at_stages_2_and_3_match_one_process() {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let reference = dir.join("ref.safetensors");
-    let ref_losses = run(&mlp, &dir, 1, r#"{"stage": 0}"#, &reference);
+    let ref_losses = run(&mlp, &dir, 1, r#"{"stage": 0}"#, &[], &reference);
     assert_eq!(ref_losses.len(), 8);
     let reference = load(&reference);
-    for (name, zero) in [
-        ("stage2", r#"{"stage": 2}"#),
-        ("stage3", r#"{"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 1}"#),
+    for (name, zero, extra) in [
+        ("stage2", r#"{"stage": 2}"#, &[][..]),
+        // A plain loop: no units, stage 2 reduces bucket by bucket from gradient hooks (small buckets: several).
+        ("stage2-plain", r#"{"stage": 2, "reduce_bucket_size": 300}"#, &["--plain-loop"][..]),
+        ("stage3", r#"{"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 1}"#, &[][..]),
     ] {
         let out = dir.join(format!("{name}.safetensors"));
-        let losses = run(&mlp, &dir, 3, zero, &out);
+        let losses = run(&mlp, &dir, 3, zero, extra, &out);
         assert_eq!(losses.len(), 8, "{name}");
         for (a, b) in losses.iter().zip(&ref_losses) {
             let (x, y): (f64, f64) = (a.rsplit(' ').next().unwrap().parse().unwrap(), b.rsplit(' ').next().unwrap().parse().unwrap());
