@@ -3,13 +3,17 @@
 //! hook on every parameter counts down its bucket. When autograd has written the last gradient of a bucket, the
 //! engine reduce-scatters the bucket into this rank's fp32 shard and frees those `.grad` tensors, while backward
 //! goes on: no rank ever holds the full gradients (DeepSpeed's stage 2 with its gradient hooks). The order buckets
-//! complete in is autograd's, the same on every rank for the same graph.
+//! complete in is autograd's, the same on every rank for the same graph. With `overlap_comm` the reduce-scatter runs
+//! on the communication thread from one of two staging halves while autograd goes on, and its result is added to
+//! the shard when that half is needed again or backward ends.
 use std::cell::Cell;
 use std::ffi::c_void;
 
 use tch::Tensor;
 
-use super::{native, Engine};
+use super::{native, views, Engine};
+use crate::comm::async_comm::Handle;
+use crate::comm::BufRef;
 use crate::error::{Error, Result};
 
 /// Cuts parameters of `sizes` elements (layout order) into buckets of at most `bucket` elements (a larger
@@ -44,6 +48,9 @@ pub(super) struct GradHooks {
     pending: Vec<usize>,
     /// Per bucket: its parameters.
     count: Vec<usize>,
+    /// `overlap_comm`: per staging half, the bucket whose reduce-scatter is in flight from it.
+    in_flight: [Option<(usize, Handle<()>)>; 2],
+    next_half: usize,
 }
 
 extern "C" fn grad_ready(ctx: *mut c_void, slot: i64) {
@@ -75,7 +82,15 @@ impl GradHooks {
             count[b] += 1;
         }
         let target = Box::new(HookTarget { engine: Cell::new(std::ptr::null_mut()) });
-        let hooks = GradHooks { params: params.iter().map(Tensor::shallow_clone).collect(), target, bucket_of, pending: count.clone(), count };
+        let hooks = GradHooks {
+            params: params.iter().map(Tensor::shallow_clone).collect(),
+            target,
+            bucket_of,
+            pending: count.clone(),
+            count,
+            in_flight: [None, None],
+            next_half: 0,
+        };
         let ctx = &*hooks.target as *const HookTarget as *mut c_void;
         for (slot, p) in hooks.params.iter().enumerate() {
             native::on_grad_ready(p, grad_ready, ctx, slot)?;
@@ -131,7 +146,11 @@ impl Engine {
             })
             .collect();
         let t = std::time::Instant::now();
-        self.reduce_unit(b, &grads)?;
+        if self.overlapped_hooks() {
+            self.reduce_bucket_async(b, &grads)?;
+        } else {
+            self.reduce_unit(b, &grads)?;
+        }
         self.times.add(crate::report::Phase::ReduceScatter, t.elapsed());
         for p in self.units[b].params() {
             native::reset_grad(p);
@@ -151,6 +170,56 @@ impl Engine {
                 self.reduce_bucket_of_hooks(b)?;
             }
         }
+        for half in 0..2 {
+            self.finish_half(half)?;
+        }
+        Ok(())
+    }
+
+    /// Whether bucket reductions run on the communication thread (`overlap_comm`, reduce-scatter).
+    fn overlapped_hooks(&self) -> bool {
+        self.comm.thread().is_some() && self.config.zero_optimization.reduce_scatter
+    }
+
+    /// Stages bucket `b` into the next staging half (after finishing what that half still had in flight) and
+    /// starts its reduce-scatter on the communication thread.
+    fn reduce_bucket_async(&mut self, b: usize, grads: &[Option<Tensor>]) -> Result<()> {
+        let half = self.grad_hooks.as_ref().expect("hooked mode").next_half;
+        self.finish_half(half)?;
+        let ws = self.world_size();
+        let span = self.units[b].span.clone();
+        let (len, chunk) = (span.range.len(), span.chunk_len(ws));
+        let (stage_half, part_half) = (self.flat_grads.numel() / 2, self.grad_part.as_ref().expect("buckets have a gradient part").numel() / 2);
+        let staged = self.flat_grads.narrow(0, (half * stage_half) as i64, len as i64);
+        self.stage_unit_grads(b, grads, &staged)?;
+        let (op, pre, _) = self.reduce_factors();
+        if let Some(pre) = pre {
+            let _ = staged.shallow_clone().f_mul_scalar_(pre)?;
+        }
+        let part = self.grad_part.as_ref().expect("checked").narrow(0, (half * part_half) as i64, chunk as i64);
+        let thread = self.comm.thread().expect("overlap runs on the communication thread");
+        // SAFETY: the half is this bucket's until `finish_half` waits on the handle; the engine drops its
+        // communication thread (joining it) before these buffers.
+        let handle = unsafe { thread.reduce_scatter_raw(BufRef::from(views::buf_mut(&staged)), views::buf_mut(&part), op) };
+        self.comm_volume.reduce_scatter_elements += len as u64;
+        let hooks = self.grad_hooks.as_mut().expect("hooked mode");
+        hooks.in_flight[half] = Some((b, handle));
+        hooks.next_half = 1 - half;
+        Ok(())
+    }
+
+    /// Waits for the reduce-scatter in flight from staging half `half`, if any, and adds its result to the shard.
+    fn finish_half(&mut self, half: usize) -> Result<()> {
+        let Some((b, handle)) = self.grad_hooks.as_mut().expect("hooked mode").in_flight[half].take() else { return Ok(()) };
+        handle.wait()?;
+        let ws = self.world_size();
+        let (chunk, offset) = (self.units[b].span.chunk_len(ws), self.units[b].shard_offset);
+        let part_half = self.grad_part.as_ref().expect("buckets have a gradient part").numel() / 2;
+        let part = self.grad_part.as_ref().expect("checked").narrow(0, (half * part_half) as i64, chunk as i64);
+        if let Some(post) = self.reduce_factors().2 {
+            let _ = part.shallow_clone().f_mul_scalar_(post)?;
+        }
+        views::accumulate(&mut self.grad_acc[offset..offset + chunk], &part);
         Ok(())
     }
 }

@@ -352,8 +352,12 @@ impl Engine {
         let round_len = (z.reduce_bucket_size as usize / world_size).clamp(1, layout.partition_len().max(1));
         let largest_unit = layout.units.iter().map(|u| u.range.len()).max().unwrap_or(0);
         let overlap = z.overlap_comm && world_size > 1 && z.stage > 0;
+        // Stage 2 of a plain loop with overlap_comm: two staging halves, one reducing on the communication thread
+        // while the next bucket is staged (grad_hooks.rs).
+        let hooked_overlap = hooked && overlap && z.reduce_scatter;
         let staged = match z.stage {
             0 => layout.padded,
+            _ if hooked_overlap => 2 * largest_unit,
             _ if by_units => largest_unit,
             // Two halves with overlap_comm: one reduces while the next round is gathered into the other.
             _ => round_len * world_size * if overlap { 2 } else { 1 },
@@ -374,7 +378,7 @@ impl Engine {
         // fp32 models at stages 1-2 with gradient views reduce each rank's partition in place in the buffer (units
         // never have gradient views: they reduce unit by unit).
         let fp32_in_place = precision == Precision::Fp32 && grad_buffer.is_some();
-        let part_len = if by_units { largest_unit / world_size } else { layout.partition_len() };
+        let part_len = if by_units { largest_unit / world_size * if hooked_overlap { 2 } else { 1 } } else { layout.partition_len() };
         let grad_part = (z.stage > 0 && !fp32_in_place).then(|| Tensor::zeros([part_len as i64], (comm_kind, tch::Device::Cpu)));
         let grad_acc = AlignedVec::filled(if (z.stage > 0 && !fp32_in_place) || precision != Precision::Fp32 { optimized.len() } else { 0 }, 0.0);
         let scaler = config.fp16.enabled.then(|| {
@@ -390,7 +394,7 @@ impl Engine {
             sorted
         });
         let mut engine = Engine {
-            comm: prefetch::EngineComm::new(comm, overlap && !stage2_units),
+            comm: prefetch::EngineComm::new(comm, overlap && (!stage2_units || hooked_overlap)),
             config,
             batch,
             precision,

@@ -262,6 +262,18 @@ impl Engine {
         let span = self.units[i].span.clone();
         let (len, chunk, offset) = (span.range.len(), span.chunk_len(ws), self.units[i].shard_offset);
         let staged = self.flat_grads.narrow(0, 0, len as i64);
+        self.stage_unit_grads(i, grads, &staged)?;
+        let part = self.grad_part.as_ref().expect("units have a gradient part").narrow(0, 0, chunk as i64);
+        let t = std::time::Instant::now();
+        self.reduce_bucket(&staged, &part)?;
+        self.times.add(crate::report::Phase::ReduceScatter, t.elapsed());
+        views::accumulate(&mut self.grad_acc[offset..offset + chunk], &part);
+        Ok(())
+    }
+
+    /// Copies unit `i`'s gradients (slot order; None: zeros) into `staged` (the unit's padded length).
+    pub(super) fn stage_unit_grads(&self, i: usize, grads: &[Option<Tensor>], staged: &Tensor) -> Result<()> {
+        let span = &self.units[i].span;
         tch::no_grad(|| -> Result<()> {
             let _ = staged.shallow_clone().f_zero_()?;
             for (slot, g) in self.layout.slots[span.slots.clone()].iter().zip(grads) {
@@ -271,13 +283,7 @@ impl Engine {
                 }
             }
             Ok(())
-        })?;
-        let part = self.grad_part.as_ref().expect("units have a gradient part").narrow(0, 0, chunk as i64);
-        let t = std::time::Instant::now();
-        self.reduce_bucket(&staged, &part)?;
-        self.times.add(crate::report::Phase::ReduceScatter, t.elapsed());
-        views::accumulate(&mut self.grad_acc[offset..offset + chunk], &part);
-        Ok(())
+        })
     }
 
     /// After an optimizer step: units that stay gathered take the new values of every rank's shard.
