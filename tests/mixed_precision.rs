@@ -59,7 +59,7 @@ fn run(config: Config, kind: Kind, poison: fn(i64, usize) -> bool) -> (Vec<StepO
                             let pred = model.forward(&x.index_select(0, &idx)).to_kind(Kind::Float);
                             let mut loss = pred.mse_loss(&y.index_select(0, &idx), tch::Reduction::Mean);
                             if poison(step, rank) {
-                                loss = loss * f64::INFINITY;
+                                loss *= f64::INFINITY;
                             }
                             engine.backward(&loss).unwrap();
                             let o = engine.step().unwrap();

@@ -223,7 +223,8 @@ fn a_removed_parameter_swap_file_is_an_error_naming_it() {
     let victim = swap.join(files_in(&swap).into_iter().min().unwrap());
     std::fs::remove_file(&victim).unwrap();
     let x = Tensor::ones([4, IN], (Kind::Float, tch::Device::Cpu));
-    let e = engine.forward(&model, &x).err().expect("the unit's chunk cannot be read").to_string();
+    let Err(e) = engine.forward(&model, &x) else { panic!("the unit's chunk cannot be read") };
+    let e = e.to_string();
     assert!(e.contains(&victim.display().to_string()) && e.contains("the swap file is gone"), "{e}");
     drop(engine);
     assert!(files_in(&swap).is_empty(), "{:?}", files_in(&swap));

@@ -103,7 +103,7 @@ fn adagrad_matches_torch_formula() {
     for s in 0..STEPS {
         let g = f32t(&grads(s)) + &p * wd;
         let clr = lr / (1.0 + s as f64 * lr_decay);
-        sum = sum + &g * &g;
+        sum += &g * &g;
         p = &p - (g / (sum.sqrt() + eps)) * clr;
     }
     let c = AdagradConfig { eps, lr_decay, initial_accumulator_value: init };

@@ -178,7 +178,7 @@ pub(crate) fn for_each_chunk<const S: usize, K: Kernel<S>>(
 ) {
     let step = Step {
         p: Disjoint::new(params),
-        states: states.map(|s| Disjoint::new(s)),
+        states: states.map(Disjoint::new),
         out: out.map(|o| match o {
             ParamsOut::Bf16(o) => Out::Bf16(Disjoint::new(o)),
             ParamsOut::F16(o) => Out::F16(Disjoint::new(o)),

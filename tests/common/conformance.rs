@@ -26,8 +26,8 @@ pub fn run(c: &dyn Communicator) {
             let mut b = input(rank, n, salt);
             c.all_reduce(&mut b, op).unwrap();
             let inputs: Vec<Vec<f32>> = (0..world).map(|r| input(r, n, salt)).collect();
-            for i in 0..n {
-                assert_eq!(b[i], reduced(&inputs, i, op), "all_reduce {op:?} n {n} at {i}");
+            for (i, v) in b.iter().enumerate() {
+                assert_eq!(*v, reduced(&inputs, i, op), "all_reduce {op:?} n {n} at {i}");
             }
         }
         let full = n - n % world;
@@ -92,8 +92,8 @@ fn shared_buffers(c: &dyn Communicator) {
             for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {
                 buf.copy_from_slice(&inputs[rank]);
                 c.all_reduce(buf, op).unwrap();
-                for i in 0..full {
-                    assert_eq!(buf[i], reduced(&inputs, i, op), "shared all_reduce {op:?} n {full} at {i} (everywhere {everywhere})");
+                for (i, v) in buf.iter().enumerate() {
+                    assert_eq!(*v, reduced(&inputs, i, op), "shared all_reduce {op:?} n {full} at {i} (everywhere {everywhere})");
                 }
             }
             buf.copy_from_slice(&inputs[rank]);

@@ -25,7 +25,7 @@ impl BatchInput {
     /// `train == micro * gas * world_size` with every value > 0.
     pub fn resolve(&self, world_size: u64) -> Result<BatchSizes> {
         let ws = world_size;
-        let div = |a: u64, b: u64| if b == 0 { 0 } else { a / b };
+        let div = |a: u64, b: u64| a.checked_div(b).unwrap_or(0);
         let (train, micro, gas) = match (self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps) {
             (Some(t), Some(m), Some(g)) => (t, m, g),
             (Some(t), Some(m), None) => (t, m, div(t, m * ws)),

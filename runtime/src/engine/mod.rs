@@ -514,7 +514,14 @@ impl Engine {
         let _span = Phase::Backward.span().entered();
         let (started, comm_before) = (Instant::now(), self.times.comm());
         if self.grad_hooks.is_some() {
-            self.backward_hooked(|| Ok(if factor != 1.0 { (loss * factor).f_backward()? } else { loss.f_backward()? }))?;
+            self.backward_hooked(|| {
+                if factor != 1.0 {
+                    (loss * factor).f_backward()?;
+                } else {
+                    loss.f_backward()?;
+                }
+                Ok(())
+            })?;
         } else if !self.units.is_empty() {
             self.backward_units_impl(model, loss, factor)?;
         } else if factor != 1.0 {

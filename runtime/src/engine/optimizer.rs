@@ -49,6 +49,9 @@ pub fn scheduler(config: &Config, base_lr: f64) -> Option<LrScheduler> {
     config.scheduler.clone().map(|s| LrScheduler::new(s, base_lr))
 }
 
+/// Writes every state buffer of the optimizer over a range of the optimized elements (checkpoint load).
+pub(super) type FillState<'a> = dyn FnMut(std::ops::Range<usize>, &mut [&mut [f32]]) -> crate::Result<()> + 'a;
+
 /// Where the optimizer's states live: host memory (no offload; also `offload_optimizer.device = cpu` on a CPU run,
 /// where host memory is the only memory, so nothing is copied), or NVMe, swapped sub-group by sub-group.
 pub(super) enum OptimizerTier {
@@ -114,7 +117,7 @@ impl OptimizerTier {
     /// Replaces the state (checkpoint load) at optimizer step `step`: `fill(range, buffers)` writes every state
     /// buffer over `range` of the optimized elements. In memory that is one call; on NVMe one per sub-group, each
     /// written to its swap file before the next is read.
-    pub fn import_from(&mut self, step: u64, fill: &mut dyn FnMut(std::ops::Range<usize>, &mut [&mut [f32]]) -> crate::Result<()>) -> crate::Result<()> {
+    pub fn import_from(&mut self, step: u64, fill: &mut FillState<'_>) -> crate::Result<()> {
         match self {
             OptimizerTier::Memory(o) => {
                 let len = o.state().buffers.first().map_or(0, |(_, b)| b.len());

@@ -200,7 +200,7 @@ impl SwappedOptimizer {
 
     /// Replaces the state (checkpoint load): `fill` writes each sub-group's part into a host buffer, which goes to
     /// the sub-group's swap file before the next is filled.
-    pub fn import_from(&mut self, step: u64, fill: &mut dyn FnMut(Range<usize>, &mut [&mut [f32]]) -> Result<()>) -> Result<()> {
+    pub fn import_from(&mut self, step: u64, fill: &mut super::optimizer::FillState<'_>) -> Result<()> {
         let names = self.state_names.len();
         for k in 0..self.subgroups.len() {
             let r = self.subgroups[k].range.clone();
