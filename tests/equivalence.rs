@@ -1,12 +1,9 @@
 //! Multi-rank equivalence: stages 0-2 at world sizes 1-4 (threads backend), with and without gradient
 //! accumulation, end at the parameters of a single-process tch loop with libtorch's AdamW on the same global
 //! batches, within 1e-5 relative; with `overlap_comm` (reductions on the communication thread) bitwise the same.
-use std::time::Duration;
-
 use serde_json::json;
 use tch::nn::Module;
 use tch::Tensor;
-use zerorun::runtime::comm::threads;
 use zerorun::{Config, Engine, EngineOptions};
 
 #[path = "common/mlp.rs"]
@@ -23,35 +20,24 @@ fn zerorun_run(world: usize, stage: u8, gas: u64, overlap: bool) -> Vec<(String,
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 50, "overlap_comm": overlap}
     }))
     .unwrap();
-    let (xv, yv) = data();
-    let comms = threads::group(world, Duration::from_secs(60));
-    let mut results: Vec<Vec<(String, Vec<f32>)>> = std::thread::scope(|s| {
-        let handles: Vec<_> = comms
-            .into_iter()
-            .map(|comm| {
-                let (config, xv, yv) = (config.clone(), &xv, &yv);
-                s.spawn(move || {
-                    let (x, y) = (Tensor::from_slice(xv).view([SAMPLES, IN]), Tensor::from_slice(yv).view([SAMPLES, OUT]));
-                    let (vs, model) = init_store();
-                    let mut engine = Engine::new(&vs, config, Box::new(comm), EngineOptions::default()).unwrap();
-                    let b = engine.batch_sizes();
-                    let (rank, micro) = (engine.rank() as i64, b.train_micro_batch_size_per_gpu as i64);
-                    for step in 0..STEPS {
-                        let order = batch_indices(step);
-                        for m in 0..gas as i64 {
-                            let first = ((m * world as i64 + rank) * micro) as usize;
-                            let idx = Tensor::from_slice(&order[first..first + micro as usize]);
-                            let loss = model.forward(&x.index_select(0, &idx)).mse_loss(&y.index_select(0, &idx), tch::Reduction::Mean);
-                            engine.backward(&loss).unwrap();
-                            engine.step().unwrap();
-                        }
-                    }
-                    assert_eq!(engine.global_steps(), STEPS as u64);
-                    params_of(&vs)
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    let mut results: Vec<Vec<(String, Vec<f32>)>> = on_thread_ranks(world, |comm, x, y| {
+        let config = config.clone();
+        let (vs, model) = init_store();
+        let mut engine = Engine::new(&vs, config, Box::new(comm), EngineOptions::default()).unwrap();
+        let b = engine.batch_sizes();
+        let (rank, micro) = (engine.rank() as i64, b.train_micro_batch_size_per_gpu as i64);
+        for step in 0..STEPS {
+            let order = batch_indices(step);
+            for m in 0..gas as i64 {
+                let first = ((m * world as i64 + rank) * micro) as usize;
+                let idx = Tensor::from_slice(&order[first..first + micro as usize]);
+                let loss = model.forward(&x.index_select(0, &idx)).mse_loss(&y.index_select(0, &idx), tch::Reduction::Mean);
+                engine.backward(&loss).unwrap();
+                engine.step().unwrap();
+            }
+        }
+        assert_eq!(engine.global_steps(), STEPS as u64);
+        params_of(&vs)
     });
     // Every rank ends with the same full parameters.
     let first = results.remove(0);

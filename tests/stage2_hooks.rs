@@ -1,12 +1,9 @@
 //! Stage 2 in a plain training loop (no units): gradient hooks reduce bucket by bucket during `engine.backward`,
 //! so no parameter holds a gradient when it returns; the result is stage 1's; an unused parameter and a backward
 //! run outside the engine are reduced at `step`.
-use std::time::Duration;
-
 use serde_json::json;
 use tch::nn::Module;
 use tch::Tensor;
-use zerorun::runtime::comm::threads;
 use zerorun::{Config, Engine, EngineOptions};
 
 #[path = "common/mlp.rs"]
@@ -38,43 +35,32 @@ fn run(stage: u8, backward: Backward, unused: bool) -> Run {
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 100}
     }))
     .unwrap();
-    let (xv, yv) = data();
-    let comms = threads::group(2, Duration::from_secs(60));
-    let mut runs: Vec<Run> = std::thread::scope(|s| {
-        let hs: Vec<_> = comms
-            .into_iter()
-            .map(|comm| {
-                let (config, xv, yv) = (config.clone(), &xv, &yv);
-                s.spawn(move || {
-                    let (x, y) = (Tensor::from_slice(xv).view([SAMPLES, IN]), Tensor::from_slice(yv).view([SAMPLES, OUT]));
-                    let (vs, model) = init_store();
-                    if unused {
-                        let _ = vs.root().var("unused", &[5], tch::nn::Init::Const(0.5));
-                    }
-                    let mut engine = Engine::new(&vs, config, Box::new(comm), EngineOptions::default()).unwrap();
-                    let micro = engine.batch_sizes().train_micro_batch_size_per_gpu as usize;
-                    let rank = engine.rank();
-                    let (mut grads_left, mut full_gradient_bytes) = (0, 0);
-                    for step in 0..6 {
-                        let order = batch_indices(step);
-                        let idx = Tensor::from_slice(&order[rank * micro..(rank + 1) * micro]);
-                        let loss = model.forward(&x.index_select(0, &idx)).mse_loss(&y.index_select(0, &idx), tch::Reduction::Mean);
-                        match backward {
-                            Backward::Engine => engine.backward(&loss).unwrap(),
-                            Backward::Direct => loss.backward(),
-                        }
-                        grads_left += vs.trainable_variables().iter().filter(|t| t.grad().defined()).count();
-                        let full = engine.memory_bytes().into_iter().find(|(n, _)| *n == "gradients_full").unwrap().1;
-                        full_gradient_bytes = full_gradient_bytes.max(full);
-                        engine.step().unwrap();
-                    }
-                    let mut params = params_of(&vs);
-                    params.retain(|(n, _)| n != "unused");
-                    Run { params, grads_left, full_gradient_bytes }
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    let mut runs: Vec<Run> = on_thread_ranks(2, |comm, x, y| {
+        let config = config.clone();
+        let (vs, model) = init_store();
+        if unused {
+            let _ = vs.root().var("unused", &[5], tch::nn::Init::Const(0.5));
+        }
+        let mut engine = Engine::new(&vs, config, Box::new(comm), EngineOptions::default()).unwrap();
+        let micro = engine.batch_sizes().train_micro_batch_size_per_gpu as usize;
+        let rank = engine.rank();
+        let (mut grads_left, mut full_gradient_bytes) = (0, 0);
+        for step in 0..6 {
+            let order = batch_indices(step);
+            let idx = Tensor::from_slice(&order[rank * micro..(rank + 1) * micro]);
+            let loss = model.forward(&x.index_select(0, &idx)).mse_loss(&y.index_select(0, &idx), tch::Reduction::Mean);
+            match backward {
+                Backward::Engine => engine.backward(&loss).unwrap(),
+                Backward::Direct => loss.backward(),
+            }
+            grads_left += vs.trainable_variables().iter().filter(|t| t.grad().defined()).count();
+            let full = engine.memory_bytes().into_iter().find(|(n, _)| *n == "gradients_full").unwrap().1;
+            full_gradient_bytes = full_gradient_bytes.max(full);
+            engine.step().unwrap();
+        }
+        let mut params = params_of(&vs);
+        params.retain(|(n, _)| n != "unused");
+        Run { params, grads_left, full_gradient_bytes }
     });
     runs.remove(0)
 }

@@ -141,3 +141,21 @@ pub fn max_relative_difference(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)
         })
         .fold(0.0, f64::max)
 }
+
+/// Runs `rank` on each of `world` thread ranks (threads backend, 60 s timeout) with the MLP's inputs and targets
+/// as tensors, and returns what each returned, in rank order.
+pub fn on_thread_ranks<R: Send>(world: usize, rank: impl Fn(zerorun::runtime::comm::threads::ThreadComm, Tensor, Tensor) -> R + Sync) -> Vec<R> {
+    let (xv, yv) = data();
+    let comms = zerorun::runtime::comm::threads::group(world, std::time::Duration::from_secs(60));
+    std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .into_iter()
+            .map(|comm| {
+                let (rank, xv, yv) = (&rank, &xv, &yv);
+                // Tensors are not Send: each rank builds its own from the shared values.
+                s.spawn(move || rank(comm, Tensor::from_slice(xv).view([SAMPLES, IN]), Tensor::from_slice(yv).view([SAMPLES, OUT])))
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}

@@ -194,14 +194,9 @@ impl PeerRegion {
         Ok(PeerRegion { remote_base: base as usize, local, len: len as usize })
     }
 
-    /// The peer's bytes `[addr, addr + len)` (its addresses) if they are in its region.
-    pub fn bytes(&self, addr: usize, len: usize) -> Option<&[u8]> {
-        // SAFETY: inside the mapping; the collective's barriers keep the peer from changing them meanwhile.
-        self.ptr(addr, len).map(|p| unsafe { std::slice::from_raw_parts(p, len) })
-    }
-
-    /// Where the peer's bytes `[addr, addr + len)` are mapped here, if they are in its region: a collective may
-    /// write there what the peer waits for (all-reduce pushes each reduced segment to every rank).
+    /// Where the peer's bytes `[addr, addr + len)` (its addresses) are mapped here, if they are in its region: a
+    /// collective reads them, or writes there what the peer waits for (all-reduce pushes each reduced segment to
+    /// every rank).
     pub fn ptr(&self, addr: usize, len: usize) -> Option<*mut u8> {
         // SAFETY (of the offset): inside the mapping.
         (addr >= self.remote_base && addr + len <= self.remote_base + self.len).then(|| unsafe { self.local.add(addr - self.remote_base) })

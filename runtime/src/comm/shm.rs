@@ -244,8 +244,8 @@ impl ShmComm {
 
     /// Rank `k`'s bytes at byte offset `offset` of its buffer in this collective, when they are in its region.
     fn peer_bytes(&self, k: usize, offset: usize, len: usize) -> Option<&[u8]> {
-        let addr = self.rank_word(k, R_ADDR).load(Ordering::Relaxed) as usize + offset;
-        self.peers.get(k)?.as_ref()?.bytes(addr, len)
+        // SAFETY: mapped, inside the peer's region; the collective's barriers keep it unchanged meanwhile.
+        self.peer_ptr(k, offset, len).map(|p| unsafe { std::slice::from_raw_parts(p as *const u8, len) })
     }
 
     /// Reads `dst.len()` bytes at byte offset `offset` of rank `k`'s buffer in this collective.

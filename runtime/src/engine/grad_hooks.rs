@@ -11,7 +11,7 @@ use std::ffi::c_void;
 
 use tch::Tensor;
 
-use super::{native, views, Engine};
+use super::{native, views, Engine, UnitSpan};
 use crate::comm::async_comm::Handle;
 use crate::comm::BufRef;
 use crate::error::{Error, Result};
@@ -46,8 +46,8 @@ pub(super) struct GradHooks {
     bucket_of: Vec<usize>,
     /// Per bucket: gradients still to come in this backward.
     pending: Vec<usize>,
-    /// Per bucket: its parameters.
-    count: Vec<usize>,
+    /// The first error a hook met (it cannot return one through autograd); `backward` returns it.
+    error: Option<Error>,
     /// `overlap_comm`: per staging half, the bucket whose reduce-scatter is in flight from it.
     in_flight: [Option<(usize, Handle<()>)>; 2],
     next_half: usize,
@@ -70,24 +70,20 @@ extern "C" fn grad_ready(ctx: *mut c_void, slot: i64) {
         Ok(Err(e)) => e,
         Err(_) => Error::Usage("a gradient hook panicked".into()),
     };
-    engine.hook_error.get_or_insert(error);
+    engine.grad_hooks.as_mut().expect("hooked mode").error.get_or_insert(error);
 }
 
 impl GradHooks {
-    /// Installs a hook on every parameter (layout order) with its bucket.
-    pub fn install(params: &[Tensor], bucket_of: Vec<usize>) -> Result<GradHooks> {
-        let buckets = bucket_of.iter().max().map_or(0, |m| m + 1);
-        let mut count = vec![0usize; buckets];
-        for &b in &bucket_of {
-            count[b] += 1;
-        }
+    /// Installs a hook on every parameter (layout order); the buckets are the layout's units.
+    pub fn install(params: &[Tensor], buckets: &[UnitSpan]) -> Result<GradHooks> {
+        let bucket_of = buckets.iter().enumerate().flat_map(|(b, u)| u.slots.clone().map(move |_| b)).collect();
         let target = Box::new(HookTarget { engine: Cell::new(std::ptr::null_mut()) });
         let hooks = GradHooks {
             params: params.iter().map(Tensor::shallow_clone).collect(),
             target,
             bucket_of,
-            pending: count.clone(),
-            count,
+            pending: buckets.iter().map(|u| u.slots.len()).collect(),
+            error: None,
             in_flight: [None, None],
             next_half: 0,
         };
@@ -118,7 +114,7 @@ impl Engine {
         let this = unsafe { &mut *me };
         this.grad_hooks.as_ref().expect("hooked mode").target.engine.set(std::ptr::null_mut());
         ran?;
-        if let Some(e) = this.hook_error.take() {
+        if let Some(e) = this.grad_hooks.as_mut().expect("hooked mode").error.take() {
             return Err(e);
         }
         this.finish_hooked_reduction()
@@ -155,8 +151,7 @@ impl Engine {
         for p in self.units[b].params() {
             native::reset_grad(p);
         }
-        let hooks = self.grad_hooks.as_mut().expect("hooked mode");
-        hooks.pending[b] = hooks.count[b];
+        self.grad_hooks.as_mut().expect("hooked mode").pending[b] = self.units[b].params().len();
         Ok(())
     }
 
@@ -164,8 +159,7 @@ impl Engine {
     /// graph, or the backward ran outside `engine.backward`. Every rank calls it at the same point.
     pub(super) fn finish_hooked_reduction(&mut self) -> Result<()> {
         for b in 0..self.units.len() {
-            let hooks = self.grad_hooks.as_ref().expect("hooked mode");
-            let started = hooks.pending[b] < hooks.count[b];
+            let started = self.grad_hooks.as_ref().expect("hooked mode").pending[b] < self.units[b].params().len();
             if started || self.units[b].params().iter().any(|p| p.grad().defined()) {
                 self.reduce_bucket_of_hooks(b)?;
             }

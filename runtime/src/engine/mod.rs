@@ -134,8 +134,6 @@ pub struct Engine {
     unit_prefixes: Vec<Vec<String>>,
     /// Stage 2 of a plain loop: the gradient hooks that reduce bucket by bucket during backward.
     grad_hooks: Option<grad_hooks::GradHooks>,
-    /// The first error a gradient hook met (it cannot return one through autograd); `backward` returns it.
-    hook_error: Option<Error>,
     /// Stage 3: what the current micro-batch's forward kept for backward.
     records: Vec<stage3::UnitRecord>,
     activation_checkpointing: bool,
@@ -211,7 +209,7 @@ impl Engine {
         } else {
             units::assign(&unit_prefixes, &names)?
         };
-        let unit_count = unit_of.iter().max().map_or(0, |m| m + 1).max(unit_prefixes.len());
+        let unit_count = if hooked { unit_of.last().map_or(0, |b| b + 1) } else { unit_prefixes.len() };
         if by_units {
             // Units lay parameters out unit by unit, in execution order (stable: by name within a unit).
             let mut order: Vec<usize> = (0..named.len()).collect();
@@ -388,11 +386,6 @@ impl Engine {
         tracing::info!(rank, world_size, stage = z.stage, ?precision, params = layout.numel, partition = layout.partition_len(), units = layout.units.len(), "zerorun engine ready");
         // Gathered bytes count units' own buffers (stage 3); stage 2's units are regions of `flat_params`.
         let persistent_bytes = sharded_units.iter().filter(|u| u.persistent && u.owns_buffer()).map(ShardedUnit::full_bytes).sum();
-        let bucket_of = hooked.then(|| {
-            let mut sorted = unit_of.clone();
-            sorted.sort_unstable();
-            sorted
-        });
         let mut engine = Engine {
             comm: prefetch::EngineComm::new(comm, overlap && (!stage2_units || hooked_overlap)),
             config,
@@ -405,7 +398,6 @@ impl Engine {
             units: sharded_units,
             unit_prefixes,
             grad_hooks: None,
-            hook_error: None,
             records: Vec::new(),
             activation_checkpointing: options.activation_checkpointing,
             gathered: GatheredBytes { current: persistent_bytes, peak: persistent_bytes, step_peak: persistent_bytes },
@@ -432,8 +424,8 @@ impl Engine {
             loss_count: 0,
             step_started: None,
         };
-        if let Some(bucket_of) = bucket_of {
-            engine.grad_hooks = Some(grad_hooks::GradHooks::install(&engine.params, bucket_of)?);
+        if hooked {
+            engine.grad_hooks = Some(grad_hooks::GradHooks::install(&engine.params, &engine.layout.units)?);
         }
         Ok(engine)
     }
