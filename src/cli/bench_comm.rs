@@ -160,10 +160,10 @@ pub fn run(backend: &str, ranks: usize, max_bytes: usize, repeats: usize, json: 
             let text = String::from_utf8_lossy(&out.stdout);
             for line in text.lines() {
                 if backend == "shm" {
-                emit(line.strip_prefix("[rank 0] ").unwrap_or(line))?;
-            } else if line.starts_with('{') || line.contains("busbw") {
-                emit(line)?;
-            }
+                    emit(line.strip_prefix("[rank 0] ").unwrap_or(line))?;
+                } else if line.starts_with('{') || line.contains("busbw") {
+                    emit(line)?;
+                }
             }
             if !out.status.success() {
                 return Err(CliError::Usage("the benchmark's ranks failed (see above)".into()));
