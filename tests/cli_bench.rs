@@ -22,9 +22,9 @@ fn bench_adam_json_lines_have_the_documented_keys() {
 
 #[test]
 fn bench_comm_json_lines_cover_every_op_and_memcpy() {
-    for backend in ["shm", "threads"] {
+    for (backend, dtype) in [("shm", "f32"), ("threads", "f32"), ("shm", "bf16")] {
         let out = Command::new(env!("CARGO_BIN_EXE_zerorun"))
-            .args(["bench", "comm", "--backend", backend, "--max-bytes", "65536", "--repeats", "1", "--json"])
+            .args(["bench", "comm", "--backend", backend, "--dtype", dtype, "--max-bytes", "65536", "--repeats", "1", "--json"])
             .output()
             .unwrap();
         assert!(out.status.success(), "{backend}: {}", String::from_utf8_lossy(&out.stderr));
@@ -32,8 +32,11 @@ fn bench_comm_json_lines_cover_every_op_and_memcpy() {
         for op in ["all_reduce", "reduce_scatter", "all_gather"] {
             let sizes: Vec<u64> = rows.iter().filter(|r| r["op"] == op).map(|r| r["bytes"].as_u64().unwrap()).collect();
             assert_eq!(sizes, vec![4096, 16384, 65536], "{backend} {op}");
-            assert!(rows.iter().filter(|r| r["op"] == op).all(|r| r["ranks"] == 2 && r["busbw_gbps"].as_f64().unwrap() > 0.0));
+            assert!(rows.iter().filter(|r| r["op"] == op).all(|r| r["ranks"] == 2 && r["dtype"] == dtype && r["busbw_gbps"].as_f64().unwrap() > 0.0));
         }
         assert!(rows.last().unwrap()["memcpy_gbps"].as_f64().unwrap() > 0.0);
     }
+    let out = Command::new(env!("CARGO_BIN_EXE_zerorun")).args(["bench", "comm", "--dtype", "f64"]).output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--dtype \"f64\": choose f32, bf16 or f16"), "{}", String::from_utf8_lossy(&out.stderr));
 }

@@ -34,6 +34,9 @@ pub enum BenchCommand {
         /// Largest message, bytes (from 4 KiB up by factors of 4).
         #[arg(long, default_value_t = 256 << 20)]
         max_bytes: usize,
+        /// Element type: f32, bf16 or f16 (16-bit values are summed in f32 and rounded once, as NCCL does).
+        #[arg(long, default_value = "f32")]
+        dtype: String,
         #[arg(long, default_value_t = 5)]
         repeats: usize,
         /// One JSON object per line.
@@ -71,8 +74,8 @@ pub enum BenchCommand {
 pub fn run(command: BenchCommand) -> Result<(), CliError> {
     match command {
         BenchCommand::Adam { params, repeats, json } => bench_adam(params, repeats.max(1), json),
-        BenchCommand::Comm { backend, ranks, max_bytes, repeats, json, worker } => {
-            super::bench_comm::run(&backend, ranks, max_bytes, repeats.max(1), json, worker)
+        BenchCommand::Comm { backend, ranks, max_bytes, dtype, repeats, json, worker } => {
+            super::bench_comm::run(&backend, ranks, max_bytes, &dtype, repeats.max(1), json, worker)
         }
         BenchCommand::Swap { dir, size, block_size, queue_depth, threads, repeats, json } => super::bench_swap::run(super::bench_swap::SwapBenchArgs {
             dir,

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use zerorun::runtime::comm::env::communicator_from_env;
 use zerorun::runtime::comm::region::SharedBuffer;
-use zerorun::runtime::comm::{threads, Collectives, Communicator, ReduceOp};
+use zerorun::runtime::comm::{threads, BufMut, BufRef, Communicator, Dtype, ReduceOp};
 
 use super::{emit, CliError};
 
@@ -29,43 +29,55 @@ fn busbw(op: &str, bytes: usize, ranks: usize, secs: f64) -> f64 {
 
 enum Buffer {
     Shared(SharedBuffer),
-    Heap(Vec<f32>),
+    /// u64 words keep any element type aligned.
+    Heap(Vec<u64>),
 }
 
 impl Buffer {
-    fn as_mut(&mut self) -> &mut [f32] {
+    fn bytes(&mut self) -> &mut [u8] {
         match self {
             Buffer::Shared(b) => b.as_slice_mut(),
-            Buffer::Heap(v) => v,
+            Buffer::Heap(v) => bytemuck::cast_slice_mut(v),
         }
     }
 }
 
+/// Sets every element of `bytes` (of `dtype`) to one.
+fn fill_ones(bytes: &mut [u8], dtype: Dtype) {
+    match dtype {
+        Dtype::F32 => bytemuck::cast_slice_mut::<u8, f32>(bytes).fill(1.0),
+        Dtype::Bf16 => bytemuck::cast_slice_mut::<u8, half::bf16>(bytes).fill(half::bf16::ONE),
+        Dtype::F16 => bytemuck::cast_slice_mut::<u8, half::f16>(bytes).fill(half::f16::ONE),
+        Dtype::I64 => bytemuck::cast_slice_mut::<u8, i64>(bytes).fill(1),
+    }
+}
+
 /// Median seconds of one collective on this rank (rank 0's view is reported).
-fn measure(c: &dyn Communicator, op: &str, bytes: usize, repeats: usize) -> Result<f64, CliError> {
+fn measure(c: &dyn Communicator, op: &str, bytes: usize, dtype: Dtype, repeats: usize) -> Result<f64, CliError> {
     let n = c.world_size();
-    let elems = (bytes / 4 / n).max(1) * n;
+    let es = dtype.size();
+    let elems = (bytes / es / n).max(1) * n;
     // Allocated as the engine allocates the buffers it hands to collectives: in the shared region where the
     // backend's peers map it (shm), on the heap otherwise.
-    let alloc = |len: usize| if c.prefers_shared_buffers() { Buffer::Shared(SharedBuffer::zeroed(len * 4)) } else { Buffer::Heap(vec![0f32; len]) };
+    let alloc = |len: usize| if c.prefers_shared_buffers() { Buffer::Shared(SharedBuffer::zeroed(len * es)) } else { Buffer::Heap(vec![0u64; (len * es).div_ceil(8)]) };
     let (mut buf_mem, mut out_mem) = (alloc(elems), alloc(elems / n));
-    let (buf, out) = (buf_mem.as_mut(), out_mem.as_mut());
-    buf.fill(1.0);
+    let (buf, out) = (&mut buf_mem.bytes()[..elems * es], &mut out_mem.bytes()[..elems / n * es]);
+    fill_ones(buf, dtype);
     let fail = |e: zerorun::runtime::comm::CommError| CliError::Usage(e.to_string());
     let mut times = Vec::with_capacity(repeats);
     for rep in 0..=repeats {
         c.barrier().map_err(fail)?;
         let t = Instant::now();
         match op {
-            "all_reduce" => c.all_reduce(buf, ReduceOp::Sum).map_err(fail)?,
-            "reduce_scatter" => c.reduce_scatter(buf, out, ReduceOp::Sum).map_err(fail)?,
-            _ => c.all_gather_in_place(buf).map_err(fail)?,
+            "all_reduce" => c.all_reduce_buf(BufMut { bytes: &mut *buf, dtype }, ReduceOp::Sum).map_err(fail)?,
+            "reduce_scatter" => c.reduce_scatter_buf(BufRef { bytes: &*buf, dtype }, BufMut { bytes: &mut *out, dtype }, ReduceOp::Sum).map_err(fail)?,
+            _ => c.all_gather_buf(BufMut { bytes: &mut *buf, dtype }).map_err(fail)?,
         }
         if rep > 0 {
             times.push(t.elapsed().as_secs_f64());
         }
         if op == "all_reduce" {
-            buf.iter_mut().for_each(|x| *x = 1.0); // keep values finite across repeats
+            fill_ones(buf, dtype); // keep values finite across repeats
         }
     }
     times.sort_by(f64::total_cmp);
@@ -89,12 +101,12 @@ fn memcpy_gbps(repeats: usize) -> f64 {
 }
 
 /// Every measurement of one rank; rank 0 prints them.
-fn rank_main(c: &dyn Communicator, max_bytes: usize, repeats: usize, json: bool) -> Result<(), CliError> {
+fn rank_main(c: &dyn Communicator, max_bytes: usize, dtype: Dtype, repeats: usize, json: bool) -> Result<(), CliError> {
     let rows: Vec<(&str, usize, f64)> = {
         let mut rows = Vec::new();
         for op in OPS {
             for bytes in sizes(max_bytes) {
-                let secs = measure(c, op, bytes, repeats)?;
+                let secs = measure(c, op, bytes, dtype, repeats)?;
                 rows.push((op, bytes, busbw(op, bytes, c.world_size(), secs)));
             }
         }
@@ -105,21 +117,36 @@ fn rank_main(c: &dyn Communicator, max_bytes: usize, repeats: usize, json: bool)
     }
     for (op, bytes, bw) in rows {
         if json {
-            emit(&serde_json::json!({"op": op, "bytes": bytes, "ranks": c.world_size(), "busbw_gbps": bw}).to_string())?;
+            emit(&serde_json::json!({"op": op, "bytes": bytes, "ranks": c.world_size(), "dtype": dtype_name(dtype), "busbw_gbps": bw}).to_string())?;
         } else {
-            emit(&format!("{op:>15} {bytes:>12} B  busbw {bw:>7.2} GB/s"))?;
+            emit(&format!("{op:>15} {bytes:>12} B {:>4}  busbw {bw:>7.2} GB/s", dtype_name(dtype)))?;
         }
     }
     Ok(())
 }
 
-pub fn run(backend: &str, ranks: usize, max_bytes: usize, repeats: usize, json: bool, worker: bool) -> Result<(), CliError> {
+fn dtype_name(dtype: Dtype) -> &'static str {
+    match dtype {
+        Dtype::F32 => "f32",
+        Dtype::Bf16 => "bf16",
+        Dtype::F16 => "f16",
+        Dtype::I64 => "i64",
+    }
+}
+
+pub fn run(backend: &str, ranks: usize, max_bytes: usize, dtype: &str, repeats: usize, json: bool, worker: bool) -> Result<(), CliError> {
     if ranks < 2 {
         return Err(CliError::Usage("--ranks must be >= 2".into()));
     }
+    let elem = match dtype {
+        "f32" => Dtype::F32,
+        "bf16" => Dtype::Bf16,
+        "f16" => Dtype::F16,
+        other => return Err(CliError::Usage(format!("--dtype {other:?}: choose f32, bf16 or f16"))),
+    };
     if worker {
         let c = communicator_from_env(Duration::from_secs(600)).map_err(|e| CliError::Usage(e.to_string()))?;
-        return rank_main(c.as_ref(), max_bytes, repeats, json);
+        return rank_main(c.as_ref(), max_bytes, elem, repeats, json);
     }
     let memcpy = memcpy_gbps(repeats);
     if !json {
@@ -129,7 +156,7 @@ pub fn run(backend: &str, ranks: usize, max_bytes: usize, repeats: usize, json: 
         "threads" => {
             let comms = threads::group(ranks, Duration::from_secs(600));
             let results: Vec<Result<(), CliError>> = std::thread::scope(|s| {
-                let hs: Vec<_> = comms.into_iter().map(|c| s.spawn(move || rank_main(&c, max_bytes, repeats, json))).collect();
+                let hs: Vec<_> = comms.into_iter().map(|c| s.spawn(move || rank_main(&c, max_bytes, elem, repeats, json))).collect();
                 hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(CliError::Usage("a rank panicked".into())))).collect()
             });
             results.into_iter().collect::<Result<Vec<()>, CliError>>()?;
@@ -152,7 +179,7 @@ pub fn run(backend: &str, ranks: usize, max_bytes: usize, repeats: usize, json: 
                 cmd.args(["--oversubscribe", "-np", &ranks.to_string()]).arg(&me);
             }
             cmd.args(["bench", "comm", "--worker", "--backend", backend, "--ranks", &ranks.to_string()]);
-            cmd.args(["--max-bytes", &max_bytes.to_string(), "--repeats", &repeats.to_string()]);
+            cmd.args(["--max-bytes", &max_bytes.to_string(), "--dtype", dtype, "--repeats", &repeats.to_string()]);
             if json {
                 cmd.arg("--json");
             }

@@ -4,7 +4,7 @@
 //! `BufMut` / `BufRef` are the dyn-compatible byte views the `Communicator` trait takes.
 use half::{bf16, f16};
 
-use super::ReduceOp;
+use super::{pair_sum, ReduceOp};
 
 /// The element types of collectives: f32, bf16, f16 for tensors, i64 for bookkeeping.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -165,6 +165,9 @@ fn reduce_typed<T: Element>(dst: &mut [u8], parts: &[&[u8]], op: ReduceOp) {
 /// Folds one more rank's values into an accumulator: `acc[i] = op(acc[i], part[i])`, with Avg as a sum (follow
 /// with [`divide`]).
 pub(crate) fn fold_into(dtype: Dtype, acc: &mut [u8], part: &[u8], op: ReduceOp) {
+    if op != ReduceOp::Max && pair_sum::supported(dtype, ReduceOp::Sum) {
+        return combine_pair_in_place(dtype, acc, part, false, ReduceOp::Sum, 1);
+    }
     match dtype {
         Dtype::F32 => fold_typed::<f32>(bytemuck::cast_slice_mut(acc), bytemuck::cast_slice(part), op),
         Dtype::Bf16 => fold_typed::<bf16>(bytemuck::cast_slice_mut(acc), bytemuck::cast_slice(part), op),
@@ -177,6 +180,19 @@ pub(crate) fn fold_into(dtype: Dtype, acc: &mut [u8], part: &[u8], op: ReduceOp)
 /// in rank order. `Avg` divides the sum by the number of parts.
 pub(crate) fn reduce_into(dtype: Dtype, dst: &mut [u8], parts: &[&[u8]], op: ReduceOp) {
     if dst.is_empty() {
+        return;
+    }
+    if parts.len() >= 2 && op != ReduceOp::Max && pair_sum::supported(dtype, op) {
+        // The same operations in the same order as the element loop below: sum in rank order, divide once.
+        let (a, b) = (&parts[0][..dst.len()], &parts[1][..dst.len()]);
+        // SAFETY: supported; dst and the parts are distinct borrows of at least dst.len() bytes.
+        unsafe { pair_sum::pair_sum(dtype, dst.as_mut_ptr(), a.as_ptr(), b.as_ptr(), dst.len() / dtype.size(), ReduceOp::Sum, 1, false) };
+        for p in &parts[2..] {
+            fold_into(dtype, dst, p, ReduceOp::Sum);
+        }
+        if op == ReduceOp::Avg {
+            divide(dtype, dst, parts.len());
+        }
         return;
     }
     match dtype {
@@ -215,10 +231,10 @@ fn combine_in_place_typed<T: Element>(dst: &mut [u8], other: &[u8], other_first:
 /// `dst = op(a, b)` for two ranks' values in one pass (`Avg` divides the sum by `mean_of`): what
 /// [`reduce_into`] gives for two parts, without copying one of them first.
 pub(crate) fn combine_pair(dtype: Dtype, dst: &mut [u8], a: &[u8], b: &[u8], op: ReduceOp, mean_of: usize) {
-    #[cfg(target_arch = "x86_64")]
-    if dtype == Dtype::F32 && op == ReduceOp::Sum {
-        let n = dst.len();
-        return sum_f32_streaming(bytemuck::cast_slice_mut(dst), bytemuck::cast_slice(&a[..n]), bytemuck::cast_slice(&b[..n]));
+    if pair_sum::supported(dtype, op) {
+        let (a, b) = (&a[..dst.len()], &b[..dst.len()]);
+        // SAFETY: supported; three distinct borrows of dst.len() bytes. Streaming: the output is read by others later.
+        return unsafe { pair_sum::pair_sum(dtype, dst.as_mut_ptr(), a.as_ptr(), b.as_ptr(), dst.len() / dtype.size(), op, mean_of, true) };
     }
     match dtype {
         Dtype::F32 => combine_typed::<f32>(dst, a, b, op, mean_of),
@@ -228,66 +244,15 @@ pub(crate) fn combine_pair(dtype: Dtype, dst: &mut [u8], a: &[u8], b: &[u8], op:
     }
 }
 
-/// `dst = a + b` with non-temporal stores: the output is written once and read by someone else later, so
-/// streaming it past the cache saves reading each destination line in first (a quarter of the traffic of a
-/// reduce-scatter, which is bound by memory bandwidth). A whole cache line per iteration with AVX where the CPU
-/// has it (fewer instructions in flight per line while two loads stream), SSE (baseline x86_64) otherwise.
-#[cfg(target_arch = "x86_64")]
-fn sum_f32_streaming(dst: &mut [f32], a: &[f32], b: &[f32]) {
-    // A scalar head up to 64-byte (cache line) alignment, streaming stores over whole lines, a scalar tail.
-    let head = dst.as_ptr().align_offset(64).min(dst.len());
-    for i in 0..head {
-        dst[i] = a[i] + b[i];
-    }
-    let body = (dst.len() - head) / 16 * 16;
-    let (d, a2, b2) = (&mut dst[head..head + body], &a[head..head + body], &b[head..head + body]);
-    if std::arch::is_x86_feature_detected!("avx") {
-        // SAFETY: the CPU has AVX (checked above).
-        unsafe { sum_lines_avx(d, a2, b2) };
-    } else {
-        // SAFETY: SSE is part of x86_64.
-        unsafe { sum_lines_sse(d, a2, b2) };
-    }
-    for i in head + body..dst.len() {
-        dst[i] = a[i] + b[i];
-    }
-}
-
-/// `dst = a + b` over whole 64-byte lines; `dst` is 64-byte aligned and all three have the same length, a multiple
-/// of 16.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx")]
-unsafe fn sum_lines_avx(dst: &mut [f32], a: &[f32], b: &[f32]) {
-    use std::arch::x86_64::{_mm256_add_ps, _mm256_loadu_ps, _mm256_stream_ps, _mm_sfence};
-    let (d, a, b) = (dst.as_mut_ptr(), a.as_ptr(), b.as_ptr());
-    for i in (0..dst.len()).step_by(16) {
-        // SAFETY: i + 16 <= len for all three (the caller's contract); d + i is 32-byte aligned.
-        unsafe {
-            let lo = _mm256_add_ps(_mm256_loadu_ps(a.add(i)), _mm256_loadu_ps(b.add(i)));
-            let hi = _mm256_add_ps(_mm256_loadu_ps(a.add(i + 8)), _mm256_loadu_ps(b.add(i + 8)));
-            _mm256_stream_ps(d.add(i), lo);
-            _mm256_stream_ps(d.add(i + 8), hi);
-        }
-    }
-    _mm_sfence();
-}
-
-/// [`sum_lines_avx`] with SSE.
-#[cfg(target_arch = "x86_64")]
-unsafe fn sum_lines_sse(dst: &mut [f32], a: &[f32], b: &[f32]) {
-    use std::arch::x86_64::{_mm_add_ps, _mm_loadu_ps, _mm_sfence, _mm_stream_ps};
-    let (d, a, b) = (dst.as_mut_ptr(), a.as_ptr(), b.as_ptr());
-    for i in (0..dst.len()).step_by(4) {
-        // SAFETY: as in sum_lines_avx; d + i is 16-byte aligned.
-        unsafe { _mm_stream_ps(d.add(i), _mm_add_ps(_mm_loadu_ps(a.add(i)), _mm_loadu_ps(b.add(i)))) };
-    }
-    // SAFETY: no preconditions.
-    unsafe { _mm_sfence() };
-}
-
 /// [`combine_pair`] where `dst` holds one of the two inputs: `dst = op(other, dst)` if `other_first`, else
 /// `op(dst, other)`.
 pub(crate) fn combine_pair_in_place(dtype: Dtype, dst: &mut [u8], other: &[u8], other_first: bool, op: ReduceOp, mean_of: usize) {
+    if pair_sum::supported(dtype, op) {
+        let (d, o) = (dst.as_mut_ptr(), other[..dst.len()].as_ptr());
+        let (first, second) = if other_first { (o, d as *const u8) } else { (d as *const u8, o) };
+        // SAFETY: supported; dst is exactly one of the inputs and `other` a distinct borrow of the same length.
+        return unsafe { pair_sum::pair_sum(dtype, d, first, second, dst.len() / dtype.size(), op, mean_of, false) };
+    }
     match dtype {
         Dtype::F32 => combine_in_place_typed::<f32>(dst, other, other_first, op, mean_of),
         Dtype::Bf16 => combine_in_place_typed::<bf16>(dst, other, other_first, op, mean_of),
@@ -302,6 +267,10 @@ fn divide_typed<T: Element>(dst: &mut [u8], n: usize) {
 
 /// Divides every element by `n` (the mean after a sum over `n` ranks).
 pub(crate) fn divide(dtype: Dtype, dst: &mut [u8], n: usize) {
+    if pair_sum::supported(dtype, ReduceOp::Avg) {
+        // SAFETY: supported; dst holds dst.len() / size elements.
+        return unsafe { pair_sum::divide(dtype, dst.as_mut_ptr(), dst.len() / dtype.size(), n) };
+    }
     match dtype {
         Dtype::F32 => divide_typed::<f32>(dst, n),
         Dtype::Bf16 => divide_typed::<bf16>(dst, n),
@@ -314,49 +283,67 @@ pub(crate) fn divide(dtype: Dtype, dst: &mut [u8], n: usize) {
 mod tests {
     use super::*;
 
-    /// Both instruction sets of the streaming sum give the scalar sum (only one of them runs in `combine_pair`
-    /// on a given CPU).
-    #[cfg(target_arch = "x86_64")]
-    #[test]
-    fn streaming_sums_match_scalar_on_both_instruction_sets() {
-        let a: Vec<f32> = (0..64).map(|i| i as f32 * 0.25 - 3.0).collect();
-        let b: Vec<f32> = (0..64).map(|i| (i as f32).sqrt()).collect();
-        let want: Vec<f32> = a.iter().zip(&b).map(|(x, y)| x + y).collect();
-        let mut storage = vec![0f32; 64 + 16];
-        let at = storage.as_ptr().align_offset(64);
-        let dst = &mut storage[at..at + 64];
-        // SAFETY: dst is 64-byte aligned, all three are 64 long.
-        unsafe { sum_lines_sse(dst, &a, &b) };
-        assert_eq!(dst, &want[..]);
-        if std::arch::is_x86_feature_detected!("avx") {
-            dst.fill(0.0);
-            // SAFETY: as above, and the CPU has AVX.
-            unsafe { sum_lines_avx(dst, &a, &b) };
-            assert_eq!(dst, &want[..]);
-        }
+    /// The element loop every fast path must agree with.
+    fn scalar_reduce<T: Element>(parts: &[&[T]], op: ReduceOp) -> Vec<T> {
+        let mut out = vec![T::zeroed(); parts[0].len()];
+        let bytes: Vec<&[u8]> = parts.iter().map(|p| bytemuck::cast_slice(*p)).collect();
+        reduce_typed::<T>(bytemuck::cast_slice_mut(&mut out), &bytes, op);
+        out
     }
 
-    /// The two-rank folds give what `reduce_into` gives, for every op, element type of the backends' tests,
-    /// alignment (the streaming f32 sum has a head and a tail) and aliasing.
+    /// The two-rank folds give what the element loop gives, for every op, alignment (the vector kernels have a
+    /// head and a tail) and aliasing; f32 and bf16 run the vector kernels where the CPU has them, f16 the loop.
     #[test]
-    fn pair_folds_match_reduce_into() {
+    fn pair_folds_match_the_element_loop() {
+        fn check<T: Element + PartialEq + std::fmt::Debug>(a: &[T], b: &[T]) {
+            let dtype = T::DTYPE;
+            for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {
+                for skip in 0..20 {
+                    let (a, b) = (&a[skip..], &b[skip..]);
+                    let (ab, bb): (&[u8], &[u8]) = (bytemuck::cast_slice(a), bytemuck::cast_slice(b));
+                    let want = scalar_reduce(&[a, b], op);
+                    let mut got = vec![T::zeroed(); a.len() + 1];
+                    combine_pair(dtype, bytemuck::cast_slice_mut(&mut got[1..]), ab, bb, op, 2);
+                    assert_eq!(&got[1..], &want[..], "{dtype:?} {op:?}, skip {skip}");
+                    let mut via = vec![T::zeroed(); a.len()];
+                    reduce_into(dtype, bytemuck::cast_slice_mut(&mut via), &[ab, bb], op);
+                    assert_eq!(via, want, "{dtype:?} {op:?} reduce_into");
+                    let mut in_place = b.to_vec();
+                    combine_pair_in_place(dtype, bytemuck::cast_slice_mut(&mut in_place), ab, true, op, 2);
+                    assert_eq!(in_place, want, "{dtype:?} {op:?} in place, other first");
+                    let mut in_place = a.to_vec();
+                    combine_pair_in_place(dtype, bytemuck::cast_slice_mut(&mut in_place), bb, false, op, 2);
+                    assert_eq!(in_place, want, "{dtype:?} {op:?} in place, other second");
+                }
+            }
+        }
         let a: Vec<f32> = (0..103).map(|i| (i as f32 * 0.37).sin() * 3.0).collect();
         let b: Vec<f32> = (0..103).map(|i| (i as f32 * 0.91).cos() * 2.0).collect();
-        for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {
-            for skip in 0..4 {
-                let (a, b) = (&a[skip..], &b[skip..]);
-                let (ab, bb): (&[u8], &[u8]) = (bytemuck::cast_slice(a), bytemuck::cast_slice(b));
-                let mut want = vec![0f32; a.len()];
-                reduce_into(Dtype::F32, bytemuck::cast_slice_mut(&mut want), &[ab, bb], op);
-                let mut got = vec![0f32; a.len() + 1];
-                combine_pair(Dtype::F32, bytemuck::cast_slice_mut(&mut got[1..]), ab, bb, op, 2);
-                assert_eq!(&got[1..], &want[..], "{op:?}, skip {skip}");
-                let mut in_place = b.to_vec();
-                combine_pair_in_place(Dtype::F32, bytemuck::cast_slice_mut(&mut in_place), ab, true, op, 2);
-                assert_eq!(in_place, want, "{op:?} in place, other first");
-                let mut in_place = a.to_vec();
-                combine_pair_in_place(Dtype::F32, bytemuck::cast_slice_mut(&mut in_place), bb, false, op, 2);
-                assert_eq!(in_place, want, "{op:?} in place, other second");
+        check(&a, &b);
+        check(&a.iter().map(|x| bf16::from_f32(*x)).collect::<Vec<_>>(), &b.iter().map(|x| bf16::from_f32(*x)).collect::<Vec<_>>());
+        check(&a.iter().map(|x| f16::from_f32(*x)).collect::<Vec<_>>(), &b.iter().map(|x| f16::from_f32(*x)).collect::<Vec<_>>());
+    }
+
+    /// More than two ranks: reduce_into, fold_into + divide (shm's and MPI's accumulator) and the element loop agree.
+    #[test]
+    fn many_rank_reductions_match_the_element_loop() {
+        let parts: Vec<Vec<bf16>> = (0..5).map(|k| (0..77).map(|i| bf16::from_f32(((i * 7 + k * 13) as f32 * 0.3).sin())).collect()).collect();
+        for n in 3..=5 {
+            let views: Vec<&[bf16]> = parts[..n].iter().map(|p| &p[..]).collect();
+            let bytes: Vec<&[u8]> = views.iter().map(|p| bytemuck::cast_slice(*p)).collect();
+            for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {
+                let want = scalar_reduce(&views, op);
+                let mut got = vec![bf16::ZERO; 77];
+                reduce_into(Dtype::Bf16, bytemuck::cast_slice_mut(&mut got), &bytes, op);
+                assert_eq!(got, want, "reduce_into, {n} ranks, {op:?}");
+                let mut acc = views[0].to_vec();
+                for p in &bytes[1..] {
+                    fold_into(Dtype::Bf16, bytemuck::cast_slice_mut(&mut acc), p, op);
+                }
+                if op == ReduceOp::Avg {
+                    divide(Dtype::Bf16, bytemuck::cast_slice_mut(&mut acc), n);
+                }
+                assert_eq!(acc, want, "fold_into, {n} ranks, {op:?}");
             }
         }
     }

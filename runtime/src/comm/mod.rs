@@ -12,6 +12,7 @@ pub mod env;
 pub mod mpi;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+mod pair_sum;
 pub mod region;
 pub mod shm;
 pub mod threads;
