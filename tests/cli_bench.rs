@@ -35,6 +35,7 @@ fn bench_comm_json_lines_cover_every_op_and_memcpy() {
             assert!(rows.iter().filter(|r| r["op"] == op).all(|r| r["ranks"] == 2 && r["dtype"] == dtype && r["busbw_gbps"].as_f64().unwrap() > 0.0));
         }
         assert!(rows.last().unwrap()["memcpy_gbps"].as_f64().unwrap() > 0.0);
+        assert!(rows.iter().any(|r| r["memcpy_all_ranks_gbps"].as_f64().is_some_and(|g| g > 0.0) && r["ranks"] == 2), "{backend}: no all-ranks memcpy line");
     }
     let out = Command::new(env!("CARGO_BIN_EXE_zerorun")).args(["bench", "comm", "--dtype", "f64"]).output().unwrap();
     assert!(!out.status.success());

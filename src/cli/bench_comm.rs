@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use zerorun::runtime::comm::env::communicator_from_env;
 use zerorun::runtime::comm::region::SharedBuffer;
-use zerorun::runtime::comm::{threads, BufMut, BufRef, Communicator, Dtype, ReduceOp};
+use zerorun::runtime::comm::{threads, BufMut, BufRef, Collectives, Communicator, Dtype, ReduceOp};
 
 use super::{emit, CliError};
 
@@ -84,20 +84,23 @@ fn measure(c: &dyn Communicator, op: &str, bytes: usize, dtype: Dtype, repeats: 
     Ok(times[times.len() / 2])
 }
 
-/// Single-core memcpy bandwidth (bytes copied per second), best of `repeats` over 256 MiB.
-fn memcpy_gbps(repeats: usize) -> f64 {
+/// Single-core memcpy bandwidth (bytes copied per second) over 256 MiB: the best of `repeats`, or their median
+/// (when every rank copies at once, so that the repeats counted overlap the other ranks' ones).
+fn memcpy_gbps(repeats: usize, median: bool) -> f64 {
     let n = 64 << 20;
     let src = vec![1.0f32; n];
     let mut dst = vec![0.0f32; n];
-    let best = (0..=repeats)
+    let mut times: Vec<f64> = (0..=repeats)
         .map(|_| {
             let t = Instant::now();
             dst.copy_from_slice(&src);
             std::hint::black_box(&dst);
             t.elapsed().as_secs_f64()
         })
-        .fold(f64::MAX, f64::min);
-    (n * 4) as f64 / best / 1e9
+        .collect();
+    times.sort_by(f64::total_cmp);
+    let secs = if median { times[times.len() / 2] } else { times[0] };
+    (n * 4) as f64 / secs / 1e9
 }
 
 /// Every measurement of one rank; rank 0 prints them.
@@ -112,6 +115,11 @@ fn rank_main(c: &dyn Communicator, max_bytes: usize, dtype: Dtype, repeats: usiz
         }
         rows
     };
+    // What the memory system gives each rank when all of them stream at once, as they do in a collective: the
+    // ceiling the collectives share (the single-core memcpy is measured alone).
+    c.barrier().map_err(|e| CliError::Usage(e.to_string()))?;
+    let mut concurrent = [memcpy_gbps(repeats, true) as f32];
+    c.all_reduce(&mut concurrent, ReduceOp::Avg).map_err(|e| CliError::Usage(e.to_string()))?;
     if c.rank() != 0 {
         return Ok(());
     }
@@ -121,6 +129,11 @@ fn rank_main(c: &dyn Communicator, max_bytes: usize, dtype: Dtype, repeats: usiz
         } else {
             emit(&format!("{op:>15} {bytes:>12} B {:>4}  busbw {bw:>7.2} GB/s", dtype_name(dtype)))?;
         }
+    }
+    if json {
+        emit(&serde_json::json!({"memcpy_all_ranks_gbps": concurrent[0], "ranks": c.world_size()}).to_string())?;
+    } else {
+        emit(&format!("# memcpy per rank with all {} ranks copying at once: {:.2} GB/s", c.world_size(), concurrent[0]))?;
     }
     Ok(())
 }
@@ -148,7 +161,7 @@ pub fn run(backend: &str, ranks: usize, max_bytes: usize, dtype: &str, repeats: 
         let c = communicator_from_env(Duration::from_secs(600)).map_err(|e| CliError::Usage(e.to_string()))?;
         return rank_main(c.as_ref(), max_bytes, elem, repeats, json);
     }
-    let memcpy = memcpy_gbps(repeats);
+    let memcpy = memcpy_gbps(repeats, false);
     if !json {
         emit(&format!("# {backend}, {ranks} ranks; single-core memcpy {memcpy:.2} GB/s"))?;
     }
