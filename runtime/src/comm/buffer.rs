@@ -186,7 +186,7 @@ pub(crate) fn reduce_into(dtype: Dtype, dst: &mut [u8], parts: &[&[u8]], op: Red
         // The same operations in the same order as the element loop below: sum in rank order, divide once.
         let (a, b) = (&parts[0][..dst.len()], &parts[1][..dst.len()]);
         // SAFETY: supported; dst and the parts are distinct borrows of at least dst.len() bytes.
-        unsafe { pair_sum::pair_sum(dtype, dst.as_mut_ptr(), a.as_ptr(), b.as_ptr(), dst.len() / dtype.size(), ReduceOp::Sum, 1, false) };
+        unsafe { pair_sum::pair_sum(dtype, dst.as_mut_ptr(), a.as_ptr(), b.as_ptr(), dst.len() / dtype.size(), None, false) };
         for p in &parts[2..] {
             fold_into(dtype, dst, p, ReduceOp::Sum);
         }
@@ -228,13 +228,18 @@ fn combine_in_place_typed<T: Element>(dst: &mut [u8], other: &[u8], other_first:
     }
 }
 
+/// What a two-input sum divides by: `mean_of` for `Avg`, nothing for `Sum`.
+fn mean_divisor(op: ReduceOp, mean_of: usize) -> Option<usize> {
+    (op == ReduceOp::Avg).then_some(mean_of)
+}
+
 /// `dst = op(a, b)` for two ranks' values in one pass (`Avg` divides the sum by `mean_of`): what
 /// [`reduce_into`] gives for two parts, without copying one of them first.
 pub(crate) fn combine_pair(dtype: Dtype, dst: &mut [u8], a: &[u8], b: &[u8], op: ReduceOp, mean_of: usize) {
     if pair_sum::supported(dtype, op) {
         let (a, b) = (&a[..dst.len()], &b[..dst.len()]);
         // SAFETY: supported; three distinct borrows of dst.len() bytes. Streaming: the output is read by others later.
-        return unsafe { pair_sum::pair_sum(dtype, dst.as_mut_ptr(), a.as_ptr(), b.as_ptr(), dst.len() / dtype.size(), op, mean_of, true) };
+        return unsafe { pair_sum::pair_sum(dtype, dst.as_mut_ptr(), a.as_ptr(), b.as_ptr(), dst.len() / dtype.size(), mean_divisor(op, mean_of), true) };
     }
     match dtype {
         Dtype::F32 => combine_typed::<f32>(dst, a, b, op, mean_of),
@@ -251,7 +256,7 @@ pub(crate) fn combine_pair_in_place(dtype: Dtype, dst: &mut [u8], other: &[u8], 
         let (d, o) = (dst.as_mut_ptr(), other[..dst.len()].as_ptr());
         let (first, second) = if other_first { (o, d as *const u8) } else { (d as *const u8, o) };
         // SAFETY: supported; dst is exactly one of the inputs and `other` a distinct borrow of the same length.
-        return unsafe { pair_sum::pair_sum(dtype, d, first, second, dst.len() / dtype.size(), op, mean_of, false) };
+        return unsafe { pair_sum::pair_sum(dtype, d, first, second, dst.len() / dtype.size(), mean_divisor(op, mean_of), false) };
     }
     match dtype {
         Dtype::F32 => combine_in_place_typed::<f32>(dst, other, other_first, op, mean_of),

@@ -21,17 +21,18 @@ pub(crate) fn supported(dtype: Dtype, op: ReduceOp) -> bool {
     }
 }
 
-/// `dst[i] = first[i] + second[i]`, divided by `mean_of` for `Avg`, over `len` elements of `dtype`. `stream`
+/// `dst[i] = first[i] + second[i]`, divided by `divide_by` if given (the mean), over `len` elements of `dtype`. `stream`
 /// writes `dst` with non-temporal stores: for an output read by someone else later, streaming it past the cache
 /// saves reading each destination line in first (a quarter of a reduce-scatter's memory traffic).
 ///
 /// # Safety
-/// [`supported`] returned true for `dtype` and `op`; `first` and `second` are valid for reads and `dst` for writes
-/// of `len` elements; `dst` is either exactly `first`, exactly `second`, or overlaps neither.
-pub(crate) unsafe fn pair_sum(dtype: Dtype, dst: *mut u8, first: *const u8, second: *const u8, len: usize, op: ReduceOp, mean_of: usize, stream: bool) {
+/// [`supported`] returned true for `dtype` (and Sum, or Avg when dividing); `first` and `second` are valid for
+/// reads and `dst` for writes of `len` elements; `dst` is either exactly `first`, exactly `second`, or overlaps
+/// neither.
+pub(crate) unsafe fn pair_sum(dtype: Dtype, dst: *mut u8, first: *const u8, second: *const u8, len: usize, divide_by: Option<usize>, stream: bool) {
     #[cfg(target_arch = "x86_64")]
     {
-        let divisor = (op == ReduceOp::Avg).then_some(mean_of as f32);
+        let divisor = divide_by.map(|n| n as f32);
         // SAFETY: the caller's contract, and `supported` checked AVX2.
         unsafe {
             match (dtype, stream) {
@@ -45,7 +46,7 @@ pub(crate) unsafe fn pair_sum(dtype: Dtype, dst: *mut u8, first: *const u8, seco
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        let _ = (dtype, dst, first, second, len, op, mean_of, stream);
+        let _ = (dtype, dst, first, second, len, divide_by, stream);
         unreachable!("pair_sum: not `supported` on this architecture");
     }
 }
@@ -292,13 +293,13 @@ mod tests {
                     for stream in [false, true] {
                         let mut storage = vec![T::zeroed(); a.len() + 16];
                         let out = &mut storage[skip..skip + a.len()];
-                        unsafe { pair_sum(dtype, out.as_mut_ptr().cast(), a.as_ptr().cast(), b.as_ptr().cast(), a.len(), op, mean_of, stream) };
+                        unsafe { pair_sum(dtype, out.as_mut_ptr().cast(), a.as_ptr().cast(), b.as_ptr().cast(), a.len(), (op == ReduceOp::Avg).then_some(mean_of), stream) };
                         assert_eq!(bytemuck::cast_slice::<T, u8>(out), bytemuck::cast_slice::<T, u8>(want), "{dtype:?} {op:?}/{mean_of} skip {skip} stream {stream}");
                         let mut in_first = a.to_vec();
-                        unsafe { pair_sum(dtype, in_first.as_mut_ptr().cast(), in_first.as_ptr().cast(), b.as_ptr().cast(), a.len(), op, mean_of, stream) };
+                        unsafe { pair_sum(dtype, in_first.as_mut_ptr().cast(), in_first.as_ptr().cast(), b.as_ptr().cast(), a.len(), (op == ReduceOp::Avg).then_some(mean_of), stream) };
                         assert_eq!(bytemuck::cast_slice::<T, u8>(&in_first), bytemuck::cast_slice::<T, u8>(want), "in place on the first");
                         let mut in_second = b.to_vec();
-                        unsafe { pair_sum(dtype, in_second.as_mut_ptr().cast(), a.as_ptr().cast(), in_second.as_ptr().cast(), a.len(), op, mean_of, stream) };
+                        unsafe { pair_sum(dtype, in_second.as_mut_ptr().cast(), a.as_ptr().cast(), in_second.as_ptr().cast(), a.len(), (op == ReduceOp::Avg).then_some(mean_of), stream) };
                         assert_eq!(bytemuck::cast_slice::<T, u8>(&in_second), bytemuck::cast_slice::<T, u8>(want), "in place on the second");
                     }
                 }

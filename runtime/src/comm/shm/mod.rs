@@ -1,0 +1,80 @@
+//! Ranks as processes on one host, exchanging through shared memory: a job segment in /dev/shm for rendezvous,
+//! barriers and staging (segment.rs), direct reads of peers' buffers (peers.rs), and the collectives over both
+//! (collectives.rs).
+//!
+//! Every blocking wait has a timeout (`comms_timeout`) and checks that the ranks it waits for are alive, so a dead
+//! peer is an error naming it on every surviving rank, never a hang; nothing is left in /dev/shm however the job
+//! ends.
+mod collectives;
+mod peers;
+mod segment;
+
+use std::time::Duration;
+
+pub use segment::segment_path;
+
+use super::env::RankInfo;
+use super::{BufMut, BufRef, CommResult, Communicator, ReduceOp};
+use peers::PeerAccess;
+use segment::Segment;
+
+/// One rank's handle on a shared-memory group.
+pub struct ShmComm {
+    seg: Segment,
+    peers: PeerAccess,
+    /// Scratch of the direct reduction: an accumulator and a landing buffer, reused (u64 words keep every element
+    /// type aligned).
+    scratch: std::cell::RefCell<Vec<u64>>,
+}
+
+impl ShmComm {
+    /// Creates (rank 0) or attaches to (other ranks) the job's segment, waits until every rank is there, and
+    /// settles how ranks read each other.
+    pub fn join(info: &RankInfo, timeout: Duration) -> CommResult<ShmComm> {
+        super::cma::allow_peers_to_read();
+        let seg = Segment::join(info, timeout)?;
+        let peers = PeerAccess::probe(&seg)?;
+        Ok(ShmComm { seg, peers, scratch: std::cell::RefCell::new(Vec::new()) })
+    }
+
+    /// Whether collectives read peers' buffers directly (one copy) rather than through the staging slots.
+    pub fn is_direct(&self) -> bool {
+        self.peers.direct()
+    }
+}
+
+/// Any failed collective flags this rank before returning, whatever the cause, so that if it exits, peers name the
+/// rank whose death started it rather than this one.
+impl Communicator for ShmComm {
+    fn rank(&self) -> usize {
+        self.seg.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.seg.world_size
+    }
+
+    fn all_reduce_buf(&self, buf: BufMut<'_>, op: ReduceOp) -> CommResult<()> {
+        self.seg.flag_failure(self.all_reduce_buf_impl(buf, op))
+    }
+
+    fn reduce_scatter_buf(&self, input: BufRef<'_>, output: BufMut<'_>, op: ReduceOp) -> CommResult<()> {
+        self.seg.flag_failure(self.reduce_scatter_buf_impl(input, output, op))
+    }
+
+    fn all_gather_buf(&self, buf: BufMut<'_>) -> CommResult<()> {
+        self.seg.flag_failure(self.all_gather_buf_impl(buf))
+    }
+
+    fn broadcast_buf(&self, buf: BufMut<'_>, root: usize) -> CommResult<()> {
+        self.seg.flag_failure(self.broadcast_buf_impl(buf, root))
+    }
+
+    fn prefers_shared_buffers(&self) -> bool {
+        self.peers.shared_buffers()
+    }
+
+    fn barrier(&self) -> CommResult<()> {
+        self.seg.flag_failure(self.seg.barrier("barrier"))
+    }
+}
