@@ -14,6 +14,7 @@
 //! all written (`grad_hooks.rs`).
 //! Optimizer states live in memory or on NVMe (`optimizer.rs`, `swapped_optimizer.rs`); so does stage 3's
 //! parameter shard (`swapped_params.rs`).
+//! `setup.rs` holds how `Engine::new` builds all of it, one decision per function.
 mod checkpointing;
 mod grad_hooks;
 pub mod layout;
@@ -23,6 +24,7 @@ mod prefetch;
 mod reduce;
 mod reporting;
 pub mod sampler;
+mod setup;
 mod sharded_unit;
 mod stage3;
 mod swapped_optimizer;
@@ -176,218 +178,59 @@ pub struct Engine {
 impl Engine {
     /// Wraps the trainable variables of `vs` for data-parallel training with `comm`.
     pub fn new(vs: &nn::VarStore, config: Config, comm: Box<dyn Communicator>, options: EngineOptions) -> Result<Engine> {
-        let world_size = comm.world_size();
-        let rank = comm.rank();
+        let (world_size, rank) = (comm.world_size(), comm.rank());
         let batch = config.batch_sizes(world_size)?;
-        let z = &config.zero_optimization;
         if let Some(OptimizerConfig::Lamb(_)) = &config.optimizer {
             return Err(Error::Unsupported { key: "optimizer.type", value: "\"Lamb\"".into(), why: "Lamb needs per-tensor trust ratios across ranks, not in this build yet" });
         }
+        let z = &config.zero_optimization;
         let precision = config.precision();
         let kind = views::kind_of(precision);
-
-        let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().filter(|(_, t)| t.requires_grad()).collect();
-        named.sort_by(|a, b| a.0.cmp(&b.0));
-        if named.is_empty() {
-            return Err(Error::Usage("the VarStore has no trainable parameters".into()));
-        }
-        let stage3 = z.stage == 3;
+        let plan = setup::StagePlan::new(z, options.units.is_some(), world_size);
         // Buffers the collectives read go where the peers map them (the shm backend's shared region).
         let shared = comm.prefers_shared_buffers();
-        // Stage 2 with the model's units: gradients are reduced unit by unit during backward, so no rank holds the
-        // full gradients (ZeRO-2's memory), with parameters laid out by unit like stage 3 but never released.
-        // Stage 2 of a plain loop (no units given): buckets of whole parameters laid out like units, reduced from
-        // gradient hooks during backward (grad_hooks.rs), so no rank holds the full gradients either.
-        let hooked = z.stage == 2 && options.units.is_none();
-        let stage2_units = z.stage == 2;
-        let by_units = stage3 || stage2_units;
-        let unit_prefixes = options.units.clone().unwrap_or_else(|| vec![vec![String::new()]]);
-        let names: Vec<String> = named.iter().map(|(n, _)| n.clone()).collect();
-        let unit_of = if hooked {
-            let sizes: Vec<usize> = named.iter().map(|(_, t)| t.numel()).collect();
-            grad_hooks::buckets(&sizes, z.reduce_bucket_size)
-        } else {
-            units::assign(&unit_prefixes, &names)?
-        };
-        let unit_count = if hooked { unit_of.last().map_or(0, |b| b + 1) } else { unit_prefixes.len() };
-        if by_units {
-            // Units lay parameters out unit by unit, in execution order (stable: by name within a unit).
-            let mut order: Vec<usize> = (0..named.len()).collect();
-            order.sort_by_key(|&i| unit_of[i]);
-            let mut taken: Vec<Option<(String, Tensor)>> = named.into_iter().map(Some).collect();
-            named = order.iter().map(|&i| taken[i].take().expect("each index once")).collect();
-        }
-        for (name, t) in &named {
-            if t.device() != tch::Device::Cpu {
-                return Err(Error::Parameter { name: name.clone(), why: format!("is on {:?}; this build trains on the CPU", t.device()) });
-            }
-            if t.kind() != kind {
-                let hint = match precision {
-                    Precision::Fp32 => "the config trains in fp32: keep the VarStore in Float",
-                    Precision::Bf16 => "bf16.enabled is true: convert the VarStore with `vs.bfloat16()` first",
-                    Precision::Fp16 => "fp16.enabled is true: convert the VarStore with `vs.half()` first",
-                };
-                return Err(Error::Parameter { name: name.clone(), why: format!("has dtype {:?}; {hint}", t.kind()) });
-            }
-        }
-        let specs: Vec<(String, Vec<i64>, bool)> = named
-            .iter()
-            .map(|(n, t)| {
-                let shape = t.size();
-                let decay = !options.no_weight_decay.is_some_and(|f| f(n, &shape));
-                (n.clone(), shape, decay)
-            })
-            .collect();
-        let layout = if by_units {
-            let mut by_unit: Vec<Vec<(String, Vec<i64>, bool)>> = vec![Vec::new(); unit_count];
-            let mut sorted_units = unit_of.clone();
-            sorted_units.sort_unstable();
-            for (spec, u) in specs.iter().zip(sorted_units) {
-                by_unit[u].push(spec.clone());
-            }
-            FlatLayout::with_units(&by_unit, world_size)
-        } else {
-            FlatLayout::new(&specs, world_size)
-        };
-
-        let (mut flat_params, params, sharded_units) = if stage3 {
-            Self::shard_units(&layout, named, kind, comm.as_ref(), &config)?
-        } else {
-            // Pack the parameters into the flat buffer and make the model's tensors views into it.
-            let flat_params = views::comm_zeros(layout.padded, kind, shared)?;
-            let mut params = Vec::with_capacity(named.len());
-            tch::no_grad(|| {
-                for ((_, mut t), slot) in named.into_iter().zip(&layout.slots) {
-                    let mut view = flat_params.narrow(0, slot.range.start as i64, slot.range.len() as i64);
-                    view.copy_(&t.reshape([-1]));
-                    t.set_data(&view.view(slot.shape.as_slice()));
-                    params.push(t);
-                }
-            });
-            // Every rank starts from rank 0's weights.
-            views::broadcast(comm.as_ref(), &flat_params, 0)?;
-            let mut units = Vec::new();
-            if stage2_units {
-                let mut offset = 0;
-                for span in &layout.units {
-                    let own: Vec<Tensor> = params[span.slots.clone()].iter().map(Tensor::shallow_clone).collect();
-                    let region = flat_params.narrow(0, span.range.start as i64, span.range.len() as i64);
-                    units.push(ShardedUnit::in_place(span.clone(), &layout.slots[span.slots.clone()], own, region, offset));
-                    offset += span.chunk_len(world_size);
-                }
-            }
-            (flat_params, params, units)
-        };
+        let setup::Arrangement { named, layout, unit_prefixes } = setup::arrange(vs, &options, &plan, z.reduce_bucket_size, precision, world_size)?;
+        let (mut flat_params, params, sharded_units) =
+            if plan.stage == 3 { Self::shard_units(&layout, named, kind, comm.as_ref(), &config)? } else { setup::pack(&layout, named, kind, comm.as_ref(), &plan, shared)? };
 
         // The optimized range: a range of `flat_params` (stages 0-2), or of the shard space (the concatenation of
         // this rank's chunk of every unit) with units.
-        let optimized = match z.stage {
+        let optimized = match plan.stage {
             0 => 0..layout.padded,
-            _ if by_units => 0..layout.partition_len(),
+            _ if plan.by_units => 0..layout.partition_len(),
             _ => layout.partition(rank),
         };
         let master = (precision != Precision::Fp32).then(|| {
-            let part = shard_values(&flat_params, &layout, rank, z.stage, by_units, &optimized).to_kind(Kind::Float);
+            let part = shard_values(&flat_params, &layout, rank, plan.stage, plan.by_units, &optimized).to_kind(Kind::Float);
             AlignedVec::from_slice(views::slice::<f32>(&part))
         });
-        let io = zerorun_offload::IoConfig {
-            block_size: config.aio.block_size as usize,
-            queue_depth: config.aio.queue_depth as usize,
-            intra_op_parallelism: config.aio.intra_op_parallelism as usize,
-        };
-        let swapped_params = if stage3 && z.offload_param.device == OffloadDevice::Nvme {
+        let swapped_params = if plan.stage == 3 && z.offload_param.device == OffloadDevice::Nvme {
             let chunks = sharded_units.iter().map(|u| u.shard_range(world_size)).collect();
             let persistent: Vec<bool> = sharded_units.iter().map(|u| u.persistent).collect();
             let prefix = format!("zerorun-{}-{}-rank{rank}-params", std::process::id(), next_engine_id());
-            let swapped = swapped_params::SwappedParams::new(&flat_params, chunks, &persistent, &z.offload_param, io, &prefix)?;
+            let swapped = swapped_params::SwappedParams::new(&flat_params, chunks, &persistent, &z.offload_param, setup::io_config(&config), &prefix)?;
             flat_params = Tensor::zeros([0], (kind, tch::Device::Cpu));
             Some(swapped)
         } else {
-            if stage3 && z.offload_param.device == OffloadDevice::Cpu {
+            if plan.stage == 3 && z.offload_param.device == OffloadDevice::Cpu {
                 tracing::info!(rank, "offload_param.device = cpu: a CPU run keeps parameter shards in host memory already");
             }
             None
         };
-        // The in-memory optimizer is built only without NVMe offload: its states would be the very bytes NVMe
-        // offload keeps out of memory.
-        let nvme = z.offload_optimizer.device == OffloadDevice::Nvme;
-        let (optimizer, base_lr, weight_decay) = optimizer::build(&config, if nvme { 0 } else { optimized.len() });
-        let optimizer = match z.offload_optimizer.device {
-            OffloadDevice::Nvme => {
-                let o = &z.offload_optimizer;
-                let dir = std::path::PathBuf::from(o.nvme_path.clone().expect("the config requires nvme_path for nvme"));
-                let prefix = format!("zerorun-{}-{}-rank{rank}", std::process::id(), next_engine_id());
-                let swapped = swapped_optimizer::SwappedOptimizer::new(
-                    |len| optimizer::build(&config, len).0,
-                    optimized.len(),
-                    z.sub_group_size as usize,
-                    &dir,
-                    &prefix,
-                    io,
-                    o.buffer_count as usize,
-                    (o.pipeline_read, o.pipeline_write),
-                )?;
-                tracing::info!(rank, dir = %dir.display(), bytes = swapped.swapped_bytes(), "optimizer states on NVMe");
-                optimizer::OptimizerTier::Nvme(Box::new(swapped))
-            }
-            device => {
-                if device == OffloadDevice::Cpu {
-                    tracing::info!(rank, "offload_optimizer.device = cpu: a CPU run keeps optimizer states in host memory already");
-                }
-                optimizer::OptimizerTier::Memory(optimizer)
-            }
-        };
-        let runs = if by_units { layout.shard_decay_runs(rank) } else { layout.decay_runs(optimized.clone()) };
-        let groups = runs
-            .into_iter()
-            .map(|(range, decay)| Group { range, lr: base_lr, weight_decay: if decay { weight_decay } else { 0.0 } })
-            .collect();
+        let (optimizer, base_lr, weight_decay) = setup::optimizer_tier(&config, optimized.len(), rank, next_engine_id())?;
+        let runs = if plan.by_units { layout.shard_decay_runs(rank) } else { layout.decay_runs(optimized.clone()) };
+        let groups = runs.into_iter().map(|(range, decay)| Group { range, lr: base_lr, weight_decay: if decay { weight_decay } else { 0.0 } }).collect();
         let scheduler = optimizer::scheduler(&config, base_lr);
-        let comm_kind = views::comm_kind(config.communication_data_type, precision);
-        // Stages 1-2 reduce in rounds: each takes `round_len` elements of every rank's partition, so the buffer is
-        // one bucket (reduce_bucket_size), not the whole model.
-        // Stage 3 reduces one unit at a time, so its buffers are one unit long.
-        let round_len = (z.reduce_bucket_size as usize / world_size).clamp(1, layout.partition_len().max(1));
-        let largest_unit = layout.units.iter().map(|u| u.range.len()).max().unwrap_or(0);
-        let overlap = z.overlap_comm && world_size > 1 && z.stage > 0;
-        // Stage 2 of a plain loop with overlap_comm: two staging halves, one reducing on the communication thread
-        // while the next bucket is staged (grad_hooks.rs).
-        let hooked_overlap = hooked && overlap && z.reduce_scatter;
-        let staged = match z.stage {
-            0 => layout.padded,
-            _ if hooked_overlap => 2 * largest_unit,
-            _ if by_units => largest_unit,
-            // Two halves with overlap_comm: one reduces while the next round is gathered into the other.
-            _ => round_len * world_size * if overlap { 2 } else { 1 },
-        };
-        let flat_grads = views::comm_zeros(staged, comm_kind, shared)?;
-        let grad_buffer = match z.stage {
-            _ if by_units => None,
-            _ if comm_kind != kind => None,
-            0 => Some(flat_grads.shallow_clone()),
-            _ => Some(views::comm_zeros(layout.padded, comm_kind, shared)?),
-        };
-        if let Some(g) = &grad_buffer {
-            for (slot, t) in layout.slots.iter().zip(&params) {
-                let view = tch::no_grad(|| g.narrow(0, slot.range.start as i64, slot.range.len() as i64).view(slot.shape.as_slice()));
-                native::set_grad(t, &view)?;
-            }
-        }
-        // fp32 models at stages 1-2 with gradient views reduce each rank's partition in place in the buffer (units
-        // never have gradient views: they reduce unit by unit).
-        let fp32_in_place = precision == Precision::Fp32 && grad_buffer.is_some();
-        let part_len = if by_units { largest_unit / world_size * if hooked_overlap { 2 } else { 1 } } else { layout.partition_len() };
-        let grad_part = (z.stage > 0 && !fp32_in_place).then(|| Tensor::zeros([part_len as i64], (comm_kind, tch::Device::Cpu)));
-        let grad_acc = AlignedVec::filled(if (z.stage > 0 && !fp32_in_place) || precision != Precision::Fp32 { optimized.len() } else { 0 }, 0.0);
+        let setup::GradientBuffers { flat_grads, grad_buffer, round_len, grad_part, grad_acc } = setup::gradient_buffers(&config, &plan, &layout, &params, optimized.len(), world_size, shared)?;
         let scaler = config.fp16.enabled.then(|| {
             let f = &config.fp16;
             LossScaler::new(LossScalerConfig::from_fp16(f.loss_scale, f.initial_scale_power, f.loss_scale_window, f.hysteresis, f.consecutive_hysteresis, f.min_loss_scale))
         });
-        tracing::info!(rank, world_size, stage = z.stage, ?precision, params = layout.numel, partition = layout.partition_len(), units = layout.units.len(), "zerorun engine ready");
+        tracing::info!(rank, world_size, stage = plan.stage, ?precision, params = layout.numel, partition = layout.partition_len(), units = layout.units.len(), "zerorun engine ready");
         // Gathered bytes count units' own buffers (stage 3); stage 2's units are regions of `flat_params`.
         let persistent_bytes = sharded_units.iter().filter(|u| u.persistent && u.owns_buffer()).map(ShardedUnit::full_bytes).sum();
         let mut engine = Engine {
-            comm: prefetch::EngineComm::new(comm, overlap && (!stage2_units || hooked_overlap)),
+            comm: prefetch::EngineComm::new(comm, plan.overlap && (!plan.stage2_units || plan.hooked_overlap)),
             config,
             batch,
             precision,
@@ -424,7 +267,7 @@ impl Engine {
             loss_count: 0,
             step_started: None,
         };
-        if hooked {
+        if plan.hooked {
             engine.grad_hooks = Some(grad_hooks::GradHooks::install(&engine.params, &engine.layout.units)?);
         }
         Ok(engine)

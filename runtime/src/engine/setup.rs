@@ -1,0 +1,233 @@
+//! How an [`Engine`](super::Engine) is put together, one decision per function: what the stage asks for
+//! ([`StagePlan`]), which parameters and in what layout ([`arrange`]), where they live ([`pack`] for stages 0-2;
+//! stage 3 shards in `stage3.rs`), the optimizer and where its states live ([`optimizer_tier`]), and the gradient
+//! buffers the reduction runs in ([`gradient_buffers`]). `Engine::new` calls them in that order.
+use tch::{nn, Kind, Tensor};
+use zerorun_optim::AlignedVec;
+
+use super::layout::FlatLayout;
+use super::sharded_unit::ShardedUnit;
+use super::{grad_hooks, native, optimizer, swapped_optimizer, units, views, EngineOptions};
+use crate::comm::Communicator;
+use crate::config::{Config, OffloadDevice, Precision, ZeroConfig};
+use crate::error::{Error, Result};
+
+/// What the stage and options ask of the layout and the reduction.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct StagePlan {
+    pub stage: u8,
+    /// Stage 2 or 3: parameters laid out unit by unit (stage 2 of a plain loop: buckets laid out like units).
+    pub by_units: bool,
+    /// Stage 2 with units or hook buckets: gradients reduced unit by unit during backward, never all held.
+    pub stage2_units: bool,
+    /// Stage 2 of a plain loop (no units given): buckets of whole parameters reduced from gradient hooks.
+    pub hooked: bool,
+    /// `overlap_comm` with more than one rank at stages 1-3.
+    pub overlap: bool,
+    /// Hooked stage 2 with overlap: two staging halves, one reducing on the communication thread.
+    pub hooked_overlap: bool,
+}
+
+impl StagePlan {
+    pub fn new(z: &ZeroConfig, has_units: bool, world_size: usize) -> StagePlan {
+        let hooked = z.stage == 2 && !has_units;
+        let overlap = z.overlap_comm && world_size > 1 && z.stage > 0;
+        StagePlan { stage: z.stage, by_units: z.stage >= 2, stage2_units: z.stage == 2, hooked, overlap, hooked_overlap: hooked && overlap && z.reduce_scatter }
+    }
+}
+
+/// The model's trainable parameters in layout order, and the layout.
+pub(super) struct Arrangement {
+    pub named: Vec<(String, Tensor)>,
+    pub layout: FlatLayout,
+    /// The units' name prefixes (one unit of everything when none were given).
+    pub unit_prefixes: Vec<Vec<String>>,
+}
+
+/// Orders the trainable parameters of `vs` (by unit in execution order where the plan lays out by units, by name
+/// within), checks their device and dtype, and lays them out.
+pub(super) fn arrange(vs: &nn::VarStore, options: &EngineOptions, plan: &StagePlan, reduce_bucket_size: u64, precision: Precision, world_size: usize) -> Result<Arrangement> {
+    let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().filter(|(_, t)| t.requires_grad()).collect();
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    if named.is_empty() {
+        return Err(Error::Usage("the VarStore has no trainable parameters".into()));
+    }
+    let unit_prefixes = options.units.clone().unwrap_or_else(|| vec![vec![String::new()]]);
+    let unit_of = if plan.hooked {
+        let sizes: Vec<usize> = named.iter().map(|(_, t)| t.numel()).collect();
+        grad_hooks::buckets(&sizes, reduce_bucket_size)
+    } else {
+        let names: Vec<String> = named.iter().map(|(n, _)| n.clone()).collect();
+        units::assign(&unit_prefixes, &names)?
+    };
+    let unit_count = if plan.hooked { unit_of.last().map_or(0, |b| b + 1) } else { unit_prefixes.len() };
+    if plan.by_units {
+        // Units lay parameters out unit by unit, in execution order (stable: by name within a unit).
+        let mut order: Vec<usize> = (0..named.len()).collect();
+        order.sort_by_key(|&i| unit_of[i]);
+        let mut taken: Vec<Option<(String, Tensor)>> = named.into_iter().map(Some).collect();
+        named = order.iter().map(|&i| taken[i].take().expect("each index once")).collect();
+    }
+    check_parameters(&named, precision)?;
+    let specs: Vec<(String, Vec<i64>, bool)> = named
+        .iter()
+        .map(|(n, t)| {
+            let shape = t.size();
+            let decay = !options.no_weight_decay.is_some_and(|f| f(n, &shape));
+            (n.clone(), shape, decay)
+        })
+        .collect();
+    let layout = if plan.by_units {
+        let mut by_unit: Vec<Vec<(String, Vec<i64>, bool)>> = vec![Vec::new(); unit_count];
+        let mut sorted_units = unit_of;
+        sorted_units.sort_unstable();
+        for (spec, u) in specs.into_iter().zip(sorted_units) {
+            by_unit[u].push(spec);
+        }
+        FlatLayout::with_units(&by_unit, world_size)
+    } else {
+        FlatLayout::new(&specs, world_size)
+    };
+    Ok(Arrangement { named, layout, unit_prefixes })
+}
+
+/// Every parameter is on the CPU, in the dtype the config trains in.
+fn check_parameters(named: &[(String, Tensor)], precision: Precision) -> Result<()> {
+    let kind = views::kind_of(precision);
+    for (name, t) in named {
+        if t.device() != tch::Device::Cpu {
+            return Err(Error::Parameter { name: name.clone(), why: format!("is on {:?}; this build trains on the CPU", t.device()) });
+        }
+        if t.kind() != kind {
+            let hint = match precision {
+                Precision::Fp32 => "the config trains in fp32: keep the VarStore in Float",
+                Precision::Bf16 => "bf16.enabled is true: convert the VarStore with `vs.bfloat16()` first",
+                Precision::Fp16 => "fp16.enabled is true: convert the VarStore with `vs.half()` first",
+            };
+            return Err(Error::Parameter { name: name.clone(), why: format!("has dtype {:?}; {hint}", t.kind()) });
+        }
+    }
+    Ok(())
+}
+
+/// Stages 0-2: packs the parameters into one flat buffer (in the shared region when `shared`), makes the model's
+/// tensors views into it, and starts every rank from rank 0's weights. Stage 2 with units also gets one in-place
+/// unit per unit span (its chunk stays where it is; nothing is released).
+pub(super) fn pack(layout: &FlatLayout, named: Vec<(String, Tensor)>, kind: Kind, comm: &dyn Communicator, plan: &StagePlan, shared: bool) -> Result<(Tensor, Vec<Tensor>, Vec<ShardedUnit>)> {
+    let flat_params = views::comm_zeros(layout.padded, kind, shared)?;
+    let mut params = Vec::with_capacity(named.len());
+    tch::no_grad(|| {
+        for ((_, mut t), slot) in named.into_iter().zip(&layout.slots) {
+            let mut view = flat_params.narrow(0, slot.range.start as i64, slot.range.len() as i64);
+            view.copy_(&t.reshape([-1]));
+            t.set_data(&view.view(slot.shape.as_slice()));
+            params.push(t);
+        }
+    });
+    views::broadcast(comm, &flat_params, 0)?;
+    let mut units = Vec::new();
+    if plan.stage2_units {
+        let world_size = comm.world_size();
+        let mut offset = 0;
+        for span in &layout.units {
+            let own: Vec<Tensor> = params[span.slots.clone()].iter().map(Tensor::shallow_clone).collect();
+            let region = flat_params.narrow(0, span.range.start as i64, span.range.len() as i64);
+            units.push(ShardedUnit::in_place(span.clone(), &layout.slots[span.slots.clone()], own, region, offset));
+            offset += span.chunk_len(world_size);
+        }
+    }
+    Ok((flat_params, params, units))
+}
+
+/// The `aio` section as the offload crate takes it.
+pub(super) fn io_config(config: &Config) -> zerorun_offload::IoConfig {
+    zerorun_offload::IoConfig {
+        block_size: config.aio.block_size as usize,
+        queue_depth: config.aio.queue_depth as usize,
+        intra_op_parallelism: config.aio.intra_op_parallelism as usize,
+    }
+}
+
+/// The optimizer over `optimized_len` elements, in memory or with its states on NVMe, its base learning rate and
+/// weight decay. The in-memory optimizer is built only without NVMe offload: its states would be the very bytes
+/// NVMe offload keeps out of memory.
+pub(super) fn optimizer_tier(config: &Config, optimized_len: usize, rank: usize, engine_id: usize) -> Result<(optimizer::OptimizerTier, f64, f64)> {
+    let z = &config.zero_optimization;
+    let nvme = z.offload_optimizer.device == OffloadDevice::Nvme;
+    let (in_memory, base_lr, weight_decay) = optimizer::build(config, if nvme { 0 } else { optimized_len });
+    let tier = match z.offload_optimizer.device {
+        OffloadDevice::Nvme => {
+            let o = &z.offload_optimizer;
+            let dir = std::path::PathBuf::from(o.nvme_path.clone().expect("the config requires nvme_path for nvme"));
+            let prefix = format!("zerorun-{}-{engine_id}-rank{rank}", std::process::id());
+            let swapped = swapped_optimizer::SwappedOptimizer::new(
+                |len| optimizer::build(config, len).0,
+                optimized_len,
+                z.sub_group_size as usize,
+                &dir,
+                &prefix,
+                io_config(config),
+                o.buffer_count as usize,
+                (o.pipeline_read, o.pipeline_write),
+            )?;
+            tracing::info!(rank, dir = %dir.display(), bytes = swapped.swapped_bytes(), "optimizer states on NVMe");
+            optimizer::OptimizerTier::Nvme(Box::new(swapped))
+        }
+        device => {
+            if device == OffloadDevice::Cpu {
+                tracing::info!(rank, "offload_optimizer.device = cpu: a CPU run keeps optimizer states in host memory already");
+            }
+            optimizer::OptimizerTier::Memory(in_memory)
+        }
+    };
+    Ok((tier, base_lr, weight_decay))
+}
+
+/// The buffers gradients are gathered, reduced and accumulated in (see the Engine's fields of the same names).
+pub(super) struct GradientBuffers {
+    pub flat_grads: Tensor,
+    pub grad_buffer: Option<Tensor>,
+    pub round_len: usize,
+    pub grad_part: Option<Tensor>,
+    pub grad_acc: AlignedVec,
+}
+
+/// Sizes and allocates the gradient buffers of the plan's stage, and makes the model's `.grad` tensors views of
+/// the reduction buffer where gradients travel in the model's dtype (stages 0-2 without units).
+pub(super) fn gradient_buffers(config: &Config, plan: &StagePlan, layout: &FlatLayout, params: &[Tensor], optimized_len: usize, world_size: usize, shared: bool) -> Result<GradientBuffers> {
+    let z = &config.zero_optimization;
+    let precision = config.precision();
+    let kind = views::kind_of(precision);
+    let comm_kind = views::comm_kind(config.communication_data_type, precision);
+    // Stages 1-2 reduce in rounds: each takes `round_len` elements of every rank's partition, so the buffer is one
+    // bucket (reduce_bucket_size), not the whole model. Units reduce one unit at a time, so their buffers are one
+    // unit long.
+    let round_len = (z.reduce_bucket_size as usize / world_size).clamp(1, layout.partition_len().max(1));
+    let largest_unit = layout.units.iter().map(|u| u.range.len()).max().unwrap_or(0);
+    let staged = match plan.stage {
+        0 => layout.padded,
+        _ if plan.hooked_overlap => 2 * largest_unit,
+        _ if plan.by_units => largest_unit,
+        // Two halves with overlap_comm: one reduces while the next round is gathered into the other.
+        _ => round_len * world_size * if plan.overlap { 2 } else { 1 },
+    };
+    let flat_grads = views::comm_zeros(staged, comm_kind, shared)?;
+    let grad_buffer = match plan.stage {
+        _ if plan.by_units => None,
+        _ if comm_kind != kind => None,
+        0 => Some(flat_grads.shallow_clone()),
+        _ => Some(views::comm_zeros(layout.padded, comm_kind, shared)?),
+    };
+    if let Some(g) = &grad_buffer {
+        for (slot, t) in layout.slots.iter().zip(params) {
+            let view = tch::no_grad(|| g.narrow(0, slot.range.start as i64, slot.range.len() as i64).view(slot.shape.as_slice()));
+            native::set_grad(t, &view)?;
+        }
+    }
+    // fp32 models at stages 1-2 with gradient views reduce each rank's partition in place in the buffer.
+    let fp32_in_place = precision == Precision::Fp32 && grad_buffer.is_some();
+    let part_len = if plan.by_units { largest_unit / world_size * if plan.hooked_overlap { 2 } else { 1 } } else { layout.partition_len() };
+    let grad_part = (plan.stage > 0 && !fp32_in_place).then(|| Tensor::zeros([part_len as i64], (comm_kind, tch::Device::Cpu)));
+    let grad_acc = AlignedVec::filled(if (plan.stage > 0 && !fp32_in_place) || precision != Precision::Fp32 { optimized_len } else { 0 }, 0.0);
+    Ok(GradientBuffers { flat_grads, grad_buffer, round_len, grad_part, grad_acc })
+}
