@@ -3,8 +3,8 @@
 //! Backends: [`threads`] (ranks as threads of one process), [`shm`] (ranks as processes on one host, through
 //! shared memory), `mpi` and `nccl` (cargo features). [`env`](mod@env) reads the rank and world size from the
 //! variables `zerorun launch`, torchrun or mpirun set. Every blocking wait has a timeout (`comms_timeout`), and a
-//! departed peer is an error on every surviving rank, never a hang. Reductions of f32 and bf16 run through the
-//! vector sums of `pair_sum`.
+//! departed peer is an error on every surviving rank, never a hang. Reductions of f32, bf16 and f16 run through
+//! the vector sums of `pair_sum`.
 mod agreement;
 pub mod async_comm;
 pub mod buffer;

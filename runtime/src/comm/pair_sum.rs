@@ -1,18 +1,25 @@
 //! Vectorized two-input sums, the inner loop of every reduction ZeRO runs on a CPU: `dst = a + b`, or the mean
-//! `(a + b) / n`, for f32 and bf16 (gradients travel in one of them). The scalar element loop does 1 GB/s for bf16
-//! (a rounding branch per element); these run at memory speed.
+//! `(a + b) / n`, for f32, bf16 and f16 (gradients travel in one of them). The scalar element loop does 1 GB/s for
+//! bf16 (a rounding branch per element); these run at memory speed.
 //!
-//! AVX2, chosen at run time; without it the caller keeps its scalar loop. The results are bitwise what the scalar
-//! [`Element`](super::Element) ops give: f32 adds and divides are IEEE either way, and bf16 is rounded to nearest
-//! even with NaNs kept quiet exactly as `half` does (`(x + 0x7fff + lsb) >> 16`, NaN: `x >> 16 | 0x40`). The mean
-//! of 16-bit values is rounded twice (sum, then quotient), as the scalar path does.
+//! AVX2 (and F16C for f16), chosen at run time; without it the caller keeps its scalar loop. The results are
+//! bitwise what the scalar [`Element`](super::Element) ops give: f32 adds and divides are IEEE either way, bf16 is
+//! rounded to nearest even with NaNs kept quiet exactly as `half` does (`(x + 0x7fff + lsb) >> 16`, NaN:
+//! `x >> 16 | 0x40`), and f16 converts with F16C, which `half` itself uses where the CPU has it. The mean of 16-bit
+//! values is rounded twice (sum, then quotient), as the scalar path does.
 use super::{Dtype, ReduceOp};
 
 /// Whether [`pair_sum`] has a vector kernel for this case.
 pub(crate) fn supported(dtype: Dtype, op: ReduceOp) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        matches!(dtype, Dtype::F32 | Dtype::Bf16) && matches!(op, ReduceOp::Sum | ReduceOp::Avg) && std::arch::is_x86_feature_detected!("avx2")
+        let cpu = match dtype {
+            Dtype::F32 | Dtype::Bf16 => std::arch::is_x86_feature_detected!("avx2"),
+            // `half` converts with F16C too where the CPU has it, so both paths round alike.
+            Dtype::F16 => std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("f16c"),
+            Dtype::I64 => false,
+        };
+        cpu && matches!(op, ReduceOp::Sum | ReduceOp::Avg)
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -40,6 +47,8 @@ pub(crate) unsafe fn pair_sum(dtype: Dtype, dst: *mut u8, first: *const u8, seco
                 (Dtype::F32, false) => avx2::f32_sum::<false>(dst.cast(), first.cast(), second.cast(), len, divisor),
                 (Dtype::Bf16, true) => avx2::bf16_sum::<true>(dst.cast(), first.cast(), second.cast(), len, divisor),
                 (Dtype::Bf16, false) => avx2::bf16_sum::<false>(dst.cast(), first.cast(), second.cast(), len, divisor),
+                (Dtype::F16, true) => avx2::f16_sum::<true>(dst.cast(), first.cast(), second.cast(), len, divisor),
+                (Dtype::F16, false) => avx2::f16_sum::<false>(dst.cast(), first.cast(), second.cast(), len, divisor),
                 _ => unreachable!("pair_sum on {dtype:?}: not `supported`"),
             }
         }
@@ -62,6 +71,7 @@ pub(crate) unsafe fn divide(dtype: Dtype, dst: *mut u8, len: usize, n: usize) {
         match dtype {
             Dtype::F32 => avx2::f32_divide(dst.cast(), len, n as f32),
             Dtype::Bf16 => avx2::bf16_divide(dst.cast(), len, n as f32),
+            Dtype::F16 => avx2::f16_divide(dst.cast(), len, n as f32),
             _ => unreachable!("divide on {dtype:?}: not `supported`"),
         }
     }
@@ -76,7 +86,7 @@ pub(crate) unsafe fn divide(dtype: Dtype, dst: *mut u8, len: usize, n: usize) {
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use half::bf16;
+    use half::{bf16, f16};
 
     /// How far ahead of the loads each loop prefetches both inputs, once per cache line. The hardware prefetcher
     /// stops at 4 KiB page boundaries (the shared region has no huge pages), which leaves too few lines in flight
@@ -237,6 +247,67 @@ mod avx2 {
         // SAFETY: i < len.
         (body_end..len).for_each(|i| unsafe { *dst.add(i) = bf16::from_f32((*dst.add(i)).to_f32() / n) });
     }
+
+    /// (a + b) [/ n] of 8 f16 lanes, converted with F16C (round to nearest even, as `half` does with it).
+    #[inline(always)]
+    unsafe fn f16_sum8(a: *const f16, b: *const f16, divisor: Option<__m256>) -> __m128i {
+        // SAFETY: the caller reads 8 elements at a and b; F16C is enabled by the calling function.
+        unsafe {
+            let s = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm256_add_ps(_mm256_cvtph_ps(_mm_loadu_si128(a.cast())), _mm256_cvtph_ps(_mm_loadu_si128(b.cast()))));
+            match divisor {
+                None => s,
+                Some(n) => _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm256_div_ps(_mm256_cvtph_ps(s), n)),
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2,f16c")]
+    pub(super) unsafe fn f16_sum<const STREAM: bool>(dst: *mut f16, a: *const f16, b: *const f16, len: usize, divisor: Option<f32>) {
+        let scalar = |i: usize| {
+            // SAFETY: i < len (the caller's contract covers all three).
+            unsafe {
+                let s = f16::from_f32((*a.add(i)).to_f32() + (*b.add(i)).to_f32());
+                *dst.add(i) = divisor.map_or(s, |n| f16::from_f32(s.to_f32() / n));
+            }
+        };
+        let h = head(dst, len);
+        (0..h).for_each(scalar);
+        let body_end = h + (len - h) / 16 * 16;
+        let n = divisor.map(|x| _mm256_set1_ps(x));
+        for i in (h..body_end).step_by(16) {
+            // SAFETY: i + 16 <= len; dst + i is 32-byte aligned. Loads precede the store of the same elements.
+            unsafe {
+                if i % 32 == 0 {
+                    prefetch(a.wrapping_add(i + BF16_PREFETCH_BYTES / 2), b.wrapping_add(i + BF16_PREFETCH_BYTES / 2));
+                }
+                let packed = _mm256_set_m128i(f16_sum8(a.add(i + 8), b.add(i + 8), n), f16_sum8(a.add(i), b.add(i), n));
+                if STREAM {
+                    _mm256_stream_si256(dst.add(i).cast(), packed);
+                } else {
+                    _mm256_store_si256(dst.add(i).cast(), packed);
+                }
+            }
+        }
+        if STREAM {
+            _mm_sfence();
+        }
+        (body_end..len).for_each(scalar);
+    }
+
+    #[target_feature(enable = "avx2,f16c")]
+    pub(super) unsafe fn f16_divide(dst: *mut f16, len: usize, n: f32) {
+        let body_end = len / 8 * 8;
+        let nv = _mm256_set1_ps(n);
+        for i in (0..body_end).step_by(8) {
+            // SAFETY: i + 8 <= len.
+            unsafe {
+                let v = _mm256_cvtph_ps(_mm_loadu_si128(dst.add(i).cast()));
+                _mm_storeu_si128(dst.add(i).cast(), _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm256_div_ps(v, nv)));
+            }
+        }
+        // SAFETY: i < len.
+        (body_end..len).for_each(|i| unsafe { *dst.add(i) = f16::from_f32((*dst.add(i)).to_f32() / n) });
+    }
 }
 
 #[cfg(test)]
@@ -316,6 +387,9 @@ mod tests {
         check(&a, &b);
         let a: Vec<f32> = bits(3, n).iter().map(|x| f32::from_bits(*x as u32)).collect();
         let b: Vec<f32> = bits(4, n).iter().map(|x| f32::from_bits((*x >> 29) as u32)).collect();
+        check(&a, &b);
+        let a: Vec<half::f16> = bits(5, n).iter().map(|x| half::f16::from_bits(*x as u16)).collect();
+        let b: Vec<half::f16> = bits(6, n).iter().map(|x| half::f16::from_bits((*x >> 20) as u16)).collect();
         check(&a, &b);
         // Ordinary gradient-like values, where the bits of a bf16 sum depend on the rounding of every tie.
         let a: Vec<bf16> = (0..n).map(|i| bf16::from_f32((i as f32 * 0.37).sin() * 1e-3)).collect();
