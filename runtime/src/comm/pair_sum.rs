@@ -39,16 +39,15 @@ pub(crate) fn supported(dtype: Dtype, op: ReduceOp) -> bool {
 pub(crate) unsafe fn pair_sum(dtype: Dtype, dst: *mut u8, first: *const u8, second: *const u8, len: usize, divide_by: Option<usize>, stream: bool) {
     #[cfg(target_arch = "x86_64")]
     {
-        let divisor = divide_by.map(|n| n as f32);
         // SAFETY: the caller's contract, and `supported` checked AVX2.
         unsafe {
             match (dtype, stream) {
-                (Dtype::F32, true) => avx2::f32_sum::<true>(dst.cast(), first.cast(), second.cast(), len, divisor),
-                (Dtype::F32, false) => avx2::f32_sum::<false>(dst.cast(), first.cast(), second.cast(), len, divisor),
-                (Dtype::Bf16, true) => avx2::bf16_sum::<true>(dst.cast(), first.cast(), second.cast(), len, divisor),
-                (Dtype::Bf16, false) => avx2::bf16_sum::<false>(dst.cast(), first.cast(), second.cast(), len, divisor),
-                (Dtype::F16, true) => avx2::f16_sum::<true>(dst.cast(), first.cast(), second.cast(), len, divisor),
-                (Dtype::F16, false) => avx2::f16_sum::<false>(dst.cast(), first.cast(), second.cast(), len, divisor),
+                (Dtype::F32, true) => avx2::f32_sum::<true>(dst.cast(), first.cast(), second.cast(), len, divide_by),
+                (Dtype::F32, false) => avx2::f32_sum::<false>(dst.cast(), first.cast(), second.cast(), len, divide_by),
+                (Dtype::Bf16, true) => avx2::bf16_sum::<true>(dst.cast(), first.cast(), second.cast(), len, divide_by),
+                (Dtype::Bf16, false) => avx2::bf16_sum::<false>(dst.cast(), first.cast(), second.cast(), len, divide_by),
+                (Dtype::F16, true) => avx2::f16_sum::<true>(dst.cast(), first.cast(), second.cast(), len, divide_by),
+                (Dtype::F16, false) => avx2::f16_sum::<false>(dst.cast(), first.cast(), second.cast(), len, divide_by),
                 _ => unreachable!("pair_sum on {dtype:?}: not `supported`"),
             }
         }
@@ -69,9 +68,9 @@ pub(crate) unsafe fn divide(dtype: Dtype, dst: *mut u8, len: usize, n: usize) {
     // SAFETY: the caller's contract, and `supported` checked AVX2.
     unsafe {
         match dtype {
-            Dtype::F32 => avx2::f32_divide(dst.cast(), len, n as f32),
-            Dtype::Bf16 => avx2::bf16_divide(dst.cast(), len, n as f32),
-            Dtype::F16 => avx2::f16_divide(dst.cast(), len, n as f32),
+            Dtype::F32 => avx2::f32_divide(dst.cast(), len, n),
+            Dtype::Bf16 => avx2::bf16_divide(dst.cast(), len, n),
+            Dtype::F16 => avx2::f16_divide(dst.cast(), len, n),
             _ => unreachable!("divide on {dtype:?}: not `supported`"),
         }
     }
@@ -88,13 +87,15 @@ mod avx2 {
 
     use half::{bf16, f16};
 
+    use super::super::Element;
+
     /// How far ahead of the loads each loop prefetches both inputs, once per cache line. The hardware prefetcher
     /// stops at 4 KiB page boundaries (the shared region has no huge pages), which leaves too few lines in flight
     /// for two input streams. Measured on 2 ranks, 64-256 MiB reduce-scatter, in alternating runs: bf16 from 28-36%
     /// of memcpy without to 48-64% at 1-2 KiB (47-50% at 4 KiB); f32 from 41-55% without to 49-59% at 512 bytes
-    /// (worse at 2 KiB and beyond).
+    /// (worse at 2 KiB and beyond). f16 does the work of bf16 and takes its distance.
     const F32_PREFETCH_BYTES: usize = 512;
-    const BF16_PREFETCH_BYTES: usize = 2048;
+    const HALF_PREFETCH_BYTES: usize = 2048;
 
     /// Asks for the lines at `a` and `b` (which may lie past the inputs' ends: a prefetch never faults).
     #[inline(always)]
@@ -106,45 +107,58 @@ mod avx2 {
         }
     }
 
-    /// Elements before `dst` reaches a 32-byte boundary (streaming stores need it), at most `len`.
-    fn head<T>(dst: *mut T, len: usize) -> usize {
-        dst.align_offset(32).min(len)
-    }
-
-    #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn f32_sum<const STREAM: bool>(dst: *mut f32, a: *const f32, b: *const f32, len: usize, divisor: Option<f32>) {
+    /// The loop every sum shares: element by element with the scalar [`Element`] ops up to the 32-byte alignment
+    /// of `dst` (streaming stores need it), then 32-byte blocks of `dst` from `block(i)` (the block at element `i`),
+    /// prefetching both inputs `prefetch_bytes` ahead once per line, then the tail element by element.
+    ///
+    /// # Safety
+    /// As [`pair_sum`](super::pair_sum); `block(i)` reads only elements `i..i + 32 / size_of::<T>()` of the inputs.
+    #[inline(always)]
+    unsafe fn sum_blocks<T: Element, const STREAM: bool>(dst: *mut T, a: *const T, b: *const T, len: usize, divide_by: Option<usize>, prefetch_bytes: usize, block: impl Fn(usize) -> __m256i) {
+        let (per_block, per_line, ahead) = (32 / size_of::<T>(), 64 / size_of::<T>(), prefetch_bytes / size_of::<T>());
         let scalar = |i: usize| {
             // SAFETY: i < len (the caller's contract covers all three).
             unsafe {
-                let s = *a.add(i) + *b.add(i);
-                *dst.add(i) = divisor.map_or(s, |n| s / n);
+                let s = T::add(*a.add(i), *b.add(i));
+                *dst.add(i) = divide_by.map_or(s, |n| T::div(s, n));
             }
         };
-        let h = head(dst, len);
-        (0..h).for_each(scalar);
-        let body_end = h + (len - h) / 8 * 8;
-        let n = _mm256_set1_ps(divisor.unwrap_or(1.0));
-        for i in (h..body_end).step_by(8) {
-            // SAFETY: i + 8 <= len; dst + i is 32-byte aligned. Loads precede the store of the same elements.
+        let head = dst.align_offset(32).min(len);
+        (0..head).for_each(scalar);
+        let body_end = head + (len - head) / per_block * per_block;
+        for i in (head..body_end).step_by(per_block) {
+            // SAFETY: i + per_block <= len; dst + i is 32-byte aligned. `block` loads before the store.
             unsafe {
-                if i % 16 == 0 {
-                    prefetch(a.wrapping_add(i + F32_PREFETCH_BYTES / 4), b.wrapping_add(i + F32_PREFETCH_BYTES / 4));
+                if i % per_line == 0 {
+                    prefetch(a.wrapping_add(i + ahead), b.wrapping_add(i + ahead));
                 }
-                let mut s = _mm256_add_ps(_mm256_loadu_ps(a.add(i)), _mm256_loadu_ps(b.add(i)));
-                if divisor.is_some() {
-                    s = _mm256_div_ps(s, n);
-                }
+                let v = block(i);
                 if STREAM {
-                    _mm256_stream_ps(dst.add(i), s);
+                    _mm256_stream_si256(dst.add(i).cast(), v);
                 } else {
-                    _mm256_store_ps(dst.add(i), s);
+                    _mm256_store_si256(dst.add(i).cast(), v);
                 }
             }
         }
         if STREAM {
-            _mm_sfence();
+            // SAFETY: no preconditions.
+            unsafe { _mm_sfence() };
         }
         (body_end..len).for_each(scalar);
+    }
+
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn f32_sum<const STREAM: bool>(dst: *mut f32, a: *const f32, b: *const f32, len: usize, divide_by: Option<usize>) {
+        let n = divide_by.map(|n| _mm256_set1_ps(n as f32));
+        let block = |i: usize| {
+            // SAFETY: sum_blocks's contract: 8 elements at i.
+            unsafe {
+                let s = _mm256_add_ps(_mm256_loadu_ps(a.add(i)), _mm256_loadu_ps(b.add(i)));
+                _mm256_castps_si256(n.map_or(s, |n| _mm256_div_ps(s, n)))
+            }
+        };
+        // SAFETY: the caller's contract.
+        unsafe { sum_blocks::<f32, STREAM>(dst, a, b, len, divide_by, F32_PREFETCH_BYTES, block) }
     }
 
     /// f32 to bf16 bits in the low half of each 32-bit lane, rounded as `half::bf16::from_f32`.
@@ -176,76 +190,65 @@ mod avx2 {
     }
 
     #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn bf16_sum<const STREAM: bool>(dst: *mut bf16, a: *const bf16, b: *const bf16, len: usize, divisor: Option<f32>) {
-        let scalar = |i: usize| {
-            // SAFETY: i < len (the caller's contract covers all three).
-            unsafe {
-                let s = bf16::from_f32((*a.add(i)).to_f32() + (*b.add(i)).to_f32());
-                *dst.add(i) = divisor.map_or(s, |n| bf16::from_f32(s.to_f32() / n));
-            }
-        };
-        let h = head(dst, len);
-        (0..h).for_each(scalar);
-        let body_end = h + (len - h) / 16 * 16;
-        let n = divisor.map(|x| _mm256_set1_ps(x));
-        let (d, a16, b16) = (dst.cast::<u16>(), a.cast::<u16>(), b.cast::<u16>());
-        for i in (h..body_end).step_by(16) {
-            // SAFETY: i + 16 <= len; dst + i is 32-byte aligned. Loads precede the store of the same elements.
+    pub(super) unsafe fn bf16_sum<const STREAM: bool>(dst: *mut bf16, a: *const bf16, b: *const bf16, len: usize, divide_by: Option<usize>) {
+        let n = divide_by.map(|n| _mm256_set1_ps(n as f32));
+        let block = |i: usize| {
+            // SAFETY: sum_blocks's contract: 16 elements at i.
             unsafe {
                 // Interleaving zeros below each bf16 widens it to f32 (bf16 is f32's upper half). unpacklo takes
                 // elements 0-3 and 8-11 (per 128-bit lane), unpackhi 4-7 and 12-15, and packus puts them back in
                 // order. Values are at most 0xffff, so packus's unsigned saturation never bites.
-                if i % 32 == 0 {
-                    prefetch(a16.wrapping_add(i + BF16_PREFETCH_BYTES / 2), b16.wrapping_add(i + BF16_PREFETCH_BYTES / 2));
-                }
                 let zero = _mm256_setzero_si256();
-                let (va, vb) = (_mm256_loadu_si256(a16.add(i).cast()), _mm256_loadu_si256(b16.add(i).cast()));
+                let (va, vb) = (_mm256_loadu_si256(a.add(i).cast()), _mm256_loadu_si256(b.add(i).cast()));
                 let f32s = |lo: bool, v: __m256i| _mm256_castsi256_ps(if lo { _mm256_unpacklo_epi16(zero, v) } else { _mm256_unpackhi_epi16(zero, v) });
-                let lo = sum8(f32s(true, va), f32s(true, vb), n);
-                let hi = sum8(f32s(false, va), f32s(false, vb), n);
-                let packed = _mm256_packus_epi32(lo, hi);
-                if STREAM {
-                    _mm256_stream_si256(d.add(i).cast(), packed);
-                } else {
-                    _mm256_store_si256(d.add(i).cast(), packed);
-                }
+                _mm256_packus_epi32(sum8(f32s(true, va), f32s(true, vb), n), sum8(f32s(false, va), f32s(false, vb), n))
             }
-        }
-        if STREAM {
-            _mm_sfence();
-        }
-        (body_end..len).for_each(scalar);
+        };
+        // SAFETY: the caller's contract.
+        unsafe { sum_blocks::<bf16, STREAM>(dst, a, b, len, divide_by, HALF_PREFETCH_BYTES, block) }
     }
 
-    #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn f32_divide(dst: *mut f32, len: usize, n: f32) {
-        let body_end = len / 8 * 8;
-        let nv = _mm256_set1_ps(n);
-        for i in (0..body_end).step_by(8) {
-            // SAFETY: i + 8 <= len.
-            unsafe { _mm256_storeu_ps(dst.add(i), _mm256_div_ps(_mm256_loadu_ps(dst.add(i)), nv)) };
+    /// The loop every divide shares: 32-byte blocks of `dst` from `block(i)` (the quotients of the block at element
+    /// `i`), then the tail element by element with [`Element::div`].
+    ///
+    /// # Safety
+    /// As [`divide`](super::divide); `block(i)` reads only elements `i..i + 32 / size_of::<T>()`.
+    #[inline(always)]
+    unsafe fn divide_blocks<T: Element>(dst: *mut T, len: usize, n: usize, block: impl Fn(usize) -> __m256i) {
+        let per_block = 32 / size_of::<T>();
+        let body_end = len / per_block * per_block;
+        for i in (0..body_end).step_by(per_block) {
+            // SAFETY: i + per_block <= len.
+            unsafe { _mm256_storeu_si256(dst.add(i).cast(), block(i)) };
         }
         // SAFETY: i < len.
-        (body_end..len).for_each(|i| unsafe { *dst.add(i) /= n });
+        (body_end..len).for_each(|i| unsafe { *dst.add(i) = T::div(*dst.add(i), n) });
     }
 
     #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn bf16_divide(dst: *mut bf16, len: usize, n: f32) {
-        let body_end = len / 16 * 16;
-        let nv = _mm256_set1_ps(n);
-        let d = dst.cast::<u16>();
-        for i in (0..body_end).step_by(16) {
-            // SAFETY: i + 16 <= len. Widening and packing as in bf16_sum.
+    pub(super) unsafe fn f32_divide(dst: *mut f32, len: usize, n: usize) {
+        let nv = _mm256_set1_ps(n as f32);
+        // SAFETY (block): divide_blocks's contract: 8 elements at i.
+        let block = |i: usize| unsafe { _mm256_castps_si256(_mm256_div_ps(_mm256_loadu_ps(dst.add(i)), nv)) };
+        // SAFETY: the caller's contract.
+        unsafe { divide_blocks(dst, len, n, block) }
+    }
+
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn bf16_divide(dst: *mut bf16, len: usize, n: usize) {
+        let nv = _mm256_set1_ps(n as f32);
+        let block = |i: usize| {
+            // SAFETY: divide_blocks's contract: 16 elements at i. Widening and packing as in bf16_sum.
             unsafe {
                 let zero = _mm256_setzero_si256();
-                let v = _mm256_loadu_si256(d.add(i).cast());
+                let v = _mm256_loadu_si256(dst.add(i).cast());
                 let lo = round(_mm256_div_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v)), nv));
                 let hi = round(_mm256_div_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v)), nv));
-                _mm256_storeu_si256(d.add(i).cast(), _mm256_packus_epi32(lo, hi));
+                _mm256_packus_epi32(lo, hi)
             }
-        }
-        // SAFETY: i < len.
-        (body_end..len).for_each(|i| unsafe { *dst.add(i) = bf16::from_f32((*dst.add(i)).to_f32() / n) });
+        };
+        // SAFETY: the caller's contract.
+        unsafe { divide_blocks(dst, len, n, block) }
     }
 
     /// (a + b) [/ n] of 8 f16 lanes, converted with F16C (round to nearest even, as `half` does with it).
@@ -262,51 +265,22 @@ mod avx2 {
     }
 
     #[target_feature(enable = "avx2,f16c")]
-    pub(super) unsafe fn f16_sum<const STREAM: bool>(dst: *mut f16, a: *const f16, b: *const f16, len: usize, divisor: Option<f32>) {
-        let scalar = |i: usize| {
-            // SAFETY: i < len (the caller's contract covers all three).
-            unsafe {
-                let s = f16::from_f32((*a.add(i)).to_f32() + (*b.add(i)).to_f32());
-                *dst.add(i) = divisor.map_or(s, |n| f16::from_f32(s.to_f32() / n));
-            }
-        };
-        let h = head(dst, len);
-        (0..h).for_each(scalar);
-        let body_end = h + (len - h) / 16 * 16;
-        let n = divisor.map(|x| _mm256_set1_ps(x));
-        for i in (h..body_end).step_by(16) {
-            // SAFETY: i + 16 <= len; dst + i is 32-byte aligned. Loads precede the store of the same elements.
-            unsafe {
-                if i % 32 == 0 {
-                    prefetch(a.wrapping_add(i + BF16_PREFETCH_BYTES / 2), b.wrapping_add(i + BF16_PREFETCH_BYTES / 2));
-                }
-                let packed = _mm256_set_m128i(f16_sum8(a.add(i + 8), b.add(i + 8), n), f16_sum8(a.add(i), b.add(i), n));
-                if STREAM {
-                    _mm256_stream_si256(dst.add(i).cast(), packed);
-                } else {
-                    _mm256_store_si256(dst.add(i).cast(), packed);
-                }
-            }
-        }
-        if STREAM {
-            _mm_sfence();
-        }
-        (body_end..len).for_each(scalar);
+    pub(super) unsafe fn f16_sum<const STREAM: bool>(dst: *mut f16, a: *const f16, b: *const f16, len: usize, divide_by: Option<usize>) {
+        let n = divide_by.map(|n| _mm256_set1_ps(n as f32));
+        // SAFETY (block): sum_blocks's contract: 16 elements at i.
+        let block = |i: usize| unsafe { _mm256_set_m128i(f16_sum8(a.add(i + 8), b.add(i + 8), n), f16_sum8(a.add(i), b.add(i), n)) };
+        // SAFETY: the caller's contract.
+        unsafe { sum_blocks::<f16, STREAM>(dst, a, b, len, divide_by, HALF_PREFETCH_BYTES, block) }
     }
 
     #[target_feature(enable = "avx2,f16c")]
-    pub(super) unsafe fn f16_divide(dst: *mut f16, len: usize, n: f32) {
-        let body_end = len / 8 * 8;
-        let nv = _mm256_set1_ps(n);
-        for i in (0..body_end).step_by(8) {
-            // SAFETY: i + 8 <= len.
-            unsafe {
-                let v = _mm256_cvtph_ps(_mm_loadu_si128(dst.add(i).cast()));
-                _mm_storeu_si128(dst.add(i).cast(), _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm256_div_ps(v, nv)));
-            }
-        }
-        // SAFETY: i < len.
-        (body_end..len).for_each(|i| unsafe { *dst.add(i) = f16::from_f32((*dst.add(i)).to_f32() / n) });
+    pub(super) unsafe fn f16_divide(dst: *mut f16, len: usize, n: usize) {
+        let nv = _mm256_set1_ps(n as f32);
+        // SAFETY (both): divide_blocks's contract: 16 elements at i.
+        let half = |p: *mut f16| unsafe { _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm256_div_ps(_mm256_cvtph_ps(_mm_loadu_si128(p.cast())), nv)) };
+        let block = |i: usize| unsafe { _mm256_set_m128i(half(dst.add(i + 8)), half(dst.add(i))) };
+        // SAFETY: the caller's contract.
+        unsafe { divide_blocks(dst, len, n, block) }
     }
 }
 
