@@ -3,6 +3,7 @@
 //! Each collective is three steps: every rank publishes its buffer's address, waits until all have (phase A),
 //! reads what it needs from the others, waits until all have read (phase B), then returns. Writes go only to a
 //! rank's own buffer, or to a part of another's that only this rank produces, so no two threads race.
+use std::cell::RefCell;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -31,7 +32,13 @@ pub struct ThreadComm {
     rank: usize,
     world_size: usize,
     shared: Arc<Shared>,
+    /// All-reduce's reduced chunk, reused (u64 words keep every element type aligned).
+    scratch: RefCell<Vec<u64>>,
 }
+
+/// Bytes an all-reduce combines at a time (whole elements of every type): the chunk stays in L2 while it is copied
+/// to every rank.
+const REDUCE_CHUNK: usize = 256 * 1024;
 
 /// Creates the handles of a group of `world_size` thread ranks; give one to each thread.
 pub fn group(world_size: usize, timeout: Duration) -> Vec<ThreadComm> {
@@ -46,7 +53,7 @@ pub fn group(world_size: usize, timeout: Duration) -> Vec<ThreadComm> {
         cv: Condvar::new(),
         timeout,
     });
-    (0..world_size).map(|rank| ThreadComm { rank, world_size, shared: shared.clone() }).collect()
+    (0..world_size).map(|rank| ThreadComm { rank, world_size, shared: shared.clone(), scratch: RefCell::new(Vec::new()) }).collect()
 }
 
 impl Drop for ThreadComm {
@@ -132,18 +139,20 @@ impl Communicator for ThreadComm {
         const OP: &str = "all_reduce";
         let (es, n) = (buf.dtype.size(), buf.len());
         let slots = self.exchange(OP, buf.bytes.as_mut_ptr() as usize, buf.bytes.len(), buf.dtype)?;
-        // Rank r combines segment r into a private buffer, then (after everyone has read) writes it everywhere.
+        // Rank r alone reads and writes segment r of every buffer: it combines the segment chunk by chunk and
+        // writes each chunk into every buffer at once.
         let mine = (n * self.rank / self.world_size * es)..(n * (self.rank + 1) / self.world_size * es);
-        let mut reduced = vec![0u64; mine.len().div_ceil(8)];
-        let reduced = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut reduced)[..mine.len()];
-        let parts: Vec<&[u8]> = slots.iter().map(|s| unsafe { &Self::view(*s)[mine.clone()] }).collect();
-        reduce_into(buf.dtype, reduced, &parts, op);
-        self.barrier_op(OP)?;
-        for s in &slots {
-            // SAFETY: segment `mine` of every buffer is written by this rank only, between the two barriers.
-            let dst = unsafe { std::slice::from_raw_parts_mut((s.0 as *mut u8).add(mine.start), mine.len()) };
-            if !dst.is_empty() {
-                dst.copy_from_slice(reduced);
+        let mut scratch = self.scratch.borrow_mut();
+        scratch.resize(REDUCE_CHUNK / 8, 0);
+        let reduced = bytemuck::cast_slice_mut::<u64, u8>(&mut scratch);
+        for a in (mine.start..mine.end).step_by(REDUCE_CHUNK) {
+            let b = (a + REDUCE_CHUNK).min(mine.end);
+            // SAFETY: published slots stay valid until the closing barrier; segment `mine` is this rank's alone.
+            let parts: Vec<&[u8]> = slots.iter().map(|s| unsafe { &Self::view(*s)[a..b] }).collect();
+            reduce_into(buf.dtype, &mut reduced[..b - a], &parts, op);
+            for s in &slots {
+                // SAFETY: as above; the chunk was read into `reduced` before any buffer's copy of it is written.
+                unsafe { std::ptr::copy_nonoverlapping(reduced.as_ptr(), (s.0 as *mut u8).add(a), b - a) };
             }
         }
         self.barrier_op(OP)
