@@ -8,6 +8,7 @@
 //! Blocking MPI calls cannot be cancelled, so `comms_timeout` is enforced by a watchdog thread: a collective
 //! still running when it expires is logged (operation, rank, time waited) and the process exits with status 124;
 //! mpirun then stops the other ranks. A dead peer is handled by the MPI runtime, which aborts the job.
+use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -16,8 +17,7 @@ use mpi::topology::{Communicator as _, SimpleCommunicator};
 use mpi::traits::*;
 
 use super::agreement::{self, Call};
-use super::buffer::{divide, fold_into};
-use super::{BufMut, BufRef, CommError, CommResult, Communicator, Dtype, ReduceOp};
+use super::{reduce_into, BufMut, BufRef, CommError, CommResult, Communicator, Dtype, ReduceOp};
 
 /// One rank's MPI communicator (MPI_COMM_WORLD).
 pub struct MpiComm {
@@ -27,7 +27,18 @@ pub struct MpiComm {
     /// The collective in progress and when it started (ms since `epoch`); 0 when idle.
     current: Arc<(Mutex<&'static str>, AtomicU64)>,
     epoch: Instant,
+    /// Reused staging: the blocks sent, the blocks received, this rank's block. They only grow, so a training loop
+    /// allocates (and page-faults) nothing per collective. u64 words keep every element type aligned.
+    staging: RefCell<[Vec<u64>; 3]>,
     _universe: mpi::environment::Universe,
+}
+
+/// The first `bytes` bytes of `v`, grown (zeroed) if shorter.
+fn bytes_of(v: &mut Vec<u64>, bytes: usize) -> &mut [u8] {
+    if v.len() * 8 < bytes {
+        v.resize(bytes.div_ceil(8), 0);
+    }
+    &mut bytemuck::cast_slice_mut(v)[..bytes]
 }
 
 // SAFETY: MPI is initialised with MPI_THREAD_SERIALIZED, and the communicator is used by one thread at a time
@@ -65,7 +76,7 @@ impl MpiComm {
                 }
             })
             .map_err(|e| fail(format!("starting the watchdog: {e}")))?;
-        Ok(MpiComm { world, rank, world_size, current, epoch, _universe: universe })
+        Ok(MpiComm { world, rank, world_size, current, epoch, staging: RefCell::new([Vec::new(), Vec::new(), Vec::new()]), _universe: universe })
     }
 
     fn watch<R>(&self, op: &'static str, f: impl FnOnce() -> R) -> R {
@@ -85,19 +96,14 @@ impl MpiComm {
         agreement::check(op, self.rank, &calls)
     }
 
-    /// `blocks` holds `world_size` blocks of `seg` bytes; returns this rank's block folded over all ranks' blocks
-    /// (all-to-all, then a fold in rank order).
-    fn reduce_blocks(&self, op: &'static str, blocks: &[u8], seg: usize, dtype: Dtype, how: ReduceOp) -> Vec<u8> {
-        let mut recv = vec![0u8; blocks.len()];
+    /// `blocks` holds `world_size` blocks of `out.len()` bytes; writes into `out` this rank's block combined over
+    /// all ranks' blocks (all-to-all into `landing`, then a fold in rank order).
+    fn reduce_blocks(&self, op: &'static str, blocks: &[u8], landing: &mut Vec<u64>, out: &mut [u8], dtype: Dtype, how: ReduceOp) {
+        let seg = out.len();
+        let recv = bytes_of(landing, blocks.len());
         self.watch(op, || self.world.all_to_all_into(blocks, &mut recv[..]));
-        let mut acc = recv[..seg].to_vec();
-        for k in 1..self.world_size {
-            fold_into(dtype, &mut acc, &recv[k * seg..(k + 1) * seg], how);
-        }
-        if how == ReduceOp::Avg {
-            divide(dtype, &mut acc, self.world_size);
-        }
-        acc
+        let parts: Vec<&[u8]> = recv.chunks(seg).collect();
+        reduce_into(dtype, out, &parts, how);
     }
 }
 
@@ -119,11 +125,14 @@ impl Communicator for MpiComm {
         }
         // Equal blocks for the all-to-all: segments of ceil(len / n) elements, the last padded.
         let seg = len.div_ceil(n) * es;
-        let mut blocks = vec![0u8; seg * n];
-        blocks[..buf.bytes.len()].copy_from_slice(buf.bytes);
-        let mine = self.reduce_blocks(OP, &blocks, seg, dtype, op);
-        self.watch(OP, || self.world.all_gather_into(&mine[..], &mut blocks[..]));
         let total = buf.bytes.len();
+        let mut staging = self.staging.borrow_mut();
+        let [send, landing, mine] = &mut *staging;
+        let blocks = bytes_of(send, seg * n);
+        blocks[..total].copy_from_slice(buf.bytes);
+        let mine = bytes_of(mine, seg);
+        self.reduce_blocks(OP, blocks, landing, mine, dtype, op);
+        self.watch(OP, || self.world.all_gather_into(&mine[..], &mut blocks[..]));
         buf.bytes.copy_from_slice(&blocks[..total]);
         Ok(())
     }
@@ -135,8 +144,8 @@ impl Communicator for MpiComm {
         if input.is_empty() {
             return Ok(());
         }
-        let mine = self.reduce_blocks(OP, input.bytes, output.bytes.len(), input.dtype, op);
-        output.bytes.copy_from_slice(&mine);
+        let mut staging = self.staging.borrow_mut();
+        self.reduce_blocks(OP, input.bytes, &mut staging[1], output.bytes, input.dtype, op);
         Ok(())
     }
 
@@ -149,7 +158,9 @@ impl Communicator for MpiComm {
             return Ok(());
         }
         let pb = buf.bytes.len() / n;
-        let mine = buf.bytes[self.rank * pb..(self.rank + 1) * pb].to_vec();
+        let mut staging = self.staging.borrow_mut();
+        let mine = bytes_of(&mut staging[2], pb);
+        mine.copy_from_slice(&buf.bytes[self.rank * pb..(self.rank + 1) * pb]);
         self.watch(OP, || self.world.all_gather_into(&mine[..], &mut buf.bytes[..]));
         Ok(())
     }
