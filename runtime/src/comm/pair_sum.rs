@@ -28,9 +28,9 @@ pub(crate) fn supported(dtype: Dtype, op: ReduceOp) -> bool {
     }
 }
 
-/// `dst[i] = first[i] + second[i]`, divided by `divide_by` if given (the mean), over `len` elements of `dtype`. `stream`
-/// writes `dst` with non-temporal stores: for an output read by someone else later, streaming it past the cache
-/// saves reading each destination line in first (a quarter of a reduce-scatter's memory traffic).
+/// `dst[i] = first[i] + second[i]`, divided by `divide_by` if given (the mean), over `len` elements of `dtype`.
+/// `stream` writes `dst` with non-temporal stores: for an output read by someone else later, streaming it past the
+/// cache saves reading each destination line in first (a quarter of a reduce-scatter's memory traffic).
 ///
 /// # Safety
 /// [`supported`] returned true for `dtype` (and Sum, or Avg when dividing); `first` and `second` are valid for
