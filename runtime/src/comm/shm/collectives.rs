@@ -91,11 +91,11 @@ impl ShmComm {
         let bytes = buf.bytes;
         self.seg.handshake(OP, len, dtype, bytes.as_ptr())?;
         let n = self.seg.world_size;
-        let seg = |k: usize| (len * k / n * es)..(len * (k + 1) / n * es);
+        let segment_of = |k: usize| (len * k / n * es)..(len * (k + 1) / n * es);
         if self.peers.direct() {
             // Reduce-scatter: rank r combines segment r of every buffer into its own (peers read only other
             // segments of ours meanwhile); then all-gather: read every other segment from its owner.
-            let mine = seg(self.seg.rank);
+            let mine = segment_of(self.seg.rank);
             let base = bytes.as_mut_ptr();
             // When every rank's buffer is in its shared region, each rank also writes its reduced segment into
             // every peer's buffer (no rank then reads what a peer has just written, which costs a cross-core
@@ -111,7 +111,7 @@ impl ShmComm {
             }
             self.seg.barrier(OP)?;
             for k in (0..n).filter(|&k| k != self.seg.rank) {
-                let s = seg(k);
+                let s = segment_of(k);
                 self.peers.read(&self.seg, OP, k, s.start, &mut bytes[s])?;
             }
             return self.seg.barrier(OP);
