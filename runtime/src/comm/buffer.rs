@@ -182,7 +182,7 @@ pub(crate) fn reduce_into(dtype: Dtype, dst: &mut [u8], parts: &[&[u8]], op: Red
     if dst.is_empty() {
         return;
     }
-    if parts.len() >= 2 && op != ReduceOp::Max && pair_sum::supported(dtype, op) {
+    if parts.len() >= 2 && pair_sum::supported(dtype, op) {
         // The same operations in the same order as the element loop below: sum in rank order, divide once.
         let (a, b) = (&parts[0][..dst.len()], &parts[1][..dst.len()]);
         // SAFETY: supported; dst and the parts are distinct borrows of at least dst.len() bytes.
@@ -297,7 +297,7 @@ mod tests {
     }
 
     /// The two-rank folds give what the element loop gives, for every op, alignment (the vector kernels have a
-    /// head and a tail) and aliasing; f32 and bf16 run the vector kernels where the CPU has them, f16 the loop.
+    /// head and a tail) and aliasing; Sum and Avg run the vector kernels where the CPU has them, Max the loop.
     #[test]
     fn pair_folds_match_the_element_loop() {
         fn check<T: Element + PartialEq + std::fmt::Debug>(a: &[T], b: &[T]) {
