@@ -86,6 +86,18 @@ impl Rng {
     }
 }
 
+/// Shows the runtime's warnings (ignored config keys, slow settings) on stderr, and more with `RUST_LOG`, as a
+/// training program should: the library logs through `tracing` and never prints.
+pub fn init_logging() {
+    use std::io::IsTerminal;
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
+        .with_target(false)
+        .init();
+}
+
 /// Which samples of a global batch of `train` samples this rank's micro-batch `micro_index` holds.
 pub fn micro_batch_range(rank: usize, world: usize, micro_index: u64, micro: u64) -> std::ops::Range<usize> {
     let first = (micro_index as usize * world + rank) * micro as usize;
@@ -180,6 +192,12 @@ impl Progress {
     }
 
     pub fn record(&mut self, engine: &Engine, outcome: StepOutcome) {
+        if let StepOutcome::Skipped { loss, .. } = outcome {
+            // fp16 overflow (the engine logs it): the step's loss is real, the update was not made.
+            self.started = Instant::now();
+            self.last_loss = loss;
+            self.first_loss.get_or_insert(loss);
+        }
         if let StepOutcome::Stepped { step, loss, .. } = outcome {
             let secs = self.started.elapsed().as_secs_f64();
             self.times.push(secs);

@@ -226,6 +226,10 @@ impl Engine {
             let f = &config.fp16;
             LossScaler::new(LossScalerConfig::from_fp16(f.loss_scale, f.initial_scale_power, f.loss_scale_window, f.hysteresis, f.consecutive_hysteresis, f.min_loss_scale))
         });
+        if precision == Precision::Fp16 && rank == 0 {
+            // Every parameter is on the CPU (checked in `arrange`).
+            tracing::warn!("fp16 on the CPU: libtorch runs Half matmuls with a slow reference kernel on most CPUs (hundreds of times slower than bf16); bf16.enabled saves the same memory at full speed");
+        }
         tracing::info!(rank, world_size, stage = plan.stage, ?precision, params = layout.numel, partition = layout.partition_len(), units = layout.units.len(), "zerorun engine ready");
         // Gathered bytes count units' own buffers (stage 3); stage 2's units are regions of `flat_params`.
         let persistent_bytes = sharded_units.iter().filter(|u| u.persistent && u.owns_buffer()).map(ShardedUnit::full_bytes).sum();
@@ -418,7 +422,7 @@ impl Engine {
                     let _ = g.shallow_clone().f_zero_()?;
                 }
                 let scale = scaler.scale();
-                tracing::warn!(step = self.global_steps, scale, "fp16 gradients overflowed; step skipped and loss scale lowered");
+                tracing::warn!(step = self.global_steps, scale, "fp16 gradients overflowed; step skipped (the loss scale drops once the hysteresis is used up)");
                 self.end_of_step();
                 return Ok(StepOutcome::Skipped { step: self.global_steps, loss, scale });
             }
