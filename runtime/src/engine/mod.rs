@@ -84,9 +84,9 @@ impl EngineOptions {
 }
 
 /// This rank's optimized values in the model's dtype: a view of `flat_params` where they are contiguous (stages
-/// 0-1, 2 without units, 3's shard), the concatenation of its chunk of every unit at stage 2 with units.
-fn shard_values(flat_params: &Tensor, layout: &FlatLayout, rank: usize, stage: u8, by_units: bool, optimized: &std::ops::Range<usize>) -> Tensor {
-    if stage == 2 && by_units {
+/// 0-1, 3's shard), the concatenation of its chunk of every unit at stage 2 (laid out by units).
+fn shard_values(flat_params: &Tensor, layout: &FlatLayout, rank: usize, stage: u8, optimized: &std::ops::Range<usize>) -> Tensor {
+    if stage == 2 {
         let pieces: Vec<Tensor> = layout.shard_pieces(rank).into_iter().map(|p| flat_params.narrow(0, p.start as i64, p.len() as i64)).collect();
         Tensor::cat(&pieces, 0)
     } else {
@@ -197,11 +197,11 @@ impl Engine {
         // this rank's chunk of every unit) with units.
         let optimized = match plan.stage {
             0 => 0..layout.padded,
-            _ if plan.by_units => 0..layout.partition_len(),
+            _ if plan.by_units() => 0..layout.partition_len(),
             _ => layout.partition(rank),
         };
         let master = (precision != Precision::Fp32).then(|| {
-            let part = shard_values(&flat_params, &layout, rank, plan.stage, plan.by_units, &optimized).to_kind(Kind::Float);
+            let part = shard_values(&flat_params, &layout, rank, plan.stage, &optimized).to_kind(Kind::Float);
             AlignedVec::from_slice(views::slice::<f32>(&part))
         });
         let swapped_params = if plan.stage == 3 && z.offload_param.device == OffloadDevice::Nvme {
@@ -218,7 +218,7 @@ impl Engine {
             None
         };
         let (optimizer, base_lr, weight_decay) = setup::optimizer_tier(&config, optimized.len(), rank, next_engine_id())?;
-        let runs = if plan.by_units { layout.shard_decay_runs(rank) } else { layout.decay_runs(optimized.clone()) };
+        let runs = if plan.by_units() { layout.shard_decay_runs(rank) } else { layout.decay_runs(optimized.clone()) };
         let groups = runs.into_iter().map(|(range, decay)| Group { range, lr: base_lr, weight_decay: if decay { weight_decay } else { 0.0 } }).collect();
         let scheduler = optimizer::scheduler(&config, base_lr);
         let setup::GradientBuffers { flat_grads, grad_buffer, round_len, grad_part, grad_acc } = setup::gradient_buffers(&config, &plan, &layout, &params, optimized.len(), world_size, shared)?;
@@ -234,7 +234,7 @@ impl Engine {
         // Gathered bytes count units' own buffers (stage 3); stage 2's units are regions of `flat_params`.
         let persistent_bytes = sharded_units.iter().filter(|u| u.persistent && u.owns_buffer()).map(ShardedUnit::full_bytes).sum();
         let mut engine = Engine {
-            comm: prefetch::EngineComm::new(comm, plan.overlap && (!plan.stage2_units || plan.hooked_overlap)),
+            comm: prefetch::EngineComm::new(comm, plan.overlap && (plan.stage != 2 || plan.hooked_overlap)),
             config,
             batch,
             precision,
@@ -548,9 +548,9 @@ impl Engine {
         self.shard_in_pieces() || self.swapped_params.is_some()
     }
 
-    /// Whether this rank's optimized values are pieces of the full parameter buffer (stage 2 with units).
+    /// Whether this rank's optimized values are pieces of the full parameter buffer (stage 2, laid out by units).
     fn shard_in_pieces(&self) -> bool {
-        self.config.zero_optimization.stage == 2 && !self.units.is_empty()
+        self.config.zero_optimization.stage == 2
     }
 
     /// This rank's optimized values in the model's dtype, in the optimizer's order (a view where contiguous in
@@ -561,7 +561,7 @@ impl Engine {
             return swapped.read_all(len);
         }
         let z = &self.config.zero_optimization;
-        Ok(shard_values(&self.flat_params, &self.layout, self.rank(), z.stage, !self.units.is_empty(), &self.optimized))
+        Ok(shard_values(&self.flat_params, &self.layout, self.rank(), z.stage, &self.optimized))
     }
 
     /// Writes values in the optimizer's order (any float kind) into this rank's part of the parameters.

@@ -16,10 +16,6 @@ use crate::error::{Error, Result};
 #[derive(Debug, Clone, Copy)]
 pub(super) struct StagePlan {
     pub stage: u8,
-    /// Stage 2 or 3: parameters laid out unit by unit (stage 2 of a plain loop: buckets laid out like units).
-    pub by_units: bool,
-    /// Stage 2 with units or hook buckets: gradients reduced unit by unit during backward, never all held.
-    pub stage2_units: bool,
     /// Stage 2 of a plain loop (no units given): buckets of whole parameters reduced from gradient hooks.
     pub hooked: bool,
     /// `overlap_comm` with more than one rank at stages 1-3.
@@ -32,7 +28,13 @@ impl StagePlan {
     pub fn new(z: &ZeroConfig, has_units: bool, world_size: usize) -> StagePlan {
         let hooked = z.stage == 2 && !has_units;
         let overlap = z.overlap_comm && world_size > 1 && z.stage > 0;
-        StagePlan { stage: z.stage, by_units: z.stage >= 2, stage2_units: z.stage == 2, hooked, overlap, hooked_overlap: hooked && overlap && z.reduce_scatter }
+        StagePlan { stage: z.stage, hooked, overlap, hooked_overlap: hooked && overlap && z.reduce_scatter }
+    }
+
+    /// Stages 2 and 3 lay parameters out unit by unit: stage 3 gathers them so, stage 2 reduces gradients so during
+    /// backward (the model's units, or hook buckets laid out like units in a plain loop).
+    pub fn by_units(&self) -> bool {
+        self.stage >= 2
     }
 }
 
@@ -61,7 +63,7 @@ pub(super) fn arrange(vs: &nn::VarStore, options: &EngineOptions, plan: &StagePl
         units::assign(&unit_prefixes, &names)?
     };
     let unit_count = if plan.hooked { unit_of.last().map_or(0, |b| b + 1) } else { unit_prefixes.len() };
-    if plan.by_units {
+    if plan.by_units() {
         // Units lay parameters out unit by unit, in execution order (stable: by name within a unit).
         let mut order: Vec<usize> = (0..named.len()).collect();
         order.sort_by_key(|&i| unit_of[i]);
@@ -77,7 +79,7 @@ pub(super) fn arrange(vs: &nn::VarStore, options: &EngineOptions, plan: &StagePl
             (n.clone(), shape, decay)
         })
         .collect();
-    let layout = if plan.by_units {
+    let layout = if plan.by_units() {
         let mut by_unit: Vec<Vec<(String, Vec<i64>, bool)>> = vec![Vec::new(); unit_count];
         let mut sorted_units = unit_of;
         sorted_units.sort_unstable();
@@ -111,8 +113,8 @@ fn check_parameters(named: &[(String, Tensor)], precision: Precision) -> Result<
 }
 
 /// Stages 0-2: packs the parameters into one flat buffer (in the shared region when `shared`), makes the model's
-/// tensors views into it, and starts every rank from rank 0's weights. Stage 2 with units also gets one in-place
-/// unit per unit span (its chunk stays where it is; nothing is released).
+/// tensors views into it, and starts every rank from rank 0's weights. Stage 2 also gets one in-place unit per
+/// unit span (its chunk stays where it is; nothing is released).
 pub(super) fn pack(layout: &FlatLayout, named: Vec<(String, Tensor)>, kind: Kind, comm: &dyn Communicator, plan: &StagePlan, shared: bool) -> Result<(Tensor, Vec<Tensor>, Vec<ShardedUnit>)> {
     let flat_params = views::comm_zeros(layout.padded, kind, shared)?;
     let mut params = Vec::with_capacity(named.len());
@@ -126,7 +128,7 @@ pub(super) fn pack(layout: &FlatLayout, named: Vec<(String, Tensor)>, kind: Kind
     });
     views::broadcast(comm, &flat_params, 0)?;
     let mut units = Vec::new();
-    if plan.stage2_units {
+    if plan.stage == 2 {
         let world_size = comm.world_size();
         let mut offset = 0;
         for span in &layout.units {
@@ -207,13 +209,13 @@ pub(super) fn gradient_buffers(config: &Config, plan: &StagePlan, layout: &FlatL
     let staged = match plan.stage {
         0 => layout.padded,
         _ if plan.hooked_overlap => 2 * largest_unit,
-        _ if plan.by_units => largest_unit,
+        _ if plan.by_units() => largest_unit,
         // Two halves with overlap_comm: one reduces while the next round is gathered into the other.
         _ => round_len * world_size * if plan.overlap { 2 } else { 1 },
     };
     let flat_grads = views::comm_zeros(staged, comm_kind, shared)?;
     let grad_buffer = match plan.stage {
-        _ if plan.by_units => None,
+        _ if plan.by_units() => None,
         _ if comm_kind != kind => None,
         0 => Some(flat_grads.shallow_clone()),
         _ => Some(views::comm_zeros(layout.padded, comm_kind, shared)?),
@@ -226,7 +228,7 @@ pub(super) fn gradient_buffers(config: &Config, plan: &StagePlan, layout: &FlatL
     }
     // fp32 models at stages 1-2 with gradient views reduce each rank's partition in place in the buffer.
     let fp32_in_place = precision == Precision::Fp32 && grad_buffer.is_some();
-    let part_len = if plan.by_units { largest_unit / world_size * if plan.hooked_overlap { 2 } else { 1 } } else { layout.partition_len() };
+    let part_len = if plan.by_units() { largest_unit / world_size * if plan.hooked_overlap { 2 } else { 1 } } else { layout.partition_len() };
     let grad_part = (plan.stage > 0 && !fp32_in_place).then(|| Tensor::zeros([part_len as i64], (comm_kind, tch::Device::Cpu)));
     let grad_acc = AlignedVec::filled(if (plan.stage > 0 && !fp32_in_place) || precision != Precision::Fp32 { optimized_len } else { 0 }, 0.0);
     Ok(GradientBuffers { flat_grads, grad_buffer, round_len, grad_part, grad_acc })
