@@ -1,13 +1,15 @@
-//! Saving and loading the engine's state in the checkpoint format of [`crate::checkpoint`].
+//! Saving and loading the engine's state in the checkpoint format of [`crate::checkpoint`], and full weights out
+//! of the engine (`full_parameters`, `save_16bit_model`).
 use std::path::{Path, PathBuf};
 
+use tch::{Kind, Tensor};
 
 use super::{views, Engine, ParamSlot};
 use crate::checkpoint::files::{self, MappedTensors};
 use crate::checkpoint::{latest_tag, CheckpointError, Manifest, ParamEntry, RankEntry, FORMAT_VERSION};
 use crate::comm::{Collectives, ReduceOp};
 use crate::config::Precision;
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 fn check_tag(tag: &str) -> Result<()> {
     if tag.is_empty() || tag.starts_with('.') || tag.contains(['/', '\\']) || tag == "latest" {
@@ -304,5 +306,42 @@ impl Engine {
         self.comm.barrier()?;
         tracing::info!(tag, step = self.global_steps, from_world_size = m.world_size, from_stage = m.stage, "checkpoint loaded");
         Ok(tag)
+    }
+}
+
+/// Full weights out of the engine: every parameter by name, and DeepSpeed's `save_16bit_model`.
+impl Engine {
+    /// Every parameter by name as full fp32 copies (identical on every rank). Collective at stage 3, where it
+    /// gathers the units one at a time: every rank calls it.
+    pub fn full_parameters(&mut self) -> Result<Vec<(String, Tensor)>> {
+        self.full_parameters_as(Kind::Float)
+    }
+
+    pub(super) fn full_parameters_as(&mut self, kind: Kind) -> Result<Vec<(String, Tensor)>> {
+        if !self.units.is_empty() {
+            return self.gather_full_parameters(kind);
+        }
+        Ok(self.layout.slots.iter().zip(&self.params).map(|(s, t)| (s.name.clone(), t.detach().to_kind(kind).copy())).collect())
+    }
+
+    /// DeepSpeed's `save_16bit_model`: rank 0 writes every parameter in the model's dtype (safetensors, by name).
+    /// Collective. At stage 3 this gathers the units one at a time and needs
+    /// `zero_optimization.stage3_gather_16bit_weights_on_model_save`; without it the weights exist only as
+    /// shards, so it refuses and says where full weights come from instead of writing empty tensors.
+    pub fn save_16bit_model(&mut self, path: impl AsRef<std::path::Path>) -> Result<()> {
+        let path = path.as_ref();
+        if !self.units.is_empty() && !self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save {
+            return Err(Error::Unsupported {
+                key: "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+                value: "false".into(),
+                why: "at stage 3 the weights are sharded across ranks; set it to true to gather them on save, or save_checkpoint and run `zerorun consolidate DIR OUT`",
+            });
+        }
+        let params = self.full_parameters_as(views::kind_of(self.precision))?;
+        if self.rank() == 0 {
+            Tensor::write_safetensors(&params, path).map_err(|e| Error::Usage(format!("{}: {e}", path.display())))?;
+        }
+        self.comm.barrier()?;
+        Ok(())
     }
 }

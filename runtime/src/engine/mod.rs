@@ -14,7 +14,8 @@
 //! all written (`grad_hooks.rs`).
 //! Optimizer states live in memory or on NVMe (`optimizer.rs`, `swapped_optimizer.rs`); so does stage 3's
 //! parameter shard (`swapped_params.rs`).
-//! `setup.rs` holds how `Engine::new` builds all of it, one decision per function.
+//! `setup.rs` holds how `Engine::new` builds all of it, one decision per function; `shard.rs` where this rank's
+//! optimized values live; mod.rs the Engine itself: backward, the optimizer step and what it takes.
 mod checkpointing;
 mod grad_hooks;
 pub mod layout;
@@ -25,6 +26,7 @@ mod reduce;
 mod reporting;
 pub mod sampler;
 mod setup;
+mod shard;
 mod sharded_unit;
 mod stage3;
 mod swapped_optimizer;
@@ -45,6 +47,7 @@ use crate::error::{Error, Result};
 use crate::report::memory::MemoryTracker;
 use crate::report::{Phase, PhaseTimes};
 pub use layout::{FlatLayout, ParamSlot, UnitSpan};
+use shard::shard_values;
 use sharded_unit::ShardedUnit;
 pub use reporting::{MemoryReportFiles, MEMORY_REPORT_ENV};
 pub use stage3::{CommVolume, GatheredBytes};
@@ -80,17 +83,6 @@ impl EngineOptions {
     pub fn units_of(mut self, model: &dyn UnitModel) -> Self {
         self.units = Some(model.unit_prefixes());
         self
-    }
-}
-
-/// This rank's optimized values in the model's dtype: a view of `flat_params` where they are contiguous (stages
-/// 0-1, 3's shard), the concatenation of its chunk of every unit at stage 2 (laid out by units).
-fn shard_values(flat_params: &Tensor, layout: &FlatLayout, rank: usize, stage: u8, optimized: &std::ops::Range<usize>) -> Tensor {
-    if stage == 2 {
-        let pieces: Vec<Tensor> = layout.shard_pieces(rank).into_iter().map(|p| flat_params.narrow(0, p.start as i64, p.len() as i64)).collect();
-        Tensor::cat(&pieces, 0)
-    } else {
-        flat_params.narrow(0, optimized.start as i64, optimized.len() as i64)
     }
 }
 
@@ -544,113 +536,5 @@ impl Engine {
         self.write_shard(&scratch)
     }
 
-    fn steps_a_copy_of_the_shard(&self) -> bool {
-        self.shard_in_pieces() || self.swapped_params.is_some()
-    }
 
-    /// Whether this rank's optimized values are pieces of the full parameter buffer (stage 2, laid out by units).
-    fn shard_in_pieces(&self) -> bool {
-        self.config.zero_optimization.stage == 2
-    }
-
-    /// This rank's optimized values in the model's dtype, in the optimizer's order (a view where contiguous in
-    /// memory; read from NVMe where the shard is there).
-    pub(super) fn read_shard(&mut self) -> Result<Tensor> {
-        let len = self.optimized.len();
-        if let Some(swapped) = self.swapped_params.as_mut() {
-            return swapped.read_all(len);
-        }
-        let z = &self.config.zero_optimization;
-        Ok(shard_values(&self.flat_params, &self.layout, self.rank(), z.stage, &self.optimized))
-    }
-
-    /// Writes values in the optimizer's order (any float kind) into this rank's part of the parameters.
-    pub(super) fn write_shard(&mut self, values: &Tensor) -> Result<()> {
-        if let Some(swapped) = self.swapped_params.as_mut() {
-            return swapped.write_all(values);
-        }
-        let values = values.to_kind(self.flat_params.kind());
-        tch::no_grad(|| -> Result<()> {
-            if self.shard_in_pieces() {
-                let mut at = 0i64;
-                for piece in self.layout.shard_pieces(self.rank()) {
-                    let n = piece.len() as i64;
-                    self.flat_params.narrow(0, piece.start as i64, n).f_copy_(&values.narrow(0, at, n))?;
-                    at += n;
-                }
-            } else {
-                self.flat_params.narrow(0, self.optimized.start as i64, self.optimized.len() as i64).f_copy_(&values)?;
-            }
-            Ok(())
-        })
-    }
-
-    /// Every parameter by name as full fp32 copies (identical on every rank). Collective at stage 3, where it
-    /// gathers the units one at a time: every rank calls it.
-    pub fn full_parameters(&mut self) -> Result<Vec<(String, Tensor)>> {
-        self.full_parameters_as(Kind::Float)
-    }
-
-    pub(super) fn full_parameters_as(&mut self, kind: Kind) -> Result<Vec<(String, Tensor)>> {
-        if !self.units.is_empty() {
-            return self.gather_full_parameters(kind);
-        }
-        Ok(self.layout.slots.iter().zip(&self.params).map(|(s, t)| (s.name.clone(), t.detach().to_kind(kind).copy())).collect())
-    }
-
-    /// DeepSpeed's `save_16bit_model`: rank 0 writes every parameter in the model's dtype (safetensors, by name).
-    /// Collective. At stage 3 this gathers the units one at a time and needs
-    /// `zero_optimization.stage3_gather_16bit_weights_on_model_save`; without it the weights exist only as
-    /// shards, so it refuses and says where full weights come from instead of writing empty tensors.
-    pub fn save_16bit_model(&mut self, path: impl AsRef<std::path::Path>) -> Result<()> {
-        let path = path.as_ref();
-        if !self.units.is_empty() && !self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save {
-            return Err(Error::Unsupported {
-                key: "zero_optimization.stage3_gather_16bit_weights_on_model_save",
-                value: "false".into(),
-                why: "at stage 3 the weights are sharded across ranks; set it to true to gather them on save, or save_checkpoint and run `zerorun consolidate DIR OUT`",
-            });
-        }
-        let params = self.full_parameters_as(views::kind_of(self.precision))?;
-        if self.rank() == 0 {
-            Tensor::write_safetensors(&params, path).map_err(|e| Error::Usage(format!("{}: {e}", path.display())))?;
-        }
-        self.comm.barrier()?;
-        Ok(())
-    }
-
-    /// Bytes this rank holds, by category: `parameters` (the model-dtype values kept between steps: all of them
-    /// at stages 0-2, the shard at stage 3), `parameters_nvme` (the shard's chunks on NVMe), `parameters_gathered` (stage 3 units gathered now), `gradients_full`
-    /// (autograd's `.grad` tensors of the model, stages 0-2), `gradients_shard` (the fp32 reduced gradients of the
-    /// optimized range), `master_fp32`, `optimizer_states`, `communication_buffers` (reduction staging).
-    pub fn memory_bytes(&self) -> Vec<(&'static str, usize)> {
-        let bytes = |t: &Tensor| t.numel() * t.kind().elt_size_in_bytes();
-        // With gradient views the `.grad` tensors are the gradient buffer: counted once, as the full gradients.
-        let full = match &self.grad_buffer {
-            Some(g) => bytes(g),
-            None => self.params.iter().map(|t| t.grad()).filter(Tensor::defined).map(|g| bytes(&g)).sum(),
-        };
-        let staging = if self.config.zero_optimization.stage == 0 && (self.grad_buffer.is_some() || self.grads_in_flat_buffer()) {
-            0
-        } else {
-            bytes(&self.flat_grads)
-        };
-        let shard = if self.config.zero_optimization.stage == 0 && self.grad_buffer.is_none() && self.grads_in_flat_buffer() {
-            bytes(&self.flat_grads)
-        } else {
-            self.grad_acc.len() * 4
-        };
-        let (params_resident, params_nvme) = self.swapped_params.as_ref().map_or((0, 0), |s| (s.resident_bytes(), s.swapped_bytes()));
-        vec![
-            ("parameters", bytes(&self.flat_params) + params_resident),
-            ("parameters_nvme", params_nvme),
-            ("parameters_gathered", self.gathered.current),
-            ("gradients_full", full),
-            ("gradients_shard", shard),
-            ("master_fp32", self.master.as_ref().map_or(0, |m| m.len() * 4)),
-            ("optimizer_states", self.optimizer.resident_bytes()),
-            ("optimizer_states_nvme", self.optimizer.swapped_bytes()),
-            ("communication_buffers", staging + self.grad_part.as_ref().map_or(0, bytes)),
-        ]
-    }
 }

@@ -1,6 +1,8 @@
-//! The engine's end of the memory report and the wall-clock breakdown: sampling after every optimizer step,
-//! printing every `steps_per_print`, and the files at the end of the run.
+//! The engine's end of the memory report and the wall-clock breakdown: what it holds by category, sampling after
+//! every optimizer step, printing every `steps_per_print`, and the files at the end of the run.
 use std::path::PathBuf;
+
+use tch::Tensor;
 
 use super::Engine;
 use crate::config::Precision;
@@ -22,6 +24,41 @@ pub struct MemoryReportFiles {
 }
 
 impl Engine {
+    /// Bytes this rank holds, by category: `parameters` (the model-dtype values kept between steps: all of them
+    /// at stages 0-2, the shard at stage 3), `parameters_nvme` (the shard's chunks on NVMe), `parameters_gathered` (stage 3 units gathered now), `gradients_full`
+    /// (autograd's `.grad` tensors of the model, stages 0-2), `gradients_shard` (the fp32 reduced gradients of the
+    /// optimized range), `master_fp32`, `optimizer_states`, `communication_buffers` (reduction staging).
+    pub fn memory_bytes(&self) -> Vec<(&'static str, usize)> {
+        let bytes = |t: &Tensor| t.numel() * t.kind().elt_size_in_bytes();
+        // With gradient views the `.grad` tensors are the gradient buffer: counted once, as the full gradients.
+        let full = match &self.grad_buffer {
+            Some(g) => bytes(g),
+            None => self.params.iter().map(|t| t.grad()).filter(Tensor::defined).map(|g| bytes(&g)).sum(),
+        };
+        let staging = if self.config.zero_optimization.stage == 0 && (self.grad_buffer.is_some() || self.grads_in_flat_buffer()) {
+            0
+        } else {
+            bytes(&self.flat_grads)
+        };
+        let shard = if self.config.zero_optimization.stage == 0 && self.grad_buffer.is_none() && self.grads_in_flat_buffer() {
+            bytes(&self.flat_grads)
+        } else {
+            self.grad_acc.len() * 4
+        };
+        let (params_resident, params_nvme) = self.swapped_params.as_ref().map_or((0, 0), |s| (s.resident_bytes(), s.swapped_bytes()));
+        vec![
+            ("parameters", bytes(&self.flat_params) + params_resident),
+            ("parameters_nvme", params_nvme),
+            ("parameters_gathered", self.gathered.current),
+            ("gradients_full", full),
+            ("gradients_shard", shard),
+            ("master_fp32", self.master.as_ref().map_or(0, |m| m.len() * 4)),
+            ("optimizer_states", self.optimizer.resident_bytes()),
+            ("optimizer_states_nvme", self.optimizer.swapped_bytes()),
+            ("communication_buffers", staging + self.grad_part.as_ref().map_or(0, bytes)),
+        ]
+    }
+
     /// After every optimizer step (taken or skipped): a memory sample and the step's phase times.
     pub(super) fn end_of_step(&mut self) {
         let now = self.memory_bytes();
