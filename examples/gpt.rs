@@ -34,7 +34,7 @@ struct Args {
 
 fn main() {
     let args = Args::parse();
-    init_logging();
+    zerorun::init_logging();
     if let Err(e) = run(&args) {
         eprintln!("error: {e}");
         std::process::exit(1);

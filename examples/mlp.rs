@@ -83,7 +83,7 @@ fn load_data(path: &std::path::Path) -> Result<(Tensor, Tensor), String> {
 
 fn main() {
     let args = Args::parse();
-    init_logging();
+    zerorun::init_logging();
     if let Err(e) = run(&args) {
         eprintln!("error: {e}");
         std::process::exit(1);

@@ -31,12 +31,7 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     // Logs (warnings about ignored keys, progress) go to stderr; stdout carries the command's output.
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
-        .with_target(false)
-        .init();
+    zerorun::init_logging();
     let result = match cli.command {
         Command::Config(c) => cli::config::run(c),
         Command::Bench(c) => cli::bench::run(c),

@@ -86,18 +86,6 @@ impl Rng {
     }
 }
 
-/// Shows the runtime's warnings (ignored config keys, slow settings) on stderr, and more with `RUST_LOG`, as a
-/// training program should: the library logs through `tracing` and never prints.
-pub fn init_logging() {
-    use std::io::IsTerminal;
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
-        .with_target(false)
-        .init();
-}
-
 /// Which samples of a global batch of `train` samples this rank's micro-batch `micro_index` holds.
 pub fn micro_batch_range(rank: usize, world: usize, micro_index: u64, micro: u64) -> std::ops::Range<usize> {
     let first = (micro_index as usize * world + rank) * micro as usize;
