@@ -138,25 +138,18 @@ fn rank_main(c: &dyn Communicator, max_bytes: usize, dtype: Dtype, repeats: usiz
     Ok(())
 }
 
+/// The element types the benchmark runs, by their `--dtype` name.
+const DTYPES: [(&str, Dtype); 3] = [("f32", Dtype::F32), ("bf16", Dtype::Bf16), ("f16", Dtype::F16)];
+
 fn dtype_name(dtype: Dtype) -> &'static str {
-    match dtype {
-        Dtype::F32 => "f32",
-        Dtype::Bf16 => "bf16",
-        Dtype::F16 => "f16",
-        Dtype::I64 => "i64",
-    }
+    DTYPES.iter().find(|(_, d)| *d == dtype).map_or("?", |(name, _)| name)
 }
 
 pub fn run(backend: &str, ranks: usize, max_bytes: usize, dtype: &str, repeats: usize, json: bool, worker: bool) -> Result<(), CliError> {
     if ranks < 2 {
         return Err(CliError::Usage("--ranks must be >= 2".into()));
     }
-    let elem = match dtype {
-        "f32" => Dtype::F32,
-        "bf16" => Dtype::Bf16,
-        "f16" => Dtype::F16,
-        other => return Err(CliError::Usage(format!("--dtype {other:?}: choose f32, bf16 or f16"))),
-    };
+    let elem = DTYPES.iter().find(|(name, _)| *name == dtype).map(|(_, d)| *d).ok_or_else(|| CliError::Usage(format!("--dtype {dtype:?}: choose f32, bf16 or f16")))?;
     if worker {
         let c = communicator_from_env(Duration::from_secs(600)).map_err(|e| CliError::Usage(e.to_string()))?;
         return rank_main(c.as_ref(), max_bytes, elem, repeats, json);

@@ -176,6 +176,19 @@ mod avx2 {
         }
     }
 
+    /// 16 bf16 values as two vectors of 8 f32: interleaving zeros below each bf16 widens it (bf16 is f32's upper
+    /// half). unpacklo takes elements 0-3 and 8-11 (per 128-bit lane), unpackhi 4-7 and 12-15; `_mm256_packus_epi32`
+    /// of the two rounded halves puts them back in order (values are at most 0xffff, so its unsigned saturation
+    /// never bites).
+    #[inline(always)]
+    unsafe fn widen(v: __m256i) -> (__m256, __m256) {
+        // SAFETY: register-only AVX2 operations.
+        unsafe {
+            let zero = _mm256_setzero_si256();
+            (_mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v)), _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v)))
+        }
+    }
+
     /// (a + b) [/ n] of 8 lanes already widened to f32, as bf16 bits in 32-bit lanes.
     #[inline(always)]
     unsafe fn sum8(a: __m256, b: __m256, divisor: Option<__m256>) -> __m256i {
@@ -195,13 +208,9 @@ mod avx2 {
         let block = |i: usize| {
             // SAFETY: sum_blocks's contract: 16 elements at i.
             unsafe {
-                // Interleaving zeros below each bf16 widens it to f32 (bf16 is f32's upper half). unpacklo takes
-                // elements 0-3 and 8-11 (per 128-bit lane), unpackhi 4-7 and 12-15, and packus puts them back in
-                // order. Values are at most 0xffff, so packus's unsigned saturation never bites.
-                let zero = _mm256_setzero_si256();
-                let (va, vb) = (_mm256_loadu_si256(a.add(i).cast()), _mm256_loadu_si256(b.add(i).cast()));
-                let f32s = |lo: bool, v: __m256i| _mm256_castsi256_ps(if lo { _mm256_unpacklo_epi16(zero, v) } else { _mm256_unpackhi_epi16(zero, v) });
-                _mm256_packus_epi32(sum8(f32s(true, va), f32s(true, vb), n), sum8(f32s(false, va), f32s(false, vb), n))
+                let (a_lo, a_hi) = widen(_mm256_loadu_si256(a.add(i).cast()));
+                let (b_lo, b_hi) = widen(_mm256_loadu_si256(b.add(i).cast()));
+                _mm256_packus_epi32(sum8(a_lo, b_lo, n), sum8(a_hi, b_hi, n))
             }
         };
         // SAFETY: the caller's contract.
@@ -238,13 +247,10 @@ mod avx2 {
     pub(super) unsafe fn bf16_divide(dst: *mut bf16, len: usize, n: usize) {
         let nv = _mm256_set1_ps(n as f32);
         let block = |i: usize| {
-            // SAFETY: divide_blocks's contract: 16 elements at i. Widening and packing as in bf16_sum.
+            // SAFETY: divide_blocks's contract: 16 elements at i.
             unsafe {
-                let zero = _mm256_setzero_si256();
-                let v = _mm256_loadu_si256(dst.add(i).cast());
-                let lo = round(_mm256_div_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v)), nv));
-                let hi = round(_mm256_div_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v)), nv));
-                _mm256_packus_epi32(lo, hi)
+                let (lo, hi) = widen(_mm256_loadu_si256(dst.add(i).cast()));
+                _mm256_packus_epi32(round(_mm256_div_ps(lo, nv)), round(_mm256_div_ps(hi, nv)))
             }
         };
         // SAFETY: the caller's contract.
