@@ -30,7 +30,8 @@ struct Args {
     #[arg(long)]
     data: Option<std::path::PathBuf>,
     /// Train as a plain loop: no units given to the engine, the model called directly, `engine.backward(&loss)`
-    /// (stage 2 then reduces from gradient hooks; stage 3 treats the whole model as one unit).
+    /// (stage 2 then reduces from gradient hooks). Stages 0-2 only: stage 3 gathers parameters inside
+    /// `engine.forward`, so it refuses a model called directly unless it is small enough to stay gathered.
     #[arg(long)]
     plain_loop: bool,
 }

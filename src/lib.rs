@@ -17,7 +17,7 @@ pub use zerorun_runtime as runtime;
 pub use zerorun_runtime::config::{self, Config, ConfigError};
 pub use zerorun_runtime::estimate::{estimate, EstimateInput, EstimateRow};
 pub use zerorun_runtime::engine::{Sequence, UnitModel, Whole};
-pub use zerorun_runtime::{initialize, Engine, EngineOptions, Error, StepOutcome};
+pub use zerorun_runtime::{initialize, BufferSync, Engine, EngineOptions, Error, SaveOptions, StepOutcome};
 
 /// Shows zerorun's logs on stderr, as a training program (or the CLI) should install them: warnings by default
 /// (ignored config keys, slow settings, skipped fp16 steps), more with `RUST_LOG`; colours only on a terminal, not

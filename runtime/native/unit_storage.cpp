@@ -103,3 +103,9 @@ extern "C" char *zerorun_rng_state_set(const uint8_t *in, int64_t len) {
         return message(e.what());
     }
 }
+
+// The TensorImpl behind a handle: the identity of a variable, the same for every shallow clone and unchanged by
+// set_data (which swaps the storage inside the impl). The engine tells the VarStore's variables apart by it.
+extern "C" const void *zerorun_tensor_impl(at::Tensor *t) {
+    return t->unsafeGetTensorImpl();
+}

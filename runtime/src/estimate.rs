@@ -19,11 +19,16 @@ pub struct EstimateInput {
     pub precision: Precision,
     /// fp32 values the optimizer keeps per parameter (Adam: 2).
     pub optimizer_states: u64,
+    /// Frozen parameters (requires_grad off: a frozen backbone, a LoRA base), not counted in `params`: they
+    /// cost their values only, no gradient and no optimizer state; partitioned at stage 3.
+    pub frozen_params: u64,
+    /// Bytes of one frozen value; None: the trainable parameters' (2 for 16-bit models, 4 for fp32).
+    pub frozen_bytes_per_param: Option<u64>,
 }
 
 impl EstimateInput {
     pub fn new(params: u64) -> Self {
-        EstimateInput { params, largest_layer_params: None, nodes: 1, gpus_per_node: 1, precision: Precision::Bf16, optimizer_states: 2 }
+        EstimateInput { params, largest_layer_params: None, nodes: 1, gpus_per_node: 1, precision: Precision::Bf16, optimizer_states: 2, frozen_params: 0, frozen_bytes_per_param: None }
     }
 
     /// Precision and optimizer from a config.
@@ -35,6 +40,16 @@ impl EstimateInput {
 
     fn ranks(&self) -> u64 {
         (self.nodes * self.gpus_per_node).max(1)
+    }
+
+    /// Bytes of the frozen parameters one rank holds at `stage` (all of them, or its share at stage 3).
+    pub fn frozen_bytes(&self, stage: u8) -> f64 {
+        let bytes = (self.frozen_params * self.frozen_bytes_per_param.unwrap_or(self.bytes_per_param().0)) as f64;
+        if stage == 3 {
+            bytes / self.ranks() as f64
+        } else {
+            bytes
+        }
     }
 
     /// Bytes per parameter of (parameters, gradients, optimizer states incl. an fp32 master copy when the
@@ -72,7 +87,7 @@ pub fn model_states_bytes(input: &EstimateInput, stage: u8) -> u64 {
         2 => p as f64 + (g + o) as f64 / n,
         _ => (p + g + o) as f64 / n,
     };
-    (psi * per_param).round() as u64
+    (psi * per_param + input.frozen_bytes(stage)).round() as u64
 }
 
 /// Every stage and CPU-offload option, in DeepSpeed's estimator terms.
@@ -93,8 +108,9 @@ pub fn estimate(input: &EstimateInput) -> Vec<EstimateRow> {
         stage,
         offload_optimizer: oo,
         offload_param: op,
-        per_device_bytes: device.round() as u64,
-        per_host_bytes: host.round() as u64,
+        // Frozen values live where the parameters do: on the device, or on the host with offload_param.
+        per_device_bytes: (device + if op == Off { input.frozen_bytes(stage) } else { 0.0 }).round() as u64,
+        per_host_bytes: (host + if op == Off { 0.0 } else { input.frozen_bytes(stage) * gpn }).round() as u64,
         model_states_bytes: model_states_bytes(input, stage),
     };
     let load = psi * 4.0 * gpn * abf; // fp32 weights loaded on the host, once per local rank

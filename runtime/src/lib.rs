@@ -15,7 +15,7 @@ pub mod estimate;
 pub mod report;
 
 pub use config::{Config, ConfigError};
-pub use engine::{Engine, EngineOptions, StepOutcome};
+pub use engine::{BufferSync, Engine, EngineOptions, SaveOptions, StepOutcome};
 pub use error::{Error, Result};
 
 /// Builds the engine for `vs` from `config` on the given communicator (see [`Engine::new`]).

@@ -1,5 +1,6 @@
-//! `zerorun consolidate CHECKPOINT_DIR OUT.safetensors [--tag TAG] [--dtype fp32|bf16]`: full weights by
-//! parameter name from a sharded checkpoint, tensor by tensor (memory bounded by the largest tensor).
+//! `zerorun consolidate CHECKPOINT_DIR OUT.safetensors [--tag TAG] [--dtype fp32|bf16]`: the whole model by
+//! variable name from a sharded checkpoint (trainable parameters in `--dtype`, buffers and frozen parameters as
+//! saved), tensor by tensor (memory bounded by the largest tensor): a file `VarStore::load` reads.
 use std::path::PathBuf;
 
 use clap::Args;
@@ -48,9 +49,28 @@ pub fn run(a: ConsolidateArgs) -> Result<(), CliError> {
         }
         opened.push((r, MappedTensors::open(&path).map_err(ck)?));
     }
-    let tensors: Vec<(String, Vec<usize>)> = m.params.iter().map(|p| (p.name.clone(), p.shape.iter().map(|&d| d as usize).collect())).collect();
+    // Buffers and frozen parameters (format 3) are copied as saved, in their own dtypes, so the file is the
+    // whole model: what `VarStore::load` of it reads.
+    let variables = match &m.variables_file {
+        Some(name) => Some(MappedTensors::open(&folder.join(name)).map_err(ck)?),
+        None => None,
+    };
+    let extras: Vec<&str> = m.buffers.iter().chain(&m.frozen).map(|e| e.name.as_str()).collect();
+    let mut tensors: Vec<(String, Vec<usize>, String)> =
+        m.params.iter().map(|p| (p.name.clone(), p.shape.iter().map(|&d| d as usize).collect(), dtype.to_string())).collect();
+    if let Some(v) = &variables {
+        for name in &extras {
+            let (dt, shape, _) = v.raw(name).map_err(ck)?;
+            tensors.push((name.to_string(), shape, dt));
+        }
+    }
     let mut buf = Vec::new();
-    files::write_safetensors(&a.out, &tensors, dtype, |i, w| {
+    files::write_safetensors_typed(&a.out, &tensors, |i, w| {
+        if i >= m.params.len() {
+            let v = variables.as_ref().expect("extras come from the variables file");
+            let (_, _, bytes) = v.raw(extras[i - m.params.len()]).map_err(|e| std::io::Error::other(e.to_string()))?;
+            return w.write_all(bytes);
+        }
         let p = &m.params[i];
         buf.clear();
         buf.resize(p.len, 0f32);
@@ -66,5 +86,17 @@ pub fn run(a: ConsolidateArgs) -> Result<(), CliError> {
         }
     })
     .map_err(ck)?;
-    emit(&format!("{}: {} tensors, {} parameters from {} ({} rank files, world size {}, stage {})", a.out.display(), m.params.len(), m.numel, folder.display(), m.ranks.len(), m.world_size, m.stage))
+    let excluded = if m.frozen_excluded { " (saved without frozen parameters)" } else { "" };
+    emit(&format!(
+        "{}: {} parameters ({} elements), {} buffers, {} frozen parameters{excluded} from {} ({} rank files, world size {}, stage {})",
+        a.out.display(),
+        m.params.len(),
+        m.numel,
+        m.buffers.len(),
+        m.frozen.len(),
+        folder.display(),
+        m.ranks.len(),
+        m.world_size,
+        m.stage
+    ))
 }

@@ -1,6 +1,6 @@
 //! `zerorun estimate`: model-state memory per device and per host for every stage and offload option.
 //!
-//!     zerorun estimate --params P [--largest-layer-params L] [--nodes X] [--gpus-per-node Y] [--json]
+//!     zerorun estimate --params P [--largest-layer-params L] [--frozen-params F [--frozen-bytes B]] [--nodes X] [--gpus-per-node Y] [--json]
 //!     zerorun estimate --config ds_config.json --model MODEL_DESC.json [--nodes X] [--gpus-per-node Y]
 use std::path::PathBuf;
 
@@ -19,6 +19,13 @@ pub struct EstimateArgs {
     /// Parameters of the largest layer (stage 3 gathers it whole); default: from --model, else all.
     #[arg(long)]
     largest_layer_params: Option<f64>,
+    /// Frozen parameters besides --params (requires_grad off: a frozen backbone, a LoRA base): their values
+    /// only, no gradient or optimizer state; partitioned at stage 3.
+    #[arg(long, default_value_t = 0.0)]
+    frozen_params: f64,
+    /// Bytes of one frozen value (2 for 16-bit, 4 for fp32); default: the trainable parameters'.
+    #[arg(long)]
+    frozen_bytes: Option<u64>,
     #[arg(long, default_value_t = 1)]
     nodes: u64,
     #[arg(long, default_value_t = 1)]
@@ -101,17 +108,28 @@ pub fn run(a: EstimateArgs) -> Result<(), CliError> {
     if a.nodes == 0 || a.gpus_per_node == 0 {
         return Err(CliError::Usage("--nodes and --gpus-per-node must be >= 1".into()));
     }
-    let mut input = EstimateInput { largest_layer_params: largest, nodes: a.nodes, gpus_per_node: a.gpus_per_node, ..EstimateInput::new(params) };
+    if a.frozen_params < 0.0 || a.frozen_bytes.is_some_and(|b| ![1, 2, 4, 8].contains(&b)) {
+        return Err(CliError::Usage("--frozen-params must be >= 0 and --frozen-bytes one of 1, 2, 4, 8".into()));
+    }
+    let mut input = EstimateInput {
+        largest_layer_params: largest,
+        nodes: a.nodes,
+        gpus_per_node: a.gpus_per_node,
+        frozen_params: a.frozen_params as u64,
+        frozen_bytes_per_param: a.frozen_bytes,
+        ..EstimateInput::new(params)
+    };
     if let Some(c) = &config {
         input = input.with_config(c);
     }
     let rows = estimate(&input);
     let mine = config.as_ref().and_then(|c| row_for(&rows, c));
     if a.json {
-        return emit(&serde_json::json!({ "params": params, "ranks": a.nodes * a.gpus_per_node, "rows": rows }).to_string());
+        return emit(&serde_json::json!({ "params": params, "frozen_params": input.frozen_params, "ranks": a.nodes * a.gpus_per_node, "rows": rows }).to_string());
     }
+    let frozen = if input.frozen_params > 0 { format!(" and {} frozen", input.frozen_params) } else { String::new() };
     emit(&format!(
-        "Model states for {params} parameters ({:?}, {} optimizer values per parameter) on {} node(s) x {} device(s):",
+        "Model states for {params} parameters{frozen} ({:?}, {} optimizer values per parameter) on {} node(s) x {} device(s):",
         input.precision, input.optimizer_states, a.nodes, a.gpus_per_node
     ))?;
     if largest.is_none() {

@@ -45,14 +45,37 @@ pub fn write_safetensors(
     path: &Path,
     tensors: &[(String, Vec<usize>)],
     dtype: &str,
+    fill: impl FnMut(usize, &mut dyn Write) -> std::io::Result<()>,
+) -> Result<u32> {
+    let typed: Vec<(String, Vec<usize>, String)> = tensors.iter().map(|(n, s)| (n.clone(), s.clone(), dtype.to_string())).collect();
+    write_safetensors_typed(path, &typed, fill)
+}
+
+/// Bytes of one element of a safetensors dtype.
+pub fn dtype_size(dtype: &str) -> Option<usize> {
+    Some(match dtype {
+        "F64" | "I64" | "U64" => 8,
+        "F32" | "I32" | "U32" => 4,
+        "F16" | "BF16" | "I16" | "U16" => 2,
+        "I8" | "U8" | "BOOL" => 1,
+        _ => return None,
+    })
+}
+
+/// [`write_safetensors`] with a dtype per tensor: (name, shape, dtype).
+pub fn write_safetensors_typed(
+    path: &Path,
+    tensors: &[(String, Vec<usize>, String)],
     mut fill: impl FnMut(usize, &mut dyn Write) -> std::io::Result<()>,
 ) -> Result<u32> {
-    let elem = if dtype == "BF16" { 2 } else { 4 };
     let mut header = BTreeMap::new();
     let mut offset = 0usize;
     let mut offsets = Vec::with_capacity(tensors.len());
-    for (name, shape) in tensors {
+    let mut sizes = Vec::with_capacity(tensors.len());
+    for (name, shape, dtype) in tensors {
+        let elem = dtype_size(dtype).ok_or_else(|| io_err(path, format!("tensor `{name}`: no safetensors dtype {dtype:?}")))?;
         let bytes = shape.iter().product::<usize>() * elem;
+        sizes.push(bytes);
         header.insert(name.clone(), serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + bytes]}));
         offsets.push(offset);
         offset += bytes;
@@ -68,9 +91,9 @@ pub fn write_safetensors(
     w.write_all(&(text.len() as u64).to_le_bytes()).map_err(|e| at(&w, e))?;
     w.write_all(text.as_bytes()).map_err(|e| at(&w, e))?;
     let data_start = w.written;
-    for (i, (name, shape)) in tensors.iter().enumerate() {
+    for (i, (name, _, _)) in tensors.iter().enumerate() {
         fill(i, &mut w).map_err(|e| at(&w, e))?;
-        let expected = data_start + offsets[i] + shape.iter().product::<usize>() * elem;
+        let expected = data_start + offsets[i] + sizes[i];
         if w.written != expected {
             return Err(io_err(&tmp, format!("tensor `{name}` wrote {} bytes too few or many", w.written as i64 - expected as i64)));
         }
@@ -118,6 +141,16 @@ impl MappedTensors {
         let map = unsafe { Mmap::map(&f) }.map_err(|e| io_err(path, e))?;
         safetensors::SafeTensors::deserialize(&map).map_err(|e| io_err(path, format!("not a valid safetensors file: {e}")))?;
         Ok(MappedTensors { map, path: path.to_path_buf() })
+    }
+
+    /// Tensor `name` whole: its safetensors dtype, shape and little-endian bytes (borrowed from the mapping).
+    pub fn raw(&self, name: &str) -> Result<(String, Vec<usize>, &[u8])> {
+        let st = safetensors::SafeTensors::deserialize(&self.map).map_err(|e| io_err(&self.path, e))?;
+        let t = st.tensor(name).map_err(|e| io_err(&self.path, format!("tensor `{name}`: {e}")))?;
+        let (dtype, shape) = (format!("{:?}", t.dtype()), t.shape().to_vec());
+        let data: *const [u8] = t.data();
+        // SAFETY: `data` points into `self.map`, which lives as long as the borrow of `self`.
+        Ok((dtype, shape, unsafe { &*data }))
     }
 
     /// Elements `range` of f32 tensor `name` into `out`.

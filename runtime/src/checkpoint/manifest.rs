@@ -8,7 +8,8 @@ use super::{files, io_err, CheckpointError, Result};
 
 /// Bumped when the layout of checkpoints changes; a newer version is refused with a clear error.
 /// 2: rank files hold a list of flat ranges (stage 3 shards: one chunk per unit); version 1 files still load.
-pub const FORMAT_VERSION: u32 = 2;
+/// 3: buffers and frozen parameters are saved (`variables_file`); versions 1-2 load with the model's own.
+pub const FORMAT_VERSION: u32 = 3;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ParamEntry {
@@ -19,6 +20,15 @@ pub struct ParamEntry {
     pub len: usize,
     /// The model's dtype when saved ("F32", "BF16", "F16"); values in the rank files are the fp32 master.
     #[serde(default)]
+    pub dtype: String,
+}
+
+/// A variable saved whole once, outside the rank files: a buffer or a frozen parameter, in its own dtype.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct VariableEntry {
+    pub name: String,
+    pub shape: Vec<i64>,
+    /// safetensors' dtype name ("F32", "I64", ...).
     pub dtype: String,
 }
 
@@ -93,6 +103,19 @@ pub struct Manifest {
     /// (stage 3 without `stage3_gather_16bit_weights_on_model_save`).
     #[serde(default)]
     pub model_weights: Option<String>,
+    /// The file in the tag folder holding `buffers` and `frozen` by name (`model.safetensors` when that holds
+    /// the whole model, else `variables.safetensors`); None before format 3.
+    #[serde(default)]
+    pub variables_file: Option<String>,
+    /// The model's buffers (BatchNorm's running statistics), rank 0's.
+    #[serde(default)]
+    pub buffers: Vec<VariableEntry>,
+    /// The frozen parameters (empty when saved with `exclude_frozen_parameters`).
+    #[serde(default)]
+    pub frozen: Vec<VariableEntry>,
+    /// Whether frozen parameters were left out on purpose (`SaveOptions::exclude_frozen_parameters`).
+    #[serde(default)]
+    pub frozen_excluded: bool,
     /// The resolved config of the run that saved it.
     pub config: serde_json::Value,
 }
@@ -161,6 +184,10 @@ mod tests {
             ranks: vec![RankEntry::new("rank0".into(), &[0..5, 10..12], 0), RankEntry::new("rank1".into(), &[5..10, 12..14], 0)],
             rng_states: vec![],
             model_weights: None,
+            variables_file: None,
+            buffers: vec![],
+            frozen: vec![],
+            frozen_excluded: false,
             config: serde_json::Value::Null,
         };
         let got = m.locate(4..13);

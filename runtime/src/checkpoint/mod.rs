@@ -9,7 +9,7 @@
 pub mod files;
 pub mod manifest;
 
-pub use manifest::{Manifest, ParamEntry, RankEntry, FORMAT_VERSION};
+pub use manifest::{Manifest, ParamEntry, RankEntry, VariableEntry, FORMAT_VERSION};
 
 use std::path::{Path, PathBuf};
 

@@ -6,10 +6,81 @@ use tch::{Kind, Tensor};
 
 use super::{views, Engine, ParamSlot};
 use crate::checkpoint::files::{self, MappedTensors};
-use crate::checkpoint::{latest_tag, CheckpointError, Manifest, ParamEntry, RankEntry, FORMAT_VERSION};
+use crate::checkpoint::{latest_tag, CheckpointError, Manifest, ParamEntry, RankEntry, VariableEntry, FORMAT_VERSION};
 use crate::comm::{Collectives, ReduceOp};
 use crate::config::Precision;
 use crate::error::{Error, Result};
+
+/// How [`Engine::save_checkpoint_with`] saves.
+#[derive(Debug, Clone, Default)]
+pub struct SaveOptions {
+    /// The checkpoint's folder name under the directory; default `global_step{N}`.
+    pub tag: Option<String>,
+    /// Leave the frozen parameters out (DeepSpeed's `exclude_frozen_parameters`), for a frozen base model that
+    /// is kept elsewhere: loading such a checkpoint keeps the model's own frozen values.
+    pub exclude_frozen_parameters: bool,
+}
+
+/// safetensors' name of a tensor kind.
+pub(super) fn dtype_of_kind(kind: Kind) -> &'static str {
+    match kind {
+        Kind::Float => "F32",
+        Kind::Double => "F64",
+        Kind::Half => "F16",
+        Kind::BFloat16 => "BF16",
+        Kind::Int64 => "I64",
+        Kind::Int => "I32",
+        Kind::Int16 => "I16",
+        Kind::Int8 => "I8",
+        Kind::Uint8 => "U8",
+        Kind::Bool => "BOOL",
+        _ => "UNSUPPORTED",
+    }
+}
+
+fn kind_of_dtype(dtype: &str) -> Option<Kind> {
+    Some(match dtype {
+        "F32" => Kind::Float,
+        "F64" => Kind::Double,
+        "F16" => Kind::Half,
+        "BF16" => Kind::BFloat16,
+        "I64" => Kind::Int64,
+        "I32" => Kind::Int,
+        "I16" => Kind::Int16,
+        "I8" => Kind::Int8,
+        "U8" => Kind::Uint8,
+        "BOOL" => Kind::Bool,
+        _ => return None,
+    })
+}
+
+fn entry(name: &str, shape: &[i64], kind: Kind) -> VariableEntry {
+    VariableEntry { name: name.to_string(), shape: shape.to_vec(), dtype: dtype_of_kind(kind).to_string() }
+}
+
+/// Tensor `name` of a checkpoint's variables file, as a tensor of its saved dtype.
+fn read_variable(file: &MappedTensors, path: &Path, name: &str) -> Result<Tensor> {
+    let (dtype, shape, bytes) = file.raw(name)?;
+    let kind = kind_of_dtype(&dtype).ok_or_else(|| CheckpointError::Io { path: path.to_path_buf(), what: format!("tensor `{name}`: dtype {dtype} is not read back") })?;
+    let shape: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
+    Ok(Tensor::f_from_data_size(bytes, &shape, kind)?)
+}
+
+/// Differences between the model's variables of one role and a checkpoint's, as messages.
+fn variable_problems(role: &str, ours: &[(String, Vec<i64>)], theirs: &[VariableEntry]) -> Vec<String> {
+    let mut problems = Vec::new();
+    for (name, shape) in ours {
+        match theirs.iter().find(|e| &e.name == name) {
+            None => problems.push(format!("model {role} `{name}` {shape:?} is not in the checkpoint")),
+            Some(e) if &e.shape != shape => problems.push(format!("model {role} `{name}` {shape:?} vs checkpoint {:?}", e.shape)),
+            Some(_) => {}
+        }
+    }
+    for e in theirs.iter().filter(|e| !ours.iter().any(|(n, _)| n == &e.name)) {
+        problems.push(format!("checkpoint {role} `{}` {:?} is not in the model", e.name, e.shape));
+    }
+    problems
+}
 
 fn check_tag(tag: &str) -> Result<()> {
     if tag.is_empty() || tag.starts_with('.') || tag.contains(['/', '\\']) || tag == "latest" {
@@ -135,11 +206,18 @@ impl Engine {
         })
     }
 
-    /// Saves under `dir/<tag>/` (default tag `global_step{N}`) and points `dir/latest` at it once it is complete.
-    /// Collective: every rank calls it. Returns the checkpoint's folder.
+    /// Saves under `dir/<tag>/` (default tag `global_step{N}`) and points `dir/latest` at it once it is complete:
+    /// the optimized values and optimizer states (each rank its own), and once, by name, the buffers and frozen
+    /// parameters. Collective: every rank calls it. Returns the checkpoint's folder.
     pub fn save_checkpoint(&mut self, dir: impl AsRef<Path>, tag: Option<&str>) -> Result<PathBuf> {
+        self.save_checkpoint_with(dir, &SaveOptions { tag: tag.map(str::to_string), ..SaveOptions::default() })
+    }
+
+    /// [`Engine::save_checkpoint`] with options (DeepSpeed's `exclude_frozen_parameters`).
+    pub fn save_checkpoint_with(&mut self, dir: impl AsRef<Path>, options: &SaveOptions) -> Result<PathBuf> {
         let dir = dir.as_ref();
-        let tag = tag.map(str::to_string).unwrap_or_else(|| format!("global_step{}", self.global_steps));
+        let tag = options.tag.clone().unwrap_or_else(|| format!("global_step{}", self.global_steps));
+        let with_frozen = !options.exclude_frozen_parameters;
         check_tag(&tag)?;
         let (rank, ws, stage) = (self.rank(), self.world_size(), self.config.zero_optimization.stage);
         let staging = dir.join(format!(".{tag}.partial"));
@@ -166,18 +244,24 @@ impl Engine {
         }
         self.comm.all_reduce(&mut crcs, ReduceOp::Sum)?;
         let rng_states = self.gather_rng_states()?;
-        // The model's weights in its dtype, by name (DeepSpeed's model states file); stage 3 gathers them only
-        // when configured to, and says so otherwise.
-        let model_weights = if stage < 3 || self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save {
-            let weights = self.full_parameters_as(views::kind_of(self.precision))?;
-            if rank == 0 {
-                let file = staging.join("model.safetensors");
-                tch::Tensor::write_safetensors(&weights, &file).map_err(|e| CheckpointError::Io { path: file.clone(), what: e.to_string() })?;
-            }
-            "model.safetensors".to_string()
+        // The model's weights in its dtype, by name (DeepSpeed's model states file), with its buffers and frozen
+        // parameters: a file `VarStore::load` reads. Stage 3 gathers the weights only when configured to; the
+        // buffers and frozen parameters are saved either way, once, by rank 0.
+        let whole = stage < 3 || self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save;
+        let (file_name, model_weights) = if whole {
+            ("model.safetensors", "model.safetensors".to_string())
         } else {
-            "absent: stage 3 without zero_optimization.stage3_gather_16bit_weights_on_model_save; `zerorun consolidate` assembles them from the rank files".to_string()
+            ("variables.safetensors", "absent: stage 3 without zero_optimization.stage3_gather_16bit_weights_on_model_save; `zerorun consolidate` assembles them from the rank files".to_string())
         };
+        let tensors = if whole { self.model_tensors(views::kind_of(self.precision), with_frozen)? } else { self.non_trainable_tensors(with_frozen)? };
+        if rank == 0 {
+            let file = staging.join(file_name);
+            tch::Tensor::write_safetensors(&tensors, &file).map_err(|e| CheckpointError::Io { path: file.clone(), what: e.to_string() })?;
+        }
+        drop(tensors);
+        let buffer_entries: Vec<VariableEntry> = self.buffers.iter().map(|(n, t)| entry(n, &t.size(), t.kind())).collect();
+        let frozen_entries: Vec<VariableEntry> =
+            if with_frozen { self.frozen_specs().iter().map(|(n, shape, kind)| entry(n, shape, *kind)).collect() } else { Vec::new() };
         if rank == 0 {
             let layout = &self.layout;
             let ranks = (0..if stage > 0 { ws } else { 1 })
@@ -206,6 +290,10 @@ impl Engine {
                 ranks,
                 rng_states,
                 model_weights: Some(model_weights),
+                variables_file: Some(file_name.to_string()),
+                buffers: buffer_entries,
+                frozen: frozen_entries,
+                frozen_excluded: !with_frozen,
                 config: self.config.to_value(),
             };
             manifest.write(&staging.join("manifest.json"))?;
@@ -259,6 +347,18 @@ impl Engine {
             problems.truncate(3);
             return Err(mismatch(format!("parameters differ: {}", problems.join("; "))).into());
         }
+        if m.variables_file.is_some() {
+            let buffers: Vec<(String, Vec<i64>)> = self.buffers.iter().map(|(n, t)| (n.clone(), t.size())).collect();
+            let mut problems = variable_problems("buffer", &buffers, &m.buffers);
+            if !m.frozen_excluded {
+                let frozen: Vec<(String, Vec<i64>)> = self.frozen_specs().into_iter().map(|(n, s, _)| (n, s)).collect();
+                problems.extend(variable_problems("frozen parameter", &frozen, &m.frozen));
+            }
+            if !problems.is_empty() {
+                problems.truncate(3);
+                return Err(mismatch(format!("variables differ: {}", problems.join("; "))).into());
+            }
+        }
         let our_states: Vec<String> = self.optimizer.state_names();
         if self.optimizer.name() != m.optimizer || our_states != m.state_names {
             return Err(mismatch(format!("optimizer {} with {:?}, but the config builds {} with {:?}", m.optimizer, m.state_names, self.optimizer.name(), our_states)).into());
@@ -281,6 +381,7 @@ impl Engine {
             _ if !self.units.is_empty() => self.refresh_gathered_units()?,
             _ => views::all_gather(self.comm.as_ref(), &self.flat_params)?,
         }
+        self.load_variables(&m, &path)?;
         if let (Some(s), Some(it)) = (self.scheduler.as_mut(), m.scheduler_last_batch_iteration) {
             s.last_batch_iteration = it;
         }
@@ -303,6 +404,7 @@ impl Engine {
         self.loss_count = 0;
         self.grad_acc.fill(0.0);
         self.consume_grads()?;
+        self.grad_mark = self.gradient_fingerprint();
         self.comm.barrier()?;
         tracing::info!(tag, step = self.global_steps, from_world_size = m.world_size, from_stage = m.stage, "checkpoint loaded");
         Ok(tag)
@@ -318,26 +420,106 @@ impl Engine {
     }
 
     pub(super) fn full_parameters_as(&mut self, kind: Kind) -> Result<Vec<(String, Tensor)>> {
-        if !self.units.is_empty() {
-            return self.gather_full_parameters(kind);
+        if self.config.zero_optimization.stage == 3 {
+            return self.gather_full_parameters(kind, false);
         }
         Ok(self.layout.slots.iter().zip(&self.params).map(|(s, t)| (s.name.clone(), t.detach().to_kind(kind).copy())).collect())
     }
 
-    /// DeepSpeed's `save_16bit_model`: rank 0 writes every parameter in the model's dtype (safetensors, by name).
+    /// Every variable of the VarStore by name, full size: trainable parameters in the model's dtype, frozen
+    /// parameters and buffers in theirs (buffers as this rank has them). It is what `VarStore::load` of the same
+    /// model reads back once written with `Tensor::write_safetensors` (a `vs.save` at stage 3 would write the
+    /// empty tensors of the released units). Collective at stage 3, where it gathers the units one at a time:
+    /// every rank calls it.
+    pub fn state_dict(&mut self) -> Result<Vec<(String, Tensor)>> {
+        self.model_tensors(views::kind_of(self.precision), true)
+    }
+
+    /// Trainable parameters as `kind`, frozen ones (with `frozen`) and buffers, by name.
+    fn model_tensors(&mut self, kind: Kind, frozen: bool) -> Result<Vec<(String, Tensor)>> {
+        let mut out = if self.config.zero_optimization.stage == 3 {
+            self.gather_full_parameters(kind, frozen)?
+        } else {
+            let mut out = self.full_parameters_as(kind)?;
+            if frozen {
+                out.extend(self.frozen.iter().map(|(n, t)| (n.clone(), t.detach().copy())));
+            }
+            out
+        };
+        out.extend(self.buffers.iter().map(|(n, t)| (n.clone(), t.detach().copy())));
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        Ok(out)
+    }
+
+    /// Frozen parameters (with `frozen`) and buffers, by name (stage 3 gathers the frozen units: collective).
+    fn non_trainable_tensors(&mut self, frozen: bool) -> Result<Vec<(String, Tensor)>> {
+        let mut out = match (&mut self.frozen_units, frozen) {
+            (_, false) => Vec::new(),
+            (Some(units), true) => units.full_copies(self.comm.as_ref())?,
+            (None, true) => self.frozen.iter().map(|(n, t)| (n.clone(), t.detach().copy())).collect(),
+        };
+        out.extend(self.buffers.iter().map(|(n, t)| (n.clone(), t.detach().copy())));
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        Ok(out)
+    }
+
+    /// (name, shape, kind) of every frozen parameter.
+    fn frozen_specs(&self) -> Vec<(String, Vec<i64>, Kind)> {
+        match &self.frozen_units {
+            Some(units) => units.specs(),
+            None => self.frozen.iter().map(|(n, t)| (n.clone(), t.size(), t.kind())).collect(),
+        }
+    }
+
+    /// Restores the buffers and frozen parameters of a checkpoint (names checked before anything was loaded).
+    /// Every rank reads them from the one file.
+    fn load_variables(&mut self, m: &Manifest, folder: &Path) -> Result<()> {
+        let Some(file_name) = &m.variables_file else {
+            if !self.buffers.is_empty() || !self.frozen_specs().is_empty() {
+                tracing::warn!(format = m.format_version, "a checkpoint from before format 3 holds no buffers or frozen parameters: the model keeps its own");
+            }
+            return Ok(());
+        };
+        let path = folder.join(file_name);
+        let file = MappedTensors::open(&path)?;
+        tch::no_grad(|| -> Result<()> {
+            for (name, t) in &self.buffers {
+                t.shallow_clone().f_copy_(&read_variable(&file, &path, name)?)?;
+            }
+            Ok(())
+        })?;
+        if m.frozen_excluded {
+            if !self.frozen_specs().is_empty() {
+                tracing::info!("the checkpoint was saved with exclude_frozen_parameters: frozen parameters keep the model's values");
+            }
+            return Ok(());
+        }
+        match self.frozen_units.as_mut() {
+            Some(units) => units.load(self.comm.as_ref(), &mut |name| read_variable(&file, &path, name).map(Some)),
+            None => tch::no_grad(|| -> Result<()> {
+                for (name, t) in &self.frozen {
+                    t.shallow_clone().f_copy_(&read_variable(&file, &path, name)?)?;
+                }
+                Ok(())
+            }),
+        }
+    }
+
+    /// DeepSpeed's `save_16bit_model`: rank 0 writes [`Engine::state_dict`] (every parameter in the model's dtype,
+    /// frozen parameters and buffers in theirs; safetensors, by name), a file `VarStore::load` reads.
     /// Collective. At stage 3 this gathers the units one at a time and needs
     /// `zero_optimization.stage3_gather_16bit_weights_on_model_save`; without it the weights exist only as
     /// shards, so it refuses and says where full weights come from instead of writing empty tensors.
     pub fn save_16bit_model(&mut self, path: impl AsRef<std::path::Path>) -> Result<()> {
         let path = path.as_ref();
-        if !self.units.is_empty() && !self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save {
+        if self.config.zero_optimization.stage == 3 && !self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save {
             return Err(Error::Unsupported {
                 key: "zero_optimization.stage3_gather_16bit_weights_on_model_save",
                 value: "false".into(),
                 why: "at stage 3 the weights are sharded across ranks; set it to true to gather them on save, or save_checkpoint and run `zerorun consolidate DIR OUT`",
             });
         }
-        let params = self.full_parameters_as(views::kind_of(self.precision))?;
+        let params = self.state_dict()?;
         if self.rank() == 0 {
             Tensor::write_safetensors(&params, path).map_err(|e| Error::Usage(format!("{}: {e}", path.display())))?;
         }

@@ -17,6 +17,7 @@
 //! `setup.rs` holds how `Engine::new` builds all of it, one decision per function; `shard.rs` where this rank's
 //! optimized values live; mod.rs the Engine itself: backward, the optimizer step and what it takes.
 mod checkpointing;
+mod frozen;
 mod grad_hooks;
 pub mod layout;
 mod native;
@@ -32,6 +33,7 @@ mod stage3;
 mod swapped_optimizer;
 mod swapped_params;
 pub mod units;
+mod variables;
 mod views;
 
 use std::time::Instant;
@@ -49,9 +51,11 @@ use crate::report::{Phase, PhaseTimes};
 pub use layout::{FlatLayout, ParamSlot, UnitSpan};
 use shard::shard_values;
 use sharded_unit::ShardedUnit;
+pub use checkpointing::SaveOptions;
 pub use reporting::{MemoryReportFiles, MEMORY_REPORT_ENV};
 pub use stage3::{CommVolume, GatheredBytes};
 pub use units::{Sequence, UnitModel, Whole};
+pub use variables::BufferSync;
 
 /// What `step` did.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -76,12 +80,20 @@ pub struct EngineOptions {
     /// Stage 3: keep only each unit's input in forward and recompute the unit in backward
     /// (`engine.backward_units(&model, &loss)`).
     pub activation_checkpointing: bool,
+    /// How buffers (BatchNorm's running statistics) stay consistent across ranks; DDP's broadcast by default.
+    pub buffers: BufferSync,
 }
 
 impl EngineOptions {
     /// Takes the units of `model`.
     pub fn units_of(mut self, model: &dyn UnitModel) -> Self {
         self.units = Some(model.unit_prefixes());
+        self
+    }
+
+    /// Sets how buffers stay consistent across ranks.
+    pub fn buffers(mut self, sync: BufferSync) -> Self {
+        self.buffers = sync;
         self
     }
 }
@@ -125,6 +137,17 @@ pub struct Engine {
     swapped_params: Option<swapped_params::SwappedParams>,
     /// Stage 3: one per unit, in execution order (empty at stages 0-2).
     units: Vec<ShardedUnit>,
+    /// Stage 3: the frozen parameters, partitioned unit by unit beside `units`.
+    frozen_units: Option<frozen::FrozenUnits>,
+    /// Stages 0-2: the frozen parameters, whole on every rank (rank 0's values), by name.
+    frozen: Vec<(String, Tensor)>,
+    /// The model's buffers by name, whole on every rank, kept consistent by `buffer_sync`.
+    buffers: Vec<(String, Tensor)>,
+    buffer_sync: BufferSync,
+    /// Every variable of the VarStore is this engine's while it lives.
+    _claim: variables::Claim,
+    /// The gradients' fingerprint at the end of the last `step` call (see `gradient_fingerprint`).
+    grad_mark: i64,
     unit_prefixes: Vec<Vec<String>>,
     /// Stage 2 of a plain loop: the gradient hooks that reduce bucket by bucket during backward.
     grad_hooks: Option<grad_hooks::GradHooks>,
@@ -181,9 +204,28 @@ impl Engine {
         let plan = setup::StagePlan::new(z, options.units.is_some(), world_size);
         // Buffers the collectives read go where the peers map them (the shm backend's shared region).
         let shared = comm.prefers_shared_buffers();
-        let setup::Arrangement { named, layout, unit_prefixes } = setup::arrange(vs, &options, &plan, z.reduce_bucket_size, precision, world_size)?;
+        let variables::Variables { trainable, frozen, buffers } = variables::classify(vs);
+        let claim = variables::Claim::new(trainable.iter().chain(&frozen).chain(&buffers))?;
+        let setup::Arrangement { named, layout, unit_prefixes, frozen_by_unit } = setup::arrange(trainable, frozen, &options, &plan, z.reduce_bucket_size, precision, world_size)?;
+        let frozen_numel: Vec<u64> = frozen_by_unit.iter().map(|u| u.iter().map(|(_, t)| t.numel() as u64).sum()).collect();
+        if plan.stage == 3 && options.units.is_none() {
+            setup::check_whole_model_persists(z, layout.numel as u64 + frozen_numel.iter().sum::<u64>())?;
+        }
+        // Every rank starts from rank 0's model: trainable parameters are broadcast as they are packed, frozen
+        // parameters and buffers here (stage 3 partitions the frozen ones, broadcasting unit by unit).
+        let (frozen_by_unit, frozen_whole): (Option<Vec<Vec<(String, Tensor)>>>, Vec<(String, Tensor)>) =
+            if plan.stage == 3 { (Some(frozen_by_unit), Vec::new()) } else { (None, frozen_by_unit.into_iter().flatten().collect()) };
+        let broadcast: Vec<&Tensor> = frozen_whole.iter().chain(&buffers).map(|(_, t)| t).collect();
+        variables::broadcast_values(comm.as_ref(), &broadcast)?;
         let (mut flat_params, params, sharded_units) =
-            if plan.stage == 3 { Self::shard_units(&layout, named, kind, comm.as_ref(), &config)? } else { setup::pack(&layout, named, kind, comm.as_ref(), &plan, shared)? };
+            if plan.stage == 3 { Self::shard_units(&layout, named, &frozen_numel, kind, comm.as_ref(), &config)? } else { setup::pack(&layout, named, kind, comm.as_ref(), &plan, shared)? };
+        let frozen_units = match frozen_by_unit {
+            Some(by_unit) if by_unit.iter().any(|u| !u.is_empty()) => {
+                let persistent: Vec<bool> = sharded_units.iter().map(|u| u.persistent).collect();
+                Some(frozen::FrozenUnits::new(by_unit, &persistent, comm.as_ref())?)
+            }
+            _ => None,
+        };
 
         // The optimized range: a range of `flat_params` (stages 0-2), or of the shard space (the concatenation of
         // this rank's chunk of every unit) with units.
@@ -224,7 +266,8 @@ impl Engine {
         }
         tracing::info!(rank, world_size, stage = plan.stage, ?precision, params = layout.numel, partition = layout.partition_len(), units = layout.units.len(), "zerorun engine ready");
         // Gathered bytes count units' own buffers (stage 3); stage 2's units are regions of `flat_params`.
-        let persistent_bytes = sharded_units.iter().filter(|u| u.persistent && u.owns_buffer()).map(ShardedUnit::full_bytes).sum();
+        let persistent_bytes = sharded_units.iter().filter(|u| u.persistent && u.owns_buffer()).map(ShardedUnit::full_bytes).sum::<usize>()
+            + frozen_units.as_ref().map_or(0, |f| f.units.iter().filter(|u| u.persistent).map(ShardedUnit::full_bytes).sum());
         let mut engine = Engine {
             comm: prefetch::EngineComm::new(comm, plan.overlap && (plan.stage != 2 || plan.hooked_overlap)),
             config,
@@ -235,6 +278,12 @@ impl Engine {
             flat_params,
             swapped_params,
             units: sharded_units,
+            frozen_units,
+            frozen: frozen_whole,
+            buffers,
+            buffer_sync: options.buffers,
+            _claim: claim,
+            grad_mark: 0,
             unit_prefixes,
             grad_hooks: None,
             records: Vec::new(),
@@ -266,6 +315,7 @@ impl Engine {
         if plan.hooked {
             engine.grad_hooks = Some(grad_hooks::GradHooks::install(&engine.params, &engine.layout.units)?);
         }
+        engine.grad_mark = engine.gradient_fingerprint();
         Ok(engine)
     }
 
@@ -375,6 +425,29 @@ impl Engine {
 
     /// Ends a micro-batch; at the accumulation boundary reduces gradients and steps the optimizer.
     pub fn step(&mut self) -> Result<StepOutcome> {
+        if self.is_gradient_accumulation_boundary() && self.loss_count == 0 && self.gradient_fingerprint() == self.grad_mark {
+            return Err(Error::Usage(
+                "engine.step() at an accumulation boundary with no backward since the last step: there are no gradients to apply (call `engine.backward(&loss)` before `engine.step()`)".into(),
+            ));
+        }
+        let outcome = self.step_impl()?;
+        variables::sync_buffers(self.comm.as_ref(), self.buffer_sync, &self.buffers)?;
+        self.grad_mark = self.gradient_fingerprint();
+        Ok(outcome)
+    }
+
+    /// What tells a direct `loss.backward()` (outside the engine) from no backward at all: the number of
+    /// parameters with a `.grad` plus the version counters of those gradients (autograd bumps them as it
+    /// accumulates in place; gradient views share the flat buffer's counter). Units' walks only run through the
+    /// engine, which counts their losses.
+    fn gradient_fingerprint(&self) -> i64 {
+        if !self.units.is_empty() && self.grad_hooks.is_none() {
+            return 0;
+        }
+        self.params.iter().map(Tensor::grad).filter(Tensor::defined).map(|g| g.internal_version() + 1).sum()
+    }
+
+    fn step_impl(&mut self) -> Result<StepOutcome> {
         if self.grad_hooks.is_some() {
             // Gradients of a backward the engine did not run are still in `.grad`.
             self.finish_hooked_reduction()?;

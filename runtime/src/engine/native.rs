@@ -19,6 +19,7 @@ extern "C" {
     fn zerorun_on_grad_ready(param: *mut c_void, f: extern "C" fn(*mut c_void, i64), ctx: *mut c_void, index: i64) -> *mut c_char;
     fn zerorun_remove_grad_ready(param: *mut c_void);
     fn zerorun_reset_grad(param: *mut c_void);
+    fn zerorun_tensor_impl(t: *mut c_void) -> *const c_void;
 }
 
 fn ptr(t: &Tensor) -> *mut c_void {
@@ -125,4 +126,9 @@ pub fn reset_grad(param: &Tensor) {
 /// Restores a state from [`rng_state`].
 pub fn set_rng_state(state: &[u8]) -> Result<()> {
     check(unsafe { zerorun_rng_state_set(state.as_ptr(), state.len() as i64) }, "restoring the CPU generator state")
+}
+
+/// The identity of a variable: its TensorImpl, shared by every shallow clone and kept by `set_data`.
+pub fn tensor_identity(t: &Tensor) -> usize {
+    unsafe { zerorun_tensor_impl(ptr(t)) as usize }
 }

@@ -27,7 +27,9 @@ impl Engine {
     /// Bytes this rank holds, by category: `parameters` (the model-dtype values kept between steps: all of them
     /// at stages 0-2, the shard at stage 3), `parameters_nvme` (the shard's chunks on NVMe), `parameters_gathered` (stage 3 units gathered now), `gradients_full`
     /// (autograd's `.grad` tensors of the model, stages 0-2), `gradients_shard` (the fp32 reduced gradients of the
-    /// optimized range), `master_fp32`, `optimizer_states`, `communication_buffers` (reduction staging).
+    /// optimized range), `master_fp32`, `optimizer_states`, `communication_buffers` (reduction staging),
+    /// `frozen_parameters` (all of them at stages 0-2; at stage 3 this rank's shard; gathered units,
+    /// persistent ones too, count in `parameters_gathered`) and `buffers` (BatchNorm's statistics, whole on every rank).
     pub fn memory_bytes(&self) -> Vec<(&'static str, usize)> {
         let bytes = |t: &Tensor| t.numel() * t.kind().elt_size_in_bytes();
         // With gradient views the `.grad` tensors are the gradient buffer: counted once, as the full gradients.
@@ -56,6 +58,8 @@ impl Engine {
             ("optimizer_states", self.optimizer.resident_bytes()),
             ("optimizer_states_nvme", self.optimizer.swapped_bytes()),
             ("communication_buffers", staging + self.grad_part.as_ref().map_or(0, bytes)),
+            ("frozen_parameters", self.frozen_units.as_ref().map_or_else(|| super::variables::bytes_of(&self.frozen), |f| f.shard_bytes())),
+            ("buffers", super::variables::bytes_of(&self.buffers)),
         ]
     }
 
@@ -90,7 +94,12 @@ impl Engine {
 
     /// Model-state bytes by ZeRO's formula for this run (the estimator's number).
     pub fn estimated_model_state_bytes(&self) -> u64 {
-        let input = EstimateInput { gpus_per_node: self.world_size() as u64, ..EstimateInput::new(self.layout.numel as u64) }.with_config(&self.config);
+        let (frozen_params, frozen_bytes) = match &self.frozen_units {
+            Some(f) => (f.layout.numel as u64, f.specs().first().map(|s| s.2.elt_size_in_bytes() as u64)),
+            None => (self.frozen.iter().map(|(_, t)| t.numel() as u64).sum(), self.frozen.first().map(|(_, t)| t.kind().elt_size_in_bytes() as u64)),
+        };
+        let input = EstimateInput { gpus_per_node: self.world_size() as u64, frozen_params, frozen_bytes_per_param: frozen_bytes, ..EstimateInput::new(self.layout.numel as u64) }
+            .with_config(&self.config);
         model_states_bytes(&input, self.config.zero_optimization.stage)
     }
 

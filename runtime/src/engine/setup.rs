@@ -2,7 +2,7 @@
 //! ([`StagePlan`]), which parameters and in what layout ([`arrange`]), where they live ([`pack`] for stages 0-2;
 //! stage 3 shards in `stage3.rs`), the optimizer and where its states live ([`optimizer_tier`]), and the gradient
 //! buffers the reduction runs in ([`gradient_buffers`]). `Engine::new` calls them in that order.
-use tch::{nn, Kind, Tensor};
+use tch::{Kind, Tensor};
 use zerorun_optim::AlignedVec;
 
 use super::layout::FlatLayout;
@@ -44,23 +44,33 @@ pub(super) struct Arrangement {
     pub layout: FlatLayout,
     /// The units' name prefixes (one unit of everything when none were given).
     pub unit_prefixes: Vec<Vec<String>>,
+    /// The frozen parameters of each unit (units of the model, or the one unit of everything), by name.
+    pub frozen_by_unit: Vec<Vec<(String, Tensor)>>,
 }
 
-/// Orders the trainable parameters of `vs` (by unit in execution order where the plan lays out by units, by name
-/// within), checks their device and dtype, and lays them out.
-pub(super) fn arrange(vs: &nn::VarStore, options: &EngineOptions, plan: &StagePlan, reduce_bucket_size: u64, precision: Precision, world_size: usize) -> Result<Arrangement> {
-    let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().filter(|(_, t)| t.requires_grad()).collect();
-    named.sort_by(|a, b| a.0.cmp(&b.0));
+/// Orders the trainable parameters (by unit in execution order where the plan lays out by units, by name
+/// within), checks their device and dtype, and lays them out; assigns the frozen parameters to the same units.
+/// `trainable` and `frozen` come sorted by name.
+pub(super) fn arrange(trainable: Vec<(String, Tensor)>, frozen: Vec<(String, Tensor)>, options: &EngineOptions, plan: &StagePlan, reduce_bucket_size: u64, precision: Precision, world_size: usize) -> Result<Arrangement> {
+    let mut named = trainable;
     if named.is_empty() {
-        return Err(Error::Usage("the VarStore has no trainable parameters".into()));
+        let why = if frozen.is_empty() { "the VarStore has no trainable parameters" } else { "every parameter of the VarStore is frozen (requires_grad false): nothing to train" };
+        return Err(Error::Usage(why.into()));
     }
     let unit_prefixes = options.units.clone().unwrap_or_else(|| vec![vec![String::new()]]);
+    // Trainable and frozen parameters are claimed by the units together: a unit may hold only frozen ones.
+    let all_names: Vec<String> = named.iter().chain(&frozen).map(|(n, _)| n.clone()).collect();
+    let unit_of_all = units::assign(&unit_prefixes, &all_names)?;
+    let (trainable_units, frozen_units) = unit_of_all.split_at(named.len());
+    let mut frozen_by_unit: Vec<Vec<(String, Tensor)>> = (0..unit_prefixes.len()).map(|_| Vec::new()).collect();
+    for ((name, t), &u) in frozen.into_iter().zip(frozen_units) {
+        frozen_by_unit[u].push((name, t));
+    }
     let unit_of = if plan.hooked {
         let sizes: Vec<usize> = named.iter().map(|(_, t)| t.numel()).collect();
         grad_hooks::buckets(&sizes, reduce_bucket_size)
     } else {
-        let names: Vec<String> = named.iter().map(|(n, _)| n.clone()).collect();
-        units::assign(&unit_prefixes, &names)?
+        trainable_units.to_vec()
     };
     let unit_count = if plan.hooked { unit_of.last().map_or(0, |b| b + 1) } else { unit_prefixes.len() };
     if plan.by_units() {
@@ -90,7 +100,20 @@ pub(super) fn arrange(vs: &nn::VarStore, options: &EngineOptions, plan: &StagePl
     } else {
         FlatLayout::new(&specs, world_size)
     };
-    Ok(Arrangement { named, layout, unit_prefixes })
+    Ok(Arrangement { named, layout, unit_prefixes, frozen_by_unit })
+}
+
+/// Stage 3 without units makes the whole model one unit, gathered only inside `engine.forward`: unless it is
+/// small enough to stay gathered (the persistence thresholds), the model's own forward would meet empty tensors.
+/// `numel`: trainable and frozen elements.
+pub(super) fn check_whole_model_persists(z: &ZeroConfig, numel: u64) -> Result<()> {
+    if numel < z.stage3_param_persistence_threshold && numel <= z.stage3_model_persistence_threshold {
+        return Ok(());
+    }
+    Err(Error::Usage(format!(
+        "stage 3 partitions the parameters and gathers them only inside `engine.forward`, but the engine was built without the model's units: pass them (`EngineOptions::default().units_of(&model)`, or `zerorun::Whole(|x| model.forward(x))` for one unit) and compute the loss from `engine.forward(&model, input)` ({numel} parameters is over zero_optimization.stage3_param_persistence_threshold = {}, under which the model would stay gathered)",
+        z.stage3_param_persistence_threshold
+    )))
 }
 
 /// Every parameter is on the CPU, in the dtype the config trains in.

@@ -115,6 +115,11 @@ impl ShardedUnit {
     pub fn gather(&mut self, comm: &dyn Communicator, chunk: &[u8]) -> Result<usize> {
         debug_assert_eq!(self.state, UnitState::Sharded);
         native::resize_storage(&self.full, self.full_bytes())?;
+        if self.span.range.is_empty() {
+            // A unit without parameters of this kind (all frozen, or none frozen): nothing to gather.
+            self.point_params_at_views();
+            return Ok(0);
+        }
         self.fill_from(comm, Some(chunk))?;
         self.point_params_at_views();
         Ok(self.span.range.len())
@@ -142,6 +147,10 @@ impl ShardedUnit {
     pub fn begin_gather(&mut self, thread: &CommThread, chunk: &[u8]) -> Result<usize> {
         debug_assert_eq!(self.state, UnitState::Sharded);
         native::resize_storage(&self.full, self.full_bytes())?;
+        if self.span.range.is_empty() {
+            self.point_params_at_views();
+            return Ok(0);
+        }
         self.put_chunk(thread.rank(), thread.world_size(), chunk);
         let dtype = match self.full.kind() {
             Kind::BFloat16 => Dtype::Bf16,
@@ -166,6 +175,9 @@ impl ShardedUnit {
     }
 
     fn fill_from(&self, comm: &dyn Communicator, chunk: Option<&[u8]>) -> Result<()> {
+        if self.span.range.is_empty() {
+            return Ok(());
+        }
         if let Some(chunk) = chunk {
             self.put_chunk(comm.rank(), comm.world_size(), chunk);
         }

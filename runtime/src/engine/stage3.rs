@@ -73,6 +73,7 @@ impl Engine {
         self.records.clear();
         let n = self.units.len();
         let keep = self.kept_after_forward();
+        let first_trainable = self.units.iter().position(|u| !u.span.range.is_empty()).unwrap_or(n);
         let mut h = input.shallow_clone();
         for i in 0..n {
             self.gather_unit(i)?;
@@ -86,7 +87,9 @@ impl Engine {
                 }
                 continue;
             }
-            let x = if i > 0 && h.is_floating_point() { h.detach().set_requires_grad(true) } else { h.shallow_clone() };
+            // A unit's input needs a gradient only when a unit before it has trainable parameters (a frozen
+            // backbone first: no backward through it).
+            let x = if i > first_trainable && h.is_floating_point() { h.detach().set_requires_grad(true) } else { h.shallow_clone() };
             let recompute = self.activation_checkpointing && !last;
             let y = if recompute { tch::no_grad(|| model.forward_unit(i, &x)) } else { model.forward_unit(i, &x) };
             self.records.push(UnitRecord { input: x, output: (!recompute).then(|| y.shallow_clone()) });
@@ -108,7 +111,7 @@ impl Engine {
         let mut later = 0u64;
         let mut live = 0u64;
         for i in (0..n).rev() {
-            let len = self.units[i].span.range.len() as u64;
+            let len = self.unit_elements(i);
             if self.units[i].persistent {
                 later += len;
                 continue;
@@ -159,6 +162,7 @@ impl Engine {
                 }
                 let start: Option<(&Tensor, Option<&Tensor>)> = if last { Some((&root, None)) } else { upstream.as_ref().map(|g| (&output, Some(g))) };
                 match start {
+                    _ if inputs.is_empty() => Vec::new(),
                     Some(r) if output.requires_grad() || last => native::grad(&[r], &inputs)?,
                     _ => (0..inputs.len()).map(|_| None).collect(),
                 }
@@ -176,7 +180,7 @@ impl Engine {
     pub(super) fn gather_unit(&mut self, i: usize) -> Result<()> {
         let t = std::time::Instant::now();
         match self.units[i].state() {
-            UnitState::Gathered => return Ok(()),
+            UnitState::Gathered => {}
             UnitState::Gathering => self.units[i].finish_gather()?,
             UnitState::Sharded => {
                 let chunk = self.unit_chunk(i)?;
@@ -186,8 +190,22 @@ impl Engine {
                 self.count_gathered(i);
             }
         }
+        if let Some(frozen) = self.frozen_units.as_mut() {
+            let sharded = frozen.units[i].state() == UnitState::Sharded;
+            let n = frozen.gather(i, self.comm.as_ref())?;
+            if sharded {
+                self.comm_volume.all_gather_elements += n as u64;
+                self.gathered.add(frozen.full_bytes(i));
+            }
+        }
         self.times.add(crate::report::Phase::AllGather, t.elapsed());
         Ok(())
+    }
+
+    /// Elements of unit `i` gathered together: its trainable and its frozen parameters.
+    fn unit_elements(&self, i: usize) -> u64 {
+        let frozen = self.frozen_units.as_ref().map_or(0, |f| f.units[i].span.range.len());
+        (self.units[i].span.range.len() + frozen) as u64
     }
 
     /// This rank's chunk of unit `i`: a view of the shard, or read from NVMe (`offload_param`).
@@ -228,9 +246,9 @@ impl Engine {
             return Ok(());
         }
         let z = &self.config.zero_optimization;
-        let sizes: Vec<u64> = self.units.iter().map(|u| u.span.range.len() as u64).collect();
+        let sizes: Vec<u64> = (0..self.units.len()).map(|u| self.unit_elements(u)).collect();
         let sharded: Vec<bool> = self.units.iter().map(|u| u.state() == UnitState::Sharded).collect();
-        let live: u64 = self.units.iter().filter(|u| !u.persistent && u.state() != UnitState::Sharded).map(|u| u.span.range.len() as u64).sum();
+        let live: u64 = (0..self.units.len()).filter(|&u| !self.units[u].persistent && !sharded[u]).map(|u| sizes[u]).sum();
         let in_flight = self.units.iter().filter(|u| u.state() == UnitState::Gathering).count();
         let picked = prefetch::units_to_prefetch(order, &sizes, &sharded, live, in_flight, z.stage3_prefetch_bucket_size, z.stage3_max_live_parameters);
         for u in picked {
@@ -242,16 +260,27 @@ impl Engine {
             self.comm_volume.all_gather_elements += n as u64;
             let bytes = self.units[u].full_bytes();
             self.gathered.add(bytes);
+            if let Some(frozen) = self.frozen_units.as_mut() {
+                let thread = self.comm.thread().expect("checked above");
+                let n = frozen.begin_gather(u, thread)?;
+                self.comm_volume.all_gather_elements += n as u64;
+                self.gathered.add(frozen.full_bytes(u));
+            }
         }
         Ok(())
     }
 
     pub(super) fn release_unit(&mut self, i: usize) -> Result<()> {
-        if self.units[i].state() == UnitState::Sharded {
-            return Ok(());
+        if self.units[i].state() != UnitState::Sharded {
+            self.units[i].release()?;
+            self.gathered.current -= self.units[i].full_bytes();
         }
-        self.units[i].release()?;
-        self.gathered.current -= self.units[i].full_bytes();
+        if let Some(frozen) = self.frozen_units.as_mut() {
+            if frozen.units[i].state() != UnitState::Sharded && !frozen.units[i].persistent {
+                frozen.release(i)?;
+                self.gathered.current -= frozen.full_bytes(i);
+            }
+        }
         Ok(())
     }
 
@@ -261,6 +290,10 @@ impl Engine {
         let ws = self.world_size();
         let span = self.units[i].span.clone();
         let (len, chunk, offset) = (span.range.len(), span.chunk_len(ws), self.units[i].shard_offset);
+        if len == 0 {
+            // A unit of frozen parameters only.
+            return Ok(());
+        }
         let staged = self.flat_grads.narrow(0, 0, len as i64);
         self.stage_unit_grads(i, grads, &staged)?;
         let part = self.grad_part.as_ref().expect("units have a gradient part").narrow(0, 0, chunk as i64);
@@ -317,8 +350,9 @@ impl Engine {
         self.comm_volume
     }
 
-    /// Every parameter by name as full copies of `kind` (stage 3 gathers unit by unit: collective there).
-    pub(super) fn gather_full_parameters(&mut self, kind: tch::Kind) -> Result<Vec<(String, Tensor)>> {
+    /// Every trainable parameter by name as full copies of `kind`, and with `frozen` every frozen one in its own
+    /// dtype (stage 3 gathers unit by unit: collective there).
+    pub(super) fn gather_full_parameters(&mut self, kind: tch::Kind, frozen: bool) -> Result<Vec<(String, Tensor)>> {
         let mut out = Vec::with_capacity(self.layout.slots.len());
         for i in 0..self.units.len() {
             let was = self.units[i].state();
@@ -327,6 +361,9 @@ impl Engine {
             for (slot, t) in self.layout.slots[span.slots].iter().zip(self.units[i].params()) {
                 // A copy: the unit's storage may be freed below.
                 out.push((slot.name.clone(), t.detach().to_kind(kind).copy()));
+            }
+            if let Some(units) = self.frozen_units.as_ref().filter(|_| frozen) {
+                out.extend(units.named(i).map(|(n, t)| (n.to_string(), t.detach().copy())));
             }
             if was == UnitState::Sharded {
                 self.release_unit(i)?;
@@ -343,6 +380,7 @@ impl Engine {
     pub(super) fn shard_units(
         layout: &super::FlatLayout,
         named: Vec<(String, Tensor)>,
+        frozen_numel: &[u64],
         kind: tch::Kind,
         comm: &dyn crate::comm::Communicator,
         config: &crate::config::Config,
@@ -353,8 +391,9 @@ impl Engine {
         let params: Vec<Tensor> = named.into_iter().map(|(_, t)| t).collect();
         let mut units = Vec::with_capacity(layout.units.len());
         let (mut offset, mut persistent_total) = (0, 0u64);
-        for span in &layout.units {
-            let numel: u64 = layout.slots[span.slots.clone()].iter().map(|s| s.range.len() as u64).sum();
+        for (span, frozen) in layout.units.iter().zip(frozen_numel) {
+            // A unit persists by its whole size, frozen parameters included: both parts are gathered together.
+            let numel: u64 = layout.slots[span.slots.clone()].iter().map(|s| s.range.len() as u64).sum::<u64>() + frozen;
             let persistent = numel < z.stage3_param_persistence_threshold && persistent_total + numel <= z.stage3_model_persistence_threshold;
             if persistent {
                 persistent_total += numel;

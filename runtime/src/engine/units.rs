@@ -4,9 +4,10 @@ use tch::Tensor;
 
 use crate::error::{Error, Result};
 
-/// A model the engine runs unit by unit. Unit `i`'s parameters are the trainable variables whose names are one
-/// of its prefixes or start with a prefix and a `.` (the empty prefix takes every parameter); each parameter
-/// belongs to exactly one unit, and unit `i` only uses its own parameters.
+/// A model the engine runs unit by unit. Unit `i`'s parameters are the parameters (trainable or frozen) whose
+/// names are one of its prefixes or start with a prefix and a `.` (the empty prefix takes every parameter); each
+/// parameter belongs to exactly one unit, and unit `i` only uses its own parameters. Buffers (BatchNorm's running
+/// statistics) need no unit: every rank holds them whole.
 pub trait UnitModel {
     /// The parameter-name prefixes of every unit, in execution order.
     fn unit_prefixes(&self) -> Vec<Vec<String>>;
@@ -76,7 +77,7 @@ pub fn assign(prefixes: &[Vec<String>], names: &[String]) -> Result<Vec<usize>> 
         }
     }
     if let Some(u) = used.iter().position(|u| !u) {
-        return Err(Error::Usage(format!("unit {u} (prefixes {:?}) owns no trainable parameter", prefixes[u])));
+        return Err(Error::Usage(format!("unit {u} (prefixes {:?}) owns no parameter", prefixes[u])));
     }
     Ok(unit_of)
 }
@@ -103,6 +104,6 @@ mod tests {
         let e = assign(&[names(&["a"]), names(&[""])], &names(&["a.w"])).unwrap_err().to_string();
         assert!(e.contains("belongs to several units: [0, 1]"), "{e}");
         let e = assign(&[names(&["a"]), names(&["c"])], &names(&["a.w"])).unwrap_err().to_string();
-        assert_eq!(e, "unit 1 (prefixes [\"c\"]) owns no trainable parameter");
+        assert_eq!(e, "unit 1 (prefixes [\"c\"]) owns no parameter");
     }
 }

@@ -10,7 +10,7 @@
 //! ```
 //!
 //! `model_states.measured_bytes` sums what the engine keeps between steps (`parameters`, `parameters_nvme`,
-//! `gradients_full`, `gradients_shard`, `master_fp32`, `optimizer_states`, `optimizer_states_nvme`); `estimated_bytes` is
+//! `frozen_parameters`, `gradients_full`, `gradients_shard`, `master_fp32`, `optimizer_states`, `optimizer_states_nvme`); `estimated_bytes` is
 //! [`crate::estimate::model_states_bytes`] for the run's stage, precision and optimizer. RSS is per process:
 //! thread ranks of one process share it.
 use std::collections::BTreeMap;
@@ -23,7 +23,8 @@ use crate::error::{Error, Result};
 pub const SCHEMA_VERSION: u32 = 1;
 
 /// Categories counted as model states (what ZeRO's formulas describe).
-pub const MODEL_STATE_CATEGORIES: [&str; 7] = ["parameters", "parameters_nvme", "gradients_full", "gradients_shard", "master_fp32", "optimizer_states", "optimizer_states_nvme"];
+pub const MODEL_STATE_CATEGORIES: [&str; 8] =
+    ["parameters", "parameters_nvme", "frozen_parameters", "gradients_full", "gradients_shard", "master_fp32", "optimizer_states", "optimizer_states_nvme"];
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CategoryBytes {
