@@ -34,6 +34,10 @@ struct Args {
     /// `engine.forward`, so it refuses a model called directly unless it is small enough to stay gathered.
     #[arg(long)]
     plain_loop: bool,
+    /// Freeze the first K layers (requires_grad off, as a frozen backbone): no gradient and no optimizer state;
+    /// partitioned at stage 3.
+    #[arg(long, default_value_t = 0)]
+    freeze_first: usize,
 }
 
 pub struct Mlp {
@@ -99,6 +103,9 @@ fn run(args: &Args) -> Result<(), String> {
         Some(p) => load_data(p)?,
         None => synthetic(a.seed, 1024, args.input, args.out),
     };
+    if args.freeze_first >= args.layers as usize {
+        return Err(format!("--freeze-first {} must leave a layer to train (--layers {})", args.freeze_first, args.layers));
+    }
     if x.size() != [x.size()[0], args.input] || y.size() != [x.size()[0], args.out] {
         return Err(format!("data shapes x {:?} and y {:?} do not fit --in {} --out {}", x.size(), y.size(), args.input, args.out));
     }
@@ -110,6 +117,12 @@ fn run(args: &Args) -> Result<(), String> {
     let result = run_ranks(a.ranks, timeout, |comm| {
         let (mut vs, model) = build_model(a.seed, a.init.as_ref(), |vs| Mlp::new(vs.root(), args.input, args.hidden, args.layers, args.out))?;
         let kind = to_config_precision(&config, &mut vs);
+        for (name, t) in vs.variables() {
+            let layer = name.strip_prefix("layers.").and_then(|r| r.split('.').next()).and_then(|i| i.parse::<usize>().ok());
+            if layer.is_some_and(|i| i < args.freeze_first) {
+                let _ = t.set_requires_grad(false);
+            }
+        }
         let options = EngineOptions { activation_checkpointing: a.activation_checkpointing, ..Default::default() };
         let options = if args.plain_loop { options } else { options.units_of(&model) };
         let mut engine = Engine::new(&vs, config.clone(), comm, options).map_err(|e| e.to_string())?;

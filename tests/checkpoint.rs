@@ -145,9 +145,9 @@ fn damaged_missing_and_newer_checkpoints_are_named() {
     let e = load_err(&dir);
     assert!(e.starts_with(&format!("{}: no checkpoint here", file.display())), "{e}");
     let manifest = dir.join("global_step2/manifest.json");
-    let text = std::fs::read_to_string(&manifest).unwrap().replacen("\"format_version\": 2", "\"format_version\": 99", 1);
+    let text = std::fs::read_to_string(&manifest).unwrap().replacen("\"format_version\": 3", "\"format_version\": 99", 1);
     std::fs::write(&manifest, text).unwrap();
-    assert_eq!(load_err(&dir), format!("{}: format version 99 is newer than this zerorun reads (2)", manifest.display()));
+    assert_eq!(load_err(&dir), format!("{}: format version 99 is newer than this zerorun reads (3)", manifest.display()));
     std::fs::remove_dir_all(&dir).unwrap();
     assert!(load_err(&dir).starts_with(&format!("{}: no checkpoint here", dir.join("latest").display())));
 }

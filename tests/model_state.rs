@@ -148,8 +148,10 @@ fn engine(vs: &nn::VarStore, net: &Net, stage: u8, comm: threads::ThreadComm, sy
     Engine::new(vs, config(stage, world), Box::new(comm), options).unwrap()
 }
 
+type Values = Vec<(String, Vec<f32>)>;
+
 /// (after initialize, after training) snapshots of every variable on each rank.
-fn run(stage: u8, world: usize, sync: BufferSync, frozen: bool) -> Vec<(Vec<(String, Vec<f32>)>, Vec<(String, Vec<f32>)>)> {
+fn run(stage: u8, world: usize, sync: BufferSync, frozen: bool) -> Vec<(Values, Values)> {
     on_ranks(world, |comm| {
         let rank = comm.rank();
         let (vs, net) = build(100 + rank as i64, frozen);

@@ -213,18 +213,17 @@ impl Engine {
         }
         // Every rank starts from rank 0's model: trainable parameters are broadcast as they are packed, frozen
         // parameters and buffers here (stage 3 partitions the frozen ones, broadcasting unit by unit).
-        let (frozen_by_unit, frozen_whole): (Option<Vec<Vec<(String, Tensor)>>>, Vec<(String, Tensor)>) =
-            if plan.stage == 3 { (Some(frozen_by_unit), Vec::new()) } else { (None, frozen_by_unit.into_iter().flatten().collect()) };
+        let frozen_whole: Vec<(String, Tensor)> =
+            if plan.stage == 3 { Vec::new() } else { frozen_by_unit.iter().flatten().map(|(n, t)| (n.clone(), t.shallow_clone())).collect() };
         let broadcast: Vec<&Tensor> = frozen_whole.iter().chain(&buffers).map(|(_, t)| t).collect();
         variables::broadcast_values(comm.as_ref(), &broadcast)?;
         let (mut flat_params, params, sharded_units) =
             if plan.stage == 3 { Self::shard_units(&layout, named, &frozen_numel, kind, comm.as_ref(), &config)? } else { setup::pack(&layout, named, kind, comm.as_ref(), &plan, shared)? };
-        let frozen_units = match frozen_by_unit {
-            Some(by_unit) if by_unit.iter().any(|u| !u.is_empty()) => {
-                let persistent: Vec<bool> = sharded_units.iter().map(|u| u.persistent).collect();
-                Some(frozen::FrozenUnits::new(by_unit, &persistent, comm.as_ref())?)
-            }
-            _ => None,
+        let frozen_units = if plan.stage == 3 && frozen_by_unit.iter().any(|u| !u.is_empty()) {
+            let persistent: Vec<bool> = sharded_units.iter().map(|u| u.persistent).collect();
+            Some(frozen::FrozenUnits::new(frozen_by_unit, &persistent, comm.as_ref())?)
+        } else {
+            None
         };
 
         // The optimized range: a range of `flat_params` (stages 0-2), or of the shard space (the concatenation of
