@@ -36,7 +36,7 @@ $(VENV_STAMP):
 	@touch -h .libtorch
 
 demo: setup
-	$(CARGO) build --release --bin zerorun --example gpt --example mlp
+	$(CARGO) build --release --bins --example gpt --example mlp
 	./target/release/zerorun launch --nproc-per-node 2 --memory-report . -- ./target/release/examples/gpt --config configs/zero2.json --steps 150
 
 test: setup
@@ -44,19 +44,20 @@ test: setup
 
 # Binaries for scripts/gpu-check.sh on the GPU machine (no Rust toolchain there): stripped, under 64 MiB together.
 gpu-binaries: setup
-	$(CARGO) build --release --features nccl --bin zerorun --example gpu_probe --example nccl_check
+	$(CARGO) build --release --features nccl --bins --example gpu_probe --example nccl_check
 	mkdir -p gpu-bin
 	strip -o gpu-bin/zerorun target/release/zerorun
+	strip -o gpu-bin/zerorun-torch target/release/zerorun-torch
 	strip -o gpu-bin/gpu_probe target/release/examples/gpu_probe
 	strip -o gpu-bin/nccl_check target/release/examples/nccl_check
 
 bench: setup
-	$(CARGO) build --release --bin zerorun
+	$(CARGO) build --release --bins
 	./target/release/zerorun bench adam
 
 # zerorun beside DeepSpeed 0.19.8 (CPU, gloo) on the same GPT, weights, data order and ds_config.json: writes
 # bench/deepspeed/results.{json,md}. Not part of `make test` (it installs DeepSpeed and takes minutes).
 bench-deepspeed: setup
 	$(VENV)/bin/pip install -q deepspeed==0.19.8 ninja
-	$(CARGO) build --release --bin zerorun --example gpt
+	$(CARGO) build --release --bins --example gpt
 	$(VENV)/bin/python bench/deepspeed/side_by_side.py

@@ -2,6 +2,9 @@
 //! (CLI, examples, tests), so they run without LD_LIBRARY_PATH. torch-sys (links = "tch") exports the
 //! folder it linked against as `DEP_TCH_LIBTORCH_LIB` to its direct dependents.
 //!
+//! libtorch_cuda is not linked: a CPU run never loads the CUDA stack (about 230 MiB resident); code that uses CUDA
+//! loads it first (`zerorun::cuda::load`, a dlopen of the libtorch_cuda beside the libtorch in use).
+//!
 //! It also compiles the package's C++ shims over libtorch calls tch does not bind: `src/cli/native/fused_adamw.cpp`
 //! (zerorun: libtorch's fused AdamW kernel, for `zerorun bench adam`) and `native/unit_storage.cpp`
 //! (zerorun-runtime: storage resizing and backward into chosen inputs, for stage 3) with `native/region_allocator.cpp`
@@ -13,7 +16,7 @@ fn main() {
         println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib.display());
         let shims: &[&str] = match std::env::var("CARGO_PKG_NAME").as_deref() {
             Ok("zerorun") => &["src/cli/native/fused_adamw.cpp"],
-            Ok("zerorun-runtime") => &["native/unit_storage.cpp", "native/region_allocator.cpp", "native/grad_hooks.cpp"],
+            Ok("zerorun-runtime") => &["native/unit_storage.cpp", "native/region_allocator.cpp", "native/grad_hooks.cpp", "native/cuda_loader.cpp"],
             _ => &[],
         };
         let files: Vec<&str> = shims.iter().copied().filter(|f| std::path::Path::new(f).exists()).collect();
@@ -33,11 +36,6 @@ fn main() {
                 build.file(file);
             }
             build.compile(&format!("{}_native", std::env::var("CARGO_PKG_NAME").unwrap_or_default().replace('-', "_")));
-        }
-        // libtorch_cuda.so registers the CUDA backend when loaded, but nothing calls into it by name, so
-        // `--as-needed` would drop it and tch would see no GPU. Keep it, whatever the link order.
-        if lib.join("libtorch_cuda.so").exists() {
-            println!("cargo:rustc-link-arg=-Wl,--push-state,--no-as-needed,-ltorch_cuda,--pop-state");
         }
     }
 }

@@ -7,6 +7,11 @@ use tch::nn::{self, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
 
 fn main() {
+    // libtorch_cuda is loaded on demand (zerorun links none), before anything asks libtorch about CUDA.
+    match zerorun::cuda::load() {
+        Ok(()) => println!("cuda_backend_loaded: true"),
+        Err(e) => println!("cuda_backend_loaded: false ({e})"),
+    }
     println!("cuda_available: {}", tch::Cuda::is_available());
     println!("cuda_devices: {}", tch::Cuda::device_count());
     println!("cudnn_available: {}", tch::Cuda::cudnn_is_available());

@@ -14,21 +14,11 @@
 pub use zerorun_offload as offload;
 pub use zerorun_optim as optim;
 pub use zerorun_runtime as runtime;
+pub use zerorun_runtime::cuda;
 pub use zerorun_runtime::config::{self, Config, ConfigError};
 pub use zerorun_runtime::estimate::{estimate, EstimateInput, EstimateRow};
 pub use zerorun_runtime::engine::{Sequence, UnitModel, Whole};
 pub use zerorun_runtime::{initialize, BufferSync, Engine, EngineOptions, Error, SaveOptions, StepOutcome};
 
-/// Shows zerorun's logs on stderr, as a training program (or the CLI) should install them: warnings by default
-/// (ignored config keys, slow settings, skipped fp16 steps), more with `RUST_LOG`; colours only on a terminal, not
-/// into the pipes of `zerorun launch`. The library itself only logs through `tracing` and never prints; call this
-/// once at the start of `main`, or install your own subscriber instead.
-pub fn init_logging() {
-    use std::io::IsTerminal;
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
-        .with_target(false)
-        .init();
-}
+mod logging;
+pub use logging::init_logging;

@@ -1,9 +1,12 @@
-//! The `zerorun` command line: config, estimate, launch, bench, consolidate.
+//! The `zerorun` command line: config, estimate, launch, bench, consolidate. It links no libtorch (only the
+//! tensor-free crates), so a command that touches no tensor costs a few MiB; `bench adam` runs in the
+//! `zerorun-torch` helper beside it.
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
 mod cli;
+mod logging;
 
 #[derive(Parser)]
 #[command(name = "zerorun", version, about = "ZeRO-style memory-sharding training runtime for tch training loops")]
@@ -19,7 +22,7 @@ enum Command {
     Config(cli::config::ConfigCommand),
     /// Model-state memory per device and per host for every stage and offload option.
     Estimate(cli::estimate::EstimateArgs),
-    /// Full weights by parameter name from a sharded checkpoint (safetensors).
+    /// The whole model by variable name from a sharded checkpoint (safetensors).
     Consolidate(cli::consolidate::ConsolidateArgs),
     /// Start N ranks of a program on this host (torchrun-compatible variables).
     Launch(cli::launch::LaunchArgs),
@@ -31,7 +34,7 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     // Logs (warnings about ignored keys, progress) go to stderr; stdout carries the command's output.
-    zerorun::init_logging();
+    logging::init_logging();
     let result = match cli.command {
         Command::Config(c) => cli::config::run(c),
         Command::Bench(c) => cli::bench::run(c),

@@ -24,6 +24,9 @@ pub enum Error {
     Parameter { name: String, why: String },
     #[error("{0}")]
     Usage(String),
+    /// libtorch's CUDA backend could not be loaded; names the library.
+    #[error("CUDA: {}: {why}", library.display())]
+    Cuda { library: std::path::PathBuf, why: String },
 }
 
 pub type Result<T> = std::result::Result<T, Error>;

@@ -1,17 +1,21 @@
-//! zerorun-runtime: everything that knows about ranks and tensors.
+//! zerorun-runtime: everything that knows about ranks and tensors. Its tensor-free parts are crates of their own,
+//! re-exported here under their old names, so commands that touch no tensor link no libtorch: `config` (with
+//! `estimate`), `comm` and `checkpoint` (the format).
 //!
 //! - [`config`]: ds_config.json, parsed and validated.
 //! - [`comm`]: collectives behind one trait (threads, shm, MPI, NCCL backends; a communication thread).
+//! - [`cuda`]: libtorch's CUDA backend, loaded on demand.
 //! - [`engine`]: the ZeRO engine (stages 0-3, offload) over a tch `VarStore`.
 //! - [`checkpoint`]: the sharded checkpoint format.
 //! - [`estimate`]: model-state memory per stage and offload option, before a run.
 //! - [`report`]: the measured memory report, its picture, and the wall-clock breakdown.
-pub mod checkpoint;
-pub mod comm;
-pub mod config;
+pub use zerorun_checkpoint as checkpoint;
+pub use zerorun_comm as comm;
+pub use zerorun_config as config;
+pub use zerorun_config::estimate;
+pub mod cuda;
 pub mod engine;
 mod error;
-pub mod estimate;
 pub mod report;
 
 pub use config::{Config, ConfigError};

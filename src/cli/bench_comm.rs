@@ -3,9 +3,9 @@
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use zerorun::runtime::comm::env::communicator_from_env;
-use zerorun::runtime::comm::region::SharedBuffer;
-use zerorun::runtime::comm::{threads, BufMut, BufRef, Collectives, Communicator, Dtype, ReduceOp};
+use zerorun_comm::env::communicator_from_env;
+use zerorun_comm::region::SharedBuffer;
+use zerorun_comm::{threads, BufMut, BufRef, Collectives, Communicator, Dtype, ReduceOp};
 
 use super::{emit, CliError};
 
@@ -63,7 +63,7 @@ fn measure(c: &dyn Communicator, op: &str, bytes: usize, dtype: Dtype, repeats: 
     let (mut buf_mem, mut out_mem) = (alloc(elems), alloc(elems / n));
     let (buf, out) = (&mut buf_mem.bytes()[..elems * es], &mut out_mem.bytes()[..elems / n * es]);
     fill_ones(buf, dtype);
-    let fail = |e: zerorun::runtime::comm::CommError| CliError::Usage(e.to_string());
+    let fail = |e: zerorun_comm::CommError| CliError::Usage(e.to_string());
     let mut times = Vec::with_capacity(repeats);
     for rep in 0..=repeats {
         c.barrier().map_err(fail)?;

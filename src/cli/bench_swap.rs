@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 
-use zerorun::offload::{preflight, HostBuffer, IoConfig, Swapper};
+use zerorun_offload::{preflight, HostBuffer, IoConfig, Swapper};
 
 use super::{emit, CliError};
 
@@ -60,7 +60,7 @@ pub fn run(a: SwapBenchArgs) -> Result<(), CliError> {
     }
     let first = buf.as_slice()[size - 1];
     let (mut writes, mut reads) = (Vec::new(), Vec::new());
-    let err = |e: zerorun::offload::OffloadError| CliError::Usage(e.to_string());
+    let err = |e: zerorun_offload::OffloadError| CliError::Usage(e.to_string());
     for _ in 0..a.repeats {
         let t = Instant::now();
         buf = swapper.swap_out("bench", buf, size).wait().map_err(err)?;
@@ -72,7 +72,7 @@ pub fn run(a: SwapBenchArgs) -> Result<(), CliError> {
     if buf.as_slice()[size - 1] != first {
         return Err(CliError::Usage("the swapper read back other bytes than it wrote".into()));
     }
-    let direct = zerorun::offload::SwapFile::create(&a.dir.join(format!("zerorun-bench-probe-{}", std::process::id()))).map(|f| f.is_direct()).unwrap_or(false);
+    let direct = zerorun_offload::SwapFile::create(&a.dir.join(format!("zerorun-bench-probe-{}", std::process::id()))).map(|f| f.is_direct()).unwrap_or(false);
     drop(swapper);
     let (mut dd_w, mut dd_r) = (Vec::new(), Vec::new());
     let mut dd_direct = true;

@@ -2,7 +2,7 @@
 use std::path::PathBuf;
 
 use clap::Subcommand;
-use zerorun::Config;
+use zerorun_config::Config;
 
 use super::{emit, CliError};
 

@@ -4,8 +4,8 @@
 use std::path::PathBuf;
 
 use clap::Args;
-use zerorun::runtime::checkpoint::files::{self, MappedTensors};
-use zerorun::runtime::checkpoint::{latest_tag, CheckpointError, Manifest};
+use zerorun_checkpoint::files::{self, MappedTensors};
+use zerorun_checkpoint::{latest_tag, CheckpointError, Manifest};
 
 use super::{emit, CliError};
 

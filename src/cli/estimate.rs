@@ -6,8 +6,8 @@ use std::path::PathBuf;
 
 use clap::Args;
 use serde::Deserialize;
-use zerorun::runtime::estimate::{estimate, row_for, EstimateInput};
-use zerorun::Config;
+use zerorun_config::estimate::{estimate, row_for, EstimateInput};
+use zerorun_config::Config;
 
 use super::{emit, CliError};
 

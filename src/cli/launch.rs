@@ -142,7 +142,7 @@ pub fn run(args: LaunchArgs) -> Result<(), CliError> {
             .stderr(Stdio::piped())
             .process_group(0);
         if let Some(d) = &memory_report {
-            cmd.env(zerorun::runtime::engine::MEMORY_REPORT_ENV, d);
+            cmd.env(zerorun_comm::env::MEMORY_REPORT_ENV, d);
         }
         // Share the cores among the ranks unless the user chose.
         for var in ["OMP_NUM_THREADS", "RAYON_NUM_THREADS", "MKL_NUM_THREADS"] {
@@ -212,7 +212,7 @@ pub fn run(args: LaunchArgs) -> Result<(), CliError> {
         std::thread::sleep(Duration::from_millis(20));
     }
     // A rank killed before the rendezvous finished can leave its segment behind; nothing else can.
-    let segment = zerorun::runtime::comm::shm::segment_path(&run_id);
+    let segment = zerorun_comm::shm::segment_path(&run_id);
     let _ = std::fs::remove_file(&segment);
     if let Ok(entries) = std::fs::read_dir("/dev/shm") {
         let prefix = format!("{}.tmp-", segment.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default());

@@ -1,4 +1,5 @@
-//! One module per subcommand; each returns a typed error that `main` renders once.
+//! One module per subcommand; each returns a typed error that `main` renders once. None of them links libtorch:
+//! `bench adam` runs in the `zerorun-torch` helper (`torch_helper.rs`, `bench_adam.rs`).
 pub mod bench;
 pub mod bench_comm;
 pub mod bench_swap;
@@ -6,12 +7,13 @@ pub mod config;
 pub mod consolidate;
 pub mod estimate;
 pub mod launch;
+pub mod torch_helper;
 
 /// An error of any subcommand, rendered once by `main`.
 #[derive(Debug, thiserror::Error)]
 pub enum CliError {
     #[error(transparent)]
-    Config(#[from] zerorun::ConfigError),
+    Config(#[from] zerorun_config::ConfigError),
     #[error("{0}")]
     Usage(String),
     #[error("{context}: {source}")]

@@ -148,6 +148,8 @@ pub struct Engine {
     _claim: variables::Claim,
     /// The gradients' fingerprint at the end of the last `step` call (see `gradient_fingerprint`).
     grad_mark: i64,
+    /// Resident memory when `new` began, less the model's variables: the process floor the memory report names.
+    floor_rss_bytes: u64,
     unit_prefixes: Vec<Vec<String>>,
     /// Stage 2 of a plain loop: the gradient hooks that reduce bucket by bucket during backward.
     grad_hooks: Option<grad_hooks::GradHooks>,
@@ -193,6 +195,10 @@ pub struct Engine {
 impl Engine {
     /// Wraps the trainable variables of `vs` for data-parallel training with `comm`.
     pub fn new(vs: &nn::VarStore, config: Config, comm: Box<dyn Communicator>, options: EngineOptions) -> Result<Engine> {
+        // The process floor: what is resident before the engine allocates, less the model's own variables
+        // (built by the program already; they are model states, which the engine then takes over).
+        let model_bytes: usize = vs.variables().values().map(|t| t.numel() * t.kind().elt_size_in_bytes()).sum();
+        let floor_rss_bytes = crate::report::memory::rss().0.saturating_sub(model_bytes as u64);
         let (world_size, rank) = (comm.world_size(), comm.rank());
         let batch = config.batch_sizes(world_size)?;
         if let Some(OptimizerConfig::Lamb(_)) = &config.optimizer {
@@ -283,6 +289,7 @@ impl Engine {
             buffer_sync: options.buffers,
             _claim: claim,
             grad_mark: 0,
+            floor_rss_bytes,
             unit_prefixes,
             grad_hooks: None,
             records: Vec::new(),

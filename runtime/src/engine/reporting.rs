@@ -10,8 +10,7 @@ use crate::estimate::{model_states_bytes, EstimateInput};
 use crate::report::memory::{self, MemoryReport, ModelStates, SCHEMA_VERSION};
 use crate::error::Result;
 
-/// Set by `zerorun launch --memory-report DIR` for its ranks: where the memory report goes.
-pub const MEMORY_REPORT_ENV: &str = "ZERORUN_MEMORY_REPORT";
+pub use crate::comm::env::MEMORY_REPORT_ENV;
 
 /// What [`Engine::finish_memory_report`] wrote (rank 0 also drew the picture and made the table).
 #[derive(Debug, Clone)]
@@ -126,6 +125,7 @@ impl Engine {
             .into(),
             categories: tracker_categories,
             model_states: ModelStates { measured_bytes: memory::model_state_bytes(&now), estimated_bytes: self.estimated_model_state_bytes() },
+            floor_rss_bytes: self.floor_rss_bytes,
             peak_rss_bytes: memory::rss().1,
             steps: self.memory.steps.clone(),
         }

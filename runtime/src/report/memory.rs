@@ -4,6 +4,7 @@
 //! { "schema_version": 1, "rank": r, "world_size": n, "stage": s, "precision": "fp32" | "bf16" | "fp16",
 //!   "categories": { name: { "current_bytes": u64, "peak_bytes": u64 } },     // see Engine::memory_bytes
 //!   "model_states": { "measured_bytes": u64, "estimated_bytes": u64 },       // params + gradients + optimizer
+//!   "floor_rss_bytes": u64,                            // VmRSS at initialize less the model's variables
 //!   "peak_rss_bytes": u64,                                                   // the process's VmHWM
 //!   "steps": [ { "step": u64, "rss_bytes": u64, "categories": { name: u64 } } ] }      // parameters_gathered: the
 //!                                                                                         // step's peak
@@ -54,6 +55,11 @@ pub struct MemoryReport {
     pub precision: String,
     pub categories: BTreeMap<String, CategoryBytes>,
     pub model_states: ModelStates,
+    /// The process floor: resident memory when `initialize` began less the model's variables (already built by
+    /// the program): the libraries, libtorch first, and the program's own data. Peak RSS = floor + model states +
+    /// activations and transients. 0 in reports written before it existed.
+    #[serde(default)]
+    pub floor_rss_bytes: u64,
     pub peak_rss_bytes: u64,
     pub steps: Vec<StepSample>,
 }
@@ -169,6 +175,7 @@ pub fn table(reports: &[MemoryReport]) -> String {
     }
     rows.push(("model states, measured".into(), reports.iter().map(|r| mib(r.model_states.measured_bytes)).collect()));
     rows.push(("model states, estimate".into(), reports.iter().map(|r| mib(r.model_states.estimated_bytes)).collect()));
+    rows.push(("process floor (RSS at initialize)".into(), reports.iter().map(|r| mib(r.floor_rss_bytes)).collect()));
     rows.push(("peak RSS (process)".into(), reports.iter().map(|r| mib(r.peak_rss_bytes)).collect()));
     let header: Vec<String> = reports.iter().map(|r| format!("rank {}", r.rank)).collect();
     let first = rows.iter().map(|r| r.0.len()).max().unwrap_or(0).max("memory (MiB)".len());
@@ -202,6 +209,7 @@ mod tests {
             precision: "fp32".into(),
             categories: t.categories,
             model_states: ModelStates { measured_bytes: 3 << 20, estimated_bytes: 3 << 20 },
+            floor_rss_bytes: 1 << 20,
             peak_rss_bytes: 100 << 20,
             steps: t.steps,
         }
@@ -229,5 +237,6 @@ mod tests {
         assert!(lines[1].starts_with("parameters ") && lines[1].ends_with("1.00"), "{t}");
         assert!(t.contains("parameters_gathered") && t.contains("0.00 (peak 3.00)"), "{t}");
         assert!(t.contains("model states, estimate") && t.contains("peak RSS (process)"), "{t}");
+        assert!(t.lines().any(|l| l.starts_with("process floor (RSS at initialize)") && l.ends_with("1.00")), "{t}");
     }
 }

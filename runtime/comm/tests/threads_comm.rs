@@ -2,8 +2,8 @@
 //! non-divisible and large; size mismatches and departed ranks are errors, never hangs.
 use std::time::Duration;
 
-use zerorun_runtime::comm::threads::group;
-use zerorun_runtime::comm::{Collectives, CommError, Communicator, Dtype, Element, ReduceOp};
+use zerorun_comm::threads::group;
+use zerorun_comm::{Collectives, CommError, Communicator, Dtype, Element, ReduceOp};
 
 fn input(rank: usize, n: usize) -> Vec<f32> {
     (0..n).map(|i| ((i * 7 + rank * 13) % 17) as f32 - 8.0 + rank as f32 * 0.25).collect()
@@ -180,7 +180,7 @@ fn every_element_type_reduces_like_the_reference() {
 
 #[test]
 fn async_collectives_run_in_order_while_the_caller_works() {
-    use zerorun_runtime::comm::async_comm::CommThread;
+    use zerorun_comm::async_comm::CommThread;
     let comms = group(3, Duration::from_secs(20));
     let results: Vec<(Vec<f32>, Vec<f32>, bool)> = std::thread::scope(|s| {
         let hs: Vec<_> = comms
@@ -218,7 +218,7 @@ fn async_collectives_run_in_order_while_the_caller_works() {
 
 #[test]
 fn async_wait_timeout_hands_the_pending_collective_back() {
-    use zerorun_runtime::comm::async_comm::CommThread;
+    use zerorun_comm::async_comm::CommThread;
     let mut comms = group(2, Duration::from_secs(20));
     let late = comms.pop().unwrap();
     let t = CommThread::spawn(Box::new(comms.pop().unwrap()));

@@ -295,7 +295,7 @@ mod tests {
     use half::bf16;
 
     use super::*;
-    use crate::comm::reduce_into;
+    use crate::reduce_into;
 
     /// A deterministic stream of bit patterns (xorshift), so every class of value turns up: NaNs with payloads,
     /// infinities, subnormals, rounding ties.
@@ -311,7 +311,7 @@ mod tests {
             .collect()
     }
 
-    fn check<T: crate::comm::Element + PartialEq + std::fmt::Debug>(a: &[T], b: &[T]) {
+    fn check<T: crate::Element + PartialEq + std::fmt::Debug>(a: &[T], b: &[T]) {
         let dtype = T::DTYPE;
         for op in [ReduceOp::Sum, ReduceOp::Avg] {
             if !supported(dtype, op) {

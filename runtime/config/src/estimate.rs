@@ -3,7 +3,7 @@
 //! rank holds (parameters, gradients, optimizer states: what the engine's accounting measures).
 use serde::Serialize;
 
-use crate::config::{Config, OffloadDevice, Precision};
+use crate::{Config, OffloadDevice, Precision};
 
 /// DeepSpeed's additional buffer factor for host memory.
 pub const ADDITIONAL_BUFFER_FACTOR: f64 = 1.5;

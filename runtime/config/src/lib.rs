@@ -5,6 +5,7 @@
 //! given until [`Config::resolve`] applies the batch rule for a world size.
 mod aio;
 mod batch;
+pub mod estimate;
 mod checkpointing;
 mod error;
 mod optimizer;

@@ -1,8 +1,12 @@
 //! Where this process sits in the job, from the environment: `zerorun launch` and torchrun set RANK, LOCAL_RANK,
 //! WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT; mpirun sets OMPI_COMM_WORLD_*.
+
 use std::time::Duration;
 
 use super::{shm, threads, CommError, CommResult, Communicator};
+
+/// Set by `zerorun launch --memory-report DIR` for its ranks: where the memory report goes.
+pub const MEMORY_REPORT_ENV: &str = "ZERORUN_MEMORY_REPORT";
 
 /// This process's place in the job.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -1,0 +1,28 @@
+// CUDA on demand: libtorch_cuda is not linked (a CPU run would pay about 230 MiB for it), so code that uses CUDA
+// dlopens it first. libtorch_cuda registers its hooks (at::CUDAHooks) in a static initializer when it loads; that
+// registration is what these functions look at. at::detail::getCUDAHooks() is not asked here: it caches its first
+// answer for the life of the process, so asking before the load would pin "no CUDA".
+#include <ATen/detail/CUDAHooksInterface.h>
+#include <ATen/Context.h>
+
+#include <dlfcn.h>
+
+#include <cstring>
+#include <string>
+
+// Whether libtorch_cuda's hooks are registered in this process.
+extern "C" int zerorun_cuda_hooks_registered() {
+    return at::CUDAHooksRegistry()->Has("CUDAHooks") ? 1 : 0;
+}
+
+// The folder of the libtorch_cpu in use, into `out` (NUL-terminated); returns its length, or -1.
+extern "C" int zerorun_libtorch_dir(char *out, int cap) {
+    Dl_info info;
+    if (!dladdr(reinterpret_cast<void *>(&at::globalContext), &info) || !info.dli_fname) return -1;
+    std::string path(info.dli_fname);
+    auto slash = path.rfind('/');
+    std::string dir = slash == std::string::npos ? std::string(".") : path.substr(0, slash);
+    if (static_cast<int>(dir.size()) + 1 > cap) return -1;
+    std::memcpy(out, dir.c_str(), dir.size() + 1);
+    return static_cast<int>(dir.size());
+}

@@ -1,0 +1,13 @@
+/// Shows zerorun's logs on stderr, as a training program (or the CLI) should install them: warnings by default
+/// (ignored config keys, slow settings, skipped fp16 steps), more with `RUST_LOG`; colours only on a terminal, not
+/// into the pipes of `zerorun launch`. The library itself only logs through `tracing` and never prints; call this
+/// once at the start of `main`, or install your own subscriber instead.
+pub fn init_logging() {
+    use std::io::IsTerminal;
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
+        .with_target(false)
+        .init();
+}
