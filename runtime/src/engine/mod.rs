@@ -322,6 +322,7 @@ impl Engine {
             engine.grad_hooks = Some(grad_hooks::GradHooks::install(&engine.params, &engine.layout.units)?);
         }
         engine.grad_mark = engine.gradient_fingerprint();
+        engine.memory_event_initialized();
         Ok(engine)
     }
 
@@ -416,6 +417,9 @@ impl Engine {
         } else {
             loss.f_backward()?;
         }
+        if self.units.is_empty() || self.grad_hooks.is_some() {
+            self.memory_event(|| "backward".into(), &[]);
+        }
         self.times.add(Phase::Backward, started.elapsed().saturating_sub(self.times.comm() - comm_before));
         Ok(())
     }
@@ -507,6 +511,7 @@ impl Engine {
             g.lr = lr;
         }
         self.timed(Phase::Step, Self::apply_optimizer)?;
+        self.memory_event(|| "optimizer step".into(), &[]);
         self.consume_grads()?;
         if stage3 {
             self.grad_acc.fill(0.0);

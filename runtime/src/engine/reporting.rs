@@ -62,6 +62,22 @@ impl Engine {
         ]
     }
 
+    /// A memory sample at one of the engine's events (`label()` names it; `extra`: transient bytes that exist only
+    /// around it, such as a unit's gradients before their reduction). Events belong to the step in progress.
+    pub(super) fn memory_event(&mut self, label: impl FnOnce() -> String, extra: &[(&'static str, usize)]) {
+        let mut now = self.memory_bytes();
+        now.extend_from_slice(extra);
+        let step = self.global_steps + 1;
+        self.memory.event(step, label(), &now);
+    }
+
+    /// The sample after `initialize`: the initialisation's own timeline (step 0).
+    pub(super) fn memory_event_initialized(&mut self) {
+        let now = self.memory_bytes();
+        self.memory.event(0, "initialized".into(), &now);
+        self.memory.end_step();
+    }
+
     /// After every optimizer step (taken or skipped): a memory sample and the step's phase times.
     pub(super) fn end_of_step(&mut self) {
         let now = self.memory_bytes();
@@ -126,6 +142,8 @@ impl Engine {
             categories: tracker_categories,
             model_states: ModelStates { measured_bytes: memory::model_state_bytes(&now), estimated_bytes: self.estimated_model_state_bytes() },
             floor_rss_bytes: self.floor_rss_bytes,
+            peak: self.memory.peak.clone(),
+            events: self.memory.peak_step_events.clone(),
             peak_rss_bytes: memory::rss().1,
             steps: self.memory.steps.clone(),
         }

@@ -90,6 +90,7 @@ impl Engine {
             // A unit's input needs a gradient only when a unit before it has trainable parameters (a frozen
             // backbone first: no backward through it).
             let x = if i > first_trainable && h.is_floating_point() { h.detach().set_requires_grad(true) } else { h.shallow_clone() };
+            self.memory_event(|| format!("forward: unit {i} gathered"), &[]);
             let recompute = self.activation_checkpointing && !last;
             let y = if recompute { tch::no_grad(|| model.forward_unit(i, &x)) } else { model.forward_unit(i, &x) };
             self.records.push(UnitRecord { input: x, output: (!recompute).then(|| y.shallow_clone()) });
@@ -168,6 +169,8 @@ impl Engine {
                 }
             };
             let mut grads = grads;
+            let unit_grad_bytes: usize = grads.iter().flatten().map(|g| g.numel() * g.kind().elt_size_in_bytes()).sum();
+            self.memory_event(|| format!("backward: unit {i} gradients"), &[("gradients_unit", unit_grad_bytes)]);
             upstream = if takes_input { grads.pop().flatten() } else { None };
             self.reduce_unit(i, &grads)?;
             if !self.units[i].persistent {

@@ -21,7 +21,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 
-pub const SCHEMA_VERSION: u32 = 1;
+/// 2: `floor_rss_bytes`, `events` and `peak` (version 1 files read with those empty).
+pub const SCHEMA_VERSION: u32 = 2;
 
 /// Categories counted as model states (what ZeRO's formulas describe).
 pub const MODEL_STATE_CATEGORIES: [&str; 8] =
@@ -46,6 +47,25 @@ pub struct StepSample {
     pub categories: BTreeMap<String, u64>,
 }
 
+/// A sample at one of the engine's events inside a step (a unit gathered in forward, a unit's gradients computed
+/// in backward, the optimizer step, ...): resident memory then, and what the engine held by category, with
+/// transients that exist only around the event (`gradients_unit`: the unit's gradients before their reduction).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EventSample {
+    /// The optimizer step the event belongs to (1 for the first step; 0 for initialisation).
+    pub step: u64,
+    pub event: String,
+    pub rss_bytes: u64,
+    pub categories: BTreeMap<String, u64>,
+}
+
+impl EventSample {
+    /// Resident memory the floor and the categories do not explain: activations, allocator caches, leaks.
+    pub fn unaccounted_bytes(&self, floor: u64) -> i64 {
+        self.rss_bytes as i64 - floor as i64 - self.categories.values().sum::<u64>() as i64
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MemoryReport {
     pub schema_version: u32,
@@ -62,13 +82,25 @@ pub struct MemoryReport {
     pub floor_rss_bytes: u64,
     pub peak_rss_bytes: u64,
     pub steps: Vec<StepSample>,
+    /// The event with the highest resident memory of the run.
+    #[serde(default)]
+    pub peak: Option<EventSample>,
+    /// The events of the step that held that peak, in order: one step's timeline.
+    #[serde(default)]
+    pub events: Vec<EventSample>,
 }
 
-/// The engine's running record: per-category current and peak, one sample per optimizer step.
+/// The engine's running record: per-category current and peak, one sample per optimizer step, and the samples at
+/// the engine's events (the run's peak event and the timeline of its step).
 #[derive(Debug, Default)]
 pub struct MemoryTracker {
     pub categories: BTreeMap<String, CategoryBytes>,
     pub steps: Vec<StepSample>,
+    pub peak: Option<EventSample>,
+    /// The timeline of the step that holds `peak`.
+    pub peak_step_events: Vec<EventSample>,
+    /// The events of the step in progress.
+    current_events: Vec<EventSample>,
 }
 
 impl MemoryTracker {
@@ -94,6 +126,23 @@ impl MemoryTracker {
             .map(|(n, b)| (n.to_string(), peaks.iter().find(|(p, _)| p == n).map_or(*b, |(_, pb)| (*pb).max(*b)) as u64))
             .collect();
         self.steps.push(StepSample { step, rss_bytes: rss().0, categories });
+        self.end_step();
+    }
+
+    /// A sample at an event of step `step`: resident memory now and `now` by category.
+    pub fn event(&mut self, step: u64, event: String, now: &[(&'static str, usize)]) {
+        let sample = EventSample { step, event, rss_bytes: rss().0, categories: now.iter().map(|(n, b)| (n.to_string(), *b as u64)).collect() };
+        self.current_events.push(sample);
+    }
+
+    /// Closes the step's timeline: it replaces the kept one when it holds a new peak.
+    pub fn end_step(&mut self) {
+        let events = std::mem::take(&mut self.current_events);
+        let Some(top) = events.iter().max_by_key(|e| e.rss_bytes) else { return };
+        if self.peak.as_ref().map_or(true, |p| top.rss_bytes > p.rss_bytes) {
+            self.peak = Some(top.clone());
+            self.peak_step_events = events;
+        }
     }
 }
 
@@ -176,6 +225,11 @@ pub fn table(reports: &[MemoryReport]) -> String {
     rows.push(("model states, measured".into(), reports.iter().map(|r| mib(r.model_states.measured_bytes)).collect()));
     rows.push(("model states, estimate".into(), reports.iter().map(|r| mib(r.model_states.estimated_bytes)).collect()));
     rows.push(("process floor (RSS at initialize)".into(), reports.iter().map(|r| mib(r.floor_rss_bytes)).collect()));
+    rows.push(("peak event RSS".into(), reports.iter().map(|r| r.peak.as_ref().map_or("-".into(), |p| mib(p.rss_bytes))).collect()));
+    rows.push((
+        "unaccounted at the peak event".into(),
+        reports.iter().map(|r| r.peak.as_ref().map_or("-".into(), |p| mib_signed(p.unaccounted_bytes(r.floor_rss_bytes)))).collect(),
+    ));
     rows.push(("peak RSS (process)".into(), reports.iter().map(|r| mib(r.peak_rss_bytes)).collect()));
     let header: Vec<String> = reports.iter().map(|r| format!("rank {}", r.rank)).collect();
     let first = rows.iter().map(|r| r.0.len()).max().unwrap_or(0).max("memory (MiB)".len());
@@ -190,7 +244,36 @@ pub fn table(reports: &[MemoryReport]) -> String {
             out += &format!("  {c:>w$}");
         }
     }
+    for r in reports {
+        if let Some(p) = &r.peak {
+            out += &format!("\nrank {}: {}", r.rank, describe_peak(p, r.floor_rss_bytes));
+        }
+    }
     out
+}
+
+/// "peak 3.06 GiB at step 2, backward: unit 2 gradients: parameters_gathered 544.0 MiB, ..., unaccounted 12.0 MiB"
+pub fn describe_peak(p: &EventSample, floor: u64) -> String {
+    let mut parts: Vec<(&String, &u64)> = p.categories.iter().filter(|(_, b)| **b > 0).collect();
+    parts.sort_by(|a, b| b.1.cmp(a.1));
+    let held: Vec<String> = parts.iter().map(|(n, b)| format!("{n} {} MiB", mib(**b))).collect();
+    format!(
+        "peak {} MiB at step {}, {}: floor {} MiB, {}, unaccounted {} MiB",
+        mib(p.rss_bytes),
+        p.step,
+        p.event,
+        mib(floor),
+        held.join(", "),
+        mib_signed(p.unaccounted_bytes(floor))
+    )
+}
+
+fn mib_signed(b: i64) -> String {
+    if b < 0 {
+        format!("-{}", mib(b.unsigned_abs()))
+    } else {
+        mib(b as u64)
+    }
 }
 
 #[cfg(test)]
@@ -212,7 +295,56 @@ mod tests {
             floor_rss_bytes: 1 << 20,
             peak_rss_bytes: 100 << 20,
             steps: t.steps,
+            peak: Some(EventSample { step: 2, event: "backward: unit 1 gradients".into(), rss_bytes: 10 << 20, categories: [("parameters_gathered".to_string(), 3 << 20)].into() }),
+            events: Vec::new(),
         }
+    }
+
+    #[test]
+    fn the_peak_event_and_its_steps_timeline_are_kept() {
+        let mut t = MemoryTracker::default();
+        let (a, b) = ("parameters", "gradients_unit");
+        t.event(1, "forward: unit 0 gathered".into(), &[(a, 1)]);
+        t.event(1, "backward: unit 0 gradients".into(), &[(a, 1), (b, 2)]);
+        t.end_step();
+        let first = t.peak.clone().unwrap();
+        assert_eq!(t.peak_step_events.len(), 2);
+        // A step whose events all sit lower keeps the first step's timeline; a higher one replaces it.
+        t.event(2, "x".into(), &[]);
+        t.peak_step_events[0].rss_bytes = 0;
+        t.current_events[0].rss_bytes = first.rss_bytes.saturating_sub(1);
+        t.end_step();
+        assert_eq!(t.peak.as_ref().unwrap().step, 1);
+        t.event(3, "y".into(), &[]);
+        t.current_events[0].rss_bytes = first.rss_bytes + 1;
+        t.end_step();
+        assert_eq!((t.peak.as_ref().unwrap().step, t.peak_step_events.len()), (3, 1));
+        let p = EventSample { step: 4, event: "backward: unit 2 gradients".into(), rss_bytes: 100 << 20, categories: [(a.to_string(), 60 << 20), (b.to_string(), 30 << 20)].into() };
+        assert_eq!(p.unaccounted_bytes(4 << 20), 6 << 20);
+        assert_eq!(
+            describe_peak(&p, 4 << 20),
+            "peak 100.00 MiB at step 4, backward: unit 2 gradients: floor 4.00 MiB, parameters 60.00 MiB, gradients_unit 30.00 MiB, unaccounted 6.00 MiB"
+        );
+    }
+
+    #[test]
+    fn version_1_reports_read_with_no_events() {
+        let dir = std::env::temp_dir().join(format!("zerorun-report-v1-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut v = serde_json::to_value(report(0)).unwrap();
+        let o = v.as_object_mut().unwrap();
+        for k in ["peak", "events", "floor_rss_bytes"] {
+            o.remove(k);
+        }
+        o.insert("schema_version".into(), 1.into());
+        std::fs::write(report_path(&dir, 0), v.to_string()).unwrap();
+        let r = MemoryReport::read(&dir, 0).unwrap();
+        assert_eq!((r.peak, r.events.len(), r.floor_rss_bytes), (None, 0, 0));
+        v["schema_version"] = 3.into();
+        std::fs::write(report_path(&dir, 0), v.to_string()).unwrap();
+        let e = MemoryReport::read(&dir, 0).unwrap_err().to_string();
+        assert!(e.ends_with("schema version 3 is newer than this zerorun reads (2)"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
@@ -238,5 +370,7 @@ mod tests {
         assert!(t.contains("parameters_gathered") && t.contains("0.00 (peak 3.00)"), "{t}");
         assert!(t.contains("model states, estimate") && t.contains("peak RSS (process)"), "{t}");
         assert!(t.lines().any(|l| l.starts_with("process floor (RSS at initialize)") && l.ends_with("1.00")), "{t}");
+        assert!(t.lines().any(|l| l.starts_with("unaccounted at the peak event") && l.ends_with("6.00")), "{t}");
+        assert!(t.contains("rank 1: peak 10.00 MiB at step 2, backward: unit 1 gradients: floor 1.00 MiB, parameters_gathered 3.00 MiB, unaccounted 6.00 MiB"), "{t}");
     }
 }
