@@ -70,7 +70,14 @@ fn run<M: UnitModel>(dir: &Path, stage: u8, build: impl Fn() -> (tch::nn::VarSto
 fn check_files(dir: &Path, stage: u8) -> Vec<MemoryReport> {
     let reports: Vec<MemoryReport> = (0..2).map(|r| MemoryReport::read(dir, r).unwrap()).collect();
     for (r, m) in reports.iter().enumerate() {
-        assert_eq!((m.schema_version, m.rank, m.world_size, m.stage), (1, r, 2, stage));
+        assert_eq!((m.schema_version, m.rank, m.world_size, m.stage), (2, r, 2, stage));
+        // The events: the run's peak sits in its step's timeline, every event is one the engine names, and the
+        // floor lies under the peak.
+        let peak = m.peak.as_ref().expect("a peak event");
+        assert!(m.events.contains(peak), "rank {r}: the kept timeline holds the peak");
+        let known = |e: &str| e == "initialized" || e == "backward" || e == "optimizer step" || e.starts_with("forward: unit ") || e.starts_with("backward: unit ");
+        assert!(m.events.iter().all(|e| known(&e.event)), "rank {r}: {:?}", m.events.iter().map(|e| &e.event).collect::<Vec<_>>());
+        assert!(m.floor_rss_bytes > 0 && m.floor_rss_bytes <= peak.rss_bytes);
         assert_eq!(m.steps.len(), STEPS_RUN as usize, "one sample per optimizer step");
         assert_eq!(m.steps.iter().map(|s| s.step).collect::<Vec<_>>(), (1..=STEPS_RUN as u64).collect::<Vec<_>>());
         for name in ["parameters", "gradients_shard", "optimizer_states", "communication_buffers", "parameters_gathered"] {

@@ -354,10 +354,10 @@ mod tests {
         let path = r.write(&dir).unwrap();
         assert_eq!(path, dir.join("memory_rank1.json"));
         assert_eq!(MemoryReport::read(&dir, 1).unwrap(), r);
-        let text = std::fs::read_to_string(&path).unwrap().replace("\"schema_version\": 1", "\"schema_version\": 7");
+        let text = std::fs::read_to_string(&path).unwrap().replace("\"schema_version\": 2", "\"schema_version\": 7");
         std::fs::write(&path, text).unwrap();
         let e = MemoryReport::read(&dir, 1).unwrap_err().to_string();
-        assert_eq!(e, format!("{}: schema version 7 is newer than this zerorun reads (1)", path.display()));
+        assert_eq!(e, format!("{}: schema version 7 is newer than this zerorun reads (2)", path.display()));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
