@@ -41,6 +41,7 @@ impl FrozenUnits {
             }
             offset += span.chunk_len(ws);
             units.push(unit);
+            super::allocator::return_freed_memory();
         }
         Ok(FrozenUnits { layout, shard, units })
     }

@@ -16,6 +16,7 @@
 //! parameter shard (`swapped_params.rs`).
 //! `setup.rs` holds how `Engine::new` builds all of it, one decision per function; `shard.rs` where this rank's
 //! optimized values live; mod.rs the Engine itself: backward, the optimizer step and what it takes.
+mod allocator;
 mod checkpointing;
 mod frozen;
 mod grad_hooks;
@@ -82,6 +83,10 @@ pub struct EngineOptions {
     pub activation_checkpointing: bool,
     /// How buffers (BatchNorm's running statistics) stay consistent across ranks; DDP's broadcast by default.
     pub buffers: BufferSync,
+    /// Leave glibc's malloc as the program set it. By default the engine fixes its mmap threshold at 4 MiB
+    /// (`mallopt(M_MMAP_THRESHOLD)`), so freed large tensors leave the resident memory instead of staying in the
+    /// heap (see `engine/allocator.rs`); a program that tunes malloc itself sets this.
+    pub keep_allocator_settings: bool,
 }
 
 impl EngineOptions {
@@ -199,6 +204,9 @@ impl Engine {
         // (built by the program already; they are model states, which the engine then takes over).
         let model_bytes: usize = vs.variables().values().map(|t| t.numel() * t.kind().elt_size_in_bytes()).sum();
         let floor_rss_bytes = crate::report::memory::rss().0.saturating_sub(model_bytes as u64);
+        if !options.keep_allocator_settings {
+            allocator::fix_mmap_threshold();
+        }
         let (world_size, rank) = (comm.world_size(), comm.rank());
         let batch = config.batch_sizes(world_size)?;
         if let Some(OptimizerConfig::Lamb(_)) = &config.optimizer {
@@ -322,6 +330,7 @@ impl Engine {
             engine.grad_hooks = Some(grad_hooks::GradHooks::install(&engine.params, &engine.layout.units)?);
         }
         engine.grad_mark = engine.gradient_fingerprint();
+        allocator::return_freed_memory();
         engine.memory_event_initialized();
         Ok(engine)
     }

@@ -410,6 +410,9 @@ impl Engine {
             }
             offset += span.chunk_len(ws);
             units.push(unit);
+            // The unit's original tensors were freed as it was packed: give their pages back now, so that
+            // start-up holds the model, the shard and one unit rather than the model twice.
+            super::allocator::return_freed_memory();
         }
         Ok((shard, params, units))
     }
