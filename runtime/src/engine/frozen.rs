@@ -26,22 +26,15 @@ impl FrozenUnits {
     pub fn new(by_unit: Vec<Vec<(String, Tensor)>>, persistent: &[bool], comm: &dyn Communicator) -> Result<FrozenUnits> {
         let kind = frozen_kind(&by_unit)?;
         let specs: Vec<Vec<(String, Vec<i64>, bool)>> = by_unit.iter().map(|u| u.iter().map(|(n, t)| (n.clone(), t.size(), false)).collect()).collect();
-        let (rank, ws) = (comm.rank(), comm.world_size());
+        let ws = comm.world_size();
         let layout = FlatLayout::with_units(&specs, ws);
         let shard = Tensor::zeros([layout.partition_len() as i64], (kind, tch::Device::Cpu));
         let mut units = Vec::with_capacity(by_unit.len());
         let mut offset = 0;
         for ((span, params), &keep) in layout.units.iter().zip(by_unit).zip(persistent) {
             let own: Vec<Tensor> = params.into_iter().map(|(_, t)| t).collect();
-            let mut unit = ShardedUnit::new(span.clone(), &layout.slots[span.slots.clone()], own, kind, offset, keep, comm.prefers_shared_buffers())?;
-            views::broadcast(comm, unit.full(), 0)?;
-            unit.store_chunk(&shard, rank, ws);
-            if !keep {
-                unit.release()?;
-            }
+            units.push(ShardedUnit::shard_from_rank0(span.clone(), &layout.slots[span.slots.clone()], own, kind, offset, keep, comm, &shard)?);
             offset += span.chunk_len(ws);
-            units.push(unit);
-            super::allocator::return_freed_memory();
         }
         Ok(FrozenUnits { layout, shard, units })
     }

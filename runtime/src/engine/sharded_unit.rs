@@ -63,6 +63,21 @@ impl ShardedUnit {
         Ok(ShardedUnit { span, shard_offset, persistent, full, views, params, empty, state: UnitState::Gathered, pending: None, in_place: false })
     }
 
+    /// Start-up at stage 3: packs `params` into a new unit, takes rank 0's values, copies this rank's chunk into
+    /// `shard` (at `shard_offset`) and releases the unit unless it is `persistent`; then hands the pages of the
+    /// parameters' original tensors, freed by the packing, back to the OS. So start-up holds the model, the shard
+    /// and one unit rather than the model twice.
+    pub fn shard_from_rank0(span: UnitSpan, slots: &[ParamSlot], params: Vec<Tensor>, kind: Kind, shard_offset: usize, persistent: bool, comm: &dyn Communicator, shard: &Tensor) -> Result<ShardedUnit> {
+        let mut unit = ShardedUnit::new(span, slots, params, kind, shard_offset, persistent, comm.prefers_shared_buffers())?;
+        views::broadcast(comm, unit.full(), 0)?;
+        unit.store_chunk(shard, comm.rank(), comm.world_size());
+        if !persistent {
+            unit.release()?;
+        }
+        super::allocator::return_freed_memory();
+        Ok(unit)
+    }
+
     /// Stage 2 with units: a unit over `region` of the engine's full parameter buffer, which the model's tensors
     /// (`params`, in slot order) already view. Always gathered; refreshing all-gathers the region in place.
     pub fn in_place(span: UnitSpan, slots: &[ParamSlot], params: Vec<Tensor>, region: Tensor, shard_offset: usize) -> ShardedUnit {

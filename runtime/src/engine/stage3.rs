@@ -389,7 +389,7 @@ impl Engine {
         config: &crate::config::Config,
     ) -> Result<(Tensor, Vec<Tensor>, Vec<super::ShardedUnit>)> {
         let z = &config.zero_optimization;
-        let (rank, ws) = (comm.rank(), comm.world_size());
+        let ws = comm.world_size();
         let shard = Tensor::zeros([layout.partition_len() as i64], (kind, tch::Device::Cpu));
         let params: Vec<Tensor> = named.into_iter().map(|(_, t)| t).collect();
         let mut units = Vec::with_capacity(layout.units.len());
@@ -402,17 +402,8 @@ impl Engine {
                 persistent_total += numel;
             }
             let own: Vec<Tensor> = params[span.slots.clone()].iter().map(Tensor::shallow_clone).collect();
-            let mut unit = super::ShardedUnit::new(span.clone(), &layout.slots[span.slots.clone()], own, kind, offset, persistent, comm.prefers_shared_buffers())?;
-            views::broadcast(comm, unit.full(), 0)?;
-            unit.store_chunk(&shard, rank, ws);
-            if !persistent {
-                unit.release()?;
-            }
+            units.push(super::ShardedUnit::shard_from_rank0(span.clone(), &layout.slots[span.slots.clone()], own, kind, offset, persistent, comm, &shard)?);
             offset += span.chunk_len(ws);
-            units.push(unit);
-            // The unit's original tensors were freed as it was packed: give their pages back now, so that
-            // start-up holds the model, the shard and one unit rather than the model twice.
-            super::allocator::return_freed_memory();
         }
         Ok((shard, params, units))
     }
