@@ -1,5 +1,6 @@
 //! `memory.svg` and `memory.png`: bytes per category stacked for every optimizer step, one panel per rank, the
-//! model-state estimate as a line and the process's resident memory as a second line.
+//! model-state estimate as a line and the process's resident memory as a second line; beside each, the same for
+//! the events of the step that held the rank's peak (one step's timeline: gathers, unit gradients, the step).
 use std::path::Path;
 use std::sync::OnceLock;
 
@@ -26,11 +27,11 @@ fn register_font() -> Result<()> {
 
 const MIB: f64 = 1024.0 * 1024.0;
 
-/// Colors by category, in stacking order (model states first).
+/// Colors by category, in stacking order (model states first); event-only categories (`gradients_unit`) too.
 fn categories(reports: &[MemoryReport]) -> Vec<String> {
     let mut names: Vec<String> = Vec::new();
     for r in reports {
-        for n in r.categories.keys() {
+        for n in r.categories.keys().chain(r.events.iter().flat_map(|e| e.categories.keys())) {
             if !names.contains(n) {
                 names.push(n.clone());
             }
@@ -39,6 +40,68 @@ fn categories(reports: &[MemoryReport]) -> Vec<String> {
     let order = |n: &str| MODEL_STATE_CATEGORIES.iter().position(|c| *c == n).unwrap_or(MODEL_STATE_CATEGORIES.len());
     names.sort_by_key(|n| (order(n), n.clone()));
     names
+}
+
+/// One bar of a stacked chart: where it stands, the bytes by category, the resident memory then.
+struct Point<'a> {
+    x: f64,
+    categories: &'a std::collections::BTreeMap<String, u64>,
+    rss: u64,
+}
+
+/// Bars of `points` stacked by category (`names` gives order and colour), the resident memory as a red line on a
+/// right axis of its own, and `estimate` as a black line.
+fn stacked<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, caption: &str, x_desc: &str, names: &[String], points: &[Point], estimate: Option<u64>) -> std::result::Result<(), String> {
+    let err = |e: DrawingAreaErrorKind<DB::ErrorType>| e.to_string();
+    let first = points.first().map_or(0.0, |p| p.x);
+    let last = points.last().map_or(1.0, |p| p.x).max(first + 1.0);
+    let stacked_max = points.iter().map(|p| p.categories.values().sum::<u64>()).max().unwrap_or(0) as f64;
+    let rss_max = points.iter().map(|p| p.rss).max().unwrap_or(0) as f64;
+    // The engine's bytes on the left axis; the process's resident memory (libtorch included, usually far larger)
+    // on its own right axis so it does not flatten the bars.
+    let ymax = stacked_max.max(estimate.unwrap_or(0) as f64).max(1.0) * 1.15 / MIB;
+    let x_range = (first - 0.5)..(last + 0.5);
+    let mut chart = ChartBuilder::on(area)
+        .caption(caption, ("sans-serif", 16))
+        .margin(12)
+        .x_label_area_size(36)
+        .y_label_area_size(64)
+        .right_y_label_area_size(if rss_max > 0.0 { 64 } else { 0 })
+        .build_cartesian_2d(x_range.clone(), 0f64..ymax)
+        .map_err(err)?
+        .set_secondary_coord(x_range, 0f64..(rss_max.max(1.0) * 1.15 / MIB));
+    chart
+        .configure_mesh()
+        .x_desc(x_desc)
+        .y_desc("engine MiB (bars)")
+        .x_labels(points.len().clamp(1, 12))
+        .x_label_formatter(&|x| format!("{x:.0}"))
+        .disable_x_mesh()
+        .light_line_style(WHITE)
+        .draw()
+        .map_err(err)?;
+    if rss_max > 0.0 {
+        chart.configure_secondary_axes().y_desc("resident MiB (red line)").draw().map_err(err)?;
+    }
+    let width = if points.len() > 1 { 0.8 * (last - first) / (points.len() - 1) as f64 } else { 0.8 };
+    for (i, name) in names.iter().enumerate() {
+        let color = Palette99::pick(i).to_rgba();
+        let bars = points.iter().map(|p| {
+            let below: u64 = names[..i].iter().filter_map(|n| p.categories.get(n)).sum();
+            let own = p.categories.get(name).copied().unwrap_or(0);
+            Rectangle::new([(p.x - width / 2.0, below as f64 / MIB), (p.x + width / 2.0, (below + own) as f64 / MIB)], color.filled())
+        });
+        chart.draw_series(bars).map_err(err)?;
+    }
+    if let Some(est) = estimate {
+        let est = est as f64 / MIB;
+        chart.draw_series(LineSeries::new([(first - 0.5, est), (last + 0.5, est)], BLACK.stroke_width(2))).map_err(err)?;
+    }
+    if rss_max > 0.0 {
+        let rss = points.iter().map(|p| (p.x, p.rss as f64 / MIB));
+        chart.draw_secondary_series(LineSeries::new(rss, RED.stroke_width(2))).map_err(err)?;
+    }
+    Ok(())
 }
 
 fn draw<DB: DrawingBackend>(root: DrawingArea<DB, Shift>, reports: &[MemoryReport]) -> std::result::Result<(), String> {
@@ -62,53 +125,15 @@ fn draw<DB: DrawingBackend>(root: DrawingArea<DB, Shift>, reports: &[MemoryRepor
     }
     let panels = body.split_evenly((reports.len().max(1), 1));
     for (panel, r) in panels.iter().zip(reports) {
-        let first = r.steps.first().map_or(0, |s| s.step) as f64;
-        let last = r.steps.last().map_or(1, |s| s.step) as f64;
-        let stacked_max = r.steps.iter().map(|s| s.categories.values().sum::<u64>()).max().unwrap_or(0) as f64;
-        let rss_max = r.steps.iter().map(|s| s.rss_bytes).max().unwrap_or(0) as f64;
-        // The engine's bytes on the left axis; the process's resident memory (libtorch included, usually far
-        // larger) on its own right axis so it does not flatten the bars.
-        let ymax = stacked_max.max(r.model_states.estimated_bytes as f64).max(1.0) * 1.15 / MIB;
-        let x_range = (first - 0.5)..(last + 0.5);
-        let mut chart = ChartBuilder::on(panel)
-            .caption(format!("rank {} of {}: ZeRO stage {}, {}", r.rank, r.world_size, r.stage, r.precision), ("sans-serif", 18))
-            .margin(12)
-            .x_label_area_size(36)
-            .y_label_area_size(64)
-            .right_y_label_area_size(if rss_max > 0.0 { 64 } else { 0 })
-            .build_cartesian_2d(x_range.clone(), 0f64..ymax)
-            .map_err(err)?
-            .set_secondary_coord(x_range, 0f64..(rss_max.max(1.0) * 1.15 / MIB));
-        let steps = r.steps.len().clamp(1, 12);
-        chart
-            .configure_mesh()
-            .x_desc("optimizer step")
-            .y_desc("engine MiB (bars)")
-            .x_labels(steps)
-            .x_label_formatter(&|x| format!("{x:.0}"))
-            .disable_x_mesh()
-            .light_line_style(WHITE)
-            .draw()
-            .map_err(err)?;
-        if rss_max > 0.0 {
-            chart.configure_secondary_axes().y_desc("resident MiB (red line)").draw().map_err(err)?;
-        }
-        let width = if r.steps.len() > 1 { 0.8 * (last - first) / (r.steps.len() - 1) as f64 } else { 0.8 };
-        for (i, name) in names.iter().enumerate() {
-            let color = Palette99::pick(i).to_rgba();
-            let bars = r.steps.iter().map(|s| {
-                let below: u64 = names[..i].iter().filter_map(|n| s.categories.get(n)).sum();
-                let own = s.categories.get(name).copied().unwrap_or(0);
-                let x = s.step as f64;
-                Rectangle::new([(x - width / 2.0, below as f64 / MIB), (x + width / 2.0, (below + own) as f64 / MIB)], color.filled())
-            });
-            chart.draw_series(bars).map_err(err)?;
-        }
-        let est = r.model_states.estimated_bytes as f64 / MIB;
-        chart.draw_series(LineSeries::new([(first - 0.5, est), (last + 0.5, est)], BLACK.stroke_width(2))).map_err(err)?;
-        if rss_max > 0.0 {
-            let rss = r.steps.iter().map(|s| (s.step as f64, s.rss_bytes as f64 / MIB));
-            chart.draw_secondary_series(LineSeries::new(rss, RED.stroke_width(2))).map_err(err)?;
+        // Left: every optimizer step; right: the events of the step that held the run's peak (when recorded).
+        let (steps_area, events_area) = if r.events.is_empty() { (panel.clone(), None) } else { let (a, b) = panel.split_horizontally(panel.dim_in_pixel().0 * 3 / 5); (a, Some(b)) };
+        let points: Vec<Point> = r.steps.iter().map(|s| Point { x: s.step as f64, categories: &s.categories, rss: s.rss_bytes }).collect();
+        let caption = format!("rank {} of {}: ZeRO stage {}, {}", r.rank, r.world_size, r.stage, r.precision);
+        stacked(&steps_area, &caption, "optimizer step", &names, &points, Some(r.model_states.estimated_bytes))?;
+        if let Some(area) = events_area {
+            let points: Vec<Point> = r.events.iter().enumerate().map(|(i, e)| Point { x: i as f64, categories: &e.categories, rss: e.rss_bytes }).collect();
+            let step = r.events[0].step;
+            stacked(&area, &format!("events of step {step} (the peak's)"), "event (gather, gradients, step)", &names, &points, None)?;
         }
     }
     root.present().map_err(err)?;
@@ -119,7 +144,8 @@ fn draw<DB: DrawingBackend>(root: DrawingArea<DB, Shift>, reports: &[MemoryRepor
 pub fn draw_memory(dir: &Path, reports: &[MemoryReport]) -> Result<(std::path::PathBuf, std::path::PathBuf)> {
     register_font()?;
     let (svg, png) = (dir.join("memory.svg"), dir.join("memory.png"));
-    let size = (960, 80 + 320 * reports.len().max(1) as u32);
+    let wide = reports.iter().any(|r| !r.events.is_empty());
+    let size = (if wide { 1440 } else { 960 }, 80 + 320 * reports.len().max(1) as u32);
     draw(SVGBackend::new(&svg, size).into_drawing_area(), reports).map_err(|e| Error::Usage(format!("{}: {e}", svg.display())))?;
     draw(BitMapBackend::new(&png, size).into_drawing_area(), reports).map_err(|e| Error::Usage(format!("{}: {e}", png.display())))?;
     Ok((svg, png))
