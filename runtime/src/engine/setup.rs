@@ -225,14 +225,16 @@ pub(super) fn gradient_buffers(config: &Config, plan: &StagePlan, layout: &FlatL
     let kind = views::kind_of(precision);
     let comm_kind = views::comm_kind(config.communication_data_type, precision);
     // Stages 1-2 reduce in rounds: each takes `round_len` elements of every rank's partition, so the buffer is one
-    // bucket (reduce_bucket_size), not the whole model. Units reduce one unit at a time, so their buffers are one
-    // unit long.
+    // bucket (reduce_bucket_size), not the whole model. Units reduce one unit at a time, in rounds of the same
+    // size when a unit is larger than a bucket; hooked buckets are at most a bucket already.
     let round_len = (z.reduce_bucket_size as usize / world_size).clamp(1, layout.partition_len().max(1));
     let largest_unit = layout.units.iter().map(|u| u.range.len()).max().unwrap_or(0);
     let staged = match plan.stage {
         0 => layout.padded,
         _ if plan.hooked_overlap => 2 * largest_unit,
-        _ if plan.by_units() => largest_unit,
+        _ if plan.hooked => largest_unit,
+        // Units larger than a bucket reduce in rounds of `round_len` per rank (`Engine::reduce_unit`).
+        _ if plan.by_units() => largest_unit.min(round_len * world_size),
         // Two halves with overlap_comm: one reduces while the next round is gathered into the other.
         _ => round_len * world_size * if plan.overlap { 2 } else { 1 },
     };
@@ -251,7 +253,11 @@ pub(super) fn gradient_buffers(config: &Config, plan: &StagePlan, layout: &FlatL
     }
     // fp32 models at stages 1-2 with gradient views reduce each rank's partition in place in the buffer.
     let fp32_in_place = precision == Precision::Fp32 && grad_buffer.is_some();
-    let part_len = if plan.by_units() { largest_unit / world_size * if plan.hooked_overlap { 2 } else { 1 } } else { layout.partition_len() };
+    let part_len = match plan.stage {
+        _ if plan.hooked => largest_unit / world_size * if plan.hooked_overlap { 2 } else { 1 },
+        _ if plan.by_units() => (largest_unit / world_size).min(round_len),
+        _ => layout.partition_len(),
+    };
     let grad_part = (plan.stage > 0 && !fp32_in_place).then(|| Tensor::zeros([part_len as i64], (comm_kind, tch::Device::Cpu)));
     let grad_acc = AlignedVec::filled(if (plan.stage > 0 && !fp32_in_place) || precision != Precision::Fp32 { optimized_len } else { 0 }, 0.0);
     Ok(GradientBuffers { flat_grads, grad_buffer, round_len, grad_part, grad_acc })

@@ -288,23 +288,56 @@ impl Engine {
     }
 
     /// Reduce-scatters unit `i`'s gradients (slot order; None: unused, zeros) into this rank's shard and adds
-    /// them to the fp32 accumulator, with the predivide rules of `reduce`.
+    /// them to the fp32 accumulator, with the predivide rules of `reduce`. A unit larger than `reduce_bucket_size`
+    /// goes in rounds, as stages 1-2 do: each round stages `round_len` elements of every rank's chunk, so the
+    /// staging buffer is one bucket, not the largest unit (a unit of 268 MB held 384 MiB of staging and partition
+    /// beside its own gradients).
     pub(super) fn reduce_unit(&mut self, i: usize, grads: &[Option<Tensor>]) -> Result<()> {
         let ws = self.world_size();
         let span = self.units[i].span.clone();
-        let (len, chunk, offset) = (span.range.len(), span.chunk_len(ws), self.units[i].shard_offset);
-        if len == 0 {
+        let (chunk, offset) = (span.chunk_len(ws), self.units[i].shard_offset);
+        if chunk == 0 {
             // A unit of frozen parameters only.
             return Ok(());
         }
-        let staged = self.flat_grads.narrow(0, 0, len as i64);
-        self.stage_unit_grads(i, grads, &staged)?;
-        let part = self.grad_part.as_ref().expect("units have a gradient part").narrow(0, 0, chunk as i64);
-        let t = std::time::Instant::now();
-        self.reduce_bucket(&staged, &part)?;
-        self.times.add(crate::report::Phase::ReduceScatter, t.elapsed());
-        views::accumulate(&mut self.grad_acc[offset..offset + chunk], &part);
+        let round = self.round_len.clamp(1, chunk);
+        for c in (0..chunk).step_by(round) {
+            let l = round.min(chunk - c);
+            let staged = self.flat_grads.narrow(0, 0, (ws * l) as i64);
+            self.stage_unit_round(i, grads, &staged, c, l)?;
+            let part = self.grad_part.as_ref().expect("units have a gradient part").narrow(0, 0, l as i64);
+            let t = std::time::Instant::now();
+            self.reduce_bucket(&staged, &part)?;
+            self.times.add(crate::report::Phase::ReduceScatter, t.elapsed());
+            views::accumulate(&mut self.grad_acc[offset + c..offset + c + l], &part);
+        }
         Ok(())
+    }
+
+    /// Copies elements `c..c+l` of every rank's chunk of unit `i`'s gradients (slot order; None: zeros) into
+    /// `staged` (`ws * l` long, rank by rank): one round of [`Engine::reduce_unit`].
+    fn stage_unit_round(&self, i: usize, grads: &[Option<Tensor>], staged: &Tensor, c: usize, l: usize) -> Result<()> {
+        let ws = self.world_size();
+        let span = &self.units[i].span;
+        let chunk = span.chunk_len(ws);
+        tch::no_grad(|| -> Result<()> {
+            let _ = staged.shallow_clone().f_zero_()?;
+            for k in 0..ws {
+                // Unit-relative range of this round in rank k's chunk.
+                let (lo, hi) = (k * chunk + c, k * chunk + c + l);
+                for (slot, g) in self.layout.slots[span.slots.clone()].iter().zip(grads) {
+                    let Some(g) = g else { continue };
+                    let (s, e) = (slot.range.start - span.range.start, slot.range.end - span.range.start);
+                    let (a, b) = (s.max(lo), e.min(hi));
+                    if a >= b {
+                        continue;
+                    }
+                    let src = g.reshape([-1]).narrow(0, (a - s) as i64, (b - a) as i64);
+                    staged.narrow(0, (k * l + a - lo) as i64, (b - a) as i64).f_copy_(&src)?;
+                }
+            }
+            Ok(())
+        })
     }
 
     /// Copies unit `i`'s gradients (slot order; None: zeros) into `staged` (the unit's padded length).
