@@ -388,3 +388,26 @@ fn save_16bit_model_works_at_stage_2_with_units_and_holds_every_variable() {
     assert_eq!(names.len(), 14, "{names:?}");
     let _ = std::fs::remove_file(&path);
 }
+
+#[test]
+fn load_mapped_reads_a_whole_model_tensor_by_tensor_and_names_what_differs() {
+    let path = std::env::temp_dir().join(format!("zerorun-load-mapped-{}.safetensors", std::process::id()));
+    let (vs, _) = build(21, true);
+    let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+    vars.sort_by(|a, b| a.0.cmp(&b.0));
+    Tensor::write_safetensors(&vars, &path).unwrap();
+    let (other, _) = build(22, true);
+    assert_ne!(snapshot(&other), snapshot(&vs));
+    zerorun::runtime::engine::load_mapped(&other, &path).unwrap();
+    assert_eq!(snapshot(&other), snapshot(&vs));
+    // A model with another head: the first differing variable is named.
+    let bigger = nn::VarStore::new(tch::Device::Cpu);
+    let _ = nn::linear(bigger.root() / "head", 4, 3, Default::default());
+    let e = zerorun::runtime::engine::load_mapped(&bigger, &path).unwrap_err().to_string();
+    assert!(e.ends_with("the checkpoint does not match the model: `head.bias` is [2] in the file and [3] in the model"), "{e}");
+    let missing = nn::VarStore::new(tch::Device::Cpu);
+    let _ = nn::linear(missing.root() / "tail", 4, 3, Default::default());
+    let e = zerorun::runtime::engine::load_mapped(&missing, &path).unwrap_err().to_string();
+    assert!(e.contains("tensor `tail.bias`"), "{e}");
+    let _ = std::fs::remove_file(&path);
+}

@@ -99,10 +99,11 @@ static INIT: Mutex<()> = Mutex::new(());
 pub fn build_model<M>(seed: u64, init: Option<&PathBuf>, f: impl FnOnce(&nn::VarStore) -> M) -> Result<(nn::VarStore, M), String> {
     let _guard = INIT.lock().unwrap_or_else(|p| p.into_inner());
     tch::manual_seed(seed as i64);
-    let mut vs = nn::VarStore::new(tch::Device::Cpu);
+    let vs = nn::VarStore::new(tch::Device::Cpu);
     let model = f(&vs);
     if let Some(path) = init {
-        vs.load(path).map_err(|e| format!("--init {}: {e}", path.display()))?;
+        // Tensor by tensor from the mapped file: the file is never read whole into memory.
+        zerorun::runtime::engine::load_mapped(&vs, path).map_err(|e| format!("--init {}: {e}", path.display()))?;
     }
     Ok((vs, model))
 }

@@ -82,6 +82,25 @@ fn variable_problems(role: &str, ours: &[(String, Vec<i64>)], theirs: &[Variable
     problems
 }
 
+/// Loads every variable of `vs` from the safetensors file at `path` (pretrained weights, `save_16bit_model`'s or
+/// `zerorun consolidate`'s output), one tensor at a time from the memory-mapped file, so the file is never read
+/// whole into memory (`VarStore::load` reads it all first). Values convert to each variable's dtype; a variable
+/// missing from the file or of another shape is an error naming it. Call it before `initialize`.
+pub fn load_mapped(vs: &tch::nn::VarStore, path: impl AsRef<Path>) -> Result<()> {
+    let path = path.as_ref();
+    let file = MappedTensors::open(path)?;
+    let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+    vars.sort_by(|a, b| a.0.cmp(&b.0));
+    for (name, var) in vars {
+        let src = read_variable(&file, path, &name)?;
+        if src.size() != var.size() {
+            return Err(CheckpointError::Mismatch { path: path.to_path_buf(), what: format!("`{name}` is {:?} in the file and {:?} in the model", src.size(), var.size()) }.into());
+        }
+        tch::no_grad(|| var.shallow_clone().f_copy_(&src))?;
+    }
+    Ok(())
+}
+
 fn check_tag(tag: &str) -> Result<()> {
     if tag.is_empty() || tag.starts_with('.') || tag.contains(['/', '\\']) || tag == "latest" {
         return Err(crate::Error::Usage(format!("checkpoint tag {tag:?}: use a plain folder name (not `latest`, no '/')")));

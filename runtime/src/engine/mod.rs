@@ -52,7 +52,7 @@ use crate::report::{Phase, PhaseTimes};
 pub use layout::{FlatLayout, ParamSlot, UnitSpan};
 use shard::shard_values;
 use sharded_unit::ShardedUnit;
-pub use checkpointing::SaveOptions;
+pub use checkpointing::{load_mapped, SaveOptions};
 pub use reporting::{MemoryReportFiles, MEMORY_REPORT_ENV};
 pub use stage3::{CommVolume, GatheredBytes};
 pub use units::{Sequence, UnitModel, Whole};
