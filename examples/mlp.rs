@@ -38,6 +38,10 @@ struct Args {
     /// partitioned at stage 3.
     #[arg(long, default_value_t = 0)]
     freeze_first: usize,
+    /// Build the model from one builder per layer (`zerorun::UnitBuilders`): at stage 3 no rank ever holds the
+    /// whole model; the initial weights are those of the ordinary construction. Ranks as processes only.
+    #[arg(long)]
+    builders: bool,
 }
 
 pub struct Mlp {
@@ -50,6 +54,18 @@ impl Mlp {
         Mlp { layers: (0..layers as usize).map(|i| nn::linear(&p / "layers" / i, dims[i], dims[i + 1], Default::default())).collect() }
     }
 
+}
+
+/// The same model as one builder per layer, in the order `Mlp::new` creates them.
+fn mlp_builders(input: i64, hidden: i64, layers: i64, out: i64) -> zerorun::UnitBuilders<'static> {
+    let dims: Vec<i64> = (0..=layers).map(|i| if i == 0 { input } else if i == layers { out } else { hidden }).collect();
+    (0..layers as usize).fold(zerorun::UnitBuilders::new(), |b, i| {
+        let (din, dout, last) = (dims[i], dims[i + 1], i + 1 == layers as usize);
+        b.unit([format!("layers.{i}")], move |p: &nn::Path| {
+            let layer = nn::linear(p / "layers" / i, din, dout, Default::default());
+            Box::new(move |x: &Tensor| if last { layer.forward(x) } else { layer.forward(x).gelu("none") })
+        })
+    })
 }
 
 /// One unit per layer (stage 3 gathers one layer at a time).
@@ -103,6 +119,9 @@ fn run(args: &Args) -> Result<(), String> {
         Some(p) => load_data(p)?,
         None => synthetic(a.seed, 1024, args.input, args.out),
     };
+    if args.builders && (a.ranks > 1 || a.init.is_some() || args.freeze_first > 0) {
+        return Err("--builders draws from libtorch's process-wide generator while the engine packs: run ranks as processes (zerorun launch), without --init or --freeze-first".into());
+    }
     if args.freeze_first >= args.layers as usize {
         return Err(format!("--freeze-first {} must leave a layer to train (--layers {})", args.freeze_first, args.layers));
     }
@@ -115,17 +134,32 @@ fn run(args: &Args) -> Result<(), String> {
     share_cores(a.ranks);
     let timeout = Duration::from_secs_f64(config.comms_timeout);
     let result = run_ranks(a.ranks, timeout, |comm| {
-        let (mut vs, model) = build_model(a.seed, a.init.as_ref(), |vs| Mlp::new(vs.root(), args.input, args.hidden, args.layers, args.out))?;
-        let kind = to_config_precision(&config, &mut vs);
-        for (name, t) in vs.variables() {
-            let layer = name.strip_prefix("layers.").and_then(|r| r.split('.').next()).and_then(|i| i.parse::<usize>().ok());
-            if layer.is_some_and(|i| i < args.freeze_first) {
-                let _ = t.set_requires_grad(false);
-            }
-        }
         let options = EngineOptions { activation_checkpointing: a.activation_checkpointing, ..Default::default() };
-        let options = if args.plain_loop { options } else { options.units_of(&model) };
-        let mut engine = Engine::new(&vs, config.clone(), comm, options).map_err(|e| e.to_string())?;
+        let (_vs, model, kind, mut engine): (nn::VarStore, Box<dyn UnitModel>, Kind, Engine) = if args.builders {
+            tch::manual_seed(a.seed as i64);
+            let vs = nn::VarStore::new(tch::Device::Cpu);
+            let builders = mlp_builders(args.input, args.hidden, args.layers, args.out);
+            let (engine, model) = Engine::from_builders(&vs, config.clone(), comm, options, builders).map_err(|e| e.to_string())?;
+            let kind = match config.precision() {
+                zerorun::config::Precision::Bf16 => Kind::BFloat16,
+                zerorun::config::Precision::Fp16 => Kind::Half,
+                zerorun::config::Precision::Fp32 => Kind::Float,
+            };
+            (vs, Box::new(model), kind, engine)
+        } else {
+            let (mut vs, model) = build_model(a.seed, a.init.as_ref(), |vs| Mlp::new(vs.root(), args.input, args.hidden, args.layers, args.out))?;
+            let kind = to_config_precision(&config, &mut vs);
+            for (name, t) in vs.variables() {
+                let layer = name.strip_prefix("layers.").and_then(|r| r.split('.').next()).and_then(|i| i.parse::<usize>().ok());
+                if layer.is_some_and(|i| i < args.freeze_first) {
+                    let _ = t.set_requires_grad(false);
+                }
+            }
+            let options = if args.plain_loop { options } else { options.units_of(&model) };
+            let engine = Engine::new(&vs, config.clone(), comm, options).map_err(|e| e.to_string())?;
+            (vs, Box::new(model), kind, engine)
+        };
+        let model: &dyn UnitModel = model.as_ref();
         let x = Tensor::from_slice(&xv).view([samples as i64, args.input]).to_kind(kind);
         let y = Tensor::from_slice(&yv).view([samples as i64, args.out]);
         let b = engine.batch_sizes();
@@ -139,15 +173,15 @@ fn run(args: &Args) -> Result<(), String> {
                 let idx = Tensor::from_slice(&order[micro_batch_range(rank, world, m, b.train_micro_batch_size_per_gpu)]);
                 let input = x.index_select(0, &idx);
                 let pred = if args.plain_loop {
-                    (0..model.layers.len()).fold(input, |h, i| model.forward_unit(i, &h))
+                    (0..model.unit_prefixes().len()).fold(input, |h, i| model.forward_unit(i, &h))
                 } else {
-                    engine.forward(&model, &input).map_err(|e| e.to_string())?
+                    engine.forward(model, &input).map_err(|e| e.to_string())?
                 };
                 let loss = pred.to_kind(Kind::Float).mse_loss(&y.index_select(0, &idx), tch::Reduction::Mean);
                 if args.plain_loop {
                     engine.backward(&loss).map_err(|e| e.to_string())?;
                 } else {
-                    engine.backward_units(&model, &loss).map_err(|e| e.to_string())?;
+                    engine.backward_units(model, &loss).map_err(|e| e.to_string())?;
                 }
                 let outcome = engine.step().map_err(|e| e.to_string())?;
                 progress.record(&engine, outcome);

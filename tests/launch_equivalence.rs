@@ -1,7 +1,7 @@
 //! The MLP example as separate processes under `zerorun launch` (shm backend with shared buffer regions,
 //! communication thread with prefetch at stage 3, per-unit reduction at stage 2, and stage 2 of a plain loop reducing
-//! from gradient hooks) ends at the parameters of one process at stage 0, within 1e-5, and prints the same per-step
-//! losses.
+//! from gradient hooks, and models built unit by unit from builders) ends at the parameters of one process at stage
+//! 0, within 1e-5, and prints the same per-step losses.
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -50,6 +50,9 @@ fn processes_at_stages_2_and_3_match_one_process() {
         // A plain loop: no units, stage 2 reduces bucket by bucket from gradient hooks (small buckets: several).
         ("stage2-plain", r#"{"stage": 2, "reduce_bucket_size": 300}"#, &["--plain-loop"][..]),
         ("stage3", r#"{"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 1}"#, &[][..]),
+        // Built unit by unit (UnitBuilders): the same initial weights, so the same run.
+        ("stage3-builders", r#"{"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0}"#, &["--builders"][..]),
+        ("stage1-builders", r#"{"stage": 1}"#, &["--builders"][..]),
     ] {
         let out = dir.join(format!("{name}.safetensors"));
         let losses = run(&mlp, &dir, 3, zero, extra, &out);

@@ -19,7 +19,7 @@ mod error;
 pub mod report;
 
 pub use config::{Config, ConfigError};
-pub use engine::{BufferSync, Engine, EngineOptions, SaveOptions, StepOutcome};
+pub use engine::{BufferSync, BuiltModel, Engine, EngineOptions, SaveOptions, StepOutcome, UnitBuilders};
 pub use error::{Error, Result};
 
 /// Builds the engine for `vs` from `config` on the given communicator (see [`Engine::new`]).

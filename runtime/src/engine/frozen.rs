@@ -23,7 +23,7 @@ impl FrozenUnits {
     /// Packs `by_unit[i]` (unit i's frozen parameters, by name) into unit buffers, takes rank 0's values, keeps
     /// this rank's chunks and releases the units that are not `persistent[i]`. Every frozen parameter must have
     /// one floating dtype (the units' buffers have one).
-    pub fn new(by_unit: Vec<Vec<(String, Tensor)>>, persistent: &[bool], comm: &dyn Communicator) -> Result<FrozenUnits> {
+    pub fn new(by_unit: Vec<Vec<(String, Tensor)>>, persistent: &[bool], comm: &dyn Communicator, mut materialize: Option<&mut super::units::Materialize>) -> Result<FrozenUnits> {
         let kind = frozen_kind(&by_unit)?;
         let specs: Vec<Vec<(String, Vec<i64>, bool)>> = by_unit.iter().map(|u| u.iter().map(|(n, t)| (n.clone(), t.size(), false)).collect()).collect();
         let ws = comm.world_size();
@@ -31,7 +31,11 @@ impl FrozenUnits {
         let shard = Tensor::zeros([layout.partition_len() as i64], (kind, tch::Device::Cpu));
         let mut units = Vec::with_capacity(by_unit.len());
         let mut offset = 0;
-        for ((span, params), &keep) in layout.units.iter().zip(by_unit).zip(persistent) {
+        for (i, ((span, params), &keep)) in layout.units.iter().zip(by_unit).zip(persistent).enumerate() {
+            if let (Some(m), false) = (materialize.as_deref_mut(), params.is_empty()) {
+                let vars: Vec<(&str, &Tensor)> = params.iter().map(|(n, t)| (n.as_str(), t)).collect();
+                m(i, &vars)?;
+            }
             let own: Vec<Tensor> = params.into_iter().map(|(_, t)| t).collect();
             units.push(ShardedUnit::shard_from_rank0(span.clone(), &layout.slots[span.slots.clone()], own, kind, offset, keep, comm, &shard)?);
             offset += span.chunk_len(ws);

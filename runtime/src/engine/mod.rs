@@ -17,6 +17,7 @@
 //! `setup.rs` holds how `Engine::new` builds all of it, one decision per function; `shard.rs` where this rank's
 //! optimized values live; mod.rs the Engine itself: backward, the optimizer step and what it takes.
 mod allocator;
+mod builders;
 mod checkpointing;
 mod frozen;
 mod grad_hooks;
@@ -55,6 +56,7 @@ use sharded_unit::ShardedUnit;
 pub use checkpointing::{load_mapped, SaveOptions};
 pub use reporting::{MemoryReportFiles, MEMORY_REPORT_ENV};
 pub use stage3::{CommVolume, GatheredBytes};
+pub use builders::{BuiltModel, UnitBuilders, UnitForward};
 pub use units::{Sequence, UnitModel, Whole};
 pub use variables::BufferSync;
 
@@ -155,6 +157,8 @@ pub struct Engine {
     grad_mark: i64,
     /// Resident memory when `new` began, less the model's variables: the process floor the memory report names.
     floor_rss_bytes: u64,
+    /// The process's peak resident memory when `new` returned.
+    init_peak_rss_bytes: u64,
     unit_prefixes: Vec<Vec<String>>,
     /// Stage 2 of a plain loop: the gradient hooks that reduce bucket by bucket during backward.
     grad_hooks: Option<grad_hooks::GradHooks>,
@@ -200,9 +204,15 @@ pub struct Engine {
 impl Engine {
     /// Wraps the trainable variables of `vs` for data-parallel training with `comm`.
     pub fn new(vs: &nn::VarStore, config: Config, comm: Box<dyn Communicator>, options: EngineOptions) -> Result<Engine> {
+        Self::new_materialized(vs, config, comm, options, None)
+    }
+
+    /// [`Engine::new`] where stage 3's unit parameters may still lack their values (`builders.rs`): `materialize`
+    /// gives unit `i`'s variables (name, tensor) their storage and values right before the unit is packed.
+    pub(super) fn new_materialized(vs: &nn::VarStore, config: Config, comm: Box<dyn Communicator>, options: EngineOptions, mut materialize: Option<&mut units::Materialize>) -> Result<Engine> {
         // The process floor: what is resident before the engine allocates, less the model's own variables
         // (built by the program already; they are model states, which the engine then takes over).
-        let model_bytes: usize = vs.variables().values().map(|t| t.numel() * t.kind().elt_size_in_bytes()).sum();
+        let model_bytes: usize = vs.variables().values().map(native::storage_nbytes).sum();
         let floor_rss_bytes = crate::report::memory::rss().0.saturating_sub(model_bytes as u64);
         if !options.keep_allocator_settings {
             allocator::fix_mmap_threshold();
@@ -232,10 +242,10 @@ impl Engine {
         let broadcast: Vec<&Tensor> = frozen_whole.iter().chain(&buffers).map(|(_, t)| t).collect();
         variables::broadcast_values(comm.as_ref(), &broadcast)?;
         let (mut flat_params, params, sharded_units) =
-            if plan.stage == 3 { Self::shard_units(&layout, named, &frozen_numel, kind, comm.as_ref(), &config)? } else { setup::pack(&layout, named, kind, comm.as_ref(), &plan, shared)? };
+            if plan.stage == 3 { Self::shard_units(&layout, named, &frozen_numel, kind, comm.as_ref(), &config, materialize.as_deref_mut())? } else { setup::pack(&layout, named, kind, comm.as_ref(), &plan, shared)? };
         let frozen_units = if plan.stage == 3 && frozen_by_unit.iter().any(|u| !u.is_empty()) {
             let persistent: Vec<bool> = sharded_units.iter().map(|u| u.persistent).collect();
-            Some(frozen::FrozenUnits::new(frozen_by_unit, &persistent, comm.as_ref())?)
+            Some(frozen::FrozenUnits::new(frozen_by_unit, &persistent, comm.as_ref(), materialize.as_deref_mut())?)
         } else {
             None
         };
@@ -298,6 +308,7 @@ impl Engine {
             _claim: claim,
             grad_mark: 0,
             floor_rss_bytes,
+            init_peak_rss_bytes: 0,
             unit_prefixes,
             grad_hooks: None,
             records: Vec::new(),
@@ -331,6 +342,7 @@ impl Engine {
         }
         engine.grad_mark = engine.gradient_fingerprint();
         allocator::return_freed_memory();
+        engine.init_peak_rss_bytes = crate::report::memory::rss().1;
         engine.memory_event_initialized();
         Ok(engine)
     }

@@ -142,6 +142,7 @@ impl Engine {
             categories: tracker_categories,
             model_states: ModelStates { measured_bytes: memory::model_state_bytes(&now), estimated_bytes: self.estimated_model_state_bytes() },
             floor_rss_bytes: self.floor_rss_bytes,
+            init_peak_rss_bytes: self.init_peak_rss_bytes,
             peak: self.memory.peak.clone(),
             events: self.memory.peak_step_events.clone(),
             peak_rss_bytes: memory::rss().1,

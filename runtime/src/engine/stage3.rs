@@ -420,11 +420,12 @@ impl Engine {
         kind: tch::Kind,
         comm: &dyn crate::comm::Communicator,
         config: &crate::config::Config,
+        mut materialize: Option<&mut super::units::Materialize>,
     ) -> Result<(Tensor, Vec<Tensor>, Vec<super::ShardedUnit>)> {
         let z = &config.zero_optimization;
         let ws = comm.world_size();
         let shard = Tensor::zeros([layout.partition_len() as i64], (kind, tch::Device::Cpu));
-        let params: Vec<Tensor> = named.into_iter().map(|(_, t)| t).collect();
+        let (names, params): (Vec<String>, Vec<Tensor>) = named.into_iter().unzip();
         let mut units = Vec::with_capacity(layout.units.len());
         let (mut offset, mut persistent_total) = (0, 0u64);
         for (span, frozen) in layout.units.iter().zip(frozen_numel) {
@@ -433,6 +434,10 @@ impl Engine {
             let persistent = numel < z.stage3_param_persistence_threshold && persistent_total + numel <= z.stage3_model_persistence_threshold;
             if persistent {
                 persistent_total += numel;
+            }
+            if let (Some(m), false) = (materialize.as_deref_mut(), span.slots.is_empty()) {
+                let vars: Vec<(&str, &Tensor)> = names[span.slots.clone()].iter().map(String::as_str).zip(&params[span.slots.clone()]).collect();
+                m(units.len(), &vars)?;
             }
             let own: Vec<Tensor> = params[span.slots.clone()].iter().map(Tensor::shallow_clone).collect();
             units.push(super::ShardedUnit::shard_from_rank0(span.clone(), &layout.slots[span.slots.clone()], own, kind, offset, persistent, comm, &shard)?);

@@ -15,6 +15,10 @@ pub trait UnitModel {
     fn forward_unit(&self, unit: usize, input: &Tensor) -> Tensor;
 }
 
+/// Gives unit `i`'s variables (name, tensor) their storage and values right before stage 3 packs them; see
+/// `builders.rs`.
+pub type Materialize<'m> = dyn FnMut(usize, &[(&str, &Tensor)]) -> Result<()> + 'm;
+
 /// A whole model as one unit: `Whole(|x| model.forward(x))`.
 pub struct Whole<F: Fn(&Tensor) -> Tensor>(pub F);
 

@@ -5,6 +5,7 @@
 //!   "categories": { name: { "current_bytes": u64, "peak_bytes": u64 } },     // see Engine::memory_bytes
 //!   "model_states": { "measured_bytes": u64, "estimated_bytes": u64 },       // params + gradients + optimizer
 //!   "floor_rss_bytes": u64,                            // VmRSS at initialize less the model's variables
+//!   "init_peak_rss_bytes": u64,                        // VmHWM when initialize returned
 //!   "peak_rss_bytes": u64,                                                   // the process's VmHWM
 //!   "steps": [ { "step": u64, "rss_bytes": u64, "categories": { name: u64 } } ] }      // parameters_gathered: the
 //!                                                                                         // step's peak
@@ -80,6 +81,10 @@ pub struct MemoryReport {
     /// activations and transients. 0 in reports written before it existed.
     #[serde(default)]
     pub floor_rss_bytes: u64,
+    /// The process's peak resident memory when `initialize` returned: what start-up needed (the model built,
+    /// packed and sharded). 0 in reports written before it existed.
+    #[serde(default)]
+    pub init_peak_rss_bytes: u64,
     pub peak_rss_bytes: u64,
     pub steps: Vec<StepSample>,
     /// The event with the highest resident memory of the run.
@@ -225,6 +230,7 @@ pub fn table(reports: &[MemoryReport]) -> String {
     rows.push(("model states, measured".into(), reports.iter().map(|r| mib(r.model_states.measured_bytes)).collect()));
     rows.push(("model states, estimate".into(), reports.iter().map(|r| mib(r.model_states.estimated_bytes)).collect()));
     rows.push(("process floor (RSS at initialize)".into(), reports.iter().map(|r| mib(r.floor_rss_bytes)).collect()));
+    rows.push(("peak RSS during initialize".into(), reports.iter().map(|r| mib(r.init_peak_rss_bytes)).collect()));
     rows.push(("peak event RSS".into(), reports.iter().map(|r| r.peak.as_ref().map_or("-".into(), |p| mib(p.rss_bytes))).collect()));
     rows.push((
         "unaccounted at the peak event".into(),
@@ -293,6 +299,7 @@ mod tests {
             categories: t.categories,
             model_states: ModelStates { measured_bytes: 3 << 20, estimated_bytes: 3 << 20 },
             floor_rss_bytes: 1 << 20,
+            init_peak_rss_bytes: 2 << 20,
             peak_rss_bytes: 100 << 20,
             steps: t.steps,
             peak: Some(EventSample { step: 2, event: "backward: unit 1 gradients".into(), rss_bytes: 10 << 20, categories: [("parameters_gathered".to_string(), 3 << 20)].into() }),

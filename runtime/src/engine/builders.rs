@@ -1,0 +1,142 @@
+//! A model given as one builder per unit, so that stage 3 never holds the whole model (DeepSpeed's `zero.Init`,
+//! FSDP2's meta-device construction). At stage 3 [`Engine::from_builders`] runs each unit's builder on the
+//! VarStore and at once releases the storage of the parameters it created (they keep name, shape and dtype); the
+//! engine then packs the units one at a time, and right before packing unit i it re-runs that builder on a scratch
+//! VarStore from the generator state the first run started from, copies the values in, keeps this rank's shard and
+//! frees the rest. Start-up so holds at most two full units beside the shard, and the initial values are exactly
+//! those of building the whole model in order from the same generator state (then converting it to the config's
+//! precision, as `vs.bfloat16()` does). At stages 0-2 the builders simply build the model.
+use std::collections::HashSet;
+
+use tch::{nn, Tensor};
+
+use super::units::UnitModel;
+use super::{native, views, Engine, EngineOptions};
+use crate::comm::Communicator;
+use crate::config::Config;
+use crate::error::{Error, Result};
+
+/// A unit's forward, as a builder returns it.
+pub type UnitForward<'a> = Box<dyn Fn(&Tensor) -> Tensor + 'a>;
+
+type Builder<'a> = Box<dyn Fn(&nn::Path) -> UnitForward<'a> + 'a>;
+
+/// The model as builders, one per unit, in execution order.
+#[derive(Default)]
+pub struct UnitBuilders<'a> {
+    units: Vec<(Vec<String>, Builder<'a>)>,
+}
+
+impl<'a> UnitBuilders<'a> {
+    pub fn new() -> Self {
+        UnitBuilders { units: Vec::new() }
+    }
+
+    /// Appends a unit: the parameter-name prefixes it owns (as [`UnitModel::unit_prefixes`]) and a builder that
+    /// creates its variables under the path it is given (the VarStore's root) and returns its forward. At stage 3
+    /// a builder runs more than once: each run must create the same variables and draw only from libtorch's
+    /// generator (`tch::manual_seed`), as tch's own initialisers do.
+    pub fn unit<S: Into<String>>(mut self, prefixes: impl IntoIterator<Item = S>, build: impl Fn(&nn::Path) -> UnitForward<'a> + 'a) -> Self {
+        self.units.push((prefixes.into_iter().map(Into::into).collect(), Box::new(build)));
+        self
+    }
+}
+
+/// The model the builders made: its units' forwards, run through `engine.forward` as any [`UnitModel`].
+pub struct BuiltModel<'a> {
+    prefixes: Vec<Vec<String>>,
+    forwards: Vec<UnitForward<'a>>,
+}
+
+impl UnitModel for BuiltModel<'_> {
+    fn unit_prefixes(&self) -> Vec<Vec<String>> {
+        self.prefixes.clone()
+    }
+
+    fn forward_unit(&self, unit: usize, input: &Tensor) -> Tensor {
+        (self.forwards[unit])(input)
+    }
+}
+
+/// Converts the floating variables of `vs` created since `known` to `kind` (what `vs.bfloat16()` does to all);
+/// with `release`, the parameters among them (tch's trainable list) keep name, shape and dtype but no storage.
+fn settle_new_variables(vs: &nn::VarStore, known: &HashSet<String>, kind: tch::Kind, release: bool) -> Result<()> {
+    let listed: HashSet<usize> = vs.trainable_variables().iter().map(native::tensor_identity).collect();
+    for (name, t) in vs.variables() {
+        if known.contains(&name) {
+            continue;
+        }
+        let target = if t.is_floating_point() { kind } else { t.kind() };
+        let mut t = t;
+        if release && listed.contains(&native::tensor_identity(&t)) {
+            let hollow = Tensor::f_empty(t.size(), (target, t.device()))?;
+            native::resize_storage(&hollow, 0)?;
+            tch::no_grad(|| t.set_data(&hollow));
+        } else if t.kind() != target {
+            let converted = t.to_kind(target);
+            tch::no_grad(|| t.set_data(&converted));
+        }
+    }
+    Ok(())
+}
+
+impl Engine {
+    /// Builds the model from `builders` on `vs` (which should hold nothing else yet) and the engine over it, with
+    /// the builders' units (see the module doc). Returns the engine and the model to run through
+    /// `engine.forward`. The values equal those of building every unit in order from the same generator state.
+    pub fn from_builders<'a>(vs: &nn::VarStore, config: Config, comm: Box<dyn Communicator>, options: EngineOptions, builders: UnitBuilders<'a>) -> Result<(Engine, BuiltModel<'a>)> {
+        if builders.units.is_empty() {
+            return Err(Error::Usage("UnitBuilders has no unit".into()));
+        }
+        let kind = views::kind_of(config.precision());
+        let stage3 = config.zero_optimization.stage == 3;
+        let prefixes: Vec<Vec<String>> = builders.units.iter().map(|(p, _)| p.clone()).collect();
+        if stage3 && !options.keep_allocator_settings {
+            super::allocator::fix_mmap_threshold();
+        }
+        let mut starts = Vec::with_capacity(builders.units.len());
+        let mut forwards = Vec::with_capacity(builders.units.len());
+        for (_, build) in &builders.units {
+            starts.push(native::rng_state()?);
+            let known: HashSet<String> = vs.variables().into_keys().collect();
+            forwards.push(build(&vs.root()));
+            settle_new_variables(vs, &known, kind, stage3)?;
+            if stage3 {
+                super::allocator::return_freed_memory();
+            }
+        }
+        let model = BuiltModel { prefixes, forwards };
+        let options = EngineOptions { units: Some(model.unit_prefixes()), ..options };
+        if !stage3 {
+            return Ok((Engine::new(vs, config, comm, options)?, model));
+        }
+        let end = native::rng_state()?;
+        // Every rank takes rank 0's values when the unit is packed, so only rank 0 builds them again; the others
+        // only give the variables their storage (and never touch the generator, which thread ranks share).
+        let rank = comm.rank();
+        let mut materialize = |unit: usize, vars: &[(&str, &Tensor)]| -> Result<()> {
+            if rank != 0 {
+                for (_, t) in vars {
+                    native::resize_storage(t, t.numel() * t.kind().elt_size_in_bytes())?;
+                }
+                return Ok(());
+            }
+            native::set_rng_state(&starts[unit])?;
+            let scratch = nn::VarStore::new(tch::Device::Cpu);
+            let _forward = (builders.units[unit].1)(&scratch.root());
+            let values = scratch.variables();
+            for (name, t) in vars {
+                let v = values.get(*name).ok_or_else(|| Error::Parameter { name: name.to_string(), why: format!("the builder of unit {unit} did not create it again (builders must create the same variables every run)") })?;
+                if v.size() != t.size() {
+                    return Err(Error::Parameter { name: name.to_string(), why: format!("the builder of unit {unit} made it {:?}, then {:?}", t.size(), v.size()) });
+                }
+                native::resize_storage(t, t.numel() * t.kind().elt_size_in_bytes())?;
+                tch::no_grad(|| t.shallow_clone().f_copy_(v))?;
+            }
+            Ok(())
+        };
+        let engine = Engine::new_materialized(vs, config, comm, options, Some(&mut materialize));
+        native::set_rng_state(&end)?;
+        Ok((engine?, model))
+    }
+}
