@@ -119,8 +119,8 @@ fn run(args: &Args) -> Result<(), String> {
         Some(p) => load_data(p)?,
         None => synthetic(a.seed, 1024, args.input, args.out),
     };
-    if args.builders && (a.ranks > 1 || a.init.is_some() || args.freeze_first > 0) {
-        return Err("--builders draws from libtorch's process-wide generator while the engine packs: run ranks as processes (zerorun launch), without --init or --freeze-first".into());
+    if args.builders && (a.ranks > 1 || args.freeze_first > 0) {
+        return Err("--builders draws from libtorch's process-wide generator while the engine packs: run ranks as processes (zerorun launch), without --freeze-first".into());
     }
     if args.freeze_first >= args.layers as usize {
         return Err(format!("--freeze-first {} must leave a layer to train (--layers {})", args.freeze_first, args.layers));
@@ -139,6 +139,10 @@ fn run(args: &Args) -> Result<(), String> {
             tch::manual_seed(a.seed as i64);
             let vs = nn::VarStore::new(tch::Device::Cpu);
             let builders = mlp_builders(args.input, args.hidden, args.layers, args.out);
+            let builders = match &a.init {
+                Some(path) => builders.init_from(path),
+                None => builders,
+            };
             let (engine, model) = Engine::from_builders(&vs, config.clone(), comm, options, builders).map_err(|e| e.to_string())?;
             let kind = match config.precision() {
                 zerorun::config::Precision::Bf16 => Kind::BFloat16,

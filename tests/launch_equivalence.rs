@@ -69,5 +69,22 @@ fn processes_at_stages_2_and_3_match_one_process() {
             assert!(d <= 1e-5, "{name}: {n} differs by {d:e}");
         }
     }
+    // Pretrained weights into builders: a stage-3 run from `--init` (each unit read from the mapped file as it is
+    // packed) is the one-process run from the same file.
+    let init = dir.join("ref.safetensors");
+    let from_init = dir.join("from-init.safetensors");
+    let ref_losses = run(&mlp, &dir, 1, r#"{"stage": 0}"#, &["--init", init.to_str().unwrap()], &from_init);
+    let out = dir.join("builders-init.safetensors");
+    let losses = run(&mlp, &dir, 3, r#"{"stage": 3, "stage3_param_persistence_threshold": 0}"#, &["--builders", "--init", init.to_str().unwrap()], &out);
+    assert_ne!(ref_losses, run(&mlp, &dir, 1, r#"{"stage": 0}"#, &[], &dir.join("fresh.safetensors")), "--init must change the start");
+    for (a, b) in losses.iter().zip(&ref_losses) {
+        let (x, y): (f64, f64) = (a.rsplit(' ').next().unwrap().parse().unwrap(), b.rsplit(' ').next().unwrap().parse().unwrap());
+        assert!((x - y).abs() <= 1e-5 * y.abs(), "builders --init: `{a}` vs `{b}`");
+    }
+    for ((n, x), (_, y)) in load(&out).iter().zip(&load(&from_init)) {
+        let scale = y.iter().map(|v| v.abs()).fold(1e-6f32, f32::max);
+        let d = x.iter().zip(y).map(|(p, q)| (p - q).abs()).fold(0.0f32, f32::max) / scale;
+        assert!(d <= 1e-5, "builders --init: {n} differs by {d:e}");
+    }
     std::fs::remove_dir_all(&dir).unwrap();
 }

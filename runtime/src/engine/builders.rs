@@ -7,6 +7,7 @@
 //! those of building the whole model in order from the same generator state (then converting it to the config's
 //! precision, as `vs.bfloat16()` does). At stages 0-2 the builders simply build the model.
 use std::collections::HashSet;
+use std::path::PathBuf;
 
 use tch::{nn, Tensor};
 
@@ -25,11 +26,22 @@ type Builder<'a> = Box<dyn Fn(&nn::Path) -> UnitForward<'a> + 'a>;
 #[derive(Default)]
 pub struct UnitBuilders<'a> {
     units: Vec<(Vec<String>, Builder<'a>)>,
+    /// Pretrained weights to start from instead of the builders' initial values.
+    init: Option<PathBuf>,
 }
 
 impl<'a> UnitBuilders<'a> {
     pub fn new() -> Self {
-        UnitBuilders { units: Vec::new() }
+        UnitBuilders { units: Vec::new(), init: None }
+    }
+
+    /// Starts from the weights in a safetensors file (every variable by name, as `save_16bit_model`, `zerorun
+    /// consolidate` or `Tensor::write_safetensors` write them) instead of the builders' initial values. At stage 3
+    /// each unit's tensors are read from the memory-mapped file right before the unit is packed, so neither the
+    /// file nor the model is ever whole in memory.
+    pub fn init_from(mut self, path: impl Into<PathBuf>) -> Self {
+        self.init = Some(path.into());
+        self
     }
 
     /// Appends a unit: the parameter-name prefixes it owns (as [`UnitModel::unit_prefixes`]) and a builder that
@@ -108,7 +120,26 @@ impl Engine {
         let model = BuiltModel { prefixes, forwards };
         let options = EngineOptions { units: Some(model.unit_prefixes()), ..options };
         if !stage3 {
+            if let Some(path) = &builders.init {
+                super::checkpointing::load_mapped(vs, path)?;
+            }
             return Ok((Engine::new(vs, config, comm, options)?, model));
+        }
+        if let Some(path) = &builders.init {
+            // Every rank reads its units from the file; nothing draws from the generator.
+            let file = crate::checkpoint::files::MappedTensors::open(path)?;
+            let mut materialize = |_unit: usize, vars: &[(&str, &Tensor)]| -> Result<()> {
+                for (name, t) in vars {
+                    let v = super::checkpointing::read_variable(&file, path, name)?;
+                    if v.size() != t.size() {
+                        return Err(crate::checkpoint::CheckpointError::Mismatch { path: path.clone(), what: format!("`{name}` is {:?} in the file and {:?} in the model", v.size(), t.size()) }.into());
+                    }
+                    native::resize_storage(t, t.numel() * t.kind().elt_size_in_bytes())?;
+                    tch::no_grad(|| t.shallow_clone().f_copy_(&v))?;
+                }
+                Ok(())
+            };
+            return Ok((Engine::new_materialized(vs, config, comm, options, Some(&mut materialize))?, model));
         }
         let end = native::rng_state()?;
         // Every rank takes rank 0's values when the unit is packed, so only rank 0 builds them again; the others

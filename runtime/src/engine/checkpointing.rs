@@ -59,7 +59,7 @@ fn entry(name: &str, shape: &[i64], kind: Kind) -> VariableEntry {
 }
 
 /// Tensor `name` of a checkpoint's variables file, as a tensor of its saved dtype.
-fn read_variable(file: &MappedTensors, path: &Path, name: &str) -> Result<Tensor> {
+pub(super) fn read_variable(file: &MappedTensors, path: &Path, name: &str) -> Result<Tensor> {
     let (dtype, shape, bytes) = file.raw(name)?;
     let kind = kind_of_dtype(&dtype).ok_or_else(|| CheckpointError::Io { path: path.to_path_buf(), what: format!("tensor `{name}`: dtype {dtype} is not read back") })?;
     let shape: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
