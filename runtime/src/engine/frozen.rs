@@ -101,9 +101,9 @@ impl FrozenUnits {
             let span = self.units[i].span.clone();
             let chunk = span.chunk(rank, ws);
             let dst = self.chunk(i, ws);
+            let full = self.units[i].state() == UnitState::Gathered;
             for slot in &self.layout.slots[span.slots.clone()] {
                 let (a, b) = (slot.range.start.max(chunk.start), slot.range.end.min(chunk.end));
-                let full = self.units[i].state() == UnitState::Gathered;
                 let Some(v) = value(&slot.name)? else { continue };
                 let v = v.reshape([-1]);
                 tch::no_grad(|| -> Result<()> {
