@@ -144,12 +144,7 @@ fn run(args: &Args) -> Result<(), String> {
                 None => builders,
             };
             let (engine, model) = Engine::from_builders(&vs, config.clone(), comm, options, builders).map_err(|e| e.to_string())?;
-            let kind = match config.precision() {
-                zerorun::config::Precision::Bf16 => Kind::BFloat16,
-                zerorun::config::Precision::Fp16 => Kind::Half,
-                zerorun::config::Precision::Fp32 => Kind::Float,
-            };
-            (vs, Box::new(model), kind, engine)
+            (vs, Box::new(model), config_kind(&config), engine)
         } else {
             let (mut vs, model) = build_model(a.seed, a.init.as_ref(), |vs| Mlp::new(vs.root(), args.input, args.hidden, args.layers, args.out))?;
             let kind = to_config_precision(&config, &mut vs);

@@ -28,7 +28,7 @@ const STEPS_RUN: i64 = 4;
 
 fn config(stage: u8) -> Config {
     Config::from_value(json!({
-        "train_batch_size": GLOBAL_BATCH,
+        "train_batch_size": GLOBAL_BATCH, "memory_breakdown": true,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0, "reduce_bucket_size": 1000}
     }))

@@ -111,11 +111,20 @@ pub fn build_model<M>(seed: u64, init: Option<&PathBuf>, f: impl FnOnce(&nn::Var
 /// Converts the model to the config's precision (bf16 / fp16 configs train 16-bit parameters with an fp32
 /// master); returns the kind inputs should have.
 pub fn to_config_precision(config: &Config, vs: &mut nn::VarStore) -> tch::Kind {
+    let kind = config_kind(config);
+    match kind {
+        tch::Kind::BFloat16 => vs.bfloat16(),
+        tch::Kind::Half => vs.half(),
+        _ => {}
+    }
+    kind
+}
+
+/// The kind the config trains in (what inputs should have).
+pub fn config_kind(config: &Config) -> tch::Kind {
     if config.bf16.enabled {
-        vs.bfloat16();
         tch::Kind::BFloat16
     } else if config.fp16.enabled {
-        vs.half();
         tch::Kind::Half
     } else {
         tch::Kind::Float

@@ -11,6 +11,7 @@ use std::path::PathBuf;
 
 use tch::{nn, Tensor};
 
+use super::checkpointing::{file_mismatch, fill_variable, read_variable};
 use super::units::UnitModel;
 use super::{native, views, Engine, EngineOptions};
 use crate::comm::Communicator;
@@ -130,12 +131,7 @@ impl Engine {
             let file = crate::checkpoint::files::MappedTensors::open(path)?;
             let mut materialize = |_unit: usize, vars: &[(&str, &Tensor)]| -> Result<()> {
                 for (name, t) in vars {
-                    let v = super::checkpointing::read_variable(&file, path, name)?;
-                    if v.size() != t.size() {
-                        return Err(crate::checkpoint::CheckpointError::Mismatch { path: path.clone(), what: format!("`{name}` is {:?} in the file and {:?} in the model", v.size(), t.size()) }.into());
-                    }
-                    native::resize_storage(t, t.numel() * t.kind().elt_size_in_bytes())?;
-                    tch::no_grad(|| t.shallow_clone().f_copy_(&v))?;
+                    fill_variable(name, t, &read_variable(&file, path, name)?, file_mismatch(path))?;
                 }
                 Ok(())
             };
@@ -158,11 +154,7 @@ impl Engine {
             let values = scratch.variables();
             for (name, t) in vars {
                 let v = values.get(*name).ok_or_else(|| Error::Parameter { name: name.to_string(), why: format!("the builder of unit {unit} did not create it again (builders must create the same variables every run)") })?;
-                if v.size() != t.size() {
-                    return Err(Error::Parameter { name: name.to_string(), why: format!("the builder of unit {unit} made it {:?}, then {:?}", t.size(), v.size()) });
-                }
-                native::resize_storage(t, t.numel() * t.kind().elt_size_in_bytes())?;
-                tch::no_grad(|| t.shallow_clone().f_copy_(v))?;
+                fill_variable(name, t, v, |name, again, first| Error::Parameter { name: name.into(), why: format!("the builder of unit {unit} made it {first:?}, then {again:?}") })?;
             }
             Ok(())
         };

@@ -66,6 +66,25 @@ pub(super) fn read_variable(file: &MappedTensors, path: &Path, name: &str) -> Re
     Ok(Tensor::f_from_data_size(bytes, &shape, kind)?)
 }
 
+/// Gives variable `name` the values `src`: same shape (else `mismatch(theirs, ours)`), converted to the variable's
+/// dtype, its storage grown first where it was released (a stage-3 unit not materialized yet; a no-op otherwise).
+pub(super) fn fill_variable(name: &str, dst: &Tensor, src: &Tensor, mismatch: impl FnOnce(&str, Vec<i64>, Vec<i64>) -> Error) -> Result<()> {
+    if src.size() != dst.size() {
+        return Err(mismatch(name, src.size(), dst.size()));
+    }
+    let bytes = dst.numel() * dst.kind().elt_size_in_bytes();
+    if super::native::storage_nbytes(dst) < bytes {
+        super::native::resize_storage(dst, bytes)?;
+    }
+    tch::no_grad(|| dst.shallow_clone().f_copy_(src))?;
+    Ok(())
+}
+
+/// The error of a tensor of another shape in `path`.
+pub(super) fn file_mismatch(path: &Path) -> impl FnOnce(&str, Vec<i64>, Vec<i64>) -> Error + '_ {
+    move |name, theirs, ours| CheckpointError::Mismatch { path: path.to_path_buf(), what: format!("`{name}` is {theirs:?} in the file and {ours:?} in the model") }.into()
+}
+
 /// Differences between the model's variables of one role and a checkpoint's, as messages.
 fn variable_problems(role: &str, ours: &[(String, Vec<i64>)], theirs: &[VariableEntry]) -> Vec<String> {
     let mut problems = Vec::new();
@@ -92,11 +111,7 @@ pub fn load_mapped(vs: &tch::nn::VarStore, path: impl AsRef<Path>) -> Result<()>
     let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
     vars.sort_by(|a, b| a.0.cmp(&b.0));
     for (name, var) in vars {
-        let src = read_variable(&file, path, &name)?;
-        if src.size() != var.size() {
-            return Err(CheckpointError::Mismatch { path: path.to_path_buf(), what: format!("`{name}` is {:?} in the file and {:?} in the model", src.size(), var.size()) }.into());
-        }
-        tch::no_grad(|| var.shallow_clone().f_copy_(&src))?;
+        fill_variable(&name, &var, &read_variable(&file, path, &name)?, file_mismatch(path))?;
     }
     Ok(())
 }
@@ -272,7 +287,7 @@ impl Engine {
         } else {
             ("variables.safetensors", "absent: stage 3 without zero_optimization.stage3_gather_16bit_weights_on_model_save; `zerorun consolidate` assembles them from the rank files".to_string())
         };
-        let tensors = if whole { self.model_tensors(views::kind_of(self.precision), with_frozen)? } else { self.non_trainable_tensors(with_frozen)? };
+        let tensors = self.model_tensors(whole.then(|| views::kind_of(self.precision)), with_frozen)?;
         if rank == 0 {
             let file = staging.join(file_name);
             tch::Tensor::write_safetensors(&tensors, &file).map_err(|e| CheckpointError::Io { path: file.clone(), what: e.to_string() })?;
@@ -451,32 +466,25 @@ impl Engine {
     /// empty tensors of the released units). Collective at stage 3, where it gathers the units one at a time:
     /// every rank calls it.
     pub fn state_dict(&mut self) -> Result<Vec<(String, Tensor)>> {
-        self.model_tensors(views::kind_of(self.precision), true)
+        self.model_tensors(Some(views::kind_of(self.precision)), true)
     }
 
-    /// Trainable parameters as `kind`, frozen ones (with `frozen`) and buffers, by name.
-    fn model_tensors(&mut self, kind: Kind, frozen: bool) -> Result<Vec<(String, Tensor)>> {
-        let mut out = if self.config.zero_optimization.stage == 3 {
-            self.gather_full_parameters(kind, frozen)?
-        } else {
-            let mut out = self.full_parameters_as(kind)?;
-            if frozen {
-                out.extend(self.frozen.iter().map(|(n, t)| (n.clone(), t.detach().copy())));
+    /// The trainable parameters as `kind` (None: without them), the frozen ones (with `frozen`, in their dtype)
+    /// and the buffers, by name. Stage 3 gathers the units one at a time (collective).
+    fn model_tensors(&mut self, kind: Option<Kind>, frozen: bool) -> Result<Vec<(String, Tensor)>> {
+        let stage3 = self.config.zero_optimization.stage == 3;
+        let mut out = match kind {
+            // One walk over the units gathers both kinds of parameters.
+            Some(kind) if stage3 => self.gather_full_parameters(kind, frozen)?,
+            Some(kind) => self.full_parameters_as(kind)?,
+            None => Vec::new(),
+        };
+        if frozen && !(stage3 && kind.is_some()) {
+            match &mut self.frozen_units {
+                Some(units) => out.extend(units.full_copies(self.comm.as_ref())?),
+                None => out.extend(self.frozen.iter().map(|(n, t)| (n.clone(), t.detach().copy()))),
             }
-            out
-        };
-        out.extend(self.buffers.iter().map(|(n, t)| (n.clone(), t.detach().copy())));
-        out.sort_by(|a, b| a.0.cmp(&b.0));
-        Ok(out)
-    }
-
-    /// Frozen parameters (with `frozen`) and buffers, by name (stage 3 gathers the frozen units: collective).
-    fn non_trainable_tensors(&mut self, frozen: bool) -> Result<Vec<(String, Tensor)>> {
-        let mut out = match (&mut self.frozen_units, frozen) {
-            (_, false) => Vec::new(),
-            (Some(units), true) => units.full_copies(self.comm.as_ref())?,
-            (None, true) => self.frozen.iter().map(|(n, t)| (n.clone(), t.detach().copy())).collect(),
-        };
+        }
         out.extend(self.buffers.iter().map(|(n, t)| (n.clone(), t.detach().copy())));
         out.sort_by(|a, b| a.0.cmp(&b.0));
         Ok(out)

@@ -185,7 +185,7 @@ impl Engine {
         let (len, chunk) = (span.range.len(), span.chunk_len(ws));
         let (stage_half, part_half) = (self.flat_grads.numel() / 2, self.grad_part.as_ref().expect("buckets have a gradient part").numel() / 2);
         let staged = self.flat_grads.narrow(0, (half * stage_half) as i64, len as i64);
-        self.stage_unit_grads(b, grads, &staged)?;
+        self.stage_unit_round(b, grads, &staged, 0, chunk)?;
         let (op, pre, _) = self.reduce_factors();
         if let Some(pre) = pre {
             let _ = staged.shallow_clone().f_mul_scalar_(pre)?;

@@ -159,6 +159,8 @@ pub struct Engine {
     floor_rss_bytes: u64,
     /// The process's peak resident memory when `new` returned.
     init_peak_rss_bytes: u64,
+    /// Whether the engine samples memory at its events (a report is asked for; see `memory_event`).
+    sample_events: bool,
     unit_prefixes: Vec<Vec<String>>,
     /// Stage 2 of a plain loop: the gradient hooks that reduce bucket by bucket during backward.
     grad_hooks: Option<grad_hooks::GradHooks>,
@@ -309,6 +311,7 @@ impl Engine {
             grad_mark: 0,
             floor_rss_bytes,
             init_peak_rss_bytes: 0,
+            sample_events: false,
             unit_prefixes,
             grad_hooks: None,
             records: Vec::new(),
@@ -343,6 +346,7 @@ impl Engine {
         engine.grad_mark = engine.gradient_fingerprint();
         allocator::return_freed_memory();
         engine.init_peak_rss_bytes = crate::report::memory::rss().1;
+        engine.sample_events = engine.memory_report_dir().is_some();
         engine.memory_event_initialized();
         Ok(engine)
     }

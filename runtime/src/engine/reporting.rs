@@ -64,7 +64,12 @@ impl Engine {
 
     /// A memory sample at one of the engine's events (`label()` names it; `extra`: transient bytes that exist only
     /// around it, such as a unit's gradients before their reduction). Events belong to the step in progress.
+    /// Sampled only when a report is asked for (`memory_breakdown`, `zerorun launch --memory-report`): each
+    /// sample reads /proc and walks the categories, too much for every unit of every step otherwise.
     pub(super) fn memory_event(&mut self, label: impl FnOnce() -> String, extra: &[(&'static str, usize)]) {
+        if !self.sample_events {
+            return;
+        }
         let mut now = self.memory_bytes();
         now.extend_from_slice(extra);
         let step = self.global_steps + 1;
@@ -73,6 +78,9 @@ impl Engine {
 
     /// The sample after `initialize`: the initialisation's own timeline (step 0).
     pub(super) fn memory_event_initialized(&mut self) {
+        if !self.sample_events {
+            return;
+        }
         let now = self.memory_bytes();
         self.memory.event(0, "initialized".into(), &now);
         self.memory.end_step();

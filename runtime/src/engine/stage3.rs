@@ -315,13 +315,22 @@ impl Engine {
     }
 
     /// Copies elements `c..c+l` of every rank's chunk of unit `i`'s gradients (slot order; None: zeros) into
-    /// `staged` (`ws * l` long, rank by rank): one round of [`Engine::reduce_unit`].
-    fn stage_unit_round(&self, i: usize, grads: &[Option<Tensor>], staged: &Tensor, c: usize, l: usize) -> Result<()> {
+    /// `staged` (`ws * l` long, rank by rank): one round of [`Engine::reduce_unit`]. The whole unit (`c` 0, `l`
+    /// the chunk) is the unit's flat gradient, staged slot by slot.
+    pub(super) fn stage_unit_round(&self, i: usize, grads: &[Option<Tensor>], staged: &Tensor, c: usize, l: usize) -> Result<()> {
         let ws = self.world_size();
         let span = &self.units[i].span;
         let chunk = span.chunk_len(ws);
         tch::no_grad(|| -> Result<()> {
             let _ = staged.shallow_clone().f_zero_()?;
+            if c == 0 && l == chunk {
+                for (slot, g) in self.layout.slots[span.slots.clone()].iter().zip(grads) {
+                    if let Some(g) = g {
+                        staged.narrow(0, (slot.range.start - span.range.start) as i64, slot.range.len() as i64).f_copy_(&g.reshape([-1]))?;
+                    }
+                }
+                return Ok(());
+            }
             for k in 0..ws {
                 // Unit-relative range of this round in rank k's chunk.
                 let (lo, hi) = (k * chunk + c, k * chunk + c + l);
@@ -334,21 +343,6 @@ impl Engine {
                     }
                     let src = g.reshape([-1]).narrow(0, (a - s) as i64, (b - a) as i64);
                     staged.narrow(0, (k * l + a - lo) as i64, (b - a) as i64).f_copy_(&src)?;
-                }
-            }
-            Ok(())
-        })
-    }
-
-    /// Copies unit `i`'s gradients (slot order; None: zeros) into `staged` (the unit's padded length).
-    pub(super) fn stage_unit_grads(&self, i: usize, grads: &[Option<Tensor>], staged: &Tensor) -> Result<()> {
-        let span = &self.units[i].span;
-        tch::no_grad(|| -> Result<()> {
-            let _ = staged.shallow_clone().f_zero_()?;
-            for (slot, g) in self.layout.slots[span.slots.clone()].iter().zip(grads) {
-                if let Some(g) = g {
-                    let at = (slot.range.start - span.range.start) as i64;
-                    staged.narrow(0, at, slot.range.len() as i64).f_copy_(&g.reshape([-1]))?;
                 }
             }
             Ok(())
