@@ -42,11 +42,5 @@ fn main() -> ExitCode {
         Command::Estimate(a) => cli::estimate::run(a),
         Command::Consolidate(a) => cli::consolidate::run(a),
     };
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::FAILURE
-        }
-    }
+    cli::exit_code(result)
 }

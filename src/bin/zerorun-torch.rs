@@ -37,11 +37,5 @@ fn main() -> ExitCode {
         cli::bench::BenchCommand::Adam { params, repeats, json } => bench_adam::run(params, repeats, json),
         _ => Err(CliError::Usage("zerorun-torch runs `bench adam` only; call `zerorun` for the other commands".into())),
     };
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::FAILURE
-        }
-    }
+    cli::exit_code(result)
 }

@@ -20,6 +20,17 @@ pub enum CliError {
     Io { context: String, source: std::io::Error },
 }
 
+/// Renders a command's error once, on stderr, and gives the process's exit status.
+pub fn exit_code(result: Result<(), CliError>) -> std::process::ExitCode {
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
 /// Writes command output to stdout; a closed pipe (`zerorun ... | head`) ends the output quietly.
 pub fn emit(text: &str) -> Result<(), CliError> {
     use std::io::Write;
