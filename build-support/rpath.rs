@@ -16,7 +16,12 @@ fn main() {
         println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib.display());
         let shims: &[&str] = match std::env::var("CARGO_PKG_NAME").as_deref() {
             Ok("zerorun") => &["src/cli/native/fused_adamw.cpp"],
-            Ok("zerorun-runtime") => &["native/unit_storage.cpp", "native/region_allocator.cpp", "native/grad_hooks.cpp", "native/cuda_loader.cpp"],
+            Ok("zerorun-runtime") => &[
+                "native/unit_storage.cpp",
+                "native/region_allocator.cpp",
+                "native/grad_hooks.cpp",
+                "native/cuda_loader.cpp",
+            ],
             _ => &[],
         };
         let files: Vec<&str> = shims.iter().copied().filter(|f| std::path::Path::new(f).exists()).collect();

@@ -46,13 +46,19 @@ fn run(args: &Args) -> Result<(), String> {
     a.check()?;
     let config = load_config(&a.config)?;
     let corpus = Corpus::load();
-    let cfg = GptConfig { vocab: corpus.vocab, block: args.block, layers: args.layers, heads: args.heads, embd: args.embd };
+    let cfg =
+        GptConfig { vocab: corpus.vocab, block: args.block, layers: args.layers, heads: args.heads, embd: args.embd };
     share_cores(a.ranks);
     let timeout = Duration::from_secs_f64(config.comms_timeout);
     let summary = run_ranks(a.ranks, timeout, |comm| {
         let (mut vs, model) = build_model(a.seed, a.init.as_ref(), |vs| Gpt::new(vs.root(), &cfg))?;
         to_config_precision(&config, &mut vs);
-        let options = EngineOptions { no_weight_decay: Some(no_decay_for_1d), activation_checkpointing: a.activation_checkpointing, ..Default::default() }.units_of(&model);
+        let options = EngineOptions {
+            no_weight_decay: Some(no_decay_for_1d),
+            activation_checkpointing: a.activation_checkpointing,
+            ..Default::default()
+        }
+        .units_of(&model);
         let mut engine = Engine::new(&vs, config.clone(), comm, options).map_err(|e| e.to_string())?;
         let b = engine.batch_sizes();
         let (rank, world) = (engine.rank(), engine.world_size());
@@ -75,7 +81,14 @@ fn run(args: &Args) -> Result<(), String> {
         }
         finish_reports(&mut engine)?;
         let state_bytes: usize = engine.memory_bytes().iter().map(|(_, b)| b).sum();
-        Ok((progress.first_loss.unwrap_or(f64::NAN), progress.last_loss, progress.median_step_s(), engine.layout().numel, state_bytes, engine.world_size()))
+        Ok((
+            progress.first_loss.unwrap_or(f64::NAN),
+            progress.last_loss,
+            progress.median_step_s(),
+            engine.layout().numel,
+            state_bytes,
+            engine.world_size(),
+        ))
     })?;
     let Some((first, last, median, params, bytes, world)) = summary else { return Ok(()) };
     println!("median_step_s {median:.4}");

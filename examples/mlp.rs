@@ -50,15 +50,38 @@ pub struct Mlp {
 
 impl Mlp {
     pub fn new(p: nn::Path, input: i64, hidden: i64, layers: i64, out: i64) -> Self {
-        let dims: Vec<i64> = (0..=layers).map(|i| if i == 0 { input } else if i == layers { out } else { hidden }).collect();
-        Mlp { layers: (0..layers as usize).map(|i| nn::linear(&p / "layers" / i, dims[i], dims[i + 1], Default::default())).collect() }
+        let dims: Vec<i64> = (0..=layers)
+            .map(|i| {
+                if i == 0 {
+                    input
+                } else if i == layers {
+                    out
+                } else {
+                    hidden
+                }
+            })
+            .collect();
+        Mlp {
+            layers: (0..layers as usize)
+                .map(|i| nn::linear(&p / "layers" / i, dims[i], dims[i + 1], Default::default()))
+                .collect(),
+        }
     }
-
 }
 
 /// The same model as one builder per layer, in the order `Mlp::new` creates them.
 fn mlp_builders(input: i64, hidden: i64, layers: i64, out: i64) -> zerorun::UnitBuilders<'static> {
-    let dims: Vec<i64> = (0..=layers).map(|i| if i == 0 { input } else if i == layers { out } else { hidden }).collect();
+    let dims: Vec<i64> = (0..=layers)
+        .map(|i| {
+            if i == 0 {
+                input
+            } else if i == layers {
+                out
+            } else {
+                hidden
+            }
+        })
+        .collect();
     (0..layers as usize).fold(zerorun::UnitBuilders::new(), |b, i| {
         let (din, dout, last) = (dims[i], dims[i + 1], i + 1 == layers as usize);
         b.unit([format!("layers.{i}")], move |p: &nn::Path| {
@@ -97,7 +120,11 @@ fn synthetic(seed: u64, n: i64, input: i64, out: i64) -> (Tensor, Tensor) {
 fn load_data(path: &std::path::Path) -> Result<(Tensor, Tensor), String> {
     let tensors = Tensor::read_safetensors(path).map_err(|e| format!("--data {}: {e}", path.display()))?;
     let get = |name: &str| {
-        tensors.iter().find(|(n, _)| n == name).map(|(_, t)| t.to_kind(Kind::Float)).ok_or_else(|| format!("--data {}: no tensor `{name}`", path.display()))
+        tensors
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, t)| t.to_kind(Kind::Float))
+            .ok_or_else(|| format!("--data {}: no tensor `{name}`", path.display()))
     };
     Ok((get("x")?, get("y")?))
 }
@@ -123,14 +150,26 @@ fn run(args: &Args) -> Result<(), String> {
         return Err("--builders draws from libtorch's process-wide generator while the engine packs: run ranks as processes (zerorun launch), without --freeze-first".into());
     }
     if args.freeze_first >= args.layers as usize {
-        return Err(format!("--freeze-first {} must leave a layer to train (--layers {})", args.freeze_first, args.layers));
+        return Err(format!(
+            "--freeze-first {} must leave a layer to train (--layers {})",
+            args.freeze_first, args.layers
+        ));
     }
     if x.size() != [x.size()[0], args.input] || y.size() != [x.size()[0], args.out] {
-        return Err(format!("data shapes x {:?} and y {:?} do not fit --in {} --out {}", x.size(), y.size(), args.input, args.out));
+        return Err(format!(
+            "data shapes x {:?} and y {:?} do not fit --in {} --out {}",
+            x.size(),
+            y.size(),
+            args.input,
+            args.out
+        ));
     }
     let samples = x.size()[0] as u64;
     // Tensors are not Sync: each rank thread rebuilds them from the plain values.
-    let (xv, yv) = (Vec::<f32>::try_from(x.reshape([-1])).map_err(|e| e.to_string())?, Vec::<f32>::try_from(y.reshape([-1])).map_err(|e| e.to_string())?);
+    let (xv, yv) = (
+        Vec::<f32>::try_from(x.reshape([-1])).map_err(|e| e.to_string())?,
+        Vec::<f32>::try_from(y.reshape([-1])).map_err(|e| e.to_string())?,
+    );
     share_cores(a.ranks);
     let timeout = Duration::from_secs_f64(config.comms_timeout);
     let result = run_ranks(a.ranks, timeout, |comm| {
@@ -143,13 +182,19 @@ fn run(args: &Args) -> Result<(), String> {
                 Some(path) => builders.init_from(path),
                 None => builders,
             };
-            let (engine, model) = Engine::from_builders(&vs, config.clone(), comm, options, builders).map_err(|e| e.to_string())?;
+            let (engine, model) =
+                Engine::from_builders(&vs, config.clone(), comm, options, builders).map_err(|e| e.to_string())?;
             (vs, Box::new(model), config_kind(&config), engine)
         } else {
-            let (mut vs, model) = build_model(a.seed, a.init.as_ref(), |vs| Mlp::new(vs.root(), args.input, args.hidden, args.layers, args.out))?;
+            let (mut vs, model) = build_model(a.seed, a.init.as_ref(), |vs| {
+                Mlp::new(vs.root(), args.input, args.hidden, args.layers, args.out)
+            })?;
             let kind = to_config_precision(&config, &mut vs);
             for (name, t) in vs.variables() {
-                let layer = name.strip_prefix("layers.").and_then(|r| r.split('.').next()).and_then(|i| i.parse::<usize>().ok());
+                let layer = name
+                    .strip_prefix("layers.")
+                    .and_then(|r| r.split('.').next())
+                    .and_then(|i| i.parse::<usize>().ok());
                 if layer.is_some_and(|i| i < args.freeze_first) {
                     let _ = t.set_requires_grad(false);
                 }
@@ -169,7 +214,8 @@ fn run(args: &Args) -> Result<(), String> {
             let mut rng = Rng::new(a.seed, step);
             let order: Vec<i64> = (0..b.train_batch_size).map(|_| rng.below(samples) as i64).collect();
             for m in 0..b.gradient_accumulation_steps {
-                let idx = Tensor::from_slice(&order[micro_batch_range(rank, world, m, b.train_micro_batch_size_per_gpu)]);
+                let idx =
+                    Tensor::from_slice(&order[micro_batch_range(rank, world, m, b.train_micro_batch_size_per_gpu)]);
                 let input = x.index_select(0, &idx);
                 let pred = if args.plain_loop {
                     (0..model.unit_prefixes().len()).fold(input, |h, i| model.forward_unit(i, &h))
@@ -195,6 +241,10 @@ fn run(args: &Args) -> Result<(), String> {
     })?;
     let Some((median, last, world)) = result else { return Ok(()) };
     println!("median_step_s {median:.6}");
-    println!("summary: {world} ranks, ZeRO stage {}, {} optimizer steps, final loss {last:.6}", config.stage(), a.steps);
+    println!(
+        "summary: {world} ranks, ZeRO stage {}, {} optimizer steps, final loss {last:.6}",
+        config.stage(),
+        a.steps
+    );
     Ok(())
 }

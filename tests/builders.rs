@@ -51,20 +51,34 @@ fn builders_start_from_the_weights_of_the_ordinary_construction() {
     for bf16 in [false, true] {
         tch::manual_seed(42);
         let mut vs = nn::VarStore::new(tch::Device::Cpu);
-        let layers: Vec<nn::Linear> = (0..DIMS.len() - 1).map(|i| nn::linear(vs.root() / "layers" / i, DIMS[i], DIMS[i + 1], Default::default())).collect();
+        let layers: Vec<nn::Linear> = (0..DIMS.len() - 1)
+            .map(|i| nn::linear(vs.root() / "layers" / i, DIMS[i], DIMS[i + 1], Default::default()))
+            .collect();
         if bf16 {
             vs.bfloat16();
         }
         let after_ordinary = Tensor::randn([1], (Kind::Float, tch::Device::Cpu));
         let units: Vec<Vec<String>> = (0..layers.len()).map(|i| vec![format!("layers.{i}")]).collect();
-        let mut ordinary = Engine::new(&vs, config(3, bf16), Box::new(comm()), EngineOptions { units: Some(units), ..Default::default() }).unwrap();
+        let mut ordinary = Engine::new(
+            &vs,
+            config(3, bf16),
+            Box::new(comm()),
+            EngineOptions { units: Some(units), ..Default::default() },
+        )
+        .unwrap();
         tch::manual_seed(42);
         let built_vs = nn::VarStore::new(tch::Device::Cpu);
-        let (mut built, _model) = Engine::from_builders(&built_vs, config(3, bf16), Box::new(comm()), EngineOptions::default(), builders()).unwrap();
+        let (mut built, _model) =
+            Engine::from_builders(&built_vs, config(3, bf16), Box::new(comm()), EngineOptions::default(), builders())
+                .unwrap();
         let after_built = Tensor::randn([1], (Kind::Float, tch::Device::Cpu));
         assert_eq!(values(built.state_dict().unwrap()), values(ordinary.state_dict().unwrap()), "bf16 {bf16}");
         // The generator is left where the ordinary construction leaves it.
-        assert_eq!(Vec::<f32>::try_from(after_built).unwrap(), Vec::<f32>::try_from(after_ordinary).unwrap(), "bf16 {bf16}");
+        assert_eq!(
+            Vec::<f32>::try_from(after_built).unwrap(),
+            Vec::<f32>::try_from(after_ordinary).unwrap(),
+            "bf16 {bf16}"
+        );
     }
 }
 
@@ -79,6 +93,9 @@ fn a_builder_that_makes_other_variables_the_second_time_is_an_error() {
         Box::new(move |x: &Tensor| x * &w.sum(Kind::Float))
     });
     let vs = nn::VarStore::new(tch::Device::Cpu);
-    let e = Engine::from_builders(&vs, config(3, false), Box::new(comm()), EngineOptions::default(), b).err().unwrap().to_string();
+    let e = Engine::from_builders(&vs, config(3, false), Box::new(comm()), EngineOptions::default(), b)
+        .err()
+        .unwrap()
+        .to_string();
     assert_eq!(e, "parameter `w`: the builder of unit 0 made it [4], then [5]");
 }

@@ -42,14 +42,16 @@ fn train(world: usize, config: Config, until: i64, ckpt: Ckpt) -> Vec<(String, V
             .map(|comm| {
                 let (config, xv, yv, ckpt) = (config.clone(), &xv, &yv, &ckpt);
                 s.spawn(move || {
-                    let (x, y) = (Tensor::from_slice(xv).view([SAMPLES, IN]), Tensor::from_slice(yv).view([SAMPLES, OUT]));
+                    let (x, y) =
+                        (Tensor::from_slice(xv).view([SAMPLES, IN]), Tensor::from_slice(yv).view([SAMPLES, OUT]));
                     // One unit per layer: stage 3 gathers them one by one; other stages just run them in order.
                     let (mut vs, model) = init_layers(&[IN, HIDDEN, HIDDEN, OUT]);
                     if bf16 {
                         vs.bfloat16();
                     }
                     let x = if bf16 { x.to_kind(Kind::BFloat16) } else { x };
-                    let mut engine = Engine::new(&vs, config, Box::new(comm), EngineOptions::default().units_of(&model)).unwrap();
+                    let mut engine =
+                        Engine::new(&vs, config, Box::new(comm), EngineOptions::default().units_of(&model)).unwrap();
                     if let Ckpt::Resume(dir) | Ckpt::ResumeSaveAt(dir, _) = ckpt {
                         engine.load_checkpoint(dir, None).unwrap();
                     }
@@ -61,7 +63,9 @@ fn train(world: usize, config: Config, until: i64, ckpt: Ckpt) -> Vec<(String, V
                             let first = ((m * world as i64 + rank) * micro) as usize;
                             let idx = Tensor::from_slice(&order[first..first + micro as usize]);
                             let pred = engine.forward(&model, &x.index_select(0, &idx)).unwrap().to_kind(Kind::Float);
-                            engine.backward_units(&model, &pred.mse_loss(&y.index_select(0, &idx), tch::Reduction::Mean)).unwrap();
+                            engine
+                                .backward_units(&model, &pred.mse_loss(&y.index_select(0, &idx), tch::Reduction::Mean))
+                                .unwrap();
                             engine.step().unwrap();
                         }
                         if let Ckpt::SaveAt(at, dir) | Ckpt::ResumeSaveAt(dir, at) = ckpt {
@@ -70,8 +74,12 @@ fn train(world: usize, config: Config, until: i64, ckpt: Ckpt) -> Vec<(String, V
                             }
                         }
                     }
-                    let mut p: Vec<(String, Vec<f32>)> =
-                        engine.full_parameters().unwrap().into_iter().map(|(n, t)| (n, Vec::<f32>::try_from(t.reshape([-1])).unwrap())).collect();
+                    let mut p: Vec<(String, Vec<f32>)> = engine
+                        .full_parameters()
+                        .unwrap()
+                        .into_iter()
+                        .map(|(n, t)| (n, Vec::<f32>::try_from(t.reshape([-1])).unwrap()))
+                        .collect();
                     p.sort_by(|a, b| a.0.cmp(&b.0));
                     p
                 })
@@ -91,7 +99,10 @@ fn tmp(name: &str) -> PathBuf {
 fn rel(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) -> f64 {
     a.iter()
         .zip(b)
-        .map(|((_, x), (_, y))| x.iter().zip(y).map(|(p, q)| (p - q).abs() as f64).fold(0.0, f64::max) / y.iter().map(|q| q.abs() as f64).fold(1e-6, f64::max))
+        .map(|((_, x), (_, y))| {
+            x.iter().zip(y).map(|(p, q)| (p - q).abs() as f64).fold(0.0, f64::max)
+                / y.iter().map(|q| q.abs() as f64).fold(1e-6, f64::max)
+        })
         .fold(0.0, f64::max)
 }
 
@@ -145,9 +156,13 @@ fn damaged_missing_and_newer_checkpoints_are_named() {
     let e = load_err(&dir);
     assert!(e.starts_with(&format!("{}: no checkpoint here", file.display())), "{e}");
     let manifest = dir.join("global_step2/manifest.json");
-    let text = std::fs::read_to_string(&manifest).unwrap().replacen("\"format_version\": 3", "\"format_version\": 99", 1);
+    let text =
+        std::fs::read_to_string(&manifest).unwrap().replacen("\"format_version\": 3", "\"format_version\": 99", 1);
     std::fs::write(&manifest, text).unwrap();
-    assert_eq!(load_err(&dir), format!("{}: format version 99 is newer than this zerorun reads (3)", manifest.display()));
+    assert_eq!(
+        load_err(&dir),
+        format!("{}: format version 99 is newer than this zerorun reads (3)", manifest.display())
+    );
     std::fs::remove_dir_all(&dir).unwrap();
     assert!(load_err(&dir).starts_with(&format!("{}: no checkpoint here", dir.join("latest").display())));
 }
@@ -158,16 +173,23 @@ fn consolidate_gives_the_full_weights_by_name() {
     // Stage 3 on 3 ranks: every rank file holds a chunk of every unit.
     let params = train(3, config(3, 1, false), 3, Ckpt::SaveAt(3, &dir));
     let out = dir.join("full.safetensors");
-    let st = std::process::Command::new(env!("CARGO_BIN_EXE_zerorun")).args(["consolidate", dir.to_str().unwrap(), out.to_str().unwrap()]).output().unwrap();
+    let st = std::process::Command::new(env!("CARGO_BIN_EXE_zerorun"))
+        .args(["consolidate", dir.to_str().unwrap(), out.to_str().unwrap()])
+        .output()
+        .unwrap();
     assert!(st.status.success(), "{}", String::from_utf8_lossy(&st.stderr));
     let loaded = Tensor::read_safetensors(&out).unwrap();
-    let mut got: Vec<(String, Vec<f32>)> = loaded.into_iter().map(|(n, t)| (n, Vec::<f32>::try_from(t.reshape([-1])).unwrap())).collect();
+    let mut got: Vec<(String, Vec<f32>)> =
+        loaded.into_iter().map(|(n, t)| (n, Vec::<f32>::try_from(t.reshape([-1])).unwrap())).collect();
     got.sort_by(|a, b| a.0.cmp(&b.0));
     assert_eq!(got, params);
     // Python's safetensors + torch read it too (the project venv has both).
     let python = Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python");
     let script = "import sys, torch\nfrom safetensors.torch import load_file\nt = load_file(sys.argv[1])\nfor k in sorted(t): print(k, tuple(t[k].shape), repr(float(t[k].double().sum())))";
-    let py = std::process::Command::new(&python).args(["-c", script, out.to_str().unwrap()]).output().expect("the project venv (make setup)");
+    let py = std::process::Command::new(&python)
+        .args(["-c", script, out.to_str().unwrap()])
+        .output()
+        .expect("the project venv (make setup)");
     assert!(py.status.success(), "{}", String::from_utf8_lossy(&py.stderr));
     let lines: Vec<String> = String::from_utf8_lossy(&py.stdout).lines().map(str::to_string).collect();
     assert_eq!(lines.len(), params.len());
@@ -202,21 +224,39 @@ fn checkpoints_carry_the_rng_state_and_the_model_weights() {
         engine.load_checkpoint(&dir, None).unwrap();
         let after_load = Tensor::randn([8], (Kind::Float, tch::Device::Cpu));
         drop(guard);
-        assert_eq!(Vec::<f32>::try_from(after_load).unwrap(), Vec::<f32>::try_from(after_save).unwrap(), "stage {stage}: the generator resumes where it was saved");
-        let manifest: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(tag.join("manifest.json")).unwrap()).unwrap();
+        assert_eq!(
+            Vec::<f32>::try_from(after_load).unwrap(),
+            Vec::<f32>::try_from(after_save).unwrap(),
+            "stage {stage}: the generator resumes where it was saved"
+        );
+        let manifest: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(tag.join("manifest.json")).unwrap()).unwrap();
         assert_eq!(manifest["rng_states"].as_array().unwrap().len(), 1);
         assert_eq!(manifest["params"][0]["dtype"], "F32");
         let weights = tag.join("model.safetensors");
         if stage < 3 || gather {
             assert_eq!(manifest["model_weights"], "model.safetensors");
-            let mut saved: Vec<(String, Vec<f32>)> = Tensor::read_safetensors(&weights).unwrap().into_iter().map(|(n, t)| (n, Vec::<f32>::try_from(t.reshape([-1])).unwrap())).collect();
+            let mut saved: Vec<(String, Vec<f32>)> = Tensor::read_safetensors(&weights)
+                .unwrap()
+                .into_iter()
+                .map(|(n, t)| (n, Vec::<f32>::try_from(t.reshape([-1])).unwrap()))
+                .collect();
             saved.sort_by(|a, b| a.0.cmp(&b.0));
-            let mut full: Vec<(String, Vec<f32>)> = engine.full_parameters().unwrap().into_iter().map(|(n, t)| (n, Vec::<f32>::try_from(t.reshape([-1])).unwrap())).collect();
+            let mut full: Vec<(String, Vec<f32>)> = engine
+                .full_parameters()
+                .unwrap()
+                .into_iter()
+                .map(|(n, t)| (n, Vec::<f32>::try_from(t.reshape([-1])).unwrap()))
+                .collect();
             full.sort_by(|a, b| a.0.cmp(&b.0));
             assert_eq!(saved, full, "stage {stage}: model.safetensors holds the full weights");
         } else {
             assert!(!weights.exists());
-            assert!(manifest["model_weights"].as_str().unwrap().starts_with("absent: stage 3 without"), "{}", manifest["model_weights"]);
+            assert!(
+                manifest["model_weights"].as_str().unwrap().starts_with("absent: stage 3 without"),
+                "{}",
+                manifest["model_weights"]
+            );
         }
         std::fs::remove_dir_all(&dir).unwrap();
     }

@@ -7,7 +7,11 @@ use std::time::{Duration, Instant};
 /// the programs themselves.
 fn mlp_example() -> std::path::PathBuf {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let st = Command::new(cargo).args(["build", "--quiet", "--example", "mlp"]).current_dir(env!("CARGO_MANIFEST_DIR")).status().unwrap();
+    let st = Command::new(cargo)
+        .args(["build", "--quiet", "--example", "mlp"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .status()
+        .unwrap();
     assert!(st.success(), "cargo build --example mlp failed");
     // Integration tests live in target/<profile>/deps; the example lands in target/<profile>/examples.
     std::env::current_exe().unwrap().parent().unwrap().parent().unwrap().join("examples").join("mlp")
@@ -20,7 +24,10 @@ fn children_running(parent: i32, needle: &str) -> Vec<i32> {
         let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else { continue };
         let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
         // Field 4 (ppid) follows the parenthesised command name, which may contain spaces.
-        let ppid = stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(1)).and_then(|p| p.parse::<i32>().ok());
+        let ppid = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+            .and_then(|p| p.parse::<i32>().ok());
         let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
         if ppid == Some(parent) && String::from_utf8_lossy(&cmdline).contains(needle) {
             out.push(pid);
@@ -45,7 +52,20 @@ fn killing_a_rank_during_saves_never_breaks_latest() {
         let child = Command::new(env!("CARGO_BIN_EXE_zerorun"))
             .args(["launch", "--nproc-per-node", "2", "--"])
             .arg(&mlp)
-            .args(["--config", cfg.to_str().unwrap(), "--steps", "100000", "--in", "64", "--hidden", "256", "--layers", "4", "--out", "8"])
+            .args([
+                "--config",
+                cfg.to_str().unwrap(),
+                "--steps",
+                "100000",
+                "--in",
+                "64",
+                "--hidden",
+                "256",
+                "--layers",
+                "4",
+                "--out",
+                "8",
+            ])
             .args(["--checkpoint-dir", ck.to_str().unwrap(), "--save-every", "1"])
             .args(if round > 0 { vec!["--resume"] } else { vec![] })
             .stdout(Stdio::piped())
@@ -66,10 +86,17 @@ fn killing_a_rank_during_saves_never_breaks_latest() {
         unsafe { libc::kill(ranks[(round % 2) as usize], libc::SIGKILL) };
         let out = child.wait_with_output().unwrap();
         assert!(!out.status.success(), "round {round}: the launcher must fail");
-        assert!(String::from_utf8_lossy(&out.stderr).contains("was killed by signal 9 (SIGKILL)"), "round {round}: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("was killed by signal 9 (SIGKILL)"),
+            "round {round}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         // `latest` names a checkpoint that consolidates (all files present, checksums right).
         let out_file = dir.join("full.safetensors");
-        let c = Command::new(env!("CARGO_BIN_EXE_zerorun")).args(["consolidate", ck.to_str().unwrap(), out_file.to_str().unwrap()]).output().unwrap();
+        let c = Command::new(env!("CARGO_BIN_EXE_zerorun"))
+            .args(["consolidate", ck.to_str().unwrap(), out_file.to_str().unwrap()])
+            .output()
+            .unwrap();
         assert!(c.status.success(), "round {round}: latest is broken: {}", String::from_utf8_lossy(&c.stderr));
         completed += 1;
     }

@@ -4,14 +4,24 @@ use std::process::Command;
 
 #[test]
 fn bench_adam_json_lines_have_the_documented_keys() {
-    let out = Command::new(env!("CARGO_BIN_EXE_zerorun")).args(["bench", "adam", "--params", "65536", "--repeats", "1", "--json"]).output().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_zerorun"))
+        .args(["bench", "adam", "--params", "65536", "--repeats", "1", "--json"])
+        .output()
+        .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let rows: Vec<serde_json::Value> =
+        String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     assert_eq!(rows.len(), 2);
     for (row, grads) in rows.iter().zip(["f32", "bf16"]) {
         assert_eq!(row["params"], 65536);
         assert_eq!(row["grads"], grads);
-        for key in ["zerorun_params_per_s", "torch_params_per_s", "torch_fused_params_per_s", "torch_cpp_params_per_s", "limit_params_per_s"] {
+        for key in [
+            "zerorun_params_per_s",
+            "torch_params_per_s",
+            "torch_fused_params_per_s",
+            "torch_cpp_params_per_s",
+            "limit_params_per_s",
+        ] {
             assert!(row[key].as_f64().is_some_and(|v| v > 0.0), "{key} in {row}");
         }
     }
@@ -24,20 +34,43 @@ fn bench_adam_json_lines_have_the_documented_keys() {
 fn bench_comm_json_lines_cover_every_op_and_memcpy() {
     for (backend, dtype) in [("shm", "f32"), ("threads", "f32"), ("shm", "bf16")] {
         let out = Command::new(env!("CARGO_BIN_EXE_zerorun"))
-            .args(["bench", "comm", "--backend", backend, "--dtype", dtype, "--max-bytes", "65536", "--repeats", "1", "--json"])
+            .args([
+                "bench",
+                "comm",
+                "--backend",
+                backend,
+                "--dtype",
+                dtype,
+                "--max-bytes",
+                "65536",
+                "--repeats",
+                "1",
+                "--json",
+            ])
             .output()
             .unwrap();
         assert!(out.status.success(), "{backend}: {}", String::from_utf8_lossy(&out.stderr));
-        let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        let rows: Vec<serde_json::Value> =
+            String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
         for op in ["all_reduce", "reduce_scatter", "all_gather"] {
             let sizes: Vec<u64> = rows.iter().filter(|r| r["op"] == op).map(|r| r["bytes"].as_u64().unwrap()).collect();
             assert_eq!(sizes, vec![4096, 16384, 65536], "{backend} {op}");
-            assert!(rows.iter().filter(|r| r["op"] == op).all(|r| r["ranks"] == 2 && r["dtype"] == dtype && r["busbw_gbps"].as_f64().unwrap() > 0.0));
+            assert!(rows
+                .iter()
+                .filter(|r| r["op"] == op)
+                .all(|r| r["ranks"] == 2 && r["dtype"] == dtype && r["busbw_gbps"].as_f64().unwrap() > 0.0));
         }
         assert!(rows.last().unwrap()["memcpy_gbps"].as_f64().unwrap() > 0.0);
-        assert!(rows.iter().any(|r| r["memcpy_all_ranks_gbps"].as_f64().is_some_and(|g| g > 0.0) && r["ranks"] == 2), "{backend}: no all-ranks memcpy line");
+        assert!(
+            rows.iter().any(|r| r["memcpy_all_ranks_gbps"].as_f64().is_some_and(|g| g > 0.0) && r["ranks"] == 2),
+            "{backend}: no all-ranks memcpy line"
+        );
     }
     let out = Command::new(env!("CARGO_BIN_EXE_zerorun")).args(["bench", "comm", "--dtype", "f64"]).output().unwrap();
     assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("--dtype \"f64\": choose f32, bf16 or f16"), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--dtype \"f64\": choose f32, bf16 or f16"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }

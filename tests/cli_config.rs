@@ -2,18 +2,31 @@
 use std::process::Command;
 
 fn zerorun(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_zerorun")).args(args).current_dir(env!("CARGO_MANIFEST_DIR")).output().unwrap();
-    (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+    let out = Command::new(env!("CARGO_BIN_EXE_zerorun"))
+        .args(args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
 }
 
 #[test]
 fn show_resolves_every_shipped_config_as_json() {
     for entry in std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/configs")).unwrap() {
         let path = entry.unwrap().path();
-        let (code, stdout, stderr) = zerorun(&["config", "show", path.to_str().unwrap(), "--world-size", "2", "--json"]);
+        let (code, stdout, stderr) =
+            zerorun(&["config", "show", path.to_str().unwrap(), "--world-size", "2", "--json"]);
         assert_eq!(code, 0, "{}: {stderr}", path.display());
         let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
-        let (t, m, g) = (v["train_batch_size"].as_u64().unwrap(), v["train_micro_batch_size_per_gpu"].as_u64().unwrap(), v["gradient_accumulation_steps"].as_u64().unwrap());
+        let (t, m, g) = (
+            v["train_batch_size"].as_u64().unwrap(),
+            v["train_micro_batch_size_per_gpu"].as_u64().unwrap(),
+            v["gradient_accumulation_steps"].as_u64().unwrap(),
+        );
         assert_eq!(t, m * g * 2, "{}", path.display());
         assert!(v["zero_optimization"]["overlap_comm"].is_boolean(), "defaults are filled in");
     }

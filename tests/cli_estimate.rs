@@ -2,8 +2,16 @@
 use std::process::Command;
 
 fn zerorun(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_zerorun")).args(args).current_dir(env!("CARGO_MANIFEST_DIR")).output().unwrap();
-    (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+    let out = Command::new(env!("CARGO_BIN_EXE_zerorun"))
+        .args(args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
 }
 
 #[test]
@@ -14,7 +22,9 @@ fn json_rows_cover_every_stage_with_deepspeed_numbers() {
     let rows = v["rows"].as_array().unwrap();
     let stages: std::collections::BTreeSet<u64> = rows.iter().map(|r| r["stage"].as_u64().unwrap()).collect();
     assert_eq!(stages.into_iter().collect::<Vec<_>>(), vec![0, 1, 2, 3]);
-    let row = |s: u64, oo: &str| rows.iter().find(|r| r["stage"] == s && r["offload_optimizer"] == oo && r["offload_param"] == "none").unwrap();
+    let row = |s: u64, oo: &str| {
+        rows.iter().find(|r| r["stage"] == s && r["offload_optimizer"] == oo && r["offload_param"] == "none").unwrap()
+    };
     // ZeRO-2 without offload: 2P + 18P/N; with CPU offload: 2P on the device, P * max(4N, 16) * 1.5 on the host.
     assert_eq!(row(2, "none")["per_device_bytes"], 2_000_000_000u64 + 18_000_000_000 / 8);
     assert_eq!(row(2, "cpu")["per_host_bytes"], 48_000_000_000u64);
@@ -28,7 +38,15 @@ fn config_and_model_description() {
     std::fs::create_dir_all(&dir).unwrap();
     let model = dir.join("gpt.json");
     std::fs::write(&model, r#"{"layers": 2, "hidden": 64, "vocab": 65, "seq_len": 64}"#).unwrap();
-    let (ok, out, err) = zerorun(&["estimate", "--config", "configs/zero2.json", "--model", model.to_str().unwrap(), "--gpus-per-node", "2"]);
+    let (ok, out, err) = zerorun(&[
+        "estimate",
+        "--config",
+        "configs/zero2.json",
+        "--model",
+        model.to_str().unwrap(),
+        "--gpus-per-node",
+        "2",
+    ]);
     assert!(ok, "{err}");
     assert!(out.starts_with("Model states for 112577 parameters (Fp32, 2 optimizer values per parameter)"), "{out}");
     let marked: Vec<&str> = out.lines().filter(|l| l.ends_with("<- this config")).collect();
@@ -37,7 +55,10 @@ fn config_and_model_description() {
     std::fs::write(&model, r#"{"layers": 2, "hidden": 64}"#).unwrap();
     let (ok, _, err) = zerorun(&["estimate", "--model", model.to_str().unwrap()]);
     assert!(!ok);
-    assert_eq!(err.trim(), format!("error: {}: give \"params\", or \"layers\", \"hidden\" and \"vocab\"", model.display()));
+    assert_eq!(
+        err.trim(),
+        format!("error: {}: give \"params\", or \"layers\", \"hidden\" and \"vocab\"", model.display())
+    );
     let (ok, _, err) = zerorun(&["estimate"]);
     assert!(!ok);
     assert_eq!(err.trim(), "error: give --params P (>= 1) or --model MODEL_DESC.json");

@@ -29,7 +29,10 @@ fn every_shipped_config_loads_and_resolves_for_one_to_four_ranks() {
         for ws in 1..=4 {
             let r = c.resolve(ws).unwrap_or_else(|e| panic!("{} at world size {ws}: {e}", f.display()));
             let b = r.batch_sizes(ws).unwrap();
-            assert_eq!(b.train_batch_size, b.train_micro_batch_size_per_gpu * b.gradient_accumulation_steps * ws as u64);
+            assert_eq!(
+                b.train_batch_size,
+                b.train_micro_batch_size_per_gpu * b.gradient_accumulation_steps * ws as u64
+            );
         }
     }
 }
@@ -47,7 +50,8 @@ fn every_bad_config_gives_its_exact_error() {
         assert_eq!(err.to_string(), message, "{file}");
         seen.push(file.to_string());
     }
-    let files: Vec<String> = json_files(&dir).iter().map(|p| p.file_name().unwrap().to_string_lossy().into_owned()).collect();
+    let files: Vec<String> =
+        json_files(&dir).iter().map(|p| p.file_name().unwrap().to_string_lossy().into_owned()).collect();
     assert!(files.len() >= 25, "the corpus needs at least 25 bad configs");
     for f in files {
         assert!(seen.contains(&f), "{f} has no expected error in expected.txt");
@@ -56,10 +60,19 @@ fn every_bad_config_gives_its_exact_error() {
 
 #[test]
 fn errors_name_the_json_path() {
-    let e = Config::from_value(json!({"train_batch_size": 8, "zero_optimization": {"offload_optimizer": {"device": "gpu"}}})).unwrap_err();
+    let e = Config::from_value(
+        json!({"train_batch_size": 8, "zero_optimization": {"offload_optimizer": {"device": "gpu"}}}),
+    )
+    .unwrap_err();
     assert_eq!(e.path(), Some("zero_optimization.offload_optimizer.device"));
     let e = Config::from_value(json!({"zero_optimization": {"stgae": 2}})).unwrap_err();
-    assert_eq!(e, ConfigError::UnknownKey { path: "zero_optimization.stgae".into(), hint: "; did you mean `zero_optimization.stage`?".into() });
+    assert_eq!(
+        e,
+        ConfigError::UnknownKey {
+            path: "zero_optimization.stgae".into(),
+            hint: "; did you mean `zero_optimization.stage`?".into()
+        }
+    );
 }
 
 #[test]
@@ -69,7 +82,8 @@ fn resolved_configs_round_trip() {
     for f in files {
         let resolved = Config::from_file(&f).unwrap().resolve(2).unwrap();
         let text = serde_json::to_string(&resolved.to_value()).unwrap();
-        let back = Config::from_json_str(&text).unwrap_or_else(|e| panic!("{}: resolved form does not read back: {e}", f.display()));
+        let back = Config::from_json_str(&text)
+            .unwrap_or_else(|e| panic!("{}: resolved form does not read back: {e}", f.display()));
         assert_eq!(back, resolved, "{}", f.display());
     }
 }
@@ -83,9 +97,15 @@ fn deepspeed_defaults() {
     assert_eq!(c.precision(), Precision::Fp32);
     let z = &c.zero_optimization;
     assert!(!z.overlap_comm && z.contiguous_gradients && z.reduce_scatter);
-    assert_eq!((z.reduce_bucket_size, z.allgather_bucket_size, z.sub_group_size), (500_000_000, 500_000_000, 1_000_000_000));
+    assert_eq!(
+        (z.reduce_bucket_size, z.allgather_bucket_size, z.sub_group_size),
+        (500_000_000, 500_000_000, 1_000_000_000)
+    );
     assert_eq!((z.stage3_prefetch_bucket_size, z.stage3_param_persistence_threshold), (50_000_000, 100_000));
-    assert_eq!((z.offload_optimizer.buffer_count, z.offload_param.buffer_count, z.offload_param.buffer_size), (4, 5, 100_000_000));
+    assert_eq!(
+        (z.offload_optimizer.buffer_count, z.offload_param.buffer_count, z.offload_param.buffer_size),
+        (4, 5, 100_000_000)
+    );
     assert_eq!(c.fp16.initial_scale_power, 16);
     assert_eq!(c.fp16.loss_scale_window, 1000);
     assert_eq!(c.fp16.hysteresis, 2);
@@ -97,7 +117,13 @@ fn deepspeed_defaults() {
 
 #[test]
 fn adam_w_mode_follows_deepspeed() {
-    let adam = |params: serde_json::Value, ty: &str| match Config::from_value(json!({"train_batch_size": 8, "optimizer": {"type": ty, "params": params}})).unwrap().optimizer.unwrap() {
+    let adam = |params: serde_json::Value, ty: &str| match Config::from_value(
+        json!({"train_batch_size": 8, "optimizer": {"type": ty, "params": params}}),
+    )
+    .unwrap()
+    .optimizer
+    .unwrap()
+    {
         OptimizerConfig::Adam(p) | OptimizerConfig::AdamW(p) => p,
         other => panic!("{other:?}"),
     };
@@ -158,7 +184,9 @@ fn accepts_json_string_value_and_file() {
 
 #[test]
 fn ignored_deepspeed_sections_are_accepted() {
-    let c = Config::from_value(json!({"train_batch_size": 8, "tensorboard": {"enabled": true}, "flops_profiler": {"enabled": false}}));
+    let c = Config::from_value(
+        json!({"train_batch_size": 8, "tensorboard": {"enabled": true}, "flops_profiler": {"enabled": false}}),
+    );
     assert!(c.is_ok());
 }
 

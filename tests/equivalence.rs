@@ -31,7 +31,8 @@ fn zerorun_run(world: usize, stage: u8, gas: u64, overlap: bool) -> Vec<(String,
             for m in 0..gas as i64 {
                 let first = ((m * world as i64 + rank) * micro) as usize;
                 let idx = Tensor::from_slice(&order[first..first + micro as usize]);
-                let loss = model.forward(&x.index_select(0, &idx)).mse_loss(&y.index_select(0, &idx), tch::Reduction::Mean);
+                let loss =
+                    model.forward(&x.index_select(0, &idx)).mse_loss(&y.index_select(0, &idx), tch::Reduction::Mean);
                 engine.backward(&loss).unwrap();
                 engine.step().unwrap();
             }
@@ -60,7 +61,11 @@ fn stages_0_to_2_match_single_process_adamw_at_world_sizes_1_to_4() {
             assert!(d <= 1e-5, "world size {world}, stage {stage}, accumulation {gas}: max relative difference {d:e}");
             if stage > 0 && world > 1 {
                 // overlap_comm: the rounds reduce on the communication thread, double-buffered; same sums, same order.
-                assert_eq!(zerorun_run(world, stage, gas, true), got, "overlap_comm changes nothing: world size {world}, stage {stage}");
+                assert_eq!(
+                    zerorun_run(world, stage, gas, true),
+                    got,
+                    "overlap_comm changes nothing: world size {world}, stage {stage}"
+                );
             }
         }
     }

@@ -31,7 +31,8 @@ fn loss(gpt: &Gpt, cfg: &GptConfig, corpus: &Corpus, step: u64, rows: std::ops::
 }
 
 fn params(vs: &nn::VarStore) -> Vec<(String, Vec<f32>)> {
-    let mut v: Vec<_> = vs.variables().into_iter().map(|(n, t)| (n, Vec::<f32>::try_from(t.detach().reshape([-1])).unwrap())).collect();
+    let mut v: Vec<_> =
+        vs.variables().into_iter().map(|(n, t)| (n, Vec::<f32>::try_from(t.detach().reshape([-1])).unwrap())).collect();
     v.sort_by(|a, b| a.0.cmp(&b.0));
     v
 }
@@ -52,7 +53,8 @@ fn gpt_stages_0_to_3_match_single_process_adamw() {
     let corpus = Corpus::load();
     let reference = {
         let (vs, gpt, cfg) = model(&corpus);
-        let mut opt = nn::AdamW { beta1: 0.9, beta2: 0.999, wd: 0.0, eps: 1e-8, amsgrad: false }.build(&vs, LR).unwrap();
+        let mut opt =
+            nn::AdamW { beta1: 0.9, beta2: 0.999, wd: 0.0, eps: 1e-8, amsgrad: false }.build(&vs, LR).unwrap();
         for step in 0..STEPS {
             let l = loss(&gpt, &cfg, &corpus, step, 0..GLOBAL_BATCH as usize);
             opt.zero_grad();
@@ -87,12 +89,18 @@ fn gpt_stages_0_to_3_match_single_process_adamw() {
                         let (config, corpus) = (config.clone(), &corpus);
                         s.spawn(move || {
                             let (vs, gpt, cfg) = model(corpus);
-                            let options = EngineOptions { activation_checkpointing: ac, ..Default::default() }.units_of(&gpt);
+                            let options =
+                                EngineOptions { activation_checkpointing: ac, ..Default::default() }.units_of(&gpt);
                             let mut engine = Engine::new(&vs, config, Box::new(comm), options).unwrap();
                             let b = engine.batch_sizes();
                             for step in 0..STEPS {
                                 for m in 0..b.gradient_accumulation_steps {
-                                    let rows = support::micro_batch_range(engine.rank(), engine.world_size(), m, b.train_micro_batch_size_per_gpu);
+                                    let rows = support::micro_batch_range(
+                                        engine.rank(),
+                                        engine.world_size(),
+                                        m,
+                                        b.train_micro_batch_size_per_gpu,
+                                    );
                                     if stage >= 2 {
                                         // Through the engine, unit by unit.
                                         let (x, y) = corpus.batch(7, step, GLOBAL_BATCH, rows, cfg.block);
@@ -124,7 +132,10 @@ fn gpt_stages_0_to_3_match_single_process_adamw() {
             });
             for (rank, p) in got.iter().enumerate() {
                 let d = max_relative_difference(p, &reference);
-                assert!(d <= 1e-5, "world size {world}, stage {stage}, accumulation {gas}, checkpointing {ac}, rank {rank}: {d:e}");
+                assert!(
+                    d <= 1e-5,
+                    "world size {world}, stage {stage}, accumulation {gas}, checkpointing {ac}, rank {rank}: {d:e}"
+                );
             }
         }
     }

@@ -8,7 +8,11 @@ use std::process::Command;
 /// The MLP example's executable, built here (`cargo test --all-targets` builds examples as test harnesses).
 fn mlp_example() -> PathBuf {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let st = Command::new(cargo).args(["build", "--quiet", "--example", "mlp"]).current_dir(env!("CARGO_MANIFEST_DIR")).status().unwrap();
+    let st = Command::new(cargo)
+        .args(["build", "--quiet", "--example", "mlp"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .status()
+        .unwrap();
     assert!(st.success(), "cargo build --example mlp failed");
     std::env::current_exe().unwrap().parent().unwrap().parent().unwrap().join("examples").join("mlp")
 }
@@ -19,18 +23,41 @@ fn run(mlp: &Path, dir: &Path, ranks: usize, zero: &str, extra: &[&str], out: &P
     let o = Command::new(env!("CARGO_BIN_EXE_zerorun"))
         .args(["launch", "--nproc-per-node", &ranks.to_string(), "--"])
         .arg(mlp)
-        .args(["--config", cfg.to_str().unwrap(), "--steps", "8", "--seed", "3", "--in", "16", "--hidden", "48", "--layers", "4", "--out", "4"])
+        .args([
+            "--config",
+            cfg.to_str().unwrap(),
+            "--steps",
+            "8",
+            "--seed",
+            "3",
+            "--in",
+            "16",
+            "--hidden",
+            "48",
+            "--layers",
+            "4",
+            "--out",
+            "4",
+        ])
         .args(["--save-final", out.to_str().unwrap()])
         .args(extra)
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&o.stdout).into_owned();
     assert!(o.status.success(), "{ranks} ranks, {zero}: {}\n{text}", String::from_utf8_lossy(&o.stderr));
-    text.lines().filter_map(|l| l.strip_prefix("[rank 0] ")).filter(|l| l.starts_with("step ")).map(str::to_string).collect()
+    text.lines()
+        .filter_map(|l| l.strip_prefix("[rank 0] "))
+        .filter(|l| l.starts_with("step "))
+        .map(str::to_string)
+        .collect()
 }
 
 fn load(p: &Path) -> Vec<(String, Vec<f32>)> {
-    let mut v: Vec<_> = tch::Tensor::read_safetensors(p).unwrap().into_iter().map(|(n, t)| (n, Vec::<f32>::try_from(t.reshape([-1])).unwrap())).collect();
+    let mut v: Vec<_> = tch::Tensor::read_safetensors(p)
+        .unwrap()
+        .into_iter()
+        .map(|(n, t)| (n, Vec::<f32>::try_from(t.reshape([-1])).unwrap()))
+        .collect();
     v.sort_by(|a, b| a.0.cmp(&b.0));
     v
 }
@@ -49,16 +76,25 @@ fn processes_at_stages_2_and_3_match_one_process() {
         ("stage2", r#"{"stage": 2}"#, &[][..]),
         // A plain loop: no units, stage 2 reduces bucket by bucket from gradient hooks (small buckets: several).
         ("stage2-plain", r#"{"stage": 2, "reduce_bucket_size": 300}"#, &["--plain-loop"][..]),
-        ("stage3", r#"{"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 1}"#, &[][..]),
+        (
+            "stage3",
+            r#"{"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 1}"#,
+            &[][..],
+        ),
         // Built unit by unit (UnitBuilders): the same initial weights, so the same run.
-        ("stage3-builders", r#"{"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0}"#, &["--builders"][..]),
+        (
+            "stage3-builders",
+            r#"{"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0}"#,
+            &["--builders"][..],
+        ),
         ("stage1-builders", r#"{"stage": 1}"#, &["--builders"][..]),
     ] {
         let out = dir.join(format!("{name}.safetensors"));
         let losses = run(&mlp, &dir, 3, zero, extra, &out);
         assert_eq!(losses.len(), 8, "{name}");
         for (a, b) in losses.iter().zip(&ref_losses) {
-            let (x, y): (f64, f64) = (a.rsplit(' ').next().unwrap().parse().unwrap(), b.rsplit(' ').next().unwrap().parse().unwrap());
+            let (x, y): (f64, f64) =
+                (a.rsplit(' ').next().unwrap().parse().unwrap(), b.rsplit(' ').next().unwrap().parse().unwrap());
             assert!((x - y).abs() <= 1e-5 * y.abs(), "{name}: `{a}` vs `{b}`");
         }
         let got = load(&out);
@@ -75,10 +111,22 @@ fn processes_at_stages_2_and_3_match_one_process() {
     let from_init = dir.join("from-init.safetensors");
     let ref_losses = run(&mlp, &dir, 1, r#"{"stage": 0}"#, &["--init", init.to_str().unwrap()], &from_init);
     let out = dir.join("builders-init.safetensors");
-    let losses = run(&mlp, &dir, 3, r#"{"stage": 3, "stage3_param_persistence_threshold": 0}"#, &["--builders", "--init", init.to_str().unwrap()], &out);
-    assert_ne!(ref_losses, run(&mlp, &dir, 1, r#"{"stage": 0}"#, &[], &dir.join("fresh.safetensors")), "--init must change the start");
+    let losses = run(
+        &mlp,
+        &dir,
+        3,
+        r#"{"stage": 3, "stage3_param_persistence_threshold": 0}"#,
+        &["--builders", "--init", init.to_str().unwrap()],
+        &out,
+    );
+    assert_ne!(
+        ref_losses,
+        run(&mlp, &dir, 1, r#"{"stage": 0}"#, &[], &dir.join("fresh.safetensors")),
+        "--init must change the start"
+    );
     for (a, b) in losses.iter().zip(&ref_losses) {
-        let (x, y): (f64, f64) = (a.rsplit(' ').next().unwrap().parse().unwrap(), b.rsplit(' ').next().unwrap().parse().unwrap());
+        let (x, y): (f64, f64) =
+            (a.rsplit(' ').next().unwrap().parse().unwrap(), b.rsplit(' ').next().unwrap().parse().unwrap());
         assert!((x - y).abs() <= 1e-5 * y.abs(), "builders --init: `{a}` vs `{b}`");
     }
     for ((n, x), (_, y)) in load(&out).iter().zip(&load(&from_init)) {

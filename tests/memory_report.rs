@@ -43,7 +43,12 @@ fn tmp(name: &str) -> PathBuf {
 
 /// Trains `model` (built per rank by `build`) for a few steps on 2 thread ranks and writes the report into `dir`.
 /// Returns rank 0's table.
-fn run<M: UnitModel>(dir: &Path, stage: u8, build: impl Fn() -> (tch::nn::VarStore, M) + Sync, batch: impl Fn(&M, &mut Engine, i64) -> Tensor + Sync) -> String {
+fn run<M: UnitModel>(
+    dir: &Path,
+    stage: u8,
+    build: impl Fn() -> (tch::nn::VarStore, M) + Sync,
+    batch: impl Fn(&M, &mut Engine, i64) -> Tensor + Sync,
+) -> String {
     let comms = threads::group(2, Duration::from_secs(60));
     let tables: Vec<Option<String>> = std::thread::scope(|s| {
         let hs: Vec<_> = comms
@@ -52,7 +57,9 @@ fn run<M: UnitModel>(dir: &Path, stage: u8, build: impl Fn() -> (tch::nn::VarSto
                 let (build, batch) = (&build, &batch);
                 s.spawn(move || {
                     let (vs, model) = build();
-                    let mut engine = Engine::new(&vs, config(stage), Box::new(comm), EngineOptions::default().units_of(&model)).unwrap();
+                    let mut engine =
+                        Engine::new(&vs, config(stage), Box::new(comm), EngineOptions::default().units_of(&model))
+                            .unwrap();
                     for step in 0..STEPS_RUN {
                         let loss = batch(&model, &mut engine, step);
                         engine.backward_units(&model, &loss).unwrap();
@@ -75,17 +82,32 @@ fn check_files(dir: &Path, stage: u8) -> Vec<MemoryReport> {
         // floor and start-up's peak lie under the run's peak.
         let peak = m.peak.as_ref().expect("a peak event");
         assert!(m.events.contains(peak), "rank {r}: the kept timeline holds the peak");
-        let known = |e: &str| e == "initialized" || e == "backward" || e == "optimizer step" || e.starts_with("forward: unit ") || e.starts_with("backward: unit ");
-        assert!(m.events.iter().all(|e| known(&e.event)), "rank {r}: {:?}", m.events.iter().map(|e| &e.event).collect::<Vec<_>>());
+        let known = |e: &str| {
+            e == "initialized"
+                || e == "backward"
+                || e == "optimizer step"
+                || e.starts_with("forward: unit ")
+                || e.starts_with("backward: unit ")
+        };
+        assert!(
+            m.events.iter().all(|e| known(&e.event)),
+            "rank {r}: {:?}",
+            m.events.iter().map(|e| &e.event).collect::<Vec<_>>()
+        );
         // (Thread ranks share one process, whose resident memory other tests move: only the peak bounds the floor.)
-        assert!(m.floor_rss_bytes > 0 && m.floor_rss_bytes <= m.peak_rss_bytes && m.init_peak_rss_bytes <= m.peak_rss_bytes);
+        assert!(
+            m.floor_rss_bytes > 0 && m.floor_rss_bytes <= m.peak_rss_bytes && m.init_peak_rss_bytes <= m.peak_rss_bytes
+        );
         assert_eq!(m.steps.len(), STEPS_RUN as usize, "one sample per optimizer step");
         assert_eq!(m.steps.iter().map(|s| s.step).collect::<Vec<_>>(), (1..=STEPS_RUN as u64).collect::<Vec<_>>());
-        for name in ["parameters", "gradients_shard", "optimizer_states", "communication_buffers", "parameters_gathered"] {
+        for name in
+            ["parameters", "gradients_shard", "optimizer_states", "communication_buffers", "parameters_gathered"]
+        {
             assert!(m.categories.contains_key(name), "rank {r}: category {name}");
         }
         assert!(m.peak_rss_bytes > 0 && m.steps.iter().all(|s| s.rss_bytes > 0));
-        let raw: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join(format!("memory_rank{r}.json"))).unwrap()).unwrap();
+        let raw: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join(format!("memory_rank{r}.json"))).unwrap()).unwrap();
         for key in ["rank", "stage", "categories", "model_states", "peak_rss_bytes", "steps"] {
             assert!(raw.get(key).is_some(), "memory_rank{r}.json lacks `{key}`");
         }
@@ -99,7 +121,8 @@ fn check_files(dir: &Path, stage: u8) -> Vec<MemoryReport> {
 }
 
 fn relative(m: &MemoryReport) -> f64 {
-    (m.model_states.measured_bytes as f64 - m.model_states.estimated_bytes as f64).abs() / m.model_states.estimated_bytes as f64
+    (m.model_states.measured_bytes as f64 - m.model_states.estimated_bytes as f64).abs()
+        / m.model_states.estimated_bytes as f64
 }
 
 /// Within 5% of ZeRO's formula; stage 2 plus the full gradients it cannot free without hooks (fp32, 2 ranks).
@@ -131,11 +154,15 @@ fn mlp_reports_at_stages_0_to_3_and_model_states_match_the_estimate() {
             stage,
             || init_layers(&dims),
             |model, engine, step| {
-                let (x, y) = (Tensor::from_slice(&xv).view([SAMPLES, IN]), Tensor::from_slice(&yv).view([SAMPLES, OUT]));
+                let (x, y) =
+                    (Tensor::from_slice(&xv).view([SAMPLES, IN]), Tensor::from_slice(&yv).view([SAMPLES, OUT]));
                 let order = batch_indices(step);
                 let r = engine.rank() * 6;
                 let idx = Tensor::from_slice(&order[r..r + 6]);
-                engine.forward(model, &x.index_select(0, &idx)).unwrap().mse_loss(&y.index_select(0, &idx), tch::Reduction::Mean)
+                engine
+                    .forward(model, &x.index_select(0, &idx))
+                    .unwrap()
+                    .mse_loss(&y.index_select(0, &idx), tch::Reduction::Mean)
             },
         );
         let reports = check_files(&dir, stage);
@@ -164,7 +191,13 @@ fn gpt_reports_at_stages_0_to_3_and_model_states_match_the_estimate() {
                 engine.forward(model, &x).unwrap().view([-1, cfg.vocab]).cross_entropy_for_logits(&y.view([-1]))
             },
         );
-        let psi = support::build_model(7, None, |vs| Gpt::new(vs.root(), &cfg)).unwrap().0.variables().values().map(|t| t.numel() as u64).sum();
+        let psi = support::build_model(7, None, |vs| Gpt::new(vs.root(), &cfg))
+            .unwrap()
+            .0
+            .variables()
+            .values()
+            .map(|t| t.numel() as u64)
+            .sum();
         for m in check_files(&dir, stage) {
             check_model_states("GPT", stage, psi, &m, &table);
         }

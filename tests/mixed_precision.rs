@@ -40,7 +40,10 @@ fn run(config: Config, kind: Kind, poison: fn(i64, usize) -> bool) -> (Vec<StepO
             .map(|comm| {
                 let (config, xv, yv) = (config.clone(), &xv, &yv);
                 s.spawn(move || {
-                    let (x, y) = (Tensor::from_slice(xv).view([SAMPLES, IN]).to_kind(kind), Tensor::from_slice(yv).view([SAMPLES, OUT]));
+                    let (x, y) = (
+                        Tensor::from_slice(xv).view([SAMPLES, IN]).to_kind(kind),
+                        Tensor::from_slice(yv).view([SAMPLES, OUT]),
+                    );
                     let (mut vs, model) = init_store();
                     match kind {
                         Kind::BFloat16 => vs.bfloat16(),
@@ -94,7 +97,9 @@ fn bf16_and_fp16_track_the_fp32_losses() {
     for (stage, gas) in [(0, 1), (1, 2), (2, 2)] {
         let fp32 = losses(&run(config(stage, json!({}), gas), Kind::Float, never).0);
         let bf16 = losses(&run(config(stage, json!({"bf16": {"enabled": true}}), gas), Kind::BFloat16, never).0);
-        let fp16 = losses(&run(config(stage, json!({"fp16": {"enabled": true, "initial_scale_power": 8}}), gas), Kind::Half, never).0);
+        let fp16 = losses(
+            &run(config(stage, json!({"fp16": {"enabled": true, "initial_scale_power": 8}}), gas), Kind::Half, never).0,
+        );
         assert!(fp32[STEPS as usize - 1] < 0.8 * fp32[0], "the fp32 run must learn: {fp32:?}");
         // Stated tolerance: every step's loss within 5% (bf16: 8 mantissa bits) and 2% (fp16) of fp32's.
         for (i, f) in fp32.iter().enumerate() {
@@ -106,7 +111,8 @@ fn bf16_and_fp16_track_the_fp32_losses() {
 
 #[test]
 fn fp16_overflow_on_one_rank_skips_that_step_everywhere_and_halves_the_scale() {
-    let fp16 = json!({"fp16": {"enabled": true, "initial_scale_power": 10, "hysteresis": 1, "loss_scale_window": 1000}});
+    let fp16 =
+        json!({"fp16": {"enabled": true, "initial_scale_power": 10, "hysteresis": 1, "loss_scale_window": 1000}});
     let (outcomes, scales) = run(config(2, fp16, 1), Kind::Half, |step, rank| step == 5 && rank == 1);
     for (i, o) in outcomes.iter().enumerate() {
         match (i, o) {
@@ -123,6 +129,9 @@ fn fp16_overflow_on_one_rank_skips_that_step_everywhere_and_halves_the_scale() {
 fn parameter_dtype_must_match_the_config() {
     let comm = threads::group(1, Duration::from_secs(5)).pop().unwrap();
     let (vs, _model) = init_store();
-    let err = Engine::new(&vs, config(1, json!({"bf16": {"enabled": true}}), 1), Box::new(comm), EngineOptions::default()).err().unwrap();
+    let err =
+        Engine::new(&vs, config(1, json!({"bf16": {"enabled": true}}), 1), Box::new(comm), EngineOptions::default())
+            .err()
+            .unwrap();
     assert_eq!(err.to_string(), "parameter `layers.0.bias`: has dtype Float; bf16.enabled is true: convert the VarStore with `vs.bfloat16()` first");
 }

@@ -104,7 +104,9 @@ fn config(stage: u8, world: usize) -> Config {
 }
 
 fn values(vars: &[(String, Tensor)]) -> Vec<(String, Vec<f32>)> {
-    vars.iter().map(|(n, t)| (n.clone(), Vec::<f32>::try_from(t.detach().to_kind(Kind::Float).reshape([-1])).unwrap())).collect()
+    vars.iter()
+        .map(|(n, t)| (n.clone(), Vec::<f32>::try_from(t.detach().to_kind(Kind::Float).reshape([-1])).unwrap()))
+        .collect()
 }
 
 /// Every variable of `vs` by name, as f32 values.
@@ -206,7 +208,10 @@ fn round_trip(dir: &Path, frozen: bool, (stage, world): (u8, usize), (stage2, wo
         values(&e.state_dict().unwrap())
     });
     for (r, l) in loaded.iter().enumerate() {
-        assert_eq!(l, &saved[0], "stage {stage} x{world} -> stage {stage2} x{world2}: rank {r} did not restore every variable");
+        assert_eq!(
+            l, &saved[0],
+            "stage {stage} x{world} -> stage {stage2} x{world2}: rank {r} did not restore every variable"
+        );
     }
 }
 
@@ -229,7 +234,8 @@ fn exclude_frozen_parameters_leaves_them_out_and_loading_keeps_the_models() {
         train(&mut e, &net, 2);
         e.save_checkpoint_with(&dir, &SaveOptions { tag: Some("t".into()), exclude_frozen_parameters: true }).unwrap();
     });
-    let m: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("t/manifest.json")).unwrap()).unwrap();
+    let m: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("t/manifest.json")).unwrap()).unwrap();
     assert_eq!(m["frozen"], json!([]));
     assert_eq!(m["frozen_excluded"], json!(true));
     assert_eq!(m["buffers"].as_array().unwrap().len(), 4, "{}", m["buffers"]);
@@ -244,7 +250,11 @@ fn exclude_frozen_parameters_leaves_them_out_and_loading_keeps_the_models() {
     for (name, v) in &loaded[0] {
         let own = &fresh.iter().find(|(n, _)| n == name).unwrap().1;
         let frozen = !name.starts_with("head") && !is_buffer(name);
-        assert_eq!(frozen, v == own, "`{name}`: frozen parameters keep the model's values, the rest come from the checkpoint");
+        assert_eq!(
+            frozen,
+            v == own,
+            "`{name}`: frozen parameters keep the model's values, the rest come from the checkpoint"
+        );
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -271,7 +281,12 @@ fn state_dict_and_consolidate_give_files_varstore_load_reads() {
         assert_eq!(snapshot(&vs), states[0], "stage {stage}, frozen {frozen}: state_dict");
         // consolidate: the same, from the checkpoint alone.
         let out = dir.join("consolidated.safetensors");
-        let status = std::process::Command::new(env!("CARGO_BIN_EXE_zerorun")).arg("consolidate").arg(&ck).arg(&out).output().unwrap();
+        let status = std::process::Command::new(env!("CARGO_BIN_EXE_zerorun"))
+            .arg("consolidate")
+            .arg(&ck)
+            .arg(&out)
+            .output()
+            .unwrap();
         assert!(status.status.success(), "{}", String::from_utf8_lossy(&status.stderr));
         let (mut vs, _) = build(13, frozen);
         vs.load(&out).unwrap();
@@ -284,18 +299,22 @@ fn state_dict_and_consolidate_give_files_varstore_load_reads() {
 fn a_frozen_backbone_is_untouched_identical_everywhere_and_sharded_at_stage_3() {
     let (rank0_vs, _) = build(100, true);
     let rank0 = snapshot(&rank0_vs);
-    let backbone = |v: &[(String, Vec<f32>)]| v.iter().filter(|(n, _)| !n.starts_with("head") && !is_buffer(n)).cloned().collect::<Vec<_>>();
+    let backbone = |v: &[(String, Vec<f32>)]| {
+        v.iter().filter(|(n, _)| !n.starts_with("head") && !is_buffer(n)).cloned().collect::<Vec<_>>()
+    };
     for stage in 0..=3u8 {
         let runs = run(stage, 2, BufferSync::Broadcast, true);
         for (start, end) in &runs {
             assert_eq!(backbone(start), backbone(&rank0), "stage {stage}: the frozen backbone starts from rank 0's");
             assert_eq!(backbone(end), backbone(&rank0), "stage {stage}: the frozen backbone must not move");
         }
-        let head = |v: &[(String, Vec<f32>)]| v.iter().filter(|(n, _)| n.starts_with("head")).cloned().collect::<Vec<_>>();
+        let head =
+            |v: &[(String, Vec<f32>)]| v.iter().filter(|(n, _)| n.starts_with("head")).cloned().collect::<Vec<_>>();
         assert_ne!(head(&runs[0].1), head(&rank0), "stage {stage}: the head trains");
     }
     // The memory report: frozen values by rank at stage 3 are this rank's shard (units padded to the world size).
-    let frozen_numel: usize = rank0.iter().filter(|(n, _)| !n.starts_with("head") && !is_buffer(n)).map(|(_, v)| v.len()).sum();
+    let frozen_numel: usize =
+        rank0.iter().filter(|(n, _)| !n.starts_with("head") && !is_buffer(n)).map(|(_, v)| v.len()).sum();
     for world in [2usize, 3] {
         let reports = on_ranks(world, |comm| {
             let (vs, net) = build(100, true);
@@ -306,7 +325,10 @@ fn a_frozen_backbone_is_untouched_identical_everywhere_and_sharded_at_stage_3() 
         for r in &reports {
             let frozen = r.categories["frozen_parameters"].current_bytes as usize;
             let share = frozen_numel * 4 / world;
-            assert!(frozen >= share && frozen <= share + 2 * world * 4, "x{world}: frozen_parameters {frozen} vs share {share}");
+            assert!(
+                frozen >= share && frozen <= share + 2 * world * 4,
+                "x{world}: frozen_parameters {frozen} vs share {share}"
+            );
             assert_eq!(r.categories["buffers"].current_bytes, 4 * 4 * 4, "two BatchNorms of 4 channels, mean and var");
             let m = &r.model_states;
             let err = (m.measured_bytes as f64 - m.estimated_bytes as f64).abs() / m.estimated_bytes as f64;
@@ -355,7 +377,8 @@ fn one_varstore_in_two_live_engines_is_an_error_two_varstores_are_fine() {
     );
     // A second model on its own VarStore (a GAN's discriminator) is fine, and so is re-wrapping after a drop.
     let (vs2, net2) = build(2, false);
-    let second = engine(&vs2, &net2, 0, threads::group(1, Duration::from_secs(10)).pop().unwrap(), BufferSync::Broadcast);
+    let second =
+        engine(&vs2, &net2, 0, threads::group(1, Duration::from_secs(10)).pop().unwrap(), BufferSync::Broadcast);
     drop(first);
     drop(second);
     let _again = engine(&vs, &net, 0, threads::group(1, Duration::from_secs(10)).pop().unwrap(), BufferSync::Broadcast);
@@ -404,7 +427,10 @@ fn load_mapped_reads_a_whole_model_tensor_by_tensor_and_names_what_differs() {
     let bigger = nn::VarStore::new(tch::Device::Cpu);
     let _ = nn::linear(bigger.root() / "head", 4, 3, Default::default());
     let e = zerorun::runtime::engine::load_mapped(&bigger, &path).unwrap_err().to_string();
-    assert!(e.ends_with("the checkpoint does not match the model: `head.bias` is [2] in the file and [3] in the model"), "{e}");
+    assert!(
+        e.ends_with("the checkpoint does not match the model: `head.bias` is [2] in the file and [3] in the model"),
+        "{e}"
+    );
     let missing = nn::VarStore::new(tch::Device::Cpu);
     let _ = nn::linear(missing.root() / "tail", 4, 3, Default::default());
     let e = zerorun::runtime::engine::load_mapped(&missing, &path).unwrap_err().to_string();

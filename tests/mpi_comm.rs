@@ -14,6 +14,7 @@ use zerorun::runtime::comm::env::communicator_from_env;
 mod conformance;
 
 #[test]
+#[ignore = "the ranks' entry point, run by the tests below under mpirun"]
 fn worker_entry() {
     match std::env::var("ZERORUN_TEST_WORKER").as_deref() {
         Ok("mpi-conformance") => {
@@ -37,7 +38,8 @@ fn worker_entry() {
 fn alive(pid: i32) -> bool {
     // Signal 0 checks existence; a zombie is as good as gone.
     let exists = unsafe { libc::kill(pid, 0) } == 0;
-    let zombie = std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| s.rsplit_once(')').is_some_and(|(_, r)| r.trim_start().starts_with('Z')));
+    let zombie = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .is_ok_and(|s| s.rsplit_once(')').is_some_and(|(_, r)| r.trim_start().starts_with('Z')));
     exists && !zombie
 }
 
@@ -46,7 +48,7 @@ fn a_rank_killed_during_all_reduce_ends_the_job_and_leaves_no_process() {
     let mut child = Command::new("mpirun")
         .args(["--allow-run-as-root", "--oversubscribe", "-np", "2", "-x", "ZERORUN_TEST_WORKER"])
         .arg(std::env::current_exe().unwrap())
-        .args(["--exact", "worker_entry", "--nocapture", "--test-threads", "1"])
+        .args(["--exact", "worker_entry", "--ignored", "--nocapture", "--test-threads", "1"])
         .env("ZERORUN_TEST_WORKER", "mpi-loop")
         .env_remove("ZERORUN_BACKEND")
         .stdout(Stdio::piped())
@@ -59,7 +61,10 @@ fn a_rank_killed_during_all_reduce_ends_the_job_and_leaves_no_process() {
         for line in BufReader::new(out).lines().map_while(Result::ok) {
             if let Some(rest) = line.split("looping rank ").nth(1) {
                 let mut it = rest.split(" pid ");
-                let (r, p) = (it.next().unwrap().trim().parse::<usize>().unwrap(), it.next().unwrap().trim().parse::<i32>().unwrap());
+                let (r, p) = (
+                    it.next().unwrap().trim().parse::<usize>().unwrap(),
+                    it.next().unwrap().trim().parse::<i32>().unwrap(),
+                );
                 let _ = tx.send((r, p));
             }
         }
@@ -93,7 +98,7 @@ fn mpi_conformance_at_world_sizes_2_to_4() {
         let out = Command::new("mpirun")
             .args(["--allow-run-as-root", "--oversubscribe", "-np", &n.to_string(), "-x", "ZERORUN_TEST_WORKER"])
             .arg(std::env::current_exe().unwrap())
-            .args(["--exact", "worker_entry", "--nocapture", "--test-threads", "1"])
+            .args(["--exact", "worker_entry", "--ignored", "--nocapture", "--test-threads", "1"])
             .env("ZERORUN_TEST_WORKER", "mpi-conformance")
             .env_remove("ZERORUN_BACKEND")
             .output()

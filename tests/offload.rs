@@ -60,9 +60,15 @@ fn train(config: Config, steps: i64, save_at: Option<(&Path, i64)>, resume: Opti
                     if bf16 {
                         vs.bfloat16();
                     }
-                    let x = Tensor::from_slice(xv).view([SAMPLES, IN]).to_kind(if bf16 { Kind::BFloat16 } else { Kind::Float });
+                    let x = Tensor::from_slice(xv).view([SAMPLES, IN]).to_kind(if bf16 {
+                        Kind::BFloat16
+                    } else {
+                        Kind::Float
+                    });
                     let y = Tensor::from_slice(yv).view([SAMPLES, OUT]);
-                    let mut engine = Engine::new(&vs, config, Box::new(comm), EngineOptions::default().units_of(&model)).map_err(|e| e.to_string())?;
+                    let mut engine =
+                        Engine::new(&vs, config, Box::new(comm), EngineOptions::default().units_of(&model))
+                            .map_err(|e| e.to_string())?;
                     if let Some(dir) = resume {
                         engine.load_checkpoint(dir, None).map_err(|e| e.to_string())?;
                     }
@@ -72,7 +78,10 @@ fn train(config: Config, steps: i64, save_at: Option<(&Path, i64)>, resume: Opti
                         for m in 0..2usize {
                             let first = (m * 2 + rank) * 3;
                             let idx = Tensor::from_slice(&order[first..first + 3]);
-                            let pred = engine.forward(&model, &x.index_select(0, &idx)).map_err(|e| e.to_string())?.to_kind(Kind::Float);
+                            let pred = engine
+                                .forward(&model, &x.index_select(0, &idx))
+                                .map_err(|e| e.to_string())?
+                                .to_kind(Kind::Float);
                             let loss = pred.mse_loss(&y.index_select(0, &idx), tch::Reduction::Mean);
                             engine.backward_units(&model, &loss).map_err(|e| e.to_string())?;
                             engine.step().map_err(|e| e.to_string())?;
@@ -83,7 +92,12 @@ fn train(config: Config, steps: i64, save_at: Option<(&Path, i64)>, resume: Opti
                             }
                         }
                     }
-                    let mut p: Params = engine.full_parameters().unwrap().into_iter().map(|(n, t)| (n, Vec::<f32>::try_from(t.reshape([-1])).unwrap())).collect();
+                    let mut p: Params = engine
+                        .full_parameters()
+                        .unwrap()
+                        .into_iter()
+                        .map(|(n, t)| (n, Vec::<f32>::try_from(t.reshape([-1])).unwrap()))
+                        .collect();
                     p.sort_by(|a, b| a.0.cmp(&b.0));
                     Ok(p)
                 })
@@ -106,13 +120,25 @@ fn offloaded_runs_are_bitwise_the_in_memory_run() {
             let memory = train(config(stage, bf16, json!({})), 6, None, None).unwrap();
             let cpu = train(config(stage, bf16, json!({"device": "cpu"})), 6, None, None).unwrap();
             assert_eq!(cpu, memory, "cpu offload, stage {stage}, bf16 {bf16}");
-            let nvme = train(config(stage, bf16, json!({"device": "nvme", "nvme_path": swap, "buffer_count": 3})), 6, None, None).unwrap();
+            let nvme = train(
+                config(stage, bf16, json!({"device": "nvme", "nvme_path": swap, "buffer_count": 3})),
+                6,
+                None,
+                None,
+            )
+            .unwrap();
             assert_eq!(nvme, memory, "nvme offload, stage {stage}, bf16 {bf16}");
             assert!(files_in(&swap).is_empty(), "swap files are removed with the engine: {:?}", files_in(&swap));
         }
     }
     // Without pipelining the result is the same.
-    let plain = train(config(2, false, json!({"device": "nvme", "nvme_path": swap, "pipeline_read": false, "pipeline_write": false})), 6, None, None).unwrap();
+    let plain = train(
+        config(2, false, json!({"device": "nvme", "nvme_path": swap, "pipeline_read": false, "pipeline_write": false})),
+        6,
+        None,
+        None,
+    )
+    .unwrap();
     assert_eq!(plain, train(config(2, false, json!({})), 6, None, None).unwrap());
     std::fs::remove_dir_all(&swap).unwrap();
 }
@@ -140,7 +166,9 @@ fn parameters_on_nvme_train_bitwise_like_in_memory() {
         // prefetching all-gathers (which take their chunks from the reads started ahead) and without.
         for (buffers, overlap) in [(2, false), (5, false), (2, true), (5, true)] {
             let offload = json!({"device": "nvme", "nvme_path": swap, "max_in_cpu": 0, "buffer_count": buffers});
-            let nvme = train(zero_config(3, bf16, json!({"offload_param": offload, "overlap_comm": overlap})), 6, None, None).unwrap();
+            let nvme =
+                train(zero_config(3, bf16, json!({"offload_param": offload, "overlap_comm": overlap})), 6, None, None)
+                    .unwrap();
             assert_eq!(nvme, memory, "parameters on NVMe, bf16 {bf16}, {buffers} buffers, overlap_comm {overlap}");
             assert!(files_in(&swap).is_empty(), "swap files are removed with the engine: {:?}", files_in(&swap));
         }
@@ -150,7 +178,11 @@ fn parameters_on_nvme_train_bitwise_like_in_memory() {
             "offload_param": {"device": "nvme", "nvme_path": swap, "max_in_cpu": 100},
             "offload_optimizer": {"device": "nvme", "nvme_path": swap}
         });
-        assert_eq!(train(zero_config(3, bf16, both), 6, None, None).unwrap(), memory, "parameters and optimizer on NVMe, bf16 {bf16}");
+        assert_eq!(
+            train(zero_config(3, bf16, both), 6, None, None).unwrap(),
+            memory,
+            "parameters and optimizer on NVMe, bf16 {bf16}"
+        );
         assert!(files_in(&swap).is_empty());
     }
     std::fs::remove_dir_all(&swap).unwrap();
@@ -160,7 +192,8 @@ fn parameters_on_nvme_train_bitwise_like_in_memory() {
 fn a_run_with_parameters_on_nvme_checkpoints_and_resumes_bitwise() {
     let (swap, ck) = (tmp("pckswap"), tmp("pck"));
     for bf16 in [false, true] {
-        let nvme = || zero_config(3, bf16, json!({"offload_param": {"device": "nvme", "nvme_path": swap, "max_in_cpu": 0}}));
+        let nvme =
+            || zero_config(3, bf16, json!({"offload_param": {"device": "nvme", "nvme_path": swap, "max_in_cpu": 0}}));
         let straight = train(nvme(), 8, Some((&ck, 4)), None).unwrap();
         assert_eq!(train(nvme(), 8, None, Some(&ck)).unwrap(), straight, "bf16 {bf16}");
         // The same checkpoint resumes in memory.
@@ -194,7 +227,8 @@ fn category(engine: &Engine, name: &str) -> usize {
 fn parameters_on_nvme_leave_memory_and_max_in_cpu_keeps_them() {
     let swap = tmp("pmem");
     let shard_bytes = 4 * (IN * HIDDEN + HIDDEN + HIDDEN * HIDDEN + HIDDEN + HIDDEN * OUT + OUT) as usize;
-    let (engine, _) = one_rank_stage3(json!({"device": "nvme", "nvme_path": swap, "max_in_cpu": 0, "buffer_count": 3})).unwrap();
+    let (engine, _) =
+        one_rank_stage3(json!({"device": "nvme", "nvme_path": swap, "max_in_cpu": 0, "buffer_count": 3})).unwrap();
     assert_eq!(category(&engine, "parameters_nvme"), shard_bytes);
     // What stays in memory is the idle swap buffers (at most 3 pages here), not the shard.
     assert!(category(&engine, "parameters") <= 3 * 4096, "{}", category(&engine, "parameters"));
@@ -206,7 +240,10 @@ fn parameters_on_nvme_leave_memory_and_max_in_cpu_keeps_them() {
     assert!(files_in(&swap).is_empty());
     drop(engine);
     // A swap buffer must hold the largest unit's shard.
-    let e = one_rank_stage3(json!({"device": "nvme", "nvme_path": swap, "max_in_cpu": 0, "buffer_size": 100})).err().unwrap().to_string();
+    let e = one_rank_stage3(json!({"device": "nvme", "nvme_path": swap, "max_in_cpu": 0, "buffer_size": 100}))
+        .err()
+        .unwrap()
+        .to_string();
     let largest = HIDDEN * HIDDEN + HIDDEN;
     assert_eq!(
         e,
@@ -265,7 +302,11 @@ fn a_full_filesystem_fails_at_start_up_naming_nvme_path() {
     let mnt = tmp("full");
     // A 1 MiB tmpfs (root, as CI runs); the states of this model (2 x 4 bytes x ~5000 params per rank of one)
     // plus the margin do not fit.
-    let mounted = std::process::Command::new("mount").args(["-t", "tmpfs", "-o", "size=1m", "tmpfs"]).arg(&mnt).status().is_ok_and(|s| s.success());
+    let mounted = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=1m", "tmpfs"])
+        .arg(&mnt)
+        .status()
+        .is_ok_and(|s| s.success());
     let comm = threads::group(1, Duration::from_secs(10)).pop().unwrap();
     let (vs, model) = init_layers(&[IN, 256, 256, OUT]);
     let cfg = Config::from_value(json!({
@@ -301,19 +342,41 @@ fn peak_rss(mlp: &Path, dir: &Path, offload: Value) -> u64 {
     )
     .unwrap();
     let out = std::process::Command::new(mlp)
-        .args(["--config", cfg.to_str().unwrap(), "--steps", "2", "--in", "1024", "--hidden", "4096", "--layers", "4", "--out", "8"])
+        .args([
+            "--config",
+            cfg.to_str().unwrap(),
+            "--steps",
+            "2",
+            "--in",
+            "1024",
+            "--hidden",
+            "4096",
+            "--layers",
+            "4",
+            "--out",
+            "8",
+        ])
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let text = String::from_utf8_lossy(&out.stdout);
-    text.lines().find_map(|l| l.strip_prefix("peak_rss_bytes ")).expect("the example prints its peak RSS").trim().parse().unwrap()
+    text.lines()
+        .find_map(|l| l.strip_prefix("peak_rss_bytes "))
+        .expect("the example prints its peak RSS")
+        .trim()
+        .parse()
+        .unwrap()
 }
 
 #[test]
 fn nvme_offload_lowers_peak_rss_by_most_of_the_optimizer_states() {
     // The example program, built as a program (cargo test builds examples as test harnesses).
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let status = std::process::Command::new(env!("CARGO")).args(["build", "--quiet", "--example", "mlp"]).current_dir(root).status().unwrap();
+    let status = std::process::Command::new(env!("CARGO"))
+        .args(["build", "--quiet", "--example", "mlp"])
+        .current_dir(root)
+        .status()
+        .unwrap();
     assert!(status.success());
     let mlp = root.join("target/debug/examples/mlp");
     let dir = tmp("rss");

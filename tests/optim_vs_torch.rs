@@ -58,7 +58,8 @@ fn zerorun_run(mut opt: impl Optimizer, lr: f64, wd: f64) -> Vec<f32> {
 #[test]
 fn adamw_matches_libtorch() {
     for amsgrad in [false, true] {
-        let t = torch_cpp(|vs| nn::AdamW { beta1: 0.9, beta2: 0.95, wd: 0.1, eps: 1e-8, amsgrad }.build(vs, 1e-3).unwrap());
+        let t =
+            torch_cpp(|vs| nn::AdamW { beta1: 0.9, beta2: 0.95, wd: 0.1, eps: 1e-8, amsgrad }.build(vs, 1e-3).unwrap());
         let z = zerorun_run(Adam::new(AdamConfig { betas: (0.9, 0.95), amsgrad, ..Default::default() }, N), 1e-3, 0.1);
         let e = rel(&z, &t);
         assert!(e <= 1e-6, "AdamW (amsgrad {amsgrad}): {e:e}");
@@ -67,7 +68,9 @@ fn adamw_matches_libtorch() {
 
 #[test]
 fn adam_with_l2_matches_libtorch() {
-    let t = torch_cpp(|vs| nn::Adam { beta1: 0.9, beta2: 0.999, wd: 0.01, eps: 1e-8, amsgrad: false }.build(vs, 2e-3).unwrap());
+    let t = torch_cpp(|vs| {
+        nn::Adam { beta1: 0.9, beta2: 0.999, wd: 0.01, eps: 1e-8, amsgrad: false }.build(vs, 2e-3).unwrap()
+    });
     let z = zerorun_run(Adam::new(AdamConfig { adam_w_mode: false, ..Default::default() }, N), 2e-3, 0.01);
     let e = rel(&z, &t);
     assert!(e <= 1e-6, "Adam with L2: {e:e}");
@@ -134,7 +137,10 @@ fn lamb_matches_deepspeed_formula() {
     let (lr, wd, b1, b2, eps) = (1e-3, 0.01, 0.9, 0.999, 1e-8);
     let _g = tch::no_grad_guard();
     let mut p = f32t(&random(1, 1.0));
-    let (mut m, mut v) = (Tensor::zeros([N as i64], (Kind::Float, tch::Device::Cpu)), Tensor::zeros([N as i64], (Kind::Float, tch::Device::Cpu)));
+    let (mut m, mut v) = (
+        Tensor::zeros([N as i64], (Kind::Float, tch::Device::Cpu)),
+        Tensor::zeros([N as i64], (Kind::Float, tch::Device::Cpu)),
+    );
     for s in 0..STEPS {
         let t = (s + 1) as i32;
         let g = f32t(&grads(s));

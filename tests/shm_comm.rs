@@ -28,6 +28,7 @@ fn loop_worker() {
 }
 
 #[test]
+#[ignore = "the ranks' entry point, run by the tests below in child processes"]
 fn worker_entry() {
     match std::env::var("ZERORUN_TEST_WORKER").as_deref() {
         Ok("conformance") => conformance::run(communicator_from_env(Duration::from_secs(60)).unwrap().as_ref()),
@@ -40,7 +41,7 @@ fn launch(n: usize, worker: &str, dir: &std::path::Path) -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_zerorun"));
     cmd.args(["launch", "--nproc-per-node", &n.to_string(), "--"])
         .arg(std::env::current_exe().unwrap())
-        .args(["--exact", "worker_entry", "--nocapture", "--test-threads", "1"])
+        .args(["--exact", "worker_entry", "--ignored", "--nocapture", "--test-threads", "1"])
         .env("ZERORUN_TEST_WORKER", worker)
         .env("ZERORUN_TEST_DIR", dir);
     cmd
@@ -48,7 +49,12 @@ fn launch(n: usize, worker: &str, dir: &std::path::Path) -> Command {
 
 fn segments() -> Vec<String> {
     std::fs::read_dir("/dev/shm")
-        .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).filter(|n| n.starts_with("zerorun-")).collect())
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with("zerorun-"))
+                .collect()
+        })
         .unwrap_or_default()
 }
 
@@ -62,12 +68,19 @@ fn shm_conformance_at_world_sizes_1_to_4_direct_and_staged() {
         }
         let out = cmd.output().unwrap();
         let text = String::from_utf8_lossy(&out.stdout);
-        assert!(out.status.success(), "world size {n} (staged {staged}):\n{text}\n{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "world size {n} (staged {staged}):\n{text}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         for r in 0..n {
             assert!(text.contains(&format!("conformance ok on rank {r}")), "world size {n}, rank {r}:\n{text}");
             // Direct runs map each other's buffer regions (and run the shared-buffer section); staged ones do not.
             let shared = n > 1 && !staged;
-            assert!(text.contains(&format!("conformance ok on rank {r} (shared buffers {shared})")), "world size {n}, rank {r}:\n{text}");
+            assert!(
+                text.contains(&format!("conformance ok on rank {r} (shared buffers {shared})")),
+                "world size {n}, rank {r}:\n{text}"
+            );
         }
     }
 }
@@ -78,9 +91,14 @@ fn a_killed_rank_stops_the_job_with_its_name_and_leaves_nothing() {
     std::fs::create_dir_all(&dir).unwrap();
     let before = segments();
     let start = Instant::now();
-    let child = launch(3, "loop", &dir).stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn().unwrap();
+    let child = launch(3, "loop", &dir)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
     // Wait for every rank to be in the loop, then kill rank 1.
-    let pid_of = |r: usize| std::fs::read_to_string(dir.join(format!("pid{r}"))).ok().and_then(|s| s.parse::<i32>().ok());
+    let pid_of =
+        |r: usize| std::fs::read_to_string(dir.join(format!("pid{r}"))).ok().and_then(|s| s.parse::<i32>().ok());
     while (0..3).any(|r| pid_of(r).is_none()) {
         assert!(start.elapsed() < Duration::from_secs(60), "ranks did not start");
         std::thread::sleep(Duration::from_millis(20));
@@ -97,7 +115,10 @@ fn a_killed_rank_stops_the_job_with_its_name_and_leaves_nothing() {
     assert!(stderr.contains("error: rank 1 was killed by signal 9 (SIGKILL)"), "{stderr}");
     for r in [0, 2] {
         let want = format!("[rank {r}] error: all_reduce on rank {r} of group");
-        let line = stderr.lines().find(|l| l.starts_with(&want)).unwrap_or_else(|| panic!("rank {r} did not report the dead peer:\n{stderr}"));
+        let line = stderr
+            .lines()
+            .find(|l| l.starts_with(&want))
+            .unwrap_or_else(|| panic!("rank {r} did not report the dead peer:\n{stderr}"));
         assert!(line.contains(&format!("rank 1 (pid {}) died; waited", pids[1])), "{line}");
     }
     for pid in pids {

@@ -70,7 +70,11 @@ fn plain_loop_stage2_reduces_during_backward_and_matches_stage1() {
     let stage1 = run(1, Backward::Engine, false);
     assert!(stage1.grads_left > 0 && stage1.full_gradient_bytes > 0, "stage 1 keeps the full gradients until step");
     let stage2 = run(2, Backward::Engine, false);
-    assert_eq!((stage2.grads_left, stage2.full_gradient_bytes), (0, 0), "every bucket was reduced and freed inside backward");
+    assert_eq!(
+        (stage2.grads_left, stage2.full_gradient_bytes),
+        (0, 0),
+        "every bucket was reduced and freed inside backward"
+    );
     let d = max_relative_difference(&stage2.params, &stage1.params);
     assert!(d <= 1e-6, "stage 2 with hooks vs stage 1: max relative difference {d:e}");
 }
@@ -86,4 +90,56 @@ fn unused_parameters_and_backward_outside_the_engine_are_reduced_at_step() {
     let direct = run(2, Backward::Direct, false);
     assert!(direct.grads_left > 0, "nothing was reduced during a backward the engine did not run");
     assert_eq!(direct.params, reference.params);
+}
+
+/// Two branches summed, `a(x) + b(x)` on rank 0 and `b(x) + a(x)` on rank 1: autograd runs the branch created
+/// last first, so the ranks' buckets complete in opposite orders. The hooks must still reduce bucket i with bucket
+/// i on every rank; the result is stage 1's, which reduces once after backward.
+fn two_branches(stage: u8, overlap: bool) -> Vec<(String, Vec<f32>)> {
+    let config = Config::from_value(json!({
+        "train_batch_size": GLOBAL_BATCH, "gradient_clipping": CLIP,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
+        // One bucket per weight and per bias, of different sizes per branch.
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 10, "overlap_comm": overlap}
+    }))
+    .unwrap();
+    let mut runs = on_thread_ranks(2, |comm, x, y| {
+        let _rng = rng_lock();
+        tch::manual_seed(7);
+        let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+        let a = tch::nn::linear(vs.root() / "a", IN, OUT, Default::default());
+        let b1 = tch::nn::linear(vs.root() / "b" / 0, IN, HIDDEN, Default::default());
+        let b2 = tch::nn::linear(vs.root() / "b" / 1, HIDDEN, OUT, Default::default());
+        drop(_rng);
+        let mut engine = Engine::new(&vs, config.clone(), Box::new(comm), EngineOptions::default()).unwrap();
+        let micro = engine.batch_sizes().train_micro_batch_size_per_gpu as usize;
+        let rank = engine.rank();
+        for step in 0..6 {
+            let order = batch_indices(step);
+            let idx = Tensor::from_slice(&order[rank * micro..(rank + 1) * micro]);
+            let input = x.index_select(0, &idx);
+            let out = if rank == 0 {
+                let ya = a.forward(&input);
+                ya + b2.forward(&b1.forward(&input).tanh())
+            } else {
+                let yb = b2.forward(&b1.forward(&input).tanh());
+                a.forward(&input) + yb
+            };
+            let loss = out.mse_loss(&y.index_select(0, &idx), tch::Reduction::Mean);
+            engine.backward(&loss).unwrap();
+            engine.step().unwrap();
+        }
+        params_of(&vs)
+    });
+    runs.remove(0)
+}
+
+#[test]
+fn buckets_launch_in_one_order_on_every_rank_whatever_order_backward_completes_them() {
+    let stage1 = two_branches(1, false);
+    for overlap in [false, true] {
+        let stage2 = two_branches(2, overlap);
+        let d = max_relative_difference(&stage2, &stage1);
+        assert!(d <= 1e-6, "stage 2 hooks (overlap {overlap}) vs stage 1 with rank-dependent backward order: {d:e}");
+    }
 }

@@ -51,14 +51,16 @@ fn run(world: usize, config: Config, units: Units, checkpointing: bool, dims: &[
             .map(|comm| {
                 let (config, xv, yv, dims) = (config.clone(), &xv, &yv, dims.clone());
                 s.spawn(move || {
-                    let (x, y) = (Tensor::from_slice(xv).view([SAMPLES, IN]), Tensor::from_slice(yv).view([SAMPLES, OUT]));
+                    let (x, y) =
+                        (Tensor::from_slice(xv).view([SAMPLES, IN]), Tensor::from_slice(yv).view([SAMPLES, OUT]));
                     let (vs, layers) = init_layers(&dims);
                     let whole = Whole(|x: &Tensor| layers.forward_all(x));
                     let model: &dyn zerorun::UnitModel = match units {
                         Units::PerLayer => &layers,
                         Units::Whole => &whole,
                     };
-                    let options = EngineOptions { activation_checkpointing: checkpointing, ..Default::default() }.units_of(model);
+                    let options =
+                        EngineOptions { activation_checkpointing: checkpointing, ..Default::default() }.units_of(model);
                     let mut engine = Engine::new(&vs, config, Box::new(comm), options).unwrap();
                     let b = engine.batch_sizes();
                     let (rank, micro) = (engine.rank() as i64, b.train_micro_batch_size_per_gpu as i64);
@@ -75,12 +77,17 @@ fn run(world: usize, config: Config, units: Units, checkpointing: bool, dims: &[
                             engine.step().unwrap();
                         }
                         let after = engine.comm_volume();
-                        volume_per_step = (after.all_gather_elements - before.all_gather_elements) + (after.reduce_scatter_elements - before.reduce_scatter_elements);
+                        volume_per_step = (after.all_gather_elements - before.all_gather_elements)
+                            + (after.reduce_scatter_elements - before.reduce_scatter_elements);
                     }
                     let peak_gathered = engine.gathered_bytes().peak;
                     let memory = engine.memory_bytes();
-                    let mut params: Vec<(String, Vec<f32>)> =
-                        engine.full_parameters().unwrap().into_iter().map(|(n, t)| (n, Vec::<f32>::try_from(t.reshape([-1])).unwrap())).collect();
+                    let mut params: Vec<(String, Vec<f32>)> = engine
+                        .full_parameters()
+                        .unwrap()
+                        .into_iter()
+                        .map(|(n, t)| (n, Vec::<f32>::try_from(t.reshape([-1])).unwrap()))
+                        .collect();
                     params.sort_by(|a, b| a.0.cmp(&b.0));
                     RankRun { params, peak_gathered, memory, volume_per_step }
                 })
@@ -114,7 +121,13 @@ fn stage3_matches_single_process_adamw_per_layer_whole_and_with_activation_check
         }
     }
     // The defaults keep these small units gathered (persistence threshold 1e5 elements): same result.
-    let runs = run(3, config(1, json!({"stage3_param_persistence_threshold": 100000, "stage3_max_reuse_distance": 1000000000})), Units::PerLayer, false, &DIMS);
+    let runs = run(
+        3,
+        config(1, json!({"stage3_param_persistence_threshold": 100000, "stage3_max_reuse_distance": 1000000000})),
+        Units::PerLayer,
+        false,
+        &DIMS,
+    );
     assert!(max_relative_difference(&runs[0].params, &reference) <= 1e-5);
     let persistent: usize = runs[0].memory.iter().find(|(n, _)| *n == "parameters_gathered").unwrap().1;
     let all: usize = DIMS.windows(2).map(|w| ((w[0] * w[1] + w[1]) as usize).div_ceil(3) * 3 * 4).sum();
@@ -127,14 +140,26 @@ fn gathered_parameters_stay_within_the_two_largest_units_and_model_states_are_16
     let dims = [IN, 256, 256, OUT];
     let world = 2;
     // Prefetch on, one unit ahead.
-    let runs = run(world, config(1, json!({"overlap_comm": true, "stage3_prefetch_bucket_size": 1})), Units::PerLayer, false, &dims);
-    let unit_bytes: Vec<usize> = dims.windows(2).map(|w| ((w[0] * w[1] + w[1]) as usize).div_ceil(world) * world * 4).collect();
+    let runs = run(
+        world,
+        config(1, json!({"overlap_comm": true, "stage3_prefetch_bucket_size": 1})),
+        Units::PerLayer,
+        false,
+        &dims,
+    );
+    let unit_bytes: Vec<usize> =
+        dims.windows(2).map(|w| ((w[0] * w[1] + w[1]) as usize).div_ceil(world) * world * 4).collect();
     let mut sorted = unit_bytes.clone();
     sorted.sort_unstable_by(|a, b| b.cmp(a));
     let psi: usize = dims.windows(2).map(|w| (w[0] * w[1] + w[1]) as usize).sum();
     for (rank, r) in runs.iter().enumerate() {
         assert!(r.peak_gathered > 0, "rank {rank}: stage 3 gathered something");
-        assert!(r.peak_gathered <= sorted[0] + sorted[1], "rank {rank}: peak gathered {} > two largest units {}", r.peak_gathered, sorted[0] + sorted[1]);
+        assert!(
+            r.peak_gathered <= sorted[0] + sorted[1],
+            "rank {rank}: peak gathered {} > two largest units {}",
+            r.peak_gathered,
+            sorted[0] + sorted[1]
+        );
         assert!(r.peak_gathered < unit_bytes.iter().sum::<usize>(), "rank {rank}: never the whole model");
         // Without prefetch one unit is gathered at a time; more means the next unit's all-gather was in flight.
         assert!(r.peak_gathered > sorted[0], "rank {rank}: prefetch gathered the next unit while one computed");
@@ -143,7 +168,11 @@ fn gathered_parameters_stay_within_the_two_largest_units_and_model_states_are_16
         let measured = get("parameters") + get("gradients_shard") + get("master_fp32") + get("optimizer_states");
         let expected = 16.0 * psi as f64 / world as f64;
         let rel = (measured as f64 - expected).abs() / expected;
-        assert!(rel <= 0.05, "rank {rank}: model states {measured} B vs 16 Psi / N = {expected} B ({:.1}% off)", rel * 100.0);
+        assert!(
+            rel <= 0.05,
+            "rank {rank}: model states {measured} B vs 16 Psi / N = {expected} B ({:.1}% off)",
+            rel * 100.0
+        );
     }
     // Per step: all-gather in forward (every unit but the last, which backward reuses), all-gather in backward,
     // reduce-scatter: 3 Psi less the last unit, in padded elements.
@@ -151,7 +180,10 @@ fn gathered_parameters_stay_within_the_two_largest_units_and_model_states_are_16
     let want = 3 * padded.iter().sum::<u64>() - padded[padded.len() - 1];
     assert_eq!(runs[0].volume_per_step, want);
     let three_psi = 3 * psi as u64;
-    assert!((want as f64 - three_psi as f64).abs() / three_psi as f64 <= 0.02, "within padding and the last unit of 3 Psi");
+    assert!(
+        (want as f64 - three_psi as f64).abs() / three_psi as f64 <= 0.02,
+        "within padding and the last unit of 3 Psi"
+    );
 }
 
 #[test]
@@ -159,13 +191,15 @@ fn misuse_at_stage_3_is_a_clear_error() {
     let comm = threads::group(1, Duration::from_secs(10)).pop().unwrap();
     let (vs, layers) = init_layers(&DIMS);
     // A parameter no unit claims.
-    let bad = EngineOptions { units: Some(vec![vec!["layers.0".into()], vec!["layers.1".into()]]), ..Default::default() };
+    let bad =
+        EngineOptions { units: Some(vec![vec!["layers.0".into()], vec!["layers.1".into()]]), ..Default::default() };
     let e = Engine::new(&vs, config(1, json!({})), Box::new(comm), bad).err().unwrap().to_string();
     assert!(e.starts_with("parameter `layers.2.bias`: belongs to no unit"), "{e}");
 
     let comm = threads::group(1, Duration::from_secs(10)).pop().unwrap();
     let (vs, layers2) = init_layers(&DIMS);
-    let mut engine = Engine::new(&vs, config(1, json!({})), Box::new(comm), EngineOptions::default().units_of(&layers2)).unwrap();
+    let mut engine =
+        Engine::new(&vs, config(1, json!({})), Box::new(comm), EngineOptions::default().units_of(&layers2)).unwrap();
     let x = Tensor::ones([2, IN], (tch::Kind::Float, tch::Device::Cpu));
     // A plain backward without the engine's forward.
     let loss = Tensor::ones([1], (tch::Kind::Float, tch::Device::Cpu)).sum(tch::Kind::Float);
@@ -207,10 +241,15 @@ fn saving_the_16bit_model_at_stage_3_gathers_on_rank_0_or_refuses_by_name() {
                     s.spawn(move || {
                         let (vs, layers) = init_layers(&DIMS);
                         let cfg = config(1, json!({"stage3_gather_16bit_weights_on_model_save": gather}));
-                        let mut engine = Engine::new(&vs, cfg, Box::new(comm), EngineOptions::default().units_of(&layers)).unwrap();
+                        let mut engine =
+                            Engine::new(&vs, cfg, Box::new(comm), EngineOptions::default().units_of(&layers)).unwrap();
                         engine.save_16bit_model(&path).map_err(|e| e.to_string())?;
-                        let mut full: Vec<(String, Vec<f32>)> =
-                            engine.full_parameters().unwrap().into_iter().map(|(n, t)| (n, Vec::<f32>::try_from(t.reshape([-1])).unwrap())).collect();
+                        let mut full: Vec<(String, Vec<f32>)> = engine
+                            .full_parameters()
+                            .unwrap()
+                            .into_iter()
+                            .map(|(n, t)| (n, Vec::<f32>::try_from(t.reshape([-1])).unwrap()))
+                            .collect();
                         full.sort_by(|a, b| a.0.cmp(&b.0));
                         Ok(full)
                     })
@@ -225,7 +264,11 @@ fn saving_the_16bit_model_at_stage_3_gathers_on_rank_0_or_refuses_by_name() {
     }
     assert!(!path.exists(), "nothing written when refused");
     let full = save(true).remove(0).unwrap();
-    let mut saved: Vec<(String, Vec<f32>)> = Tensor::read_safetensors(&path).unwrap().into_iter().map(|(n, t)| (n, Vec::<f32>::try_from(t.reshape([-1])).unwrap())).collect();
+    let mut saved: Vec<(String, Vec<f32>)> = Tensor::read_safetensors(&path)
+        .unwrap()
+        .into_iter()
+        .map(|(n, t)| (n, Vec::<f32>::try_from(t.reshape([-1])).unwrap()))
+        .collect();
     saved.sort_by(|a, b| a.0.cmp(&b.0));
     assert_eq!(saved, full, "the file holds the full weights, not empty shards");
     assert!(saved.iter().all(|(_, v)| !v.is_empty()));
@@ -238,7 +281,8 @@ fn stage2_with_units_reduces_unit_by_unit_and_holds_no_full_gradients() {
     let dims = [IN, HIDDEN, HIDDEN, OUT];
     for (world, gas) in [(2, 2), (3, 1)] {
         let runs = run(world, config(gas, json!({"stage": 2})), Units::PerLayer, false, &dims);
-        let padded: u64 = dims.windows(2).map(|w| ((w[0] * w[1] + w[1]) as u64).div_ceil(world as u64) * world as u64).sum();
+        let padded: u64 =
+            dims.windows(2).map(|w| ((w[0] * w[1] + w[1]) as u64).div_ceil(world as u64) * world as u64).sum();
         for (rank, r) in runs.iter().enumerate() {
             let d = max_relative_difference(&r.params, &reference);
             assert!(d <= 1e-5, "world size {world}, rank {rank}: {d:e}");
@@ -270,7 +314,9 @@ fn evaluation_under_no_grad_gathers_and_releases_and_a_sequence_is_a_unit_model(
                         .unit(["layers.0"], |x| l[0].forward(x).gelu("none"))
                         .unit(["layers.1"], |x| l[1].forward(x).gelu("none"))
                         .unit(["layers.2"], |x| l[2].forward(x));
-                    let mut engine = Engine::new(&vs, config(1, json!({})), Box::new(comm), EngineOptions::default().units_of(&seq)).unwrap();
+                    let mut engine =
+                        Engine::new(&vs, config(1, json!({})), Box::new(comm), EngineOptions::default().units_of(&seq))
+                            .unwrap();
                     let got = tch::no_grad(|| engine.forward(&seq, &x)).unwrap();
                     (expected, Vec::<f32>::try_from(got.reshape([-1])).unwrap(), engine.gathered_bytes().current)
                 })

@@ -133,7 +133,14 @@ impl Corpus {
     }
 
     /// Samples `range` of global batch `step`: (inputs, targets), each [len, block].
-    pub fn batch(&self, seed: u64, step: u64, train: u64, range: std::ops::Range<usize>, block: i64) -> (Tensor, Tensor) {
+    pub fn batch(
+        &self,
+        seed: u64,
+        step: u64,
+        train: u64,
+        range: std::ops::Range<usize>,
+        block: i64,
+    ) -> (Tensor, Tensor) {
         let mut rng = Rng::new(seed, step);
         let limit = (self.ids.len() as i64 - block - 1) as u64;
         let starts: Vec<usize> = (0..train).map(|_| rng.below(limit) as usize).collect();
@@ -146,4 +153,3 @@ impl Corpus {
         (Tensor::from_slice(&xs).view([n, block]), Tensor::from_slice(&ys).view([n, block]))
     }
 }
-

@@ -96,7 +96,11 @@ pub fn micro_batch_range(rank: usize, world: usize, micro_index: u64, micro: u64
 /// initial weights never depend on how many ranks run.
 static INIT: Mutex<()> = Mutex::new(());
 
-pub fn build_model<M>(seed: u64, init: Option<&PathBuf>, f: impl FnOnce(&nn::VarStore) -> M) -> Result<(nn::VarStore, M), String> {
+pub fn build_model<M>(
+    seed: u64,
+    init: Option<&PathBuf>,
+    f: impl FnOnce(&nn::VarStore) -> M,
+) -> Result<(nn::VarStore, M), String> {
     let _guard = INIT.lock().unwrap_or_else(|p| p.into_inner());
     tch::manual_seed(seed as i64);
     let vs = nn::VarStore::new(tch::Device::Cpu);
@@ -133,7 +137,11 @@ pub fn config_kind(config: &Config) -> tch::Kind {
 
 /// Runs `train(comm)` as this process's rank when started by `zerorun launch` (or torchrun), else on `ranks`
 /// threads. Returns rank 0's result (None in the processes of other ranks); the first failing rank's error wins.
-pub fn run_ranks<T: Send>(ranks: usize, timeout: Duration, train: impl Fn(Box<dyn Communicator>) -> Result<T, String> + Sync) -> Result<Option<T>, String> {
+pub fn run_ranks<T: Send>(
+    ranks: usize,
+    timeout: Duration,
+    train: impl Fn(Box<dyn Communicator>) -> Result<T, String> + Sync,
+) -> Result<Option<T>, String> {
     let info = RankInfo::from_env().map_err(|e| e.to_string())?;
     if info.is_distributed() {
         let comm = communicator_from_env(timeout).map_err(|e| e.to_string())?;
@@ -186,7 +194,14 @@ pub struct Progress {
 impl Progress {
     pub fn new(total_steps: u64) -> Self {
         use std::io::IsTerminal;
-        Progress { times: Vec::new(), started: Instant::now(), last_loss: f64::NAN, first_loss: None, total_steps, terminal: std::io::stdout().is_terminal() }
+        Progress {
+            times: Vec::new(),
+            started: Instant::now(),
+            last_loss: f64::NAN,
+            first_loss: None,
+            total_steps,
+            terminal: std::io::stdout().is_terminal(),
+        }
     }
 
     pub fn record(&mut self, engine: &Engine, outcome: StepOutcome) {
@@ -207,7 +222,12 @@ impl Progress {
                     use std::io::Write;
                     let done = (step * 30 / self.total_steps.max(1)).min(30) as usize;
                     let samples_per_s = engine.batch_sizes().train_batch_size as f64 / secs.max(1e-9);
-                    print!("\r[{}{}] step {step}/{} loss {loss:.4} {samples_per_s:.0} samples/s ", "#".repeat(done), " ".repeat(30 - done), self.total_steps);
+                    print!(
+                        "\r[{}{}] step {step}/{} loss {loss:.4} {samples_per_s:.0} samples/s ",
+                        "#".repeat(done),
+                        " ".repeat(30 - done),
+                        self.total_steps
+                    );
                     let _ = std::io::stdout().flush();
                     if step >= self.total_steps {
                         println!();

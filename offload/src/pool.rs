@@ -18,7 +18,12 @@ impl BufferPool {
     /// old contents (callers overwrite what they read).
     pub fn take(&self, bytes: usize) -> HostBuffer {
         let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
-        let best = idle.iter().enumerate().filter(|(_, b)| b.capacity() >= bytes).min_by_key(|(_, b)| b.capacity()).map(|(i, _)| i);
+        let best = idle
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| b.capacity() >= bytes)
+            .min_by_key(|(_, b)| b.capacity())
+            .map(|(i, _)| i);
         match best {
             Some(i) => idle.swap_remove(i),
             None => HostBuffer::new(bytes),

@@ -13,11 +13,15 @@ pub fn with_margin(bytes: u64) -> u64 {
 
 /// Bytes available to an unprivileged writer on the filesystem of `dir`.
 pub fn free_bytes(dir: &Path) -> Result<u64> {
-    let c = CString::new(dir.as_os_str().as_bytes()).map_err(|_| OffloadError::Preflight { path: dir.into(), what: "contains a NUL byte".into() })?;
+    let c = CString::new(dir.as_os_str().as_bytes())
+        .map_err(|_| OffloadError::Preflight { path: dir.into(), what: "contains a NUL byte".into() })?;
     let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
     // SAFETY: c is a valid C string and st a valid out-pointer.
     if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
-        return Err(OffloadError::Preflight { path: dir.into(), what: format!("statvfs: {}", std::io::Error::last_os_error()) });
+        return Err(OffloadError::Preflight {
+            path: dir.into(),
+            what: format!("statvfs: {}", std::io::Error::last_os_error()),
+        });
     }
     Ok(st.f_bavail as u64 * st.f_frsize as u64)
 }
@@ -38,7 +42,9 @@ pub fn check(dir: &Path, needed: u64) -> Result<()> {
     let free = free_bytes(dir)?;
     let want = with_margin(needed);
     if free < want {
-        return fail(format!("needs {want} bytes for swap files ({needed} plus margin) but its filesystem has {free} free"));
+        return fail(format!(
+            "needs {want} bytes for swap files ({needed} plus margin) but its filesystem has {free} free"
+        ));
     }
     Ok(())
 }

@@ -72,7 +72,13 @@ impl SwapFile {
                 Ok(0) => return Err(io_err(&self.path, offset + done as u64, "write returned 0 bytes")),
                 Ok(n) => done += n,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(io_err(&self.path, offset + done as u64, format!("write of {} bytes failed: {e}", buf.len() - done))),
+                Err(e) => {
+                    return Err(io_err(
+                        &self.path,
+                        offset + done as u64,
+                        format!("write of {} bytes failed: {e}", buf.len() - done),
+                    ))
+                }
             }
         }
         Ok(())
@@ -83,7 +89,13 @@ impl SwapFile {
         let mut done = 0;
         while done < buf.len() {
             match file.read_at(&mut buf[done..], offset + done as u64) {
-                Ok(0) => return Err(io_err(&self.path, offset + done as u64, format!("short read: {} of {} bytes", done, buf.len()))),
+                Ok(0) => {
+                    return Err(io_err(
+                        &self.path,
+                        offset + done as u64,
+                        format!("short read: {} of {} bytes", done, buf.len()),
+                    ))
+                }
                 Ok(n) => done += n,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(io_err(&self.path, offset + done as u64, format!("read failed: {e}"))),

@@ -98,7 +98,8 @@ impl Swapper {
     }
 
     fn path_of(&self, key: &str) -> PathBuf {
-        let clean: String = key.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' }).collect();
+        let clean: String =
+            key.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' }).collect();
         self.dir.join(format!("{}-{clean}.swp", self.prefix))
     }
 
@@ -138,7 +139,11 @@ impl Swapper {
             let _ = tx.send(r);
         });
         if !self.writer.submit(job) {
-            return SwapHandle::ready("swap_out", key, Err(OffloadError::WorkerGone { op: "swap_out", key: key.into() }));
+            return SwapHandle::ready(
+                "swap_out",
+                key,
+                Err(OffloadError::WorkerGone { op: "swap_out", key: key.into() }),
+            );
         }
         SwapHandle { rx, op: "swap_out", key: key.to_string() }
     }
@@ -148,12 +153,23 @@ impl Swapper {
         let (file, bytes, pending) = {
             let mut entries = self.entries.lock().unwrap_or_else(|p| p.into_inner());
             let Some(e) = entries.get_mut(key) else {
-                return SwapHandle::ready("swap_in", key, Err(OffloadError::Key { key: key.into(), what: "was never swapped out".into() }));
+                return SwapHandle::ready(
+                    "swap_in",
+                    key,
+                    Err(OffloadError::Key { key: key.into(), what: "was never swapped out".into() }),
+                );
             };
             (e.file.clone(), e.bytes, e.write_done.take())
         };
         if buf.capacity() < bytes {
-            return SwapHandle::ready("swap_in", key, Err(OffloadError::Key { key: key.into(), what: format!("needs a buffer of {bytes} bytes, got {}", buf.capacity()) }));
+            return SwapHandle::ready(
+                "swap_in",
+                key,
+                Err(OffloadError::Key {
+                    key: key.into(),
+                    what: format!("needs a buffer of {bytes} bytes, got {}", buf.capacity()),
+                }),
+            );
         }
         if let Some(p) = pending {
             let _ = p.recv();
@@ -180,7 +196,10 @@ impl Swapper {
 impl Drop for Swapper {
     fn drop(&mut self) {
         // Finish the I/O in flight before the files go (entries drop after this, removing them).
-        let (r, w) = (std::mem::replace(&mut self.reader, Worker { tx: None, thread: None }), std::mem::replace(&mut self.writer, Worker { tx: None, thread: None }));
+        let (r, w) = (
+            std::mem::replace(&mut self.reader, Worker { tx: None, thread: None }),
+            std::mem::replace(&mut self.writer, Worker { tx: None, thread: None }),
+        );
         drop(r);
         drop(w);
         self.entries.lock().unwrap_or_else(|p| p.into_inner()).clear();

@@ -33,12 +33,21 @@ impl Optimizer for Adagrad {
         "Adagrad"
     }
 
-    fn step(&mut self, params: &mut [f32], grads: Grads<'_>, groups: &[Group], out: Option<ParamsOut<'_>>) -> Result<()> {
+    fn step(
+        &mut self,
+        params: &mut [f32],
+        grads: Grads<'_>,
+        groups: &[Group],
+        out: Option<ParamsOut<'_>>,
+    ) -> Result<()> {
         check(params.len(), &grads, groups, out.as_ref())?;
         self.state.step += 1;
         let t = self.state.step;
         let eps = self.config.eps as f32;
-        let clrs: Vec<(f32, f32)> = groups.iter().map(|g| ((g.lr / (1.0 + (t - 1) as f64 * self.config.lr_decay)) as f32, g.weight_decay as f32)).collect();
+        let clrs: Vec<(f32, f32)> = groups
+            .iter()
+            .map(|g| ((g.lr / (1.0 + (t - 1) as f64 * self.config.lr_decay)) as f32, g.weight_decay as f32))
+            .collect();
         let [sum] = self.state.split::<1>();
         for_each_chunk(params, grads, groups, [sum], out, &AdagradKernel { consts: &clrs, eps });
         Ok(())

@@ -27,7 +27,8 @@ pub struct Adam {
 
 impl Adam {
     pub fn new(config: AdamConfig, len: usize) -> Self {
-        let names: &[&str] = if config.amsgrad { &["exp_avg", "exp_avg_sq", "max_exp_avg_sq"] } else { &["exp_avg", "exp_avg_sq"] };
+        let names: &[&str] =
+            if config.amsgrad { &["exp_avg", "exp_avg_sq", "max_exp_avg_sq"] } else { &["exp_avg", "exp_avg_sq"] };
         Adam { state: OptimizerState::new(names, len, 0.0), config }
     }
 }
@@ -48,7 +49,8 @@ struct Consts {
 impl Adam {
     fn consts(&self, t: u64, g: &Group) -> Consts {
         let (b1, b2) = self.config.betas;
-        let (bc1, bc2) = if self.config.bias_correction { (1.0 - b1.powi(t as i32), 1.0 - b2.powi(t as i32)) } else { (1.0, 1.0) };
+        let (bc1, bc2) =
+            if self.config.bias_correction { (1.0 - b1.powi(t as i32), 1.0 - b2.powi(t as i32)) } else { (1.0, 1.0) };
         let (lr, wd) = (g.lr, g.weight_decay);
         Consts {
             one_minus_beta1: (1.0 - b1) as f32,
@@ -72,11 +74,21 @@ impl Optimizer for Adam {
         }
     }
 
-    fn step(&mut self, params: &mut [f32], grads: Grads<'_>, groups: &[Group], out: Option<ParamsOut<'_>>) -> Result<()> {
+    fn step(
+        &mut self,
+        params: &mut [f32],
+        grads: Grads<'_>,
+        groups: &[Group],
+        out: Option<ParamsOut<'_>>,
+    ) -> Result<()> {
         check(params.len(), &grads, groups, out.as_ref())?;
         for (_, b) in &self.state.buffers {
             if b.len() != params.len() {
-                return Err(crate::OptimError::Length { what: "optimizer state", got: b.len(), expected: params.len() });
+                return Err(crate::OptimError::Length {
+                    what: "optimizer state",
+                    got: b.len(),
+                    expected: params.len(),
+                });
             }
         }
         self.state.step += 1;

@@ -36,7 +36,10 @@ pub fn simd_level() -> SimdLevel {
 
 #[cfg(target_arch = "x86_64")]
 fn detect() -> SimdLevel {
-    if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512vl") && is_x86_feature_detected!("avx512bw") {
+    if is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx512vl")
+        && is_x86_feature_detected!("avx512bw")
+    {
         SimdLevel::Avx512
     } else if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
         SimdLevel::Avx2
@@ -188,7 +191,9 @@ pub(crate) fn for_each_chunk<const S: usize, K: Kernel<S>>(
     let tiles: Vec<(usize, Range<usize>)> = groups
         .iter()
         .enumerate()
-        .flat_map(|(gi, g)| (g.range.start..g.range.end).step_by(TILE).map(move |s| (gi, s..(s + TILE).min(g.range.end))))
+        .flat_map(|(gi, g)| {
+            (g.range.start..g.range.end).step_by(TILE).map(move |s| (gi, s..(s + TILE).min(g.range.end)))
+        })
         .collect();
     tiles.par_iter().for_each(|(gi, tile)| run_tile(kernel, &step, *gi, tile.clone()));
 }

@@ -21,7 +21,14 @@ pub struct LambConfig {
 
 impl Default for LambConfig {
     fn default() -> Self {
-        LambConfig { betas: (0.9, 0.999), eps: 1e-8, bias_correction: true, eps_inside_sqrt: false, max_coeff: 10.0, min_coeff: 0.01 }
+        LambConfig {
+            betas: (0.9, 0.999),
+            eps: 1e-8,
+            bias_correction: true,
+            eps_inside_sqrt: false,
+            max_coeff: 10.0,
+            min_coeff: 0.01,
+        }
     }
 }
 
@@ -69,7 +76,10 @@ impl Lamb {
         let mut norms = vec![0f64; groups.len() * 2];
         for (gi, group) in groups.iter().enumerate() {
             let wd = group.weight_decay as f32;
-            let tiles: Vec<_> = (group.range.start..group.range.end).step_by(TILE).map(|s| s..(s + TILE).min(group.range.end)).collect();
+            let tiles: Vec<_> = (group.range.start..group.range.end)
+                .step_by(TILE)
+                .map(|s| s..(s + TILE).min(group.range.end))
+                .collect();
             let partial: Vec<(f64, f64)> = tiles
                 .par_iter()
                 .map(|tile| {
@@ -127,7 +137,10 @@ impl Lamb {
                 }
             });
             match out.as_mut() {
-                Some(ParamsOut::Bf16(o)) => o[r.clone()].iter_mut().zip(p.iter()).for_each(|(d, s)| *d = half::bf16::from_bits(crate::dispatch::bf16_bits(*s))),
+                Some(ParamsOut::Bf16(o)) => o[r.clone()]
+                    .iter_mut()
+                    .zip(p.iter())
+                    .for_each(|(d, s)| *d = half::bf16::from_bits(crate::dispatch::bf16_bits(*s))),
                 Some(ParamsOut::F16(o)) => half::slice::HalfFloatSliceExt::convert_from_f32_slice(&mut o[r.clone()], p),
                 None => {}
             }
@@ -141,7 +154,13 @@ impl Optimizer for Lamb {
         "Lamb"
     }
 
-    fn step(&mut self, params: &mut [f32], grads: Grads<'_>, groups: &[Group], out: Option<ParamsOut<'_>>) -> Result<()> {
+    fn step(
+        &mut self,
+        params: &mut [f32],
+        grads: Grads<'_>,
+        groups: &[Group],
+        out: Option<ParamsOut<'_>>,
+    ) -> Result<()> {
         self.step_with_reduce(params, grads, groups, out, &mut |_| {})
     }
 

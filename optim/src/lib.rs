@@ -4,8 +4,8 @@
 //! f16 slices, optionally writing the updated parameters to a 16-bit copy in the same pass. Every element's math is
 //! independent of every other's, so results are bitwise the same whatever the thread count or vector width.
 mod adagrad;
-pub mod aligned;
 mod adam;
+pub mod aligned;
 mod dispatch;
 mod lamb;
 mod lion;
@@ -18,8 +18,8 @@ mod state;
 pub mod traffic;
 
 pub use adagrad::{Adagrad, AdagradConfig};
-pub use aligned::AlignedVec;
 pub use adam::{Adam, AdamConfig};
+pub use aligned::AlignedVec;
 pub use dispatch::{simd_level, SimdLevel};
 pub use lamb::{Lamb, LambConfig};
 pub use lion::{Lion, LionConfig};
@@ -50,7 +50,13 @@ pub trait Optimizer: Send {
     fn name(&self) -> &'static str;
     /// Updates `params` in place from `grads`, group by group (each group has its own lr and weight decay), and
     /// writes the updated values to `out` when given (the 16-bit model copy).
-    fn step(&mut self, params: &mut [f32], grads: Grads<'_>, groups: &[Group], out: Option<ParamsOut<'_>>) -> Result<()>;
+    fn step(
+        &mut self,
+        params: &mut [f32],
+        grads: Grads<'_>,
+        groups: &[Group],
+        out: Option<ParamsOut<'_>>,
+    ) -> Result<()>;
     /// The state as plain data (for checkpoints and resharding).
     fn state(&self) -> &OptimizerState;
     fn state_mut(&mut self) -> &mut OptimizerState;

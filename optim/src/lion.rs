@@ -43,12 +43,19 @@ impl Optimizer for Lion {
         "Lion"
     }
 
-    fn step(&mut self, params: &mut [f32], grads: Grads<'_>, groups: &[Group], out: Option<ParamsOut<'_>>) -> Result<()> {
+    fn step(
+        &mut self,
+        params: &mut [f32],
+        grads: Grads<'_>,
+        groups: &[Group],
+        out: Option<ParamsOut<'_>>,
+    ) -> Result<()> {
         check(params.len(), &grads, groups, out.as_ref())?;
         self.state.step += 1;
         let (b1, b2) = self.config.betas;
         let (c1, k1, c2, k2) = (b1 as f32, (1.0 - b1) as f32, b2 as f32, (1.0 - b2) as f32);
-        let consts: Vec<(f32, f32)> = groups.iter().map(|g| (g.lr as f32, (1.0 - g.lr * g.weight_decay) as f32)).collect();
+        let consts: Vec<(f32, f32)> =
+            groups.iter().map(|g| (g.lr as f32, (1.0 - g.lr * g.weight_decay) as f32)).collect();
         let [m] = self.state.split::<1>();
         for_each_chunk(params, grads, groups, [m], out, &LionKernel { consts: &consts, c1, k1, c2, k2 });
         Ok(())

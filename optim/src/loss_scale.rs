@@ -20,7 +20,14 @@ pub struct LossScalerConfig {
 
 impl LossScalerConfig {
     /// DeepSpeed's fp16 section: `loss_scale` 0 means dynamic from 2^initial_scale_power.
-    pub fn from_fp16(loss_scale: f64, initial_scale_power: u32, window: u64, hysteresis: u32, consecutive: bool, min_loss_scale: f64) -> Self {
+    pub fn from_fp16(
+        loss_scale: f64,
+        initial_scale_power: u32,
+        window: u64,
+        hysteresis: u32,
+        consecutive: bool,
+        min_loss_scale: f64,
+    ) -> Self {
         LossScalerConfig {
             dynamic: loss_scale == 0.0,
             initial_scale: if loss_scale == 0.0 { 2f64.powi(initial_scale_power as i32) } else { loss_scale },
@@ -34,7 +41,15 @@ impl LossScalerConfig {
 
     /// No loss scaling (fp32 and bf16 runs).
     pub fn none() -> Self {
-        LossScalerConfig { dynamic: false, initial_scale: 1.0, scale_factor: 2.0, scale_window: 1, min_scale: 1.0, hysteresis: 1, consecutive_hysteresis: false }
+        LossScalerConfig {
+            dynamic: false,
+            initial_scale: 1.0,
+            scale_factor: 2.0,
+            scale_window: 1,
+            min_scale: 1.0,
+            hysteresis: 1,
+            consecutive_hysteresis: false,
+        }
     }
 }
 
@@ -62,7 +77,12 @@ pub enum StepDecision {
 
 impl LossScaler {
     pub fn new(config: LossScalerConfig) -> Self {
-        let state = LossScalerState { cur_scale: config.initial_scale, cur_iter: 0, last_overflow_iter: -1, cur_hysteresis: config.hysteresis };
+        let state = LossScalerState {
+            cur_scale: config.initial_scale,
+            cur_iter: 0,
+            last_overflow_iter: -1,
+            cur_hysteresis: config.hysteresis,
+        };
         LossScaler { config, state }
     }
 

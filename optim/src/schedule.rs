@@ -195,7 +195,15 @@ fn one_cycle(p: &OneCycleParams, it: i64) -> (f64, f64) {
     }
     let decay_iteration = it as f64 - total + 1.0;
     let interval = if p.decay_step_size == 0 { 0.0 } else { decay_iteration / p.decay_step_size as f64 };
-    let lr = if p.decay_step_size == 0 || p.decay_lr_rate == 0.0 { p.cycle_min_lr } else { p.cycle_min_lr / (1.0 + p.decay_lr_rate * interval) };
-    let mom = if p.decay_step_size == 0 || p.decay_mom_rate == 0.0 { p.cycle_max_mom } else { p.cycle_max_mom * (1.0 + p.decay_mom_rate * interval) };
+    let lr = if p.decay_step_size == 0 || p.decay_lr_rate == 0.0 {
+        p.cycle_min_lr
+    } else {
+        p.cycle_min_lr / (1.0 + p.decay_lr_rate * interval)
+    };
+    let mom = if p.decay_step_size == 0 || p.decay_mom_rate == 0.0 {
+        p.cycle_max_mom
+    } else {
+        p.cycle_max_mom * (1.0 + p.decay_mom_rate * interval)
+    };
     (lr, mom)
 }

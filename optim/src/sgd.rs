@@ -28,7 +28,13 @@ impl Optimizer for Sgd {
         "SGD"
     }
 
-    fn step(&mut self, params: &mut [f32], grads: Grads<'_>, groups: &[Group], out: Option<ParamsOut<'_>>) -> Result<()> {
+    fn step(
+        &mut self,
+        params: &mut [f32],
+        grads: Grads<'_>,
+        groups: &[Group],
+        out: Option<ParamsOut<'_>>,
+    ) -> Result<()> {
         check(params.len(), &grads, groups, out.as_ref())?;
         self.state.step += 1;
         let first = self.state.step == 1;
@@ -38,7 +44,13 @@ impl Optimizer for Sgd {
             for_each_chunk(params, grads, groups, [], out, &PlainKernel(&consts));
         } else {
             let [buf] = self.state.split::<1>();
-            let k = MomentumKernel { consts: &consts, momentum: momentum as f32, keep: (1.0 - dampening) as f32, nesterov, first };
+            let k = MomentumKernel {
+                consts: &consts,
+                momentum: momentum as f32,
+                keep: (1.0 - dampening) as f32,
+                nesterov,
+                first,
+            };
             for_each_chunk(params, grads, groups, [buf], out, &k);
         }
         Ok(())

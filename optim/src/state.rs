@@ -15,15 +15,26 @@ pub struct OptimizerState {
 
 impl OptimizerState {
     pub fn new(names: &[&str], len: usize, init: f32) -> Self {
-        OptimizerState { step: 0, buffers: names.iter().map(|n| (n.to_string(), AlignedVec::filled(len, init))).collect() }
+        OptimizerState {
+            step: 0,
+            buffers: names.iter().map(|n| (n.to_string(), AlignedVec::filled(len, init))).collect(),
+        }
     }
 
     pub fn get(&self, name: &str) -> Result<&[f32]> {
-        self.buffers.iter().find(|(n, _)| n == name).map(|(_, b)| b.as_slice()).ok_or_else(|| OptimError::MissingState { name: name.into() })
+        self.buffers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, b)| b.as_slice())
+            .ok_or_else(|| OptimError::MissingState { name: name.into() })
     }
 
     pub fn get_mut(&mut self, name: &str) -> Result<&mut [f32]> {
-        self.buffers.iter_mut().find(|(n, _)| n == name).map(|(_, b)| b.as_mut_slice()).ok_or_else(|| OptimError::MissingState { name: name.into() })
+        self.buffers
+            .iter_mut()
+            .find(|(n, _)| n == name)
+            .map(|(_, b)| b.as_mut_slice())
+            .ok_or_else(|| OptimError::MissingState { name: name.into() })
     }
 
     /// Bytes held by the buffers.
@@ -36,7 +47,11 @@ impl OptimizerState {
         for (name, buf) in &self.buffers {
             let theirs = other.get(name)?;
             if theirs.len() != buf.len() {
-                return Err(OptimError::Length { what: "loaded optimizer state buffer", got: theirs.len(), expected: buf.len() });
+                return Err(OptimError::Length {
+                    what: "loaded optimizer state buffer",
+                    got: theirs.len(),
+                    expected: buf.len(),
+                });
             }
         }
         *self = other;

@@ -40,12 +40,15 @@ fn load_once() -> std::result::Result<(), (PathBuf, String)> {
     if hooks_registered() {
         return Ok(());
     }
-    let dir = libtorch_dir().ok_or_else(|| (PathBuf::from("libtorch_cuda.so"), "cannot tell which libtorch this process uses".to_string()))?;
+    let dir = libtorch_dir().ok_or_else(|| {
+        (PathBuf::from("libtorch_cuda.so"), "cannot tell which libtorch this process uses".to_string())
+    })?;
     let library = dir.join("libtorch_cuda.so");
     if !library.is_file() {
         return Err((library, "not found: this libtorch is a CPU-only build".into()));
     }
-    let path = std::ffi::CString::new(library.as_os_str().as_encoded_bytes()).map_err(|e| (library.clone(), e.to_string()))?;
+    let path =
+        std::ffi::CString::new(library.as_os_str().as_encoded_bytes()).map_err(|e| (library.clone(), e.to_string()))?;
     // SAFETY: a plain dlopen; the handle is kept for the life of the process (never closed).
     let handle = unsafe { libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
     if handle.is_null() {

@@ -7,11 +7,11 @@ use clap::{Parser, Subcommand};
 // The library carries the C++ shim of libtorch's fused AdamW (`zerorun_fused_adamw`, built by the build script).
 extern crate zerorun as _;
 
+#[path = "../cli/bench_adam.rs"]
+mod bench_adam;
 #[allow(dead_code)]
 #[path = "../cli/mod.rs"]
 mod cli;
-#[path = "../cli/bench_adam.rs"]
-mod bench_adam;
 #[path = "../logging.rs"]
 mod logging;
 

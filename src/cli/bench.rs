@@ -71,13 +71,14 @@ pub fn run(command: BenchCommand) -> Result<(), CliError> {
         BenchCommand::Comm { backend, ranks, max_bytes, dtype, repeats, json, worker } => {
             super::bench_comm::run(&backend, ranks, max_bytes, &dtype, repeats.max(1), json, worker)
         }
-        BenchCommand::Swap { dir, size, block_size, queue_depth, threads, repeats, json } => super::bench_swap::run(super::bench_swap::SwapBenchArgs {
-            dir,
-            size,
-            io: zerorun_offload::IoConfig { block_size, queue_depth, intra_op_parallelism: threads },
-            repeats: repeats.max(1),
-            json,
-        }),
+        BenchCommand::Swap { dir, size, block_size, queue_depth, threads, repeats, json } => {
+            super::bench_swap::run(super::bench_swap::SwapBenchArgs {
+                dir,
+                size,
+                io: zerorun_offload::IoConfig { block_size, queue_depth, intra_op_parallelism: threads },
+                repeats: repeats.max(1),
+                json,
+            })
+        }
     }
 }
-

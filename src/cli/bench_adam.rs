@@ -5,7 +5,7 @@ use std::time::Instant;
 use tch::nn::{self, OptimizerConfig};
 use tch::{Kind, Tensor};
 use zerorun_optim::traffic::adam_traffic;
-use zerorun_optim::{simd_level, AlignedVec, Adam, AdamConfig, Grads, Group, Optimizer, ParamsOut};
+use zerorun_optim::{simd_level, Adam, AdamConfig, AlignedVec, Grads, Group, Optimizer, ParamsOut};
 
 use super::{emit, CliError};
 
@@ -33,7 +33,8 @@ fn bandwidth(z: &mut ZerorunAdam) -> f64 {
     // Adam's traffic through zerorun-optim's own tiles, threads and vector code, with trivial math.
     // Best of two back-to-back runs: the first after libtorch's steps (which allocate and free temporaries of the
     // step's size) is sometimes slowed by the page-table work that leaves behind.
-    let adam_like = (0..2).map(|_| timed(|| adam_traffic(p, Grads::F32(g), m, v).expect("equal lengths"))).fold(f64::MAX, f64::min);
+    let adam_like =
+        (0..2).map(|_| timed(|| adam_traffic(p, Grads::F32(g), m, v).expect("equal lengths"))).fold(f64::MAX, f64::min);
     std::hint::black_box(&p);
     28.0 * n / adam_like
 }
@@ -99,7 +100,13 @@ impl TorchFusedAdam {
     fn new(n: usize) -> Self {
         let o = (Kind::Float, tch::Device::Cpu);
         TorchFusedAdam {
-            t: [Tensor::full([n as i64], 0.5, o), Tensor::full([n as i64], 0.01, o), Tensor::zeros([n as i64], o), Tensor::zeros([n as i64], o), Tensor::zeros([], o)],
+            t: [
+                Tensor::full([n as i64], 0.5, o),
+                Tensor::full([n as i64], 0.01, o),
+                Tensor::zeros([n as i64], o),
+                Tensor::zeros([n as i64], o),
+                Tensor::zeros([], o),
+            ],
         }
     }
 
@@ -108,7 +115,8 @@ impl TorchFusedAdam {
         let ptr = |t: &mut Tensor| t.as_mut_ptr() as *mut std::ffi::c_void;
         timed(|| {
             // SAFETY: tch's handles point at live at::Tensor objects, which is what the shim takes.
-            let rc = unsafe { zerorun_fused_adamw(ptr(p), ptr(g), ptr(m), ptr(v), ptr(s), 1e-3, 0.9, 0.999, 0.01, 1e-8) };
+            let rc =
+                unsafe { zerorun_fused_adamw(ptr(p), ptr(g), ptr(m), ptr(v), ptr(s), 1e-3, 0.9, 0.999, 0.01, 1e-8) };
             assert_eq!(rc, 0, "libtorch's _fused_adamw_ failed");
         })
     }
@@ -124,7 +132,9 @@ impl TorchAdam {
     fn new(n: usize) -> Self {
         let vs = nn::VarStore::new(tch::Device::Cpu);
         let p = vs.root().var("p", &[n as i64], nn::Init::Const(0.5));
-        let opt = nn::AdamW { beta1: 0.9, beta2: 0.999, wd: 0.01, eps: 1e-8, amsgrad: false }.build(&vs, 1e-3).expect("AdamW builds");
+        let opt = nn::AdamW { beta1: 0.9, beta2: 0.999, wd: 0.01, eps: 1e-8, amsgrad: false }
+            .build(&vs, 1e-3)
+            .expect("AdamW builds");
         let g = Tensor::full([n as i64], 0.01, (Kind::Float, tch::Device::Cpu));
         (&p * &g).sum(Kind::Float).backward();
         TorchAdam { opt, _vs: vs }
@@ -147,12 +157,16 @@ pub fn run(params: Option<usize>, repeats: usize, json: bool) -> Result<(), CliE
     tch::set_num_threads(cores as i32);
     if !json {
         emit(&format!("# AdamW step, {cores} cores, SIMD {:?}; limit = bandwidth of an Adam-traffic kernel over the step's own arrays / 28 B per parameter", simd_level()))?;
-        emit(&format!("{:>12} {:>6} {:>14} {:>14} {:>14} {:>9} {:>9}", "params", "grads", "zerorun/s", "best torch/s", "limit/s", "vs torch", "of limit"))?;
+        emit(&format!(
+            "{:>12} {:>6} {:>14} {:>14} {:>14} {:>9} {:>9}",
+            "params", "grads", "zerorun/s", "best torch/s", "limit/s", "vs torch", "of limit"
+        ))?;
     }
     for &n in &sizes {
         // The machine's bandwidth drifts from second to second here: the reference, zerorun and libtorch are
         // interleaved, one round each per repetition, after one untimed warm-up round.
-        let (mut z32, mut z16, mut torch, mut fused) = (ZerorunAdam::new(n), ZerorunAdam::new(n), TorchAdam::new(n), TorchFusedAdam::new(n));
+        let (mut z32, mut z16, mut torch, mut fused) =
+            (ZerorunAdam::new(n), ZerorunAdam::new(n), TorchAdam::new(n), TorchFusedAdam::new(n));
         let mut samples: [Vec<f64>; 6] = Default::default();
         for rep in 0..=repeats {
             let round = [
@@ -170,19 +184,30 @@ pub fn run(params: Option<usize>, repeats: usize, json: bool) -> Result<(), CliE
             }
         }
         let [bw32, z32, bw16, z16, cpp, fused] = samples.map(median);
-        let (torch, variant) = if fused >= cpp { (fused, "_fused_adamw_ (libtorch fused kernel)") } else { (cpp, "nn::AdamW (libtorch C++)") };
+        let (torch, variant) = if fused >= cpp {
+            (fused, "_fused_adamw_ (libtorch fused kernel)")
+        } else {
+            (cpp, "nn::AdamW (libtorch C++)")
+        };
         // fp32 Adam reads p, g, m, v and writes p, m, v: 28 B. bf16 grads + bf16 copy-out: 14 B read + 14 B written.
         for (grads, z, bw) in [("f32", z32, bw32), ("bf16", z16, bw16)] {
             let limit = bw / 28.0;
             if json {
-                emit(&serde_json::json!({
-                    "params": n, "grads": grads, "copy_out": if grads == "bf16" { "bf16" } else { "none" },
-                    "zerorun_params_per_s": z, "torch_params_per_s": torch, "torch_variant": variant,
-                    "torch_fused_params_per_s": fused, "torch_cpp_params_per_s": cpp,
-                    "limit_params_per_s": limit, "bandwidth_bytes_per_s": bw, "simd": format!("{:?}", simd_level()),
-                }).to_string())?;
+                emit(
+                    &serde_json::json!({
+                        "params": n, "grads": grads, "copy_out": if grads == "bf16" { "bf16" } else { "none" },
+                        "zerorun_params_per_s": z, "torch_params_per_s": torch, "torch_variant": variant,
+                        "torch_fused_params_per_s": fused, "torch_cpp_params_per_s": cpp,
+                        "limit_params_per_s": limit, "bandwidth_bytes_per_s": bw, "simd": format!("{:?}", simd_level()),
+                    })
+                    .to_string(),
+                )?;
             } else {
-                emit(&format!("{n:>12} {grads:>6} {z:>14.3e} {torch:>14.3e} {limit:>14.3e} {:>8.2}x {:>8.0}%", z / torch, 100.0 * z / limit))?;
+                emit(&format!(
+                    "{n:>12} {grads:>6} {z:>14.3e} {torch:>14.3e} {limit:>14.3e} {:>8.2}x {:>8.0}%",
+                    z / torch,
+                    100.0 * z / limit
+                ))?;
             }
         }
     }

@@ -59,7 +59,13 @@ fn measure(c: &dyn Communicator, op: &str, bytes: usize, dtype: Dtype, repeats: 
     let elems = (bytes / es / n).max(1) * n;
     // Allocated as the engine allocates the buffers it hands to collectives: in the shared region where the
     // backend's peers map it (shm), on the heap otherwise.
-    let alloc = |len: usize| if c.prefers_shared_buffers() { Buffer::Shared(SharedBuffer::zeroed(len * es)) } else { Buffer::Heap(vec![0u64; (len * es).div_ceil(8)]) };
+    let alloc = |len: usize| {
+        if c.prefers_shared_buffers() {
+            Buffer::Shared(SharedBuffer::zeroed(len * es))
+        } else {
+            Buffer::Heap(vec![0u64; (len * es).div_ceil(8)])
+        }
+    };
     let (mut buf_mem, mut out_mem) = (alloc(elems), alloc(elems / n));
     let (buf, out) = (&mut buf_mem.bytes()[..elems * es], &mut out_mem.bytes()[..elems / n * es]);
     fill_ones(buf, dtype);
@@ -70,7 +76,9 @@ fn measure(c: &dyn Communicator, op: &str, bytes: usize, dtype: Dtype, repeats: 
         let t = Instant::now();
         match op {
             "all_reduce" => c.all_reduce_buf(BufMut { bytes: &mut *buf, dtype }, ReduceOp::Sum).map_err(fail)?,
-            "reduce_scatter" => c.reduce_scatter_buf(BufRef { bytes: &*buf, dtype }, BufMut { bytes: &mut *out, dtype }, ReduceOp::Sum).map_err(fail)?,
+            "reduce_scatter" => c
+                .reduce_scatter_buf(BufRef { bytes: &*buf, dtype }, BufMut { bytes: &mut *out, dtype }, ReduceOp::Sum)
+                .map_err(fail)?,
             _ => c.all_gather_buf(BufMut { bytes: &mut *buf, dtype }).map_err(fail)?,
         }
         if rep > 0 {
@@ -133,7 +141,11 @@ fn rank_main(c: &dyn Communicator, max_bytes: usize, dtype: Dtype, repeats: usiz
     if json {
         emit(&serde_json::json!({"memcpy_all_ranks_gbps": concurrent[0], "ranks": c.world_size()}).to_string())?;
     } else {
-        emit(&format!("# memcpy per rank with all {} ranks copying at once: {:.2} GB/s", c.world_size(), concurrent[0]))?;
+        emit(&format!(
+            "# memcpy per rank with all {} ranks copying at once: {:.2} GB/s",
+            c.world_size(),
+            concurrent[0]
+        ))?;
     }
     Ok(())
 }
@@ -145,11 +157,23 @@ fn dtype_name(dtype: Dtype) -> &'static str {
     DTYPES.iter().find(|(_, d)| *d == dtype).map_or("?", |(name, _)| name)
 }
 
-pub fn run(backend: &str, ranks: usize, max_bytes: usize, dtype: &str, repeats: usize, json: bool, worker: bool) -> Result<(), CliError> {
+pub fn run(
+    backend: &str,
+    ranks: usize,
+    max_bytes: usize,
+    dtype: &str,
+    repeats: usize,
+    json: bool,
+    worker: bool,
+) -> Result<(), CliError> {
     if ranks < 2 {
         return Err(CliError::Usage("--ranks must be >= 2".into()));
     }
-    let elem = DTYPES.iter().find(|(name, _)| *name == dtype).map(|(_, d)| *d).ok_or_else(|| CliError::Usage(format!("--dtype {dtype:?}: choose f32, bf16 or f16")))?;
+    let elem = DTYPES
+        .iter()
+        .find(|(name, _)| *name == dtype)
+        .map(|(_, d)| *d)
+        .ok_or_else(|| CliError::Usage(format!("--dtype {dtype:?}: choose f32, bf16 or f16")))?;
     if worker {
         let c = communicator_from_env(Duration::from_secs(600)).map_err(|e| CliError::Usage(e.to_string()))?;
         return rank_main(c.as_ref(), max_bytes, elem, repeats, json);
@@ -162,20 +186,26 @@ pub fn run(backend: &str, ranks: usize, max_bytes: usize, dtype: &str, repeats: 
         "threads" => {
             let comms = threads::group(ranks, Duration::from_secs(600));
             let results: Vec<Result<(), CliError>> = std::thread::scope(|s| {
-                let hs: Vec<_> = comms.into_iter().map(|c| s.spawn(move || rank_main(&c, max_bytes, elem, repeats, json))).collect();
-                hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(CliError::Usage("a rank panicked".into())))).collect()
+                let hs: Vec<_> =
+                    comms.into_iter().map(|c| s.spawn(move || rank_main(&c, max_bytes, elem, repeats, json))).collect();
+                hs.into_iter()
+                    .map(|h| h.join().unwrap_or_else(|_| Err(CliError::Usage("a rank panicked".into()))))
+                    .collect()
             });
             results.into_iter().collect::<Result<Vec<()>, CliError>>()?;
         }
         "shm" | "mpi" => {
-            let me = std::env::current_exe().map_err(|e| CliError::Io { context: "finding zerorun".into(), source: e })?;
+            let me =
+                std::env::current_exe().map_err(|e| CliError::Io { context: "finding zerorun".into(), source: e })?;
             let mut cmd;
             if backend == "shm" {
                 cmd = Command::new(&me);
                 cmd.args(["launch", "--nproc-per-node", &ranks.to_string(), "--"]).arg(&me);
             } else {
                 if !cfg!(feature = "mpi") {
-                    return Err(CliError::Usage("--backend mpi: this zerorun was built without `--features mpi`".into()));
+                    return Err(CliError::Usage(
+                        "--backend mpi: this zerorun was built without `--features mpi`".into(),
+                    ));
                 }
                 cmd = Command::new("mpirun");
                 // SAFETY: geteuid has no preconditions.
@@ -189,7 +219,10 @@ pub fn run(backend: &str, ranks: usize, max_bytes: usize, dtype: &str, repeats: 
             if json {
                 cmd.arg("--json");
             }
-            let out = cmd.stderr(Stdio::inherit()).output().map_err(|e| CliError::Io { context: "starting the ranks".into(), source: e })?;
+            let out = cmd
+                .stderr(Stdio::inherit())
+                .output()
+                .map_err(|e| CliError::Io { context: "starting the ranks".into(), source: e })?;
             let text = String::from_utf8_lossy(&out.stdout);
             for line in text.lines() {
                 if backend == "shm" {

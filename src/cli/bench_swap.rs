@@ -47,7 +47,9 @@ fn dd_times(dir: &Path, size: usize) -> Result<(f64, f64, bool), CliError> {
         }
     };
     let _ = std::fs::remove_file(&file);
-    result.ok_or_else(|| CliError::Usage(format!("dd failed on {} (is dd installed and the folder writable?)", dir.display())))
+    result.ok_or_else(|| {
+        CliError::Usage(format!("dd failed on {} (is dd installed and the folder writable?)", dir.display()))
+    })
 }
 
 pub fn run(a: SwapBenchArgs) -> Result<(), CliError> {
@@ -72,7 +74,9 @@ pub fn run(a: SwapBenchArgs) -> Result<(), CliError> {
     if buf.as_slice()[size - 1] != first {
         return Err(CliError::Usage("the swapper read back other bytes than it wrote".into()));
     }
-    let direct = zerorun_offload::SwapFile::create(&a.dir.join(format!("zerorun-bench-probe-{}", std::process::id()))).map(|f| f.is_direct()).unwrap_or(false);
+    let direct = zerorun_offload::SwapFile::create(&a.dir.join(format!("zerorun-bench-probe-{}", std::process::id())))
+        .map(|f| f.is_direct())
+        .unwrap_or(false);
     drop(swapper);
     let (mut dd_w, mut dd_r) = (Vec::new(), Vec::new());
     let mut dd_direct = true;

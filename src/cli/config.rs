@@ -40,7 +40,11 @@ pub fn run(command: ConfigCommand) -> Result<(), CliError> {
                 emit(&text)
             } else {
                 let precision = format!("{:?}", resolved.precision()).to_lowercase();
-                emit(&format!("# {} resolved for world size {world_size}: stage {}, {precision}\n{text}", config.display(), resolved.stage()))
+                emit(&format!(
+                    "# {} resolved for world size {world_size}: stage {}, {precision}\n{text}",
+                    config.display(),
+                    resolved.stage()
+                ))
             }
         }
     }

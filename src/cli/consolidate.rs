@@ -56,8 +56,11 @@ pub fn run(a: ConsolidateArgs) -> Result<(), CliError> {
         None => None,
     };
     let extras: Vec<&str> = m.buffers.iter().chain(&m.frozen).map(|e| e.name.as_str()).collect();
-    let mut tensors: Vec<(String, Vec<usize>, String)> =
-        m.params.iter().map(|p| (p.name.clone(), p.shape.iter().map(|&d| d as usize).collect(), dtype.to_string())).collect();
+    let mut tensors: Vec<(String, Vec<usize>, String)> = m
+        .params
+        .iter()
+        .map(|p| (p.name.clone(), p.shape.iter().map(|&d| d as usize).collect(), dtype.to_string()))
+        .collect();
     if let Some(v) = &variables {
         for name in &extras {
             let (dt, shape, _) = v.raw(name).map_err(ck)?;
@@ -76,7 +79,10 @@ pub fn run(a: ConsolidateArgs) -> Result<(), CliError> {
         buf.resize(p.len, 0f32);
         for loc in m.locate(p.start..p.start + p.len) {
             let dst = loc.dst_offset..loc.dst_offset + loc.file_range.len();
-            opened[loc.entry].1.read_f32("params", loc.file_range, &mut buf[dst]).map_err(|e| std::io::Error::other(e.to_string()))?;
+            opened[loc.entry]
+                .1
+                .read_f32("params", loc.file_range, &mut buf[dst])
+                .map_err(|e| std::io::Error::other(e.to_string()))?;
         }
         if dtype == "BF16" {
             let v: Vec<u16> = buf.iter().map(|x| half::bf16::from_f32(*x).to_bits()).collect();

@@ -67,9 +67,15 @@ impl ModelDesc {
                 let block = 12 * h * h + 13 * h;
                 let embed = v * h + self.seq_len.unwrap_or(0) * h;
                 let head = if self.tied.unwrap_or(false) { 0 } else { v * h + v };
-                Ok((l * block + embed + 2 * h + head, Some(self.largest_layer_params.map_or(block.max(v * h), |x| x as u64))))
+                Ok((
+                    l * block + embed + 2 * h + head,
+                    Some(self.largest_layer_params.map_or(block.max(v * h), |x| x as u64)),
+                ))
             }
-            _ => Err(CliError::Usage(format!("{}: give \"params\", or \"layers\", \"hidden\" and \"vocab\"", file.display()))),
+            _ => Err(CliError::Usage(format!(
+                "{}: give \"params\", or \"layers\", \"hidden\" and \"vocab\"",
+                file.display()
+            ))),
         }
     }
 }
@@ -94,8 +100,10 @@ pub fn run(a: EstimateArgs) -> Result<(), CliError> {
     let config = a.config.as_ref().map(Config::from_file).transpose()?;
     let (params, mut largest) = match (&a.model, a.params) {
         (Some(path), None) => {
-            let text = std::fs::read_to_string(path).map_err(|e| CliError::Io { context: format!("reading {}", path.display()), source: e })?;
-            let desc: ModelDesc = serde_json::from_str(&text).map_err(|e| CliError::Usage(format!("{}: {e}", path.display())))?;
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| CliError::Io { context: format!("reading {}", path.display()), source: e })?;
+            let desc: ModelDesc =
+                serde_json::from_str(&text).map_err(|e| CliError::Usage(format!("{}: {e}", path.display())))?;
             desc.sizes(path)?
         }
         (None, Some(p)) if p >= 1.0 => (p as u64, None),

@@ -111,17 +111,26 @@ pub fn run(args: LaunchArgs) -> Result<(), CliError> {
     let port = args.master_port.unwrap_or_else(free_port);
     let memory_report = match &args.memory_report {
         Some(d) => {
-            std::fs::create_dir_all(d).map_err(|e| CliError::Io { context: format!("--memory-report {}", d.display()), source: e })?;
-            Some(std::fs::canonicalize(d).map_err(|e| CliError::Io { context: format!("--memory-report {}", d.display()), source: e })?)
+            std::fs::create_dir_all(d)
+                .map_err(|e| CliError::Io { context: format!("--memory-report {}", d.display()), source: e })?;
+            Some(
+                std::fs::canonicalize(d)
+                    .map_err(|e| CliError::Io { context: format!("--memory-report {}", d.display()), source: e })?,
+            )
         }
         None => None,
     };
-    let run_id = format!("{}-{}", std::process::id(), std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
+    let run_id = format!(
+        "{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos())
+    );
     let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
     let threads = (cores / n).max(1).to_string();
     let stop = Arc::new(AtomicBool::new(false));
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
-        signal_hook::flag::register(sig, stop.clone()).map_err(|e| CliError::Io { context: "installing signal handlers".into(), source: e })?;
+        signal_hook::flag::register(sig, stop.clone())
+            .map_err(|e| CliError::Io { context: "installing signal handlers".into(), source: e })?;
     }
 
     let mut ranks = Vec::with_capacity(n);
@@ -215,7 +224,8 @@ pub fn run(args: LaunchArgs) -> Result<(), CliError> {
     let segment = zerorun_comm::shm::segment_path(&run_id);
     let _ = std::fs::remove_file(&segment);
     if let Ok(entries) = std::fs::read_dir("/dev/shm") {
-        let prefix = format!("{}.tmp-", segment.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default());
+        let prefix =
+            format!("{}.tmp-", segment.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default());
         for e in entries.flatten() {
             if e.file_name().to_string_lossy().starts_with(&prefix) {
                 let _ = std::fs::remove_file(e.path());

@@ -36,7 +36,9 @@ pub fn emit(text: &str) -> Result<(), CliError> {
     use std::io::Write;
     let mut out = std::io::stdout().lock();
     match out.write_all(text.as_bytes()).and_then(|_| out.write_all(b"\n")).and_then(|_| out.flush()) {
-        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(CliError::Io { context: "writing to stdout".into(), source: e }),
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
+            Err(CliError::Io { context: "writing to stdout".into(), source: e })
+        }
         _ => Ok(()),
     }
 }

@@ -11,7 +11,8 @@ pub const HELPER: &str = "zerorun-torch";
 
 /// Replaces this process with the helper, given this command's own arguments. Returns only on failure.
 pub fn run_here() -> Result<(), CliError> {
-    let exe = std::env::current_exe().map_err(|e| CliError::Io { context: "finding the zerorun executable".into(), source: e })?;
+    let exe = std::env::current_exe()
+        .map_err(|e| CliError::Io { context: "finding the zerorun executable".into(), source: e })?;
     let helper = exe.with_file_name(HELPER);
     if !helper.is_file() {
         return Err(CliError::Usage(format!(

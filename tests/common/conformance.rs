@@ -7,7 +7,6 @@ pub fn input(rank: usize, n: usize, salt: usize) -> Vec<f32> {
     (0..n).map(|i| ((i * 7 + rank * 13 + salt) % 17) as f32 - 8.0 + rank as f32 * 0.25).collect()
 }
 
-
 /// The reference: element `i` of every rank's input combined in rank order.
 fn reduced(inputs: &[Vec<f32>], i: usize, op: ReduceOp) -> f32 {
     let vals = inputs.iter().map(|x| x[i]);
@@ -43,7 +42,11 @@ pub fn run(c: &dyn Communicator) {
         gathered[rank * part..(rank + 1) * part].copy_from_slice(&inputs[rank][rank * part..(rank + 1) * part]);
         c.all_gather_in_place(&mut gathered).unwrap();
         for k in 0..world {
-            assert_eq!(&gathered[k * part..(k + 1) * part], &inputs[k][k * part..(k + 1) * part], "all_gather part {k}");
+            assert_eq!(
+                &gathered[k * part..(k + 1) * part],
+                &inputs[k][k * part..(k + 1) * part],
+                "all_gather part {k}"
+            );
         }
         let mut b = if rank == world - 1 { input(99, n, 1) } else { vec![0f32; n] };
         c.broadcast(&mut b, world - 1).unwrap();
@@ -84,7 +87,11 @@ fn shared_buffers(c: &dyn Communicator) {
             let part = full / world;
             let inputs: Vec<Vec<f32>> = (0..world).map(|r| input(r, full, 7)).collect();
             let (mut mem, mut heap) = alloc(full);
-            assert_eq!(mem.as_ref().is_some_and(|m| m.in_region()), in_region, "rank {rank}: the buffer is where it was asked to be");
+            assert_eq!(
+                mem.as_ref().is_some_and(|m| m.in_region()),
+                in_region,
+                "rank {rank}: the buffer is where it was asked to be"
+            );
             let buf: &mut [f32] = match mem.as_mut() {
                 Some(m) => m.as_slice_mut(),
                 None => &mut heap,
@@ -93,7 +100,11 @@ fn shared_buffers(c: &dyn Communicator) {
                 buf.copy_from_slice(&inputs[rank]);
                 c.all_reduce(buf, op).unwrap();
                 for (i, v) in buf.iter().enumerate() {
-                    assert_eq!(*v, reduced(&inputs, i, op), "shared all_reduce {op:?} n {full} at {i} (everywhere {everywhere})");
+                    assert_eq!(
+                        *v,
+                        reduced(&inputs, i, op),
+                        "shared all_reduce {op:?} n {full} at {i} (everywhere {everywhere})"
+                    );
                 }
             }
             buf.copy_from_slice(&inputs[rank]);
@@ -107,7 +118,11 @@ fn shared_buffers(c: &dyn Communicator) {
             buf[rank * part..(rank + 1) * part].copy_from_slice(&inputs[rank][rank * part..(rank + 1) * part]);
             c.all_gather_in_place(buf).unwrap();
             for k in 0..world {
-                assert_eq!(&buf[k * part..(k + 1) * part], &inputs[k][k * part..(k + 1) * part], "shared all_gather part {k}");
+                assert_eq!(
+                    &buf[k * part..(k + 1) * part],
+                    &inputs[k][k * part..(k + 1) * part],
+                    "shared all_gather part {k}"
+                );
             }
             if rank == 0 {
                 buf.copy_from_slice(&inputs[1 % world]);
@@ -148,4 +163,3 @@ pub fn check_dtype<T: Element + PartialEq + std::fmt::Debug>(c: &dyn Communicato
         }
     }
 }
-

@@ -38,7 +38,8 @@ pub fn data() -> (Vec<f32>, Vec<f32>) {
     let mut y = vec![0f32; (SAMPLES * OUT) as usize];
     for s in 0..SAMPLES as usize {
         for o in 0..OUT as usize {
-            y[s * OUT as usize + o] = (0..IN as usize).map(|i| x[s * IN as usize + i].sin() * w[i * OUT as usize + o]).sum();
+            y[s * OUT as usize + o] =
+                (0..IN as usize).map(|i| x[s * IN as usize + i].sin() * w[i * OUT as usize + o]).sum();
         }
     }
     (x, y)
@@ -65,16 +66,19 @@ pub fn init_store() -> (nn::VarStore, nn::Sequential) {
 }
 
 pub fn params_of(vs: &nn::VarStore) -> Vec<(String, Vec<f32>)> {
-    let mut v: Vec<_> = vs.variables().into_iter().map(|(n, t)| (n, Vec::<f32>::try_from(t.detach().reshape([-1])).unwrap())).collect();
+    let mut v: Vec<_> =
+        vs.variables().into_iter().map(|(n, t)| (n, Vec::<f32>::try_from(t.detach().reshape([-1])).unwrap())).collect();
     v.sort_by(|a, b| a.0.cmp(&b.0));
     v
 }
 
-
 /// Mean-squared error of the model on the given rows of the data.
 pub fn loss_on(model: &nn::Sequential, x: &Tensor, y: &Tensor, rows: &[i64]) -> Tensor {
     let idx = Tensor::from_slice(rows);
-    model.forward(&x.index_select(0, &idx)).to_kind(Kind::Float).mse_loss(&y.index_select(0, &idx), tch::Reduction::Mean)
+    model
+        .forward(&x.index_select(0, &idx))
+        .to_kind(Kind::Float)
+        .mse_loss(&y.index_select(0, &idx), tch::Reduction::Mean)
 }
 
 /// The same MLP as separate layers with one unit each (stage 3 gathers one layer at a time); the same initial
@@ -108,7 +112,8 @@ pub fn init_layers(dims: &[i64]) -> (nn::VarStore, Layers) {
     tch::manual_seed(5);
     let vs = nn::VarStore::new(tch::Device::Cpu);
     let p = vs.root();
-    let layers = (0..dims.len() - 1).map(|i| nn::linear(&p / "layers" / i, dims[i], dims[i + 1], Default::default())).collect();
+    let layers =
+        (0..dims.len() - 1).map(|i| nn::linear(&p / "layers" / i, dims[i], dims[i + 1], Default::default())).collect();
     (vs, Layers(layers))
 }
 
@@ -144,7 +149,10 @@ pub fn max_relative_difference(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)
 
 /// Runs `rank` on each of `world` thread ranks (threads backend, 60 s timeout) with the MLP's inputs and targets
 /// as tensors, and returns what each returned, in rank order.
-pub fn on_thread_ranks<R: Send>(world: usize, rank: impl Fn(zerorun::runtime::comm::threads::ThreadComm, Tensor, Tensor) -> R + Sync) -> Vec<R> {
+pub fn on_thread_ranks<R: Send>(
+    world: usize,
+    rank: impl Fn(zerorun::runtime::comm::threads::ThreadComm, Tensor, Tensor) -> R + Sync,
+) -> Vec<R> {
     let (xv, yv) = data();
     let comms = zerorun::runtime::comm::threads::group(world, std::time::Duration::from_secs(60));
     std::thread::scope(|s| {
@@ -153,7 +161,9 @@ pub fn on_thread_ranks<R: Send>(world: usize, rank: impl Fn(zerorun::runtime::co
             .map(|comm| {
                 let (rank, xv, yv) = (&rank, &xv, &yv);
                 // Tensors are not Send: each rank builds its own from the shared values.
-                s.spawn(move || rank(comm, Tensor::from_slice(xv).view([SAMPLES, IN]), Tensor::from_slice(yv).view([SAMPLES, OUT])))
+                s.spawn(move || {
+                    rank(comm, Tensor::from_slice(xv).view([SAMPLES, IN]), Tensor::from_slice(yv).view([SAMPLES, OUT]))
+                })
             })
             .collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()

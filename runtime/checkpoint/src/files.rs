@@ -24,7 +24,8 @@ pub fn sync_dir(dir: &Path) -> Result<()> {
 
 /// CRC-32 of a whole file.
 pub fn crc_of(path: &Path) -> Result<u32> {
-    let mut f = File::open(path).map_err(|e| CheckpointError::Missing { path: path.to_path_buf(), what: e.to_string() })?;
+    let mut f =
+        File::open(path).map_err(|e| CheckpointError::Missing { path: path.to_path_buf(), what: e.to_string() })?;
     let mut h = crc32fast::Hasher::new();
     let mut buf = vec![0u8; 1 << 20];
     loop {
@@ -47,7 +48,8 @@ pub fn write_safetensors(
     dtype: &str,
     fill: impl FnMut(usize, &mut dyn Write) -> std::io::Result<()>,
 ) -> Result<u32> {
-    let typed: Vec<(String, Vec<usize>, String)> = tensors.iter().map(|(n, s)| (n.clone(), s.clone(), dtype.to_string())).collect();
+    let typed: Vec<(String, Vec<usize>, String)> =
+        tensors.iter().map(|(n, s)| (n.clone(), s.clone(), dtype.to_string())).collect();
     write_safetensors_typed(path, &typed, fill)
 }
 
@@ -73,10 +75,14 @@ pub fn write_safetensors_typed(
     let mut offsets = Vec::with_capacity(tensors.len());
     let mut sizes = Vec::with_capacity(tensors.len());
     for (name, shape, dtype) in tensors {
-        let elem = dtype_size(dtype).ok_or_else(|| io_err(path, format!("tensor `{name}`: no safetensors dtype {dtype:?}")))?;
+        let elem = dtype_size(dtype)
+            .ok_or_else(|| io_err(path, format!("tensor `{name}`: no safetensors dtype {dtype:?}")))?;
         let bytes = shape.iter().product::<usize>() * elem;
         sizes.push(bytes);
-        header.insert(name.clone(), serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + bytes]}));
+        header.insert(
+            name.clone(),
+            serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + bytes]}),
+        );
         offsets.push(offset);
         offset += bytes;
     }
@@ -95,7 +101,10 @@ pub fn write_safetensors_typed(
         fill(i, &mut w).map_err(|e| at(&w, e))?;
         let expected = data_start + offsets[i] + sizes[i];
         if w.written != expected {
-            return Err(io_err(&tmp, format!("tensor `{name}` wrote {} bytes too few or many", w.written as i64 - expected as i64)));
+            return Err(io_err(
+                &tmp,
+                format!("tensor `{name}` wrote {} bytes too few or many", w.written as i64 - expected as i64),
+            ));
         }
     }
     let crc = w.crc.clone().finalize();
@@ -136,10 +145,12 @@ pub struct MappedTensors {
 
 impl MappedTensors {
     pub fn open(path: &Path) -> Result<MappedTensors> {
-        let f = File::open(path).map_err(|e| CheckpointError::Missing { path: path.to_path_buf(), what: e.to_string() })?;
+        let f =
+            File::open(path).map_err(|e| CheckpointError::Missing { path: path.to_path_buf(), what: e.to_string() })?;
         // SAFETY: checkpoint files are not modified while mapped (new checkpoints go to new files).
         let map = unsafe { Mmap::map(&f) }.map_err(|e| io_err(path, e))?;
-        safetensors::SafeTensors::deserialize(&map).map_err(|e| io_err(path, format!("not a valid safetensors file: {e}")))?;
+        safetensors::SafeTensors::deserialize(&map)
+            .map_err(|e| io_err(path, format!("not a valid safetensors file: {e}")))?;
         Ok(MappedTensors { map, path: path.to_path_buf() })
     }
 
@@ -158,7 +169,9 @@ impl MappedTensors {
         let st = safetensors::SafeTensors::deserialize(&self.map).map_err(|e| io_err(&self.path, e))?;
         let t = st.tensor(name).map_err(|e| io_err(&self.path, format!("tensor `{name}`: {e}")))?;
         let data = t.data();
-        let bytes = data.get(range.start * 4..range.end * 4).ok_or_else(|| io_err(&self.path, format!("tensor `{name}` has {} elements, wanted {range:?}", data.len() / 4)))?;
+        let bytes = data.get(range.start * 4..range.end * 4).ok_or_else(|| {
+            io_err(&self.path, format!("tensor `{name}` has {} elements, wanted {range:?}", data.len() / 4))
+        })?;
         for (o, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
             *o = f32::from_le_bytes(c.try_into().expect("4 bytes"));
         }

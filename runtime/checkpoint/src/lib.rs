@@ -37,6 +37,7 @@ pub(crate) fn io_err(path: &Path, e: impl std::fmt::Display) -> CheckpointError 
 /// The tag `latest` names in `dir`.
 pub fn latest_tag(dir: &Path) -> Result<String> {
     let p = dir.join("latest");
-    let tag = std::fs::read_to_string(&p).map_err(|e| CheckpointError::Missing { path: p.clone(), what: e.to_string() })?;
+    let tag =
+        std::fs::read_to_string(&p).map_err(|e| CheckpointError::Missing { path: p.clone(), what: e.to_string() })?;
     Ok(tag.trim().to_string())
 }

@@ -144,8 +144,10 @@ impl Manifest {
     }
 
     pub fn read(path: &Path) -> Result<Manifest> {
-        let text = std::fs::read_to_string(path).map_err(|e| CheckpointError::Missing { path: path.to_path_buf(), what: e.to_string() })?;
-        let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| io_err(path, format!("not valid JSON: {e}")))?;
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| CheckpointError::Missing { path: path.to_path_buf(), what: e.to_string() })?;
+        let v: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| io_err(path, format!("not valid JSON: {e}")))?;
         let found = v.get("format_version").and_then(|x| x.as_u64()).unwrap_or(0) as u32;
         if found > FORMAT_VERSION {
             return Err(CheckpointError::NewerFormat { path: path.to_path_buf(), found, supported: FORMAT_VERSION });
@@ -181,7 +183,10 @@ mod tests {
             numel: 14,
             params: vec![],
             // Two units 0..10 and 10..14, chunks of 5 and 2.
-            ranks: vec![RankEntry::new("rank0".into(), &[0..5, 10..12], 0), RankEntry::new("rank1".into(), &[5..10, 12..14], 0)],
+            ranks: vec![
+                RankEntry::new("rank0".into(), &[0..5, 10..12], 0),
+                RankEntry::new("rank1".into(), &[5..10, 12..14], 0),
+            ],
             rng_states: vec![],
             model_weights: None,
             variables_file: None,
@@ -201,7 +206,8 @@ mod tests {
             ]
         );
         // Version 1 entries: one range from start and end.
-        let v1: RankEntry = serde_json::from_str(r#"{"file": "rank0.safetensors", "start": 3, "end": 9, "crc32": 1}"#).unwrap();
+        let v1: RankEntry =
+            serde_json::from_str(r#"{"file": "rank0.safetensors", "start": 3, "end": 9, "crc32": 1}"#).unwrap();
         assert_eq!(v1.pieces(), vec![3..9]);
     }
 }

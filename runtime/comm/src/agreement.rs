@@ -6,13 +6,23 @@ use super::{BufMut, BufRef, CommError, CommResult, Dtype};
 /// Elements per part when `len` elements split into `world_size` equal parts.
 pub(crate) fn equal_parts(op: &'static str, rank: usize, world_size: usize, len: usize) -> CommResult<usize> {
     if len % world_size != 0 {
-        return Err(CommError::BadArgument { op, rank, what: format!("{len} elements do not split into {world_size} equal parts") });
+        return Err(CommError::BadArgument {
+            op,
+            rank,
+            what: format!("{len} elements do not split into {world_size} equal parts"),
+        });
     }
     Ok(len / world_size)
 }
 
 /// The part length of a reduce-scatter whose output must be one part of the input, of the same type.
-pub(crate) fn scatter_output(op: &'static str, rank: usize, world_size: usize, input: &BufRef<'_>, output: &BufMut<'_>) -> CommResult<usize> {
+pub(crate) fn scatter_output(
+    op: &'static str,
+    rank: usize,
+    world_size: usize,
+    input: &BufRef<'_>,
+    output: &BufMut<'_>,
+) -> CommResult<usize> {
     let part = equal_parts(op, rank, world_size, input.len())?;
     if output.len() != part || output.dtype != input.dtype {
         return Err(CommError::BadArgument {
@@ -44,7 +54,11 @@ pub(crate) struct Call {
 
 impl Call {
     pub fn new(op: &str, len: usize, dtype: Dtype) -> Call {
-        Call { op: OPS.iter().position(|o| *o == op).unwrap_or(OPS.len()) as u64 + 1, len: len as u64, dtype: dtype.code() }
+        Call {
+            op: OPS.iter().position(|o| *o == op).unwrap_or(OPS.len()) as u64 + 1,
+            len: len as u64,
+            dtype: dtype.code(),
+        }
     }
 
     pub fn words(self) -> [u64; 3] {
@@ -88,7 +102,10 @@ mod tests {
         let a = Call::new("all_reduce", 4, Dtype::F32);
         assert_eq!(check("all_reduce", 0, &[a, a]), Ok(()));
         let e = check("all_reduce", 1, &[a, Call::new("barrier", 4, Dtype::F32)]).unwrap_err();
-        assert_eq!(e.to_string(), "all_reduce on rank 1: ranks called different collectives ([\"all_reduce\", \"barrier\"] by rank)");
+        assert_eq!(
+            e.to_string(),
+            "all_reduce on rank 1: ranks called different collectives ([\"all_reduce\", \"barrier\"] by rank)"
+        );
         let e = check("all_reduce", 0, &[a, Call::new("all_reduce", 5, Dtype::Bf16)]).unwrap_err();
         assert!(matches!(e, CommError::DtypeMismatch { .. }));
         let e = check("all_reduce", 0, &[a, Call::new("all_reduce", 5, Dtype::F32)]).unwrap_err();

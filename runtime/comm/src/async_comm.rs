@@ -89,7 +89,11 @@ impl CommThread {
     }
 
     /// Queues `f` to run on the communication thread after everything submitted before it.
-    pub fn submit<R: Send + 'static>(&self, op: &'static str, f: impl FnOnce(&dyn Communicator) -> CommResult<R> + Send + 'static) -> Handle<R> {
+    pub fn submit<R: Send + 'static>(
+        &self,
+        op: &'static str,
+        f: impl FnOnce(&dyn Communicator) -> CommResult<R> + Send + 'static,
+    ) -> Handle<R> {
         let (tx, rx) = channel();
         let job: Job = Box::new(move |c| {
             let _ = tx.send(f(c));
@@ -166,12 +170,14 @@ impl RawBuf {
     /// # Safety
     /// The lender's buffer is alive and lent to this job alone.
     unsafe fn buf_mut(&self) -> BufMut<'static> {
-        let bytes: &'static mut [u8] = if self.len == 0 { &mut [] } else { unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) } };
+        let bytes: &'static mut [u8] =
+            if self.len == 0 { &mut [] } else { unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) } };
         BufMut { bytes, dtype: self.dtype }
     }
 
     unsafe fn buf_ref(&self) -> BufRef<'static> {
-        let bytes: &'static [u8] = if self.len == 0 { &[] } else { unsafe { std::slice::from_raw_parts(self.ptr, self.len) } };
+        let bytes: &'static [u8] =
+            if self.len == 0 { &[] } else { unsafe { std::slice::from_raw_parts(self.ptr, self.len) } };
         BufRef { bytes, dtype: self.dtype }
     }
 }
@@ -199,7 +205,8 @@ impl Communicator for CommThread {
     fn reduce_scatter_buf(&self, input: BufRef<'_>, output: BufMut<'_>, op: ReduceOp) -> CommResult<()> {
         let i = RawBuf::new(input.bytes.as_ptr() as *mut u8, input.bytes.len(), input.dtype);
         let o = RawBuf::new(output.bytes.as_mut_ptr(), output.bytes.len(), output.dtype);
-        self.submit("reduce_scatter", move |c| c.reduce_scatter_buf(unsafe { i.buf_ref() }, unsafe { o.buf_mut() }, op)).wait()
+        self.submit("reduce_scatter", move |c| c.reduce_scatter_buf(unsafe { i.buf_ref() }, unsafe { o.buf_mut() }, op))
+            .wait()
     }
 
     fn all_gather_buf(&self, buf: BufMut<'_>) -> CommResult<()> {

@@ -186,7 +186,9 @@ pub(crate) fn reduce_into(dtype: Dtype, dst: &mut [u8], parts: &[&[u8]], op: Red
         // The same operations in the same order as the element loop below: sum in rank order, divide once.
         let (a, b) = (&parts[0][..dst.len()], &parts[1][..dst.len()]);
         // SAFETY: supported; dst and the parts are distinct borrows of at least dst.len() bytes.
-        unsafe { pair_sum::pair_sum(dtype, dst.as_mut_ptr(), a.as_ptr(), b.as_ptr(), dst.len() / dtype.size(), None, false) };
+        unsafe {
+            pair_sum::pair_sum(dtype, dst.as_mut_ptr(), a.as_ptr(), b.as_ptr(), dst.len() / dtype.size(), None, false)
+        };
         for p in &parts[2..] {
             fold_into(dtype, dst, p, ReduceOp::Sum);
         }
@@ -214,7 +216,10 @@ fn pair<T: Element>(x: T, y: T, op: ReduceOp, mean_of: usize) -> T {
 
 fn combine_typed<T: Element>(dst: &mut [u8], a: &[u8], b: &[u8], op: ReduceOp, mean_of: usize) {
     let dst: &mut [T] = bytemuck::cast_slice_mut(dst);
-    let (a, b): (&[T], &[T]) = (bytemuck::cast_slice(&a[..dst.len() * T::DTYPE.size()]), bytemuck::cast_slice(&b[..dst.len() * T::DTYPE.size()]));
+    let (a, b): (&[T], &[T]) = (
+        bytemuck::cast_slice(&a[..dst.len() * T::DTYPE.size()]),
+        bytemuck::cast_slice(&b[..dst.len() * T::DTYPE.size()]),
+    );
     dst.iter_mut().zip(a.iter().zip(b)).for_each(|(d, (x, y))| *d = pair(*x, *y, op, mean_of));
 }
 
@@ -239,7 +244,17 @@ pub(crate) fn combine_pair(dtype: Dtype, dst: &mut [u8], a: &[u8], b: &[u8], op:
     if pair_sum::supported(dtype, op) {
         let (a, b) = (&a[..dst.len()], &b[..dst.len()]);
         // SAFETY: supported; three distinct borrows of dst.len() bytes. Streaming: the output is read by others later.
-        return unsafe { pair_sum::pair_sum(dtype, dst.as_mut_ptr(), a.as_ptr(), b.as_ptr(), dst.len() / dtype.size(), mean_divisor(op, mean_of), true) };
+        return unsafe {
+            pair_sum::pair_sum(
+                dtype,
+                dst.as_mut_ptr(),
+                a.as_ptr(),
+                b.as_ptr(),
+                dst.len() / dtype.size(),
+                mean_divisor(op, mean_of),
+                true,
+            )
+        };
     }
     match dtype {
         Dtype::F32 => combine_typed::<f32>(dst, a, b, op, mean_of),
@@ -251,12 +266,21 @@ pub(crate) fn combine_pair(dtype: Dtype, dst: &mut [u8], a: &[u8], b: &[u8], op:
 
 /// [`combine_pair`] where `dst` holds one of the two inputs: `dst = op(other, dst)` if `other_first`, else
 /// `op(dst, other)`.
-pub(crate) fn combine_pair_in_place(dtype: Dtype, dst: &mut [u8], other: &[u8], other_first: bool, op: ReduceOp, mean_of: usize) {
+pub(crate) fn combine_pair_in_place(
+    dtype: Dtype,
+    dst: &mut [u8],
+    other: &[u8],
+    other_first: bool,
+    op: ReduceOp,
+    mean_of: usize,
+) {
     if pair_sum::supported(dtype, op) {
         let (d, o) = (dst.as_mut_ptr(), other[..dst.len()].as_ptr());
         let (first, second) = if other_first { (o, d as *const u8) } else { (d as *const u8, o) };
         // SAFETY: supported; dst is exactly one of the inputs and `other` a distinct borrow of the same length.
-        return unsafe { pair_sum::pair_sum(dtype, d, first, second, dst.len() / dtype.size(), mean_divisor(op, mean_of), false) };
+        return unsafe {
+            pair_sum::pair_sum(dtype, d, first, second, dst.len() / dtype.size(), mean_divisor(op, mean_of), false)
+        };
     }
     match dtype {
         Dtype::F32 => combine_in_place_typed::<f32>(dst, other, other_first, op, mean_of),
@@ -325,14 +349,21 @@ mod tests {
         let a: Vec<f32> = (0..103).map(|i| (i as f32 * 0.37).sin() * 3.0).collect();
         let b: Vec<f32> = (0..103).map(|i| (i as f32 * 0.91).cos() * 2.0).collect();
         check(&a, &b);
-        check(&a.iter().map(|x| bf16::from_f32(*x)).collect::<Vec<_>>(), &b.iter().map(|x| bf16::from_f32(*x)).collect::<Vec<_>>());
-        check(&a.iter().map(|x| f16::from_f32(*x)).collect::<Vec<_>>(), &b.iter().map(|x| f16::from_f32(*x)).collect::<Vec<_>>());
+        check(
+            &a.iter().map(|x| bf16::from_f32(*x)).collect::<Vec<_>>(),
+            &b.iter().map(|x| bf16::from_f32(*x)).collect::<Vec<_>>(),
+        );
+        check(
+            &a.iter().map(|x| f16::from_f32(*x)).collect::<Vec<_>>(),
+            &b.iter().map(|x| f16::from_f32(*x)).collect::<Vec<_>>(),
+        );
     }
 
     /// More than two ranks: reduce_into, fold_into + divide (shm's and MPI's accumulator) and the element loop agree.
     #[test]
     fn many_rank_reductions_match_the_element_loop() {
-        let parts: Vec<Vec<bf16>> = (0..5).map(|k| (0..77).map(|i| bf16::from_f32(((i * 7 + k * 13) as f32 * 0.3).sin())).collect()).collect();
+        let parts: Vec<Vec<bf16>> =
+            (0..5).map(|k| (0..77).map(|i| bf16::from_f32(((i * 7 + k * 13) as f32 * 0.3).sin())).collect()).collect();
         for n in 3..=5 {
             let views: Vec<&[bf16]> = parts[..n].iter().map(|p| &p[..]).collect();
             let bytes: Vec<&[u8]> = views.iter().map(|p| bytemuck::cast_slice(*p)).collect();

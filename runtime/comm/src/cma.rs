@@ -17,10 +17,21 @@ pub(crate) fn read(pid: u32, addr: usize, dst: &mut [u8]) -> io::Result<()> {
     let bytes = dst.len();
     let mut done = 0usize;
     while done < bytes {
-        let local = libc::iovec { iov_base: unsafe { dst.as_mut_ptr().add(done) } as *mut libc::c_void, iov_len: bytes - done };
+        let local =
+            libc::iovec { iov_base: unsafe { dst.as_mut_ptr().add(done) } as *mut libc::c_void, iov_len: bytes - done };
         let remote = libc::iovec { iov_base: (addr + done) as *mut libc::c_void, iov_len: bytes - done };
         // SAFETY: the local iovec is our own buffer; the kernel checks the remote one.
-        let n = unsafe { libc::syscall(libc::SYS_process_vm_readv, pid as libc::pid_t, &local as *const libc::iovec, 1usize, &remote as *const libc::iovec, 1usize, 0usize) };
+        let n = unsafe {
+            libc::syscall(
+                libc::SYS_process_vm_readv,
+                pid as libc::pid_t,
+                &local as *const libc::iovec,
+                1usize,
+                &remote as *const libc::iovec,
+                1usize,
+                0usize,
+            )
+        };
         if n < 0 {
             return Err(io::Error::last_os_error());
         }

@@ -45,11 +45,17 @@ impl RankInfo {
         let rank = parse("RANK", var(&["RANK", "OMPI_COMM_WORLD_RANK"]), 0)?;
         let world_size = parse("WORLD_SIZE", var(&["WORLD_SIZE", "OMPI_COMM_WORLD_SIZE"]), 1)?;
         let local_rank = parse("LOCAL_RANK", var(&["LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK"]), rank)?;
-        let local_world_size = parse("LOCAL_WORLD_SIZE", var(&["LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"]), world_size)?;
+        let local_world_size =
+            parse("LOCAL_WORLD_SIZE", var(&["LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"]), world_size)?;
         let master_addr = var(&["MASTER_ADDR"]).unwrap_or_else(|| "127.0.0.1".into());
         let master_port = parse("MASTER_PORT", var(&["MASTER_PORT"]), 29500)? as u16;
         if rank >= world_size || world_size == 0 {
-            return Err(CommError::Rendezvous { rank, world_size, place: "the environment".into(), what: "RANK must be below WORLD_SIZE".into() });
+            return Err(CommError::Rendezvous {
+                rank,
+                world_size,
+                place: "the environment".into(),
+                what: "RANK must be below WORLD_SIZE".into(),
+            });
         }
         let run_id = var(&["ZERORUN_RUN_ID"]).unwrap_or_else(|| format!("{master_addr}-{master_port}"));
         // Under mpirun the MPI backend is the natural choice; elsewhere shared memory.
@@ -92,7 +98,8 @@ pub fn communicator_from_env(timeout: Duration) -> CommResult<Box<dyn Communicat
             }
             if info.world_size > 1 {
                 use super::Collectives;
-                let boot = shm::ShmComm::join(&RankInfo { run_id: format!("{}-nccl", info.run_id), ..info.clone() }, timeout)?;
+                let boot =
+                    shm::ShmComm::join(&RankInfo { run_id: format!("{}-nccl", info.run_id), ..info.clone() }, timeout)?;
                 boot.broadcast(&mut id, 0)?;
             }
             let mut bytes = [0u8; 128];
@@ -117,7 +124,9 @@ pub fn communicator_from_env(timeout: Duration) -> CommResult<Box<dyn Communicat
             rank: info.rank,
             world_size: info.world_size,
             place: info.run_id.clone(),
-            what: "ranks span several hosts; the shm backend needs them all on one (the MPI backend is not in this build)".into(),
+            what:
+                "ranks span several hosts; the shm backend needs them all on one (the MPI backend is not in this build)"
+                    .into(),
         });
     }
     match info.backend.as_str() {

@@ -21,8 +21,8 @@ pub mod threads;
 
 use std::time::Duration;
 
-pub use buffer::{BufMut, BufRef, Dtype, Element};
 pub(crate) use buffer::reduce_into;
+pub use buffer::{BufMut, BufRef, Dtype, Element};
 
 /// How values from the ranks are combined.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -48,8 +48,10 @@ unsafe impl Send for MpiComm {}
 impl MpiComm {
     /// Initialises MPI and starts the watchdog.
     pub fn init(timeout: Duration) -> CommResult<MpiComm> {
-        let fail = |what: String| CommError::Rendezvous { rank: 0, world_size: 0, place: "MPI_COMM_WORLD".into(), what };
-        let (universe, threading) = mpi::initialize_with_threading(mpi::Threading::Serialized).ok_or_else(|| fail("MPI is already initialised".into()))?;
+        let fail =
+            |what: String| CommError::Rendezvous { rank: 0, world_size: 0, place: "MPI_COMM_WORLD".into(), what };
+        let (universe, threading) = mpi::initialize_with_threading(mpi::Threading::Serialized)
+            .ok_or_else(|| fail("MPI is already initialised".into()))?;
         if threading < mpi::Threading::Serialized {
             return Err(fail(format!("the MPI library offers only {threading:?} threading; zerorun needs Serialized")));
         }
@@ -76,7 +78,15 @@ impl MpiComm {
                 }
             })
             .map_err(|e| fail(format!("starting the watchdog: {e}")))?;
-        Ok(MpiComm { world, rank, world_size, current, epoch, staging: RefCell::new([Vec::new(), Vec::new(), Vec::new()]), _universe: universe })
+        Ok(MpiComm {
+            world,
+            rank,
+            world_size,
+            current,
+            epoch,
+            staging: RefCell::new([Vec::new(), Vec::new(), Vec::new()]),
+            _universe: universe,
+        })
     }
 
     fn watch<R>(&self, op: &'static str, f: impl FnOnce() -> R) -> R {
@@ -98,7 +108,15 @@ impl MpiComm {
 
     /// `blocks` holds `world_size` blocks of `out.len()` bytes; writes into `out` this rank's block combined over
     /// all ranks' blocks (all-to-all into `landing`, then a fold in rank order).
-    fn reduce_blocks(&self, op: &'static str, blocks: &[u8], landing: &mut Vec<u64>, out: &mut [u8], dtype: Dtype, how: ReduceOp) {
+    fn reduce_blocks(
+        &self,
+        op: &'static str,
+        blocks: &[u8],
+        landing: &mut Vec<u64>,
+        out: &mut [u8],
+        dtype: Dtype,
+        how: ReduceOp,
+    ) {
         let seg = out.len();
         let recv = bytes_of(landing, blocks.len());
         self.watch(op, || self.world.all_to_all_into(blocks, &mut recv[..]));

@@ -73,7 +73,8 @@ impl NcclComm {
         let ctx = CudaContext::new(device).map_err(|e| nccl_err("rendezvous", rank, e))?;
         let stream = ctx.default_stream();
         let id = Id::uninit(id.map(|b| b as std::ffi::c_char));
-        let comm = Comm::from_rank(stream.clone(), rank, world_size, id).map_err(|e| nccl_err("rendezvous", rank, e.0))?;
+        let comm =
+            Comm::from_rank(stream.clone(), rank, world_size, id).map_err(|e| nccl_err("rendezvous", rank, e.0))?;
         Ok(NcclComm { comm, stream, rank, world_size })
     }
 
@@ -86,7 +87,17 @@ impl NcclComm {
     }
 
     /// Copies `input` to the device, runs `f(comm, device input, device output)`, copies the output into `out`.
-    fn staged<T>(&self, op: &'static str, input: &[T], out: &mut [T], f: impl FnOnce(&Comm, &cudarc::driver::CudaSlice<T>, &mut cudarc::driver::CudaSlice<T>) -> Result<(), cudarc::nccl::result::NcclError>) -> CommResult<()>
+    fn staged<T>(
+        &self,
+        op: &'static str,
+        input: &[T],
+        out: &mut [T],
+        f: impl FnOnce(
+            &Comm,
+            &cudarc::driver::CudaSlice<T>,
+            &mut cudarc::driver::CudaSlice<T>,
+        ) -> Result<(), cudarc::nccl::result::NcclError>,
+    ) -> CommResult<()>
     where
         T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits + Copy,
     {

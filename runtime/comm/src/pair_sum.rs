@@ -36,7 +36,15 @@ pub(crate) fn supported(dtype: Dtype, op: ReduceOp) -> bool {
 /// [`supported`] returned true for `dtype` (and Sum, or Avg when dividing); `first` and `second` are valid for
 /// reads and `dst` for writes of `len` elements; `dst` is either exactly `first`, exactly `second`, or overlaps
 /// neither.
-pub(crate) unsafe fn pair_sum(dtype: Dtype, dst: *mut u8, first: *const u8, second: *const u8, len: usize, divide_by: Option<usize>, stream: bool) {
+pub(crate) unsafe fn pair_sum(
+    dtype: Dtype,
+    dst: *mut u8,
+    first: *const u8,
+    second: *const u8,
+    len: usize,
+    divide_by: Option<usize>,
+    stream: bool,
+) {
     #[cfg(target_arch = "x86_64")]
     {
         // SAFETY: the caller's contract, and `supported` checked AVX2.
@@ -45,7 +53,9 @@ pub(crate) unsafe fn pair_sum(dtype: Dtype, dst: *mut u8, first: *const u8, seco
                 (Dtype::F32, true) => avx2::f32_sum::<true>(dst.cast(), first.cast(), second.cast(), len, divide_by),
                 (Dtype::F32, false) => avx2::f32_sum::<false>(dst.cast(), first.cast(), second.cast(), len, divide_by),
                 (Dtype::Bf16, true) => avx2::bf16_sum::<true>(dst.cast(), first.cast(), second.cast(), len, divide_by),
-                (Dtype::Bf16, false) => avx2::bf16_sum::<false>(dst.cast(), first.cast(), second.cast(), len, divide_by),
+                (Dtype::Bf16, false) => {
+                    avx2::bf16_sum::<false>(dst.cast(), first.cast(), second.cast(), len, divide_by)
+                }
                 (Dtype::F16, true) => avx2::f16_sum::<true>(dst.cast(), first.cast(), second.cast(), len, divide_by),
                 (Dtype::F16, false) => avx2::f16_sum::<false>(dst.cast(), first.cast(), second.cast(), len, divide_by),
                 _ => unreachable!("pair_sum on {dtype:?}: not `supported`"),
@@ -114,7 +124,15 @@ mod avx2 {
     /// # Safety
     /// As [`pair_sum`](super::pair_sum); `block(i)` reads only elements `i..i + 32 / size_of::<T>()` of the inputs.
     #[inline(always)]
-    unsafe fn sum_blocks<T: Element, const STREAM: bool>(dst: *mut T, a: *const T, b: *const T, len: usize, divide_by: Option<usize>, prefetch_bytes: usize, block: impl Fn(usize) -> __m256i) {
+    unsafe fn sum_blocks<T: Element, const STREAM: bool>(
+        dst: *mut T,
+        a: *const T,
+        b: *const T,
+        len: usize,
+        divide_by: Option<usize>,
+        prefetch_bytes: usize,
+        block: impl Fn(usize) -> __m256i,
+    ) {
         let (per_block, per_line, ahead) = (32 / size_of::<T>(), 64 / size_of::<T>(), prefetch_bytes / size_of::<T>());
         let scalar = |i: usize| {
             // SAFETY: i < len (the caller's contract covers all three).
@@ -148,7 +166,13 @@ mod avx2 {
     }
 
     #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn f32_sum<const STREAM: bool>(dst: *mut f32, a: *const f32, b: *const f32, len: usize, divide_by: Option<usize>) {
+    pub(super) unsafe fn f32_sum<const STREAM: bool>(
+        dst: *mut f32,
+        a: *const f32,
+        b: *const f32,
+        len: usize,
+        divide_by: Option<usize>,
+    ) {
         let n = divide_by.map(|n| _mm256_set1_ps(n as f32));
         let block = |i: usize| {
             // SAFETY: sum_blocks's contract: 8 elements at i.
@@ -203,7 +227,13 @@ mod avx2 {
     }
 
     #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn bf16_sum<const STREAM: bool>(dst: *mut bf16, a: *const bf16, b: *const bf16, len: usize, divide_by: Option<usize>) {
+    pub(super) unsafe fn bf16_sum<const STREAM: bool>(
+        dst: *mut bf16,
+        a: *const bf16,
+        b: *const bf16,
+        len: usize,
+        divide_by: Option<usize>,
+    ) {
         let n = divide_by.map(|n| _mm256_set1_ps(n as f32));
         let block = |i: usize| {
             // SAFETY: sum_blocks's contract: 16 elements at i.
@@ -262,7 +292,10 @@ mod avx2 {
     unsafe fn f16_sum8(a: *const f16, b: *const f16, divisor: Option<__m256>) -> __m128i {
         // SAFETY: the caller reads 8 elements at a and b; F16C is enabled by the calling function.
         unsafe {
-            let s = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm256_add_ps(_mm256_cvtph_ps(_mm_loadu_si128(a.cast())), _mm256_cvtph_ps(_mm_loadu_si128(b.cast()))));
+            let s = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm256_add_ps(
+                _mm256_cvtph_ps(_mm_loadu_si128(a.cast())),
+                _mm256_cvtph_ps(_mm_loadu_si128(b.cast())),
+            ));
             match divisor {
                 None => s,
                 Some(n) => _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm256_div_ps(_mm256_cvtph_ps(s), n)),
@@ -271,10 +304,18 @@ mod avx2 {
     }
 
     #[target_feature(enable = "avx2,f16c")]
-    pub(super) unsafe fn f16_sum<const STREAM: bool>(dst: *mut f16, a: *const f16, b: *const f16, len: usize, divide_by: Option<usize>) {
+    pub(super) unsafe fn f16_sum<const STREAM: bool>(
+        dst: *mut f16,
+        a: *const f16,
+        b: *const f16,
+        len: usize,
+        divide_by: Option<usize>,
+    ) {
         let n = divide_by.map(|n| _mm256_set1_ps(n as f32));
         // SAFETY (block): sum_blocks's contract: 16 elements at i.
-        let block = |i: usize| unsafe { _mm256_set_m128i(f16_sum8(a.add(i + 8), b.add(i + 8), n), f16_sum8(a.add(i), b.add(i), n)) };
+        let block = |i: usize| unsafe {
+            _mm256_set_m128i(f16_sum8(a.add(i + 8), b.add(i + 8), n), f16_sum8(a.add(i), b.add(i), n))
+        };
         // SAFETY: the caller's contract.
         unsafe { sum_blocks::<f16, STREAM>(dst, a, b, len, divide_by, HALF_PREFETCH_BYTES, block) }
     }
@@ -283,7 +324,9 @@ mod avx2 {
     pub(super) unsafe fn f16_divide(dst: *mut f16, len: usize, n: usize) {
         let nv = _mm256_set1_ps(n as f32);
         // SAFETY (both): divide_blocks's contract: 16 elements at i.
-        let half = |p: *mut f16| unsafe { _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm256_div_ps(_mm256_cvtph_ps(_mm_loadu_si128(p.cast())), nv)) };
+        let half = |p: *mut f16| unsafe {
+            _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm256_div_ps(_mm256_cvtph_ps(_mm_loadu_si128(p.cast())), nv))
+        };
         let block = |i: usize| unsafe { _mm256_set_m128i(half(dst.add(i + 8)), half(dst.add(i))) };
         // SAFETY: the caller's contract.
         unsafe { divide_blocks(dst, len, n, block) }
@@ -336,7 +379,11 @@ mod tests {
                     let mut divided = a.to_vec();
                     unsafe { divide(dtype, divided.as_mut_ptr().cast(), a.len(), mean_of) };
                     let want: Vec<T> = a.iter().map(|x| T::div(*x, mean_of)).collect();
-                    assert_eq!(bytemuck::cast_slice::<T, u8>(&divided), bytemuck::cast_slice::<T, u8>(&want), "{dtype:?} divide by {mean_of}");
+                    assert_eq!(
+                        bytemuck::cast_slice::<T, u8>(&divided),
+                        bytemuck::cast_slice::<T, u8>(&want),
+                        "{dtype:?} divide by {mean_of}"
+                    );
                 }
                 // Every head offset (alignment), both store kinds, out of place and in place on either input.
                 for skip in 0..17 {
@@ -344,14 +391,56 @@ mod tests {
                     for stream in [false, true] {
                         let mut storage = vec![T::zeroed(); a.len() + 16];
                         let out = &mut storage[skip..skip + a.len()];
-                        unsafe { pair_sum(dtype, out.as_mut_ptr().cast(), a.as_ptr().cast(), b.as_ptr().cast(), a.len(), (op == ReduceOp::Avg).then_some(mean_of), stream) };
-                        assert_eq!(bytemuck::cast_slice::<T, u8>(out), bytemuck::cast_slice::<T, u8>(want), "{dtype:?} {op:?}/{mean_of} skip {skip} stream {stream}");
+                        unsafe {
+                            pair_sum(
+                                dtype,
+                                out.as_mut_ptr().cast(),
+                                a.as_ptr().cast(),
+                                b.as_ptr().cast(),
+                                a.len(),
+                                (op == ReduceOp::Avg).then_some(mean_of),
+                                stream,
+                            )
+                        };
+                        assert_eq!(
+                            bytemuck::cast_slice::<T, u8>(out),
+                            bytemuck::cast_slice::<T, u8>(want),
+                            "{dtype:?} {op:?}/{mean_of} skip {skip} stream {stream}"
+                        );
                         let mut in_first = a.to_vec();
-                        unsafe { pair_sum(dtype, in_first.as_mut_ptr().cast(), in_first.as_ptr().cast(), b.as_ptr().cast(), a.len(), (op == ReduceOp::Avg).then_some(mean_of), stream) };
-                        assert_eq!(bytemuck::cast_slice::<T, u8>(&in_first), bytemuck::cast_slice::<T, u8>(want), "in place on the first");
+                        unsafe {
+                            pair_sum(
+                                dtype,
+                                in_first.as_mut_ptr().cast(),
+                                in_first.as_ptr().cast(),
+                                b.as_ptr().cast(),
+                                a.len(),
+                                (op == ReduceOp::Avg).then_some(mean_of),
+                                stream,
+                            )
+                        };
+                        assert_eq!(
+                            bytemuck::cast_slice::<T, u8>(&in_first),
+                            bytemuck::cast_slice::<T, u8>(want),
+                            "in place on the first"
+                        );
                         let mut in_second = b.to_vec();
-                        unsafe { pair_sum(dtype, in_second.as_mut_ptr().cast(), a.as_ptr().cast(), in_second.as_ptr().cast(), a.len(), (op == ReduceOp::Avg).then_some(mean_of), stream) };
-                        assert_eq!(bytemuck::cast_slice::<T, u8>(&in_second), bytemuck::cast_slice::<T, u8>(want), "in place on the second");
+                        unsafe {
+                            pair_sum(
+                                dtype,
+                                in_second.as_mut_ptr().cast(),
+                                a.as_ptr().cast(),
+                                in_second.as_ptr().cast(),
+                                a.len(),
+                                (op == ReduceOp::Avg).then_some(mean_of),
+                                stream,
+                            )
+                        };
+                        assert_eq!(
+                            bytemuck::cast_slice::<T, u8>(&in_second),
+                            bytemuck::cast_slice::<T, u8>(want),
+                            "in place on the second"
+                        );
                     }
                 }
             }

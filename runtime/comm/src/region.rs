@@ -131,7 +131,14 @@ impl SharedRegion {
         let len = bytes.max(1).div_ceil(PAGE) * PAGE;
         let at = ptr as usize - self.base as usize;
         // SAFETY: the range is the block's, inside the file.
-        let punched = unsafe { libc::fallocate(self.fd.as_raw_fd(), libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, at as libc::off_t, len as libc::off_t) };
+        let punched = unsafe {
+            libc::fallocate(
+                self.fd.as_raw_fd(),
+                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                at as libc::off_t,
+                len as libc::off_t,
+            )
+        };
         if punched != 0 {
             // Keep the block out of circulation rather than hand out pages that are not zero.
             tracing::warn!(error = %io::Error::last_os_error(), bytes = len, "could not release a shared buffer block");
@@ -199,7 +206,8 @@ impl PeerRegion {
     /// every rank).
     pub fn ptr(&self, addr: usize, len: usize) -> Option<*mut u8> {
         // SAFETY (of the offset): inside the mapping.
-        (addr >= self.remote_base && addr + len <= self.remote_base + self.len).then(|| unsafe { self.local.add(addr - self.remote_base) })
+        (addr >= self.remote_base && addr + len <= self.remote_base + self.len)
+            .then(|| unsafe { self.local.add(addr - self.remote_base) })
     }
 }
 

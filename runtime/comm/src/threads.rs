@@ -53,7 +53,9 @@ pub fn group(world_size: usize, timeout: Duration) -> Vec<ThreadComm> {
         cv: Condvar::new(),
         timeout,
     });
-    (0..world_size).map(|rank| ThreadComm { rank, world_size, shared: shared.clone(), scratch: RefCell::new(Vec::new()) }).collect()
+    (0..world_size)
+        .map(|rank| ThreadComm { rank, world_size, shared: shared.clone(), scratch: RefCell::new(Vec::new()) })
+        .collect()
 }
 
 impl Drop for ThreadComm {
@@ -89,14 +91,24 @@ impl ThreadComm {
                 let missing = (0..self.world_size).filter(|&r| !s.arrived[r]).collect();
                 return Err(CommError::Timeout { op, rank: self.rank, missing, waited });
             }
-            let (guard, _) = self.shared.cv.wait_timeout(s, (self.shared.timeout - waited).min(Duration::from_millis(200))).unwrap_or_else(|p| p.into_inner());
+            let (guard, _) = self
+                .shared
+                .cv
+                .wait_timeout(s, (self.shared.timeout - waited).min(Duration::from_millis(200)))
+                .unwrap_or_else(|p| p.into_inner());
             s = guard;
         }
     }
 
     /// Publishes (address, bytes, dtype), waits for all, checks that every rank passed the same size and type,
     /// and returns every rank's slot.
-    fn exchange(&self, op: &'static str, addr: usize, bytes: usize, dtype: Dtype) -> CommResult<Vec<(usize, usize, Dtype)>> {
+    fn exchange(
+        &self,
+        op: &'static str,
+        addr: usize,
+        bytes: usize,
+        dtype: Dtype,
+    ) -> CommResult<Vec<(usize, usize, Dtype)>> {
         {
             let mut st = self.shared.state.lock().unwrap_or_else(|p| p.into_inner());
             st.slots[self.rank] = (addr, bytes, dtype);
@@ -123,7 +135,6 @@ impl ThreadComm {
         }
         std::slice::from_raw_parts(slot.0 as *const u8, slot.1)
     }
-
 }
 
 impl Communicator for ThreadComm {

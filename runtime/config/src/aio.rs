@@ -39,15 +39,27 @@ impl AioConfig {
             use_gds: s.bool("use_gds", false)?,
         };
         if c.block_size == 0 || c.block_size % 4096 != 0 {
-            return Err(ConfigError::Invalid { path: s.path_of("block_size"), value: c.block_size.to_string(), allowed: "must be a positive multiple of 4096".into() });
+            return Err(ConfigError::Invalid {
+                path: s.path_of("block_size"),
+                value: c.block_size.to_string(),
+                allowed: "must be a positive multiple of 4096".into(),
+            });
         }
         for (key, v) in [("queue_depth", c.queue_depth), ("intra_op_parallelism", c.intra_op_parallelism)] {
             if v == 0 {
-                return Err(ConfigError::Invalid { path: s.path_of(key), value: "0".into(), allowed: "must be >= 1".into() });
+                return Err(ConfigError::Invalid {
+                    path: s.path_of(key),
+                    value: "0".into(),
+                    allowed: "must be >= 1".into(),
+                });
             }
         }
         if c.use_gds {
-            return Err(ConfigError::Invalid { path: s.path_of("use_gds"), value: "true".into(), allowed: "GPUDirect Storage is not supported by zerorun; set it to false".into() });
+            return Err(ConfigError::Invalid {
+                path: s.path_of("use_gds"),
+                value: "true".into(),
+                allowed: "GPUDirect Storage is not supported by zerorun; set it to false".into(),
+            });
         }
         s.finish()?;
         Ok(c)

@@ -26,22 +26,29 @@ impl BatchInput {
     pub fn resolve(&self, world_size: u64) -> Result<BatchSizes> {
         let ws = world_size;
         let div = |a: u64, b: u64| a.checked_div(b).unwrap_or(0);
-        let (train, micro, gas) = match (self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps) {
-            (Some(t), Some(m), Some(g)) => (t, m, g),
-            (Some(t), Some(m), None) => (t, m, div(t, m * ws)),
-            (Some(t), None, Some(g)) => (t, div(t, ws * g), g),
-            (None, Some(m), Some(g)) => (m * g * ws, m, g),
-            (Some(t), None, None) => (t, div(t, ws), 1),
-            (None, Some(m), None) => (m * ws, m, 1),
-            (None, None, _) => return Err(ConfigError::BatchMissing),
-        };
+        let (train, micro, gas) =
+            match (self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps) {
+                (Some(t), Some(m), Some(g)) => (t, m, g),
+                (Some(t), Some(m), None) => (t, m, div(t, m * ws)),
+                (Some(t), None, Some(g)) => (t, div(t, ws * g), g),
+                (None, Some(m), Some(g)) => (m * g * ws, m, g),
+                (Some(t), None, None) => (t, div(t, ws), 1),
+                (None, Some(m), None) => (m * ws, m, 1),
+                (None, None, _) => return Err(ConfigError::BatchMissing),
+            };
         let err = |message| ConfigError::Batch { message, train, micro, gas, world_size: ws };
         if train == 0 || micro == 0 || gas == 0 || ws == 0 {
             return Err(err("every value must be > 0"));
         }
         if micro.checked_mul(gas).and_then(|x| x.checked_mul(ws)) != Some(train) {
-            return Err(err("train_batch_size must equal train_micro_batch_size_per_gpu * gradient_accumulation_steps * world_size"));
+            return Err(err(
+                "train_batch_size must equal train_micro_batch_size_per_gpu * gradient_accumulation_steps * world_size",
+            ));
         }
-        Ok(BatchSizes { train_batch_size: train, train_micro_batch_size_per_gpu: micro, gradient_accumulation_steps: gas })
+        Ok(BatchSizes {
+            train_batch_size: train,
+            train_micro_batch_size_per_gpu: micro,
+            gradient_accumulation_steps: gas,
+        })
     }
 }

@@ -25,7 +25,9 @@ pub enum ConfigError {
     #[error("`{path}` is required {when}")]
     Missing { path: String, when: String },
 
-    #[error("`{first}` and `{second}` are the same key under two names and disagree ({first_value} vs {second_value})")]
+    #[error(
+        "`{first}` and `{second}` are the same key under two names and disagree ({first_value} vs {second_value})"
+    )]
     Alias { first: String, second: String, first_value: String, second_value: String },
 
     #[error("`{path}`: {message}")]

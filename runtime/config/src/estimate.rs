@@ -28,7 +28,16 @@ pub struct EstimateInput {
 
 impl EstimateInput {
     pub fn new(params: u64) -> Self {
-        EstimateInput { params, largest_layer_params: None, nodes: 1, gpus_per_node: 1, precision: Precision::Bf16, optimizer_states: 2, frozen_params: 0, frozen_bytes_per_param: None }
+        EstimateInput {
+            params,
+            largest_layer_params: None,
+            nodes: 1,
+            gpus_per_node: 1,
+            precision: Precision::Bf16,
+            optimizer_states: 2,
+            frozen_params: 0,
+            frozen_bytes_per_param: None,
+        }
     }
 
     /// Precision and optimizer from a config.
@@ -130,7 +139,11 @@ pub fn estimate(input: &EstimateInput) -> Vec<EstimateRow> {
 pub fn row_for<'a>(rows: &'a [EstimateRow], config: &Config) -> Option<&'a EstimateRow> {
     let z = &config.zero_optimization;
     let cpu_like = |d: OffloadDevice| if d == OffloadDevice::None { OffloadDevice::None } else { OffloadDevice::Cpu };
-    rows.iter().find(|r| r.stage == z.stage && r.offload_optimizer == cpu_like(z.offload_optimizer.device) && r.offload_param == cpu_like(z.offload_param.device))
+    rows.iter().find(|r| {
+        r.stage == z.stage
+            && r.offload_optimizer == cpu_like(z.offload_optimizer.device)
+            && r.offload_param == cpu_like(z.offload_param.device)
+    })
 }
 
 #[cfg(test)]
@@ -150,9 +163,16 @@ mod tests {
 
     #[test]
     fn deepspeed_estimator_rows() {
-        let input = EstimateInput { nodes: 1, gpus_per_node: 4, largest_layer_params: Some(1000), ..EstimateInput::new(1_000_000) };
+        let input = EstimateInput {
+            nodes: 1,
+            gpus_per_node: 4,
+            largest_layer_params: Some(1000),
+            ..EstimateInput::new(1_000_000)
+        };
         let rows = estimate(&input);
-        let find = |s, oo, op| rows.iter().find(|r| r.stage == s && r.offload_optimizer == oo && r.offload_param == op).unwrap();
+        let find = |s, oo, op| {
+            rows.iter().find(|r| r.stage == s && r.offload_optimizer == oo && r.offload_param == op).unwrap()
+        };
         use OffloadDevice::{Cpu, None as Off};
         // ZeRO-2: GPU 2P + 18P/N without offload; 2P with it, host P * max(4N, 16) * 1.5.
         assert_eq!(find(2, Off, Off).per_device_bytes, 2_000_000 + 18_000_000 / 4);

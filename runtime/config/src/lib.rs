@@ -5,9 +5,9 @@
 //! given until [`Config::resolve`] applies the batch rule for a world size.
 mod aio;
 mod batch;
-pub mod estimate;
 mod checkpointing;
 mod error;
+pub mod estimate;
 mod optimizer;
 mod precision;
 mod reader;
@@ -26,7 +26,8 @@ pub use error::{ConfigError, Result};
 pub use optimizer::{AdagradParams, AdamParams, LambParams, LionParams, OptimizerConfig, SgdParams, ZERO_SUPPORTED};
 pub use precision::{Bf16Config, Fp16Config, Precision};
 pub use scheduler::{
-    LrRangeTestParams, OneCycleParams, SchedulerConfig, WarmupCosineLrParams, WarmupDecayLrParams, WarmupLrParams, WarmupType,
+    LrRangeTestParams, OneCycleParams, SchedulerConfig, WarmupCosineLrParams, WarmupDecayLrParams, WarmupLrParams,
+    WarmupType,
 };
 pub use zero::{OffloadDevice, OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig};
 
@@ -213,10 +214,41 @@ impl Config {
             tracing::warn!(key = %path, "zerorun does not implement this DeepSpeed setting; ignored");
         }
         if config.activation_checkpointing.partition_activations {
-            tracing::warn!(key = "activation_checkpointing.partition_activations", "no model parallelism in zerorun; ignored");
+            tracing::warn!(
+                key = "activation_checkpointing.partition_activations",
+                "no model parallelism in zerorun; ignored"
+            );
         }
         config.validate()?;
         Ok(config)
+    }
+
+    /// The JSON path of every key zerorun accepts (sections' own keys, each optimizer's and scheduler's params;
+    /// other names of a key left out), sorted. What each one does, or why it does nothing here, is in
+    /// `tests/config_keys.rs`.
+    pub fn accepted_keys() -> Vec<String> {
+        let mut keys = std::collections::BTreeSet::new();
+        let optimizers = ["Adam", "AdamW", "Adagrad", "Lamb", "Lion", "SGD"];
+        let schedulers = ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"];
+        for (i, optimizer) in optimizers.iter().enumerate() {
+            for scheduler in if i == 0 { &schedulers[..] } else { &schedulers[..1] } {
+                let every_section = serde_json::json!({
+                    "train_batch_size": 1,
+                    "optimizer": {"type": optimizer, "params": {}},
+                    "scheduler": {"type": scheduler, "params": match *scheduler {
+                        "WarmupDecayLR" | "WarmupCosineLR" => serde_json::json!({"total_num_steps": 10_000}),
+                        "OneCycle" => serde_json::json!({"cycle_min_lr": 0.0, "cycle_max_lr": 1.0}),
+                        _ => serde_json::json!({}),
+                    }},
+                    "zero_optimization": {"offload_optimizer": {}, "offload_param": {}},
+                    "fp16": {}, "bf16": {}, "aio": {}, "checkpoint": {}, "activation_checkpointing": {},
+                });
+                let (parsed, asked) = reader::collect_keys(|| Config::from_value(every_section));
+                parsed.unwrap_or_else(|e| panic!("{optimizer} with {scheduler}: {e}"));
+                keys.extend(asked);
+            }
+        }
+        keys.into_iter().collect()
     }
 
     /// Checks combinations no single section can see.
@@ -270,7 +302,11 @@ impl Config {
                 });
             }
         }
-        let invalid = |path: &str, value: f64, allowed: &str| ConfigError::Invalid { path: path.into(), value: value.to_string(), allowed: allowed.into() };
+        let invalid = |path: &str, value: f64, allowed: &str| ConfigError::Invalid {
+            path: path.into(),
+            value: value.to_string(),
+            allowed: allowed.into(),
+        };
         if !(self.gradient_clipping >= 0.0) {
             return Err(invalid("gradient_clipping", self.gradient_clipping, "must be >= 0 (0 disables clipping)"));
         }

@@ -221,7 +221,11 @@ impl OptimizerConfig {
 }
 
 fn check_common(p: &Section, lr: f64, betas: Option<[f64; 2]>, eps: Option<f64>, weight_decay: f64) -> Result<()> {
-    let bad = |key: &str, value: String, allowed: &str| ConfigError::Invalid { path: p.path_of(key), value, allowed: allowed.into() };
+    let bad = |key: &str, value: String, allowed: &str| ConfigError::Invalid {
+        path: p.path_of(key),
+        value,
+        allowed: allowed.into(),
+    };
     if !(lr >= 0.0 && lr.is_finite()) {
         return Err(bad("lr", lr.to_string(), "must be a finite number >= 0"));
     }

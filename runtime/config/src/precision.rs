@@ -74,7 +74,8 @@ impl Fp16Config {
             enabled: s.bool("enabled", d.enabled)?,
             auto_cast: s.bool("auto_cast", d.auto_cast)?,
             loss_scale: s.float("loss_scale", d.loss_scale)?,
-            initial_scale_power: s.uint("initial_scale_power", d.initial_scale_power as u64)?.min(u32::MAX as u64) as u32,
+            initial_scale_power: s.uint("initial_scale_power", d.initial_scale_power as u64)?.min(u32::MAX as u64)
+                as u32,
             loss_scale_window: s.uint("loss_scale_window", d.loss_scale_window)?,
             hysteresis: s.uint("hysteresis", d.hysteresis as u64)?.min(u32::MAX as u64) as u32,
             consecutive_hysteresis: s.bool("consecutive_hysteresis", d.consecutive_hysteresis)?,

@@ -9,6 +9,22 @@ pub(crate) struct Section {
     path: String,
     map: Map<String, Value>,
     known: Vec<&'static str>,
+    /// Other names of known keys (`take_aliased`'s second and later names).
+    aliases: Vec<&'static str>,
+}
+
+thread_local! {
+    /// While [`collect_keys`] runs: the path of every key a section asked for (aliases left out).
+    static ASKED: std::cell::RefCell<Option<Vec<String>>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Runs `f` and returns, beside its result, the path of every key the sections it read asked for, in the order
+/// they were asked (`Config::accepted_keys`).
+pub(crate) fn collect_keys<T>(f: impl FnOnce() -> T) -> (T, Vec<String>) {
+    ASKED.with(|a| *a.borrow_mut() = Some(Vec::new()));
+    let out = f();
+    let keys = ASKED.with(|a| a.borrow_mut().take()).unwrap_or_default();
+    (out, keys)
 }
 
 /// A value that may be the string "auto" (written by HF Trainer integrations).
@@ -24,7 +40,11 @@ pub(crate) fn describe(value: &Value) -> String {
         Value::String(s) => format!("\"{s}\""),
         Value::Array(_) => {
             let text = value.to_string();
-            if text.len() <= 60 { text } else { "a long array".into() }
+            if text.len() <= 60 {
+                text
+            } else {
+                "a long array".into()
+            }
         }
         Value::Object(_) => "an object".into(),
         other => other.to_string(),
@@ -35,7 +55,7 @@ impl Section {
     /// Reads `value` as an object at `path` ("" for the top level).
     pub fn new(path: &str, value: Value) -> Result<Section> {
         match value {
-            Value::Object(map) => Ok(Section { path: path.to_string(), map, known: Vec::new() }),
+            Value::Object(map) => Ok(Section { path: path.to_string(), map, known: Vec::new(), aliases: Vec::new() }),
             other => Err(ConfigError::Type {
                 path: if path.is_empty() { "(top level)".into() } else { path.into() },
                 expected: "an object",
@@ -65,6 +85,7 @@ impl Section {
     /// different values is an error; returns the name that was used.
     pub fn take_aliased(&mut self, keys: &[&'static str]) -> Result<Option<(&'static str, Value)>> {
         let mut found: Option<(&'static str, Value)> = None;
+        self.aliases.extend(keys.iter().skip(1));
         for &key in keys {
             if let Some(v) = self.take(key) {
                 match &found {
@@ -105,10 +126,9 @@ impl Section {
         match v {
             MaybeAuto::Absent => Ok(None),
             MaybeAuto::Value(x) => Ok(Some(x)),
-            MaybeAuto::Auto => Err(ConfigError::Auto {
-                path: self.path_of(key),
-                why: "zerorun has no trainer to take it from",
-            }),
+            MaybeAuto::Auto => {
+                Err(ConfigError::Auto { path: self.path_of(key), why: "zerorun has no trainer to take it from" })
+            }
         }
     }
 
@@ -154,14 +174,21 @@ impl Section {
     }
 
     /// A string that must be one of `allowed` (compared case-insensitively); returns the canonical spelling.
-    pub fn choice(&mut self, key: &'static str, allowed: &[&'static str], default: &'static str) -> Result<&'static str> {
+    pub fn choice(
+        &mut self,
+        key: &'static str,
+        allowed: &[&'static str],
+        default: &'static str,
+    ) -> Result<&'static str> {
         match self.opt_string(key)? {
             None => Ok(default),
-            Some(s) => allowed.iter().copied().find(|a| a.eq_ignore_ascii_case(&s)).ok_or_else(|| ConfigError::Invalid {
-                path: self.path_of(key),
-                value: format!("\"{s}\""),
-                allowed: format!("one of {}", quoted_list(allowed)),
-            }),
+            Some(s) => {
+                allowed.iter().copied().find(|a| a.eq_ignore_ascii_case(&s)).ok_or_else(|| ConfigError::Invalid {
+                    path: self.path_of(key),
+                    value: format!("\"{s}\""),
+                    allowed: format!("one of {}", quoted_list(allowed)),
+                })
+            }
         }
     }
 
@@ -193,6 +220,11 @@ impl Section {
 
     /// Rejects every key that was not asked for, suggesting the closest known key.
     pub fn finish(self) -> Result<()> {
+        ASKED.with(|a| {
+            if let Some(asked) = a.borrow_mut().as_mut() {
+                asked.extend(self.known.iter().filter(|k| !self.aliases.contains(k)).map(|k| self.path_of(k)));
+            }
+        });
         let Some(unknown) = self.map.keys().next() else { return Ok(()) };
         let best = self
             .known
@@ -200,7 +232,9 @@ impl Section {
             .map(|k| (strsim::normalized_damerau_levenshtein(unknown, k), *k))
             .max_by(|a, b| a.0.total_cmp(&b.0));
         let hint = match best {
-            Some((score, k)) if score >= 0.5 || k.contains(unknown.as_str()) => format!("; did you mean `{}`?", self.path_of(k)),
+            Some((score, k)) if score >= 0.5 || k.contains(unknown.as_str()) => {
+                format!("; did you mean `{}`?", self.path_of(k))
+            }
             _ if self.known.is_empty() => String::new(),
             _ => {
                 let mut known = self.known.clone();

@@ -1,6 +1,7 @@
 //! `scheduler`: `{type, params}` with the names and defaults of DeepSpeed's `runtime/lr_schedules.py`.
 pub use zerorun_optim::schedule::{
-    LrRangeTestParams, OneCycleParams, SchedulerConfig, WarmupCosineLrParams, WarmupDecayLrParams, WarmupLrParams, WarmupType,
+    LrRangeTestParams, OneCycleParams, SchedulerConfig, WarmupCosineLrParams, WarmupDecayLrParams, WarmupLrParams,
+    WarmupType,
 };
 
 use super::error::{ConfigError, Result};
@@ -31,7 +32,11 @@ pub(crate) fn read_scheduler(mut s: Section, optimizer_lr: f64) -> Result<Schedu
         return Err(ConfigError::Missing { path: type_path, when: "when a scheduler section is given".into() });
     };
     let Some(kind) = KNOWN.iter().copied().find(|k| *k == name) else {
-        return Err(ConfigError::Invalid { path: type_path, value: format!("\"{name}\""), allowed: format!("one of {}", quoted_list(KNOWN)) });
+        return Err(ConfigError::Invalid {
+            path: type_path,
+            value: format!("\"{name}\""),
+            allowed: format!("one of {}", quoted_list(KNOWN)),
+        });
     };
     let mut p = s.section("params")?;
     let warmup = |p: &mut Section| -> Result<WarmupLrParams> {
@@ -78,8 +83,12 @@ pub(crate) fn read_scheduler(mut s: Section, optimizer_lr: f64) -> Result<Schedu
         "OneCycle" => {
             let min_path = p.path_of("cycle_min_lr");
             let max_path = p.path_of("cycle_max_lr");
-            let cycle_min_lr = p.opt_float("cycle_min_lr")?.ok_or(ConfigError::Missing { path: min_path, when: "for OneCycle".into() })?;
-            let cycle_max_lr = p.opt_float("cycle_max_lr")?.ok_or(ConfigError::Missing { path: max_path, when: "for OneCycle".into() })?;
+            let cycle_min_lr = p
+                .opt_float("cycle_min_lr")?
+                .ok_or(ConfigError::Missing { path: min_path, when: "for OneCycle".into() })?;
+            let cycle_max_lr = p
+                .opt_float("cycle_max_lr")?
+                .ok_or(ConfigError::Missing { path: max_path, when: "for OneCycle".into() })?;
             let first = p.uint("cycle_first_step_size", 2000)?;
             let first_stairs = p.uint("cycle_first_stair_count", 0)?;
             let c = OneCycleParams {
@@ -105,7 +114,11 @@ pub(crate) fn read_scheduler(mut s: Section, optimizer_lr: f64) -> Result<Schedu
                 });
             }
             if c.cycle_first_step_size == 0 {
-                return Err(ConfigError::Invalid { path: p.path_of("cycle_first_step_size"), value: "0".into(), allowed: "must be >= 1".into() });
+                return Err(ConfigError::Invalid {
+                    path: p.path_of("cycle_first_step_size"),
+                    value: "0".into(),
+                    allowed: "must be >= 1".into(),
+                });
             }
             SchedulerConfig::OneCycle(c)
         }
@@ -118,7 +131,11 @@ pub(crate) fn read_scheduler(mut s: Section, optimizer_lr: f64) -> Result<Schedu
                 last_batch_iteration: p.opt_int("last_batch_iteration")?.unwrap_or(-1),
             };
             if c.lr_range_test_step_size == 0 {
-                return Err(ConfigError::Invalid { path: p.path_of("lr_range_test_step_size"), value: "0".into(), allowed: "must be >= 1".into() });
+                return Err(ConfigError::Invalid {
+                    path: p.path_of("lr_range_test_step_size"),
+                    value: "0".into(),
+                    allowed: "must be >= 1".into(),
+                });
             }
             SchedulerConfig::LRRangeTest(c)
         }

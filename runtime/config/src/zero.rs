@@ -93,14 +93,19 @@ const IGNORED: &[&str] = &[
 ];
 
 /// DeepSpeed ZeRO features zerorun does not have: accepted only while they stay off.
-const UNSUPPORTED_FLAGS: &[&str] = &["zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients"];
+const UNSUPPORTED_FLAGS: &[&str] =
+    &["zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients"];
 
 impl ZeroConfig {
     /// Reads the section. `legacy` is the old boolean form (`"zero_optimization": true` = stage 1).
     pub(crate) fn read(mut s: Section, ignored: &mut Vec<String>) -> Result<Self> {
         let stage = s.uint("stage", 0)?;
         if stage > 3 {
-            return Err(ConfigError::Invalid { path: s.path_of("stage"), value: stage.to_string(), allowed: "one of 0, 1, 2, 3".into() });
+            return Err(ConfigError::Invalid {
+                path: s.path_of("stage"),
+                value: stage.to_string(),
+                allowed: "one of 0, 1, 2, 3".into(),
+            });
         }
         let stage = stage as u8;
         // "auto" bucket sizes (HF Trainer) take DeepSpeed's defaults: zerorun does not know the hidden size here.
@@ -110,7 +115,11 @@ impl ZeroConfig {
                 MaybeAuto::Absent | MaybeAuto::Auto => default,
             };
             if v == 0 {
-                return Err(ConfigError::Invalid { path: s.path_of(keys[0]), value: "0".into(), allowed: "must be >= 1".into() });
+                return Err(ConfigError::Invalid {
+                    path: s.path_of(keys[0]),
+                    value: "0".into(),
+                    allowed: "must be >= 1".into(),
+                });
             }
             Ok(v)
         };
@@ -123,16 +132,20 @@ impl ZeroConfig {
         let load_from_fp32_weights = s.bool("load_from_fp32_weights", true)?;
         let elastic_checkpoint = s.bool("elastic_checkpoint", false)?;
         let sub_group_size = size(&mut s, &["sub_group_size"], 1_000_000_000)?;
-        let stage3_prefetch_bucket_size = size(&mut s, &["stage3_prefetch_bucket_size", "prefetch_bucket_size"], 50_000_000)?;
-        let stage3_param_persistence_threshold = match s.uint_auto(&["stage3_param_persistence_threshold", "param_persistence_threshold"])? {
-            MaybeAuto::Value(v) => v,
-            _ => 100_000,
-        };
-        let stage3_model_persistence_threshold = match s.uint_auto(&["stage3_model_persistence_threshold", "model_persistence_threshold"])? {
-            MaybeAuto::Value(v) => v,
-            _ => i64::MAX as u64,
-        };
-        let stage3_max_live_parameters = size(&mut s, &["stage3_max_live_parameters", "max_live_parameters"], 1_000_000_000)?;
+        let stage3_prefetch_bucket_size =
+            size(&mut s, &["stage3_prefetch_bucket_size", "prefetch_bucket_size"], 50_000_000)?;
+        let stage3_param_persistence_threshold =
+            match s.uint_auto(&["stage3_param_persistence_threshold", "param_persistence_threshold"])? {
+                MaybeAuto::Value(v) => v,
+                _ => 100_000,
+            };
+        let stage3_model_persistence_threshold =
+            match s.uint_auto(&["stage3_model_persistence_threshold", "model_persistence_threshold"])? {
+                MaybeAuto::Value(v) => v,
+                _ => i64::MAX as u64,
+            };
+        let stage3_max_live_parameters =
+            size(&mut s, &["stage3_max_live_parameters", "max_live_parameters"], 1_000_000_000)?;
         let stage3_max_reuse_distance = match s.uint_auto(&["stage3_max_reuse_distance", "max_reuse_distance"])? {
             MaybeAuto::Value(v) => v,
             _ => 1_000_000_000,
@@ -156,13 +169,21 @@ impl ZeroConfig {
         let mut offload_param = read_offload_param(s.section("offload_param")?)?;
         if cpu_offload == Some(true) {
             if offload_optimizer.device != OffloadDevice::None {
-                return Err(conflict(&s, "cpu_offload", "the deprecated flag and `offload_optimizer` are both given; keep `offload_optimizer`"));
+                return Err(conflict(
+                    &s,
+                    "cpu_offload",
+                    "the deprecated flag and `offload_optimizer` are both given; keep `offload_optimizer`",
+                ));
             }
             offload_optimizer.device = OffloadDevice::Cpu;
         }
         if cpu_offload_param == Some(true) {
             if offload_param.device != OffloadDevice::None {
-                return Err(conflict(&s, "cpu_offload_param", "the deprecated flag and `offload_param` are both given; keep `offload_param`"));
+                return Err(conflict(
+                    &s,
+                    "cpu_offload_param",
+                    "the deprecated flag and `offload_param` are both given; keep `offload_param`",
+                ));
             }
             offload_param.device = OffloadDevice::Cpu;
         }
@@ -255,7 +276,11 @@ fn read_offload_optimizer(mut s: Section) -> Result<OffloadOptimizerConfig> {
         ratio: s.float("ratio", 1.0)?,
     };
     if !(c.ratio > 0.0 && c.ratio <= 1.0) {
-        return Err(ConfigError::Invalid { path: s.path_of("ratio"), value: c.ratio.to_string(), allowed: "must be in (0, 1]".into() });
+        return Err(ConfigError::Invalid {
+            path: s.path_of("ratio"),
+            value: c.ratio.to_string(),
+            allowed: "must be in (0, 1]".into(),
+        });
     }
     let _ = s.ignore("pipeline");
     s.finish()?;
@@ -278,4 +303,3 @@ fn read_offload_param(mut s: Section) -> Result<OffloadParamConfig> {
     s.finish()?;
     Ok(c)
 }
-

@@ -12,6 +12,7 @@ use std::path::PathBuf;
 use tch::{nn, Tensor};
 
 use super::checkpointing::{file_mismatch, fill_variable, read_variable};
+use super::plan::Strategy;
 use super::units::UnitModel;
 use super::{native, views, Engine, EngineOptions};
 use crate::comm::Communicator;
@@ -49,7 +50,11 @@ impl<'a> UnitBuilders<'a> {
     /// creates its variables under the path it is given (the VarStore's root) and returns its forward. At stage 3
     /// a builder runs more than once: each run must create the same variables and draw only from libtorch's
     /// generator (`tch::manual_seed`), as tch's own initialisers do.
-    pub fn unit<S: Into<String>>(mut self, prefixes: impl IntoIterator<Item = S>, build: impl Fn(&nn::Path) -> UnitForward<'a> + 'a) -> Self {
+    pub fn unit<S: Into<String>>(
+        mut self,
+        prefixes: impl IntoIterator<Item = S>,
+        build: impl Fn(&nn::Path) -> UnitForward<'a> + 'a,
+    ) -> Self {
         self.units.push((prefixes.into_iter().map(Into::into).collect(), Box::new(build)));
         self
     }
@@ -97,12 +102,18 @@ impl Engine {
     /// Builds the model from `builders` on `vs` (which should hold nothing else yet) and the engine over it, with
     /// the builders' units (see the module doc). Returns the engine and the model to run through
     /// `engine.forward`. The values equal those of building every unit in order from the same generator state.
-    pub fn from_builders<'a>(vs: &nn::VarStore, config: Config, comm: Box<dyn Communicator>, options: EngineOptions, builders: UnitBuilders<'a>) -> Result<(Engine, BuiltModel<'a>)> {
+    pub fn from_builders<'a>(
+        vs: &nn::VarStore,
+        config: Config,
+        comm: Box<dyn Communicator>,
+        options: EngineOptions,
+        builders: UnitBuilders<'a>,
+    ) -> Result<(Engine, BuiltModel<'a>)> {
         if builders.units.is_empty() {
             return Err(Error::Usage("UnitBuilders has no unit".into()));
         }
         let kind = views::kind_of(config.precision());
-        let stage3 = config.zero_optimization.stage == 3;
+        let stage3 = Strategy::of_stage(config.zero_optimization.stage) == Strategy::PartitionedParameters;
         let prefixes: Vec<Vec<String>> = builders.units.iter().map(|(p, _)| p.clone()).collect();
         if stage3 && !options.keep_allocator_settings {
             super::allocator::fix_mmap_threshold();
@@ -154,7 +165,10 @@ impl Engine {
             let values = scratch.variables();
             for (name, t) in vars {
                 let v = values.get(*name).ok_or_else(|| Error::Parameter { name: name.to_string(), why: format!("the builder of unit {unit} did not create it again (builders must create the same variables every run)") })?;
-                fill_variable(name, t, v, |name, again, first| Error::Parameter { name: name.into(), why: format!("the builder of unit {unit} made it {first:?}, then {again:?}") })?;
+                fill_variable(name, t, v, |name, again, first| Error::Parameter {
+                    name: name.into(),
+                    why: format!("the builder of unit {unit} made it {first:?}, then {again:?}"),
+                })?;
             }
             Ok(())
         };

@@ -4,6 +4,7 @@ use std::path::{Path, PathBuf};
 
 use tch::{Kind, Tensor};
 
+use super::plan::{AfterStep, FlatRange, Optimized};
 use super::{views, Engine, ParamSlot};
 use crate::checkpoint::files::{self, MappedTensors};
 use crate::checkpoint::{latest_tag, CheckpointError, Manifest, ParamEntry, RankEntry, VariableEntry, FORMAT_VERSION};
@@ -61,14 +62,22 @@ fn entry(name: &str, shape: &[i64], kind: Kind) -> VariableEntry {
 /// Tensor `name` of a checkpoint's variables file, as a tensor of its saved dtype.
 pub(super) fn read_variable(file: &MappedTensors, path: &Path, name: &str) -> Result<Tensor> {
     let (dtype, shape, bytes) = file.raw(name)?;
-    let kind = kind_of_dtype(&dtype).ok_or_else(|| CheckpointError::Io { path: path.to_path_buf(), what: format!("tensor `{name}`: dtype {dtype} is not read back") })?;
+    let kind = kind_of_dtype(&dtype).ok_or_else(|| CheckpointError::Io {
+        path: path.to_path_buf(),
+        what: format!("tensor `{name}`: dtype {dtype} is not read back"),
+    })?;
     let shape: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
     Ok(Tensor::f_from_data_size(bytes, &shape, kind)?)
 }
 
 /// Gives variable `name` the values `src`: same shape (else `mismatch(theirs, ours)`), converted to the variable's
 /// dtype, its storage grown first where it was released (a stage-3 unit not materialized yet; a no-op otherwise).
-pub(super) fn fill_variable(name: &str, dst: &Tensor, src: &Tensor, mismatch: impl FnOnce(&str, Vec<i64>, Vec<i64>) -> Error) -> Result<()> {
+pub(super) fn fill_variable(
+    name: &str,
+    dst: &Tensor,
+    src: &Tensor,
+    mismatch: impl FnOnce(&str, Vec<i64>, Vec<i64>) -> Error,
+) -> Result<()> {
     if src.size() != dst.size() {
         return Err(mismatch(name, src.size(), dst.size()));
     }
@@ -82,7 +91,13 @@ pub(super) fn fill_variable(name: &str, dst: &Tensor, src: &Tensor, mismatch: im
 
 /// The error of a tensor of another shape in `path`.
 pub(super) fn file_mismatch(path: &Path) -> impl FnOnce(&str, Vec<i64>, Vec<i64>) -> Error + '_ {
-    move |name, theirs, ours| CheckpointError::Mismatch { path: path.to_path_buf(), what: format!("`{name}` is {theirs:?} in the file and {ours:?} in the model") }.into()
+    move |name, theirs, ours| {
+        CheckpointError::Mismatch {
+            path: path.to_path_buf(),
+            what: format!("`{name}` is {theirs:?} in the file and {ours:?} in the model"),
+        }
+        .into()
+    }
 }
 
 /// Differences between the model's variables of one role and a checkpoint's, as messages.
@@ -91,7 +106,9 @@ fn variable_problems(role: &str, ours: &[(String, Vec<i64>)], theirs: &[Variable
     for (name, shape) in ours {
         match theirs.iter().find(|e| &e.name == name) {
             None => problems.push(format!("model {role} `{name}` {shape:?} is not in the checkpoint")),
-            Some(e) if &e.shape != shape => problems.push(format!("model {role} `{name}` {shape:?} vs checkpoint {:?}", e.shape)),
+            Some(e) if &e.shape != shape => {
+                problems.push(format!("model {role} `{name}` {shape:?} vs checkpoint {:?}", e.shape))
+            }
             Some(_) => {}
         }
     }
@@ -118,7 +135,9 @@ pub fn load_mapped(vs: &tch::nn::VarStore, path: impl AsRef<Path>) -> Result<()>
 
 fn check_tag(tag: &str) -> Result<()> {
     if tag.is_empty() || tag.starts_with('.') || tag.contains(['/', '\\']) || tag == "latest" {
-        return Err(crate::Error::Usage(format!("checkpoint tag {tag:?}: use a plain folder name (not `latest`, no '/')")));
+        return Err(crate::Error::Usage(format!(
+            "checkpoint tag {tag:?}: use a plain folder name (not `latest`, no '/')"
+        )));
     }
     Ok(())
 }
@@ -139,7 +158,10 @@ fn from_hex(text: &str) -> std::result::Result<Vec<u8>, String> {
     if text.len() % 2 != 0 {
         return Err("odd number of hex digits".into());
     }
-    (0..text.len()).step_by(2).map(|i| u8::from_str_radix(&text[i..i + 2], 16).map_err(|e| format!("not hex at {i}: {e}"))).collect()
+    (0..text.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&text[i..i + 2], 16).map_err(|e| format!("not hex at {i}: {e}")))
+        .collect()
 }
 
 /// Reads this rank's optimized elements (optimizer order) from a checkpoint's rank files, any range at a time,
@@ -225,10 +247,9 @@ impl Engine {
     /// The flat ranges of the layout rank `r` optimizes, in the order of its optimized values: everything at
     /// stage 0, its partition at stages 1-2, a chunk of every unit at stage 3.
     fn optimized_pieces(&self, r: usize) -> Vec<std::ops::Range<usize>> {
-        match self.config.zero_optimization.stage {
-            0 => vec![0..self.layout.padded],
-            _ if !self.units.is_empty() => self.layout.shard_pieces(r),
-            _ => vec![self.layout.partition(r)],
+        match self.plan.optimized(&self.layout, r) {
+            Optimized::Flat(FlatRange(range)) => vec![range],
+            Optimized::Shard(_) => self.layout.shard_pieces(r),
         }
     }
 
@@ -253,18 +274,21 @@ impl Engine {
         let tag = options.tag.clone().unwrap_or_else(|| format!("global_step{}", self.global_steps));
         let with_frozen = !options.exclude_frozen_parameters;
         check_tag(&tag)?;
-        let (rank, ws, stage) = (self.rank(), self.world_size(), self.config.zero_optimization.stage);
+        let (rank, ws, stage) = (self.rank(), self.world_size(), self.plan.stage());
+        let per_rank = self.plan.partitions_optimizer();
         let staging = dir.join(format!(".{tag}.partial"));
         if rank == 0 {
             std::fs::create_dir_all(dir).map_err(|e| CheckpointError::Io { path: dir.into(), what: e.to_string() })?;
             if staging.exists() {
-                std::fs::remove_dir_all(&staging).map_err(|e| CheckpointError::Io { path: staging.clone(), what: e.to_string() })?;
+                std::fs::remove_dir_all(&staging)
+                    .map_err(|e| CheckpointError::Io { path: staging.clone(), what: e.to_string() })?;
             }
-            std::fs::create_dir(&staging).map_err(|e| CheckpointError::Io { path: staging.clone(), what: e.to_string() })?;
+            std::fs::create_dir(&staging)
+                .map_err(|e| CheckpointError::Io { path: staging.clone(), what: e.to_string() })?;
         }
         self.comm.barrier()?;
         // Stage 0: every rank holds everything, so rank 0 writes it; stages 1-2: each rank its partition.
-        let writes = stage > 0 || rank == 0;
+        let writes = per_rank || rank == 0;
         let mut crcs = vec![0i64; ws];
         if writes {
             let values = self.optimized_values()?;
@@ -273,7 +297,13 @@ impl Engine {
             let file = staging.join(format!("rank{rank}.safetensors"));
             // State buffers stream from wherever they live (NVMe: one sub-group at a time).
             let optimizer = &mut self.optimizer;
-            let crc = files::write_safetensors(&file, &tensors, "F32", |i, w| if i == 0 { files::write_f32(w, &values) } else { optimizer.write_state(i - 1, w) })?;
+            let crc = files::write_safetensors(&file, &tensors, "F32", |i, w| {
+                if i == 0 {
+                    files::write_f32(w, &values)
+                } else {
+                    optimizer.write_state(i - 1, w)
+                }
+            })?;
             crcs[rank] = crc as i64;
         }
         self.comm.all_reduce(&mut crcs, ReduceOp::Sum)?;
@@ -281,7 +311,8 @@ impl Engine {
         // The model's weights in its dtype, by name (DeepSpeed's model states file), with its buffers and frozen
         // parameters: a file `VarStore::load` reads. Stage 3 gathers the weights only when configured to; the
         // buffers and frozen parameters are saved either way, once, by rank 0.
-        let whole = stage < 3 || self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save;
+        let whole =
+            !self.plan.partitions_parameters() || self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save;
         let (file_name, model_weights) = if whole {
             ("model.safetensors", "model.safetensors".to_string())
         } else {
@@ -290,15 +321,20 @@ impl Engine {
         let tensors = self.model_tensors(whole.then(|| views::kind_of(self.precision)), with_frozen)?;
         if rank == 0 {
             let file = staging.join(file_name);
-            tch::Tensor::write_safetensors(&tensors, &file).map_err(|e| CheckpointError::Io { path: file.clone(), what: e.to_string() })?;
+            tch::Tensor::write_safetensors(&tensors, &file)
+                .map_err(|e| CheckpointError::Io { path: file.clone(), what: e.to_string() })?;
         }
         drop(tensors);
-        let buffer_entries: Vec<VariableEntry> = self.buffers.iter().map(|(n, t)| entry(n, &t.size(), t.kind())).collect();
-        let frozen_entries: Vec<VariableEntry> =
-            if with_frozen { self.frozen_specs().iter().map(|(n, shape, kind)| entry(n, shape, *kind)).collect() } else { Vec::new() };
+        let buffer_entries: Vec<VariableEntry> =
+            self.buffers.iter().map(|(n, t)| entry(n, &t.size(), t.kind())).collect();
+        let frozen_entries: Vec<VariableEntry> = if with_frozen {
+            self.frozen_specs().iter().map(|(n, shape, kind)| entry(n, shape, *kind)).collect()
+        } else {
+            Vec::new()
+        };
         if rank == 0 {
             let layout = &self.layout;
-            let ranks = (0..if stage > 0 { ws } else { 1 })
+            let ranks = (0..if per_rank { ws } else { 1 })
                 .map(|r| RankEntry::new(format!("rank{r}.safetensors"), &self.optimized_pieces(r), crcs[r] as u32))
                 .collect();
             let manifest = Manifest {
@@ -319,7 +355,13 @@ impl Engine {
                 params: layout
                     .slots
                     .iter()
-                    .map(|s| ParamEntry { name: s.name.clone(), shape: s.shape.clone(), start: s.range.start, len: s.range.len(), dtype: dtype_name(self.precision).into() })
+                    .map(|s| ParamEntry {
+                        name: s.name.clone(),
+                        shape: s.shape.clone(),
+                        start: s.range.start,
+                        len: s.range.len(),
+                        dtype: dtype_name(self.precision).into(),
+                    })
                     .collect(),
                 ranks,
                 rng_states,
@@ -369,13 +411,25 @@ impl Engine {
         for slot in &self.layout.slots {
             match m.param(&slot.name) {
                 None => problems.push(format!("model `{}` {:?} is not in the checkpoint", slot.name, slot.shape)),
-                Some(p) if p.shape != slot.shape => problems.push(format!("model `{}` {:?} vs checkpoint {:?}", slot.name, slot.shape, p.shape)),
+                Some(p) if p.shape != slot.shape => {
+                    problems.push(format!("model `{}` {:?} vs checkpoint {:?}", slot.name, slot.shape, p.shape))
+                }
                 Some(_) => {}
             }
         }
         if problems.is_empty() && m.params.len() != self.layout.slots.len() {
-            let extra: Vec<&str> = m.params.iter().filter(|p| !self.layout.slots.iter().any(|s| s.name == p.name)).map(|p| p.name.as_str()).take(3).collect();
-            problems.push(format!("the checkpoint has {} parameters, the model {} (not in the model: {extra:?})", m.params.len(), self.layout.slots.len()));
+            let extra: Vec<&str> = m
+                .params
+                .iter()
+                .filter(|p| !self.layout.slots.iter().any(|s| s.name == p.name))
+                .map(|p| p.name.as_str())
+                .take(3)
+                .collect();
+            problems.push(format!(
+                "the checkpoint has {} parameters, the model {} (not in the model: {extra:?})",
+                m.params.len(),
+                self.layout.slots.len()
+            ));
         }
         if !problems.is_empty() {
             problems.truncate(3);
@@ -395,7 +449,14 @@ impl Engine {
         }
         let our_states: Vec<String> = self.optimizer.state_names();
         if self.optimizer.name() != m.optimizer || our_states != m.state_names {
-            return Err(mismatch(format!("optimizer {} with {:?}, but the config builds {} with {:?}", m.optimizer, m.state_names, self.optimizer.name(), our_states)).into());
+            return Err(mismatch(format!(
+                "optimizer {} with {:?}, but the config builds {} with {:?}",
+                m.optimizer,
+                m.state_names,
+                self.optimizer.name(),
+                our_states
+            ))
+            .into());
         }
 
         // Values first (the master or the parameters), then the optimizer state, which an NVMe run takes one
@@ -410,10 +471,10 @@ impl Engine {
             master.copy_from_slice(&values);
         }
         self.write_shard(&tch::Tensor::from_slice(&values))?;
-        match self.config.zero_optimization.stage {
-            0 => {}
-            _ if !self.units.is_empty() => self.refresh_gathered_units()?,
-            _ => views::all_gather(self.comm.as_ref(), &self.flat_params)?,
+        match self.plan.after_step() {
+            AfterStep::Nothing => {}
+            AfterStep::AllGatherFlat => views::all_gather(self.comm.as_ref(), &self.flat_params)?,
+            AfterStep::RefreshGatheredUnits => self.refresh_gathered_units()?,
         }
         self.load_variables(&m, &path)?;
         if let (Some(s), Some(it)) = (self.scheduler.as_mut(), m.scheduler_last_batch_iteration) {
@@ -423,8 +484,14 @@ impl Engine {
             s.state = state;
         }
         match m.rng_states.get(self.rank()) {
-            Some(hex) if m.world_size == self.world_size() => super::native::set_rng_state(&from_hex(hex).map_err(|what| mismatch(format!("rng_states[{}]: {what}", self.rank())))?)?,
-            _ if !m.rng_states.is_empty() => tracing::warn!(from = m.world_size, to = self.world_size(), "another world size: the CPU generator is not restored"),
+            Some(hex) if m.world_size == self.world_size() => super::native::set_rng_state(
+                &from_hex(hex).map_err(|what| mismatch(format!("rng_states[{}]: {what}", self.rank())))?,
+            )?,
+            _ if !m.rng_states.is_empty() => tracing::warn!(
+                from = m.world_size,
+                to = self.world_size(),
+                "another world size: the CPU generator is not restored"
+            ),
             _ => {}
         }
         if let Some(p) = m.params.iter().find(|p| !p.dtype.is_empty() && p.dtype != dtype_name(self.precision)) {
@@ -440,7 +507,13 @@ impl Engine {
         self.consume_grads()?;
         self.grad_mark = self.gradient_fingerprint();
         self.comm.barrier()?;
-        tracing::info!(tag, step = self.global_steps, from_world_size = m.world_size, from_stage = m.stage, "checkpoint loaded");
+        tracing::info!(
+            tag,
+            step = self.global_steps,
+            from_world_size = m.world_size,
+            from_stage = m.stage,
+            "checkpoint loaded"
+        );
         Ok(tag)
     }
 }
@@ -454,10 +527,16 @@ impl Engine {
     }
 
     pub(super) fn full_parameters_as(&mut self, kind: Kind) -> Result<Vec<(String, Tensor)>> {
-        if self.config.zero_optimization.stage == 3 {
+        if self.plan.partitions_parameters() {
             return self.gather_full_parameters(kind, false);
         }
-        Ok(self.layout.slots.iter().zip(&self.params).map(|(s, t)| (s.name.clone(), t.detach().to_kind(kind).copy())).collect())
+        Ok(self
+            .layout
+            .slots
+            .iter()
+            .zip(&self.params)
+            .map(|(s, t)| (s.name.clone(), t.detach().to_kind(kind).copy()))
+            .collect())
     }
 
     /// Every variable of the VarStore by name, full size: trainable parameters in the model's dtype, frozen
@@ -472,7 +551,7 @@ impl Engine {
     /// The trainable parameters as `kind` (None: without them), the frozen ones (with `frozen`, in their dtype)
     /// and the buffers, by name. Stage 3 gathers the units one at a time (collective).
     fn model_tensors(&mut self, kind: Option<Kind>, frozen: bool) -> Result<Vec<(String, Tensor)>> {
-        let stage3 = self.config.zero_optimization.stage == 3;
+        let stage3 = self.plan.partitions_parameters();
         let mut out = match kind {
             // One walk over the units gathers both kinds of parameters.
             Some(kind) if stage3 => self.gather_full_parameters(kind, frozen)?,
@@ -503,7 +582,10 @@ impl Engine {
     fn load_variables(&mut self, m: &Manifest, folder: &Path) -> Result<()> {
         let Some(file_name) = &m.variables_file else {
             if !self.buffers.is_empty() || !self.frozen_specs().is_empty() {
-                tracing::warn!(format = m.format_version, "a checkpoint from before format 3 holds no buffers or frozen parameters: the model keeps its own");
+                tracing::warn!(
+                    format = m.format_version,
+                    "a checkpoint from before format 3 holds no buffers or frozen parameters: the model keeps its own"
+                );
             }
             return Ok(());
         };
@@ -539,7 +621,8 @@ impl Engine {
     /// shards, so it refuses and says where full weights come from instead of writing empty tensors.
     pub fn save_16bit_model(&mut self, path: impl AsRef<std::path::Path>) -> Result<()> {
         let path = path.as_ref();
-        if self.config.zero_optimization.stage == 3 && !self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save {
+        if self.plan.partitions_parameters() && !self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
+        {
             return Err(Error::Unsupported {
                 key: "zero_optimization.stage3_gather_16bit_weights_on_model_save",
                 value: "false".into(),

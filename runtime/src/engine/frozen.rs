@@ -23,9 +23,15 @@ impl FrozenUnits {
     /// Packs `by_unit[i]` (unit i's frozen parameters, by name) into unit buffers, takes rank 0's values, keeps
     /// this rank's chunks and releases the units that are not `persistent[i]`. Every frozen parameter must have
     /// one floating dtype (the units' buffers have one).
-    pub fn new(by_unit: Vec<Vec<(String, Tensor)>>, persistent: &[bool], comm: &dyn Communicator, mut materialize: Option<&mut super::units::Materialize>) -> Result<FrozenUnits> {
+    pub fn new(
+        by_unit: Vec<Vec<(String, Tensor)>>,
+        persistent: &[bool],
+        comm: &dyn Communicator,
+        mut materialize: Option<&mut super::units::Materialize>,
+    ) -> Result<FrozenUnits> {
         let kind = frozen_kind(&by_unit)?;
-        let specs: Vec<Vec<(String, Vec<i64>, bool)>> = by_unit.iter().map(|u| u.iter().map(|(n, t)| (n.clone(), t.size(), false)).collect()).collect();
+        let specs: Vec<Vec<(String, Vec<i64>, bool)>> =
+            by_unit.iter().map(|u| u.iter().map(|(n, t)| (n.clone(), t.size(), false)).collect()).collect();
         let ws = comm.world_size();
         let layout = FlatLayout::with_units(&specs, ws);
         let shard = Tensor::zeros([layout.partition_len() as i64], (kind, tch::Device::Cpu));
@@ -37,7 +43,16 @@ impl FrozenUnits {
                 m(i, &vars)?;
             }
             let own: Vec<Tensor> = params.into_iter().map(|(_, t)| t).collect();
-            units.push(ShardedUnit::shard_from_rank0(span.clone(), &layout.slots[span.slots.clone()], own, kind, offset, keep, comm, &shard)?);
+            units.push(ShardedUnit::shard_from_rank0(
+                span.clone(),
+                &layout.slots[span.slots.clone()],
+                own,
+                kind,
+                offset,
+                keep,
+                comm,
+                &shard,
+            )?);
             offset += span.chunk_len(ws);
         }
         Ok(FrozenUnits { layout, shard, units })
@@ -95,7 +110,11 @@ impl FrozenUnits {
 
     /// Overwrites this rank's chunks from full values by name (`value(name)`; None keeps the current value), and
     /// the gathered units' buffers with them.
-    pub fn load(&mut self, comm: &dyn Communicator, value: &mut dyn FnMut(&str) -> Result<Option<Tensor>>) -> Result<()> {
+    pub fn load(
+        &mut self,
+        comm: &dyn Communicator,
+        value: &mut dyn FnMut(&str) -> Result<Option<Tensor>>,
+    ) -> Result<()> {
         let (rank, ws) = (comm.rank(), comm.world_size());
         for i in 0..self.units.len() {
             let span = self.units[i].span.clone();
@@ -112,7 +131,10 @@ impl FrozenUnits {
                         dst.narrow(0, (a - chunk.start) as i64, (b - a) as i64).f_copy_(&piece)?;
                     }
                     if full {
-                        self.units[i].full().narrow(0, (slot.range.start - span.range.start) as i64, slot.range.len() as i64).f_copy_(&v)?;
+                        self.units[i]
+                            .full()
+                            .narrow(0, (slot.range.start - span.range.start) as i64, slot.range.len() as i64)
+                            .f_copy_(&v)?;
                     }
                     Ok(())
                 })?;
@@ -127,7 +149,10 @@ fn frozen_kind(by_unit: &[Vec<(String, Tensor)>]) -> Result<Kind> {
     let mut kind: Option<(Kind, &str)> = None;
     for (name, t) in by_unit.iter().flatten() {
         if t.device() != tch::Device::Cpu {
-            return Err(Error::Parameter { name: name.clone(), why: format!("is on {:?}; this build trains on the CPU", t.device()) });
+            return Err(Error::Parameter {
+                name: name.clone(),
+                why: format!("is on {:?}; this build trains on the CPU", t.device()),
+            });
         }
         match kind {
             None if t.is_floating_point() => kind = Some((t.kind(), name)),

@@ -2,10 +2,12 @@
 //! `reduce_bucket_size` elements (whole parameters, in layout order), laid out like units, and a post-accumulate-grad
 //! hook on every parameter counts down its bucket. When autograd has written the last gradient of a bucket, the
 //! engine reduce-scatters the bucket into this rank's fp32 shard and frees those `.grad` tensors, while backward
-//! goes on: no rank ever holds the full gradients (DeepSpeed's stage 2 with its gradient hooks). The order buckets
-//! complete in is autograd's, the same on every rank for the same graph. With `overlap_comm` the reduce-scatter runs
-//! on the communication thread from one of two staging halves while autograd goes on, and its result is added to
-//! the shard when that half is needed again or backward ends.
+//! goes on: no rank ever holds the full gradients (DeepSpeed's stage 2 with its gradient hooks). Buckets launch in
+//! one fixed order on every rank, the last bucket first (backward usually reaches the layers in reverse), never in
+//! autograd's completion order, which can differ between ranks (two branches summed in another order): a bucket
+//! that is complete waits, its gradients held, until every bucket before it in that order has launched. With
+//! `overlap_comm` the reduce-scatter runs on the communication thread from one of two staging halves while autograd
+//! goes on, and its result is added to the shard when that half is needed again or backward ends.
 use std::cell::Cell;
 use std::ffi::c_void;
 
@@ -15,22 +17,6 @@ use super::{native, views, Engine, UnitSpan};
 use crate::comm::async_comm::Handle;
 use crate::comm::BufRef;
 use crate::error::{Error, Result};
-
-/// Cuts parameters of `sizes` elements (layout order) into buckets of at most `bucket` elements (a larger
-/// parameter is a bucket of its own). Returns each parameter's bucket.
-pub(super) fn buckets(sizes: &[usize], bucket: u64) -> Vec<usize> {
-    let mut out = Vec::with_capacity(sizes.len());
-    let (mut current, mut filled) = (0usize, 0u64);
-    for &n in sizes {
-        if filled > 0 && filled + n as u64 > bucket {
-            current += 1;
-            filled = 0;
-        }
-        out.push(current);
-        filled += n as u64;
-    }
-    out
-}
 
 /// What the hooks reach: the engine while `engine.backward` runs it (null otherwise: a backward the engine does not
 /// run leaves the gradients in `.grad`, and `step` reduces them).
@@ -46,6 +32,10 @@ pub(super) struct GradHooks {
     bucket_of: Vec<usize>,
     /// Per bucket: gradients still to come in this backward.
     pending: Vec<usize>,
+    /// Per bucket: all its gradients came in this backward, and it has not launched yet.
+    complete: Vec<bool>,
+    /// Buckets launched in this backward: the first `launched` of the launch order (last bucket first).
+    launched: usize,
     /// The first error a hook met (it cannot return one through autograd); `backward` returns it.
     error: Option<Error>,
     /// `overlap_comm`: per staging half, the bucket whose reduce-scatter is in flight from it.
@@ -83,6 +73,8 @@ impl GradHooks {
             target,
             bucket_of,
             pending: buckets.iter().map(|u| u.slots.len()).collect(),
+            complete: vec![false; buckets.len()],
+            launched: 0,
             error: None,
             in_flight: [None, None],
             next_half: 0,
@@ -125,8 +117,29 @@ impl Engine {
         let b = hooks.bucket_of[slot];
         hooks.pending[b] = hooks.pending[b].saturating_sub(1);
         if hooks.pending[b] == 0 {
-            self.reduce_bucket_of_hooks(b)?;
+            hooks.complete[b] = true;
         }
+        // Launch every complete bucket at the head of the order.
+        loop {
+            let hooks = self.grad_hooks.as_ref().expect("hooked mode");
+            match Self::launch_order(hooks.complete.len()).nth(hooks.launched) {
+                Some(next) if hooks.complete[next] => self.launch_bucket(next)?,
+                _ => return Ok(()),
+            }
+        }
+    }
+
+    /// The order buckets launch in on every rank: the last one first.
+    fn launch_order(buckets: usize) -> impl Iterator<Item = usize> {
+        (0..buckets).rev()
+    }
+
+    /// Reduces bucket `b`, the next in the launch order, and counts it launched.
+    fn launch_bucket(&mut self, b: usize) -> Result<()> {
+        self.reduce_bucket_of_hooks(b)?;
+        let hooks = self.grad_hooks.as_mut().expect("hooked mode");
+        hooks.complete[b] = false;
+        hooks.launched += 1;
         Ok(())
     }
 
@@ -155,19 +168,26 @@ impl Engine {
         Ok(())
     }
 
-    /// Reduces every bucket that has gradients not reduced yet: some of its parameters took no part in the
-    /// graph, or the backward ran outside `engine.backward`. Every rank calls it at the same point.
+    /// Ends a backward's reduction: launches, in order, every bucket not launched yet (some of its parameters took
+    /// no part in the graph: zeros where a gradient is missing), waits for what is in flight, and starts the next
+    /// backward's count. Every rank calls it at the same point, so every rank reduces every bucket.
     pub(super) fn finish_hooked_reduction(&mut self) -> Result<()> {
-        for b in 0..self.units.len() {
-            let started = self.grad_hooks.as_ref().expect("hooked mode").pending[b] < self.units[b].params().len();
-            if started || self.units[b].params().iter().any(|p| p.grad().defined()) {
-                self.reduce_bucket_of_hooks(b)?;
-            }
+        let buckets = self.units.len();
+        let launched = self.grad_hooks.as_ref().expect("hooked mode").launched;
+        for b in Self::launch_order(buckets).skip(launched).collect::<Vec<_>>() {
+            self.launch_bucket(b)?;
         }
+        self.grad_hooks.as_mut().expect("hooked mode").launched = 0;
         for half in 0..2 {
             self.finish_half(half)?;
         }
         Ok(())
+    }
+
+    /// Whether gradients wait in `.grad` for a reduction: a backward ran outside `engine.backward` (the hooks
+    /// only count inside it). `engine.backward` leaves none.
+    pub(super) fn gradients_wait_in_grad(&self) -> bool {
+        self.params.iter().any(|p| p.grad().defined())
     }
 
     /// Whether bucket reductions run on the communication thread (`overlap_comm`, reduce-scatter).
@@ -183,7 +203,8 @@ impl Engine {
         let ws = self.world_size();
         let span = self.units[b].span.clone();
         let (len, chunk) = (span.range.len(), span.chunk_len(ws));
-        let (stage_half, part_half) = (self.flat_grads.numel() / 2, self.grad_part.as_ref().expect("buckets have a gradient part").numel() / 2);
+        let (stage_half, part_half) =
+            (self.flat_grads.numel() / 2, self.grad_part.as_ref().expect("buckets have a gradient part").numel() / 2);
         let staged = self.flat_grads.narrow(0, (half * stage_half) as i64, len as i64);
         self.stage_unit_round(b, grads, &staged, 0, chunk)?;
         let (op, pre, _) = self.reduce_factors();
@@ -194,7 +215,8 @@ impl Engine {
         let thread = self.comm.thread().expect("overlap runs on the communication thread");
         // SAFETY: the half is this bucket's until `finish_half` waits on the handle; the engine drops its
         // communication thread (joining it) before these buffers.
-        let handle = unsafe { thread.reduce_scatter_raw(BufRef::from(views::buf_mut(&staged)), views::buf_mut(&part), op) };
+        let handle =
+            unsafe { thread.reduce_scatter_raw(BufRef::from(views::buf_mut(&staged)), views::buf_mut(&part), op) };
         self.comm_volume.reduce_scatter_elements += len as u64;
         let hooks = self.grad_hooks.as_mut().expect("hooked mode");
         hooks.in_flight[half] = Some((b, handle));
@@ -204,7 +226,9 @@ impl Engine {
 
     /// Waits for the reduce-scatter in flight from staging half `half`, if any, and adds its result to the shard.
     fn finish_half(&mut self, half: usize) -> Result<()> {
-        let Some((b, handle)) = self.grad_hooks.as_mut().expect("hooked mode").in_flight[half].take() else { return Ok(()) };
+        let Some((b, handle)) = self.grad_hooks.as_mut().expect("hooked mode").in_flight[half].take() else {
+            return Ok(());
+        };
         handle.wait()?;
         let ws = self.world_size();
         let (chunk, offset) = (self.units[b].span.chunk_len(ws), self.units[b].shard_offset);

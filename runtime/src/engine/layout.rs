@@ -63,7 +63,12 @@ impl FlatLayout {
             let (start, first_slot) = (offset, slots.len());
             for (name, shape, decay) in unit {
                 let n: usize = shape.iter().map(|&d| d as usize).product();
-                slots.push(ParamSlot { name: name.clone(), shape: shape.clone(), range: offset..offset + n, decay: *decay });
+                slots.push(ParamSlot {
+                    name: name.clone(),
+                    shape: shape.clone(),
+                    range: offset..offset + n,
+                    decay: *decay,
+                });
                 offset += n;
                 numel += n;
             }
@@ -133,7 +138,14 @@ mod tests {
     use super::*;
 
     fn layout(ws: usize) -> FlatLayout {
-        FlatLayout::new(&[("a.weight".into(), vec![2, 3], true), ("a.bias".into(), vec![3], false), ("b.weight".into(), vec![2, 2], true)], ws)
+        FlatLayout::new(
+            &[
+                ("a.weight".into(), vec![2, 3], true),
+                ("a.bias".into(), vec![3], false),
+                ("b.weight".into(), vec![2, 2], true),
+            ],
+            ws,
+        )
     }
 
     #[test]

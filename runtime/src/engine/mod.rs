@@ -24,7 +24,8 @@ mod grad_hooks;
 pub mod layout;
 mod native;
 mod optimizer;
-mod prefetch;
+mod plan;
+mod engine_comm;
 mod reduce;
 mod reporting;
 pub mod sampler;
@@ -50,13 +51,14 @@ use crate::config::{BatchSizes, Config, OffloadDevice, OptimizerConfig, Precisio
 use crate::error::{Error, Result};
 use crate::report::memory::MemoryTracker;
 use crate::report::{Phase, PhaseTimes};
+pub use builders::{BuiltModel, UnitBuilders, UnitForward};
+pub use checkpointing::{load_mapped, SaveOptions};
 pub use layout::{FlatLayout, ParamSlot, UnitSpan};
+pub use reporting::{MemoryReportFiles, MEMORY_REPORT_ENV};
+use plan::{AfterStep, GradientPath, Optimized, ReducedGradients, StagePlan};
 use shard::shard_values;
 use sharded_unit::ShardedUnit;
-pub use checkpointing::{load_mapped, SaveOptions};
-pub use reporting::{MemoryReportFiles, MEMORY_REPORT_ENV};
 pub use stage3::{CommVolume, GatheredBytes};
-pub use builders::{BuiltModel, UnitBuilders, UnitForward};
 pub use units::{Sequence, UnitModel, Whole};
 pub use variables::BufferSync;
 
@@ -106,14 +108,18 @@ impl EngineOptions {
 }
 
 /// See [`Engine::fp32_grads_in_buffer`] (a function of the fields, so callers can borrow others beside it).
-fn fp32_grads_in<'a>(precision: Precision, stage: u8, flat_grads: &'a Tensor, grad_buffer: &'a Option<Tensor>, optimized: &std::ops::Range<usize>) -> Option<&'a mut [f32]> {
-    if precision != Precision::Fp32 {
-        return None;
-    }
-    match stage {
-        0 if flat_grads.kind() == Kind::Float => Some(views::slice::<f32>(flat_grads)),
-        1 | 2 => grad_buffer.as_ref().map(|g| &mut views::slice::<f32>(g)[optimized.clone()]),
-        _ => None,
+fn fp32_grads_in<'a>(
+    reduced: ReducedGradients,
+    flat_grads: &'a Tensor,
+    grad_buffer: &'a Option<Tensor>,
+    optimized: &Optimized,
+) -> Option<&'a mut [f32]> {
+    match reduced {
+        ReducedGradients::InStaging => Some(views::slice::<f32>(flat_grads)),
+        ReducedGradients::InViewPartition => {
+            grad_buffer.as_ref().map(|g| &mut views::slice::<f32>(g)[optimized.range()])
+        }
+        ReducedGradients::InAccumulator => None,
     }
 }
 
@@ -129,8 +135,10 @@ pub fn no_decay_for_1d(_name: &str, shape: &[i64]) -> bool {
 }
 
 pub struct Engine {
-    comm: prefetch::EngineComm,
+    comm: engine_comm::EngineComm,
     config: Config,
+    /// What the stage partitions and how gradients reach the reduction: every stage decision asks it.
+    plan: StagePlan,
     batch: BatchSizes,
     precision: Precision,
     layout: FlatLayout,
@@ -190,7 +198,9 @@ pub struct Engine {
     optimizer: optimizer::OptimizerTier,
     /// Groups relative to the optimized range (the partition at stages 1-2, everything at stage 0).
     groups: Vec<Group>,
-    optimized: std::ops::Range<usize>,
+    optimized: Optimized,
+    /// Where the reduced fp32 gradients are when the optimizer steps.
+    reduced: ReducedGradients,
     base_lr: f64,
     scheduler: Option<LrScheduler>,
     scaler: Option<LossScaler>,
@@ -205,13 +215,24 @@ pub struct Engine {
 
 impl Engine {
     /// Wraps the trainable variables of `vs` for data-parallel training with `comm`.
-    pub fn new(vs: &nn::VarStore, config: Config, comm: Box<dyn Communicator>, options: EngineOptions) -> Result<Engine> {
+    pub fn new(
+        vs: &nn::VarStore,
+        config: Config,
+        comm: Box<dyn Communicator>,
+        options: EngineOptions,
+    ) -> Result<Engine> {
         Self::new_materialized(vs, config, comm, options, None)
     }
 
     /// [`Engine::new`] where stage 3's unit parameters may still lack their values (`builders.rs`): `materialize`
     /// gives unit `i`'s variables (name, tensor) their storage and values right before the unit is packed.
-    pub(super) fn new_materialized(vs: &nn::VarStore, config: Config, comm: Box<dyn Communicator>, options: EngineOptions, mut materialize: Option<&mut units::Materialize>) -> Result<Engine> {
+    pub(super) fn new_materialized(
+        vs: &nn::VarStore,
+        config: Config,
+        comm: Box<dyn Communicator>,
+        options: EngineOptions,
+        mut materialize: Option<&mut units::Materialize>,
+    ) -> Result<Engine> {
         // The process floor: what is resident before the engine allocates, less the model's own variables
         // (built by the program already; they are model states, which the engine then takes over).
         let model_bytes: usize = vs.variables().values().map(native::storage_nbytes).sum();
@@ -222,80 +243,127 @@ impl Engine {
         let (world_size, rank) = (comm.world_size(), comm.rank());
         let batch = config.batch_sizes(world_size)?;
         if let Some(OptimizerConfig::Lamb(_)) = &config.optimizer {
-            return Err(Error::Unsupported { key: "optimizer.type", value: "\"Lamb\"".into(), why: "Lamb needs per-tensor trust ratios across ranks, not in this build yet" });
+            return Err(Error::Unsupported {
+                key: "optimizer.type",
+                value: "\"Lamb\"".into(),
+                why: "Lamb needs per-tensor trust ratios across ranks, not in this build yet",
+            });
         }
         let z = &config.zero_optimization;
         let precision = config.precision();
         let kind = views::kind_of(precision);
-        let plan = setup::StagePlan::new(z, options.units.is_some(), world_size);
+        let plan = StagePlan::new(z.stage, options.units.is_some(), z.overlap_comm, z.reduce_scatter, world_size);
         // Buffers the collectives read go where the peers map them (the shm backend's shared region).
         let shared = comm.prefers_shared_buffers();
         let variables::Variables { trainable, frozen, buffers } = variables::classify(vs);
         let claim = variables::Claim::new(trainable.iter().chain(&frozen).chain(&buffers))?;
-        let setup::Arrangement { named, layout, unit_prefixes, frozen_by_unit } = setup::arrange(trainable, frozen, &options, &plan, z.reduce_bucket_size, precision, world_size)?;
-        let frozen_numel: Vec<u64> = frozen_by_unit.iter().map(|u| u.iter().map(|(_, t)| t.numel() as u64).sum()).collect();
-        if plan.stage == 3 && options.units.is_none() {
+        let setup::Arrangement { named, layout, unit_prefixes, frozen_by_unit } =
+            setup::arrange(trainable, frozen, &options, &plan, z.reduce_bucket_size, precision, world_size)?;
+        let frozen_numel: Vec<u64> =
+            frozen_by_unit.iter().map(|u| u.iter().map(|(_, t)| t.numel() as u64).sum()).collect();
+        if plan.partitions_parameters() && options.units.is_none() {
             setup::check_whole_model_persists(z, layout.numel as u64 + frozen_numel.iter().sum::<u64>())?;
         }
         // Every rank starts from rank 0's model: trainable parameters are broadcast as they are packed, frozen
         // parameters and buffers here (stage 3 partitions the frozen ones, broadcasting unit by unit).
-        let frozen_whole: Vec<(String, Tensor)> =
-            if plan.stage == 3 { Vec::new() } else { frozen_by_unit.iter().flatten().map(|(n, t)| (n.clone(), t.shallow_clone())).collect() };
+        let frozen_whole: Vec<(String, Tensor)> = if plan.partitions_parameters() {
+            Vec::new()
+        } else {
+            frozen_by_unit.iter().flatten().map(|(n, t)| (n.clone(), t.shallow_clone())).collect()
+        };
         let broadcast: Vec<&Tensor> = frozen_whole.iter().chain(&buffers).map(|(_, t)| t).collect();
         variables::broadcast_values(comm.as_ref(), &broadcast)?;
-        let (mut flat_params, params, sharded_units) =
-            if plan.stage == 3 { Self::shard_units(&layout, named, &frozen_numel, kind, comm.as_ref(), &config, materialize.as_deref_mut())? } else { setup::pack(&layout, named, kind, comm.as_ref(), &plan, shared)? };
-        let frozen_units = if plan.stage == 3 && frozen_by_unit.iter().any(|u| !u.is_empty()) {
+        let (mut flat_params, params, sharded_units) = if plan.partitions_parameters() {
+            Self::shard_units(&layout, named, &frozen_numel, kind, comm.as_ref(), &config, materialize.as_deref_mut())?
+        } else {
+            setup::pack(&layout, named, kind, comm.as_ref(), &plan, shared)?
+        };
+        let frozen_units = if plan.partitions_parameters() && frozen_by_unit.iter().any(|u| !u.is_empty()) {
             let persistent: Vec<bool> = sharded_units.iter().map(|u| u.persistent).collect();
             Some(frozen::FrozenUnits::new(frozen_by_unit, &persistent, comm.as_ref(), materialize.as_deref_mut())?)
         } else {
             None
         };
 
-        // The optimized range: a range of `flat_params` (stages 0-2), or of the shard space (the concatenation of
-        // this rank's chunk of every unit) with units.
-        let optimized = match plan.stage {
-            0 => 0..layout.padded,
-            _ if plan.by_units() => 0..layout.partition_len(),
-            _ => layout.partition(rank),
-        };
+        let optimized = plan.optimized(&layout, rank);
         let master = (precision != Precision::Fp32).then(|| {
-            let part = shard_values(&flat_params, &layout, rank, plan.stage, &optimized).to_kind(Kind::Float);
+            let part = shard_values(&flat_params, &layout, rank, &plan, &optimized).to_kind(Kind::Float);
             AlignedVec::from_slice(views::slice::<f32>(&part))
         });
-        let swapped_params = if plan.stage == 3 && z.offload_param.device == OffloadDevice::Nvme {
+        let swapped_params = if plan.partitions_parameters() && z.offload_param.device == OffloadDevice::Nvme {
             let chunks = sharded_units.iter().map(|u| u.shard_range(world_size)).collect();
             let persistent: Vec<bool> = sharded_units.iter().map(|u| u.persistent).collect();
             let prefix = format!("zerorun-{}-{}-rank{rank}-params", std::process::id(), next_engine_id());
-            let swapped = swapped_params::SwappedParams::new(&flat_params, chunks, &persistent, &z.offload_param, setup::io_config(&config), &prefix)?;
+            let swapped = swapped_params::SwappedParams::new(
+                &flat_params,
+                chunks,
+                &persistent,
+                &z.offload_param,
+                setup::io_config(&config),
+                &prefix,
+            )?;
             flat_params = Tensor::zeros([0], (kind, tch::Device::Cpu));
             Some(swapped)
         } else {
-            if plan.stage == 3 && z.offload_param.device == OffloadDevice::Cpu {
-                tracing::info!(rank, "offload_param.device = cpu: a CPU run keeps parameter shards in host memory already");
+            if plan.partitions_parameters() && z.offload_param.device == OffloadDevice::Cpu {
+                tracing::info!(
+                    rank,
+                    "offload_param.device = cpu: a CPU run keeps parameter shards in host memory already"
+                );
             }
             None
         };
-        let (optimizer, base_lr, weight_decay) = setup::optimizer_tier(&config, optimized.len(), rank, next_engine_id())?;
-        let runs = if plan.by_units() { layout.shard_decay_runs(rank) } else { layout.decay_runs(optimized.clone()) };
-        let groups = runs.into_iter().map(|(range, decay)| Group { range, lr: base_lr, weight_decay: if decay { weight_decay } else { 0.0 } }).collect();
+        let (optimizer, base_lr, weight_decay) =
+            setup::optimizer_tier(&config, optimized.len(), rank, next_engine_id())?;
+        let runs = match &optimized {
+            Optimized::Shard(_) => layout.shard_decay_runs(rank),
+            Optimized::Flat(plan::FlatRange(range)) => layout.decay_runs(range.clone()),
+        };
+        let groups = runs
+            .into_iter()
+            .map(|(range, decay)| Group { range, lr: base_lr, weight_decay: if decay { weight_decay } else { 0.0 } })
+            .collect();
         let scheduler = optimizer::scheduler(&config, base_lr);
-        let setup::GradientBuffers { flat_grads, grad_buffer, round_len, grad_part, grad_acc } = setup::gradient_buffers(&config, &plan, &layout, &params, optimized.len(), world_size, shared)?;
+        let setup::GradientBuffers { flat_grads, grad_buffer, round_len, grad_part, grad_acc, reduced } =
+            setup::gradient_buffers(&config, &plan, &layout, &params, shared)?;
         let scaler = config.fp16.enabled.then(|| {
             let f = &config.fp16;
-            LossScaler::new(LossScalerConfig::from_fp16(f.loss_scale, f.initial_scale_power, f.loss_scale_window, f.hysteresis, f.consecutive_hysteresis, f.min_loss_scale))
+            LossScaler::new(LossScalerConfig::from_fp16(
+                f.loss_scale,
+                f.initial_scale_power,
+                f.loss_scale_window,
+                f.hysteresis,
+                f.consecutive_hysteresis,
+                f.min_loss_scale,
+            ))
         });
         if precision == Precision::Fp16 && rank == 0 {
             // Every parameter is on the CPU (checked in `arrange`).
             tracing::warn!("fp16 on the CPU: libtorch runs Half matmuls with a slow reference kernel on most CPUs (hundreds of times slower than bf16); bf16.enabled saves the same memory at full speed");
         }
-        tracing::info!(rank, world_size, stage = plan.stage, ?precision, params = layout.numel, partition = layout.partition_len(), units = layout.units.len(), "zerorun engine ready");
+        tracing::info!(
+            rank,
+            world_size,
+            stage = plan.stage(),
+            ?precision,
+            params = layout.numel,
+            partition = layout.partition_len(),
+            units = layout.units.len(),
+            "zerorun engine ready"
+        );
         // Gathered bytes count units' own buffers (stage 3); stage 2's units are regions of `flat_params`.
-        let persistent_bytes = sharded_units.iter().filter(|u| u.persistent && u.owns_buffer()).map(ShardedUnit::full_bytes).sum::<usize>()
-            + frozen_units.as_ref().map_or(0, |f| f.units.iter().filter(|u| u.persistent).map(ShardedUnit::full_bytes).sum());
+        let persistent_bytes = sharded_units
+            .iter()
+            .filter(|u| u.persistent && u.owns_buffer())
+            .map(ShardedUnit::full_bytes)
+            .sum::<usize>()
+            + frozen_units
+                .as_ref()
+                .map_or(0, |f| f.units.iter().filter(|u| u.persistent).map(ShardedUnit::full_bytes).sum());
         let mut engine = Engine {
-            comm: prefetch::EngineComm::new(comm, plan.overlap && (plan.stage != 2 || plan.hooked_overlap)),
+            comm: engine_comm::EngineComm::new(comm, plan.threaded_comm()),
             config,
+            plan,
             batch,
             precision,
             layout,
@@ -329,6 +397,7 @@ impl Engine {
             optimizer,
             groups,
             optimized,
+            reduced,
             base_lr,
             scheduler,
             scaler,
@@ -340,7 +409,7 @@ impl Engine {
             loss_count: 0,
             step_started: None,
         };
-        if plan.hooked {
+        if plan.gradients == plan::GradientPath::Hooks {
             engine.grad_hooks = Some(grad_hooks::GradHooks::install(&engine.params, &engine.layout.units)?);
         }
         engine.grad_mark = engine.gradient_fingerprint();
@@ -397,7 +466,14 @@ impl Engine {
 
     /// A sampler giving this rank its micro-batches of every global batch (torch's DistributedSampler by batch).
     pub fn sampler(&self, dataset_len: usize, seed: u64, shuffle: bool) -> sampler::DistributedSampler {
-        sampler::DistributedSampler { dataset_len, seed, shuffle, batch: self.batch, rank: self.rank(), world_size: self.world_size() }
+        sampler::DistributedSampler {
+            dataset_len,
+            seed,
+            shuffle,
+            batch: self.batch,
+            rank: self.rank(),
+            world_size: self.world_size(),
+        }
     }
 
     /// Whether the next `step` is an optimizer step (the last micro-batch of an accumulation).
@@ -426,27 +502,27 @@ impl Engine {
         let factor = self.loss_scale() / self.batch.gradient_accumulation_steps as f64;
         let _span = Phase::Backward.span().entered();
         let (started, comm_before) = (Instant::now(), self.times.comm());
-        if self.grad_hooks.is_some() {
-            self.backward_hooked(|| {
-                if factor != 1.0 {
-                    (loss * factor).f_backward()?;
-                } else {
-                    loss.f_backward()?;
-                }
-                Ok(())
-            })?;
-        } else if !self.units.is_empty() {
-            self.backward_units_impl(model, loss, factor)?;
-        } else if factor != 1.0 {
-            (loss * factor).f_backward()?;
-        } else {
-            loss.f_backward()?;
+        let autograd = || -> Result<()> {
+            if factor != 1.0 {
+                (loss * factor).f_backward()?;
+            } else {
+                loss.f_backward()?;
+            }
+            Ok(())
+        };
+        match self.plan.gradients {
+            GradientPath::AfterBackward => autograd()?,
+            GradientPath::Hooks => self.backward_hooked(autograd)?,
+            // The walk records its own events, unit by unit.
+            GradientPath::UnitWalk => return self.backward_units_impl(model, loss, factor).map(|()| self.end_backward(started, comm_before)),
         }
-        if self.units.is_empty() || self.grad_hooks.is_some() {
-            self.memory_event(|| "backward".into(), &[]);
-        }
-        self.times.add(Phase::Backward, started.elapsed().saturating_sub(self.times.comm() - comm_before));
+        self.memory_event(|| "backward".into(), &[]);
+        self.end_backward(started, comm_before);
         Ok(())
+    }
+
+    fn end_backward(&mut self, started: Instant, comm_before: std::time::Duration) {
+        self.times.add(Phase::Backward, started.elapsed().saturating_sub(self.times.comm() - comm_before));
     }
 
     /// Runs `f` as collective time of `phase`.
@@ -460,7 +536,10 @@ impl Engine {
 
     /// Ends a micro-batch; at the accumulation boundary reduces gradients and steps the optimizer.
     pub fn step(&mut self) -> Result<StepOutcome> {
-        if self.is_gradient_accumulation_boundary() && self.loss_count == 0 && self.gradient_fingerprint() == self.grad_mark {
+        if self.is_gradient_accumulation_boundary()
+            && self.loss_count == 0
+            && self.gradient_fingerprint() == self.grad_mark
+        {
             return Err(Error::Usage(
                 "engine.step() at an accumulation boundary with no backward since the last step: there are no gradients to apply (call `engine.backward(&loss)` before `engine.step()`)".into(),
             ));
@@ -476,38 +555,37 @@ impl Engine {
     /// accumulates in place; gradient views share the flat buffer's counter). Units' walks only run through the
     /// engine, which counts their losses.
     fn gradient_fingerprint(&self) -> i64 {
-        if !self.units.is_empty() && self.grad_hooks.is_none() {
+        if self.plan.gradients == GradientPath::UnitWalk {
             return 0;
         }
         self.params.iter().map(Tensor::grad).filter(Tensor::defined).map(|g| g.internal_version() + 1).sum()
     }
 
     fn step_impl(&mut self) -> Result<StepOutcome> {
-        if self.grad_hooks.is_some() {
-            // Gradients of a backward the engine did not run are still in `.grad`.
+        if self.plan.gradients == GradientPath::Hooks && self.gradients_wait_in_grad() {
+            // A backward the engine did not run: its gradients are still in `.grad`.
             self.finish_hooked_reduction()?;
         }
         self.micro_steps += 1;
         let boundary = self.micro_steps % self.batch.gradient_accumulation_steps == 0;
-        // 16-bit models reduce every micro-batch and accumulate in fp32; fp32 models accumulate in autograd.
-        // Stage 3 reduced each unit in backward already.
-        let stage3 = !self.units.is_empty();
-        if self.precision != Precision::Fp32 && !stage3 {
+        // After backward: 16-bit models reduce every micro-batch and accumulate in fp32; fp32 models accumulate in
+        // autograd. Hooks and unit walks reduced during backward already.
+        let after_backward = self.plan.gradients == GradientPath::AfterBackward;
+        if self.precision != Precision::Fp32 && after_backward {
             self.timed(Phase::ReduceScatter, Self::reduce_micro_batch)?;
         }
         if !boundary {
             return Ok(StepOutcome::Accumulating);
         }
-        if self.precision == Precision::Fp32 && !stage3 {
+        if self.precision == Precision::Fp32 && after_backward {
             self.timed(Phase::ReduceScatter, Self::reduce_fp32)?;
         }
         let lr = self.lr();
-        let stage = self.config.zero_optimization.stage;
 
         // Global squared norm: the ranks' parts are disjoint at stages 1-2, so one all-reduce of a scalar; an
         // inf or NaN anywhere makes it non-finite on every rank, which is how an fp16 overflow is agreed on.
         let mut sq = [norm::sum_of_squares(Grads::F32(self.grads())) as f32];
-        if stage > 0 {
+        if self.plan.partitions_optimizer() {
             self.comm.all_reduce(&mut sq, ReduceOp::Sum)?;
         }
         let loss = self.finish_loss()?;
@@ -522,7 +600,11 @@ impl Engine {
                     let _ = g.shallow_clone().f_zero_()?;
                 }
                 let scale = scaler.scale();
-                tracing::warn!(step = self.global_steps, scale, "fp16 gradients overflowed; step skipped (the loss scale drops once the hysteresis is used up)");
+                tracing::warn!(
+                    step = self.global_steps,
+                    scale,
+                    "fp16 gradients overflowed; step skipped (the loss scale drops once the hysteresis is used up)"
+                );
                 self.end_of_step();
                 return Ok(StepOutcome::Skipped { step: self.global_steps, loss, scale });
             }
@@ -538,12 +620,17 @@ impl Engine {
         self.timed(Phase::Step, Self::apply_optimizer)?;
         self.memory_event(|| "optimizer step".into(), &[]);
         self.consume_grads()?;
-        if stage3 {
-            self.grad_acc.fill(0.0);
-            self.timed(Phase::AllGather, Self::refresh_gathered_units)?;
-        } else if stage > 0 {
-            self.timed(Phase::AllGather, |e| views::all_gather(e.comm.as_ref(), &e.flat_params))?;
-            self.comm_volume.all_gather_elements += self.layout.padded as u64;
+        match self.plan.after_step() {
+            AfterStep::Nothing => {}
+            AfterStep::AllGatherFlat => {
+                self.timed(Phase::AllGather, |e| views::all_gather(e.comm.as_ref(), &e.flat_params))?;
+                self.comm_volume.all_gather_elements += self.layout.padded as u64;
+            }
+            AfterStep::RefreshGatheredUnits => {
+                // Reductions during backward accumulate into the fp32 accumulator across micro-batches.
+                self.grad_acc.fill(0.0);
+                self.timed(Phase::AllGather, Self::refresh_gathered_units)?;
+            }
         }
         if let Some(s) = self.scheduler.as_mut() {
             s.step();
@@ -554,7 +641,15 @@ impl Engine {
             if self.global_steps % every == 0 && self.rank() == 0 {
                 let secs = self.step_started.map_or(0.0, |t| t.elapsed().as_secs_f64());
                 let samples_per_s = if secs > 0.0 { self.batch.train_batch_size as f64 / secs } else { 0.0 };
-                tracing::info!(step = self.global_steps, loss, lr, grad_norm, loss_scale = self.loss_scale(), samples_per_s, "train");
+                tracing::info!(
+                    step = self.global_steps,
+                    loss,
+                    lr,
+                    grad_norm,
+                    loss_scale = self.loss_scale(),
+                    samples_per_s,
+                    "train"
+                );
             }
         }
         self.end_of_step();
@@ -564,7 +659,7 @@ impl Engine {
     /// Where the reduced fp32 gradients of the optimized range are, when not in the fp32 accumulator: fp32 models
     /// at stage 0 reduce in `flat_grads`, and with gradient views at stages 1-2 in the partition of `grad_buffer`.
     fn fp32_grads_in_buffer(&self) -> Option<&mut [f32]> {
-        fp32_grads_in(self.precision, self.config.zero_optimization.stage, &self.flat_grads, &self.grad_buffer, &self.optimized)
+        fp32_grads_in(self.reduced, &self.flat_grads, &self.grad_buffer, &self.optimized)
     }
 
     /// Whether the reduced fp32 gradients are in a flat buffer rather than the fp32 accumulator.
@@ -574,7 +669,7 @@ impl Engine {
 
     /// The fp32 gradients of the optimized range.
     fn grads(&mut self) -> &mut [f32] {
-        match fp32_grads_in(self.precision, self.config.zero_optimization.stage, &self.flat_grads, &self.grad_buffer, &self.optimized) {
+        match fp32_grads_in(self.reduced, &self.flat_grads, &self.grad_buffer, &self.optimized) {
             Some(g) => g,
             None => &mut self.grad_acc,
         }
@@ -593,11 +688,12 @@ impl Engine {
         if self.steps_a_copy_of_the_shard() {
             return self.apply_optimizer_on_copy();
         }
-        let range = self.optimized.clone();
+        // Contiguous in `flat_params`: the flat range at stages 0-1, the shard buffer itself at stage 3.
+        let range = self.optimized.range();
         match self.master.as_mut() {
             None => {
                 let params = &mut views::slice::<f32>(&self.flat_params)[range];
-                let in_buffer = fp32_grads_in(self.precision, self.config.zero_optimization.stage, &self.flat_grads, &self.grad_buffer, &self.optimized);
+                let in_buffer = fp32_grads_in(self.reduced, &self.flat_grads, &self.grad_buffer, &self.optimized);
                 let grads: &[f32] = match in_buffer {
                     Some(g) => g,
                     None => &self.grad_acc,
@@ -644,6 +740,4 @@ impl Engine {
         self.grad_acc.fill(0.0);
         self.write_shard(&scratch)
     }
-
-
 }

@@ -8,15 +8,30 @@ use crate::error::{Error, Result};
 extern "C" {
     fn zerorun_resize_storage(t: *mut c_void, nbytes: i64) -> *mut c_char;
     fn zerorun_storage_nbytes(t: *mut c_void) -> i64;
-    fn zerorun_grad(roots: *const *mut c_void, root_grads: *const *mut c_void, n_roots: i32, inputs: *const *mut c_void, n_inputs: i32, outputs: *mut *mut c_void) -> *mut c_char;
+    fn zerorun_grad(
+        roots: *const *mut c_void,
+        root_grads: *const *mut c_void,
+        n_roots: i32,
+        inputs: *const *mut c_void,
+        n_inputs: i32,
+        outputs: *mut *mut c_void,
+    ) -> *mut c_char;
     fn zerorun_grad_enabled() -> i32;
     fn zerorun_set_grad(param: *mut c_void, grad: *mut c_void) -> *mut c_char;
     fn zerorun_rng_state_len() -> i64;
     fn zerorun_rng_state_get(out: *mut u8, len: i64) -> *mut c_char;
     fn zerorun_rng_state_set(input: *const u8, len: i64) -> *mut c_char;
-    fn zerorun_region_allocator_init(alloc: extern "C" fn(usize) -> *mut c_void, free: extern "C" fn(*mut c_void, usize));
+    fn zerorun_region_allocator_init(
+        alloc: extern "C" fn(usize) -> *mut c_void,
+        free: extern "C" fn(*mut c_void, usize),
+    );
     fn zerorun_region_empty(numel: i64, scalar_type: i32, out: *mut *mut c_void) -> *mut c_char;
-    fn zerorun_on_grad_ready(param: *mut c_void, f: extern "C" fn(*mut c_void, i64), ctx: *mut c_void, index: i64) -> *mut c_char;
+    fn zerorun_on_grad_ready(
+        param: *mut c_void,
+        f: extern "C" fn(*mut c_void, i64),
+        ctx: *mut c_void,
+        index: i64,
+    ) -> *mut c_char;
     fn zerorun_remove_grad_ready(param: *mut c_void);
     fn zerorun_reset_grad(param: *mut c_void);
     fn zerorun_tensor_impl(t: *mut c_void) -> *const c_void;
@@ -61,7 +76,10 @@ pub fn grad(roots: &[(&Tensor, Option<&Tensor>)], inputs: &[&Tensor]) -> Result<
     let g: Vec<*mut c_void> = roots.iter().map(|(_, g)| g.map_or(std::ptr::null_mut(), ptr)).collect();
     let i: Vec<*mut c_void> = inputs.iter().map(|t| ptr(t)).collect();
     let mut out = vec![std::ptr::null_mut::<c_void>(); inputs.len()];
-    check(unsafe { zerorun_grad(r.as_ptr(), g.as_ptr(), r.len() as i32, i.as_ptr(), i.len() as i32, out.as_mut_ptr()) }, "backward of a unit")?;
+    check(
+        unsafe { zerorun_grad(r.as_ptr(), g.as_ptr(), r.len() as i32, i.as_ptr(), i.len() as i32, out.as_mut_ptr()) },
+        "backward of a unit",
+    )?;
     Ok(out
         .into_iter()
         .map(|p| {
@@ -90,7 +108,9 @@ pub fn rng_state() -> Result<Vec<u8>> {
 pub fn region_zeros(len: usize, kind: tch::Kind) -> Result<Tensor> {
     static INIT: std::sync::Once = std::sync::Once::new();
     // SAFETY: plain function pointers with the C signatures the shim expects.
-    INIT.call_once(|| unsafe { zerorun_region_allocator_init(crate::comm::region::region_alloc, crate::comm::region::region_free) });
+    INIT.call_once(|| unsafe {
+        zerorun_region_allocator_init(crate::comm::region::region_alloc, crate::comm::region::region_free)
+    });
     let mut out = std::ptr::null_mut::<c_void>();
     // c10::ScalarType numbering (tch keeps its own mapping private).
     let scalar_type = match kind {

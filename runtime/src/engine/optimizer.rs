@@ -1,6 +1,8 @@
 //! Builds the zerorun-optim optimizer and LR schedule named by the config.
 use zerorun_optim::schedule::LrScheduler;
-use zerorun_optim::{Adagrad, AdagradConfig, Adam, AdamConfig, Lamb, LambConfig, Lion, LionConfig, Optimizer, Sgd, SgdConfig};
+use zerorun_optim::{
+    Adagrad, AdagradConfig, Adam, AdamConfig, Lamb, LambConfig, Lion, LionConfig, Optimizer, Sgd, SgdConfig,
+};
 
 use crate::config::{Config, OptimizerConfig};
 
@@ -19,11 +21,21 @@ pub fn build(config: &Config, len: usize) -> (Box<dyn Optimizer>, f64, f64) {
     });
     match config.optimizer.as_ref().unwrap_or(&default) {
         OptimizerConfig::Adam(p) | OptimizerConfig::AdamW(p) => {
-            let c = AdamConfig { betas: (p.betas[0], p.betas[1]), eps: p.eps, bias_correction: p.bias_correction, amsgrad: p.amsgrad, adam_w_mode: p.adam_w_mode };
+            let c = AdamConfig {
+                betas: (p.betas[0], p.betas[1]),
+                eps: p.eps,
+                bias_correction: p.bias_correction,
+                amsgrad: p.amsgrad,
+                adam_w_mode: p.adam_w_mode,
+            };
             (Box::new(Adam::new(c, len)), p.lr, p.weight_decay)
         }
         OptimizerConfig::Adagrad(p) => {
-            let c = AdagradConfig { eps: p.eps, lr_decay: p.lr_decay, initial_accumulator_value: p.initial_accumulator_value };
+            let c = AdagradConfig {
+                eps: p.eps,
+                lr_decay: p.lr_decay,
+                initial_accumulator_value: p.initial_accumulator_value,
+            };
             (Box::new(Adagrad::new(c, len)), p.lr, p.weight_decay)
         }
         OptimizerConfig::Lamb(p) => {
@@ -37,7 +49,9 @@ pub fn build(config: &Config, len: usize) -> (Box<dyn Optimizer>, f64, f64) {
             };
             (Box::new(Lamb::new(c, len)), p.lr, p.weight_decay)
         }
-        OptimizerConfig::Lion(p) => (Box::new(Lion::new(LionConfig { betas: (p.betas[0], p.betas[1]) }, len)), p.lr, p.weight_decay),
+        OptimizerConfig::Lion(p) => {
+            (Box::new(Lion::new(LionConfig { betas: (p.betas[0], p.betas[1]) }, len)), p.lr, p.weight_decay)
+        }
         OptimizerConfig::SGD(p) => {
             let c = SgdConfig { momentum: p.momentum, dampening: p.dampening, nesterov: p.nesterov };
             (Box::new(Sgd::new(c, len)), p.lr, p.weight_decay)
@@ -82,7 +96,13 @@ impl OptimizerTier {
         }
     }
 
-    pub fn step(&mut self, params: &mut [f32], grads: &[f32], groups: &[zerorun_optim::Group], out: Option<zerorun_optim::ParamsOut<'_>>) -> crate::Result<()> {
+    pub fn step(
+        &mut self,
+        params: &mut [f32],
+        grads: &[f32],
+        groups: &[zerorun_optim::Group],
+        out: Option<zerorun_optim::ParamsOut<'_>>,
+    ) -> crate::Result<()> {
         match self {
             OptimizerTier::Memory(o) => Ok(o.step(params, zerorun_optim::Grads::F32(grads), groups, out)?),
             OptimizerTier::Nvme(o) => o.step(params, grads, groups, out),
@@ -121,8 +141,12 @@ impl OptimizerTier {
         match self {
             OptimizerTier::Memory(o) => {
                 let len = o.state().buffers.first().map_or(0, |(_, b)| b.len());
-                let mut buffers: Vec<(String, zerorun_optim::AlignedVec)> =
-                    o.state().buffers.iter().map(|(n, _)| (n.clone(), zerorun_optim::AlignedVec::filled(len, 0.0))).collect();
+                let mut buffers: Vec<(String, zerorun_optim::AlignedVec)> = o
+                    .state()
+                    .buffers
+                    .iter()
+                    .map(|(n, _)| (n.clone(), zerorun_optim::AlignedVec::filled(len, 0.0)))
+                    .collect();
                 {
                     let mut out: Vec<&mut [f32]> = buffers.iter_mut().map(|(_, b)| b.as_mut_slice()).collect();
                     fill(0..len, &mut out)?;

@@ -46,7 +46,7 @@ impl Engine {
     pub(super) fn reduce(&mut self) -> Result<()> {
         let ws = self.world_size();
         let (op, pre, post) = self.reduce_factors();
-        if self.config.zero_optimization.stage == 0 {
+        if !self.plan.partitions_optimizer() {
             // With gradient views the gradients are in `flat_grads` already.
             if self.grad_buffer.is_none() {
                 self.gather_grads(&self.flat_grads, 0..self.layout.padded)?;
@@ -152,7 +152,7 @@ impl Engine {
     fn reduced_slice(&self, c: usize, l: usize) -> Tensor {
         match (&self.grad_part, &self.grad_buffer) {
             (Some(part), _) => part.narrow(0, c as i64, l as i64),
-            (None, Some(g)) => g.narrow(0, (self.optimized.start + c) as i64, l as i64),
+            (None, Some(g)) => g.narrow(0, (self.optimized.range().start + c) as i64, l as i64),
             (None, None) => unreachable!("stages 1-2 have a partition buffer or gradient views"),
         }
     }

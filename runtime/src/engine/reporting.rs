@@ -6,9 +6,9 @@ use tch::Tensor;
 
 use super::Engine;
 use crate::config::Precision;
+use crate::error::Result;
 use crate::estimate::{model_states_bytes, EstimateInput};
 use crate::report::memory::{self, MemoryReport, ModelStates, SCHEMA_VERSION};
-use crate::error::Result;
 
 pub use crate::comm::env::MEMORY_REPORT_ENV;
 
@@ -36,17 +36,21 @@ impl Engine {
             Some(g) => bytes(g),
             None => self.params.iter().map(|t| t.grad()).filter(Tensor::defined).map(|g| bytes(&g)).sum(),
         };
-        let staging = if self.config.zero_optimization.stage == 0 && (self.grad_buffer.is_some() || self.grads_in_flat_buffer()) {
+        let staging = if !self.plan.partitions_optimizer()
+            && (self.grad_buffer.is_some() || self.grads_in_flat_buffer())
+        {
             0
         } else {
             bytes(&self.flat_grads)
         };
-        let shard = if self.config.zero_optimization.stage == 0 && self.grad_buffer.is_none() && self.grads_in_flat_buffer() {
-            bytes(&self.flat_grads)
-        } else {
-            self.grad_acc.len() * 4
-        };
-        let (params_resident, params_nvme) = self.swapped_params.as_ref().map_or((0, 0), |s| (s.resident_bytes(), s.swapped_bytes()));
+        let shard =
+            if !self.plan.partitions_optimizer() && self.grad_buffer.is_none() && self.grads_in_flat_buffer() {
+                bytes(&self.flat_grads)
+            } else {
+                self.grad_acc.len() * 4
+            };
+        let (params_resident, params_nvme) =
+            self.swapped_params.as_ref().map_or((0, 0), |s| (s.resident_bytes(), s.swapped_bytes()));
         vec![
             ("parameters", bytes(&self.flat_params) + params_resident),
             ("parameters_nvme", params_nvme),
@@ -57,7 +61,12 @@ impl Engine {
             ("optimizer_states", self.optimizer.resident_bytes()),
             ("optimizer_states_nvme", self.optimizer.swapped_bytes()),
             ("communication_buffers", staging + self.grad_part.as_ref().map_or(0, bytes)),
-            ("frozen_parameters", self.frozen_units.as_ref().map_or_else(|| super::variables::bytes_of(&self.frozen), |f| f.shard_bytes())),
+            (
+                "frozen_parameters",
+                self.frozen_units
+                    .as_ref()
+                    .map_or_else(|| super::variables::bytes_of(&self.frozen), |f| f.shard_bytes()),
+            ),
             ("buffers", super::variables::bytes_of(&self.buffers)),
         ]
     }
@@ -93,7 +102,10 @@ impl Engine {
         self.memory.sample(self.global_steps, &now, &peaks);
         self.gathered.step_peak = self.gathered.current;
         let times = self.times.end_step();
-        if self.config.wall_clock_breakdown && self.rank() == 0 && self.config.steps_per_print.is_some_and(|k| self.global_steps % k == 0) {
+        if self.config.wall_clock_breakdown
+            && self.rank() == 0
+            && self.config.steps_per_print.is_some_and(|k| self.global_steps % k == 0)
+        {
             let ms = |p: crate::report::Phase| times[p as usize].as_secs_f64() * 1e3;
             use crate::report::Phase::*;
             tracing::info!(
@@ -119,11 +131,19 @@ impl Engine {
     pub fn estimated_model_state_bytes(&self) -> u64 {
         let (frozen_params, frozen_bytes) = match &self.frozen_units {
             Some(f) => (f.layout.numel as u64, f.specs().first().map(|s| s.2.elt_size_in_bytes() as u64)),
-            None => (self.frozen.iter().map(|(_, t)| t.numel() as u64).sum(), self.frozen.first().map(|(_, t)| t.kind().elt_size_in_bytes() as u64)),
+            None => (
+                self.frozen.iter().map(|(_, t)| t.numel() as u64).sum(),
+                self.frozen.first().map(|(_, t)| t.kind().elt_size_in_bytes() as u64),
+            ),
         };
-        let input = EstimateInput { gpus_per_node: self.world_size() as u64, frozen_params, frozen_bytes_per_param: frozen_bytes, ..EstimateInput::new(self.layout.numel as u64) }
-            .with_config(&self.config);
-        model_states_bytes(&input, self.config.zero_optimization.stage)
+        let input = EstimateInput {
+            gpus_per_node: self.world_size() as u64,
+            frozen_params,
+            frozen_bytes_per_param: frozen_bytes,
+            ..EstimateInput::new(self.layout.numel as u64)
+        }
+        .with_config(&self.config);
+        model_states_bytes(&input, self.plan.stage())
     }
 
     /// This rank's report: the categories' current and peak bytes, model states measured and estimated, the
@@ -140,7 +160,7 @@ impl Engine {
             schema_version: SCHEMA_VERSION,
             rank: self.rank(),
             world_size: self.world_size(),
-            stage: self.config.zero_optimization.stage,
+            stage: self.plan.stage(),
             precision: match self.precision {
                 Precision::Fp32 => "fp32",
                 Precision::Bf16 => "bf16",
@@ -148,7 +168,10 @@ impl Engine {
             }
             .into(),
             categories: tracker_categories,
-            model_states: ModelStates { measured_bytes: memory::model_state_bytes(&now), estimated_bytes: self.estimated_model_state_bytes() },
+            model_states: ModelStates {
+                measured_bytes: memory::model_state_bytes(&now),
+                estimated_bytes: self.estimated_model_state_bytes(),
+            },
             floor_rss_bytes: self.floor_rss_bytes,
             init_peak_rss_bytes: self.init_peak_rss_bytes,
             peak: self.memory.peak.clone(),

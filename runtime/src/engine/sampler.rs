@@ -68,7 +68,11 @@ mod tests {
 
     fn sampler(rank: usize, world: usize, gas: u64) -> DistributedSampler {
         let train = 12;
-        let batch = BatchSizes { train_batch_size: train, train_micro_batch_size_per_gpu: train / (gas * world as u64), gradient_accumulation_steps: gas };
+        let batch = BatchSizes {
+            train_batch_size: train,
+            train_micro_batch_size_per_gpu: train / (gas * world as u64),
+            gradient_accumulation_steps: gas,
+        };
         DistributedSampler { dataset_len: 100, seed: 3, shuffle: true, batch, rank, world_size: world }
     }
 
@@ -77,7 +81,8 @@ mod tests {
         let global: Vec<usize> = sampler(0, 1, 1).micro_batches(2, 3).concat();
         assert_eq!(global.len(), 12);
         for (world, gas) in [(2, 1), (3, 2), (4, 3), (2, 3)] {
-            let mut got: Vec<usize> = (0..world).flat_map(|r| sampler(r, world, gas).micro_batches(2, 3).concat()).collect();
+            let mut got: Vec<usize> =
+                (0..world).flat_map(|r| sampler(r, world, gas).micro_batches(2, 3).concat()).collect();
             let mut want = global.clone();
             got.sort_unstable();
             want.sort_unstable();

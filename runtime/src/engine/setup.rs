@@ -6,37 +6,12 @@ use tch::{Kind, Tensor};
 use zerorun_optim::AlignedVec;
 
 use super::layout::FlatLayout;
+use super::plan::{self, GradientPath, GradientSizes, GradientViews, ReducedGradients, StagePlan};
 use super::sharded_unit::ShardedUnit;
-use super::{grad_hooks, native, optimizer, swapped_optimizer, units, views, EngineOptions};
+use super::{native, optimizer, swapped_optimizer, units, views, EngineOptions};
 use crate::comm::Communicator;
 use crate::config::{Config, OffloadDevice, Precision, ZeroConfig};
 use crate::error::{Error, Result};
-
-/// What the stage and options ask of the layout and the reduction.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct StagePlan {
-    pub stage: u8,
-    /// Stage 2 of a plain loop (no units given): buckets of whole parameters reduced from gradient hooks.
-    pub hooked: bool,
-    /// `overlap_comm` with more than one rank at stages 1-3.
-    pub overlap: bool,
-    /// Hooked stage 2 with overlap: two staging halves, one reducing on the communication thread.
-    pub hooked_overlap: bool,
-}
-
-impl StagePlan {
-    pub fn new(z: &ZeroConfig, has_units: bool, world_size: usize) -> StagePlan {
-        let hooked = z.stage == 2 && !has_units;
-        let overlap = z.overlap_comm && world_size > 1 && z.stage > 0;
-        StagePlan { stage: z.stage, hooked, overlap, hooked_overlap: hooked && overlap && z.reduce_scatter }
-    }
-
-    /// Stages 2 and 3 lay parameters out unit by unit: stage 3 gathers them so, stage 2 reduces gradients so during
-    /// backward (the model's units, or hook buckets laid out like units in a plain loop).
-    pub fn by_units(&self) -> bool {
-        self.stage >= 2
-    }
-}
 
 /// The model's trainable parameters in layout order, and the layout.
 pub(super) struct Arrangement {
@@ -51,10 +26,22 @@ pub(super) struct Arrangement {
 /// Orders the trainable parameters (by unit in execution order where the plan lays out by units, by name
 /// within), checks their device and dtype, and lays them out; assigns the frozen parameters to the same units.
 /// `trainable` and `frozen` come sorted by name.
-pub(super) fn arrange(trainable: Vec<(String, Tensor)>, frozen: Vec<(String, Tensor)>, options: &EngineOptions, plan: &StagePlan, reduce_bucket_size: u64, precision: Precision, world_size: usize) -> Result<Arrangement> {
+pub(super) fn arrange(
+    trainable: Vec<(String, Tensor)>,
+    frozen: Vec<(String, Tensor)>,
+    options: &EngineOptions,
+    plan: &StagePlan,
+    reduce_bucket_size: u64,
+    precision: Precision,
+    world_size: usize,
+) -> Result<Arrangement> {
     let mut named = trainable;
     if named.is_empty() {
-        let why = if frozen.is_empty() { "the VarStore has no trainable parameters" } else { "every parameter of the VarStore is frozen (requires_grad false): nothing to train" };
+        let why = if frozen.is_empty() {
+            "the VarStore has no trainable parameters"
+        } else {
+            "every parameter of the VarStore is frozen (requires_grad false): nothing to train"
+        };
         return Err(Error::Usage(why.into()));
     }
     let unit_prefixes = options.units.clone().unwrap_or_else(|| vec![vec![String::new()]]);
@@ -66,14 +53,15 @@ pub(super) fn arrange(trainable: Vec<(String, Tensor)>, frozen: Vec<(String, Ten
     for ((name, t), &u) in frozen.into_iter().zip(frozen_units) {
         frozen_by_unit[u].push((name, t));
     }
-    let unit_of = if plan.hooked {
+    let hooked = plan.gradients == GradientPath::Hooks;
+    let unit_of = if hooked {
         let sizes: Vec<usize> = named.iter().map(|(_, t)| t.numel()).collect();
-        grad_hooks::buckets(&sizes, reduce_bucket_size)
+        plan::bucket_cuts(&sizes, reduce_bucket_size)
     } else {
         trainable_units.to_vec()
     };
-    let unit_count = if plan.hooked { unit_of.last().map_or(0, |b| b + 1) } else { unit_prefixes.len() };
-    if plan.by_units() {
+    let unit_count = if hooked { unit_of.last().map_or(0, |b| b + 1) } else { unit_prefixes.len() };
+    if plan.lays_out_by_units() {
         // Units lay parameters out unit by unit, in execution order (stable: by name within a unit).
         let mut order: Vec<usize> = (0..named.len()).collect();
         order.sort_by_key(|&i| unit_of[i]);
@@ -89,7 +77,7 @@ pub(super) fn arrange(trainable: Vec<(String, Tensor)>, frozen: Vec<(String, Ten
             (n.clone(), shape, decay)
         })
         .collect();
-    let layout = if plan.by_units() {
+    let layout = if plan.lays_out_by_units() {
         let mut by_unit: Vec<Vec<(String, Vec<i64>, bool)>> = vec![Vec::new(); unit_count];
         let mut sorted_units = unit_of;
         sorted_units.sort_unstable();
@@ -121,7 +109,10 @@ fn check_parameters(named: &[(String, Tensor)], precision: Precision) -> Result<
     let kind = views::kind_of(precision);
     for (name, t) in named {
         if t.device() != tch::Device::Cpu {
-            return Err(Error::Parameter { name: name.clone(), why: format!("is on {:?}; this build trains on the CPU", t.device()) });
+            return Err(Error::Parameter {
+                name: name.clone(),
+                why: format!("is on {:?}; this build trains on the CPU", t.device()),
+            });
         }
         if t.kind() != kind {
             let hint = match precision {
@@ -138,7 +129,14 @@ fn check_parameters(named: &[(String, Tensor)], precision: Precision) -> Result<
 /// Stages 0-2: packs the parameters into one flat buffer (in the shared region when `shared`), makes the model's
 /// tensors views into it, and starts every rank from rank 0's weights. Stage 2 also gets one in-place unit per
 /// unit span (its chunk stays where it is; nothing is released).
-pub(super) fn pack(layout: &FlatLayout, named: Vec<(String, Tensor)>, kind: Kind, comm: &dyn Communicator, plan: &StagePlan, shared: bool) -> Result<(Tensor, Vec<Tensor>, Vec<ShardedUnit>)> {
+pub(super) fn pack(
+    layout: &FlatLayout,
+    named: Vec<(String, Tensor)>,
+    kind: Kind,
+    comm: &dyn Communicator,
+    plan: &StagePlan,
+    shared: bool,
+) -> Result<(Tensor, Vec<Tensor>, Vec<ShardedUnit>)> {
     let flat_params = views::comm_zeros(layout.padded, kind, shared)?;
     let mut params = Vec::with_capacity(named.len());
     tch::no_grad(|| {
@@ -151,7 +149,7 @@ pub(super) fn pack(layout: &FlatLayout, named: Vec<(String, Tensor)>, kind: Kind
     });
     views::broadcast(comm, &flat_params, 0)?;
     let mut units = Vec::new();
-    if plan.stage == 2 {
+    if plan.shard_in_pieces() {
         let world_size = comm.world_size();
         let mut offset = 0;
         for span in &layout.units {
@@ -176,7 +174,12 @@ pub(super) fn io_config(config: &Config) -> zerorun_offload::IoConfig {
 /// The optimizer over `optimized_len` elements, in memory or with its states on NVMe, its base learning rate and
 /// weight decay. The in-memory optimizer is built only without NVMe offload: its states would be the very bytes
 /// NVMe offload keeps out of memory.
-pub(super) fn optimizer_tier(config: &Config, optimized_len: usize, rank: usize, engine_id: usize) -> Result<(optimizer::OptimizerTier, f64, f64)> {
+pub(super) fn optimizer_tier(
+    config: &Config,
+    optimized_len: usize,
+    rank: usize,
+    engine_id: usize,
+) -> Result<(optimizer::OptimizerTier, f64, f64)> {
     let z = &config.zero_optimization;
     let nvme = z.offload_optimizer.device == OffloadDevice::Nvme;
     let (in_memory, base_lr, weight_decay) = optimizer::build(config, if nvme { 0 } else { optimized_len });
@@ -200,7 +203,10 @@ pub(super) fn optimizer_tier(config: &Config, optimized_len: usize, rank: usize,
         }
         device => {
             if device == OffloadDevice::Cpu {
-                tracing::info!(rank, "offload_optimizer.device = cpu: a CPU run keeps optimizer states in host memory already");
+                tracing::info!(
+                    rank,
+                    "offload_optimizer.device = cpu: a CPU run keeps optimizer states in host memory already"
+                );
             }
             optimizer::OptimizerTier::Memory(in_memory)
         }
@@ -215,50 +221,42 @@ pub(super) struct GradientBuffers {
     pub round_len: usize,
     pub grad_part: Option<Tensor>,
     pub grad_acc: AlignedVec,
+    pub reduced: ReducedGradients,
 }
 
-/// Sizes and allocates the gradient buffers of the plan's stage, and makes the model's `.grad` tensors views of
-/// the reduction buffer where gradients travel in the model's dtype (stages 0-2 without units).
-pub(super) fn gradient_buffers(config: &Config, plan: &StagePlan, layout: &FlatLayout, params: &[Tensor], optimized_len: usize, world_size: usize, shared: bool) -> Result<GradientBuffers> {
-    let z = &config.zero_optimization;
+/// Allocates the gradient buffers the plan sizes ([`GradientSizes`]), and makes the model's `.grad` tensors views
+/// of the reduction buffer where gradients travel in the model's dtype (stages 0-1).
+pub(super) fn gradient_buffers(
+    config: &Config,
+    plan: &StagePlan,
+    layout: &FlatLayout,
+    params: &[Tensor],
+    shared: bool,
+) -> Result<GradientBuffers> {
     let precision = config.precision();
-    let kind = views::kind_of(precision);
     let comm_kind = views::comm_kind(config.communication_data_type, precision);
-    // Stages 1-2 reduce in rounds: each takes `round_len` elements of every rank's partition, so the buffer is one
-    // bucket (reduce_bucket_size), not the whole model. Units reduce one unit at a time, in rounds of the same
-    // size when a unit is larger than a bucket; hooked buckets are at most a bucket already.
-    let round_len = (z.reduce_bucket_size as usize / world_size).clamp(1, layout.partition_len().max(1));
-    let largest_unit = layout.units.iter().map(|u| u.range.len()).max().unwrap_or(0);
-    let staged = match plan.stage {
-        0 => layout.padded,
-        _ if plan.hooked_overlap => 2 * largest_unit,
-        _ if plan.hooked => largest_unit,
-        // Units larger than a bucket reduce in rounds of `round_len` per rank (`Engine::reduce_unit`).
-        _ if plan.by_units() => largest_unit.min(round_len * world_size),
-        // Two halves with overlap_comm: one reduces while the next round is gathered into the other.
-        _ => round_len * world_size * if plan.overlap { 2 } else { 1 },
-    };
-    let flat_grads = views::comm_zeros(staged, comm_kind, shared)?;
-    let grad_buffer = match plan.stage {
-        _ if plan.by_units() => None,
-        _ if comm_kind != kind => None,
-        0 => Some(flat_grads.shallow_clone()),
-        _ => Some(views::comm_zeros(layout.padded, comm_kind, shared)?),
+    let sizes = GradientSizes::new(
+        plan,
+        layout,
+        config.zero_optimization.reduce_bucket_size,
+        precision == Precision::Fp32,
+        comm_kind == views::kind_of(precision),
+    );
+    let flat_grads = views::comm_zeros(sizes.staged, comm_kind, shared)?;
+    let grad_buffer = match sizes.views {
+        GradientViews::None => None,
+        GradientViews::OfStaging => Some(flat_grads.shallow_clone()),
+        GradientViews::OfOwnBuffer => Some(views::comm_zeros(layout.padded, comm_kind, shared)?),
     };
     if let Some(g) = &grad_buffer {
         for (slot, t) in layout.slots.iter().zip(params) {
-            let view = tch::no_grad(|| g.narrow(0, slot.range.start as i64, slot.range.len() as i64).view(slot.shape.as_slice()));
+            let view = tch::no_grad(|| {
+                g.narrow(0, slot.range.start as i64, slot.range.len() as i64).view(slot.shape.as_slice())
+            });
             native::set_grad(t, &view)?;
         }
     }
-    // fp32 models at stages 1-2 with gradient views reduce each rank's partition in place in the buffer.
-    let fp32_in_place = precision == Precision::Fp32 && grad_buffer.is_some();
-    let part_len = match plan.stage {
-        _ if plan.hooked => largest_unit / world_size * if plan.hooked_overlap { 2 } else { 1 },
-        _ if plan.by_units() => (largest_unit / world_size).min(round_len),
-        _ => layout.partition_len(),
-    };
-    let grad_part = (plan.stage > 0 && !fp32_in_place).then(|| Tensor::zeros([part_len as i64], (comm_kind, tch::Device::Cpu)));
-    let grad_acc = AlignedVec::filled(if (plan.stage > 0 && !fp32_in_place) || precision != Precision::Fp32 { optimized_len } else { 0 }, 0.0);
-    Ok(GradientBuffers { flat_grads, grad_buffer, round_len, grad_part, grad_acc })
+    let grad_part = sizes.part.map(|n| Tensor::zeros([n as i64], (comm_kind, tch::Device::Cpu)));
+    let grad_acc = AlignedVec::filled(sizes.accumulator, 0.0);
+    Ok(GradientBuffers { flat_grads, grad_buffer, round_len: sizes.round_len, grad_part, grad_acc, reduced: sizes.reduced })
 }

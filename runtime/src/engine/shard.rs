@@ -3,29 +3,36 @@
 //! parameter shard; read as one tensor in the optimizer's order and written back the same way.
 use tch::Tensor;
 
+use super::plan::{Optimized, StagePlan};
 use super::{Engine, FlatLayout};
 use crate::error::Result;
 
 /// This rank's optimized values in the model's dtype: a view of `flat_params` where they are contiguous (stages
 /// 0-1, 3's shard), the concatenation of its chunk of every unit at stage 2 (laid out by units).
-pub(super) fn shard_values(flat_params: &Tensor, layout: &FlatLayout, rank: usize, stage: u8, optimized: &std::ops::Range<usize>) -> Tensor {
-    if stage == 2 {
-        let pieces: Vec<Tensor> = layout.shard_pieces(rank).into_iter().map(|p| flat_params.narrow(0, p.start as i64, p.len() as i64)).collect();
+pub(super) fn shard_values(
+    flat_params: &Tensor,
+    layout: &FlatLayout,
+    rank: usize,
+    plan: &StagePlan,
+    optimized: &Optimized,
+) -> Tensor {
+    if plan.shard_in_pieces() {
+        let pieces: Vec<Tensor> = layout
+            .shard_pieces(rank)
+            .into_iter()
+            .map(|p| flat_params.narrow(0, p.start as i64, p.len() as i64))
+            .collect();
         Tensor::cat(&pieces, 0)
     } else {
-        flat_params.narrow(0, optimized.start as i64, optimized.len() as i64)
+        let r = optimized.range();
+        flat_params.narrow(0, r.start as i64, r.len() as i64)
     }
 }
 
 impl Engine {
     /// Whether the optimizer steps a contiguous copy of the shard rather than the values in place.
     pub(super) fn steps_a_copy_of_the_shard(&self) -> bool {
-        self.shard_in_pieces() || self.swapped_params.is_some()
-    }
-
-    /// Whether this rank's optimized values are pieces of the full parameter buffer (stage 2, laid out by units).
-    fn shard_in_pieces(&self) -> bool {
-        self.config.zero_optimization.stage == 2
+        self.plan.shard_in_pieces() || self.swapped_params.is_some()
     }
 
     /// This rank's optimized values in the model's dtype, in the optimizer's order (a view where contiguous in
@@ -35,8 +42,7 @@ impl Engine {
         if let Some(swapped) = self.swapped_params.as_mut() {
             return swapped.read_all(len);
         }
-        let z = &self.config.zero_optimization;
-        Ok(shard_values(&self.flat_params, &self.layout, self.rank(), z.stage, &self.optimized))
+        Ok(shard_values(&self.flat_params, &self.layout, self.rank(), &self.plan, &self.optimized))
     }
 
     /// Writes values in the optimizer's order (any float kind) into this rank's part of the parameters.
@@ -46,7 +52,7 @@ impl Engine {
         }
         let values = values.to_kind(self.flat_params.kind());
         tch::no_grad(|| -> Result<()> {
-            if self.shard_in_pieces() {
+            if self.plan.shard_in_pieces() {
                 let mut at = 0i64;
                 for piece in self.layout.shard_pieces(self.rank()) {
                     let n = piece.len() as i64;
@@ -54,7 +60,9 @@ impl Engine {
                     at += n;
                 }
             } else {
-                self.flat_params.narrow(0, self.optimized.start as i64, self.optimized.len() as i64).f_copy_(&values)?;
+                self.flat_params
+                    .narrow(0, self.optimized.range().start as i64, self.optimized.len() as i64)
+                    .f_copy_(&values)?;
             }
             Ok(())
         })

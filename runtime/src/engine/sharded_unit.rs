@@ -47,28 +47,59 @@ impl ShardedUnit {
     /// Packs `params` (the unit's tensors, in slot order) into a new buffer and makes them views of it; the unit
     /// starts gathered with the model's own values.
     /// `shared`: the buffer goes in the shm backend's shared region (see `views::comm_zeros`).
-    pub fn new(span: UnitSpan, slots: &[ParamSlot], params: Vec<Tensor>, kind: Kind, shard_offset: usize, persistent: bool, shared: bool) -> Result<ShardedUnit> {
+    pub fn new(
+        span: UnitSpan,
+        slots: &[ParamSlot],
+        params: Vec<Tensor>,
+        kind: Kind,
+        shard_offset: usize,
+        persistent: bool,
+        shared: bool,
+    ) -> Result<ShardedUnit> {
         let full = views::comm_zeros(span.range.len(), kind, shared)?;
         let mut views = Vec::with_capacity(params.len());
         let mut params = params;
         tch::no_grad(|| {
             for (slot, t) in slots.iter().zip(params.iter_mut()) {
-                let view = full.narrow(0, (slot.range.start - span.range.start) as i64, slot.range.len() as i64).view(slot.shape.as_slice());
+                let view = full
+                    .narrow(0, (slot.range.start - span.range.start) as i64, slot.range.len() as i64)
+                    .view(slot.shape.as_slice());
                 view.shallow_clone().copy_(t);
                 t.set_data(&view);
                 views.push(view);
             }
         });
         let empty = Tensor::zeros([0], (kind, tch::Device::Cpu));
-        Ok(ShardedUnit { span, shard_offset, persistent, full, views, params, empty, state: UnitState::Gathered, pending: None, in_place: false })
+        Ok(ShardedUnit {
+            span,
+            shard_offset,
+            persistent,
+            full,
+            views,
+            params,
+            empty,
+            state: UnitState::Gathered,
+            pending: None,
+            in_place: false,
+        })
     }
 
     /// Start-up at stage 3: packs `params` into a new unit, takes rank 0's values, copies this rank's chunk into
     /// `shard` (at `shard_offset`) and releases the unit unless it is `persistent`; then hands the pages of the
     /// parameters' original tensors, freed by the packing, back to the OS. So start-up holds the model, the shard
     /// and one unit rather than the model twice.
-    pub fn shard_from_rank0(span: UnitSpan, slots: &[ParamSlot], params: Vec<Tensor>, kind: Kind, shard_offset: usize, persistent: bool, comm: &dyn Communicator, shard: &Tensor) -> Result<ShardedUnit> {
-        let mut unit = ShardedUnit::new(span, slots, params, kind, shard_offset, persistent, comm.prefers_shared_buffers())?;
+    pub fn shard_from_rank0(
+        span: UnitSpan,
+        slots: &[ParamSlot],
+        params: Vec<Tensor>,
+        kind: Kind,
+        shard_offset: usize,
+        persistent: bool,
+        comm: &dyn Communicator,
+        shard: &Tensor,
+    ) -> Result<ShardedUnit> {
+        let mut unit =
+            ShardedUnit::new(span, slots, params, kind, shard_offset, persistent, comm.prefers_shared_buffers())?;
         views::broadcast(comm, unit.full(), 0)?;
         unit.store_chunk(shard, comm.rank(), comm.world_size());
         if !persistent {
@@ -80,13 +111,34 @@ impl ShardedUnit {
 
     /// Stage 2 with units: a unit over `region` of the engine's full parameter buffer, which the model's tensors
     /// (`params`, in slot order) already view. Always gathered; refreshing all-gathers the region in place.
-    pub fn in_place(span: UnitSpan, slots: &[ParamSlot], params: Vec<Tensor>, region: Tensor, shard_offset: usize) -> ShardedUnit {
+    pub fn in_place(
+        span: UnitSpan,
+        slots: &[ParamSlot],
+        params: Vec<Tensor>,
+        region: Tensor,
+        shard_offset: usize,
+    ) -> ShardedUnit {
         let views = slots
             .iter()
-            .map(|slot| region.narrow(0, (slot.range.start - span.range.start) as i64, slot.range.len() as i64).view(slot.shape.as_slice()))
+            .map(|slot| {
+                region
+                    .narrow(0, (slot.range.start - span.range.start) as i64, slot.range.len() as i64)
+                    .view(slot.shape.as_slice())
+            })
             .collect();
         let empty = Tensor::zeros([0], (region.kind(), tch::Device::Cpu));
-        ShardedUnit { span, shard_offset, persistent: true, full: region, views, params, empty, state: UnitState::Gathered, pending: None, in_place: true }
+        ShardedUnit {
+            span,
+            shard_offset,
+            persistent: true,
+            full: region,
+            views,
+            params,
+            empty,
+            state: UnitState::Gathered,
+            pending: None,
+            in_place: true,
+        }
     }
 
     /// Whether the unit's buffer is its own (stage 3) rather than a region of the engine's parameters (stage 2).

@@ -8,7 +8,8 @@ use tch::Tensor;
 use super::sharded_unit::UnitState;
 use super::swapped_params::Chunk;
 use super::units::UnitModel;
-use super::{native, prefetch, views, Engine};
+use super::plan::{self, GradientPath};
+use super::{native, views, Engine};
 use crate::error::{Error, Result};
 
 /// What forward keeps of one unit for backward.
@@ -50,13 +51,14 @@ impl Engine {
         let _span = crate::report::Phase::Forward.span().entered();
         let (started, comm_before) = (std::time::Instant::now(), self.times.comm());
         let out = self.forward_impl(model, input);
-        self.times.add(crate::report::Phase::Forward, started.elapsed().saturating_sub(self.times.comm() - comm_before));
+        self.times
+            .add(crate::report::Phase::Forward, started.elapsed().saturating_sub(self.times.comm() - comm_before));
         out
     }
 
     fn forward_impl(&mut self, model: &dyn UnitModel, input: &Tensor) -> Result<Tensor> {
         let prefixes = model.unit_prefixes();
-        if self.units.is_empty() || self.grad_hooks.is_some() {
+        if self.plan.gradients != GradientPath::UnitWalk {
             let mut h = input.shallow_clone();
             for i in 0..prefixes.len() {
                 h = model.forward_unit(i, &h);
@@ -89,7 +91,11 @@ impl Engine {
             }
             // A unit's input needs a gradient only when a unit before it has trainable parameters (a frozen
             // backbone first: no backward through it).
-            let x = if i > first_trainable && h.is_floating_point() { h.detach().set_requires_grad(true) } else { h.shallow_clone() };
+            let x = if i > first_trainable && h.is_floating_point() {
+                h.detach().set_requires_grad(true)
+            } else {
+                h.shallow_clone()
+            };
             self.memory_event(|| format!("forward: unit {i} gathered"), &[]);
             let recompute = self.activation_checkpointing && !last;
             let y = if recompute { tch::no_grad(|| model.forward_unit(i, &x)) } else { model.forward_unit(i, &x) };
@@ -102,37 +108,30 @@ impl Engine {
         Ok(h)
     }
 
-    /// Which units forward leaves gathered because backward reuses them soon: the last one always, and units
-    /// whose reuse distance (elements of the units after them) is within `stage3_max_reuse_distance`, while the
-    /// live gathered elements stay within `stage3_max_live_parameters`.
+    /// Which units forward leaves gathered because backward reuses them soon ([`plan::kept_after_forward`]).
     fn kept_after_forward(&self) -> Vec<bool> {
         let z = &self.config.zero_optimization;
-        let n = self.units.len();
-        let mut keep = vec![false; n];
-        let mut later = 0u64;
-        let mut live = 0u64;
-        for i in (0..n).rev() {
-            let len = self.unit_elements(i);
-            if self.units[i].persistent {
-                later += len;
-                continue;
-            }
-            if i + 1 == n || (later <= z.stage3_max_reuse_distance && live + len <= z.stage3_max_live_parameters) {
-                keep[i] = true;
-                live += len;
-            }
-            later += len;
-        }
-        keep
+        let sizes: Vec<u64> = (0..self.units.len()).map(|i| self.unit_elements(i)).collect();
+        let persistent: Vec<bool> = self.units.iter().map(|u| u.persistent).collect();
+        plan::kept_after_forward(&sizes, &persistent, z.stage3_max_reuse_distance, z.stage3_max_live_parameters)
     }
 
     /// Stage 3 backward from a loss computed from `forward`'s output. `model` recomputes units when activation
     /// checkpointing is on.
-    pub(super) fn backward_units_impl(&mut self, model: Option<&dyn UnitModel>, loss: &Tensor, factor: f64) -> Result<()> {
+    pub(super) fn backward_units_impl(
+        &mut self,
+        model: Option<&dyn UnitModel>,
+        loss: &Tensor,
+        factor: f64,
+    ) -> Result<()> {
         let records = std::mem::take(&mut self.records);
         if records.len() != self.units.len() {
-            let stage = self.config.zero_optimization.stage;
-            let plain = if stage == 2 { "; for a plain loop at stage 2 build the engine without EngineOptions::units" } else { "" };
+            let stage = self.plan.stage();
+            let plain = if self.plan.shard_in_pieces() {
+                "; for a plain loop at stage 2 build the engine without EngineOptions::units"
+            } else {
+                ""
+            };
             return Err(Error::Usage(format!(
                 "the engine runs the model's units at stage {stage}: the loss must come from `engine.forward(&model, input)` (run with gradients), once per backward{plain}"
             )));
@@ -161,7 +160,8 @@ impl Engine {
                 if takes_input {
                     inputs.push(&rec.input);
                 }
-                let start: Option<(&Tensor, Option<&Tensor>)> = if last { Some((&root, None)) } else { upstream.as_ref().map(|g| (&output, Some(g))) };
+                let start: Option<(&Tensor, Option<&Tensor>)> =
+                    if last { Some((&root, None)) } else { upstream.as_ref().map(|g| (&output, Some(g))) };
                 match start {
                     _ if inputs.is_empty() => Vec::new(),
                     Some(r) if output.requires_grad() || last => native::grad(&[r], &inputs)?,
@@ -243,7 +243,7 @@ impl Engine {
     }
 
     /// With `overlap_comm`, starts the all-gathers of the units that come next in `order` (see
-    /// [`prefetch::units_to_prefetch`]); they finish on the communication thread while this rank computes.
+    /// [`plan::units_to_prefetch`]); they finish on the communication thread while this rank computes.
     fn prefetch(&mut self, order: impl Iterator<Item = usize>) -> Result<()> {
         if self.comm.thread().is_none() {
             return Ok(());
@@ -251,9 +251,18 @@ impl Engine {
         let z = &self.config.zero_optimization;
         let sizes: Vec<u64> = (0..self.units.len()).map(|u| self.unit_elements(u)).collect();
         let sharded: Vec<bool> = self.units.iter().map(|u| u.state() == UnitState::Sharded).collect();
-        let live: u64 = (0..self.units.len()).filter(|&u| !self.units[u].persistent && !sharded[u]).map(|u| sizes[u]).sum();
+        let live: u64 =
+            (0..self.units.len()).filter(|&u| !self.units[u].persistent && !sharded[u]).map(|u| sizes[u]).sum();
         let in_flight = self.units.iter().filter(|u| u.state() == UnitState::Gathering).count();
-        let picked = prefetch::units_to_prefetch(order, &sizes, &sharded, live, in_flight, z.stage3_prefetch_bucket_size, z.stage3_max_live_parameters);
+        let picked = plan::units_to_prefetch(
+            order,
+            &sizes,
+            &sharded,
+            live,
+            in_flight,
+            z.stage3_prefetch_bucket_size,
+            z.stage3_max_live_parameters,
+        );
         for u in picked {
             let chunk = self.unit_chunk(u)?;
             let thread = self.comm.thread().expect("checked above");
@@ -317,7 +326,14 @@ impl Engine {
     /// Copies elements `c..c+l` of every rank's chunk of unit `i`'s gradients (slot order; None: zeros) into
     /// `staged` (`ws * l` long, rank by rank): one round of [`Engine::reduce_unit`]. The whole unit (`c` 0, `l`
     /// the chunk) is the unit's flat gradient, staged slot by slot.
-    pub(super) fn stage_unit_round(&self, i: usize, grads: &[Option<Tensor>], staged: &Tensor, c: usize, l: usize) -> Result<()> {
+    pub(super) fn stage_unit_round(
+        &self,
+        i: usize,
+        grads: &[Option<Tensor>],
+        staged: &Tensor,
+        c: usize,
+        l: usize,
+    ) -> Result<()> {
         let ws = self.world_size();
         let span = &self.units[i].span;
         let chunk = span.chunk_len(ws);
@@ -326,7 +342,9 @@ impl Engine {
             if c == 0 && l == chunk {
                 for (slot, g) in self.layout.slots[span.slots.clone()].iter().zip(grads) {
                     if let Some(g) = g {
-                        staged.narrow(0, (slot.range.start - span.range.start) as i64, slot.range.len() as i64).f_copy_(&g.reshape([-1]))?;
+                        staged
+                            .narrow(0, (slot.range.start - span.range.start) as i64, slot.range.len() as i64)
+                            .f_copy_(&g.reshape([-1]))?;
                     }
                 }
                 return Ok(());
@@ -421,20 +439,33 @@ impl Engine {
         let shard = Tensor::zeros([layout.partition_len() as i64], (kind, tch::Device::Cpu));
         let (names, params): (Vec<String>, Vec<Tensor>) = named.into_iter().unzip();
         let mut units = Vec::with_capacity(layout.units.len());
-        let (mut offset, mut persistent_total) = (0, 0u64);
-        for (span, frozen) in layout.units.iter().zip(frozen_numel) {
-            // A unit persists by its whole size, frozen parameters included: both parts are gathered together.
-            let numel: u64 = layout.slots[span.slots.clone()].iter().map(|s| s.range.len() as u64).sum::<u64>() + frozen;
-            let persistent = numel < z.stage3_param_persistence_threshold && persistent_total + numel <= z.stage3_model_persistence_threshold;
-            if persistent {
-                persistent_total += numel;
-            }
+        // A unit persists by its whole size, frozen parameters included: both parts are gathered together.
+        let numels: Vec<u64> = layout
+            .units
+            .iter()
+            .zip(frozen_numel)
+            .map(|(span, frozen)| layout.slots[span.slots.clone()].iter().map(|s| s.range.len() as u64).sum::<u64>() + frozen)
+            .collect();
+        let persistence =
+            plan::persistent_units(&numels, z.stage3_param_persistence_threshold, z.stage3_model_persistence_threshold);
+        let mut offset = 0;
+        for (span, persistent) in layout.units.iter().zip(persistence) {
             if let (Some(m), false) = (materialize.as_deref_mut(), span.slots.is_empty()) {
-                let vars: Vec<(&str, &Tensor)> = names[span.slots.clone()].iter().map(String::as_str).zip(&params[span.slots.clone()]).collect();
+                let vars: Vec<(&str, &Tensor)> =
+                    names[span.slots.clone()].iter().map(String::as_str).zip(&params[span.slots.clone()]).collect();
                 m(units.len(), &vars)?;
             }
             let own: Vec<Tensor> = params[span.slots.clone()].iter().map(Tensor::shallow_clone).collect();
-            units.push(super::ShardedUnit::shard_from_rank0(span.clone(), &layout.slots[span.slots.clone()], own, kind, offset, persistent, comm, &shard)?);
+            units.push(super::ShardedUnit::shard_from_rank0(
+                span.clone(),
+                &layout.slots[span.slots.clone()],
+                own,
+                kind,
+                offset,
+                persistent,
+                comm,
+                &shard,
+            )?);
             offset += span.chunk_len(ws);
         }
         Ok((shard, params, units))

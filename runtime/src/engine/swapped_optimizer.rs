@@ -84,7 +84,11 @@ impl SwappedOptimizer {
             for (_, b) in optimizer.state_mut().buffers.iter_mut() {
                 *b = AlignedVec::filled(0, 0.0);
             }
-            s.swapper.swap_out(&key(s.subgroups.len()), buf, range.len() * bytes_per_element).wait().map(|b| s.pool.give_back(b)).map_err(offload_err)?;
+            s.swapper
+                .swap_out(&key(s.subgroups.len()), buf, range.len() * bytes_per_element)
+                .wait()
+                .map(|b| s.pool.give_back(b))
+                .map_err(offload_err)?;
             s.subgroups.push(SubGroup { range, optimizer, groups: Vec::new() });
         }
         // The sub-groups' initial states were allocated and freed one by one: give the freed pages back.
@@ -94,7 +98,10 @@ impl SwappedOptimizer {
         }
         for g in &s.subgroups {
             if !s.scratch.iter().any(|(l, _)| *l == g.range.len()) {
-                s.scratch.push((g.range.len(), s.state_names.iter().map(|_| AlignedVec::filled(g.range.len(), 0.0)).collect()));
+                s.scratch.push((
+                    g.range.len(),
+                    s.state_names.iter().map(|_| AlignedVec::filled(g.range.len(), 0.0)).collect(),
+                ));
             }
         }
         Ok(s)
@@ -133,13 +140,23 @@ impl SwappedOptimizer {
 
     /// One optimizer step over the whole range, sub-group by sub-group. `groups` are the engine's (relative to
     /// the range start).
-    pub fn step(&mut self, params: &mut [f32], grads: &[f32], groups: &[Group], mut out: Option<ParamsOut<'_>>) -> Result<()> {
+    pub fn step(
+        &mut self,
+        params: &mut [f32],
+        grads: &[f32],
+        groups: &[Group],
+        mut out: Option<ParamsOut<'_>>,
+    ) -> Result<()> {
         for g in &mut self.subgroups {
             g.groups = groups
                 .iter()
                 .filter_map(|x| {
                     let (a, b) = (x.range.start.max(g.range.start), x.range.end.min(g.range.end));
-                    (a < b).then(|| Group { range: a - g.range.start..b - g.range.start, lr: x.lr, weight_decay: x.weight_decay })
+                    (a < b).then(|| Group {
+                        range: a - g.range.start..b - g.range.start,
+                        lr: x.lr,
+                        weight_decay: x.weight_decay,
+                    })
                 })
                 .collect();
         }
@@ -154,14 +171,20 @@ impl SwappedOptimizer {
             }
             let sg = &mut self.subgroups[k];
             let range = sg.range.clone();
-            let scratch = &mut self.scratch.iter_mut().find(|(l, _)| *l == range.len()).expect("a scratch set per sub-group length").1;
+            let scratch = &mut self
+                .scratch
+                .iter_mut()
+                .find(|(l, _)| *l == range.len())
+                .expect("a scratch set per sub-group length")
+                .1;
             lend(sg.optimizer.as_mut(), scratch, range.len(), &buf, step);
             self.pool.give_back(buf);
             let sub_out = out.as_mut().map(|o| match o {
                 ParamsOut::Bf16(s) => ParamsOut::Bf16(&mut s[range.clone()]),
                 ParamsOut::F16(s) => ParamsOut::F16(&mut s[range.clone()]),
             });
-            let r = sg.optimizer.step(&mut params[range.clone()], Grads::F32(&grads[range.clone()]), &sg.groups, sub_out);
+            let r =
+                sg.optimizer.step(&mut params[range.clone()], Grads::F32(&grads[range.clone()]), &sg.groups, sub_out);
             let packed = pack(&self.pool, sg.optimizer.as_mut(), range.len());
             take_back(sg.optimizer.as_mut(), scratch);
             r?;

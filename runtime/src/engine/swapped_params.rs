@@ -83,7 +83,9 @@ impl SwappedParams {
             return Err(ConfigError::Invalid {
                 path: "zero_optimization.offload_param.buffer_size".into(),
                 value: config.buffer_size.to_string(),
-                allowed: format!("at least the largest unit's shard on this rank, {largest} elements (or split that unit)"),
+                allowed: format!(
+                    "at least the largest unit's shard on this rank, {largest} elements (or split that unit)"
+                ),
             }
             .into());
         }
@@ -226,8 +228,14 @@ impl SwappedParams {
         for u in 0..self.chunks.len() {
             let src = &master[self.chunks[u].clone()];
             self.write_with(u, |dst| match kind {
-                Kind::BFloat16 => half::slice::HalfFloatSliceExt::convert_from_f32_slice(bytemuck::cast_slice_mut::<u8, half::bf16>(dst), src),
-                Kind::Half => half::slice::HalfFloatSliceExt::convert_from_f32_slice(bytemuck::cast_slice_mut::<u8, half::f16>(dst), src),
+                Kind::BFloat16 => half::slice::HalfFloatSliceExt::convert_from_f32_slice(
+                    bytemuck::cast_slice_mut::<u8, half::bf16>(dst),
+                    src,
+                ),
+                Kind::Half => half::slice::HalfFloatSliceExt::convert_from_f32_slice(
+                    bytemuck::cast_slice_mut::<u8, half::f16>(dst),
+                    src,
+                ),
                 _ => dst.copy_from_slice(bytemuck::cast_slice(src)),
             })?;
         }
@@ -242,7 +250,8 @@ impl SwappedParams {
     /// Bytes in host memory between steps: chunks kept there, idle swap buffers, and those of the reads started
     /// ahead (at least a chunk's pages each).
     pub fn resident_bytes(&self) -> usize {
-        let kept: usize = (0..self.chunks.len()).filter(|&u| self.in_memory[u].is_some()).map(|u| self.chunk_bytes(u)).sum();
+        let kept: usize =
+            (0..self.chunks.len()).filter(|&u| self.in_memory[u].is_some()).map(|u| self.chunk_bytes(u)).sum();
         let reading: usize = self.reads.keys().map(|&u| self.chunk_bytes(u).div_ceil(PAGE) * PAGE).sum();
         kept + self.pool.idle_bytes() + reading
     }

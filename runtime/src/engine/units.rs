@@ -44,7 +44,11 @@ impl<'a> Sequence<'a> {
     }
 
     /// Appends a unit owning the parameters under `prefixes`.
-    pub fn unit<S: Into<String>>(mut self, prefixes: impl IntoIterator<Item = S>, forward: impl Fn(&Tensor) -> Tensor + 'a) -> Self {
+    pub fn unit<S: Into<String>>(
+        mut self,
+        prefixes: impl IntoIterator<Item = S>,
+        forward: impl Fn(&Tensor) -> Tensor + 'a,
+    ) -> Self {
         self.units.push((prefixes.into_iter().map(Into::into).collect(), Box::new(forward)));
         self
     }
@@ -61,7 +65,9 @@ impl UnitModel for Sequence<'_> {
 }
 
 fn owns(prefix: &str, name: &str) -> bool {
-    prefix.is_empty() || name == prefix || (name.starts_with(prefix) && name.as_bytes().get(prefix.len()) == Some(&b'.'))
+    prefix.is_empty()
+        || name == prefix
+        || (name.starts_with(prefix) && name.as_bytes().get(prefix.len()) == Some(&b'.'))
 }
 
 /// The unit of every parameter name: `names` are assigned in order; errors name a parameter no unit (or two
@@ -76,8 +82,18 @@ pub fn assign(prefixes: &[Vec<String>], names: &[String]) -> Result<Vec<usize>> 
                 used[*u] = true;
                 unit_of.push(*u);
             }
-            [] => return Err(Error::Parameter { name: name.clone(), why: format!("belongs to no unit (unit prefixes: {prefixes:?})") }),
-            many => return Err(Error::Parameter { name: name.clone(), why: format!("belongs to several units: {many:?}; each parameter needs exactly one") }),
+            [] => {
+                return Err(Error::Parameter {
+                    name: name.clone(),
+                    why: format!("belongs to no unit (unit prefixes: {prefixes:?})"),
+                })
+            }
+            many => {
+                return Err(Error::Parameter {
+                    name: name.clone(),
+                    why: format!("belongs to several units: {many:?}; each parameter needs exactly one"),
+                })
+            }
         }
     }
     if let Some(u) = used.iter().position(|u| !u) {

@@ -66,7 +66,8 @@ pub fn buf_mut(t: &Tensor) -> crate::comm::BufMut<'_> {
         _ => crate::comm::Dtype::F32,
     };
     let bytes = t.numel() * t.kind().elt_size_in_bytes();
-    let bytes: &mut [u8] = if bytes == 0 { &mut [] } else { unsafe { std::slice::from_raw_parts_mut(t.data_ptr() as *mut u8, bytes) } };
+    let bytes: &mut [u8] =
+        if bytes == 0 { &mut [] } else { unsafe { std::slice::from_raw_parts_mut(t.data_ptr() as *mut u8, bytes) } };
     crate::comm::BufMut { bytes, dtype }
 }
 

@@ -26,8 +26,16 @@ use crate::error::{Error, Result};
 pub const SCHEMA_VERSION: u32 = 2;
 
 /// Categories counted as model states (what ZeRO's formulas describe).
-pub const MODEL_STATE_CATEGORIES: [&str; 8] =
-    ["parameters", "parameters_nvme", "frozen_parameters", "gradients_full", "gradients_shard", "master_fp32", "optimizer_states", "optimizer_states_nvme"];
+pub const MODEL_STATE_CATEGORIES: [&str; 8] = [
+    "parameters",
+    "parameters_nvme",
+    "frozen_parameters",
+    "gradients_full",
+    "gradients_shard",
+    "master_fp32",
+    "optimizer_states",
+    "optimizer_states_nvme",
+];
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CategoryBytes {
@@ -128,7 +136,9 @@ impl MemoryTracker {
         self.observe(now, peaks);
         let categories = now
             .iter()
-            .map(|(n, b)| (n.to_string(), peaks.iter().find(|(p, _)| p == n).map_or(*b, |(_, pb)| (*pb).max(*b)) as u64))
+            .map(|(n, b)| {
+                (n.to_string(), peaks.iter().find(|(p, _)| p == n).map_or(*b, |(_, pb)| (*pb).max(*b)) as u64)
+            })
             .collect();
         self.steps.push(StepSample { step, rss_bytes: rss().0, categories });
         self.end_step();
@@ -136,7 +146,12 @@ impl MemoryTracker {
 
     /// A sample at an event of step `step`: resident memory now and `now` by category.
     pub fn event(&mut self, step: u64, event: String, now: &[(&'static str, usize)]) {
-        let sample = EventSample { step, event, rss_bytes: rss().0, categories: now.iter().map(|(n, b)| (n.to_string(), *b as u64)).collect() };
+        let sample = EventSample {
+            step,
+            event,
+            rss_bytes: rss().0,
+            categories: now.iter().map(|(n, b)| (n.to_string(), *b as u64)).collect(),
+        };
         self.current_events.push(sample);
     }
 
@@ -165,7 +180,11 @@ pub fn model_state_bytes(now: &[(&'static str, usize)]) -> u64 {
 pub fn rss() -> (u64, u64) {
     let Ok(status) = std::fs::read_to_string("/proc/self/status") else { return (0, 0) };
     let field = |key: &str| {
-        status.lines().find_map(|l| l.strip_prefix(key)).and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok()).map_or(0, |kb| kb * 1024)
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(key))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            .map_or(0, |kb| kb * 1024)
     };
     let peers = if crate::comm::region::peers_mapped() {
         let own = crate::comm::region::SharedRegion::process().map_or(0, |r| r.used() as u64);
@@ -183,7 +202,8 @@ pub fn report_path(dir: &Path, rank: usize) -> PathBuf {
 impl MemoryReport {
     pub fn write(&self, dir: &Path) -> Result<PathBuf> {
         let path = report_path(dir, self.rank);
-        std::fs::create_dir_all(dir).map_err(|e| Error::Usage(format!("memory report folder {}: {e}", dir.display())))?;
+        std::fs::create_dir_all(dir)
+            .map_err(|e| Error::Usage(format!("memory report folder {}: {e}", dir.display())))?;
         let text = serde_json::to_string_pretty(self).expect("the report serializes");
         crate::checkpoint::files::write_atomic(&path, text.as_bytes())?;
         Ok(path)
@@ -193,12 +213,17 @@ impl MemoryReport {
     pub fn read(dir: &Path, rank: usize) -> Result<MemoryReport> {
         let path = report_path(dir, rank);
         let text = std::fs::read_to_string(&path).map_err(|e| Error::Usage(format!("{}: {e}", path.display())))?;
-        let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::Usage(format!("{}: not JSON: {e}", path.display())))?;
+        let v: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| Error::Usage(format!("{}: not JSON: {e}", path.display())))?;
         let found = v.get("schema_version").and_then(|x| x.as_u64()).unwrap_or(0) as u32;
         if found > SCHEMA_VERSION {
-            return Err(Error::Usage(format!("{}: schema version {found} is newer than this zerorun reads ({SCHEMA_VERSION})", path.display())));
+            return Err(Error::Usage(format!(
+                "{}: schema version {found} is newer than this zerorun reads ({SCHEMA_VERSION})",
+                path.display()
+            )));
         }
-        serde_json::from_value(v).map_err(|e| Error::Usage(format!("{}: not a zerorun memory report: {e}", path.display())))
+        serde_json::from_value(v)
+            .map_err(|e| Error::Usage(format!("{}: not a zerorun memory report: {e}", path.display())))
     }
 }
 
@@ -223,7 +248,15 @@ pub fn table(reports: &[MemoryReport]) -> String {
     for n in names {
         let cells = reports
             .iter()
-            .map(|r| r.categories.get(n).map_or("-".into(), |c| if c.peak_bytes > c.current_bytes { format!("{} (peak {})", mib(c.current_bytes), mib(c.peak_bytes)) } else { mib(c.current_bytes) }))
+            .map(|r| {
+                r.categories.get(n).map_or("-".into(), |c| {
+                    if c.peak_bytes > c.current_bytes {
+                        format!("{} (peak {})", mib(c.current_bytes), mib(c.peak_bytes))
+                    } else {
+                        mib(c.current_bytes)
+                    }
+                })
+            })
             .collect();
         rows.push((n.clone(), cells));
     }
@@ -231,15 +264,23 @@ pub fn table(reports: &[MemoryReport]) -> String {
     rows.push(("model states, estimate".into(), reports.iter().map(|r| mib(r.model_states.estimated_bytes)).collect()));
     rows.push(("process floor (RSS at initialize)".into(), reports.iter().map(|r| mib(r.floor_rss_bytes)).collect()));
     rows.push(("peak RSS during initialize".into(), reports.iter().map(|r| mib(r.init_peak_rss_bytes)).collect()));
-    rows.push(("peak event RSS".into(), reports.iter().map(|r| r.peak.as_ref().map_or("-".into(), |p| mib(p.rss_bytes))).collect()));
+    rows.push((
+        "peak event RSS".into(),
+        reports.iter().map(|r| r.peak.as_ref().map_or("-".into(), |p| mib(p.rss_bytes))).collect(),
+    ));
     rows.push((
         "unaccounted at the peak event".into(),
-        reports.iter().map(|r| r.peak.as_ref().map_or("-".into(), |p| mib_signed(p.unaccounted_bytes(r.floor_rss_bytes)))).collect(),
+        reports
+            .iter()
+            .map(|r| r.peak.as_ref().map_or("-".into(), |p| mib_signed(p.unaccounted_bytes(r.floor_rss_bytes))))
+            .collect(),
     ));
     rows.push(("peak RSS (process)".into(), reports.iter().map(|r| mib(r.peak_rss_bytes)).collect()));
     let header: Vec<String> = reports.iter().map(|r| format!("rank {}", r.rank)).collect();
     let first = rows.iter().map(|r| r.0.len()).max().unwrap_or(0).max("memory (MiB)".len());
-    let widths: Vec<usize> = (0..reports.len()).map(|i| rows.iter().map(|r| r.1[i].len()).chain([header[i].len()]).max().unwrap_or(0)).collect();
+    let widths: Vec<usize> = (0..reports.len())
+        .map(|i| rows.iter().map(|r| r.1[i].len()).chain([header[i].len()]).max().unwrap_or(0))
+        .collect();
     let mut out = format!("{:<first$}", "memory (MiB)");
     for (h, w) in header.iter().zip(&widths) {
         out += &format!("  {h:>w$}");
@@ -302,7 +343,12 @@ mod tests {
             init_peak_rss_bytes: 2 << 20,
             peak_rss_bytes: 100 << 20,
             steps: t.steps,
-            peak: Some(EventSample { step: 2, event: "backward: unit 1 gradients".into(), rss_bytes: 10 << 20, categories: [("parameters_gathered".to_string(), 3 << 20)].into() }),
+            peak: Some(EventSample {
+                step: 2,
+                event: "backward: unit 1 gradients".into(),
+                rss_bytes: 10 << 20,
+                categories: [("parameters_gathered".to_string(), 3 << 20)].into(),
+            }),
             events: Vec::new(),
         }
     }
@@ -326,7 +372,12 @@ mod tests {
         t.current_events[0].rss_bytes = first.rss_bytes + 1;
         t.end_step();
         assert_eq!((t.peak.as_ref().unwrap().step, t.peak_step_events.len()), (3, 1));
-        let p = EventSample { step: 4, event: "backward: unit 2 gradients".into(), rss_bytes: 100 << 20, categories: [(a.to_string(), 60 << 20), (b.to_string(), 30 << 20)].into() };
+        let p = EventSample {
+            step: 4,
+            event: "backward: unit 2 gradients".into(),
+            rss_bytes: 100 << 20,
+            categories: [(a.to_string(), 60 << 20), (b.to_string(), 30 << 20)].into(),
+        };
         assert_eq!(p.unaccounted_bytes(4 << 20), 6 << 20);
         assert_eq!(
             describe_peak(&p, 4 << 20),

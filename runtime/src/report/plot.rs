@@ -12,14 +12,18 @@ use crate::error::{Error, Result};
 
 /// Where Debian's fonts-dejavu-core puts its sans font (`make setup` installs it); plotters needs a font to
 /// measure and draw text.
-const FONT_PATHS: [&str; 2] = ["/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf", "/usr/share/fonts/dejavu/DejaVuSans.ttf"];
+const FONT_PATHS: [&str; 2] =
+    ["/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf", "/usr/share/fonts/dejavu/DejaVuSans.ttf"];
 
 fn register_font() -> Result<()> {
     static FONT: OnceLock<std::result::Result<(), String>> = OnceLock::new();
     FONT.get_or_init(|| {
-        let bytes = FONT_PATHS.iter().find_map(|p| std::fs::read(p).ok()).ok_or_else(|| format!("no font for the memory plot (looked for {FONT_PATHS:?}; Debian: fonts-dejavu-core)"))?;
+        let bytes = FONT_PATHS.iter().find_map(|p| std::fs::read(p).ok()).ok_or_else(|| {
+            format!("no font for the memory plot (looked for {FONT_PATHS:?}; Debian: fonts-dejavu-core)")
+        })?;
         let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
-        plotters::style::register_font("sans-serif", FontStyle::Normal, bytes).map_err(|_| "the DejaVu font did not load".to_string())
+        plotters::style::register_font("sans-serif", FontStyle::Normal, bytes)
+            .map_err(|_| "the DejaVu font did not load".to_string())
     })
     .clone()
     .map_err(Error::Usage)
@@ -51,7 +55,14 @@ struct Point<'a> {
 
 /// Bars of `points` stacked by category (`names` gives order and colour), the resident memory as a red line on a
 /// right axis of its own, and `estimate` as a black line.
-fn stacked<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, caption: &str, x_desc: &str, names: &[String], points: &[Point], estimate: Option<u64>) -> std::result::Result<(), String> {
+fn stacked<DB: DrawingBackend>(
+    area: &DrawingArea<DB, Shift>,
+    caption: &str,
+    x_desc: &str,
+    names: &[String],
+    points: &[Point],
+    estimate: Option<u64>,
+) -> std::result::Result<(), String> {
     let err = |e: DrawingAreaErrorKind<DB::ErrorType>| e.to_string();
     let first = points.first().map_or(0.0, |p| p.x);
     let last = points.last().map_or(1.0, |p| p.x).max(first + 1.0);
@@ -89,13 +100,18 @@ fn stacked<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, caption: &str, x_d
         let bars = points.iter().map(|p| {
             let below: u64 = names[..i].iter().filter_map(|n| p.categories.get(n)).sum();
             let own = p.categories.get(name).copied().unwrap_or(0);
-            Rectangle::new([(p.x - width / 2.0, below as f64 / MIB), (p.x + width / 2.0, (below + own) as f64 / MIB)], color.filled())
+            Rectangle::new(
+                [(p.x - width / 2.0, below as f64 / MIB), (p.x + width / 2.0, (below + own) as f64 / MIB)],
+                color.filled(),
+            )
         });
         chart.draw_series(bars).map_err(err)?;
     }
     if let Some(est) = estimate {
         let est = est as f64 / MIB;
-        chart.draw_series(LineSeries::new([(first - 0.5, est), (last + 0.5, est)], BLACK.stroke_width(2))).map_err(err)?;
+        chart
+            .draw_series(LineSeries::new([(first - 0.5, est), (last + 0.5, est)], BLACK.stroke_width(2)))
+            .map_err(err)?;
     }
     if rss_max > 0.0 {
         let rss = points.iter().map(|p| (p.x, p.rss as f64 / MIB));
@@ -115,10 +131,14 @@ fn draw<DB: DrawingBackend>(root: DrawingArea<DB, Shift>, reports: &[MemoryRepor
     let font = ("sans-serif", 13).into_font();
     for (i, name) in names.iter().enumerate() {
         let (x, y) = entry(i);
-        strip.draw(&Rectangle::new([(x, y + 2), (x + 14, y + 14)], Palette99::pick(i).to_rgba().filled())).map_err(err)?;
+        strip
+            .draw(&Rectangle::new([(x, y + 2), (x + 14, y + 14)], Palette99::pick(i).to_rgba().filled()))
+            .map_err(err)?;
         strip.draw(&Text::new(name.clone(), (x + 20, y + 1), font.clone())).map_err(err)?;
     }
-    for (k, (label, color)) in [("model states, estimate", BLACK), ("resident memory (right axis)", RED)].into_iter().enumerate() {
+    for (k, (label, color)) in
+        [("model states, estimate", BLACK), ("resident memory (right axis)", RED)].into_iter().enumerate()
+    {
         let (x, y) = entry(names.len() + k);
         strip.draw(&PathElement::new([(x, y + 8), (x + 14, y + 8)], color.stroke_width(2))).map_err(err)?;
         strip.draw(&Text::new(label, (x + 20, y + 1), font.clone())).map_err(err)?;
@@ -126,14 +146,32 @@ fn draw<DB: DrawingBackend>(root: DrawingArea<DB, Shift>, reports: &[MemoryRepor
     let panels = body.split_evenly((reports.len().max(1), 1));
     for (panel, r) in panels.iter().zip(reports) {
         // Left: every optimizer step; right: the events of the step that held the run's peak (when recorded).
-        let (steps_area, events_area) = if r.events.is_empty() { (panel.clone(), None) } else { let (a, b) = panel.split_horizontally(panel.dim_in_pixel().0 * 3 / 5); (a, Some(b)) };
-        let points: Vec<Point> = r.steps.iter().map(|s| Point { x: s.step as f64, categories: &s.categories, rss: s.rss_bytes }).collect();
+        let (steps_area, events_area) = if r.events.is_empty() {
+            (panel.clone(), None)
+        } else {
+            let (a, b) = panel.split_horizontally(panel.dim_in_pixel().0 * 3 / 5);
+            (a, Some(b))
+        };
+        let points: Vec<Point> =
+            r.steps.iter().map(|s| Point { x: s.step as f64, categories: &s.categories, rss: s.rss_bytes }).collect();
         let caption = format!("rank {} of {}: ZeRO stage {}, {}", r.rank, r.world_size, r.stage, r.precision);
         stacked(&steps_area, &caption, "optimizer step", &names, &points, Some(r.model_states.estimated_bytes))?;
         if let Some(area) = events_area {
-            let points: Vec<Point> = r.events.iter().enumerate().map(|(i, e)| Point { x: i as f64, categories: &e.categories, rss: e.rss_bytes }).collect();
+            let points: Vec<Point> = r
+                .events
+                .iter()
+                .enumerate()
+                .map(|(i, e)| Point { x: i as f64, categories: &e.categories, rss: e.rss_bytes })
+                .collect();
             let step = r.events[0].step;
-            stacked(&area, &format!("events of step {step} (the peak's)"), "event (gather, gradients, step)", &names, &points, None)?;
+            stacked(
+                &area,
+                &format!("events of step {step} (the peak's)"),
+                "event (gather, gradients, step)",
+                &names,
+                &points,
+                None,
+            )?;
         }
     }
     root.present().map_err(err)?;
@@ -146,7 +184,9 @@ pub fn draw_memory(dir: &Path, reports: &[MemoryReport]) -> Result<(std::path::P
     let (svg, png) = (dir.join("memory.svg"), dir.join("memory.png"));
     let wide = reports.iter().any(|r| !r.events.is_empty());
     let size = (if wide { 1440 } else { 960 }, 80 + 320 * reports.len().max(1) as u32);
-    draw(SVGBackend::new(&svg, size).into_drawing_area(), reports).map_err(|e| Error::Usage(format!("{}: {e}", svg.display())))?;
-    draw(BitMapBackend::new(&png, size).into_drawing_area(), reports).map_err(|e| Error::Usage(format!("{}: {e}", png.display())))?;
+    draw(SVGBackend::new(&svg, size).into_drawing_area(), reports)
+        .map_err(|e| Error::Usage(format!("{}: {e}", svg.display())))?;
+    draw(BitMapBackend::new(&png, size).into_drawing_area(), reports)
+        .map_err(|e| Error::Usage(format!("{}: {e}", png.display())))?;
     Ok((svg, png))
 }

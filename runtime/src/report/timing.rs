@@ -13,7 +13,8 @@ pub enum Phase {
 }
 
 impl Phase {
-    pub const ALL: [Phase; 6] = [Phase::Forward, Phase::Backward, Phase::Step, Phase::AllGather, Phase::ReduceScatter, Phase::OffloadIo];
+    pub const ALL: [Phase; 6] =
+        [Phase::Forward, Phase::Backward, Phase::Step, Phase::AllGather, Phase::ReduceScatter, Phase::OffloadIo];
 
     /// A tracing span for this phase (`RUST_LOG=zerorun_runtime=trace` with a span-aware subscriber shows them).
     pub fn span(self) -> tracing::Span {
@@ -89,6 +90,8 @@ mod tests {
         t.add(Phase::Forward, Duration::from_millis(2));
         t.end_step();
         assert_eq!(t.mean_ms()[0], ("forward", 3.0));
-        assert!(t.summary().starts_with("wall_clock_breakdown over 2 steps, mean ms per step: forward 3.000, backward 0.000"));
+        assert!(t
+            .summary()
+            .starts_with("wall_clock_breakdown over 2 steps, mean ms per step: forward 3.000, backward 0.000"));
     }
 }

@@ -23,7 +23,16 @@ impl ShmComm {
     /// before that chunk of `dst` is written).
     /// Each finished chunk is also copied to every pointer of `push` (each `range.len()` bytes, not overlapping).
     #[allow(clippy::too_many_arguments)]
-    fn reduce_direct(&self, op: &'static str, range: std::ops::Range<usize>, local: *const u8, dst: *mut u8, push: &[*mut u8], dtype: Dtype, how: ReduceOp) -> CommResult<()> {
+    fn reduce_direct(
+        &self,
+        op: &'static str,
+        range: std::ops::Range<usize>,
+        local: *const u8,
+        dst: *mut u8,
+        push: &[*mut u8],
+        dtype: Dtype,
+        how: ReduceOp,
+    ) -> CommResult<()> {
         let mut scratch = self.scratch.borrow_mut();
         if scratch.len() < 2 * REDUCE_CHUNK / 8 {
             scratch.resize(2 * REDUCE_CHUNK / 8, 0);
@@ -101,11 +110,26 @@ impl ShmComm {
             // every peer's buffer (no rank then reads what a peer has just written, which costs a cross-core
             // transfer of dirty lines) and one barrier ends the collective.
             let push: Option<Vec<*mut u8>> = self.peers.all_buffers_shared(&self.seg, bytes.len()).then(|| {
-                (0..n).filter(|&k| k != self.seg.rank).map(|k| self.peers.ptr(&self.seg, k, mine.start, mine.len()).expect("checked: the peer's buffer is mapped")).collect()
+                (0..n)
+                    .filter(|&k| k != self.seg.rank)
+                    .map(|k| {
+                        self.peers
+                            .ptr(&self.seg, k, mine.start, mine.len())
+                            .expect("checked: the peer's buffer is mapped")
+                    })
+                    .collect()
             });
             // SAFETY: our own segment of our own buffer; the pushed-to ranges are this segment of the peers'
             // buffers, which their owners neither read nor write during the collective.
-            self.reduce_direct(OP, mine.clone(), base, unsafe { base.add(mine.start) }, push.as_deref().unwrap_or(&[]), dtype, op)?;
+            self.reduce_direct(
+                OP,
+                mine.clone(),
+                base,
+                unsafe { base.add(mine.start) },
+                push.as_deref().unwrap_or(&[]),
+                dtype,
+                op,
+            )?;
             if push.is_some() {
                 return self.seg.barrier(OP);
             }
@@ -133,7 +157,12 @@ impl ShmComm {
         Ok(())
     }
 
-    pub(super) fn reduce_scatter_buf_impl(&self, input: BufRef<'_>, output: BufMut<'_>, op: ReduceOp) -> CommResult<()> {
+    pub(super) fn reduce_scatter_buf_impl(
+        &self,
+        input: BufRef<'_>,
+        output: BufMut<'_>,
+        op: ReduceOp,
+    ) -> CommResult<()> {
         const OP: &str = "reduce_scatter";
         let part = agreement::scatter_output(OP, self.seg.rank, self.seg.world_size, &input, &output)?;
         let (dtype, es) = (input.dtype, input.dtype.size());
@@ -142,7 +171,15 @@ impl ShmComm {
         let r = self.seg.rank;
         let pb = part * es;
         if self.peers.direct() {
-            self.reduce_direct(OP, r * pb..(r + 1) * pb, input.bytes.as_ptr(), output.bytes.as_mut_ptr(), &[], dtype, op)?;
+            self.reduce_direct(
+                OP,
+                r * pb..(r + 1) * pb,
+                input.bytes.as_ptr(),
+                output.bytes.as_mut_ptr(),
+                &[],
+                dtype,
+                op,
+            )?;
             return self.seg.barrier(OP);
         }
         let q = (SLOT_BYTES / n / es).max(1) * es; // bytes of each part per round
@@ -207,5 +244,4 @@ impl ShmComm {
         }
         Ok(())
     }
-
 }

@@ -59,7 +59,9 @@ impl PeerAccess {
                 if k == rank || published.2 == 0 {
                     return None;
                 }
-                PeerRegion::map(seg.pid(k), published).map_err(|e| tracing::debug!(rank, peer = k, error = %e, "cannot map the peer's buffer region")).ok()
+                PeerRegion::map(seg.pid(k), published)
+                    .map_err(|e| tracing::debug!(rank, peer = k, error = %e, "cannot map the peer's buffer region"))
+                    .ok()
             })
             .collect();
         let ok = len != 0 && (0..n).all(|k| k == rank || self.regions[k].is_some());
@@ -100,7 +102,14 @@ impl PeerAccess {
     }
 
     /// Reads `dst.len()` bytes at byte offset `offset` of rank `k`'s buffer in this collective.
-    pub(super) fn read(&self, seg: &Segment, op: &'static str, k: usize, offset: usize, dst: &mut [u8]) -> CommResult<()> {
+    pub(super) fn read(
+        &self,
+        seg: &Segment,
+        op: &'static str,
+        k: usize,
+        offset: usize,
+        dst: &mut [u8],
+    ) -> CommResult<()> {
         if dst.is_empty() {
             return Ok(());
         }

@@ -56,7 +56,8 @@ pub(super) const R_REGION_OK: usize = 11;
 
 /// `/dev/shm/zerorun-<run id>` with anything but letters, digits, '-' and '.' replaced.
 pub fn segment_path(run_id: &str) -> PathBuf {
-    let clean: String = run_id.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '.' { c } else { '_' }).collect();
+    let clean: String =
+        run_id.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '.' { c } else { '_' }).collect();
     PathBuf::from(format!("/dev/shm/zerorun-{clean}"))
 }
 
@@ -86,7 +87,13 @@ impl Segment {
         if rank == 0 {
             // Written under a temporary name and renamed, so no rank ever maps a half-initialised segment.
             let tmp = PathBuf::from(format!("{}.tmp-{}", path.display(), std::process::id()));
-            let file = OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&tmp).map_err(|e| fail(format!("create: {e}")))?;
+            let file = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .open(&tmp)
+                .map_err(|e| fail(format!("create: {e}")))?;
             file.set_len(total as u64).map_err(|e| fail(format!("size {total} bytes: {e}")))?;
             // SAFETY: the file is ours and stays mapped for the life of the communicator.
             let map = unsafe { MmapMut::map_mut(&file) }.map_err(|e| fail(format!("mmap: {e}")))?;
@@ -99,7 +106,8 @@ impl Segment {
             while s.word(W_ATTACHED).load(Ordering::Acquire) < world_size as u64 - 1 {
                 if start.elapsed() > timeout {
                     let _ = std::fs::remove_file(&path);
-                    let missing: Vec<usize> = (1..world_size).filter(|&r| s.rank_word(r, R_PID).load(Ordering::Acquire) == 0).collect();
+                    let missing: Vec<usize> =
+                        (1..world_size).filter(|&r| s.rank_word(r, R_PID).load(Ordering::Acquire) == 0).collect();
                     return Err(fail(format!("ranks {missing:?} did not attach within {timeout:?} (comms_timeout)")));
                 }
                 std::thread::sleep(Duration::from_millis(1));
@@ -115,7 +123,9 @@ impl Segment {
                 Ok(f) => {
                     let len = f.metadata().map(|m| m.len()).unwrap_or(0);
                     if len as usize != total && len != 0 {
-                        return Err(fail(format!("segment has {len} bytes, expected {total}: is WORLD_SIZE the same on every rank?")));
+                        return Err(fail(format!(
+                            "segment has {len} bytes, expected {total}: is WORLD_SIZE the same on every rank?"
+                        )));
                     }
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
@@ -129,7 +139,9 @@ impl Segment {
         // SAFETY: as above; the segment is shared by design and accessed through atomics and barriers.
         let map = unsafe { MmapMut::map_mut(&file) }.map_err(|e| fail(format!("mmap: {e}")))?;
         let s = Segment::with_map(info, map, timeout);
-        if s.word(W_MAGIC).load(Ordering::Acquire) != MAGIC || s.word(W_WORLD).load(Ordering::Relaxed) != world_size as u64 {
+        if s.word(W_MAGIC).load(Ordering::Acquire) != MAGIC
+            || s.word(W_WORLD).load(Ordering::Relaxed) != world_size as u64
+        {
             return Err(fail("the segment belongs to another job (magic or world size differ)".into()));
         }
         s.rank_word(rank, R_PID).store(std::process::id() as u64, Ordering::Relaxed);
@@ -139,7 +151,14 @@ impl Segment {
     }
 
     fn with_map(info: &RankInfo, map: MmapMut, timeout: Duration) -> Segment {
-        Segment { rank: info.rank, world_size: info.world_size, group: info.run_id.clone(), map, seq: Cell::new(0), timeout }
+        Segment {
+            rank: info.rank,
+            world_size: info.world_size,
+            group: info.run_id.clone(),
+            map,
+            seq: Cell::new(0),
+            timeout,
+        }
     }
 
     fn word(&self, i: usize) -> &AtomicU64 {
@@ -195,11 +214,23 @@ impl Segment {
                 next_check = waited + Duration::from_millis(50);
                 // A rank that did not arrive is gone: name the rank that died first, which may be one that arrived
                 // and died afterwards (the missing rank saw it die, flagged itself and left).
-                if let Some(k) = self.first_death(|k| self.rank_word(k, R_ARRIVE).load(Ordering::Acquire) < target).and_then(|_| self.first_death(|_| true)) {
-                    return Err(CommError::PeerDied { op, rank: self.rank, group: self.group.clone(), dead: k, pid: self.pid(k), waited });
+                if let Some(k) = self
+                    .first_death(|k| self.rank_word(k, R_ARRIVE).load(Ordering::Acquire) < target)
+                    .and_then(|_| self.first_death(|_| true))
+                {
+                    return Err(CommError::PeerDied {
+                        op,
+                        rank: self.rank,
+                        group: self.group.clone(),
+                        dead: k,
+                        pid: self.pid(k),
+                        waited,
+                    });
                 }
                 if waited >= self.timeout {
-                    let missing = (0..self.world_size).filter(|&k| self.rank_word(k, R_ARRIVE).load(Ordering::Acquire) < target).collect();
+                    let missing = (0..self.world_size)
+                        .filter(|&k| self.rank_word(k, R_ARRIVE).load(Ordering::Acquire) < target)
+                        .collect();
                     return Err(CommError::Timeout { op, rank: self.rank, missing, waited });
                 }
             }
@@ -216,7 +247,9 @@ impl Segment {
         self.rank_word(self.rank, R_DTYPE).store(d, Ordering::Relaxed);
         self.barrier(op)?;
         let word = |k: usize, w: usize| self.rank_word(k, w).load(Ordering::Relaxed);
-        let calls: Vec<Call> = (0..self.world_size).map(|k| Call::from_words(&[word(k, R_OP), word(k, R_LEN), word(k, R_DTYPE)])).collect();
+        let calls: Vec<Call> = (0..self.world_size)
+            .map(|k| Call::from_words(&[word(k, R_OP), word(k, R_LEN), word(k, R_DTYPE)]))
+            .collect();
         let result = agreement::check(op, self.rank, &calls);
         // Nobody rewrites its words before everyone has read them.
         self.barrier(op)?;
@@ -226,7 +259,14 @@ impl Segment {
     /// The error for a peer found gone in `op` (rank `k`, or the rank whose death made it leave).
     pub(super) fn peer_died(&self, op: &'static str, k: usize) -> CommError {
         let dead = self.first_death(|_| true).unwrap_or(k);
-        CommError::PeerDied { op, rank: self.rank, group: self.group.clone(), dead, pid: self.pid(dead), waited: Duration::ZERO }
+        CommError::PeerDied {
+            op,
+            rank: self.rank,
+            group: self.group.clone(),
+            dead,
+            pid: self.pid(dead),
+            waited: Duration::ZERO,
+        }
     }
 
     fn alive(pid: u64) -> bool {
@@ -234,16 +274,26 @@ impl Segment {
             return true;
         }
         // SAFETY: signal 0 only checks that the process exists.
-        let exists = unsafe { libc::kill(pid as libc::pid_t, 0) } == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH);
+        let exists = unsafe { libc::kill(pid as libc::pid_t, 0) } == 0
+            || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH);
         // A killed rank its parent has not reaped yet is a zombie: dead, though signal 0 still finds it.
-        exists && !std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| s.rsplit_once(')').is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')))
+        exists
+            && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .is_ok_and(|s| s.rsplit_once(')').is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')))
     }
 
     /// Among the ranks that are gone and satisfy `candidate`, the one that died first: a rank that left after
     /// seeing another die flagged itself, so an unflagged one is the cause.
     fn first_death(&self, candidate: impl Fn(usize) -> bool) -> Option<usize> {
-        let dead: Vec<usize> = (0..self.world_size).filter(|&k| k != self.rank && candidate(k) && !Self::alive(self.rank_word(k, R_PID).load(Ordering::Acquire))).collect();
-        dead.iter().copied().find(|&k| self.rank_word(k, R_FAILED).load(Ordering::Acquire) == 0).or(dead.first().copied())
+        let dead: Vec<usize> = (0..self.world_size)
+            .filter(|&k| {
+                k != self.rank && candidate(k) && !Self::alive(self.rank_word(k, R_PID).load(Ordering::Acquire))
+            })
+            .collect();
+        dead.iter()
+            .copied()
+            .find(|&k| self.rank_word(k, R_FAILED).load(Ordering::Acquire) == 0)
+            .or(dead.first().copied())
     }
 
     /// Flags this rank as failed when `r` is an error, so that if it exits, peers name the rank whose death
