@@ -111,6 +111,10 @@ impl Optimizer for Adam {
     fn state_mut(&mut self) -> &mut OptimizerState {
         &mut self.state
     }
+
+    fn set_momentum(&mut self, momentum: f64) {
+        self.config.betas.0 = momentum;
+    }
 }
 
 struct AdamKernel<'a>(&'a [Consts]);

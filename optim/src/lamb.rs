@@ -171,4 +171,8 @@ impl Optimizer for Lamb {
     fn state_mut(&mut self) -> &mut OptimizerState {
         &mut self.state
     }
+
+    fn set_momentum(&mut self, momentum: f64) {
+        self.config.betas.0 = momentum;
+    }
 }

@@ -60,4 +60,7 @@ pub trait Optimizer: Send {
     /// The state as plain data (for checkpoints and resharding).
     fn state(&self) -> &OptimizerState;
     fn state_mut(&mut self) -> &mut OptimizerState;
+    /// Sets the momentum a schedule cycles (OneCycle's `cycle_momentum`, as DeepSpeed applies it): beta1 of
+    /// optimizers with betas, SGD's momentum. Optimizers without one (Adagrad) keep nothing.
+    fn set_momentum(&mut self, _momentum: f64) {}
 }

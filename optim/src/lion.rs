@@ -68,6 +68,10 @@ impl Optimizer for Lion {
     fn state_mut(&mut self) -> &mut OptimizerState {
         &mut self.state
     }
+
+    fn set_momentum(&mut self, momentum: f64) {
+        self.config.betas.0 = momentum;
+    }
 }
 
 struct LionKernel<'a> {

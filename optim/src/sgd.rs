@@ -63,6 +63,13 @@ impl Optimizer for Sgd {
     fn state_mut(&mut self) -> &mut OptimizerState {
         &mut self.state
     }
+
+    /// Only an SGD built with momentum has the buffer a cycled momentum applies to; plain SGD stays plain.
+    fn set_momentum(&mut self, momentum: f64) {
+        if self.config.momentum != 0.0 {
+            self.config.momentum = momentum;
+        }
+    }
 }
 
 struct PlainKernel<'a>(&'a [(f32, f32)]);

@@ -31,6 +31,7 @@ impl CheckpointConfig {
             load_universal: s.bool("load_universal", false)?,
             use_node_local_storage: s.bool("use_node_local_storage", false)?,
         };
+        // Noticed (notices.rs): pipeline-parallel checkpoint writes.
         let _ = s.ignore("parallel_write");
         s.finish()?;
         Ok(c)
@@ -39,7 +40,7 @@ impl CheckpointConfig {
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ActivationCheckpointingConfig {
-    /// Accepted and ignored (no model parallelism in zerorun), with a warning.
+    /// These keys configure DeepSpeed's activation checkpointing API; zerorun accepts them with a notice.
     pub partition_activations: bool,
     pub contiguous_memory_optimization: bool,
     pub cpu_checkpointing: bool,

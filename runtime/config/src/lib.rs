@@ -8,6 +8,7 @@ mod batch;
 mod checkpointing;
 mod error;
 pub mod estimate;
+mod notices;
 mod optimizer;
 mod precision;
 mod reader;
@@ -23,6 +24,7 @@ pub use aio::AioConfig;
 pub use batch::{BatchInput, BatchSizes};
 pub use checkpointing::{ActivationCheckpointingConfig, CheckpointConfig, TagValidation};
 pub use error::{ConfigError, Result};
+pub use notices::Notice;
 pub use optimizer::{AdagradParams, AdamParams, LambParams, LionParams, OptimizerConfig, SgdParams, ZERO_SUPPORTED};
 pub use precision::{Bf16Config, Fp16Config, Precision};
 pub use scheduler::{
@@ -81,6 +83,9 @@ pub struct Config {
     pub aio: AioConfig,
     pub checkpoint: CheckpointConfig,
     pub activation_checkpointing: ActivationCheckpointingConfig,
+    /// Keys given that have no effect here, each with the reason (logged as warnings when the config is read).
+    #[serde(skip)]
+    pub notices: Vec<Notice>,
 }
 
 /// Top-level DeepSpeed sections zerorun accepts and does not act on (monitoring, autotuning, other features).
@@ -129,6 +134,7 @@ impl Config {
 
     /// Reads and validates a config given as a JSON value.
     pub fn from_value(value: Value) -> Result<Config> {
+        let given = notices::given_paths(&value);
         let mut s = Section::new("", value)?;
         let mut batch_key = |key: &'static str| -> Result<Option<u64>> {
             // "auto" batch values are inferred by the batch rule, like missing ones.
@@ -203,23 +209,20 @@ impl Config {
             aio: AioConfig::read(s.section("aio")?)?,
             checkpoint: CheckpointConfig::read(s.section("checkpoint")?)?,
             activation_checkpointing: ActivationCheckpointingConfig::read(s.section("activation_checkpointing")?)?,
+            notices: Vec::new(),
         };
+        let mut config = config;
         for key in IGNORED_SECTIONS {
             if let Some(path) = s.ignore(key) {
                 ignored.push(path);
             }
         }
         s.finish()?;
-        for path in ignored {
-            tracing::warn!(key = %path, "zerorun does not implement this DeepSpeed setting; ignored");
-        }
-        if config.activation_checkpointing.partition_activations {
-            tracing::warn!(
-                key = "activation_checkpointing.partition_activations",
-                "no model parallelism in zerorun; ignored"
-            );
-        }
         config.validate()?;
+        config.notices = notices::collect(&config, &given, ignored);
+        for n in &config.notices {
+            tracing::warn!("`{}` has no effect here: {}", n.path, n.why);
+        }
         Ok(config)
     }
 

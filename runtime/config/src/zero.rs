@@ -282,7 +282,13 @@ fn read_offload_optimizer(mut s: Section) -> Result<OffloadOptimizerConfig> {
             allowed: "must be in (0, 1]".into(),
         });
     }
-    let _ = s.ignore("pipeline");
+    // The old name of both directions (DeepSpeed < 0.4): true turns on pipeline_read and pipeline_write.
+    let legacy = s.opt_bool(&["pipeline"])?;
+    let mut c = c;
+    if legacy == Some(true) {
+        c.pipeline_read = true;
+        c.pipeline_write = true;
+    }
     s.finish()?;
     Ok(c)
 }

@@ -9,7 +9,7 @@ use super::{views, Engine, ParamSlot};
 use crate::checkpoint::files::{self, MappedTensors};
 use crate::checkpoint::{latest_tag, CheckpointError, Manifest, ParamEntry, RankEntry, VariableEntry, FORMAT_VERSION};
 use crate::comm::{Collectives, ReduceOp};
-use crate::config::Precision;
+use crate::config::{Precision, TagValidation};
 use crate::error::{Error, Result};
 
 /// How [`Engine::save_checkpoint_with`] saves.
@@ -131,6 +131,45 @@ pub fn load_mapped(vs: &tch::nn::VarStore, path: impl AsRef<Path>) -> Result<()>
         fill_variable(&name, &var, &read_variable(&file, path, &name)?, file_mismatch(path))?;
     }
     Ok(())
+}
+
+impl Engine {
+    /// `checkpoint.tag_validation`: the ranks compare their tags (a hash each, all-reduced) before anything is
+    /// written. Tags that differ are an error on every rank under "Fail", a warning under "Warn" (the default) and
+    /// nothing under "Ignore"; the checkpoint then takes rank 0's tag, so it stays one directory.
+    fn agree_on_tag(&self, tag: String) -> Result<String> {
+        if self.world_size() == 1 {
+            return Ok(tag);
+        }
+        let hash = tag.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3)) as i64;
+        // Max of the hash and of its negation: equal hashes everywhere iff max == -(-max of negation).
+        let mut extremes = [hash, hash.wrapping_neg()];
+        self.comm.all_reduce(&mut extremes, ReduceOp::Max)?;
+        if extremes[0] == extremes[1].wrapping_neg() {
+            return Ok(tag);
+        }
+        let mut len = [tag.len() as i64];
+        self.comm.broadcast(&mut len, 0)?;
+        let mut words = vec![0i64; (len[0] as usize).div_ceil(8)];
+        if self.rank() == 0 {
+            bytemuck::cast_slice_mut::<i64, u8>(&mut words)[..tag.len()].copy_from_slice(tag.as_bytes());
+        }
+        self.comm.broadcast(&mut words, 0)?;
+        let root = String::from_utf8_lossy(&bytemuck::cast_slice::<i64, u8>(&words)[..len[0] as usize]).into_owned();
+        let rank = self.rank();
+        match self.config.checkpoint.tag_validation {
+            TagValidation::Fail => {
+                return Err(crate::Error::Usage(format!(
+                    "checkpoint tags differ across ranks (rank 0 saves {root:?}, rank {rank} {tag:?}) and checkpoint.tag_validation is \"Fail\": nothing was written"
+                )))
+            }
+            TagValidation::Warn if root != tag => {
+                tracing::warn!(rank, tag, root_tag = root, "checkpoint tags differ across ranks; saving under rank 0's tag (checkpoint.tag_validation)")
+            }
+            _ => {}
+        }
+        Ok(root)
+    }
 }
 
 fn check_tag(tag: &str) -> Result<()> {
@@ -274,6 +313,7 @@ impl Engine {
         let tag = options.tag.clone().unwrap_or_else(|| format!("global_step{}", self.global_steps));
         let with_frozen = !options.exclude_frozen_parameters;
         check_tag(&tag)?;
+        let tag = self.agree_on_tag(tag)?;
         let (rank, ws, stage) = (self.rank(), self.world_size(), self.plan.stage());
         let per_rank = self.plan.partitions_optimizer();
         let staging = dir.join(format!(".{tag}.partial"));

@@ -156,6 +156,7 @@ impl Engine {
             .collect();
         let t = std::time::Instant::now();
         if self.overlapped_hooks() {
+            self.check_unused_parameters(b, &grads)?;
             self.reduce_bucket_async(b, &grads)?;
         } else {
             self.reduce_unit(b, &grads)?;

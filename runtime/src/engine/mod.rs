@@ -69,7 +69,8 @@ pub enum StepOutcome {
     Accumulating,
     /// An optimizer step was taken; `loss` is the mean over micro-batches and ranks.
     Stepped { step: u64, loss: f64, grad_norm: f64, lr: f64 },
-    /// fp16 gradients overflowed on some rank: no update, the loss scale was lowered (`scale` is the new one).
+    /// fp16 gradients (or bf16 ones with `bf16.check_grad_overflow`) overflowed on some rank: no update; under fp16
+    /// the loss scale was lowered (`scale` is the new one, 1 under bf16).
     Skipped { step: u64, loss: f64, scale: f64 },
 }
 
@@ -590,24 +591,30 @@ impl Engine {
         }
         let loss = self.finish_loss()?;
         let scale = self.loss_scale();
-        if let Some(scaler) = self.scaler.as_mut() {
-            if scaler.update(!sq[0].is_finite())? == StepDecision::Skip {
-                self.skipped_steps += 1;
-                self.global_steps += 1;
-                self.global_samples += self.batch.train_batch_size;
-                self.grad_acc.fill(0.0);
-                if let Some(g) = &self.grad_buffer {
-                    let _ = g.shallow_clone().f_zero_()?;
-                }
-                let scale = scaler.scale();
-                tracing::warn!(
-                    step = self.global_steps,
-                    scale,
-                    "fp16 gradients overflowed; step skipped (the loss scale drops once the hysteresis is used up)"
-                );
-                self.end_of_step();
-                return Ok(StepOutcome::Skipped { step: self.global_steps, loss, scale });
+        let overflow = !sq[0].is_finite();
+        let skip = match self.scaler.as_mut() {
+            Some(scaler) => scaler.update(overflow)? == StepDecision::Skip,
+            // bf16.check_grad_overflow (DeepSpeed's default): a non-finite gradient skips the step, no scale to lower.
+            None => overflow && self.precision == Precision::Bf16 && self.config.bf16.check_grad_overflow,
+        };
+        if skip {
+            self.skipped_steps += 1;
+            self.global_steps += 1;
+            self.global_samples += self.batch.train_batch_size;
+            self.grad_acc.fill(0.0);
+            if let Some(g) = &self.grad_buffer {
+                let _ = g.shallow_clone().f_zero_()?;
             }
+            let scale = self.loss_scale();
+            tracing::warn!(
+                step = self.global_steps,
+                scale,
+                "{:?} gradients overflowed; step skipped{}",
+                self.precision,
+                if self.scaler.is_some() { " (the loss scale drops once the hysteresis is used up)" } else { "" }
+            );
+            self.end_of_step();
+            return Ok(StepOutcome::Skipped { step: self.global_steps, loss, scale });
         }
         let grad_norm = (sq[0] as f64).sqrt() / scale;
         let coef = norm::clip_coefficient(grad_norm, self.config.gradient_clipping) / scale;
@@ -616,6 +623,10 @@ impl Engine {
         }
         for g in &mut self.groups {
             g.lr = lr;
+        }
+        // OneCycle's cycle_momentum: beta1 (or SGD's momentum) follows the schedule, as the lr does.
+        if let Some(momentum) = self.scheduler.as_ref().and_then(LrScheduler::momentum) {
+            self.optimizer.set_momentum(momentum);
         }
         self.timed(Phase::Step, Self::apply_optimizer)?;
         self.memory_event(|| "optimizer step".into(), &[]);

@@ -109,6 +109,14 @@ impl OptimizerTier {
         }
     }
 
+    /// The momentum a schedule cycles (see [`Optimizer::set_momentum`]).
+    pub fn set_momentum(&mut self, momentum: f64) {
+        match self {
+            OptimizerTier::Memory(o) => o.set_momentum(momentum),
+            OptimizerTier::Nvme(o) => o.set_momentum(momentum),
+        }
+    }
+
     /// State bytes in host memory between steps.
     pub fn resident_bytes(&self) -> usize {
         match self {

@@ -5,7 +5,8 @@ use tch::Tensor;
 
 use super::{views, Engine};
 use crate::comm::ReduceOp;
-use crate::error::Result;
+use crate::config::AllreduceOp;
+use crate::error::{Error, Result};
 
 impl Engine {
     /// Copies the gradients of flat elements `range` into `dst` (as long as the range). Padding, and parameters
@@ -158,13 +159,36 @@ impl Engine {
     }
 
     /// The reduction's op and scale factors: `prescale_gradients` / `gradient_predivide_factor` as DeepSpeed applies
-    /// them (multiply by `pre` before a sum, by `post` = factor / world size after), else a plain mean.
+    /// them (multiply by `pre` before a sum, by `post` = factor / world size after), else a plain mean. With
+    /// `gradient_allreduce_op` "sum" (stages 0-2; the config refuses it at 3) the ranks' gradients are summed, not
+    /// averaged: `post` is the factor alone.
     pub(super) fn reduce_factors(&self) -> (ReduceOp, Option<f64>, Option<f64>) {
         let f = self.config.gradient_predivide_factor;
+        if self.config.gradient_allreduce_op == AllreduceOp::Sum {
+            let (pre, post) = if f != 1.0 { (Some(1.0 / f), Some(f)) } else { (None, None) };
+            return (ReduceOp::Sum, pre, post);
+        }
         if self.config.prescale_gradients || f != 1.0 {
             (ReduceOp::Sum, Some(1.0 / f), Some(f / self.world_size() as f64))
         } else {
             (ReduceOp::Avg, None, None)
+        }
+    }
+
+    /// With `zero_optimization.ignore_unused_parameters` false, a trainable parameter of unit (or bucket) `i` that
+    /// got no gradient in this backward is an error naming it (DeepSpeed's check for static graphs). Stages 2-3
+    /// only: they see each parameter's gradient as it is reduced; the config notices the key at stages 0-1.
+    pub(super) fn check_unused_parameters(&self, i: usize, grads: &[Option<Tensor>]) -> Result<()> {
+        if self.config.zero_optimization.ignore_unused_parameters {
+            return Ok(());
+        }
+        let slots = &self.layout.slots[self.units[i].span.slots.clone()];
+        match slots.iter().zip(grads).find(|(_, g)| g.is_none()) {
+            None => Ok(()),
+            Some((slot, _)) => Err(Error::Parameter {
+                name: slot.name.clone(),
+                why: "got no gradient in this backward (it took no part in the loss), and zero_optimization.ignore_unused_parameters is false".into(),
+            }),
         }
     }
 

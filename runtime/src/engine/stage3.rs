@@ -309,6 +309,7 @@ impl Engine {
             // A unit of frozen parameters only.
             return Ok(());
         }
+        self.check_unused_parameters(i, grads)?;
         let round = self.round_len.clamp(1, chunk);
         for c in (0..chunk).step_by(round) {
             let l = round.min(chunk - c);

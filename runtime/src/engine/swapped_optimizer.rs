@@ -115,6 +115,12 @@ impl SwappedOptimizer {
         &self.state_names
     }
 
+    pub fn set_momentum(&mut self, momentum: f64) {
+        for g in &mut self.subgroups {
+            g.optimizer.set_momentum(momentum);
+        }
+    }
+
     pub fn step_count(&self) -> u64 {
         self.step
     }
