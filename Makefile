@@ -39,7 +39,10 @@ demo: setup
 	$(CARGO) build --release --bins --example gpt --example mlp
 	./target/release/zerorun launch --nproc-per-node 2 --memory-report . -- ./target/release/examples/gpt --config configs/zero2.json --steps 150
 
+# House rules first (rustfmt.toml's width, clippy with warnings as errors), then the whole suite.
 test: setup
+	$(CARGO) fmt --all --check
+	$(CARGO) clippy --workspace --all-targets --features mpi,nccl -- -D warnings
 	$(CARGO) test --workspace --all-targets --features mpi,nccl --no-fail-fast
 
 # Binaries for scripts/gpu-check.sh on the GPU machine (no Rust toolchain there): stripped, under 64 MiB together.

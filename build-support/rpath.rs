@@ -14,6 +14,10 @@ fn main() {
     if let Ok(lib) = std::env::var("DEP_TCH_LIBTORCH_LIB") {
         let lib = std::fs::canonicalize(&lib).unwrap_or_else(|_| lib.into());
         println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib.display());
+        if std::env::var("CARGO_PKG_NAME").as_deref() == Ok("zerorun") {
+            // `links = "zerorun"`: dependents' build scripts read it as DEP_ZERORUN_LIBTORCH_LIB.
+            println!("cargo:libtorch_lib={}", lib.display());
+        }
         let shims: &[&str] = match std::env::var("CARGO_PKG_NAME").as_deref() {
             Ok("zerorun") => &["src/cli/native/fused_adamw.cpp"],
             Ok("zerorun-runtime") => &[

@@ -35,12 +35,27 @@ fn table() -> Vec<(&'static str, Effect)> {
     let lamb = "Lamb is refused at initialize (optimizer.type), so its own keys never act";
     vec![
         ("activation_checkpointing", Section),
-        ("activation_checkpointing.contiguous_memory_optimization", Noticed(json!({"activation_checkpointing": {"contiguous_memory_optimization": true}}))),
-        ("activation_checkpointing.cpu_checkpointing", Noticed(json!({"activation_checkpointing": {"partition_activations": true, "cpu_checkpointing": true}}))),
-        ("activation_checkpointing.number_checkpoints", Noticed(json!({"activation_checkpointing": {"number_checkpoints": 4}}))),
-        ("activation_checkpointing.partition_activations", Noticed(json!({"activation_checkpointing": {"partition_activations": true}}))),
+        (
+            "activation_checkpointing.contiguous_memory_optimization",
+            Noticed(json!({"activation_checkpointing": {"contiguous_memory_optimization": true}})),
+        ),
+        (
+            "activation_checkpointing.cpu_checkpointing",
+            Noticed(json!({"activation_checkpointing": {"partition_activations": true, "cpu_checkpointing": true}})),
+        ),
+        (
+            "activation_checkpointing.number_checkpoints",
+            Noticed(json!({"activation_checkpointing": {"number_checkpoints": 4}})),
+        ),
+        (
+            "activation_checkpointing.partition_activations",
+            Noticed(json!({"activation_checkpointing": {"partition_activations": true}})),
+        ),
         ("activation_checkpointing.profile", Noticed(json!({"activation_checkpointing": {"profile": true}}))),
-        ("activation_checkpointing.synchronize_checkpoint_boundary", Noticed(json!({"activation_checkpointing": {"synchronize_checkpoint_boundary": true}}))),
+        (
+            "activation_checkpointing.synchronize_checkpoint_boundary",
+            Noticed(json!({"activation_checkpointing": {"synchronize_checkpoint_boundary": true}})),
+        ),
         ("aio", Section),
         ("aio.block_size", Acted("tests/offload.rs")),
         ("aio.intra_op_parallelism", Acted("tests/offload.rs")),
@@ -169,9 +184,15 @@ fn table() -> Vec<(&'static str, Effect)> {
         ("zero_optimization.offload_optimizer", Section),
         ("zero_optimization.offload_optimizer.buffer_count", Acted("tests/offload.rs")),
         ("zero_optimization.offload_optimizer.device", Acted("tests/offload.rs")),
-        ("zero_optimization.offload_optimizer.fast_init", Noticed(zero(json!({"offload_optimizer": {"fast_init": true}})))),
+        (
+            "zero_optimization.offload_optimizer.fast_init",
+            Noticed(zero(json!({"offload_optimizer": {"fast_init": true}}))),
+        ),
         ("zero_optimization.offload_optimizer.nvme_path", Acted("tests/offload.rs")),
-        ("zero_optimization.offload_optimizer.pin_memory", Noticed(zero(json!({"stage": 1, "offload_optimizer": {"device": "cpu", "pin_memory": true}})))),
+        (
+            "zero_optimization.offload_optimizer.pin_memory",
+            Noticed(zero(json!({"stage": 1, "offload_optimizer": {"device": "cpu", "pin_memory": true}}))),
+        ),
         ("zero_optimization.offload_optimizer.pipeline", Here("the_old_offload_pipeline_key_turns_on_both_directions")),
         ("zero_optimization.offload_optimizer.pipeline_read", Acted("tests/offload.rs")),
         ("zero_optimization.offload_optimizer.pipeline_write", Acted("tests/offload.rs")),
@@ -182,7 +203,10 @@ fn table() -> Vec<(&'static str, Effect)> {
         ("zero_optimization.offload_param.device", Acted("tests/offload.rs")),
         ("zero_optimization.offload_param.max_in_cpu", Acted("tests/offload.rs")),
         ("zero_optimization.offload_param.nvme_path", Acted("tests/offload.rs")),
-        ("zero_optimization.offload_param.pin_memory", Noticed(zero(json!({"stage": 3, "offload_param": {"device": "cpu", "pin_memory": true}})))),
+        (
+            "zero_optimization.offload_param.pin_memory",
+            Noticed(zero(json!({"stage": 3, "offload_param": {"device": "cpu", "pin_memory": true}}))),
+        ),
         ("zero_optimization.overlap_comm", Acted("tests/stage3.rs")),
         ("zero_optimization.override_module_apply", Noticed(zero(json!({"override_module_apply": false})))),
         ("zero_optimization.pipeline_loading_checkpoint", Noticed(zero(json!({"pipeline_loading_checkpoint": true})))),
@@ -191,17 +215,32 @@ fn table() -> Vec<(&'static str, Effect)> {
         ("zero_optimization.round_robin_gradients", Noticed(zero(json!({"round_robin_gradients": true})))),
         ("zero_optimization.stage", Acted("tests/equivalence.rs")),
         ("zero_optimization.stage3_gather_16bit_weights_on_model_save", Acted("tests/stage3.rs")),
-        ("zero_optimization.stage3_max_live_parameters", Here("stage3_live_and_persistence_limits_bound_what_stays_gathered")),
+        (
+            "zero_optimization.stage3_max_live_parameters",
+            Here("stage3_live_and_persistence_limits_bound_what_stays_gathered"),
+        ),
         ("zero_optimization.stage3_max_reuse_distance", Acted("tests/memory_report.rs")),
-        ("zero_optimization.stage3_model_persistence_threshold", Here("stage3_live_and_persistence_limits_bound_what_stays_gathered")),
+        (
+            "zero_optimization.stage3_model_persistence_threshold",
+            Here("stage3_live_and_persistence_limits_bound_what_stays_gathered"),
+        ),
         ("zero_optimization.stage3_param_persistence_threshold", Acted("tests/stage3.rs")),
         ("zero_optimization.stage3_prefetch_bucket_size", Acted("tests/stage3.rs")),
-        ("zero_optimization.stage3_use_all_reduce_for_fetch_params", Noticed(zero(json!({"stage3_use_all_reduce_for_fetch_params": true})))),
+        (
+            "zero_optimization.stage3_use_all_reduce_for_fetch_params",
+            Noticed(zero(json!({"stage3_use_all_reduce_for_fetch_params": true}))),
+        ),
         ("zero_optimization.sub_group_size", Acted("tests/offload.rs")),
-        ("zero_optimization.use_multi_rank_bucket_allreduce", Noticed(zero(json!({"use_multi_rank_bucket_allreduce": false})))),
+        (
+            "zero_optimization.use_multi_rank_bucket_allreduce",
+            Noticed(zero(json!({"use_multi_rank_bucket_allreduce": false}))),
+        ),
         ("zero_optimization.zero_hpz_partition_size", Refused(zero(json!({"zero_hpz_partition_size": 2})))),
         ("zero_optimization.zero_quantized_gradients", Refused(zero(json!({"zero_quantized_gradients": true})))),
-        ("zero_optimization.zero_quantized_nontrainable_weights", Refused(zero(json!({"zero_quantized_nontrainable_weights": true})))),
+        (
+            "zero_optimization.zero_quantized_nontrainable_weights",
+            Refused(zero(json!({"zero_quantized_nontrainable_weights": true}))),
+        ),
         ("zero_optimization.zero_quantized_weights", Refused(zero(json!({"zero_quantized_weights": true})))),
         ("zero_optimization.zeropp_loco_param", Noticed(zero(json!({"zeropp_loco_param": {}})))),
     ]
@@ -226,7 +265,10 @@ fn every_accepted_key_is_acted_on_noticed_or_refused() {
     let accepted = Config::accepted_keys();
     let missing: Vec<&String> = accepted.iter().filter(|k| !listed.contains(&k.as_str())).collect();
     let extra: Vec<&&str> = listed.iter().filter(|k| !accepted.iter().any(|a| a == *k)).collect();
-    assert!(missing.is_empty() && extra.is_empty(), "keys accepted but not in the table: {missing:?}; in the table but not accepted: {extra:?}");
+    assert!(
+        missing.is_empty() && extra.is_empty(),
+        "keys accepted but not in the table: {missing:?}; in the table but not accepted: {extra:?}"
+    );
     let root = env!("CARGO_MANIFEST_DIR");
     let this = std::fs::read_to_string(format!("{root}/tests/config_keys.rs")).unwrap();
     let base = json!({"train_batch_size": 4});
@@ -236,7 +278,9 @@ fn every_accepted_key_is_acted_on_noticed_or_refused() {
     for (key, effect) in &table {
         let leaf = key.rsplit('.').next().unwrap();
         let failure = match effect {
-            Section => (!accepted.iter().any(|k| k.starts_with(&format!("{key}.")))).then(|| "holds no key".to_string()),
+            Section => {
+                (!accepted.iter().any(|k| k.starts_with(&format!("{key}.")))).then(|| "holds no key".to_string())
+            }
             Acted(file) => match std::fs::read_to_string(format!("{root}/{file}")) {
                 Err(e) => Some(format!("{file}: {e}")),
                 Ok(text) => (!text.contains(leaf)).then(|| format!("{file} does not name it")),
@@ -262,14 +306,18 @@ fn lamb_is_refused_at_initialize_so_its_own_keys_never_act() {
     let config = Config::from_value(json!({"train_batch_size": 4, "optimizer": {"type": "Lamb", "params": {"eps_inside_sqrt": true, "max_coeff": 5.0, "min_coeff": 0.1}}})).unwrap();
     let (vs, _model) = init_store();
     let comm = threads::group(1, std::time::Duration::from_secs(10)).pop().unwrap();
-    let err = Engine::new(&vs, config, Box::new(comm), EngineOptions::default()).err().expect("Lamb is refused").to_string();
+    let err =
+        Engine::new(&vs, config, Box::new(comm), EngineOptions::default()).err().expect("Lamb is refused").to_string();
     assert!(err.contains("optimizer.type"), "{err}");
 }
 
 #[test]
 fn the_old_offload_pipeline_key_turns_on_both_directions() {
     let read = |pipeline: bool| {
-        let c = Config::from_value(json!({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu", "pipeline": pipeline}}})).unwrap();
+        let c = Config::from_value(
+            json!({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu", "pipeline": pipeline}}}),
+        )
+        .unwrap();
         (c.zero_optimization.offload_optimizer.pipeline_read, c.zero_optimization.offload_optimizer.pipeline_write)
     };
     assert_eq!(read(true), (true, true));
@@ -278,7 +326,9 @@ fn the_old_offload_pipeline_key_turns_on_both_directions() {
 
 /// Runs `steps` steps of the MLP on `world` thread ranks with `config`; returns rank 0's parameters, outcomes and
 /// the engine's collective volume.
-fn train(world: usize, config: Value, steps: i64) -> (Vec<(String, Vec<f32>)>, Vec<StepOutcome>, zerorun::runtime::engine::CommVolume) {
+type Trained = (Vec<(String, Vec<f32>)>, Vec<StepOutcome>, zerorun::runtime::engine::CommVolume);
+
+fn train(world: usize, config: Value, steps: i64) -> Trained {
     let config = Config::from_value(config).unwrap();
     let mut runs = on_thread_ranks(world, |comm, x, y| {
         let (vs, model) = init_store();
@@ -342,7 +392,10 @@ fn reduce_scatter_off_all_reduces_to_the_same_result() {
         let (without, _, v_without) = train(2, config(false), 4);
         assert!(max_relative_difference(&without, &with) <= 1e-6, "stage {stage}");
         assert!(v_with.reduce_scatter_elements > 0 && v_with.all_reduce_elements == 0, "stage {stage}: {v_with:?}");
-        assert!(v_without.reduce_scatter_elements == 0 && v_without.all_reduce_elements > 0, "stage {stage}: {v_without:?}");
+        assert!(
+            v_without.reduce_scatter_elements == 0 && v_without.all_reduce_elements > 0,
+            "stage {stage}: {v_without:?}"
+        );
     }
 }
 
@@ -368,7 +421,8 @@ fn adam_bias_correction_off_takes_the_raw_moments() {
     let step = |bc| {
         let (after, _, _) = train(1, config(bc), 1);
         // The first step moves every weight by about lr (corrected) or lr (1 - b1) / sqrt(1 - b2) = 3.16 lr.
-        let moved: Vec<f32> = after.iter().zip(&start).flat_map(|((_, a), (_, s))| a.iter().zip(s).map(|(x, y)| (x - y).abs())).collect();
+        let moved: Vec<f32> =
+            after.iter().zip(&start).flat_map(|((_, a), (_, s))| a.iter().zip(s).map(|(x, y)| (x - y).abs())).collect();
         moved.iter().copied().fold(0f32, f32::max)
     };
     let (on, off) = (step(true), step(false));
@@ -383,9 +437,7 @@ fn one_cycle_momentum_drives_beta1() {
         json!({"train_batch_size": GLOBAL_BATCH, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.9, 0.999]}},
                "scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 1e-2, "cycle_max_lr": 1e-2, "cycle_momentum": cycle_momentum, "cycle_min_mom": 0.5, "cycle_max_mom": 0.5}}})
     };
-    let fixed = |beta1: f64| {
-        json!({"train_batch_size": GLOBAL_BATCH, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [beta1, 0.999]}}})
-    };
+    let fixed = |beta1: f64| json!({"train_batch_size": GLOBAL_BATCH, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [beta1, 0.999]}}});
     let (cycled, _, _) = train(1, one_cycle(true), 4);
     let (beta_half, _, _) = train(1, fixed(0.5), 4);
     let (not_cycled, _, _) = train(1, one_cycle(false), 4);
@@ -398,7 +450,10 @@ fn one_cycle_momentum_drives_beta1() {
 #[test]
 fn bf16_check_grad_overflow_skips_a_step_with_a_non_finite_gradient() {
     let run = |check: bool| {
-        let config = Config::from_value(json!({"train_batch_size": GLOBAL_BATCH, "bf16": {"enabled": true, "check_grad_overflow": check}})).unwrap();
+        let config = Config::from_value(
+            json!({"train_batch_size": GLOBAL_BATCH, "bf16": {"enabled": true, "check_grad_overflow": check}}),
+        )
+        .unwrap();
         let mut runs = on_thread_ranks(2, |comm, x, y| {
             let (mut vs, model) = init_store();
             vs.bfloat16();
@@ -411,7 +466,7 @@ fn bf16_check_grad_overflow_skips_a_step_with_a_non_finite_gradient() {
                 let rows = batch_indices(step);
                 let mut loss = loss_on(&model, &x, &y, &rows[rank * micro..(rank + 1) * micro]);
                 if step == 1 && rank == 1 {
-                    loss = loss * f64::NAN;
+                    loss *= f64::NAN;
                 }
                 engine.backward(&loss).unwrap();
                 outcomes.push(engine.step().unwrap());
@@ -453,7 +508,10 @@ fn unused_parameters_are_an_error_when_not_ignored() {
         }
     }
     let c = Config::from_value(json!({"zero_optimization": {"stage": 1, "ignore_unused_parameters": false}})).unwrap();
-    assert_eq!(c.notices.iter().map(|n| n.path.as_str()).collect::<Vec<_>>(), ["zero_optimization.ignore_unused_parameters"]);
+    assert_eq!(
+        c.notices.iter().map(|n| n.path.as_str()).collect::<Vec<_>>(),
+        ["zero_optimization.ignore_unused_parameters"]
+    );
 }
 
 #[test]
@@ -464,11 +522,15 @@ fn stage3_live_and_persistence_limits_bound_what_stays_gathered() {
         let config = Config::from_value(json!({"train_batch_size": GLOBAL_BATCH, "zero_optimization": base})).unwrap();
         let mut runs = on_thread_ranks(2, |comm, x, y| {
             let (vs, layers) = init_layers(&[IN, HIDDEN, HIDDEN, OUT]);
-            let mut engine = Engine::new(&vs, config.clone(), Box::new(comm), EngineOptions::default().units_of(&layers)).unwrap();
+            let mut engine =
+                Engine::new(&vs, config.clone(), Box::new(comm), EngineOptions::default().units_of(&layers)).unwrap();
             let at_start = engine.gathered_bytes().current;
             let micro = engine.batch_sizes().train_micro_batch_size_per_gpu as usize;
             let idx = Tensor::from_slice(&batch_indices(0)[engine.rank() * micro..(engine.rank() + 1) * micro]);
-            let loss = engine.forward(&layers, &x.index_select(0, &idx)).unwrap().mse_loss(&y.index_select(0, &idx), tch::Reduction::Mean);
+            let loss = engine
+                .forward(&layers, &x.index_select(0, &idx))
+                .unwrap()
+                .mse_loss(&y.index_select(0, &idx), tch::Reduction::Mean);
             let after_forward = engine.gathered_bytes().current;
             engine.backward(&loss).unwrap();
             engine.step().unwrap();
@@ -478,7 +540,8 @@ fn stage3_live_and_persistence_limits_bound_what_stays_gathered() {
     };
     // Every unit is under the parameter threshold: all persist, unless the model threshold caps them.
     let (all, _) = gathered(json!({"stage3_param_persistence_threshold": 1_000_000}));
-    let (capped, _) = gathered(json!({"stage3_param_persistence_threshold": 1_000_000, "stage3_model_persistence_threshold": 200}));
+    let (capped, _) =
+        gathered(json!({"stage3_param_persistence_threshold": 1_000_000, "stage3_model_persistence_threshold": 200}));
     let (none, _) = gathered(json!({"stage3_param_persistence_threshold": 0}));
     assert!(all > capped && capped > none && none == 0, "persistent bytes: {all} > {capped} > {none} = 0");
     // Forward keeps the units backward reuses first, unless the live limit says no.

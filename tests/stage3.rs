@@ -231,7 +231,8 @@ fn saving_the_16bit_model_at_stage_3_gathers_on_rank_0_or_refuses_by_name() {
     let dir = std::env::temp_dir().join(format!("zerorun-save16-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("model.safetensors");
-    let save = |gather: bool| -> Vec<Result<Vec<(String, Vec<f32>)>, String>> {
+    type Saved = Vec<Result<Vec<(String, Vec<f32>)>, String>>;
+    let save = |gather: bool| -> Saved {
         let comms = threads::group(2, Duration::from_secs(30));
         std::thread::scope(|s| {
             let hs: Vec<_> = comms
@@ -291,7 +292,7 @@ fn stage2_with_units_reduces_unit_by_unit_and_holds_no_full_gradients() {
             assert_eq!(get("gradients_shard"), 4 * padded as usize / world, "the fp32 gradient shard");
             assert_eq!(get("parameters"), 4 * padded as usize, "parameters stay whole at stage 2");
             // Per step: one reduce-scatter per micro-batch and one all-gather of every unit.
-            assert_eq!(r.volume_per_step, padded * (gas as u64 + 1), "world size {world}");
+            assert_eq!(r.volume_per_step, padded * (gas + 1), "world size {world}");
         }
     }
 }

@@ -22,7 +22,19 @@ pub use config::{Config, ConfigError};
 pub use engine::{BufferSync, BuiltModel, Engine, EngineOptions, SaveOptions, StepOutcome, UnitBuilders};
 pub use error::{Error, Result};
 
-/// Builds the engine for `vs` from `config` on the given communicator (see [`Engine::new`]).
-pub fn initialize(vs: &tch::nn::VarStore, config: Config, comm: Box<dyn comm::Communicator>) -> Result<Engine> {
+/// Builds the engine for `vs` from `config`, on the communicator the environment names (`zerorun launch`'s or
+/// mpirun's variables; one rank without them), whose collectives time out after `comms_timeout`.
+pub fn initialize(vs: &tch::nn::VarStore, config: Config) -> Result<Engine> {
+    let comm = comm::env::communicator_from_env(std::time::Duration::from_secs_f64(config.comms_timeout))?;
     Engine::new(vs, config, comm, EngineOptions::default())
+}
+
+/// [`initialize`] with a communicator of the program's own (thread ranks, a sub-group) and options set in code.
+pub fn initialize_with(
+    vs: &tch::nn::VarStore,
+    config: Config,
+    comm: Box<dyn comm::Communicator>,
+    options: EngineOptions,
+) -> Result<Engine> {
+    Engine::new(vs, config, comm, options)
 }

@@ -58,7 +58,7 @@ impl ModelDesc {
     /// (params, largest layer) of a GPT: 12 h^2 + 13 h per block (attention 4 h^2, MLP 8 h^2, biases, two norms),
     /// token and position embeddings, a final norm and (unless tied) the output head; the largest layer is the
     /// embedding or one block.
-    fn sizes(&self, file: &PathBuf) -> Result<(u64, Option<u64>), CliError> {
+    fn sizes(&self, file: &std::path::Path) -> Result<(u64, Option<u64>), CliError> {
         if let Some(p) = self.params {
             return Ok((p as u64, self.largest_layer_params.map(|l| l as u64)));
         }

@@ -105,8 +105,15 @@ pub fn run(args: LaunchArgs) -> Result<(), CliError> {
     if n == 0 {
         return Err(CliError::Usage("--nproc-per-node must be >= 1".into()));
     }
-    if !matches!(args.backend.as_str(), "shm" | "threads") {
-        return Err(CliError::Usage(format!("--backend {:?}: this build has shm and threads", args.backend)));
+    // The ranks read it back as ZERORUN_BACKEND (rank_info.rs): the same names, checked here first.
+    match zerorun_comm::rank_info::Backend::from_name(&args.backend) {
+        Some(zerorun_comm::rank_info::Backend::Shm | zerorun_comm::rank_info::Backend::Nccl) => {}
+        _ => {
+            return Err(CliError::Usage(format!(
+                "--backend {:?}: `zerorun launch` starts shm or nccl ranks (run MPI jobs with mpirun)",
+                args.backend
+            )))
+        }
     }
     let port = args.master_port.unwrap_or_else(free_port);
     let memory_report = match &args.memory_report {

@@ -59,7 +59,7 @@ impl RankEntry {
     /// The flat ranges of the file, in file order.
     pub fn pieces(&self) -> Vec<std::ops::Range<usize>> {
         if self.ranges.is_empty() {
-            vec![self.start..self.end]
+            std::iter::once(self.start..self.end).collect()
         } else {
             self.ranges.iter().map(|r| r[0]..r[1]).collect()
         }

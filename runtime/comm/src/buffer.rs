@@ -315,7 +315,7 @@ mod tests {
     /// The element loop every fast path must agree with.
     fn scalar_reduce<T: Element>(parts: &[&[T]], op: ReduceOp) -> Vec<T> {
         let mut out = vec![T::zeroed(); parts[0].len()];
-        let bytes: Vec<&[u8]> = parts.iter().map(|p| bytemuck::cast_slice(*p)).collect();
+        let bytes: Vec<&[u8]> = parts.iter().map(|p| bytemuck::cast_slice(p)).collect();
         reduce_typed::<T>(bytemuck::cast_slice_mut(&mut out), &bytes, op);
         out
     }
@@ -366,7 +366,7 @@ mod tests {
             (0..5).map(|k| (0..77).map(|i| bf16::from_f32(((i * 7 + k * 13) as f32 * 0.3).sin())).collect()).collect();
         for n in 3..=5 {
             let views: Vec<&[bf16]> = parts[..n].iter().map(|p| &p[..]).collect();
-            let bytes: Vec<&[u8]> = views.iter().map(|p| bytemuck::cast_slice(*p)).collect();
+            let bytes: Vec<&[u8]> = views.iter().map(|p| bytemuck::cast_slice(p)).collect();
             for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {
                 let want = scalar_reduce(&views, op);
                 let mut got = vec![bf16::ZERO; 77];

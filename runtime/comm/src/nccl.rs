@@ -68,6 +68,30 @@ pub fn unique_id() -> CommResult<[u8; 128]> {
 }
 
 impl NcclComm {
+    /// The NCCL communicator of a job the environment describes: rank 0 makes the NCCL id and the others get it
+    /// through a shared-memory rendezvous (NCCL's own bootstrap needs the id first); `LOCAL_RANK` picks the GPU.
+    pub fn from_env(info: &super::rank_info::RankInfo, timeout: std::time::Duration) -> CommResult<NcclComm> {
+        preflight(info.rank, info.world_size)?;
+        let mut id = [0i64; 16];
+        if info.rank == 0 {
+            let bytes = unique_id()?;
+            for (w, c) in id.iter_mut().zip(bytes.chunks(8)) {
+                *w = i64::from_ne_bytes(c.try_into().expect("8 bytes"));
+            }
+        }
+        if info.world_size > 1 {
+            use super::Collectives;
+            let boot_info = super::rank_info::RankInfo { run_id: format!("{}-nccl", info.run_id), ..info.clone() };
+            let boot = super::shm::ShmComm::join(&boot_info, timeout)?;
+            boot.broadcast(&mut id, 0)?;
+        }
+        let mut bytes = [0u8; 128];
+        for (c, w) in bytes.chunks_mut(8).zip(id) {
+            c.copy_from_slice(&w.to_ne_bytes());
+        }
+        NcclComm::new(info.local_rank, info.rank, info.world_size, bytes)
+    }
+
     pub fn new(device: usize, rank: usize, world_size: usize, id: [u8; 128]) -> CommResult<NcclComm> {
         preflight(rank, world_size)?;
         let ctx = CudaContext::new(device).map_err(|e| nccl_err("rendezvous", rank, e))?;

@@ -163,9 +163,9 @@ fn check_dtype<T: Element + PartialEq + std::fmt::Debug>(make: fn(f32) -> T) {
     // A different element type on one rank is an error on every rank.
     let out = on_ranks(2, |c| {
         if c.rank() == 0 {
-            c.all_reduce(&mut vec![make(1.0); 4], ReduceOp::Sum).unwrap_err()
+            c.all_reduce(&mut [make(1.0); 4], ReduceOp::Sum).unwrap_err()
         } else {
-            c.all_reduce(&mut vec![1f32; 4], ReduceOp::Sum).unwrap_err()
+            c.all_reduce(&mut [1f32; 4], ReduceOp::Sum).unwrap_err()
         }
     });
     assert!(matches!(&out[0], CommError::DtypeMismatch { .. }) || T::DTYPE == Dtype::F32, "{:?}", out[0]);

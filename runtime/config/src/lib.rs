@@ -310,13 +310,14 @@ impl Config {
             value: value.to_string(),
             allowed: allowed.into(),
         };
-        if !(self.gradient_clipping >= 0.0) {
+        // Written so NaN fails each check too.
+        if self.gradient_clipping.is_nan() || self.gradient_clipping < 0.0 {
             return Err(invalid("gradient_clipping", self.gradient_clipping, "must be >= 0 (0 disables clipping)"));
         }
-        if !(self.gradient_predivide_factor > 0.0) {
+        if self.gradient_predivide_factor.is_nan() || self.gradient_predivide_factor <= 0.0 {
             return Err(invalid("gradient_predivide_factor", self.gradient_predivide_factor, "must be > 0"));
         }
-        if !(self.comms_timeout > 0.0) {
+        if self.comms_timeout.is_nan() || self.comms_timeout <= 0.0 {
             return Err(invalid("comms_timeout", self.comms_timeout, "must be > 0 seconds"));
         }
         if self.steps_per_print == Some(0) {

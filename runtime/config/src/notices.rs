@@ -68,7 +68,8 @@ pub(crate) fn collect(config: &Config, given: &BTreeSet<String>, ignored: Vec<St
     );
     note(
         "zero_optimization.allgather_bucket_size",
-        true,
+        // DeepSpeed's default is what `config show` writes back: only another value is the user's.
+        z.allgather_bucket_size != 500_000_000,
         "zerorun all-gathers in place into the parameter buffer (stages 1-2) or unit by unit (stage 3, bounded by stage3_prefetch_bucket_size): there is no staging buffer to size",
     );
     note(
@@ -142,7 +143,11 @@ pub(crate) fn collect(config: &Config, given: &BTreeSet<String>, ignored: Vec<St
         c.use_node_local_storage,
         "every rank writes its own files into the checkpoint directory, which all ranks must see",
     );
-    note("checkpoint.parallel_write", true, "it configures pipeline-parallel checkpoint writes; zerorun has no pipeline stages yet");
+    note(
+        "checkpoint.parallel_write",
+        true,
+        "it configures pipeline-parallel checkpoint writes; zerorun has no pipeline stages yet",
+    );
     let a = &config.activation_checkpointing;
     for (key, applies) in [
         ("partition_activations", a.partition_activations),

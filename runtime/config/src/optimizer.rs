@@ -235,11 +235,11 @@ fn check_common(p: &Section, lr: f64, betas: Option<[f64; 2]>, eps: Option<f64>,
         }
     }
     if let Some(eps) = eps {
-        if !(eps >= 0.0) {
+        if eps.is_nan() || eps < 0.0 {
             return Err(bad("eps", eps.to_string(), "must be >= 0"));
         }
     }
-    if !(weight_decay >= 0.0) {
+    if weight_decay.is_nan() || weight_decay < 0.0 {
         return Err(bad("weight_decay", weight_decay.to_string(), "must be >= 0"));
     }
     Ok(())

@@ -141,7 +141,8 @@ impl Engine {
         if self.world_size() == 1 {
             return Ok(tag);
         }
-        let hash = tag.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3)) as i64;
+        let hash =
+            tag.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3)) as i64;
         // Max of the hash and of its negation: equal hashes everywhere iff max == -(-max of negation).
         let mut extremes = [hash, hash.wrapping_neg()];
         self.comm.all_reduce(&mut extremes, ReduceOp::Max)?;
@@ -351,8 +352,8 @@ impl Engine {
         // The model's weights in its dtype, by name (DeepSpeed's model states file), with its buffers and frozen
         // parameters: a file `VarStore::load` reads. Stage 3 gathers the weights only when configured to; the
         // buffers and frozen parameters are saved either way, once, by rank 0.
-        let whole =
-            !self.plan.partitions_parameters() || self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save;
+        let whole = !self.plan.partitions_parameters()
+            || self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save;
         let (file_name, model_weights) = if whole {
             ("model.safetensors", "model.safetensors".to_string())
         } else {

@@ -19,13 +19,13 @@
 mod allocator;
 mod builders;
 mod checkpointing;
+mod engine_comm;
 mod frozen;
 mod grad_hooks;
 pub mod layout;
 mod native;
 mod optimizer;
 mod plan;
-mod engine_comm;
 mod reduce;
 mod reporting;
 pub mod sampler;
@@ -54,8 +54,8 @@ use crate::report::{Phase, PhaseTimes};
 pub use builders::{BuiltModel, UnitBuilders, UnitForward};
 pub use checkpointing::{load_mapped, SaveOptions};
 pub use layout::{FlatLayout, ParamSlot, UnitSpan};
-pub use reporting::{MemoryReportFiles, MEMORY_REPORT_ENV};
 use plan::{AfterStep, GradientPath, Optimized, ReducedGradients, StagePlan};
+pub use reporting::{MemoryReportFiles, MEMORY_REPORT_ENV};
 use shard::shard_values;
 use sharded_unit::ShardedUnit;
 pub use stage3::{CommVolume, GatheredBytes};
@@ -116,11 +116,9 @@ fn fp32_grads_in<'a>(
     optimized: &Optimized,
 ) -> Option<&'a mut [f32]> {
     match reduced {
-        ReducedGradients::InStaging => Some(views::slice::<f32>(flat_grads)),
-        ReducedGradients::InViewPartition => {
-            grad_buffer.as_ref().map(|g| &mut views::slice::<f32>(g)[optimized.range()])
-        }
-        ReducedGradients::InAccumulator => None,
+        ReducedGradients::Staging => Some(views::slice::<f32>(flat_grads)),
+        ReducedGradients::ViewPartition => grad_buffer.as_ref().map(|g| &mut views::slice::<f32>(g)[optimized.range()]),
+        ReducedGradients::Accumulator => None,
     }
 }
 
@@ -281,7 +279,7 @@ impl Engine {
         };
         let frozen_units = if plan.partitions_parameters() && frozen_by_unit.iter().any(|u| !u.is_empty()) {
             let persistent: Vec<bool> = sharded_units.iter().map(|u| u.persistent).collect();
-            Some(frozen::FrozenUnits::new(frozen_by_unit, &persistent, comm.as_ref(), materialize.as_deref_mut())?)
+            Some(frozen::FrozenUnits::new(frozen_by_unit, &persistent, comm.as_ref(), materialize)?)
         } else {
             None
         };
@@ -515,7 +513,9 @@ impl Engine {
             GradientPath::AfterBackward => autograd()?,
             GradientPath::Hooks => self.backward_hooked(autograd)?,
             // The walk records its own events, unit by unit.
-            GradientPath::UnitWalk => return self.backward_units_impl(model, loss, factor).map(|()| self.end_backward(started, comm_before)),
+            GradientPath::UnitWalk => {
+                return self.backward_units_impl(model, loss, factor).map(|()| self.end_backward(started, comm_before))
+            }
         }
         self.memory_event(|| "backward".into(), &[]);
         self.end_backward(started, comm_before);

@@ -173,11 +173,11 @@ impl StagePlan {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum ReducedGradients {
     /// In the staging buffer itself: fp32 models at stage 0 reducing in fp32 (the all-reduce's output).
-    InStaging,
+    Staging,
     /// In this rank's partition of the gradient-view buffer: fp32 models at stage 1 reduce it in place.
-    InViewPartition,
+    ViewPartition,
     /// In the fp32 accumulator: 16-bit models (accumulated over micro-batches), reductions into a partition buffer.
-    InAccumulator,
+    Accumulator,
 }
 
 /// Where the model's `.grad` tensors point (DDP's gradient_as_bucket_view).
@@ -245,12 +245,12 @@ impl GradientSizes {
             GradientPath::AfterBackward => Some(partition),
         };
         let reduced = match plan.strategy {
-            _ if !fp32_model => ReducedGradients::InAccumulator,
-            Strategy::Replicated if comm_in_model_dtype => ReducedGradients::InStaging,
-            Strategy::PartitionedOptimizer if fp32_in_place => ReducedGradients::InViewPartition,
-            _ => ReducedGradients::InAccumulator,
+            _ if !fp32_model => ReducedGradients::Accumulator,
+            Strategy::Replicated if comm_in_model_dtype => ReducedGradients::Staging,
+            Strategy::PartitionedOptimizer if fp32_in_place => ReducedGradients::ViewPartition,
+            _ => ReducedGradients::Accumulator,
         };
-        let accumulator = if reduced == ReducedGradients::InAccumulator { plan.optimized(layout, 0).len() } else { 0 };
+        let accumulator = if reduced == ReducedGradients::Accumulator { plan.optimized(layout, 0).len() } else { 0 };
         GradientSizes { staged, round_len, views, part, accumulator, reduced }
     }
 }
@@ -290,7 +290,12 @@ pub(super) fn persistent_units(unit_numels: &[u64], param_threshold: u64, model_
 /// Which units forward leaves gathered because backward reuses them soon: the last one always, and units whose
 /// reuse distance (elements of the units after them) is within `max_reuse_distance`, while the live gathered
 /// elements stay within `max_live`. Persistent units stay gathered anyway and count only as distance.
-pub(super) fn kept_after_forward(sizes: &[u64], persistent: &[bool], max_reuse_distance: u64, max_live: u64) -> Vec<bool> {
+pub(super) fn kept_after_forward(
+    sizes: &[u64],
+    persistent: &[bool],
+    max_reuse_distance: u64,
+    max_live: u64,
+) -> Vec<bool> {
     let n = sizes.len();
     let mut keep = vec![false; n];
     let (mut later, mut live) = (0u64, 0u64);
@@ -407,17 +412,26 @@ mod tests {
         };
         // Stage 0, fp32: autograd writes into the staging buffer, which is reduced in place.
         let s = sizes(0, false, false, 100, true, true);
-        assert_eq!((s.staged, s.views, s.part, s.accumulator, s.reduced), (18, GradientViews::OfStaging, None, 0, ReducedGradients::InStaging));
+        assert_eq!(
+            (s.staged, s.views, s.part, s.accumulator, s.reduced),
+            (18, GradientViews::OfStaging, None, 0, ReducedGradients::Staging)
+        );
         // Stage 0, bf16 model: the same views, accumulated in fp32.
         let s = sizes(0, false, false, 100, false, true);
-        assert_eq!((s.part, s.accumulator, s.reduced), (None, 18, ReducedGradients::InAccumulator));
+        assert_eq!((s.part, s.accumulator, s.reduced), (None, 18, ReducedGradients::Accumulator));
         // Stage 1, fp32, rounds of 4 per rank (bucket 8), two halves with overlap.
         let s = sizes(1, false, false, 8, true, true);
-        assert_eq!((s.staged, s.round_len, s.views, s.part, s.reduced), (8, 4, GradientViews::OfOwnBuffer, None, ReducedGradients::InViewPartition));
+        assert_eq!(
+            (s.staged, s.round_len, s.views, s.part, s.reduced),
+            (8, 4, GradientViews::OfOwnBuffer, None, ReducedGradients::ViewPartition)
+        );
         assert_eq!(sizes(1, false, true, 8, true, true).staged, 16);
         // Stage 1 communicating in another dtype: no views, a partition buffer and the accumulator.
         let s = sizes(1, false, false, 8, true, false);
-        assert_eq!((s.views, s.part, s.accumulator, s.reduced), (GradientViews::None, Some(9), 9, ReducedGradients::InAccumulator));
+        assert_eq!(
+            (s.views, s.part, s.accumulator, s.reduced),
+            (GradientViews::None, Some(9), 9, ReducedGradients::Accumulator)
+        );
         // Units: the largest unit (10), or a round of it when a bucket is smaller.
         let s = sizes(3, true, false, 100, true, true);
         assert_eq!((s.staged, s.views, s.part, s.accumulator), (10, GradientViews::None, Some(5), 9));

@@ -36,19 +36,17 @@ impl Engine {
             Some(g) => bytes(g),
             None => self.params.iter().map(|t| t.grad()).filter(Tensor::defined).map(|g| bytes(&g)).sum(),
         };
-        let staging = if !self.plan.partitions_optimizer()
-            && (self.grad_buffer.is_some() || self.grads_in_flat_buffer())
-        {
-            0
-        } else {
-            bytes(&self.flat_grads)
-        };
-        let shard =
-            if !self.plan.partitions_optimizer() && self.grad_buffer.is_none() && self.grads_in_flat_buffer() {
-                bytes(&self.flat_grads)
+        let staging =
+            if !self.plan.partitions_optimizer() && (self.grad_buffer.is_some() || self.grads_in_flat_buffer()) {
+                0
             } else {
-                self.grad_acc.len() * 4
+                bytes(&self.flat_grads)
             };
+        let shard = if !self.plan.partitions_optimizer() && self.grad_buffer.is_none() && self.grads_in_flat_buffer() {
+            bytes(&self.flat_grads)
+        } else {
+            self.grad_acc.len() * 4
+        };
         let (params_resident, params_nvme) =
             self.swapped_params.as_ref().map_or((0, 0), |s| (s.resident_bytes(), s.swapped_bytes()));
         vec![

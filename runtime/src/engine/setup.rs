@@ -258,5 +258,12 @@ pub(super) fn gradient_buffers(
     }
     let grad_part = sizes.part.map(|n| Tensor::zeros([n as i64], (comm_kind, tch::Device::Cpu)));
     let grad_acc = AlignedVec::filled(sizes.accumulator, 0.0);
-    Ok(GradientBuffers { flat_grads, grad_buffer, round_len: sizes.round_len, grad_part, grad_acc, reduced: sizes.reduced })
+    Ok(GradientBuffers {
+        flat_grads,
+        grad_buffer,
+        round_len: sizes.round_len,
+        grad_part,
+        grad_acc,
+        reduced: sizes.reduced,
+    })
 }

@@ -88,6 +88,7 @@ impl ShardedUnit {
     /// `shard` (at `shard_offset`) and releases the unit unless it is `persistent`; then hands the pages of the
     /// parameters' original tensors, freed by the packing, back to the OS. So start-up holds the model, the shard
     /// and one unit rather than the model twice.
+    #[allow(clippy::too_many_arguments)] // one call site (stage 3's start-up), each argument a distinct input
     pub fn shard_from_rank0(
         span: UnitSpan,
         slots: &[ParamSlot],

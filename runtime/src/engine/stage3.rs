@@ -5,10 +5,10 @@
 //! unit is recomputed in backward.
 use tch::Tensor;
 
+use super::plan::{self, GradientPath};
 use super::sharded_unit::UnitState;
 use super::swapped_params::Chunk;
 use super::units::UnitModel;
-use super::plan::{self, GradientPath};
 use super::{native, views, Engine};
 use crate::error::{Error, Result};
 
@@ -77,7 +77,7 @@ impl Engine {
         let keep = self.kept_after_forward();
         let first_trainable = self.units.iter().position(|u| !u.span.range.is_empty()).unwrap_or(n);
         let mut h = input.shallow_clone();
-        for i in 0..n {
+        for (i, kept) in keep.into_iter().enumerate() {
             self.gather_unit(i)?;
             self.prefetch(i + 1..n)?;
             self.read_ahead(i + 1..n);
@@ -100,7 +100,7 @@ impl Engine {
             let recompute = self.activation_checkpointing && !last;
             let y = if recompute { tch::no_grad(|| model.forward_unit(i, &x)) } else { model.forward_unit(i, &x) };
             self.records.push(UnitRecord { input: x, output: (!recompute).then(|| y.shallow_clone()) });
-            if !last && !self.units[i].persistent && !keep[i] {
+            if !last && !self.units[i].persistent && !kept {
                 self.release_unit(i)?;
             }
             h = y;
@@ -445,7 +445,9 @@ impl Engine {
             .units
             .iter()
             .zip(frozen_numel)
-            .map(|(span, frozen)| layout.slots[span.slots.clone()].iter().map(|s| s.range.len() as u64).sum::<u64>() + frozen)
+            .map(|(span, frozen)| {
+                layout.slots[span.slots.clone()].iter().map(|s| s.range.len() as u64).sum::<u64>() + frozen
+            })
             .collect();
         let persistence =
             plan::persistent_units(&numels, z.stage3_param_persistence_threshold, z.stage3_model_persistence_threshold);

@@ -35,8 +35,11 @@ impl<F: Fn(&Tensor) -> Tensor> UnitModel for Whole<F> {
 /// A stack of units given as closures with their prefixes: `Sequence::new().unit(["tok", "pos"], |x| ...)`.
 #[derive(Default)]
 pub struct Sequence<'a> {
-    units: Vec<(Vec<String>, Box<dyn Fn(&Tensor) -> Tensor + 'a>)>,
+    units: Vec<(Vec<String>, UnitFn<'a>)>,
 }
+
+/// One unit's forward.
+type UnitFn<'a> = Box<dyn Fn(&Tensor) -> Tensor + 'a>;
 
 impl<'a> Sequence<'a> {
     pub fn new() -> Self {

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 pub use segment::segment_path;
 
-use super::env::RankInfo;
+use super::rank_info::RankInfo;
 use super::{BufMut, BufRef, CommResult, Communicator, ReduceOp};
 use peers::PeerAccess;
 use segment::Segment;

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use memmap2::MmapMut;
 
 use super::super::agreement::{self, Call};
-use super::super::env::RankInfo;
+use super::super::rank_info::RankInfo;
 use super::super::{CommError, CommResult, Dtype};
 
 const MAGIC: u64 = 0x5a45_524f_5255_4e31; // "ZERORUN1"

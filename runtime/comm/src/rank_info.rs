@@ -1,0 +1,106 @@
+//! Where this process sits in the job, from the environment: `zerorun launch` and torchrun set RANK, LOCAL_RANK,
+//! WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT; mpirun sets OMPI_COMM_WORLD_*; ZERORUN_BACKEND picks
+//! the backend. Read here, used by the backend factory (`env.rs`) and the backends' rendezvous.
+use super::{CommError, CommResult};
+
+/// The backends a process of a multi-process job can use (thread ranks live inside one process instead).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// Shared memory among the processes of one host (`zerorun launch`'s default).
+    Shm,
+    /// MPI (feature `mpi`), under mpirun.
+    Mpi,
+    /// NCCL (feature `nccl`), on GPUs.
+    Nccl,
+}
+
+impl Backend {
+    /// The backend `ZERORUN_BACKEND` names.
+    pub fn from_name(name: &str) -> Option<Backend> {
+        match name {
+            "shm" => Some(Backend::Shm),
+            "mpi" => Some(Backend::Mpi),
+            "nccl" => Some(Backend::Nccl),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Shm => "shm",
+            Backend::Mpi => "mpi",
+            Backend::Nccl => "nccl",
+        }
+    }
+}
+
+/// This process's place in the job.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RankInfo {
+    pub rank: usize,
+    pub local_rank: usize,
+    pub world_size: usize,
+    pub local_world_size: usize,
+    pub master_addr: String,
+    pub master_port: u16,
+    /// Names this job's shared-memory segment; set by `zerorun launch` (else derived from the master address).
+    pub run_id: String,
+    /// `ZERORUN_BACKEND` (default: mpi under mpirun, shm elsewhere).
+    pub backend: Backend,
+}
+
+fn var(names: &[&str]) -> Option<String> {
+    names.iter().find_map(|n| std::env::var(n).ok())
+}
+
+fn parse(name: &str, value: Option<String>, default: usize) -> CommResult<usize> {
+    match value {
+        None => Ok(default),
+        Some(v) => v.trim().parse().map_err(|_| CommError::Rendezvous {
+            rank: 0,
+            world_size: 0,
+            place: "the environment".into(),
+            what: format!("{name}={v:?} is not a number"),
+        }),
+    }
+}
+
+impl RankInfo {
+    /// Reads the variables; a single process with none set is rank 0 of 1.
+    pub fn from_env() -> CommResult<RankInfo> {
+        let rank = parse("RANK", var(&["RANK", "OMPI_COMM_WORLD_RANK"]), 0)?;
+        let world_size = parse("WORLD_SIZE", var(&["WORLD_SIZE", "OMPI_COMM_WORLD_SIZE"]), 1)?;
+        let local_rank = parse("LOCAL_RANK", var(&["LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK"]), rank)?;
+        let local_world_size =
+            parse("LOCAL_WORLD_SIZE", var(&["LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"]), world_size)?;
+        let master_addr = var(&["MASTER_ADDR"]).unwrap_or_else(|| "127.0.0.1".into());
+        let master_port = parse("MASTER_PORT", var(&["MASTER_PORT"]), 29500)? as u16;
+        if rank >= world_size || world_size == 0 {
+            return Err(CommError::Rendezvous {
+                rank,
+                world_size,
+                place: "the environment".into(),
+                what: "RANK must be below WORLD_SIZE".into(),
+            });
+        }
+        let run_id = var(&["ZERORUN_RUN_ID"]).unwrap_or_else(|| format!("{master_addr}-{master_port}"));
+        // Under mpirun the MPI backend is the natural choice; elsewhere shared memory.
+        let under_mpirun = std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some();
+        let backend = match var(&["ZERORUN_BACKEND"]) {
+            None if under_mpirun => Backend::Mpi,
+            None => Backend::Shm,
+            Some(name) => Backend::from_name(&name).ok_or_else(|| CommError::Rendezvous {
+                rank,
+                world_size,
+                place: "the environment".into(),
+                what: format!("ZERORUN_BACKEND={name:?} is not a backend: one of \"shm\", \"mpi\", \"nccl\""),
+            })?,
+        };
+        Ok(RankInfo { rank, local_rank, world_size, local_world_size, master_addr, master_port, run_id, backend })
+    }
+
+    /// Whether this process was started as one rank of several.
+    pub fn is_distributed(&self) -> bool {
+        self.world_size > 1
+    }
+}
