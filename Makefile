@@ -35,9 +35,19 @@ $(VENV_STAMP):
 	@ln -sfn "$$($(VENV)/bin/python -c 'import torch,os; print(os.path.dirname(torch.__file__))')" .libtorch
 	@touch -h .libtorch
 
+# The main job: a 26M-parameter GPT on 2 ranks at stage 0, at stage 3, and at stage 3 with parameters and optimizer
+# states on NVMe (/tmp/zerorun-nvme); each run writes its memory report (demo/*/memory.svg: per step and the peak's
+# timeline), and `zerorun report compare` draws the three side by side: demo/stages.svg and demo/stages.png.
+DEMO_GPT := --layers 8 --embd 512 --heads 8 --block 64 --steps 12
+DEMO_RUN := ./target/release/zerorun launch --nproc-per-node 2 --memory-report
 demo: setup
-	$(CARGO) build --release --bins --example gpt --example mlp
-	./target/release/zerorun launch --nproc-per-node 2 --memory-report . -- ./target/release/examples/gpt --config configs/zero2.json --steps 150
+	$(CARGO) build --release --bins --example gpt
+	rm -rf demo && mkdir -p demo /tmp/zerorun-nvme
+	$(DEMO_RUN) demo/stage0 -- ./target/release/examples/gpt --config configs/zero0.json $(DEMO_GPT)
+	$(DEMO_RUN) demo/stage3 -- ./target/release/examples/gpt --config configs/zero3.json $(DEMO_GPT)
+	$(DEMO_RUN) demo/stage3_nvme -- ./target/release/examples/gpt --config configs/zero3_offload_nvme.json $(DEMO_GPT)
+	./target/release/zerorun report compare demo/stage0 demo/stage3 demo/stage3_nvme \
+	  --label "stage 0" --label "stage 3" --label "stage 3, NVMe" --out demo/stages
 
 # House rules first (rustfmt.toml's width, clippy with warnings as errors), then the whole suite.
 test: setup

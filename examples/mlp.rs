@@ -48,19 +48,24 @@ pub struct Mlp {
     layers: Vec<nn::Linear>,
 }
 
+/// The widths of the layers' inputs and outputs: `input`, `hidden` between, `out` at the end.
+fn layer_dims(input: i64, hidden: i64, layers: i64, out: i64) -> Vec<i64> {
+    (0..=layers)
+        .map(|i| {
+            if i == 0 {
+                input
+            } else if i == layers {
+                out
+            } else {
+                hidden
+            }
+        })
+        .collect()
+}
+
 impl Mlp {
     pub fn new(p: nn::Path, input: i64, hidden: i64, layers: i64, out: i64) -> Self {
-        let dims: Vec<i64> = (0..=layers)
-            .map(|i| {
-                if i == 0 {
-                    input
-                } else if i == layers {
-                    out
-                } else {
-                    hidden
-                }
-            })
-            .collect();
+        let dims = layer_dims(input, hidden, layers, out);
         Mlp {
             layers: (0..layers as usize)
                 .map(|i| nn::linear(&p / "layers" / i, dims[i], dims[i + 1], Default::default()))
@@ -71,17 +76,7 @@ impl Mlp {
 
 /// The same model as one builder per layer, in the order `Mlp::new` creates them.
 fn mlp_builders(input: i64, hidden: i64, layers: i64, out: i64) -> zerorun::UnitBuilders<'static> {
-    let dims: Vec<i64> = (0..=layers)
-        .map(|i| {
-            if i == 0 {
-                input
-            } else if i == layers {
-                out
-            } else {
-                hidden
-            }
-        })
-        .collect();
+    let dims = layer_dims(input, hidden, layers, out);
     (0..layers as usize).fold(zerorun::UnitBuilders::new(), |b, i| {
         let (din, dout, last) = (dims[i], dims[i + 1], i + 1 == layers as usize);
         b.unit([format!("layers.{i}")], move |p: &nn::Path| {

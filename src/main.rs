@@ -1,4 +1,4 @@
-//! The `zerorun` command line: config, estimate, launch, bench, consolidate. It links no libtorch (only the
+//! The `zerorun` command line: config, estimate, launch, bench, consolidate, report. It links no libtorch (only the
 //! tensor-free crates), so a command that touches no tensor costs a few MiB; `bench adam` runs in the
 //! `zerorun-torch` helper beside it.
 use std::process::ExitCode;
@@ -26,6 +26,9 @@ enum Command {
     Consolidate(cli::consolidate::ConsolidateArgs),
     /// Start N ranks of a program on this host (torchrun-compatible variables).
     Launch(cli::launch::LaunchArgs),
+    /// Memory reports of several runs, side by side.
+    #[command(subcommand)]
+    Report(cli::report::ReportCommand),
     /// Benchmarks that report ratios against a reference measured in the same run.
     #[command(subcommand)]
     Bench(cli::bench::BenchCommand),
@@ -41,6 +44,7 @@ fn main() -> ExitCode {
         Command::Launch(a) => cli::launch::run(a),
         Command::Estimate(a) => cli::estimate::run(a),
         Command::Consolidate(a) => cli::consolidate::run(a),
+        Command::Report(c) => cli::report::run(c),
     };
     cli::exit_code(result)
 }

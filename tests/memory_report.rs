@@ -147,8 +147,10 @@ fn check_model_states(what: &str, stage: u8, psi: u64, m: &MemoryReport, table: 
 fn mlp_reports_at_stages_0_to_3_and_model_states_match_the_estimate() {
     let (xv, yv) = data();
     let dims = [IN, 256, 256, OUT];
+    let mut dirs = Vec::new();
     for stage in 0..=3u8 {
         let dir = tmp(&format!("mlp{stage}"));
+        dirs.push(dir.clone());
         let table = run(
             &dir,
             stage,
@@ -171,7 +173,33 @@ fn mlp_reports_at_stages_0_to_3_and_model_states_match_the_estimate() {
         for m in &reports {
             check_model_states("MLP", stage, psi, m, &table);
         }
-        std::fs::remove_dir_all(&dir).unwrap();
+    }
+    // `zerorun report compare` draws stage 0 and stage 3 side by side, every rank at its peak.
+    let (dir0, dir3, out) = (&dirs[0], &dirs[3], tmp("compare"));
+    let compare = |labels: &[&str]| {
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_zerorun"));
+        cmd.args(["report", "compare"]).arg(dir0).arg(dir3).arg("--out").arg(out.join("stages"));
+        for l in labels {
+            cmd.args(["--label", l]);
+        }
+        cmd.output().unwrap()
+    };
+    let done = compare(&["stage 0", "stage 3"]);
+    let stdout = String::from_utf8_lossy(&done.stdout);
+    assert!(done.status.success(), "{stdout}{}", String::from_utf8_lossy(&done.stderr));
+    assert!(stdout.starts_with("stage 0:\n") && stdout.contains("stage 3:\n"), "{stdout}");
+    let svg = std::fs::read_to_string(out.join("stages.svg")).unwrap();
+    for label in ["stage 0 r0", "stage 0 r1", "stage 3 r0", "stage 3 r1", "parameters_gathered"] {
+        assert!(svg.contains(label), "{label} not in the picture");
+    }
+    assert!(std::fs::metadata(out.join("stages.png")).unwrap().len() > 1000);
+    let wrong = compare(&["only one"]);
+    assert_eq!(
+        String::from_utf8_lossy(&wrong.stderr).trim(),
+        "error: 1 --label for 2 folders: give one per folder, or none"
+    );
+    for d in dirs.iter().chain([&out]) {
+        std::fs::remove_dir_all(d).unwrap();
     }
 }
 

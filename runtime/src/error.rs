@@ -14,6 +14,8 @@ pub enum Error {
     Checkpoint(#[from] crate::checkpoint::CheckpointError),
     #[error(transparent)]
     Offload(#[from] zerorun_offload::OffloadError),
+    #[error(transparent)]
+    Report(#[from] zerorun_report::ReportError),
     #[error("libtorch: {0}")]
     Torch(#[from] tch::TchError),
     /// A setting this build of the engine does not run yet; names the key.

@@ -7,6 +7,7 @@ pub mod config;
 pub mod consolidate;
 pub mod estimate;
 pub mod launch;
+pub mod report;
 pub mod torch_helper;
 
 /// An error of any subcommand, rendered once by `main`.

@@ -204,7 +204,9 @@ impl Engine {
         self.comm.barrier()?;
         let mut files = MemoryReportFiles { json, table: None, svg: None, png: None };
         if self.rank() == 0 {
-            let reports = (0..self.world_size()).map(|r| MemoryReport::read(&dir, r)).collect::<Result<Vec<_>>>()?;
+            let reports = (0..self.world_size())
+                .map(|r| MemoryReport::read(&dir, r))
+                .collect::<zerorun_report::Result<Vec<_>>>()?;
             let (svg, png) = crate::report::plot::draw_memory(&dir, &reports)?;
             files.table = Some(memory::table(&reports));
             files.svg = Some(svg);

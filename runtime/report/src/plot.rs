@@ -1,6 +1,7 @@
 //! `memory.svg` and `memory.png`: bytes per category stacked for every optimizer step, one panel per rank, the
 //! model-state estimate as a line and the process's resident memory as a second line; beside each, the same for
 //! the events of the step that held the rank's peak (one step's timeline: gathers, unit gradients, the step).
+//! [`draw_comparison`]: several runs side by side, every rank at its peak (`zerorun report compare`).
 use std::path::Path;
 use std::sync::OnceLock;
 
@@ -8,7 +9,7 @@ use plotters::coord::Shift;
 use plotters::prelude::*;
 
 use super::memory::{MemoryReport, MODEL_STATE_CATEGORIES};
-use crate::error::{Error, Result};
+use crate::{ReportError, Result};
 
 /// Where Debian's fonts-dejavu-core puts its sans font (`make setup` installs it); plotters needs a font to
 /// measure and draw text.
@@ -26,7 +27,7 @@ fn register_font() -> Result<()> {
             .map_err(|_| "the DejaVu font did not load".to_string())
     })
     .clone()
-    .map_err(Error::Usage)
+    .map_err(ReportError::Draw)
 }
 
 const MIB: f64 = 1024.0 * 1024.0;
@@ -46,6 +47,14 @@ fn categories(reports: &[MemoryReport]) -> Vec<String> {
     names
 }
 
+/// The x axis of a stacked chart: its title, a label for each x, and whether the resident memory is one line over
+/// all bars (steps of one run) or a tick over each (separate runs).
+struct XAxis<'a> {
+    desc: &'a str,
+    label: &'a dyn Fn(&f64) -> String,
+    connect_rss: bool,
+}
+
 /// One bar of a stacked chart: where it stands, the bytes by category, the resident memory then.
 struct Point<'a> {
     x: f64,
@@ -58,7 +67,7 @@ struct Point<'a> {
 fn stacked<DB: DrawingBackend>(
     area: &DrawingArea<DB, Shift>,
     caption: &str,
-    x_desc: &str,
+    x: &XAxis,
     names: &[String],
     points: &[Point],
     estimate: Option<u64>,
@@ -83,10 +92,11 @@ fn stacked<DB: DrawingBackend>(
         .set_secondary_coord(x_range, 0f64..(rss_max.max(1.0) * 1.15 / MIB));
     chart
         .configure_mesh()
-        .x_desc(x_desc)
+        .x_desc(x.desc)
         .y_desc("engine MiB (bars)")
-        .x_labels(points.len().clamp(1, 12))
-        .x_label_formatter(&|x| format!("{x:.0}"))
+        // A label per bar when the bars fit (unit steps land on whole x), else about a dozen.
+        .x_labels(if last - first <= 40.0 { (last - first) as usize + 1 } else { 12 })
+        .x_label_formatter(x.label)
         .disable_x_mesh()
         .light_line_style(WHITE)
         .draw()
@@ -94,7 +104,9 @@ fn stacked<DB: DrawingBackend>(
     if rss_max > 0.0 {
         chart.configure_secondary_axes().y_desc("resident MiB (red line)").draw().map_err(err)?;
     }
-    let width = if points.len() > 1 { 0.8 * (last - first) / (points.len() - 1) as f64 } else { 0.8 };
+    // 80% of the closest spacing, so neighbours never touch (comparisons leave gaps between runs).
+    let spacing = points.windows(2).map(|w| w[1].x - w[0].x).fold(f64::INFINITY, f64::min);
+    let width = if spacing.is_finite() { 0.8 * spacing } else { 0.8 };
     for (i, name) in names.iter().enumerate() {
         let color = Palette99::pick(i).to_rgba();
         let bars = points.iter().map(|p| {
@@ -113,19 +125,29 @@ fn stacked<DB: DrawingBackend>(
             .draw_series(LineSeries::new([(first - 0.5, est), (last + 0.5, est)], BLACK.stroke_width(2)))
             .map_err(err)?;
     }
-    if rss_max > 0.0 {
+    if rss_max > 0.0 && x.connect_rss {
         let rss = points.iter().map(|p| (p.x, p.rss as f64 / MIB));
         chart.draw_secondary_series(LineSeries::new(rss, RED.stroke_width(2))).map_err(err)?;
+    } else if rss_max > 0.0 {
+        // Separate runs: a tick over each bar, no line between them.
+        let ticks = points.iter().map(|p| {
+            let y = p.rss as f64 / MIB;
+            PathElement::new([(p.x - width / 2.0, y), (p.x + width / 2.0, y)], RED.stroke_width(3))
+        });
+        chart.draw_secondary_series(ticks).map_err(err)?;
     }
     Ok(())
 }
 
-fn draw<DB: DrawingBackend>(root: DrawingArea<DB, Shift>, reports: &[MemoryReport]) -> std::result::Result<(), String> {
+/// The legend in a strip at the top, five entries a row, so it never hides bars: a swatch per category, then
+/// `lines`. Returns the area below it.
+fn legend<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    names: &[String],
+    lines: &[(&str, RGBColor)],
+) -> std::result::Result<DrawingArea<DB, Shift>, String> {
     let err = |e: DrawingAreaErrorKind<DB::ErrorType>| e.to_string();
-    root.fill(&WHITE).map_err(err)?;
-    let names = categories(reports);
-    // The legend in a strip at the top, five entries a row, so it never hides bars.
-    let rows = (names.len() + 2).div_ceil(5) as u32;
+    let rows = (names.len() + lines.len()).div_ceil(5) as u32;
     let (strip, body) = root.split_vertically(12 + 20 * rows);
     let entry = |i: usize| (12 + (i % 5) as i32 * 188, 10 + (i / 5) as i32 * 20);
     let font = ("sans-serif", 13).into_font();
@@ -136,13 +158,20 @@ fn draw<DB: DrawingBackend>(root: DrawingArea<DB, Shift>, reports: &[MemoryRepor
             .map_err(err)?;
         strip.draw(&Text::new(name.clone(), (x + 20, y + 1), font.clone())).map_err(err)?;
     }
-    for (k, (label, color)) in
-        [("model states, estimate", BLACK), ("resident memory (right axis)", RED)].into_iter().enumerate()
-    {
+    for (k, (label, color)) in lines.iter().enumerate() {
         let (x, y) = entry(names.len() + k);
         strip.draw(&PathElement::new([(x, y + 8), (x + 14, y + 8)], color.stroke_width(2))).map_err(err)?;
-        strip.draw(&Text::new(label, (x + 20, y + 1), font.clone())).map_err(err)?;
+        strip.draw(&Text::new(*label, (x + 20, y + 1), font.clone())).map_err(err)?;
     }
+    Ok(body)
+}
+
+fn draw<DB: DrawingBackend>(root: DrawingArea<DB, Shift>, reports: &[MemoryReport]) -> std::result::Result<(), String> {
+    let err = |e: DrawingAreaErrorKind<DB::ErrorType>| e.to_string();
+    root.fill(&WHITE).map_err(err)?;
+    let names = categories(reports);
+    let lines = [("model states, estimate", BLACK), ("resident memory (right axis)", RED)];
+    let body = legend(&root, &names, &lines)?;
     let panels = body.split_evenly((reports.len().max(1), 1));
     for (panel, r) in panels.iter().zip(reports) {
         // Left: every optimizer step; right: the events of the step that held the run's peak (when recorded).
@@ -155,7 +184,9 @@ fn draw<DB: DrawingBackend>(root: DrawingArea<DB, Shift>, reports: &[MemoryRepor
         let points: Vec<Point> =
             r.steps.iter().map(|s| Point { x: s.step as f64, categories: &s.categories, rss: s.rss_bytes }).collect();
         let caption = format!("rank {} of {}: ZeRO stage {}, {}", r.rank, r.world_size, r.stage, r.precision);
-        stacked(&steps_area, &caption, "optimizer step", &names, &points, Some(r.model_states.estimated_bytes))?;
+        let step_number = |x: &f64| format!("{x:.0}");
+        let steps = XAxis { desc: "optimizer step", label: &step_number, connect_rss: true };
+        stacked(&steps_area, &caption, &steps, &names, &points, Some(r.model_states.estimated_bytes))?;
         if let Some(area) = events_area {
             let points: Vec<Point> = r
                 .events
@@ -164,14 +195,8 @@ fn draw<DB: DrawingBackend>(root: DrawingArea<DB, Shift>, reports: &[MemoryRepor
                 .map(|(i, e)| Point { x: i as f64, categories: &e.categories, rss: e.rss_bytes })
                 .collect();
             let step = r.events[0].step;
-            stacked(
-                &area,
-                &format!("events of step {step} (the peak's)"),
-                "event (gather, gradients, step)",
-                &names,
-                &points,
-                None,
-            )?;
+            let events = XAxis { desc: "event (gather, gradients, step)", label: &step_number, connect_rss: true };
+            stacked(&area, &format!("events of step {step} (the peak's)"), &events, &names, &points, None)?;
         }
     }
     root.present().map_err(err)?;
@@ -185,8 +210,69 @@ pub fn draw_memory(dir: &Path, reports: &[MemoryReport]) -> Result<(std::path::P
     let wide = reports.iter().any(|r| !r.events.is_empty());
     let size = (if wide { 1440 } else { 960 }, 80 + 320 * reports.len().max(1) as u32);
     draw(SVGBackend::new(&svg, size).into_drawing_area(), reports)
-        .map_err(|e| Error::Usage(format!("{}: {e}", svg.display())))?;
+        .map_err(|e| ReportError::Io { path: svg.clone(), what: e })?;
     draw(BitMapBackend::new(&png, size).into_drawing_area(), reports)
-        .map_err(|e| Error::Usage(format!("{}: {e}", png.display())))?;
+        .map_err(|e| ReportError::Io { path: png.clone(), what: e })?;
+    Ok((svg, png))
+}
+
+/// The engine's bytes by category at a rank's peak: the peak's event when events were recorded, else the step
+/// sample with the most bytes.
+fn at_peak(r: &MemoryReport) -> Option<&std::collections::BTreeMap<String, u64>> {
+    match &r.peak {
+        Some(p) => Some(&p.categories),
+        None => r.steps.iter().max_by_key(|s| s.categories.values().sum::<u64>()).map(|s| &s.categories),
+    }
+}
+
+fn draw_runs<DB: DrawingBackend>(
+    root: DrawingArea<DB, Shift>,
+    runs: &[(String, Vec<MemoryReport>)],
+) -> std::result::Result<(), String> {
+    let err = |e: DrawingAreaErrorKind<DB::ErrorType>| e.to_string();
+    root.fill(&WHITE).map_err(err)?;
+    let all: Vec<MemoryReport> = runs.iter().flat_map(|(_, r)| r.iter().cloned()).collect();
+    // Bars are host memory: bytes on NVMe (`*_nvme`) are in the tables, not stacked with what is resident.
+    let names: Vec<String> = categories(&all).into_iter().filter(|n| !n.ends_with("_nvme")).collect();
+    let body = legend(&root, &names, &[("peak resident memory (right axis)", RED)])?;
+    // One bar per rank, runs in groups with a gap between them.
+    let mut points = Vec::new();
+    let mut labels: Vec<(f64, String)> = Vec::new();
+    let mut x = 0.0;
+    for (label, reports) in runs {
+        for r in reports {
+            if let Some(categories) = at_peak(r) {
+                points.push(Point { x, categories, rss: r.peak_rss_bytes });
+                labels.push((x, format!("{label} r{}", r.rank)));
+            }
+            x += 1.0;
+        }
+        x += 1.0;
+    }
+    let label_of =
+        |x: &f64| labels.iter().find(|(at, _)| (at - x).abs() < 0.5).map_or(String::new(), |(_, l)| l.clone());
+    let ranks = runs.iter().map(|(_, r)| r.len()).max().unwrap_or(0);
+    let caption = format!("host memory the engine holds at each rank's peak ({} runs of {ranks} ranks)", runs.len());
+    let x = XAxis { desc: "run and rank", label: &label_of, connect_rss: false };
+    stacked(&body, &caption, &x, &names, &points, None)?;
+    root.present().map_err(err)?;
+    Ok(())
+}
+
+/// Several runs side by side: for every run (a label and its ranks' reports) and rank, the engine's bytes by
+/// category at the rank's peak, stacked, and the peak resident memory as a red line. Writes `{stem}.svg` and
+/// `{stem}.png`.
+pub fn draw_comparison(
+    stem: &Path,
+    runs: &[(String, Vec<MemoryReport>)],
+) -> Result<(std::path::PathBuf, std::path::PathBuf)> {
+    register_font()?;
+    let (svg, png) = (stem.with_extension("svg"), stem.with_extension("png"));
+    let bars: usize = runs.iter().map(|(_, r)| r.len() + 1).sum();
+    let size = ((200 + 90 * bars as u32).max(720), 560);
+    draw_runs(SVGBackend::new(&svg, size).into_drawing_area(), runs)
+        .map_err(|e| ReportError::Io { path: svg.clone(), what: e })?;
+    draw_runs(BitMapBackend::new(&png, size).into_drawing_area(), runs)
+        .map_err(|e| ReportError::Io { path: png.clone(), what: e })?;
     Ok((svg, png))
 }

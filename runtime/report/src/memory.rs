@@ -13,14 +13,15 @@
 //!
 //! `model_states.measured_bytes` sums what the engine keeps between steps (`parameters`, `parameters_nvme`,
 //! `frozen_parameters`, `gradients_full`, `gradients_shard`, `master_fp32`, `optimizer_states`, `optimizer_states_nvme`); `estimated_bytes` is
-//! [`crate::estimate::model_states_bytes`] for the run's stage, precision and optimizer. RSS is per process:
+//! `zerorun_config::estimate::model_states_bytes` for the run's stage, precision and optimizer. RSS is per process:
 //! thread ranks of one process share it.
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::{Error, Result};
+use crate::{ReportError, Result};
+use zerorun_comm as comm;
 
 /// 2: `floor_rss_bytes`, `events` and `peak` (version 1 files read with those empty).
 pub const SCHEMA_VERSION: u32 = 2;
@@ -186,8 +187,8 @@ pub fn rss() -> (u64, u64) {
             .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
             .map_or(0, |kb| kb * 1024)
     };
-    let peers = if crate::comm::region::peers_mapped() {
-        let own = crate::comm::region::SharedRegion::process().map_or(0, |r| r.used() as u64);
+    let peers = if comm::region::peers_mapped() {
+        let own = comm::region::SharedRegion::process().map_or(0, |r| r.used() as u64);
         field("RssShmem:").saturating_sub(own)
     } else {
         0
@@ -202,28 +203,25 @@ pub fn report_path(dir: &Path, rank: usize) -> PathBuf {
 impl MemoryReport {
     pub fn write(&self, dir: &Path) -> Result<PathBuf> {
         let path = report_path(dir, self.rank);
-        std::fs::create_dir_all(dir)
-            .map_err(|e| Error::Usage(format!("memory report folder {}: {e}", dir.display())))?;
+        std::fs::create_dir_all(dir).map_err(|e| ReportError::Io { path: dir.into(), what: e.to_string() })?;
         let text = serde_json::to_string_pretty(self).expect("the report serializes");
-        crate::checkpoint::files::write_atomic(&path, text.as_bytes())?;
+        zerorun_checkpoint::files::write_atomic(&path, text.as_bytes())
+            .map_err(|e| ReportError::Io { path: path.clone(), what: e.to_string() })?;
         Ok(path)
     }
 
     /// Reads `memory_rank{r}.json`; a newer schema or a malformed file is an error naming it.
     pub fn read(dir: &Path, rank: usize) -> Result<MemoryReport> {
         let path = report_path(dir, rank);
-        let text = std::fs::read_to_string(&path).map_err(|e| Error::Usage(format!("{}: {e}", path.display())))?;
-        let v: serde_json::Value =
-            serde_json::from_str(&text).map_err(|e| Error::Usage(format!("{}: not JSON: {e}", path.display())))?;
+        let text =
+            std::fs::read_to_string(&path).map_err(|e| ReportError::Io { path: path.clone(), what: e.to_string() })?;
+        let format = |what: String| ReportError::Format { path: path.clone(), what };
+        let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| format(format!("not JSON: {e}")))?;
         let found = v.get("schema_version").and_then(|x| x.as_u64()).unwrap_or(0) as u32;
         if found > SCHEMA_VERSION {
-            return Err(Error::Usage(format!(
-                "{}: schema version {found} is newer than this zerorun reads ({SCHEMA_VERSION})",
-                path.display()
-            )));
+            return Err(format(format!("schema version {found} is newer than this zerorun reads ({SCHEMA_VERSION})")));
         }
-        serde_json::from_value(v)
-            .map_err(|e| Error::Usage(format!("{}: not a zerorun memory report: {e}", path.display())))
+        serde_json::from_value(v).map_err(|e| format(format!("not a zerorun memory report: {e}")))
     }
 }
 

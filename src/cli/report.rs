@@ -1,0 +1,65 @@
+//! `zerorun report compare DIR... [--label L]... --out STEM`: runs' memory reports side by side (every rank at
+//! its peak, by category, and its peak resident memory) as STEM.svg and STEM.png, with the table of each run.
+use std::path::PathBuf;
+
+use clap::{Args, Subcommand};
+use zerorun_report::memory::{self, MemoryReport};
+
+use super::{emit, CliError};
+
+#[derive(Subcommand)]
+pub enum ReportCommand {
+    /// Draw several runs' memory reports side by side (e.g. stage 0, stage 3, stage 3 with NVMe offload).
+    Compare(CompareArgs),
+}
+
+#[derive(Args)]
+pub struct CompareArgs {
+    /// Folders holding `memory_rank{r}.json` (a run's `--memory-report` folder), one per run.
+    #[arg(required = true)]
+    dirs: Vec<PathBuf>,
+    /// A label per run, in order (default: each folder's name).
+    #[arg(long = "label")]
+    labels: Vec<String>,
+    /// Where the picture goes: STEM.svg and STEM.png.
+    #[arg(long)]
+    out: PathBuf,
+}
+
+/// Every rank's report in `dir` (memory_rank0.json, memory_rank1.json, ... up to the world size rank 0 names).
+fn read_run(dir: &std::path::Path) -> Result<Vec<MemoryReport>, CliError> {
+    let first = MemoryReport::read(dir, 0).map_err(|e| CliError::Usage(e.to_string()))?;
+    let mut reports = vec![first];
+    for r in 1..reports[0].world_size {
+        reports.push(MemoryReport::read(dir, r).map_err(|e| CliError::Usage(e.to_string()))?);
+    }
+    Ok(reports)
+}
+
+pub fn run(c: ReportCommand) -> Result<(), CliError> {
+    let ReportCommand::Compare(a) = c;
+    if !a.labels.is_empty() && a.labels.len() != a.dirs.len() {
+        return Err(CliError::Usage(format!(
+            "{} --label for {} folders: give one per folder, or none",
+            a.labels.len(),
+            a.dirs.len()
+        )));
+    }
+    let mut runs = Vec::with_capacity(a.dirs.len());
+    for (i, dir) in a.dirs.iter().enumerate() {
+        let label = a.labels.get(i).cloned().unwrap_or_else(|| {
+            dir.file_name().map_or_else(|| dir.display().to_string(), |n| n.to_string_lossy().into_owned())
+        });
+        runs.push((label, read_run(dir)?));
+    }
+    for (label, reports) in &runs {
+        emit(&format!("{label}:\n{}", memory::table(reports)))?;
+    }
+    if let Some(parent) = a.out.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent)
+            .map_err(|e| CliError::Io { context: format!("creating {}", parent.display()), source: e })?;
+    }
+    let (svg, png) =
+        zerorun_report::plot::draw_comparison(&a.out, &runs).map_err(|e| CliError::Usage(e.to_string()))?;
+    emit(&format!("wrote {} and {}", svg.display(), png.display()))
+}
