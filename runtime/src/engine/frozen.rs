@@ -70,7 +70,8 @@ impl FrozenUnits {
             UnitState::Gathering => self.units[i].finish_gather().map(|_| 0),
             UnitState::Sharded => {
                 let chunk = self.chunk(i, comm.world_size());
-                self.units[i].gather(comm, views::bytes(&chunk))
+                // SAFETY: a view of this rank's shard, read by the gather while nothing writes the shard.
+                self.units[i].gather(comm, unsafe { views::bytes(&chunk) })
             }
         }
     }
@@ -81,7 +82,8 @@ impl FrozenUnits {
             return Ok(0);
         }
         let chunk = self.chunk(i, thread.world_size());
-        self.units[i].begin_gather(thread, views::bytes(&chunk))
+        // SAFETY: as in `gather`; begin_gather copies the chunk into the unit before it returns.
+        self.units[i].begin_gather(thread, unsafe { views::bytes(&chunk) })
     }
 
     /// Unit `i` back to its shard (a no-op for persistent units, which stay gathered).

@@ -109,15 +109,23 @@ impl EngineOptions {
 }
 
 /// See [`Engine::fp32_grads_in_buffer`] (a function of the fields, so callers can borrow others beside it).
-fn fp32_grads_in<'a>(
+///
+/// # Safety
+/// As for [`views::slice`]: the reduced gradients are read and scaled between the reduction and the next
+/// backward, when no collective and no autograd writes these buffers; the caller holds one such view at a time.
+#[allow(clippy::mut_from_ref)]
+unsafe fn fp32_grads_in<'a>(
     reduced: ReducedGradients,
     flat_grads: &'a Tensor,
     grad_buffer: &'a Option<Tensor>,
     optimized: &Optimized,
 ) -> Option<&'a mut [f32]> {
     match reduced {
-        ReducedGradients::Staging => Some(views::slice::<f32>(flat_grads)),
-        ReducedGradients::ViewPartition => grad_buffer.as_ref().map(|g| &mut views::slice::<f32>(g)[optimized.range()]),
+        // SAFETY: this function's contract.
+        ReducedGradients::Staging => Some(unsafe { views::slice::<f32>(flat_grads) }),
+        ReducedGradients::ViewPartition => {
+            grad_buffer.as_ref().map(|g| &mut unsafe { views::slice::<f32>(g) }[optimized.range()])
+        }
         ReducedGradients::Accumulator => None,
     }
 }
@@ -287,7 +295,8 @@ impl Engine {
         let optimized = plan.optimized(&layout, rank);
         let master = (precision != Precision::Fp32).then(|| {
             let part = shard_values(&flat_params, &layout, rank, &plan, &optimized).to_kind(Kind::Float);
-            AlignedVec::from_slice(views::slice::<f32>(&part))
+            // SAFETY: `part` is a fresh fp32 copy (to_kind) nothing else holds.
+            AlignedVec::from_slice(unsafe { views::slice::<f32>(&part) })
         });
         let swapped_params = if plan.partitions_parameters() && z.offload_param.device == OffloadDevice::Nvme {
             let chunks = sharded_units.iter().map(|u| u.shard_range(world_size)).collect();
@@ -667,20 +676,16 @@ impl Engine {
         Ok(StepOutcome::Stepped { step: self.global_steps, loss, grad_norm, lr })
     }
 
-    /// Where the reduced fp32 gradients of the optimized range are, when not in the fp32 accumulator: fp32 models
-    /// at stage 0 reduce in `flat_grads`, and with gradient views at stages 1-2 in the partition of `grad_buffer`.
-    fn fp32_grads_in_buffer(&self) -> Option<&mut [f32]> {
-        fp32_grads_in(self.reduced, &self.flat_grads, &self.grad_buffer, &self.optimized)
-    }
-
-    /// Whether the reduced fp32 gradients are in a flat buffer rather than the fp32 accumulator.
+    /// Whether the reduced fp32 gradients are in a flat buffer rather than the fp32 accumulator: fp32 models at
+    /// stage 0 reduce in `flat_grads`, and with gradient views at stage 1 in the partition of `grad_buffer`.
     fn grads_in_flat_buffer(&self) -> bool {
-        self.fp32_grads_in_buffer().is_some()
+        self.reduced != ReducedGradients::Accumulator
     }
 
     /// The fp32 gradients of the optimized range.
     fn grads(&mut self) -> &mut [f32] {
-        match fp32_grads_in(self.reduced, &self.flat_grads, &self.grad_buffer, &self.optimized) {
+        // SAFETY: called between the reduction and the optimizer step (norm, clipping), one view at a time.
+        match unsafe { fp32_grads_in(self.reduced, &self.flat_grads, &self.grad_buffer, &self.optimized) } {
             Some(g) => g,
             None => &mut self.grad_acc,
         }
@@ -703,8 +708,12 @@ impl Engine {
         let range = self.optimized.range();
         match self.master.as_mut() {
             None => {
-                let params = &mut views::slice::<f32>(&self.flat_params)[range];
-                let in_buffer = fp32_grads_in(self.reduced, &self.flat_grads, &self.grad_buffer, &self.optimized);
+                // SAFETY: the optimizer step writes the flat parameters while no forward, backward or collective
+                // runs; the gradients it reads are another buffer (the staging or view partition, or grad_acc).
+                let params = &mut unsafe { views::slice::<f32>(&self.flat_params) }[range];
+                // SAFETY: the only view of the reduced gradients during the step (the parameters are another buffer).
+                let in_buffer =
+                    unsafe { fp32_grads_in(self.reduced, &self.flat_grads, &self.grad_buffer, &self.optimized) };
                 let grads: &[f32] = match in_buffer {
                     Some(g) => g,
                     None => &self.grad_acc,
@@ -713,9 +722,12 @@ impl Engine {
             }
             Some(master) => {
                 // The update writes the 16-bit model copy of the range in the same pass.
+                // SAFETY: as above: nothing else touches the flat parameters during the step.
                 let out = match self.precision {
-                    Precision::Bf16 => ParamsOut::Bf16(&mut views::slice::<half::bf16>(&self.flat_params)[range]),
-                    _ => ParamsOut::F16(&mut views::slice::<half::f16>(&self.flat_params)[range]),
+                    Precision::Bf16 => {
+                        ParamsOut::Bf16(&mut unsafe { views::slice::<half::bf16>(&self.flat_params) }[range])
+                    }
+                    _ => ParamsOut::F16(&mut unsafe { views::slice::<half::f16>(&self.flat_params) }[range]),
                 };
                 self.optimizer.step(master, &self.grad_acc, &self.groups, Some(out))?;
                 self.grad_acc.fill(0.0);
@@ -738,13 +750,15 @@ impl Engine {
         }
         if self.master.is_none() {
             let scratch = self.read_shard()?;
-            self.optimizer.step(views::slice::<f32>(&scratch), &self.grad_acc, &self.groups, None)?;
+            // SAFETY: `scratch` is this step's own copy of the shard.
+            self.optimizer.step(unsafe { views::slice::<f32>(&scratch) }, &self.grad_acc, &self.groups, None)?;
             return self.write_shard(&scratch);
         }
         let scratch = Tensor::zeros([self.optimized.len() as i64], (views::kind_of(self.precision), tch::Device::Cpu));
+        // SAFETY: `scratch` was just made here; nothing else holds it.
         let out = match self.precision {
-            Precision::Bf16 => ParamsOut::Bf16(views::slice::<half::bf16>(&scratch)),
-            _ => ParamsOut::F16(views::slice::<half::f16>(&scratch)),
+            Precision::Bf16 => ParamsOut::Bf16(unsafe { views::slice::<half::bf16>(&scratch) }),
+            _ => ParamsOut::F16(unsafe { views::slice::<half::f16>(&scratch) }),
         };
         let master = self.master.as_mut().expect("checked above");
         self.optimizer.step(master, &self.grad_acc, &self.groups, Some(out))?;

@@ -175,7 +175,9 @@ impl ShardedUnit {
     fn put_chunk(&self, rank: usize, ws: usize, chunk: &[u8]) {
         let n = self.span.chunk_len(ws) * self.full.kind().elt_size_in_bytes();
         assert_eq!(chunk.len(), n, "a unit's chunk has the unit's chunk length");
-        views::bytes(&self.full)[rank * n..(rank + 1) * n].copy_from_slice(chunk);
+        // SAFETY: the unit's own buffer, not gathering (no collective writes it) while the chunk is copied in.
+        let full = unsafe { views::bytes(&self.full) };
+        full[rank * n..(rank + 1) * n].copy_from_slice(chunk);
     }
 
     /// Sharded -> Gathered: regrows the buffer and all-gathers every rank's chunk, this rank's being `chunk`.
@@ -225,10 +227,9 @@ impl ShardedUnit {
             Kind::Half => Dtype::F16,
             _ => Dtype::F32,
         };
-        let bytes = views::bytes(&self.full);
         // SAFETY: the buffer is ours; nothing reads or writes it, resizes or frees it until `finish_gather` waits
         // on the handle (release finishes a Gathering unit first, and dropping the engine joins the thread first).
-        let handle = unsafe { thread.all_gather_raw(BufMut { bytes, dtype }) };
+        let handle = unsafe { thread.all_gather_raw(BufMut { bytes: views::bytes(&self.full), dtype }) };
         self.pending = Some(handle);
         self.state = UnitState::Gathering;
         Ok(self.span.range.len())

@@ -27,7 +27,9 @@ impl Chunk {
     /// The chunk's elements, as bytes of the model's dtype.
     pub fn bytes(&self) -> &[u8] {
         match self {
-            Chunk::InMemory(t) => views::bytes(t),
+            // SAFETY: a view of the shard (or a unit's resident chunk) read while nothing writes it: the engine
+            // reads a chunk to gather it and writes chunks only in the optimizer step.
+            Chunk::InMemory(t) => unsafe { views::bytes(t) },
             Chunk::Read { buffer, bytes } => &buffer.as_slice()[..*bytes],
         }
     }
@@ -158,14 +160,16 @@ impl SwappedParams {
     pub fn write(&mut self, unit: usize, values: &Tensor) -> Result<()> {
         debug_assert_eq!(values.numel(), self.chunks[unit].len());
         let values = values.contiguous();
-        self.write_with(unit, |dst| dst.copy_from_slice(views::bytes(&values)))
+        // SAFETY: `values` is this call's own contiguous copy (or the caller's tensor, only read here).
+        self.write_with(unit, |dst| dst.copy_from_slice(unsafe { views::bytes(&values) }))
     }
 
     /// [`write`](Self::write) with the chunk's bytes (the model's dtype) produced by `fill`, straight into the
     /// memory they go to.
     fn write_with(&mut self, unit: usize, fill: impl FnOnce(&mut [u8])) -> Result<()> {
         if let Some(t) = &self.in_memory[unit] {
-            fill(views::bytes(t));
+            // SAFETY: the unit's resident chunk, which only this swapper touches, and not during a gather.
+            fill(unsafe { views::bytes(t) });
             return Ok(());
         }
         if let Some(stale) = self.reads.remove(&unit) {
@@ -199,7 +203,8 @@ impl SwappedParams {
     /// The whole shard in memory (checkpoints, the optimizer step of fp32 models): every unit's chunk in order.
     pub fn read_all(&mut self, len: usize) -> Result<Tensor> {
         let out = Tensor::zeros([len as i64], (self.kind, tch::Device::Cpu));
-        let dst = views::bytes(&out);
+        // SAFETY: `out` was just made here; no other handle to it exists until it is returned.
+        let dst = unsafe { views::bytes(&out) };
         let elt = self.kind.elt_size_in_bytes();
         for u in 0..self.chunks.len() {
             self.read_ahead(u + 1..self.chunks.len(), |_| true);

@@ -33,46 +33,95 @@ pub fn comm_zeros(len: usize, kind: Kind, shared: bool) -> crate::error::Result<
     Ok(Tensor::zeros([len as i64], (kind, tch::Device::Cpu)))
 }
 
-/// A contiguous CPU tensor's elements as `T`.
+/// Element types a tensor is viewed as, with the kind that holds them.
+pub trait ViewElement {
+    const KIND: Kind;
+}
+
+impl ViewElement for f32 {
+    const KIND: Kind = Kind::Float;
+}
+
+impl ViewElement for bf16 {
+    const KIND: Kind = Kind::BFloat16;
+}
+
+impl ViewElement for f16 {
+    const KIND: Kind = Kind::Half;
+}
+
+/// What every view checks, always (a violation is an engine bug, not bad input): CPU memory, contiguous.
+fn check_viewable(t: &Tensor) {
+    assert!(t.device() == tch::Device::Cpu && t.is_contiguous(), "a view of a non-contiguous or non-CPU tensor");
+}
+
+/// A contiguous CPU tensor's elements as `T` (its kind is checked).
 ///
-/// SAFETY (for callers): the tensor must be contiguous, on the CPU, of `T`'s kind, and outlive the slice; the
-/// engine only calls this on its own flat buffers.
+/// # Safety
+/// The tensor's storage is shared by every handle to it (shallow clones, views, the model's parameters), which
+/// the borrow of `t` does not see. For as long as the slice lives, the caller guarantees that nothing else reads
+/// or writes these elements (no other view from this module, no tensor operation on an aliasing handle, no
+/// collective in flight on them) and that the storage is neither freed nor resized.
 #[allow(clippy::mut_from_ref)]
-pub fn slice<T>(t: &Tensor) -> &mut [T] {
-    debug_assert!(t.is_contiguous() && t.kind().elt_size_in_bytes() == std::mem::size_of::<T>());
+pub unsafe fn slice<T: ViewElement>(t: &Tensor) -> &mut [T] {
+    check_viewable(t);
+    assert_eq!(t.kind(), T::KIND, "a view of the wrong element type");
     let n = t.numel();
     if n == 0 {
         return &mut [];
     }
+    // SAFETY: the storage holds n contiguous elements of T (checked above); exclusivity is the caller's.
     unsafe { std::slice::from_raw_parts_mut(t.data_ptr() as *mut T, n) }
 }
 
-/// A contiguous CPU tensor's bytes, whatever its kind (see [`slice`] for the conditions).
+/// A contiguous CPU tensor's bytes, whatever its kind.
+///
+/// # Safety
+/// As for [`slice`].
 #[allow(clippy::mut_from_ref)]
-pub fn bytes(t: &Tensor) -> &mut [u8] {
-    debug_assert!(t.is_contiguous());
+pub unsafe fn bytes(t: &Tensor) -> &mut [u8] {
+    check_viewable(t);
     let n = t.numel() * t.kind().elt_size_in_bytes();
     if n == 0 {
         return &mut [];
     }
+    // SAFETY: the storage holds n contiguous bytes (checked above); exclusivity is the caller's.
     unsafe { std::slice::from_raw_parts_mut(t.data_ptr() as *mut u8, n) }
 }
 
-/// A contiguous CPU tensor as a collective buffer (see [`slice`] for the conditions).
-pub fn buf_mut(t: &Tensor) -> crate::comm::BufMut<'_> {
+/// A contiguous CPU tensor as a collective buffer.
+///
+/// # Safety
+/// As for [`slice`], until the collective that takes the buffer has finished (for the communication thread's
+/// `*_raw` calls: until its handle is waited on).
+pub unsafe fn buf_mut(t: &Tensor) -> crate::comm::BufMut<'_> {
     let dtype = match t.kind() {
         Kind::BFloat16 => crate::comm::Dtype::Bf16,
         Kind::Half => crate::comm::Dtype::F16,
         _ => crate::comm::Dtype::F32,
     };
-    let bytes = t.numel() * t.kind().elt_size_in_bytes();
-    let bytes: &mut [u8] =
-        if bytes == 0 { &mut [] } else { unsafe { std::slice::from_raw_parts_mut(t.data_ptr() as *mut u8, bytes) } };
-    crate::comm::BufMut { bytes, dtype }
+    // SAFETY: forwarded to the caller.
+    crate::comm::BufMut { bytes: unsafe { bytes(t) }, dtype }
 }
+
+/// `t` and `out` are two buffers, not views of one storage range (a collective reads one while writing the other).
+fn check_disjoint(t: &Tensor, out: &Tensor) {
+    let (a, b) = (t.data_ptr() as usize, out.data_ptr() as usize);
+    let (la, lb) = (t.numel() * t.kind().elt_size_in_bytes(), out.numel() * out.kind().elt_size_in_bytes());
+    assert!(a + la <= b || b + lb <= a, "a collective's input and output overlap");
+}
+
+// The collectives below take `&Tensor` and hold their views only for the call, which blocks until the collective
+// is done: SAFETY for each is that the engine runs nothing else on these buffers meanwhile (one thread drives a
+// rank's engine; its communication thread is waited on before a buffer it uses is touched).
 
 /// Runs a collective on a flat tensor of any supported kind.
 pub fn all_reduce(comm: &dyn Communicator, t: &Tensor, op: ReduceOp) -> CommResult<()> {
+    // SAFETY: see above.
+    unsafe { all_reduce_views(comm, t, op) }
+}
+
+unsafe fn all_reduce_views(comm: &dyn Communicator, t: &Tensor, op: ReduceOp) -> CommResult<()> {
     match t.kind() {
         Kind::BFloat16 => comm.all_reduce(slice::<bf16>(t), op),
         Kind::Half => comm.all_reduce(slice::<f16>(t), op),
@@ -81,6 +130,11 @@ pub fn all_reduce(comm: &dyn Communicator, t: &Tensor, op: ReduceOp) -> CommResu
 }
 
 pub fn broadcast(comm: &dyn Communicator, t: &Tensor, root: usize) -> CommResult<()> {
+    // SAFETY: see above.
+    unsafe { broadcast_views(comm, t, root) }
+}
+
+unsafe fn broadcast_views(comm: &dyn Communicator, t: &Tensor, root: usize) -> CommResult<()> {
     match t.kind() {
         Kind::BFloat16 => comm.broadcast(slice::<bf16>(t), root),
         Kind::Half => comm.broadcast(slice::<f16>(t), root),
@@ -89,6 +143,11 @@ pub fn broadcast(comm: &dyn Communicator, t: &Tensor, root: usize) -> CommResult
 }
 
 pub fn all_gather(comm: &dyn Communicator, t: &Tensor) -> CommResult<()> {
+    // SAFETY: see above.
+    unsafe { all_gather_views(comm, t) }
+}
+
+unsafe fn all_gather_views(comm: &dyn Communicator, t: &Tensor) -> CommResult<()> {
     match t.kind() {
         Kind::BFloat16 => comm.all_gather_in_place(slice::<bf16>(t)),
         Kind::Half => comm.all_gather_in_place(slice::<f16>(t)),
@@ -98,6 +157,12 @@ pub fn all_gather(comm: &dyn Communicator, t: &Tensor) -> CommResult<()> {
 
 /// Reduce-scatter of a flat tensor into `out` (a tensor of the same kind, one partition long).
 pub fn reduce_scatter(comm: &dyn Communicator, t: &Tensor, out: &Tensor, op: ReduceOp) -> CommResult<()> {
+    check_disjoint(t, out);
+    // SAFETY: see above; the two buffers are disjoint (checked).
+    unsafe { reduce_scatter_views(comm, t, out, op) }
+}
+
+unsafe fn reduce_scatter_views(comm: &dyn Communicator, t: &Tensor, out: &Tensor, op: ReduceOp) -> CommResult<()> {
     match t.kind() {
         Kind::BFloat16 => comm.reduce_scatter(slice::<bf16>(t), slice::<bf16>(out), op),
         Kind::Half => comm.reduce_scatter(slice::<f16>(t), slice::<f16>(out), op),
@@ -107,6 +172,11 @@ pub fn reduce_scatter(comm: &dyn Communicator, t: &Tensor, out: &Tensor, op: Red
 
 /// `acc[i] += t[i]` in f32, whatever `t`'s kind.
 pub fn accumulate(acc: &mut [f32], t: &Tensor) {
+    // SAFETY: `acc` is Rust-owned memory, so not `t`'s; the view lives for this call only.
+    unsafe { accumulate_views(acc, t) }
+}
+
+unsafe fn accumulate_views(acc: &mut [f32], t: &Tensor) {
     match t.kind() {
         Kind::BFloat16 => acc.iter_mut().zip(slice::<bf16>(t).iter()).for_each(|(a, g)| *a += g.to_f32()),
         Kind::Half => acc.iter_mut().zip(slice::<f16>(t).iter()).for_each(|(a, g)| *a += g.to_f32()),
