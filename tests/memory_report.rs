@@ -96,7 +96,11 @@ fn check_files(dir: &Path, stage: u8) -> Vec<MemoryReport> {
         );
         // (Thread ranks share one process, whose resident memory other tests move: only the peak bounds the floor.)
         assert!(
-            m.floor_rss_bytes > 0 && m.floor_rss_bytes <= m.peak_rss_bytes && m.init_peak_rss_bytes <= m.peak_rss_bytes
+            m.floor_rss_bytes > 0 && m.floor_rss_bytes <= m.peak_rss_bytes && m.init_peak_rss_bytes <= m.peak_rss_bytes,
+            "rank {r}: floor {}, peak during initialize {}, peak {}",
+            m.floor_rss_bytes,
+            m.init_peak_rss_bytes,
+            m.peak_rss_bytes
         );
         assert_eq!(m.steps.len(), STEPS_RUN as usize, "one sample per optimizer step");
         assert_eq!(m.steps.iter().map(|s| s.step).collect::<Vec<_>>(), (1..=STEPS_RUN as u64).collect::<Vec<_>>());

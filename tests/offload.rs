@@ -220,7 +220,7 @@ fn one_rank_stage3(offload_param: Value) -> Result<(Engine, Layers), zerorun::Er
 }
 
 fn category(engine: &Engine, name: &str) -> usize {
-    engine.memory_bytes().into_iter().find(|(n, _)| *n == name).unwrap().1
+    engine.memory_bytes().into_iter().find(|(n, _)| n.name() == name).unwrap().1
 }
 
 #[test]

@@ -54,7 +54,12 @@ fn run(stage: u8, backward: Backward, unused: bool) -> Run {
                 Backward::Direct => loss.backward(),
             }
             grads_left += vs.trainable_variables().iter().filter(|t| t.grad().defined()).count();
-            let full = engine.memory_bytes().into_iter().find(|(n, _)| *n == "gradients_full").unwrap().1;
+            let full = engine
+                .memory_bytes()
+                .into_iter()
+                .find(|(n, _)| *n == zerorun::runtime::report::MemoryCategory::GradientsFull)
+                .unwrap()
+                .1;
             full_gradient_bytes = full_gradient_bytes.max(full);
             engine.step().unwrap();
         }

@@ -37,7 +37,7 @@ fn config(gas: u64, zero: Value) -> Config {
 struct RankRun {
     params: Vec<(String, Vec<f32>)>,
     peak_gathered: usize,
-    memory: Vec<(&'static str, usize)>,
+    memory: Vec<(zerorun::runtime::report::MemoryCategory, usize)>,
     volume_per_step: u64,
 }
 
@@ -129,7 +129,7 @@ fn stage3_matches_single_process_adamw_per_layer_whole_and_with_activation_check
         &DIMS,
     );
     assert!(max_relative_difference(&runs[0].params, &reference) <= 1e-5);
-    let persistent: usize = runs[0].memory.iter().find(|(n, _)| *n == "parameters_gathered").unwrap().1;
+    let persistent: usize = runs[0].memory.iter().find(|(n, _)| n.name() == "parameters_gathered").unwrap().1;
     let all: usize = DIMS.windows(2).map(|w| ((w[0] * w[1] + w[1]) as usize).div_ceil(3) * 3 * 4).sum();
     assert_eq!(persistent, all, "every unit stays gathered under the default persistence threshold");
 }
@@ -163,7 +163,7 @@ fn gathered_parameters_stay_within_the_two_largest_units_and_model_states_are_16
         assert!(r.peak_gathered < unit_bytes.iter().sum::<usize>(), "rank {rank}: never the whole model");
         // Without prefetch one unit is gathered at a time; more means the next unit's all-gather was in flight.
         assert!(r.peak_gathered > sorted[0], "rank {rank}: prefetch gathered the next unit while one computed");
-        let get = |name: &str| r.memory.iter().find(|(n, _)| *n == name).map_or(0, |(_, b)| *b);
+        let get = |name: &str| r.memory.iter().find(|(n, _)| n.name() == name).map_or(0, |(_, b)| *b);
         assert_eq!(get("parameters_gathered"), 0, "rank {rank}: nothing stays gathered after the step");
         let measured = get("parameters") + get("gradients_shard") + get("master_fp32") + get("optimizer_states");
         let expected = 16.0 * psi as f64 / world as f64;
@@ -287,7 +287,7 @@ fn stage2_with_units_reduces_unit_by_unit_and_holds_no_full_gradients() {
         for (rank, r) in runs.iter().enumerate() {
             let d = max_relative_difference(&r.params, &reference);
             assert!(d <= 1e-5, "world size {world}, rank {rank}: {d:e}");
-            let get = |name: &str| r.memory.iter().find(|(n, _)| *n == name).map_or(0, |(_, b)| *b);
+            let get = |name: &str| r.memory.iter().find(|(n, _)| n.name() == name).map_or(0, |(_, b)| *b);
             assert_eq!(get("gradients_full"), 0, "no full gradients are held");
             assert_eq!(get("gradients_shard"), 4 * padded as usize / world, "the fp32 gradient shard");
             assert_eq!(get("parameters"), 4 * padded as usize, "parameters stay whole at stage 2");

@@ -26,7 +26,58 @@ use zerorun_comm as comm;
 /// 2: `floor_rss_bytes`, `events` and `peak` (version 1 files read with those empty).
 pub const SCHEMA_VERSION: u32 = 2;
 
-/// Categories counted as model states (what ZeRO's formulas describe).
+/// What the engine holds, by kind: each a category of the report (its JSON name is [`MemoryCategory::name`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum MemoryCategory {
+    /// The model-dtype values kept between steps: all of them at stages 0-2, this rank's shard at stage 3.
+    Parameters,
+    /// Stage 3's shard chunks on NVMe.
+    ParametersNvme,
+    /// Stage 3 units gathered now (persistent ones too).
+    ParametersGathered,
+    /// Autograd's `.grad` tensors of the model (stages 0-2), or the gradient-view buffer they are.
+    GradientsFull,
+    /// The fp32 reduced gradients of the optimized range.
+    GradientsShard,
+    /// One unit's gradients during stage 3's backward, before their reduction (events only).
+    GradientsUnit,
+    MasterFp32,
+    OptimizerStates,
+    OptimizerStatesNvme,
+    /// Reduction staging and partition buffers.
+    CommunicationBuffers,
+    /// Frozen parameters: all of them at stages 0-2, this rank's shard at stage 3.
+    FrozenParameters,
+    /// Buffers (BatchNorm's statistics), whole on every rank.
+    Buffers,
+}
+
+impl MemoryCategory {
+    /// The name in the report's JSON, tables and pictures.
+    pub fn name(self) -> &'static str {
+        match self {
+            MemoryCategory::Parameters => "parameters",
+            MemoryCategory::ParametersNvme => "parameters_nvme",
+            MemoryCategory::ParametersGathered => "parameters_gathered",
+            MemoryCategory::GradientsFull => "gradients_full",
+            MemoryCategory::GradientsShard => "gradients_shard",
+            MemoryCategory::GradientsUnit => "gradients_unit",
+            MemoryCategory::MasterFp32 => "master_fp32",
+            MemoryCategory::OptimizerStates => "optimizer_states",
+            MemoryCategory::OptimizerStatesNvme => "optimizer_states_nvme",
+            MemoryCategory::CommunicationBuffers => "communication_buffers",
+            MemoryCategory::FrozenParameters => "frozen_parameters",
+            MemoryCategory::Buffers => "buffers",
+        }
+    }
+
+    /// Counted as model states (what ZeRO's formulas describe).
+    pub fn is_model_state(self) -> bool {
+        MODEL_STATE_CATEGORIES.contains(&self.name())
+    }
+}
+
+/// Categories counted as model states (what ZeRO's formulas describe), by name.
 pub const MODEL_STATE_CATEGORIES: [&str; 8] = [
     "parameters",
     "parameters_nvme",
@@ -37,6 +88,9 @@ pub const MODEL_STATE_CATEGORIES: [&str; 8] = [
     "optimizer_states",
     "optimizer_states_nvme",
 ];
+
+/// Bytes by category, as the engine reports them.
+pub type CategoryList = [(MemoryCategory, usize)];
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CategoryBytes {
@@ -119,26 +173,26 @@ pub struct MemoryTracker {
 
 impl MemoryTracker {
     /// Folds in the bytes held now; `peaks` are peaks the engine tracked between samples (e.g. gathered units).
-    pub fn observe(&mut self, now: &[(&'static str, usize)], peaks: &[(&'static str, usize)]) {
-        for (name, b) in now {
-            let c = self.categories.entry(name.to_string()).or_default();
+    pub fn observe(&mut self, now: &CategoryList, peaks: &CategoryList) {
+        for (category, b) in now {
+            let c = self.categories.entry(category.name().to_string()).or_default();
             c.current_bytes = *b as u64;
             c.peak_bytes = c.peak_bytes.max(*b as u64);
         }
-        for (name, b) in peaks {
-            let c = self.categories.entry(name.to_string()).or_default();
+        for (category, b) in peaks {
+            let c = self.categories.entry(category.name().to_string()).or_default();
             c.peak_bytes = c.peak_bytes.max(*b as u64);
         }
     }
 
     /// One sample at the end of optimizer step `step`: the bytes held now, except categories in `peaks`,
     /// which report their peak within the step (gathered stage 3 units are released by its end).
-    pub fn sample(&mut self, step: u64, now: &[(&'static str, usize)], peaks: &[(&'static str, usize)]) {
+    pub fn sample(&mut self, step: u64, now: &CategoryList, peaks: &CategoryList) {
         self.observe(now, peaks);
         let categories = now
             .iter()
             .map(|(n, b)| {
-                (n.to_string(), peaks.iter().find(|(p, _)| p == n).map_or(*b, |(_, pb)| (*pb).max(*b)) as u64)
+                (n.name().to_string(), peaks.iter().find(|(p, _)| p == n).map_or(*b, |(_, pb)| (*pb).max(*b)) as u64)
             })
             .collect();
         self.steps.push(StepSample { step, rss_bytes: rss().0, categories });
@@ -146,12 +200,12 @@ impl MemoryTracker {
     }
 
     /// A sample at an event of step `step`: resident memory now and `now` by category.
-    pub fn event(&mut self, step: u64, event: String, now: &[(&'static str, usize)]) {
+    pub fn event(&mut self, step: u64, event: String, now: &CategoryList) {
         let sample = EventSample {
             step,
             event,
             rss_bytes: rss().0,
-            categories: now.iter().map(|(n, b)| (n.to_string(), *b as u64)).collect(),
+            categories: now.iter().map(|(n, b)| (n.name().to_string(), *b as u64)).collect(),
         };
         self.current_events.push(sample);
     }
@@ -168,8 +222,8 @@ impl MemoryTracker {
 }
 
 /// Model-state bytes of a category list (see [`MODEL_STATE_CATEGORIES`]).
-pub fn model_state_bytes(now: &[(&'static str, usize)]) -> u64 {
-    now.iter().filter(|(n, _)| MODEL_STATE_CATEGORIES.contains(n)).map(|(_, b)| *b as u64).sum()
+pub fn model_state_bytes(now: &CategoryList) -> u64 {
+    now.iter().filter(|(n, _)| n.is_model_state()).map(|(_, b)| *b as u64).sum()
 }
 
 /// This process's resident memory now and at its peak (VmRSS, VmHWM), in bytes; zeros where /proc is absent.
@@ -327,8 +381,9 @@ mod tests {
 
     fn report(rank: usize) -> MemoryReport {
         let mut t = MemoryTracker::default();
-        t.sample(1, &[("parameters", 1 << 20), ("optimizer_states", 2 << 20)], &[]);
-        t.sample(2, &[("parameters", 1 << 20), ("optimizer_states", 2 << 20)], &[("parameters_gathered", 3 << 20)]);
+        use MemoryCategory::*;
+        t.sample(1, &[(Parameters, 1 << 20), (OptimizerStates, 2 << 20)], &[]);
+        t.sample(2, &[(Parameters, 1 << 20), (OptimizerStates, 2 << 20)], &[(ParametersGathered, 3 << 20)]);
         MemoryReport {
             schema_version: SCHEMA_VERSION,
             rank,
@@ -354,7 +409,7 @@ mod tests {
     #[test]
     fn the_peak_event_and_its_steps_timeline_are_kept() {
         let mut t = MemoryTracker::default();
-        let (a, b) = ("parameters", "gradients_unit");
+        let (a, b) = (MemoryCategory::Parameters, MemoryCategory::GradientsUnit);
         t.event(1, "forward: unit 0 gathered".into(), &[(a, 1)]);
         t.event(1, "backward: unit 0 gradients".into(), &[(a, 1), (b, 2)]);
         t.end_step();
@@ -374,7 +429,7 @@ mod tests {
             step: 4,
             event: "backward: unit 2 gradients".into(),
             rss_bytes: 100 << 20,
-            categories: [(a.to_string(), 60 << 20), (b.to_string(), 30 << 20)].into(),
+            categories: [(a.name().to_string(), 60 << 20), (b.name().to_string(), 30 << 20)].into(),
         };
         assert_eq!(p.unaccounted_bytes(4 << 20), 6 << 20);
         assert_eq!(

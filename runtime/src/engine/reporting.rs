@@ -8,7 +8,7 @@ use super::Engine;
 use crate::config::Precision;
 use crate::error::Result;
 use crate::estimate::{model_states_bytes, EstimateInput};
-use crate::report::memory::{self, MemoryReport, ModelStates, SCHEMA_VERSION};
+use crate::report::memory::{self, MemoryCategory, MemoryReport, ModelStates, SCHEMA_VERSION};
 
 pub use crate::comm::env::MEMORY_REPORT_ENV;
 
@@ -29,7 +29,7 @@ impl Engine {
     /// optimized range), `master_fp32`, `optimizer_states`, `communication_buffers` (reduction staging),
     /// `frozen_parameters` (all of them at stages 0-2; at stage 3 this rank's shard; gathered units,
     /// persistent ones too, count in `parameters_gathered`) and `buffers` (BatchNorm's statistics, whole on every rank).
-    pub fn memory_bytes(&self) -> Vec<(&'static str, usize)> {
+    pub fn memory_bytes(&self) -> Vec<(MemoryCategory, usize)> {
         let bytes = |t: &Tensor| t.numel() * t.kind().elt_size_in_bytes();
         // With gradient views the `.grad` tensors are the gradient buffer: counted once, as the full gradients.
         let full = match &self.grad_buffer {
@@ -49,23 +49,24 @@ impl Engine {
         };
         let (params_resident, params_nvme) =
             self.swapped_params.as_ref().map_or((0, 0), |s| (s.resident_bytes(), s.swapped_bytes()));
+        use MemoryCategory::*;
         vec![
-            ("parameters", bytes(&self.flat_params) + params_resident),
-            ("parameters_nvme", params_nvme),
-            ("parameters_gathered", self.gathered.current),
-            ("gradients_full", full),
-            ("gradients_shard", shard),
-            ("master_fp32", self.master.as_ref().map_or(0, |m| m.len() * 4)),
-            ("optimizer_states", self.optimizer.resident_bytes()),
-            ("optimizer_states_nvme", self.optimizer.swapped_bytes()),
-            ("communication_buffers", staging + self.grad_part.as_ref().map_or(0, bytes)),
+            (Parameters, bytes(&self.flat_params) + params_resident),
+            (ParametersNvme, params_nvme),
+            (ParametersGathered, self.gathered.current),
+            (GradientsFull, full),
+            (GradientsShard, shard),
+            (MasterFp32, self.master.as_ref().map_or(0, |m| m.len() * 4)),
+            (OptimizerStates, self.optimizer.resident_bytes()),
+            (OptimizerStatesNvme, self.optimizer.swapped_bytes()),
+            (CommunicationBuffers, staging + self.grad_part.as_ref().map_or(0, bytes)),
             (
-                "frozen_parameters",
+                FrozenParameters,
                 self.frozen_units
                     .as_ref()
                     .map_or_else(|| super::variables::bytes_of(&self.frozen), |f| f.shard_bytes()),
             ),
-            ("buffers", super::variables::bytes_of(&self.buffers)),
+            (Buffers, super::variables::bytes_of(&self.buffers)),
         ]
     }
 
@@ -73,7 +74,7 @@ impl Engine {
     /// around it, such as a unit's gradients before their reduction). Events belong to the step in progress.
     /// Sampled only when a report is asked for (`memory_breakdown`, `zerorun launch --memory-report`): each
     /// sample reads /proc and walks the categories, too much for every unit of every step otherwise.
-    pub(super) fn memory_event(&mut self, label: impl FnOnce() -> String, extra: &[(&'static str, usize)]) {
+    pub(super) fn memory_event(&mut self, label: impl FnOnce() -> String, extra: &[(MemoryCategory, usize)]) {
         if !self.sample_events {
             return;
         }
@@ -96,7 +97,7 @@ impl Engine {
     /// After every optimizer step (taken or skipped): a memory sample and the step's phase times.
     pub(super) fn end_of_step(&mut self) {
         let now = self.memory_bytes();
-        let peaks = [("parameters_gathered", self.gathered.step_peak)];
+        let peaks = [(MemoryCategory::ParametersGathered, self.gathered.step_peak)];
         self.memory.sample(self.global_steps, &now, &peaks);
         self.gathered.step_peak = self.gathered.current;
         let times = self.times.end_step();
@@ -149,8 +150,8 @@ impl Engine {
     pub fn memory_report(&self) -> MemoryReport {
         let now = self.memory_bytes();
         let mut tracker_categories = self.memory.categories.clone();
-        for (name, b) in &now {
-            let c = tracker_categories.entry(name.to_string()).or_default();
+        for (category, b) in &now {
+            let c = tracker_categories.entry(category.name().to_string()).or_default();
             c.current_bytes = *b as u64;
             c.peak_bytes = c.peak_bytes.max(*b as u64);
         }

@@ -11,6 +11,7 @@ use super::swapped_params::Chunk;
 use super::units::UnitModel;
 use super::{native, views, Engine};
 use crate::error::{Error, Result};
+use crate::report::memory::MemoryCategory;
 
 /// What forward keeps of one unit for backward.
 pub(super) struct UnitRecord {
@@ -170,7 +171,10 @@ impl Engine {
             };
             let mut grads = grads;
             let unit_grad_bytes: usize = grads.iter().flatten().map(|g| g.numel() * g.kind().elt_size_in_bytes()).sum();
-            self.memory_event(|| format!("backward: unit {i} gradients"), &[("gradients_unit", unit_grad_bytes)]);
+            self.memory_event(
+                || format!("backward: unit {i} gradients"),
+                &[(MemoryCategory::GradientsUnit, unit_grad_bytes)],
+            );
             upstream = if takes_input { grads.pop().flatten() } else { None };
             self.reduce_unit(i, &grads)?;
             if !self.units[i].persistent {

@@ -3,5 +3,5 @@
 pub use zerorun_report::{memory, plot, ReportError};
 pub mod timing;
 
-pub use memory::{CategoryBytes, MemoryReport, ModelStates, StepSample, SCHEMA_VERSION};
+pub use memory::{CategoryBytes, MemoryCategory, MemoryReport, ModelStates, StepSample, SCHEMA_VERSION};
 pub use timing::{Phase, PhaseTimes};
