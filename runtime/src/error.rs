@@ -16,6 +16,8 @@ pub enum Error {
     Offload(#[from] zerorun_offload::OffloadError),
     #[error(transparent)]
     Report(#[from] zerorun_report::ReportError),
+    #[error(transparent)]
+    OptimizerTier(#[from] zerorun_offload::TierError),
     #[error("libtorch: {0}")]
     Torch(#[from] tch::TchError),
     /// A setting this build of the engine does not run yet; names the key.

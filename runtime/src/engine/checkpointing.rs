@@ -507,7 +507,9 @@ impl Engine {
         let mut values = vec![0f32; self.optimized.len()];
         reader.read(0..values.len(), &["params"], &mut [&mut values])?;
         let names: Vec<&str> = m.state_names.iter().map(String::as_str).collect();
-        self.optimizer.import_from(m.optimizer_steps, &mut |range, out| reader.read(range, &names, out))?;
+        self.optimizer.import_from(m.optimizer_steps, &mut |range, out| {
+            reader.read(range, &names, out).map_err(|e| zerorun_offload::TierError::Fill(Box::new(e)))
+        })?;
         if let Some(master) = &mut self.master {
             master.copy_from_slice(&values);
         }

@@ -12,7 +12,7 @@
 //! (`sharded_unit.rs`, `stage3.rs`); stage 2 walks the same units in backward and reduces each unit's gradients at once.
 //! Stage 2 of a plain loop lays buckets out like units and reduces each when autograd's hooks say its gradients are
 //! all written (`grad_hooks.rs`).
-//! Optimizer states live in memory or on NVMe (`optimizer.rs`, `swapped_optimizer.rs`); so does stage 3's
+//! Optimizer states live in memory or on NVMe (zerorun-offload's `OptimizerTier`); so does stage 3's
 //! parameter shard (`swapped_params.rs`).
 //! `setup.rs` holds how `Engine::new` builds all of it, one decision per function; `shard.rs` where this rank's
 //! optimized values live; mod.rs the Engine itself: backward, the optimizer step and what it takes.
@@ -33,7 +33,6 @@ mod setup;
 mod shard;
 mod sharded_unit;
 mod stage3;
-mod swapped_optimizer;
 mod swapped_params;
 pub mod units;
 mod variables;

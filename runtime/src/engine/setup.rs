@@ -3,12 +3,13 @@
 //! stage 3 shards in `stage3.rs`), the optimizer and where its states live ([`optimizer_tier`]), and the gradient
 //! buffers the reduction runs in ([`gradient_buffers`]). `Engine::new` calls them in that order.
 use tch::{Kind, Tensor};
+use zerorun_offload::OptimizerTier as _;
 use zerorun_optim::AlignedVec;
 
 use super::layout::FlatLayout;
 use super::plan::{self, GradientPath, GradientSizes, GradientViews, ReducedGradients, StagePlan};
 use super::sharded_unit::ShardedUnit;
-use super::{native, optimizer, swapped_optimizer, units, views, EngineOptions};
+use super::{native, optimizer, units, views, EngineOptions};
 use crate::comm::Communicator;
 use crate::config::{Config, OffloadDevice, Precision, ZeroConfig};
 use crate::error::{Error, Result};
@@ -188,7 +189,7 @@ pub(super) fn optimizer_tier(
             let o = &z.offload_optimizer;
             let dir = std::path::PathBuf::from(o.nvme_path.clone().expect("the config requires nvme_path for nvme"));
             let prefix = format!("zerorun-{}-{engine_id}-rank{rank}", std::process::id());
-            let swapped = swapped_optimizer::SwappedOptimizer::new(
+            let swapped = zerorun_offload::SwappedOptimizer::new(
                 |len| optimizer::build(config, len).0,
                 optimized_len,
                 z.sub_group_size as usize,
@@ -199,7 +200,7 @@ pub(super) fn optimizer_tier(
                 (o.pipeline_read, o.pipeline_write),
             )?;
             tracing::info!(rank, dir = %dir.display(), bytes = swapped.swapped_bytes(), "optimizer states on NVMe");
-            optimizer::OptimizerTier::Nvme(Box::new(swapped))
+            Box::new(swapped) as optimizer::OptimizerTier
         }
         device => {
             if device == OffloadDevice::Cpu {
@@ -208,7 +209,7 @@ pub(super) fn optimizer_tier(
                     "offload_optimizer.device = cpu: a CPU run keeps optimizer states in host memory already"
                 );
             }
-            optimizer::OptimizerTier::Memory(in_memory)
+            Box::new(zerorun_offload::InMemory(in_memory))
         }
     };
     Ok((tier, base_lr, weight_decay))

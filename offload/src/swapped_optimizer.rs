@@ -6,10 +6,12 @@ use std::collections::VecDeque;
 use std::ops::Range;
 use std::path::Path;
 
-use zerorun_offload::{BufferPool, HostBuffer, IoConfig, SwapHandle, Swapper};
 use zerorun_optim::{AlignedVec, Grads, Group, Optimizer, ParamsOut};
 
-use crate::error::{Error, Result};
+use crate::optimizer_tier::{FillState, OptimizerTier, TierError};
+use crate::{BufferPool, HostBuffer, IoConfig, OffloadError, SwapHandle, Swapper};
+
+type Result<T> = std::result::Result<T, TierError>;
 
 struct SubGroup {
     range: Range<usize>,
@@ -18,7 +20,7 @@ struct SubGroup {
     groups: Vec<Group>,
 }
 
-pub(super) struct SwappedOptimizer {
+pub struct SwappedOptimizer {
     name: &'static str,
     state_names: Vec<String>,
     subgroups: Vec<SubGroup>,
@@ -37,8 +39,8 @@ fn key(k: usize) -> String {
     format!("optim{k}")
 }
 
-fn offload_err(e: zerorun_offload::OffloadError) -> Error {
-    Error::Offload(e)
+fn offload_err(e: OffloadError) -> TierError {
+    TierError::Offload(e)
 }
 
 impl SwappedOptimizer {
@@ -61,7 +63,7 @@ impl SwappedOptimizer {
         let state_names: Vec<String> = probe.state().buffers.iter().map(|(n, _)| n.clone()).collect();
         let bytes_per_element = 4 * state_names.len();
         let needed = len as u64 * bytes_per_element as u64;
-        zerorun_offload::preflight::check(dir, needed).map_err(offload_err)?;
+        crate::preflight::check(dir, needed).map_err(offload_err)?;
         let swapper = Swapper::new(dir, prefix, io);
         let buffer_count = buffer_count.max(2);
         let largest = size.min(len.max(1)) * bytes_per_element;
@@ -70,7 +72,7 @@ impl SwappedOptimizer {
             state_names,
             subgroups: Vec::new(),
             swapper,
-            pool: BufferPool::new(buffer_count * largest.div_ceil(zerorun_offload::PAGE) * zerorun_offload::PAGE),
+            pool: BufferPool::new(buffer_count * largest.div_ceil(crate::PAGE) * crate::PAGE),
             step: 0,
             pipeline_read: pipeline.0,
             pipeline_write: pipeline.1,
@@ -107,34 +109,6 @@ impl SwappedOptimizer {
         Ok(s)
     }
 
-    pub fn name(&self) -> &'static str {
-        self.name
-    }
-
-    pub fn state_names(&self) -> &[String] {
-        &self.state_names
-    }
-
-    pub fn set_momentum(&mut self, momentum: f64) {
-        for g in &mut self.subgroups {
-            g.optimizer.set_momentum(momentum);
-        }
-    }
-
-    pub fn step_count(&self) -> u64 {
-        self.step
-    }
-
-    /// Bytes of state on NVMe.
-    pub fn swapped_bytes(&self) -> usize {
-        self.subgroups.iter().map(|g| g.range.len() * 4 * self.state_names.len()).sum()
-    }
-
-    /// State and host buffers resident now: the scratch state and the idle swap buffers.
-    pub fn resident_bytes(&self) -> usize {
-        self.pool.idle_bytes() + self.scratch.iter().flat_map(|(_, v)| v.iter()).map(|b| b.len() * 4).sum::<usize>()
-    }
-
     fn pack(&self, optimizer: &mut dyn Optimizer, len: usize) -> HostBuffer {
         pack(&self.pool, optimizer, len)
     }
@@ -143,16 +117,46 @@ impl SwappedOptimizer {
         let bytes = self.subgroups[k].range.len() * 4 * self.state_names.len();
         self.swapper.swap_in(&key(k), self.pool.take(bytes))
     }
+}
+
+impl OptimizerTier for SwappedOptimizer {
+    fn name(&self) -> &'static str {
+        self.name
+    }
+
+    fn state_names(&self) -> Vec<String> {
+        self.state_names.clone()
+    }
+
+    fn set_momentum(&mut self, momentum: f64) {
+        for g in &mut self.subgroups {
+            g.optimizer.set_momentum(momentum);
+        }
+    }
+
+    fn step_count(&self) -> u64 {
+        self.step
+    }
+
+    /// Bytes of state on NVMe.
+    fn swapped_bytes(&self) -> usize {
+        self.subgroups.iter().map(|g| g.range.len() * 4 * self.state_names.len()).sum()
+    }
+
+    /// State and host buffers resident now: the scratch state and the idle swap buffers.
+    fn resident_bytes(&self) -> usize {
+        self.pool.idle_bytes() + self.scratch.iter().flat_map(|(_, v)| v.iter()).map(|b| b.len() * 4).sum::<usize>()
+    }
 
     /// One optimizer step over the whole range, sub-group by sub-group. `groups` are the engine's (relative to
     /// the range start).
-    pub fn step(
+    fn step(
         &mut self,
         params: &mut [f32],
         grads: &[f32],
         groups: &[Group],
         mut out: Option<ParamsOut<'_>>,
-    ) -> Result<()> {
+    ) -> std::result::Result<(), TierError> {
         for g in &mut self.subgroups {
             g.groups = groups
                 .iter()
@@ -214,7 +218,7 @@ impl SwappedOptimizer {
     }
 
     /// Writes state buffer `index` of the whole range, reading one sub-group at a time.
-    pub fn write_state(&mut self, index: usize, w: &mut dyn std::io::Write) -> std::io::Result<()> {
+    fn write_state(&mut self, index: usize, w: &mut dyn std::io::Write) -> std::io::Result<()> {
         let names = self.state_names.len();
         for k in 0..self.subgroups.len() {
             let buf = self.read(k).wait().map_err(|e| std::io::Error::other(e.to_string()))?;
@@ -229,7 +233,7 @@ impl SwappedOptimizer {
 
     /// Replaces the state (checkpoint load): `fill` writes each sub-group's part into a host buffer, which goes to
     /// the sub-group's swap file before the next is filled.
-    pub fn import_from(&mut self, step: u64, fill: &mut super::optimizer::FillState<'_>) -> Result<()> {
+    fn import_from(&mut self, step: u64, fill: &mut FillState<'_>) -> std::result::Result<(), TierError> {
         let names = self.state_names.len();
         for k in 0..self.subgroups.len() {
             let r = self.subgroups[k].range.clone();
@@ -287,10 +291,11 @@ fn take_back(optimizer: &mut dyn Optimizer, scratch: &mut [AlignedVec]) {
 
 #[cfg(test)]
 mod tests {
-    use zerorun_offload::IoConfig;
+    use crate::IoConfig;
     use zerorun_optim::{Adam, AdamConfig, Grads, Group, Optimizer, ParamsOut};
 
     use super::SwappedOptimizer;
+    use crate::OptimizerTier;
 
     fn values(n: usize, seed: u32) -> Vec<f32> {
         (0..n).map(|i| ((i as u32).wrapping_mul(2654435761).wrapping_add(seed) % 1000) as f32 / 500.0 - 1.0).collect()
