@@ -4,8 +4,8 @@
 use std::path::PathBuf;
 
 use clap::Args;
-use zerorun_checkpoint::files::{self, MappedTensors};
-use zerorun_checkpoint::{latest_tag, CheckpointError, Manifest};
+use zerorun_checkpoint::files;
+use zerorun_checkpoint::{CheckpointError, SavedCheckpoint};
 
 use super::{emit, CliError};
 
@@ -33,28 +33,16 @@ pub fn run(a: ConsolidateArgs) -> Result<(), CliError> {
         "bf16" => "BF16",
         other => return Err(CliError::Usage(format!("--dtype {other:?}: choose fp32 or bf16"))),
     };
-    let tag = match &a.tag {
-        Some(t) => t.clone(),
-        None => latest_tag(&a.dir).map_err(ck)?,
-    };
-    let folder = a.dir.join(&tag);
-    let m = Manifest::read(&folder.join("manifest.json")).map_err(ck)?;
+    let saved = SavedCheckpoint::open(&a.dir, a.tag.as_deref()).map_err(ck)?;
+    let m = &saved.manifest;
     // Verify and open every rank file once.
     let mut opened = Vec::with_capacity(m.ranks.len());
-    for r in &m.ranks {
-        let path = folder.join(&r.file);
-        let crc = files::crc_of(&path).map_err(ck)?;
-        if crc != r.crc32 {
-            return Err(ck(CheckpointError::Checksum { path, expected: r.crc32, actual: crc }));
-        }
-        opened.push((r, MappedTensors::open(&path).map_err(ck)?));
+    for (i, r) in m.ranks.iter().enumerate() {
+        opened.push((r, saved.rank_file(i).map_err(ck)?));
     }
     // Buffers and frozen parameters (format 3) are copied as saved, in their own dtypes, so the file is the
     // whole model: what `VarStore::load` of it reads.
-    let variables = match &m.variables_file {
-        Some(name) => Some(MappedTensors::open(&folder.join(name)).map_err(ck)?),
-        None => None,
-    };
+    let variables = saved.variables_file().map_err(ck)?;
     let extras: Vec<&str> = m.buffers.iter().chain(&m.frozen).map(|e| e.name.as_str()).collect();
     let mut tensors: Vec<(String, Vec<usize>, String)> = m
         .params
@@ -100,7 +88,7 @@ pub fn run(a: ConsolidateArgs) -> Result<(), CliError> {
         m.numel,
         m.buffers.len(),
         m.frozen.len(),
-        folder.display(),
+        saved.folder.display(),
         m.ranks.len(),
         m.world_size,
         m.stage

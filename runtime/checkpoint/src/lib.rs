@@ -8,8 +8,10 @@
 //! leaves the previous checkpoint and `latest` as they were.
 pub mod files;
 pub mod manifest;
+mod saved;
 
 pub use manifest::{Manifest, ParamEntry, RankEntry, VariableEntry, FORMAT_VERSION};
+pub use saved::SavedCheckpoint;
 
 use std::path::{Path, PathBuf};
 

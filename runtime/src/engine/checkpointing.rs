@@ -7,7 +7,9 @@ use tch::{Kind, Tensor};
 use super::plan::{AfterStep, FlatRange, Optimized};
 use super::{views, Engine, ParamSlot};
 use crate::checkpoint::files::{self, MappedTensors};
-use crate::checkpoint::{latest_tag, CheckpointError, Manifest, ParamEntry, RankEntry, VariableEntry, FORMAT_VERSION};
+use crate::checkpoint::{
+    CheckpointError, Manifest, ParamEntry, RankEntry, SavedCheckpoint, VariableEntry, FORMAT_VERSION,
+};
 use crate::comm::{Collectives, ReduceOp};
 use crate::config::{Precision, TagValidation};
 use crate::error::{Error, Result};
@@ -207,8 +209,7 @@ fn from_hex(text: &str) -> std::result::Result<Vec<u8>, String> {
 /// Reads this rank's optimized elements (optimizer order) from a checkpoint's rank files, any range at a time,
 /// matching parameters by name. Each file is checksummed and mapped when first needed.
 struct ShardReader<'a> {
-    m: &'a Manifest,
-    dir: &'a Path,
+    saved: &'a SavedCheckpoint,
     slots: &'a [ParamSlot],
     /// This rank's optimized flat ranges with where each starts in optimizer order.
     pieces: Vec<(usize, std::ops::Range<usize>)>,
@@ -216,7 +217,7 @@ struct ShardReader<'a> {
 }
 
 impl<'a> ShardReader<'a> {
-    fn new(m: &'a Manifest, dir: &'a Path, slots: &'a [ParamSlot], pieces: &[std::ops::Range<usize>]) -> Self {
+    fn new(saved: &'a SavedCheckpoint, slots: &'a [ParamSlot], pieces: &[std::ops::Range<usize>]) -> Self {
         let mut base = 0;
         let pieces = pieces
             .iter()
@@ -225,18 +226,13 @@ impl<'a> ShardReader<'a> {
                 (base - p.len(), p.clone())
             })
             .collect();
-        ShardReader { m, dir, slots, pieces, opened: (0..m.ranks.len()).map(|_| None).collect() }
+        let opened = (0..saved.manifest.ranks.len()).map(|_| None).collect();
+        ShardReader { saved, slots, pieces, opened }
     }
 
     fn file(&mut self, entry: usize) -> Result<&MappedTensors> {
         if self.opened[entry].is_none() {
-            let e = &self.m.ranks[entry];
-            let p = self.dir.join(&e.file);
-            let crc = files::crc_of(&p)?;
-            if crc != e.crc32 {
-                return Err(CheckpointError::Checksum { path: p, expected: e.crc32, actual: crc }.into());
-            }
-            self.opened[entry] = Some(MappedTensors::open(&p)?);
+            self.opened[entry] = Some(self.saved.rank_file(entry)?);
         }
         Ok(self.opened[entry].as_ref().expect("opened above"))
     }
@@ -255,9 +251,9 @@ impl<'a> ShardReader<'a> {
                 if a >= b {
                     continue;
                 }
-                let theirs = self.m.param(&slot.name).expect("names checked before reading");
+                let theirs = self.saved.manifest.param(&slot.name).expect("names checked before reading");
                 let from = theirs.start + (a - slot.range.start);
-                for loc in self.m.locate(from..from + (b - a)) {
+                for loc in self.saved.manifest.locate(from..from + (b - a)) {
                     let at = base + (a - piece.start) - want.start + loc.dst_offset;
                     let dst = at..at + loc.file_range.len();
                     let file = self.file(loc.entry)?;
@@ -438,14 +434,9 @@ impl Engine {
     /// Loads `dir/<tag>` (default: the tag `dir/latest` names), written at any world size and stage 0-3: each rank
     /// reads only the element ranges it optimizes, matching parameters by name. Collective. Returns the tag loaded.
     pub fn load_checkpoint(&mut self, dir: impl AsRef<Path>, tag: Option<&str>) -> Result<String> {
-        let dir = dir.as_ref();
-        let tag = match tag {
-            Some(t) => t.to_string(),
-            None => latest_tag(dir)?,
-        };
-        let path = dir.join(&tag);
-        let manifest_path = path.join("manifest.json");
-        let m = Manifest::read(&manifest_path)?;
+        let saved = SavedCheckpoint::open(dir.as_ref(), tag)?;
+        let (m, path, manifest_path) = (&saved.manifest, &saved.folder, saved.manifest_path());
+        let tag = saved.tag.clone();
         let mismatch = |what: String| CheckpointError::Mismatch { path: manifest_path.clone(), what };
         // Parameters are matched by name, so layouts in another order (stage 3 lays out by unit) load too.
         let mut problems: Vec<String> = Vec::new();
@@ -503,7 +494,7 @@ impl Engine {
         // Values first (the master or the parameters), then the optimizer state, which an NVMe run takes one
         // sub-group at a time, so the whole state is never assembled in memory.
         let pieces = self.optimized_pieces(self.rank());
-        let mut reader = ShardReader::new(&m, &path, &self.layout.slots, &pieces);
+        let mut reader = ShardReader::new(&saved, &self.layout.slots, &pieces);
         let mut values = vec![0f32; self.optimized.len()];
         reader.read(0..values.len(), &["params"], &mut [&mut values])?;
         let names: Vec<&str> = m.state_names.iter().map(String::as_str).collect();
@@ -519,7 +510,7 @@ impl Engine {
             AfterStep::AllGatherFlat => views::all_gather(self.comm.as_ref(), &self.flat_params)?,
             AfterStep::RefreshGatheredUnits => self.refresh_gathered_units()?,
         }
-        self.load_variables(&m, &path)?;
+        self.load_variables(m, path)?;
         if let (Some(s), Some(it)) = (self.scheduler.as_mut(), m.scheduler_last_batch_iteration) {
             s.last_batch_iteration = it;
         }
