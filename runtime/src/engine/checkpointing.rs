@@ -537,7 +537,7 @@ impl Engine {
         self.micro_steps = 0;
         self.loss_sum = 0.0;
         self.loss_count = 0;
-        self.grad_acc.fill(0.0);
+        self.gradients.grad_acc.fill(0.0);
         self.consume_grads()?;
         self.grad_mark = self.gradient_fingerprint();
         self.comm.barrier()?;

@@ -204,15 +204,18 @@ impl Engine {
         let ws = self.world_size();
         let span = self.units[b].span.clone();
         let (len, chunk) = (span.range.len(), span.chunk_len(ws));
-        let (stage_half, part_half) =
-            (self.flat_grads.numel() / 2, self.grad_part.as_ref().expect("buckets have a gradient part").numel() / 2);
-        let staged = self.flat_grads.narrow(0, (half * stage_half) as i64, len as i64);
+        let (stage_half, part_half) = (
+            self.gradients.flat_grads.numel() / 2,
+            self.gradients.grad_part.as_ref().expect("buckets have a gradient part").numel() / 2,
+        );
+        let staged = self.gradients.flat_grads.narrow(0, (half * stage_half) as i64, len as i64);
         self.stage_unit_round(b, grads, &staged, 0, chunk)?;
         let (op, pre, _) = self.reduce_factors();
         if let Some(pre) = pre {
             let _ = staged.shallow_clone().f_mul_scalar_(pre)?;
         }
-        let part = self.grad_part.as_ref().expect("checked").narrow(0, (half * part_half) as i64, chunk as i64);
+        let part =
+            self.gradients.grad_part.as_ref().expect("checked").narrow(0, (half * part_half) as i64, chunk as i64);
         let thread = self.comm.thread().expect("overlap runs on the communication thread");
         // SAFETY: the half is this bucket's until `finish_half` waits on the handle; the engine drops its
         // communication thread (joining it) before these buffers.
@@ -233,12 +236,13 @@ impl Engine {
         handle.wait()?;
         let ws = self.world_size();
         let (chunk, offset) = (self.units[b].span.chunk_len(ws), self.units[b].shard_offset);
-        let part_half = self.grad_part.as_ref().expect("buckets have a gradient part").numel() / 2;
-        let part = self.grad_part.as_ref().expect("checked").narrow(0, (half * part_half) as i64, chunk as i64);
+        let part_half = self.gradients.grad_part.as_ref().expect("buckets have a gradient part").numel() / 2;
+        let part =
+            self.gradients.grad_part.as_ref().expect("checked").narrow(0, (half * part_half) as i64, chunk as i64);
         if let Some(post) = self.reduce_factors().2 {
             let _ = part.shallow_clone().f_mul_scalar_(post)?;
         }
-        views::accumulate(&mut self.grad_acc[offset..offset + chunk], &part);
+        views::accumulate(&mut self.gradients.grad_acc[offset..offset + chunk], &part);
         Ok(())
     }
 }

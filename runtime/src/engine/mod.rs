@@ -185,28 +185,14 @@ pub struct Engine {
     comm_volume: CommVolume,
     memory: MemoryTracker,
     times: PhaseTimes,
-    /// Gradients gathered from the parameters, in the communication dtype: all of them at stage 0; at stages
-    /// 1-2 one reduction round (`reduce_bucket_size` elements: `round_len` of every rank's partition).
-    flat_grads: Tensor,
-    /// Stages 0-2 when gradients travel in the model's dtype: the flat buffer the model's `.grad` tensors are views
-    /// of (DDP's gradient_as_bucket_view), so autograd accumulates into it and no copy precedes a reduction. At
-    /// stage 0 it is `flat_grads` itself. Calling `detach_()` on such a gradient fails, as under DDP.
-    grad_buffer: Option<Tensor>,
-    /// Elements of each rank's partition reduced per round (stages 1-2).
-    round_len: usize,
-    /// This rank's reduced gradient partition, in the communication dtype (stages 1-2).
-    grad_part: Option<Tensor>,
     /// fp32 master of the optimized range (16-bit models only; fp32 models step `flat_params` directly).
     master: Option<AlignedVec>,
-    /// fp32 reduced gradients of the optimized range: accumulated over micro-batches (16-bit models), or the
-    /// boundary's reduction (fp32 models at stages 1-2).
-    grad_acc: AlignedVec,
+    /// Where gradients are staged, reduced and accumulated (see [`setup::GradientBuffers`]).
+    gradients: setup::GradientBuffers,
     optimizer: optimizer::OptimizerTier,
     /// Groups relative to the optimized range (the partition at stages 1-2, everything at stage 0).
     groups: Vec<Group>,
     optimized: Optimized,
-    /// Where the reduced fp32 gradients are when the optimizer steps.
-    reduced: ReducedGradients,
     base_lr: f64,
     scheduler: Option<LrScheduler>,
     scaler: Option<LossScaler>,
@@ -331,8 +317,7 @@ impl Engine {
             .map(|(range, decay)| Group { range, lr: base_lr, weight_decay: if decay { weight_decay } else { 0.0 } })
             .collect();
         let scheduler = optimizer::scheduler(&config, base_lr);
-        let setup::GradientBuffers { flat_grads, grad_buffer, round_len, grad_part, grad_acc, reduced } =
-            setup::gradient_buffers(&config, &plan, &layout, &params, shared)?;
+        let gradients = setup::gradient_buffers(&config, &plan, &layout, &params, shared)?;
         let scaler = config.fp16.enabled.then(|| {
             let f = &config.fp16;
             LossScaler::new(LossScalerConfig::from_fp16(
@@ -395,16 +380,11 @@ impl Engine {
             comm_volume: CommVolume::default(),
             memory: MemoryTracker::default(),
             times: PhaseTimes::default(),
-            flat_grads,
-            grad_buffer,
-            round_len,
-            grad_part,
             master,
-            grad_acc,
+            gradients,
             optimizer,
             groups,
             optimized,
-            reduced,
             base_lr,
             scheduler,
             scaler,
@@ -609,8 +589,8 @@ impl Engine {
             self.skipped_steps += 1;
             self.global_steps += 1;
             self.global_samples += self.batch.train_batch_size;
-            self.grad_acc.fill(0.0);
-            if let Some(g) = &self.grad_buffer {
+            self.gradients.grad_acc.fill(0.0);
+            if let Some(g) = &self.gradients.grad_buffer {
                 let _ = g.shallow_clone().f_zero_()?;
             }
             let scale = self.loss_scale();
@@ -647,7 +627,7 @@ impl Engine {
             }
             AfterStep::RefreshGatheredUnits => {
                 // Reductions during backward accumulate into the fp32 accumulator across micro-batches.
-                self.grad_acc.fill(0.0);
+                self.gradients.grad_acc.fill(0.0);
                 self.timed(Phase::AllGather, Self::refresh_gathered_units)?;
             }
         }
@@ -678,15 +658,22 @@ impl Engine {
     /// Whether the reduced fp32 gradients are in a flat buffer rather than the fp32 accumulator: fp32 models at
     /// stage 0 reduce in `flat_grads`, and with gradient views at stage 1 in the partition of `grad_buffer`.
     fn grads_in_flat_buffer(&self) -> bool {
-        self.reduced != ReducedGradients::Accumulator
+        self.gradients.reduced != ReducedGradients::Accumulator
     }
 
     /// The fp32 gradients of the optimized range.
     fn grads(&mut self) -> &mut [f32] {
         // SAFETY: called between the reduction and the optimizer step (norm, clipping), one view at a time.
-        match unsafe { fp32_grads_in(self.reduced, &self.flat_grads, &self.grad_buffer, &self.optimized) } {
+        match unsafe {
+            fp32_grads_in(
+                self.gradients.reduced,
+                &self.gradients.flat_grads,
+                &self.gradients.grad_buffer,
+                &self.optimized,
+            )
+        } {
             Some(g) => g,
-            None => &mut self.grad_acc,
+            None => &mut self.gradients.grad_acc,
         }
     }
 
@@ -711,11 +698,17 @@ impl Engine {
                 // runs; the gradients it reads are another buffer (the staging or view partition, or grad_acc).
                 let params = &mut unsafe { views::slice::<f32>(&self.flat_params) }[range];
                 // SAFETY: the only view of the reduced gradients during the step (the parameters are another buffer).
-                let in_buffer =
-                    unsafe { fp32_grads_in(self.reduced, &self.flat_grads, &self.grad_buffer, &self.optimized) };
+                let in_buffer = unsafe {
+                    fp32_grads_in(
+                        self.gradients.reduced,
+                        &self.gradients.flat_grads,
+                        &self.gradients.grad_buffer,
+                        &self.optimized,
+                    )
+                };
                 let grads: &[f32] = match in_buffer {
                     Some(g) => g,
-                    None => &self.grad_acc,
+                    None => &self.gradients.grad_acc,
                 };
                 self.optimizer.step(params, grads, &self.groups, None)?;
             }
@@ -728,8 +721,8 @@ impl Engine {
                     }
                     _ => ParamsOut::F16(&mut unsafe { views::slice::<half::f16>(&self.flat_params) }[range]),
                 };
-                self.optimizer.step(master, &self.grad_acc, &self.groups, Some(out))?;
-                self.grad_acc.fill(0.0);
+                self.optimizer.step(master, &self.gradients.grad_acc, &self.groups, Some(out))?;
+                self.gradients.grad_acc.fill(0.0);
             }
         }
         Ok(())
@@ -743,14 +736,19 @@ impl Engine {
         if let (Some(master), Some(swapped)) = (self.master.as_mut(), self.swapped_params.as_mut()) {
             // 16-bit parameters on NVMe: step the master, then write each unit's rounded chunk (the same rounding
             // as the step's own 16-bit output), with no copy of the shard.
-            self.optimizer.step(master, &self.grad_acc, &self.groups, None)?;
-            self.grad_acc.fill(0.0);
+            self.optimizer.step(master, &self.gradients.grad_acc, &self.groups, None)?;
+            self.gradients.grad_acc.fill(0.0);
             return swapped.write_all_from_f32(master);
         }
         if self.master.is_none() {
             let scratch = self.read_shard()?;
             // SAFETY: `scratch` is this step's own copy of the shard.
-            self.optimizer.step(unsafe { views::slice::<f32>(&scratch) }, &self.grad_acc, &self.groups, None)?;
+            self.optimizer.step(
+                unsafe { views::slice::<f32>(&scratch) },
+                &self.gradients.grad_acc,
+                &self.groups,
+                None,
+            )?;
             return self.write_shard(&scratch);
         }
         let scratch = Tensor::zeros([self.optimized.len() as i64], (views::kind_of(self.precision), tch::Device::Cpu));
@@ -760,8 +758,8 @@ impl Engine {
             _ => ParamsOut::F16(unsafe { views::slice::<half::f16>(&scratch) }),
         };
         let master = self.master.as_mut().expect("checked above");
-        self.optimizer.step(master, &self.grad_acc, &self.groups, Some(out))?;
-        self.grad_acc.fill(0.0);
+        self.optimizer.step(master, &self.gradients.grad_acc, &self.groups, Some(out))?;
+        self.gradients.grad_acc.fill(0.0);
         self.write_shard(&scratch)
     }
 }

@@ -33,7 +33,7 @@ impl Engine {
     /// Clears the parameters' gradients for the next micro-batch, once `reduce` copied them out (without gradient
     /// views; with views the buffer is zeroed by `consume_grads` once the reduced values were used).
     fn clear_param_grads(&mut self) {
-        if self.grad_buffer.is_some() {
+        if self.gradients.grad_buffer.is_some() {
             return;
         }
         for t in &mut self.params {
@@ -49,16 +49,16 @@ impl Engine {
         let (op, pre, post) = self.reduce_factors();
         if !self.plan.partitions_optimizer() {
             // With gradient views the gradients are in `flat_grads` already.
-            if self.grad_buffer.is_none() {
-                self.gather_grads(&self.flat_grads, 0..self.layout.padded)?;
+            if self.gradients.grad_buffer.is_none() {
+                self.gather_grads(&self.gradients.flat_grads, 0..self.layout.padded)?;
             }
             if let Some(pre) = pre {
-                let _ = self.flat_grads.f_mul_scalar_(pre)?;
+                let _ = self.gradients.flat_grads.f_mul_scalar_(pre)?;
             }
-            views::all_reduce(self.comm.as_ref(), &self.flat_grads, op)?;
+            views::all_reduce(self.comm.as_ref(), &self.gradients.flat_grads, op)?;
             self.comm_volume.all_reduce_elements += self.layout.padded as u64;
             if let Some(post) = post {
-                let _ = self.flat_grads.f_mul_scalar_(post)?;
+                let _ = self.gradients.flat_grads.f_mul_scalar_(post)?;
             }
             self.clear_param_grads();
             return Ok(());
@@ -67,9 +67,9 @@ impl Engine {
             return self.reduce_overlapped(op, pre, post);
         }
         let part = self.layout.partition_len();
-        for c in (0..part).step_by(self.round_len) {
-            let l = self.round_len.min(part - c);
-            let staged = self.flat_grads.narrow(0, 0, (ws * l) as i64);
+        for c in (0..part).step_by(self.gradients.round_len) {
+            let l = self.gradients.round_len.min(part - c);
+            let staged = self.gradients.flat_grads.narrow(0, 0, (ws * l) as i64);
             self.stage_round(&staged, c, l)?;
             let out = self.reduced_slice(c, l);
             self.reduce_bucket(&staged, &out)?;
@@ -115,7 +115,7 @@ impl Engine {
     fn reduce_overlapped(&mut self, op: ReduceOp, pre: Option<f64>, post: Option<f64>) -> Result<()> {
         let ws = self.world_size();
         let part = self.layout.partition_len();
-        let half = ws * self.round_len;
+        let half = ws * self.gradients.round_len;
         let finish = |(h, out): (crate::comm::async_comm::Handle<()>, Tensor)| -> Result<()> {
             h.wait()?;
             if let Some(post) = post {
@@ -124,9 +124,9 @@ impl Engine {
             Ok(())
         };
         let mut pending: Option<(crate::comm::async_comm::Handle<()>, Tensor)> = None;
-        for (i, c) in (0..part).step_by(self.round_len).enumerate() {
-            let l = self.round_len.min(part - c);
-            let staged = self.flat_grads.narrow(0, ((i % 2) * half) as i64, (ws * l) as i64);
+        for (i, c) in (0..part).step_by(self.gradients.round_len).enumerate() {
+            let l = self.gradients.round_len.min(part - c);
+            let staged = self.gradients.flat_grads.narrow(0, ((i % 2) * half) as i64, (ws * l) as i64);
             self.stage_round(&staged, c, l)?;
             if let Some(pre) = pre {
                 let _ = staged.shallow_clone().f_mul_scalar_(pre)?;
@@ -151,7 +151,7 @@ impl Engine {
     /// Where elements `c..c+l` of this rank's reduced partition go: in place in the gradient buffer (fp32 with
     /// gradient views: the round's input was copied to staging first), else the communication-dtype partition.
     fn reduced_slice(&self, c: usize, l: usize) -> Tensor {
-        match (&self.grad_part, &self.grad_buffer) {
+        match (&self.gradients.grad_part, &self.gradients.grad_buffer) {
             (Some(part), _) => part.narrow(0, c as i64, l as i64),
             (None, Some(g)) => g.narrow(0, (self.optimized.range().start + c) as i64, l as i64),
             (None, None) => unreachable!("stages 1-2 have a partition buffer or gradient views"),
@@ -198,10 +198,10 @@ impl Engine {
         if self.grads_in_flat_buffer() {
             return Ok(());
         }
-        self.grad_acc.fill(0.0);
-        match &self.grad_part {
-            Some(part) => views::accumulate(&mut self.grad_acc, part),
-            None => views::accumulate(&mut self.grad_acc, &self.flat_grads),
+        self.gradients.grad_acc.fill(0.0);
+        match &self.gradients.grad_part {
+            Some(part) => views::accumulate(&mut self.gradients.grad_acc, part),
+            None => views::accumulate(&mut self.gradients.grad_acc, &self.gradients.flat_grads),
         }
         Ok(())
     }
@@ -209,9 +209,9 @@ impl Engine {
     /// 16-bit models, every micro-batch: reduce, accumulate the optimized range in fp32.
     pub(super) fn reduce_micro_batch(&mut self) -> Result<()> {
         self.reduce()?;
-        match &self.grad_part {
-            Some(part) => views::accumulate(&mut self.grad_acc, part),
-            None => views::accumulate(&mut self.grad_acc, &self.flat_grads),
+        match &self.gradients.grad_part {
+            Some(part) => views::accumulate(&mut self.gradients.grad_acc, part),
+            None => views::accumulate(&mut self.gradients.grad_acc, &self.gradients.flat_grads),
         }
         self.consume_grads()
     }
@@ -219,7 +219,7 @@ impl Engine {
     /// After the gradients were used (the optimizer step, or a micro-batch's accumulation into fp32): with gradient
     /// views, zero the buffer autograd accumulates into (without views, `reduce` cleared the `.grad` tensors).
     pub(super) fn consume_grads(&mut self) -> Result<()> {
-        if let Some(g) = &self.grad_buffer {
+        if let Some(g) = &self.gradients.grad_buffer {
             let _ = g.shallow_clone().f_zero_()?;
         }
         Ok(())

@@ -32,21 +32,24 @@ impl Engine {
     pub fn memory_bytes(&self) -> Vec<(MemoryCategory, usize)> {
         let bytes = |t: &Tensor| t.numel() * t.kind().elt_size_in_bytes();
         // With gradient views the `.grad` tensors are the gradient buffer: counted once, as the full gradients.
-        let full = match &self.grad_buffer {
+        let full = match &self.gradients.grad_buffer {
             Some(g) => bytes(g),
             None => self.params.iter().map(|t| t.grad()).filter(Tensor::defined).map(|g| bytes(&g)).sum(),
         };
-        let staging =
-            if !self.plan.partitions_optimizer() && (self.grad_buffer.is_some() || self.grads_in_flat_buffer()) {
-                0
-            } else {
-                bytes(&self.flat_grads)
-            };
-        let shard = if !self.plan.partitions_optimizer() && self.grad_buffer.is_none() && self.grads_in_flat_buffer() {
-            bytes(&self.flat_grads)
+        let staging = if !self.plan.partitions_optimizer()
+            && (self.gradients.grad_buffer.is_some() || self.grads_in_flat_buffer())
+        {
+            0
         } else {
-            self.grad_acc.len() * 4
+            bytes(&self.gradients.flat_grads)
         };
+        let shard =
+            if !self.plan.partitions_optimizer() && self.gradients.grad_buffer.is_none() && self.grads_in_flat_buffer()
+            {
+                bytes(&self.gradients.flat_grads)
+            } else {
+                self.gradients.grad_acc.len() * 4
+            };
         let (params_resident, params_nvme) =
             self.swapped_params.as_ref().map_or((0, 0), |s| (s.resident_bytes(), s.swapped_bytes()));
         use MemoryCategory::*;
@@ -59,7 +62,7 @@ impl Engine {
             (MasterFp32, self.master.as_ref().map_or(0, |m| m.len() * 4)),
             (OptimizerStates, self.optimizer.resident_bytes()),
             (OptimizerStatesNvme, self.optimizer.swapped_bytes()),
-            (CommunicationBuffers, staging + self.grad_part.as_ref().map_or(0, bytes)),
+            (CommunicationBuffers, staging + self.gradients.grad_part.as_ref().map_or(0, bytes)),
             (
                 FrozenParameters,
                 self.frozen_units

@@ -215,13 +215,24 @@ pub(super) fn optimizer_tier(
     Ok((tier, base_lr, weight_decay))
 }
 
-/// The buffers gradients are gathered, reduced and accumulated in (see the Engine's fields of the same names).
+/// The buffers gradients are gathered, reduced and accumulated in, sized by the plan.
 pub(super) struct GradientBuffers {
+    /// Gradients gathered from the parameters, in the communication dtype: all of them at stage 0; at stage 1 one
+    /// reduction round (`reduce_bucket_size` elements: `round_len` of every rank's partition); a unit or bucket
+    /// (or a round of one) at stages 2-3.
     pub flat_grads: Tensor,
+    /// Stages 0-1 when gradients travel in the model's dtype: the flat buffer the model's `.grad` tensors are views
+    /// of (DDP's gradient_as_bucket_view), so autograd accumulates into it and no copy precedes a reduction. At
+    /// stage 0 it is `flat_grads` itself. Calling `detach_()` on such a gradient fails, as under DDP.
     pub grad_buffer: Option<Tensor>,
+    /// Elements of each rank's partition reduced per round (stage 1, and units larger than a bucket).
     pub round_len: usize,
+    /// This rank's reduced gradient partition, or a round's part of it, in the communication dtype.
     pub grad_part: Option<Tensor>,
+    /// fp32 reduced gradients of the optimized range: accumulated over micro-batches (16-bit models, stages 2-3),
+    /// or the boundary's reduction (fp32 models reducing into a partition buffer).
     pub grad_acc: AlignedVec,
+    /// Where the reduced fp32 gradients are when the optimizer steps.
     pub reduced: ReducedGradients,
 }
 

@@ -314,16 +314,16 @@ impl Engine {
             return Ok(());
         }
         self.check_unused_parameters(i, grads)?;
-        let round = self.round_len.clamp(1, chunk);
+        let round = self.gradients.round_len.clamp(1, chunk);
         for c in (0..chunk).step_by(round) {
             let l = round.min(chunk - c);
-            let staged = self.flat_grads.narrow(0, 0, (ws * l) as i64);
+            let staged = self.gradients.flat_grads.narrow(0, 0, (ws * l) as i64);
             self.stage_unit_round(i, grads, &staged, c, l)?;
-            let part = self.grad_part.as_ref().expect("units have a gradient part").narrow(0, 0, l as i64);
+            let part = self.gradients.grad_part.as_ref().expect("units have a gradient part").narrow(0, 0, l as i64);
             let t = std::time::Instant::now();
             self.reduce_bucket(&staged, &part)?;
             self.times.add(crate::report::Phase::ReduceScatter, t.elapsed());
-            views::accumulate(&mut self.grad_acc[offset + c..offset + c + l], &part);
+            views::accumulate(&mut self.gradients.grad_acc[offset + c..offset + c + l], &part);
         }
         Ok(())
     }
