@@ -28,6 +28,9 @@ pub enum Error {
     Parameter { name: String, why: String },
     #[error("{0}")]
     Usage(String),
+    /// A file the engine writes or reads outside a checkpoint (a 16-bit model): which, and what failed.
+    #[error("{}: {what}", path.display())]
+    Io { path: std::path::PathBuf, what: String },
     /// libtorch's CUDA backend could not be loaded; names the library.
     #[error("CUDA: {}: {why}", library.display())]
     Cuda { library: std::path::PathBuf, why: String },

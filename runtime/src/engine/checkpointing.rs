@@ -665,7 +665,8 @@ impl Engine {
         }
         let params = self.state_dict()?;
         if self.rank() == 0 {
-            Tensor::write_safetensors(&params, path).map_err(|e| Error::Usage(format!("{}: {e}", path.display())))?;
+            Tensor::write_safetensors(&params, path)
+                .map_err(|e| Error::Io { path: path.into(), what: e.to_string() })?;
         }
         self.comm.barrier()?;
         Ok(())
