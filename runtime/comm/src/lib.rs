@@ -19,6 +19,7 @@ pub mod rank_info;
 pub mod region;
 pub mod shm;
 pub mod threads;
+pub mod topology;
 
 use std::time::Duration;
 
