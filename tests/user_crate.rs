@@ -42,10 +42,12 @@ fn a_crate_of_its_own_builds_from_the_readme_and_runs_without_ld_library_path() 
     // Outside the workspace (a crate under it would belong to it); the same directory every run, so cargo's
     // build of it is incremental after the first.
     // One directory per checkout (two checkouts' test runs must not write each other's crate).
-    let checkout = root
-        .to_string_lossy()
-        .bytes()
-        .fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
+    let checkout = {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::hash::DefaultHasher::new();
+        root.hash(&mut h);
+        h.finish()
+    };
     let dir = std::env::temp_dir().join(format!("zerorun-user-crate-{checkout:016x}"));
     for (path, text) in &files {
         let file = dir.join(path);

@@ -33,7 +33,7 @@ fn register_font() -> Result<()> {
 const MIB: f64 = 1024.0 * 1024.0;
 
 /// Colors by category, in stacking order (model states first); event-only categories (`gradients_unit`) too.
-fn categories(reports: &[MemoryReport]) -> Vec<String> {
+fn categories<'a>(reports: impl IntoIterator<Item = &'a MemoryReport>) -> Vec<String> {
     let mut names: Vec<String> = Vec::new();
     for r in reports {
         for n in r.categories.keys().chain(r.events.iter().flat_map(|e| e.categories.keys())) {
@@ -231,9 +231,9 @@ fn draw_runs<DB: DrawingBackend>(
 ) -> std::result::Result<(), String> {
     let err = |e: DrawingAreaErrorKind<DB::ErrorType>| e.to_string();
     root.fill(&WHITE).map_err(err)?;
-    let all: Vec<MemoryReport> = runs.iter().flat_map(|(_, r)| r.iter().cloned()).collect();
     // Bars are host memory: bytes on NVMe (`*_nvme`) are in the tables, not stacked with what is resident.
-    let names: Vec<String> = categories(&all).into_iter().filter(|n| !n.ends_with("_nvme")).collect();
+    let names: Vec<String> =
+        categories(runs.iter().flat_map(|(_, r)| r)).into_iter().filter(|n| !n.ends_with("_nvme")).collect();
     let body = legend(&root, &names, &[("peak resident memory (right axis)", RED)])?;
     // One bar per rank, runs in groups with a gap between them.
     let mut points = Vec::new();

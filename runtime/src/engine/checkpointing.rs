@@ -143,8 +143,13 @@ impl Engine {
         if self.world_size() == 1 {
             return Ok(tag);
         }
-        let hash =
-            tag.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3)) as i64;
+        // The same binary on every rank: std's hasher (SipHash with fixed keys) gives every rank the same value.
+        let hash = {
+            use std::hash::{Hash, Hasher};
+            let mut h = std::hash::DefaultHasher::new();
+            tag.hash(&mut h);
+            h.finish() as i64
+        };
         // Max of the hash and of its negation: equal hashes everywhere iff max == -(-max of negation).
         let mut extremes = [hash, hash.wrapping_neg()];
         self.comm.all_reduce(&mut extremes, ReduceOp::Max)?;
