@@ -54,6 +54,7 @@ test: setup
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets --features mpi,nccl -- -D warnings
 	$(CARGO) test --workspace --all-targets --features mpi,nccl --no-fail-fast
+	$(CARGO) test --workspace --doc --features mpi,nccl
 
 # Binaries for scripts/gpu-check.sh on the GPU machine (no Rust toolchain there): stripped, under 64 MiB together.
 gpu-binaries: setup

@@ -6,8 +6,8 @@
 //! let vs = nn::VarStore::new(tch::Device::Cpu);
 //! // ... build the model on vs.root() ...
 //! let config = zerorun::Config::from_file("configs/zero2.json")?;
-//! let comm = zerorun::runtime::comm::threads::group(1, std::time::Duration::from_secs(60)).pop().unwrap();
-//! let mut engine = zerorun::initialize(&vs, config, Box::new(comm))?;
+//! // The communicator comes from the environment `zerorun launch` sets (one rank without it).
+//! let mut engine = zerorun::initialize(&vs, config)?;
 //! // for each micro-batch: engine.backward(&loss)?; engine.step()?;
 //! # Ok(()) }
 //! ```

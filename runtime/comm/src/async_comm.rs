@@ -123,27 +123,6 @@ impl CommThread {
         self.submit("all_gather", move |c| c.all_gather_in_place(&mut buf).map(|_| buf))
     }
 
-    /// All-gather, in place, into memory the caller owns. Returns at once; the collective runs after everything
-    /// submitted before it.
-    ///
-    /// # Safety
-    /// `buf` must stay allocated, and neither read nor written by anyone else, until the handle is waited on
-    /// (or the thread has ended: dropping the `CommThread` waits for it).
-    pub unsafe fn all_gather_raw(&self, buf: BufMut<'_>) -> Handle<()> {
-        let raw = RawBuf::new(buf.bytes.as_mut_ptr(), buf.bytes.len(), buf.dtype);
-        self.submit("all_gather", move |c| c.all_gather_buf(unsafe { raw.buf_mut() }))
-    }
-
-    /// Reduce-scatter from and into memory the caller owns. Returns at once.
-    ///
-    /// # Safety
-    /// As [`CommThread::all_gather_raw`]: both buffers stay allocated and untouched until the handle is waited on.
-    pub unsafe fn reduce_scatter_raw(&self, input: BufRef<'_>, output: BufMut<'_>, op: ReduceOp) -> Handle<()> {
-        let i = RawBuf::new(input.bytes.as_ptr() as *mut u8, input.bytes.len(), input.dtype);
-        let o = RawBuf::new(output.bytes.as_mut_ptr(), output.bytes.len(), output.dtype);
-        self.submit("reduce_scatter", move |c| c.reduce_scatter_buf(unsafe { i.buf_ref() }, unsafe { o.buf_mut() }, op))
-    }
-
     /// Finishes the queued jobs and returns the communicator.
     pub fn into_inner(mut self) -> Box<dyn Communicator> {
         self.jobs.take();
@@ -158,8 +137,7 @@ struct RawBuf {
     dtype: Dtype,
 }
 
-// SAFETY: the memory is only touched by the job while the lender waits (or, for `all_gather_raw`, by the
-// contract that it leaves the buffer alone until the handle is waited on).
+// SAFETY: the memory is only touched by the job while the lender waits for it.
 unsafe impl Send for RawBuf {}
 
 impl RawBuf {

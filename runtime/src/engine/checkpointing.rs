@@ -542,8 +542,8 @@ impl Engine {
         self.micro_steps = 0;
         self.loss_sum = 0.0;
         self.loss_count = 0;
-        self.gradients.grad_acc.fill(0.0);
-        self.consume_grads()?;
+        self.gradients.clear_accumulator();
+        self.gradients.consume()?;
         self.grad_mark = self.gradient_fingerprint();
         self.comm.barrier()?;
         tracing::info!(

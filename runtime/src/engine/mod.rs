@@ -17,16 +17,17 @@
 //! `setup.rs` holds how `Engine::new` builds all of it, one decision per function; `shard.rs` where this rank's
 //! optimized values live; mod.rs the Engine itself: backward, the optimizer step and what it takes.
 mod allocator;
+mod bucket;
 mod builders;
 mod checkpointing;
 mod engine_comm;
 mod frozen;
 mod grad_hooks;
+mod gradients;
 pub mod layout;
 mod native;
 mod optimizer;
 mod plan;
-mod reduce;
 mod reporting;
 pub mod sampler;
 mod setup;
@@ -53,7 +54,7 @@ use crate::report::{Phase, PhaseTimes};
 pub use builders::{BuiltModel, UnitBuilders, UnitForward};
 pub use checkpointing::{load_mapped, SaveOptions};
 pub use layout::{FlatLayout, ParamSlot, UnitSpan};
-use plan::{AfterStep, GradientPath, Optimized, ReducedGradients, StagePlan};
+use plan::{AfterStep, GradientPath, Optimized, StagePlan};
 pub use reporting::{MemoryReportFiles, MEMORY_REPORT_ENV};
 use shard::shard_values;
 use sharded_unit::ShardedUnit;
@@ -104,28 +105,6 @@ impl EngineOptions {
     pub fn buffers(mut self, sync: BufferSync) -> Self {
         self.buffers = sync;
         self
-    }
-}
-
-/// See [`Engine::fp32_grads_in_buffer`] (a function of the fields, so callers can borrow others beside it).
-///
-/// # Safety
-/// As for [`views::slice`]: the reduced gradients are read and scaled between the reduction and the next
-/// backward, when no collective and no autograd writes these buffers; the caller holds one such view at a time.
-#[allow(clippy::mut_from_ref)]
-unsafe fn fp32_grads_in<'a>(
-    reduced: ReducedGradients,
-    flat_grads: &'a Tensor,
-    grad_buffer: &'a Option<Tensor>,
-    optimized: &Optimized,
-) -> Option<&'a mut [f32]> {
-    match reduced {
-        // SAFETY: this function's contract.
-        ReducedGradients::Staging => Some(unsafe { views::slice::<f32>(flat_grads) }),
-        ReducedGradients::ViewPartition => {
-            grad_buffer.as_ref().map(|g| &mut unsafe { views::slice::<f32>(g) }[optimized.range()])
-        }
-        ReducedGradients::Accumulator => None,
     }
 }
 
@@ -187,8 +166,8 @@ pub struct Engine {
     times: PhaseTimes,
     /// fp32 master of the optimized range (16-bit models only; fp32 models step `flat_params` directly).
     master: Option<AlignedVec>,
-    /// Where gradients are staged, reduced and accumulated (see [`setup::GradientBuffers`]).
-    gradients: setup::GradientBuffers,
+    /// Where gradients are staged, reduced and accumulated, and how.
+    gradients: gradients::Gradients,
     optimizer: optimizer::OptimizerTier,
     /// Groups relative to the optimized range (the partition at stages 1-2, everything at stage 0).
     groups: Vec<Group>,
@@ -317,7 +296,7 @@ impl Engine {
             .map(|(range, decay)| Group { range, lr: base_lr, weight_decay: if decay { weight_decay } else { 0.0 } })
             .collect();
         let scheduler = optimizer::scheduler(&config, base_lr);
-        let gradients = setup::gradient_buffers(&config, &plan, &layout, &params, shared)?;
+        let gradients = gradients::Gradients::new(&config, &plan, &layout, &params, rank, shared)?;
         let scaler = config.fp16.enabled.then(|| {
             let f = &config.fp16;
             LossScaler::new(LossScalerConfig::from_fp16(
@@ -397,7 +376,7 @@ impl Engine {
             step_started: None,
         };
         if plan.gradients == plan::GradientPath::Hooks {
-            engine.grad_hooks = Some(grad_hooks::GradHooks::install(&engine.params, &engine.layout.units)?);
+            engine.grad_hooks = Some(grad_hooks::GradHooks::install(&engine.params)?);
         }
         engine.grad_mark = engine.gradient_fingerprint();
         allocator::return_freed_memory();
@@ -499,7 +478,12 @@ impl Engine {
         };
         match self.plan.gradients {
             GradientPath::AfterBackward => autograd()?,
-            GradientPath::Hooks => self.backward_hooked(autograd)?,
+            GradientPath::Hooks => {
+                let hooks = self.grad_hooks.take().expect("hooked mode has hooks");
+                let ran = hooks.lend(&mut self.gradient_sync(), autograd);
+                self.grad_hooks = Some(hooks);
+                ran?
+            }
             // The walk records its own events, unit by unit.
             GradientPath::UnitWalk => {
                 return self.backward_units_impl(model, loss, factor).map(|()| self.end_backward(started, comm_before))
@@ -551,9 +535,12 @@ impl Engine {
     }
 
     fn step_impl(&mut self) -> Result<StepOutcome> {
-        if self.plan.gradients == GradientPath::Hooks && self.gradients_wait_in_grad() {
-            // A backward the engine did not run: its gradients are still in `.grad`.
-            self.finish_hooked_reduction()?;
+        if self.plan.gradients == GradientPath::Hooks {
+            let mut sync = self.gradient_sync();
+            if sync.gradients_wait_in_grad() {
+                // A backward the engine did not run: its gradients are still in `.grad`.
+                sync.finish_hooked_reduction()?;
+            }
         }
         self.micro_steps += 1;
         let boundary = self.micro_steps % self.batch.gradient_accumulation_steps == 0;
@@ -589,10 +576,8 @@ impl Engine {
             self.skipped_steps += 1;
             self.global_steps += 1;
             self.global_samples += self.batch.train_batch_size;
-            self.gradients.grad_acc.fill(0.0);
-            if let Some(g) = &self.gradients.grad_buffer {
-                let _ = g.shallow_clone().f_zero_()?;
-            }
+            self.gradients.clear_accumulator();
+            self.gradients.consume()?;
             let scale = self.loss_scale();
             tracing::warn!(
                 step = self.global_steps,
@@ -618,7 +603,7 @@ impl Engine {
         }
         self.timed(Phase::Step, Self::apply_optimizer)?;
         self.memory_event(|| "optimizer step".into(), &[]);
-        self.consume_grads()?;
+        self.gradients.consume()?;
         match self.plan.after_step() {
             AfterStep::Nothing => {}
             AfterStep::AllGatherFlat => {
@@ -627,7 +612,7 @@ impl Engine {
             }
             AfterStep::RefreshGatheredUnits => {
                 // Reductions during backward accumulate into the fp32 accumulator across micro-batches.
-                self.gradients.grad_acc.fill(0.0);
+                self.gradients.clear_accumulator();
                 self.timed(Phase::AllGather, Self::refresh_gathered_units)?;
             }
         }
@@ -655,26 +640,40 @@ impl Engine {
         Ok(StepOutcome::Stepped { step: self.global_steps, loss, grad_norm, lr })
     }
 
-    /// Whether the reduced fp32 gradients are in a flat buffer rather than the fp32 accumulator: fp32 models at
-    /// stage 0 reduce in `flat_grads`, and with gradient views at stage 1 in the partition of `grad_buffer`.
-    fn grads_in_flat_buffer(&self) -> bool {
-        self.gradients.reduced != ReducedGradients::Accumulator
-    }
-
     /// The fp32 gradients of the optimized range.
     fn grads(&mut self) -> &mut [f32] {
-        // SAFETY: called between the reduction and the optimizer step (norm, clipping), one view at a time.
-        match unsafe {
-            fp32_grads_in(
-                self.gradients.reduced,
-                &self.gradients.flat_grads,
-                &self.gradients.grad_buffer,
-                &self.optimized,
-            )
-        } {
-            Some(g) => g,
-            None => &mut self.gradients.grad_acc,
+        self.gradients.for_step(&self.optimized)
+    }
+
+    /// What reducing gradients needs, borrowed from the engine's fields.
+    fn gradient_sync(&mut self) -> gradients::GradientSync<'_> {
+        gradients::GradientSync {
+            gradients: &mut self.gradients,
+            comm: &self.comm,
+            layout: &self.layout,
+            params: &self.params,
+            volume: &mut self.comm_volume,
+            times: &mut self.times,
         }
+    }
+
+    /// fp32 models at the boundary: reduce, and (stage 1 into a partition buffer) take the partition as fp32.
+    fn reduce_fp32(&mut self) -> Result<()> {
+        let partitioned = self.plan.partitions_optimizer();
+        self.gradient_sync().reduce_after_backward(partitioned)?;
+        if !self.gradients.in_flat_buffer() {
+            self.gradients.clear_accumulator();
+            self.gradients.accumulate_partition();
+        }
+        Ok(())
+    }
+
+    /// 16-bit models, every micro-batch: reduce, accumulate the optimized range in fp32.
+    fn reduce_micro_batch(&mut self) -> Result<()> {
+        let partitioned = self.plan.partitions_optimizer();
+        self.gradient_sync().reduce_after_backward(partitioned)?;
+        self.gradients.accumulate_partition();
+        self.gradients.consume()
     }
 
     /// The mean loss over this step's micro-batches and all ranks.
@@ -697,19 +696,8 @@ impl Engine {
                 // SAFETY: the optimizer step writes the flat parameters while no forward, backward or collective
                 // runs; the gradients it reads are another buffer (the staging or view partition, or grad_acc).
                 let params = &mut unsafe { views::slice::<f32>(&self.flat_params) }[range];
-                // SAFETY: the only view of the reduced gradients during the step (the parameters are another buffer).
-                let in_buffer = unsafe {
-                    fp32_grads_in(
-                        self.gradients.reduced,
-                        &self.gradients.flat_grads,
-                        &self.gradients.grad_buffer,
-                        &self.optimized,
-                    )
-                };
-                let grads: &[f32] = match in_buffer {
-                    Some(g) => g,
-                    None => &self.gradients.grad_acc,
-                };
+                // The only view of the reduced gradients during the step (the parameters are another buffer).
+                let grads = self.gradients.for_step(&self.optimized);
                 self.optimizer.step(params, grads, &self.groups, None)?;
             }
             Some(master) => {
@@ -721,8 +709,8 @@ impl Engine {
                     }
                     _ => ParamsOut::F16(&mut unsafe { views::slice::<half::f16>(&self.flat_params) }[range]),
                 };
-                self.optimizer.step(master, &self.gradients.grad_acc, &self.groups, Some(out))?;
-                self.gradients.grad_acc.fill(0.0);
+                self.optimizer.step(master, self.gradients.accumulator(), &self.groups, Some(out))?;
+                self.gradients.clear_accumulator();
             }
         }
         Ok(())
@@ -736,8 +724,8 @@ impl Engine {
         if let (Some(master), Some(swapped)) = (self.master.as_mut(), self.swapped_params.as_mut()) {
             // 16-bit parameters on NVMe: step the master, then write each unit's rounded chunk (the same rounding
             // as the step's own 16-bit output), with no copy of the shard.
-            self.optimizer.step(master, &self.gradients.grad_acc, &self.groups, None)?;
-            self.gradients.grad_acc.fill(0.0);
+            self.optimizer.step(master, self.gradients.accumulator(), &self.groups, None)?;
+            self.gradients.clear_accumulator();
             return swapped.write_all_from_f32(master);
         }
         if self.master.is_none() {
@@ -745,7 +733,7 @@ impl Engine {
             // SAFETY: `scratch` is this step's own copy of the shard.
             self.optimizer.step(
                 unsafe { views::slice::<f32>(&scratch) },
-                &self.gradients.grad_acc,
+                self.gradients.accumulator(),
                 &self.groups,
                 None,
             )?;
@@ -758,8 +746,8 @@ impl Engine {
             _ => ParamsOut::F16(unsafe { views::slice::<half::f16>(&scratch) }),
         };
         let master = self.master.as_mut().expect("checked above");
-        self.optimizer.step(master, &self.gradients.grad_acc, &self.groups, Some(out))?;
-        self.gradients.grad_acc.fill(0.0);
+        self.optimizer.step(master, self.gradients.accumulator(), &self.groups, Some(out))?;
+        self.gradients.clear_accumulator();
         self.write_shard(&scratch)
     }
 }

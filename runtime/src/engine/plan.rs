@@ -159,6 +159,16 @@ impl StagePlan {
         self.overlap && (self.strategy != Strategy::PartitionedGradients || self.hooked_overlap)
     }
 
+    /// Halves of the gradient staging buffer: two where one bucket reduces on the communication thread while the
+    /// next is staged (stage 1's rounds with `overlap_comm`, hooked stage 2 with overlap and reduce-scatter).
+    pub fn staging_halves(&self) -> usize {
+        match self.gradients {
+            GradientPath::Hooks if self.hooked_overlap => 2,
+            GradientPath::AfterBackward if self.overlap => 2,
+            _ => 1,
+        }
+    }
+
     /// The values this rank optimizes.
     pub fn optimized(&self, layout: &FlatLayout, rank: usize) -> Optimized {
         match self.strategy {
@@ -224,12 +234,11 @@ impl GradientSizes {
         let largest_unit = layout.units.iter().map(|u| u.range.len()).max().unwrap_or(0);
         let staged = match (plan.strategy, plan.gradients) {
             (Strategy::Replicated, _) => layout.padded,
-            (_, GradientPath::Hooks) if plan.hooked_overlap => 2 * largest_unit,
-            (_, GradientPath::Hooks) => largest_unit,
+            (_, GradientPath::Hooks) => largest_unit * plan.staging_halves(),
             // Units larger than a bucket reduce in rounds of `round_len` per rank.
             (_, GradientPath::UnitWalk) => largest_unit.min(round_len * ws),
             // Two halves with overlap_comm: one reduces while the next round is gathered into the other.
-            _ => round_len * ws * if plan.overlap { 2 } else { 1 },
+            _ => round_len * ws * plan.staging_halves(),
         };
         let views = match plan.strategy {
             _ if plan.lays_out_by_units() || !comm_in_model_dtype => GradientViews::None,
@@ -240,7 +249,7 @@ impl GradientSizes {
         let fp32_in_place = fp32_model && views != GradientViews::None;
         let part = match plan.gradients {
             _ if !plan.partitions_optimizer() || fp32_in_place => None,
-            GradientPath::Hooks => Some(largest_unit / ws * if plan.hooked_overlap { 2 } else { 1 }),
+            GradientPath::Hooks => Some(largest_unit / ws * plan.staging_halves()),
             GradientPath::UnitWalk => Some((largest_unit / ws).min(round_len)),
             GradientPath::AfterBackward => Some(partition),
         };

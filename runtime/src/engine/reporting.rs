@@ -31,25 +31,21 @@ impl Engine {
     /// persistent ones too, count in `parameters_gathered`) and `buffers` (BatchNorm's statistics, whole on every rank).
     pub fn memory_bytes(&self) -> Vec<(MemoryCategory, usize)> {
         let bytes = |t: &Tensor| t.numel() * t.kind().elt_size_in_bytes();
+        let (view_buffer, staging, partition) = self.gradients.buffer_bytes();
         // With gradient views the `.grad` tensors are the gradient buffer: counted once, as the full gradients.
-        let full = match &self.gradients.grad_buffer {
-            Some(g) => bytes(g),
+        let full = match view_buffer {
+            Some(b) => b,
             None => self.params.iter().map(|t| t.grad()).filter(Tensor::defined).map(|g| bytes(&g)).sum(),
         };
-        let staging = if !self.plan.partitions_optimizer()
-            && (self.gradients.grad_buffer.is_some() || self.grads_in_flat_buffer())
-        {
-            0
+        // Stage 0 reducing in the staging buffer: it is the full gradients (views) or the reduced ones.
+        let in_staging =
+            !self.plan.partitions_optimizer() && (view_buffer.is_some() || self.gradients.in_flat_buffer());
+        let shard = if !self.plan.partitions_optimizer() && view_buffer.is_none() && self.gradients.in_flat_buffer() {
+            staging
         } else {
-            bytes(&self.gradients.flat_grads)
+            self.gradients.accumulator_bytes()
         };
-        let shard =
-            if !self.plan.partitions_optimizer() && self.gradients.grad_buffer.is_none() && self.grads_in_flat_buffer()
-            {
-                bytes(&self.gradients.flat_grads)
-            } else {
-                self.gradients.grad_acc.len() * 4
-            };
+        let staging = if in_staging { 0 } else { staging };
         let (params_resident, params_nvme) =
             self.swapped_params.as_ref().map_or((0, 0), |s| (s.resident_bytes(), s.swapped_bytes()));
         use MemoryCategory::*;
@@ -62,7 +58,7 @@ impl Engine {
             (MasterFp32, self.master.as_ref().map_or(0, |m| m.len() * 4)),
             (OptimizerStates, self.optimizer.resident_bytes()),
             (OptimizerStatesNvme, self.optimizer.swapped_bytes()),
-            (CommunicationBuffers, staging + self.gradients.grad_part.as_ref().map_or(0, bytes)),
+            (CommunicationBuffers, staging + partition),
             (
                 FrozenParameters,
                 self.frozen_units

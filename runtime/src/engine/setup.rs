@@ -1,15 +1,14 @@
 //! How an [`Engine`](super::Engine) is put together, one decision per function: what the stage asks for
 //! ([`StagePlan`]), which parameters and in what layout ([`arrange`]), where they live ([`pack`] for stages 0-2;
-//! stage 3 shards in `stage3.rs`), the optimizer and where its states live ([`optimizer_tier`]), and the gradient
-//! buffers the reduction runs in ([`gradient_buffers`]). `Engine::new` calls them in that order.
+//! stage 3 shards in `stage3.rs`), and the optimizer and where its states live ([`optimizer_tier`]). `Engine::new` calls them in that order, then
+//! sizes the gradient buffers (`gradients.rs`).
 use tch::{Kind, Tensor};
 use zerorun_offload::OptimizerTier as _;
-use zerorun_optim::AlignedVec;
 
 use super::layout::FlatLayout;
-use super::plan::{self, GradientPath, GradientSizes, GradientViews, ReducedGradients, StagePlan};
+use super::plan::{self, GradientPath, StagePlan};
 use super::sharded_unit::ShardedUnit;
-use super::{native, optimizer, units, views, EngineOptions};
+use super::{optimizer, units, views, EngineOptions};
 use crate::comm::Communicator;
 use crate::config::{Config, OffloadDevice, Precision, ZeroConfig};
 use crate::error::{Error, Result};
@@ -213,69 +212,4 @@ pub(super) fn optimizer_tier(
         }
     };
     Ok((tier, base_lr, weight_decay))
-}
-
-/// The buffers gradients are gathered, reduced and accumulated in, sized by the plan.
-pub(super) struct GradientBuffers {
-    /// Gradients gathered from the parameters, in the communication dtype: all of them at stage 0; at stage 1 one
-    /// reduction round (`reduce_bucket_size` elements: `round_len` of every rank's partition); a unit or bucket
-    /// (or a round of one) at stages 2-3.
-    pub flat_grads: Tensor,
-    /// Stages 0-1 when gradients travel in the model's dtype: the flat buffer the model's `.grad` tensors are views
-    /// of (DDP's gradient_as_bucket_view), so autograd accumulates into it and no copy precedes a reduction. At
-    /// stage 0 it is `flat_grads` itself. Calling `detach_()` on such a gradient fails, as under DDP.
-    pub grad_buffer: Option<Tensor>,
-    /// Elements of each rank's partition reduced per round (stage 1, and units larger than a bucket).
-    pub round_len: usize,
-    /// This rank's reduced gradient partition, or a round's part of it, in the communication dtype.
-    pub grad_part: Option<Tensor>,
-    /// fp32 reduced gradients of the optimized range: accumulated over micro-batches (16-bit models, stages 2-3),
-    /// or the boundary's reduction (fp32 models reducing into a partition buffer).
-    pub grad_acc: AlignedVec,
-    /// Where the reduced fp32 gradients are when the optimizer steps.
-    pub reduced: ReducedGradients,
-}
-
-/// Allocates the gradient buffers the plan sizes ([`GradientSizes`]), and makes the model's `.grad` tensors views
-/// of the reduction buffer where gradients travel in the model's dtype (stages 0-1).
-pub(super) fn gradient_buffers(
-    config: &Config,
-    plan: &StagePlan,
-    layout: &FlatLayout,
-    params: &[Tensor],
-    shared: bool,
-) -> Result<GradientBuffers> {
-    let precision = config.precision();
-    let comm_kind = views::comm_kind(config.communication_data_type, precision);
-    let sizes = GradientSizes::new(
-        plan,
-        layout,
-        config.zero_optimization.reduce_bucket_size,
-        precision == Precision::Fp32,
-        comm_kind == views::kind_of(precision),
-    );
-    let flat_grads = views::comm_zeros(sizes.staged, comm_kind, shared)?;
-    let grad_buffer = match sizes.views {
-        GradientViews::None => None,
-        GradientViews::OfStaging => Some(flat_grads.shallow_clone()),
-        GradientViews::OfOwnBuffer => Some(views::comm_zeros(layout.padded, comm_kind, shared)?),
-    };
-    if let Some(g) = &grad_buffer {
-        for (slot, t) in layout.slots.iter().zip(params) {
-            let view = tch::no_grad(|| {
-                g.narrow(0, slot.range.start as i64, slot.range.len() as i64).view(slot.shape.as_slice())
-            });
-            native::set_grad(t, &view)?;
-        }
-    }
-    let grad_part = sizes.part.map(|n| Tensor::zeros([n as i64], (comm_kind, tch::Device::Cpu)));
-    let grad_acc = AlignedVec::filled(sizes.accumulator, 0.0);
-    Ok(GradientBuffers {
-        flat_grads,
-        grad_buffer,
-        round_len: sizes.round_len,
-        grad_part,
-        grad_acc,
-        reduced: sizes.reduced,
-    })
 }

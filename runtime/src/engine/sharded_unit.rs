@@ -10,7 +10,7 @@ use tch::{Kind, Tensor};
 use super::layout::{ParamSlot, UnitSpan};
 use super::{native, views};
 use crate::comm::async_comm::{CommThread, Handle};
-use crate::comm::{BufMut, Communicator, Dtype};
+use crate::comm::Communicator;
 use crate::error::Result;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -222,14 +222,10 @@ impl ShardedUnit {
             return Ok(0);
         }
         self.put_chunk(thread.rank(), thread.world_size(), chunk);
-        let dtype = match self.full.kind() {
-            Kind::BFloat16 => Dtype::Bf16,
-            Kind::Half => Dtype::F16,
-            _ => Dtype::F32,
-        };
-        // SAFETY: the buffer is ours; nothing reads or writes it, resizes or frees it until `finish_gather` waits
-        // on the handle (release finishes a Gathering unit first, and dropping the engine joins the thread first).
-        let handle = unsafe { thread.all_gather_raw(BufMut { bytes: views::bytes(&self.full), dtype }) };
+        // The job holds its own handle to the buffer, so the storage outlives it; nothing here reads, writes or
+        // resizes the buffer until `finish_gather` waits (release finishes a Gathering unit first).
+        let full = self.full.shallow_clone();
+        let handle = thread.submit("all_gather", move |c| views::all_gather(c, &full));
         self.pending = Some(handle);
         self.state = UnitState::Gathering;
         Ok(self.span.range.len())

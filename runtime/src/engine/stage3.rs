@@ -9,7 +9,7 @@ use super::plan::{self, GradientPath};
 use super::sharded_unit::UnitState;
 use super::swapped_params::Chunk;
 use super::units::UnitModel;
-use super::{native, views, Engine};
+use super::{native, Engine};
 use crate::error::{Error, Result};
 use crate::report::memory::MemoryCategory;
 
@@ -176,12 +176,12 @@ impl Engine {
                 &[(MemoryCategory::GradientsUnit, unit_grad_bytes)],
             );
             upstream = if takes_input { grads.pop().flatten() } else { None };
-            self.reduce_unit(i, &grads)?;
+            self.gradient_sync().reduce_unit(i, &grads)?;
             if !self.units[i].persistent {
                 self.release_unit(i)?;
             }
         }
-        Ok(())
+        self.gradient_sync().drain()
     }
 
     pub(super) fn gather_unit(&mut self, i: usize) -> Result<()> {
@@ -298,78 +298,6 @@ impl Engine {
             }
         }
         Ok(())
-    }
-
-    /// Reduce-scatters unit `i`'s gradients (slot order; None: unused, zeros) into this rank's shard and adds
-    /// them to the fp32 accumulator, with the predivide rules of `reduce`. A unit larger than `reduce_bucket_size`
-    /// goes in rounds, as stages 1-2 do: each round stages `round_len` elements of every rank's chunk, so the
-    /// staging buffer is one bucket, not the largest unit (a unit of 268 MB held 384 MiB of staging and partition
-    /// beside its own gradients).
-    pub(super) fn reduce_unit(&mut self, i: usize, grads: &[Option<Tensor>]) -> Result<()> {
-        let ws = self.world_size();
-        let span = self.units[i].span.clone();
-        let (chunk, offset) = (span.chunk_len(ws), self.units[i].shard_offset);
-        if chunk == 0 {
-            // A unit of frozen parameters only.
-            return Ok(());
-        }
-        self.check_unused_parameters(i, grads)?;
-        let round = self.gradients.round_len.clamp(1, chunk);
-        for c in (0..chunk).step_by(round) {
-            let l = round.min(chunk - c);
-            let staged = self.gradients.flat_grads.narrow(0, 0, (ws * l) as i64);
-            self.stage_unit_round(i, grads, &staged, c, l)?;
-            let part = self.gradients.grad_part.as_ref().expect("units have a gradient part").narrow(0, 0, l as i64);
-            let t = std::time::Instant::now();
-            self.reduce_bucket(&staged, &part)?;
-            self.times.add(crate::report::Phase::ReduceScatter, t.elapsed());
-            views::accumulate(&mut self.gradients.grad_acc[offset + c..offset + c + l], &part);
-        }
-        Ok(())
-    }
-
-    /// Copies elements `c..c+l` of every rank's chunk of unit `i`'s gradients (slot order; None: zeros) into
-    /// `staged` (`ws * l` long, rank by rank): one round of [`Engine::reduce_unit`]. The whole unit (`c` 0, `l`
-    /// the chunk) is the unit's flat gradient, staged slot by slot.
-    pub(super) fn stage_unit_round(
-        &self,
-        i: usize,
-        grads: &[Option<Tensor>],
-        staged: &Tensor,
-        c: usize,
-        l: usize,
-    ) -> Result<()> {
-        let ws = self.world_size();
-        let span = &self.units[i].span;
-        let chunk = span.chunk_len(ws);
-        tch::no_grad(|| -> Result<()> {
-            let _ = staged.shallow_clone().f_zero_()?;
-            if c == 0 && l == chunk {
-                for (slot, g) in self.layout.slots[span.slots.clone()].iter().zip(grads) {
-                    if let Some(g) = g {
-                        staged
-                            .narrow(0, (slot.range.start - span.range.start) as i64, slot.range.len() as i64)
-                            .f_copy_(&g.reshape([-1]))?;
-                    }
-                }
-                return Ok(());
-            }
-            for k in 0..ws {
-                // Unit-relative range of this round in rank k's chunk.
-                let (lo, hi) = (k * chunk + c, k * chunk + c + l);
-                for (slot, g) in self.layout.slots[span.slots.clone()].iter().zip(grads) {
-                    let Some(g) = g else { continue };
-                    let (s, e) = (slot.range.start - span.range.start, slot.range.end - span.range.start);
-                    let (a, b) = (s.max(lo), e.min(hi));
-                    if a >= b {
-                        continue;
-                    }
-                    let src = g.reshape([-1]).narrow(0, (a - s) as i64, (b - a) as i64);
-                    staged.narrow(0, (k * l + a - lo) as i64, (b - a) as i64).f_copy_(&src)?;
-                }
-            }
-            Ok(())
-        })
     }
 
     /// After an optimizer step: units that stay gathered take the new values of every rank's shard.

@@ -89,21 +89,6 @@ pub unsafe fn bytes(t: &Tensor) -> &mut [u8] {
     unsafe { std::slice::from_raw_parts_mut(t.data_ptr() as *mut u8, n) }
 }
 
-/// A contiguous CPU tensor as a collective buffer.
-///
-/// # Safety
-/// As for [`slice`], until the collective that takes the buffer has finished (for the communication thread's
-/// `*_raw` calls: until its handle is waited on).
-pub unsafe fn buf_mut(t: &Tensor) -> crate::comm::BufMut<'_> {
-    let dtype = match t.kind() {
-        Kind::BFloat16 => crate::comm::Dtype::Bf16,
-        Kind::Half => crate::comm::Dtype::F16,
-        _ => crate::comm::Dtype::F32,
-    };
-    // SAFETY: forwarded to the caller.
-    crate::comm::BufMut { bytes: unsafe { bytes(t) }, dtype }
-}
-
 /// `t` and `out` are two buffers, not views of one storage range (a collective reads one while writing the other).
 fn check_disjoint(t: &Tensor, out: &Tensor) {
     let (a, b) = (t.data_ptr() as usize, out.data_ptr() as usize);

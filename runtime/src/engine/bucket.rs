@@ -1,0 +1,184 @@
+//! A gradient bucket and the one way every bucket is reduced (Megatron's bucket: it knows its staging range, starts
+//! its own collective and finishes it). Stage 1's rounds, the unit walk of stages 2-3 and stage 2's hooked buckets
+//! all stage their gradients into a half of the staging buffer and hand a [`Bucket`] to the [`BucketQueue`]: it
+//! applies the predivide, reduce-scatters (on the communication thread when there is one) or all-reduces, and on
+//! finishing applies the post-factor and adds the result to the fp32 accumulator. With two halves, one bucket
+//! reduces while the next is staged.
+use tch::Tensor;
+
+use super::engine_comm::EngineComm;
+use super::stage3::CommVolume;
+use super::views;
+use crate::comm::async_comm::Handle;
+use crate::comm::ReduceOp;
+use crate::config::{AllreduceOp, Config};
+use crate::error::Result;
+
+/// How gradients are combined across ranks: `prescale_gradients` / `gradient_predivide_factor` as DeepSpeed applies
+/// them (multiply by `pre` before a sum, by `post` = factor / world size after), else a plain mean. With
+/// `gradient_allreduce_op` "sum" (stages 0-2; the config refuses it at 3) the ranks' gradients are summed, not
+/// averaged: `post` is the factor alone.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Reduction {
+    pub op: ReduceOp,
+    pub pre: Option<f64>,
+    pub post: Option<f64>,
+    /// `zero_optimization.reduce_scatter`: false all-reduces each bucket and keeps this rank's part.
+    pub scatter: bool,
+    pub rank: usize,
+}
+
+impl Reduction {
+    pub fn new(config: &Config, rank: usize, world_size: usize) -> Reduction {
+        let f = config.gradient_predivide_factor;
+        let (op, pre, post) = if config.gradient_allreduce_op == AllreduceOp::Sum {
+            if f != 1.0 {
+                (ReduceOp::Sum, Some(1.0 / f), Some(f))
+            } else {
+                (ReduceOp::Sum, None, None)
+            }
+        } else if config.prescale_gradients || f != 1.0 {
+            (ReduceOp::Sum, Some(1.0 / f), Some(f / world_size as f64))
+        } else {
+            (ReduceOp::Avg, None, None)
+        };
+        Reduction { op, pre, post, scatter: config.zero_optimization.reduce_scatter, rank }
+    }
+}
+
+/// One bucket: every rank's part of some gradients staged in `staged` (equal lengths, rank by rank); this rank's
+/// reduced part lands in `out` and, with `accumulate_at`, is added to the fp32 accumulator from that offset.
+pub(super) struct Bucket {
+    pub staged: Tensor,
+    pub out: Tensor,
+    pub accumulate_at: Option<usize>,
+}
+
+/// A bucket whose collective was started: on the communication thread (a handle), or done in line.
+struct Started {
+    bucket: Bucket,
+    handle: Option<Handle<()>>,
+}
+
+impl Bucket {
+    /// Predivides and starts the collective: a reduce-scatter, on the communication thread when the engine has one,
+    /// or an all-reduce when `reduce_scatter` is off (in line, then this rank's part copied out).
+    fn start(self, comm: &EngineComm, how: &Reduction, volume: &mut CommVolume) -> Result<Started> {
+        let (n, l) = (self.staged.numel(), self.out.numel());
+        if let Some(pre) = how.pre {
+            let _ = self.staged.shallow_clone().f_mul_scalar_(pre)?;
+        }
+        if !how.scatter {
+            views::all_reduce(comm.as_ref(), &self.staged, how.op)?;
+            volume.all_reduce_elements += n as u64;
+            self.out.shallow_clone().f_copy_(&self.staged.narrow(0, (how.rank * l) as i64, l as i64))?;
+            return Ok(Started { bucket: self, handle: None });
+        }
+        volume.reduce_scatter_elements += n as u64;
+        let handle = match comm.thread() {
+            Some(thread) => {
+                // The job holds its own handles to both tensors, so their storage outlives it; the queue does not
+                // touch this half or this output again before `finish` waits.
+                let (staged, out, op) = (self.staged.shallow_clone(), self.out.shallow_clone(), how.op);
+                Some(thread.submit("reduce_scatter", move |c| views::reduce_scatter(c, &staged, &out, op)))
+            }
+            None => {
+                views::reduce_scatter(comm.as_ref(), &self.staged, &self.out, how.op)?;
+                None
+            }
+        };
+        Ok(Started { bucket: self, handle })
+    }
+}
+
+impl Started {
+    /// Waits for the collective, applies the post-factor and adds the part to the accumulator.
+    fn finish(self, how: &Reduction, accumulator: &mut [f32]) -> Result<()> {
+        if let Some(handle) = self.handle {
+            handle.wait()?;
+        }
+        let out = &self.bucket.out;
+        if let Some(post) = how.post {
+            let _ = out.shallow_clone().f_mul_scalar_(post)?;
+        }
+        if let Some(at) = self.bucket.accumulate_at {
+            views::accumulate(&mut accumulator[at..at + out.numel()], out);
+        }
+        Ok(())
+    }
+}
+
+/// The staging buffer in one or two halves, and the bucket in flight from each: a half is staged again only after
+/// its last bucket finished.
+pub(super) struct BucketQueue {
+    staging: Tensor,
+    halves: usize,
+    in_flight: [Option<Started>; 2],
+    next: usize,
+}
+
+impl BucketQueue {
+    pub fn new(staging: Tensor, halves: usize) -> BucketQueue {
+        assert!(halves == 1 || halves == 2, "one or two staging halves");
+        BucketQueue { staging, halves, in_flight: [None, None], next: 0 }
+    }
+
+    /// The whole staging buffer (stage 0 all-reduces it; the model's gradients are views of it there).
+    pub fn staging(&self) -> &Tensor {
+        &self.staging
+    }
+
+    /// One or two.
+    pub fn halves(&self) -> usize {
+        self.halves
+    }
+
+    /// Elements of one half.
+    pub fn half_len(&self) -> usize {
+        self.staging.numel() / self.halves
+    }
+
+    /// Which half the next bucket stages into.
+    pub fn next_half(&self) -> usize {
+        self.next
+    }
+
+    /// The next bucket's staging: `len` elements of the next half, once the bucket in flight from it finished.
+    pub fn claim(&mut self, len: usize, how: &Reduction, accumulator: &mut [f32]) -> Result<Tensor> {
+        if let Some(prev) = self.in_flight[self.next].take() {
+            prev.finish(how, accumulator)?;
+        }
+        Ok(self.staging.narrow(0, (self.next * self.half_len()) as i64, len as i64))
+    }
+
+    /// Starts `bucket` (staged in the half `claim` gave) and moves on to the other half.
+    pub fn launch(
+        &mut self,
+        bucket: Bucket,
+        comm: &EngineComm,
+        how: &Reduction,
+        volume: &mut CommVolume,
+        accumulator: &mut [f32],
+    ) -> Result<()> {
+        let started = bucket.start(comm, how, volume)?;
+        if started.handle.is_none() {
+            started.finish(how, accumulator)?;
+        } else {
+            self.in_flight[self.next] = Some(started);
+        }
+        self.next = (self.next + 1) % self.halves;
+        Ok(())
+    }
+
+    /// Finishes every bucket in flight, in launch order.
+    pub fn drain(&mut self, how: &Reduction, accumulator: &mut [f32]) -> Result<()> {
+        for k in 0..self.halves {
+            let half = (self.next + k) % self.halves;
+            if let Some(prev) = self.in_flight[half].take() {
+                prev.finish(how, accumulator)?;
+            }
+        }
+        self.next = 0;
+        Ok(())
+    }
+}

@@ -1,0 +1,386 @@
+//! Where gradients go: the buffers they are staged, reduced and accumulated in (sized by the plan's
+//! [`GradientSizes`]), and the reduction of each gradient path through one [`BucketQueue`]: the rounds of stages
+//! 0-1 after backward, and a unit's gradients during the unit walk of stages 2-3 or from stage 2's hooks
+//! (`grad_hooks.rs`).
+use tch::Tensor;
+use zerorun_optim::AlignedVec;
+
+use super::bucket::{Bucket, BucketQueue, Reduction};
+use super::engine_comm::EngineComm;
+use super::grad_hooks::Countdown;
+use super::layout::FlatLayout;
+use super::plan::{GradientPath, GradientSizes, GradientViews, Optimized, ReducedGradients, StagePlan};
+use super::stage3::CommVolume;
+use super::{native, views};
+use crate::config::{Config, Precision};
+use crate::error::{Error, Result};
+use crate::report::{Phase, PhaseTimes};
+
+/// The gradient buffers and how they are reduced.
+pub(super) struct Gradients {
+    /// The staging buffer the collectives read, in the communication dtype, in one or two halves: all gradients at
+    /// stage 0; a reduction round (`reduce_bucket_size` elements: `round_len` of every rank's partition) at stage 1;
+    /// a unit or bucket (or a round of one) at stages 2-3.
+    queue: BucketQueue,
+    /// Stages 0-1 when gradients travel in the model's dtype: the flat buffer the model's `.grad` tensors are views
+    /// of (DDP's gradient_as_bucket_view), so autograd accumulates into it and no copy precedes a reduction. At
+    /// stage 0 it is the staging buffer itself. Calling `detach_()` on such a gradient fails, as under DDP.
+    grad_buffer: Option<Tensor>,
+    /// Elements of each rank's partition reduced per round (stage 1).
+    round_len: usize,
+    /// This rank's reduced gradient partition (stage 1), or a bucket's part of it per staging half (stages 2-3),
+    /// in the communication dtype.
+    grad_part: Option<Tensor>,
+    /// fp32 reduced gradients of the optimized range: accumulated over micro-batches (16-bit models, stages 2-3),
+    /// or the boundary's reduction (fp32 models reducing into a partition buffer).
+    accumulator: AlignedVec,
+    /// Where the reduced fp32 gradients are when the optimizer steps.
+    reduced: ReducedGradients,
+    how: Reduction,
+    /// `zero_optimization.ignore_unused_parameters` is false: a unit's parameter without a gradient is an error.
+    refuse_unused: bool,
+    /// Where each unit's chunk starts in this rank's shard space (stages 2-3).
+    unit_offsets: Vec<usize>,
+    /// Stage 2 of a plain loop: the hooked buckets' countdown.
+    pub countdown: Option<Countdown>,
+}
+
+impl Gradients {
+    /// Allocates the buffers the plan sizes, and makes the model's `.grad` tensors views of the reduction buffer
+    /// where gradients travel in the model's dtype (stages 0-1).
+    pub fn new(
+        config: &Config,
+        plan: &StagePlan,
+        layout: &FlatLayout,
+        params: &[Tensor],
+        rank: usize,
+        shared: bool,
+    ) -> Result<Self> {
+        let precision = config.precision();
+        let comm_kind = views::comm_kind(config.communication_data_type, precision);
+        let sizes = GradientSizes::new(
+            plan,
+            layout,
+            config.zero_optimization.reduce_bucket_size,
+            precision == Precision::Fp32,
+            comm_kind == views::kind_of(precision),
+        );
+        let staging = views::comm_zeros(sizes.staged, comm_kind, shared)?;
+        let grad_buffer = match sizes.views {
+            GradientViews::None => None,
+            GradientViews::OfStaging => Some(staging.shallow_clone()),
+            GradientViews::OfOwnBuffer => Some(views::comm_zeros(layout.padded, comm_kind, shared)?),
+        };
+        if let Some(g) = &grad_buffer {
+            for (slot, t) in layout.slots.iter().zip(params) {
+                let view = tch::no_grad(|| {
+                    g.narrow(0, slot.range.start as i64, slot.range.len() as i64).view(slot.shape.as_slice())
+                });
+                native::set_grad(t, &view)?;
+            }
+        }
+        let ws = layout.world_size;
+        let unit_offsets = layout
+            .units
+            .iter()
+            .scan(0, |at, u| {
+                let start = *at;
+                *at += u.chunk_len(ws);
+                Some(start)
+            })
+            .collect();
+        let countdown = (plan.gradients == GradientPath::Hooks).then(|| Countdown::new(&layout.units));
+        Ok(Gradients {
+            queue: BucketQueue::new(staging, plan.staging_halves()),
+            grad_buffer,
+            round_len: sizes.round_len,
+            grad_part: sizes.part.map(|n| Tensor::zeros([n as i64], (comm_kind, tch::Device::Cpu))),
+            accumulator: AlignedVec::filled(sizes.accumulator, 0.0),
+            reduced: sizes.reduced,
+            how: Reduction::new(config, rank, ws),
+            refuse_unused: !config.zero_optimization.ignore_unused_parameters,
+            unit_offsets,
+            countdown,
+        })
+    }
+
+    /// The fp32 accumulator of the optimized range.
+    pub fn accumulator(&mut self) -> &mut [f32] {
+        &mut self.accumulator
+    }
+
+    /// Zeroes the fp32 accumulator (after the step used it, or a skipped step).
+    pub fn clear_accumulator(&mut self) {
+        self.accumulator.fill(0.0);
+    }
+
+    /// The fp32 reduced gradients of the optimized range wherever they are ([`ReducedGradients`]).
+    ///
+    /// # Safety
+    /// As for [`views::slice`]: the reduced gradients are read and scaled between the reduction and the next
+    /// backward, when no collective and no autograd writes these buffers; the caller holds one such view at a time.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn reduced_fp32(&self, optimized: &Optimized) -> Option<&mut [f32]> {
+        match self.reduced {
+            // SAFETY: this function's contract.
+            ReducedGradients::Staging => Some(unsafe { views::slice::<f32>(self.queue.staging()) }),
+            ReducedGradients::ViewPartition => {
+                self.grad_buffer.as_ref().map(|g| &mut unsafe { views::slice::<f32>(g) }[optimized.range()])
+            }
+            ReducedGradients::Accumulator => None,
+        }
+    }
+
+    /// The fp32 gradients the optimizer steps with: in a flat buffer, or the accumulator.
+    pub fn for_step(&mut self, optimized: &Optimized) -> &mut [f32] {
+        let in_accumulator = match self.reduced {
+            ReducedGradients::Accumulator => true,
+            ReducedGradients::ViewPartition => self.grad_buffer.is_none(),
+            ReducedGradients::Staging => false,
+        };
+        if in_accumulator {
+            return &mut self.accumulator;
+        }
+        // SAFETY: called between the reduction and the optimizer step (norm, clipping, the step), one view at a time.
+        unsafe { self.reduced_fp32(optimized) }.expect("the reduced gradients are in a flat buffer")
+    }
+
+    /// Whether the reduced fp32 gradients are in a flat buffer rather than the fp32 accumulator: fp32 models at
+    /// stage 0 reduce in the staging buffer, and with gradient views at stage 1 in the partition of the view buffer.
+    pub fn in_flat_buffer(&self) -> bool {
+        self.reduced != ReducedGradients::Accumulator
+    }
+
+    /// Bytes of the view buffer, of staging, of the partition buffer.
+    pub fn buffer_bytes(&self) -> (Option<usize>, usize, usize) {
+        let bytes = |t: &Tensor| t.numel() * t.kind().elt_size_in_bytes();
+        (self.grad_buffer.as_ref().map(bytes), bytes(self.queue.staging()), self.grad_part.as_ref().map_or(0, bytes))
+    }
+
+    /// Bytes of the fp32 accumulator.
+    pub fn accumulator_bytes(&self) -> usize {
+        self.accumulator.len() * 4
+    }
+
+    /// After the gradients were used (the optimizer step, or a micro-batch's accumulation into fp32): with gradient
+    /// views, zero the buffer autograd accumulates into (without views, the reduction cleared the `.grad` tensors).
+    pub fn consume(&self) -> Result<()> {
+        if let Some(g) = &self.grad_buffer {
+            let _ = g.shallow_clone().f_zero_()?;
+        }
+        Ok(())
+    }
+
+    /// Stage 1 after a reduction: adds this rank's reduced partition to the fp32 accumulator.
+    pub fn accumulate_partition(&mut self) {
+        match &self.grad_part {
+            Some(part) => views::accumulate(&mut self.accumulator, part),
+            None => views::accumulate(&mut self.accumulator, self.queue.staging()),
+        }
+    }
+}
+
+/// What reducing gradients needs beside the buffers, borrowed from the engine for one call (or for one backward,
+/// by the hooks).
+pub(super) struct GradientSync<'a> {
+    pub gradients: &'a mut Gradients,
+    pub comm: &'a EngineComm,
+    pub layout: &'a FlatLayout,
+    /// The model's trainable parameters, in layout order.
+    pub params: &'a [Tensor],
+    pub volume: &'a mut CommVolume,
+    pub times: &'a mut PhaseTimes,
+}
+
+impl GradientSync<'_> {
+    /// After backward (stages 0-1): stage 0 all-reduces every gradient; stage 1 reduce-scatters round by round into
+    /// this rank's partition, double-buffered on the communication thread with `overlap_comm`.
+    pub fn reduce_after_backward(&mut self, partitioned: bool) -> Result<()> {
+        let g = &mut *self.gradients;
+        if !partitioned {
+            let staging = g.queue.staging().shallow_clone();
+            // With gradient views the gradients are in the staging buffer already.
+            if g.grad_buffer.is_none() {
+                self.gather_grads(&staging, 0..self.layout.padded)?;
+            }
+            let how = self.gradients.how;
+            if let Some(pre) = how.pre {
+                let _ = staging.shallow_clone().f_mul_scalar_(pre)?;
+            }
+            views::all_reduce(self.comm.as_ref(), &staging, how.op)?;
+            self.volume.all_reduce_elements += self.layout.padded as u64;
+            if let Some(post) = how.post {
+                let _ = staging.shallow_clone().f_mul_scalar_(post)?;
+            }
+            self.clear_param_grads();
+            return Ok(());
+        }
+        let ws = self.layout.world_size;
+        let part = self.layout.partition_len();
+        let round_len = self.gradients.round_len;
+        for c in (0..part).step_by(round_len) {
+            let l = round_len.min(part - c);
+            let g = &mut *self.gradients;
+            let staged = g.queue.claim(ws * l, &g.how, &mut g.accumulator)?;
+            for k in 0..ws {
+                self.gather_grads(&staged.narrow(0, (k * l) as i64, l as i64), k * part + c..k * part + c + l)?;
+            }
+            let out = self.reduced_slice(c, l);
+            let g = &mut *self.gradients;
+            g.queue.launch(
+                Bucket { staged, out, accumulate_at: None },
+                self.comm,
+                &g.how,
+                self.volume,
+                &mut g.accumulator,
+            )?;
+        }
+        let g = &mut *self.gradients;
+        g.queue.drain(&g.how, &mut g.accumulator)?;
+        self.clear_param_grads();
+        Ok(())
+    }
+
+    /// Where elements `c..c+l` of this rank's reduced partition go: in place in the gradient buffer (fp32 with
+    /// gradient views: the round's input was copied to staging first), else the partition buffer.
+    fn reduced_slice(&self, c: usize, l: usize) -> Tensor {
+        let g = &self.gradients;
+        match (&g.grad_part, &g.grad_buffer) {
+            (Some(part), _) => part.narrow(0, c as i64, l as i64),
+            (None, Some(buffer)) => {
+                let start = self.layout.partition(self.gradients.how.rank).start;
+                buffer.narrow(0, (start + c) as i64, l as i64)
+            }
+            (None, None) => unreachable!("stage 1 has a partition buffer or gradient views"),
+        }
+    }
+
+    /// Copies the gradients of flat elements `range` into `dst` (as long as the range). Padding, and parameters
+    /// this step did not use (as DDP's ignore_unused_parameters), give zeros.
+    fn gather_grads(&self, dst: &Tensor, range: std::ops::Range<usize>) -> Result<()> {
+        tch::no_grad(|| -> Result<()> {
+            let _ = dst.shallow_clone().f_zero_()?;
+            let slots = &self.layout.slots;
+            let first = slots.partition_point(|s| s.range.end <= range.start);
+            for (slot, t) in slots[first..].iter().zip(&self.params[first..]) {
+                if slot.range.start >= range.end {
+                    break;
+                }
+                let g = t.grad();
+                if g.defined() {
+                    let (a, b) = (slot.range.start.max(range.start), slot.range.end.min(range.end));
+                    let src = g.reshape([-1]).narrow(0, (a - slot.range.start) as i64, (b - a) as i64);
+                    dst.narrow(0, (a - range.start) as i64, (b - a) as i64).f_copy_(&src)?;
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// Clears the parameters' gradients for the next micro-batch once the reduction copied them out (without
+    /// gradient views; with views the buffer is zeroed by [`Gradients::consume`] once the reduced values were used).
+    fn clear_param_grads(&self) {
+        if self.gradients.grad_buffer.is_some() {
+            return;
+        }
+        for t in self.params {
+            t.shallow_clone().zero_grad();
+        }
+    }
+
+    /// Reduces unit `i`'s gradients (slot order; None: unused, zeros) into this rank's shard and adds them to the
+    /// fp32 accumulator, in rounds of at most one partition half: each round stages its elements of every rank's
+    /// chunk, so staging is one bucket, not the largest unit (a unit of 268 MB held 384 MiB of staging and
+    /// partition beside its own gradients). On the communication thread a round reduces while the next one, or the
+    /// next unit's backward, runs.
+    pub fn reduce_unit(&mut self, i: usize, grads: &[Option<Tensor>]) -> Result<()> {
+        let ws = self.layout.world_size;
+        let span = &self.layout.units[i];
+        let chunk = span.chunk_len(ws);
+        if chunk == 0 {
+            // A unit of frozen parameters only.
+            return Ok(());
+        }
+        self.check_unused_parameters(i, grads)?;
+        let started = std::time::Instant::now();
+        let g = &mut *self.gradients;
+        let part = g.grad_part.as_ref().expect("units have a gradient part").shallow_clone();
+        let part_half = part.numel() / g.queue.halves();
+        let round = part_half.min(chunk).max(1);
+        let offset = g.unit_offsets[i];
+        for c in (0..chunk).step_by(round) {
+            let l = round.min(chunk - c);
+            let g = &mut *self.gradients;
+            let half = g.queue.next_half();
+            let staged = g.queue.claim(ws * l, &g.how, &mut g.accumulator)?;
+            self.stage_unit_round(i, grads, &staged, c, l)?;
+            let out = part.narrow(0, (half * part_half) as i64, l as i64);
+            let g = &mut *self.gradients;
+            let bucket = Bucket { staged, out, accumulate_at: Some(offset + c) };
+            g.queue.launch(bucket, self.comm, &g.how, self.volume, &mut g.accumulator)?;
+        }
+        self.times.add(Phase::ReduceScatter, started.elapsed());
+        Ok(())
+    }
+
+    /// Finishes every reduction in flight (the end of a backward, before anything reads the accumulator).
+    pub fn drain(&mut self) -> Result<()> {
+        let g = &mut *self.gradients;
+        g.queue.drain(&g.how, &mut g.accumulator)
+    }
+
+    /// Copies elements `c..c+l` of every rank's chunk of unit `i`'s gradients (slot order; None: zeros) into
+    /// `staged` (`ws * l` long, rank by rank). The whole unit (`c` 0, `l` the chunk) is the unit's flat gradient,
+    /// staged slot by slot.
+    fn stage_unit_round(&self, i: usize, grads: &[Option<Tensor>], staged: &Tensor, c: usize, l: usize) -> Result<()> {
+        let ws = self.layout.world_size;
+        let span = &self.layout.units[i];
+        let chunk = span.chunk_len(ws);
+        let slots = &self.layout.slots[span.slots.clone()];
+        tch::no_grad(|| -> Result<()> {
+            let _ = staged.shallow_clone().f_zero_()?;
+            if c == 0 && l == chunk {
+                for (slot, g) in slots.iter().zip(grads) {
+                    if let Some(g) = g {
+                        staged
+                            .narrow(0, (slot.range.start - span.range.start) as i64, slot.range.len() as i64)
+                            .f_copy_(&g.reshape([-1]))?;
+                    }
+                }
+                return Ok(());
+            }
+            for k in 0..ws {
+                // Unit-relative range of this round in rank k's chunk.
+                let (lo, hi) = (k * chunk + c, k * chunk + c + l);
+                for (slot, g) in slots.iter().zip(grads) {
+                    let Some(g) = g else { continue };
+                    let (s, e) = (slot.range.start - span.range.start, slot.range.end - span.range.start);
+                    let (a, b) = (s.max(lo), e.min(hi));
+                    if a >= b {
+                        continue;
+                    }
+                    let src = g.reshape([-1]).narrow(0, (a - s) as i64, (b - a) as i64);
+                    staged.narrow(0, (k * l + a - lo) as i64, (b - a) as i64).f_copy_(&src)?;
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// With `zero_optimization.ignore_unused_parameters` false, a trainable parameter of unit (or bucket) `i` that
+    /// got no gradient in this backward is an error naming it (DeepSpeed's check for static graphs). Stages 2-3
+    /// only: they see each parameter's gradient as it is reduced; the config notices the key at stages 0-1.
+    fn check_unused_parameters(&self, i: usize, grads: &[Option<Tensor>]) -> Result<()> {
+        if !self.gradients.refuse_unused {
+            return Ok(());
+        }
+        let slots = &self.layout.slots[self.layout.units[i].slots.clone()];
+        match slots.iter().zip(grads).find(|(_, g)| g.is_none()) {
+            None => Ok(()),
+            Some((slot, _)) => Err(Error::Parameter {
+                name: slot.name.clone(),
+                why: "got no gradient in this backward (it took no part in the loss), and zero_optimization.ignore_unused_parameters is false".into(),
+            }),
+        }
+    }
+}
