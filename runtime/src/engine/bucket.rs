@@ -6,8 +6,8 @@
 //! reduces while the next is staged.
 use tch::Tensor;
 
+use super::counters::CommVolume;
 use super::engine_comm::EngineComm;
-use super::stage3::CommVolume;
 use super::views;
 use crate::comm::async_comm::Handle;
 use crate::comm::ReduceOp;

@@ -6,11 +6,11 @@ use tch::Tensor;
 use zerorun_optim::AlignedVec;
 
 use super::bucket::{Bucket, BucketQueue, Reduction};
+use super::counters::CommVolume;
 use super::engine_comm::EngineComm;
 use super::grad_hooks::Countdown;
 use super::layout::FlatLayout;
 use super::plan::{GradientPath, GradientSizes, GradientViews, Optimized, ReducedGradients, StagePlan};
-use super::stage3::CommVolume;
 use super::{native, views};
 use crate::config::{Config, Precision};
 use crate::error::{Error, Result};

@@ -46,13 +46,12 @@ impl Engine {
             self.gradients.accumulator_bytes()
         };
         let staging = if in_staging { 0 } else { staging };
-        let (params_resident, params_nvme) =
-            self.swapped_params.as_ref().map_or((0, 0), |s| (s.resident_bytes(), s.swapped_bytes()));
+        let (params_kept, params_nvme) = self.parameters.kept_bytes();
         use MemoryCategory::*;
         vec![
-            (Parameters, bytes(&self.flat_params) + params_resident),
+            (Parameters, params_kept),
             (ParametersNvme, params_nvme),
-            (ParametersGathered, self.gathered.current),
+            (ParametersGathered, self.parameters.gathered.current),
             (GradientsFull, full),
             (GradientsShard, shard),
             (MasterFp32, self.master.as_ref().map_or(0, |m| m.len() * 4)),
@@ -61,7 +60,8 @@ impl Engine {
             (CommunicationBuffers, staging + partition),
             (
                 FrozenParameters,
-                self.frozen_units
+                self.parameters
+                    .frozen_units
                     .as_ref()
                     .map_or_else(|| super::variables::bytes_of(&self.frozen), |f| f.shard_bytes()),
             ),
@@ -96,9 +96,9 @@ impl Engine {
     /// After every optimizer step (taken or skipped): a memory sample and the step's phase times.
     pub(super) fn end_of_step(&mut self) {
         let now = self.memory_bytes();
-        let peaks = [(MemoryCategory::ParametersGathered, self.gathered.step_peak)];
+        let peaks = [(MemoryCategory::ParametersGathered, self.parameters.gathered.step_peak)];
         self.memory.sample(self.global_steps, &now, &peaks);
-        self.gathered.step_peak = self.gathered.current;
+        self.parameters.gathered.step_peak = self.parameters.gathered.current;
         let times = self.times.end_step();
         if self.config.wall_clock_breakdown
             && self.rank() == 0
@@ -127,7 +127,7 @@ impl Engine {
 
     /// Model-state bytes by ZeRO's formula for this run (the estimator's number).
     pub fn estimated_model_state_bytes(&self) -> u64 {
-        let (frozen_params, frozen_bytes) = match &self.frozen_units {
+        let (frozen_params, frozen_bytes) = match &self.parameters.frozen_units {
             Some(f) => (f.layout.numel as u64, f.specs().first().map(|s| s.2.elt_size_in_bytes() as u64)),
             None => (
                 self.frozen.iter().map(|(_, t)| t.numel() as u64).sum(),

@@ -2,16 +2,24 @@
 //! ([`StagePlan`]), which parameters and in what layout ([`arrange`]), where they live ([`pack`] for stages 0-2;
 //! stage 3 shards in `stage3.rs`), and the optimizer and where its states live ([`optimizer_tier`]). `Engine::new` calls them in that order, then
 //! sizes the gradient buffers (`gradients.rs`).
-use tch::{Kind, Tensor};
+use tch::{nn, Kind, Tensor};
 use zerorun_offload::OptimizerTier as _;
 
+use super::counters::CommVolume;
 use super::layout::FlatLayout;
+use super::plan::Optimized;
 use super::plan::{self, GradientPath, StagePlan};
 use super::sharded_unit::ShardedUnit;
-use super::{optimizer, units, views, EngineOptions};
+use super::{
+    allocator, engine_comm, frozen, grad_hooks, gradients, native, next_engine_id, optimizer, parameters,
+    swapped_params, units, variables, views, Engine, EngineOptions,
+};
 use crate::comm::Communicator;
-use crate::config::{Config, OffloadDevice, Precision, ZeroConfig};
+use crate::config::{Config, OffloadDevice, OptimizerConfig, Precision, ZeroConfig};
 use crate::error::{Error, Result};
+use crate::report::memory::MemoryTracker;
+use crate::report::PhaseTimes;
+use zerorun_optim::{AlignedVec, Group, LossScaler, LossScalerConfig};
 
 /// The model's trainable parameters in layout order, and the layout.
 pub(super) struct Arrangement {
@@ -212,4 +220,183 @@ pub(super) fn optimizer_tier(
         }
     };
     Ok((tier, base_lr, weight_decay))
+}
+
+impl Engine {
+    /// [`Engine::new`] where stage 3's unit parameters may still lack their values (`builders.rs`): `materialize`
+    /// gives unit `i`'s variables (name, tensor) their storage and values right before the unit is packed.
+    pub(super) fn new_materialized(
+        vs: &nn::VarStore,
+        config: Config,
+        comm: Box<dyn Communicator>,
+        options: EngineOptions,
+        mut materialize: Option<&mut units::Materialize>,
+    ) -> Result<Engine> {
+        // The process floor: what is resident before the engine allocates, less the model's own variables
+        // (built by the program already; they are model states, which the engine then takes over).
+        let model_bytes: usize = vs.variables().values().map(native::storage_nbytes).sum();
+        let floor_rss_bytes = crate::report::memory::rss().0.saturating_sub(model_bytes as u64);
+        if !options.keep_allocator_settings {
+            allocator::fix_mmap_threshold();
+        }
+        let (world_size, rank) = (comm.world_size(), comm.rank());
+        let batch = config.batch_sizes(world_size)?;
+        if let Some(OptimizerConfig::Lamb(_)) = &config.optimizer {
+            return Err(Error::Unsupported {
+                key: "optimizer.type",
+                value: "\"Lamb\"".into(),
+                why: "Lamb needs per-tensor trust ratios across ranks, not in this build yet",
+            });
+        }
+        let z = &config.zero_optimization;
+        let precision = config.precision();
+        let kind = views::kind_of(precision);
+        let plan = StagePlan::new(z.stage, options.units.is_some(), z.overlap_comm, z.reduce_scatter, world_size);
+        // Buffers the collectives read go where the peers map them (the shm backend's shared region).
+        let shared = comm.prefers_shared_buffers();
+        let variables::Variables { trainable, frozen, buffers } = variables::classify(vs);
+        let claim = variables::Claim::new(trainable.iter().chain(&frozen).chain(&buffers))?;
+        let Arrangement { named, layout, unit_prefixes, frozen_by_unit } =
+            arrange(trainable, frozen, &options, &plan, z.reduce_bucket_size, precision, world_size)?;
+        let frozen_numel: Vec<u64> =
+            frozen_by_unit.iter().map(|u| u.iter().map(|(_, t)| t.numel() as u64).sum()).collect();
+        if plan.partitions_parameters() && options.units.is_none() {
+            check_whole_model_persists(z, layout.numel as u64 + frozen_numel.iter().sum::<u64>())?;
+        }
+        // Every rank starts from rank 0's model: trainable parameters are broadcast as they are packed, frozen
+        // parameters and buffers here (stage 3 partitions the frozen ones, broadcasting unit by unit).
+        let frozen_whole: Vec<(String, Tensor)> = if plan.partitions_parameters() {
+            Vec::new()
+        } else {
+            frozen_by_unit.iter().flatten().map(|(n, t)| (n.clone(), t.shallow_clone())).collect()
+        };
+        let broadcast: Vec<&Tensor> = frozen_whole.iter().chain(&buffers).map(|(_, t)| t).collect();
+        variables::broadcast_values(comm.as_ref(), &broadcast)?;
+        let (mut flat_params, params, sharded_units) = if plan.partitions_parameters() {
+            Self::shard_units(&layout, named, &frozen_numel, kind, comm.as_ref(), &config, materialize.as_deref_mut())?
+        } else {
+            pack(&layout, named, kind, comm.as_ref(), &plan, shared)?
+        };
+        let frozen_units = if plan.partitions_parameters() && frozen_by_unit.iter().any(|u| !u.is_empty()) {
+            let persistent: Vec<bool> = sharded_units.iter().map(|u| u.persistent).collect();
+            Some(frozen::FrozenUnits::new(frozen_by_unit, &persistent, comm.as_ref(), materialize)?)
+        } else {
+            None
+        };
+
+        let optimized = plan.optimized(&layout, rank);
+        let master = (precision != Precision::Fp32).then(|| {
+            let part = parameters::shard_values(&flat_params, &layout, rank, &plan, &optimized).to_kind(Kind::Float);
+            // SAFETY: `part` is a fresh fp32 copy (to_kind) nothing else holds.
+            AlignedVec::from_slice(unsafe { views::slice::<f32>(&part) })
+        });
+        let swapped_params = if plan.partitions_parameters() && z.offload_param.device == OffloadDevice::Nvme {
+            let chunks = sharded_units.iter().map(|u| u.shard_range(world_size)).collect();
+            let persistent: Vec<bool> = sharded_units.iter().map(|u| u.persistent).collect();
+            let prefix = format!("zerorun-{}-{}-rank{rank}-params", std::process::id(), next_engine_id());
+            let swapped = swapped_params::SwappedParams::new(
+                &flat_params,
+                chunks,
+                &persistent,
+                &z.offload_param,
+                io_config(&config),
+                &prefix,
+            )?;
+            flat_params = Tensor::zeros([0], (kind, tch::Device::Cpu));
+            Some(swapped)
+        } else {
+            if plan.partitions_parameters() && z.offload_param.device == OffloadDevice::Cpu {
+                tracing::info!(
+                    rank,
+                    "offload_param.device = cpu: a CPU run keeps parameter shards in host memory already"
+                );
+            }
+            None
+        };
+        let (optimizer, base_lr, weight_decay) = optimizer_tier(&config, optimized.len(), rank, next_engine_id())?;
+        let runs = match &optimized {
+            Optimized::Shard(_) => layout.shard_decay_runs(rank),
+            Optimized::Flat(plan::FlatRange(range)) => layout.decay_runs(range.clone()),
+        };
+        let groups = runs
+            .into_iter()
+            .map(|(range, decay)| Group { range, lr: base_lr, weight_decay: if decay { weight_decay } else { 0.0 } })
+            .collect();
+        let scheduler = optimizer::scheduler(&config, base_lr);
+        let gradients = gradients::Gradients::new(&config, &plan, &layout, &params, rank, shared)?;
+        let scaler = config.fp16.enabled.then(|| {
+            let f = &config.fp16;
+            LossScaler::new(LossScalerConfig::from_fp16(
+                f.loss_scale,
+                f.initial_scale_power,
+                f.loss_scale_window,
+                f.hysteresis,
+                f.consecutive_hysteresis,
+                f.min_loss_scale,
+            ))
+        });
+        if precision == Precision::Fp16 && rank == 0 {
+            // Every parameter is on the CPU (checked in `arrange`).
+            tracing::warn!("fp16 on the CPU: libtorch runs Half matmuls with a slow reference kernel on most CPUs (hundreds of times slower than bf16); bf16.enabled saves the same memory at full speed");
+        }
+        tracing::info!(
+            rank,
+            world_size,
+            stage = plan.stage(),
+            ?precision,
+            params = layout.numel,
+            partition = layout.partition_len(),
+            units = layout.units.len(),
+            "zerorun engine ready"
+        );
+        let mut engine = Engine {
+            comm: engine_comm::EngineComm::new(comm, plan.threaded_comm()),
+            config,
+            plan,
+            batch,
+            precision,
+            layout,
+            params,
+            parameters: parameters::Parameters::new(flat_params, swapped_params, sharded_units, frozen_units),
+            frozen: frozen_whole,
+            buffers,
+            buffer_sync: options.buffers,
+            _claim: claim,
+            grad_mark: 0,
+            floor_rss_bytes,
+            init_peak_rss_bytes: 0,
+            sample_events: false,
+            unit_prefixes,
+            grad_hooks: None,
+            records: Vec::new(),
+            activation_checkpointing: options.activation_checkpointing,
+            comm_volume: CommVolume::default(),
+            memory: MemoryTracker::default(),
+            times: PhaseTimes::default(),
+            master,
+            gradients,
+            optimizer,
+            groups,
+            optimized,
+            base_lr,
+            scheduler,
+            scaler,
+            micro_steps: 0,
+            global_steps: 0,
+            global_samples: 0,
+            skipped_steps: 0,
+            loss_sum: 0.0,
+            loss_count: 0,
+            step_started: None,
+        };
+        if plan.gradients == plan::GradientPath::Hooks {
+            engine.grad_hooks = Some(grad_hooks::GradHooks::install(&engine.params)?);
+        }
+        engine.grad_mark = engine.gradient_fingerprint();
+        allocator::return_freed_memory();
+        engine.init_peak_rss_bytes = crate::report::memory::rss().1;
+        engine.sample_events = engine.memory_report_dir().is_some();
+        engine.memory_event_initialized();
+        Ok(engine)
+    }
 }

@@ -5,9 +5,9 @@
 //! unit is recomputed in backward.
 use tch::Tensor;
 
+use super::counters::{CommVolume, GatheredBytes};
 use super::plan::{self, GradientPath};
 use super::sharded_unit::UnitState;
-use super::swapped_params::Chunk;
 use super::units::UnitModel;
 use super::{native, Engine};
 use crate::error::{Error, Result};
@@ -19,30 +19,6 @@ pub(super) struct UnitRecord {
     input: Tensor,
     /// The unit's output with its graph (None under activation checkpointing: recomputed in backward).
     output: Option<Tensor>,
-}
-
-/// Elements moved by the engine's collectives since it started (counted by the caller's rank).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct CommVolume {
-    pub all_gather_elements: u64,
-    pub reduce_scatter_elements: u64,
-    pub all_reduce_elements: u64,
-}
-
-/// Bytes of gathered full parameters: now, at most over the run, and at most in the current optimizer step.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct GatheredBytes {
-    pub current: usize,
-    pub peak: usize,
-    pub step_peak: usize,
-}
-
-impl GatheredBytes {
-    pub(super) fn add(&mut self, bytes: usize) {
-        self.current += bytes;
-        self.peak = self.peak.max(self.current);
-        self.step_peak = self.step_peak.max(self.current);
-    }
 }
 
 impl Engine {
@@ -74,18 +50,18 @@ impl Engine {
         }
         let train = native::grad_enabled();
         self.records.clear();
-        let n = self.units.len();
-        let keep = self.kept_after_forward();
-        let first_trainable = self.units.iter().position(|u| !u.span.range.is_empty()).unwrap_or(n);
+        let n = self.parameters.units.len();
+        let keep = self.parameters.kept_after_forward(&self.config.zero_optimization);
+        let first_trainable = self.parameters.units.iter().position(|u| !u.span.range.is_empty()).unwrap_or(n);
         let mut h = input.shallow_clone();
         for (i, kept) in keep.into_iter().enumerate() {
             self.gather_unit(i)?;
             self.prefetch(i + 1..n)?;
-            self.read_ahead(i + 1..n);
+            self.parameters.read_ahead(i + 1..n);
             let last = i + 1 == n;
             if !train {
                 h = model.forward_unit(i, &h);
-                if !self.units[i].persistent {
+                if !self.parameters.units[i].persistent {
                     self.release_unit(i)?;
                 }
                 continue;
@@ -101,20 +77,12 @@ impl Engine {
             let recompute = self.activation_checkpointing && !last;
             let y = if recompute { tch::no_grad(|| model.forward_unit(i, &x)) } else { model.forward_unit(i, &x) };
             self.records.push(UnitRecord { input: x, output: (!recompute).then(|| y.shallow_clone()) });
-            if !last && !self.units[i].persistent && !kept {
+            if !last && !self.parameters.units[i].persistent && !kept {
                 self.release_unit(i)?;
             }
             h = y;
         }
         Ok(h)
-    }
-
-    /// Which units forward leaves gathered because backward reuses them soon ([`plan::kept_after_forward`]).
-    fn kept_after_forward(&self) -> Vec<bool> {
-        let z = &self.config.zero_optimization;
-        let sizes: Vec<u64> = (0..self.units.len()).map(|i| self.unit_elements(i)).collect();
-        let persistent: Vec<bool> = self.units.iter().map(|u| u.persistent).collect();
-        plan::kept_after_forward(&sizes, &persistent, z.stage3_max_reuse_distance, z.stage3_max_live_parameters)
     }
 
     /// Stage 3 backward from a loss computed from `forward`'s output. `model` recomputes units when activation
@@ -126,7 +94,7 @@ impl Engine {
         factor: f64,
     ) -> Result<()> {
         let records = std::mem::take(&mut self.records);
-        if records.len() != self.units.len() {
+        if records.len() != self.parameters.units.len() {
             let stage = self.plan.stage();
             let plain = if self.plan.shard_in_pieces() {
                 "; for a plain loop at stage 2 build the engine without EngineOptions::units"
@@ -144,7 +112,7 @@ impl Engine {
             let rec = &records[i];
             self.gather_unit(i)?;
             self.prefetch((0..i).rev())?;
-            self.read_ahead((0..i).rev());
+            self.parameters.read_ahead((0..i).rev());
             let output = match &rec.output {
                 Some(y) => y.shallow_clone(),
                 None => {
@@ -156,7 +124,7 @@ impl Engine {
             };
             let takes_input = i > 0 && rec.input.requires_grad();
             let grads = {
-                let params = self.units[i].params();
+                let params = self.parameters.units[i].params();
                 let mut inputs: Vec<&Tensor> = params.iter().collect();
                 if takes_input {
                     inputs.push(&rec.input);
@@ -177,7 +145,7 @@ impl Engine {
             );
             upstream = if takes_input { grads.pop().flatten() } else { None };
             self.gradient_sync().reduce_unit(i, &grads)?;
-            if !self.units[i].persistent {
+            if !self.parameters.units[i].persistent {
                 self.release_unit(i)?;
             }
         }
@@ -186,144 +154,27 @@ impl Engine {
 
     pub(super) fn gather_unit(&mut self, i: usize) -> Result<()> {
         let t = std::time::Instant::now();
-        match self.units[i].state() {
-            UnitState::Gathered => {}
-            UnitState::Gathering => self.units[i].finish_gather()?,
-            UnitState::Sharded => {
-                let chunk = self.unit_chunk(i)?;
-                let gathered = self.units[i].gather(self.comm.as_ref(), chunk.bytes());
-                self.recycle(chunk);
-                self.comm_volume.all_gather_elements += gathered? as u64;
-                self.count_gathered(i);
-            }
-        }
-        if let Some(frozen) = self.frozen_units.as_mut() {
-            let sharded = frozen.units[i].state() == UnitState::Sharded;
-            let n = frozen.gather(i, self.comm.as_ref())?;
-            if sharded {
-                self.comm_volume.all_gather_elements += n as u64;
-                self.gathered.add(frozen.full_bytes(i));
-            }
-        }
+        self.parameters.gather(i, self.comm.as_ref(), &mut self.comm_volume)?;
         self.times.add(crate::report::Phase::AllGather, t.elapsed());
         Ok(())
     }
 
-    /// Elements of unit `i` gathered together: its trainable and its frozen parameters.
-    fn unit_elements(&self, i: usize) -> u64 {
-        let frozen = self.frozen_units.as_ref().map_or(0, |f| f.units[i].span.range.len());
-        (self.units[i].span.range.len() + frozen) as u64
-    }
-
-    /// This rank's chunk of unit `i`: a view of the shard, or read from NVMe (`offload_param`).
-    fn unit_chunk(&mut self, i: usize) -> Result<Chunk> {
-        match self.swapped_params.as_mut() {
-            Some(swapped) => swapped.chunk(i),
-            None => {
-                let r = self.units[i].shard_range(self.comm.world_size());
-                Ok(Chunk::InMemory(self.flat_params.narrow(0, r.start as i64, r.len() as i64)))
-            }
-        }
-    }
-
-    fn recycle(&self, chunk: Chunk) {
-        if let Some(swapped) = &self.swapped_params {
-            swapped.recycle(chunk);
-        }
-    }
-
-    /// With parameters on NVMe, starts reading the chunks of the units that come next in `order` and are not
-    /// gathered yet, so the reads overlap this unit's compute.
-    fn read_ahead(&mut self, order: impl Iterator<Item = usize>) {
-        if let Some(swapped) = self.swapped_params.as_mut() {
-            let units = &self.units;
-            swapped.read_ahead(order, |u| units[u].state() == UnitState::Sharded);
-        }
-    }
-
-    fn count_gathered(&mut self, i: usize) {
-        let bytes = self.units[i].full_bytes();
-        self.gathered.add(bytes);
-    }
-
-    /// With `overlap_comm`, starts the all-gathers of the units that come next in `order` (see
-    /// [`plan::units_to_prefetch`]); they finish on the communication thread while this rank computes.
     fn prefetch(&mut self, order: impl Iterator<Item = usize>) -> Result<()> {
-        if self.comm.thread().is_none() {
-            return Ok(());
-        }
-        let z = &self.config.zero_optimization;
-        let sizes: Vec<u64> = (0..self.units.len()).map(|u| self.unit_elements(u)).collect();
-        let sharded: Vec<bool> = self.units.iter().map(|u| u.state() == UnitState::Sharded).collect();
-        let live: u64 =
-            (0..self.units.len()).filter(|&u| !self.units[u].persistent && !sharded[u]).map(|u| sizes[u]).sum();
-        let in_flight = self.units.iter().filter(|u| u.state() == UnitState::Gathering).count();
-        let picked = plan::units_to_prefetch(
-            order,
-            &sizes,
-            &sharded,
-            live,
-            in_flight,
-            z.stage3_prefetch_bucket_size,
-            z.stage3_max_live_parameters,
-        );
-        for u in picked {
-            let chunk = self.unit_chunk(u)?;
-            let thread = self.comm.thread().expect("checked above");
-            let n = self.units[u].begin_gather(thread, chunk.bytes());
-            self.recycle(chunk);
-            let n = n?;
-            self.comm_volume.all_gather_elements += n as u64;
-            let bytes = self.units[u].full_bytes();
-            self.gathered.add(bytes);
-            if let Some(frozen) = self.frozen_units.as_mut() {
-                let thread = self.comm.thread().expect("checked above");
-                let n = frozen.begin_gather(u, thread)?;
-                self.comm_volume.all_gather_elements += n as u64;
-                self.gathered.add(frozen.full_bytes(u));
-            }
-        }
-        Ok(())
+        self.parameters.prefetch(order, &self.comm, &self.config.zero_optimization, &mut self.comm_volume)
     }
 
     pub(super) fn release_unit(&mut self, i: usize) -> Result<()> {
-        if self.units[i].state() != UnitState::Sharded {
-            self.units[i].release()?;
-            self.gathered.current -= self.units[i].full_bytes();
-        }
-        if let Some(frozen) = self.frozen_units.as_mut() {
-            if frozen.units[i].state() != UnitState::Sharded && !frozen.units[i].persistent {
-                frozen.release(i)?;
-                self.gathered.current -= frozen.full_bytes(i);
-            }
-        }
-        Ok(())
+        self.parameters.release(i)
     }
 
     /// After an optimizer step: units that stay gathered take the new values of every rank's shard.
     pub(super) fn refresh_gathered_units(&mut self) -> Result<()> {
-        for i in 0..self.units.len() {
-            if self.units[i].state() != UnitState::Gathered {
-                continue;
-            }
-            let n = if self.units[i].owns_buffer() {
-                let chunk = self.unit_chunk(i)?;
-                let n = self.units[i].refresh(self.comm.as_ref(), Some(chunk.bytes()));
-                self.recycle(chunk);
-                n?
-            } else {
-                self.units[i].refresh(self.comm.as_ref(), None)?
-            };
-            self.comm_volume.all_gather_elements += n as u64;
-        }
-        // The next forward starts at the first unit: its chunk's read can start now.
-        self.read_ahead(0..self.units.len());
-        Ok(())
+        self.parameters.refresh_gathered(self.comm.as_ref(), &mut self.comm_volume)
     }
 
     /// Bytes of gathered full parameters (stage 3): now, the run's peak, the current step's peak.
     pub fn gathered_bytes(&self) -> GatheredBytes {
-        self.gathered
+        self.parameters.gathered
     }
 
     /// Elements this rank's collectives moved since the engine started.
@@ -335,15 +186,15 @@ impl Engine {
     /// dtype (stage 3 gathers unit by unit: collective there).
     pub(super) fn gather_full_parameters(&mut self, kind: tch::Kind, frozen: bool) -> Result<Vec<(String, Tensor)>> {
         let mut out = Vec::with_capacity(self.layout.slots.len());
-        for i in 0..self.units.len() {
-            let was = self.units[i].state();
+        for i in 0..self.parameters.units.len() {
+            let was = self.parameters.units[i].state();
             self.gather_unit(i)?;
-            let span = self.units[i].span.clone();
-            for (slot, t) in self.layout.slots[span.slots].iter().zip(self.units[i].params()) {
+            let span = self.parameters.units[i].span.clone();
+            for (slot, t) in self.layout.slots[span.slots].iter().zip(self.parameters.units[i].params()) {
                 // A copy: the unit's storage may be freed below.
                 out.push((slot.name.clone(), t.detach().to_kind(kind).copy()));
             }
-            if let Some(units) = self.frozen_units.as_ref().filter(|_| frozen) {
+            if let Some(units) = self.parameters.frozen_units.as_ref().filter(|_| frozen) {
                 out.extend(units.named(i).map(|(n, t)| (n.to_string(), t.detach().copy())));
             }
             if was == UnitState::Sharded {

@@ -1,0 +1,223 @@
+//! Reading a checkpoint back: the manifest checked against this engine, this rank's values read from the saved
+//! ranks' files by range (any world size), the variables, the counters.
+use super::*;
+
+/// Reads this rank's optimized elements (optimizer order) from a checkpoint's rank files, any range at a time,
+/// matching parameters by name. Each file is checksummed and mapped when first needed.
+struct ShardReader<'a> {
+    saved: &'a SavedCheckpoint,
+    slots: &'a [ParamSlot],
+    /// This rank's optimized flat ranges with where each starts in optimizer order.
+    pieces: Vec<(usize, std::ops::Range<usize>)>,
+    opened: Vec<Option<MappedTensors>>,
+}
+
+impl<'a> ShardReader<'a> {
+    fn new(saved: &'a SavedCheckpoint, slots: &'a [ParamSlot], pieces: &[std::ops::Range<usize>]) -> Self {
+        let mut base = 0;
+        let pieces = pieces
+            .iter()
+            .map(|p| {
+                base += p.len();
+                (base - p.len(), p.clone())
+            })
+            .collect();
+        let opened = (0..saved.manifest.ranks.len()).map(|_| None).collect();
+        ShardReader { saved, slots, pieces, opened }
+    }
+
+    fn file(&mut self, entry: usize) -> Result<&MappedTensors> {
+        if self.opened[entry].is_none() {
+            self.opened[entry] = Some(self.saved.rank_file(entry)?);
+        }
+        Ok(self.opened[entry].as_ref().expect("opened above"))
+    }
+
+    /// Fills `out[i]` (each `want.len()` long) with tensor `names[i]` of the checkpoint over `want`, a range of
+    /// this rank's optimized elements. Padding, which no file holds, is left as it is.
+    fn read(&mut self, want: std::ops::Range<usize>, names: &[&str], out: &mut [&mut [f32]]) -> Result<()> {
+        for (base, piece) in self.pieces.clone() {
+            let (lo, hi) = (want.start.max(base), want.end.min(base + piece.len()));
+            if lo >= hi {
+                continue;
+            }
+            let flat = piece.start + (lo - base)..piece.start + (hi - base);
+            for slot in self.slots {
+                let (a, b) = (slot.range.start.max(flat.start), slot.range.end.min(flat.end));
+                if a >= b {
+                    continue;
+                }
+                let theirs = self.saved.manifest.param(&slot.name).expect("names checked before reading");
+                let from = theirs.start + (a - slot.range.start);
+                for loc in self.saved.manifest.locate(from..from + (b - a)) {
+                    let at = base + (a - piece.start) - want.start + loc.dst_offset;
+                    let dst = at..at + loc.file_range.len();
+                    let file = self.file(loc.entry)?;
+                    for (name, o) in names.iter().zip(out.iter_mut()) {
+                        file.read_f32(name, loc.file_range.clone(), &mut o[dst.clone()])?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Engine {
+    /// Loads `dir/<tag>` (default: the tag `dir/latest` names), written at any world size and stage 0-3: each rank
+    /// reads only the element ranges it optimizes, matching parameters by name. Collective. Returns the tag loaded.
+    pub fn load_checkpoint(&mut self, dir: impl AsRef<Path>, tag: Option<&str>) -> Result<String> {
+        let saved = SavedCheckpoint::open(dir.as_ref(), tag)?;
+        let (m, path, manifest_path) = (&saved.manifest, &saved.folder, saved.manifest_path());
+        let tag = saved.tag.clone();
+        let mismatch = |what: String| CheckpointError::Mismatch { path: manifest_path.clone(), what };
+        // Parameters are matched by name, so layouts in another order (stage 3 lays out by unit) load too.
+        let mut problems: Vec<String> = Vec::new();
+        for slot in &self.layout.slots {
+            match m.param(&slot.name) {
+                None => problems.push(format!("model `{}` {:?} is not in the checkpoint", slot.name, slot.shape)),
+                Some(p) if p.shape != slot.shape => {
+                    problems.push(format!("model `{}` {:?} vs checkpoint {:?}", slot.name, slot.shape, p.shape))
+                }
+                Some(_) => {}
+            }
+        }
+        if problems.is_empty() && m.params.len() != self.layout.slots.len() {
+            let extra: Vec<&str> = m
+                .params
+                .iter()
+                .filter(|p| !self.layout.slots.iter().any(|s| s.name == p.name))
+                .map(|p| p.name.as_str())
+                .take(3)
+                .collect();
+            problems.push(format!(
+                "the checkpoint has {} parameters, the model {} (not in the model: {extra:?})",
+                m.params.len(),
+                self.layout.slots.len()
+            ));
+        }
+        if !problems.is_empty() {
+            problems.truncate(3);
+            return Err(mismatch(format!("parameters differ: {}", problems.join("; "))).into());
+        }
+        if m.variables_file.is_some() {
+            let buffers: Vec<(String, Vec<i64>)> = self.buffers.iter().map(|(n, t)| (n.clone(), t.size())).collect();
+            let mut problems = variable_problems("buffer", &buffers, &m.buffers);
+            if !m.frozen_excluded {
+                let frozen: Vec<(String, Vec<i64>)> = self.frozen_specs().into_iter().map(|(n, s, _)| (n, s)).collect();
+                problems.extend(variable_problems("frozen parameter", &frozen, &m.frozen));
+            }
+            if !problems.is_empty() {
+                problems.truncate(3);
+                return Err(mismatch(format!("variables differ: {}", problems.join("; "))).into());
+            }
+        }
+        let our_states: Vec<String> = self.optimizer.state_names();
+        if self.optimizer.name() != m.optimizer || our_states != m.state_names {
+            return Err(mismatch(format!(
+                "optimizer {} with {:?}, but the config builds {} with {:?}",
+                m.optimizer,
+                m.state_names,
+                self.optimizer.name(),
+                our_states
+            ))
+            .into());
+        }
+
+        // Values first (the master or the parameters), then the optimizer state, which an NVMe run takes one
+        // sub-group at a time, so the whole state is never assembled in memory.
+        let pieces = self.optimized_pieces(self.rank());
+        let mut reader = ShardReader::new(&saved, &self.layout.slots, &pieces);
+        let mut values = vec![0f32; self.optimized.len()];
+        reader.read(0..values.len(), &["params"], &mut [&mut values])?;
+        let names: Vec<&str> = m.state_names.iter().map(String::as_str).collect();
+        self.optimizer.import_from(m.optimizer_steps, &mut |range, out| {
+            reader.read(range, &names, out).map_err(|e| zerorun_offload::TierError::Fill(Box::new(e)))
+        })?;
+        if let Some(master) = &mut self.master {
+            master.copy_from_slice(&values);
+        }
+        self.write_shard(&tch::Tensor::from_slice(&values))?;
+        match self.plan.after_step() {
+            AfterStep::Nothing => {}
+            AfterStep::AllGatherFlat => views::all_gather(self.comm.as_ref(), &self.parameters.flat)?,
+            AfterStep::RefreshGatheredUnits => self.refresh_gathered_units()?,
+        }
+        self.load_variables(m, path)?;
+        if let (Some(s), Some(it)) = (self.scheduler.as_mut(), m.scheduler_last_batch_iteration) {
+            s.last_batch_iteration = it;
+        }
+        if let (Some(s), Some(state)) = (self.scaler.as_mut(), m.loss_scaler.clone()) {
+            s.state = state;
+        }
+        match m.rng_states.get(self.rank()) {
+            Some(hex) if m.world_size == self.world_size() => super::super::native::set_rng_state(
+                &from_hex(hex).map_err(|what| mismatch(format!("rng_states[{}]: {what}", self.rank())))?,
+            )?,
+            _ if !m.rng_states.is_empty() => tracing::warn!(
+                from = m.world_size,
+                to = self.world_size(),
+                "another world size: the CPU generator is not restored"
+            ),
+            _ => {}
+        }
+        if let Some(p) = m.params.iter().find(|p| !p.dtype.is_empty() && p.dtype != dtype_name(self.precision)) {
+            tracing::info!(saved = %p.dtype, now = dtype_name(self.precision), "the checkpoint was saved in another precision; values come from its fp32 master");
+        }
+        self.global_steps = m.global_steps;
+        self.global_samples = m.global_samples;
+        self.skipped_steps = m.skipped_steps;
+        self.micro_steps = 0;
+        self.loss_sum = 0.0;
+        self.loss_count = 0;
+        self.gradients.clear_accumulator();
+        self.gradients.consume()?;
+        self.grad_mark = self.gradient_fingerprint();
+        self.comm.barrier()?;
+        tracing::info!(
+            tag,
+            step = self.global_steps,
+            from_world_size = m.world_size,
+            from_stage = m.stage,
+            "checkpoint loaded"
+        );
+        Ok(tag)
+    }
+
+    /// Restores the buffers and frozen parameters of a checkpoint (names checked before anything was loaded).
+    /// Every rank reads them from the one file.
+    fn load_variables(&mut self, m: &Manifest, folder: &Path) -> Result<()> {
+        let Some(file_name) = &m.variables_file else {
+            if !self.buffers.is_empty() || !self.frozen_specs().is_empty() {
+                tracing::warn!(
+                    format = m.format_version,
+                    "a checkpoint from before format 3 holds no buffers or frozen parameters: the model keeps its own"
+                );
+            }
+            return Ok(());
+        };
+        let path = folder.join(file_name);
+        let file = MappedTensors::open(&path)?;
+        tch::no_grad(|| -> Result<()> {
+            for (name, t) in &self.buffers {
+                t.shallow_clone().f_copy_(&read_variable(&file, &path, name)?)?;
+            }
+            Ok(())
+        })?;
+        if m.frozen_excluded {
+            if !self.frozen_specs().is_empty() {
+                tracing::info!("the checkpoint was saved with exclude_frozen_parameters: frozen parameters keep the model's values");
+            }
+            return Ok(());
+        }
+        match self.parameters.frozen_units.as_mut() {
+            Some(units) => units.load(self.comm.as_ref(), &mut |name| read_variable(&file, &path, name).map(Some)),
+            None => tch::no_grad(|| -> Result<()> {
+                for (name, t) in &self.frozen {
+                    t.shallow_clone().f_copy_(&read_variable(&file, &path, name)?)?;
+                }
+                Ok(())
+            }),
+        }
+    }
+}

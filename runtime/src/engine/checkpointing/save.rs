@@ -1,0 +1,168 @@
+//! Writing a checkpoint: every rank's optimizer file, rank 0's manifest and variables, renamed into place only
+//! when all of them are complete.
+use super::*;
+
+impl Engine {
+    /// Every rank's CPU generator state, hex, on every rank (rank r fills slot r of a zeroed buffer; one sum).
+    fn gather_rng_states(&mut self) -> Result<Vec<String>> {
+        let mine = super::super::native::rng_state()?;
+        let (ws, rank, n) = (self.world_size(), self.rank(), mine.len());
+        let mut all = vec![0i64; ws * n];
+        for (d, b) in all[rank * n..(rank + 1) * n].iter_mut().zip(&mine) {
+            *d = *b as i64;
+        }
+        self.comm.all_reduce(&mut all, ReduceOp::Sum)?;
+        Ok((0..ws).map(|r| to_hex(&all[r * n..(r + 1) * n].iter().map(|&x| x as u8).collect::<Vec<u8>>())).collect())
+    }
+
+    /// The flat ranges of the layout rank `r` optimizes, in the order of its optimized values: everything at
+    /// stage 0, its partition at stages 1-2, a chunk of every unit at stage 3.
+    pub(super) fn optimized_pieces(&self, r: usize) -> Vec<std::ops::Range<usize>> {
+        match self.plan.optimized(&self.layout, r) {
+            Optimized::Flat(FlatRange(range)) => vec![range],
+            Optimized::Shard(_) => self.layout.shard_pieces(r),
+        }
+    }
+
+    /// The fp32 values of this rank's optimized range (the master copy, or the parameters themselves in fp32).
+    fn optimized_values(&mut self) -> Result<Vec<f32>> {
+        Ok(match &self.master {
+            Some(m) => m.to_vec(),
+            None => Vec::<f32>::try_from(&self.read_shard()?).expect("fp32 parameters"),
+        })
+    }
+
+    /// Saves under `dir/<tag>/` (default tag `global_step{N}`) and points `dir/latest` at it once it is complete:
+    /// the optimized values and optimizer states (each rank its own), and once, by name, the buffers and frozen
+    /// parameters. Collective: every rank calls it. Returns the checkpoint's folder.
+    pub fn save_checkpoint(&mut self, dir: impl AsRef<Path>, tag: Option<&str>) -> Result<PathBuf> {
+        self.save_checkpoint_with(dir, &SaveOptions { tag: tag.map(str::to_string), ..SaveOptions::default() })
+    }
+
+    /// [`Engine::save_checkpoint`] with options (DeepSpeed's `exclude_frozen_parameters`).
+    pub fn save_checkpoint_with(&mut self, dir: impl AsRef<Path>, options: &SaveOptions) -> Result<PathBuf> {
+        let dir = dir.as_ref();
+        let tag = options.tag.clone().unwrap_or_else(|| format!("global_step{}", self.global_steps));
+        let with_frozen = !options.exclude_frozen_parameters;
+        check_tag(&tag)?;
+        let tag = self.agree_on_tag(tag)?;
+        let (rank, ws, stage) = (self.rank(), self.world_size(), self.plan.stage());
+        let per_rank = self.plan.partitions_optimizer();
+        let staging = dir.join(format!(".{tag}.partial"));
+        if rank == 0 {
+            std::fs::create_dir_all(dir).map_err(|e| CheckpointError::Io { path: dir.into(), what: e.to_string() })?;
+            if staging.exists() {
+                std::fs::remove_dir_all(&staging)
+                    .map_err(|e| CheckpointError::Io { path: staging.clone(), what: e.to_string() })?;
+            }
+            std::fs::create_dir(&staging)
+                .map_err(|e| CheckpointError::Io { path: staging.clone(), what: e.to_string() })?;
+        }
+        self.comm.barrier()?;
+        // Stage 0: every rank holds everything, so rank 0 writes it; stages 1-2: each rank its partition.
+        let writes = per_rank || rank == 0;
+        let mut crcs = vec![0i64; ws];
+        if writes {
+            let values = self.optimized_values()?;
+            let mut tensors = vec![("params".to_string(), vec![values.len()])];
+            tensors.extend(self.optimizer.state_names().into_iter().map(|n| (n, vec![values.len()])));
+            let file = staging.join(format!("rank{rank}.safetensors"));
+            // State buffers stream from wherever they live (NVMe: one sub-group at a time).
+            let optimizer = &mut self.optimizer;
+            let crc = files::write_safetensors(&file, &tensors, "F32", |i, w| {
+                if i == 0 {
+                    files::write_f32(w, &values)
+                } else {
+                    optimizer.write_state(i - 1, w)
+                }
+            })?;
+            crcs[rank] = crc as i64;
+        }
+        self.comm.all_reduce(&mut crcs, ReduceOp::Sum)?;
+        let rng_states = self.gather_rng_states()?;
+        // The model's weights in its dtype, by name (DeepSpeed's model states file), with its buffers and frozen
+        // parameters: a file `VarStore::load` reads. Stage 3 gathers the weights only when configured to; the
+        // buffers and frozen parameters are saved either way, once, by rank 0.
+        let whole = !self.plan.partitions_parameters()
+            || self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save;
+        let (file_name, model_weights) = if whole {
+            ("model.safetensors", "model.safetensors".to_string())
+        } else {
+            ("variables.safetensors", "absent: stage 3 without zero_optimization.stage3_gather_16bit_weights_on_model_save; `zerorun consolidate` assembles them from the rank files".to_string())
+        };
+        let tensors = self.model_tensors(whole.then(|| views::kind_of(self.precision)), with_frozen)?;
+        if rank == 0 {
+            let file = staging.join(file_name);
+            tch::Tensor::write_safetensors(&tensors, &file)
+                .map_err(|e| CheckpointError::Io { path: file.clone(), what: e.to_string() })?;
+        }
+        drop(tensors);
+        let buffer_entries: Vec<VariableEntry> =
+            self.buffers.iter().map(|(n, t)| entry(n, &t.size(), t.kind())).collect();
+        let frozen_entries: Vec<VariableEntry> = if with_frozen {
+            self.frozen_specs().iter().map(|(n, shape, kind)| entry(n, shape, *kind)).collect()
+        } else {
+            Vec::new()
+        };
+        if rank == 0 {
+            let layout = &self.layout;
+            let ranks = (0..if per_rank { ws } else { 1 })
+                .map(|r| RankEntry::new(format!("rank{r}.safetensors"), &self.optimized_pieces(r), crcs[r] as u32))
+                .collect();
+            let manifest = Manifest {
+                format_version: FORMAT_VERSION,
+                tag: tag.clone(),
+                global_steps: self.global_steps,
+                global_samples: self.global_samples,
+                skipped_steps: self.skipped_steps,
+                optimizer_steps: self.optimizer.step_count(),
+                optimizer: self.optimizer.name().to_string(),
+                state_names: self.optimizer.state_names(),
+                scheduler_last_batch_iteration: self.scheduler.as_ref().map(|s| s.last_batch_iteration),
+                loss_scaler: self.scaler.as_ref().map(|s| s.state.clone()),
+                world_size: ws,
+                stage,
+                precision: format!("{:?}", self.precision).to_lowercase(),
+                numel: layout.numel,
+                params: layout
+                    .slots
+                    .iter()
+                    .map(|s| ParamEntry {
+                        name: s.name.clone(),
+                        shape: s.shape.clone(),
+                        start: s.range.start,
+                        len: s.range.len(),
+                        dtype: dtype_name(self.precision).into(),
+                    })
+                    .collect(),
+                ranks,
+                rng_states,
+                model_weights: Some(model_weights),
+                variables_file: Some(file_name.to_string()),
+                buffers: buffer_entries,
+                frozen: frozen_entries,
+                frozen_excluded: !with_frozen,
+                config: self.config.to_value(),
+            };
+            manifest.write(&staging.join("manifest.json"))?;
+            files::sync_dir(&staging)?;
+            // Put the complete folder in place, then point `latest` at it.
+            let target = dir.join(&tag);
+            let io = |p: &Path, e: std::io::Error| CheckpointError::Io { path: p.to_path_buf(), what: e.to_string() };
+            if target.exists() {
+                let old = dir.join(format!(".{tag}.old"));
+                let _ = std::fs::remove_dir_all(&old);
+                std::fs::rename(&target, &old).map_err(|e| io(&target, e))?;
+                std::fs::rename(&staging, &target).map_err(|e| io(&staging, e))?;
+                let _ = std::fs::remove_dir_all(&old);
+            } else {
+                std::fs::rename(&staging, &target).map_err(|e| io(&staging, e))?;
+            }
+            files::sync_dir(dir)?;
+            files::write_atomic(&dir.join("latest"), tag.as_bytes())?;
+        }
+        self.comm.barrier()?;
+        tracing::info!(tag, step = self.global_steps, "checkpoint saved");
+        Ok(dir.join(tag))
+    }
+}

@@ -1,0 +1,263 @@
+//! Where the model's parameter values live between steps, and the unit state machine's calls (FSDP2's
+//! `FSDPParamGroup`, one per unit): a flat buffer of every parameter (stages 0-2, whose stage-2 units are regions
+//! of it, always gathered), or this rank's shard of every unit with the units gathered only while they run
+//! (stage 3), on NVMe with `offload_param`. The engine walks the units (`unit_walk.rs`) and asks this store to
+//! gather, prefetch, release and refresh them; the optimizer reaches this rank's values through `read_shard` /
+//! `write_shard` or in place.
+use tch::Tensor;
+
+use super::counters::{CommVolume, GatheredBytes};
+use super::engine_comm::EngineComm;
+use super::frozen::FrozenUnits;
+use super::layout::FlatLayout;
+use super::plan::{self, Optimized, StagePlan};
+use super::sharded_unit::{ShardedUnit, UnitState};
+use super::swapped_params::{Chunk, SwappedParams};
+use crate::comm::Communicator;
+use crate::config::ZeroConfig;
+use crate::error::Result;
+
+pub(super) struct Parameters {
+    /// All parameters in the model's dtype (stages 0-2); this rank's shard of every unit (stage 3; empty when the
+    /// shard is on NVMe).
+    pub flat: Tensor,
+    /// Stage 3 with `offload_param.device = nvme`: where the shard lives instead of `flat`.
+    pub swapped: Option<SwappedParams>,
+    /// One per unit, in execution order (stages 2-3; empty at stages 0-1). Stage 2's are regions of `flat`.
+    pub units: Vec<ShardedUnit>,
+    /// Stage 3: the frozen parameters, partitioned unit by unit beside `units`.
+    pub frozen_units: Option<FrozenUnits>,
+    /// Bytes of gathered full parameters (stage 3's own unit buffers).
+    pub gathered: GatheredBytes,
+}
+
+impl Parameters {
+    pub fn new(
+        flat: Tensor,
+        swapped: Option<SwappedParams>,
+        units: Vec<ShardedUnit>,
+        frozen_units: Option<FrozenUnits>,
+    ) -> Parameters {
+        // Gathered bytes count units' own buffers (stage 3); stage 2's units are regions of `flat`.
+        let persistent =
+            units.iter().filter(|u| u.persistent && u.owns_buffer()).map(ShardedUnit::full_bytes).sum::<usize>()
+                + frozen_units
+                    .as_ref()
+                    .map_or(0, |f| f.units.iter().filter(|u| u.persistent).map(ShardedUnit::full_bytes).sum());
+        let gathered = GatheredBytes { current: persistent, peak: persistent, step_peak: persistent };
+        Parameters { flat, swapped, units, frozen_units, gathered }
+    }
+
+    /// Unit `i` gathered, its trainable and frozen parts (finishing a prefetch if one runs).
+    pub fn gather(&mut self, i: usize, comm: &dyn Communicator, volume: &mut CommVolume) -> Result<()> {
+        match self.units[i].state() {
+            UnitState::Gathered => {}
+            UnitState::Gathering => self.units[i].finish_gather()?,
+            UnitState::Sharded => {
+                let chunk = self.unit_chunk(i, comm.world_size())?;
+                let gathered = self.units[i].gather(comm, chunk.bytes());
+                self.recycle(chunk);
+                volume.all_gather_elements += gathered? as u64;
+                self.gathered.add(self.units[i].full_bytes());
+            }
+        }
+        if let Some(frozen) = self.frozen_units.as_mut() {
+            let sharded = frozen.units[i].state() == UnitState::Sharded;
+            let n = frozen.gather(i, comm)?;
+            if sharded {
+                volume.all_gather_elements += n as u64;
+                self.gathered.add(frozen.full_bytes(i));
+            }
+        }
+        Ok(())
+    }
+
+    /// Elements of unit `i` gathered together: its trainable and its frozen parameters.
+    fn unit_elements(&self, i: usize) -> u64 {
+        let frozen = self.frozen_units.as_ref().map_or(0, |f| f.units[i].span.range.len());
+        (self.units[i].span.range.len() + frozen) as u64
+    }
+
+    /// This rank's chunk of unit `i`: a view of the shard, or read from NVMe (`offload_param`).
+    fn unit_chunk(&mut self, i: usize, world_size: usize) -> Result<Chunk> {
+        match self.swapped.as_mut() {
+            Some(swapped) => swapped.chunk(i),
+            None => {
+                let r = self.units[i].shard_range(world_size);
+                Ok(Chunk::InMemory(self.flat.narrow(0, r.start as i64, r.len() as i64)))
+            }
+        }
+    }
+
+    fn recycle(&self, chunk: Chunk) {
+        if let Some(swapped) = &self.swapped {
+            swapped.recycle(chunk);
+        }
+    }
+
+    /// With parameters on NVMe, starts reading the chunks of the units that come next in `order` and are not
+    /// gathered yet, so the reads overlap this unit's compute.
+    pub fn read_ahead(&mut self, order: impl Iterator<Item = usize>) {
+        if let Some(swapped) = self.swapped.as_mut() {
+            let units = &self.units;
+            swapped.read_ahead(order, |u| units[u].state() == UnitState::Sharded);
+        }
+    }
+
+    /// Which units forward leaves gathered because backward reuses them soon ([`plan::kept_after_forward`]).
+    pub fn kept_after_forward(&self, z: &ZeroConfig) -> Vec<bool> {
+        let sizes: Vec<u64> = (0..self.units.len()).map(|i| self.unit_elements(i)).collect();
+        let persistent: Vec<bool> = self.units.iter().map(|u| u.persistent).collect();
+        plan::kept_after_forward(&sizes, &persistent, z.stage3_max_reuse_distance, z.stage3_max_live_parameters)
+    }
+
+    /// With a communication thread (`overlap_comm`), starts the all-gathers of the units that come next in `order`
+    /// (see [`plan::units_to_prefetch`]); they finish there while this rank computes.
+    pub fn prefetch(
+        &mut self,
+        order: impl Iterator<Item = usize>,
+        comm: &EngineComm,
+        z: &ZeroConfig,
+        volume: &mut CommVolume,
+    ) -> Result<()> {
+        let Some(thread) = comm.thread() else { return Ok(()) };
+        let sizes: Vec<u64> = (0..self.units.len()).map(|u| self.unit_elements(u)).collect();
+        let sharded: Vec<bool> = self.units.iter().map(|u| u.state() == UnitState::Sharded).collect();
+        let live: u64 =
+            (0..self.units.len()).filter(|&u| !self.units[u].persistent && !sharded[u]).map(|u| sizes[u]).sum();
+        let in_flight = self.units.iter().filter(|u| u.state() == UnitState::Gathering).count();
+        let picked = plan::units_to_prefetch(
+            order,
+            &sizes,
+            &sharded,
+            live,
+            in_flight,
+            z.stage3_prefetch_bucket_size,
+            z.stage3_max_live_parameters,
+        );
+        for u in picked {
+            let chunk = self.unit_chunk(u, comm.world_size())?;
+            let n = self.units[u].begin_gather(thread, chunk.bytes());
+            self.recycle(chunk);
+            volume.all_gather_elements += n? as u64;
+            self.gathered.add(self.units[u].full_bytes());
+            if let Some(frozen) = self.frozen_units.as_mut() {
+                volume.all_gather_elements += frozen.begin_gather(u, thread)? as u64;
+                self.gathered.add(frozen.full_bytes(u));
+            }
+        }
+        Ok(())
+    }
+
+    /// Unit `i` back to its shard (its frozen part too, unless persistent).
+    pub fn release(&mut self, i: usize) -> Result<()> {
+        if self.units[i].state() != UnitState::Sharded {
+            self.units[i].release()?;
+            self.gathered.current -= self.units[i].full_bytes();
+        }
+        if let Some(frozen) = self.frozen_units.as_mut() {
+            if frozen.units[i].state() != UnitState::Sharded && !frozen.units[i].persistent {
+                frozen.release(i)?;
+                self.gathered.current -= frozen.full_bytes(i);
+            }
+        }
+        Ok(())
+    }
+
+    /// After an optimizer step: units that stay gathered take the new values of every rank's shard.
+    pub fn refresh_gathered(&mut self, comm: &dyn Communicator, volume: &mut CommVolume) -> Result<()> {
+        for i in 0..self.units.len() {
+            if self.units[i].state() != UnitState::Gathered {
+                continue;
+            }
+            let n = if self.units[i].owns_buffer() {
+                let chunk = self.unit_chunk(i, comm.world_size())?;
+                let n = self.units[i].refresh(comm, Some(chunk.bytes()));
+                self.recycle(chunk);
+                n?
+            } else {
+                self.units[i].refresh(comm, None)?
+            };
+            volume.all_gather_elements += n as u64;
+        }
+        // The next forward starts at the first unit: its chunk's read can start now.
+        self.read_ahead(0..self.units.len());
+        Ok(())
+    }
+
+    /// Whether the optimizer steps a contiguous copy of this rank's values rather than the values in place: they
+    /// are pieces of every unit (stage 2) or on NVMe (stage 3).
+    pub fn steps_a_copy(&self, plan: &StagePlan) -> bool {
+        plan.shard_in_pieces() || self.swapped.is_some()
+    }
+
+    /// This rank's optimized values in the model's dtype, in the optimizer's order: a view of `flat` where they are
+    /// contiguous (stages 0-1, 3's shard), the concatenation of its chunk of every unit at stage 2, read from NVMe
+    /// where the shard is there.
+    pub fn read_shard(
+        &mut self,
+        layout: &FlatLayout,
+        rank: usize,
+        plan: &StagePlan,
+        optimized: &Optimized,
+    ) -> Result<Tensor> {
+        if let Some(swapped) = self.swapped.as_mut() {
+            return swapped.read_all(optimized.len());
+        }
+        Ok(shard_values(&self.flat, layout, rank, plan, optimized))
+    }
+
+    /// Writes values in the optimizer's order (any float kind) into this rank's part of the parameters.
+    pub fn write_shard(
+        &mut self,
+        values: &Tensor,
+        layout: &FlatLayout,
+        rank: usize,
+        plan: &StagePlan,
+        optimized: &Optimized,
+    ) -> Result<()> {
+        if let Some(swapped) = self.swapped.as_mut() {
+            return swapped.write_all(values);
+        }
+        let values = values.to_kind(self.flat.kind());
+        tch::no_grad(|| -> Result<()> {
+            if plan.shard_in_pieces() {
+                let mut at = 0i64;
+                for piece in layout.shard_pieces(rank) {
+                    let n = piece.len() as i64;
+                    self.flat.narrow(0, piece.start as i64, n).f_copy_(&values.narrow(0, at, n))?;
+                    at += n;
+                }
+            } else {
+                self.flat.narrow(0, optimized.range().start as i64, optimized.len() as i64).f_copy_(&values)?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Bytes of parameter values kept between steps in memory, and on NVMe.
+    pub fn kept_bytes(&self) -> (usize, usize) {
+        let flat = self.flat.numel() * self.flat.kind().elt_size_in_bytes();
+        let (resident, nvme) = self.swapped.as_ref().map_or((0, 0), |s| (s.resident_bytes(), s.swapped_bytes()));
+        (flat + resident, nvme)
+    }
+}
+
+/// This rank's optimized values in the model's dtype: a view of `flat` where they are contiguous (stages 0-1, 3's
+/// shard), the concatenation of its chunk of every unit at stage 2 (laid out by units).
+pub(super) fn shard_values(
+    flat: &Tensor,
+    layout: &FlatLayout,
+    rank: usize,
+    plan: &StagePlan,
+    optimized: &Optimized,
+) -> Tensor {
+    if plan.shard_in_pieces() {
+        let pieces: Vec<Tensor> =
+            layout.shard_pieces(rank).into_iter().map(|p| flat.narrow(0, p.start as i64, p.len() as i64)).collect();
+        Tensor::cat(&pieces, 0)
+    } else {
+        let r = optimized.range();
+        flat.narrow(0, r.start as i64, r.len() as i64)
+    }
+}

@@ -1,0 +1,260 @@
+//! The optimizer step of the engine: at the accumulation boundary the gradients are reduced (where backward did
+//! not already), their global norm agreed on, overflow and clipping applied, and this rank's values stepped in place
+//! or through a contiguous copy; then what follows the step by the plan ([`AfterStep`]).
+use tch::Tensor;
+use zerorun_optim::loss_scale::StepDecision;
+use zerorun_optim::schedule::LrScheduler;
+use zerorun_optim::{norm, Grads, ParamsOut};
+
+use super::plan::{AfterStep, GradientPath};
+use super::{variables, views, Engine, StepOutcome};
+use crate::comm::{Collectives, ReduceOp};
+use crate::config::Precision;
+use crate::error::{Error, Result};
+use crate::report::Phase;
+
+impl Engine {
+    /// Ends a micro-batch; at the accumulation boundary reduces gradients and steps the optimizer.
+    pub fn step(&mut self) -> Result<StepOutcome> {
+        if self.is_gradient_accumulation_boundary()
+            && self.loss_count == 0
+            && self.gradient_fingerprint() == self.grad_mark
+        {
+            return Err(Error::Usage(
+                "engine.step() at an accumulation boundary with no backward since the last step: there are no gradients to apply (call `engine.backward(&loss)` before `engine.step()`)".into(),
+            ));
+        }
+        let outcome = self.step_impl()?;
+        variables::sync_buffers(self.comm.as_ref(), self.buffer_sync, &self.buffers)?;
+        self.grad_mark = self.gradient_fingerprint();
+        Ok(outcome)
+    }
+
+    /// What tells a direct `loss.backward()` (outside the engine) from no backward at all: the number of
+    /// parameters with a `.grad` plus the version counters of those gradients (autograd bumps them as it
+    /// accumulates in place; gradient views share the flat buffer's counter). Units' walks only run through the
+    /// engine, which counts their losses.
+    pub(super) fn gradient_fingerprint(&self) -> i64 {
+        if self.plan.gradients == GradientPath::UnitWalk {
+            return 0;
+        }
+        self.params.iter().map(Tensor::grad).filter(Tensor::defined).map(|g| g.internal_version() + 1).sum()
+    }
+
+    fn step_impl(&mut self) -> Result<StepOutcome> {
+        if self.plan.gradients == GradientPath::Hooks {
+            let mut sync = self.gradient_sync();
+            if sync.gradients_wait_in_grad() {
+                // A backward the engine did not run: its gradients are still in `.grad`.
+                sync.finish_hooked_reduction()?;
+            }
+        }
+        self.micro_steps += 1;
+        let boundary = self.micro_steps % self.batch.gradient_accumulation_steps == 0;
+        // After backward: 16-bit models reduce every micro-batch and accumulate in fp32; fp32 models accumulate in
+        // autograd. Hooks and unit walks reduced during backward already.
+        let after_backward = self.plan.gradients == GradientPath::AfterBackward;
+        if self.precision != Precision::Fp32 && after_backward {
+            self.timed(Phase::ReduceScatter, Self::reduce_micro_batch)?;
+        }
+        if !boundary {
+            return Ok(StepOutcome::Accumulating);
+        }
+        if self.precision == Precision::Fp32 && after_backward {
+            self.timed(Phase::ReduceScatter, Self::reduce_fp32)?;
+        }
+        let lr = self.lr();
+
+        // Global squared norm: the ranks' parts are disjoint at stages 1-2, so one all-reduce of a scalar; an
+        // inf or NaN anywhere makes it non-finite on every rank, which is how an fp16 overflow is agreed on.
+        let mut sq = [norm::sum_of_squares(Grads::F32(self.grads())) as f32];
+        if self.plan.partitions_optimizer() {
+            self.comm.all_reduce(&mut sq, ReduceOp::Sum)?;
+        }
+        let loss = self.finish_loss()?;
+        let scale = self.loss_scale();
+        let overflow = !sq[0].is_finite();
+        let skip = match self.scaler.as_mut() {
+            Some(scaler) => scaler.update(overflow)? == StepDecision::Skip,
+            // bf16.check_grad_overflow (DeepSpeed's default): a non-finite gradient skips the step, no scale to lower.
+            None => overflow && self.precision == Precision::Bf16 && self.config.bf16.check_grad_overflow,
+        };
+        if skip {
+            self.skipped_steps += 1;
+            self.global_steps += 1;
+            self.global_samples += self.batch.train_batch_size;
+            self.gradients.clear_accumulator();
+            self.gradients.consume()?;
+            let scale = self.loss_scale();
+            tracing::warn!(
+                step = self.global_steps,
+                scale,
+                "{:?} gradients overflowed; step skipped{}",
+                self.precision,
+                if self.scaler.is_some() { " (the loss scale drops once the hysteresis is used up)" } else { "" }
+            );
+            self.end_of_step();
+            return Ok(StepOutcome::Skipped { step: self.global_steps, loss, scale });
+        }
+        let grad_norm = (sq[0] as f64).sqrt() / scale;
+        let coef = norm::clip_coefficient(grad_norm, self.config.gradient_clipping) / scale;
+        if coef != 1.0 {
+            norm::scale_in_place(self.grads(), coef as f32);
+        }
+        for g in &mut self.groups {
+            g.lr = lr;
+        }
+        // OneCycle's cycle_momentum: beta1 (or SGD's momentum) follows the schedule, as the lr does.
+        if let Some(momentum) = self.scheduler.as_ref().and_then(LrScheduler::momentum) {
+            self.optimizer.set_momentum(momentum);
+        }
+        self.timed(Phase::Step, Self::apply_optimizer)?;
+        self.memory_event(|| "optimizer step".into(), &[]);
+        self.gradients.consume()?;
+        match self.plan.after_step() {
+            AfterStep::Nothing => {}
+            AfterStep::AllGatherFlat => {
+                self.timed(Phase::AllGather, |e| views::all_gather(e.comm.as_ref(), &e.parameters.flat))?;
+                self.comm_volume.all_gather_elements += self.layout.padded as u64;
+            }
+            AfterStep::RefreshGatheredUnits => {
+                // Reductions during backward accumulate into the fp32 accumulator across micro-batches.
+                self.gradients.clear_accumulator();
+                self.timed(Phase::AllGather, Self::refresh_gathered_units)?;
+            }
+        }
+        if let Some(s) = self.scheduler.as_mut() {
+            s.step();
+        }
+        self.global_steps += 1;
+        self.global_samples += self.batch.train_batch_size;
+        if let Some(every) = self.config.steps_per_print {
+            if self.global_steps % every == 0 && self.rank() == 0 {
+                let secs = self.step_started.map_or(0.0, |t| t.elapsed().as_secs_f64());
+                let samples_per_s = if secs > 0.0 { self.batch.train_batch_size as f64 / secs } else { 0.0 };
+                tracing::info!(
+                    step = self.global_steps,
+                    loss,
+                    lr,
+                    grad_norm,
+                    loss_scale = self.loss_scale(),
+                    samples_per_s,
+                    "train"
+                );
+            }
+        }
+        self.end_of_step();
+        Ok(StepOutcome::Stepped { step: self.global_steps, loss, grad_norm, lr })
+    }
+
+    /// The fp32 gradients of the optimized range.
+    fn grads(&mut self) -> &mut [f32] {
+        self.gradients.for_step(&self.optimized)
+    }
+
+    /// fp32 models at the boundary: reduce, and (stage 1 into a partition buffer) take the partition as fp32.
+    fn reduce_fp32(&mut self) -> Result<()> {
+        let partitioned = self.plan.partitions_optimizer();
+        self.gradient_sync().reduce_after_backward(partitioned)?;
+        if !self.gradients.in_flat_buffer() {
+            self.gradients.clear_accumulator();
+            self.gradients.accumulate_partition();
+        }
+        Ok(())
+    }
+
+    /// 16-bit models, every micro-batch: reduce, accumulate the optimized range in fp32.
+    fn reduce_micro_batch(&mut self) -> Result<()> {
+        let partitioned = self.plan.partitions_optimizer();
+        self.gradient_sync().reduce_after_backward(partitioned)?;
+        self.gradients.accumulate_partition();
+        self.gradients.consume()
+    }
+
+    /// The mean loss over this step's micro-batches and all ranks.
+    fn finish_loss(&mut self) -> Result<f64> {
+        let mut loss = [(self.loss_sum / self.loss_count.max(1) as f64) as f32];
+        self.comm.all_reduce(&mut loss, ReduceOp::Avg)?;
+        self.loss_sum = 0.0;
+        self.loss_count = 0;
+        Ok(loss[0] as f64)
+    }
+
+    fn apply_optimizer(&mut self) -> Result<()> {
+        if self.parameters.steps_a_copy(&self.plan) {
+            return self.apply_optimizer_on_copy();
+        }
+        // Contiguous in `flat_params`: the flat range at stages 0-1, the shard buffer itself at stage 3.
+        let range = self.optimized.range();
+        match self.master.as_mut() {
+            None => {
+                // SAFETY: the optimizer step writes the flat parameters while no forward, backward or collective
+                // runs; the gradients it reads are another buffer (the staging or view partition, or grad_acc).
+                let params = &mut unsafe { views::slice::<f32>(&self.parameters.flat) }[range];
+                // The only view of the reduced gradients during the step (the parameters are another buffer).
+                let grads = self.gradients.for_step(&self.optimized);
+                self.optimizer.step(params, grads, &self.groups, None)?;
+            }
+            Some(master) => {
+                // The update writes the 16-bit model copy of the range in the same pass.
+                // SAFETY: as above: nothing else touches the flat parameters during the step.
+                let out = match self.precision {
+                    Precision::Bf16 => {
+                        ParamsOut::Bf16(&mut unsafe { views::slice::<half::bf16>(&self.parameters.flat) }[range])
+                    }
+                    _ => ParamsOut::F16(&mut unsafe { views::slice::<half::f16>(&self.parameters.flat) }[range]),
+                };
+                self.optimizer.step(master, self.gradients.accumulator(), &self.groups, Some(out))?;
+                self.gradients.clear_accumulator();
+            }
+        }
+        Ok(())
+    }
+
+    /// When this rank's shard is not one contiguous range in memory (stage 2 with units: a chunk of every unit
+    /// inside the full parameter buffer; stage 3 with parameters on NVMe), the optimizer steps a contiguous copy
+    /// of it (the fp32 values, or the 16-bit output with an fp32 master), which is then written back: a transient
+    /// buffer of one shard, not held between steps. 16-bit parameters on NVMe skip the copy.
+    fn apply_optimizer_on_copy(&mut self) -> Result<()> {
+        if let (Some(master), Some(swapped)) = (self.master.as_mut(), self.parameters.swapped.as_mut()) {
+            // 16-bit parameters on NVMe: step the master, then write each unit's rounded chunk (the same rounding
+            // as the step's own 16-bit output), with no copy of the shard.
+            self.optimizer.step(master, self.gradients.accumulator(), &self.groups, None)?;
+            self.gradients.clear_accumulator();
+            return swapped.write_all_from_f32(master);
+        }
+        if self.master.is_none() {
+            let scratch = self.read_shard()?;
+            // SAFETY: `scratch` is this step's own copy of the shard.
+            self.optimizer.step(
+                unsafe { views::slice::<f32>(&scratch) },
+                self.gradients.accumulator(),
+                &self.groups,
+                None,
+            )?;
+            return self.write_shard(&scratch);
+        }
+        let scratch = Tensor::zeros([self.optimized.len() as i64], (views::kind_of(self.precision), tch::Device::Cpu));
+        // SAFETY: `scratch` was just made here; nothing else holds it.
+        let out = match self.precision {
+            Precision::Bf16 => ParamsOut::Bf16(unsafe { views::slice::<half::bf16>(&scratch) }),
+            _ => ParamsOut::F16(unsafe { views::slice::<half::f16>(&scratch) }),
+        };
+        let master = self.master.as_mut().expect("checked above");
+        self.optimizer.step(master, self.gradients.accumulator(), &self.groups, Some(out))?;
+        self.gradients.clear_accumulator();
+        self.write_shard(&scratch)
+    }
+
+    /// This rank's optimized values in the optimizer's order (see [`parameters::Parameters::read_shard`]).
+    pub(super) fn read_shard(&mut self) -> Result<Tensor> {
+        let rank = self.rank();
+        self.parameters.read_shard(&self.layout, rank, &self.plan, &self.optimized)
+    }
+
+    /// Writes values in the optimizer's order into this rank's part of the parameters.
+    pub(super) fn write_shard(&mut self, values: &Tensor) -> Result<()> {
+        let rank = self.rank();
+        self.parameters.write_shard(values, &self.layout, rank, &self.plan, &self.optimized)
+    }
+}
