@@ -1,4 +1,5 @@
-//! What the engine counts for its reports: elements its collectives moved, bytes of gathered parameters.
+//! What the engine counts: its progress through the run, the elements its collectives moved, the bytes of gathered
+//! parameters.
 
 /// Elements moved by the engine's collectives since it started (counted by the caller's rank).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -22,4 +23,20 @@ impl GatheredBytes {
         self.peak = self.peak.max(self.current);
         self.step_peak = self.step_peak.max(self.current);
     }
+}
+
+/// Where the run is: micro-batches and optimizer steps so far, and the loss of the current step's micro-batches.
+#[derive(Debug, Clone, Default)]
+pub(super) struct Progress {
+    pub micro_steps: u64,
+    /// Optimizer steps taken, skipped ones included (as DeepSpeed counts them).
+    pub global_steps: u64,
+    pub global_samples: u64,
+    /// Steps skipped because gradients overflowed.
+    pub skipped_steps: u64,
+    /// Sum and count of this step's micro-batch losses (this rank's).
+    pub loss_sum: f64,
+    pub loss_count: u64,
+    /// When this step's first backward began (for `steps_per_print`'s throughput).
+    pub step_started: Option<std::time::Instant>,
 }

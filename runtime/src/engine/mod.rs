@@ -28,6 +28,7 @@ mod gradients;
 pub mod layout;
 mod native;
 mod optimizer;
+mod optimizer_shard;
 mod parameters;
 mod plan;
 mod reporting;
@@ -45,7 +46,7 @@ use std::time::Instant;
 
 use tch::{nn, Tensor};
 use zerorun_optim::schedule::LrScheduler;
-use zerorun_optim::{AlignedVec, Group, LossScaler};
+use zerorun_optim::LossScaler;
 
 use crate::comm::Communicator;
 use crate::config::{BatchSizes, Config, Precision};
@@ -54,9 +55,10 @@ use crate::report::memory::MemoryTracker;
 use crate::report::{Phase, PhaseTimes};
 pub use builders::{BuiltModel, UnitBuilders, UnitForward};
 pub use checkpointing::{load_mapped, SaveOptions};
+use counters::Progress;
 pub use counters::{CommVolume, GatheredBytes};
 pub use layout::{FlatLayout, ParamSlot, UnitSpan};
-use plan::{GradientPath, Optimized, StagePlan};
+use plan::{GradientPath, StagePlan};
 pub use reporting::{MemoryReportFiles, MEMORY_REPORT_ENV};
 use sharded_unit::ShardedUnit;
 pub use units::{Sequence, UnitModel, Whole};
@@ -156,24 +158,13 @@ pub struct Engine {
     comm_volume: CommVolume,
     memory: MemoryTracker,
     times: PhaseTimes,
-    /// fp32 master of the optimized range (16-bit models only; fp32 models step `flat_params` directly).
-    master: Option<AlignedVec>,
     /// Where gradients are staged, reduced and accumulated, and how.
     gradients: gradients::Gradients,
-    optimizer: optimizer::OptimizerTier,
-    /// Groups relative to the optimized range (the partition at stages 1-2, everything at stage 0).
-    groups: Vec<Group>,
-    optimized: Optimized,
-    base_lr: f64,
+    /// This rank's optimizer: the values it steps, the fp32 master, the states, the groups.
+    shard: optimizer_shard::OptimizerShard,
     scheduler: Option<LrScheduler>,
     scaler: Option<LossScaler>,
-    micro_steps: u64,
-    global_steps: u64,
-    global_samples: u64,
-    skipped_steps: u64,
-    loss_sum: f64,
-    loss_count: u64,
-    step_started: Option<Instant>,
+    progress: Progress,
 }
 
 impl Engine {
@@ -209,16 +200,16 @@ impl Engine {
 
     /// Optimizer steps taken, skipped ones included (as DeepSpeed counts them).
     pub fn global_steps(&self) -> u64 {
-        self.global_steps
+        self.progress.global_steps
     }
 
     pub fn global_samples(&self) -> u64 {
-        self.global_samples
+        self.progress.global_samples
     }
 
     /// Steps skipped because fp16 gradients overflowed.
     pub fn skipped_steps(&self) -> u64 {
-        self.skipped_steps
+        self.progress.skipped_steps
     }
 
     /// The current fp16 loss scale (1 without fp16).
@@ -228,7 +219,7 @@ impl Engine {
 
     /// The learning rate the next optimizer step uses.
     pub fn lr(&self) -> f64 {
-        self.scheduler.as_ref().map_or(self.base_lr, LrScheduler::lr)
+        self.scheduler.as_ref().map_or(self.shard.base_lr, LrScheduler::lr)
     }
 
     /// A sampler giving this rank its micro-batches of every global batch (torch's DistributedSampler by batch).
@@ -245,7 +236,7 @@ impl Engine {
 
     /// Whether the next `step` is an optimizer step (the last micro-batch of an accumulation).
     pub fn is_gradient_accumulation_boundary(&self) -> bool {
-        (self.micro_steps + 1) % self.batch.gradient_accumulation_steps == 0
+        (self.progress.micro_steps + 1) % self.batch.gradient_accumulation_steps == 0
     }
 
     /// Backward of one micro-batch's loss, scaled by 1/gradient_accumulation_steps as DeepSpeed does (and by the
@@ -261,11 +252,11 @@ impl Engine {
     }
 
     fn backward_impl(&mut self, model: Option<&dyn UnitModel>, loss: &Tensor) -> Result<()> {
-        if self.step_started.is_none() {
-            self.step_started = Some(Instant::now());
+        if self.progress.step_started.is_none() {
+            self.progress.step_started = Some(Instant::now());
         }
-        self.loss_sum += loss.f_double_value(&[])?;
-        self.loss_count += 1;
+        self.progress.loss_sum += loss.f_double_value(&[])?;
+        self.progress.loss_count += 1;
         let factor = self.loss_scale() / self.batch.gradient_accumulation_steps as f64;
         let _span = Phase::Backward.span().entered();
         let (started, comm_before) = (Instant::now(), self.times.comm());

@@ -54,9 +54,9 @@ impl Engine {
             (ParametersGathered, self.parameters.gathered.current),
             (GradientsFull, full),
             (GradientsShard, shard),
-            (MasterFp32, self.master.as_ref().map_or(0, |m| m.len() * 4)),
-            (OptimizerStates, self.optimizer.resident_bytes()),
-            (OptimizerStatesNvme, self.optimizer.swapped_bytes()),
+            (MasterFp32, self.shard.master.as_ref().map_or(0, |m| m.len() * 4)),
+            (OptimizerStates, self.shard.tier.resident_bytes()),
+            (OptimizerStatesNvme, self.shard.tier.swapped_bytes()),
             (CommunicationBuffers, staging + partition),
             (
                 FrozenParameters,
@@ -79,7 +79,7 @@ impl Engine {
         }
         let mut now = self.memory_bytes();
         now.extend_from_slice(extra);
-        let step = self.global_steps + 1;
+        let step = self.progress.global_steps + 1;
         self.memory.event(step, label(), &now);
     }
 
@@ -97,17 +97,17 @@ impl Engine {
     pub(super) fn end_of_step(&mut self) {
         let now = self.memory_bytes();
         let peaks = [(MemoryCategory::ParametersGathered, self.parameters.gathered.step_peak)];
-        self.memory.sample(self.global_steps, &now, &peaks);
+        self.memory.sample(self.progress.global_steps, &now, &peaks);
         self.parameters.gathered.step_peak = self.parameters.gathered.current;
         let times = self.times.end_step();
         if self.config.wall_clock_breakdown
             && self.rank() == 0
-            && self.config.steps_per_print.is_some_and(|k| self.global_steps % k == 0)
+            && self.config.steps_per_print.is_some_and(|k| self.progress.global_steps % k == 0)
         {
             let ms = |p: crate::report::Phase| times[p as usize].as_secs_f64() * 1e3;
             use crate::report::Phase::*;
             tracing::info!(
-                step = self.global_steps,
+                step = self.progress.global_steps,
                 forward_ms = ms(Forward),
                 backward_ms = ms(Backward),
                 step_ms = ms(Step),
@@ -117,7 +117,7 @@ impl Engine {
                 "wall_clock_breakdown"
             );
         }
-        self.step_started = None;
+        self.progress.step_started = None;
     }
 
     /// The mean time per step of each phase so far, as one line (`wall_clock_breakdown`).

@@ -5,14 +5,14 @@
 use tch::{nn, Kind, Tensor};
 use zerorun_offload::OptimizerTier as _;
 
-use super::counters::CommVolume;
+use super::counters::{self, CommVolume};
 use super::layout::FlatLayout;
 use super::plan::Optimized;
 use super::plan::{self, GradientPath, StagePlan};
 use super::sharded_unit::ShardedUnit;
 use super::{
-    allocator, engine_comm, frozen, grad_hooks, gradients, native, next_engine_id, optimizer, parameters,
-    swapped_params, units, variables, views, Engine, EngineOptions,
+    allocator, engine_comm, frozen, grad_hooks, gradients, native, next_engine_id, optimizer, optimizer_shard,
+    parameters, swapped_params, units, variables, views, Engine, EngineOptions,
 };
 use crate::comm::Communicator;
 use crate::config::{Config, OffloadDevice, OptimizerConfig, Precision, ZeroConfig};
@@ -373,21 +373,11 @@ impl Engine {
             comm_volume: CommVolume::default(),
             memory: MemoryTracker::default(),
             times: PhaseTimes::default(),
-            master,
             gradients,
-            optimizer,
-            groups,
-            optimized,
-            base_lr,
+            shard: optimizer_shard::OptimizerShard { optimized, master, tier: optimizer, groups, base_lr },
             scheduler,
             scaler,
-            micro_steps: 0,
-            global_steps: 0,
-            global_samples: 0,
-            skipped_steps: 0,
-            loss_sum: 0.0,
-            loss_count: 0,
-            step_started: None,
+            progress: counters::Progress::default(),
         };
         if plan.gradients == plan::GradientPath::Hooks {
             engine.grad_hooks = Some(grad_hooks::GradHooks::install(&engine.params)?);

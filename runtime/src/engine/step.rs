@@ -4,8 +4,9 @@
 use tch::Tensor;
 use zerorun_optim::loss_scale::StepDecision;
 use zerorun_optim::schedule::LrScheduler;
-use zerorun_optim::{norm, Grads, ParamsOut};
+use zerorun_optim::{norm, Grads};
 
+use super::optimizer_shard::StepTarget;
 use super::plan::{AfterStep, GradientPath};
 use super::{variables, views, Engine, StepOutcome};
 use crate::comm::{Collectives, ReduceOp};
@@ -17,7 +18,7 @@ impl Engine {
     /// Ends a micro-batch; at the accumulation boundary reduces gradients and steps the optimizer.
     pub fn step(&mut self) -> Result<StepOutcome> {
         if self.is_gradient_accumulation_boundary()
-            && self.loss_count == 0
+            && self.progress.loss_count == 0
             && self.gradient_fingerprint() == self.grad_mark
         {
             return Err(Error::Usage(
@@ -49,8 +50,8 @@ impl Engine {
                 sync.finish_hooked_reduction()?;
             }
         }
-        self.micro_steps += 1;
-        let boundary = self.micro_steps % self.batch.gradient_accumulation_steps == 0;
+        self.progress.micro_steps += 1;
+        let boundary = self.progress.micro_steps % self.batch.gradient_accumulation_steps == 0;
         // After backward: 16-bit models reduce every micro-batch and accumulate in fp32; fp32 models accumulate in
         // autograd. Hooks and unit walks reduced during backward already.
         let after_backward = self.plan.gradients == GradientPath::AfterBackward;
@@ -80,33 +81,33 @@ impl Engine {
             None => overflow && self.precision == Precision::Bf16 && self.config.bf16.check_grad_overflow,
         };
         if skip {
-            self.skipped_steps += 1;
-            self.global_steps += 1;
-            self.global_samples += self.batch.train_batch_size;
+            self.progress.skipped_steps += 1;
+            self.progress.global_steps += 1;
+            self.progress.global_samples += self.batch.train_batch_size;
             self.gradients.clear_accumulator();
             self.gradients.consume()?;
             let scale = self.loss_scale();
             tracing::warn!(
-                step = self.global_steps,
+                step = self.progress.global_steps,
                 scale,
                 "{:?} gradients overflowed; step skipped{}",
                 self.precision,
                 if self.scaler.is_some() { " (the loss scale drops once the hysteresis is used up)" } else { "" }
             );
             self.end_of_step();
-            return Ok(StepOutcome::Skipped { step: self.global_steps, loss, scale });
+            return Ok(StepOutcome::Skipped { step: self.progress.global_steps, loss, scale });
         }
         let grad_norm = (sq[0] as f64).sqrt() / scale;
         let coef = norm::clip_coefficient(grad_norm, self.config.gradient_clipping) / scale;
         if coef != 1.0 {
             norm::scale_in_place(self.grads(), coef as f32);
         }
-        for g in &mut self.groups {
+        for g in &mut self.shard.groups {
             g.lr = lr;
         }
         // OneCycle's cycle_momentum: beta1 (or SGD's momentum) follows the schedule, as the lr does.
         if let Some(momentum) = self.scheduler.as_ref().and_then(LrScheduler::momentum) {
-            self.optimizer.set_momentum(momentum);
+            self.shard.tier.set_momentum(momentum);
         }
         self.timed(Phase::Step, Self::apply_optimizer)?;
         self.memory_event(|| "optimizer step".into(), &[]);
@@ -126,14 +127,14 @@ impl Engine {
         if let Some(s) = self.scheduler.as_mut() {
             s.step();
         }
-        self.global_steps += 1;
-        self.global_samples += self.batch.train_batch_size;
+        self.progress.global_steps += 1;
+        self.progress.global_samples += self.batch.train_batch_size;
         if let Some(every) = self.config.steps_per_print {
-            if self.global_steps % every == 0 && self.rank() == 0 {
-                let secs = self.step_started.map_or(0.0, |t| t.elapsed().as_secs_f64());
+            if self.progress.global_steps % every == 0 && self.rank() == 0 {
+                let secs = self.progress.step_started.map_or(0.0, |t| t.elapsed().as_secs_f64());
                 let samples_per_s = if secs > 0.0 { self.batch.train_batch_size as f64 / secs } else { 0.0 };
                 tracing::info!(
-                    step = self.global_steps,
+                    step = self.progress.global_steps,
                     loss,
                     lr,
                     grad_norm,
@@ -144,12 +145,12 @@ impl Engine {
             }
         }
         self.end_of_step();
-        Ok(StepOutcome::Stepped { step: self.global_steps, loss, grad_norm, lr })
+        Ok(StepOutcome::Stepped { step: self.progress.global_steps, loss, grad_norm, lr })
     }
 
     /// The fp32 gradients of the optimized range.
     fn grads(&mut self) -> &mut [f32] {
-        self.gradients.for_step(&self.optimized)
+        self.gradients.for_step(&self.shard.optimized)
     }
 
     /// fp32 models at the boundary: reduce, and (stage 1 into a partition buffer) take the partition as fp32.
@@ -173,88 +174,34 @@ impl Engine {
 
     /// The mean loss over this step's micro-batches and all ranks.
     fn finish_loss(&mut self) -> Result<f64> {
-        let mut loss = [(self.loss_sum / self.loss_count.max(1) as f64) as f32];
+        let mut loss = [(self.progress.loss_sum / self.progress.loss_count.max(1) as f64) as f32];
         self.comm.all_reduce(&mut loss, ReduceOp::Avg)?;
-        self.loss_sum = 0.0;
-        self.loss_count = 0;
+        self.progress.loss_sum = 0.0;
+        self.progress.loss_count = 0;
         Ok(loss[0] as f64)
     }
 
     fn apply_optimizer(&mut self) -> Result<()> {
-        if self.parameters.steps_a_copy(&self.plan) {
-            return self.apply_optimizer_on_copy();
-        }
-        // Contiguous in `flat_params`: the flat range at stages 0-1, the shard buffer itself at stage 3.
-        let range = self.optimized.range();
-        match self.master.as_mut() {
-            None => {
-                // SAFETY: the optimizer step writes the flat parameters while no forward, backward or collective
-                // runs; the gradients it reads are another buffer (the staging or view partition, or grad_acc).
-                let params = &mut unsafe { views::slice::<f32>(&self.parameters.flat) }[range];
-                // The only view of the reduced gradients during the step (the parameters are another buffer).
-                let grads = self.gradients.for_step(&self.optimized);
-                self.optimizer.step(params, grads, &self.groups, None)?;
-            }
-            Some(master) => {
-                // The update writes the 16-bit model copy of the range in the same pass.
-                // SAFETY: as above: nothing else touches the flat parameters during the step.
-                let out = match self.precision {
-                    Precision::Bf16 => {
-                        ParamsOut::Bf16(&mut unsafe { views::slice::<half::bf16>(&self.parameters.flat) }[range])
-                    }
-                    _ => ParamsOut::F16(&mut unsafe { views::slice::<half::f16>(&self.parameters.flat) }[range]),
-                };
-                self.optimizer.step(master, self.gradients.accumulator(), &self.groups, Some(out))?;
-                self.gradients.clear_accumulator();
-            }
-        }
-        Ok(())
-    }
-
-    /// When this rank's shard is not one contiguous range in memory (stage 2 with units: a chunk of every unit
-    /// inside the full parameter buffer; stage 3 with parameters on NVMe), the optimizer steps a contiguous copy
-    /// of it (the fp32 values, or the 16-bit output with an fp32 master), which is then written back: a transient
-    /// buffer of one shard, not held between steps. 16-bit parameters on NVMe skip the copy.
-    fn apply_optimizer_on_copy(&mut self) -> Result<()> {
-        if let (Some(master), Some(swapped)) = (self.master.as_mut(), self.parameters.swapped.as_mut()) {
-            // 16-bit parameters on NVMe: step the master, then write each unit's rounded chunk (the same rounding
-            // as the step's own 16-bit output), with no copy of the shard.
-            self.optimizer.step(master, self.gradients.accumulator(), &self.groups, None)?;
-            self.gradients.clear_accumulator();
-            return swapped.write_all_from_f32(master);
-        }
-        if self.master.is_none() {
-            let scratch = self.read_shard()?;
-            // SAFETY: `scratch` is this step's own copy of the shard.
-            self.optimizer.step(
-                unsafe { views::slice::<f32>(&scratch) },
-                self.gradients.accumulator(),
-                &self.groups,
-                None,
-            )?;
-            return self.write_shard(&scratch);
-        }
-        let scratch = Tensor::zeros([self.optimized.len() as i64], (views::kind_of(self.precision), tch::Device::Cpu));
-        // SAFETY: `scratch` was just made here; nothing else holds it.
-        let out = match self.precision {
-            Precision::Bf16 => ParamsOut::Bf16(unsafe { views::slice::<half::bf16>(&scratch) }),
-            _ => ParamsOut::F16(unsafe { views::slice::<half::f16>(&scratch) }),
-        };
-        let master = self.master.as_mut().expect("checked above");
-        self.optimizer.step(master, self.gradients.accumulator(), &self.groups, Some(out))?;
-        self.gradients.clear_accumulator();
-        self.write_shard(&scratch)
+        let rank = self.rank();
+        self.shard.step(StepTarget {
+            parameters: &mut self.parameters,
+            gradients: &mut self.gradients,
+            layout: &self.layout,
+            plan: &self.plan,
+            precision: self.precision,
+            rank,
+        })
     }
 
     /// This rank's optimized values in the optimizer's order (see [`parameters::Parameters::read_shard`]).
     pub(super) fn read_shard(&mut self) -> Result<Tensor> {
         let rank = self.rank();
-        self.parameters.read_shard(&self.layout, rank, &self.plan, &self.optimized)
+        self.parameters.read_shard(&self.layout, rank, &self.plan, &self.shard.optimized)
     }
 
     /// Writes values in the optimizer's order into this rank's part of the parameters.
     pub(super) fn write_shard(&mut self, values: &Tensor) -> Result<()> {
         let rank = self.rank();
-        self.parameters.write_shard(values, &self.layout, rank, &self.plan, &self.optimized)
+        self.parameters.write_shard(values, &self.layout, rank, &self.plan, &self.shard.optimized)
     }
 }

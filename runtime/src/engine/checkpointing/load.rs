@@ -112,13 +112,13 @@ impl Engine {
                 return Err(mismatch(format!("variables differ: {}", problems.join("; "))).into());
             }
         }
-        let our_states: Vec<String> = self.optimizer.state_names();
-        if self.optimizer.name() != m.optimizer || our_states != m.state_names {
+        let our_states: Vec<String> = self.shard.tier.state_names();
+        if self.shard.tier.name() != m.optimizer || our_states != m.state_names {
             return Err(mismatch(format!(
                 "optimizer {} with {:?}, but the config builds {} with {:?}",
                 m.optimizer,
                 m.state_names,
-                self.optimizer.name(),
+                self.shard.tier.name(),
                 our_states
             ))
             .into());
@@ -128,13 +128,13 @@ impl Engine {
         // sub-group at a time, so the whole state is never assembled in memory.
         let pieces = self.optimized_pieces(self.rank());
         let mut reader = ShardReader::new(&saved, &self.layout.slots, &pieces);
-        let mut values = vec![0f32; self.optimized.len()];
+        let mut values = vec![0f32; self.shard.optimized.len()];
         reader.read(0..values.len(), &["params"], &mut [&mut values])?;
         let names: Vec<&str> = m.state_names.iter().map(String::as_str).collect();
-        self.optimizer.import_from(m.optimizer_steps, &mut |range, out| {
+        self.shard.tier.import_from(m.optimizer_steps, &mut |range, out| {
             reader.read(range, &names, out).map_err(|e| zerorun_offload::TierError::Fill(Box::new(e)))
         })?;
-        if let Some(master) = &mut self.master {
+        if let Some(master) = &mut self.shard.master {
             master.copy_from_slice(&values);
         }
         self.write_shard(&tch::Tensor::from_slice(&values))?;
@@ -164,19 +164,19 @@ impl Engine {
         if let Some(p) = m.params.iter().find(|p| !p.dtype.is_empty() && p.dtype != dtype_name(self.precision)) {
             tracing::info!(saved = %p.dtype, now = dtype_name(self.precision), "the checkpoint was saved in another precision; values come from its fp32 master");
         }
-        self.global_steps = m.global_steps;
-        self.global_samples = m.global_samples;
-        self.skipped_steps = m.skipped_steps;
-        self.micro_steps = 0;
-        self.loss_sum = 0.0;
-        self.loss_count = 0;
+        self.progress.global_steps = m.global_steps;
+        self.progress.global_samples = m.global_samples;
+        self.progress.skipped_steps = m.skipped_steps;
+        self.progress.micro_steps = 0;
+        self.progress.loss_sum = 0.0;
+        self.progress.loss_count = 0;
         self.gradients.clear_accumulator();
         self.gradients.consume()?;
         self.grad_mark = self.gradient_fingerprint();
         self.comm.barrier()?;
         tracing::info!(
             tag,
-            step = self.global_steps,
+            step = self.progress.global_steps,
             from_world_size = m.world_size,
             from_stage = m.stage,
             "checkpoint loaded"

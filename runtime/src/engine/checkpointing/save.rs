@@ -26,7 +26,7 @@ impl Engine {
 
     /// The fp32 values of this rank's optimized range (the master copy, or the parameters themselves in fp32).
     fn optimized_values(&mut self) -> Result<Vec<f32>> {
-        Ok(match &self.master {
+        Ok(match &self.shard.master {
             Some(m) => m.to_vec(),
             None => Vec::<f32>::try_from(&self.read_shard()?).expect("fp32 parameters"),
         })
@@ -42,7 +42,7 @@ impl Engine {
     /// [`Engine::save_checkpoint`] with options (DeepSpeed's `exclude_frozen_parameters`).
     pub fn save_checkpoint_with(&mut self, dir: impl AsRef<Path>, options: &SaveOptions) -> Result<PathBuf> {
         let dir = dir.as_ref();
-        let tag = options.tag.clone().unwrap_or_else(|| format!("global_step{}", self.global_steps));
+        let tag = options.tag.clone().unwrap_or_else(|| format!("global_step{}", self.progress.global_steps));
         let with_frozen = !options.exclude_frozen_parameters;
         check_tag(&tag)?;
         let tag = self.agree_on_tag(tag)?;
@@ -65,10 +65,10 @@ impl Engine {
         if writes {
             let values = self.optimized_values()?;
             let mut tensors = vec![("params".to_string(), vec![values.len()])];
-            tensors.extend(self.optimizer.state_names().into_iter().map(|n| (n, vec![values.len()])));
+            tensors.extend(self.shard.tier.state_names().into_iter().map(|n| (n, vec![values.len()])));
             let file = staging.join(format!("rank{rank}.safetensors"));
             // State buffers stream from wherever they live (NVMe: one sub-group at a time).
-            let optimizer = &mut self.optimizer;
+            let optimizer = &mut self.shard.tier;
             let crc = files::write_safetensors(&file, &tensors, "F32", |i, w| {
                 if i == 0 {
                     files::write_f32(w, &values)
@@ -112,12 +112,12 @@ impl Engine {
             let manifest = Manifest {
                 format_version: FORMAT_VERSION,
                 tag: tag.clone(),
-                global_steps: self.global_steps,
-                global_samples: self.global_samples,
-                skipped_steps: self.skipped_steps,
-                optimizer_steps: self.optimizer.step_count(),
-                optimizer: self.optimizer.name().to_string(),
-                state_names: self.optimizer.state_names(),
+                global_steps: self.progress.global_steps,
+                global_samples: self.progress.global_samples,
+                skipped_steps: self.progress.skipped_steps,
+                optimizer_steps: self.shard.tier.step_count(),
+                optimizer: self.shard.tier.name().to_string(),
+                state_names: self.shard.tier.state_names(),
                 scheduler_last_batch_iteration: self.scheduler.as_ref().map(|s| s.last_batch_iteration),
                 loss_scaler: self.scaler.as_ref().map(|s| s.state.clone()),
                 world_size: ws,
@@ -162,7 +162,7 @@ impl Engine {
             files::write_atomic(&dir.join("latest"), tag.as_bytes())?;
         }
         self.comm.barrier()?;
-        tracing::info!(tag, step = self.global_steps, "checkpoint saved");
+        tracing::info!(tag, step = self.progress.global_steps, "checkpoint saved");
         Ok(dir.join(tag))
     }
 }
