@@ -284,57 +284,11 @@ impl Engine {
             None
         };
 
-        let optimized = plan.optimized(&layout, rank);
-        let master = (precision != Precision::Fp32).then(|| {
-            let part = parameters::shard_values(&flat_params, &layout, rank, &plan, &optimized).to_kind(Kind::Float);
-            // SAFETY: `part` is a fresh fp32 copy (to_kind) nothing else holds.
-            AlignedVec::from_slice(unsafe { views::slice::<f32>(&part) })
-        });
-        let swapped_params = if plan.partitions_parameters() && z.offload_param.device == OffloadDevice::Nvme {
-            let chunks = sharded_units.iter().map(|u| u.shard_range(world_size)).collect();
-            let persistent: Vec<bool> = sharded_units.iter().map(|u| u.persistent).collect();
-            let prefix = format!("zerorun-{}-{}-rank{rank}-params", std::process::id(), next_engine_id());
-            let swapped = swapped_params::SwappedParams::new(
-                &flat_params,
-                chunks,
-                &persistent,
-                &z.offload_param,
-                io_config(&config),
-                &prefix,
-            )?;
-            flat_params = Tensor::zeros([0], (kind, tch::Device::Cpu));
-            Some(swapped)
-        } else {
-            if plan.partitions_parameters() && z.offload_param.device == OffloadDevice::Cpu {
-                tracing::info!(
-                    rank,
-                    "offload_param.device = cpu: a CPU run keeps parameter shards in host memory already"
-                );
-            }
-            None
-        };
-        let (optimizer, base_lr, weight_decay) = optimizer_tier(&config, optimized.len(), rank, next_engine_id())?;
-        let runs = match &optimized {
-            Optimized::Shard(_) => layout.shard_decay_runs(rank),
-            Optimized::Flat(plan::FlatRange(range)) => layout.decay_runs(range.clone()),
-        };
-        let groups = runs
-            .into_iter()
-            .map(|(range, decay)| Group { range, lr: base_lr, weight_decay: if decay { weight_decay } else { 0.0 } })
-            .collect();
-        let scheduler = optimizer::scheduler(&config, base_lr);
+        let shard = optimizer_shard(&config, &plan, &layout, &flat_params, rank)?;
+        let swapped_params = swap_parameters_out(&mut flat_params, &sharded_units, &plan, &config, rank, world_size)?;
+        let scheduler = optimizer::scheduler(&config, shard.base_lr);
         let gradients = gradients::Gradients::new(&config, &plan, &layout, &params, rank, shared)?;
-        let scaler = config.fp16.enabled.then(|| {
-            let f = &config.fp16;
-            LossScaler::new(LossScalerConfig::from_fp16(
-                f.loss_scale,
-                f.initial_scale_power,
-                f.loss_scale_window,
-                f.hysteresis,
-                f.consecutive_hysteresis,
-                f.min_loss_scale,
-            ))
-        });
+        let scaler = loss_scaler(&config);
         if precision == Precision::Fp16 && rank == 0 {
             // Every parameter is on the CPU (checked in `arrange`).
             tracing::warn!("fp16 on the CPU: libtorch runs Half matmuls with a slow reference kernel on most CPUs (hundreds of times slower than bf16); bf16.enabled saves the same memory at full speed");
@@ -374,7 +328,7 @@ impl Engine {
             memory: MemoryTracker::default(),
             times: PhaseTimes::default(),
             gradients,
-            shard: optimizer_shard::OptimizerShard { optimized, master, tier: optimizer, groups, base_lr },
+            shard,
             scheduler,
             scaler,
             progress: counters::Progress::default(),
@@ -389,4 +343,73 @@ impl Engine {
         engine.memory_event_initialized();
         Ok(engine)
     }
+}
+
+/// This rank's optimizer side: the values it steps (by the plan), their fp32 master for a 16-bit model (from
+/// `flat`, before the shard may move to NVMe), the optimizer and its tier, and the groups with their weight decay.
+fn optimizer_shard(
+    config: &Config,
+    plan: &StagePlan,
+    layout: &FlatLayout,
+    flat: &Tensor,
+    rank: usize,
+) -> Result<optimizer_shard::OptimizerShard> {
+    let optimized = plan.optimized(layout, rank);
+    let master = (config.precision() != Precision::Fp32).then(|| {
+        let part = parameters::shard_values(flat, layout, rank, plan, &optimized).to_kind(Kind::Float);
+        // SAFETY: `part` is a fresh fp32 copy (to_kind) nothing else holds.
+        AlignedVec::from_slice(unsafe { views::slice::<f32>(&part) })
+    });
+    let (tier, base_lr, weight_decay) = optimizer_tier(config, optimized.len(), rank, next_engine_id())?;
+    let runs = match &optimized {
+        Optimized::Shard(_) => layout.shard_decay_runs(rank),
+        Optimized::Flat(plan::FlatRange(range)) => layout.decay_runs(range.clone()),
+    };
+    let groups = runs
+        .into_iter()
+        .map(|(range, decay)| Group { range, lr: base_lr, weight_decay: if decay { weight_decay } else { 0.0 } })
+        .collect();
+    Ok(optimizer_shard::OptimizerShard { optimized, master, tier, groups, base_lr })
+}
+
+/// Stage 3 with `offload_param.device = nvme`: moves this rank's shard out of `flat` (left empty) into swap files.
+fn swap_parameters_out(
+    flat: &mut Tensor,
+    units: &[ShardedUnit],
+    plan: &StagePlan,
+    config: &Config,
+    rank: usize,
+    world_size: usize,
+) -> Result<Option<swapped_params::SwappedParams>> {
+    let offload = &config.zero_optimization.offload_param;
+    if !plan.partitions_parameters() {
+        return Ok(None);
+    }
+    if offload.device != OffloadDevice::Nvme {
+        if offload.device == OffloadDevice::Cpu {
+            tracing::info!(rank, "offload_param.device = cpu: a CPU run keeps parameter shards in host memory already");
+        }
+        return Ok(None);
+    }
+    let chunks = units.iter().map(|u| u.shard_range(world_size)).collect();
+    let persistent: Vec<bool> = units.iter().map(|u| u.persistent).collect();
+    let prefix = format!("zerorun-{}-{}-rank{rank}-params", std::process::id(), next_engine_id());
+    let swapped = swapped_params::SwappedParams::new(flat, chunks, &persistent, offload, io_config(config), &prefix)?;
+    *flat = Tensor::zeros([0], (flat.kind(), tch::Device::Cpu));
+    Ok(Some(swapped))
+}
+
+/// fp16's dynamic (or static) loss scaler, as DeepSpeed configures it.
+fn loss_scaler(config: &Config) -> Option<LossScaler> {
+    config.fp16.enabled.then(|| {
+        let f = &config.fp16;
+        LossScaler::new(LossScalerConfig::from_fp16(
+            f.loss_scale,
+            f.initial_scale_power,
+            f.loss_scale_window,
+            f.hysteresis,
+            f.consecutive_hysteresis,
+            f.min_loss_scale,
+        ))
+    })
 }

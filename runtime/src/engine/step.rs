@@ -81,21 +81,7 @@ impl Engine {
             None => overflow && self.precision == Precision::Bf16 && self.config.bf16.check_grad_overflow,
         };
         if skip {
-            self.progress.skipped_steps += 1;
-            self.progress.global_steps += 1;
-            self.progress.global_samples += self.batch.train_batch_size;
-            self.gradients.clear_accumulator();
-            self.gradients.consume()?;
-            let scale = self.loss_scale();
-            tracing::warn!(
-                step = self.progress.global_steps,
-                scale,
-                "{:?} gradients overflowed; step skipped{}",
-                self.precision,
-                if self.scaler.is_some() { " (the loss scale drops once the hysteresis is used up)" } else { "" }
-            );
-            self.end_of_step();
-            return Ok(StepOutcome::Skipped { step: self.progress.global_steps, loss, scale });
+            return self.skip_step(loss);
         }
         let grad_norm = (sq[0] as f64).sqrt() / scale;
         let coef = norm::clip_coefficient(grad_norm, self.config.gradient_clipping) / scale;
@@ -112,6 +98,38 @@ impl Engine {
         self.timed(Phase::Step, Self::apply_optimizer)?;
         self.memory_event(|| "optimizer step".into(), &[]);
         self.gradients.consume()?;
+        self.after_step()?;
+        if let Some(s) = self.scheduler.as_mut() {
+            s.step();
+        }
+        self.progress.global_steps += 1;
+        self.progress.global_samples += self.batch.train_batch_size;
+        self.log_step(loss, lr, grad_norm);
+        self.end_of_step();
+        Ok(StepOutcome::Stepped { step: self.progress.global_steps, loss, grad_norm, lr })
+    }
+
+    /// A step skipped for overflowed gradients: counted, gradients dropped, no update.
+    fn skip_step(&mut self, loss: f64) -> Result<StepOutcome> {
+        self.progress.skipped_steps += 1;
+        self.progress.global_steps += 1;
+        self.progress.global_samples += self.batch.train_batch_size;
+        self.gradients.clear_accumulator();
+        self.gradients.consume()?;
+        let scale = self.loss_scale();
+        tracing::warn!(
+            step = self.progress.global_steps,
+            scale,
+            "{:?} gradients overflowed; step skipped{}",
+            self.precision,
+            if self.scaler.is_some() { " (the loss scale drops once the hysteresis is used up)" } else { "" }
+        );
+        self.end_of_step();
+        Ok(StepOutcome::Skipped { step: self.progress.global_steps, loss, scale })
+    }
+
+    /// What brings every rank's updated values to the others ([`AfterStep`]).
+    fn after_step(&mut self) -> Result<()> {
         match self.plan.after_step() {
             AfterStep::Nothing => {}
             AfterStep::AllGatherFlat => {
@@ -124,28 +142,26 @@ impl Engine {
                 self.timed(Phase::AllGather, Self::refresh_gathered_units)?;
             }
         }
-        if let Some(s) = self.scheduler.as_mut() {
-            s.step();
+        Ok(())
+    }
+
+    /// `steps_per_print`: rank 0 logs the step's loss, learning rate, norm, scale and throughput.
+    fn log_step(&self, loss: f64, lr: f64, grad_norm: f64) {
+        let Some(every) = self.config.steps_per_print else { return };
+        if self.progress.global_steps % every != 0 || self.rank() != 0 {
+            return;
         }
-        self.progress.global_steps += 1;
-        self.progress.global_samples += self.batch.train_batch_size;
-        if let Some(every) = self.config.steps_per_print {
-            if self.progress.global_steps % every == 0 && self.rank() == 0 {
-                let secs = self.progress.step_started.map_or(0.0, |t| t.elapsed().as_secs_f64());
-                let samples_per_s = if secs > 0.0 { self.batch.train_batch_size as f64 / secs } else { 0.0 };
-                tracing::info!(
-                    step = self.progress.global_steps,
-                    loss,
-                    lr,
-                    grad_norm,
-                    loss_scale = self.loss_scale(),
-                    samples_per_s,
-                    "train"
-                );
-            }
-        }
-        self.end_of_step();
-        Ok(StepOutcome::Stepped { step: self.progress.global_steps, loss, grad_norm, lr })
+        let secs = self.progress.step_started.map_or(0.0, |t| t.elapsed().as_secs_f64());
+        let samples_per_s = if secs > 0.0 { self.batch.train_batch_size as f64 / secs } else { 0.0 };
+        tracing::info!(
+            step = self.progress.global_steps,
+            loss,
+            lr,
+            grad_norm,
+            loss_scale = self.loss_scale(),
+            samples_per_s,
+            "train"
+        );
     }
 
     /// The fp32 gradients of the optimized range.
