@@ -9,13 +9,14 @@
 //! writes the updated 16-bit parameters in the same pass, and stages 1-2 all-gather them.
 //!
 //! With the model's units (see [`units`]): stage 3 keeps one buffer per unit, gathered only while the unit runs
-//! (`sharded_unit.rs`, `stage3.rs`); stage 2 walks the same units in backward and reduces each unit's gradients at once.
-//! Stage 2 of a plain loop lays buckets out like units and reduces each when autograd's hooks say its gradients are
-//! all written (`grad_hooks.rs`).
-//! Optimizer states live in memory or on NVMe (zerorun-offload's `OptimizerTier`); so does stage 3's
-//! parameter shard (`swapped_params.rs`).
-//! `setup.rs` holds how `Engine::new` builds all of it, one decision per function; `shard.rs` where this rank's
-//! optimized values live; mod.rs the Engine itself: backward, the optimizer step and what it takes.
+//! (`sharded_unit.rs`, `unit_walk.rs`); stage 2 walks the same units in backward and reduces each unit's gradients
+//! at once. Stage 2 of a plain loop lays buckets out like units and reduces each when autograd's hooks say its
+//! gradients are all written (`grad_hooks.rs`).
+//!
+//! The Engine keeps what every strategy shares (config, communicator, schedule, loss scaler, progress, reports)
+//! and calls the parts that own the rest: `plan.rs` decides, `parameters.rs` holds the values (and the units),
+//! `gradients.rs` and `bucket.rs` reduce, `optimizer_shard.rs` steps this rank's values (states in memory or on
+//! NVMe through zerorun-offload's `OptimizerTier`), `step.rs` runs the optimizer step, `setup.rs` builds it all.
 mod allocator;
 mod bucket;
 mod builders;

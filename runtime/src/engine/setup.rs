@@ -1,14 +1,14 @@
 //! How an [`Engine`](super::Engine) is put together, one decision per function: what the stage asks for
 //! ([`StagePlan`]), which parameters and in what layout ([`arrange`]), where they live ([`pack`] for stages 0-2;
-//! stage 3 shards in `stage3.rs`), and the optimizer and where its states live ([`optimizer_tier`]). `Engine::new` calls them in that order, then
-//! sizes the gradient buffers (`gradients.rs`).
+//! stage 3 shards unit by unit in `unit_walk.rs`, and may move its shard to NVMe: `swap_parameters_out`), this
+//! rank's optimizer and where its states live (`optimizer_shard`, [`optimizer_tier`]), the gradient buffers
+//! (`gradients.rs`) and the loss scaler. `Engine::new_materialized` calls them in that order.
 use tch::{nn, Kind, Tensor};
 use zerorun_offload::OptimizerTier as _;
 
 use super::counters::{self, CommVolume};
 use super::layout::FlatLayout;
-use super::plan::Optimized;
-use super::plan::{self, GradientPath, StagePlan};
+use super::plan::{self, GradientPath, Optimized, StagePlan};
 use super::sharded_unit::ShardedUnit;
 use super::{
     allocator, engine_comm, frozen, grad_hooks, gradients, native, next_engine_id, optimizer, optimizer_shard,
