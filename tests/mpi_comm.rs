@@ -12,6 +12,8 @@ use zerorun::runtime::comm::env::communicator_from_env;
 
 #[path = "common/conformance.rs"]
 mod conformance;
+#[path = "common/groups.rs"]
+mod groups;
 
 #[test]
 #[ignore = "the ranks' entry point, run by the tests below under mpirun"]
@@ -20,6 +22,11 @@ fn worker_entry() {
         Ok("mpi-conformance") => {
             let c = communicator_from_env(Duration::from_secs(120)).unwrap();
             conformance::run(c.as_ref());
+        }
+        Ok("mpi-groups") => {
+            let c = communicator_from_env(Duration::from_secs(120)).unwrap();
+            groups::point_to_point(c.as_ref());
+            groups::groups(c.as_ref());
         }
         Ok("mpi-loop") => {
             let c = communicator_from_env(Duration::from_secs(60)).unwrap();
@@ -107,6 +114,25 @@ fn mpi_conformance_at_world_sizes_2_to_4() {
         assert!(out.status.success(), "mpirun -np {n}:\n{text}\n{}", String::from_utf8_lossy(&out.stderr));
         for r in 0..n {
             assert!(text.contains(&format!("conformance ok on rank {r}")), "-np {n}, rank {r}:\n{text}");
+        }
+    }
+}
+
+#[test]
+fn mpi_point_to_point_and_groups_at_world_sizes_2_to_4() {
+    for n in 2..=4 {
+        let out = Command::new("mpirun")
+            .args(["--allow-run-as-root", "--oversubscribe", "-np", &n.to_string(), "-x", "ZERORUN_TEST_WORKER"])
+            .arg(std::env::current_exe().unwrap())
+            .args(["--exact", "worker_entry", "--ignored", "--nocapture", "--test-threads", "1"])
+            .env("ZERORUN_TEST_WORKER", "mpi-groups")
+            .env_remove("ZERORUN_BACKEND")
+            .output()
+            .expect("mpirun (make setup installs openmpi-bin)");
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "mpirun -np {n}:\n{text}\n{}", String::from_utf8_lossy(&out.stderr));
+        for r in 0..n {
+            assert!(text.contains(&format!("groups ok on rank {r}")), "-np {n}, rank {r}:\n{text}");
         }
     }
 }

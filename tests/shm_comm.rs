@@ -11,6 +11,8 @@ use zerorun::runtime::comm::{Collectives, ReduceOp};
 
 #[path = "common/conformance.rs"]
 mod conformance;
+#[path = "common/groups.rs"]
+mod groups;
 
 /// Worker: all-reduces for up to a minute; writes its pid where the test can find it.
 fn loop_worker() {
@@ -32,6 +34,11 @@ fn loop_worker() {
 fn worker_entry() {
     match std::env::var("ZERORUN_TEST_WORKER").as_deref() {
         Ok("conformance") => conformance::run(communicator_from_env(Duration::from_secs(60)).unwrap().as_ref()),
+        Ok("groups") => {
+            let c = communicator_from_env(Duration::from_secs(60)).unwrap();
+            groups::point_to_point(c.as_ref());
+            groups::groups(c.as_ref());
+        }
         Ok("loop") => loop_worker(),
         _ => {}
     }
@@ -83,6 +90,31 @@ fn shm_conformance_at_world_sizes_1_to_4_direct_and_staged() {
             );
         }
     }
+}
+
+#[test]
+fn shm_point_to_point_and_groups_direct_and_staged() {
+    let dir = std::env::temp_dir();
+    let before = segments();
+    for (n, staged) in [(2, false), (3, false), (4, false), (2, true), (4, true)] {
+        let mut cmd = launch(n, "groups", &dir);
+        if staged {
+            cmd.env("ZERORUN_SHM_STAGING", "1");
+        }
+        let out = cmd.output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "world size {n} (staged {staged}):\n{text}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        for r in 0..n {
+            assert!(text.contains(&format!("groups ok on rank {r}")), "world size {n}, rank {r}:\n{text}");
+        }
+    }
+    // Every group's segment is gone too.
+    let after: Vec<String> = segments().into_iter().filter(|s| !before.contains(s)).collect();
+    assert!(after.is_empty(), "left in /dev/shm: {after:?}");
 }
 
 #[test]

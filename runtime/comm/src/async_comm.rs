@@ -6,6 +6,7 @@ use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender, TryRecvError}
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use super::groups::Split;
 use super::{BufMut, BufRef, Collectives, CommError, CommResult, Communicator, Dtype, Element, ReduceOp};
 
 type Job = Box<dyn FnOnce(&dyn Communicator) + Send>;
@@ -123,6 +124,19 @@ impl CommThread {
         self.submit("all_gather", move |c| c.all_gather_in_place(&mut buf).map(|_| buf))
     }
 
+    /// Sends an owned buffer to rank `dst`; the handle gives it back once `dst` has it. Jobs run in submission
+    /// order, and a send waits for its receive: two ranks that send to each other order their calls (one sends
+    /// first), as with the blocking calls.
+    pub fn isend<T: Element>(&self, buf: Vec<T>, dst: usize) -> Handle<Vec<T>> {
+        self.submit("send", move |c| c.send(&buf, dst).map(|_| buf))
+    }
+
+    /// Receives into an owned buffer from rank `src` (its length and type must match the send); the handle gives
+    /// it back filled.
+    pub fn irecv<T: Element>(&self, mut buf: Vec<T>, src: usize) -> Handle<Vec<T>> {
+        self.submit("recv", move |c| c.recv(&mut buf, src).map(|_| buf))
+    }
+
     /// Finishes the queued jobs and returns the communicator.
     pub fn into_inner(mut self) -> Box<dyn Communicator> {
         self.jobs.take();
@@ -199,6 +213,21 @@ impl Communicator for CommThread {
 
     fn barrier(&self) -> CommResult<()> {
         self.submit("barrier", |c| c.barrier()).wait()
+    }
+
+    fn send_buf(&self, buf: BufRef<'_>, dst: usize) -> CommResult<()> {
+        let raw = RawBuf::new(buf.bytes.as_ptr() as *mut u8, buf.bytes.len(), buf.dtype);
+        self.submit("send", move |c| c.send_buf(unsafe { raw.buf_ref() }, dst)).wait()
+    }
+
+    fn recv_buf(&self, buf: BufMut<'_>, src: usize) -> CommResult<()> {
+        let raw = RawBuf::new(buf.bytes.as_mut_ptr(), buf.bytes.len(), buf.dtype);
+        self.submit("recv", move |c| c.recv_buf(unsafe { raw.buf_mut() }, src)).wait()
+    }
+
+    fn split_group(&self, split: &Split) -> CommResult<Option<Box<dyn Communicator>>> {
+        let split = split.clone();
+        self.submit("split", move |c| c.split_group(&split)).wait()
     }
 }
 

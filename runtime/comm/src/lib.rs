@@ -10,6 +10,7 @@ pub mod async_comm;
 pub mod buffer;
 mod cma;
 pub mod env;
+pub mod groups;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 #[cfg(feature = "nccl")]
@@ -53,6 +54,14 @@ pub enum CommError {
     OpMismatch { op: &'static str, rank: usize, ops: Vec<&'static str> },
     #[error("rendezvous of rank {rank} of {world_size} at {place}: {what}")]
     Rendezvous { rank: usize, world_size: usize, place: String, what: String },
+    #[error(
+        "{op} from rank {src} to rank {dst}: the send has {} {:?} elements and the receive expects {} {:?} elements",
+        sent.0, sent.1, expected.0, expected.1
+    )]
+    P2pMismatch { op: &'static str, src: usize, dst: usize, sent: (usize, Dtype), expected: (usize, Dtype) },
+    /// An error of a group made by `split` or `new_group`, with the group's name.
+    #[error("group {group}: {error}")]
+    InGroup { group: String, error: Box<CommError> },
 }
 
 pub type CommResult<T> = std::result::Result<T, CommError>;
@@ -71,6 +80,19 @@ pub trait Communicator: Send {
     /// Every rank ends with `root`'s `buf`.
     fn broadcast_buf(&self, buf: BufMut<'_>, root: usize) -> CommResult<()>;
     fn barrier(&self) -> CommResult<()>;
+    /// Sends `buf` to rank `dst` of this group and returns once `dst` has it (a rendezvous: the receive checks the
+    /// size and element type, and a mismatch is an error on both ends).
+    fn send_buf(&self, buf: BufRef<'_>, dst: usize) -> CommResult<()>;
+    /// Receives into `buf` what rank `src` of this group sends.
+    fn recv_buf(&self, buf: BufMut<'_>, src: usize) -> CommResult<()>;
+    /// This rank's communicator of the group `split` (agreed by every rank of this group, see
+    /// [`groups::Split`]) makes, or None when this rank is in no group. Collective over this group; use
+    /// [`Collectives::split`] or [`Collectives::new_group`].
+    fn split_group(&self, split: &groups::Split) -> CommResult<Option<Box<dyn Communicator>>>;
+    /// The group's name, as its errors give it: "world" for the job's group.
+    fn group_name(&self) -> String {
+        "world".into()
+    }
     /// Whether peers read buffers in this process's [`region::SharedRegion`] through their own mapping (one
     /// memcpy), so the engine should allocate the buffers it hands to collectives there.
     fn prefers_shared_buffers(&self) -> bool {
@@ -91,6 +113,22 @@ pub trait Collectives: Communicator {
     }
     fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> CommResult<()> {
         self.broadcast_buf(BufMut::new(buf), root)
+    }
+    fn send<T: Element>(&self, buf: &[T], dst: usize) -> CommResult<()> {
+        self.send_buf(BufRef::new(buf), dst)
+    }
+    fn recv<T: Element>(&self, buf: &mut [T], src: usize) -> CommResult<()> {
+        self.recv_buf(BufMut::new(buf), src)
+    }
+    /// MPI_Comm_split: ranks that pass the same `color` form a group, ranked by `key` and then by their rank here;
+    /// `None` joins no group (and gets None). Collective over this group.
+    fn split(&self, color: Option<u32>, key: i64) -> CommResult<Option<Box<dyn Communicator>>> {
+        groups::split(self, color, key, None, None)
+    }
+    /// The group of `ranks` (of this group, in the new group's rank order), named by them; None on the other
+    /// ranks. Collective over this group: every rank calls it with the same list.
+    fn new_group(&self, ranks: &[usize]) -> CommResult<Option<Box<dyn Communicator>>> {
+        groups::new_group(self, ranks)
     }
 }
 

@@ -17,9 +17,10 @@ use mpi::topology::{Communicator as _, SimpleCommunicator};
 use mpi::traits::*;
 
 use super::agreement::{self, Call};
+use super::groups::{self, Split};
 use super::{reduce_into, BufMut, BufRef, CommError, CommResult, Communicator, Dtype, ReduceOp};
 
-/// One rank's MPI communicator (MPI_COMM_WORLD).
+/// One rank's MPI communicator: MPI_COMM_WORLD, or a group split from it (MPI_Comm_split).
 pub struct MpiComm {
     world: SimpleCommunicator,
     rank: usize,
@@ -30,7 +31,9 @@ pub struct MpiComm {
     /// Reused staging: the blocks sent, the blocks received, this rank's block. They only grow, so a training loop
     /// allocates (and page-faults) nothing per collective. u64 words keep every element type aligned.
     staging: RefCell<[Vec<u64>; 3]>,
-    _universe: mpi::environment::Universe,
+    /// MPI stays initialised while any of the job's communicators lives (dropped after `world`, which is freed
+    /// first: fields drop in order).
+    _universe: std::sync::Arc<mpi::environment::Universe>,
 }
 
 /// The first `bytes` bytes of `v`, grown (zeroed) if shorter.
@@ -85,7 +88,7 @@ impl MpiComm {
             current,
             epoch,
             staging: RefCell::new([Vec::new(), Vec::new(), Vec::new()]),
-            _universe: universe,
+            _universe: std::sync::Arc::new(universe),
         })
     }
 
@@ -196,5 +199,71 @@ impl Communicator for MpiComm {
     fn barrier(&self) -> CommResult<()> {
         self.watch("barrier", || self.world.barrier());
         Ok(())
+    }
+
+    fn send_buf(&self, buf: BufRef<'_>, dst: usize) -> CommResult<()> {
+        const OP: &str = "send";
+        groups::check_peer(OP, self.rank, self.world_size, dst)?;
+        let peer = self.world.process_at_rank(dst as i32);
+        let transfer =
+            groups::Transfer { op: OP, rank: self.rank, peer: dst, sending: true, len: buf.len(), dtype: buf.dtype };
+        groups::header_handshake(
+            &transfer,
+            |w| {
+                self.watch(OP, || peer.send(w));
+                Ok(())
+            },
+            |w| {
+                self.watch(OP, || peer.receive_into(w));
+                Ok(())
+            },
+        )?;
+        if !buf.bytes.is_empty() {
+            self.watch(OP, || peer.send(buf.bytes));
+        }
+        Ok(())
+    }
+
+    fn recv_buf(&self, buf: BufMut<'_>, src: usize) -> CommResult<()> {
+        const OP: &str = "recv";
+        groups::check_peer(OP, self.rank, self.world_size, src)?;
+        let peer = self.world.process_at_rank(src as i32);
+        let transfer =
+            groups::Transfer { op: OP, rank: self.rank, peer: src, sending: false, len: buf.len(), dtype: buf.dtype };
+        groups::header_handshake(
+            &transfer,
+            |w| {
+                self.watch(OP, || peer.send(w));
+                Ok(())
+            },
+            |w| {
+                self.watch(OP, || peer.receive_into(w));
+                Ok(())
+            },
+        )?;
+        if !buf.bytes.is_empty() {
+            self.watch(OP, || peer.receive_into(&mut buf.bytes[..]));
+        }
+        Ok(())
+    }
+
+    /// MPI_Comm_split with the agreed order as the key; the group shares this one's watchdog.
+    fn split_group(&self, split: &Split) -> CommResult<Option<Box<dyn Communicator>>> {
+        let color = match split.color(self.rank) {
+            Some(c) => mpi::topology::Color::with_value(c as i32),
+            None => mpi::topology::Color::undefined(),
+        };
+        let made = self.watch("split", || self.world.split_by_color_with_key(color, split.key() as i32));
+        Ok(made.map(|world| {
+            Box::new(MpiComm {
+                rank: world.rank() as usize,
+                world_size: world.size() as usize,
+                world,
+                current: self.current.clone(),
+                epoch: self.epoch,
+                staging: RefCell::new([Vec::new(), Vec::new(), Vec::new()]),
+                _universe: self._universe.clone(),
+            }) as Box<dyn Communicator>
+        }))
     }
 }

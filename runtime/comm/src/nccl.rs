@@ -13,7 +13,8 @@ use cudarc::driver::{CudaContext, CudaStream};
 use cudarc::nccl::{Comm, Id, ReduceOp as NcclOp};
 use half::{bf16, f16};
 
-use super::{BufMut, BufRef, CommError, CommResult, Communicator, Dtype, ReduceOp};
+use super::groups::{self, Split};
+use super::{BufMut, BufRef, Collectives, CommError, CommResult, Communicator, Dtype, ReduceOp};
 
 fn dl_ok(name: &str) -> bool {
     let c = std::ffi::CString::new(name).expect("no NUL in library names");
@@ -49,6 +50,7 @@ pub fn preflight(rank: usize, world_size: usize) -> CommResult<()> {
 pub struct NcclComm {
     comm: Comm,
     stream: Arc<CudaStream>,
+    device: usize,
     rank: usize,
     world_size: usize,
 }
@@ -99,7 +101,44 @@ impl NcclComm {
         let id = Id::uninit(id.map(|b| b as std::ffi::c_char));
         let comm =
             Comm::from_rank(stream.clone(), rank, world_size, id).map_err(|e| nccl_err("rendezvous", rank, e.0))?;
-        Ok(NcclComm { comm, stream, rank, world_size })
+        Ok(NcclComm { comm, stream, device, rank, world_size })
+    }
+
+    /// Sends (`Some`) or receives (`None`, into `into`) bytes from `peer`, through device memory.
+    fn p2p_bytes(&self, op: &'static str, peer: usize, send: Option<&[u8]>, into: &mut [u8]) -> CommResult<()> {
+        let e = |x: cudarc::driver::DriverError| nccl_err(op, self.rank, x);
+        match send {
+            Some(bytes) => {
+                let dev = self.stream.clone_htod(bytes).map_err(e)?;
+                self.comm.send(&dev, peer as i32).map_err(|x| nccl_err(op, self.rank, x.0))?;
+            }
+            None => {
+                let mut dev = self.stream.alloc_zeros::<u8>(into.len()).map_err(e)?;
+                self.comm.recv(&mut dev, peer as i32).map_err(|x| nccl_err(op, self.rank, x.0))?;
+                self.stream.memcpy_dtoh(&dev, into).map_err(e)?;
+            }
+        }
+        self.stream.synchronize().map_err(e)
+    }
+
+    /// A transfer: the header handshake (length and type, both ends fail on a mismatch), then the payload.
+    fn p2p(&self, op: &'static str, peer: usize, sending: bool, bytes: &mut [u8], dtype: Dtype) -> CommResult<()> {
+        groups::check_peer(op, self.rank, self.world_size, peer)?;
+        let len = bytes.len() / dtype.size();
+        let transfer = groups::Transfer { op, rank: self.rank, peer, sending, len, dtype };
+        groups::header_handshake(
+            &transfer,
+            |w| self.p2p_bytes(op, peer, Some(bytemuck::cast_slice(w)), &mut []),
+            |w| self.p2p_bytes(op, peer, None, bytemuck::cast_slice_mut(w)),
+        )?;
+        if bytes.is_empty() {
+            return Ok(());
+        }
+        if sending {
+            self.p2p_bytes(op, peer, Some(bytes), &mut [])
+        } else {
+            self.p2p_bytes(op, peer, None, bytes)
+        }
     }
 
     fn op(op: ReduceOp) -> NcclOp {
@@ -218,5 +257,36 @@ impl Communicator for NcclComm {
     fn barrier(&self) -> CommResult<()> {
         let mut one = [0f32];
         self.all_reduce_buf(BufMut::new(&mut one), ReduceOp::Sum)
+    }
+
+    fn send_buf(&self, buf: BufRef<'_>, dst: usize) -> CommResult<()> {
+        let mut bytes = buf.bytes.to_vec();
+        self.p2p("send", dst, true, &mut bytes, buf.dtype)
+    }
+
+    fn recv_buf(&self, buf: BufMut<'_>, src: usize) -> CommResult<()> {
+        let dtype = buf.dtype;
+        self.p2p("recv", src, false, buf.bytes, dtype)
+    }
+
+    /// Each new group's first member makes an NCCL id; the parent all-gathers every rank's proposal (one
+    /// collective: 128 bytes a rank) and each member initialises its group's communicator from its first member's
+    /// id, on this communicator's device (ncclCommInitRank per group, as torch's new_group does).
+    fn split_group(&self, split: &Split) -> CommResult<Option<Box<dyn Communicator>>> {
+        const WORDS: usize = 16;
+        let first = split.color(self.rank).is_some() && split.rank == 0;
+        let mine = if first { unique_id()? } else { [0u8; 128] };
+        let mut all = vec![0i64; WORDS * self.world_size];
+        for (k, word) in mine.chunks(8).enumerate() {
+            all[WORDS * self.rank + k] = i64::from_ne_bytes(word.try_into().expect("8 bytes"));
+        }
+        self.all_gather_in_place(&mut all)?;
+        let Some(_) = split.color(self.rank) else { return Ok(None) };
+        let leader = split.members[0];
+        let mut id = [0u8; 128];
+        for (k, word) in all[WORDS * leader..WORDS * (leader + 1)].iter().enumerate() {
+            id[8 * k..8 * (k + 1)].copy_from_slice(&word.to_ne_bytes());
+        }
+        Ok(Some(Box::new(NcclComm::new(self.device, split.rank, split.members.len(), id)?)))
     }
 }

@@ -3,11 +3,16 @@
 //! Each collective is three steps: every rank publishes its buffer's address, waits until all have (phase A),
 //! reads what it needs from the others, waits until all have read (phase B), then returns. Writes go only to a
 //! rank's own buffer, or to a part of another's that only this rank produces, so no two threads race.
+//!
+//! A send posts its buffer's address for the receiver and waits until the receiver has copied it (or refused it
+//! for a size or type mismatch); a split's groups are made by their members through the parent's state.
 use std::cell::RefCell;
+use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use super::agreement::{self, Call};
+use super::groups::{self, Split};
 use super::{reduce_into, BufMut, BufRef, CommError, CommResult, Communicator, Dtype, ReduceOp};
 
 struct State {
@@ -19,6 +24,19 @@ struct State {
     /// Published buffers: (address, bytes, element type) per rank, and each rank's call.
     slots: Vec<(usize, usize, Dtype)>,
     calls: Vec<Call>,
+    /// Groups being made by a split, by (split id, color), until every member has taken its handle.
+    forming: HashMap<(u64, u32), Arc<Shared>>,
+    /// Sends waiting for their receive, by (source, destination).
+    posts: HashMap<(usize, usize), Post>,
+}
+
+/// A posted send: the sender's buffer, and the receiver's answer once it copied it (Ok) or refused it (its own
+/// length and type).
+struct Post {
+    addr: usize,
+    len: usize,
+    dtype: Dtype,
+    answer: Option<Result<(), (usize, Dtype)>>,
 }
 
 struct Shared {
@@ -42,20 +60,24 @@ const REDUCE_CHUNK: usize = 256 * 1024;
 
 /// Creates the handles of a group of `world_size` thread ranks; give one to each thread.
 pub fn group(world_size: usize, timeout: Duration) -> Vec<ThreadComm> {
-    let shared = Arc::new(Shared {
+    let shared = new_shared(world_size, timeout);
+    (0..world_size).map(|rank| ThreadComm::with(rank, world_size, shared.clone())).collect()
+}
+
+fn new_shared(world_size: usize, timeout: Duration) -> Arc<Shared> {
+    Arc::new(Shared {
         state: Mutex::new(State {
             generation: 0,
             arrived: vec![false; world_size],
             departed: vec![false; world_size],
             slots: vec![(0, 0, Dtype::F32); world_size],
             calls: vec![Call::new("barrier", 0, Dtype::F32); world_size],
+            forming: HashMap::new(),
+            posts: HashMap::new(),
         }),
         cv: Condvar::new(),
         timeout,
-    });
-    (0..world_size)
-        .map(|rank| ThreadComm { rank, world_size, shared: shared.clone(), scratch: RefCell::new(Vec::new()) })
-        .collect()
+    })
 }
 
 impl Drop for ThreadComm {
@@ -67,6 +89,42 @@ impl Drop for ThreadComm {
 }
 
 impl ThreadComm {
+    fn with(rank: usize, world_size: usize, shared: Arc<Shared>) -> ThreadComm {
+        ThreadComm { rank, world_size, shared, scratch: RefCell::new(Vec::new()) }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.shared.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Waits on the condition variable until `ready` gives a result, `peer` departs or the timeout passes.
+    fn wait_for<T>(
+        &self,
+        op: &'static str,
+        peer: usize,
+        mut ready: impl FnMut(&mut State) -> Option<T>,
+        mut give_up: impl FnMut(&mut State),
+    ) -> CommResult<T> {
+        let start = Instant::now();
+        let mut st = self.lock();
+        loop {
+            if let Some(out) = ready(&mut st) {
+                return Ok(out);
+            }
+            let waited = start.elapsed();
+            if st.departed[peer] {
+                give_up(&mut st);
+                return Err(CommError::PeerGone { op, rank: self.rank, dead: peer, waited });
+            }
+            if waited >= self.shared.timeout {
+                give_up(&mut st);
+                return Err(CommError::Timeout { op, rank: self.rank, missing: vec![peer], waited });
+            }
+            let step = (self.shared.timeout - waited).min(Duration::from_millis(200));
+            st = self.shared.cv.wait_timeout(st, step).unwrap_or_else(|p| p.into_inner()).0;
+        }
+    }
+
     /// Waits until every rank has arrived; a departed rank or the timeout ends the wait with an error.
     fn barrier_op(&self, op: &'static str) -> CommResult<()> {
         let start = Instant::now();
@@ -206,5 +264,96 @@ impl Communicator for ThreadComm {
 
     fn barrier(&self) -> CommResult<()> {
         self.barrier_op("barrier")
+    }
+
+    fn send_buf(&self, buf: BufRef<'_>, dst: usize) -> CommResult<()> {
+        const OP: &str = "send";
+        groups::check_peer(OP, self.rank, self.world_size, dst)?;
+        let key = (self.rank, dst);
+        let post = Post { addr: buf.bytes.as_ptr() as usize, len: buf.len(), dtype: buf.dtype, answer: None };
+        self.lock().posts.insert(key, post);
+        self.shared.cv.notify_all();
+        // The buffer stays borrowed until the receiver answered (or the post is withdrawn below).
+        let answer = self.wait_for(
+            OP,
+            dst,
+            |st| match st.posts.get(&key).and_then(|p| p.answer) {
+                Some(a) => {
+                    st.posts.remove(&key);
+                    Some(a)
+                }
+                None => None,
+            },
+            |st| {
+                st.posts.remove(&key);
+            },
+        )?;
+        answer.map_err(|(len, dtype)| CommError::P2pMismatch {
+            op: OP,
+            src: self.rank,
+            dst,
+            sent: (buf.len(), buf.dtype),
+            expected: (len, dtype),
+        })
+    }
+
+    fn recv_buf(&self, buf: BufMut<'_>, src: usize) -> CommResult<()> {
+        const OP: &str = "recv";
+        groups::check_peer(OP, self.rank, self.world_size, src)?;
+        let key = (src, self.rank);
+        let (len, dtype) = (buf.len(), buf.dtype);
+        let posted = self.wait_for(
+            OP,
+            src,
+            |st| {
+                let post = st.posts.get_mut(&key).filter(|p| p.answer.is_none())?;
+                if post.len != len || post.dtype != dtype {
+                    post.answer = Some(Err((len, dtype)));
+                    return Some(Err((post.len, post.dtype)));
+                }
+                Some(Ok(post.addr))
+            },
+            |_| {},
+        )?;
+        let addr = match posted {
+            Ok(addr) => addr,
+            Err((sent_len, sent_dtype)) => {
+                self.shared.cv.notify_all();
+                return Err(CommError::P2pMismatch {
+                    op: OP,
+                    src,
+                    dst: self.rank,
+                    sent: (sent_len, sent_dtype),
+                    expected: (len, dtype),
+                });
+            }
+        };
+        if !buf.bytes.is_empty() {
+            // SAFETY: the sender keeps its buffer borrowed, unchanged, until this receive answers below.
+            let src_bytes = unsafe { std::slice::from_raw_parts(addr as *const u8, buf.bytes.len()) };
+            buf.bytes.copy_from_slice(src_bytes);
+        }
+        if let Some(p) = self.lock().posts.get_mut(&key) {
+            p.answer = Some(Ok(()));
+        }
+        self.shared.cv.notify_all();
+        Ok(())
+    }
+
+    fn split_group(&self, split: &Split) -> CommResult<Option<Box<dyn Communicator>>> {
+        let taken = split.color(self.rank).map(|c| {
+            let mut st = self.lock();
+            let shared =
+                st.forming.entry((split.id, c)).or_insert_with(|| new_shared(split.members.len(), self.shared.timeout));
+            (c, shared.clone())
+        });
+        // Every member has its handle once all ranks are past this barrier; the first member then tidies up.
+        self.barrier_op("split")?;
+        Ok(taken.map(|(c, shared)| {
+            if split.rank == 0 {
+                self.lock().forming.remove(&(split.id, c));
+            }
+            Box::new(ThreadComm::with(split.rank, split.members.len(), shared)) as Box<dyn Communicator>
+        }))
     }
 }

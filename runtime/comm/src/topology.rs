@@ -5,6 +5,8 @@
 //! axis (or several) are lists of ranks, which the communicators turn into sub-groups.
 use std::fmt;
 
+use super::{groups, CommError, CommResult, Communicator};
+
 /// A topology that cannot be built or does not fit: names the axes and numbers involved.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum TopologyError {
@@ -143,6 +145,30 @@ impl Topology {
             }
         }
         Ok(out)
+    }
+}
+
+impl Topology {
+    /// This rank's communicator along `axes`: a split of `comm` (collective: every rank of `comm` calls it with the
+    /// same axes), named by the axes and the coordinates its ranks share, e.g. `data(pipe=1,model=0)`.
+    pub fn communicator(&self, comm: &dyn Communicator, axes: &[&str]) -> CommResult<Box<dyn Communicator>> {
+        let rank = comm.rank();
+        let bad = |e: TopologyError| CommError::BadArgument { op: "topology", rank, what: e.to_string() };
+        self.check_world_size(comm.world_size()).map_err(bad)?;
+        let groups = self.groups(axes).map_err(bad)?;
+        let color = groups.iter().position(|g| g.contains(&rank)).expect("every rank is in one group");
+        let key = groups[color].iter().position(|&r| r == rank).expect("in its group");
+        let coords = self.coordinates(rank).map_err(bad)?;
+        let fixed: Vec<String> = self
+            .axes
+            .iter()
+            .zip(&coords)
+            .filter(|((name, _), _)| !axes.contains(&name.as_str()))
+            .map(|((name, _), c)| format!("{name}={c}"))
+            .collect();
+        let name = format!("{}({})", axes.join("+"), fixed.join(","));
+        let made = groups::split(comm, Some(color as u32), key as i64, None, Some(name))?;
+        Ok(made.expect("every rank has a color"))
     }
 }
 

@@ -6,6 +6,7 @@
 //! peer is an error naming it on every surviving rank, never a hang; nothing is left in /dev/shm however the job
 //! ends.
 mod collectives;
+mod p2p;
 mod peers;
 mod segment;
 
@@ -13,6 +14,7 @@ use std::time::Duration;
 
 pub use segment::segment_path;
 
+use super::groups::Split;
 use super::rank_info::RankInfo;
 use super::{BufMut, BufRef, CommResult, Communicator, ReduceOp};
 use peers::PeerAccess;
@@ -25,6 +27,11 @@ pub struct ShmComm {
     /// Scratch of the direct reduction: an accumulator and a landing buffer, reused (u64 words keep every element
     /// type aligned).
     scratch: std::cell::RefCell<Vec<u64>>,
+    /// Where this rank sits, kept to derive the segments of groups split from this one.
+    info: RankInfo,
+    timeout: Duration,
+    /// Per source rank: the number of the last transfer received from it (p2p.rs).
+    received: Vec<std::cell::Cell<u64>>,
 }
 
 impl ShmComm {
@@ -34,7 +41,8 @@ impl ShmComm {
         super::cma::allow_peers_to_read();
         let seg = Segment::join(info, timeout)?;
         let peers = PeerAccess::probe(&seg)?;
-        Ok(ShmComm { seg, peers, scratch: std::cell::RefCell::new(Vec::new()) })
+        let received = (0..info.world_size).map(|_| std::cell::Cell::new(0)).collect();
+        Ok(ShmComm { seg, peers, scratch: std::cell::RefCell::new(Vec::new()), info: info.clone(), timeout, received })
     }
 
     /// Whether collectives read peers' buffers directly (one copy) rather than through the staging slots.
@@ -76,5 +84,27 @@ impl Communicator for ShmComm {
 
     fn barrier(&self) -> CommResult<()> {
         self.seg.flag_failure(self.seg.barrier("barrier"))
+    }
+
+    fn send_buf(&self, buf: BufRef<'_>, dst: usize) -> CommResult<()> {
+        self.seg.flag_failure(self.send_impl(buf, dst))
+    }
+
+    fn recv_buf(&self, buf: BufMut<'_>, src: usize) -> CommResult<()> {
+        self.seg.flag_failure(self.recv_impl(buf, src))
+    }
+
+    /// A group of its own segment, named after this one's, the split and the color; its members meet there.
+    fn split_group(&self, split: &Split) -> CommResult<Option<Box<dyn Communicator>>> {
+        let Some(color) = split.color(self.seg.rank) else { return Ok(None) };
+        let info = RankInfo {
+            rank: split.rank,
+            local_rank: split.rank,
+            world_size: split.members.len(),
+            local_world_size: split.members.len(),
+            run_id: format!("{}.g{:x}c{color}", self.info.run_id, split.id),
+            ..self.info.clone()
+        };
+        Ok(Some(Box::new(ShmComm::join(&info, self.timeout)?)))
     }
 }

@@ -110,14 +110,28 @@ impl PeerAccess {
         offset: usize,
         dst: &mut [u8],
     ) -> CommResult<()> {
+        let addr = seg.rank_word(k, R_ADDR).load(Ordering::Relaxed) as usize + offset;
+        self.read_at(seg, op, k, addr, dst)
+    }
+
+    /// Reads `dst.len()` bytes at address `addr` of rank `k`: through its mapped region when the bytes are in it,
+    /// else with process_vm_readv.
+    pub(super) fn read_at(
+        &self,
+        seg: &Segment,
+        op: &'static str,
+        k: usize,
+        addr: usize,
+        dst: &mut [u8],
+    ) -> CommResult<()> {
         if dst.is_empty() {
             return Ok(());
         }
-        if let Some(src) = self.bytes(seg, k, offset, dst.len()) {
-            dst.copy_from_slice(src);
+        if let Some(p) = self.regions.get(k).and_then(Option::as_ref).and_then(|r| r.ptr(addr, dst.len())) {
+            // SAFETY: mapped, inside the peer's region; the peer keeps the bytes unchanged until this rank answers.
+            dst.copy_from_slice(unsafe { std::slice::from_raw_parts(p as *const u8, dst.len()) });
             return Ok(());
         }
-        let addr = seg.rank_word(k, R_ADDR).load(Ordering::Relaxed) as usize + offset;
         cma::read(seg.pid(k), addr, dst).map_err(|e| {
             if e.raw_os_error() == Some(libc::ESRCH) {
                 // Rank k is gone; if it left because it saw another rank die (it flagged itself), name that one.

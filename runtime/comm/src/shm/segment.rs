@@ -53,6 +53,19 @@ pub(super) const R_REGION_BASE: usize = 9;
 pub(super) const R_REGION_LEN: usize = 10;
 /// Result of mapping every peer's region: 1 = all mapped, 2 = not.
 pub(super) const R_REGION_OK: usize = 11;
+/// Point-to-point (p2p.rs), in the sender's block: destination + 1 of the current send (0: none), its number,
+/// length, element type code and address, staged chunks written; the receiver's answer, chunks it consumed, and
+/// its own length and type code when it refused.
+pub(super) const R_P2P_TO: usize = 12;
+pub(super) const R_P2P_SEQ: usize = 13;
+pub(super) const R_P2P_LEN: usize = 14;
+pub(super) const R_P2P_DTYPE: usize = 15;
+pub(super) const R_P2P_ADDR: usize = 16;
+pub(super) const R_P2P_CHUNKS: usize = 17;
+pub(super) const R_P2P_ANSWER: usize = 18;
+pub(super) const R_P2P_ACKED: usize = 19;
+pub(super) const R_P2P_THEIR_LEN: usize = 20;
+pub(super) const R_P2P_THEIR_DTYPE: usize = 21;
 
 /// `/dev/shm/zerorun-<run id>` with anything but letters, digits, '-' and '.' replaced.
 pub fn segment_path(run_id: &str) -> PathBuf {
@@ -232,6 +245,40 @@ impl Segment {
                         .filter(|&k| self.rank_word(k, R_ARRIVE).load(Ordering::Acquire) < target)
                         .collect();
                     return Err(CommError::Timeout { op, rank: self.rank, missing, waited });
+                }
+            }
+        }
+    }
+
+    /// Waits until `ready` holds, for `op` with rank `peer`: fails when the peer dies or `comms_timeout` passes.
+    pub(super) fn wait_for_peer(&self, op: &'static str, peer: usize, ready: impl Fn() -> bool) -> CommResult<()> {
+        let start = Instant::now();
+        let mut spins = 0u32;
+        let mut next_check = Duration::from_millis(50);
+        loop {
+            if ready() {
+                return Ok(());
+            }
+            spins += 1;
+            let waited = start.elapsed();
+            if spins < 64 {
+                std::hint::spin_loop();
+            } else if waited < Duration::from_millis(2) {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(50));
+            }
+            if waited >= next_check {
+                next_check = waited + Duration::from_millis(50);
+                if !Self::alive(self.rank_word(peer, R_PID).load(Ordering::Acquire)) {
+                    let mut e = self.peer_died(op, peer);
+                    if let CommError::PeerDied { waited: w, .. } = &mut e {
+                        *w = waited;
+                    }
+                    return Err(e);
+                }
+                if waited >= self.timeout {
+                    return Err(CommError::Timeout { op, rank: self.rank, missing: vec![peer], waited });
                 }
             }
         }
