@@ -8,7 +8,8 @@
 //! It also compiles the package's C++ shims over libtorch calls tch does not bind: `src/cli/native/fused_adamw.cpp`
 //! (zerorun: libtorch's fused AdamW kernel, for `zerorun bench adam`) and `native/unit_storage.cpp`
 //! (zerorun-runtime: storage resizing and backward into chosen inputs, for stage 3) with `native/region_allocator.cpp`
-//! (zerorun-runtime: tensors in the shm backend's shared buffer region).
+//! (zerorun-runtime: tensors in the shm backend's shared buffer region) and `native/gloo_backend.cpp` (zerorun-runtime:
+//! libtorch's TCPStore and ProcessGroupGloo, the backend across hosts).
 fn main() {
     println!("cargo:rerun-if-env-changed=DEP_TCH_LIBTORCH_LIB");
     if let Ok(lib) = std::env::var("DEP_TCH_LIBTORCH_LIB") {
@@ -25,6 +26,7 @@ fn main() {
                 "native/region_allocator.cpp",
                 "native/grad_hooks.cpp",
                 "native/cuda_loader.cpp",
+                "native/gloo_backend.cpp",
             ],
             _ => &[],
         };
@@ -39,7 +41,10 @@ fn main() {
                 .include(&include)
                 .include(include.join("torch/csrc/api/include"))
                 .flag("-std=c++17")
-                .flag("-D_GLIBCXX_USE_CXX11_ABI=1");
+                .flag("-D_GLIBCXX_USE_CXX11_ABI=1")
+                // ProcessGroupGloo.hpp declares the class only with this defined and gloo's headers (Debian's
+                // libgloo-dev, which `make setup` installs) on the include path; libtorch brings the gloo code.
+                .define("USE_C10D_GLOO", None);
             for file in &files {
                 println!("cargo:rerun-if-changed={file}");
                 build.file(file);

@@ -14,12 +14,12 @@
 pub use zerorun_offload as offload;
 pub use zerorun_optim as optim;
 pub use zerorun_runtime as runtime;
-pub use zerorun_runtime::comm::env::communicator_from_env;
 pub use zerorun_runtime::config::{self, Config, ConfigError};
 pub use zerorun_runtime::cuda;
 pub use zerorun_runtime::engine::no_decay_for_1d;
 pub use zerorun_runtime::engine::{BuiltModel, Sequence, UnitBuilders, UnitForward, UnitModel, Whole};
 pub use zerorun_runtime::estimate::{estimate, EstimateInput, EstimateRow};
+pub use zerorun_runtime::gloo::communicator_from_env;
 pub use zerorun_runtime::{
     initialize, initialize_with, BufferSync, Engine, EngineOptions, Error, SaveOptions, StepOutcome,
 };

@@ -6,7 +6,8 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use tch::{nn, Tensor};
-use zerorun::runtime::comm::env::{communicator_from_env, RankInfo};
+use zerorun::communicator_from_env;
+use zerorun::runtime::comm::env::RankInfo;
 use zerorun::runtime::comm::{threads, Communicator};
 use zerorun::{Config, Engine, StepOutcome};
 

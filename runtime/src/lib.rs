@@ -5,6 +5,8 @@
 //! - [`config`]: ds_config.json, parsed and validated.
 //! - [`comm`]: collectives behind one trait (threads, shm, MPI, NCCL backends; a communication thread).
 //! - [`cuda`]: libtorch's CUDA backend, loaded on demand.
+//! - [`gloo`]: the backend across hosts (libtorch's TCPStore and ProcessGroupGloo), and the communicator factory
+//!   that knows it.
 //! - [`engine`]: the ZeRO engine (stages 0-3, offload) over a tch `VarStore`.
 //! - [`checkpoint`]: the sharded checkpoint format.
 //! - [`estimate`]: model-state memory per stage and offload option, before a run.
@@ -16,6 +18,7 @@ pub use zerorun_config::estimate;
 pub mod cuda;
 pub mod engine;
 mod error;
+pub mod gloo;
 pub mod report;
 
 pub use config::{Config, ConfigError};
@@ -25,7 +28,7 @@ pub use error::{Error, Result};
 /// Builds the engine for `vs` from `config`, on the communicator the environment names (`zerorun launch`'s or
 /// mpirun's variables; one rank without them), whose collectives time out after `comms_timeout`.
 pub fn initialize(vs: &tch::nn::VarStore, config: Config) -> Result<Engine> {
-    let comm = comm::env::communicator_from_env(std::time::Duration::from_secs_f64(config.comms_timeout))?;
+    let comm = gloo::communicator_from_env(std::time::Duration::from_secs_f64(config.comms_timeout))?;
     Engine::new(vs, config, comm, EngineOptions::default())
 }
 

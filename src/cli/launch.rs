@@ -1,6 +1,7 @@
-//! `zerorun launch --nproc-per-node N [--master-addr A] [--master-port P] [--backend B] [--memory-report [DIR]] -- PROGRAM ARGS...`
+//! `zerorun launch --nproc-per-node N [--nnodes M --node-rank R] [--master-addr A] [--master-port P] [--backend B]
+//! [--memory-report [DIR]] -- PROGRAM ARGS...`
 //!
-//! Starts N ranks as child processes with torchrun's variables, prefixes their output with the rank, shares the
+//! Starts N ranks (this node's, of M nodes: ranks R*N..R*N+N of M*N) as child processes with torchrun's variables, prefixes their output with the rank, shares the
 //! cores among them, forwards SIGINT/SIGTERM, and when one rank fails stops the others within 5 seconds and exits
 //! non-zero naming the rank, how it ended and its last lines.
 use std::collections::VecDeque;
@@ -20,14 +21,22 @@ pub struct LaunchArgs {
     /// Ranks to start on this host.
     #[arg(long)]
     pub nproc_per_node: usize,
+    /// Hosts (nodes) in the job; each runs one `zerorun launch` with its own --node-rank.
+    #[arg(long, default_value_t = 1)]
+    pub nnodes: usize,
+    /// This node's place among the nodes (0 hosts the rendezvous at --master-addr).
+    #[arg(long, default_value_t = 0)]
+    pub node_rank: usize,
+    /// The address of node 0, where every rank meets (the gloo backend's TCPStore).
     #[arg(long, default_value = "127.0.0.1")]
     pub master_addr: String,
-    /// Default: a free port.
+    /// Default: a free port (one node only: with several, every node must give the same).
     #[arg(long)]
     pub master_port: Option<u16>,
-    /// How the ranks communicate: shm (shared memory, the default) or threads (the program runs its own ranks).
-    #[arg(long, default_value = "shm")]
-    pub backend: String,
+    /// How the ranks communicate: shm (shared memory; the default on one node), gloo (libtorch's TCP backend; the
+    /// default across nodes) or nccl (GPUs).
+    #[arg(long)]
+    pub backend: Option<String>,
     /// Each rank writes memory_rank{r}.json here at the end of the run, and rank 0 draws memory.svg/png and
     /// prints the table (the program must call `Engine::finish_memory_report`, as the examples do).
     /// Without DIR: the working directory.
@@ -105,17 +114,40 @@ pub fn run(args: LaunchArgs) -> Result<(), CliError> {
     if n == 0 {
         return Err(CliError::Usage("--nproc-per-node must be >= 1".into()));
     }
+    if args.nnodes == 0 || args.node_rank >= args.nnodes {
+        return Err(CliError::Usage(format!(
+            "--node-rank {} is not a node of --nnodes {}",
+            args.node_rank, args.nnodes
+        )));
+    }
+    use zerorun_comm::rank_info::Backend;
+    let multi_node = args.nnodes > 1;
+    let backend = args.backend.clone().unwrap_or_else(|| if multi_node { "gloo" } else { "shm" }.into());
     // The ranks read it back as ZERORUN_BACKEND (rank_info.rs): the same names, checked here first.
-    match zerorun_comm::rank_info::Backend::from_name(&args.backend) {
-        Some(zerorun_comm::rank_info::Backend::Shm | zerorun_comm::rank_info::Backend::Nccl) => {}
+    match Backend::from_name(&backend) {
+        Some(Backend::Shm) if multi_node => {
+            return Err(CliError::Usage(
+                "--backend shm: shared memory reaches one host's ranks only; with --nnodes above 1 use gloo (the default) or nccl".into(),
+            ))
+        }
+        Some(Backend::Shm | Backend::Nccl | Backend::Gloo) => {}
         _ => {
             return Err(CliError::Usage(format!(
-                "--backend {:?}: `zerorun launch` starts shm or nccl ranks (run MPI jobs with mpirun)",
-                args.backend
+                "--backend {backend:?}: `zerorun launch` starts shm, gloo or nccl ranks (run MPI jobs with mpirun)"
             )))
         }
     }
-    let port = args.master_port.unwrap_or_else(free_port);
+    let port = match args.master_port {
+        Some(p) => p,
+        None if multi_node => {
+            return Err(CliError::Usage(
+                "--master-port: with --nnodes above 1 every node must give the same port".into(),
+            ))
+        }
+        None => free_port(),
+    };
+    let world = n * args.nnodes;
+    let first_rank = args.node_rank * n;
     let memory_report = match &args.memory_report {
         Some(d) => {
             std::fs::create_dir_all(d)
@@ -127,11 +159,16 @@ pub fn run(args: LaunchArgs) -> Result<(), CliError> {
         }
         None => None,
     };
-    let run_id = format!(
-        "{}-{}",
-        std::process::id(),
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos())
-    );
+    // One id for the whole job: nodes agree on the master's address and port.
+    let run_id = if multi_node {
+        format!("{}-{port}", args.master_addr)
+    } else {
+        format!(
+            "{}-{}",
+            std::process::id(),
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos())
+        )
+    };
     let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
     let threads = (cores / n).max(1).to_string();
     let stop = Arc::new(AtomicBool::new(false));
@@ -141,17 +178,18 @@ pub fn run(args: LaunchArgs) -> Result<(), CliError> {
     }
 
     let mut ranks = Vec::with_capacity(n);
-    for rank in 0..n {
+    for local in 0..n {
+        let rank = first_rank + local;
         let mut cmd = Command::new(&args.command[0]);
         cmd.args(&args.command[1..])
             .env("RANK", rank.to_string())
-            .env("LOCAL_RANK", rank.to_string())
-            .env("WORLD_SIZE", n.to_string())
+            .env("LOCAL_RANK", local.to_string())
+            .env("WORLD_SIZE", world.to_string())
             .env("LOCAL_WORLD_SIZE", n.to_string())
-            .env("GROUP_RANK", "0")
+            .env("GROUP_RANK", args.node_rank.to_string())
             .env("MASTER_ADDR", &args.master_addr)
             .env("MASTER_PORT", port.to_string())
-            .env("ZERORUN_BACKEND", &args.backend)
+            .env("ZERORUN_BACKEND", &backend)
             .env("ZERORUN_RUN_ID", &run_id)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -240,21 +278,29 @@ pub fn run(args: LaunchArgs) -> Result<(), CliError> {
         }
     }
     std::thread::sleep(Duration::from_millis(50)); // let the pumps flush the last lines
-    if let Some((rank, status, _)) = failed {
-        let tail = ranks[rank].tail.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some((local, status, _)) = failed {
+        // Ranks by their place in the job; with several nodes, which node's.
+        let name = |i: usize| {
+            if multi_node {
+                format!("rank {} (node {})", first_rank + i, args.node_rank)
+            } else {
+                format!("rank {}", first_rank + i)
+            }
+        };
+        let tail = ranks[local].tail.lock().unwrap_or_else(|p| p.into_inner());
         let last: Vec<String> = tail.iter().map(|l| format!("  {l}")).collect();
         let others: Vec<String> = ranks
             .iter()
             .enumerate()
-            .filter(|(i, r)| *i != rank && r.status.is_some_and(|s| !s.success()))
-            .map(|(i, r)| format!("rank {i} {}", describe(r.status.expect("reaped"))))
+            .filter(|(i, r)| *i != local && r.status.is_some_and(|s| !s.success()))
+            .map(|(i, r)| format!("{} {}", name(i), describe(r.status.expect("reaped"))))
             .collect();
-        let mut msg = format!("rank {rank} {}", describe(status));
+        let mut msg = format!("{} {}", name(local), describe(status));
         if !others.is_empty() {
             msg += &format!("; then {}", others.join(", "));
         }
         if !last.is_empty() {
-            msg += &format!("\nlast lines of rank {rank}:\n{}", last.join("\n"));
+            msg += &format!("\nlast lines of {}:\n{}", name(local), last.join("\n"));
         }
         return Err(CliError::Usage(msg));
     }

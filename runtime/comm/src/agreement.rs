@@ -4,7 +4,7 @@
 use super::{BufMut, BufRef, CommError, CommResult, Dtype};
 
 /// Elements per part when `len` elements split into `world_size` equal parts.
-pub(crate) fn equal_parts(op: &'static str, rank: usize, world_size: usize, len: usize) -> CommResult<usize> {
+pub fn equal_parts(op: &'static str, rank: usize, world_size: usize, len: usize) -> CommResult<usize> {
     if len % world_size != 0 {
         return Err(CommError::BadArgument {
             op,
@@ -16,7 +16,7 @@ pub(crate) fn equal_parts(op: &'static str, rank: usize, world_size: usize, len:
 }
 
 /// The part length of a reduce-scatter whose output must be one part of the input, of the same type.
-pub(crate) fn scatter_output(
+pub fn scatter_output(
     op: &'static str,
     rank: usize,
     world_size: usize,
@@ -34,7 +34,7 @@ pub(crate) fn scatter_output(
     Ok(part)
 }
 
-pub(crate) fn root(op: &'static str, rank: usize, world_size: usize, root: usize) -> CommResult<()> {
+pub fn root(op: &'static str, rank: usize, world_size: usize, root: usize) -> CommResult<()> {
     if root >= world_size {
         return Err(CommError::BadArgument { op, rank, what: format!("root {root} is not a rank of {world_size}") });
     }
@@ -46,7 +46,7 @@ const DTYPES: [Dtype; 4] = [Dtype::F32, Dtype::Bf16, Dtype::F16, Dtype::I64];
 
 /// What one rank passed to a collective, as three words a backend can publish anywhere (shared memory, MPI).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Call {
+pub struct Call {
     pub op: u64,
     pub len: u64,
     pub dtype: u64,
@@ -79,7 +79,7 @@ fn dtype_of(code: u64) -> Dtype {
 }
 
 /// Errors unless every rank's call matches: the operation first, then the element type, then the length.
-pub(crate) fn check(op: &'static str, rank: usize, calls: &[Call]) -> CommResult<()> {
+pub fn check(op: &'static str, rank: usize, calls: &[Call]) -> CommResult<()> {
     let first = calls[0];
     if calls.iter().any(|c| c.op != first.op) {
         return Err(CommError::OpMismatch { op, rank, ops: calls.iter().map(|c| op_name(c.op)).collect() });

@@ -24,12 +24,12 @@ impl Dtype {
         }
     }
 
-    pub(crate) fn code(self) -> u64 {
+    pub fn code(self) -> u64 {
         self as u64 + 1
     }
 
     /// The type `dtype as i64` numbered (a header word of a point-to-point transfer); F32 for anything else.
-    pub(crate) fn from_index(i: i64) -> Dtype {
+    pub fn from_index(i: i64) -> Dtype {
         match i {
             1 => Dtype::Bf16,
             2 => Dtype::F16,

@@ -40,5 +40,12 @@ pub fn communicator_from_env(timeout: Duration) -> CommResult<Box<dyn Communicat
                 .into(),
         }),
         Backend::Shm => Ok(Box::new(shm::ShmComm::join(&info, timeout)?)),
+        // It links libtorch (c10d), so it lives in zerorun-runtime, whose factory handles it first.
+        Backend::Gloo => Err(CommError::Rendezvous {
+            rank: info.rank,
+            world_size: info.world_size,
+            place: "gloo".into(),
+            what: "the gloo backend is zerorun-runtime's: use zerorun::communicator_from_env".into(),
+        }),
     }
 }

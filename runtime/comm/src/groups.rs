@@ -184,7 +184,7 @@ impl Communicator for Named {
 }
 
 /// The checks both ends of a point-to-point transfer make: a peer that is a rank of the group and not this one.
-pub(crate) fn check_peer(op: &'static str, rank: usize, world_size: usize, peer: usize) -> CommResult<()> {
+pub fn check_peer(op: &'static str, rank: usize, world_size: usize, peer: usize) -> CommResult<()> {
     if peer >= world_size || peer == rank {
         let what = if peer == rank {
             format!("rank {rank} cannot {op} to or from itself")
@@ -197,7 +197,7 @@ pub(crate) fn check_peer(op: &'static str, rank: usize, world_size: usize, peer:
 }
 
 /// One end of a point-to-point transfer, as the header handshake sees it.
-pub(crate) struct Transfer {
+pub struct Transfer {
     pub op: &'static str,
     pub rank: usize,
     pub peer: usize,
@@ -209,7 +209,7 @@ pub(crate) struct Transfer {
 /// Point-to-point over backends that move messages (MPI, NCCL): the sender sends a header (length, element type),
 /// the receiver answers whether it matches, and only then the payload moves, so a mismatch is an error on both
 /// ends and no payload is ever misread. `send_words` / `recv_words` move one small i64 message to / from the peer.
-pub(crate) fn header_handshake(
+pub fn header_handshake(
     t: &Transfer,
     mut send_words: impl FnMut(&[i64]) -> CommResult<()>,
     mut recv_words: impl FnMut(&mut [i64]) -> CommResult<()>,

@@ -5,7 +5,7 @@
 //! variables `zerorun launch`, torchrun or mpirun set. Every blocking wait has a timeout (`comms_timeout`), and a
 //! departed peer is an error on every surviving rank, never a hang. Reductions of f32, bf16 and f16 run through
 //! the vector sums of `pair_sum`.
-mod agreement;
+pub mod agreement;
 pub mod async_comm;
 pub mod buffer;
 mod cma;

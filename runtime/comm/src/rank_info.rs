@@ -12,6 +12,8 @@ pub enum Backend {
     Mpi,
     /// NCCL (feature `nccl`), on GPUs.
     Nccl,
+    /// libtorch's ProcessGroupGloo over TCP, with a TCPStore rendezvous: ranks on several hosts (zerorun-runtime).
+    Gloo,
 }
 
 impl Backend {
@@ -21,6 +23,7 @@ impl Backend {
             "shm" => Some(Backend::Shm),
             "mpi" => Some(Backend::Mpi),
             "nccl" => Some(Backend::Nccl),
+            "gloo" => Some(Backend::Gloo),
             _ => None,
         }
     }
@@ -30,6 +33,7 @@ impl Backend {
             Backend::Shm => "shm",
             Backend::Mpi => "mpi",
             Backend::Nccl => "nccl",
+            Backend::Gloo => "gloo",
         }
     }
 }
@@ -93,7 +97,7 @@ impl RankInfo {
                 rank,
                 world_size,
                 place: "the environment".into(),
-                what: format!("ZERORUN_BACKEND={name:?} is not a backend: one of \"shm\", \"mpi\", \"nccl\""),
+                what: format!("ZERORUN_BACKEND={name:?} is not a backend: one of \"shm\", \"mpi\", \"nccl\", \"gloo\""),
             })?,
         };
         Ok(RankInfo { rank, local_rank, world_size, local_world_size, master_addr, master_port, run_id, backend })

@@ -1,0 +1,198 @@
+// The gloo backend's C++ side: libtorch's own c10d (TCPStore for the rendezvous, ProcessGroupGloo for the
+// collectives and point-to-point over TCP), driven through a C ABI. Only libtorch is called (constructors, the
+// virtual methods of c10d::Backend, Work::wait); no gloo type is built here, since Debian's gloo headers are older
+// than the gloo libtorch bundles (../shared/reference/c10d.md). Every call catches what libtorch throws and hands
+// the message back; every wait is bounded by the group's timeout.
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <chrono>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace {
+
+struct Group {
+  c10::intrusive_ptr<c10d::Store> store;  // the job's store (prefixed per group)
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> pg;
+  std::chrono::milliseconds timeout;
+  std::string host;  // the address this rank's gloo device binds
+  int rank;
+  int size;
+};
+
+void put_error(const std::string& what, char* err, size_t len) {
+  if (err == nullptr || len == 0) return;
+  size_t n = std::min(what.size(), len - 1);
+  std::memcpy(err, what.data(), n);
+  err[n] = '\0';
+}
+
+template <typename F>
+int guarded(char* err, size_t len, F&& f) {
+  try {
+    f();
+    return 0;
+  } catch (const std::exception& e) {
+    put_error(e.what(), err, len);
+  } catch (...) {
+    put_error("unknown C++ exception", err, len);
+  }
+  return 1;
+}
+
+at::ScalarType scalar(int dtype) {
+  switch (dtype) {
+    case 1: return at::kBFloat16;
+    case 2: return at::kHalf;
+    case 3: return at::kLong;
+    default: return at::kFloat;
+  }
+}
+
+at::Tensor view(void* data, int64_t n, int dtype) {
+  return at::from_blob(data, {n}, at::TensorOptions().dtype(scalar(dtype)).device(at::kCPU));
+}
+
+c10d::ReduceOp reduce_op(int op) {
+  return op == 2 ? c10d::ReduceOp(c10d::ReduceOp::MAX) : c10d::ReduceOp(c10d::ReduceOp::SUM);
+}
+
+void wait(Group* g, const c10::intrusive_ptr<c10d::Work>& work) {
+  work->wait(g->timeout);
+}
+
+c10::intrusive_ptr<c10d::ProcessGroupGloo> make_pg(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                                                   std::chrono::milliseconds timeout, const std::string& host) {
+  auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
+  opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(host));
+  return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts);
+}
+
+}  // namespace
+
+extern "C" {
+
+// Rank 0 serves the TCPStore at master_addr:master_port; every rank connects and joins the group under `prefix`.
+void* zr_gloo_new(const char* master_addr, int master_port, const char* host, int rank, int size, int64_t timeout_ms,
+                  const char* prefix, char* err, size_t err_len) {
+  Group* out = nullptr;
+  guarded(err, err_len, [&] {
+    auto timeout = std::chrono::milliseconds(timeout_ms);
+    c10d::TCPStoreOptions so;
+    so.port = static_cast<std::uint16_t>(master_port);
+    so.isServer = rank == 0;
+    so.numWorkers = size;
+    so.waitWorkers = true;
+    so.timeout = timeout;
+    auto tcp = c10::make_intrusive<c10d::TCPStore>(std::string(master_addr), so);
+    auto store = c10::make_intrusive<c10d::PrefixStore>(std::string(prefix), tcp);
+    auto g = new Group{tcp, nullptr, timeout, std::string(host), rank, size};
+    try {
+      g->pg = make_pg(store, rank, size, timeout, g->host);
+    } catch (...) {
+      delete g;
+      throw;
+    }
+    out = g;
+  });
+  return out;
+}
+
+// A group of `size` ranks (this one is `rank` in it) on the same store under `name`: its members call this together.
+void* zr_gloo_subgroup(void* parent, const char* name, int rank, int size, char* err, size_t err_len) {
+  Group* out = nullptr;
+  auto p = static_cast<Group*>(parent);
+  guarded(err, err_len, [&] {
+    auto store = c10::make_intrusive<c10d::PrefixStore>(std::string(name), p->store);
+    auto g = new Group{p->store, nullptr, p->timeout, p->host, rank, size};
+    try {
+      g->pg = make_pg(store, rank, size, p->timeout, p->host);
+    } catch (...) {
+      delete g;
+      throw;
+    }
+    out = g;
+  });
+  return out;
+}
+
+void zr_gloo_free(void* group) {
+  delete static_cast<Group*>(group);
+}
+
+int zr_gloo_all_reduce(void* group, void* data, int64_t n, int dtype, int op, char* err, size_t err_len) {
+  auto g = static_cast<Group*>(group);
+  return guarded(err, err_len, [&] {
+    std::vector<at::Tensor> t{view(data, n, dtype)};
+    c10d::AllreduceOptions o;
+    o.reduceOp = reduce_op(op);
+    o.timeout = g->timeout;
+    wait(g, g->pg->allreduce(t, o));
+  });
+}
+
+int zr_gloo_reduce_scatter(void* group, void* input, void* output, int64_t part, int dtype, int op, char* err,
+                           size_t err_len) {
+  auto g = static_cast<Group*>(group);
+  return guarded(err, err_len, [&] {
+    auto in = view(input, part * g->size, dtype);
+    auto out = view(output, part, dtype);
+    c10d::ReduceScatterOptions o;
+    o.reduceOp = reduce_op(op);
+    o.timeout = g->timeout;
+    wait(g, g->pg->_reduce_scatter_base(out, in, o));
+  });
+}
+
+// `data` holds `size` parts of `part` elements; this rank's part is in place and every other part arrives.
+int zr_gloo_all_gather(void* group, void* data, int64_t part, int dtype, char* err, size_t err_len) {
+  auto g = static_cast<Group*>(group);
+  return guarded(err, err_len, [&] {
+    auto whole = view(data, part * g->size, dtype);
+    auto mine = whole.narrow(0, part * g->rank, part).clone();
+    c10d::AllgatherOptions o;
+    o.timeout = g->timeout;
+    wait(g, g->pg->_allgather_base(whole, mine, o));
+  });
+}
+
+int zr_gloo_broadcast(void* group, void* data, int64_t n, int dtype, int root, char* err, size_t err_len) {
+  auto g = static_cast<Group*>(group);
+  return guarded(err, err_len, [&] {
+    std::vector<at::Tensor> t{view(data, n, dtype)};
+    c10d::BroadcastOptions o;
+    o.rootRank = root;
+    o.timeout = g->timeout;
+    wait(g, g->pg->broadcast(t, o));
+  });
+}
+
+int zr_gloo_barrier(void* group, char* err, size_t err_len) {
+  auto g = static_cast<Group*>(group);
+  return guarded(err, err_len, [&] {
+    c10d::BarrierOptions o;
+    o.timeout = g->timeout;
+    wait(g, g->pg->barrier(o));
+  });
+}
+
+int zr_gloo_send(void* group, void* data, int64_t n, int dtype, int dst, int tag, char* err, size_t err_len) {
+  auto g = static_cast<Group*>(group);
+  return guarded(err, err_len, [&] {
+    std::vector<at::Tensor> t{view(data, n, dtype)};
+    wait(g, g->pg->send(t, dst, tag));
+  });
+}
+
+int zr_gloo_recv(void* group, void* data, int64_t n, int dtype, int src, int tag, char* err, size_t err_len) {
+  auto g = static_cast<Group*>(group);
+  return guarded(err, err_len, [&] {
+    std::vector<at::Tensor> t{view(data, n, dtype)};
+    wait(g, g->pg->recv(t, src, tag));
+  });
+}
+
+}  // extern "C"

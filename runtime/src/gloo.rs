@@ -1,0 +1,418 @@
+//! The gloo backend: libtorch's own c10d, a TCPStore at MASTER_ADDR:MASTER_PORT for the rendezvous (rank 0 serves
+//! it, as under torchrun) and a ProcessGroupGloo for the collectives and point-to-point over TCP, so ranks can
+//! span hosts without MPI. The C++ side is `native/gloo_backend.cpp`; this side adds what every zerorun backend
+//! promises: a handshake before each collective (the same op, size and type on every rank, or an error on every
+//! rank), a header handshake before each transfer, the mean as a sum divided here (gloo has no average, and the
+//! division is the other backends' own), and groups on the same store.
+use std::ffi::{c_char, c_int, c_void, CString};
+use std::time::Duration;
+
+use crate::comm::agreement::{self, Call};
+use crate::comm::groups::{self, Split, Transfer};
+use crate::comm::rank_info::RankInfo;
+use crate::comm::{BufMut, BufRef, CommError, CommResult, Communicator, Dtype, Element, ReduceOp};
+
+extern "C" {
+    #[allow(clippy::too_many_arguments)]
+    fn zr_gloo_new(
+        master_addr: *const c_char,
+        master_port: c_int,
+        host: *const c_char,
+        rank: c_int,
+        size: c_int,
+        timeout_ms: i64,
+        prefix: *const c_char,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> *mut c_void;
+    fn zr_gloo_subgroup(
+        parent: *mut c_void,
+        name: *const c_char,
+        rank: c_int,
+        size: c_int,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> *mut c_void;
+    fn zr_gloo_free(group: *mut c_void);
+    fn zr_gloo_all_reduce(
+        group: *mut c_void,
+        data: *mut c_void,
+        n: i64,
+        dtype: c_int,
+        op: c_int,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    fn zr_gloo_reduce_scatter(
+        group: *mut c_void,
+        input: *mut c_void,
+        output: *mut c_void,
+        part: i64,
+        dtype: c_int,
+        op: c_int,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    fn zr_gloo_all_gather(
+        group: *mut c_void,
+        data: *mut c_void,
+        part: i64,
+        dtype: c_int,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    fn zr_gloo_broadcast(
+        group: *mut c_void,
+        data: *mut c_void,
+        n: i64,
+        dtype: c_int,
+        root: c_int,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    fn zr_gloo_barrier(group: *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
+    fn zr_gloo_send(
+        group: *mut c_void,
+        data: *mut c_void,
+        n: i64,
+        dtype: c_int,
+        dst: c_int,
+        tag: c_int,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    fn zr_gloo_recv(
+        group: *mut c_void,
+        data: *mut c_void,
+        n: i64,
+        dtype: c_int,
+        src: c_int,
+        tag: c_int,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+}
+
+/// Tags of a transfer's two messages (gloo matches by peer and tag, in order).
+const TAG_HEADER: c_int = 1;
+const TAG_PAYLOAD: c_int = 2;
+
+/// One rank's gloo group.
+pub struct GlooComm {
+    group: *mut c_void,
+    rank: usize,
+    world_size: usize,
+    /// The job's store address, for errors.
+    place: String,
+}
+
+// SAFETY: the group is used by one thread at a time (the trait is Send, not Sync); libtorch's ProcessGroupGloo
+// runs its own worker threads and is safe to call from any one thread.
+unsafe impl Send for GlooComm {}
+
+impl Drop for GlooComm {
+    fn drop(&mut self) {
+        // SAFETY: made by zr_gloo_new or zr_gloo_subgroup, freed once.
+        unsafe { zr_gloo_free(self.group) };
+    }
+}
+
+/// An error buffer for the C side, and the message it holds.
+struct ErrBuf([u8; 2048]);
+
+impl ErrBuf {
+    fn new() -> ErrBuf {
+        ErrBuf([0; 2048])
+    }
+
+    fn ptr(&mut self) -> *mut c_char {
+        self.0.as_mut_ptr() as *mut c_char
+    }
+
+    fn message(&self) -> String {
+        let end = self.0.iter().position(|&b| b == 0).unwrap_or(self.0.len());
+        String::from_utf8_lossy(&self.0[..end]).into_owned()
+    }
+}
+
+fn c_string(s: &str) -> CString {
+    CString::new(s.replace('\0', "")).expect("no NUL left")
+}
+
+/// The address this rank's gloo device binds: `ZERORUN_HOST_ADDR`, else loopback when the master is local, else
+/// this host's name (which must resolve to an address the other hosts reach).
+fn host_address(master_addr: &str) -> String {
+    if let Ok(a) = std::env::var("ZERORUN_HOST_ADDR") {
+        return a;
+    }
+    if master_addr == "localhost" || master_addr.starts_with("127.") || master_addr == "::1" {
+        return "127.0.0.1".into();
+    }
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .unwrap_or_else(|_| "127.0.0.1".into())
+}
+
+impl GlooComm {
+    /// Joins the job's group: rank 0 serves the TCPStore at MASTER_ADDR:MASTER_PORT, every rank connects, and the
+    /// ranks meet under the run's id. Waits at most `timeout` for the others.
+    pub fn from_env(info: &RankInfo, timeout: Duration) -> CommResult<GlooComm> {
+        let place = format!("the TCPStore at {}:{}", info.master_addr, info.master_port);
+        let host = host_address(&info.master_addr);
+        let (addr, host_c, prefix) =
+            (c_string(&info.master_addr), c_string(&host), c_string(&format!("zerorun/{}/", info.run_id)));
+        let mut err = ErrBuf::new();
+        // SAFETY: valid C strings and an error buffer of the length given; the result is checked for null.
+        let group = unsafe {
+            zr_gloo_new(
+                addr.as_ptr(),
+                c_int::from(info.master_port),
+                host_c.as_ptr(),
+                info.rank as c_int,
+                info.world_size as c_int,
+                timeout.as_millis() as i64,
+                prefix.as_ptr(),
+                err.ptr(),
+                err.0.len(),
+            )
+        };
+        if group.is_null() {
+            return Err(CommError::Rendezvous {
+                rank: info.rank,
+                world_size: info.world_size,
+                place,
+                what: format!("gloo (binding {host}): {}", err.message()),
+            });
+        }
+        tracing::debug!(rank = info.rank, world_size = info.world_size, %host, "gloo backend ready");
+        Ok(GlooComm { group, rank: info.rank, world_size: info.world_size, place })
+    }
+
+    /// Runs one C call; its failure becomes an error of `op` naming this rank and what libtorch said.
+    fn call(&self, op: &'static str, f: impl FnOnce(*mut c_char, usize) -> c_int) -> CommResult<()> {
+        let mut err = ErrBuf::new();
+        let len = err.0.len();
+        if f(err.ptr(), len) == 0 {
+            return Ok(());
+        }
+        let what = err.message();
+        if what.contains("Timed out") || what.contains("timed out") || what.contains("Timeout") {
+            return Err(CommError::Timeout { op, rank: self.rank, missing: Vec::new(), waited: Duration::ZERO });
+        }
+        Err(CommError::BadArgument { op, rank: self.rank, what: format!("gloo: {what}") })
+    }
+
+    /// Every rank shares (op, length, type); any difference is an error on every rank.
+    fn handshake(&self, op: &'static str, len: usize, dtype: Dtype) -> CommResult<()> {
+        let mine = Call::new(op, len, dtype).words();
+        let mut all = vec![0u64; 3 * self.world_size];
+        all[3 * self.rank..3 * self.rank + 3].copy_from_slice(&mine);
+        // SAFETY: `all` holds world_size parts of 3 u64 words (gathered as i64), alive for the call.
+        self.call(op, |e, l| unsafe {
+            zr_gloo_all_gather(self.group, all.as_mut_ptr() as *mut c_void, 3, Dtype::I64 as c_int, e, l)
+        })?;
+        let calls: Vec<Call> = all.chunks(3).map(Call::from_words).collect();
+        agreement::check(op, self.rank, &calls)
+    }
+
+    /// gloo's op for ours: the mean is a sum, divided afterwards by [`divide`].
+    fn op_code(op: ReduceOp) -> c_int {
+        match op {
+            ReduceOp::Max => 2,
+            ReduceOp::Sum | ReduceOp::Avg => 0,
+        }
+    }
+
+    /// One transfer's message (header or payload) to or from `peer`.
+    /// One message of a transfer (its header or its payload) to or from the transfer's peer: `n` elements of
+    /// `dtype` at `bytes`, which the caller keeps alive (and, receiving, writable) for the call.
+    fn p2p_message(
+        &self,
+        t: &Transfer,
+        sending: bool,
+        bytes: *mut u8,
+        n: usize,
+        dtype: Dtype,
+        tag: c_int,
+    ) -> CommResult<()> {
+        let (data, peer) = (bytes as *mut c_void, t.peer as c_int);
+        // SAFETY: as this function's contract says.
+        self.call(t.op, |e, l| unsafe {
+            if sending {
+                zr_gloo_send(self.group, data, n as i64, dtype as c_int, peer, tag, e, l)
+            } else {
+                zr_gloo_recv(self.group, data, n as i64, dtype as c_int, peer, tag, e, l)
+            }
+        })
+    }
+
+    fn p2p(
+        &self,
+        op: &'static str,
+        peer: usize,
+        sending: bool,
+        bytes: *mut u8,
+        len: usize,
+        dtype: Dtype,
+    ) -> CommResult<()> {
+        groups::check_peer(op, self.rank, self.world_size, peer)?;
+        let transfer = Transfer { op, rank: self.rank, peer, sending, len, dtype };
+        groups::header_handshake(
+            &transfer,
+            |w| self.p2p_message(&transfer, true, w.as_ptr() as *mut u8, w.len(), Dtype::I64, TAG_HEADER),
+            |w| self.p2p_message(&transfer, false, w.as_mut_ptr() as *mut u8, w.len(), Dtype::I64, TAG_HEADER),
+        )?;
+        if len == 0 {
+            return Ok(());
+        }
+        self.p2p_message(&transfer, sending, bytes, len, dtype, TAG_PAYLOAD)
+    }
+}
+
+/// Divides every element of `bytes` (of `dtype`) by `n`: the mean from a sum, as the other backends compute it.
+fn divide(bytes: &mut [u8], dtype: Dtype, n: usize) {
+    fn each<T: Element>(bytes: &mut [u8], n: usize) {
+        for x in bytemuck::cast_slice_mut::<u8, T>(bytes) {
+            *x = T::div(*x, n);
+        }
+    }
+    match dtype {
+        Dtype::F32 => each::<f32>(bytes, n),
+        Dtype::Bf16 => each::<half::bf16>(bytes, n),
+        Dtype::F16 => each::<half::f16>(bytes, n),
+        Dtype::I64 => each::<i64>(bytes, n),
+    }
+}
+
+impl Communicator for GlooComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    fn all_reduce_buf(&self, buf: BufMut<'_>, op: ReduceOp) -> CommResult<()> {
+        const OP: &str = "all_reduce";
+        let (len, dtype) = (buf.len(), buf.dtype);
+        self.handshake(OP, len, dtype)?;
+        if len == 0 {
+            return Ok(());
+        }
+        let data = buf.bytes.as_mut_ptr() as *mut c_void;
+        // SAFETY: `buf` is this call's, `len` elements of `dtype`.
+        self.call(OP, |e, l| unsafe {
+            zr_gloo_all_reduce(self.group, data, len as i64, dtype as c_int, Self::op_code(op), e, l)
+        })?;
+        if op == ReduceOp::Avg {
+            divide(buf.bytes, dtype, self.world_size);
+        }
+        Ok(())
+    }
+
+    fn reduce_scatter_buf(&self, input: BufRef<'_>, output: BufMut<'_>, op: ReduceOp) -> CommResult<()> {
+        const OP: &str = "reduce_scatter";
+        let part = agreement::scatter_output(OP, self.rank, self.world_size, &input, &output)?;
+        self.handshake(OP, input.len(), input.dtype)?;
+        if part == 0 {
+            return Ok(());
+        }
+        let dtype = input.dtype;
+        let (i, o) = (input.bytes.as_ptr() as *mut c_void, output.bytes.as_mut_ptr() as *mut c_void);
+        // SAFETY: the input is only read (libtorch's view of it is not written); the output is this call's.
+        self.call(OP, |e, l| unsafe {
+            zr_gloo_reduce_scatter(self.group, i, o, part as i64, dtype as c_int, Self::op_code(op), e, l)
+        })?;
+        if op == ReduceOp::Avg {
+            divide(output.bytes, dtype, self.world_size);
+        }
+        Ok(())
+    }
+
+    fn all_gather_buf(&self, buf: BufMut<'_>) -> CommResult<()> {
+        const OP: &str = "all_gather";
+        let part = agreement::equal_parts(OP, self.rank, self.world_size, buf.len())?;
+        self.handshake(OP, buf.len(), buf.dtype)?;
+        if part == 0 {
+            return Ok(());
+        }
+        let (data, dtype) = (buf.bytes.as_mut_ptr() as *mut c_void, buf.dtype);
+        // SAFETY: `buf` holds world_size parts of `part` elements, this call's.
+        self.call(OP, |e, l| unsafe { zr_gloo_all_gather(self.group, data, part as i64, dtype as c_int, e, l) })
+    }
+
+    fn broadcast_buf(&self, buf: BufMut<'_>, root: usize) -> CommResult<()> {
+        const OP: &str = "broadcast";
+        agreement::root(OP, self.rank, self.world_size, root)?;
+        self.handshake(OP, buf.len(), buf.dtype)?;
+        if buf.is_empty() {
+            return Ok(());
+        }
+        let (data, len, dtype) = (buf.bytes.as_mut_ptr() as *mut c_void, buf.len(), buf.dtype);
+        // SAFETY: as for the all-reduce.
+        self.call(OP, |e, l| unsafe {
+            zr_gloo_broadcast(self.group, data, len as i64, dtype as c_int, root as c_int, e, l)
+        })
+    }
+
+    fn barrier(&self) -> CommResult<()> {
+        // SAFETY: a call on this group with an error buffer of the length given.
+        self.call("barrier", |e, l| unsafe { zr_gloo_barrier(self.group, e, l) })
+    }
+
+    fn send_buf(&self, buf: BufRef<'_>, dst: usize) -> CommResult<()> {
+        // Read only: gloo's send does not write its tensor.
+        self.p2p("send", dst, true, buf.bytes.as_ptr() as *mut u8, buf.len(), buf.dtype)
+    }
+
+    fn recv_buf(&self, buf: BufMut<'_>, src: usize) -> CommResult<()> {
+        let (len, dtype) = (buf.len(), buf.dtype);
+        self.p2p("recv", src, false, buf.bytes.as_mut_ptr(), len, dtype)
+    }
+
+    /// The members make a ProcessGroupGloo of their own on the job's store, under the group's name and the
+    /// split's id (so every group, and every split, meets apart).
+    fn split_group(&self, split: &Split) -> CommResult<Option<Box<dyn Communicator>>> {
+        if split.color(self.rank).is_none() {
+            return Ok(None);
+        }
+        let name = c_string(&format!("{}#{:x}/", split.name, split.id));
+        let mut err = ErrBuf::new();
+        // SAFETY: a live parent group, a C string and an error buffer of the length given.
+        let group = unsafe {
+            zr_gloo_subgroup(
+                self.group,
+                name.as_ptr(),
+                split.rank as c_int,
+                split.members.len() as c_int,
+                err.ptr(),
+                err.0.len(),
+            )
+        };
+        if group.is_null() {
+            return Err(CommError::Rendezvous {
+                rank: split.rank,
+                world_size: split.members.len(),
+                place: self.place.clone(),
+                what: format!("gloo group {}: {}", split.name, err.message()),
+            });
+        }
+        Ok(Some(Box::new(GlooComm {
+            group,
+            rank: split.rank,
+            world_size: split.members.len(),
+            place: self.place.clone(),
+        })))
+    }
+}
+
+/// The communicator the environment asks for, gloo included (the other backends come from
+/// [`crate::comm::env::communicator_from_env`]).
+pub fn communicator_from_env(timeout: Duration) -> CommResult<Box<dyn Communicator>> {
+    let info = RankInfo::from_env()?;
+    match info.backend {
+        crate::comm::rank_info::Backend::Gloo => Ok(Box::new(GlooComm::from_env(&info, timeout)?)),
+        _ => crate::comm::env::communicator_from_env(timeout),
+    }
+}

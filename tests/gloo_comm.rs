@@ -1,0 +1,72 @@
+//! The gloo backend (libtorch's TCPStore and ProcessGroupGloo) with real processes: the collective, group and
+//! point-to-point suites under `zerorun launch --backend gloo` at world sizes 1-4, and the same ranks started by
+//! two launchers as two nodes (`--nnodes 2`) on the loopback address.
+use std::process::Command;
+use std::time::Duration;
+
+#[path = "common/conformance.rs"]
+mod conformance;
+#[path = "common/groups.rs"]
+mod groups;
+
+#[test]
+#[ignore = "the ranks' entry point, run by the tests below in child processes"]
+fn worker_entry() {
+    if std::env::var("ZERORUN_TEST_WORKER").as_deref() == Ok("gloo") {
+        let c = zerorun::communicator_from_env(Duration::from_secs(120)).unwrap();
+        conformance::run(c.as_ref());
+        groups::point_to_point(c.as_ref());
+        groups::groups(c.as_ref());
+    }
+}
+
+fn worker(cmd: &mut Command) -> &mut Command {
+    cmd.arg("--")
+        .arg(std::env::current_exe().unwrap())
+        .args(["--exact", "worker_entry", "--ignored", "--nocapture", "--test-threads", "1"])
+        .env("ZERORUN_TEST_WORKER", "gloo")
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+#[test]
+fn gloo_conformance_groups_and_point_to_point_at_world_sizes_1_to_4() {
+    for n in 1..=4 {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_zerorun"));
+        cmd.args(["launch", "--nproc-per-node", &n.to_string(), "--backend", "gloo"]);
+        let out = worker(&mut cmd).output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "world size {n}:\n{text}\n{}", String::from_utf8_lossy(&out.stderr));
+        for r in 0..n {
+            assert!(text.contains(&format!("conformance ok on rank {r}")), "world size {n}, rank {r}:\n{text}");
+            assert!(text.contains(&format!("groups ok on rank {r}")), "world size {n}, rank {r}:\n{text}");
+        }
+    }
+}
+
+#[test]
+fn two_launchers_as_two_nodes_run_the_suites() {
+    let port = free_port().to_string();
+    let launchers: Vec<_> = (0..2)
+        .map(|node| {
+            let mut cmd = Command::new(env!("CARGO_BIN_EXE_zerorun"));
+            cmd.args(["launch", "--nnodes", "2", "--node-rank", &node.to_string(), "--nproc-per-node", "2"]).args([
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                &port,
+            ]);
+            worker(&mut cmd).stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn().unwrap()
+        })
+        .collect();
+    for (node, l) in launchers.into_iter().enumerate() {
+        let out = l.wait_with_output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "node {node}:\n{text}\n{}", String::from_utf8_lossy(&out.stderr));
+        for r in [2 * node, 2 * node + 1] {
+            assert!(text.contains(&format!("[rank {r}] groups ok on rank {r}")), "node {node}, rank {r}:\n{text}");
+        }
+    }
+}
