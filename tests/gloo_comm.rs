@@ -2,7 +2,9 @@
 //! point-to-point suites under `zerorun launch --backend gloo` at world sizes 1-4, and the same ranks started by
 //! two launchers as two nodes (`--nnodes 2`) on the loopback address.
 use std::process::Command;
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+use zerorun::runtime::comm::{Collectives, ReduceOp};
 
 #[path = "common/conformance.rs"]
 mod conformance;
@@ -12,11 +14,27 @@ mod groups;
 #[test]
 #[ignore = "the ranks' entry point, run by the tests below in child processes"]
 fn worker_entry() {
-    if std::env::var("ZERORUN_TEST_WORKER").as_deref() == Ok("gloo") {
-        let c = zerorun::communicator_from_env(Duration::from_secs(120)).unwrap();
-        conformance::run(c.as_ref());
-        groups::point_to_point(c.as_ref());
-        groups::groups(c.as_ref());
+    match std::env::var("ZERORUN_TEST_WORKER").as_deref() {
+        Ok("gloo") => {
+            let c = zerorun::communicator_from_env(Duration::from_secs(120)).unwrap();
+            conformance::run(c.as_ref());
+            groups::point_to_point(c.as_ref());
+            groups::groups(c.as_ref());
+        }
+        Ok("loop") => {
+            // All-reduces until a peer dies; writes its pid where the test finds it.
+            let c = zerorun::communicator_from_env(Duration::from_secs(20)).unwrap();
+            let dir = std::env::var("ZERORUN_TEST_DIR").unwrap();
+            std::fs::write(format!("{dir}/pid{}", c.rank()), std::process::id().to_string()).unwrap();
+            let mut b = vec![1f32; 1 << 16];
+            loop {
+                if let Err(e) = c.all_reduce(&mut b, ReduceOp::Avg) {
+                    eprintln!("error: {e}");
+                    std::process::exit(2);
+                }
+            }
+        }
+        _ => {}
     }
 }
 
@@ -69,4 +87,48 @@ fn two_launchers_as_two_nodes_run_the_suites() {
             assert!(text.contains(&format!("[rank {r}] groups ok on rank {r}")), "node {node}, rank {r}:\n{text}");
         }
     }
+}
+
+#[test]
+fn a_rank_killed_on_one_node_stops_both_launchers_naming_it() {
+    let dir = std::env::temp_dir().join(format!("zerorun-gloo-kill-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let port = free_port().to_string();
+    let launchers: Vec<_> =
+        (0..2)
+            .map(|node| {
+                let mut cmd = Command::new(env!("CARGO_BIN_EXE_zerorun"));
+                cmd.args(["launch", "--nnodes", "2", "--node-rank", &node.to_string(), "--nproc-per-node", "1"])
+                    .args(["--master-addr", "127.0.0.1", "--master-port", &port]);
+                worker(&mut cmd)
+                    .env("ZERORUN_TEST_WORKER", "loop")
+                    .env("ZERORUN_TEST_DIR", &dir)
+                    .stdout(std::process::Stdio::piped())
+                    .stderr(std::process::Stdio::piped())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+    let pid_of =
+        |r: usize| std::fs::read_to_string(dir.join(format!("pid{r}"))).ok().and_then(|s| s.parse::<i32>().ok());
+    let start = Instant::now();
+    while pid_of(0).is_none() || pid_of(1).is_none() {
+        assert!(start.elapsed() < Duration::from_secs(60), "ranks did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let killed_at = Instant::now();
+    unsafe { libc::kill(pid_of(1).unwrap(), libc::SIGKILL) };
+    let outs: Vec<_> = launchers.into_iter().map(|l| l.wait_with_output().unwrap()).collect();
+    let elapsed = killed_at.elapsed();
+    let err: Vec<String> = outs.iter().map(|o| String::from_utf8_lossy(&o.stderr).into_owned()).collect();
+    assert!(outs.iter().all(|o| !o.status.success()), "both launchers fail:\n{}\n{}", err[0], err[1]);
+    assert!(elapsed < Duration::from_secs(20 + 6), "took {elapsed:?}");
+    assert!(err[1].contains("error: rank 1 (node 1) was killed by signal 9 (SIGKILL)"), "{}", err[1]);
+    assert!(err[0].contains("error: rank 0 (node 0) exited with status 2"), "{}", err[0]);
+    for r in 0..2 {
+        assert!(unsafe { libc::kill(pid_of(r).unwrap(), 0) } != 0, "rank {r} is still alive");
+    }
+    eprintln!("node 0 said:\n{}", err[0]);
+    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -1,7 +1,8 @@
 //! The MLP example as separate processes under `zerorun launch` (shm backend with shared buffer regions,
 //! communication thread with prefetch at stage 3, per-unit reduction at stage 2, and stage 2 of a plain loop reducing
 //! from gradient hooks, and models built unit by unit from builders) ends at the parameters of one process at stage
-//! 0, within 1e-5, and prints the same per-step losses.
+//! 0, within 1e-5, and prints the same per-step losses. So do two launchers as two nodes (`--nnodes 2`, the gloo
+//! backend over loopback) at stages 0-3.
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -133,6 +134,69 @@ fn processes_at_stages_2_and_3_match_one_process() {
         let scale = y.iter().map(|v| v.abs()).fold(1e-6f32, f32::max);
         let d = x.iter().zip(y).map(|(p, q)| (p - q).abs()).fold(0.0f32, f32::max) / scale;
         assert!(d <= 1e-5, "builders --init: {n} differs by {d:e}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Two launchers on this host as nodes 0 and 1 (`--nnodes 2 --nproc-per-node 2`): four gloo ranks.
+fn run_two_nodes(mlp: &Path, dir: &Path, zero: &str, out: &Path) -> Vec<String> {
+    let cfg = dir.join(format!("nodes-{}.json", out.file_stem().unwrap().to_string_lossy()));
+    std::fs::write(&cfg, format!(r#"{{"train_batch_size": 12, "gradient_clipping": 1.0, "optimizer": {{"type": "AdamW", "params": {{"lr": 0.003, "weight_decay": 0.01}}}}, "zero_optimization": {zero}}}"#)).unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let launchers: Vec<_> = (0..2)
+        .map(|node| {
+            Command::new(env!("CARGO_BIN_EXE_zerorun"))
+                .args(["launch", "--nnodes", "2", "--node-rank", &node.to_string(), "--nproc-per-node", "2"])
+                .args(["--master-addr", "127.0.0.1", "--master-port", &port, "--"])
+                .arg(mlp)
+                .args(["--config", cfg.to_str().unwrap(), "--steps", "8", "--seed", "3", "--in", "16"])
+                .args(["--hidden", "48", "--layers", "4", "--out", "4", "--save-final", out.to_str().unwrap()])
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let mut losses = Vec::new();
+    for (node, l) in launchers.into_iter().enumerate() {
+        let o = l.wait_with_output().unwrap();
+        let text = String::from_utf8_lossy(&o.stdout).into_owned();
+        assert!(o.status.success(), "node {node}, {zero}: {}\n{text}", String::from_utf8_lossy(&o.stderr));
+        if node == 0 {
+            losses = text
+                .lines()
+                .filter_map(|l| l.strip_prefix("[rank 0] "))
+                .filter(|l| l.starts_with("step "))
+                .map(str::to_string)
+                .collect();
+        }
+    }
+    losses
+}
+
+#[test]
+fn two_launchers_as_two_nodes_match_one_process_at_stages_0_to_3() {
+    let mlp = mlp_example();
+    let dir = std::env::temp_dir().join(format!("zerorun-two-nodes-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let reference = dir.join("ref.safetensors");
+    let ref_losses = run(&mlp, &dir, 1, r#"{"stage": 0}"#, &[], &reference);
+    let reference = load(&reference);
+    for stage in 0..=3 {
+        let out = dir.join(format!("nodes-stage{stage}.safetensors"));
+        let losses = run_two_nodes(&mlp, &dir, &format!(r#"{{"stage": {stage}}}"#), &out);
+        assert_eq!(losses.len(), 8, "stage {stage}");
+        for (a, b) in losses.iter().zip(&ref_losses) {
+            let (x, y): (f64, f64) =
+                (a.rsplit(' ').next().unwrap().parse().unwrap(), b.rsplit(' ').next().unwrap().parse().unwrap());
+            assert!((x - y).abs() <= 1e-5 * y.abs(), "stage {stage}: `{a}` vs `{b}`");
+        }
+        for ((n, x), (_, y)) in load(&out).iter().zip(&reference) {
+            let scale = y.iter().map(|v| v.abs()).fold(1e-6f32, f32::max);
+            let d = x.iter().zip(y).map(|(p, q)| (p - q).abs()).fold(0.0f32, f32::max) / scale;
+            assert!(d <= 1e-5, "stage {stage}: {n} differs by {d:e}");
+        }
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }

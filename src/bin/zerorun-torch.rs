@@ -35,7 +35,27 @@ fn main() -> ExitCode {
     logging::init_logging();
     let result = match bench {
         cli::bench::BenchCommand::Adam { params, repeats, json } => bench_adam::run(params, repeats, json),
-        _ => Err(CliError::Usage("zerorun-torch runs `bench adam` only; call `zerorun` for the other commands".into())),
+        // A rank of `zerorun bench comm --backend gloo` (the backend is libtorch's).
+        cli::bench::BenchCommand::Comm { backend, max_bytes, dtype, repeats, json, worker: true, .. }
+            if backend == "gloo" =>
+        {
+            gloo_bench_rank(max_bytes, &dtype, repeats.max(1), json)
+        }
+        _ => Err(CliError::Usage(
+            "zerorun-torch runs `bench adam` and gloo's `bench comm` ranks only; call `zerorun` for the other commands"
+                .into(),
+        )),
     };
     cli::exit_code(result)
+}
+
+fn gloo_bench_rank(max_bytes: usize, dtype: &str, repeats: usize, json: bool) -> Result<(), CliError> {
+    let elem = match dtype {
+        "bf16" => zerorun::runtime::comm::Dtype::Bf16,
+        "f16" => zerorun::runtime::comm::Dtype::F16,
+        _ => zerorun::runtime::comm::Dtype::F32,
+    };
+    let c = zerorun::communicator_from_env(std::time::Duration::from_secs(600))
+        .map_err(|e| CliError::Usage(e.to_string()))?;
+    cli::bench_comm::rank_main(c.as_ref(), max_bytes, elem, repeats, json)
 }

@@ -20,7 +20,8 @@ pub enum BenchCommand {
     },
     /// Bus bandwidth of all_reduce, reduce_scatter and all_gather (nccl-tests formulas) beside a single-core memcpy.
     Comm {
-        /// shm (rank processes over shared memory) or threads (rank threads in this process).
+        /// shm (rank processes over shared memory), threads (rank threads in this process), mpi (under mpirun) or
+        /// gloo (libtorch's TCP backend, ranks in the zerorun-torch helper).
         #[arg(long, default_value = "shm")]
         backend: String,
         #[arg(long, default_value_t = 2)]

@@ -9,21 +9,21 @@ use zerorun_comm::{threads, BufMut, BufRef, Collectives, Communicator, Dtype, Re
 
 use super::{emit, CliError};
 
-const OPS: [&str; 3] = ["all_reduce", "reduce_scatter", "all_gather"];
+const OPS: [&str; 4] = ["all_reduce", "reduce_scatter", "all_gather", "send_recv"];
 
 fn sizes(max_bytes: usize) -> Vec<usize> {
     std::iter::successors(Some(4096usize), |b| Some(b * 4)).take_while(|b| *b <= max_bytes.max(4096)).collect()
 }
 
 /// nccl-tests: algbw = S / t with S the full array; busbw = algbw * 2(n-1)/n for all-reduce, * (n-1)/n for
-/// reduce-scatter and all-gather.
+/// reduce-scatter and all-gather; a send/recv (one direction, rank 0 to rank 1) is S / t.
 fn busbw(op: &str, bytes: usize, ranks: usize, secs: f64) -> f64 {
     let algbw = bytes as f64 / secs / 1e9;
     let n = ranks as f64;
-    if op == "all_reduce" {
-        algbw * 2.0 * (n - 1.0) / n
-    } else {
-        algbw * (n - 1.0) / n
+    match op {
+        "all_reduce" => algbw * 2.0 * (n - 1.0) / n,
+        "send_recv" => algbw,
+        _ => algbw * (n - 1.0) / n,
     }
 }
 
@@ -79,6 +79,13 @@ fn measure(c: &dyn Communicator, op: &str, bytes: usize, dtype: Dtype, repeats: 
             "reduce_scatter" => c
                 .reduce_scatter_buf(BufRef { bytes: &*buf, dtype }, BufMut { bytes: &mut *out, dtype }, ReduceOp::Sum)
                 .map_err(fail)?,
+            // One direction between the first two ranks; the sender's time is the transfer's (it returns once the
+            // receiver has the data), and the others wait at the next barrier.
+            "send_recv" => match c.rank() {
+                0 => c.send_buf(BufRef { bytes: &*buf, dtype }, 1).map_err(fail)?,
+                1 => c.recv_buf(BufMut { bytes: &mut *buf, dtype }, 0).map_err(fail)?,
+                _ => {}
+            },
             _ => c.all_gather_buf(BufMut { bytes: &mut *buf, dtype }).map_err(fail)?,
         }
         if rep > 0 {
@@ -112,7 +119,13 @@ fn memcpy_gbps(repeats: usize, median: bool) -> f64 {
 }
 
 /// Every measurement of one rank; rank 0 prints them.
-fn rank_main(c: &dyn Communicator, max_bytes: usize, dtype: Dtype, repeats: usize, json: bool) -> Result<(), CliError> {
+pub fn rank_main(
+    c: &dyn Communicator,
+    max_bytes: usize,
+    dtype: Dtype,
+    repeats: usize,
+    json: bool,
+) -> Result<(), CliError> {
     let rows: Vec<(&str, usize, f64)> = {
         let mut rows = Vec::new();
         for op in OPS {
@@ -194,13 +207,26 @@ pub fn run(
             });
             results.into_iter().collect::<Result<Vec<()>, CliError>>()?;
         }
-        "shm" | "mpi" => {
+        "shm" | "mpi" | "gloo" => {
             let me =
                 std::env::current_exe().map_err(|e| CliError::Io { context: "finding zerorun".into(), source: e })?;
             let mut cmd;
-            if backend == "shm" {
+            if backend == "shm" || backend == "gloo" {
                 cmd = Command::new(&me);
-                cmd.args(["launch", "--nproc-per-node", &ranks.to_string(), "--"]).arg(&me);
+                cmd.args(["launch", "--nproc-per-node", &ranks.to_string(), "--backend", backend, "--"]);
+                // gloo is libtorch's: its ranks run in the helper beside zerorun, which takes the same arguments.
+                if backend == "gloo" {
+                    let helper = me.with_file_name(super::torch_helper::HELPER);
+                    if !helper.is_file() {
+                        return Err(CliError::Usage(format!(
+                            "{}: not found; --backend gloo runs its ranks in the helper beside zerorun (cargo build --bins)",
+                            helper.display()
+                        )));
+                    }
+                    cmd.arg(helper);
+                } else {
+                    cmd.arg(&me);
+                }
             } else {
                 if !cfg!(feature = "mpi") {
                     return Err(CliError::Usage(
@@ -225,7 +251,7 @@ pub fn run(
                 .map_err(|e| CliError::Io { context: "starting the ranks".into(), source: e })?;
             let text = String::from_utf8_lossy(&out.stdout);
             for line in text.lines() {
-                if backend == "shm" {
+                if backend != "mpi" {
                     emit(line.strip_prefix("[rank 0] ").unwrap_or(line))?;
                 } else if line.starts_with('{') || line.contains("busbw") {
                     emit(line)?;
@@ -235,7 +261,7 @@ pub fn run(
                 return Err(CliError::Usage("the benchmark's ranks failed (see above)".into()));
             }
         }
-        other => return Err(CliError::Usage(format!("--backend {other:?}: choose shm, threads or mpi"))),
+        other => return Err(CliError::Usage(format!("--backend {other:?}: choose shm, threads, mpi or gloo"))),
     }
     if json {
         emit(&serde_json::json!({"memcpy_gbps": memcpy}).to_string())?;
