@@ -21,6 +21,16 @@ fn worker_entry() {
             groups::point_to_point(c.as_ref());
             groups::groups(c.as_ref());
         }
+        Ok("exit-or-sleep") => {
+            // Rank 0 fails after the rendezvous; rank 1 sleeps outside any collective, so only its launcher,
+            // told by node 0's, can stop it.
+            let c = zerorun::communicator_from_env(Duration::from_secs(60)).unwrap();
+            c.barrier().unwrap();
+            if c.rank() == 0 {
+                std::process::exit(3);
+            }
+            std::thread::sleep(Duration::from_secs(60));
+        }
         Ok("loop") => {
             // All-reduces until a peer dies; writes its pid where the test finds it.
             let c = zerorun::communicator_from_env(Duration::from_secs(20)).unwrap();
@@ -125,10 +135,48 @@ fn a_rank_killed_on_one_node_stops_both_launchers_naming_it() {
     assert!(outs.iter().all(|o| !o.status.success()), "both launchers fail:\n{}\n{}", err[0], err[1]);
     assert!(elapsed < Duration::from_secs(20 + 6), "took {elapsed:?}");
     assert!(err[1].contains("error: rank 1 (node 1) was killed by signal 9 (SIGKILL)"), "{}", err[1]);
-    assert!(err[0].contains("error: rank 0 (node 0) exited with status 2"), "{}", err[0]);
+    // Node 0's rank only saw the connection close; its launcher names the rank that died on node 1 first.
+    assert!(
+        err[0].contains(
+            "error: rank 1 (node 1) was killed by signal 9 (SIGKILL); then rank 0 (node 0) exited with status 2"
+        ),
+        "{}",
+        err[0]
+    );
     for r in 0..2 {
         assert!(unsafe { libc::kill(pid_of(r).unwrap(), 0) } != 0, "rank {r} is still alive");
     }
     eprintln!("node 0 said:\n{}", err[0]);
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_failure_on_one_node_stops_the_ranks_of_the_other() {
+    let port = free_port().to_string();
+    let start = Instant::now();
+    let launchers: Vec<_> =
+        (0..2)
+            .map(|node| {
+                let mut cmd = Command::new(env!("CARGO_BIN_EXE_zerorun"));
+                cmd.args(["launch", "--nnodes", "2", "--node-rank", &node.to_string(), "--nproc-per-node", "1"])
+                    .args(["--master-addr", "127.0.0.1", "--master-port", &port]);
+                worker(&mut cmd)
+                    .env("ZERORUN_TEST_WORKER", "exit-or-sleep")
+                    .stdout(std::process::Stdio::piped())
+                    .stderr(std::process::Stdio::piped())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+    let outs: Vec<_> = launchers.into_iter().map(|l| l.wait_with_output().unwrap()).collect();
+    let err: Vec<String> = outs.iter().map(|o| String::from_utf8_lossy(&o.stderr).into_owned()).collect();
+    assert!(start.elapsed() < Duration::from_secs(40), "the sleeping rank was not stopped: {:?}", start.elapsed());
+    assert!(err[0].contains("error: rank 0 (node 0) exited with status 3"), "{}", err[0]);
+    assert!(
+        err[1].contains(
+            "error: rank 0 (node 0) exited with status 3; then rank 1 (node 1) was killed by signal 15 (SIGTERM)"
+        ),
+        "{}",
+        err[1]
+    );
 }

@@ -169,6 +169,17 @@ pub fn run(args: LaunchArgs) -> Result<(), CliError> {
             std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos())
         )
     };
+    // Several nodes: the launchers tell each other of a failed rank (launch_nodes.rs).
+    let links = if multi_node {
+        Some(super::launch_nodes::NodeLinks::start(args.node_rank, &args.master_addr, port).map_err(|e| {
+            CliError::Io {
+                context: format!("listening for the other launchers on port {}", port as u32 + 1),
+                source: e,
+            }
+        })?)
+    } else {
+        None
+    };
     let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
     let threads = (cores / n).max(1).to_string();
     let stop = Arc::new(AtomicBool::new(false));
@@ -221,6 +232,8 @@ pub fn run(args: LaunchArgs) -> Result<(), CliError> {
     }
 
     let mut failed: Option<(usize, ExitStatus, Instant)> = None;
+    // When another node's launcher reported a failed rank first: this node's ranks are stopped too.
+    let mut remote_stop: Option<Instant> = None;
     let mut forwarded = false;
     let mut termed = false;
     loop {
@@ -239,7 +252,13 @@ pub fn run(args: LaunchArgs) -> Result<(), CliError> {
             let bad = ended.iter().filter(|(_, s)| !s.success());
             if let Some(&(i, s)) = bad.clone().find(|(_, s)| s.signal().is_some()).or(bad.clone().next()) {
                 failed = Some((i, s, Instant::now()));
+                if let (Some(links), None) = (&links, remote_stop) {
+                    links.report(first_rank + i, &describe(s));
+                }
             }
+        }
+        if failed.is_none() && remote_stop.is_none() && links.as_ref().is_some_and(|l| l.remote_failure().is_some()) {
+            remote_stop = Some(Instant::now());
         }
         if ranks.iter().all(|r| r.status.is_some()) {
             break;
@@ -250,7 +269,7 @@ pub fn run(args: LaunchArgs) -> Result<(), CliError> {
                 signal_group(&r.child, libc::SIGTERM);
             }
         }
-        if let Some((_, _, at)) = failed {
+        if let Some(at) = failed.map(|f| f.2).or(remote_stop) {
             if !termed && at.elapsed() >= GRACE {
                 termed = true;
                 for r in ranks.iter().filter(|r| r.status.is_none()) {
@@ -278,6 +297,21 @@ pub fn run(args: LaunchArgs) -> Result<(), CliError> {
         }
     }
     std::thread::sleep(Duration::from_millis(50)); // let the pumps flush the last lines
+                                                   // A rank here that exited with an error may have seen a peer on another node die: give that node's report a
+                                                   // moment to arrive, and name the failure that came first.
+    if let (Some(links), Some((_, status, _))) = (&links, failed) {
+        let start = Instant::now();
+        while status.signal().is_none() && links.remote_failure().is_none() && start.elapsed() < GRACE {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    let remote = links.as_ref().and_then(super::launch_nodes::NodeLinks::remote_failure);
+    if let (None, Some(r)) = (failed, &remote) {
+        return Err(CliError::Usage(format!(
+            "rank {} (node {}) {}; this node's ranks were stopped",
+            r.rank, r.node, r.how
+        )));
+    }
     if let Some((local, status, _)) = failed {
         // Ranks by their place in the job; with several nodes, which node's.
         let name = |i: usize| {
@@ -289,13 +323,20 @@ pub fn run(args: LaunchArgs) -> Result<(), CliError> {
         };
         let tail = ranks[local].tail.lock().unwrap_or_else(|p| p.into_inner());
         let last: Vec<String> = tail.iter().map(|l| format!("  {l}")).collect();
-        let others: Vec<String> = ranks
+        let mut others: Vec<String> = ranks
             .iter()
             .enumerate()
             .filter(|(i, r)| *i != local && r.status.is_some_and(|s| !s.success()))
             .map(|(i, r)| format!("{} {}", name(i), describe(r.status.expect("reaped"))))
             .collect();
         let mut msg = format!("{} {}", name(local), describe(status));
+        // Another node's rank killed by a signal is the likelier first cause than an error here.
+        if let Some(r) =
+            remote.filter(|r| remote_stop.is_some() || (status.signal().is_none() && r.how.contains("signal")))
+        {
+            others.insert(0, msg);
+            msg = format!("rank {} (node {}) {}", r.rank, r.node, r.how);
+        }
         if !others.is_empty() {
             msg += &format!("; then {}", others.join(", "));
         }

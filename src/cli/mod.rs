@@ -7,6 +7,7 @@ pub mod config;
 pub mod consolidate;
 pub mod estimate;
 pub mod launch;
+mod launch_nodes;
 pub mod report;
 pub mod torch_helper;
 
