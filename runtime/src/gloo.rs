@@ -410,9 +410,17 @@ impl Communicator for GlooComm {
 /// The communicator the environment asks for, gloo included (the other backends come from
 /// [`crate::comm::env::communicator_from_env`]).
 pub fn communicator_from_env(timeout: Duration) -> CommResult<Box<dyn Communicator>> {
+    use crate::comm::rank_info::Backend;
     let info = RankInfo::from_env()?;
     match info.backend {
-        crate::comm::rank_info::Backend::Gloo => Ok(Box::new(GlooComm::from_env(&info, timeout)?)),
+        Backend::Gloo => Ok(Box::new(GlooComm::from_env(&info, timeout)?)),
+        // NCCL across hosts: its id goes out through gloo's TCPStore rather than a shared-memory segment.
+        #[cfg(feature = "nccl")]
+        Backend::Nccl if info.local_world_size != info.world_size => {
+            let boot_info = RankInfo { run_id: format!("{}-nccl", info.run_id), ..info.clone() };
+            let boot = GlooComm::from_env(&boot_info, timeout)?;
+            Ok(Box::new(crate::comm::nccl::NcclComm::with_bootstrap(&info, Some(&boot))?))
+        }
         _ => crate::comm::env::communicator_from_env(timeout),
     }
 }

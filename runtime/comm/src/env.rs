@@ -28,6 +28,13 @@ pub fn communicator_from_env(timeout: Duration) -> CommResult<Box<dyn Communicat
         #[cfg(not(feature = "mpi"))]
         Backend::Mpi => Err(not_built(&info, Backend::Mpi, "mpi")),
         #[cfg(feature = "nccl")]
+        Backend::Nccl if info.local_world_size != info.world_size => Err(CommError::Rendezvous {
+            rank: info.rank,
+            world_size: info.world_size,
+            place: "NCCL".into(),
+            what: "ranks span several hosts: NCCL's id goes out through gloo's TCPStore, which zerorun-runtime's factory does (zerorun::communicator_from_env)".into(),
+        }),
+        #[cfg(feature = "nccl")]
         Backend::Nccl => Ok(Box::new(super::nccl::NcclComm::from_env(&info, timeout)?)),
         #[cfg(not(feature = "nccl"))]
         Backend::Nccl => Err(not_built(&info, Backend::Nccl, "nccl")),

@@ -70,9 +70,23 @@ pub fn unique_id() -> CommResult<[u8; 128]> {
 }
 
 impl NcclComm {
-    /// The NCCL communicator of a job the environment describes: rank 0 makes the NCCL id and the others get it
-    /// through a shared-memory rendezvous (NCCL's own bootstrap needs the id first); `LOCAL_RANK` picks the GPU.
+    /// The NCCL communicator of a job the environment describes, on one host: rank 0 makes the NCCL id and the
+    /// others get it through a shared-memory rendezvous (NCCL's own bootstrap needs the id first); `LOCAL_RANK`
+    /// picks the GPU. Across hosts zerorun-runtime bootstraps through gloo's TCPStore instead
+    /// ([`NcclComm::with_bootstrap`]).
     pub fn from_env(info: &super::rank_info::RankInfo, timeout: std::time::Duration) -> CommResult<NcclComm> {
+        preflight(info.rank, info.world_size)?;
+        if info.world_size == 1 {
+            return NcclComm::with_bootstrap(info, None);
+        }
+        let boot_info = super::rank_info::RankInfo { run_id: format!("{}-nccl", info.run_id), ..info.clone() };
+        let boot = super::shm::ShmComm::join(&boot_info, timeout)?;
+        NcclComm::with_bootstrap(info, Some(&boot))
+    }
+
+    /// The NCCL communicator of the job, rank 0's NCCL id broadcast over `boot` (a group of the same ranks: the
+    /// shm segment on one host, gloo across hosts), then a barrier so the bootstrap group may go.
+    pub fn with_bootstrap(info: &super::rank_info::RankInfo, boot: Option<&dyn Communicator>) -> CommResult<NcclComm> {
         preflight(info.rank, info.world_size)?;
         let mut id = [0i64; 16];
         if info.rank == 0 {
@@ -81,11 +95,9 @@ impl NcclComm {
                 *w = i64::from_ne_bytes(c.try_into().expect("8 bytes"));
             }
         }
-        if info.world_size > 1 {
-            use super::Collectives;
-            let boot_info = super::rank_info::RankInfo { run_id: format!("{}-nccl", info.run_id), ..info.clone() };
-            let boot = super::shm::ShmComm::join(&boot_info, timeout)?;
+        if let Some(boot) = boot {
             boot.broadcast(&mut id, 0)?;
+            boot.barrier()?;
         }
         let mut bytes = [0u8; 128];
         for (c, w) in bytes.chunks_mut(8).zip(id) {
