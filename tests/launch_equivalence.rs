@@ -2,7 +2,7 @@
 //! communication thread with prefetch at stage 3, per-unit reduction at stage 2, and stage 2 of a plain loop reducing
 //! from gradient hooks, and models built unit by unit from builders) ends at the parameters of one process at stage
 //! 0, within 1e-5, and prints the same per-step losses. So do two launchers as two nodes (`--nnodes 2`, the gloo
-//! backend over loopback) at stages 0-3.
+//! backend over loopback) at stages 0-3, and two torchrun agents as two nodes (static rendezvous, `--no-python`).
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -197,6 +197,59 @@ fn two_launchers_as_two_nodes_match_one_process_at_stages_0_to_3() {
             let d = x.iter().zip(y).map(|(p, q)| (p - q).abs()).fold(0.0f32, f32::max) / scale;
             assert!(d <= 1e-5, "stage {stage}: {n} differs by {d:e}");
         }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn two_torchrun_nodes_match_one_process() {
+    // make setup's venv has torch, and so torchrun.
+    let torchrun = Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/torchrun");
+    assert!(torchrun.is_file(), "{} (make setup installs torch into .venv)", torchrun.display());
+    let mlp = mlp_example();
+    let dir = std::env::temp_dir().join(format!("zerorun-torchrun-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let reference = dir.join("ref.safetensors");
+    let ref_losses = run(&mlp, &dir, 1, r#"{"stage": 0}"#, &[], &reference);
+    let cfg = dir.join("torchrun.json");
+    std::fs::write(&cfg, r#"{"train_batch_size": 12, "gradient_clipping": 1.0, "optimizer": {"type": "AdamW", "params": {"lr": 0.003, "weight_decay": 0.01}}, "zero_optimization": {"stage": 2}}"#).unwrap();
+    let out = dir.join("torchrun.safetensors");
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let agents: Vec<_> = (0..2)
+        .map(|node| {
+            Command::new(&torchrun)
+                .args(["--nnodes", "2", "--node-rank", &node.to_string(), "--nproc-per-node", "1"])
+                .args(["--master-addr", "127.0.0.1", "--master-port", &port, "--no-python"])
+                .arg(&mlp)
+                .args(["--config", cfg.to_str().unwrap(), "--steps", "8", "--seed", "3", "--in", "16"])
+                .args(["--hidden", "48", "--layers", "4", "--out", "4", "--save-final", out.to_str().unwrap()])
+                .env_remove("ZERORUN_BACKEND")
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let mut losses = Vec::new();
+    for (node, a) in agents.into_iter().enumerate() {
+        let o = a.wait_with_output().unwrap();
+        let text = String::from_utf8_lossy(&o.stdout).into_owned();
+        assert!(o.status.success(), "torchrun node {node}: {}\n{text}", String::from_utf8_lossy(&o.stderr));
+        if node == 0 {
+            losses = text.lines().filter(|l| l.starts_with("step ")).map(str::to_string).collect();
+        }
+    }
+    assert_eq!(losses.len(), 8, "rank 0's losses");
+    for (a, b) in losses.iter().zip(&ref_losses) {
+        let (x, y): (f64, f64) =
+            (a.rsplit(' ').next().unwrap().parse().unwrap(), b.rsplit(' ').next().unwrap().parse().unwrap());
+        assert!((x - y).abs() <= 1e-5 * y.abs(), "torchrun: `{a}` vs `{b}`");
+    }
+    for ((n, x), (_, y)) in load(&out).iter().zip(&load(&reference)) {
+        let scale = y.iter().map(|v| v.abs()).fold(1e-6f32, f32::max);
+        let d = x.iter().zip(y).map(|(p, q)| (p - q).abs()).fold(0.0f32, f32::max) / scale;
+        assert!(d <= 1e-5, "torchrun: {n} differs by {d:e}");
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -75,17 +75,23 @@ c10::intrusive_ptr<c10d::ProcessGroupGloo> make_pg(const c10::intrusive_ptr<c10d
 
 extern "C" {
 
-// Rank 0 serves the TCPStore at master_addr:master_port; every rank connects and joins the group under `prefix`.
-void* zr_gloo_new(const char* master_addr, int master_port, const char* host, int rank, int size, int64_t timeout_ms,
-                  const char* prefix, char* err, size_t err_len) {
+// The TCPStore at master_addr:master_port: rank 0 serves it and waits for every rank to register (under zerorun
+// launch), or torchrun's agent serves it (`agent_store`) and the ranks only connect. Every rank then joins the
+// group under `prefix`.
+void* zr_gloo_new(const char* master_addr, int master_port, int agent_store, const char* host, int rank, int size,
+                  int64_t timeout_ms, const char* prefix, char* err, size_t err_len) {
   Group* out = nullptr;
   guarded(err, err_len, [&] {
     auto timeout = std::chrono::milliseconds(timeout_ms);
     c10d::TCPStoreOptions so;
     so.port = static_cast<std::uint16_t>(master_port);
-    so.isServer = rank == 0;
-    so.numWorkers = size;
-    so.waitWorkers = true;
+    so.isServer = rank == 0 && agent_store == 0;
+    if (agent_store == 0) {
+      so.numWorkers = size;
+      so.waitWorkers = true;
+    } else {
+      so.waitWorkers = false;
+    }
     so.timeout = timeout;
     auto tcp = c10::make_intrusive<c10d::TCPStore>(std::string(master_addr), so);
     auto store = c10::make_intrusive<c10d::PrefixStore>(std::string(prefix), tcp);

@@ -17,6 +17,7 @@ extern "C" {
     fn zr_gloo_new(
         master_addr: *const c_char,
         master_port: c_int,
+        agent_store: c_int,
         host: *const c_char,
         rank: c_int,
         size: c_int,
@@ -154,10 +155,12 @@ fn host_address(master_addr: &str) -> String {
 }
 
 impl GlooComm {
-    /// Joins the job's group: rank 0 serves the TCPStore at MASTER_ADDR:MASTER_PORT, every rank connects, and the
-    /// ranks meet under the run's id. Waits at most `timeout` for the others.
+    /// Joins the job's group: rank 0 serves the TCPStore at MASTER_ADDR:MASTER_PORT (under torchrun, its agent
+    /// does), every rank connects, and the ranks meet under the run's id. Waits at most `timeout` for the others.
     pub fn from_env(info: &RankInfo, timeout: Duration) -> CommResult<GlooComm> {
         let place = format!("the TCPStore at {}:{}", info.master_addr, info.master_port);
+        // torchrun's agent already serves a TCPStore at MASTER_ADDR:MASTER_PORT and tells its ranks to use it.
+        let agent_store = std::env::var("TORCHELASTIC_USE_AGENT_STORE").is_ok_and(|v| v.eq_ignore_ascii_case("true"));
         let host = host_address(&info.master_addr);
         let (addr, host_c, prefix) =
             (c_string(&info.master_addr), c_string(&host), c_string(&format!("zerorun/{}/", info.run_id)));
@@ -167,6 +170,7 @@ impl GlooComm {
             zr_gloo_new(
                 addr.as_ptr(),
                 c_int::from(info.master_port),
+                c_int::from(agent_store),
                 host_c.as_ptr(),
                 info.rank as c_int,
                 info.world_size as c_int,

@@ -49,7 +49,7 @@ pub struct RankInfo {
     pub master_port: u16,
     /// Names this job's shared-memory segment; set by `zerorun launch` (else derived from the master address).
     pub run_id: String,
-    /// `ZERORUN_BACKEND` (default: mpi under mpirun, shm elsewhere).
+    /// `ZERORUN_BACKEND` (default: mpi under mpirun, gloo when ranks span hosts, shm on one host).
     pub backend: Backend,
 }
 
@@ -92,6 +92,8 @@ impl RankInfo {
         let under_mpirun = std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some();
         let backend = match var(&["ZERORUN_BACKEND"]) {
             None if under_mpirun => Backend::Mpi,
+            // Ranks on several hosts (torchrun --nnodes, or launchers without --backend): TCP, not shared memory.
+            None if local_world_size != world_size => Backend::Gloo,
             None => Backend::Shm,
             Some(name) => Backend::from_name(&name).ok_or_else(|| CommError::Rendezvous {
                 rank,
