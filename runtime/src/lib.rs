@@ -8,6 +8,7 @@
 //! - [`gloo`]: the backend across hosts (libtorch's TCPStore and ProcessGroupGloo), and the communicator factory
 //!   that knows it.
 //! - [`engine`]: the ZeRO engine (stages 0-3, offload) over a tch `VarStore`.
+//! - [`pipeline`]: pipeline parallelism; so far its schedules as data, proven by simulation.
 //! - [`checkpoint`]: the sharded checkpoint format.
 //! - [`estimate`]: model-state memory per stage and offload option, before a run.
 //! - [`report`]: the measured memory report, its picture, and the wall-clock breakdown.
@@ -19,6 +20,7 @@ pub mod cuda;
 pub mod engine;
 mod error;
 pub mod gloo;
+pub mod pipeline;
 pub mod report;
 
 pub use config::{Config, ConfigError};
