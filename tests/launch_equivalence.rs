@@ -63,6 +63,23 @@ fn load(p: &Path) -> Vec<(String, Vec<f32>)> {
     v
 }
 
+/// The run's per-step losses and final parameters (`out`) match the reference's within 1e-5.
+fn assert_matches(name: &str, losses: &[String], ref_losses: &[String], out: &Path, reference: &[(String, Vec<f32>)]) {
+    assert_eq!(losses.len(), ref_losses.len(), "{name}: losses");
+    for (a, b) in losses.iter().zip(ref_losses) {
+        let (x, y): (f64, f64) =
+            (a.rsplit(' ').next().unwrap().parse().unwrap(), b.rsplit(' ').next().unwrap().parse().unwrap());
+        assert!((x - y).abs() <= 1e-5 * y.abs(), "{name}: `{a}` vs `{b}`");
+    }
+    let got = load(out);
+    assert_eq!(got.iter().map(|p| &p.0).collect::<Vec<_>>(), reference.iter().map(|p| &p.0).collect::<Vec<_>>());
+    for ((n, x), (_, y)) in got.iter().zip(reference) {
+        let scale = y.iter().map(|v| v.abs()).fold(1e-6f32, f32::max);
+        let d = x.iter().zip(y).map(|(p, q)| (p - q).abs()).fold(0.0f32, f32::max) / scale;
+        assert!(d <= 1e-5, "{name}: {n} differs by {d:e}");
+    }
+}
+
 #[test]
 fn processes_at_stages_2_and_3_match_one_process() {
     let mlp = mlp_example();
@@ -93,18 +110,7 @@ fn processes_at_stages_2_and_3_match_one_process() {
         let out = dir.join(format!("{name}.safetensors"));
         let losses = run(&mlp, &dir, 3, zero, extra, &out);
         assert_eq!(losses.len(), 8, "{name}");
-        for (a, b) in losses.iter().zip(&ref_losses) {
-            let (x, y): (f64, f64) =
-                (a.rsplit(' ').next().unwrap().parse().unwrap(), b.rsplit(' ').next().unwrap().parse().unwrap());
-            assert!((x - y).abs() <= 1e-5 * y.abs(), "{name}: `{a}` vs `{b}`");
-        }
-        let got = load(&out);
-        assert_eq!(got.iter().map(|p| &p.0).collect::<Vec<_>>(), reference.iter().map(|p| &p.0).collect::<Vec<_>>());
-        for ((n, x), (_, y)) in got.iter().zip(&reference) {
-            let scale = y.iter().map(|v| v.abs()).fold(1e-6f32, f32::max);
-            let d = x.iter().zip(y).map(|(p, q)| (p - q).abs()).fold(0.0f32, f32::max) / scale;
-            assert!(d <= 1e-5, "{name}: {n} differs by {d:e}");
-        }
+        assert_matches(name, &losses, &ref_losses, &out, &reference);
     }
     // Pretrained weights into builders: a stage-3 run from `--init` (each unit read from the mapped file as it is
     // packed) is the one-process run from the same file.
@@ -125,16 +131,7 @@ fn processes_at_stages_2_and_3_match_one_process() {
         run(&mlp, &dir, 1, r#"{"stage": 0}"#, &[], &dir.join("fresh.safetensors")),
         "--init must change the start"
     );
-    for (a, b) in losses.iter().zip(&ref_losses) {
-        let (x, y): (f64, f64) =
-            (a.rsplit(' ').next().unwrap().parse().unwrap(), b.rsplit(' ').next().unwrap().parse().unwrap());
-        assert!((x - y).abs() <= 1e-5 * y.abs(), "builders --init: `{a}` vs `{b}`");
-    }
-    for ((n, x), (_, y)) in load(&out).iter().zip(&load(&from_init)) {
-        let scale = y.iter().map(|v| v.abs()).fold(1e-6f32, f32::max);
-        let d = x.iter().zip(y).map(|(p, q)| (p - q).abs()).fold(0.0f32, f32::max) / scale;
-        assert!(d <= 1e-5, "builders --init: {n} differs by {d:e}");
-    }
+    assert_matches("builders --init", &losses, &ref_losses, &out, &load(&from_init));
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -187,16 +184,7 @@ fn two_launchers_as_two_nodes_match_one_process_at_stages_0_to_3() {
         let out = dir.join(format!("nodes-stage{stage}.safetensors"));
         let losses = run_two_nodes(&mlp, &dir, &format!(r#"{{"stage": {stage}}}"#), &out);
         assert_eq!(losses.len(), 8, "stage {stage}");
-        for (a, b) in losses.iter().zip(&ref_losses) {
-            let (x, y): (f64, f64) =
-                (a.rsplit(' ').next().unwrap().parse().unwrap(), b.rsplit(' ').next().unwrap().parse().unwrap());
-            assert!((x - y).abs() <= 1e-5 * y.abs(), "stage {stage}: `{a}` vs `{b}`");
-        }
-        for ((n, x), (_, y)) in load(&out).iter().zip(&reference) {
-            let scale = y.iter().map(|v| v.abs()).fold(1e-6f32, f32::max);
-            let d = x.iter().zip(y).map(|(p, q)| (p - q).abs()).fold(0.0f32, f32::max) / scale;
-            assert!(d <= 1e-5, "stage {stage}: {n} differs by {d:e}");
-        }
+        assert_matches(&format!("stage {stage}"), &losses, &ref_losses, &out, &reference);
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
@@ -241,15 +229,6 @@ fn two_torchrun_nodes_match_one_process() {
         }
     }
     assert_eq!(losses.len(), 8, "rank 0's losses");
-    for (a, b) in losses.iter().zip(&ref_losses) {
-        let (x, y): (f64, f64) =
-            (a.rsplit(' ').next().unwrap().parse().unwrap(), b.rsplit(' ').next().unwrap().parse().unwrap());
-        assert!((x - y).abs() <= 1e-5 * y.abs(), "torchrun: `{a}` vs `{b}`");
-    }
-    for ((n, x), (_, y)) in load(&out).iter().zip(&load(&reference)) {
-        let scale = y.iter().map(|v| v.abs()).fold(1e-6f32, f32::max);
-        let d = x.iter().zip(y).map(|(p, q)| (p - q).abs()).fold(0.0f32, f32::max) / scale;
-        assert!(d <= 1e-5, "torchrun: {n} differs by {d:e}");
-    }
+    assert_matches("torchrun", &losses, &ref_losses, &out, &load(&reference));
     std::fs::remove_dir_all(&dir).unwrap();
 }

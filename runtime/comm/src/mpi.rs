@@ -109,6 +109,32 @@ impl MpiComm {
         agreement::check(op, self.rank, &calls)
     }
 
+    /// A transfer's header handshake with `peer` (both ends fail on a mismatch); returns the peer for the payload.
+    fn p2p_header(
+        &self,
+        op: &'static str,
+        peer: usize,
+        sending: bool,
+        len: usize,
+        dtype: Dtype,
+    ) -> CommResult<mpi::topology::Process<'_>> {
+        groups::check_peer(op, self.rank, self.world_size, peer)?;
+        let process = self.world.process_at_rank(peer as i32);
+        let transfer = groups::Transfer { op, rank: self.rank, peer, sending, len, dtype };
+        groups::header_handshake(
+            &transfer,
+            |w| {
+                self.watch(op, || process.send(w));
+                Ok(())
+            },
+            |w| {
+                self.watch(op, || process.receive_into(w));
+                Ok(())
+            },
+        )?;
+        Ok(process)
+    }
+
     /// `blocks` holds `world_size` blocks of `out.len()` bytes; writes into `out` this rank's block combined over
     /// all ranks' blocks (all-to-all into `landing`, then a fold in rank order).
     fn reduce_blocks(
@@ -202,47 +228,17 @@ impl Communicator for MpiComm {
     }
 
     fn send_buf(&self, buf: BufRef<'_>, dst: usize) -> CommResult<()> {
-        const OP: &str = "send";
-        groups::check_peer(OP, self.rank, self.world_size, dst)?;
-        let peer = self.world.process_at_rank(dst as i32);
-        let transfer =
-            groups::Transfer { op: OP, rank: self.rank, peer: dst, sending: true, len: buf.len(), dtype: buf.dtype };
-        groups::header_handshake(
-            &transfer,
-            |w| {
-                self.watch(OP, || peer.send(w));
-                Ok(())
-            },
-            |w| {
-                self.watch(OP, || peer.receive_into(w));
-                Ok(())
-            },
-        )?;
+        let peer = self.p2p_header("send", dst, true, buf.len(), buf.dtype)?;
         if !buf.bytes.is_empty() {
-            self.watch(OP, || peer.send(buf.bytes));
+            self.watch("send", || peer.send(buf.bytes));
         }
         Ok(())
     }
 
     fn recv_buf(&self, buf: BufMut<'_>, src: usize) -> CommResult<()> {
-        const OP: &str = "recv";
-        groups::check_peer(OP, self.rank, self.world_size, src)?;
-        let peer = self.world.process_at_rank(src as i32);
-        let transfer =
-            groups::Transfer { op: OP, rank: self.rank, peer: src, sending: false, len: buf.len(), dtype: buf.dtype };
-        groups::header_handshake(
-            &transfer,
-            |w| {
-                self.watch(OP, || peer.send(w));
-                Ok(())
-            },
-            |w| {
-                self.watch(OP, || peer.receive_into(w));
-                Ok(())
-            },
-        )?;
+        let peer = self.p2p_header("recv", src, false, buf.len(), buf.dtype)?;
         if !buf.bytes.is_empty() {
-            self.watch(OP, || peer.receive_into(&mut buf.bytes[..]));
+            self.watch("recv", || peer.receive_into(&mut buf.bytes[..]));
         }
         Ok(())
     }

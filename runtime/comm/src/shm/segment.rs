@@ -67,6 +67,19 @@ pub(super) const R_P2P_ACKED: usize = 19;
 pub(super) const R_P2P_THEIR_LEN: usize = 20;
 pub(super) const R_P2P_THEIR_DTYPE: usize = 21;
 
+/// One wait of a polling loop. Peers of one collective arrive within microseconds of each other: spin, then yield
+/// (which hands the core to any other runnable rank on an oversubscribed host), and only sleep (whose wake-up costs
+/// 50-100 us, more than a whole 1 MiB collective) once the wait is clearly long.
+fn pause(spins: u32, waited: Duration) {
+    if spins < 64 {
+        std::hint::spin_loop();
+    } else if waited < Duration::from_millis(2) {
+        std::thread::yield_now();
+    } else {
+        std::thread::sleep(Duration::from_micros(50));
+    }
+}
+
 /// `/dev/shm/zerorun-<run id>` with anything but letters, digits, '-' and '.' replaced.
 pub fn segment_path(run_id: &str) -> PathBuf {
     let clean: String =
@@ -213,16 +226,7 @@ impl Segment {
             }
             spins += 1;
             let waited = start.elapsed();
-            // Peers of one collective arrive within microseconds of each other: spin, then yield (which hands
-            // the core to any other runnable rank on an oversubscribed host), and only sleep (whose wake-up costs
-            // 50-100 us, more than a whole 1 MiB collective) once the wait is clearly long.
-            if spins < 64 {
-                std::hint::spin_loop();
-            } else if waited < Duration::from_millis(2) {
-                std::thread::yield_now();
-            } else {
-                std::thread::sleep(Duration::from_micros(50));
-            }
+            pause(spins, waited);
             if waited >= next_check {
                 next_check = waited + Duration::from_millis(50);
                 // A rank that did not arrive is gone: name the rank that died first, which may be one that arrived
@@ -261,13 +265,7 @@ impl Segment {
             }
             spins += 1;
             let waited = start.elapsed();
-            if spins < 64 {
-                std::hint::spin_loop();
-            } else if waited < Duration::from_millis(2) {
-                std::thread::yield_now();
-            } else {
-                std::thread::sleep(Duration::from_micros(50));
-            }
+            pause(spins, waited);
             if waited >= next_check {
                 next_check = waited + Duration::from_millis(50);
                 if !Self::alive(self.rank_word(peer, R_PID).load(Ordering::Acquire)) {
