@@ -5,12 +5,13 @@
 use std::time::Duration;
 
 use clap::Parser;
+use tch::Tensor;
 use zerorun::runtime::engine::{no_decay_for_1d, EngineOptions};
-use zerorun::Engine;
+use zerorun::{Config, Engine, MicroBatch, PipelineEngine, StagePlacement};
 
 #[path = "support/mod.rs"]
 mod support;
-use support::gpt_model::{Corpus, Gpt, GptConfig};
+use support::gpt_model::{pipeline_model, Corpus, Gpt, GptConfig};
 use support::*;
 
 #[derive(Parser, Debug)]
@@ -30,6 +31,10 @@ struct Args {
     /// Sequence length.
     #[arg(long, default_value_t = 64)]
     block: i64,
+    /// Cut the model into this many pipeline stages (the embeddings, the blocks, the head as layers); the ranks
+    /// are stages x data-parallel replicas. ds_config's `pipeline` section picks the schedule and the cut.
+    #[arg(long)]
+    pipeline_stages: Option<usize>,
 }
 
 fn main() {
@@ -49,6 +54,9 @@ fn run(args: &Args) -> Result<(), String> {
     let cfg =
         GptConfig { vocab: corpus.vocab, block: args.block, layers: args.layers, heads: args.heads, embd: args.embd };
     share_cores(a.ranks);
+    if let Some(stages) = args.pipeline_stages {
+        return run_pipeline(args, &config, &corpus, cfg, stages);
+    }
     let timeout = Duration::from_secs_f64(config.comms_timeout);
     let summary = run_ranks(a.ranks, timeout, |comm| {
         let (mut vs, model) = build_model(a.seed, a.init.as_ref(), |vs| Gpt::new(vs.root(), &cfg))?;
@@ -95,6 +103,66 @@ fn run(args: &Args) -> Result<(), String> {
     let stage = config.stage();
     println!(
         "summary: {world} ranks, ZeRO stage {stage}, {params} parameters, {} optimizer steps, loss {first:.4} -> {last:.4}, model-state bytes on rank 0: {bytes}",
+        a.steps
+    );
+    Ok(())
+}
+
+/// `--pipeline-stages P`: the same model as layers, each rank building and training only its stage's.
+fn run_pipeline(args: &Args, config: &Config, corpus: &Corpus, cfg: GptConfig, stages: usize) -> Result<(), String> {
+    let a = &args.common;
+    if a.checkpoint_dir.is_some() || a.activation_checkpointing {
+        return Err("--pipeline-stages runs without --checkpoint-dir and --activation-checkpointing for now".into());
+    }
+    let timeout = Duration::from_secs_f64(config.comms_timeout);
+    let summary = run_ranks(a.ranks, timeout, |comm| {
+        let placement = StagePlacement::new(&config.pipeline, Some(stages), comm.rank(), comm.world_size())
+            .map_err(|e| e.to_string())?;
+        let (mut vs, stage) = build_model(a.seed, a.init.as_ref(), |vs| {
+            pipeline_model(&cfg).build_stage(vs, &placement, &config.pipeline.partition)
+        })?;
+        let stage = stage.map_err(|e| e.to_string())?;
+        to_config_precision(config, &mut vs);
+        let options = EngineOptions { no_weight_decay: Some(no_decay_for_1d), ..Default::default() };
+        let mut pipe = PipelineEngine::new(&vs, config.clone(), comm, options, stage, placement.clone())
+            .map_err(|e| e.to_string())?;
+        let b = pipe.engine().batch_sizes();
+        let (first, last) = (placement.is_first(), placement.is_last());
+        let mut progress = Progress::new(a.steps);
+        for step in 0..a.steps {
+            let mut micro_batches = (0..b.gradient_accumulation_steps).map(|m| {
+                let range = micro_batch_range(
+                    placement.data_index,
+                    placement.data_parallel,
+                    m,
+                    b.train_micro_batch_size_per_gpu,
+                );
+                let (x, y) = corpus.batch(a.seed, step, b.train_batch_size, range, cfg.block);
+                MicroBatch { inputs: first.then_some(x), labels: last.then_some(y) }
+            });
+            let outcome = pipe.train_batch(&mut micro_batches).map_err(|e| e.to_string())?;
+            progress.record_for(placement.rank == 0, b.train_batch_size, outcome);
+        }
+        if let Some(path) = &a.save_final {
+            let params = pipe.full_parameters().map_err(|e| e.to_string())?;
+            if placement.rank == 0 {
+                Tensor::write_safetensors(&params, path)
+                    .map_err(|e| format!("--save-final {}: {e}", path.display()))?;
+            }
+        }
+        println!("peak_rss_bytes {}", zerorun::runtime::report::memory::rss().1);
+        Ok((
+            progress.first_loss.unwrap_or(f64::NAN),
+            progress.last_loss,
+            progress.median_step_s(),
+            pipe.engine().layout().numel,
+        ))
+    })?;
+    let Some((first, last, median, params)) = summary else { return Ok(()) };
+    println!("median_step_s {median:.4}");
+    println!(
+        "summary: {stages} pipeline stages, ZeRO stage {} per stage, {params} parameters on stage 0, {} optimizer steps, loss {first:.4} -> {last:.4}",
+        config.stage(),
         a.steps
     );
     Ok(())

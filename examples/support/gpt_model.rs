@@ -95,6 +95,35 @@ impl Gpt {
     }
 }
 
+/// The same model as pipeline layers: the embeddings, each block, and the final norm with the head, each built
+/// under the names `Gpt::new` gives them and in its order (so the initial values are the same), with the
+/// cross-entropy of the logits as the loss.
+pub fn pipeline_model(c: &GptConfig) -> zerorun::PipelineModel<'static> {
+    let c = *c;
+    let mut model = zerorun::PipelineModel::new(move |logits: &Tensor, targets: &Tensor| {
+        logits.to_kind(Kind::Float).view([-1, c.vocab]).cross_entropy_for_logits(&targets.view([-1]))
+    })
+    .layer("embed", move |p| {
+        let tok = nn::embedding(p / "tok", c.vocab, c.embd, Default::default());
+        let pos = nn::embedding(p / "pos", c.block, c.embd, Default::default());
+        Box::new(move |x: &Tensor| {
+            let at = Tensor::arange(x.size()[1], (Kind::Int64, x.device()));
+            tok.forward(x) + pos.forward(&at)
+        })
+    });
+    for i in 0..c.layers {
+        model = model.layer(format!("blocks.{i}"), move |p| {
+            let block = Block::new(p / "blocks" / i, &c);
+            Box::new(move |x: &Tensor| block.forward(x))
+        });
+    }
+    model.layer("head", move |p| {
+        let ln_f = nn::layer_norm(p / "ln_f", vec![c.embd], Default::default());
+        let head = nn::linear(p / "head", c.embd, c.vocab, Default::default());
+        Box::new(move |x: &Tensor| head.forward(&ln_f.forward(x)))
+    })
+}
+
 /// Units for stage 3: the embeddings, each block, and the final norm with the head.
 impl UnitModel for Gpt {
     fn unit_prefixes(&self) -> Vec<Vec<String>> {

@@ -206,6 +206,11 @@ impl Progress {
     }
 
     pub fn record(&mut self, engine: &Engine, outcome: StepOutcome) {
+        self.record_for(engine.rank() == 0, engine.batch_sizes().train_batch_size, outcome);
+    }
+
+    /// `record` where the printing rank and the global batch are given (a pipeline stage's engine has neither).
+    pub fn record_for(&mut self, print: bool, train_batch_size: u64, outcome: StepOutcome) {
         if let StepOutcome::Skipped { loss, .. } = outcome {
             // fp16 overflow (the engine logs it): the step's loss is real, the update was not made.
             self.started = Instant::now();
@@ -218,11 +223,11 @@ impl Progress {
             self.started = Instant::now();
             self.last_loss = loss;
             self.first_loss.get_or_insert(loss);
-            if engine.rank() == 0 {
+            if print {
                 if self.terminal {
                     use std::io::Write;
                     let done = (step * 30 / self.total_steps.max(1)).min(30) as usize;
-                    let samples_per_s = engine.batch_sizes().train_batch_size as f64 / secs.max(1e-9);
+                    let samples_per_s = train_batch_size as f64 / secs.max(1e-9);
                     print!(
                         "\r[{}{}] step {step}/{} loss {loss:.4} {samples_per_s:.0} samples/s ",
                         "#".repeat(done),

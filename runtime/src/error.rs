@@ -18,6 +18,8 @@ pub enum Error {
     Report(#[from] zerorun_report::ReportError),
     #[error(transparent)]
     OptimizerTier(#[from] zerorun_offload::TierError),
+    #[error(transparent)]
+    Pipeline(#[from] crate::pipeline::PipelineError),
     #[error("libtorch: {0}")]
     Torch(#[from] tch::TchError),
     /// A setting this build of the engine does not run yet; names the key.

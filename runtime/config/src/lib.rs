@@ -10,6 +10,7 @@ mod error;
 pub mod estimate;
 mod notices;
 mod optimizer;
+mod pipeline;
 mod precision;
 mod reader;
 mod scheduler;
@@ -26,6 +27,7 @@ pub use checkpointing::{ActivationCheckpointingConfig, CheckpointConfig, TagVali
 pub use error::{ConfigError, Result};
 pub use notices::Notice;
 pub use optimizer::{AdagradParams, AdamParams, LambParams, LionParams, OptimizerConfig, SgdParams, ZERO_SUPPORTED};
+pub use pipeline::{Partition, PipelineConfig, ScheduleName};
 pub use precision::{Bf16Config, Fp16Config, Precision};
 pub use scheduler::{
     LrRangeTestParams, OneCycleParams, SchedulerConfig, WarmupCosineLrParams, WarmupDecayLrParams, WarmupLrParams,
@@ -83,6 +85,7 @@ pub struct Config {
     pub aio: AioConfig,
     pub checkpoint: CheckpointConfig,
     pub activation_checkpointing: ActivationCheckpointingConfig,
+    pub pipeline: PipelineConfig,
     /// Keys given that have no effect here, each with the reason (logged as warnings when the config is read).
     #[serde(skip)]
     pub notices: Vec<Notice>,
@@ -101,7 +104,6 @@ const IGNORED_SECTIONS: &[&str] = &[
     "data_efficiency",
     "curriculum_learning",
     "compression_training",
-    "pipeline",
     "sparse_attention",
     "amp",
     "nebula",
@@ -209,6 +211,7 @@ impl Config {
             aio: AioConfig::read(s.section("aio")?)?,
             checkpoint: CheckpointConfig::read(s.section("checkpoint")?)?,
             activation_checkpointing: ActivationCheckpointingConfig::read(s.section("activation_checkpointing")?)?,
+            pipeline: PipelineConfig::read(s.section("pipeline")?)?,
             notices: Vec::new(),
         };
         let mut config = config;
@@ -244,7 +247,7 @@ impl Config {
                         _ => serde_json::json!({}),
                     }},
                     "zero_optimization": {"offload_optimizer": {}, "offload_param": {}},
-                    "fp16": {}, "bf16": {}, "aio": {}, "checkpoint": {}, "activation_checkpointing": {},
+                    "fp16": {}, "bf16": {}, "aio": {}, "checkpoint": {}, "activation_checkpointing": {}, "pipeline": {},
                 });
                 let (parsed, asked) = reader::collect_keys(|| Config::from_value(every_section));
                 parsed.unwrap_or_else(|e| panic!("{optimizer} with {scheduler}: {e}"));

@@ -146,7 +146,30 @@ pub(crate) fn collect(config: &Config, given: &BTreeSet<String>, ignored: Vec<St
     note(
         "checkpoint.parallel_write",
         true,
-        "it configures pipeline-parallel checkpoint writes; zerorun has no pipeline stages yet",
+        "it configures DeepSpeed's pipeline checkpoint writes; every zerorun rank writes its own files by layer name",
+    );
+    let p = &config.pipeline;
+    note(
+        "pipeline.seed_layers",
+        p.seed_layers,
+        "every stage builds its layers from the generator state the whole model's build gives them, so values never depend on the cut",
+    );
+    note(
+        "pipeline.activation_checkpoint_interval",
+        p.activation_checkpoint_interval != 0,
+        "pipeline stages do not recompute layers in backward yet: each stage keeps its in-flight micro-batches' activations",
+    );
+    for (key, applies) in [("pipe_partitioned", !p.pipe_partitioned), ("grad_partitioned", !p.grad_partitioned)] {
+        note(
+            &format!("pipeline.{key}"),
+            applies,
+            "it partitions activations sent between stages over tensor-parallel ranks; zerorun sends them whole",
+        );
+    }
+    note(
+        "pipeline.use_reentrant",
+        !p.use_reentrant,
+        "it picks torch's activation-checkpointing implementation; no effect here",
     );
     let a = &config.activation_checkpointing;
     for (key, applies) in [

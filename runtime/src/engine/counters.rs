@@ -37,6 +37,9 @@ pub(super) struct Progress {
     /// Sum and count of this step's micro-batch losses (this rank's).
     pub loss_sum: f64,
     pub loss_count: u64,
+    /// Backwards run through the engine this step, with or without a loss (a pipeline stage's comes from the next
+    /// stage's gradient).
+    pub backwards: u64,
     /// When this step's first backward began (for `steps_per_print`'s throughput).
     pub step_started: Option<std::time::Instant>,
 }

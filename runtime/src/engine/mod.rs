@@ -27,7 +27,7 @@ mod frozen;
 mod grad_hooks;
 mod gradients;
 pub mod layout;
-mod native;
+pub(crate) mod native;
 mod optimizer;
 mod optimizer_shard;
 mod parameters;
@@ -51,7 +51,7 @@ use zerorun_optim::LossScaler;
 
 use crate::comm::Communicator;
 use crate::config::{BatchSizes, Config, Precision};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::report::memory::MemoryTracker;
 use crate::report::{Phase, PhaseTimes};
 pub use builders::{BuiltModel, UnitBuilders, UnitForward};
@@ -64,6 +64,15 @@ pub use reporting::{MemoryReportFiles, MEMORY_REPORT_ENV};
 use sharded_unit::ShardedUnit;
 pub use units::{Sequence, UnitModel, Whole};
 pub use variables::BufferSync;
+
+/// Where a backward starts.
+#[derive(Clone, Copy)]
+enum Root<'a> {
+    /// A micro-batch's loss, scaled by the loss scale over the accumulation steps.
+    Loss(&'a Tensor),
+    /// A part's output and the gradient of the loss with respect to it.
+    Output { output: &'a Tensor, grad: &'a Tensor },
+}
 
 /// What `step` did.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -95,6 +104,12 @@ pub struct EngineOptions {
     /// (`mallopt(M_MMAP_THRESHOLD)`), so freed large tensors leave the resident memory instead of staying in the
     /// heap (see `engine/allocator.rs`); a program that tunes malloc itself sets this.
     pub keep_allocator_settings: bool,
+    /// Stage 2, fp32: let gradients accumulate in autograd over a step's micro-batches and reduce-scatter them once,
+    /// during the last micro-batch's backward, instead of after every micro-batch. Full gradients are held during
+    /// the step (as at stage 1) and no collective runs before its last backward: what a pipeline stage wants, whose
+    /// micro-batches' backwards are spread over the whole step. 16-bit models still reduce every micro-batch, into
+    /// their fp32 accumulator.
+    pub reduce_once_per_step: bool,
 }
 
 impl EngineOptions {
@@ -166,6 +181,11 @@ pub struct Engine {
     scheduler: Option<LrScheduler>,
     scaler: Option<LossScaler>,
     progress: Progress,
+    /// The ranks holding the model's other parts (a pipeline's other stages): the gradient norm and fp16 overflow
+    /// are agreed over them too.
+    model_parallel: Option<Box<dyn Communicator>>,
+    /// [`EngineOptions::reduce_once_per_step`].
+    reduce_once_per_step: bool,
 }
 
 impl Engine {
@@ -236,6 +256,18 @@ impl Engine {
     }
 
     /// Whether the next `step` is an optimizer step (the last micro-batch of an accumulation).
+    /// Adds the ranks that hold the model's other parts (every rank of the engine's group calls it with its own
+    /// group of them, e.g. its pipeline): the gradient norm, clipping and the fp16 overflow verdict are then agreed
+    /// over the whole model, so every part skips or clips the same step.
+    pub fn set_model_parallel_group(&mut self, group: Box<dyn Communicator>) {
+        self.model_parallel = (group.world_size() > 1).then_some(group);
+    }
+
+    /// Averages `buf` over the engine's (data-parallel) ranks.
+    pub fn data_parallel_mean(&self, buf: &mut [f32]) -> Result<()> {
+        Ok(crate::comm::Collectives::all_reduce(self.comm.as_ref(), buf, crate::comm::ReduceOp::Avg)?)
+    }
+
     pub fn is_gradient_accumulation_boundary(&self) -> bool {
         (self.progress.micro_steps + 1) % self.batch.gradient_accumulation_steps == 0
     }
@@ -252,35 +284,73 @@ impl Engine {
         self.backward_impl(Some(model), loss)
     }
 
+    /// Backward of a part of the model from the gradient of its `output` (what the next pipeline stage sent back,
+    /// already scaled as that stage's loss was): accumulates the parameters' gradients as [`Engine::backward`]
+    /// does, records no loss. Stages 0-2 without units.
+    pub fn backward_output(&mut self, output: &Tensor, grad: &Tensor) -> Result<()> {
+        if self.plan.gradients == GradientPath::UnitWalk {
+            return Err(Error::Usage(
+                "engine.backward_output runs a plain backward: it needs ZeRO stage 0-2 without units".into(),
+            ));
+        }
+        self.backward_root(Root::Output { output, grad })
+    }
+
     fn backward_impl(&mut self, model: Option<&dyn UnitModel>, loss: &Tensor) -> Result<()> {
+        if self.plan.gradients == GradientPath::UnitWalk {
+            self.begin_backward(Some(loss))?;
+            let factor = self.loss_scale() / self.batch.gradient_accumulation_steps as f64;
+            let (started, comm_before) = (Instant::now(), self.times.comm());
+            let _span = Phase::Backward.span().entered();
+            // The walk records its own events, unit by unit.
+            return self.backward_units_impl(model, loss, factor).map(|()| self.end_backward(started, comm_before));
+        }
+        self.backward_root(Root::Loss(loss))
+    }
+
+    /// Counts the backward (and its loss).
+    fn begin_backward(&mut self, loss: Option<&Tensor>) -> Result<()> {
         if self.progress.step_started.is_none() {
             self.progress.step_started = Some(Instant::now());
         }
-        self.progress.loss_sum += loss.f_double_value(&[])?;
-        self.progress.loss_count += 1;
+        if let Some(loss) = loss {
+            self.progress.loss_sum += loss.f_double_value(&[])?;
+            self.progress.loss_count += 1;
+        }
+        self.progress.backwards += 1;
+        Ok(())
+    }
+
+    fn backward_root(&mut self, root: Root<'_>) -> Result<()> {
+        self.begin_backward(match root {
+            Root::Loss(loss) => Some(loss),
+            Root::Output { .. } => None,
+        })?;
         let factor = self.loss_scale() / self.batch.gradient_accumulation_steps as f64;
         let _span = Phase::Backward.span().entered();
         let (started, comm_before) = (Instant::now(), self.times.comm());
         let autograd = || -> Result<()> {
-            if factor != 1.0 {
-                (loss * factor).f_backward()?;
-            } else {
-                loss.f_backward()?;
+            match root {
+                Root::Loss(loss) if factor != 1.0 => (loss * factor).f_backward()?,
+                Root::Loss(loss) => loss.f_backward()?,
+                // d/d(output) of sum(output * grad) is grad, exactly.
+                Root::Output { output, grad } => (output * grad.detach()).sum(None).f_backward()?,
             }
             Ok(())
         };
+        // Deferring: this micro-batch's gradients stay in `.grad` (the hooks only act while lent).
+        let defer =
+            self.reduce_once_per_step && self.precision == Precision::Fp32 && !self.is_gradient_accumulation_boundary();
         match self.plan.gradients {
             GradientPath::AfterBackward => autograd()?,
+            GradientPath::Hooks if defer => autograd()?,
             GradientPath::Hooks => {
                 let hooks = self.grad_hooks.take().expect("hooked mode has hooks");
                 let ran = hooks.lend(&mut self.gradient_sync(), autograd);
                 self.grad_hooks = Some(hooks);
                 ran?
             }
-            // The walk records its own events, unit by unit.
-            GradientPath::UnitWalk => {
-                return self.backward_units_impl(model, loss, factor).map(|()| self.end_backward(started, comm_before))
-            }
+            GradientPath::UnitWalk => unreachable!("unit walks run in backward_impl"),
         }
         self.memory_event(|| "backward".into(), &[]);
         self.end_backward(started, comm_before);

@@ -332,6 +332,8 @@ impl Engine {
             scheduler,
             scaler,
             progress: counters::Progress::default(),
+            model_parallel: None,
+            reduce_once_per_step: options.reduce_once_per_step,
         };
         if plan.gradients == plan::GradientPath::Hooks {
             engine.grad_hooks = Some(grad_hooks::GradHooks::install(&engine.params)?);

@@ -18,7 +18,7 @@ impl Engine {
     /// Ends a micro-batch; at the accumulation boundary reduces gradients and steps the optimizer.
     pub fn step(&mut self) -> Result<StepOutcome> {
         if self.is_gradient_accumulation_boundary()
-            && self.progress.loss_count == 0
+            && self.progress.backwards == 0
             && self.gradient_fingerprint() == self.grad_mark
         {
             return Err(Error::Usage(
@@ -43,7 +43,8 @@ impl Engine {
     }
 
     fn step_impl(&mut self) -> Result<StepOutcome> {
-        if self.plan.gradients == GradientPath::Hooks {
+        let deferred = self.reduce_once_per_step && self.precision == Precision::Fp32;
+        if self.plan.gradients == GradientPath::Hooks && (!deferred || self.is_gradient_accumulation_boundary()) {
             let mut sync = self.gradient_sync();
             if sync.gradients_wait_in_grad() {
                 // A backward the engine did not run: its gradients are still in `.grad`.
@@ -71,6 +72,9 @@ impl Engine {
         let mut sq = [norm::sum_of_squares(Grads::F32(self.grads())) as f32];
         if self.plan.partitions_optimizer() {
             self.comm.all_reduce(&mut sq, ReduceOp::Sum)?;
+        }
+        if let Some(others) = &self.model_parallel {
+            others.all_reduce(&mut sq, ReduceOp::Sum)?;
         }
         let loss = self.finish_loss()?;
         let scale = self.loss_scale();
@@ -194,6 +198,7 @@ impl Engine {
         self.comm.all_reduce(&mut loss, ReduceOp::Avg)?;
         self.progress.loss_sum = 0.0;
         self.progress.loss_count = 0;
+        self.progress.backwards = 0;
         Ok(loss[0] as f64)
     }
 

@@ -1,4 +1,33 @@
-//! Pipeline parallelism (issue 20, first piece): schedules as data. A schedule gives every stage its list of
-//! actions for one optimizer step; [`schedule::validate`] simulates all stages together to prove a schedule pairs
-//! every send with a receive and terminates, and measures the activations each stage holds and the bubble.
+//! Pipeline parallelism: a model's layers cut into stages on different ranks, each batch cut into micro-batches
+//! that flow through them (GPipe, 1F1B), every stage trained by a ZeRO engine (stages 0-2) over its data-parallel
+//! group.
+//!
+//! - [`schedule`]: the schedules as data, each stage's actions for one optimizer step, proven by simulation.
+//! - [`partition`]: which layers each stage holds.
+//! - [`model`]: the model as layer builders, so each rank builds only its stage's layers.
+//! - [`placement`]: where this rank sits in (pipe, data).
+//! - [`link`]: activations and their gradients between neighbouring stages.
+//! - [`engine`]: [`PipelineEngine`], which runs a schedule.
+pub mod engine;
+pub mod link;
+pub mod model;
+pub mod partition;
+pub mod placement;
 pub mod schedule;
+
+pub use engine::{MicroBatch, PipelineEngine};
+pub use model::{LayerForward, LossFn, PipelineModel, StageModel};
+pub use placement::StagePlacement;
+
+/// What makes a pipeline impossible to set up or run.
+#[derive(Debug, thiserror::Error)]
+pub enum PipelineError {
+    #[error(transparent)]
+    Schedule(#[from] schedule::ScheduleError),
+    #[error(transparent)]
+    Partition(#[from] partition::PartitionError),
+    #[error("pipeline: {0}")]
+    Placement(String),
+    #[error("pipeline model: {0}")]
+    Model(String),
+}

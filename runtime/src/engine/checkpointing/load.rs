@@ -170,6 +170,7 @@ impl Engine {
         self.progress.micro_steps = 0;
         self.progress.loss_sum = 0.0;
         self.progress.loss_count = 0;
+        self.progress.backwards = 0;
         self.gradients.clear_accumulator();
         self.gradients.consume()?;
         self.grad_mark = self.gradient_fingerprint();

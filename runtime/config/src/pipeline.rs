@@ -1,0 +1,125 @@
+//! `pipeline`: pipeline parallelism (DeepSpeed's section, whose `stages` and `partition` DeepSpeed parses and then
+//! ignores; here they decide the stages and the cut), plus zerorun's schedule keys.
+use serde::Serialize;
+use serde_json::Value;
+
+use super::error::{ConfigError, Result};
+use super::reader::{MaybeAuto, Section};
+
+/// How the layers are cut into stages.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub enum Partition {
+    /// Balance trainable parameter counts (DeepSpeed's `parameters`; its default `best` means the same here).
+    Parameters,
+    /// The same number of layers per stage.
+    Uniform,
+    /// Balance the layers whose name matches the regular expression (`type:REGEX`).
+    Type(String),
+    /// Stage `s` holds layers `bounds[s]..bounds[s + 1]`: `stages + 1` increasing indices from 0 to the layer count.
+    Bounds(Vec<usize>),
+}
+
+/// Which schedule runs a step's micro-batches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum ScheduleName {
+    /// One forward, one backward, after a warm-up of `stages - stage - 1` forwards: activations bounded by depth.
+    OneFOneB,
+    /// Every forward, then every backward: `m` activations held.
+    GPipe,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PipelineConfig {
+    /// None: `"auto"` or absent, the program's number of stages (1 without one).
+    pub stages: Option<u64>,
+    pub partition: Partition,
+    pub schedule: ScheduleName,
+    /// Fewer micro-batches than stages leaves most stages idle; refused unless this is set.
+    pub allow_fewer_micro_batches: bool,
+    pub seed_layers: bool,
+    pub activation_checkpoint_interval: u64,
+    pub pipe_partitioned: bool,
+    pub grad_partitioned: bool,
+    pub use_reentrant: bool,
+}
+
+impl Default for PipelineConfig {
+    fn default() -> Self {
+        PipelineConfig {
+            stages: None,
+            partition: Partition::Parameters,
+            schedule: ScheduleName::OneFOneB,
+            allow_fewer_micro_batches: false,
+            seed_layers: false,
+            activation_checkpoint_interval: 0,
+            pipe_partitioned: true,
+            grad_partitioned: true,
+            use_reentrant: true,
+        }
+    }
+}
+
+impl PipelineConfig {
+    pub(crate) fn read(mut s: Section) -> Result<Self> {
+        let stages = match s.uint_auto(&["stages"])? {
+            MaybeAuto::Value(0) => {
+                return Err(ConfigError::Invalid {
+                    path: s.path_of("stages"),
+                    value: "0".into(),
+                    allowed: "at least 1, or \"auto\"".into(),
+                })
+            }
+            MaybeAuto::Value(v) => Some(v),
+            MaybeAuto::Absent | MaybeAuto::Auto => None,
+        };
+        let partition = match s.take("partition") {
+            None => Partition::Parameters,
+            Some(v) => read_partition(&s.path_of("partition"), v)?,
+        };
+        let schedule = match s.choice("schedule", &["1f1b", "gpipe"], "1f1b")? {
+            "gpipe" => ScheduleName::GPipe,
+            _ => ScheduleName::OneFOneB,
+        };
+        let c = PipelineConfig {
+            stages,
+            partition,
+            schedule,
+            allow_fewer_micro_batches: s.bool("allow_fewer_micro_batches", false)?,
+            seed_layers: s.bool("seed_layers", false)?,
+            activation_checkpoint_interval: s.uint("activation_checkpoint_interval", 0)?,
+            pipe_partitioned: s.bool("pipe_partitioned", true)?,
+            grad_partitioned: s.bool("grad_partitioned", true)?,
+            use_reentrant: s.bool("use_reentrant", true)?,
+        };
+        s.finish()?;
+        Ok(c)
+    }
+}
+
+fn read_partition(path: &str, v: Value) -> Result<Partition> {
+    let invalid = |value: String| {
+        ConfigError::Invalid {
+        path: path.into(),
+        value,
+        allowed: "\"parameters\" (or \"best\"), \"uniform\", \"type:REGEX\", or the stage boundaries as an array of layer indices starting at 0".into(),
+    }
+    };
+    match v {
+        Value::String(s) => match s.to_ascii_lowercase().as_str() {
+            "parameters" | "best" => Ok(Partition::Parameters),
+            "uniform" => Ok(Partition::Uniform),
+            _ => match s.strip_prefix("type:") {
+                Some(re) if !re.is_empty() => Ok(Partition::Type(re.to_string())),
+                _ => Err(invalid(format!("\"{s}\""))),
+            },
+        },
+        Value::Array(items) => {
+            let bounds: Option<Vec<usize>> = items.iter().map(|i| i.as_u64().map(|b| b as usize)).collect();
+            match bounds {
+                Some(b) if b.len() >= 2 && b[0] == 0 && b.windows(2).all(|w| w[0] < w[1]) => Ok(Partition::Bounds(b)),
+                _ => Err(invalid(Value::Array(items).to_string())),
+            }
+        }
+        other => Err(invalid(other.to_string())),
+    }
+}

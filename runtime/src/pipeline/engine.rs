@@ -1,0 +1,356 @@
+//! [`PipelineEngine`]: runs this rank's actions of a schedule ([`super::schedule`]) over its stage's layers, with a
+//! ZeRO [`Engine`] (stages 0-2) over the stage's data-parallel group doing the gradients and the optimizer.
+//!
+//! What the pipeline adds to the engine, and where:
+//! - the engine reduces once per step: fp32 gradients accumulate in autograd over the micro-batches and stage 2
+//!   reduce-scatters them during the last backward (`EngineOptions::reduce_once_per_step`), never once per
+//!   micro-batch as DeepSpeed would (which is why it refuses stage 2 with pipelines);
+//! - the gradient norm, clipping and the fp16 overflow verdict are agreed over the whole pipeline
+//!   (`Engine::set_model_parallel_group`), so every stage clips by the same factor and skips the same steps;
+//! - a stage's backward starts from the gradient the next stage sent (`Engine::backward_output`); only the last
+//!   stage has a loss, which it scales as a plain loop's would, and which every stage gets back at the step.
+use std::time::{Duration, Instant};
+
+use tch::{nn, Tensor};
+
+use super::link::{recv_tensor, send_tensor, StageLink};
+use super::model::StageModel;
+use super::placement::StagePlacement;
+use super::schedule::{self, Action, Kind};
+use super::PipelineError;
+use crate::comm::{Collectives, Communicator};
+use crate::config::{Config, ScheduleName};
+use crate::engine::{Engine, EngineOptions, StepOutcome};
+use crate::error::{Error, Result};
+
+/// One micro-batch as a stage sees it: the first stage needs the inputs, the last the labels; the others get None.
+#[derive(Debug, Default)]
+pub struct MicroBatch {
+    pub inputs: Option<Tensor>,
+    pub labels: Option<Tensor>,
+}
+
+/// Where a stage's time went in its last step.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StageTimes {
+    /// The whole `train_batch` call.
+    pub step: Duration,
+    /// Forwards and backwards (with the loss).
+    pub compute: Duration,
+    /// Blocked on the neighbours: receives, and the sends still in flight at the end of the step.
+    pub wait: Duration,
+}
+
+impl StageTimes {
+    /// The idle fraction: the part of the step this stage was not computing.
+    pub fn idle_fraction(&self) -> f64 {
+        let step = self.step.as_secs_f64();
+        if step == 0.0 {
+            return 0.0;
+        }
+        (1.0 - self.compute.as_secs_f64() / step).max(0.0)
+    }
+}
+
+pub struct PipelineEngine<'a> {
+    engine: Engine,
+    model: StageModel<'a>,
+    placement: StagePlacement,
+    link: StageLink,
+    /// Collectives over this rank's pipeline (one rank per stage): the loss, the full model.
+    pipe: Box<dyn Communicator>,
+    /// This stage's actions for one optimizer step.
+    actions: Vec<Action>,
+    /// Every stage's simulated activations peak and the schedule's bubble, as [`schedule::validate`] found them.
+    simulation: schedule::Simulation,
+    last_times: StageTimes,
+    /// Splits of it are the engine's and the link's groups.
+    _world: Box<dyn Communicator>,
+}
+
+impl<'a> PipelineEngine<'a> {
+    /// The pipeline over `comm` (the world: stages x data-parallel degree ranks, laid out as `placement` says), with
+    /// `model` built for this rank's stage on `vs` (see [`super::PipelineModel::build_stage`]). Collective.
+    pub fn new(
+        vs: &nn::VarStore,
+        config: Config,
+        comm: Box<dyn Communicator>,
+        options: EngineOptions,
+        model: StageModel<'a>,
+        placement: StagePlacement,
+    ) -> Result<PipelineEngine<'a>> {
+        if config.zero_optimization.stage > 2 {
+            return Err(Error::Unsupported {
+                key: "zero_optimization.stage",
+                value: config.zero_optimization.stage.to_string(),
+                why: "a pipeline stage runs ZeRO 0, 1 or 2 over its data-parallel group: stage 3 would gather every layer of the stage at every micro-batch's forward and backward; use stage 2 (a stage already holds only its own layers)",
+            });
+        }
+        if options.units.is_some() {
+            return Err(Error::Usage(
+                "a pipeline stage runs its layers itself: leave EngineOptions::units unset".into(),
+            ));
+        }
+        if comm.world_size() != placement.world_size || comm.rank() != placement.rank {
+            return Err(PipelineError::Placement(format!(
+                "the placement is for rank {} of {}, the communicator is rank {} of {}",
+                placement.rank,
+                placement.world_size,
+                comm.rank(),
+                comm.world_size()
+            ))
+            .into());
+        }
+        let topology = placement.topology();
+        let data = topology.communicator(comm.as_ref(), &["data"])?;
+        let activations = topology.communicator(comm.as_ref(), &["pipe"])?;
+        let gradients = topology.communicator(comm.as_ref(), &["pipe"])?;
+        let pipe = topology.communicator(comm.as_ref(), &["pipe"])?;
+        let norm_group = topology.communicator(comm.as_ref(), &["pipe"])?;
+        let pipeline = config.pipeline.clone();
+        let options = EngineOptions { reduce_once_per_step: true, ..options };
+        let mut engine = Engine::new(vs, config, data, options)?;
+        engine.set_model_parallel_group(norm_group);
+        let m = engine.batch_sizes().gradient_accumulation_steps as usize;
+        let kind = match pipeline.schedule {
+            ScheduleName::OneFOneB => Kind::OneFOneB,
+            ScheduleName::GPipe => Kind::GPipe,
+        };
+        let plan = schedule::build(kind, placement.stages, m, pipeline.allow_fewer_micro_batches)
+            .map_err(PipelineError::from)?;
+        let simulation = schedule::validate(&plan).map_err(PipelineError::from)?;
+        let actions = plan[placement.stage].clone();
+        if placement.rank == 0 {
+            tracing::info!(
+                stages = placement.stages,
+                data_parallel = placement.data_parallel,
+                micro_batches = m,
+                schedule = ?kind,
+                bubble = simulation.bubble,
+                peak_activations = ?simulation.peak_activations,
+                "pipeline ready"
+            );
+        }
+        Ok(PipelineEngine {
+            engine,
+            model,
+            placement,
+            link: StageLink::new(activations, gradients),
+            pipe,
+            actions,
+            simulation,
+            last_times: StageTimes::default(),
+            _world: comm,
+        })
+    }
+
+    /// One optimizer step over `gradient_accumulation_steps` micro-batches pulled from `micro_batches` in order.
+    /// Every rank calls it; the outcome's loss is the mean over the micro-batches and the data-parallel ranks, on
+    /// every stage.
+    pub fn train_batch(&mut self, micro_batches: &mut dyn Iterator<Item = MicroBatch>) -> Result<StepOutcome> {
+        let started = Instant::now();
+        let mut compute = Duration::ZERO;
+        self.link.take_wait();
+        let m = self.micro_batches();
+        let (first, last) = (self.placement.is_first(), self.placement.is_last());
+        let mut inputs: Vec<Option<Tensor>> = (0..m).map(|_| None).collect();
+        let mut outputs: Vec<Option<Tensor>> = (0..m).map(|_| None).collect();
+        let mut grads: Vec<Option<Tensor>> = (0..m).map(|_| None).collect();
+        let mut outcome = None;
+        for action in self.actions.clone() {
+            match action {
+                Action::RecvActivation { mb } => {
+                    inputs[mb] = Some(self.link.recv_activation()?.set_requires_grad(true));
+                }
+                Action::Forward { mb } => {
+                    let batch = self.next_micro_batch(micro_batches, mb)?;
+                    let t = Instant::now();
+                    let input = if first {
+                        batch.inputs.ok_or_else(|| self.missing("inputs", mb))?
+                    } else {
+                        inputs[mb].as_ref().expect("received before its forward").shallow_clone()
+                    };
+                    let out = self.model.forward(&input);
+                    outputs[mb] = Some(if last {
+                        let labels = batch.labels.ok_or_else(|| self.missing("labels", mb))?;
+                        self.model.loss(&out, &labels).expect("the last stage has the loss")
+                    } else {
+                        out
+                    });
+                    compute += t.elapsed();
+                }
+                Action::SendActivation { mb } => {
+                    self.link.send_activation(outputs[mb].as_ref().expect("computed before it is sent"))?;
+                }
+                Action::RecvGradient { mb } => grads[mb] = Some(self.link.recv_gradient()?),
+                Action::Backward { mb } => {
+                    let t = Instant::now();
+                    let out = outputs[mb].take().expect("forward before backward");
+                    if last {
+                        self.engine.backward(&out)?;
+                    } else {
+                        self.engine.backward_output(&out, &grads[mb].take().expect("received before backward"))?;
+                    }
+                    if !first {
+                        let input = inputs[mb].take().expect("received before backward");
+                        grads[mb] = Some(input.grad());
+                    }
+                    // The engine counts micro-batches at `step`; the last one's step is the optimizer step.
+                    if mb + 1 < m {
+                        self.engine.step()?;
+                    }
+                    compute += t.elapsed();
+                }
+                Action::SendGradient { mb } => {
+                    self.link.send_gradient(grads[mb].as_ref().expect("computed before it is sent"))?;
+                    grads[mb] = None;
+                }
+                // The engine reduces at its step (stage 2: during the last backward already).
+                Action::ReduceGradients => {}
+                Action::OptimizerStep => outcome = Some(self.engine.step()?),
+            }
+        }
+        self.link.finish_sends()?;
+        let outcome = outcome.expect("every schedule ends with the optimizer step");
+        let outcome = self.with_pipeline_loss(outcome)?;
+        self.last_times = StageTimes { step: started.elapsed(), compute, wait: self.link.take_wait() };
+        Ok(outcome)
+    }
+
+    /// The mean loss over `gradient_accumulation_steps` micro-batches and the data-parallel ranks, forward only
+    /// (no gradients, nothing stepped), on every stage.
+    pub fn eval_batch(&mut self, micro_batches: &mut dyn Iterator<Item = MicroBatch>) -> Result<f64> {
+        let m = self.micro_batches();
+        let (first, last) = (self.placement.is_first(), self.placement.is_last());
+        let mut sum = 0.0;
+        for mb in 0..m {
+            let batch = self.next_micro_batch(micro_batches, mb)?;
+            let input = if first {
+                batch.inputs.ok_or_else(|| self.missing("inputs", mb))?
+            } else {
+                self.link.recv_activation()?
+            };
+            let out = tch::no_grad(|| self.model.forward(&input));
+            if last {
+                let labels = batch.labels.ok_or_else(|| self.missing("labels", mb))?;
+                let loss = tch::no_grad(|| self.model.loss(&out, &labels).expect("the last stage has the loss"));
+                sum += loss.f_double_value(&[])?;
+            } else {
+                self.link.send_activation(&out)?;
+            }
+        }
+        self.link.finish_sends()?;
+        let mut loss = [(sum / m as f64) as f32];
+        if last {
+            self.engine_data_mean(&mut loss)?;
+        }
+        self.pipe.broadcast(&mut loss, self.placement.stages - 1)?;
+        Ok(loss[0] as f64)
+    }
+
+    /// Every trainable parameter by name, full fp32, on the first stage's ranks (the whole model, stage by stage);
+    /// the other stages get their own. Collective over every rank.
+    pub fn full_parameters(&mut self) -> Result<Vec<(String, Tensor)>> {
+        let mut own = self.engine.full_parameters()?;
+        let stage = self.placement.stage;
+        if stage > 0 {
+            let c = self.pipe.as_ref();
+            c.send(&[own.len() as i64], 0)?;
+            for (name, t) in &own {
+                let bytes: Vec<i64> = name.bytes().map(i64::from).collect();
+                c.send(&[bytes.len() as i64], 0)?;
+                c.send(&bytes, 0)?;
+                send_tensor(c, t, 0)?;
+            }
+            return Ok(own);
+        }
+        for from in 1..self.placement.stages {
+            let c = self.pipe.as_ref();
+            let mut count = [0i64];
+            c.recv(&mut count, from)?;
+            for _ in 0..count[0] {
+                let mut len = [0i64];
+                c.recv(&mut len, from)?;
+                let mut bytes = vec![0i64; len[0] as usize];
+                c.recv(&mut bytes, from)?;
+                let name: String = bytes.iter().map(|&b| b as u8 as char).collect();
+                own.push((name, recv_tensor(c, from)?));
+            }
+        }
+        Ok(own)
+    }
+
+    /// The ZeRO engine of this stage (over its data-parallel group).
+    pub fn engine(&self) -> &Engine {
+        &self.engine
+    }
+
+    pub fn engine_mut(&mut self) -> &mut Engine {
+        &mut self.engine
+    }
+
+    pub fn placement(&self) -> &StagePlacement {
+        &self.placement
+    }
+
+    pub fn model(&self) -> &StageModel<'a> {
+        &self.model
+    }
+
+    /// The schedule's simulation: every stage's peak of activations held and the bubble (idle fraction) when a
+    /// forward and a backward take one time step each.
+    pub fn simulation(&self) -> &schedule::Simulation {
+        &self.simulation
+    }
+
+    /// Where this stage's time went in the last `train_batch`.
+    pub fn last_times(&self) -> StageTimes {
+        self.last_times
+    }
+
+    /// Global rank.
+    pub fn rank(&self) -> usize {
+        self.placement.rank
+    }
+
+    pub fn micro_batches(&self) -> usize {
+        self.engine.batch_sizes().gradient_accumulation_steps as usize
+    }
+
+    fn next_micro_batch(&self, it: &mut dyn Iterator<Item = MicroBatch>, mb: usize) -> Result<MicroBatch> {
+        it.next().ok_or_else(|| {
+            Error::Usage(format!(
+                "stage {}: the micro-batch iterator ended at micro-batch {mb} of {} (give gradient_accumulation_steps per call)",
+                self.placement.stage,
+                self.micro_batches()
+            ))
+        })
+    }
+
+    fn missing(&self, what: &str, mb: usize) -> Error {
+        Error::Usage(format!(
+            "stage {} of {}: micro-batch {mb} has no {what} (the first stage needs inputs, the last labels)",
+            self.placement.stage, self.placement.stages
+        ))
+    }
+
+    /// The last stage's loss for every stage (the others computed none).
+    fn with_pipeline_loss(&mut self, outcome: StepOutcome) -> Result<StepOutcome> {
+        let loss_of = |o: &StepOutcome| match o {
+            StepOutcome::Stepped { loss, .. } | StepOutcome::Skipped { loss, .. } => *loss,
+            StepOutcome::Accumulating => f64::NAN,
+        };
+        let mut loss = [loss_of(&outcome) as f32];
+        self.pipe.broadcast(&mut loss, self.placement.stages - 1)?;
+        let loss = loss[0] as f64;
+        Ok(match outcome {
+            StepOutcome::Stepped { step, grad_norm, lr, .. } => StepOutcome::Stepped { step, loss, grad_norm, lr },
+            StepOutcome::Skipped { step, scale, .. } => StepOutcome::Skipped { step, loss, scale },
+            StepOutcome::Accumulating => StepOutcome::Accumulating,
+        })
+    }
+
+    fn engine_data_mean(&self, buf: &mut [f32]) -> Result<()> {
+        self.engine.data_parallel_mean(buf)
+    }
+}

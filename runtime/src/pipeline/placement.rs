@@ -1,0 +1,95 @@
+//! Where a rank sits in a pipeline: ranks laid out as `pipe x data` (data fastest, as DeepSpeed's
+//! `PipeDataParallelTopology`), so a stage's data-parallel replicas are adjacent ranks (one host) and a pipeline is
+//! every `data`-th rank.
+use crate::comm::topology::Topology;
+use crate::config::PipelineConfig;
+
+use super::PipelineError;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StagePlacement {
+    pub stages: usize,
+    /// This rank's stage.
+    pub stage: usize,
+    /// Ranks per stage (the data-parallel degree).
+    pub data_parallel: usize,
+    /// This rank's index in its stage's data-parallel group.
+    pub data_index: usize,
+    pub rank: usize,
+    pub world_size: usize,
+}
+
+impl StagePlacement {
+    /// The stages come from `pipeline.stages`, else from the program (`program_stages`, e.g. a flag), else 1; both
+    /// given must agree. Stages times the data-parallel degree must be the world size.
+    pub fn new(
+        config: &PipelineConfig,
+        program_stages: Option<usize>,
+        rank: usize,
+        world_size: usize,
+    ) -> Result<StagePlacement, PipelineError> {
+        let stages = match (config.stages.map(|s| s as usize), program_stages) {
+            (Some(c), Some(p)) if c != p => {
+                return Err(PipelineError::Placement(format!(
+                    "pipeline.stages is {c} but the program asks for {p} stages; give one of them (or \"auto\")"
+                )))
+            }
+            (Some(s), _) | (None, Some(s)) => s,
+            (None, None) => 1,
+        };
+        if stages == 0 || world_size % stages != 0 {
+            return Err(PipelineError::Placement(format!(
+                "{stages} pipeline stages x a data-parallel degree must equal the world size {world_size}: {world_size} is not a multiple of {stages}"
+            )));
+        }
+        let data_parallel = world_size / stages;
+        Ok(StagePlacement {
+            stages,
+            stage: rank / data_parallel,
+            data_parallel,
+            data_index: rank % data_parallel,
+            rank,
+            world_size,
+        })
+    }
+
+    /// The `pipe x data` topology.
+    pub fn topology(&self) -> Topology {
+        Topology::new(&[("pipe", self.stages), ("data", self.data_parallel)]).expect("both axes have ranks")
+    }
+
+    pub fn is_first(&self) -> bool {
+        self.stage == 0
+    }
+
+    pub fn is_last(&self) -> bool {
+        self.stage + 1 == self.stages
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranks_are_laid_out_pipe_by_data() {
+        let c = PipelineConfig::default();
+        let at = |rank| StagePlacement::new(&c, Some(2), rank, 4).unwrap();
+        assert_eq!((at(0).stage, at(0).data_index), (0, 0));
+        assert_eq!((at(1).stage, at(1).data_index), (0, 1));
+        assert_eq!((at(3).stage, at(3).data_index), (1, 1));
+        assert_eq!(at(2).topology().group_of(2, &["pipe"]).unwrap(), vec![0, 2]);
+    }
+
+    #[test]
+    fn stages_must_divide_the_world_and_agree() {
+        let c = PipelineConfig::default();
+        assert_eq!(
+            StagePlacement::new(&c, Some(2), 0, 3).unwrap_err().to_string(),
+            "pipeline: 2 pipeline stages x a data-parallel degree must equal the world size 3: 3 is not a multiple of 2"
+        );
+        let c = PipelineConfig { stages: Some(4), ..Default::default() };
+        assert!(StagePlacement::new(&c, Some(2), 0, 4).unwrap_err().to_string().contains("pipeline.stages is 4"));
+        assert_eq!(StagePlacement::new(&c, None, 0, 4).unwrap().stages, 4);
+    }
+}
