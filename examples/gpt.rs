@@ -127,7 +127,7 @@ fn run_pipeline(args: &Args, config: &Config, corpus: &Corpus, cfg: GptConfig, s
         let mut pipe = PipelineEngine::new(&vs, config.clone(), comm, options, stage, placement.clone())
             .map_err(|e| e.to_string())?;
         let b = pipe.engine().batch_sizes();
-        let (first, last) = (placement.is_first(), placement.is_last());
+        let (first, last) = (placement.takes_inputs(), placement.takes_labels());
         let mut progress = Progress::new(a.steps);
         for step in 0..a.steps {
             let mut micro_batches = (0..b.gradient_accumulation_steps).map(|m| {

@@ -133,6 +133,7 @@ fn table() -> Vec<(&'static str, Effect)> {
         ("pipeline.schedule", Acted("tests/pipeline.rs")),
         ("pipeline.seed_layers", Noticed(json!({"pipeline": {"seed_layers": true}}))),
         ("pipeline.stages", Acted("tests/pipeline.rs")),
+        ("pipeline.virtual_stages", Acted("tests/pipeline.rs")),
         ("pipeline.use_reentrant", Noticed(json!({"pipeline": {"use_reentrant": false}}))),
         ("prescale_gradients", Here("predivide_and_prescale_reduce_to_the_same_mean")),
         ignored("progressive_layer_drop"),

@@ -26,6 +26,8 @@ pub enum ScheduleName {
     OneFOneB,
     /// Every forward, then every backward: `m` activations held.
     GPipe,
+    /// Interleaved 1F1B: each rank holds `virtual_stages` chunks of layers; the bubble shrinks by about that factor.
+    Interleaved,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -34,6 +36,8 @@ pub struct PipelineConfig {
     pub stages: Option<u64>,
     pub partition: Partition,
     pub schedule: ScheduleName,
+    /// Chunks of layers per rank under the interleaved schedule (Megatron-LM's virtual pipeline size); 1 otherwise.
+    pub virtual_stages: u64,
     /// Fewer micro-batches than stages leaves most stages idle; refused unless this is set.
     pub allow_fewer_micro_batches: bool,
     pub seed_layers: bool,
@@ -49,6 +53,7 @@ impl Default for PipelineConfig {
             stages: None,
             partition: Partition::Parameters,
             schedule: ScheduleName::OneFOneB,
+            virtual_stages: 1,
             allow_fewer_micro_batches: false,
             seed_layers: false,
             activation_checkpoint_interval: 0,
@@ -60,6 +65,11 @@ impl Default for PipelineConfig {
 }
 
 impl PipelineConfig {
+    /// Chunks of layers per rank: `virtual_stages` under the interleaved schedule, else 1.
+    pub fn chunks(&self) -> usize {
+        self.virtual_stages as usize
+    }
+
     pub(crate) fn read(mut s: Section) -> Result<Self> {
         let stages = match s.uint_auto(&["stages"])? {
             MaybeAuto::Value(0) => {
@@ -76,14 +86,29 @@ impl PipelineConfig {
             None => Partition::Parameters,
             Some(v) => read_partition(&s.path_of("partition"), v)?,
         };
-        let schedule = match s.choice("schedule", &["1f1b", "gpipe"], "1f1b")? {
+        let schedule = match s.choice("schedule", &["1f1b", "gpipe", "interleaved"], "1f1b")? {
             "gpipe" => ScheduleName::GPipe,
+            "interleaved" => ScheduleName::Interleaved,
             _ => ScheduleName::OneFOneB,
         };
+        let virtual_stages = s.uint("virtual_stages", if schedule == ScheduleName::Interleaved { 2 } else { 1 })?;
+        let wants = if schedule == ScheduleName::Interleaved {
+            "at least 2 with \"schedule\": \"interleaved\""
+        } else {
+            "1 unless \"schedule\" is \"interleaved\""
+        };
+        if (schedule == ScheduleName::Interleaved) != (virtual_stages >= 2) || virtual_stages == 0 {
+            return Err(ConfigError::Invalid {
+                path: s.path_of("virtual_stages"),
+                value: virtual_stages.to_string(),
+                allowed: wants.into(),
+            });
+        }
         let c = PipelineConfig {
             stages,
             partition,
             schedule,
+            virtual_stages,
             allow_fewer_micro_batches: s.bool("allow_fewer_micro_batches", false)?,
             seed_layers: s.bool("seed_layers", false)?,
             activation_checkpoint_interval: s.uint("activation_checkpoint_interval", 0)?,

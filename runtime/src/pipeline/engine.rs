@@ -103,8 +103,7 @@ impl<'a> PipelineEngine<'a> {
         }
         let topology = placement.topology();
         let data = topology.communicator(comm.as_ref(), &["data"])?;
-        let activations = topology.communicator(comm.as_ref(), &["pipe"])?;
-        let gradients = topology.communicator(comm.as_ref(), &["pipe"])?;
+        let link = StageLink::new(topology.communicator(comm.as_ref(), &["pipe"])?)?;
         let pipe = topology.communicator(comm.as_ref(), &["pipe"])?;
         let norm_group = topology.communicator(comm.as_ref(), &["pipe"])?;
         let pipeline = config.pipeline.clone();
@@ -115,6 +114,7 @@ impl<'a> PipelineEngine<'a> {
         let kind = match pipeline.schedule {
             ScheduleName::OneFOneB => Kind::OneFOneB,
             ScheduleName::GPipe => Kind::GPipe,
+            ScheduleName::Interleaved => Kind::Interleaved(placement.chunks),
         };
         let plan = schedule::build(kind, placement.stages, m, pipeline.allow_fewer_micro_batches)
             .map_err(PipelineError::from)?;
@@ -135,7 +135,7 @@ impl<'a> PipelineEngine<'a> {
             engine,
             model,
             placement,
-            link: StageLink::new(activations, gradients),
+            link,
             pipe,
             actions,
             simulation,
@@ -152,58 +152,65 @@ impl<'a> PipelineEngine<'a> {
         let mut compute = Duration::ZERO;
         self.link.take_wait();
         let m = self.micro_batches();
-        let (first, last) = (self.placement.is_first(), self.placement.is_last());
-        let mut inputs: Vec<Option<Tensor>> = (0..m).map(|_| None).collect();
-        let mut outputs: Vec<Option<Tensor>> = (0..m).map(|_| None).collect();
-        let mut grads: Vec<Option<Tensor>> = (0..m).map(|_| None).collect();
+        let v = self.placement.chunks;
+        let mut batches = self.take_micro_batches(micro_batches)?;
+        // Per (micro-batch, chunk): the received input (a leaf), the output (the loss on the last part), the
+        // gradient received for the output or computed for the input.
+        let slot = |mb: usize, chunk: usize| mb * v + chunk;
+        let empty = || -> Vec<Option<Tensor>> { (0..m * v).map(|_| None).collect() };
+        let (mut inputs, mut outputs, mut grads) = (empty(), empty(), empty());
+        let mut backwards = 0;
         let mut outcome = None;
         for action in self.actions.clone() {
             match action {
-                Action::RecvActivation { mb } => {
-                    inputs[mb] = Some(self.link.recv_activation()?.set_requires_grad(true));
+                Action::RecvActivation { mb, chunk } => {
+                    inputs[slot(mb, chunk)] = Some(self.link.recv_activation()?.set_requires_grad(true));
                 }
-                Action::Forward { mb } => {
-                    let batch = self.next_micro_batch(micro_batches, mb)?;
+                Action::Forward { mb, chunk } => {
                     let t = Instant::now();
-                    let input = if first {
-                        batch.inputs.ok_or_else(|| self.missing("inputs", mb))?
+                    let input = if self.placement.is_first(chunk) {
+                        batches[mb].inputs.take().ok_or_else(|| self.missing("inputs", mb))?
                     } else {
-                        inputs[mb].as_ref().expect("received before its forward").shallow_clone()
+                        inputs[slot(mb, chunk)].as_ref().expect("received before its forward").shallow_clone()
                     };
-                    let out = self.model.forward(&input);
-                    outputs[mb] = Some(if last {
-                        let labels = batch.labels.ok_or_else(|| self.missing("labels", mb))?;
+                    let out = self.model.forward(chunk, &input);
+                    outputs[slot(mb, chunk)] = Some(if self.placement.is_last(chunk) {
+                        let labels = batches[mb].labels.take().ok_or_else(|| self.missing("labels", mb))?;
                         self.model.loss(&out, &labels).expect("the last stage has the loss")
                     } else {
                         out
                     });
                     compute += t.elapsed();
                 }
-                Action::SendActivation { mb } => {
-                    self.link.send_activation(outputs[mb].as_ref().expect("computed before it is sent"))?;
+                Action::SendActivation { mb, chunk } => {
+                    self.link
+                        .send_activation(outputs[slot(mb, chunk)].as_ref().expect("computed before it is sent"))?;
                 }
-                Action::RecvGradient { mb } => grads[mb] = Some(self.link.recv_gradient()?),
-                Action::Backward { mb } => {
+                Action::RecvGradient { mb, chunk } => grads[slot(mb, chunk)] = Some(self.link.recv_gradient()?),
+                Action::Backward { mb, chunk } => {
                     let t = Instant::now();
-                    let out = outputs[mb].take().expect("forward before backward");
-                    if last {
+                    let at = slot(mb, chunk);
+                    let out = outputs[at].take().expect("forward before backward");
+                    if self.placement.is_last(chunk) {
                         self.engine.backward(&out)?;
                     } else {
-                        self.engine.backward_output(&out, &grads[mb].take().expect("received before backward"))?;
+                        self.engine.backward_output(&out, &grads[at].take().expect("received before backward"))?;
                     }
-                    if !first {
-                        let input = inputs[mb].take().expect("received before backward");
-                        grads[mb] = Some(input.grad());
+                    if !self.placement.is_first(chunk) {
+                        grads[at] = Some(inputs[at].take().expect("received before backward").grad());
                     }
-                    // The engine counts micro-batches at `step`; the last one's step is the optimizer step.
-                    if mb + 1 < m {
+                    // The engine counts backwards at `step`: one step per micro-batch (its chunks' backwards all
+                    // accumulate), and the last one is the optimizer step.
+                    backwards += 1;
+                    if backwards % v == 0 && backwards < m * v {
                         self.engine.step()?;
                     }
                     compute += t.elapsed();
                 }
-                Action::SendGradient { mb } => {
-                    self.link.send_gradient(grads[mb].as_ref().expect("computed before it is sent"))?;
-                    grads[mb] = None;
+                Action::SendGradient { mb, chunk } => {
+                    let at = slot(mb, chunk);
+                    self.link.send_gradient(grads[at].as_ref().expect("computed before it is sent"))?;
+                    grads[at] = None;
                 }
                 // The engine reduces at its step (stage 2: during the last backward already).
                 Action::ReduceGradients => {}
@@ -221,28 +228,30 @@ impl<'a> PipelineEngine<'a> {
     /// (no gradients, nothing stepped), on every stage.
     pub fn eval_batch(&mut self, micro_batches: &mut dyn Iterator<Item = MicroBatch>) -> Result<f64> {
         let m = self.micro_batches();
-        let (first, last) = (self.placement.is_first(), self.placement.is_last());
+        let mut batches = self.take_micro_batches(micro_batches)?;
         let mut sum = 0.0;
-        for mb in 0..m {
-            let batch = self.next_micro_batch(micro_batches, mb)?;
-            let input = if first {
-                batch.inputs.ok_or_else(|| self.missing("inputs", mb))?
-            } else {
-                self.link.recv_activation()?
-            };
-            let out = tch::no_grad(|| self.model.forward(&input));
-            if last {
-                let labels = batch.labels.ok_or_else(|| self.missing("labels", mb))?;
-                let loss = tch::no_grad(|| self.model.loss(&out, &labels).expect("the last stage has the loss"));
-                sum += loss.f_double_value(&[])?;
-            } else {
-                self.link.send_activation(&out)?;
+        // Every micro-batch through every chunk in turn: forwards only, no schedule to keep activations for.
+        for (mb, batch) in batches.iter_mut().enumerate() {
+            for chunk in 0..self.placement.chunks {
+                let input = if self.placement.is_first(chunk) {
+                    batch.inputs.take().ok_or_else(|| self.missing("inputs", mb))?
+                } else {
+                    self.link.recv_activation()?
+                };
+                let out = tch::no_grad(|| self.model.forward(chunk, &input));
+                if self.placement.is_last(chunk) {
+                    let labels = batch.labels.take().ok_or_else(|| self.missing("labels", mb))?;
+                    let loss = tch::no_grad(|| self.model.loss(&out, &labels).expect("the last stage has the loss"));
+                    sum += loss.f_double_value(&[])?;
+                } else {
+                    self.link.send_activation(&out)?;
+                }
             }
         }
         self.link.finish_sends()?;
         let mut loss = [(sum / m as f64) as f32];
-        if last {
-            self.engine_data_mean(&mut loss)?;
+        if self.placement.is_last(self.placement.chunks - 1) {
+            self.engine.data_parallel_mean(&mut loss)?;
         }
         self.pipe.broadcast(&mut loss, self.placement.stages - 1)?;
         Ok(loss[0] as f64)
@@ -317,14 +326,18 @@ impl<'a> PipelineEngine<'a> {
         self.engine.batch_sizes().gradient_accumulation_steps as usize
     }
 
-    fn next_micro_batch(&self, it: &mut dyn Iterator<Item = MicroBatch>, mb: usize) -> Result<MicroBatch> {
-        it.next().ok_or_else(|| {
-            Error::Usage(format!(
-                "stage {}: the micro-batch iterator ended at micro-batch {mb} of {} (give gradient_accumulation_steps per call)",
+    /// A step's micro-batches, in order (an interleaved schedule does not take them in order).
+    fn take_micro_batches(&self, it: &mut dyn Iterator<Item = MicroBatch>) -> Result<Vec<MicroBatch>> {
+        let m = self.micro_batches();
+        let batches: Vec<MicroBatch> = it.take(m).collect();
+        if batches.len() < m {
+            return Err(Error::Usage(format!(
+                "stage {}: the micro-batch iterator gave {} micro-batches; a step takes gradient_accumulation_steps = {m}",
                 self.placement.stage,
-                self.micro_batches()
-            ))
-        })
+                batches.len()
+            )));
+        }
+        Ok(batches)
     }
 
     fn missing(&self, what: &str, mb: usize) -> Error {
@@ -348,9 +361,5 @@ impl<'a> PipelineEngine<'a> {
             StepOutcome::Skipped { step, scale, .. } => StepOutcome::Skipped { step, loss, scale },
             StepOutcome::Accumulating => StepOutcome::Accumulating,
         })
-    }
-
-    fn engine_data_mean(&self, buf: &mut [f32]) -> Result<()> {
-        self.engine.data_parallel_mean(buf)
     }
 }

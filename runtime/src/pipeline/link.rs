@@ -1,7 +1,13 @@
-//! Tensors between neighbouring stages: activations forward, their gradients backward. Each direction has its own
-//! communicator on its own communication thread, so sends never block the schedule (they are queued in order and
-//! waited on at the end of the step, as [`super::schedule::validate`] models them) and receives on one channel never
-//! wait behind the other's.
+//! Tensors between neighbouring stages: activations forward, their gradients backward.
+//!
+//! Sends never block the schedule: each is queued on a send thread and waited on at the end of the step, as
+//! [`super::schedule::validate`] models them. A send returns only once its receive took it (the backends'
+//! point-to-point is a rendezvous), so sends and receives cannot share a thread: with an interleaved schedule two
+//! ranks send to each other, and a receive queued behind a send that waits for the other rank's receive, itself
+//! queued behind that rank's send, would never run. So each direction has a send thread and a receive thread, and
+//! every thread its own communicator: the messages rank `r` sends travel on the group of its colour, which its
+//! receiving neighbour's receive thread holds (colours alternate around the ring of stages: two, or three for an
+//! odd number of stages, whose last and first stages are neighbours).
 //!
 //! Every message is a header (dtype, rank, shape) and then the data: a stage whose output shape or dtype changes
 //! (a shorter last batch, another precision) needs no agreement beforehand, and a receive never reuses a buffer of
@@ -17,58 +23,79 @@ use crate::comm::{Collectives, CommError, CommResult, Communicator, Element};
 /// Header length: dtype code, number of dimensions, up to 8 dimensions.
 const HEADER: usize = 10;
 
+/// One direction: where this rank's sends go and where its receives come from, each on its own thread.
+struct Channel {
+    send: CommThread,
+    recv: CommThread,
+    to: usize,
+    from: usize,
+}
+
 pub struct StageLink {
-    stage: usize,
-    stages: usize,
-    activations: CommThread,
-    gradients: CommThread,
+    /// None with a single stage.
+    channels: Option<[Channel; 2]>,
+    /// The groups of colours this rank neither sends nor receives on (kept: the other ranks use theirs).
+    _unused: Vec<Box<dyn Communicator>>,
     /// Sends queued and not yet known to be received.
     pending: Vec<Handle<()>>,
     /// Time the schedule spent blocked in receives since the last `take_wait`.
     waited: Duration,
 }
 
+const ACTIVATIONS: usize = 0;
+const GRADIENTS: usize = 1;
+
 impl StageLink {
-    /// `activations` and `gradients`: two communicators over the pipeline's stages (rank = stage).
-    pub fn new(activations: Box<dyn Communicator>, gradients: Box<dyn Communicator>) -> StageLink {
-        StageLink {
-            stage: activations.rank(),
-            stages: activations.world_size(),
-            activations: CommThread::spawn(activations),
-            gradients: CommThread::spawn(gradients),
+    /// The links of this rank over `pipe`, a communicator over the pipeline's stages (rank = stage). Collective over
+    /// `pipe`.
+    pub fn new(pipe: Box<dyn Communicator>) -> CommResult<StageLink> {
+        let (stage, p) = (pipe.rank(), pipe.world_size());
+        if p == 1 {
+            return Ok(StageLink { channels: None, _unused: Vec::new(), pending: Vec::new(), waited: Duration::ZERO });
+        }
+        let colours = if p % 2 == 1 { 3 } else { 2 };
+        let colour = |r: usize| if p % 2 == 1 && r == p - 1 { 2 } else { r % 2 };
+        let (next, prev) = ((stage + 1) % p, (stage + p - 1) % p);
+        let mut unused = Vec::new();
+        let mut make = |to: usize, from: usize| -> CommResult<Channel> {
+            let mut groups: Vec<Option<Box<dyn Communicator>>> = Vec::with_capacity(colours);
+            for _ in 0..colours {
+                groups.push(Some(pipe.as_ref().split(Some(0), stage as i64)?.expect("every stage joins")));
+            }
+            let send = groups[colour(stage)].take().expect("one thread per group");
+            let recv = groups[colour(from)].take().expect("a neighbour's colour is not this rank's");
+            unused.extend(groups.into_iter().flatten());
+            Ok(Channel { send: CommThread::spawn(send), recv: CommThread::spawn(recv), to, from })
+        };
+        let activations = make(next, prev)?;
+        let gradients = make(prev, next)?;
+        unused.push(pipe);
+        Ok(StageLink {
+            channels: Some([activations, gradients]),
+            _unused: unused,
             pending: Vec::new(),
             waited: Duration::ZERO,
-        }
+        })
     }
 
-    /// Queues `output` for the next stage.
+    /// Queues `output` for the next stage (the last stage's goes to the first: its next chunk, when interleaved).
     pub fn send_activation(&mut self, output: &Tensor) -> CommResult<()> {
-        let dst = self.stage + 1;
-        self.queue(true, output, dst)
+        self.queue(ACTIVATIONS, output)
     }
 
     /// Queues `grad` (of this stage's input) for the previous stage.
     pub fn send_gradient(&mut self, grad: &Tensor) -> CommResult<()> {
-        let dst = self.stage - 1;
-        self.queue(false, grad, dst)
+        self.queue(GRADIENTS, grad)
     }
 
     /// The previous stage's next activation.
     pub fn recv_activation(&mut self) -> CommResult<Tensor> {
-        let src = self.stage - 1;
-        let started = Instant::now();
-        let t = self.activations.submit("recv activation", move |c| recv_tensor(c, src)).wait();
-        self.waited += started.elapsed();
-        t
+        self.receive(ACTIVATIONS)
     }
 
     /// The next stage's next gradient.
     pub fn recv_gradient(&mut self) -> CommResult<Tensor> {
-        let src = self.stage + 1;
-        let started = Instant::now();
-        let t = self.gradients.submit("recv gradient", move |c| recv_tensor(c, src)).wait();
-        self.waited += started.elapsed();
-        t
+        self.receive(GRADIENTS)
     }
 
     /// Waits until every queued send was received (the end of a step).
@@ -89,11 +116,21 @@ impl StageLink {
         std::mem::take(&mut self.waited)
     }
 
-    pub fn stages(&self) -> usize {
-        self.stages
+    fn channel(&self, direction: usize) -> &Channel {
+        &self.channels.as_ref().expect("a pipeline of one stage sends nothing")[direction]
     }
 
-    fn queue(&mut self, forward: bool, t: &Tensor, dst: usize) -> CommResult<()> {
+    fn receive(&mut self, direction: usize) -> CommResult<Tensor> {
+        let channel = self.channel(direction);
+        let from = channel.from;
+        let op = if direction == ACTIVATIONS { "recv activation" } else { "recv gradient" };
+        let started = Instant::now();
+        let t = channel.recv.submit(op, move |c| recv_tensor(c, from)).wait();
+        self.waited += started.elapsed();
+        t
+    }
+
+    fn queue(&mut self, direction: usize, t: &Tensor) -> CommResult<()> {
         // Sends that finished give their errors now rather than at the end of the step.
         let mut i = 0;
         while i < self.pending.len() {
@@ -104,9 +141,11 @@ impl StageLink {
             }
         }
         let t = t.detach().contiguous();
-        let thread = if forward { &self.activations } else { &self.gradients };
-        let op = if forward { "send activation" } else { "send gradient" };
-        self.pending.push(thread.submit(op, move |c| send_tensor(c, &t, dst)));
+        let channel = self.channel(direction);
+        let to = channel.to;
+        let op = if direction == ACTIVATIONS { "send activation" } else { "send gradient" };
+        let handle = channel.send.submit(op, move |c| send_tensor(c, &t, to));
+        self.pending.push(handle);
         Ok(())
     }
 }

@@ -13,7 +13,7 @@ pub mod link;
 pub mod model;
 pub mod partition;
 pub mod placement;
-pub mod schedule;
+pub use zerorun_schedule as schedule;
 
 pub use engine::{MicroBatch, PipelineEngine};
 pub use model::{LayerForward, LossFn, PipelineModel, StageModel};

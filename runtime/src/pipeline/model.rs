@@ -63,15 +63,20 @@ impl<'a> PipelineModel<'a> {
             infos.push(LayerInfo { name: name.clone(), parameters });
         }
         let end = native::rng_state()?;
-        let cut = partition(&infos, placement.stages, how).map_err(PipelineError::from)?;
-        let range = cut[placement.stage].clone();
-        let mut forwards = Vec::with_capacity(range.len());
-        for i in range.clone() {
-            native::set_rng_state(&starts[i])?;
-            forwards.push((self.layers[i].1)(&vs.root()));
+        let cut = partition(&infos, placement.stages * placement.chunks, how).map_err(PipelineError::from)?;
+        let ranges: Vec<Range<usize>> =
+            (0..placement.chunks).map(|c| cut[placement.virtual_stage(c)].clone()).collect();
+        let mut chunks = Vec::with_capacity(ranges.len());
+        for range in &ranges {
+            let mut forwards = Vec::with_capacity(range.len());
+            for i in range.clone() {
+                native::set_rng_state(&starts[i])?;
+                forwards.push((self.layers[i].1)(&vs.root()));
+            }
+            chunks.push(forwards);
         }
         native::set_rng_state(&end)?;
-        let loss = placement.is_last().then_some(self.loss);
+        let loss = placement.is_last(placement.chunks - 1).then_some(self.loss);
         if placement.rank == 0 {
             let stages: Vec<String> = cut
                 .iter()
@@ -80,26 +85,27 @@ impl<'a> PipelineModel<'a> {
                     format!("{}..{} ({} parameters)", infos[r.start].name, infos[r.end - 1].name, p)
                 })
                 .collect();
-            tracing::info!(stages = placement.stages, cut = %stages.join(" | "), "pipeline partition");
+            tracing::info!(stages = placement.stages, chunks = placement.chunks, cut = %stages.join(" | "), "pipeline partition");
         }
-        Ok(StageModel { forwards, loss, range, cut, layers: infos })
+        Ok(StageModel { chunks, loss, ranges, cut, layers: infos })
     }
 }
 
-/// One stage's part of the model: its layers' forwards, and the loss on the last stage.
+/// One stage's part of the model: its chunks' layers (one chunk but under interleaved schedules), and the loss on
+/// the last stage.
 pub struct StageModel<'a> {
-    forwards: Vec<LayerForward<'a>>,
+    chunks: Vec<Vec<LayerForward<'a>>>,
     loss: Option<LossFn<'a>>,
-    range: Range<usize>,
+    ranges: Vec<Range<usize>>,
     cut: Vec<Range<usize>>,
     layers: Vec<LayerInfo>,
 }
 
 impl StageModel<'_> {
-    /// Runs the stage's layers in order.
-    pub fn forward(&self, input: &Tensor) -> Tensor {
+    /// Runs the layers of this stage's `chunk` in order.
+    pub fn forward(&self, chunk: usize, input: &Tensor) -> Tensor {
         let mut x = input.shallow_clone();
-        for f in &self.forwards {
+        for f in &self.chunks[chunk] {
             x = f(&x);
         }
         x
@@ -110,12 +116,12 @@ impl StageModel<'_> {
         self.loss.as_ref().map(|l| l(output, labels))
     }
 
-    /// This stage's layers (indices into the whole model).
-    pub fn layers(&self) -> Range<usize> {
-        self.range.clone()
+    /// This stage's layers, chunk by chunk (indices into the whole model).
+    pub fn layers(&self) -> &[Range<usize>] {
+        &self.ranges
     }
 
-    /// Every stage's layers.
+    /// Every virtual stage's layers (`chunk * stages + stage`).
     pub fn cut(&self) -> &[Range<usize>] {
         &self.cut
     }

@@ -9,6 +9,9 @@ use super::PipelineError;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StagePlacement {
     pub stages: usize,
+    /// Chunks of layers per stage (interleaved schedules; else 1): chunk `c` of stage `s` is virtual stage
+    /// `c * stages + s`.
+    pub chunks: usize,
     /// This rank's stage.
     pub stage: usize,
     /// Ranks per stage (the data-parallel degree).
@@ -45,6 +48,7 @@ impl StagePlacement {
         let data_parallel = world_size / stages;
         Ok(StagePlacement {
             stages,
+            chunks: config.chunks().max(1),
             stage: rank / data_parallel,
             data_parallel,
             data_index: rank % data_parallel,
@@ -58,12 +62,29 @@ impl StagePlacement {
         Topology::new(&[("pipe", self.stages), ("data", self.data_parallel)]).expect("both axes have ranks")
     }
 
-    pub fn is_first(&self) -> bool {
+    /// Whether this rank's micro-batches need their inputs (the first stage's do).
+    pub fn takes_inputs(&self) -> bool {
         self.stage == 0
     }
 
-    pub fn is_last(&self) -> bool {
+    /// Whether this rank's micro-batches need their labels (the last stage's do).
+    pub fn takes_labels(&self) -> bool {
         self.stage + 1 == self.stages
+    }
+
+    /// Whether this rank's `chunk` is the model's first part (it takes the inputs).
+    pub fn is_first(&self, chunk: usize) -> bool {
+        self.stage == 0 && chunk == 0
+    }
+
+    /// Whether this rank's `chunk` is the model's last part (it computes the loss).
+    pub fn is_last(&self, chunk: usize) -> bool {
+        self.stage + 1 == self.stages && chunk + 1 == self.chunks
+    }
+
+    /// The virtual stage of this rank's `chunk`.
+    pub fn virtual_stage(&self, chunk: usize) -> usize {
+        chunk * self.stages + self.stage
     }
 }
 
