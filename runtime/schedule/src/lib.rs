@@ -229,6 +229,11 @@ pub struct Simulation {
     pub timeline: Vec<Vec<Option<Action>>>,
 }
 
+/// A channel of the simulation: (from rank, to rank, activations?).
+type ChannelKey = (usize, usize, bool);
+/// A message in flight: (micro-batch, chunk at the receiver).
+type Message = (usize, usize);
+
 /// Runs every stage's actions together: sends are posted at once, receives wait for theirs (in order, per channel:
 /// one per pair of ranks and direction), forwards and backwards take one time step each. Fails on a deadlock, a
 /// receive that meets another message than it expects, a backward before its forward, or a message left
@@ -246,8 +251,7 @@ pub fn validate(plan: &[Vec<Action>]) -> Result<Simulation, ScheduleError> {
     };
     let v = plan.iter().flatten().map(chunk_of).max().unwrap_or(0) + 1;
     let virtual_stages = p * v;
-    // (from rank, to rank, activation?) -> messages in flight: (micro-batch, chunk at the receiver).
-    let mut channels: HashMap<(usize, usize, bool), VecDeque<(usize, usize)>> = HashMap::new();
+    let mut channels: HashMap<ChannelKey, VecDeque<Message>> = HashMap::new();
     let mut at = vec![0usize; p];
     let mut held = vec![0usize; p];
     let mut peak = vec![0usize; p];
@@ -260,7 +264,7 @@ pub fn validate(plan: &[Vec<Action>]) -> Result<Simulation, ScheduleError> {
         let mut moved = false;
         // What is sent in this step arrives for the next one (a compute's output is not anyone's input in the
         // same step).
-        let mut posted: Vec<((usize, usize, bool), (usize, usize))> = Vec::new();
+        let mut posted: Vec<(ChannelKey, Message)> = Vec::new();
         for s in 0..p {
             while let Some(&action) = plan[s].get(at[s]) {
                 let bad = |what: String| ScheduleError::Invalid { stage: s, what };
