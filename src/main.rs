@@ -1,4 +1,4 @@
-//! The `zerorun` command line: config, estimate, launch, bench, consolidate, report. It links no libtorch (only the
+//! The `zerorun` command line: config, estimate, launch, bench, consolidate, report, pipeline. It links no libtorch (only the
 //! tensor-free crates), so a command that touches no tensor costs a few MiB; `bench adam` runs in the
 //! `zerorun-torch` helper beside it.
 use std::process::ExitCode;
@@ -29,6 +29,9 @@ enum Command {
     /// Memory reports of several runs, side by side.
     #[command(subcommand)]
     Report(cli::report::ReportCommand),
+    /// Pipeline schedules, simulated: the table by stage and time step, the bubble, the activations held.
+    #[command(subcommand)]
+    Pipeline(cli::pipeline::PipelineCommand),
     /// Benchmarks that report ratios against a reference measured in the same run.
     #[command(subcommand)]
     Bench(cli::bench::BenchCommand),
@@ -45,6 +48,7 @@ fn main() -> ExitCode {
         Command::Estimate(a) => cli::estimate::run(a),
         Command::Consolidate(a) => cli::consolidate::run(a),
         Command::Report(c) => cli::report::run(c),
+        Command::Pipeline(c) => cli::pipeline::run(c),
     };
     cli::exit_code(result)
 }

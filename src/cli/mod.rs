@@ -8,6 +8,7 @@ pub mod consolidate;
 pub mod estimate;
 pub mod launch;
 mod launch_nodes;
+pub mod pipeline;
 pub mod report;
 pub mod torch_helper;
 

@@ -108,7 +108,7 @@ pub enum ScheduleError {
     #[error("a pipeline of {stages} stages needs at least one stage and one micro-batch ({micro_batches} given)")]
     Empty { stages: usize, micro_batches: usize },
     #[error(
-        "{micro_batches} micro-batches for {stages} stages: fewer micro-batches than stages leaves stages idle for most of the step (and hangs some implementations); use at least {stages}, or allow it explicitly"
+        "{micro_batches} micro-batches for {stages} stages: fewer micro-batches than stages leaves stages idle for most of the step (and hangs some implementations); use at least {stages}, or allow it explicitly (pipeline.allow_fewer_micro_batches)"
     )]
     FewerMicroBatchesThanStages { stages: usize, micro_batches: usize },
     #[error("interleaved 1F1B with {virtual_stages} chunks per rank on {stages} stages and {micro_batches} micro-batches: {why}")]

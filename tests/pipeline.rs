@@ -1,0 +1,314 @@
+//! Pipeline parallelism: the example GPT cut into stages (GPipe, 1F1B, interleaved 1F1B; ZeRO 0-2 over each
+//! stage's data-parallel group) ends at the parameters of a single-process tch loop with libtorch's AdamW and
+//! gradient clipping on the same global batches, within 1e-5 relative: the loss reaches every stage's gradients,
+//! the clipping norm is the whole pipeline's, and the micro-batches reassemble the global batch. The config keys
+//! `pipeline.stages`, `pipeline.schedule`, `pipeline.virtual_stages`, `pipeline.partition` and
+//! `pipeline.allow_fewer_micro_batches` act here, and bad setups fail with errors that say what to change.
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use tch::nn::{self, OptimizerConfig};
+use tch::Tensor;
+use zerorun::runtime::comm::threads;
+use zerorun::{Config, Engine, EngineOptions, MicroBatch, PipelineEngine, StagePlacement};
+
+#[path = "../examples/support/mod.rs"]
+mod support;
+use support::gpt_model::{pipeline_model, Corpus, Gpt, GptConfig};
+
+const GLOBAL_BATCH: u64 = 12;
+const STEPS: u64 = 6;
+const LR: f64 = 3e-3;
+/// Small enough that every step clips: a per-stage norm would give other updates.
+const CLIP: f64 = 0.5;
+const SEED: u64 = 11;
+
+fn gpt_config(corpus: &Corpus) -> GptConfig {
+    GptConfig { vocab: corpus.vocab, block: 8, layers: 4, heads: 2, embd: 16 }
+}
+
+/// Parameters by name, sorted, as f32 values.
+type Params = Vec<(String, Vec<f32>)>;
+/// What a rank returns: rank 0's full parameters and last loss.
+type RankResult = Result<Option<(Vec<(String, Tensor)>, f64)>, String>;
+
+fn sorted(mut v: Vec<(String, Tensor)>) -> Vec<(String, Vec<f32>)> {
+    v.sort_by(|a, b| a.0.cmp(&b.0));
+    v.into_iter().map(|(n, t)| (n, Vec::<f32>::try_from(t.to_kind(tch::Kind::Float).reshape([-1])).unwrap())).collect()
+}
+
+fn max_relative_difference(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) -> f64 {
+    assert_eq!(a.len(), b.len(), "the same parameters");
+    a.iter()
+        .zip(b)
+        .map(|((na, x), (nb, y))| {
+            assert_eq!(na, nb);
+            let d = x.iter().zip(y).map(|(p, q)| (p - q).abs() as f64).fold(0.0, f64::max);
+            d / y.iter().map(|q| q.abs() as f64).fold(1e-6, f64::max)
+        })
+        .fold(0.0, f64::max)
+}
+
+/// Single process, whole batches, libtorch's AdamW.
+fn reference(corpus: &Corpus) -> Vec<(String, Vec<f32>)> {
+    let cfg = gpt_config(corpus);
+    let (vs, gpt) = support::build_model(SEED, None, |vs| Gpt::new(vs.root(), &cfg)).unwrap();
+    let mut opt = nn::AdamW { beta1: 0.9, beta2: 0.999, wd: 0.0, eps: 1e-8, amsgrad: false }.build(&vs, LR).unwrap();
+    for step in 0..STEPS {
+        let (x, y) = corpus.batch(SEED, step, GLOBAL_BATCH, 0..GLOBAL_BATCH as usize, cfg.block);
+        let loss = gpt.forward(&x).view([-1, cfg.vocab]).cross_entropy_for_logits(&y.view([-1]));
+        opt.zero_grad();
+        loss.backward();
+        opt.clip_grad_norm(CLIP);
+        opt.step();
+    }
+    sorted(vs.variables().into_iter().collect())
+}
+
+fn config(stage: u8, gas: u64, pipeline: Value, extra: Value) -> Config {
+    let mut v = json!({
+        "train_batch_size": GLOBAL_BATCH, "gradient_accumulation_steps": gas, "gradient_clipping": CLIP,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000},
+        "pipeline": pipeline,
+        "comms_timeout": 20,
+    });
+    for (k, x) in extra.as_object().unwrap() {
+        v[k] = x.clone();
+    }
+    Config::from_value(v).unwrap()
+}
+
+/// What rank 0 ends with: the full parameters and the last loss; or the first rank's error.
+fn run_pipeline(
+    corpus: &Corpus,
+    world: usize,
+    config: &Config,
+    program_stages: Option<usize>,
+    before_training: impl Fn(usize) -> bool + Sync,
+) -> Result<(Params, f64), String> {
+    let cfg = gpt_config(corpus);
+    let results: Vec<RankResult> = std::thread::scope(|s| {
+        let handles: Vec<_> = threads::group(world, Duration::from_secs_f64(config.comms_timeout))
+            .into_iter()
+            .map(|comm| {
+                let before_training = &before_training;
+                s.spawn(move || {
+                    use zerorun::runtime::comm::Communicator;
+                    let rank = comm.rank();
+                    let placement = StagePlacement::new(&config.pipeline, program_stages, rank, world)
+                        .map_err(|e| e.to_string())?;
+                    let (mut vs, stage) = support::build_model(SEED, None, |vs| {
+                        pipeline_model(&cfg).build_stage(vs, &placement, &config.pipeline.partition)
+                    })?;
+                    let stage = stage.map_err(|e| e.to_string())?;
+                    support::to_config_precision(config, &mut vs);
+                    let mut pipe = PipelineEngine::new(
+                        &vs,
+                        config.clone(),
+                        Box::new(comm),
+                        EngineOptions::default(),
+                        stage,
+                        placement.clone(),
+                    )
+                    .map_err(|e| e.to_string())?;
+                    if !before_training(rank) {
+                        return Ok(None);
+                    }
+                    let b = pipe.engine().batch_sizes();
+                    let mut last_loss = f64::NAN;
+                    for step in 0..STEPS {
+                        let mut micro_batches = (0..b.gradient_accumulation_steps).map(|m| {
+                            let range = support::micro_batch_range(
+                                placement.data_index,
+                                placement.data_parallel,
+                                m,
+                                b.train_micro_batch_size_per_gpu,
+                            );
+                            let (x, y) = corpus.batch(SEED, step, GLOBAL_BATCH, range, cfg.block);
+                            MicroBatch {
+                                inputs: placement.takes_inputs().then_some(x),
+                                labels: placement.takes_labels().then_some(y),
+                            }
+                        });
+                        let outcome = pipe.train_batch(&mut micro_batches).map_err(|e| format!("rank {rank}: {e}"))?;
+                        if let zerorun::StepOutcome::Stepped { loss, .. } = outcome {
+                            last_loss = loss;
+                        }
+                    }
+                    let params = pipe.full_parameters().map_err(|e| e.to_string())?;
+                    Ok((rank == 0).then_some((params, last_loss)))
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("a rank panicked".into()))).collect()
+    });
+    let mut out = None;
+    for r in results {
+        if let Some(v) = r? {
+            out = Some(v);
+        }
+    }
+    let (params, loss) = out.ok_or("rank 0 returned nothing")?;
+    Ok((sorted(params), loss))
+}
+
+fn train_all(_: usize) -> bool {
+    true
+}
+
+#[test]
+fn every_schedule_and_zero_stage_matches_single_process_adamw() {
+    let corpus = Corpus::load();
+    let reference = reference(&corpus);
+    // (world, stages, accumulation, ZeRO stage, pipeline section)
+    let runs: Vec<(usize, usize, u64, u8, Value)> = vec![
+        (2, 2, 4, 0, json!({})),
+        (2, 2, 4, 1, json!({"schedule": "1f1b"})),
+        (2, 2, 4, 2, json!({"schedule": "gpipe"})),
+        (4, 2, 2, 1, json!({"schedule": "1f1b"})),
+        (4, 2, 3, 2, json!({"schedule": "1f1b"})),
+        (4, 4, 4, 1, json!({"schedule": "gpipe"})),
+        (4, 4, 6, 2, json!({"schedule": "1f1b", "partition": "uniform"})),
+        (2, 2, 4, 2, json!({"schedule": "interleaved", "virtual_stages": 2})),
+        (3, 3, 3, 1, json!({"schedule": "interleaved", "virtual_stages": 2})),
+        (6, 3, 3, 2, json!({"schedule": "1f1b", "partition": "type:^blocks"})),
+    ];
+    for (world, stages, gas, stage, pipeline) in runs {
+        let what = format!("{world} ranks, {stages} stages, {gas} micro-batches, ZeRO {stage}, pipeline {pipeline}");
+        let c = config(stage, gas, pipeline, json!({}));
+        let (params, _) =
+            run_pipeline(&corpus, world, &c, Some(stages), train_all).unwrap_or_else(|e| panic!("{what}: {e}"));
+        let d = max_relative_difference(&params, &reference);
+        assert!(d < 1e-5, "{what}: max relative difference {d}");
+    }
+}
+
+#[test]
+fn the_pipeline_section_alone_sets_the_stages_and_the_cut() {
+    let corpus = Corpus::load();
+    let reference = reference(&corpus);
+    // 6 layers (embeddings, 4 blocks, head) cut by explicit boundaries; no program value for the stages.
+    let c = config(1, 4, json!({"stages": 2, "partition": [0, 1, 6]}), json!({}));
+    let (params, _) = run_pipeline(&corpus, 2, &c, None, train_all).unwrap();
+    assert!(max_relative_difference(&params, &reference) < 1e-5);
+    let cfg = gpt_config(&corpus);
+    let placement = StagePlacement::new(&c.pipeline, None, 1, 2).unwrap();
+    let (_vs, stage) =
+        support::build_model(SEED, None, |vs| pipeline_model(&cfg).build_stage(vs, &placement, &c.pipeline.partition))
+            .unwrap();
+    assert_eq!(stage.unwrap().layers().to_vec(), vec![1usize..6]);
+}
+
+#[test]
+fn bf16_stages_train_like_one_bf16_rank() {
+    let corpus = Corpus::load();
+    let bf16 = json!({"bf16": {"enabled": true}});
+    let c = config(1, 4, json!({}), bf16.clone());
+    let (pipelined, pipe_loss) = run_pipeline(&corpus, 2, &c, Some(2), train_all).unwrap();
+    // One rank, no pipeline, the same model and batches.
+    let cfg = gpt_config(&corpus);
+    let (mut vs, gpt) = support::build_model(SEED, None, |vs| Gpt::new(vs.root(), &cfg)).unwrap();
+    let plain = config(1, 4, json!({}), bf16);
+    support::to_config_precision(&plain, &mut vs);
+    let mut engine = Engine::new(
+        &vs,
+        plain,
+        Box::new(threads::group(1, Duration::from_secs(20)).remove(0)),
+        EngineOptions::default(),
+    )
+    .unwrap();
+    let mut loss = f64::NAN;
+    for step in 0..STEPS {
+        for m in 0..4 {
+            let (x, y) = corpus.batch(SEED, step, GLOBAL_BATCH, support::micro_batch_range(0, 1, m, 3), cfg.block);
+            let l =
+                gpt.forward(&x).to_kind(tch::Kind::Float).view([-1, cfg.vocab]).cross_entropy_for_logits(&y.view([-1]));
+            engine.backward(&l).unwrap();
+            if let zerorun::StepOutcome::Stepped { loss: l, .. } = engine.step().unwrap() {
+                loss = l;
+            }
+        }
+    }
+    let single = sorted(engine.full_parameters().unwrap());
+    // bf16 rounds the residual stream's gradient sums in another order across the cut: a few ulps, no more.
+    assert!((pipe_loss - loss).abs() < 1e-2, "loss {pipe_loss} vs {loss}");
+    let d = max_relative_difference(&pipelined, &single);
+    assert!(d < 3e-2, "max relative difference {d}");
+}
+
+#[test]
+fn bad_setups_say_what_to_change() {
+    let corpus = Corpus::load();
+    let err = |world, c: &Config, stages| run_pipeline(&corpus, world, c, stages, train_all).unwrap_err();
+    let e = err(2, &config(3, 4, json!({}), json!({})), Some(2));
+    assert!(e.contains("zero_optimization.stage") && e.contains("stage 3"), "{e}");
+    let e = err(3, &config(1, 4, json!({}), json!({})), Some(2));
+    assert!(e.contains("2 pipeline stages x a data-parallel degree must equal the world size 3"), "{e}");
+    let e = err(2, &config(1, 4, json!({"stages": 4}), json!({})), Some(2));
+    assert!(e.contains("pipeline.stages is 4 but the program asks for 2"), "{e}");
+    // Fewer micro-batches than stages: refused, unless allowed (then it trains as the reference does).
+    let e = err(4, &config(1, 2, json!({}), json!({})), Some(4));
+    assert!(e.contains("2 micro-batches for 4 stages") && e.contains("allow_fewer_micro_batches"), "{e}");
+    let allowed = config(1, 2, json!({"allow_fewer_micro_batches": true}), json!({}));
+    let (params, _) = run_pipeline(&corpus, 4, &allowed, Some(4), train_all).unwrap();
+    assert!(max_relative_difference(&params, &reference(&corpus)) < 1e-5);
+    let e = err(2, &config(1, 3, json!({"schedule": "interleaved"}), json!({})), Some(2));
+    assert!(e.contains("must be a multiple of the stages"), "{e}");
+    let e = err(2, &config(1, 4, json!({"partition": [0, 2]}), json!({})), Some(2));
+    assert!(e.contains("pipeline.partition: the boundaries [0, 2] must be 2 + 1"), "{e}");
+    assert!(Config::from_value(json!({"train_batch_size": 4, "pipeline": {"schedule": "zigzag"}}))
+        .unwrap_err()
+        .to_string()
+        .contains("pipeline.schedule"));
+    assert!(Config::from_value(json!({"train_batch_size": 4, "pipeline": {"virtual_stages": 2}}))
+        .unwrap_err()
+        .to_string()
+        .contains("pipeline.virtual_stages"));
+}
+
+#[test]
+fn a_stage_that_dies_is_an_error_on_the_others_not_a_hang() {
+    let corpus = Corpus::load();
+    let c = config(1, 4, json!({}), json!({"comms_timeout": 3}));
+    let started = std::time::Instant::now();
+    // Rank 1 (the last stage) leaves before the first step.
+    let e = run_pipeline(&corpus, 2, &c, Some(2), |rank| rank != 1).unwrap_err();
+    assert!(e.starts_with("rank 0:") && e.contains("rank 1"), "{e}");
+    assert!(started.elapsed() < Duration::from_secs(30), "took {:?}", started.elapsed());
+}
+
+#[test]
+fn the_schedule_command_prints_the_table_bubble_and_peaks() {
+    let zerorun = |args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_zerorun")).args(args).output().expect("zerorun runs")
+    };
+    let out = zerorun(&["pipeline", "schedule", "--stages", "2", "--micro-batches", "2", "--schedule", "1f1b"]);
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.contains("stage 0: F0 F1  . B0  . B1\nstage 1:  . F0 B0 F1 B1  .\n"), "{text}");
+    assert!(text.contains("bubble: 0.3333"), "{text}");
+    assert!(text.contains("peak activations held per stage: 2 1"), "{text}");
+    let out = zerorun(&[
+        "pipeline",
+        "schedule",
+        "--stages",
+        "4",
+        "--micro-batches",
+        "8",
+        "--schedule",
+        "interleaved",
+        "--virtual",
+        "2",
+        "--json",
+    ]);
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!((v["steps"].as_u64(), v["virtual"].as_u64()), (Some(2 * (2 * 8 + 3)), Some(2)));
+    assert!((v["bubble"].as_f64().unwrap() - 3.0 / 19.0).abs() < 1e-12);
+    let out = zerorun(&["pipeline", "schedule", "--stages", "4", "--micro-batches", "2"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("2 micro-batches for 4 stages"));
+    let out =
+        zerorun(&["pipeline", "schedule", "--stages", "4", "--micro-batches", "2", "--allow-fewer-micro-batches"]);
+    assert!(out.status.success());
+}
