@@ -9,6 +9,8 @@ extern crate zerorun as _;
 
 #[path = "../cli/bench_adam.rs"]
 mod bench_adam;
+#[path = "../cli/bench_pipeline.rs"]
+mod bench_pipeline;
 #[allow(dead_code)]
 #[path = "../cli/mod.rs"]
 mod cli;
@@ -35,6 +37,7 @@ fn main() -> ExitCode {
     logging::init_logging();
     let result = match bench {
         cli::bench::BenchCommand::Adam { params, repeats, json } => bench_adam::run(params, repeats, json),
+        cli::bench::BenchCommand::Pipeline { stage_ms, steps, json } => bench_pipeline::run(stage_ms, steps.max(1), json),
         // A rank of `zerorun bench comm --backend gloo` (the backend is libtorch's).
         cli::bench::BenchCommand::Comm { backend, max_bytes, dtype, repeats, json, worker: true, .. }
             if backend == "gloo" =>
@@ -42,7 +45,7 @@ fn main() -> ExitCode {
             gloo_bench_rank(max_bytes, &dtype, repeats.max(1), json)
         }
         _ => Err(CliError::Usage(
-            "zerorun-torch runs `bench adam` and gloo's `bench comm` ranks only; call `zerorun` for the other commands"
+            "zerorun-torch runs `bench adam`, `bench pipeline` and gloo's `bench comm` ranks only; call `zerorun` for the other commands"
                 .into(),
         )),
     };

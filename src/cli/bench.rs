@@ -1,5 +1,6 @@
-//! `zerorun bench adam|comm|swap`: the subcommands and where each runs. `adam` compares with libtorch, so it runs in
-//! the `zerorun-torch` helper binary (`bench_adam.rs`); `comm` and `swap` run here, with no libtorch loaded.
+//! `zerorun bench adam|comm|swap|pipeline`: the subcommands and where each runs. `adam` compares with libtorch and
+//! `pipeline` runs the pipeline engine, so they run in the `zerorun-torch` helper binary (`bench_adam.rs`,
+//! `bench_pipeline.rs`); `comm` and `swap` run here, with no libtorch loaded.
 use clap::Subcommand;
 
 use super::CliError;
@@ -41,6 +42,19 @@ pub enum BenchCommand {
         #[arg(long, hide = true)]
         worker: bool,
     },
+    /// The pipeline engine's measured bubble (idle fraction) beside (p - 1) / (v m + p - 1), for GPipe, 1F1B and
+    /// interleaved 1F1B on 2 and 4 stages of equal cost and 1-16 micro-batches.
+    Pipeline {
+        /// Forward time of one stage per micro-batch, milliseconds; its backward takes as long (its layers sleep).
+        #[arg(long, default_value_t = 20.0)]
+        stage_ms: f64,
+        /// Timed steps per case (the median is reported; one more runs first).
+        #[arg(long, default_value_t = 3)]
+        steps: usize,
+        /// One JSON object per line.
+        #[arg(long)]
+        json: bool,
+    },
     /// Write and read GiB/s of the NVMe swapper on a folder, beside dd with O_DIRECT on the same folder and size.
     Swap {
         /// The folder to test (where nvme_path would point).
@@ -68,7 +82,7 @@ pub enum BenchCommand {
 
 pub fn run(command: BenchCommand) -> Result<(), CliError> {
     match command {
-        BenchCommand::Adam { .. } => super::torch_helper::run_here(),
+        BenchCommand::Adam { .. } | BenchCommand::Pipeline { .. } => super::torch_helper::run_here(),
         BenchCommand::Comm { backend, ranks, max_bytes, dtype, repeats, json, worker } => {
             super::bench_comm::run(&backend, ranks, max_bytes, &dtype, repeats.max(1), json, worker)
         }

@@ -2,10 +2,10 @@
 //!
 //! Sends never block the schedule: each is queued on a send thread and waited on at the end of the step, as
 //! [`super::schedule::validate`] models them. A send returns only once its receive took it (the backends'
-//! point-to-point is a rendezvous), so sends and receives cannot share a thread: with an interleaved schedule two
+//! point-to-point is a rendezvous), so sends and receives cannot share a thread (or a communicator): with an interleaved schedule two
 //! ranks send to each other, and a receive queued behind a send that waits for the other rank's receive, itself
-//! queued behind that rank's send, would never run. So each direction has a send thread and a receive thread, and
-//! every thread its own communicator: the messages rank `r` sends travel on the group of its colour, which its
+//! queued behind that rank's send, would never run. So each direction has a send thread, receives run on the schedule's
+//! thread, and each has its own communicator: the messages rank `r` sends travel on the group of its colour, which its
 //! receiving neighbour's receive thread holds (colours alternate around the ring of stages: two, or three for an
 //! odd number of stages, whose last and first stages are neighbours).
 //!
@@ -23,10 +23,11 @@ use crate::comm::{Collectives, CommError, CommResult, Communicator, Element};
 /// Header length: dtype code, number of dimensions, up to 8 dimensions.
 const HEADER: usize = 10;
 
-/// One direction: where this rank's sends go and where its receives come from, each on its own thread.
+/// One direction: where this rank's sends go (on their thread) and where its receives come from (on the schedule's
+/// thread, which waits for them anyway: no hand-off to another thread on the critical path).
 struct Channel {
     send: CommThread,
-    recv: CommThread,
+    recv: Box<dyn Communicator>,
     to: usize,
     from: usize,
 }
@@ -65,7 +66,7 @@ impl StageLink {
             let send = groups[colour(stage)].take().expect("one thread per group");
             let recv = groups[colour(from)].take().expect("a neighbour's colour is not this rank's");
             unused.extend(groups.into_iter().flatten());
-            Ok(Channel { send: CommThread::spawn(send), recv: CommThread::spawn(recv), to, from })
+            Ok(Channel { send: CommThread::spawn(send), recv, to, from })
         };
         let activations = make(next, prev)?;
         let gradients = make(prev, next)?;
@@ -122,10 +123,8 @@ impl StageLink {
 
     fn receive(&mut self, direction: usize) -> CommResult<Tensor> {
         let channel = self.channel(direction);
-        let from = channel.from;
-        let op = if direction == ACTIVATIONS { "recv activation" } else { "recv gradient" };
         let started = Instant::now();
-        let t = channel.recv.submit(op, move |c| recv_tensor(c, from)).wait();
+        let t = recv_tensor(channel.recv.as_ref(), channel.from);
         self.waited += started.elapsed();
         t
     }

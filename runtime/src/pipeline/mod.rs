@@ -8,6 +8,8 @@
 //! - [`placement`]: where this rank sits in (pipe, data).
 //! - [`link`]: activations and their gradients between neighbouring stages.
 //! - [`engine`]: [`PipelineEngine`], which runs a schedule.
+//! - [`bubble`]: its measured idle fraction on stages of known cost (`zerorun bench pipeline`).
+pub mod bubble;
 pub mod engine;
 pub mod link;
 pub mod model;
