@@ -124,6 +124,47 @@ pub fn pipeline_model(c: &GptConfig) -> zerorun::PipelineModel<'static> {
     })
 }
 
+/// [`pipeline_model`] with the head tied to the token embedding (logits = ln_f(x) · tokᵀ, no head of its own), as
+/// [`Gpt::forward_tied`] computes it.
+pub fn pipeline_model_tied(c: &GptConfig) -> zerorun::PipelineModel<'static> {
+    let c = *c;
+    let mut model = zerorun::PipelineModel::new(move |logits: &Tensor, targets: &Tensor| {
+        logits.to_kind(Kind::Float).view([-1, c.vocab]).cross_entropy_for_logits(&targets.view([-1]))
+    })
+    .tying_layer("embed", "tok", move |p| {
+        let tok = nn::embedding(p / "tok", c.vocab, c.embd, Default::default());
+        let pos = nn::embedding(p / "pos", c.block, c.embd, Default::default());
+        let weight = tok.ws.shallow_clone();
+        let forward = Box::new(move |x: &Tensor| {
+            let at = Tensor::arange(x.size()[1], (Kind::Int64, x.device()));
+            tok.forward(x) + pos.forward(&at)
+        });
+        (forward as zerorun::LayerForward<'static>, weight)
+    });
+    for i in 0..c.layers {
+        model = model.layer(format!("blocks.{i}"), move |p| {
+            let block = Block::new(p / "blocks" / i, &c);
+            Box::new(move |x: &Tensor| block.forward(x))
+        });
+    }
+    model.tied_layer("head", "tok", move |p, tok: &Tensor| {
+        let ln_f = nn::layer_norm(p / "ln_f", vec![c.embd], Default::default());
+        let tok = tok.shallow_clone();
+        Box::new(move |x: &Tensor| ln_f.forward(x).matmul(&tok.tr()))
+    })
+}
+
+impl Gpt {
+    /// The forward with the head tied to the token embedding (the `head` variables unused).
+    pub fn forward_tied(&self, idx: &Tensor) -> Tensor {
+        let mut x = self.forward_unit(0, idx);
+        for u in 1..=self.blocks.len() {
+            x = self.forward_unit(u, &x);
+        }
+        self.ln_f.forward(&x).matmul(&self.tok.ws.tr())
+    }
+}
+
 /// Units for stage 3: the embeddings, each block, and the final norm with the head.
 impl UnitModel for Gpt {
     fn unit_prefixes(&self) -> Vec<Vec<String>> {

@@ -59,6 +59,8 @@ pub struct PipelineEngine<'a> {
     link: StageLink,
     /// Collectives over this rank's pipeline (one rank per stage): the loss, the full model.
     pipe: Box<dyn Communicator>,
+    /// Tied weights' gradients and values between their owner and replica stages (on the schedule's thread).
+    tied_group: Box<dyn Communicator>,
     /// This stage's actions for one optimizer step.
     actions: Vec<Action>,
     /// Every stage's simulated activations peak and the schedule's bubble, as [`schedule::validate`] found them.
@@ -106,7 +108,25 @@ impl<'a> PipelineEngine<'a> {
         let link = StageLink::new(topology.communicator(comm.as_ref(), &["pipe"])?)?;
         let pipe = topology.communicator(comm.as_ref(), &["pipe"])?;
         let norm_group = topology.communicator(comm.as_ref(), &["pipe"])?;
+        let tied_group = topology.communicator(comm.as_ref(), &["pipe"])?;
         let pipeline = config.pipeline.clone();
+        let exchanges_tied = model.tied().iter().any(|t| t.owner != placement.stage || !t.replicas.is_empty());
+        if exchanges_tied && placement.chunks > 1 {
+            return Err(PipelineError::Model(
+                "tied weights across stages run with the gpipe and 1f1b schedules; the interleaved schedule does not exchange them yet".into(),
+            )
+            .into());
+        }
+        // Replicas live outside the VarStore: they take the precision the program gave the model's variables.
+        let kind = match config.precision() {
+            crate::config::Precision::Bf16 => tch::Kind::BFloat16,
+            crate::config::Precision::Fp16 => tch::Kind::Half,
+            crate::config::Precision::Fp32 => tch::Kind::Float,
+        };
+        for t in model.tied().iter().filter(|t| t.owner != placement.stage) {
+            let mut replica = t.tensor.shallow_clone();
+            tch::no_grad(|| replica.set_data(&t.tensor.to_kind(kind)));
+        }
         let options = EngineOptions { reduce_once_per_step: true, ..options };
         let mut engine = Engine::new(vs, config, data, options)?;
         engine.set_model_parallel_group(norm_group);
@@ -137,6 +157,7 @@ impl<'a> PipelineEngine<'a> {
             placement,
             link,
             pipe,
+            tied_group,
             actions,
             simulation,
             last_times: StageTimes::default(),
@@ -160,8 +181,9 @@ impl<'a> PipelineEngine<'a> {
         let empty = || -> Vec<Option<Tensor>> { (0..m * v).map(|_| None).collect() };
         let (mut inputs, mut outputs, mut grads) = (empty(), empty(), empty());
         let mut backwards = 0;
+        let last_backward = self.actions.iter().rposition(|a| matches!(a, Action::Backward { .. }));
         let mut outcome = None;
-        for action in self.actions.clone() {
+        for (index, action) in self.actions.clone().into_iter().enumerate() {
             match action {
                 Action::RecvActivation { mb, chunk } => {
                     inputs[slot(mb, chunk)] = Some(self.link.recv_activation()?.set_requires_grad(true));
@@ -188,6 +210,10 @@ impl<'a> PipelineEngine<'a> {
                 }
                 Action::RecvGradient { mb, chunk } => grads[slot(mb, chunk)] = Some(self.link.recv_gradient()?),
                 Action::Backward { mb, chunk } => {
+                    if last_backward == Some(index) {
+                        // Every replica's gradient is complete (their stages' backwards come first).
+                        self.receive_tied_gradients()?;
+                    }
                     let t = Instant::now();
                     let at = slot(mb, chunk);
                     let out = outputs[at].take().expect("forward before backward");
@@ -214,7 +240,11 @@ impl<'a> PipelineEngine<'a> {
                 }
                 // The engine reduces at its step (stage 2: during the last backward already).
                 Action::ReduceGradients => {}
-                Action::OptimizerStep => outcome = Some(self.engine.step()?),
+                Action::OptimizerStep => {
+                    self.send_tied_gradients()?;
+                    outcome = Some(self.engine.step()?);
+                    self.exchange_tied_values()?;
+                }
             }
         }
         self.link.finish_sends()?;
@@ -345,6 +375,52 @@ impl<'a> PipelineEngine<'a> {
             "stage {} of {}: micro-batch {mb} has no {what} (the first stage needs inputs, the last labels)",
             self.placement.stage, self.placement.stages
         ))
+    }
+
+    /// The owner of a tied weight adds each replica's gradient (sum over this step's micro-batches, scaled as the
+    /// loss was) to its own, before its last backward.
+    fn receive_tied_gradients(&mut self) -> Result<()> {
+        let stage = self.placement.stage;
+        for t in self.model.tied().iter().filter(|t| t.owner == stage) {
+            for &from in &t.replicas {
+                let g = recv_tensor(self.tied_group.as_ref(), from)?;
+                let grad = t.tensor.grad();
+                if grad.defined() {
+                    tch::no_grad(|| grad.shallow_clone().f_add_(&g.to_kind(grad.kind())).map(drop))?;
+                } else {
+                    crate::engine::native::set_grad(&t.tensor, &g.to_kind(t.tensor.kind()))?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A replica's stage sends its gradient to the owner (after its own last backward) and clears it.
+    fn send_tied_gradients(&mut self) -> Result<()> {
+        let stage = self.placement.stage;
+        for t in self.model.tied().iter().filter(|t| t.owner != stage) {
+            let grad = t.tensor.grad();
+            let g = if grad.defined() { grad.shallow_clone() } else { t.tensor.zeros_like() };
+            send_tensor(self.tied_group.as_ref(), &g, t.owner)?;
+            crate::engine::native::reset_grad(&t.tensor);
+        }
+        Ok(())
+    }
+
+    /// After the step: the owner sends each tied weight's new value to its replicas.
+    fn exchange_tied_values(&mut self) -> Result<()> {
+        let stage = self.placement.stage;
+        for t in self.model.tied() {
+            if t.owner == stage {
+                for &to in &t.replicas {
+                    send_tensor(self.tied_group.as_ref(), &t.tensor.detach(), to)?;
+                }
+            } else {
+                let value = recv_tensor(self.tied_group.as_ref(), t.owner)?;
+                tch::no_grad(|| t.tensor.shallow_clone().f_copy_(&value))?;
+            }
+        }
+        Ok(())
     }
 
     /// The last stage's loss for every stage (the others computed none).
