@@ -23,18 +23,22 @@ pub type LayerForward<'a> = Box<dyn Fn(&Tensor) -> Tensor + 'a>;
 /// The loss of the last stage's output and the labels.
 pub type LossFn<'a> = Box<dyn Fn(&Tensor, &Tensor) -> Tensor + 'a>;
 
+type PlainBuilder<'a> = Box<dyn Fn(&nn::Path) -> LayerForward<'a> + 'a>;
+type TyingBuilder<'a> = Box<dyn Fn(&nn::Path) -> (LayerForward<'a>, Tensor) + 'a>;
+type TiedBuilder<'a> = Box<dyn Fn(&nn::Path, &Tensor) -> LayerForward<'a> + 'a>;
+
 /// How a layer is built.
 enum Builder<'a> {
-    Plain(Box<dyn Fn(&nn::Path) -> LayerForward<'a> + 'a>),
+    Plain(PlainBuilder<'a>),
     /// Creates the weight tied under `key` (and returns it beside its forward).
     Tying {
         key: String,
-        build: Box<dyn Fn(&nn::Path) -> (LayerForward<'a>, Tensor) + 'a>,
+        build: TyingBuilder<'a>,
     },
     /// Uses the weight tied under `key`.
     Tied {
         key: String,
-        build: Box<dyn Fn(&nn::Path, &Tensor) -> LayerForward<'a> + 'a>,
+        build: TiedBuilder<'a>,
     },
 }
 
