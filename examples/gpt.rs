@@ -111,8 +111,8 @@ fn run(args: &Args) -> Result<(), String> {
 /// `--pipeline-stages P`: the same model as layers, each rank building and training only its stage's.
 fn run_pipeline(args: &Args, config: &Config, corpus: &Corpus, cfg: GptConfig, stages: usize) -> Result<(), String> {
     let a = &args.common;
-    if a.checkpoint_dir.is_some() || a.activation_checkpointing {
-        return Err("--pipeline-stages runs without --checkpoint-dir and --activation-checkpointing for now".into());
+    if a.activation_checkpointing {
+        return Err("--pipeline-stages runs without --activation-checkpointing (stage 3's) for now".into());
     }
     let timeout = Duration::from_secs_f64(config.comms_timeout);
     let summary = run_ranks(a.ranks, timeout, |comm| {
@@ -129,7 +129,14 @@ fn run_pipeline(args: &Args, config: &Config, corpus: &Corpus, cfg: GptConfig, s
         let b = pipe.engine().batch_sizes();
         let (first, last) = (placement.takes_inputs(), placement.takes_labels());
         let mut progress = Progress::new(a.steps);
-        for step in 0..a.steps {
+        let first_step = match (&a.checkpoint_dir, a.resume) {
+            (Some(dir), true) => {
+                pipe.load_checkpoint(dir, None).map_err(|e| e.to_string())?;
+                pipe.engine().global_steps()
+            }
+            _ => 0,
+        };
+        for step in first_step..a.steps {
             let mut micro_batches = (0..b.gradient_accumulation_steps).map(|m| {
                 let range = micro_batch_range(
                     placement.data_index,
@@ -142,6 +149,11 @@ fn run_pipeline(args: &Args, config: &Config, corpus: &Corpus, cfg: GptConfig, s
             });
             let outcome = pipe.train_batch(&mut micro_batches).map_err(|e| e.to_string())?;
             progress.record_for(placement.rank == 0, b.train_batch_size, outcome);
+            if let (Some(dir), Some(every)) = (&a.checkpoint_dir, a.save_every) {
+                if (step + 1) % every == 0 {
+                    pipe.save_checkpoint(dir, None).map_err(|e| e.to_string())?;
+                }
+            }
         }
         if let Some(path) = &a.save_final {
             let params = pipe.full_parameters().map_err(|e| e.to_string())?;

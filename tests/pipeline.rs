@@ -104,6 +104,26 @@ fn run_model(
     before_training: impl Fn(usize) -> bool + Sync,
     make: fn(&GptConfig) -> zerorun::PipelineModel<'static>,
 ) -> Result<(Params, f64), String> {
+    let run = Run { steps: 0..STEPS, load_from: None, save_to: None };
+    run_with(corpus, world, config, program_stages, before_training, make, &run)
+}
+
+/// Which steps a run trains, and the checkpoint it starts from and ends with.
+struct Run<'p> {
+    steps: std::ops::Range<u64>,
+    load_from: Option<&'p std::path::Path>,
+    save_to: Option<&'p std::path::Path>,
+}
+
+fn run_with(
+    corpus: &Corpus,
+    world: usize,
+    config: &Config,
+    program_stages: Option<usize>,
+    before_training: impl Fn(usize) -> bool + Sync,
+    make: fn(&GptConfig) -> zerorun::PipelineModel<'static>,
+    run: &Run<'_>,
+) -> Result<(Params, f64), String> {
     let cfg = gpt_config(corpus);
     let results: Vec<RankResult> = std::thread::scope(|s| {
         let handles: Vec<_> = threads::group(world, Duration::from_secs_f64(config.comms_timeout))
@@ -132,9 +152,13 @@ fn run_model(
                     if !before_training(rank) {
                         return Ok(None);
                     }
+                    if let Some(dir) = run.load_from {
+                        pipe.load_checkpoint(dir, None).map_err(|e| format!("rank {rank}: {e}"))?;
+                        assert_eq!(pipe.engine().global_steps(), run.steps.start, "the checkpoint's step");
+                    }
                     let b = pipe.engine().batch_sizes();
                     let mut last_loss = f64::NAN;
-                    for step in 0..STEPS {
+                    for step in run.steps.clone() {
                         let mut micro_batches = (0..b.gradient_accumulation_steps).map(|m| {
                             let range = support::micro_batch_range(
                                 placement.data_index,
@@ -152,6 +176,9 @@ fn run_model(
                         if let zerorun::StepOutcome::Stepped { loss, .. } = outcome {
                             last_loss = loss;
                         }
+                    }
+                    if let Some(dir) = run.save_to {
+                        pipe.save_checkpoint(dir, None).map_err(|e| format!("rank {rank}: {e}"))?;
                     }
                     let params = pipe.full_parameters().map_err(|e| e.to_string())?;
                     Ok((rank == 0).then_some((params, last_loss)))
@@ -223,6 +250,70 @@ fn a_head_tied_to_the_embedding_trains_as_one_weight() {
     let c = config(1, 4, json!({"schedule": "interleaved"}), json!({}));
     let e = run_model(&corpus, 2, &c, Some(2), train_all, pipeline_model_tied).unwrap_err();
     assert!(e.contains("tied weights across stages run with the gpipe and 1f1b schedules"), "{e}");
+}
+
+#[test]
+fn checkpoints_resume_at_another_cut_and_degree_and_without_a_pipeline() {
+    let corpus = Corpus::load();
+    let reference = reference(&corpus);
+    let half = STEPS / 2;
+    let dir = tempdir("reshard");
+    // (pipe 2, data 2), ZeRO 2 (each stage's optimizer state partitioned over its data group), half the steps.
+    let saving = config(2, 2, json!({}), json!({}));
+    let first = Run { steps: 0..half, load_from: None, save_to: Some(&dir) };
+    let (at_half, _) = run_with(&corpus, 4, &saving, Some(2), train_all, pipeline_model, &first).unwrap();
+    let manifest: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join(format!("global_step{half}/manifest.json"))).unwrap())
+            .unwrap();
+    assert_eq!(manifest["pipeline_stages"], 2);
+    // `zerorun consolidate` assembles the whole model from the stages' files.
+    let out = dir.join("full.safetensors");
+    let status = std::process::Command::new(env!("CARGO_BIN_EXE_zerorun"))
+        .args(["consolidate", dir.to_str().unwrap(), out.to_str().unwrap()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let consolidated = sorted(Tensor::read_safetensors(&out).unwrap());
+    assert_eq!(max_relative_difference(&consolidated, &at_half), 0.0);
+    // The rest at (pipe 4, data 1) and at (pipe 1, data 2), ZeRO 1; both end at the reference.
+    for (world, stages, stage, gas) in [(4, 4, 1, 4), (2, 1, 1, 2)] {
+        let c = config(stage, gas, json!({}), json!({}));
+        let rest = Run { steps: half..STEPS, load_from: Some(&dir), save_to: None };
+        let (params, _) = run_with(&corpus, world, &c, Some(stages), train_all, pipeline_model, &rest)
+            .unwrap_or_else(|e| panic!("resuming at {stages} stages on {world} ranks: {e}"));
+        let d = max_relative_difference(&params, &reference);
+        assert!(d < 1e-5, "resumed at {stages} stages on {world} ranks: max relative difference {d}");
+    }
+    // And in a plain engine, one rank, the whole model.
+    let cfg = gpt_config(&corpus);
+    let (vs, gpt) = support::build_model(SEED, None, |vs| Gpt::new(vs.root(), &cfg)).unwrap();
+    let plain = config(1, 4, json!({}), json!({}));
+    let mut engine = Engine::new(
+        &vs,
+        plain,
+        Box::new(threads::group(1, Duration::from_secs(20)).remove(0)),
+        EngineOptions::default(),
+    )
+    .unwrap();
+    engine.load_checkpoint(&dir, None).unwrap();
+    for step in half..STEPS {
+        for m in 0..4 {
+            let (x, y) = corpus.batch(SEED, step, GLOBAL_BATCH, support::micro_batch_range(0, 1, m, 3), cfg.block);
+            let l = gpt.forward(&x).view([-1, cfg.vocab]).cross_entropy_for_logits(&y.view([-1]));
+            engine.backward(&l).unwrap();
+            engine.step().unwrap();
+        }
+    }
+    let d = max_relative_difference(&sorted(engine.full_parameters().unwrap()), &reference);
+    assert!(d < 1e-5, "resumed without a pipeline: max relative difference {d}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+fn tempdir(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("zerorun-pipeline-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
 }
 
 #[test]

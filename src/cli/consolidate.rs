@@ -42,24 +42,24 @@ pub fn run(a: ConsolidateArgs) -> Result<(), CliError> {
     }
     // Buffers and frozen parameters (format 3) are copied as saved, in their own dtypes, so the file is the
     // whole model: what `VarStore::load` of it reads.
-    let variables = saved.variables_file().map_err(ck)?;
+    let variables = saved.variables_files().map_err(ck)?;
     let extras: Vec<&str> = m.buffers.iter().chain(&m.frozen).map(|e| e.name.as_str()).collect();
     let mut tensors: Vec<(String, Vec<usize>, String)> = m
         .params
         .iter()
         .map(|p| (p.name.clone(), p.shape.iter().map(|&d| d as usize).collect(), dtype.to_string()))
         .collect();
-    if let Some(v) = &variables {
+    if !variables.is_empty() {
         for name in &extras {
-            let (dt, shape, _) = v.raw(name).map_err(ck)?;
+            let (_, dt, shape, _) = variables.raw(name).map_err(ck)?;
             tensors.push((name.to_string(), shape, dt));
         }
     }
     let mut buf = Vec::new();
     files::write_safetensors_typed(&a.out, &tensors, |i, w| {
         if i >= m.params.len() {
-            let v = variables.as_ref().expect("extras come from the variables file");
-            let (_, _, bytes) = v.raw(extras[i - m.params.len()]).map_err(|e| std::io::Error::other(e.to_string()))?;
+            let (_, _, _, bytes) =
+                variables.raw(extras[i - m.params.len()]).map_err(|e| std::io::Error::other(e.to_string()))?;
             return w.write_all(bytes);
         }
         let p = &m.params[i];

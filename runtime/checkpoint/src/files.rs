@@ -154,6 +154,11 @@ impl MappedTensors {
         Ok(MappedTensors { map, path: path.to_path_buf() })
     }
 
+    /// Whether the file holds tensor `name`.
+    pub fn contains(&self, name: &str) -> bool {
+        safetensors::SafeTensors::deserialize(&self.map).is_ok_and(|st| st.tensor(name).is_ok())
+    }
+
     /// Tensor `name` whole: its safetensors dtype, shape and little-endian bytes (borrowed from the mapping).
     pub fn raw(&self, name: &str) -> Result<(String, Vec<usize>, &[u8])> {
         let st = safetensors::SafeTensors::deserialize(&self.map).map_err(|e| io_err(&self.path, e))?;

@@ -11,7 +11,7 @@ pub mod manifest;
 mod saved;
 
 pub use manifest::{Manifest, ParamEntry, RankEntry, VariableEntry, FORMAT_VERSION};
-pub use saved::SavedCheckpoint;
+pub use saved::{SavedCheckpoint, VariableFiles};
 
 use std::path::{Path, PathBuf};
 

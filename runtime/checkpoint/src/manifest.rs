@@ -107,6 +107,13 @@ pub struct Manifest {
     /// the whole model, else `variables.safetensors`); None before format 3.
     #[serde(default)]
     pub variables_file: Option<String>,
+    /// A pipeline's later stages' files of buffers and frozen parameters (each stage saves its own; the first
+    /// stage's is `variables_file`). A variable is read from whichever file holds it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stage_variables_files: Vec<String>,
+    /// Pipeline stages of the run that saved it (0: none); the values are one flat space whatever the cut.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub pipeline_stages: usize,
     /// The model's buffers (BatchNorm's running statistics), rank 0's.
     #[serde(default)]
     pub buffers: Vec<VariableEntry>,
@@ -120,7 +127,54 @@ pub struct Manifest {
     pub config: serde_json::Value,
 }
 
+fn is_zero(n: &usize) -> bool {
+    *n == 0
+}
+
 impl Manifest {
+    /// One manifest for a pipeline's stages (each saved by its stage's engine, in stage order): the stages' flat
+    /// spaces laid end to end, so every parameter keeps one range and the checkpoint loads at any cut, any
+    /// data-parallel degree, or without a pipeline. Counters come from the first stage (every stage steps
+    /// together); generator states are left out (a stage's engine numbers its ranks within its stage).
+    pub fn merge_stages(stages: Vec<Manifest>, world_size: usize) -> Manifest {
+        let pipeline_stages = stages.len();
+        let mut parts = stages.into_iter();
+        let mut merged = parts.next().expect("a pipeline has a stage");
+        let extent = |m: &Manifest| {
+            let ranks = m.ranks.iter().flat_map(RankEntry::pieces).map(|r| r.end).max().unwrap_or(0);
+            let params = m.params.iter().map(|p| p.start + p.len).max().unwrap_or(0);
+            ranks.max(params)
+        };
+        let mut base = extent(&merged);
+        for m in parts {
+            merged.numel += m.numel;
+            merged.params.extend(m.params.iter().map(|p| ParamEntry { start: p.start + base, ..p.clone() }));
+            merged.ranks.extend(m.ranks.iter().map(|r| {
+                let pieces: Vec<std::ops::Range<usize>> =
+                    r.pieces().into_iter().map(|x| x.start + base..x.end + base).collect();
+                RankEntry::new(r.file.clone(), &pieces, r.crc32)
+            }));
+            merged.stage_variables_files.extend(m.variables_file.clone());
+            merged.buffers.extend(m.buffers.iter().cloned());
+            merged.frozen.extend(m.frozen.iter().cloned());
+            merged.frozen_excluded |= m.frozen_excluded;
+            base += extent(&m);
+        }
+        merged.world_size = world_size;
+        merged.rng_states.clear();
+        merged.pipeline_stages = pipeline_stages;
+        merged.model_weights = Some(
+            "absent: a pipeline's stages save their own weights; `zerorun consolidate` assembles them from the rank files"
+                .into(),
+        );
+        merged
+    }
+
+    /// Every file of buffers and frozen parameters, in the order to search them.
+    pub fn variables_files(&self) -> Vec<&str> {
+        self.variables_file.iter().chain(&self.stage_variables_files).map(String::as_str).collect()
+    }
+
     /// The pieces of flat range `want` held by the rank files (elements no file holds, padding, are absent).
     pub fn locate(&self, want: std::ops::Range<usize>) -> Vec<Located> {
         let mut out = Vec::new();
@@ -190,6 +244,8 @@ mod tests {
             rng_states: vec![],
             model_weights: None,
             variables_file: None,
+            stage_variables_files: vec![],
+            pipeline_stages: 0,
             buffers: vec![],
             frozen: vec![],
             frozen_excluded: false,
@@ -209,5 +265,62 @@ mod tests {
         let v1: RankEntry =
             serde_json::from_str(r#"{"file": "rank0.safetensors", "start": 3, "end": 9, "crc32": 1}"#).unwrap();
         assert_eq!(v1.pieces(), vec![3..9]);
+    }
+
+    #[test]
+    fn stages_merge_into_one_flat_space() {
+        let stage = |names: &[&str], ranks: Vec<RankEntry>, file: &str| Manifest {
+            format_version: FORMAT_VERSION,
+            tag: "t".into(),
+            global_steps: 3,
+            global_samples: 24,
+            skipped_steps: 0,
+            optimizer_steps: 3,
+            optimizer: "adamw".into(),
+            state_names: vec![],
+            scheduler_last_batch_iteration: None,
+            loss_scaler: None,
+            world_size: 2,
+            stage: 1,
+            precision: "fp32".into(),
+            numel: 6 * names.len(),
+            params: names
+                .iter()
+                .enumerate()
+                .map(|(i, n)| ParamEntry {
+                    name: n.to_string(),
+                    shape: vec![6],
+                    start: 6 * i,
+                    len: 6,
+                    dtype: "F32".into(),
+                })
+                .collect(),
+            ranks,
+            rng_states: vec!["00".into()],
+            model_weights: Some("model.safetensors".into()),
+            variables_file: Some(file.into()),
+            stage_variables_files: vec![],
+            pipeline_stages: 0,
+            buffers: vec![],
+            frozen: vec![],
+            frozen_excluded: false,
+            config: serde_json::Value::Null,
+        };
+        // Stage 0: a and b over two data-parallel ranks, padded to 14; stage 1: c on one rank.
+        let s0 = stage(
+            &["a", "b"],
+            vec![RankEntry::new("s0.r0".into(), &[0..7], 1), RankEntry::new("s0.r1".into(), &[7..14], 2)],
+            "s0.v",
+        );
+        let s1 = stage(&["c"], vec![RankEntry::new("s1.r0".into(), &[0..6], 3)], "s1.v");
+        let m = Manifest::merge_stages(vec![s0, s1], 3);
+        assert_eq!(m.param("c").unwrap().start, 14);
+        assert_eq!(m.ranks[2].pieces(), vec![14..20]);
+        assert_eq!(m.numel, 18);
+        assert_eq!((m.world_size, m.pipeline_stages), (3, 2));
+        assert_eq!(m.variables_files(), vec!["s0.v", "s1.v"]);
+        assert!(m.rng_states.is_empty());
+        // `c` is read from the second stage's file, from its start.
+        assert_eq!(m.locate(14..20), vec![Located { entry: 2, file_range: 0..6, dst_offset: 0 }]);
     }
 }

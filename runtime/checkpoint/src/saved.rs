@@ -41,8 +41,41 @@ impl SavedCheckpoint {
         MappedTensors::open(&path)
     }
 
-    /// The variables file (buffers and frozen parameters, format 3), when the checkpoint has one.
-    pub fn variables_file(&self) -> Result<Option<MappedTensors>> {
-        self.manifest.variables_file.as_ref().map(|name| MappedTensors::open(&self.folder.join(name))).transpose()
+    /// The files of buffers and frozen parameters (format 3; a pipeline's: one per stage), mapped.
+    pub fn variables_files(&self) -> Result<VariableFiles> {
+        let files = self
+            .manifest
+            .variables_files()
+            .into_iter()
+            .map(|name| {
+                let path = self.folder.join(name);
+                MappedTensors::open(&path).map(|f| (path, f))
+            })
+            .collect::<Result<_>>()?;
+        Ok(VariableFiles { files })
+    }
+}
+
+/// A checkpoint's files of buffers and frozen parameters, searched in order for a variable's name.
+pub struct VariableFiles {
+    files: Vec<(PathBuf, MappedTensors)>,
+}
+
+impl VariableFiles {
+    /// None when the checkpoint has no such file (before format 3).
+    pub fn is_empty(&self) -> bool {
+        self.files.is_empty()
+    }
+
+    /// Variable `name`: the file holding it, its dtype, shape and bytes.
+    pub fn raw(&self, name: &str) -> Result<(&Path, String, Vec<usize>, &[u8])> {
+        for (path, file) in &self.files {
+            if file.contains(name) {
+                let (dtype, shape, bytes) = file.raw(name)?;
+                return Ok((path, dtype, shape, bytes));
+            }
+        }
+        let path = self.files.first().map_or_else(PathBuf::new, |(p, _)| p.clone());
+        Err(CheckpointError::Io { path, what: format!("no tensor `{name}` in the checkpoint's variables files") })
     }
 }

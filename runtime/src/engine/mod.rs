@@ -20,7 +20,7 @@
 mod allocator;
 mod bucket;
 mod builders;
-mod checkpointing;
+pub(crate) mod checkpointing;
 mod counters;
 mod engine_comm;
 mod frozen;

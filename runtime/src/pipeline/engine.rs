@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use tch::{nn, Tensor};
 
-use super::link::{recv_tensor, send_tensor, StageLink};
+use super::link::{recv_bytes, recv_tensor, send_bytes, send_tensor, StageLink};
 use super::model::StageModel;
 use super::placement::StagePlacement;
 use super::schedule::{self, Action, Kind};
@@ -53,21 +53,21 @@ impl StageTimes {
 }
 
 pub struct PipelineEngine<'a> {
-    engine: Engine,
-    model: StageModel<'a>,
-    placement: StagePlacement,
-    link: StageLink,
+    pub(super) engine: Engine,
+    pub(super) model: StageModel<'a>,
+    pub(super) placement: StagePlacement,
+    pub(super) link: StageLink,
     /// Collectives over this rank's pipeline (one rank per stage): the loss, the full model.
-    pipe: Box<dyn Communicator>,
+    pub(super) pipe: Box<dyn Communicator>,
     /// Tied weights' gradients and values between their owner and replica stages (on the schedule's thread).
-    tied_group: Box<dyn Communicator>,
+    pub(super) tied_group: Box<dyn Communicator>,
     /// This stage's actions for one optimizer step.
-    actions: Vec<Action>,
+    pub(super) actions: Vec<Action>,
     /// Every stage's simulated activations peak and the schedule's bubble, as [`schedule::validate`] found them.
-    simulation: schedule::Simulation,
-    last_times: StageTimes,
-    /// Splits of it are the engine's and the link's groups.
-    _world: Box<dyn Communicator>,
+    pub(super) simulation: schedule::Simulation,
+    pub(super) last_times: StageTimes,
+    /// Every rank (splits of it are the engine's and the link's groups).
+    pub(super) world: Box<dyn Communicator>,
 }
 
 impl<'a> PipelineEngine<'a> {
@@ -161,7 +161,7 @@ impl<'a> PipelineEngine<'a> {
             actions,
             simulation,
             last_times: StageTimes::default(),
-            _world: comm,
+            world: comm,
         })
     }
 
@@ -296,9 +296,7 @@ impl<'a> PipelineEngine<'a> {
             let c = self.pipe.as_ref();
             c.send(&[own.len() as i64], 0)?;
             for (name, t) in &own {
-                let bytes: Vec<i64> = name.bytes().map(i64::from).collect();
-                c.send(&[bytes.len() as i64], 0)?;
-                c.send(&bytes, 0)?;
+                send_bytes(c, name.as_bytes(), 0)?;
                 send_tensor(c, t, 0)?;
             }
             return Ok(own);
@@ -308,11 +306,7 @@ impl<'a> PipelineEngine<'a> {
             let mut count = [0i64];
             c.recv(&mut count, from)?;
             for _ in 0..count[0] {
-                let mut len = [0i64];
-                c.recv(&mut len, from)?;
-                let mut bytes = vec![0i64; len[0] as usize];
-                c.recv(&mut bytes, from)?;
-                let name: String = bytes.iter().map(|&b| b as u8 as char).collect();
+                let name = String::from_utf8_lossy(&recv_bytes(c, from)?).into_owned();
                 own.push((name, recv_tensor(c, from)?));
             }
         }
@@ -408,7 +402,7 @@ impl<'a> PipelineEngine<'a> {
     }
 
     /// After the step: the owner sends each tied weight's new value to its replicas.
-    fn exchange_tied_values(&mut self) -> Result<()> {
+    pub(super) fn exchange_tied_values(&mut self) -> Result<()> {
         let stage = self.placement.stage;
         for t in self.model.tied() {
             if t.owner == stage {

@@ -224,3 +224,21 @@ pub fn recv_tensor(c: &dyn Communicator, src: usize) -> CommResult<Tensor> {
         }),
     }
 }
+
+/// Sends bytes (a manifest, a name): their length, then the bytes packed eight to a word.
+pub fn send_bytes(c: &dyn Communicator, bytes: &[u8], dst: usize) -> CommResult<()> {
+    c.send(&[bytes.len() as i64], dst)?;
+    let mut words = vec![0i64; bytes.len().div_ceil(8)];
+    bytemuck::cast_slice_mut::<i64, u8>(&mut words)[..bytes.len()].copy_from_slice(bytes);
+    c.send(&words, dst)
+}
+
+/// Receives what [`send_bytes`] sent.
+pub fn recv_bytes(c: &dyn Communicator, src: usize) -> CommResult<Vec<u8>> {
+    let mut len = [0i64];
+    c.recv(&mut len, src)?;
+    let len = len[0].max(0) as usize;
+    let mut words = vec![0i64; len.div_ceil(8)];
+    c.recv(&mut words, src)?;
+    Ok(bytemuck::cast_slice::<i64, u8>(&words)[..len].to_vec())
+}

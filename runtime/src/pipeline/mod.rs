@@ -8,8 +8,10 @@
 //! - [`placement`]: where this rank sits in (pipe, data).
 //! - [`link`]: activations and their gradients between neighbouring stages.
 //! - [`engine`]: [`PipelineEngine`], which runs a schedule.
+//! - `checkpoint.rs`: its checkpoints, one manifest over every stage, by parameter name.
 //! - [`bubble`]: its measured idle fraction on stages of known cost (`zerorun bench pipeline`).
 pub mod bubble;
+mod checkpoint;
 pub mod engine;
 pub mod link;
 pub mod model;

@@ -67,8 +67,18 @@ impl Engine {
     /// Loads `dir/<tag>` (default: the tag `dir/latest` names), written at any world size and stage 0-3: each rank
     /// reads only the element ranges it optimizes, matching parameters by name. Collective. Returns the tag loaded.
     pub fn load_checkpoint(&mut self, dir: impl AsRef<Path>, tag: Option<&str>) -> Result<String> {
-        let saved = SavedCheckpoint::open(dir.as_ref(), tag)?;
-        let (m, path, manifest_path) = (&saved.manifest, &saved.folder, saved.manifest_path());
+        self.load_checkpoint_impl(dir.as_ref(), tag, false)
+    }
+
+    /// [`Engine::load_checkpoint`] of a model that is part of the checkpoint's (a pipeline stage): every parameter
+    /// and variable of this engine must be in it, the checkpoint's others are left alone.
+    pub(crate) fn load_checkpoint_part(&mut self, dir: &Path, tag: Option<&str>) -> Result<String> {
+        self.load_checkpoint_impl(dir, tag, true)
+    }
+
+    fn load_checkpoint_impl(&mut self, dir: &Path, tag: Option<&str>, part: bool) -> Result<String> {
+        let saved = SavedCheckpoint::open(dir, tag)?;
+        let (m, manifest_path) = (&saved.manifest, saved.manifest_path());
         let tag = saved.tag.clone();
         let mismatch = |what: String| CheckpointError::Mismatch { path: manifest_path.clone(), what };
         // Parameters are matched by name, so layouts in another order (stage 3 lays out by unit) load too.
@@ -82,7 +92,7 @@ impl Engine {
                 Some(_) => {}
             }
         }
-        if problems.is_empty() && m.params.len() != self.layout.slots.len() {
+        if problems.is_empty() && !part && m.params.len() != self.layout.slots.len() {
             let extra: Vec<&str> = m
                 .params
                 .iter()
@@ -102,10 +112,10 @@ impl Engine {
         }
         if m.variables_file.is_some() {
             let buffers: Vec<(String, Vec<i64>)> = self.buffers.iter().map(|(n, t)| (n.clone(), t.size())).collect();
-            let mut problems = variable_problems("buffer", &buffers, &m.buffers);
+            let mut problems = variable_problems("buffer", &buffers, &m.buffers, part);
             if !m.frozen_excluded {
                 let frozen: Vec<(String, Vec<i64>)> = self.frozen_specs().into_iter().map(|(n, s, _)| (n, s)).collect();
-                problems.extend(variable_problems("frozen parameter", &frozen, &m.frozen));
+                problems.extend(variable_problems("frozen parameter", &frozen, &m.frozen, part));
             }
             if !problems.is_empty() {
                 problems.truncate(3);
@@ -143,7 +153,7 @@ impl Engine {
             AfterStep::AllGatherFlat => views::all_gather(self.comm.as_ref(), &self.parameters.flat)?,
             AfterStep::RefreshGatheredUnits => self.refresh_gathered_units()?,
         }
-        self.load_variables(m, path)?;
+        self.load_variables(&saved)?;
         if let (Some(s), Some(it)) = (self.scheduler.as_mut(), m.scheduler_last_batch_iteration) {
             s.last_batch_iteration = it;
         }
@@ -151,7 +161,7 @@ impl Engine {
             s.state = state;
         }
         match m.rng_states.get(self.rank()) {
-            Some(hex) if m.world_size == self.world_size() => super::super::native::set_rng_state(
+            Some(hex) if m.world_size == self.world_size() && !part => super::super::native::set_rng_state(
                 &from_hex(hex).map_err(|what| mismatch(format!("rng_states[{}]: {what}", self.rank())))?,
             )?,
             _ if !m.rng_states.is_empty() => tracing::warn!(
@@ -186,9 +196,11 @@ impl Engine {
     }
 
     /// Restores the buffers and frozen parameters of a checkpoint (names checked before anything was loaded).
-    /// Every rank reads them from the one file.
-    fn load_variables(&mut self, m: &Manifest, folder: &Path) -> Result<()> {
-        let Some(file_name) = &m.variables_file else {
+    /// Every rank reads them from the checkpoint's variables files.
+    fn load_variables(&mut self, saved: &SavedCheckpoint) -> Result<()> {
+        let m = &saved.manifest;
+        let files = saved.variables_files()?;
+        if files.is_empty() {
             if !self.buffers.is_empty() || !self.frozen_specs().is_empty() {
                 tracing::warn!(
                     format = m.format_version,
@@ -196,12 +208,10 @@ impl Engine {
                 );
             }
             return Ok(());
-        };
-        let path = folder.join(file_name);
-        let file = MappedTensors::open(&path)?;
+        }
         tch::no_grad(|| -> Result<()> {
             for (name, t) in &self.buffers {
-                t.shallow_clone().f_copy_(&read_variable(&file, &path, name)?)?;
+                t.shallow_clone().f_copy_(&read_saved_variable(&files, name)?)?;
             }
             Ok(())
         })?;
@@ -212,10 +222,10 @@ impl Engine {
             return Ok(());
         }
         match self.parameters.frozen_units.as_mut() {
-            Some(units) => units.load(self.comm.as_ref(), &mut |name| read_variable(&file, &path, name).map(Some)),
+            Some(units) => units.load(self.comm.as_ref(), &mut |name| read_saved_variable(&files, name).map(Some)),
             None => tch::no_grad(|| -> Result<()> {
                 for (name, t) in &self.frozen {
-                    t.shallow_clone().f_copy_(&read_variable(&file, &path, name)?)?;
+                    t.shallow_clone().f_copy_(&read_saved_variable(&files, name)?)?;
                 }
                 Ok(())
             }),

@@ -5,6 +5,7 @@
 mod full_weights;
 mod load;
 mod save;
+pub(crate) use save::{prepare_staging, publish};
 
 use std::path::{Path, PathBuf};
 
@@ -67,6 +68,17 @@ fn entry(name: &str, shape: &[i64], kind: Kind) -> VariableEntry {
     VariableEntry { name: name.to_string(), shape: shape.to_vec(), dtype: dtype_of_kind(kind).to_string() }
 }
 
+/// Variable `name` of a checkpoint's variables files, as a tensor of its saved dtype.
+pub(super) fn read_saved_variable(files: &crate::checkpoint::VariableFiles, name: &str) -> Result<Tensor> {
+    let (path, dtype, shape, bytes) = files.raw(name)?;
+    let kind = kind_of_dtype(&dtype).ok_or_else(|| CheckpointError::Io {
+        path: path.to_path_buf(),
+        what: format!("tensor `{name}`: dtype {dtype} is not read back"),
+    })?;
+    let shape: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
+    Ok(Tensor::f_from_data_size(bytes, &shape, kind)?)
+}
+
 /// Tensor `name` of a checkpoint's variables file, as a tensor of its saved dtype.
 pub(super) fn read_variable(file: &MappedTensors, path: &Path, name: &str) -> Result<Tensor> {
     let (dtype, shape, bytes) = file.raw(name)?;
@@ -109,7 +121,9 @@ pub(super) fn file_mismatch(path: &Path) -> impl FnOnce(&str, Vec<i64>, Vec<i64>
 }
 
 /// Differences between the model's variables of one role and a checkpoint's, as messages.
-fn variable_problems(role: &str, ours: &[(String, Vec<i64>)], theirs: &[VariableEntry]) -> Vec<String> {
+/// `part`: the model is a part of the checkpoint's (a pipeline stage), so the checkpoint's other variables are
+/// expected.
+fn variable_problems(role: &str, ours: &[(String, Vec<i64>)], theirs: &[VariableEntry], part: bool) -> Vec<String> {
     let mut problems = Vec::new();
     for (name, shape) in ours {
         match theirs.iter().find(|e| &e.name == name) {
@@ -120,7 +134,7 @@ fn variable_problems(role: &str, ours: &[(String, Vec<i64>)], theirs: &[Variable
             Some(_) => {}
         }
     }
-    for e in theirs.iter().filter(|e| !ours.iter().any(|(n, _)| n == &e.name)) {
+    for e in theirs.iter().filter(|e| !part && !ours.iter().any(|(n, _)| n == &e.name)) {
         problems.push(format!("checkpoint {role} `{}` {:?} is not in the model", e.name, e.shape));
     }
     problems
@@ -186,7 +200,7 @@ impl Engine {
     }
 }
 
-fn check_tag(tag: &str) -> Result<()> {
+pub(crate) fn check_tag(tag: &str) -> Result<()> {
     if tag.is_empty() || tag.starts_with('.') || tag.contains(['/', '\\']) || tag == "latest" {
         return Err(crate::Error::Usage(format!(
             "checkpoint tag {tag:?}: use a plain folder name (not `latest`, no '/')"

@@ -43,22 +43,33 @@ impl Engine {
     pub fn save_checkpoint_with(&mut self, dir: impl AsRef<Path>, options: &SaveOptions) -> Result<PathBuf> {
         let dir = dir.as_ref();
         let tag = options.tag.clone().unwrap_or_else(|| format!("global_step{}", self.progress.global_steps));
-        let with_frozen = !options.exclude_frozen_parameters;
         check_tag(&tag)?;
         let tag = self.agree_on_tag(tag)?;
-        let (rank, ws, stage) = (self.rank(), self.world_size(), self.plan.stage());
-        let per_rank = self.plan.partitions_optimizer();
         let staging = dir.join(format!(".{tag}.partial"));
-        if rank == 0 {
-            std::fs::create_dir_all(dir).map_err(|e| CheckpointError::Io { path: dir.into(), what: e.to_string() })?;
-            if staging.exists() {
-                std::fs::remove_dir_all(&staging)
-                    .map_err(|e| CheckpointError::Io { path: staging.clone(), what: e.to_string() })?;
-            }
-            std::fs::create_dir(&staging)
-                .map_err(|e| CheckpointError::Io { path: staging.clone(), what: e.to_string() })?;
+        if self.rank() == 0 {
+            prepare_staging(dir, &staging)?;
         }
         self.comm.barrier()?;
+        let manifest = self.save_part(&staging, "", &tag, !options.exclude_frozen_parameters)?;
+        if let Some(manifest) = manifest {
+            publish(dir, &staging, &tag, &manifest)?;
+        }
+        self.comm.barrier()?;
+        tracing::info!(tag, step = self.progress.global_steps, "checkpoint saved");
+        Ok(dir.join(tag))
+    }
+
+    /// Writes this engine's files into `staging` (their names prefixed by `prefix`) and returns, on rank 0, the
+    /// manifest that describes them; publishing it is the caller's. Collective over the engine's ranks.
+    pub(crate) fn save_part(
+        &mut self,
+        staging: &Path,
+        prefix: &str,
+        tag: &str,
+        with_frozen: bool,
+    ) -> Result<Option<Manifest>> {
+        let (rank, ws, stage) = (self.rank(), self.world_size(), self.plan.stage());
+        let per_rank = self.plan.partitions_optimizer();
         // Stage 0: every rank holds everything, so rank 0 writes it; stages 1-2: each rank its partition.
         let writes = per_rank || rank == 0;
         let mut crcs = vec![0i64; ws];
@@ -66,7 +77,7 @@ impl Engine {
             let values = self.optimized_values()?;
             let mut tensors = vec![("params".to_string(), vec![values.len()])];
             tensors.extend(self.shard.tier.state_names().into_iter().map(|n| (n, vec![values.len()])));
-            let file = staging.join(format!("rank{rank}.safetensors"));
+            let file = staging.join(format!("{prefix}rank{rank}.safetensors"));
             // State buffers stream from wherever they live (NVMe: one sub-group at a time).
             let optimizer = &mut self.shard.tier;
             let crc = files::write_safetensors(&file, &tensors, "F32", |i, w| {
@@ -86,17 +97,20 @@ impl Engine {
         let whole = !self.plan.partitions_parameters()
             || self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save;
         let (file_name, model_weights) = if whole {
-            ("model.safetensors", "model.safetensors".to_string())
+            (format!("{prefix}model.safetensors"), format!("{prefix}model.safetensors"))
         } else {
-            ("variables.safetensors", "absent: stage 3 without zero_optimization.stage3_gather_16bit_weights_on_model_save; `zerorun consolidate` assembles them from the rank files".to_string())
+            (format!("{prefix}variables.safetensors"), "absent: stage 3 without zero_optimization.stage3_gather_16bit_weights_on_model_save; `zerorun consolidate` assembles them from the rank files".to_string())
         };
         let tensors = self.model_tensors(whole.then(|| views::kind_of(self.precision)), with_frozen)?;
         if rank == 0 {
-            let file = staging.join(file_name);
+            let file = staging.join(&file_name);
             tch::Tensor::write_safetensors(&tensors, &file)
                 .map_err(|e| CheckpointError::Io { path: file.clone(), what: e.to_string() })?;
         }
         drop(tensors);
+        if rank != 0 {
+            return Ok(None);
+        }
         let buffer_entries: Vec<VariableEntry> =
             self.buffers.iter().map(|(n, t)| entry(n, &t.size(), t.kind())).collect();
         let frozen_entries: Vec<VariableEntry> = if with_frozen {
@@ -104,65 +118,78 @@ impl Engine {
         } else {
             Vec::new()
         };
-        if rank == 0 {
-            let layout = &self.layout;
-            let ranks = (0..if per_rank { ws } else { 1 })
-                .map(|r| RankEntry::new(format!("rank{r}.safetensors"), &self.optimized_pieces(r), crcs[r] as u32))
-                .collect();
-            let manifest = Manifest {
-                format_version: FORMAT_VERSION,
-                tag: tag.clone(),
-                global_steps: self.progress.global_steps,
-                global_samples: self.progress.global_samples,
-                skipped_steps: self.progress.skipped_steps,
-                optimizer_steps: self.shard.tier.step_count(),
-                optimizer: self.shard.tier.name().to_string(),
-                state_names: self.shard.tier.state_names(),
-                scheduler_last_batch_iteration: self.scheduler.as_ref().map(|s| s.last_batch_iteration),
-                loss_scaler: self.scaler.as_ref().map(|s| s.state.clone()),
-                world_size: ws,
-                stage,
-                precision: format!("{:?}", self.precision).to_lowercase(),
-                numel: layout.numel,
-                params: layout
-                    .slots
-                    .iter()
-                    .map(|s| ParamEntry {
-                        name: s.name.clone(),
-                        shape: s.shape.clone(),
-                        start: s.range.start,
-                        len: s.range.len(),
-                        dtype: dtype_name(self.precision).into(),
-                    })
-                    .collect(),
-                ranks,
-                rng_states,
-                model_weights: Some(model_weights),
-                variables_file: Some(file_name.to_string()),
-                buffers: buffer_entries,
-                frozen: frozen_entries,
-                frozen_excluded: !with_frozen,
-                config: self.config.to_value(),
-            };
-            manifest.write(&staging.join("manifest.json"))?;
-            files::sync_dir(&staging)?;
-            // Put the complete folder in place, then point `latest` at it.
-            let target = dir.join(&tag);
-            let io = |p: &Path, e: std::io::Error| CheckpointError::Io { path: p.to_path_buf(), what: e.to_string() };
-            if target.exists() {
-                let old = dir.join(format!(".{tag}.old"));
-                let _ = std::fs::remove_dir_all(&old);
-                std::fs::rename(&target, &old).map_err(|e| io(&target, e))?;
-                std::fs::rename(&staging, &target).map_err(|e| io(&staging, e))?;
-                let _ = std::fs::remove_dir_all(&old);
-            } else {
-                std::fs::rename(&staging, &target).map_err(|e| io(&staging, e))?;
-            }
-            files::sync_dir(dir)?;
-            files::write_atomic(&dir.join("latest"), tag.as_bytes())?;
-        }
-        self.comm.barrier()?;
-        tracing::info!(tag, step = self.progress.global_steps, "checkpoint saved");
-        Ok(dir.join(tag))
+        let layout = &self.layout;
+        let ranks = (0..if per_rank { ws } else { 1 })
+            .map(|r| RankEntry::new(format!("{prefix}rank{r}.safetensors"), &self.optimized_pieces(r), crcs[r] as u32))
+            .collect();
+        Ok(Some(Manifest {
+            format_version: FORMAT_VERSION,
+            tag: tag.to_string(),
+            global_steps: self.progress.global_steps,
+            global_samples: self.progress.global_samples,
+            skipped_steps: self.progress.skipped_steps,
+            optimizer_steps: self.shard.tier.step_count(),
+            optimizer: self.shard.tier.name().to_string(),
+            state_names: self.shard.tier.state_names(),
+            scheduler_last_batch_iteration: self.scheduler.as_ref().map(|s| s.last_batch_iteration),
+            loss_scaler: self.scaler.as_ref().map(|s| s.state.clone()),
+            world_size: ws,
+            stage,
+            precision: format!("{:?}", self.precision).to_lowercase(),
+            numel: layout.numel,
+            params: layout
+                .slots
+                .iter()
+                .map(|s| ParamEntry {
+                    name: s.name.clone(),
+                    shape: s.shape.clone(),
+                    start: s.range.start,
+                    len: s.range.len(),
+                    dtype: dtype_name(self.precision).into(),
+                })
+                .collect(),
+            ranks,
+            rng_states,
+            model_weights: Some(model_weights),
+            variables_file: Some(file_name),
+            stage_variables_files: Vec::new(),
+            pipeline_stages: 0,
+            buffers: buffer_entries,
+            frozen: frozen_entries,
+            frozen_excluded: !with_frozen,
+            config: self.config.to_value(),
+        }))
     }
+}
+
+/// A fresh staging folder for a checkpoint in `dir` (a stale one from an interrupted save is removed).
+pub(crate) fn prepare_staging(dir: &Path, staging: &Path) -> Result<()> {
+    let io = |p: &Path, e: std::io::Error| CheckpointError::Io { path: p.to_path_buf(), what: e.to_string() };
+    std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
+    if staging.exists() {
+        std::fs::remove_dir_all(staging).map_err(|e| io(staging, e))?;
+    }
+    std::fs::create_dir(staging).map_err(|e| io(staging, e))?;
+    Ok(())
+}
+
+/// Writes the manifest into the complete staging folder, puts the folder in place as `dir/<tag>` and points
+/// `dir/latest` at it: until the last rename, the previous checkpoint and `latest` are untouched.
+pub(crate) fn publish(dir: &Path, staging: &Path, tag: &str, manifest: &Manifest) -> Result<()> {
+    manifest.write(&staging.join("manifest.json"))?;
+    files::sync_dir(staging)?;
+    let target = dir.join(tag);
+    let io = |p: &Path, e: std::io::Error| CheckpointError::Io { path: p.to_path_buf(), what: e.to_string() };
+    if target.exists() {
+        let old = dir.join(format!(".{tag}.old"));
+        let _ = std::fs::remove_dir_all(&old);
+        std::fs::rename(&target, &old).map_err(|e| io(&target, e))?;
+        std::fs::rename(staging, &target).map_err(|e| io(staging, e))?;
+        let _ = std::fs::remove_dir_all(&old);
+    } else {
+        std::fs::rename(staging, &target).map_err(|e| io(staging, e))?;
+    }
+    files::sync_dir(dir)?;
+    files::write_atomic(&dir.join("latest"), tag.as_bytes())?;
+    Ok(())
 }
