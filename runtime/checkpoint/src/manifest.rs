@@ -309,10 +309,13 @@ mod tests {
         // Stage 0: a and b over two data-parallel ranks, padded to 14; stage 1: c on one rank.
         let s0 = stage(
             &["a", "b"],
-            vec![RankEntry::new("s0.r0".into(), &[0..7], 1), RankEntry::new("s0.r1".into(), &[7..14], 2)],
+            vec![
+                RankEntry::new("s0.r0".into(), std::slice::from_ref(&(0..7)), 1),
+                RankEntry::new("s0.r1".into(), std::slice::from_ref(&(7..14)), 2),
+            ],
             "s0.v",
         );
-        let s1 = stage(&["c"], vec![RankEntry::new("s1.r0".into(), &[0..6], 3)], "s1.v");
+        let s1 = stage(&["c"], vec![RankEntry::new("s1.r0".into(), std::slice::from_ref(&(0..6)), 3)], "s1.v");
         let m = Manifest::merge_stages(vec![s0, s1], 3);
         assert_eq!(m.param("c").unwrap().start, 14);
         assert_eq!(m.ranks[2].pieces(), vec![14..20]);
