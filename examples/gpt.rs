@@ -162,6 +162,15 @@ fn run_pipeline(args: &Args, config: &Config, corpus: &Corpus, cfg: GptConfig, s
                     .map_err(|e| format!("--save-final {}: {e}", path.display()))?;
             }
         }
+        if let Some(files) = pipe.finish_memory_report().map_err(|e| e.to_string())? {
+            if let (Some(table), Some(svg)) = (files.table, files.svg) {
+                println!("{table}");
+                println!("memory report: {} (and memory_rank*.json, memory.png)", svg.display());
+            }
+        }
+        if config.wall_clock_breakdown && placement.data_index == 0 {
+            println!("{}", pipe.wall_clock_summary());
+        }
         println!("peak_rss_bytes {}", zerorun::runtime::report::memory::rss().1);
         Ok((
             progress.first_loss.unwrap_or(f64::NAN),

@@ -104,7 +104,7 @@ fn run_model(
     before_training: impl Fn(usize) -> bool + Sync,
     make: fn(&GptConfig) -> zerorun::PipelineModel<'static>,
 ) -> Result<(Params, f64), String> {
-    let run = Run { steps: 0..STEPS, load_from: None, save_to: None };
+    let run = Run { steps: 0..STEPS, load_from: None, save_to: None, report_to: None };
     run_with(corpus, world, config, program_stages, before_training, make, &run)
 }
 
@@ -113,6 +113,8 @@ struct Run<'p> {
     steps: std::ops::Range<u64>,
     load_from: Option<&'p std::path::Path>,
     save_to: Option<&'p std::path::Path>,
+    /// Write the memory report here at the end (rank 0 returns the table as the loss's companion).
+    report_to: Option<&'p std::path::Path>,
 }
 
 fn run_with(
@@ -179,6 +181,10 @@ fn run_with(
                     }
                     if let Some(dir) = run.save_to {
                         pipe.save_checkpoint(dir, None).map_err(|e| format!("rank {rank}: {e}"))?;
+                    }
+                    if let Some(dir) = run.report_to {
+                        let files = pipe.write_memory_report(dir).map_err(|e| e.to_string())?;
+                        assert_eq!(files.table.is_some(), rank == 0);
                     }
                     let params = pipe.full_parameters().map_err(|e| e.to_string())?;
                     Ok((rank == 0).then_some((params, last_loss)))
@@ -260,12 +266,23 @@ fn checkpoints_resume_at_another_cut_and_degree_and_without_a_pipeline() {
     let dir = tempdir("reshard");
     // (pipe 2, data 2), ZeRO 2 (each stage's optimizer state partitioned over its data group), half the steps.
     let saving = config(2, 2, json!({}), json!({}));
-    let first = Run { steps: 0..half, load_from: None, save_to: Some(&dir) };
+    let first = Run { steps: 0..half, load_from: None, save_to: Some(&dir), report_to: Some(&dir) };
     let (at_half, _) = run_with(&corpus, 4, &saving, Some(2), train_all, pipeline_model, &first).unwrap();
     let manifest: Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join(format!("global_step{half}/manifest.json"))).unwrap())
             .unwrap();
     assert_eq!(manifest["pipeline_stages"], 2);
+    // The memory report: one file per rank of the job, each with its stage, layers and times.
+    for rank in 0..4 {
+        let report: Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join(format!("memory_rank{rank}.json"))).unwrap())
+                .unwrap();
+        assert_eq!((report["rank"].as_u64(), report["world_size"].as_u64()), (Some(rank), Some(4)));
+        let stage = &report["pipeline"];
+        assert_eq!(stage["stage"].as_u64(), Some(rank / 2));
+        assert_eq!(stage["layers"], if rank < 2 { "embed..blocks.1" } else { "blocks.2..head" });
+        assert!(stage["compute_us"].as_u64().unwrap() > 0 && stage["step_us"].as_u64() >= stage["compute_us"].as_u64());
+    }
     // `zerorun consolidate` assembles the whole model from the stages' files.
     let out = dir.join("full.safetensors");
     let status = std::process::Command::new(env!("CARGO_BIN_EXE_zerorun"))
@@ -278,7 +295,7 @@ fn checkpoints_resume_at_another_cut_and_degree_and_without_a_pipeline() {
     // The rest at (pipe 4, data 1) and at (pipe 1, data 2), ZeRO 1; both end at the reference.
     for (world, stages, stage, gas) in [(4, 4, 1, 4), (2, 1, 1, 2)] {
         let c = config(stage, gas, json!({}), json!({}));
-        let rest = Run { steps: half..STEPS, load_from: Some(&dir), save_to: None };
+        let rest = Run { steps: half..STEPS, load_from: Some(&dir), save_to: None, report_to: None };
         let (params, _) = run_with(&corpus, world, &c, Some(stages), train_all, pipeline_model, &rest)
             .unwrap_or_else(|e| panic!("resuming at {stages} stages on {world} ranks: {e}"));
         let d = max_relative_difference(&params, &reference);

@@ -156,6 +156,25 @@ pub struct MemoryReport {
     /// The events of the step that held that peak, in order: one step's timeline.
     #[serde(default)]
     pub events: Vec<EventSample>,
+    /// A pipeline stage's rank: which stage, its layers and where its time went.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pipeline: Option<PipelineStage>,
+}
+
+/// What a pipeline stage's report adds (`rank` and `world_size` are then the job's).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PipelineStage {
+    pub stage: usize,
+    pub stages: usize,
+    /// The stage's layers, e.g. `embed..blocks.1`.
+    pub layers: String,
+    /// Trainable parameters of the stage.
+    pub parameters: usize,
+    /// Mean per optimizer step, microseconds: the whole step, forward and backward compute, blocked on the
+    /// neighbours.
+    pub step_us: u64,
+    pub compute_us: u64,
+    pub wait_us: u64,
 }
 
 /// The engine's running record: per-category current and peak, one sample per optimizer step, and the samples at
@@ -328,7 +347,31 @@ pub fn table(reports: &[MemoryReport]) -> String {
             .collect(),
     ));
     rows.push(("peak RSS (process)".into(), reports.iter().map(|r| mib(r.peak_rss_bytes)).collect()));
-    let header: Vec<String> = reports.iter().map(|r| format!("rank {}", r.rank)).collect();
+    if reports.iter().any(|r| r.pipeline.is_some()) {
+        let cell = |r: &MemoryReport, f: &dyn Fn(&PipelineStage) -> String| r.pipeline.as_ref().map_or("-".into(), f);
+        rows.insert(
+            0,
+            ("pipeline stage layers".into(), reports.iter().map(|r| cell(r, &|p| p.layers.clone())).collect()),
+        );
+        rows.push((
+            "stage idle (bubble and waits)".into(),
+            reports
+                .iter()
+                .map(|r| {
+                    cell(r, &|p| {
+                        format!("{:.1}%", 100.0 * (1.0 - p.compute_us as f64 / p.step_us.max(1) as f64).max(0.0))
+                    })
+                })
+                .collect(),
+        ));
+    }
+    let header: Vec<String> = reports
+        .iter()
+        .map(|r| match &r.pipeline {
+            Some(p) => format!("rank {} (stage {})", r.rank, p.stage),
+            None => format!("rank {}", r.rank),
+        })
+        .collect();
     let first = rows.iter().map(|r| r.0.len()).max().unwrap_or(0).max("memory (MiB)".len());
     let widths: Vec<usize> = (0..reports.len())
         .map(|i| rows.iter().map(|r| r.1[i].len()).chain([header[i].len()]).max().unwrap_or(0))
@@ -403,6 +446,7 @@ mod tests {
                 categories: [("parameters_gathered".to_string(), 3 << 20)].into(),
             }),
             events: Vec::new(),
+            pipeline: None,
         }
     }
 

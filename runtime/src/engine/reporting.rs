@@ -176,6 +176,7 @@ impl Engine {
             events: self.memory.peak_step_events.clone(),
             peak_rss_bytes: memory::rss().1,
             steps: self.memory.steps.clone(),
+            pipeline: None,
         }
     }
 

@@ -66,6 +66,9 @@ pub struct PipelineEngine<'a> {
     /// Every stage's simulated activations peak and the schedule's bubble, as [`schedule::validate`] found them.
     pub(super) simulation: schedule::Simulation,
     pub(super) last_times: StageTimes,
+    /// Sums over the steps so far, and their number.
+    pub(super) total_times: StageTimes,
+    pub(super) timed_steps: u32,
     /// Every rank (splits of it are the engine's and the link's groups).
     pub(super) world: Box<dyn Communicator>,
 }
@@ -161,6 +164,8 @@ impl<'a> PipelineEngine<'a> {
             actions,
             simulation,
             last_times: StageTimes::default(),
+            total_times: StageTimes::default(),
+            timed_steps: 0,
             world: comm,
         })
     }
@@ -251,6 +256,10 @@ impl<'a> PipelineEngine<'a> {
         let outcome = outcome.expect("every schedule ends with the optimizer step");
         let outcome = self.with_pipeline_loss(outcome)?;
         self.last_times = StageTimes { step: started.elapsed(), compute, wait: self.link.take_wait() };
+        self.total_times.step += self.last_times.step;
+        self.total_times.compute += self.last_times.compute;
+        self.total_times.wait += self.last_times.wait;
+        self.timed_steps += 1;
         Ok(outcome)
     }
 
@@ -339,6 +348,87 @@ impl<'a> PipelineEngine<'a> {
     /// Where this stage's time went in the last `train_batch`.
     pub fn last_times(&self) -> StageTimes {
         self.last_times
+    }
+
+    /// The mean over the steps so far of where this stage's time went.
+    pub fn mean_times(&self) -> StageTimes {
+        let n = self.timed_steps.max(1);
+        StageTimes {
+            step: self.total_times.step / n,
+            compute: self.total_times.compute / n,
+            wait: self.total_times.wait / n,
+        }
+    }
+
+    /// This stage's layers, e.g. `embed..blocks.1` (chunks separated by commas).
+    pub fn layer_names(&self) -> String {
+        let infos = self.model.layer_infos();
+        self.model
+            .layers()
+            .iter()
+            .map(|r| format!("{}..{}", infos[r.start].name, infos[r.end - 1].name))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
+    /// `wall_clock_breakdown` for this stage: the mean step, its compute, the time blocked on the neighbours, and
+    /// the idle fraction beside the schedule's bubble.
+    pub fn wall_clock_summary(&self) -> String {
+        let t = self.mean_times();
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        format!(
+            "stage {} of {} ({}): step {:.2} ms, compute {:.2} ms, waiting on neighbours {:.2} ms, idle {:.1}% (the schedule's bubble {:.1}%)",
+            self.placement.stage,
+            self.placement.stages,
+            self.layer_names(),
+            ms(t.step),
+            ms(t.compute),
+            ms(t.wait),
+            100.0 * t.idle_fraction(),
+            100.0 * self.simulation.bubble
+        )
+    }
+
+    /// At the end of a run, when a report is asked for (`memory_breakdown`, `zerorun launch --memory-report`):
+    /// every rank writes `memory_rank{r}.json` with its stage, layers and times; rank 0 then draws the pictures
+    /// and returns the table of every rank. Collective over every rank. None: no report.
+    pub fn finish_memory_report(&mut self) -> Result<Option<crate::engine::MemoryReportFiles>> {
+        match self.engine.memory_report_dir() {
+            Some(dir) => self.write_memory_report(&dir).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// Writes the memory report into `dir` now (see [`PipelineEngine::finish_memory_report`]). Collective.
+    pub fn write_memory_report(&mut self, dir: &std::path::Path) -> Result<crate::engine::MemoryReportFiles> {
+        let dir = dir.to_path_buf();
+        let mut report = self.engine.memory_report();
+        let t = self.mean_times();
+        report.rank = self.placement.rank;
+        report.world_size = self.placement.world_size;
+        report.pipeline = Some(crate::report::memory::PipelineStage {
+            stage: self.placement.stage,
+            stages: self.placement.stages,
+            layers: self.layer_names(),
+            parameters: self.engine.layout().numel,
+            step_us: t.step.as_micros() as u64,
+            compute_us: t.compute.as_micros() as u64,
+            wait_us: t.wait.as_micros() as u64,
+        });
+        let json = report.write(&dir)?;
+        self.world.barrier()?;
+        let mut files = crate::engine::MemoryReportFiles { json, table: None, svg: None, png: None };
+        if self.placement.rank == 0 {
+            let reports = (0..self.placement.world_size)
+                .map(|r| crate::report::memory::MemoryReport::read(&dir, r))
+                .collect::<zerorun_report::Result<Vec<_>>>()?;
+            let (svg, png) = crate::report::plot::draw_memory(&dir, &reports)?;
+            files.table = Some(crate::report::memory::table(&reports));
+            files.svg = Some(svg);
+            files.png = Some(png);
+        }
+        self.world.barrier()?;
+        Ok(files)
     }
 
     /// Global rank.
