@@ -6,8 +6,8 @@ use serde_json::Value;
 use super::error::{ConfigError, Result};
 use super::reader::{MaybeAuto, Section};
 
-/// How the layers are cut into stages.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+/// How the layers are cut into stages. Written back as ds_config spells it (`"parameters"`, `"type:REGEX"`, ...).
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Partition {
     /// Balance trainable parameter counts (DeepSpeed's `parameters`; its default `best` means the same here).
     Parameters,
@@ -19,14 +19,28 @@ pub enum Partition {
     Bounds(Vec<usize>),
 }
 
+impl Serialize for Partition {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        match self {
+            Partition::Parameters => s.serialize_str("parameters"),
+            Partition::Uniform => s.serialize_str("uniform"),
+            Partition::Type(re) => s.serialize_str(&format!("type:{re}")),
+            Partition::Bounds(b) => b.serialize(s),
+        }
+    }
+}
+
 /// Which schedule runs a step's micro-batches.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub enum ScheduleName {
     /// One forward, one backward, after a warm-up of `stages - stage - 1` forwards: activations bounded by depth.
+    #[serde(rename = "1f1b")]
     OneFOneB,
     /// Every forward, then every backward: `m` activations held.
+    #[serde(rename = "gpipe")]
     GPipe,
     /// Interleaved 1F1B: each rank holds `virtual_stages` chunks of layers; the bubble shrinks by about that factor.
+    #[serde(rename = "interleaved")]
     Interleaved,
 }
 
