@@ -29,8 +29,8 @@ fn gpt_config(corpus: &Corpus) -> GptConfig {
 
 /// Parameters by name, sorted, as f32 values.
 type Params = Vec<(String, Vec<f32>)>;
-/// What a rank returns: rank 0's full parameters and last loss.
-type RankResult = Result<Option<(Vec<(String, Tensor)>, f64)>, String>;
+/// What a rank returns: rank 0's full parameters and last loss, and every rank's skipped steps.
+type RankResult = Result<(Option<(Vec<(String, Tensor)>, f64)>, u64), String>;
 
 fn sorted(mut v: Vec<(String, Tensor)>) -> Vec<(String, Vec<f32>)> {
     v.sort_by(|a, b| a.0.cmp(&b.0));
@@ -152,7 +152,7 @@ fn run_with(
                     )
                     .map_err(|e| e.to_string())?;
                     if !before_training(rank) {
-                        return Ok(None);
+                        return Ok((None, 0));
                     }
                     if let Some(dir) = run.load_from {
                         pipe.load_checkpoint(dir, None).map_err(|e| format!("rank {rank}: {e}"))?;
@@ -187,20 +187,32 @@ fn run_with(
                         assert_eq!(files.table.is_some(), rank == 0);
                     }
                     let params = pipe.full_parameters().map_err(|e| e.to_string())?;
-                    Ok((rank == 0).then_some((params, last_loss)))
+                    Ok(((rank == 0).then_some((params, last_loss)), pipe.engine().skipped_steps()))
                 })
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("a rank panicked".into()))).collect()
     });
     let mut out = None;
+    let mut skipped = Vec::new();
     for r in results {
-        if let Some(v) = r? {
+        let (v, s) = r?;
+        skipped.push(s);
+        if let Some(v) = v {
             out = Some(v);
         }
     }
+    if skipped.iter().any(|&s| s != skipped[0]) {
+        return Err(format!("the ranks skipped different numbers of steps: {skipped:?}"));
+    }
     let (params, loss) = out.ok_or("rank 0 returned nothing")?;
+    SKIPPED.with(|c| c.set(skipped[0]));
     Ok((sorted(params), loss))
+}
+
+thread_local! {
+    /// The steps the last run on this thread skipped (the same on every rank, or the run is an error).
+    static SKIPPED: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
 
 fn train_all(_: usize) -> bool {
@@ -384,6 +396,22 @@ fn bf16_stages_train_like_one_bf16_rank() {
     assert!((pipe_loss - loss).abs() < 1e-2, "loss {pipe_loss} vs {loss}");
     let d = max_relative_difference(&pipelined, &single);
     assert!(d < 3e-2, "max relative difference {d}");
+}
+
+#[test]
+fn an_fp16_overflow_on_any_stage_skips_the_step_on_every_rank() {
+    let corpus = Corpus::load();
+    // A loss scale of 2^40 overflows fp16 gradients on every stage at first; each skip halves it (hysteresis 1)
+    // until steps are taken. Every rank must skip the same steps; the run then trains to a finite loss.
+    let fp16 = json!({"fp16": {"enabled": true, "initial_scale_power": 22, "hysteresis": 1, "loss_scale_window": 100}});
+    for (world, stages, gas, stage) in [(2, 2, 4, 1), (4, 2, 2, 2), (4, 4, 4, 0)] {
+        let c = config(stage, gas, json!({}), fp16.clone());
+        let (params, loss) = run_pipeline(&corpus, world, &c, Some(stages), train_all)
+            .unwrap_or_else(|e| panic!("{world} ranks, {stages} stages: {e}"));
+        let skipped = SKIPPED.with(|c| c.get());
+        assert!(skipped >= 1 && skipped < STEPS, "{world} ranks, {stages} stages: {skipped} steps skipped");
+        assert!(loss.is_finite() && params.iter().all(|(_, v)| v.iter().all(|x| x.is_finite())));
+    }
 }
 
 #[test]
