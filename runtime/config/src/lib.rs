@@ -4,6 +4,7 @@
 //! the key at fault; unknown keys are errors that suggest the closest known key. `Config` keeps the batch keys as
 //! given until [`Config::resolve`] applies the batch rule for a world size.
 mod aio;
+mod async_training;
 mod batch;
 mod checkpointing;
 mod error;
@@ -22,6 +23,7 @@ use serde::Serialize;
 use serde_json::Value;
 
 pub use aio::AioConfig;
+pub use async_training::{AsyncTraining, OuterOptimizer};
 pub use batch::{BatchInput, BatchSizes};
 pub use checkpointing::{ActivationCheckpointingConfig, CheckpointConfig, TagValidation};
 pub use error::{ConfigError, Result};
@@ -86,6 +88,8 @@ pub struct Config {
     pub checkpoint: CheckpointConfig,
     pub activation_checkpointing: ActivationCheckpointingConfig,
     pub pipeline: PipelineConfig,
+    /// zerorun's own section: synchronous, or ranks stepping alone between meetings.
+    pub async_training: AsyncTraining,
     /// Keys given that have no effect here, each with the reason (logged as warnings when the config is read).
     #[serde(skip)]
     pub notices: Vec<Notice>,
@@ -212,6 +216,7 @@ impl Config {
             checkpoint: CheckpointConfig::read(s.section("checkpoint")?)?,
             activation_checkpointing: ActivationCheckpointingConfig::read(s.section("activation_checkpointing")?)?,
             pipeline: PipelineConfig::read(s.section("pipeline")?)?,
+            async_training: AsyncTraining::read(s.section("async_training")?)?,
             notices: Vec::new(),
         };
         let mut config = config;
@@ -248,6 +253,7 @@ impl Config {
                     }},
                     "zero_optimization": {"offload_optimizer": {}, "offload_param": {}},
                     "fp16": {}, "bf16": {}, "aio": {}, "checkpoint": {}, "activation_checkpointing": {}, "pipeline": {},
+                    "async_training": {"mode": "diloco", "sync_every": 1, "outer_optimizer": {}},
                 });
                 let (parsed, asked) = reader::collect_keys(|| Config::from_value(every_section));
                 parsed.unwrap_or_else(|e| panic!("{optimizer} with {scheduler}: {e}"));
@@ -260,6 +266,21 @@ impl Config {
     /// Checks combinations no single section can see.
     fn validate(&self) -> Result<()> {
         let z = &self.zero_optimization;
+        if self.async_training.is_local() {
+            let conflict = |message: String| Err(ConfigError::Conflict { path: "async_training.mode".into(), message });
+            if z.stage != 0 {
+                return conflict(format!(
+                    "local SGD and DiLoCo step every rank's whole optimizer on its own gradients: `zero_optimization.stage` must be 0 (it is {})",
+                    z.stage
+                ));
+            }
+            if self.fp16.enabled || self.bf16.enabled {
+                return conflict(
+                    "local SGD and DiLoCo run fp32 models for now (`fp16.enabled` / `bf16.enabled` must be false)"
+                        .into(),
+                );
+            }
+        }
         if self.fp16.enabled && self.bf16.enabled {
             return Err(ConfigError::Conflict {
                 path: "bf16.enabled".into(),

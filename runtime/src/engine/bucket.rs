@@ -26,6 +26,8 @@ pub(super) struct Reduction {
     /// `zero_optimization.reduce_scatter`: false all-reduces each bucket and keeps this rank's part.
     pub scatter: bool,
     pub rank: usize,
+    /// `async_training` local SGD / DiLoCo: gradients stay this rank's (the ranks meet by their parameters).
+    pub local: bool,
 }
 
 impl Reduction {
@@ -42,7 +44,8 @@ impl Reduction {
         } else {
             (ReduceOp::Avg, None, None)
         };
-        Reduction { op, pre, post, scatter: config.zero_optimization.reduce_scatter, rank }
+        let local = config.async_training.is_local();
+        Reduction { op, pre, post, scatter: config.zero_optimization.reduce_scatter, rank, local }
     }
 }
 

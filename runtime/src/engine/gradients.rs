@@ -204,6 +204,10 @@ impl GradientSync<'_> {
                 self.gather_grads(&staging, 0..self.layout.padded)?;
             }
             let how = self.gradients.how;
+            if how.local {
+                self.clear_param_grads();
+                return Ok(());
+            }
             if let Some(pre) = how.pre {
                 let _ = staging.shallow_clone().f_mul_scalar_(pre)?;
             }

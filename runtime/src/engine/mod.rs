@@ -27,6 +27,7 @@ mod frozen;
 mod grad_hooks;
 mod gradients;
 pub mod layout;
+mod meetings;
 pub(crate) mod native;
 mod optimizer;
 mod optimizer_shard;
@@ -186,6 +187,8 @@ pub struct Engine {
     model_parallel: Option<Box<dyn Communicator>>,
     /// [`EngineOptions::reduce_once_per_step`].
     reduce_once_per_step: bool,
+    /// `async_training` local SGD / DiLoCo: when the ranks meet, and DiLoCo's outer state. None: synchronous.
+    meetings: Option<meetings::Meetings>,
 }
 
 impl Engine {

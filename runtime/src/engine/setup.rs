@@ -11,8 +11,8 @@ use super::layout::FlatLayout;
 use super::plan::{self, GradientPath, Optimized, StagePlan};
 use super::sharded_unit::ShardedUnit;
 use super::{
-    allocator, engine_comm, frozen, grad_hooks, gradients, native, next_engine_id, optimizer, optimizer_shard,
-    parameters, swapped_params, units, variables, views, Engine, EngineOptions,
+    allocator, engine_comm, frozen, grad_hooks, gradients, meetings, native, next_engine_id, optimizer,
+    optimizer_shard, parameters, swapped_params, units, variables, views, Engine, EngineOptions,
 };
 use crate::comm::Communicator;
 use crate::config::{Config, OffloadDevice, OptimizerConfig, Precision, ZeroConfig};
@@ -334,7 +334,9 @@ impl Engine {
             progress: counters::Progress::default(),
             model_parallel: None,
             reduce_once_per_step: options.reduce_once_per_step,
+            meetings: None,
         };
+        engine.meetings = meetings::Meetings::new(&engine.config.async_training, &engine.parameters.flat);
         if plan.gradients == plan::GradientPath::Hooks {
             engine.grad_hooks = Some(grad_hooks::GradHooks::install(&engine.params)?);
         }

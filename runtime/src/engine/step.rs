@@ -26,7 +26,15 @@ impl Engine {
             ));
         }
         let outcome = self.step_impl()?;
-        variables::sync_buffers(self.comm.as_ref(), self.buffer_sync, &self.buffers)?;
+        // Local SGD / DiLoCo: buffers meet with the parameters.
+        let met = match (&self.meetings, outcome) {
+            (None, _) => true,
+            (Some(m), StepOutcome::Stepped { step, .. }) => m.meets_after(step),
+            (Some(_), _) => false,
+        };
+        if met {
+            variables::sync_buffers(self.comm.as_ref(), self.buffer_sync, &self.buffers)?;
+        }
         self.grad_mark = self.gradient_fingerprint();
         Ok(outcome)
     }
@@ -103,6 +111,13 @@ impl Engine {
         self.memory_event(|| "optimizer step".into(), &[]);
         self.gradients.consume()?;
         self.after_step()?;
+        if let Some(m) = self.meetings.as_mut() {
+            if m.meets_after(self.progress.global_steps + 1) {
+                let _span = Phase::AllGather.span().entered();
+                m.meet(self.comm.as_ref(), &self.parameters.flat)?;
+                self.comm_volume.all_reduce_elements += self.layout.padded as u64;
+            }
+        }
         if let Some(s) = self.scheduler.as_mut() {
             s.step();
         }
@@ -192,10 +207,12 @@ impl Engine {
         self.gradients.consume()
     }
 
-    /// The mean loss over this step's micro-batches and all ranks.
+    /// The mean loss over this step's micro-batches and all ranks (this rank's between local SGD's meetings).
     fn finish_loss(&mut self) -> Result<f64> {
         let mut loss = [(self.progress.loss_sum / self.progress.loss_count.max(1) as f64) as f32];
-        self.comm.all_reduce(&mut loss, ReduceOp::Avg)?;
+        if self.meetings.as_ref().map_or(true, |m| m.meets_after(self.progress.global_steps + 1)) {
+            self.comm.all_reduce(&mut loss, ReduceOp::Avg)?;
+        }
         self.progress.loss_sum = 0.0;
         self.progress.loss_count = 0;
         self.progress.backwards = 0;

@@ -42,6 +42,9 @@ impl Engine {
     /// [`Engine::save_checkpoint`] with options (DeepSpeed's `exclude_frozen_parameters`).
     pub fn save_checkpoint_with(&mut self, dir: impl AsRef<Path>, options: &SaveOptions) -> Result<PathBuf> {
         let dir = dir.as_ref();
+        if let Some(why) = self.meetings.as_ref().and_then(|m| m.refuses_checkpoint(self.progress.global_steps)) {
+            return Err(crate::error::Error::Usage(why));
+        }
         let tag = options.tag.clone().unwrap_or_else(|| format!("global_step{}", self.progress.global_steps));
         check_tag(&tag)?;
         let tag = self.agree_on_tag(tag)?;

@@ -1,0 +1,105 @@
+//! `async_training` (zerorun's own section): how far the data-parallel ranks may run apart. `off` is synchronous
+//! training; `local_sgd` and `diloco` let every rank take `sync_every` optimizer steps on its own gradients before
+//! the ranks meet (the parameters averaged, or their averaged change applied by an outer optimizer: DiLoCo).
+use serde::Serialize;
+
+use super::error::{ConfigError, Result};
+use super::reader::Section;
+
+/// DiLoCo's outer optimizer: SGD with Nesterov momentum on the averaged parameter change. Written back as the
+/// section spells it (`{"type": "nesterov", "lr": 0.7, "momentum": 0.9}`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct OuterOptimizer {
+    pub lr: f64,
+    pub momentum: f64,
+    pub nesterov: bool,
+}
+
+impl Serialize for OuterOptimizer {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        let kind = if self.nesterov { "nesterov" } else { "sgd" };
+        serde_json::json!({"type": kind, "lr": self.lr, "momentum": self.momentum}).serialize(s)
+    }
+}
+
+impl Default for OuterOptimizer {
+    /// DiLoCo's (Douillard et al. 2023): lr 0.7, momentum 0.9, Nesterov.
+    fn default() -> Self {
+        OuterOptimizer { lr: 0.7, momentum: 0.9, nesterov: true }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+#[serde(tag = "mode", rename_all = "snake_case")]
+pub enum AsyncTraining {
+    /// Synchronous: gradients averaged every step.
+    #[default]
+    Off,
+    /// Every rank steps alone; every `sync_every` steps the parameters are averaged.
+    LocalSgd { sync_every: u64 },
+    /// Every rank steps alone (the inner optimizer is the config's); every `sync_every` steps the averaged change
+    /// since the last meeting is applied by `outer_optimizer`.
+    Diloco { sync_every: u64, outer_optimizer: OuterOptimizer },
+}
+
+impl AsyncTraining {
+    /// Steps between meetings (1 when synchronous).
+    pub fn sync_every(&self) -> u64 {
+        match self {
+            AsyncTraining::Off => 1,
+            AsyncTraining::LocalSgd { sync_every } | AsyncTraining::Diloco { sync_every, .. } => *sync_every,
+        }
+    }
+
+    /// Whether ranks step on their own gradients between meetings.
+    pub fn is_local(&self) -> bool {
+        !matches!(self, AsyncTraining::Off)
+    }
+
+    pub(crate) fn read(mut s: Section) -> Result<Self> {
+        let mode = s.choice("mode", &["off", "local_sgd", "diloco", "bounded_staleness"], "off")?;
+        let invalid = |s: &Section, key: &str, value: String, allowed: &str| ConfigError::Invalid {
+            path: s.path_of(key),
+            value,
+            allowed: allowed.into(),
+        };
+        let out = match mode {
+            "bounded_staleness" => {
+                return Err(ConfigError::Invalid {
+                    path: s.path_of("mode"),
+                    value: "\"bounded_staleness\"".into(),
+                    allowed: "\"off\", \"local_sgd\" or \"diloco\" (bounded staleness is not built yet)".into(),
+                })
+            }
+            "off" => AsyncTraining::Off,
+            _ => {
+                let sync_every = s.uint("sync_every", 0)?;
+                if sync_every == 0 {
+                    return Err(invalid(&s, "sync_every", "0 or absent".into(), "at least 1 optimizer step"));
+                }
+                if mode == "local_sgd" {
+                    AsyncTraining::LocalSgd { sync_every }
+                } else {
+                    let mut outer = s.section("outer_optimizer")?;
+                    let kind = outer.choice("type", &["nesterov", "sgd"], "nesterov")?;
+                    let d = OuterOptimizer::default();
+                    let o = OuterOptimizer {
+                        lr: outer.float("lr", d.lr)?,
+                        momentum: outer.float("momentum", d.momentum)?,
+                        nesterov: kind == "nesterov",
+                    };
+                    if o.lr <= 0.0 {
+                        return Err(invalid(&outer, "lr", o.lr.to_string(), "> 0"));
+                    }
+                    if !(0.0..1.0).contains(&o.momentum) {
+                        return Err(invalid(&outer, "momentum", o.momentum.to_string(), "in [0, 1)"));
+                    }
+                    outer.finish()?;
+                    AsyncTraining::Diloco { sync_every, outer_optimizer: o }
+                }
+            }
+        };
+        s.finish()?;
+        Ok(out)
+    }
+}

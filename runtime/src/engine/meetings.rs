@@ -1,0 +1,80 @@
+//! Local SGD and DiLoCo (`async_training`): every rank steps its own optimizer on its own gradients, and every
+//! `sync_every` optimizer steps the ranks meet. Local SGD averages the parameters; DiLoCo averages them too, takes
+//! the change from the parameters of the last meeting (the anchor) as the outer gradient and applies it to the
+//! anchor with SGD with (Nesterov) momentum, as `torch.optim.SGD` does; every rank then continues from the anchor.
+//! Between meetings no collective runs: not the gradients' reduction, not the loss's mean, not the buffers' sync.
+use tch::Tensor;
+
+use super::views;
+use crate::comm::{Communicator, ReduceOp};
+use crate::config::{AsyncTraining, OuterOptimizer};
+use crate::error::Result;
+
+pub(super) struct Meetings {
+    every: u64,
+    diloco: Option<Diloco>,
+}
+
+struct Diloco {
+    outer: OuterOptimizer,
+    /// The parameters after the last meeting (fp32, the flat buffer's length).
+    anchor: Tensor,
+    /// The outer optimizer's momentum buffer.
+    momentum: Tensor,
+}
+
+impl Meetings {
+    /// None when training is synchronous. `flat`: the parameters' flat buffer (fp32 at stage 0).
+    pub fn new(mode: &AsyncTraining, flat: &Tensor) -> Option<Meetings> {
+        match *mode {
+            AsyncTraining::Off => None,
+            AsyncTraining::LocalSgd { sync_every } => Some(Meetings { every: sync_every, diloco: None }),
+            AsyncTraining::Diloco { sync_every, outer_optimizer } => Some(Meetings {
+                every: sync_every,
+                diloco: Some(Diloco {
+                    outer: outer_optimizer,
+                    anchor: tch::no_grad(|| flat.to_kind(tch::Kind::Float).copy()),
+                    momentum: flat.zeros_like().to_kind(tch::Kind::Float),
+                }),
+            }),
+        }
+    }
+
+    /// Whether the optimizer step numbered `step` (from 1) ends with a meeting.
+    pub fn meets_after(&self, step: u64) -> bool {
+        step % self.every == 0
+    }
+
+    /// Why a checkpoint cannot be taken after `steps` optimizer steps, if it cannot: between meetings the ranks'
+    /// parameters differ (a checkpoint holds one copy), and DiLoCo's outer state is not saved yet.
+    pub fn refuses_checkpoint(&self, steps: u64) -> Option<String> {
+        if self.diloco.is_some() {
+            return Some(
+                "async_training.mode \"diloco\": checkpoints do not save the outer optimizer's anchor and momentum yet"
+                    .into(),
+            );
+        }
+        (!self.meets_after(steps)).then(|| {
+            format!(
+                "async_training local SGD: after {steps} steps the ranks are between meetings (every {} steps) and their parameters differ; save right after a meeting",
+                self.every
+            )
+        })
+    }
+
+    /// The meeting: every rank ends with the same parameters in `flat`. Collective.
+    pub fn meet(&mut self, comm: &dyn Communicator, flat: &Tensor) -> Result<()> {
+        views::all_reduce(comm, flat, ReduceOp::Avg)?;
+        let Some(d) = &mut self.diloco else { return Ok(()) };
+        tch::no_grad(|| -> Result<()> {
+            // The outer gradient: how far the average moved from the anchor, against the descent direction.
+            let delta = d.anchor.f_sub(&flat.to_kind(tch::Kind::Float))?;
+            let mu = d.outer.momentum;
+            let _ = d.momentum.f_mul_scalar_(mu)?.f_add_(&delta)?;
+            let update = if d.outer.nesterov { delta.f_add(&(&d.momentum * mu))? } else { d.momentum.shallow_clone() };
+            let _ = d.anchor.f_sub_(&(update * d.outer.lr))?;
+            flat.shallow_clone().f_copy_(&d.anchor)?;
+            Ok(())
+        })
+    }
+}

@@ -1,0 +1,143 @@
+//! `async_training`: local SGD and DiLoCo. With `sync_every` 1 and plain SGD, local SGD is the synchronous run
+//! (averaging the parameters after a linear step is averaging the gradients before it); DiLoCo with an outer SGD of
+//! lr 1 and no momentum is local SGD; with H > 1 the ranks really do step alone between meetings (their parameters
+//! differ before a meeting and are equal after it), DiLoCo's outer Nesterov step is checked against its formula,
+//! and the config refuses what these modes cannot run.
+use serde_json::{json, Value};
+use zerorun::runtime::comm::Communicator;
+use zerorun::{Config, Engine, EngineOptions};
+
+#[path = "common/mlp.rs"]
+mod mlp;
+use mlp::*;
+
+#[path = "common/json.rs"]
+mod json;
+
+const RANKS: usize = 3;
+
+fn config(extra: Value) -> Config {
+    let base = json!({
+        "train_batch_size": GLOBAL_BATCH, "gradient_clipping": 0.0,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.05}},
+        "zero_optimization": {"stage": 0},
+    });
+    Config::from_value(json::merged(base, &extra)).unwrap()
+}
+
+/// Every rank's parameters after `steps` optimizer steps, in rank order.
+fn train(config: &Config, steps: i64) -> Vec<Vec<(String, Vec<f32>)>> {
+    on_thread_ranks(RANKS, |comm, x, y| {
+        let rank = comm.rank();
+        let (vs, model) = init_store();
+        let mut engine = Engine::new(&vs, config.clone(), Box::new(comm), EngineOptions::default()).unwrap();
+        let b = engine.batch_sizes();
+        for step in 0..steps {
+            let rows = batch_indices(step);
+            for m in 0..b.gradient_accumulation_steps as usize {
+                let micro = b.train_micro_batch_size_per_gpu as usize;
+                let first = (m * RANKS + rank) * micro;
+                let loss = loss_on(&model, &x, &y, &rows[first..first + micro]);
+                engine.backward(&loss).unwrap();
+                engine.step().unwrap();
+            }
+        }
+        params_of(&vs)
+    })
+}
+
+#[test]
+fn local_sgd_every_step_is_synchronous_sgd() {
+    let sync = train(&config(json!({})), 8);
+    let local = train(&config(json!({"async_training": {"mode": "local_sgd", "sync_every": 1}})), 8);
+    let d = max_relative_difference(&local[0], &sync[0]);
+    assert!(d < 1e-6, "max relative difference {d}");
+    // DiLoCo with an outer SGD of lr 1, no momentum: the anchor moves to the average, which is local SGD.
+    let plain =
+        json!({"mode": "diloco", "sync_every": 1, "outer_optimizer": {"type": "sgd", "lr": 1.0, "momentum": 0.0}});
+    let diloco = train(&config(json!({ "async_training": plain })), 8);
+    let d = max_relative_difference(&diloco[0], &sync[0]);
+    assert!(d < 1e-6, "diloco (lr 1, no momentum) vs synchronous: {d}");
+}
+
+#[test]
+fn between_meetings_the_ranks_step_alone() {
+    let every = 4;
+    let runs = train(&config(json!({"async_training": {"mode": "local_sgd", "sync_every": every}})), 8);
+    // After step 8 (a meeting) every rank holds the same parameters.
+    for r in 1..RANKS {
+        assert_eq!(max_relative_difference(&runs[r], &runs[0]), 0.0, "rank {r} after a meeting");
+    }
+    // Stopping at step 6 (between meetings), the ranks differ: they stepped on their own gradients.
+    let apart = train(&config(json!({"async_training": {"mode": "local_sgd", "sync_every": every}})), 6);
+    assert!(max_relative_difference(&apart[1], &apart[0]) > 1e-4);
+    // And it is not the synchronous run.
+    let sync = train(&config(json!({})), 8);
+    assert!(max_relative_difference(&runs[0], &sync[0]) > 1e-5);
+}
+
+#[test]
+fn diloco_applies_the_averaged_change_with_outer_nesterov() {
+    // One meeting after H = 2 steps. The outer step from the anchor θ0 (the initial parameters) with the average
+    // θ̄ of local SGD's meeting: g = θ0 - θ̄, momentum m = g (first step), update = g + μ m, θ1 = θ0 - lr update.
+    let (lr, mu) = (0.7, 0.9);
+    let d =
+        json!({"mode": "diloco", "sync_every": 2, "outer_optimizer": {"type": "nesterov", "lr": lr, "momentum": mu}});
+    let diloco = train(&config(json!({ "async_training": d })), 2);
+    let averaged = train(&config(json!({"async_training": {"mode": "local_sgd", "sync_every": 2}})), 2);
+    let (vs, _) = init_store();
+    let initial = params_of(&vs);
+    for (((name, got), (_, avg)), (_, init)) in diloco[0].iter().zip(&averaged[0]).zip(&initial) {
+        for ((g, a), i) in got.iter().zip(avg).zip(init) {
+            let outer_grad = i - a;
+            let want = i - (lr as f32) * (outer_grad + (mu as f32) * outer_grad);
+            assert!((g - want).abs() <= 1e-6 * want.abs().max(1.0), "{name}: {g} vs {want}");
+        }
+    }
+}
+
+#[test]
+fn what_local_steps_cannot_run_is_refused() {
+    let err = |v: Value| Config::from_value(json::merged(json!({"train_batch_size": 4}), &v)).unwrap_err().to_string();
+    let e = err(json!({"async_training": {"mode": "local_sgd", "sync_every": 2}, "zero_optimization": {"stage": 1}}));
+    assert!(e.contains("async_training.mode") && e.contains("`zero_optimization.stage` must be 0"), "{e}");
+    let e = err(json!({"async_training": {"mode": "diloco", "sync_every": 2}, "bf16": {"enabled": true}}));
+    assert!(e.contains("async_training.mode") && e.contains("fp32"), "{e}");
+    let e = err(json!({"async_training": {"mode": "local_sgd"}}));
+    assert!(e.contains("async_training.sync_every"), "{e}");
+    let e = err(json!({"async_training": {"mode": "diloco", "sync_every": 2, "outer_optimizer": {"momentum": 1.5}}}));
+    assert!(e.contains("async_training.outer_optimizer.momentum"), "{e}");
+    let e = err(json!({"async_training": {"mode": "diloco", "sync_every": 2, "outer_optimizer": {"lr": 0}}}));
+    assert!(e.contains("async_training.outer_optimizer.lr"), "{e}");
+    let e = err(json!({"async_training": {"mode": "diloco", "sync_every": 2, "outer_optimizer": {"type": "adam"}}}));
+    assert!(e.contains("async_training.outer_optimizer.type"), "{e}");
+    let e = err(json!({"async_training": {"mode": "bounded_staleness"}}));
+    assert!(e.contains("async_training.mode") && e.contains("not built yet"), "{e}");
+}
+
+#[test]
+fn local_sgd_checkpoints_right_after_a_meeting() {
+    let dir = std::env::temp_dir().join(format!("zerorun-async-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let c = config(json!({"async_training": {"mode": "local_sgd", "sync_every": 2}}));
+    let errors = on_thread_ranks(RANKS, |comm, x, y| {
+        let rank = comm.rank();
+        let (vs, model) = init_store();
+        let mut engine = Engine::new(&vs, c.clone(), Box::new(comm), EngineOptions::default()).unwrap();
+        let micro = engine.batch_sizes().train_micro_batch_size_per_gpu as usize;
+        let step = |engine: &mut Engine, s: i64| {
+            let rows = batch_indices(s);
+            let loss = loss_on(&model, &x, &y, &rows[rank * micro..(rank + 1) * micro]);
+            engine.backward(&loss).unwrap();
+            engine.step().unwrap();
+        };
+        step(&mut engine, 0);
+        let between = engine.save_checkpoint(&dir, None).map(|_| ()).unwrap_err().to_string();
+        step(&mut engine, 1);
+        engine.save_checkpoint(&dir, None).unwrap();
+        between
+    });
+    assert!(errors[0].contains("between meetings (every 2 steps)"), "{}", errors[0]);
+    assert_eq!(std::fs::read_to_string(dir.join("latest")).unwrap().trim(), "global_step2");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
