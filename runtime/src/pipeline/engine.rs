@@ -106,6 +106,13 @@ impl<'a> PipelineEngine<'a> {
             ))
             .into());
         }
+        // Checked before any group is made, and the same on every rank, so every rank fails alike.
+        if model.ties_cross_stages() && placement.chunks > 1 {
+            return Err(PipelineError::Model(
+                "tied weights across stages run with the gpipe and 1f1b schedules; the interleaved schedule does not exchange them yet".into(),
+            )
+            .into());
+        }
         let topology = placement.topology();
         let data = topology.communicator(comm.as_ref(), &["data"])?;
         let link = StageLink::new(topology.communicator(comm.as_ref(), &["pipe"])?)?;
@@ -113,13 +120,6 @@ impl<'a> PipelineEngine<'a> {
         let norm_group = topology.communicator(comm.as_ref(), &["pipe"])?;
         let tied_group = topology.communicator(comm.as_ref(), &["pipe"])?;
         let pipeline = config.pipeline.clone();
-        let exchanges_tied = model.tied().iter().any(|t| t.owner != placement.stage || !t.replicas.is_empty());
-        if exchanges_tied && placement.chunks > 1 {
-            return Err(PipelineError::Model(
-                "tied weights across stages run with the gpipe and 1f1b schedules; the interleaved schedule does not exchange them yet".into(),
-            )
-            .into());
-        }
         // Replicas live outside the VarStore: they take the precision the program gave the model's variables.
         let kind = match config.precision() {
             crate::config::Precision::Bf16 => tch::Kind::BFloat16,

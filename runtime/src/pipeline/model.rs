@@ -151,6 +151,10 @@ impl<'a> PipelineModel<'a> {
             |i: usize| cut.iter().position(|r| r.contains(&i)).expect("the cut covers every layer") % placement.stages;
         let ranges: Vec<Range<usize>> =
             (0..placement.chunks).map(|c| cut[placement.virtual_stage(c)].clone()).collect();
+        // The same on every rank: whether some tied weight is used on another stage than its owner's.
+        let cross_stage_ties = self.layers.iter().enumerate().any(
+            |(j, (_, b))| matches!(b, Builder::Tied { key, .. } if stage_of_layer(j) != stage_of_layer(tying[key])),
+        );
         let mut tied: Vec<TiedWeight> = Vec::new();
         let mut chunks = Vec::with_capacity(ranges.len());
         for range in &ranges {
@@ -212,7 +216,7 @@ impl<'a> PipelineModel<'a> {
                 .collect();
             tracing::info!(stages = placement.stages, chunks = placement.chunks, cut = %stages.join(" | "), "pipeline partition");
         }
-        Ok(StageModel { chunks, loss, ranges, cut, layers: infos, tied })
+        Ok(StageModel { chunks, loss, ranges, cut, layers: infos, tied, cross_stage_ties })
     }
 }
 
@@ -226,6 +230,8 @@ pub struct StageModel<'a> {
     layers: Vec<LayerInfo>,
     /// The tied weights this stage uses: owned (trained here) or replicas.
     tied: Vec<TiedWeight>,
+    /// Whether any tied weight of the model is used on another stage than its owner's (the same on every rank).
+    cross_stage_ties: bool,
 }
 
 impl StageModel<'_> {
@@ -256,6 +262,11 @@ impl StageModel<'_> {
     /// The tied weights this stage owns or holds a replica of, in the order the layers use them.
     pub fn tied(&self) -> &[TiedWeight] {
         &self.tied
+    }
+
+    /// Whether any tied weight of the model crosses stages (every rank knows it).
+    pub fn ties_cross_stages(&self) -> bool {
+        self.cross_stage_ties
     }
 
     /// Every layer's name and trainable parameters.
