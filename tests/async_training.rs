@@ -27,12 +27,25 @@ fn config(extra: Value) -> Config {
 
 /// Every rank's parameters after `steps` optimizer steps, in rank order.
 fn train(config: &Config, steps: i64) -> Vec<Vec<(String, Vec<f32>)>> {
+    train_from(config, 0..steps, None, None)
+}
+
+/// `train` over `steps`, loading the checkpoint in `load` first and saving one into `save` at the end.
+fn train_from(
+    config: &Config,
+    steps: std::ops::Range<i64>,
+    load: Option<&std::path::Path>,
+    save: Option<&std::path::Path>,
+) -> Vec<Vec<(String, Vec<f32>)>> {
     on_thread_ranks(RANKS, |comm, x, y| {
         let rank = comm.rank();
         let (vs, model) = init_store();
         let mut engine = Engine::new(&vs, config.clone(), Box::new(comm), EngineOptions::default()).unwrap();
+        if let Some(dir) = load {
+            engine.load_checkpoint(dir, None).unwrap();
+        }
         let b = engine.batch_sizes();
-        for step in 0..steps {
+        for step in steps.clone() {
             let rows = batch_indices(step);
             for m in 0..b.gradient_accumulation_steps as usize {
                 let micro = b.train_micro_batch_size_per_gpu as usize;
@@ -41,6 +54,9 @@ fn train(config: &Config, steps: i64) -> Vec<Vec<(String, Vec<f32>)>> {
                 engine.backward(&loss).unwrap();
                 engine.step().unwrap();
             }
+        }
+        if let Some(dir) = save {
+            engine.save_checkpoint(dir, None).unwrap();
         }
         params_of(&vs)
     })
@@ -139,5 +155,26 @@ fn local_sgd_checkpoints_right_after_a_meeting() {
     });
     assert!(errors[0].contains("between meetings (every 2 steps)"), "{}", errors[0]);
     assert_eq!(std::fs::read_to_string(dir.join("latest")).unwrap().trim(), "global_step2");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn diloco_resumes_its_anchor_and_momentum() {
+    let dir = std::env::temp_dir().join(format!("zerorun-diloco-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let d =
+        json!({"mode": "diloco", "sync_every": 2, "outer_optimizer": {"type": "nesterov", "lr": 0.7, "momentum": 0.9}});
+    let c = config(json!({ "async_training": d }));
+    let whole = train(&c, 6);
+    // Two meetings, a checkpoint, then the third meeting after resuming: the momentum of the first two matters.
+    train_from(&c, 0..4, None, Some(&dir));
+    let resumed = train_from(&c, 4..6, Some(&dir), None);
+    assert_eq!(max_relative_difference(&resumed[0], &whole[0]), 0.0);
+    // A checkpoint without the outer state (local SGD's) loads too: the anchor is its parameters, no momentum.
+    let local = config(json!({"async_training": {"mode": "local_sgd", "sync_every": 2}}));
+    let _ = std::fs::remove_dir_all(&dir);
+    train_from(&local, 0..4, None, Some(&dir));
+    let restarted = train_from(&c, 4..6, Some(&dir), None);
+    assert!(max_relative_difference(&restarted[0], &whole[0]) > 1e-4);
     std::fs::remove_dir_all(&dir).unwrap();
 }

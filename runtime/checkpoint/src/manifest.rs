@@ -114,6 +114,10 @@ pub struct Manifest {
     /// Pipeline stages of the run that saved it (0: none); the values are one flat space whatever the cut.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub pipeline_stages: usize,
+    /// DiLoCo's outer optimizer state (`async_training`): the anchor and the momentum by parameter name
+    /// (`anchor/<name>`, `momentum/<name>`, fp32), in this file of the tag folder.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub outer_state_file: Option<String>,
     /// The model's buffers (BatchNorm's running statistics), rank 0's.
     #[serde(default)]
     pub buffers: Vec<VariableEntry>,
@@ -246,6 +250,7 @@ mod tests {
             variables_file: None,
             stage_variables_files: vec![],
             pipeline_stages: 0,
+            outer_state_file: None,
             buffers: vec![],
             frozen: vec![],
             frozen_excluded: false,
@@ -301,6 +306,7 @@ mod tests {
             variables_file: Some(file.into()),
             stage_variables_files: vec![],
             pipeline_stages: 0,
+            outer_state_file: None,
             buffers: vec![],
             frozen: vec![],
             frozen_excluded: false,

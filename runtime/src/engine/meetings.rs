@@ -5,6 +5,7 @@
 //! Between meetings no collective runs: not the gradients' reduction, not the loss's mean, not the buffers' sync.
 use tch::Tensor;
 
+use super::layout::ParamSlot;
 use super::views;
 use crate::comm::{Communicator, ReduceOp};
 use crate::config::{AsyncTraining, OuterOptimizer};
@@ -46,20 +47,52 @@ impl Meetings {
     }
 
     /// Why a checkpoint cannot be taken after `steps` optimizer steps, if it cannot: between meetings the ranks'
-    /// parameters differ (a checkpoint holds one copy), and DiLoCo's outer state is not saved yet.
+    /// parameters differ (a checkpoint holds one copy of them).
     pub fn refuses_checkpoint(&self, steps: u64) -> Option<String> {
-        if self.diloco.is_some() {
-            return Some(
-                "async_training.mode \"diloco\": checkpoints do not save the outer optimizer's anchor and momentum yet"
-                    .into(),
-            );
-        }
         (!self.meets_after(steps)).then(|| {
             format!(
-                "async_training local SGD: after {steps} steps the ranks are between meetings (every {} steps) and their parameters differ; save right after a meeting",
+                "async_training: after {steps} steps the ranks are between meetings (every {} steps) and their parameters differ; save right after a meeting",
                 self.every
             )
         })
+    }
+
+    /// DiLoCo's anchor and momentum by parameter name (`anchor/<name>`, `momentum/<name>`), for a checkpoint; empty
+    /// for local SGD.
+    pub fn outer_state(&self, slots: &[ParamSlot]) -> Vec<(String, Tensor)> {
+        let Some(d) = &self.diloco else { return Vec::new() };
+        let mut out = Vec::with_capacity(2 * slots.len());
+        for (what, t) in [("anchor", &d.anchor), ("momentum", &d.momentum)] {
+            for s in slots {
+                let piece = t.narrow(0, s.range.start as i64, s.range.len() as i64).view(s.shape.as_slice());
+                out.push((format!("{what}/{}", s.name), piece));
+            }
+        }
+        out
+    }
+
+    /// Restores DiLoCo's anchor and momentum from a checkpoint's outer state (`read(name)`), parameter by parameter.
+    pub fn load_outer_state(
+        &mut self,
+        slots: &[ParamSlot],
+        read: &mut dyn FnMut(&str) -> Result<Tensor>,
+    ) -> Result<()> {
+        let Some(d) = &mut self.diloco else { return Ok(()) };
+        tch::no_grad(|| -> Result<()> {
+            for (what, t) in [("anchor", &d.anchor), ("momentum", &d.momentum)] {
+                for s in slots {
+                    let saved = read(&format!("{what}/{}", s.name))?;
+                    t.narrow(0, s.range.start as i64, s.range.len() as i64)
+                        .f_copy_(&saved.to_kind(tch::Kind::Float).reshape([-1]))?;
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// Whether this is DiLoCo (whose checkpoints carry the outer state).
+    pub fn has_outer_state(&self) -> bool {
+        self.diloco.is_some()
     }
 
     /// The meeting: every rank ends with the same parameters in `flat`. Collective.

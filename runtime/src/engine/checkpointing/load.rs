@@ -154,6 +154,7 @@ impl Engine {
             AfterStep::RefreshGatheredUnits => self.refresh_gathered_units()?,
         }
         self.load_variables(&saved)?;
+        self.load_outer_state(&saved)?;
         if let (Some(s), Some(it)) = (self.scheduler.as_mut(), m.scheduler_last_batch_iteration) {
             s.last_batch_iteration = it;
         }
@@ -193,6 +194,31 @@ impl Engine {
             "checkpoint loaded"
         );
         Ok(tag)
+    }
+
+    /// DiLoCo's anchor and momentum, by parameter name; a checkpoint without them (saved synchronously or by local
+    /// SGD) starts the outer optimizer from the loaded parameters, with no momentum.
+    fn load_outer_state(&mut self, saved: &SavedCheckpoint) -> Result<()> {
+        let Some(meetings) = self.meetings.as_mut() else { return Ok(()) };
+        if !meetings.has_outer_state() {
+            return Ok(());
+        }
+        let slots = self.layout.slots.clone();
+        match &saved.manifest.outer_state_file {
+            Some(name) => {
+                let path = saved.folder.join(name);
+                let file = MappedTensors::open(&path)?;
+                meetings.load_outer_state(&slots, &mut |n| read_variable(&file, &path, n))
+            }
+            None => {
+                tracing::info!(
+                    "the checkpoint has no DiLoCo outer state: the anchor is the loaded parameters, the momentum zero"
+                );
+                *meetings = super::super::meetings::Meetings::new(&self.config.async_training, &self.parameters.flat)
+                    .expect("DiLoCo has meetings");
+                Ok(())
+            }
+        }
     }
 
     /// Restores the buffers and frozen parameters of a checkpoint (names checked before anything was loaded).

@@ -111,6 +111,14 @@ impl Engine {
                 .map_err(|e| CheckpointError::Io { path: file.clone(), what: e.to_string() })?;
         }
         drop(tensors);
+        // DiLoCo's outer state: the same on every rank right after a meeting; rank 0 writes it.
+        let outer = self.meetings.as_ref().map(|m| m.outer_state(&self.layout.slots)).unwrap_or_default();
+        let outer_state_file = (!outer.is_empty()).then(|| format!("{prefix}outer.safetensors"));
+        if let (0, Some(name)) = (rank, &outer_state_file) {
+            let file = staging.join(name);
+            tch::Tensor::write_safetensors(&outer, &file)
+                .map_err(|e| CheckpointError::Io { path: file.clone(), what: e.to_string() })?;
+        }
         if rank != 0 {
             return Ok(None);
         }
@@ -157,6 +165,7 @@ impl Engine {
             variables_file: Some(file_name),
             stage_variables_files: Vec::new(),
             pipeline_stages: 0,
+            outer_state_file,
             buffers: buffer_entries,
             frozen: frozen_entries,
             frozen_excluded: !with_frozen,
