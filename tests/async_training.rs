@@ -11,6 +11,10 @@ use zerorun::{Config, Engine, EngineOptions};
 mod mlp;
 use mlp::*;
 
+#[path = "common/compare.rs"]
+mod compare;
+use compare::max_relative_difference;
+
 #[path = "common/json.rs"]
 mod json;
 

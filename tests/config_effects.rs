@@ -10,6 +10,10 @@ use zerorun::{Config, Engine, EngineOptions, StepOutcome};
 #[path = "common/mlp.rs"]
 mod mlp;
 use mlp::*;
+
+#[path = "common/compare.rs"]
+mod compare;
+use compare::max_relative_difference;
 #[path = "common/json.rs"]
 mod json;
 use json::merged;

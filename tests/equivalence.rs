@@ -10,6 +10,10 @@ use zerorun::{Config, Engine, EngineOptions};
 mod mlp;
 use mlp::*;
 
+#[path = "common/compare.rs"]
+mod compare;
+use compare::max_relative_difference;
+
 fn zerorun_run(world: usize, stage: u8, gas: u64, overlap: bool) -> Vec<(String, Vec<f32>)> {
     let config = Config::from_value(json!({
         "train_batch_size": GLOBAL_BATCH,

@@ -99,26 +99,33 @@ fn two_launchers_as_two_nodes_run_the_suites() {
     }
 }
 
+/// Two `zerorun launch --nnodes 2` launchers of one rank each running the test worker `kind` (with `dir` as its
+/// ZERORUN_TEST_DIR), output piped.
+fn two_launchers(port: &str, kind: &str, dir: Option<&std::path::Path>) -> Vec<std::process::Child> {
+    (0..2)
+        .map(|node| {
+            let mut cmd = Command::new(env!("CARGO_BIN_EXE_zerorun"));
+            cmd.args(["launch", "--nnodes", "2", "--node-rank", &node.to_string(), "--nproc-per-node", "1"]).args([
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                port,
+            ]);
+            worker(&mut cmd).env("ZERORUN_TEST_WORKER", kind);
+            if let Some(dir) = dir {
+                cmd.env("ZERORUN_TEST_DIR", dir);
+            }
+            cmd.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn().unwrap()
+        })
+        .collect()
+}
+
 #[test]
 fn a_rank_killed_on_one_node_stops_both_launchers_naming_it() {
     let dir = std::env::temp_dir().join(format!("zerorun-gloo-kill-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let port = free_port().to_string();
-    let launchers: Vec<_> =
-        (0..2)
-            .map(|node| {
-                let mut cmd = Command::new(env!("CARGO_BIN_EXE_zerorun"));
-                cmd.args(["launch", "--nnodes", "2", "--node-rank", &node.to_string(), "--nproc-per-node", "1"])
-                    .args(["--master-addr", "127.0.0.1", "--master-port", &port]);
-                worker(&mut cmd)
-                    .env("ZERORUN_TEST_WORKER", "loop")
-                    .env("ZERORUN_TEST_DIR", &dir)
-                    .stdout(std::process::Stdio::piped())
-                    .stderr(std::process::Stdio::piped())
-                    .spawn()
-                    .unwrap()
-            })
-            .collect();
+    let launchers = two_launchers(&port, "loop", Some(&dir));
     let pid_of =
         |r: usize| std::fs::read_to_string(dir.join(format!("pid{r}"))).ok().and_then(|s| s.parse::<i32>().ok());
     let start = Instant::now();
@@ -154,20 +161,7 @@ fn a_rank_killed_on_one_node_stops_both_launchers_naming_it() {
 fn a_failure_on_one_node_stops_the_ranks_of_the_other() {
     let port = free_port().to_string();
     let start = Instant::now();
-    let launchers: Vec<_> =
-        (0..2)
-            .map(|node| {
-                let mut cmd = Command::new(env!("CARGO_BIN_EXE_zerorun"));
-                cmd.args(["launch", "--nnodes", "2", "--node-rank", &node.to_string(), "--nproc-per-node", "1"])
-                    .args(["--master-addr", "127.0.0.1", "--master-port", &port]);
-                worker(&mut cmd)
-                    .env("ZERORUN_TEST_WORKER", "exit-or-sleep")
-                    .stdout(std::process::Stdio::piped())
-                    .stderr(std::process::Stdio::piped())
-                    .spawn()
-                    .unwrap()
-            })
-            .collect();
+    let launchers = two_launchers(&port, "exit-or-sleep", None);
     let outs: Vec<_> = launchers.into_iter().map(|l| l.wait_with_output().unwrap()).collect();
     let err: Vec<String> = outs.iter().map(|o| String::from_utf8_lossy(&o.stderr).into_owned()).collect();
     assert!(start.elapsed() < Duration::from_secs(40), "the sleeping rank was not stopped: {:?}", start.elapsed());

@@ -10,6 +10,10 @@ use tch::Tensor;
 use zerorun::runtime::comm::threads;
 use zerorun::{Config, Engine, EngineOptions};
 
+#[path = "common/compare.rs"]
+mod compare;
+use compare::max_relative_difference;
+
 #[path = "../examples/support/mod.rs"]
 mod support;
 use support::gpt_model::{Corpus, Gpt, GptConfig};
@@ -35,17 +39,6 @@ fn params(vs: &nn::VarStore) -> Vec<(String, Vec<f32>)> {
         vs.variables().into_iter().map(|(n, t)| (n, Vec::<f32>::try_from(t.detach().reshape([-1])).unwrap())).collect();
     v.sort_by(|a, b| a.0.cmp(&b.0));
     v
-}
-
-fn max_relative_difference(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) -> f64 {
-    a.iter()
-        .zip(b)
-        .map(|((na, x), (nb, y))| {
-            assert_eq!(na, nb);
-            let d = x.iter().zip(y).map(|(p, q)| (p - q).abs() as f64).fold(0.0, f64::max);
-            d / y.iter().map(|q| q.abs() as f64).fold(1e-6, f64::max)
-        })
-        .fold(0.0, f64::max)
 }
 
 #[test]

@@ -140,29 +140,41 @@ fn run_two_nodes(mlp: &Path, dir: &Path, zero: &str, out: &Path) -> Vec<String> 
     let cfg = dir.join(format!("nodes-{}.json", out.file_stem().unwrap().to_string_lossy()));
     std::fs::write(&cfg, format!(r#"{{"train_batch_size": 12, "gradient_clipping": 1.0, "optimizer": {{"type": "AdamW", "params": {{"lr": 0.003, "weight_decay": 0.01}}}}, "zero_optimization": {zero}}}"#)).unwrap();
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
-    let launchers: Vec<_> = (0..2)
-        .map(|node| {
-            Command::new(env!("CARGO_BIN_EXE_zerorun"))
-                .args(["launch", "--nnodes", "2", "--node-rank", &node.to_string(), "--nproc-per-node", "2"])
-                .args(["--master-addr", "127.0.0.1", "--master-port", &port, "--"])
-                .arg(mlp)
-                .args(["--config", cfg.to_str().unwrap(), "--steps", "8", "--seed", "3", "--in", "16"])
-                .args(["--hidden", "48", "--layers", "4", "--out", "4", "--save-final", out.to_str().unwrap()])
-                .stdout(std::process::Stdio::piped())
-                .stderr(std::process::Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
+    let launchers: Vec<_> =
+        (0..2)
+            .map(|node| {
+                let mut cmd = Command::new(env!("CARGO_BIN_EXE_zerorun"));
+                cmd.args(["launch", "--nnodes", "2", "--node-rank", &node.to_string(), "--nproc-per-node", "2"])
+                    .args(["--master-addr", "127.0.0.1", "--master-port", &port, "--"]);
+                mlp_on_node(&mut cmd, mlp, &cfg, out)
+            })
+            .collect();
+    node_zero_losses(launchers, zero, "[rank 0] ")
+}
+
+/// The MLP example's arguments for the two-node runs (8 steps), its output piped.
+fn mlp_on_node(cmd: &mut Command, mlp: &Path, cfg: &Path, out: &Path) -> std::process::Child {
+    cmd.arg(mlp)
+        .args(["--config", cfg.to_str().unwrap(), "--steps", "8", "--seed", "3", "--in", "16"])
+        .args(["--hidden", "48", "--layers", "4", "--out", "4", "--save-final", out.to_str().unwrap()])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+/// Waits for every node's process (each must succeed) and returns node 0's `step` lines: those of its output that
+/// start with `rank0_prefix` (`[rank 0] ` under `zerorun launch`), the prefix removed.
+fn node_zero_losses(nodes: Vec<std::process::Child>, what: &str, rank0_prefix: &str) -> Vec<String> {
     let mut losses = Vec::new();
-    for (node, l) in launchers.into_iter().enumerate() {
-        let o = l.wait_with_output().unwrap();
+    for (node, child) in nodes.into_iter().enumerate() {
+        let o = child.wait_with_output().unwrap();
         let text = String::from_utf8_lossy(&o.stdout).into_owned();
-        assert!(o.status.success(), "node {node}, {zero}: {}\n{text}", String::from_utf8_lossy(&o.stderr));
+        assert!(o.status.success(), "node {node}, {what}: {}\n{text}", String::from_utf8_lossy(&o.stderr));
         if node == 0 {
             losses = text
                 .lines()
-                .filter_map(|l| l.strip_prefix("[rank 0] "))
+                .filter_map(|l| l.strip_prefix(rank0_prefix))
                 .filter(|l| l.starts_with("step "))
                 .map(str::to_string)
                 .collect();
@@ -206,28 +218,14 @@ fn two_torchrun_nodes_match_one_process() {
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
     let agents: Vec<_> = (0..2)
         .map(|node| {
-            Command::new(&torchrun)
-                .args(["--nnodes", "2", "--node-rank", &node.to_string(), "--nproc-per-node", "1"])
+            let mut cmd = Command::new(&torchrun);
+            cmd.args(["--nnodes", "2", "--node-rank", &node.to_string(), "--nproc-per-node", "1"])
                 .args(["--master-addr", "127.0.0.1", "--master-port", &port, "--no-python"])
-                .arg(&mlp)
-                .args(["--config", cfg.to_str().unwrap(), "--steps", "8", "--seed", "3", "--in", "16"])
-                .args(["--hidden", "48", "--layers", "4", "--out", "4", "--save-final", out.to_str().unwrap()])
-                .env_remove("ZERORUN_BACKEND")
-                .stdout(std::process::Stdio::piped())
-                .stderr(std::process::Stdio::piped())
-                .spawn()
-                .unwrap()
+                .env_remove("ZERORUN_BACKEND");
+            mlp_on_node(&mut cmd, &mlp, &cfg, &out)
         })
         .collect();
-    let mut losses = Vec::new();
-    for (node, a) in agents.into_iter().enumerate() {
-        let o = a.wait_with_output().unwrap();
-        let text = String::from_utf8_lossy(&o.stdout).into_owned();
-        assert!(o.status.success(), "torchrun node {node}: {}\n{text}", String::from_utf8_lossy(&o.stderr));
-        if node == 0 {
-            losses = text.lines().filter(|l| l.starts_with("step ")).map(str::to_string).collect();
-        }
-    }
+    let losses = node_zero_losses(agents, "torchrun", "");
     assert_eq!(losses.len(), 8, "rank 0's losses");
     assert_matches("torchrun", &losses, &ref_losses, &out, &load(&reference));
     std::fs::remove_dir_all(&dir).unwrap();

@@ -12,6 +12,10 @@ use tch::Tensor;
 use zerorun::runtime::comm::threads;
 use zerorun::{Config, Engine, EngineOptions, MicroBatch, PipelineEngine, StagePlacement};
 
+#[path = "common/compare.rs"]
+mod compare;
+use compare::max_relative_difference;
+
 #[path = "../examples/support/mod.rs"]
 mod support;
 use support::gpt_model::{pipeline_model, pipeline_model_tied, Corpus, Gpt, GptConfig};
@@ -35,18 +39,6 @@ type RankResult = Result<(Option<(Vec<(String, Tensor)>, f64)>, u64), String>;
 fn sorted(mut v: Vec<(String, Tensor)>) -> Vec<(String, Vec<f32>)> {
     v.sort_by(|a, b| a.0.cmp(&b.0));
     v.into_iter().map(|(n, t)| (n, Vec::<f32>::try_from(t.to_kind(tch::Kind::Float).reshape([-1])).unwrap())).collect()
-}
-
-fn max_relative_difference(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) -> f64 {
-    assert_eq!(a.len(), b.len(), "the same parameters");
-    a.iter()
-        .zip(b)
-        .map(|((na, x), (nb, y))| {
-            assert_eq!(na, nb);
-            let d = x.iter().zip(y).map(|(p, q)| (p - q).abs() as f64).fold(0.0, f64::max);
-            d / y.iter().map(|q| q.abs() as f64).fold(1e-6, f64::max)
-        })
-        .fold(0.0, f64::max)
 }
 
 /// Single process, whole batches, libtorch's AdamW.
@@ -215,6 +207,36 @@ thread_local! {
     static SKIPPED: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
 
+/// One rank, no pipeline: the whole GPT in a plain engine at 4 micro-batches per step over `steps`, from the
+/// checkpoint in `load` when given. Returns the parameters and the last step's loss.
+fn plain_engine(
+    corpus: &Corpus,
+    config: &Config,
+    steps: std::ops::Range<u64>,
+    load: Option<&std::path::Path>,
+) -> (Params, f64) {
+    let cfg = gpt_config(corpus);
+    let (mut vs, gpt) = support::build_model(SEED, None, |vs| Gpt::new(vs.root(), &cfg)).unwrap();
+    support::to_config_precision(config, &mut vs);
+    let comm = Box::new(threads::group(1, Duration::from_secs(20)).remove(0));
+    let mut engine = Engine::new(&vs, config.clone(), comm, EngineOptions::default()).unwrap();
+    if let Some(dir) = load {
+        engine.load_checkpoint(dir, None).unwrap();
+    }
+    let mut loss = f64::NAN;
+    for step in steps {
+        for m in 0..4 {
+            let (x, y) = corpus.batch(SEED, step, GLOBAL_BATCH, support::micro_batch_range(0, 1, m, 3), cfg.block);
+            let logits = gpt.forward(&x).to_kind(tch::Kind::Float);
+            engine.backward(&logits.view([-1, cfg.vocab]).cross_entropy_for_logits(&y.view([-1]))).unwrap();
+            if let zerorun::StepOutcome::Stepped { loss: l, .. } = engine.step().unwrap() {
+                loss = l;
+            }
+        }
+    }
+    (sorted(engine.full_parameters().unwrap()), loss)
+}
+
 fn train_all(_: usize) -> bool {
     true
 }
@@ -314,26 +336,8 @@ fn checkpoints_resume_at_another_cut_and_degree_and_without_a_pipeline() {
         assert!(d < 1e-5, "resumed at {stages} stages on {world} ranks: max relative difference {d}");
     }
     // And in a plain engine, one rank, the whole model.
-    let cfg = gpt_config(&corpus);
-    let (vs, gpt) = support::build_model(SEED, None, |vs| Gpt::new(vs.root(), &cfg)).unwrap();
-    let plain = config(1, 4, json!({}), json!({}));
-    let mut engine = Engine::new(
-        &vs,
-        plain,
-        Box::new(threads::group(1, Duration::from_secs(20)).remove(0)),
-        EngineOptions::default(),
-    )
-    .unwrap();
-    engine.load_checkpoint(&dir, None).unwrap();
-    for step in half..STEPS {
-        for m in 0..4 {
-            let (x, y) = corpus.batch(SEED, step, GLOBAL_BATCH, support::micro_batch_range(0, 1, m, 3), cfg.block);
-            let l = gpt.forward(&x).view([-1, cfg.vocab]).cross_entropy_for_logits(&y.view([-1]));
-            engine.backward(&l).unwrap();
-            engine.step().unwrap();
-        }
-    }
-    let d = max_relative_difference(&sorted(engine.full_parameters().unwrap()), &reference);
+    let (resumed, _) = plain_engine(&corpus, &config(1, 4, json!({}), json!({})), half..STEPS, Some(&dir));
+    let d = max_relative_difference(&resumed, &reference);
     assert!(d < 1e-5, "resumed without a pipeline: max relative difference {d}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
@@ -368,30 +372,7 @@ fn bf16_stages_train_like_one_bf16_rank() {
     let c = config(1, 4, json!({}), bf16.clone());
     let (pipelined, pipe_loss) = run_pipeline(&corpus, 2, &c, Some(2), train_all).unwrap();
     // One rank, no pipeline, the same model and batches.
-    let cfg = gpt_config(&corpus);
-    let (mut vs, gpt) = support::build_model(SEED, None, |vs| Gpt::new(vs.root(), &cfg)).unwrap();
-    let plain = config(1, 4, json!({}), bf16);
-    support::to_config_precision(&plain, &mut vs);
-    let mut engine = Engine::new(
-        &vs,
-        plain,
-        Box::new(threads::group(1, Duration::from_secs(20)).remove(0)),
-        EngineOptions::default(),
-    )
-    .unwrap();
-    let mut loss = f64::NAN;
-    for step in 0..STEPS {
-        for m in 0..4 {
-            let (x, y) = corpus.batch(SEED, step, GLOBAL_BATCH, support::micro_batch_range(0, 1, m, 3), cfg.block);
-            let l =
-                gpt.forward(&x).to_kind(tch::Kind::Float).view([-1, cfg.vocab]).cross_entropy_for_logits(&y.view([-1]));
-            engine.backward(&l).unwrap();
-            if let zerorun::StepOutcome::Stepped { loss: l, .. } = engine.step().unwrap() {
-                loss = l;
-            }
-        }
-    }
-    let single = sorted(engine.full_parameters().unwrap());
+    let (single, loss) = plain_engine(&corpus, &config(1, 4, json!({}), bf16), 0..STEPS, None);
     // bf16 rounds the residual stream's gradient sums in another order across the cut: a few ulps, no more.
     assert!((pipe_loss - loss).abs() < 1e-2, "loss {pipe_loss} vs {loss}");
     let d = max_relative_difference(&pipelined, &single);

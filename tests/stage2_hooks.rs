@@ -10,6 +10,10 @@ use zerorun::{Config, Engine, EngineOptions};
 mod mlp;
 use mlp::*;
 
+#[path = "common/compare.rs"]
+mod compare;
+use compare::max_relative_difference;
+
 #[derive(Clone, Copy, PartialEq)]
 enum Backward {
     /// `engine.backward(&loss)`.

@@ -14,6 +14,10 @@ use zerorun::{Config, Engine, EngineOptions, Whole};
 mod mlp;
 use mlp::*;
 
+#[path = "common/compare.rs"]
+mod compare;
+use compare::max_relative_difference;
+
 #[derive(Clone, Copy, Debug)]
 enum Units {
     PerLayer,

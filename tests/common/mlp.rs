@@ -134,19 +134,6 @@ pub fn adamw_reference() -> Vec<(String, Vec<f32>)> {
     params_of(&vs)
 }
 
-/// The largest difference over parameters, relative to each parameter's largest magnitude.
-pub fn max_relative_difference(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) -> f64 {
-    assert_eq!(a.iter().map(|p| &p.0).collect::<Vec<_>>(), b.iter().map(|p| &p.0).collect::<Vec<_>>());
-    a.iter()
-        .zip(b)
-        .map(|((_, x), (_, y))| {
-            let diff = x.iter().zip(y).map(|(p, q)| (p - q).abs() as f64).fold(0.0, f64::max);
-            let scale = y.iter().map(|q| q.abs() as f64).fold(1e-6, f64::max);
-            diff / scale
-        })
-        .fold(0.0, f64::max)
-}
-
 /// Runs `rank` on each of `world` thread ranks (threads backend, 60 s timeout) with the MLP's inputs and targets
 /// as tensors, and returns what each returned, in rank order.
 pub fn on_thread_ranks<R: Send>(

@@ -222,9 +222,9 @@ impl Manifest {
 mod tests {
     use super::*;
 
-    #[test]
-    fn locate_walks_the_ranges_of_every_file_in_order() {
-        let m = Manifest {
+    /// A manifest of two ranks with these parameters and rank files, everything else empty.
+    fn manifest(numel: usize, params: Vec<ParamEntry>, ranks: Vec<RankEntry>) -> Manifest {
+        Manifest {
             format_version: FORMAT_VERSION,
             tag: "t".into(),
             global_steps: 0,
@@ -236,15 +236,11 @@ mod tests {
             scheduler_last_batch_iteration: None,
             loss_scaler: None,
             world_size: 2,
-            stage: 3,
+            stage: 0,
             precision: "fp32".into(),
-            numel: 14,
-            params: vec![],
-            // Two units 0..10 and 10..14, chunks of 5 and 2.
-            ranks: vec![
-                RankEntry::new("rank0".into(), &[0..5, 10..12], 0),
-                RankEntry::new("rank1".into(), &[5..10, 12..14], 0),
-            ],
+            numel,
+            params,
+            ranks,
             rng_states: vec![],
             model_weights: None,
             variables_file: None,
@@ -255,6 +251,22 @@ mod tests {
             frozen: vec![],
             frozen_excluded: false,
             config: serde_json::Value::Null,
+        }
+    }
+
+    #[test]
+    fn locate_walks_the_ranges_of_every_file_in_order() {
+        // Two units 0..10 and 10..14, chunks of 5 and 2.
+        let m = Manifest {
+            stage: 3,
+            ..manifest(
+                14,
+                vec![],
+                vec![
+                    RankEntry::new("rank0".into(), &[0..5, 10..12], 0),
+                    RankEntry::new("rank1".into(), &[5..10, 12..14], 0),
+                ],
+            )
         };
         let got = m.locate(4..13);
         assert_eq!(
@@ -274,22 +286,8 @@ mod tests {
 
     #[test]
     fn stages_merge_into_one_flat_space() {
-        let stage = |names: &[&str], ranks: Vec<RankEntry>, file: &str| Manifest {
-            format_version: FORMAT_VERSION,
-            tag: "t".into(),
-            global_steps: 3,
-            global_samples: 24,
-            skipped_steps: 0,
-            optimizer_steps: 3,
-            optimizer: "adamw".into(),
-            state_names: vec![],
-            scheduler_last_batch_iteration: None,
-            loss_scaler: None,
-            world_size: 2,
-            stage: 1,
-            precision: "fp32".into(),
-            numel: 6 * names.len(),
-            params: names
+        let stage = |names: &[&str], ranks: Vec<RankEntry>, file: &str| {
+            let params = names
                 .iter()
                 .enumerate()
                 .map(|(i, n)| ParamEntry {
@@ -299,18 +297,14 @@ mod tests {
                     len: 6,
                     dtype: "F32".into(),
                 })
-                .collect(),
-            ranks,
-            rng_states: vec!["00".into()],
-            model_weights: Some("model.safetensors".into()),
-            variables_file: Some(file.into()),
-            stage_variables_files: vec![],
-            pipeline_stages: 0,
-            outer_state_file: None,
-            buffers: vec![],
-            frozen: vec![],
-            frozen_excluded: false,
-            config: serde_json::Value::Null,
+                .collect();
+            Manifest {
+                stage: 1,
+                rng_states: vec!["00".into()],
+                model_weights: Some("model.safetensors".into()),
+                variables_file: Some(file.into()),
+                ..manifest(6 * names.len(), params, ranks)
+            }
         };
         // Stage 0: a and b over two data-parallel ranks, padded to 14; stage 1: c on one rank.
         let s0 = stage(

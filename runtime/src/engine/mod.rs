@@ -185,8 +185,9 @@ pub struct Engine {
     /// The ranks holding the model's other parts (a pipeline's other stages): the gradient norm and fp16 overflow
     /// are agreed over them too.
     model_parallel: Option<Box<dyn Communicator>>,
-    /// [`EngineOptions::reduce_once_per_step`].
-    reduce_once_per_step: bool,
+    /// [`EngineOptions::reduce_once_per_step`] on an fp32 model (16-bit ones reduce every micro-batch anyway): a
+    /// micro-batch before the boundary leaves its gradients in `.grad`.
+    defers_reduction: bool,
     /// `async_training` local SGD / DiLoCo: when the ranks meet, and DiLoCo's outer state. None: synchronous.
     meetings: Option<meetings::Meetings>,
 }
@@ -342,8 +343,7 @@ impl Engine {
             Ok(())
         };
         // Deferring: this micro-batch's gradients stay in `.grad` (the hooks only act while lent).
-        let defer =
-            self.reduce_once_per_step && self.precision == Precision::Fp32 && !self.is_gradient_accumulation_boundary();
+        let defer = self.defers_reduction && !self.is_gradient_accumulation_boundary();
         match self.plan.gradients {
             GradientPath::AfterBackward => autograd()?,
             GradientPath::Hooks if defer => autograd()?,

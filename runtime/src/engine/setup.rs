@@ -333,7 +333,7 @@ impl Engine {
             scaler,
             progress: counters::Progress::default(),
             model_parallel: None,
-            reduce_once_per_step: options.reduce_once_per_step,
+            defers_reduction: options.reduce_once_per_step && precision == Precision::Fp32,
             meetings: None,
         };
         engine.meetings = meetings::Meetings::new(&engine.config.async_training, &engine.parameters.flat);

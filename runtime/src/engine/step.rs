@@ -51,8 +51,9 @@ impl Engine {
     }
 
     fn step_impl(&mut self) -> Result<StepOutcome> {
-        let deferred = self.reduce_once_per_step && self.precision == Precision::Fp32;
-        if self.plan.gradients == GradientPath::Hooks && (!deferred || self.is_gradient_accumulation_boundary()) {
+        if self.plan.gradients == GradientPath::Hooks
+            && (!self.defers_reduction || self.is_gradient_accumulation_boundary())
+        {
             let mut sync = self.gradient_sync();
             if sync.gradients_wait_in_grad() {
                 // A backward the engine did not run: its gradients are still in `.grad`.

@@ -71,18 +71,18 @@ fn entry(name: &str, shape: &[i64], kind: Kind) -> VariableEntry {
 /// Variable `name` of a checkpoint's variables files, as a tensor of its saved dtype.
 pub(super) fn read_saved_variable(files: &crate::checkpoint::VariableFiles, name: &str) -> Result<Tensor> {
     let (path, dtype, shape, bytes) = files.raw(name)?;
-    let kind = kind_of_dtype(&dtype).ok_or_else(|| CheckpointError::Io {
-        path: path.to_path_buf(),
-        what: format!("tensor `{name}`: dtype {dtype} is not read back"),
-    })?;
-    let shape: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
-    Ok(Tensor::f_from_data_size(bytes, &shape, kind)?)
+    tensor_of(path, name, &dtype, &shape, bytes)
 }
 
 /// Tensor `name` of a checkpoint's variables file, as a tensor of its saved dtype.
 pub(super) fn read_variable(file: &MappedTensors, path: &Path, name: &str) -> Result<Tensor> {
     let (dtype, shape, bytes) = file.raw(name)?;
-    let kind = kind_of_dtype(&dtype).ok_or_else(|| CheckpointError::Io {
+    tensor_of(path, name, &dtype, &shape, bytes)
+}
+
+/// A saved tensor's bytes as a tensor of its dtype (`path` names the file in errors).
+fn tensor_of(path: &Path, name: &str, dtype: &str, shape: &[usize], bytes: &[u8]) -> Result<Tensor> {
+    let kind = kind_of_dtype(dtype).ok_or_else(|| CheckpointError::Io {
         path: path.to_path_buf(),
         what: format!("tensor `{name}`: dtype {dtype} is not read back"),
     })?;
