@@ -46,6 +46,11 @@ struct RankRun {
 }
 
 fn run(world: usize, config: Config, units: Units, checkpointing: bool, dims: &[i64]) -> Vec<RankRun> {
+    let options = EngineOptions { activation_checkpointing: checkpointing, ..Default::default() };
+    run_with(world, config, units, options, dims)
+}
+
+fn run_with(world: usize, config: Config, units: Units, options: EngineOptions, dims: &[i64]) -> Vec<RankRun> {
     let (xv, yv) = data();
     let comms = threads::group(world, Duration::from_secs(60));
     let dims = dims.to_vec();
@@ -53,7 +58,7 @@ fn run(world: usize, config: Config, units: Units, checkpointing: bool, dims: &[
         let hs: Vec<_> = comms
             .into_iter()
             .map(|comm| {
-                let (config, xv, yv, dims) = (config.clone(), &xv, &yv, dims.clone());
+                let (config, xv, yv, dims, options) = (config.clone(), &xv, &yv, dims.clone(), options.clone());
                 s.spawn(move || {
                     let (x, y) =
                         (Tensor::from_slice(xv).view([SAMPLES, IN]), Tensor::from_slice(yv).view([SAMPLES, OUT]));
@@ -63,8 +68,7 @@ fn run(world: usize, config: Config, units: Units, checkpointing: bool, dims: &[
                         Units::PerLayer => &layers,
                         Units::Whole => &whole,
                     };
-                    let options =
-                        EngineOptions { activation_checkpointing: checkpointing, ..Default::default() }.units_of(model);
+                    let options = options.units_of(model);
                     let mut engine = Engine::new(&vs, config, Box::new(comm), options).unwrap();
                     let b = engine.batch_sizes();
                     let (rank, micro) = (engine.rank() as i64, b.train_micro_batch_size_per_gpu as i64);
@@ -332,5 +336,80 @@ fn evaluation_under_no_grad_gathers_and_releases_and_a_sequence_is_a_unit_model(
     for (expected, got, gathered) in outs {
         assert_eq!(got, expected, "evaluation through the units gives the model's output");
         assert_eq!(gathered, 0, "nothing stays gathered after an evaluation forward");
+    }
+}
+
+/// A config with `optimizer_in_backward` as given, no clipping (it needs none), WarmupLR so the learning rate
+/// changes every step, and uneven chunks at 3 ranks.
+fn in_backward_config(in_backward: bool, extra: Value) -> Config {
+    let mut c = json!({
+        "train_batch_size": GLOBAL_BATCH, "gradient_clipping": 0.0, "optimizer_in_backward": in_backward,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": LR, "warmup_num_steps": 7}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
+                              "reduce_bucket_size": 40}
+    });
+    for (k, v) in extra.as_object().unwrap() {
+        c[k] = v.clone();
+    }
+    Config::from_value(c).unwrap()
+}
+
+#[test]
+fn optimizer_in_backward_gives_the_whole_steps_weights_bitwise_and_holds_no_gradient_shard() {
+    // Decay and no-decay groups cut across the units' parts; buckets of 40 elements cut each unit into rounds.
+    let options = EngineOptions { no_weight_decay: Some(zerorun::runtime::engine::no_decay_for_1d), ..Default::default() };
+    for (world, overlap, units) in [(3, true, Units::PerLayer), (2, false, Units::PerLayer), (3, true, Units::Whole)] {
+        let extra = json!({});
+        let mut configs = [in_backward_config(false, extra.clone()), in_backward_config(true, extra)];
+        for c in &mut configs {
+            c.zero_optimization.overlap_comm = overlap;
+        }
+        let [whole, pieces] = configs.map(|c| run_with(world, c, units, options.clone(), &DIMS));
+        for (rank, (w, p)) in whole.iter().zip(&pieces).enumerate() {
+            let d = max_relative_difference(&p.params, &w.params);
+            assert!(w.params == p.params, "world size {world}, overlap {overlap}, {units:?}, rank {rank}: weights differ ({d:e})");
+            let get = |r: &RankRun, name: &str| r.memory.iter().find(|(n, _)| n.name() == name).map_or(0, |(_, b)| *b);
+            assert!(get(w, "gradients_shard") > 0, "the whole step holds a gradient shard");
+            assert_eq!(get(p, "gradients_shard"), 0, "rank {rank}: the optimizer in backward holds none");
+        }
+    }
+}
+
+#[test]
+fn optimizer_in_backward_refuses_accumulation_and_a_second_backward_before_step() {
+    // 12 samples at micro-batch 2 on 3 ranks: the batch rule resolves 2 accumulation steps.
+    let config = in_backward_config(true, json!({"train_micro_batch_size_per_gpu": 2}));
+    let comms = threads::group(3, Duration::from_secs(60));
+    std::thread::scope(|s| {
+        for comm in comms {
+            let config = config.clone();
+            s.spawn(move || {
+                let (vs, layers) = init_layers(&DIMS);
+                let options = EngineOptions::default().units_of(&layers);
+                let err = Engine::new(&vs, config, Box::new(comm), options).err().expect("refused").to_string();
+                assert_eq!(
+                    err,
+                    "`optimizer_in_backward`: accumulation needs a gradient shard to add micro-batches in: the batch sizes resolve to gradient_accumulation_steps 2 at 3 ranks (train_batch_size 12 = micro batch 2 x ranks); it must be 1"
+                );
+            });
+        }
+    });
+    let (vs, layers) = init_layers(&DIMS);
+    let comm = threads::group(1, Duration::from_secs(60)).pop().unwrap();
+    let options = EngineOptions::default().units_of(&layers);
+    let mut engine = Engine::new(&vs, in_backward_config(true, json!({})), Box::new(comm), options).unwrap();
+    let x = Tensor::ones([4, IN], (tch::Kind::Float, tch::Device::Cpu));
+    for second in [false, true] {
+        let loss = engine.forward(&layers, &x).unwrap().square().mean(None);
+        let r = engine.backward_units(&layers, &loss);
+        if second {
+            assert_eq!(
+                r.unwrap_err().to_string(),
+                "optimizer_in_backward steps the optimizer during backward: call `engine.step()` after each backward (gradient_accumulation_steps is 1)"
+            );
+        } else {
+            r.unwrap();
+        }
     }
 }

@@ -17,6 +17,9 @@ pub enum TierError {
     /// The caller's `fill` of a state load failed (a checkpoint file, say); its message as given.
     #[error("{0}")]
     Fill(Box<dyn std::error::Error + Send + Sync>),
+    /// What a tier cannot do where its states live (a step in pieces with the states on NVMe).
+    #[error("{what} needs the optimizer states in memory (they are on NVMe)")]
+    NeedsMemory { what: &'static str },
 }
 
 /// Writes every state buffer of the optimizer over a range of the optimized elements (checkpoint load).
@@ -33,6 +36,19 @@ pub trait OptimizerTier: Send {
     /// One step over all the optimized elements; `groups` are relative to them; `out` takes the 16-bit copy.
     fn step(
         &mut self,
+        params: &mut [f32],
+        grads: &[f32],
+        groups: &[Group],
+        out: Option<ParamsOut<'_>>,
+    ) -> Result<(), TierError>;
+    /// Starts a step taken in pieces (stage 3's optimizer in backward): advances the step count; each piece is then
+    /// an [`OptimizerTier::update_range`]. See [`Optimizer::update_range`].
+    fn begin_step(&mut self) -> Result<(), TierError>;
+    /// Updates elements `range` of the optimized elements at the current step count; `params`, `grads` and `out`
+    /// hold the range's elements, `groups` are the whole range's.
+    fn update_range(
+        &mut self,
+        range: Range<usize>,
         params: &mut [f32],
         grads: &[f32],
         groups: &[Group],
@@ -75,6 +91,22 @@ impl OptimizerTier for InMemory {
         out: Option<ParamsOut<'_>>,
     ) -> Result<(), TierError> {
         Ok(self.0.step(params, Grads::F32(grads), groups, out)?)
+    }
+
+    fn begin_step(&mut self) -> Result<(), TierError> {
+        self.0.begin_step();
+        Ok(())
+    }
+
+    fn update_range(
+        &mut self,
+        range: Range<usize>,
+        params: &mut [f32],
+        grads: &[f32],
+        groups: &[Group],
+        out: Option<ParamsOut<'_>>,
+    ) -> Result<(), TierError> {
+        Ok(self.0.update_range(range, params, Grads::F32(grads), groups, out)?)
     }
 
     fn set_momentum(&mut self, momentum: f64) {

@@ -128,6 +128,21 @@ impl OptimizerTier for SwappedOptimizer {
         self.state_names.clone()
     }
 
+    fn begin_step(&mut self) -> std::result::Result<(), TierError> {
+        Err(TierError::NeedsMemory { what: "a step in pieces (optimizer_in_backward)" })
+    }
+
+    fn update_range(
+        &mut self,
+        _range: Range<usize>,
+        _params: &mut [f32],
+        _grads: &[f32],
+        _groups: &[Group],
+        _out: Option<ParamsOut<'_>>,
+    ) -> std::result::Result<(), TierError> {
+        Err(TierError::NeedsMemory { what: "a step in pieces (optimizer_in_backward)" })
+    }
+
     fn set_momentum(&mut self, momentum: f64) {
         for g in &mut self.subgroups {
             g.optimizer.set_momentum(momentum);

@@ -1,6 +1,8 @@
 //! Adagrad, as torch.optim.Adagrad computes it (lr_decay, initial accumulator, weight decay).
+use std::ops::Range;
+
 use crate::dispatch::{for_each_chunk, Kernel};
-use crate::shard::{check, Grads, Group, ParamsOut};
+use crate::shard::{check_range, Grads, Group, ParamsOut};
 use crate::{Optimizer, OptimizerState, Result};
 
 #[derive(Debug, Clone, PartialEq)]
@@ -33,22 +35,22 @@ impl Optimizer for Adagrad {
         "Adagrad"
     }
 
-    fn step(
+    fn update_range(
         &mut self,
+        range: Range<usize>,
         params: &mut [f32],
         grads: Grads<'_>,
         groups: &[Group],
         out: Option<ParamsOut<'_>>,
     ) -> Result<()> {
-        check(params.len(), &grads, groups, out.as_ref())?;
-        self.state.step += 1;
+        let groups = &check_range(self.state.shard_len(), &range, params.len(), &grads, groups, out.as_ref())?[..];
         let t = self.state.step;
         let eps = self.config.eps as f32;
         let clrs: Vec<(f32, f32)> = groups
             .iter()
             .map(|g| ((g.lr / (1.0 + (t - 1) as f64 * self.config.lr_decay)) as f32, g.weight_decay as f32))
             .collect();
-        let [sum] = self.state.split::<1>();
+        let [sum] = self.state.split_range::<1>(range);
         for_each_chunk(params, grads, groups, [sum], out, &AdagradKernel { consts: &clrs, eps });
         Ok(())
     }

@@ -1,6 +1,8 @@
 //! Adam and AdamW, as torch.optim.AdamW computes them (and DeepSpeedCPUAdam, with its `adam_w_mode`).
+use std::ops::Range;
+
 use crate::dispatch::{for_each_chunk, Kernel};
-use crate::shard::{check, Grads, Group, ParamsOut};
+use crate::shard::{check_range, Grads, Group, ParamsOut};
 use crate::{Optimizer, OptimizerState, Result};
 
 #[derive(Debug, Clone, PartialEq)]
@@ -74,32 +76,23 @@ impl Optimizer for Adam {
         }
     }
 
-    fn step(
+    fn update_range(
         &mut self,
+        range: Range<usize>,
         params: &mut [f32],
         grads: Grads<'_>,
         groups: &[Group],
         out: Option<ParamsOut<'_>>,
     ) -> Result<()> {
-        check(params.len(), &grads, groups, out.as_ref())?;
-        for (_, b) in &self.state.buffers {
-            if b.len() != params.len() {
-                return Err(crate::OptimError::Length {
-                    what: "optimizer state",
-                    got: b.len(),
-                    expected: params.len(),
-                });
-            }
-        }
-        self.state.step += 1;
+        let groups = check_range(self.state.shard_len(), &range, params.len(), &grads, groups, out.as_ref())?;
         let t = self.state.step;
         let consts: Vec<Consts> = groups.iter().map(|g| self.consts(t, g)).collect();
         if self.config.amsgrad {
-            let [m, v, vmax] = self.state.split::<3>();
-            for_each_chunk(params, grads, groups, [m, v, vmax], out, &AmsgradKernel(&consts));
+            let [m, v, vmax] = self.state.split_range::<3>(range);
+            for_each_chunk(params, grads, &groups, [m, v, vmax], out, &AmsgradKernel(&consts));
         } else {
-            let [m, v] = self.state.split::<2>();
-            for_each_chunk(params, grads, groups, [m, v], out, &AdamKernel(&consts));
+            let [m, v] = self.state.split_range::<2>(range);
+            for_each_chunk(params, grads, &groups, [m, v], out, &AdamKernel(&consts));
         }
         Ok(())
     }

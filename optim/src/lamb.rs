@@ -164,6 +164,17 @@ impl Optimizer for Lamb {
         self.step_with_reduce(params, grads, groups, out, &mut |_| {})
     }
 
+    fn update_range(
+        &mut self,
+        _range: std::ops::Range<usize>,
+        _params: &mut [f32],
+        _grads: Grads<'_>,
+        _groups: &[Group],
+        _out: Option<ParamsOut<'_>>,
+    ) -> Result<()> {
+        Err(crate::OptimError::NotElementWise { optimizer: "Lamb" })
+    }
+
     fn state(&self) -> &OptimizerState {
         &self.state
     }

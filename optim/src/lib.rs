@@ -39,6 +39,8 @@ pub enum OptimError {
     GroupOverlap { first: std::ops::Range<usize>, second: std::ops::Range<usize> },
     #[error("optimizer state has no buffer `{name}`")]
     MissingState { name: String },
+    #[error("{optimizer} cannot step part of its shard: its update reads more than one element (per-tensor norms)")]
+    NotElementWise { optimizer: &'static str },
     #[error("current loss scale {scale} is already at the minimum ({min}) and gradients still overflow")]
     LossScaleAtMinimum { scale: f64, min: f64 },
 }
@@ -52,6 +54,32 @@ pub trait Optimizer: Send {
     /// writes the updated values to `out` when given (the 16-bit model copy).
     fn step(
         &mut self,
+        params: &mut [f32],
+        grads: Grads<'_>,
+        groups: &[Group],
+        out: Option<ParamsOut<'_>>,
+    ) -> Result<()> {
+        let n = params.len();
+        let len = self.state().shard_len().unwrap_or(n);
+        if len != n {
+            return Err(OptimError::Length { what: "optimizer state", got: len, expected: n });
+        }
+        shard::check(n, &grads, groups, out.as_ref())?;
+        self.begin_step();
+        self.update_range(0..n, params, grads, groups, out)
+    }
+    /// Advances the step count by one and touches no element: a step taken in pieces, each by
+    /// [`Optimizer::update_range`] (stage 3's optimizer in backward steps each unit's part as its gradients arrive).
+    fn begin_step(&mut self) {
+        self.state_mut().step += 1;
+    }
+    /// Updates elements `range` of the shard at the current step count (set by `begin_step`): `params`, `grads` and
+    /// `out` hold the range's elements, `groups` are the whole shard's. Pieces of one step give bitwise the values
+    /// of `step` over the whole shard, as every element's math is its own. Optimizers whose update reads more than
+    /// one element (LAMB's trust ratio) refuse it.
+    fn update_range(
+        &mut self,
+        range: std::ops::Range<usize>,
         params: &mut [f32],
         grads: Grads<'_>,
         groups: &[Group],

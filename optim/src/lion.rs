@@ -1,6 +1,8 @@
 //! Lion (Chen et al. 2023), as DeepSpeed's CPU Lion computes it: sign of an interpolated momentum.
+use std::ops::Range;
+
 use crate::dispatch::{for_each_chunk, Kernel};
-use crate::shard::{check, Grads, Group, ParamsOut};
+use crate::shard::{check_range, Grads, Group, ParamsOut};
 use crate::{Optimizer, OptimizerState, Result};
 
 #[derive(Debug, Clone, PartialEq)]
@@ -43,20 +45,20 @@ impl Optimizer for Lion {
         "Lion"
     }
 
-    fn step(
+    fn update_range(
         &mut self,
+        range: Range<usize>,
         params: &mut [f32],
         grads: Grads<'_>,
         groups: &[Group],
         out: Option<ParamsOut<'_>>,
     ) -> Result<()> {
-        check(params.len(), &grads, groups, out.as_ref())?;
-        self.state.step += 1;
+        let groups = &check_range(self.state.shard_len(), &range, params.len(), &grads, groups, out.as_ref())?[..];
         let (b1, b2) = self.config.betas;
         let (c1, k1, c2, k2) = (b1 as f32, (1.0 - b1) as f32, b2 as f32, (1.0 - b2) as f32);
         let consts: Vec<(f32, f32)> =
             groups.iter().map(|g| (g.lr as f32, (1.0 - g.lr * g.weight_decay) as f32)).collect();
-        let [m] = self.state.split::<1>();
+        let [m] = self.state.split_range::<1>(range);
         for_each_chunk(params, grads, groups, [m], out, &LionKernel { consts: &consts, c1, k1, c2, k2 });
         Ok(())
     }

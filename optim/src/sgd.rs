@@ -1,6 +1,8 @@
 //! SGD with momentum, dampening, Nesterov and weight decay, as torch.optim.SGD computes it.
+use std::ops::Range;
+
 use crate::dispatch::{for_each_chunk, Kernel};
-use crate::shard::{check, Grads, Group, ParamsOut};
+use crate::shard::{check_range, Grads, Group, ParamsOut};
 use crate::{Optimizer, OptimizerState, Result};
 
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -28,22 +30,22 @@ impl Optimizer for Sgd {
         "SGD"
     }
 
-    fn step(
+    fn update_range(
         &mut self,
+        range: Range<usize>,
         params: &mut [f32],
         grads: Grads<'_>,
         groups: &[Group],
         out: Option<ParamsOut<'_>>,
     ) -> Result<()> {
-        check(params.len(), &grads, groups, out.as_ref())?;
-        self.state.step += 1;
+        let groups = &check_range(self.state.shard_len(), &range, params.len(), &grads, groups, out.as_ref())?[..];
         let first = self.state.step == 1;
         let SgdConfig { momentum, dampening, nesterov } = self.config.clone();
         let consts: Vec<(f32, f32)> = groups.iter().map(|g| (g.lr as f32, g.weight_decay as f32)).collect();
         if momentum == 0.0 {
             for_each_chunk(params, grads, groups, [], out, &PlainKernel(&consts));
         } else {
-            let [buf] = self.state.split::<1>();
+            let [buf] = self.state.split_range::<1>(range);
             let k = MomentumKernel {
                 consts: &consts,
                 momentum: momentum as f32,

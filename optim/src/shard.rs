@@ -84,6 +84,46 @@ impl ParamsOut<'_> {
     }
 }
 
+/// `groups` (relative to the whole shard) cut to elements `range` and made relative to it; groups outside it are
+/// left out. What a step over part of the shard (`Optimizer::update_range`) runs its kernel with.
+pub(crate) fn groups_within(groups: &[Group], range: &Range<usize>) -> Vec<Group> {
+    groups
+        .iter()
+        .filter_map(|g| {
+            let (start, end) = (g.range.start.max(range.start), g.range.end.min(range.end));
+            (start < end).then(|| Group { range: start - range.start..end - range.start, ..g.clone() })
+        })
+        .collect()
+}
+
+/// Checks a step over elements `range` of a shard of `shard_len` elements (None: a state without buffers, which
+/// does not know it): the inputs are the range's, the groups the whole shard's. Returns the groups cut to the range
+/// ([`groups_within`]).
+pub(crate) fn check_range(
+    shard_len: Option<usize>,
+    range: &Range<usize>,
+    params: usize,
+    grads: &Grads<'_>,
+    groups: &[Group],
+    out: Option<&ParamsOut<'_>>,
+) -> Result<Vec<Group>> {
+    let len = shard_len.unwrap_or(usize::MAX);
+    if range.start > range.end || range.end > len {
+        return Err(OptimError::GroupRange { index: 0, start: range.start, end: range.end, len });
+    }
+    if params != range.len() {
+        return Err(OptimError::Length { what: "parameters of the range", got: params, expected: range.len() });
+    }
+    for (index, g) in groups.iter().enumerate() {
+        if g.range.start > g.range.end || g.range.end > len {
+            return Err(OptimError::GroupRange { index, start: g.range.start, end: g.range.end, len });
+        }
+    }
+    let cut = groups_within(groups, range);
+    check(params, grads, &cut, out)?;
+    Ok(cut)
+}
+
 /// Checks the lengths of a step's inputs against the shard.
 pub(crate) fn check(params: usize, grads: &Grads<'_>, groups: &[Group], out: Option<&ParamsOut<'_>>) -> Result<()> {
     if grads.len() != params {

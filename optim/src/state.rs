@@ -58,6 +58,17 @@ impl OptimizerState {
         Ok(())
     }
 
+    /// Elements of the shard the buffers cover (None for a state without buffers, e.g. SGD without momentum).
+    pub fn shard_len(&self) -> Option<usize> {
+        self.buffers.first().map(|(_, b)| b.len())
+    }
+
+    /// Elements `range` of the first `N` buffers, mutably, for a kernel over part of the shard.
+    pub(crate) fn split_range<const N: usize>(&mut self, range: std::ops::Range<usize>) -> [&mut [f32]; N] {
+        let mut it = self.buffers.iter_mut().map(|(_, b)| &mut b.as_mut_slice()[range.clone()]);
+        std::array::from_fn(|_| it.next().expect("state has the kernel's buffers"))
+    }
+
     /// The first `N` buffers, mutably, for a kernel.
     pub(crate) fn split<const N: usize>(&mut self) -> [&mut [f32]; N] {
         let mut it = self.buffers.iter_mut().map(|(_, b)| b.as_mut_slice());

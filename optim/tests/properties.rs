@@ -337,3 +337,59 @@ fn every_simd_level_gives_the_same_bits() {
         assert_eq!(d, scalar, "{used} differs from the scalar build");
     }
 }
+
+/// Every element-wise optimizer, boxed, over a shard of `n`.
+fn element_wise_optimizers(n: usize) -> Vec<Box<dyn Optimizer>> {
+    vec![
+        Box::new(Adam::new(AdamConfig { amsgrad: true, ..Default::default() }, n)),
+        Box::new(Adam::new(AdamConfig { adam_w_mode: false, ..Default::default() }, n)),
+        Box::new(Sgd::new(SgdConfig { momentum: 0.9, dampening: 0.1, nesterov: false }, n)),
+        Box::new(Sgd::new(SgdConfig::default(), n)),
+        Box::new(Adagrad::new(AdagradConfig { lr_decay: 0.01, ..Default::default() }, n)),
+        Box::new(Lion::new(LionConfig::default(), n)),
+    ]
+}
+
+#[test]
+fn a_step_in_pieces_equals_the_whole_step_bitwise() {
+    // Pieces cut across both groups' boundaries, in backward's order (last piece first), with a 16-bit copy.
+    let n = 50_001;
+    let groups = vec![
+        Group { range: 0..20_000, lr: 1e-2, weight_decay: 0.1 },
+        Group { range: 20_000..n, lr: 3e-3, weight_decay: 0.0 },
+    ];
+    let pieces = [40_000..n, 17_000..40_000, 0..17_000];
+    for (mut whole, mut parts) in element_wise_optimizers(n).into_iter().zip(element_wise_optimizers(n)) {
+        let (mut p_whole, mut p_parts) = (data(n, 3), data(n, 3));
+        let (mut o_whole, mut o_parts) = (vec![bf16::ZERO; n], vec![bf16::ZERO; n]);
+        for step in 0..3 {
+            let g = data(n, 50 + step);
+            whole.step(&mut p_whole, Grads::F32(&g), &groups, Some(ParamsOut::Bf16(&mut o_whole))).unwrap();
+            parts.begin_step();
+            for r in pieces.clone() {
+                let out = Some(ParamsOut::Bf16(&mut o_parts[r.clone()]));
+                parts.update_range(r.clone(), &mut p_parts[r.clone()], Grads::F32(&g[r.clone()]), &groups, out).unwrap();
+            }
+        }
+        let name = whole.name();
+        assert!(p_whole.iter().zip(&p_parts).all(|(a, b)| a.to_bits() == b.to_bits()), "{name}: params differ");
+        assert_eq!(o_whole, o_parts, "{name}: 16-bit copies differ");
+        assert_eq!(whole.state(), parts.state(), "{name}: states differ");
+        assert_eq!(parts.state().step, 3);
+    }
+}
+
+#[test]
+fn a_piece_outside_the_shard_and_lamb_are_refused() {
+    let n = 10;
+    let mut adam = Adam::new(AdamConfig::default(), n);
+    let groups = Group::whole(n, 1e-3, 0.0);
+    let (mut p, g) = (vec![0f32; 4], vec![0f32; 4]);
+    let err = adam.update_range(8..12, &mut p, Grads::F32(&g), &groups, None).unwrap_err();
+    assert_eq!(err, OptimError::GroupRange { index: 0, start: 8, end: 12, len: 10 });
+    let err = adam.update_range(0..3, &mut p, Grads::F32(&g), &groups, None).unwrap_err();
+    assert_eq!(err, OptimError::Length { what: "parameters of the range", got: 4, expected: 3 });
+    let mut lamb = Lamb::new(LambConfig::default(), n);
+    let err = lamb.update_range(0..4, &mut p, Grads::F32(&g), &groups, None).unwrap_err();
+    assert_eq!(err.to_string(), "Lamb cannot step part of its shard: its update reads more than one element (per-tensor norms)");
+}

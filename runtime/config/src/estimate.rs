@@ -24,6 +24,9 @@ pub struct EstimateInput {
     pub frozen_params: u64,
     /// Bytes of one frozen value; None: the trainable parameters' (2 for 16-bit models, 4 for fp32).
     pub frozen_bytes_per_param: Option<u64>,
+    /// `optimizer_in_backward`: stage 3 steps each unit's part as its gradients are reduced and holds no gradient
+    /// shard.
+    pub optimizer_in_backward: bool,
 }
 
 impl EstimateInput {
@@ -37,6 +40,7 @@ impl EstimateInput {
             optimizer_states: 2,
             frozen_params: 0,
             frozen_bytes_per_param: None,
+            optimizer_in_backward: false,
         }
     }
 
@@ -44,6 +48,7 @@ impl EstimateInput {
     pub fn with_config(mut self, config: &Config) -> Self {
         self.precision = config.precision();
         self.optimizer_states = config.optimizer.as_ref().map_or(2, |o| o.states_per_param() as u64);
+        self.optimizer_in_backward = config.optimizer_in_backward;
         self
     }
 
@@ -94,6 +99,7 @@ pub fn model_states_bytes(input: &EstimateInput, stage: u8) -> u64 {
         0 => (p + g + o) as f64,
         1 => (p + g) as f64 + o as f64 / n,
         2 => p as f64 + (g + o) as f64 / n,
+        _ if input.optimizer_in_backward => (p + o) as f64 / n,
         _ => (p + g + o) as f64 / n,
     };
     (psi * per_param + input.frozen_bytes(stage)).round() as u64

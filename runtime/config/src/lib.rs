@@ -90,6 +90,10 @@ pub struct Config {
     pub pipeline: PipelineConfig,
     /// zerorun's own section: synchronous, or ranks stepping alone between meetings.
     pub async_training: AsyncTraining,
+    /// zerorun's own key (stage 3): step each unit's part of the shard as soon as its gradients are reduced, during
+    /// backward, so no gradient shard is held (torchtune's `optimizer_in_bwd`). Needs what a step in pieces allows:
+    /// no clipping, no accumulation, fp32, an element-wise optimizer, optimizer states in memory.
+    pub optimizer_in_backward: bool,
     /// Keys given that have no effect here, each with the reason (logged as warnings when the config is read).
     #[serde(skip)]
     pub notices: Vec<Notice>,
@@ -217,6 +221,7 @@ impl Config {
             activation_checkpointing: ActivationCheckpointingConfig::read(s.section("activation_checkpointing")?)?,
             pipeline: PipelineConfig::read(s.section("pipeline")?)?,
             async_training: AsyncTraining::read(s.section("async_training")?)?,
+            optimizer_in_backward: s.bool("optimizer_in_backward", false)?,
             notices: Vec::new(),
         };
         let mut config = config;
@@ -280,6 +285,9 @@ impl Config {
                         .into(),
                 );
             }
+        }
+        if self.optimizer_in_backward {
+            self.validate_optimizer_in_backward()?;
         }
         if self.fp16.enabled && self.bf16.enabled {
             return Err(ConfigError::Conflict {
@@ -346,6 +354,48 @@ impl Config {
         }
         if self.steps_per_print == Some(0) {
             return Err(invalid("steps_per_print", 0.0, "must be >= 1 (leave it out for no periodic log)"));
+        }
+        Ok(())
+    }
+
+    /// `optimizer_in_backward` steps each unit as its gradients arrive: nothing may need every gradient first.
+    fn validate_optimizer_in_backward(&self) -> Result<()> {
+        let z = &self.zero_optimization;
+        let conflict = |message: String| Err(ConfigError::Conflict { path: "optimizer_in_backward".into(), message });
+        if z.stage != 3 {
+            return conflict(format!(
+                "the optimizer steps each unit's shard as its gradients are reduced in stage 3's walk: `zero_optimization.stage` must be 3 (it is {})",
+                z.stage
+            ));
+        }
+        if self.gradient_clipping != 0.0 {
+            return conflict(format!(
+                "clipping needs the norm of every gradient before any update: set `gradient_clipping` to 0 (it is {})",
+                self.gradient_clipping
+            ));
+        }
+        if let Some(gas) = self.gradient_accumulation_steps.filter(|&g| g > 1) {
+            return conflict(format!(
+                "accumulation needs a gradient shard to add micro-batches in: `gradient_accumulation_steps` must be 1 (it is {gas})"
+            ));
+        }
+        if self.fp16.enabled || self.bf16.enabled {
+            return conflict(
+                "a step that may be skipped for overflow cannot start before every gradient is in; it runs fp32 models (`fp16.enabled` / `bf16.enabled` must be false)".into(),
+            );
+        }
+        if let Some(opt) = self.optimizer.as_ref().filter(|o| o.name() == "Lamb") {
+            return conflict(format!(
+                "{}'s trust ratio needs each tensor's whole update: `optimizer.type` must be element-wise (Adam, AdamW, SGD, Adagrad, Lion)",
+                opt.name()
+            ));
+        }
+        for (section, device) in [("offload_optimizer", z.offload_optimizer.device), ("offload_param", z.offload_param.device)] {
+            if device == OffloadDevice::Nvme {
+                return conflict(format!(
+                    "the step writes each unit's part in memory as it comes: `zero_optimization.{section}.device` must not be \"nvme\""
+                ));
+            }
         }
         Ok(())
     }

@@ -2,12 +2,13 @@
 //! its own collective and finishes it). Stage 1's rounds, the unit walk of stages 2-3 and stage 2's hooked buckets
 //! all stage their gradients into a half of the staging buffer and hand a [`Bucket`] to the [`BucketQueue`]: it
 //! applies the predivide, reduce-scatters (on the communication thread when there is one) or all-reduces, and on
-//! finishing applies the post-factor and adds the result to the fp32 accumulator. With two halves, one bucket
-//! reduces while the next is staged.
+//! finishing applies the post-factor and lands the result ([`Landing`]): added to the fp32 accumulator, or stepped
+//! at once by the optimizer in backward. With two halves, one bucket reduces while the next is staged.
 use tch::Tensor;
 
 use super::counters::CommVolume;
 use super::engine_comm::EngineComm;
+use super::step_in_backward::StepPart;
 use super::views;
 use crate::comm::async_comm::Handle;
 use crate::comm::ReduceOp;
@@ -50,11 +51,31 @@ impl Reduction {
 }
 
 /// One bucket: every rank's part of some gradients staged in `staged` (equal lengths, rank by rank); this rank's
-/// reduced part lands in `out` and, with `accumulate_at`, is added to the fp32 accumulator from that offset.
+/// reduced part lands in `out` and, with `lands_at`, goes on from there at that offset of the optimized range.
 pub(super) struct Bucket {
     pub staged: Tensor,
     pub out: Tensor,
-    pub accumulate_at: Option<usize>,
+    pub lands_at: Option<usize>,
+}
+
+/// Where a finished bucket's reduced part goes ([`Bucket::lands_at`]).
+pub(super) enum Landing<'a> {
+    /// Added to the fp32 accumulator (gradients kept until the optimizer step).
+    Accumulate(&'a mut [f32]),
+    /// Stepped at once: stage 3's optimizer in backward.
+    Step(&'a mut dyn StepPart),
+}
+
+impl Landing<'_> {
+    fn land(&mut self, at: usize, part: &Tensor) -> Result<()> {
+        match self {
+            Landing::Accumulate(acc) => {
+                views::accumulate(&mut acc[at..at + part.numel()], part);
+                Ok(())
+            }
+            Landing::Step(stepper) => stepper.step_part(at, part),
+        }
+    }
 }
 
 /// A bucket whose collective was started: on the communication thread (a handle), or done in line.
@@ -95,8 +116,8 @@ impl Bucket {
 }
 
 impl Started {
-    /// Waits for the collective, applies the post-factor and adds the part to the accumulator.
-    fn finish(self, how: &Reduction, accumulator: &mut [f32]) -> Result<()> {
+    /// Waits for the collective, applies the post-factor and lands the part.
+    fn finish(self, how: &Reduction, landing: &mut Landing<'_>) -> Result<()> {
         if let Some(handle) = self.handle {
             handle.wait()?;
         }
@@ -104,8 +125,8 @@ impl Started {
         if let Some(post) = how.post {
             let _ = out.shallow_clone().f_mul_scalar_(post)?;
         }
-        if let Some(at) = self.bucket.accumulate_at {
-            views::accumulate(&mut accumulator[at..at + out.numel()], out);
+        if let Some(at) = self.bucket.lands_at {
+            landing.land(at, out)?;
         }
         Ok(())
     }
@@ -147,9 +168,9 @@ impl BucketQueue {
     }
 
     /// The next bucket's staging: `len` elements of the next half, once the bucket in flight from it finished.
-    pub fn claim(&mut self, len: usize, how: &Reduction, accumulator: &mut [f32]) -> Result<Tensor> {
+    pub fn claim(&mut self, len: usize, how: &Reduction, landing: &mut Landing<'_>) -> Result<Tensor> {
         if let Some(prev) = self.in_flight[self.next].take() {
-            prev.finish(how, accumulator)?;
+            prev.finish(how, landing)?;
         }
         Ok(self.staging.narrow(0, (self.next * self.half_len()) as i64, len as i64))
     }
@@ -161,11 +182,11 @@ impl BucketQueue {
         comm: &EngineComm,
         how: &Reduction,
         volume: &mut CommVolume,
-        accumulator: &mut [f32],
+        landing: &mut Landing<'_>,
     ) -> Result<()> {
         let started = bucket.start(comm, how, volume)?;
         if started.handle.is_none() {
-            started.finish(how, accumulator)?;
+            started.finish(how, landing)?;
         } else {
             self.in_flight[self.next] = Some(started);
         }
@@ -174,11 +195,11 @@ impl BucketQueue {
     }
 
     /// Finishes every bucket in flight, in launch order.
-    pub fn drain(&mut self, how: &Reduction, accumulator: &mut [f32]) -> Result<()> {
+    pub fn drain(&mut self, how: &Reduction, landing: &mut Landing<'_>) -> Result<()> {
         for k in 0..self.halves {
             let half = (self.next + k) % self.halves;
             if let Some(prev) = self.in_flight[half].take() {
-                prev.finish(how, accumulator)?;
+                prev.finish(how, landing)?;
             }
         }
         self.next = 0;

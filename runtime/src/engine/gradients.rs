@@ -5,12 +5,13 @@
 use tch::Tensor;
 use zerorun_optim::AlignedVec;
 
-use super::bucket::{Bucket, BucketQueue, Reduction};
+use super::bucket::{Bucket, BucketQueue, Landing, Reduction};
 use super::counters::CommVolume;
 use super::engine_comm::EngineComm;
 use super::grad_hooks::Countdown;
 use super::layout::FlatLayout;
 use super::plan::{GradientPath, GradientSizes, GradientViews, Optimized, ReducedGradients, StagePlan};
+use super::step_in_backward::ShardStepper;
 use super::{native, views};
 use crate::config::{Config, Precision};
 use crate::error::{Error, Result};
@@ -127,14 +128,14 @@ impl Gradients {
             ReducedGradients::ViewPartition => {
                 self.grad_buffer.as_ref().map(|g| &mut unsafe { views::slice::<f32>(g) }[optimized.range()])
             }
-            ReducedGradients::Accumulator => None,
+            ReducedGradients::Accumulator | ReducedGradients::Stepped => None,
         }
     }
 
     /// The fp32 gradients the optimizer steps with: in a flat buffer, or the accumulator.
     pub fn for_step(&mut self, optimized: &Optimized) -> &mut [f32] {
         let in_accumulator = match self.reduced {
-            ReducedGradients::Accumulator => true,
+            ReducedGradients::Accumulator | ReducedGradients::Stepped => true,
             ReducedGradients::ViewPartition => self.grad_buffer.is_none(),
             ReducedGradients::Staging => false,
         };
@@ -190,6 +191,17 @@ pub(super) struct GradientSync<'a> {
     pub params: &'a [Tensor],
     pub volume: &'a mut CommVolume,
     pub times: &'a mut PhaseTimes,
+    /// Stage 3's optimizer in backward: reduced parts are stepped at once instead of accumulated.
+    pub stepper: Option<ShardStepper<'a>>,
+}
+
+/// Where this backward's finished buckets land: the stepper when the optimizer runs in backward, else the fp32
+/// accumulator.
+fn landing<'s>(accumulator: &'s mut AlignedVec, stepper: &'s mut Option<ShardStepper<'_>>) -> Landing<'s> {
+    match stepper {
+        Some(s) => Landing::Step(s),
+        None => Landing::Accumulate(accumulator),
+    }
 }
 
 impl GradientSync<'_> {
@@ -225,22 +237,22 @@ impl GradientSync<'_> {
         for c in (0..part).step_by(round_len) {
             let l = round_len.min(part - c);
             let g = &mut *self.gradients;
-            let staged = g.queue.claim(ws * l, &g.how, &mut g.accumulator)?;
+            let staged = g.queue.claim(ws * l, &g.how, &mut Landing::Accumulate(&mut g.accumulator))?;
             for k in 0..ws {
                 self.gather_grads(&staged.narrow(0, (k * l) as i64, l as i64), k * part + c..k * part + c + l)?;
             }
             let out = self.reduced_slice(c, l);
             let g = &mut *self.gradients;
             g.queue.launch(
-                Bucket { staged, out, accumulate_at: None },
+                Bucket { staged, out, lands_at: None },
                 self.comm,
                 &g.how,
                 self.volume,
-                &mut g.accumulator,
+                &mut Landing::Accumulate(&mut g.accumulator),
             )?;
         }
         let g = &mut *self.gradients;
-        g.queue.drain(&g.how, &mut g.accumulator)?;
+        g.queue.drain(&g.how, &mut Landing::Accumulate(&mut g.accumulator))?;
         self.clear_param_grads();
         Ok(())
     }
@@ -316,12 +328,13 @@ impl GradientSync<'_> {
             let l = round.min(chunk - c);
             let g = &mut *self.gradients;
             let half = g.queue.next_half();
-            let staged = g.queue.claim(ws * l, &g.how, &mut g.accumulator)?;
+            let staged = g.queue.claim(ws * l, &g.how, &mut landing(&mut g.accumulator, &mut self.stepper))?;
             self.stage_unit_round(i, grads, &staged, c, l)?;
             let out = part.narrow(0, (half * part_half) as i64, l as i64);
             let g = &mut *self.gradients;
-            let bucket = Bucket { staged, out, accumulate_at: Some(offset + c) };
-            g.queue.launch(bucket, self.comm, &g.how, self.volume, &mut g.accumulator)?;
+            let bucket = Bucket { staged, out, lands_at: Some(offset + c) };
+            let mut landing = landing(&mut g.accumulator, &mut self.stepper);
+            g.queue.launch(bucket, self.comm, &g.how, self.volume, &mut landing)?;
         }
         self.times.add(Phase::ReduceScatter, started.elapsed());
         Ok(())
@@ -330,7 +343,7 @@ impl GradientSync<'_> {
     /// Finishes every reduction in flight (the end of a backward, before anything reads the accumulator).
     pub fn drain(&mut self) -> Result<()> {
         let g = &mut *self.gradients;
-        g.queue.drain(&g.how, &mut g.accumulator)
+        g.queue.drain(&g.how, &mut landing(&mut g.accumulator, &mut self.stepper))
     }
 
     /// Copies elements `c..c+l` of every rank's chunk of unit `i`'s gradients (slot order; None: zeros) into

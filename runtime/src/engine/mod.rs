@@ -38,6 +38,7 @@ pub mod sampler;
 mod setup;
 mod sharded_unit;
 mod step;
+mod step_in_backward;
 mod swapped_params;
 mod unit_walk;
 pub mod units;
@@ -190,6 +191,8 @@ pub struct Engine {
     defers_reduction: bool,
     /// `async_training` local SGD / DiLoCo: when the ranks meet, and DiLoCo's outer state. None: synchronous.
     meetings: Option<meetings::Meetings>,
+    /// `optimizer_in_backward`: the step this backward took in pieces, until `step` ends it.
+    in_backward: Option<step_in_backward::StepInBackward>,
 }
 
 impl Engine {
@@ -375,6 +378,13 @@ impl Engine {
 
     /// What reducing gradients needs, borrowed from the engine's fields.
     fn gradient_sync(&mut self) -> gradients::GradientSync<'_> {
+        // Only while stage 3's optimizer in backward has begun a step.
+        let stepper = self.in_backward.as_mut().map(|progress| step_in_backward::ShardStepper {
+            tier: &mut self.shard.tier,
+            groups: &self.shard.groups,
+            shard: &self.parameters.flat,
+            progress,
+        });
         gradients::GradientSync {
             gradients: &mut self.gradients,
             comm: &self.comm,
@@ -382,6 +392,7 @@ impl Engine {
             params: &self.params,
             volume: &mut self.comm_volume,
             times: &mut self.times,
+            stepper,
         }
     }
 }

@@ -96,6 +96,8 @@ pub(super) struct StagePlan {
     pub overlap: bool,
     /// Hooked stage 2 with overlap and reduce-scatter: two staging halves, one reducing on the communication thread.
     pub hooked_overlap: bool,
+    /// `optimizer_in_backward` (stage 3): the unit walk steps each reduced part at once; no gradient shard.
+    pub steps_in_backward: bool,
 }
 
 impl StagePlan {
@@ -109,7 +111,7 @@ impl StagePlan {
         };
         let overlap = overlap_comm && world_size > 1 && strategy != Strategy::Replicated;
         let hooked_overlap = gradients == GradientPath::Hooks && overlap && reduce_scatter;
-        StagePlan { strategy, gradients, overlap, hooked_overlap }
+        StagePlan { strategy, gradients, overlap, hooked_overlap, steps_in_backward: false }
     }
 
     /// ZeRO's stage number, for reports, manifests and messages.
@@ -188,6 +190,8 @@ pub(super) enum ReducedGradients {
     ViewPartition,
     /// In the fp32 accumulator: 16-bit models (accumulated over micro-batches), reductions into a partition buffer.
     Accumulator,
+    /// Nowhere after backward: stage 3's optimizer in backward steps each reduced part as it arrives.
+    Stepped,
 }
 
 /// Where the model's `.grad` tensors point (DDP's gradient_as_bucket_view).
@@ -254,6 +258,7 @@ impl GradientSizes {
             GradientPath::AfterBackward => Some(partition),
         };
         let reduced = match plan.strategy {
+            _ if plan.steps_in_backward => ReducedGradients::Stepped,
             _ if !fp32_model => ReducedGradients::Accumulator,
             Strategy::Replicated if comm_in_model_dtype => ReducedGradients::Staging,
             Strategy::PartitionedOptimizer if fp32_in_place => ReducedGradients::ViewPartition,

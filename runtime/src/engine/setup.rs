@@ -251,7 +251,19 @@ impl Engine {
         let z = &config.zero_optimization;
         let precision = config.precision();
         let kind = views::kind_of(precision);
-        let plan = StagePlan::new(z.stage, options.units.is_some(), z.overlap_comm, z.reduce_scatter, world_size);
+        let mut plan = StagePlan::new(z.stage, options.units.is_some(), z.overlap_comm, z.reduce_scatter, world_size);
+        plan.steps_in_backward = config.optimizer_in_backward;
+        if config.optimizer_in_backward && batch.gradient_accumulation_steps > 1 {
+            // The config checks a given value; this is the value the batch rule resolved.
+            return Err(crate::config::ConfigError::Conflict {
+                path: "optimizer_in_backward".into(),
+                message: format!(
+                    "accumulation needs a gradient shard to add micro-batches in: the batch sizes resolve to gradient_accumulation_steps {} at {world_size} ranks (train_batch_size {} = micro batch {} x ranks); it must be 1",
+                    batch.gradient_accumulation_steps, batch.train_batch_size, batch.train_micro_batch_size_per_gpu
+                ),
+            }
+            .into());
+        }
         // Buffers the collectives read go where the peers map them (the shm backend's shared region).
         let shared = comm.prefers_shared_buffers();
         let variables::Variables { trainable, frozen, buffers } = variables::classify(vs);
@@ -335,6 +347,7 @@ impl Engine {
             model_parallel: None,
             defers_reduction: options.reduce_once_per_step && precision == Precision::Fp32,
             meetings: None,
+            in_backward: None,
         };
         engine.meetings = meetings::Meetings::new(&engine.config.async_training, &engine.parameters.flat);
         if plan.gradients == plan::GradientPath::Hooks {

@@ -75,10 +75,15 @@ impl Engine {
             self.timed(Phase::ReduceScatter, Self::reduce_fp32)?;
         }
         let lr = self.lr();
+        // The optimizer in backward (stage 3) has stepped already; what is left is the step's bookkeeping.
+        let stepped = self.in_backward.take();
 
         // Global squared norm: the ranks' parts are disjoint at stages 1-2, so one all-reduce of a scalar; an
         // inf or NaN anywhere makes it non-finite on every rank, which is how an fp16 overflow is agreed on.
-        let mut sq = [norm::sum_of_squares(Grads::F32(self.grads())) as f32];
+        let mut sq = [match stepped {
+            Some(s) => s.sum_of_squares as f32,
+            None => norm::sum_of_squares(Grads::F32(self.grads())) as f32,
+        }];
         if self.plan.partitions_optimizer() {
             self.comm.all_reduce(&mut sq, ReduceOp::Sum)?;
         }
@@ -108,7 +113,9 @@ impl Engine {
         if let Some(momentum) = self.scheduler.as_ref().and_then(LrScheduler::momentum) {
             self.shard.tier.set_momentum(momentum);
         }
-        self.timed(Phase::Step, Self::apply_optimizer)?;
+        if stepped.is_none() {
+            self.timed(Phase::Step, Self::apply_optimizer)?;
+        }
         self.memory_event(|| "optimizer step".into(), &[]);
         self.gradients.consume()?;
         self.after_step()?;

@@ -105,6 +105,9 @@ impl Engine {
                 "the engine runs the model's units at stage {stage}: the loss must come from `engine.forward(&model, input)` (run with gradients), once per backward{plain}"
             )));
         }
+        if self.plan.steps_in_backward {
+            self.begin_step_in_backward()?;
+        }
         let root = if factor != 1.0 { loss * factor } else { loss.shallow_clone() };
         let mut upstream: Option<Tensor> = None;
         for i in (0..records.len()).rev() {
