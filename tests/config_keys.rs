@@ -128,6 +128,7 @@ fn table() -> Vec<(&'static str, Effect)> {
         ("optimizer.params.torch_adam", Noticed(adam(json!({"torch_adam": true})))),
         ("optimizer.params.weight_decay", Acted("tests/equivalence.rs")),
         ("optimizer.type", Acted("tests/equivalence.rs")),
+        ("optimizer_in_backward", Acted("tests/stage3.rs")),
         ("pipeline", Section),
         (
             "pipeline.activation_checkpoint_interval",

@@ -358,7 +358,8 @@ fn in_backward_config(in_backward: bool, extra: Value) -> Config {
 #[test]
 fn optimizer_in_backward_gives_the_whole_steps_weights_bitwise_and_holds_no_gradient_shard() {
     // Decay and no-decay groups cut across the units' parts; buckets of 40 elements cut each unit into rounds.
-    let options = EngineOptions { no_weight_decay: Some(zerorun::runtime::engine::no_decay_for_1d), ..Default::default() };
+    let options =
+        EngineOptions { no_weight_decay: Some(zerorun::runtime::engine::no_decay_for_1d), ..Default::default() };
     for (world, overlap, units) in [(3, true, Units::PerLayer), (2, false, Units::PerLayer), (3, true, Units::Whole)] {
         let extra = json!({});
         let mut configs = [in_backward_config(false, extra.clone()), in_backward_config(true, extra)];
@@ -368,7 +369,10 @@ fn optimizer_in_backward_gives_the_whole_steps_weights_bitwise_and_holds_no_grad
         let [whole, pieces] = configs.map(|c| run_with(world, c, units, options.clone(), &DIMS));
         for (rank, (w, p)) in whole.iter().zip(&pieces).enumerate() {
             let d = max_relative_difference(&p.params, &w.params);
-            assert!(w.params == p.params, "world size {world}, overlap {overlap}, {units:?}, rank {rank}: weights differ ({d:e})");
+            assert!(
+                w.params == p.params,
+                "world size {world}, overlap {overlap}, {units:?}, rank {rank}: weights differ ({d:e})"
+            );
             let get = |r: &RankRun, name: &str| r.memory.iter().find(|(n, _)| n.name() == name).map_or(0, |(_, b)| *b);
             assert!(get(w, "gradients_shard") > 0, "the whole step holds a gradient shard");
             assert_eq!(get(p, "gradients_shard"), 0, "rank {rank}: the optimizer in backward holds none");

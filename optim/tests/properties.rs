@@ -368,7 +368,9 @@ fn a_step_in_pieces_equals_the_whole_step_bitwise() {
             parts.begin_step();
             for r in pieces.clone() {
                 let out = Some(ParamsOut::Bf16(&mut o_parts[r.clone()]));
-                parts.update_range(r.clone(), &mut p_parts[r.clone()], Grads::F32(&g[r.clone()]), &groups, out).unwrap();
+                parts
+                    .update_range(r.clone(), &mut p_parts[r.clone()], Grads::F32(&g[r.clone()]), &groups, out)
+                    .unwrap();
             }
         }
         let name = whole.name();
@@ -391,5 +393,8 @@ fn a_piece_outside_the_shard_and_lamb_are_refused() {
     assert_eq!(err, OptimError::Length { what: "parameters of the range", got: 4, expected: 3 });
     let mut lamb = Lamb::new(LambConfig::default(), n);
     let err = lamb.update_range(0..4, &mut p, Grads::F32(&g), &groups, None).unwrap_err();
-    assert_eq!(err.to_string(), "Lamb cannot step part of its shard: its update reads more than one element (per-tensor norms)");
+    assert_eq!(
+        err.to_string(),
+        "Lamb cannot step part of its shard: its update reads more than one element (per-tensor norms)"
+    );
 }

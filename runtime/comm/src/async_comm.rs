@@ -211,6 +211,16 @@ impl Communicator for CommThread {
         self.submit("broadcast", move |c| c.broadcast_buf(unsafe { raw.buf_mut() }, root)).wait()
     }
 
+    fn forget_gathered_pages(&self) {
+        // On the thread that ran the all-gather, after it (jobs run in order).
+        let _ = self
+            .submit("forget_gathered_pages", |c| {
+                c.forget_gathered_pages();
+                Ok(())
+            })
+            .wait();
+    }
+
     fn barrier(&self) -> CommResult<()> {
         self.submit("barrier", |c| c.barrier()).wait()
     }

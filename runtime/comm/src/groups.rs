@@ -154,6 +154,10 @@ impl Communicator for Named {
         self.named(self.inner.all_gather_buf(buf))
     }
 
+    fn forget_gathered_pages(&self) {
+        self.inner.forget_gathered_pages()
+    }
+
     fn broadcast_buf(&self, buf: BufMut<'_>, root: usize) -> CommResult<()> {
         self.named(self.inner.broadcast_buf(buf, root))
     }

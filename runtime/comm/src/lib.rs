@@ -98,6 +98,11 @@ pub trait Communicator: Send {
     fn prefers_shared_buffers(&self) -> bool {
         false
     }
+    /// Lets go of the peers' pages this rank's last all-gather read through its own mapping of their regions
+    /// (shm: `MADV_DONTNEED` on them; the memory stays the peer's, and a later read maps it again). For a buffer
+    /// the peer frees soon, as a stage-3 unit's: until then its pages count in this process's resident set as
+    /// well as in the peer's. Backends that copy hold nothing of the peers': nothing to do.
+    fn forget_gathered_pages(&self) {}
 }
 
 /// The collectives on typed slices (f32, bf16, f16, i64), for any communicator.

@@ -191,6 +191,8 @@ impl ShardedUnit {
             return Ok(0);
         }
         self.fill_from(comm, Some(chunk))?;
+        // The peers free their copies of this unit soon: their pages need not stay in this resident set.
+        comm.forget_gathered_pages();
         self.point_params_at_views();
         Ok(self.span.range.len())
     }
@@ -225,7 +227,12 @@ impl ShardedUnit {
         // The job holds its own handle to the buffer, so the storage outlives it; nothing here reads, writes or
         // resizes the buffer until `finish_gather` waits (release finishes a Gathering unit first).
         let full = self.full.shallow_clone();
-        let handle = thread.submit("all_gather", move |c| views::all_gather(c, &full));
+        let handle = thread.submit("all_gather", move |c| {
+            views::all_gather(c, &full)?;
+            // The peers free their copies of this unit soon: their pages need not stay in this resident set.
+            c.forget_gathered_pages();
+            Ok(())
+        });
         self.pending = Some(handle);
         self.state = UnitState::Gathering;
         Ok(self.span.range.len())

@@ -116,6 +116,7 @@ impl Engine {
             self.gather_unit(i)?;
             self.prefetch((0..i).rev())?;
             self.parameters.read_ahead((0..i).rev());
+            self.memory_event(|| format!("backward: unit {i} gathered"), &[]);
             let output = match &rec.output {
                 Some(y) => y.shallow_clone(),
                 None => {
@@ -148,6 +149,11 @@ impl Engine {
             );
             upstream = if takes_input { grads.pop().flatten() } else { None };
             self.gradient_sync().reduce_unit(i, &grads)?;
+            self.memory_event(
+                || format!("backward: unit {i} reduced"),
+                &[(MemoryCategory::GradientsUnit, unit_grad_bytes)],
+            );
+            drop(grads);
             if !self.parameters.units[i].persistent {
                 self.release_unit(i)?;
             }

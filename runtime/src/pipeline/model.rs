@@ -113,10 +113,8 @@ impl<'a> PipelineModel<'a> {
         let mut tying: HashMap<String, usize> = HashMap::new();
         for (i, (name, b)) in self.layers.iter().enumerate() {
             match b {
-                Builder::Tying { key, .. } => {
-                    if tying.insert(key.clone(), i).is_some() {
-                        return Err(bad(format!("two layers create the tied weight `{key}` (the second: `{name}`)")));
-                    }
+                Builder::Tying { key, .. } if tying.insert(key.clone(), i).is_some() => {
+                    return Err(bad(format!("two layers create the tied weight `{key}` (the second: `{name}`)")));
                 }
                 Builder::Tied { key, .. } if !tying.contains_key(key) => {
                     return Err(bad(format!(

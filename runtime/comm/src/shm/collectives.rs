@@ -204,9 +204,11 @@ impl ShmComm {
         self.seg.handshake(OP, bytes.len() / buf.dtype.size(), buf.dtype, bytes.as_ptr())?;
         let r = self.seg.rank;
         if self.peers.direct() {
+            self.peers.begin_gather();
             for k in (0..self.seg.world_size).filter(|&k| k != r) {
                 self.peers.read(&self.seg, OP, k, k * pb, &mut bytes[k * pb..(k + 1) * pb])?;
             }
+            self.peers.end_gather();
             return self.seg.barrier(OP);
         }
         for a in (0..pb).step_by(SLOT_BYTES) {

@@ -82,6 +82,10 @@ impl Communicator for ShmComm {
         self.peers.shared_buffers()
     }
 
+    fn forget_gathered_pages(&self) {
+        self.peers.forget_gathered_pages()
+    }
+
     fn barrier(&self) -> CommResult<()> {
         self.seg.flag_failure(self.seg.barrier("barrier"))
     }
