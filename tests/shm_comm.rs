@@ -1,6 +1,6 @@
 //! The shm backend with real processes under `zerorun launch`: conformance against a local reference at world
 //! sizes 1-4 (heap buffers read through process_vm_readv, shared-region buffers read through the peers' mappings),
-//! and a rank killed with SIGKILL in the middle of an all-reduce loop.
+//! and a rank killed with SIGKILL in the middle of an all-reduce loop; a unit gather lets go of the peers' pages.
 //!
 //! The ranks are this test binary run again in worker mode (ZERORUN_TEST_WORKER names the worker).
 use std::process::Command;
@@ -29,6 +29,40 @@ fn loop_worker() {
     }
 }
 
+/// Worker: all-gathers 16 MiB per rank in the shared region, then lets go of the peers' pages it read: they leave this
+/// process's resident set (RssShmem) and the gathered values stay.
+fn forget_worker() {
+    use zerorun::runtime::comm::region::SharedBuffer;
+    let c = communicator_from_env(Duration::from_secs(60)).unwrap();
+    let (rank, n) = (c.rank(), c.world_size());
+    let part = 4 << 20;
+    let mut buf = SharedBuffer::zeroed(n * part * 4);
+    assert!(buf.in_region());
+    let values = buf.as_slice_mut::<f32>();
+    values[rank * part..(rank + 1) * part].fill(rank as f32 + 1.0);
+    c.all_gather_in_place(values).unwrap();
+    let shmem_kib = || {
+        let status = std::fs::read_to_string("/proc/self/status").unwrap();
+        let line = status.lines().find(|l| l.starts_with("RssShmem:")).unwrap().to_string();
+        line.split_whitespace().nth(1).unwrap().parse::<usize>().unwrap()
+    };
+    let before = shmem_kib();
+    c.forget_gathered_pages();
+    let after = shmem_kib();
+    // The peers' parts were mapped by the reads; all but a page at each edge go.
+    let peers_kib = (n - 1) * part * 4 / 1024;
+    assert!(
+        before - after >= peers_kib - 64,
+        "rank {rank}: RssShmem {before} -> {after} KiB, peers' parts {peers_kib} KiB"
+    );
+    for k in 0..n {
+        assert!(values[k * part..(k + 1) * part].iter().all(|&v| v == k as f32 + 1.0), "rank {rank}: part {k}");
+    }
+    // The peers keep their buffers until everyone has measured.
+    c.barrier().unwrap();
+    println!("forget ok on rank {rank}: RssShmem {before} -> {after} KiB");
+}
+
 #[test]
 #[ignore = "the ranks' entry point, run by the tests below in child processes"]
 fn worker_entry() {
@@ -40,6 +74,7 @@ fn worker_entry() {
             groups::groups(c.as_ref());
         }
         Ok("loop") => loop_worker(),
+        Ok("forget") => forget_worker(),
         _ => {}
     }
 }
@@ -115,6 +150,18 @@ fn shm_point_to_point_and_groups_direct_and_staged() {
     // Every group's segment is gone too.
     let after: Vec<String> = segments().into_iter().filter(|s| !before.contains(s)).collect();
     assert!(after.is_empty(), "left in /dev/shm: {after:?}");
+}
+
+#[test]
+fn a_unit_gather_lets_go_of_the_peers_pages() {
+    for n in [2, 3] {
+        let out = launch(n, "forget", &std::env::temp_dir()).output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "world size {n}:\n{text}\n{}", String::from_utf8_lossy(&out.stderr));
+        for r in 0..n {
+            assert!(text.contains(&format!("forget ok on rank {r}")), "world size {n}, rank {r}:\n{text}");
+        }
+    }
 }
 
 #[test]
