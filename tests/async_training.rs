@@ -131,8 +131,131 @@ fn what_local_steps_cannot_run_is_refused() {
     assert!(e.contains("async_training.outer_optimizer.lr"), "{e}");
     let e = err(json!({"async_training": {"mode": "diloco", "sync_every": 2, "outer_optimizer": {"type": "adam"}}}));
     assert!(e.contains("async_training.outer_optimizer.type"), "{e}");
-    let e = err(json!({"async_training": {"mode": "bounded_staleness"}}));
-    assert!(e.contains("async_training.mode") && e.contains("not built yet"), "{e}");
+    let stage1 = json!({"gradient_clipping": 0, "zero_optimization": {"stage": 1}});
+    let e = err(json::merged(
+        stage1.clone(),
+        &json!({"async_training": {"mode": "bounded_staleness"}, "zero_optimization": {"stage": 2}}),
+    ));
+    assert!(e.contains("async_training.mode") && e.contains("`zero_optimization.stage` must be 1 (it is 2)"), "{e}");
+    let e = err(json!({"async_training": {"mode": "bounded_staleness"}, "zero_optimization": {"stage": 1}}));
+    assert!(e.contains("async_training.mode") && e.contains("set `gradient_clipping` to 0 (it is 1)"), "{e}");
+    let e =
+        err(json::merged(stage1, &json!({"async_training": {"mode": "bounded_staleness"}, "bf16": {"enabled": true}})));
+    assert!(e.contains("async_training.mode") && e.contains("fp32"), "{e}");
+    let e = err(json!({"async_training": {"mode": "bounded_staleness", "staleness": -1}}));
+    assert!(e.contains("async_training.staleness"), "{e}");
+}
+
+/// What a bounded-staleness rank ends with: its parameters, its staleness counts as an owner, its last loss.
+struct BoundedRun {
+    params: Vec<(String, Vec<f32>)>,
+    counts: Vec<u64>,
+    loss: f64,
+}
+
+/// Bounded staleness at stage 1 with AdamW and WarmupLR, 3 thread ranks: each rank's parameters after `steps`
+/// steps, its staleness counts as an owner and its last loss. `slow`: (rank, milliseconds it sleeps per step).
+fn bounded(staleness: u64, scaling: bool, steps: i64, slow: Option<(usize, u64)>) -> Vec<BoundedRun> {
+    let mode = if staleness == u64::MAX {
+        json!({"mode": "off"})
+    } else {
+        json!({"mode": "bounded_staleness", "staleness": staleness, "lr_staleness_scaling": scaling})
+    };
+    let c = config(json!({
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": LR, "warmup_num_steps": 5}},
+        "zero_optimization": {"stage": 1}, "async_training": mode,
+    }));
+    on_thread_ranks(RANKS, |comm, x, y| {
+        let rank = comm.rank();
+        let (vs, model) = init_store();
+        let options =
+            EngineOptions { no_weight_decay: Some(zerorun::runtime::engine::no_decay_for_1d), ..Default::default() };
+        let mut engine = Engine::new(&vs, c.clone(), Box::new(comm), options).unwrap();
+        let micro = engine.batch_sizes().train_micro_batch_size_per_gpu as usize;
+        let mut last = f64::NAN;
+        for step in 0..steps {
+            if let Some((_, ms)) = slow.filter(|(r, _)| *r == rank) {
+                std::thread::sleep(std::time::Duration::from_millis(ms));
+            }
+            let rows = batch_indices(step);
+            let loss = loss_on(&model, &x, &y, &rows[rank * micro..(rank + 1) * micro]);
+            engine.backward(&loss).unwrap();
+            if let zerorun::StepOutcome::Stepped { loss, .. } = engine.step().unwrap() {
+                last = loss;
+            }
+        }
+        // Every owner applies every step and every rank pulls the final values.
+        engine.finish().unwrap();
+        BoundedRun { params: params_of(&vs), counts: engine.staleness_counts(), loss: last }
+    })
+}
+
+#[test]
+fn bounded_staleness_zero_is_synchronous_data_parallelism() {
+    let sync = bounded(u64::MAX, false, 10, None);
+    let ssp = bounded(0, false, 10, Some((1, 5)));
+    for (r, run) in ssp.iter().enumerate() {
+        let d = max_relative_difference(&run.params, &sync[0].params);
+        assert!(d < 1e-6, "rank {r}: {d:e}");
+        // Every applied gradient was computed on up-to-date values: 3 workers x 10 steps at each owner.
+        assert_eq!(run.counts, vec![30], "rank {r}'s staleness counts");
+    }
+}
+
+#[test]
+fn bounded_staleness_lets_fast_ranks_run_ahead_within_the_bound() {
+    // Rank 2 sleeps 15 ms per step: the others run up to s = 2 steps ahead, on values that lack its updates.
+    for scaling in [false, true] {
+        let runs = bounded(2, scaling, 24, Some((2, 15)));
+        let counts: Vec<u64> = (0..3).map(|i| runs.iter().map(|r| r.counts[i]).sum()).collect();
+        // Every owner applied 3 x 24 gradients, none older than the bound (the owner refuses one that is).
+        for (r, run) in runs.iter().enumerate() {
+            assert_eq!(run.counts.len(), 3, "rank {r}: counts for staleness 0..=2");
+            assert_eq!(run.counts.iter().sum::<u64>(), 72, "rank {r}");
+        }
+        assert!(counts[1] + counts[2] > 0, "some gradients were stale (lr_staleness_scaling {scaling}): {counts:?}");
+        // It still trains (the mean loss starts at 6.4 here and the synchronous run ends at 1.1; the losses are each
+        // rank's own), and after `finish` every rank holds the same values.
+        for (r, run) in runs.iter().enumerate() {
+            assert!(run.loss.is_finite() && run.loss < 3.0, "rank {r}'s last loss {}", run.loss);
+            assert_eq!(max_relative_difference(&run.params, &runs[0].params), 0.0, "rank {r} after finish");
+        }
+    }
+}
+
+#[test]
+fn a_rank_that_stops_is_an_error_on_the_others_not_a_hang() {
+    let c = config(json!({
+        "comms_timeout": 2, "zero_optimization": {"stage": 1}, "optimizer": {"type": "AdamW", "params": {}},
+        "async_training": {"mode": "bounded_staleness", "staleness": 1},
+    }));
+    let errors = on_thread_ranks(RANKS, |comm, x, y| {
+        let rank = comm.rank();
+        let (vs, model) = init_store();
+        let mut engine = Engine::new(&vs, c.clone(), Box::new(comm), EngineOptions::default()).unwrap();
+        let micro = engine.batch_sizes().train_micro_batch_size_per_gpu as usize;
+        let mut error = None;
+        for step in 0..6 {
+            if rank == 2 && step == 1 {
+                // Gone without a word (no drain, no barrier), as a killed process.
+                std::mem::forget(engine);
+                return None;
+            }
+            let rows = batch_indices(step);
+            let loss = loss_on(&model, &x, &y, &rows[rank * micro..(rank + 1) * micro]);
+            engine.backward(&loss).unwrap();
+            if let Err(e) = engine.step() {
+                error = Some(e.to_string());
+                break;
+            }
+        }
+        error
+    });
+    for (r, e) in errors.iter().take(2).enumerate() {
+        let e = e.as_deref().unwrap_or("no error");
+        assert!(e.contains("bounded_staleness: rank") && e.contains("no gradient of it from rank 2"), "rank {r}: {e}");
+    }
 }
 
 #[test]

@@ -211,6 +211,11 @@ impl Communicator for CommThread {
         self.submit("broadcast", move |c| c.broadcast_buf(unsafe { raw.buf_mut() }, root)).wait()
     }
 
+    fn window(&self, local: &mut [u8]) -> CommResult<Option<Vec<usize>>> {
+        let raw = RawBuf::new(local.as_mut_ptr(), local.len(), Dtype::I64);
+        self.submit("window", move |c| c.window(unsafe { raw.buf_mut() }.bytes)).wait()
+    }
+
     fn forget_gathered_pages(&self) {
         // On the thread that ran the all-gather, after it (jobs run in order).
         let _ = self

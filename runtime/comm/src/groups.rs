@@ -158,6 +158,10 @@ impl Communicator for Named {
         self.inner.forget_gathered_pages()
     }
 
+    fn window(&self, local: &mut [u8]) -> CommResult<Option<Vec<usize>>> {
+        self.named(self.inner.window(local))
+    }
+
     fn broadcast_buf(&self, buf: BufMut<'_>, root: usize) -> CommResult<()> {
         self.named(self.inner.broadcast_buf(buf, root))
     }

@@ -103,6 +103,15 @@ pub trait Communicator: Send {
     /// the peer frees soon, as a stage-3 unit's: until then its pages count in this process's resident set as
     /// well as in the peer's. Backends that copy hold nothing of the peers': nothing to do.
     fn forget_gathered_pages(&self) {}
+    /// One-sided access to every rank's `local` bytes: where each rank's lies in this process's address space, by
+    /// rank (this rank's is `local` itself), for reads and writes with no collective. Some where ranks share memory:
+    /// the threads backend (one address space) and shm (each peer's shared region mapped here; `local` must be in
+    /// this process's region, e.g. a `region::SharedBuffer`); None on backends that only exchange messages (MPI,
+    /// gloo, NCCL) or when some rank's `local` is not reachable. Collective: every rank passes the same length and
+    /// all get Some or all None. Ordering between ranks is the caller's (atomics in the shared bytes).
+    fn window(&self, _local: &mut [u8]) -> CommResult<Option<Vec<usize>>> {
+        Ok(None)
+    }
 }
 
 /// The collectives on typed slices (f32, bf16, f16, i64), for any communicator.

@@ -200,6 +200,14 @@ impl Communicator for ThreadComm {
         self.rank
     }
 
+    fn window(&self, local: &mut [u8]) -> CommResult<Option<Vec<usize>>> {
+        // One address space: every rank's address is valid here as it is.
+        let mut addrs = vec![0i64; self.world_size];
+        addrs[self.rank] = local.as_mut_ptr() as i64;
+        super::Collectives::all_gather_in_place(self, &mut addrs)?;
+        Ok(Some(addrs.into_iter().map(|a| a as usize).collect()))
+    }
+
     fn world_size(&self) -> usize {
         self.world_size
     }

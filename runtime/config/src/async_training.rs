@@ -1,6 +1,8 @@
 //! `async_training` (zerorun's own section): how far the data-parallel ranks may run apart. `off` is synchronous
 //! training; `local_sgd` and `diloco` let every rank take `sync_every` optimizer steps on its own gradients before
-//! the ranks meet (the parameters averaged, or their averaged change applied by an outer optimizer: DiLoCo).
+//! the ranks meet (the parameters averaged, or their averaged change applied by an outer optimizer: DiLoCo);
+//! `bounded_staleness` lets every rank run up to `staleness` optimizer steps ahead of the slowest, on parameters
+//! that may lack that many steps' updates (stale synchronous parallel over stage 1's partition).
 use serde::Serialize;
 
 use super::error::{ConfigError, Result};
@@ -40,19 +42,29 @@ pub enum AsyncTraining {
     /// Every rank steps alone (the inner optimizer is the config's); every `sync_every` steps the averaged change
     /// since the last meeting is applied by `outer_optimizer`.
     Diloco { sync_every: u64, outer_optimizer: OuterOptimizer },
+    /// Stale synchronous parallel: each rank owns a partition of the parameters and its optimizer state (as at
+    /// stage 1); workers push gradients to the owners and pull the owners' latest values, and start a step only
+    /// once every owner has applied the steps older than `staleness` (0: synchronous). With
+    /// `lr_staleness_scaling` each gradient is divided by its staleness (steps of updates its parameters lacked).
+    BoundedStaleness { staleness: u64, lr_staleness_scaling: bool },
 }
 
 impl AsyncTraining {
     /// Steps between meetings (1 when synchronous).
     pub fn sync_every(&self) -> u64 {
         match self {
-            AsyncTraining::Off => 1,
+            AsyncTraining::Off | AsyncTraining::BoundedStaleness { .. } => 1,
             AsyncTraining::LocalSgd { sync_every } | AsyncTraining::Diloco { sync_every, .. } => *sync_every,
         }
     }
 
-    /// Whether ranks step on their own gradients between meetings.
+    /// Whether ranks step on their own gradients between meetings (local SGD, DiLoCo).
     pub fn is_local(&self) -> bool {
+        matches!(self, AsyncTraining::LocalSgd { .. } | AsyncTraining::Diloco { .. })
+    }
+
+    /// Whether training is anything but synchronous.
+    pub fn is_async(&self) -> bool {
         !matches!(self, AsyncTraining::Off)
     }
 
@@ -64,13 +76,10 @@ impl AsyncTraining {
             allowed: allowed.into(),
         };
         let out = match mode {
-            "bounded_staleness" => {
-                return Err(ConfigError::Invalid {
-                    path: s.path_of("mode"),
-                    value: "\"bounded_staleness\"".into(),
-                    allowed: "\"off\", \"local_sgd\" or \"diloco\" (bounded staleness is not built yet)".into(),
-                })
-            }
+            "bounded_staleness" => AsyncTraining::BoundedStaleness {
+                staleness: s.uint("staleness", 0)?,
+                lr_staleness_scaling: s.bool("lr_staleness_scaling", false)?,
+            },
             "off" => AsyncTraining::Off,
             _ => {
                 let sync_every = s.uint("sync_every", 0)?;

@@ -265,6 +265,14 @@ impl Config {
                 keys.extend(asked);
             }
         }
+        // The keys of async_training's other modes.
+        let bounded = serde_json::json!({
+            "train_batch_size": 1, "gradient_clipping": 0, "zero_optimization": {"stage": 1},
+            "async_training": {"mode": "bounded_staleness"},
+        });
+        let (parsed, asked) = reader::collect_keys(|| Config::from_value(bounded));
+        parsed.unwrap_or_else(|e| panic!("bounded_staleness: {e}"));
+        keys.extend(asked);
         keys.into_iter().collect()
     }
 
@@ -288,6 +296,31 @@ impl Config {
         }
         if self.optimizer_in_backward {
             self.validate_optimizer_in_backward()?;
+        }
+        if let AsyncTraining::BoundedStaleness { .. } = self.async_training {
+            let conflict = |message: String| Err(ConfigError::Conflict { path: "async_training.mode".into(), message });
+            if z.stage != 1 {
+                return conflict(format!(
+                    "bounded staleness gives each rank a partition of the parameters and its optimizer state to serve, as at stage 1: `zero_optimization.stage` must be 1 (it is {})",
+                    z.stage
+                ));
+            }
+            if self.fp16.enabled || self.bf16.enabled {
+                return conflict(
+                    "bounded staleness runs fp32 models for now (`fp16.enabled` / `bf16.enabled` must be false)".into(),
+                );
+            }
+            if self.gradient_clipping != 0.0 {
+                return conflict(format!(
+                    "clipping needs the global norm of one step's gradients, which no owner sees: set `gradient_clipping` to 0 (it is {})",
+                    self.gradient_clipping
+                ));
+            }
+            if z.offload_optimizer.device == OffloadDevice::Nvme {
+                return conflict(
+                    "an owner steps its partition as its gradients come in: `zero_optimization.offload_optimizer.device` must not be \"nvme\"".into(),
+                );
+            }
         }
         if self.fp16.enabled && self.bf16.enabled {
             return Err(ConfigError::Conflict {

@@ -105,6 +105,12 @@ impl Gradients {
         })
     }
 
+    /// The buffer of the whole model's gradients the `.grad` tensors are views of (stages 0-1 when gradients
+    /// travel in the model's dtype).
+    pub fn view_buffer(&self) -> Option<&Tensor> {
+        self.grad_buffer.as_ref()
+    }
+
     /// The fp32 accumulator of the optimized range.
     pub fn accumulator(&mut self) -> &mut [f32] {
         &mut self.accumulator

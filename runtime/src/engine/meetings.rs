@@ -28,7 +28,7 @@ impl Meetings {
     /// None when training is synchronous. `flat`: the parameters' flat buffer (fp32 at stage 0).
     pub fn new(mode: &AsyncTraining, flat: &Tensor) -> Option<Meetings> {
         match *mode {
-            AsyncTraining::Off => None,
+            AsyncTraining::Off | AsyncTraining::BoundedStaleness { .. } => None,
             AsyncTraining::LocalSgd { sync_every } => Some(Meetings { every: sync_every, diloco: None }),
             AsyncTraining::Diloco { sync_every, outer_optimizer } => Some(Meetings {
                 every: sync_every,

@@ -37,6 +37,7 @@ mod reporting;
 pub mod sampler;
 mod setup;
 mod sharded_unit;
+mod staleness;
 mod step;
 mod step_in_backward;
 mod swapped_params;
@@ -193,6 +194,10 @@ pub struct Engine {
     meetings: Option<meetings::Meetings>,
     /// `optimizer_in_backward`: the step this backward took in pieces, until `step` ends it.
     in_backward: Option<step_in_backward::StepInBackward>,
+    /// `async_training` bounded staleness: this rank's window, inbox and accumulators (None otherwise), and the
+    /// schedule of the steps it applies as an owner.
+    staleness: Option<Box<staleness::BoundedStaleness>>,
+    owner_schedule: Option<LrScheduler>,
 }
 
 impl Engine {
@@ -393,6 +398,15 @@ impl Engine {
             volume: &mut self.comm_volume,
             times: &mut self.times,
             stepper,
+        }
+    }
+}
+
+impl Drop for Engine {
+    /// Bounded staleness: an owner serves what the other ranks still need of it before its memory goes.
+    fn drop(&mut self) {
+        if let Err(e) = self.finish() {
+            tracing::error!(rank = self.rank(), "bounded_staleness at the end: {e}");
         }
     }
 }

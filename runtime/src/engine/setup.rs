@@ -348,8 +348,11 @@ impl Engine {
             defers_reduction: options.reduce_once_per_step && precision == Precision::Fp32,
             meetings: None,
             in_backward: None,
+            staleness: None,
+            owner_schedule: None,
         };
         engine.meetings = meetings::Meetings::new(&engine.config.async_training, &engine.parameters.flat);
+        engine.start_bounded_staleness()?;
         if plan.gradients == plan::GradientPath::Hooks {
             engine.grad_hooks = Some(grad_hooks::GradHooks::install(&engine.params)?);
         }

@@ -28,6 +28,8 @@ impl Engine {
         let outcome = self.step_impl()?;
         // Local SGD / DiLoCo: buffers meet with the parameters.
         let met = match (&self.meetings, outcome) {
+            // Bounded staleness: no collective during training; buffers stay each rank's.
+            _ if self.staleness.is_some() => false,
             (None, _) => true,
             (Some(m), StepOutcome::Stepped { step, .. }) => m.meets_after(step),
             (Some(_), _) => false,
@@ -70,6 +72,9 @@ impl Engine {
         }
         if !boundary {
             return Ok(StepOutcome::Accumulating);
+        }
+        if self.staleness.is_some() {
+            return self.bounded_staleness_step();
         }
         if self.precision == Precision::Fp32 && after_backward {
             self.timed(Phase::ReduceScatter, Self::reduce_fp32)?;
@@ -126,6 +131,25 @@ impl Engine {
                 self.comm_volume.all_reduce_elements += self.layout.padded as u64;
             }
         }
+        if let Some(s) = self.scheduler.as_mut() {
+            s.step();
+        }
+        self.progress.global_steps += 1;
+        self.progress.global_samples += self.batch.train_batch_size;
+        self.log_step(loss, lr, grad_norm);
+        self.end_of_step();
+        Ok(StepOutcome::Stepped { step: self.progress.global_steps, loss, grad_norm, lr })
+    }
+
+    /// Bounded staleness at the boundary: this rank's gradients go to their owners and the next step's values come
+    /// back; the loss and the gradient norm are this rank's own (no collective runs).
+    fn bounded_staleness_step(&mut self) -> Result<StepOutcome> {
+        let lr = self.lr();
+        let grads = self.gradients.view_buffer().expect("bounded staleness keeps gradient views");
+        // SAFETY: read between backward and the push; nothing writes the gradients meanwhile.
+        let grad_norm = norm::sum_of_squares(Grads::F32(unsafe { views::slice::<f32>(grads) })).sqrt();
+        self.timed(Phase::Step, Self::step_bounded_staleness)?;
+        let loss = self.finish_loss()?;
         if let Some(s) = self.scheduler.as_mut() {
             s.step();
         }
@@ -218,7 +242,8 @@ impl Engine {
     /// The mean loss over this step's micro-batches and all ranks (this rank's between local SGD's meetings).
     fn finish_loss(&mut self) -> Result<f64> {
         let mut loss = [(self.progress.loss_sum / self.progress.loss_count.max(1) as f64) as f32];
-        if self.meetings.as_ref().map_or(true, |m| m.meets_after(self.progress.global_steps + 1)) {
+        let meets = self.meetings.as_ref().map_or(true, |m| m.meets_after(self.progress.global_steps + 1));
+        if meets && self.staleness.is_none() {
             self.comm.all_reduce(&mut loss, ReduceOp::Avg)?;
         }
         self.progress.loss_sum = 0.0;

@@ -91,11 +91,11 @@ impl<'a> PipelineEngine<'a> {
                 why: "a pipeline stage runs ZeRO 0, 1 or 2 over its data-parallel group: stage 3 would gather every layer of the stage at every micro-batch's forward and backward; use stage 2 (a stage already holds only its own layers)",
             });
         }
-        if config.async_training.is_local() {
+        if config.async_training.is_async() {
             return Err(Error::Unsupported {
                 key: "async_training.mode",
                 value: format!("{:?}", config.async_training),
-                why: "local SGD and DiLoCo run without a pipeline for now",
+                why: "local SGD, DiLoCo and bounded staleness run without a pipeline for now",
             });
         }
         if options.units.is_some() {

@@ -82,6 +82,27 @@ impl Communicator for ShmComm {
         self.peers.shared_buffers()
     }
 
+    fn window(&self, local: &mut [u8]) -> CommResult<Option<Vec<usize>>> {
+        let (rank, n) = (self.seg.rank, self.seg.world_size);
+        let addr = local.as_mut_ptr() as usize;
+        let mut words = vec![0i64; 2 * n];
+        (words[2 * rank], words[2 * rank + 1]) = (addr as i64, local.len() as i64);
+        super::Collectives::all_gather_in_place(self, &mut words)?;
+        let ptrs: Vec<Option<usize>> = (0..n)
+            .map(|k| {
+                if k == rank {
+                    Some(addr)
+                } else {
+                    self.peers.mapped(k, words[2 * k] as usize, words[2 * k + 1] as usize)
+                }
+            })
+            .collect();
+        // Every rank reaches every other's bytes, or nobody uses the window.
+        let mut missing = [if ptrs.iter().any(Option::is_none) { 1f32 } else { 0.0 }];
+        super::Collectives::all_reduce(self, &mut missing, ReduceOp::Max)?;
+        Ok((missing[0] == 0.0).then(|| ptrs.into_iter().flatten().collect()))
+    }
+
     fn forget_gathered_pages(&self) {
         self.peers.forget_gathered_pages()
     }

@@ -112,6 +112,11 @@ impl PeerAccess {
         self.ptr(seg, k, offset, len).map(|p| unsafe { std::slice::from_raw_parts(p as *const u8, len) })
     }
 
+    /// Where rank `k`'s bytes `[addr, addr + len)` (its addresses) are mapped here, when they are in its region.
+    pub(super) fn mapped(&self, k: usize, addr: usize, len: usize) -> Option<usize> {
+        self.regions.get(k)?.as_ref()?.ptr(addr, len).map(|p| p as usize)
+    }
+
     /// An all-gather begins: the peer pages it reads are noted (those of the last one forgotten).
     pub(super) fn begin_gather(&self) {
         self.gathered.borrow_mut().clear();

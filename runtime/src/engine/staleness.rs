@@ -1,0 +1,435 @@
+//! Bounded staleness (`async_training.mode = "bounded_staleness"`): stale synchronous parallel (Ho et al. 2013) on
+//! stage 1's partition, with every rank both a worker and the owner of one partition (a parameter server spread
+//! over the ranks, as ZeRO spreads the optimizer). No collective runs during training:
+//!
+//! - A worker at clock c (its optimizer steps so far) pushes partition k of its gradients into owner k's inbox: one
+//!   slot per worker and clock modulo `staleness + 1`, written straight into k's window (shared memory, one-sided),
+//!   stamped with the clock and with how many steps owner k had applied to the values it computed on.
+//! - An owner adds each gradient into the accumulator of its clock as it finds it (divided by its staleness with
+//!   `lr_staleness_scaling`), and once every worker's gradient of its next clock is in, steps its partition with
+//!   their mean and publishes the values (a sequence lock) with the new count. Summing a clock's gradients before
+//!   one step keeps s = 0 exactly synchronous data parallelism, and Adam sees the gradient it would see there.
+//! - Before clock c + 1 a worker pulls every owner's latest values, waiting only for owners that have applied
+//!   fewer than c + 1 - s steps: it never runs more than s clocks ahead of the slowest, and the values a gradient is
+//!   computed on lack at most s steps (its staleness, counted by the owners: `staleness_counts`).
+//!
+//! Owners serve from the worker's own thread, whenever it is inside `engine.step()` (and while it waits there), so
+//! the optimizer state stays the engine's. Every wait has the config's `comms_timeout` and names the rank waited
+//! for: a dead rank is an error, never a hang.
+use std::sync::atomic::{fence, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use crate::comm::region::SharedBuffer;
+use crate::comm::Communicator;
+use crate::error::{Error, Result};
+
+/// Header words of a window: the owner's applied steps and the sequence lock over its published values.
+const APPLIED: usize = 0;
+const SEQ: usize = 1;
+const HEADER_WORDS: usize = 8;
+/// Stamps of one inbox slot: the clock + 1 of the gradient written there, of the last one the owner took, and the
+/// owner's applied count the worker's values were from.
+const FILLED: usize = 0;
+const TAKEN: usize = 1;
+const BASE: usize = 2;
+const STAMP_WORDS: usize = 3;
+
+/// One clock's gradients summed on the owner.
+struct Accumulator {
+    clock: Option<u64>,
+    count: usize,
+    sum: Vec<f32>,
+}
+
+pub(super) struct BoundedStaleness {
+    /// This rank's window: header, stamps, its published values, its inbox.
+    _window: SharedBuffer,
+    /// Every rank's window as mapped here.
+    windows: Vec<usize>,
+    rank: usize,
+    world: usize,
+    staleness: u64,
+    scaling: bool,
+    /// Elements of one partition (the padded flat length over the world size).
+    partition: usize,
+    /// Steps this worker has pushed.
+    clock: u64,
+    /// Per owner: how many steps it had applied to the values this worker last pulled.
+    based: Vec<u64>,
+    /// By clock modulo `staleness + 1`.
+    accumulators: Vec<Accumulator>,
+    /// Applied gradients by staleness (index: steps of updates their values lacked).
+    staleness_counts: Vec<u64>,
+    timeout: Duration,
+    /// `finish` ran: every owner applied every step and every rank holds the final values.
+    finished: bool,
+}
+
+/// The optimizer step an owner runs on its partition: (learning-rate step index, the partition's values, the mean
+/// gradient).
+pub(super) type OwnerStep<'a> = dyn FnMut(u64, &mut [f32], &[f32]) -> Result<()> + 'a;
+
+impl BoundedStaleness {
+    /// Sets up this rank's window with its partition's `values` (every rank starts from the same model) and maps
+    /// every peer's. Collective.
+    pub fn new(
+        comm: &dyn Communicator,
+        values: &[f32],
+        staleness: u64,
+        scaling: bool,
+        timeout: Duration,
+    ) -> Result<BoundedStaleness> {
+        let (rank, world, partition) = (comm.rank(), comm.world_size(), values.len());
+        let slots = staleness as usize + 1;
+        let bytes = Self::values_offset(world, slots) + (1 + world * slots) * partition * 4;
+        let mut window = SharedBuffer::zeroed(bytes);
+        let windows = comm.window(window.as_slice_mut::<u8>())?.ok_or_else(|| Error::Unsupported {
+            key: "async_training.mode",
+            value: "\"bounded_staleness\"".into(),
+            why: "bounded staleness writes into the owners' memory (one-sided): it needs ranks that share memory, the shm backend (processes of one host) or threads; this backend only exchanges messages",
+        })?;
+        let ps = BoundedStaleness {
+            _window: window,
+            windows,
+            rank,
+            world,
+            staleness,
+            scaling,
+            partition,
+            clock: 0,
+            based: vec![0; world],
+            accumulators: (0..slots)
+                .map(|_| Accumulator { clock: None, count: 0, sum: vec![0.0; partition] })
+                .collect(),
+            staleness_counts: vec![0; slots],
+            timeout,
+            finished: false,
+        };
+        // SAFETY: this rank's own published values; nobody reads them before the barrier below.
+        unsafe { ps.values(rank) }.copy_from_slice(values);
+        comm.barrier()?;
+        Ok(ps)
+    }
+
+    fn slots(&self) -> usize {
+        self.staleness as usize + 1
+    }
+
+    fn values_offset(world: usize, slots: usize) -> usize {
+        ((HEADER_WORDS + world * slots * STAMP_WORDS) * 8).next_multiple_of(64)
+    }
+
+    fn word(&self, k: usize, index: usize) -> &AtomicU64 {
+        // SAFETY: inside rank k's window (u64-aligned: page-aligned base), which lives as long as the job; shared
+        // words are only accessed atomically.
+        unsafe { &*((self.windows[k] as *const AtomicU64).add(index)) }
+    }
+
+    fn stamp(&self, owner: usize, worker: usize, slot: usize, which: usize) -> &AtomicU64 {
+        self.word(owner, HEADER_WORDS + (worker * self.slots() + slot) * STAMP_WORDS + which)
+    }
+
+    /// Owner k's published values.
+    ///
+    /// # Safety
+    /// Written by the owner only inside its sequence lock; the caller reads them inside it or is the owner, and
+    /// drops the slice before the window goes (the engine's end).
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn values<'a>(&self, k: usize) -> &'a mut [f32] {
+        let p = self.windows[k] + Self::values_offset(self.world, self.slots());
+        unsafe { std::slice::from_raw_parts_mut(p as *mut f32, self.partition) }
+    }
+
+    /// Worker `w`'s inbox slot `slot` at owner k.
+    ///
+    /// # Safety
+    /// The worker writes it while its FILLED stamp says the owner took the last one; the owner reads it after; the
+    /// slice is dropped before the window goes.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn inbox<'a>(&self, k: usize, w: usize, slot: usize) -> &'a mut [f32] {
+        let p = self.windows[k]
+            + Self::values_offset(self.world, self.slots())
+            + (1 + w * self.slots() + slot) * self.partition * 4;
+        unsafe { std::slice::from_raw_parts_mut(p as *mut f32, self.partition) }
+    }
+
+    /// Gradients this rank applied as an owner, by staleness (index 0: computed on up-to-date values).
+    pub fn staleness_counts(&self) -> &[u64] {
+        &self.staleness_counts
+    }
+
+    /// Pushes this worker's gradients of its current clock (`grads`: the whole padded flat model) into every
+    /// owner's inbox, then waits for the values of the next clock (pulled into `flat`, every partition but this
+    /// rank's own, which `step` updates in place), serving this rank's inbox meanwhile.
+    pub fn step(&mut self, grads: &[f32], flat: &mut [f32], step: &mut OwnerStep<'_>) -> Result<()> {
+        if self.finished {
+            return Err(Error::Usage(
+                "bounded_staleness: the engine was finished (`engine.finish()`); no more steps".into(),
+            ));
+        }
+        self.push(grads)?;
+        self.serve(flat, step)?;
+        self.pull(flat, step, self.clock.saturating_sub(self.staleness))
+    }
+
+    fn push(&mut self, grads: &[f32]) -> Result<()> {
+        let (c, slot, p) = (self.clock, (self.clock % self.slots() as u64) as usize, self.partition);
+        for k in 0..self.world {
+            // The slot's last gradient (clock c - slots) was taken: it was, since this worker's pull of clock c
+            // waited for owner k to apply clock c - s - 1, which needs it.
+            let taken = self.stamp(k, self.rank, slot, TAKEN);
+            self.wait(k, "take this rank's gradient of an earlier step", || {
+                taken.load(Ordering::Acquire) + self.slots() as u64 > c
+            })?;
+            // SAFETY: the slot is free (above) and only this worker writes it.
+            unsafe { self.inbox(k, self.rank, slot) }.copy_from_slice(&grads[k * p..(k + 1) * p]);
+            self.stamp(k, self.rank, slot, BASE).store(self.based[k], Ordering::Relaxed);
+            self.stamp(k, self.rank, slot, FILLED).store(c + 1, Ordering::Release);
+        }
+        self.clock += 1;
+        Ok(())
+    }
+
+    /// Takes every gradient waiting in this rank's inbox into its clock's accumulator, and steps this rank's
+    /// partition (in `flat`) for every clock whose gradients are all in, in order. Returns whether it did anything.
+    fn serve(&mut self, flat: &mut [f32], step: &mut OwnerStep<'_>) -> Result<bool> {
+        let (me, slots, p) = (self.rank, self.slots(), self.partition);
+        let mut progressed = false;
+        for w in 0..self.world {
+            for slot in 0..slots {
+                let filled = self.stamp(me, w, slot, FILLED).load(Ordering::Acquire);
+                if filled <= self.stamp(me, w, slot, TAKEN).load(Ordering::Relaxed) {
+                    continue;
+                }
+                let clock = filled - 1;
+                let base = self.stamp(me, w, slot, BASE).load(Ordering::Relaxed);
+                let staleness = clock - base;
+                if staleness > self.staleness {
+                    return Err(Error::Usage(format!(
+                        "bounded_staleness: rank {w}'s gradient of step {clock} was computed on values {staleness} steps old (the bound is {})",
+                        self.staleness
+                    )));
+                }
+                self.staleness_counts[staleness as usize] += 1;
+                let scale = if self.scaling && staleness > 1 { 1.0 / staleness as f32 } else { 1.0 };
+                // SAFETY: FILLED (acquired above) says the worker finished writing this slot; it writes it again only
+                // after TAKEN below.
+                let g: &[f32] = unsafe { self.inbox(me, w, slot) };
+                let acc = &mut self.accumulators[(clock % slots as u64) as usize];
+                if acc.clock != Some(clock) {
+                    debug_assert_eq!(acc.count, 0, "an accumulator is reused only once stepped");
+                    acc.clock = Some(clock);
+                    acc.sum.fill(0.0);
+                }
+                acc.sum.iter_mut().zip(g.iter()).for_each(|(a, g)| *a += g * scale);
+                acc.count += 1;
+                self.stamp(me, w, slot, TAKEN).store(filled, Ordering::Release);
+                progressed = true;
+            }
+        }
+        loop {
+            let applied = self.word(me, APPLIED).load(Ordering::Relaxed);
+            let acc = &mut self.accumulators[(applied % slots as u64) as usize];
+            if acc.clock != Some(applied) || acc.count < self.world {
+                break;
+            }
+            let inv = 1.0 / self.world as f32;
+            acc.sum.iter_mut().for_each(|g| *g *= inv);
+            let own = &mut flat[me * p..(me + 1) * p];
+            step(applied, own, &acc.sum)?;
+            (acc.clock, acc.count) = (None, 0);
+            // Publish the values and the count together (readers retry while SEQ is odd or moved).
+            self.word(me, SEQ).fetch_add(1, Ordering::AcqRel);
+            // SAFETY: this rank's own published values, written inside its sequence lock.
+            unsafe { self.values(me) }.copy_from_slice(own);
+            self.word(me, APPLIED).store(applied + 1, Ordering::Release);
+            self.word(me, SEQ).fetch_add(1, Ordering::Release);
+            progressed = true;
+        }
+        Ok(progressed)
+    }
+
+    /// Pulls every owner's values once it has applied at least `need` steps (serving this rank's inbox while it
+    /// waits).
+    fn pull(&mut self, flat: &mut [f32], step: &mut OwnerStep<'_>, need: u64) -> Result<()> {
+        let p = self.partition;
+        for k in 0..self.world {
+            let started = Instant::now();
+            while self.word(k, APPLIED).load(Ordering::Acquire) < need {
+                if !self.serve(flat, step)? {
+                    if started.elapsed() > self.timeout {
+                        return Err(self.stuck(k));
+                    }
+                    std::thread::yield_now();
+                }
+            }
+            if k == self.rank {
+                // This rank's partition is stepped in place: `flat` holds the owner's values.
+                self.based[k] = self.word(k, APPLIED).load(Ordering::Relaxed);
+                continue;
+            }
+            loop {
+                let before = self.word(k, SEQ).load(Ordering::Acquire);
+                if before % 2 == 1 {
+                    std::hint::spin_loop();
+                    continue;
+                }
+                let applied = self.word(k, APPLIED).load(Ordering::Acquire);
+                // SAFETY: read inside owner k's sequence lock; a torn copy is thrown away below.
+                flat[k * p..(k + 1) * p].copy_from_slice(unsafe { self.values(k) });
+                fence(Ordering::Acquire);
+                if self.word(k, SEQ).load(Ordering::Relaxed) == before {
+                    self.based[k] = applied;
+                    break;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Ends the run (collective): serves this rank's inbox until it has applied every step (which needs every
+    /// worker's last gradients), then, once every owner has, pulls every partition, so every rank holds the final
+    /// values; the closing barrier keeps each window until every rank has read it.
+    pub fn finish(&mut self, comm: &dyn Communicator, flat: &mut [f32], step: &mut OwnerStep<'_>) -> Result<()> {
+        if self.finished {
+            return Ok(());
+        }
+        let started = Instant::now();
+        while self.word(self.rank, APPLIED).load(Ordering::Acquire) < self.clock {
+            if !self.serve(flat, step)? {
+                let slowest = (0..self.world).min_by_key(|&w| self.pushed_by(w)).unwrap_or(0);
+                self.check_timeout(slowest, started, "push its last steps' gradients")?;
+                std::thread::yield_now();
+            }
+        }
+        comm.barrier()?;
+        self.pull(flat, step, self.clock)?;
+        comm.barrier()?;
+        self.finished = true;
+        Ok(())
+    }
+
+    /// The latest clock + 1 worker `w` pushed into this rank's inbox.
+    fn pushed_by(&self, w: usize) -> u64 {
+        self.pushed_to(self.rank, w)
+    }
+
+    /// The latest clock + 1 worker `w` pushed into owner k's inbox.
+    fn pushed_to(&self, k: usize, w: usize) -> u64 {
+        (0..self.slots()).map(|s| self.stamp(k, w, s, FILLED).load(Ordering::Relaxed)).max().unwrap_or(0)
+    }
+
+    /// Why owner k has not applied its next step after the timeout: the workers whose gradient of that step it has
+    /// not got (a rank that died), read from its inbox's stamps.
+    fn stuck(&self, k: usize) -> Error {
+        let next = self.word(k, APPLIED).load(Ordering::Acquire);
+        let missing: Vec<usize> = (0..self.world).filter(|&w| self.pushed_to(k, w) <= next).collect();
+        let why = if missing.is_empty() {
+            format!("rank {k} has every gradient of it and has not stepped (it may have died)")
+        } else {
+            let ranks: Vec<String> = missing.iter().map(|w| w.to_string()).collect();
+            format!("rank {k} has no gradient of it from rank {} (it may have died)", ranks.join(", rank "))
+        };
+        Error::Usage(format!(
+            "bounded_staleness: rank {} waited {:.0} s (comms_timeout) for step {next} to be applied to partition {k}: {why}",
+            self.rank,
+            self.timeout.as_secs_f64()
+        ))
+    }
+
+    fn wait(&self, k: usize, what: &str, mut ready: impl FnMut() -> bool) -> Result<()> {
+        let started = Instant::now();
+        while !ready() {
+            self.check_timeout(k, started, what)?;
+            std::thread::yield_now();
+        }
+        Ok(())
+    }
+
+    fn check_timeout(&self, k: usize, started: Instant, what: &str) -> Result<()> {
+        if started.elapsed() > self.timeout {
+            return Err(Error::Usage(format!(
+                "bounded_staleness: rank {} waited {:.0} s (comms_timeout) for rank {k} to {what}; it may have died",
+                self.rank,
+                self.timeout.as_secs_f64()
+            )));
+        }
+        Ok(())
+    }
+}
+
+impl super::Engine {
+    /// `async_training.mode = "bounded_staleness"`: the window, with this rank's partition as its owner's values.
+    pub(super) fn start_bounded_staleness(&mut self) -> Result<()> {
+        let crate::config::AsyncTraining::BoundedStaleness { staleness, lr_staleness_scaling } =
+            self.config.async_training
+        else {
+            return Ok(());
+        };
+        if self.gradients.view_buffer().is_none() {
+            return Err(Error::Unsupported {
+                key: "communication_data_type",
+                value: format!("{:?}", self.config.communication_data_type),
+                why: "bounded staleness pushes the gradients as autograd wrote them: they must travel in the model's dtype (leave communication_data_type out)",
+            });
+        }
+        let range = self.layout.partition(self.rank());
+        // SAFETY: a copy out of the flat parameters; nothing runs meanwhile.
+        let values = unsafe { super::views::slice::<f32>(&self.parameters.flat) }[range].to_vec();
+        let timeout = Duration::from_secs_f64(self.config.comms_timeout);
+        let ps = BoundedStaleness::new(self.comm.as_ref(), &values, staleness, lr_staleness_scaling, timeout)?;
+        self.staleness = Some(Box::new(ps));
+        self.owner_schedule = self.scheduler.clone();
+        Ok(())
+    }
+
+    /// Bounded staleness's optimizer step: push this step's gradients, serve this rank's partition, pull the next
+    /// step's values.
+    pub(super) fn step_bounded_staleness(&mut self) -> Result<()> {
+        let ps = self.staleness.as_mut().expect("bounded staleness is set up");
+        // SAFETY: inside `engine.step()`: no forward, backward or collective touches the flat parameters or
+        // gradients, and the two are different buffers.
+        let flat = unsafe { super::views::slice::<f32>(&self.parameters.flat) };
+        let grads = self.gradients.view_buffer().expect("bounded staleness keeps gradient views");
+        let grads = unsafe { super::views::slice::<f32>(grads) };
+        ps.step(grads, flat, &mut owner_step(&mut self.shard, &mut self.owner_schedule))?;
+        self.gradients.consume()
+    }
+
+    /// Gradients applied by this rank as an owner, by staleness (bounded staleness; empty otherwise).
+    pub fn staleness_counts(&self) -> Vec<u64> {
+        self.staleness.as_ref().map_or_else(Vec::new, |ps| ps.staleness_counts().to_vec())
+    }
+
+    /// Ends the run: with bounded staleness, every owner applies every step and every rank pulls the final values
+    /// (collective; see [`BoundedStaleness::finish`]), after which the ranks' parameters are equal and no step may
+    /// follow. Nothing to do in other modes. Dropping the engine does it too, logging what fails.
+    pub fn finish(&mut self) -> Result<()> {
+        let Some(ps) = self.staleness.as_mut() else { return Ok(()) };
+        // SAFETY: between steps: nothing else touches the flat parameters.
+        let flat = unsafe { super::views::slice::<f32>(&self.parameters.flat) };
+        ps.finish(self.comm.as_ref(), flat, &mut owner_step(&mut self.shard, &mut self.owner_schedule))
+    }
+}
+
+/// An owner's optimizer step on its partition: the owner's schedule gives each applied step its learning rate (and
+/// cycled momentum), in the order the steps are applied.
+fn owner_step<'a>(
+    shard: &'a mut super::optimizer_shard::OptimizerShard,
+    schedule: &'a mut Option<zerorun_optim::schedule::LrScheduler>,
+) -> impl FnMut(u64, &mut [f32], &[f32]) -> Result<()> + 'a {
+    move |_clock, values, mean| {
+        let lr = schedule.as_ref().map_or(shard.base_lr, zerorun_optim::schedule::LrScheduler::lr);
+        for g in &mut shard.groups {
+            g.lr = lr;
+        }
+        if let Some(momentum) = schedule.as_ref().and_then(zerorun_optim::schedule::LrScheduler::momentum) {
+            shard.tier.set_momentum(momentum);
+        }
+        shard.tier.step(values, mean, &shard.groups, None)?;
+        if let Some(s) = schedule.as_mut() {
+            s.step();
+        }
+        Ok(())
+    }
+}
