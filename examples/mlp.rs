@@ -42,6 +42,16 @@ struct Args {
     /// whole model; the initial weights are those of the ordinary construction. Ranks as processes only.
     #[arg(long)]
     builders: bool,
+    /// Slow rank R down (with --slow-ms): it sleeps that long per micro-batch, as a straggler would compute
+    /// (what `zerorun bench async` measures synchronous and asynchronous training against).
+    #[arg(long, requires = "slow_ms", conflicts_with = "slow_rotate")]
+    slow_rank: Option<usize>,
+    /// The straggler moves: at step s, rank s % world size is the slow one (with --slow-ms).
+    #[arg(long, requires = "slow_ms")]
+    slow_rotate: bool,
+    /// Milliseconds the slow rank sleeps per micro-batch (with --slow-rank or --slow-rotate).
+    #[arg(long)]
+    slow_ms: Option<u64>,
 }
 
 pub struct Mlp {
@@ -205,10 +215,17 @@ fn run(args: &Args) -> Result<(), String> {
         let (rank, world) = (engine.rank(), engine.world_size());
         let mut progress = Progress::new(a.steps);
         let first = resume(a, &mut engine)?;
+        let training = std::time::Instant::now();
         for step in first..a.steps {
             let mut rng = Rng::new(a.seed, step);
             let order: Vec<i64> = (0..b.train_batch_size).map(|_| rng.below(samples) as i64).collect();
             for m in 0..b.gradient_accumulation_steps {
+                let slow = if args.slow_rotate { Some(step as usize % world) } else { args.slow_rank };
+                if let (Some(slow), Some(ms)) = (slow, args.slow_ms) {
+                    if slow == rank {
+                        std::thread::sleep(Duration::from_millis(ms));
+                    }
+                }
                 let idx =
                     Tensor::from_slice(&order[micro_batch_range(rank, world, m, b.train_micro_batch_size_per_gpu)]);
                 let input = x.index_select(0, &idx);
@@ -227,6 +244,20 @@ fn run(args: &Args) -> Result<(), String> {
                 progress.record(&engine, outcome);
                 maybe_save(a, &mut engine, outcome)?;
             }
+        }
+        // Asynchronous training ends with every rank holding the final values (a no-op when synchronous).
+        engine.finish().map_err(|e| e.to_string())?;
+        let train_s = training.elapsed().as_secs_f64();
+        // The trained model's loss on the whole data set (every rank holds the same model now; local SGD's ranks
+        // after a meeting), comparable across modes that saw the same samples.
+        let eval_loss = tch::no_grad(|| -> Result<f64, String> {
+            let pred = engine.forward(model, &x).map_err(|e| e.to_string())?;
+            Ok(pred.to_kind(Kind::Float).mse_loss(&y, tch::Reduction::Mean).double_value(&[]))
+        })?;
+        if rank == 0 {
+            let samples = (a.steps - first) * b.train_batch_size;
+            println!("train_samples_per_s {:.3}", samples as f64 / train_s.max(1e-9));
+            println!("eval_loss {eval_loss:.6}");
         }
         if let Some(path) = &a.save_final {
             save_final(&mut engine, path)?;

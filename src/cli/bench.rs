@@ -1,6 +1,7 @@
 //! `zerorun bench adam|comm|swap|pipeline`: the subcommands and where each runs. `adam` compares with libtorch and
 //! `pipeline` runs the pipeline engine, so they run in the `zerorun-torch` helper binary (`bench_adam.rs`,
-//! `bench_pipeline.rs`); `comm` and `swap` run here, with no libtorch loaded.
+//! `bench_pipeline.rs`); `comm`, `swap` and `async` (which runs the MLP example's processes) run here, with no
+//! libtorch loaded.
 use clap::Subcommand;
 
 use super::CliError;
@@ -55,6 +56,22 @@ pub enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Synchronous against asynchronous training (bounded staleness, local SGD, DiLoCo) with one rank slowed: the
+    /// MLP example on 2 and 4 rank processes per mode, the job's samples/s and the trained model's loss.
+    Async {
+        /// Rank counts to run, comma-separated.
+        #[arg(long, value_delimiter = ',', default_values_t = [2usize, 4])]
+        ranks: Vec<usize>,
+        /// Optimizer steps per run (every mode sees the same samples).
+        #[arg(long, default_value_t = 60)]
+        steps: usize,
+        /// The slow rank's step over the synchronous step with no slow rank (1: no slow rank), comma-separated.
+        #[arg(long, value_delimiter = ',', default_values_t = [1.0f64, 2.0])]
+        slow_factor: Vec<f64>,
+        /// One JSON object per line.
+        #[arg(long)]
+        json: bool,
+    },
     /// Write and read GiB/s of the NVMe swapper on a folder, beside dd with O_DIRECT on the same folder and size.
     Swap {
         /// The folder to test (where nvme_path would point).
@@ -85,6 +102,19 @@ pub fn run(command: BenchCommand) -> Result<(), CliError> {
         BenchCommand::Adam { .. } | BenchCommand::Pipeline { .. } => super::torch_helper::run_here(),
         BenchCommand::Comm { backend, ranks, max_bytes, dtype, repeats, json, worker } => {
             super::bench_comm::run(&backend, ranks, max_bytes, &dtype, repeats.max(1), json, worker)
+        }
+        BenchCommand::Async { ranks, steps, slow_factor, json } => {
+            if ranks.iter().any(|&r| r < 2) || slow_factor.iter().any(|&f| f.is_nan() || f < 1.0) || steps == 0 {
+                return Err(CliError::Usage(
+                    "bench async: --ranks at least 2, --slow-factor at least 1, --steps at least 1".into(),
+                ));
+            }
+            super::bench_async::run(super::bench_async::AsyncBenchArgs {
+                ranks,
+                steps,
+                slow_factors: slow_factor,
+                json,
+            })
         }
         BenchCommand::Swap { dir, size, block_size, queue_depth, threads, repeats, json } => {
             super::bench_swap::run(super::bench_swap::SwapBenchArgs {

@@ -1,6 +1,7 @@
 //! One module per subcommand; each returns a typed error that `main` renders once. None of them links libtorch:
 //! `bench adam` runs in the `zerorun-torch` helper (`torch_helper.rs`, `bench_adam.rs`).
 pub mod bench;
+pub mod bench_async;
 pub mod bench_comm;
 pub mod bench_swap;
 pub mod config;
