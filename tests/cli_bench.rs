@@ -1,4 +1,4 @@
-//! `zerorun bench adam --json`: one object per (size, gradient dtype) with the documented keys. Shape only:
+//! `zerorun bench adam|comm|async --json`: one object per case with the documented keys. Shape only:
 //! performance is judged from the benchmark's numbers, never by a test.
 use std::process::Command;
 
@@ -72,5 +72,37 @@ fn bench_comm_json_lines_cover_every_op_and_memcpy() {
         String::from_utf8_lossy(&out.stderr).contains("--dtype \"f64\": choose f32, bf16 or f16"),
         "{}",
         String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn bench_async_json_lines_have_the_documented_keys() {
+    // `cargo test` builds the MLP example beside the zerorun binary, where the benchmark looks for it.
+    let out = Command::new(env!("CARGO_BIN_EXE_zerorun"))
+        .args(["bench", "async", "--ranks", "2", "--steps", "4", "--slow-factor", "1,2", "--json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let rows: Vec<serde_json::Value> =
+        String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    // 4 modes with no slow rank, then with a fixed and a rotating one.
+    assert_eq!(rows.len(), 12);
+    let modes: Vec<&str> = rows.iter().take(4).map(|r| r["mode"].as_str().unwrap()).collect();
+    assert_eq!(modes, ["off", "bounded_staleness", "local_sgd", "diloco"]);
+    for row in &rows {
+        assert_eq!(row["ranks"], 2);
+        for key in ["samples_per_s", "loss", "slow_factor", "vs_no_slow", "vs_sync"] {
+            assert!(row[key].as_f64().is_some_and(|v| v > 0.0 && v.is_finite()), "{key} in {row}");
+        }
+    }
+    let slows: Vec<&str> = rows.iter().map(|r| r["slow"].as_str().unwrap()).step_by(4).collect();
+    assert_eq!(slows, ["none", "fixed", "rotating"]);
+    // The synchronous run's model does not depend on the straggler: the same loss with and without one.
+    assert_eq!(rows[0]["loss"], rows[4]["loss"]);
+    let bad = Command::new(env!("CARGO_BIN_EXE_zerorun")).args(["bench", "async", "--ranks", "1"]).output().unwrap();
+    assert!(!bad.status.success());
+    assert_eq!(
+        String::from_utf8_lossy(&bad.stderr).trim(),
+        "error: bench async: --ranks at least 2, --slow-factor at least 1, --steps at least 1"
     );
 }
