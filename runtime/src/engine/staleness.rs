@@ -294,6 +294,14 @@ impl BoundedStaleness {
         if self.finished {
             return Ok(());
         }
+        self.quiesce(comm, flat, step)?;
+        self.finished = true;
+        Ok(())
+    }
+
+    /// Brings every rank to the same values (collective): what `finish` does, after which training may go on (a
+    /// checkpoint is taken here: no gradient is in flight, every owner has applied every step).
+    pub fn quiesce(&mut self, comm: &dyn Communicator, flat: &mut [f32], step: &mut OwnerStep<'_>) -> Result<()> {
         let started = Instant::now();
         while self.word(self.rank, APPLIED).load(Ordering::Acquire) < self.clock {
             if !self.serve(flat, step)? {
@@ -305,7 +313,6 @@ impl BoundedStaleness {
         comm.barrier()?;
         self.pull(flat, step, self.clock)?;
         comm.barrier()?;
-        self.finished = true;
         Ok(())
     }
 
@@ -399,6 +406,24 @@ impl super::Engine {
     /// Gradients applied by this rank as an owner, by staleness (bounded staleness; empty otherwise).
     pub fn staleness_counts(&self) -> Vec<u64> {
         self.staleness.as_ref().map_or_else(Vec::new, |ps| ps.staleness_counts().to_vec())
+    }
+
+    /// Bounded staleness before a checkpoint: every owner applies every step pushed so far and every rank pulls the
+    /// values, so the ranks hold one model and no gradient is in flight; the checkpoint is then stage 1's.
+    pub(super) fn quiesce_bounded_staleness(&mut self) -> Result<()> {
+        let Some(ps) = self.staleness.as_mut() else { return Ok(()) };
+        // SAFETY: between steps: nothing else touches the flat parameters.
+        let flat = unsafe { super::views::slice::<f32>(&self.parameters.flat) };
+        ps.quiesce(self.comm.as_ref(), flat, &mut owner_step(&mut self.shard, &mut self.owner_schedule))
+    }
+
+    /// After a checkpoint load: the owners start again from the loaded values (collective).
+    pub(super) fn restart_bounded_staleness(&mut self) -> Result<()> {
+        if self.staleness.take().is_some() {
+            self.comm.barrier()?;
+            self.start_bounded_staleness()?;
+        }
+        Ok(())
     }
 
     /// Ends the run: with bounded staleness, every owner applies every step and every rank pulls the final values

@@ -186,6 +186,7 @@ impl Engine {
         self.gradients.consume()?;
         self.grad_mark = self.gradient_fingerprint();
         self.comm.barrier()?;
+        self.restart_bounded_staleness()?;
         tracing::info!(
             tag,
             step = self.progress.global_steps,

@@ -45,13 +45,8 @@ impl Engine {
         if let Some(why) = self.meetings.as_ref().and_then(|m| m.refuses_checkpoint(self.progress.global_steps)) {
             return Err(crate::error::Error::Usage(why));
         }
-        if self.staleness.is_some() {
-            return Err(crate::error::Error::Unsupported {
-                key: "async_training.mode",
-                value: "\"bounded_staleness\"".into(),
-                why: "its checkpoints (each owner's partition and optimizer state, the gradients in its inbox and accumulators, the clocks) are not built yet",
-            });
-        }
+        // Bounded staleness: a checkpoint is a meeting (every step applied, one model), then stage 1's.
+        self.quiesce_bounded_staleness()?;
         let tag = options.tag.clone().unwrap_or_else(|| format!("global_step{}", self.progress.global_steps));
         check_tag(&tag)?;
         let tag = self.agree_on_tag(tag)?;
