@@ -71,6 +71,10 @@ pub enum BenchCommand {
         /// One JSON object per line.
         #[arg(long)]
         json: bool,
+        /// Also draw PLOT.svg and PLOT.png: training loss against samples for every mode (the largest rank count,
+        /// the rotating straggler) beside the synchronous run with no slow rank.
+        #[arg(long)]
+        plot: Option<std::path::PathBuf>,
     },
     /// Write and read GiB/s of the NVMe swapper on a folder, beside dd with O_DIRECT on the same folder and size.
     Swap {
@@ -103,7 +107,7 @@ pub fn run(command: BenchCommand) -> Result<(), CliError> {
         BenchCommand::Comm { backend, ranks, max_bytes, dtype, repeats, json, worker } => {
             super::bench_comm::run(&backend, ranks, max_bytes, &dtype, repeats.max(1), json, worker)
         }
-        BenchCommand::Async { ranks, steps, slow_factor, json } => {
+        BenchCommand::Async { ranks, steps, slow_factor, json, plot } => {
             if ranks.iter().any(|&r| r < 2) || slow_factor.iter().any(|&f| f.is_nan() || f < 1.0) || steps == 0 {
                 return Err(CliError::Usage(
                     "bench async: --ranks at least 2, --slow-factor at least 1, --steps at least 1".into(),
@@ -114,6 +118,7 @@ pub fn run(command: BenchCommand) -> Result<(), CliError> {
                 steps,
                 slow_factors: slow_factor,
                 json,
+                plot,
             })
         }
         BenchCommand::Swap { dir, size, block_size, queue_depth, threads, repeats, json } => {

@@ -27,11 +27,17 @@ pub struct AsyncBenchArgs {
     pub steps: usize,
     pub slow_factors: Vec<f64>,
     pub json: bool,
+    /// Draw `{plot}.svg` and `.png`: training loss against samples for every mode, at the largest rank count with
+    /// the rotating straggler (or none).
+    pub plot: Option<PathBuf>,
 }
 
+#[derive(Clone)]
 struct Measured {
     samples_per_s: f64,
     loss: f64,
+    /// The training loss rank 0 reported at each step (synchronous: the ranks' mean; otherwise its own).
+    losses: Vec<f64>,
 }
 
 pub fn run(args: AsyncBenchArgs) -> Result<(), CliError> {
@@ -52,6 +58,7 @@ pub fn run(args: AsyncBenchArgs) -> Result<(), CliError> {
 }
 
 fn run_cases(args: &AsyncBenchArgs, zerorun: &Path, mlp: &Path, dir: &Path) -> Result<(), CliError> {
+    let mut curves: Vec<zerorun_report::curves::Curve> = Vec::new();
     let mut table = format!(
         "synchronous vs asynchronous training, MLP 64-1024x3-8, AdamW, {} steps of {MICRO_BATCH} samples per rank; a slow rank sleeps per micro-batch so its step takes slow_factor x the synchronous step\n{:<18} {:>5} {:>9} {:>11} {:>8} {:>10} {:>9} {:>7} {:>8}\n",
         args.steps, "mode", "ranks", "slow", "slow_factor", "slow_ms", "samples/s", "/ no slow", "/ sync", "loss"
@@ -79,12 +86,19 @@ fn run_cases(args: &AsyncBenchArgs, zerorun: &Path, mlp: &Path, dir: &Path) -> R
             let mut sync = None;
             for (i, (name, _, _)) in MODES.iter().enumerate() {
                 let m = match slow {
-                    None => Measured { ..no_slow[i] },
+                    None => no_slow[i].clone(),
                     Some(s) => measure(zerorun, mlp, &configs[i], ranks, args.steps, Some((s, slow_ms)))?,
                 };
                 let sync_sps = *sync.get_or_insert(m.samples_per_s);
                 let (vs_no_slow, vs_sync) = (m.samples_per_s / no_slow[i].samples_per_s, m.samples_per_s / sync_sps);
                 let (pattern, ms) = slow.map_or(("none", 0), |s| (s.name(), slow_ms));
+                // Synchronous losses do not depend on a straggler: its curve once, with no slow rank.
+                let plotted = ranks == *args.ranks.iter().max().unwrap_or(&ranks)
+                    && (if i == 0 { slow.is_none() } else { matches!(slow, Some(Slow::Rotating)) });
+                if plotted {
+                    let label = format!("{name}, {pattern} slow rank, {:.0} samples/s", m.samples_per_s);
+                    curves.push(curve(label, &m.losses, MICRO_BATCH * ranks));
+                }
                 if args.json {
                     emit(
                         &serde_json::json!({
@@ -106,7 +120,26 @@ fn run_cases(args: &AsyncBenchArgs, zerorun: &Path, mlp: &Path, dir: &Path) -> R
     if !args.json {
         emit(table.trim_end())?;
     }
+    if let Some(stem) = &args.plot {
+        let ranks = args.ranks.iter().max().unwrap_or(&0);
+        let title = format!("training loss against samples, {ranks} ranks (moving mean of 5 steps, log scale)");
+        let y = "loss (synchronous: the ranks' mean; asynchronous: rank 0's own)";
+        let (svg, _) = zerorun_report::curves::draw_curves(stem, &title, ("samples", y), &curves)
+            .map_err(|e| CliError::Usage(format!("bench async: {e}")))?;
+        eprintln!("loss curves: {} (and .png)", svg.display());
+    }
     Ok(())
+}
+
+/// A run's losses as (samples seen, the mean of the last 5 steps' losses).
+fn curve(label: String, losses: &[f64], batch: usize) -> zerorun_report::curves::Curve {
+    let points = (0..losses.len())
+        .map(|i| {
+            let window = &losses[i.saturating_sub(4)..=i];
+            (((i + 1) * batch) as f64, window.iter().sum::<f64>() / window.len() as f64)
+        })
+        .collect();
+    zerorun_report::curves::Curve { label, points }
 }
 
 fn write_config(dir: &Path, name: &str, stage: u8, mode: &str, ranks: usize) -> Result<PathBuf, CliError> {
@@ -186,5 +219,10 @@ fn measure(
             .and_then(|v| v.trim().parse().ok())
             .ok_or_else(|| CliError::Usage(format!("bench async: {what} printed no `{key}`:\n{text}")))
     };
-    Ok(Measured { samples_per_s: value("train_samples_per_s")?, loss: value("eval_loss")? })
+    let losses = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("[rank 0] step "))
+        .filter_map(|l| l.split_once(" loss ").and_then(|(_, v)| v.trim().parse().ok()))
+        .collect();
+    Ok(Measured { samples_per_s: value("train_samples_per_s")?, loss: value("eval_loss")?, losses })
 }

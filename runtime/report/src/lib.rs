@@ -1,6 +1,8 @@
 //! What zerorun tells the user about a run's memory, tensor-free so the CLI reads and draws it without libtorch:
 //! the per-rank report (`memory.rs`: categories sampled every optimizer step and at events, the peak and its
-//! breakdown, the table) and its pictures (`plot.rs`: one run per rank, or several runs side by side).
+//! breakdown, the table) and its pictures (`plot.rs`: one run per rank, or several runs side by side); line
+//! charts of several runs' curves (`curves.rs`).
+pub mod curves;
 pub mod memory;
 pub mod plot;
 

@@ -16,7 +16,7 @@ use crate::{ReportError, Result};
 const FONT_PATHS: [&str; 2] =
     ["/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf", "/usr/share/fonts/dejavu/DejaVuSans.ttf"];
 
-fn register_font() -> Result<()> {
+pub(crate) fn register_font() -> Result<()> {
     static FONT: OnceLock<std::result::Result<(), String>> = OnceLock::new();
     FONT.get_or_init(|| {
         let bytes = FONT_PATHS.iter().find_map(|p| std::fs::read(p).ok()).ok_or_else(|| {
