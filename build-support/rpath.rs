@@ -9,7 +9,8 @@
 //! (zerorun: libtorch's fused AdamW kernel, for `zerorun bench adam`) and `native/unit_storage.cpp`
 //! (zerorun-runtime: storage resizing and backward into chosen inputs, for stage 3) with `native/region_allocator.cpp`
 //! (zerorun-runtime: tensors in the shm backend's shared buffer region) and `native/gloo_backend.cpp` (zerorun-runtime:
-//! libtorch's TCPStore and ProcessGroupGloo, the backend across hosts).
+//! libtorch's TCPStore and ProcessGroupGloo, the backend across hosts) and `native/tensor_parallel.cpp`
+//! (zerorun-runtime: tensor parallelism's conjugate operators as autograd functions).
 fn main() {
     println!("cargo:rerun-if-env-changed=DEP_TCH_LIBTORCH_LIB");
     if let Ok(lib) = std::env::var("DEP_TCH_LIBTORCH_LIB") {
@@ -27,6 +28,7 @@ fn main() {
                 "native/grad_hooks.cpp",
                 "native/cuda_loader.cpp",
                 "native/gloo_backend.cpp",
+                "native/tensor_parallel.cpp",
             ],
             _ => &[],
         };

@@ -22,6 +22,7 @@ mod error;
 pub mod gloo;
 pub mod pipeline;
 pub mod report;
+pub mod tensor_parallel;
 
 pub use config::{Config, ConfigError};
 pub use engine::{BufferSync, BuiltModel, Engine, EngineOptions, SaveOptions, StepOutcome, UnitBuilders};

@@ -44,7 +44,7 @@ mod swapped_params;
 mod unit_walk;
 pub mod units;
 mod variables;
-mod views;
+pub(crate) mod views;
 
 use std::time::Instant;
 

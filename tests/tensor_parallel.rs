@@ -1,0 +1,157 @@
+//! Tensor parallelism's building blocks on thread ranks: a column-parallel then row-parallel MLP block at T = 2
+//! and T = 4 matches the whole block built from the same seed (output, every gradient's slice, the input's
+//! gradient) with one all-reduce forward and one backward; a column-parallel layer gathering its output matches
+//! the whole layer; the sequence-parallel pair is each other's backward; sizes that do not split are errors.
+use std::sync::Mutex;
+use std::time::Duration;
+
+use tch::nn::{self, Module};
+use tch::{Kind, Tensor};
+use zerorun::runtime::comm::threads;
+use zerorun::runtime::tensor_parallel::{ColumnParallelLinear, RowParallelLinear, TensorParallel};
+
+/// libtorch's generator is the process's: ranks build their layers one at a time, each from the same seed.
+static BUILD: Mutex<()> = Mutex::new(());
+
+const IN: i64 = 8;
+const HIDDEN: i64 = 16;
+const BATCH: i64 = 5;
+
+fn input() -> Tensor {
+    tch::manual_seed(7);
+    Tensor::randn([BATCH, IN], (Kind::Float, tch::Device::Cpu))
+}
+
+fn on_ranks<R: Send>(t: usize, f: impl Fn(TensorParallel) -> R + Sync) -> Vec<R> {
+    let comms = threads::group(t, Duration::from_secs(30));
+    std::thread::scope(|s| {
+        let hs: Vec<_> = comms.into_iter().map(|c| s.spawn(|| f(TensorParallel::new(Box::new(c))))).collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+fn close(a: &Tensor, b: &Tensor, what: &str) {
+    let d = (a - b).abs().max().double_value(&[]);
+    let scale = b.abs().max().double_value(&[]).max(1e-6);
+    assert!(d <= 1e-6 * scale.max(1.0), "{what}: max difference {d:e} (scale {scale:e})");
+}
+
+#[test]
+fn a_column_then_row_parallel_block_is_the_whole_block() {
+    // The whole block: Linear(IN, HIDDEN), GELU, Linear(HIDDEN, IN), from seed 1.
+    let (whole, y_ref, grads_ref, gx_ref) = {
+        let _g = BUILD.lock().unwrap();
+        tch::manual_seed(1);
+        let vs = nn::VarStore::new(tch::Device::Cpu);
+        let (a, b) = (
+            nn::linear(vs.root() / "fc1", IN, HIDDEN, Default::default()),
+            nn::linear(vs.root() / "fc2", HIDDEN, IN, Default::default()),
+        );
+        let x = input().set_requires_grad(true);
+        let y = b.forward(&a.forward(&x).gelu("none"));
+        (y * Tensor::arange(IN, (Kind::Float, tch::Device::Cpu))).sum(Kind::Float).backward();
+        let y = b.forward(&a.forward(&x).gelu("none")).detach();
+        let grads = [a.ws.grad(), a.bs.as_ref().unwrap().grad(), b.ws.grad(), b.bs.as_ref().unwrap().grad()];
+        ((a, b), y, grads, x.grad())
+    };
+    drop(whole);
+    for t in [2usize, 4] {
+        let runs = on_ranks(t, |tp| {
+            let vs = nn::VarStore::new(tch::Device::Cpu);
+            let (fc1, fc2) = {
+                let _g = BUILD.lock().unwrap();
+                tch::manual_seed(1);
+                let fc1 = ColumnParallelLinear::new(&(vs.root() / "fc1"), &tp, IN, HIDDEN, true, false);
+                let fc2 = RowParallelLinear::new(&(vs.root() / "fc2"), &tp, HIDDEN, IN, true, true);
+                (fc1, fc2)
+            };
+            let x = {
+                let _g = BUILD.lock().unwrap();
+                input()
+            }
+            .set_requires_grad(true);
+            let y = fc2.forward(&tp, &fc1.forward(&tp, &x).unwrap().gelu("none")).unwrap();
+            let forward = tp.counts();
+            (&y * Tensor::arange(IN, (Kind::Float, tch::Device::Cpu))).sum(Kind::Float).backward();
+            let both = tp.counts();
+            let grads = [
+                fc1.weight.grad(),
+                fc1.bias.as_ref().unwrap().grad(),
+                fc2.weight.grad(),
+                fc2.bias.as_ref().unwrap().grad(),
+            ];
+            (tp.rank() as i64, y.detach(), grads, x.grad(), forward, both)
+        });
+        let part = HIDDEN / t as i64;
+        for (r, y, g, gx, forward, both) in runs {
+            close(&y, &y_ref, &format!("T={t} rank {r}: output"));
+            close(&gx, &gx_ref, &format!("T={t} rank {r}: input gradient"));
+            close(&g[0], &grads_ref[0].narrow(0, r * part, part), &format!("T={t} rank {r}: fc1.weight rows"));
+            close(&g[1], &grads_ref[1].narrow(0, r * part, part), &format!("T={t} rank {r}: fc1.bias part"));
+            close(&g[2], &grads_ref[2].narrow(1, r * part, part), &format!("T={t} rank {r}: fc2.weight columns"));
+            close(&g[3], &grads_ref[3], &format!("T={t} rank {r}: fc2.bias (whole)"));
+            // One all-reduce forward (the row-parallel sum), one backward (the column-parallel input's gradient).
+            assert_eq!((forward.all_reduce, both.all_reduce, both.all_gather), (1, 2, 0), "T={t} rank {r}");
+        }
+    }
+}
+
+#[test]
+fn a_column_parallel_layer_gathering_its_output_is_the_whole_layer() {
+    let (y_ref, gw_ref) = {
+        let _g = BUILD.lock().unwrap();
+        tch::manual_seed(3);
+        let vs = nn::VarStore::new(tch::Device::Cpu);
+        let l = nn::linear(vs.root(), IN, HIDDEN, Default::default());
+        let y = l.forward(&input());
+        y.square().sum(Kind::Float).backward();
+        (y.detach(), l.ws.grad())
+    };
+    let runs = on_ranks(2, |tp| {
+        let vs = nn::VarStore::new(tch::Device::Cpu);
+        let l = {
+            let _g = BUILD.lock().unwrap();
+            tch::manual_seed(3);
+            ColumnParallelLinear::new(&vs.root(), &tp, IN, HIDDEN, true, true)
+        };
+        let x = {
+            let _g = BUILD.lock().unwrap();
+            input()
+        };
+        let y = l.forward(&tp, &x).unwrap();
+        y.square().sum(Kind::Float).backward();
+        (tp.rank() as i64, y.detach(), l.weight.grad(), tp.counts())
+    });
+    for (r, y, gw, counts) in runs {
+        close(&y, &y_ref, &format!("rank {r}: output"));
+        close(&gw, &gw_ref.narrow(0, r * 8, 8), &format!("rank {r}: weight rows"));
+        // The gather forward; backward its conjugate (a chunk, no collective), and the input needs no gradient, so
+        // its copy's all-reduce does not run.
+        assert_eq!((counts.all_gather, counts.all_reduce), (1, 0), "rank {r}");
+    }
+}
+
+#[test]
+fn the_sequence_parallel_pair_are_each_others_backward() {
+    let runs = on_ranks(2, |tp| {
+        let r = tp.rank() as i64;
+        // This rank's rows of a [4, 3] sequence.
+        let full = Tensor::arange(12, (Kind::Float, tch::Device::Cpu)).view([4, 3]);
+        let mine = full.narrow(0, 2 * r, 2).copy().set_requires_grad(true);
+        let gathered = tp.gather_sequence(&mine).unwrap();
+        let weights = Tensor::arange(12, (Kind::Float, tch::Device::Cpu)).view([4, 3]) * 0.5;
+        (&gathered * &weights).sum(Kind::Float).backward();
+        // Every rank's loss uses the whole sequence: the reduce-scatter sums both ranks' gradients of its rows.
+        let scattered = tp.scatter_sequence(&full).unwrap();
+        (r, gathered.detach(), mine.grad(), scattered, full, weights)
+    });
+    for (r, gathered, grad, scattered, full, weights) in runs {
+        assert_eq!(gathered, full, "rank {r}: the gathered sequence");
+        assert_eq!(grad, weights.narrow(0, 2 * r, 2) * 2.0, "rank {r}: the reduce-scattered gradient");
+        assert_eq!(scattered, full.narrow(0, 2 * r, 2) * 2.0, "rank {r}: the forward reduce-scatter");
+    }
+    let errors = on_ranks(2, |tp| {
+        tp.scatter_to_region(&Tensor::zeros([2, 3], (Kind::Float, tch::Device::Cpu))).unwrap_err().to_string()
+    });
+    assert!(errors[0].contains("dimension 1 of size 3 does not split into 2 equal parts"), "{}", errors[0]);
+}
