@@ -1,14 +1,18 @@
 //! Tensor parallelism's building blocks on thread ranks: a column-parallel then row-parallel MLP block at T = 2
 //! and T = 4 matches the whole block built from the same seed (output, every gradient's slice, the input's
 //! gradient) with one all-reduce forward and one backward; a column-parallel layer gathering its output matches
-//! the whole layer; the sequence-parallel pair is each other's backward; sizes that do not split are errors.
+//! the whole layer; the sequence-parallel pair is each other's backward; a vocabulary-parallel embedding tied to its
+//! LM head with the vocabulary-parallel cross-entropy gives the whole loss and gradients at T = 2 and 3; sizes that
+//! do not split are errors.
 use std::sync::Mutex;
 use std::time::Duration;
 
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
 use zerorun::runtime::comm::threads;
-use zerorun::runtime::tensor_parallel::{ColumnParallelLinear, RowParallelLinear, TensorParallel};
+use zerorun::runtime::tensor_parallel::{
+    vocab_parallel_cross_entropy, ColumnParallelLinear, RowParallelLinear, TensorParallel, VocabParallelEmbedding,
+};
 
 /// libtorch's generator is the process's: ranks build their layers one at a time, each from the same seed.
 static BUILD: Mutex<()> = Mutex::new(());
@@ -154,4 +158,46 @@ fn the_sequence_parallel_pair_are_each_others_backward() {
         tp.scatter_to_region(&Tensor::zeros([2, 3], (Kind::Float, tch::Device::Cpu))).unwrap_err().to_string()
     });
     assert!(errors[0].contains("dimension 1 of size 3 does not split into 2 equal parts"), "{}", errors[0]);
+}
+
+#[test]
+fn the_vocabulary_parallel_embedding_and_cross_entropy_are_the_whole_ones() {
+    // A tied embedding and LM head: logits = embed(ids) · Eᵀ, then cross-entropy against targets.
+    const VOCAB: i64 = 12;
+    const DIM: i64 = 4;
+    let ids = || Tensor::from_slice(&[1i64, 7, 11, 0, 5, 6]).view([2, 3]);
+    let targets = || Tensor::from_slice(&[3i64, 11, 0, 6, 6, 9]).view([2, 3]);
+    let (loss_ref, grad_ref) = {
+        let _g = BUILD.lock().unwrap();
+        tch::manual_seed(5);
+        let vs = nn::VarStore::new(tch::Device::Cpu);
+        let e = nn::embedding(vs.root(), VOCAB, DIM, Default::default());
+        let logits = e.forward(&ids()).matmul(&e.ws.tr());
+        let loss = logits.view([-1, VOCAB]).cross_entropy_for_logits(&targets().view([-1]));
+        loss.backward();
+        (loss.double_value(&[]), e.ws.grad())
+    };
+    for t in [2usize, 3] {
+        let runs = on_ranks(t, |tp| {
+            let vs = nn::VarStore::new(tch::Device::Cpu);
+            let e = {
+                let _g = BUILD.lock().unwrap();
+                tch::manual_seed(5);
+                VocabParallelEmbedding::new(&vs.root(), &tp, VOCAB, DIM)
+            };
+            let h = e.forward(&tp, &ids()).unwrap();
+            let logits = tp.copy_to_region(&h).unwrap().matmul(&e.weight.tr());
+            let loss = vocab_parallel_cross_entropy(&tp, &logits, &targets(), e.start).unwrap();
+            loss.backward();
+            (e.start, loss.double_value(&[]), e.weight.grad())
+        });
+        let part = VOCAB / t as i64;
+        for (start, loss, grad) in runs {
+            assert!(
+                (loss - loss_ref).abs() <= 1e-6 * loss_ref.abs(),
+                "T={t}, rows from {start}: loss {loss} vs {loss_ref}"
+            );
+            close(&grad, &grad_ref.narrow(0, start, part), &format!("T={t}, rows from {start}: embedding gradient"));
+        }
+    }
 }

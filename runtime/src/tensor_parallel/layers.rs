@@ -91,3 +91,57 @@ impl RowParallelLinear {
         })
     }
 }
+
+/// An embedding whose vocabulary is split across the group: rank r holds rows `[r V/T, (r + 1) V/T)`, looks up
+/// the ids in its range (the others read row 0 and are zeroed), and `reduce_from_region` sums the ranks' lookups,
+/// so every rank ends with the whole embedding of every id.
+pub struct VocabParallelEmbedding {
+    pub weight: Tensor,
+    /// This rank's first row (vocabulary id).
+    pub start: i64,
+}
+
+impl VocabParallelEmbedding {
+    /// Variable `weight` [V/T, dim] under `path`: this rank's rows of `nn::embedding`'s.
+    pub fn new(path: &nn::Path, tp: &TensorParallel, vocab: i64, dim: i64) -> VocabParallelEmbedding {
+        let (t, r) = (tp.size() as i64, tp.rank() as i64);
+        assert!(vocab % t == 0, "VocabParallelEmbedding: a vocabulary of {vocab} does not split into {t} ranks");
+        let part = vocab / t;
+        let scratch = nn::VarStore::new(tch::Device::Cpu);
+        let full = nn::embedding(scratch.root(), vocab, dim, Default::default()).ws.detach().copy();
+        VocabParallelEmbedding { weight: path.var_copy("weight", &full.narrow(0, r * part, part)), start: r * part }
+    }
+
+    pub fn forward(&self, tp: &TensorParallel, ids: &Tensor) -> Result<Tensor> {
+        let rows = self.weight.size()[0];
+        let local = ids - self.start;
+        let outside = local.lt(0).logical_or(&local.ge(rows));
+        let looked_up = Tensor::embedding(&self.weight, &local.masked_fill(&outside, 0), -1, false, false);
+        tp.reduce_from_region(&looked_up.masked_fill(&outside.unsqueeze(-1), 0.0))
+    }
+}
+
+/// Cross-entropy of logits split along the vocabulary (the last dimension; this rank's part starts at `start`)
+/// against `targets`, as Megatron-LM's vocab-parallel cross-entropy: the maximum, the target's logit and the sum
+/// of exponentials are all-reduced, so the whole logits never exist on one rank. Returns the mean over targets,
+/// equal on every rank.
+pub fn vocab_parallel_cross_entropy(
+    tp: &TensorParallel,
+    logits: &Tensor,
+    targets: &Tensor,
+    start: i64,
+) -> Result<Tensor> {
+    let part = *logits.size().last().expect("logits have a vocabulary dimension");
+    let (logits, targets) = (logits.reshape([-1, part]), targets.reshape([-1]));
+    // The maximum only shifts the exponentials (its gradient cancels): taken without one.
+    let local_max = logits.detach().amax(-1, true);
+    // The ranks' maxima side by side ([n, T]), then the largest.
+    let max = tch::no_grad(|| tp.gather_from_region(&local_max))?.amax(-1, true);
+    let shifted = &logits - &max;
+    let local = &targets - start;
+    let outside = local.lt(0).logical_or(&local.ge(part));
+    let picked = shifted.gather(1, &local.masked_fill(&outside, 0).unsqueeze(-1), false).squeeze_dim(-1);
+    let target_logit = tp.reduce_from_region(&picked.masked_fill(&outside, 0.0))?;
+    let sum_exp = tp.reduce_from_region(&shifted.exp().sum_dim_intlist(-1, false, logits.kind()))?;
+    Ok((sum_exp.log() - target_logit).mean(logits.kind()))
+}

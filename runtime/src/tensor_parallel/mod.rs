@@ -1,9 +1,10 @@
 //! Tensor (intra-layer) model parallelism, Megatron-LM's: a layer's weight split across the ranks of a tensor-
 //! parallel group, with the conjugate operators between the split and the whole (`regions.rs`: copy / reduce,
 //! scatter / gather, and the sequence-parallel pair) as autograd functions of the C++ shim whose collectives are
-//! this group's communicator, and the layers built from them (`layers.rs`: column- and row-parallel linear).
+//! this group's communicator, and the layers built from them (`layers.rs`: column- and row-parallel linear, the
+//! vocabulary-parallel embedding and cross-entropy).
 mod layers;
 mod regions;
 
-pub use layers::{ColumnParallelLinear, RowParallelLinear};
+pub use layers::{vocab_parallel_cross_entropy, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding};
 pub use regions::{TensorParallel, TensorParallelCounts};
