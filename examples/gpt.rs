@@ -11,7 +11,8 @@ use zerorun::{Config, Engine, MicroBatch, PipelineEngine, StagePlacement};
 
 #[path = "support/mod.rs"]
 mod support;
-use support::gpt_model::{pipeline_model, Corpus, Gpt, GptConfig};
+use support::gpt_model::tp::TpGpt;
+use support::gpt_model::{padded_vocab, pipeline_model, tp_split_dim, Corpus, Gpt, GptConfig};
 use support::*;
 
 #[derive(Parser, Debug)]
@@ -35,6 +36,11 @@ struct Args {
     /// are stages x data-parallel replicas. ds_config's `pipeline` section picks the schedule and the cut.
     #[arg(long)]
     pipeline_stages: Option<usize>,
+    /// Split every layer across groups of this many adjacent ranks (tensor parallelism: attention heads, the MLP,
+    /// the vocabulary of the embedding, head and loss); ZeRO runs over the data-parallel ranks of each group
+    /// position. The vocabulary is padded to a multiple of 8 (also at 1), so runs at different degrees compare.
+    #[arg(long, conflicts_with = "pipeline_stages")]
+    tensor_parallel: Option<usize>,
 }
 
 fn main() {
@@ -56,6 +62,9 @@ fn run(args: &Args) -> Result<(), String> {
     share_cores(a.ranks);
     if let Some(stages) = args.pipeline_stages {
         return run_pipeline(args, &config, &corpus, cfg, stages);
+    }
+    if let Some(t) = args.tensor_parallel {
+        return run_tensor_parallel(args, &config, &corpus, cfg, t);
     }
     let timeout = Duration::from_secs_f64(config.comms_timeout);
     let summary = run_ranks(a.ranks, timeout, |comm| {
@@ -184,6 +193,111 @@ fn run_pipeline(args: &Args, config: &Config, corpus: &Corpus, cfg: GptConfig, s
     println!(
         "summary: {stages} pipeline stages, ZeRO stage {} per stage, {params} parameters on stage 0, {} optimizer steps, loss {first:.4} -> {last:.4}",
         config.stage(),
+        a.steps
+    );
+    Ok(())
+}
+
+/// `--tensor-parallel T`: groups of T adjacent ranks split every layer ([`TpGpt`]); each rank's engine runs ZeRO
+/// over the ranks at its position in the other groups (the data-parallel group), and agrees on the gradient norm
+/// with its tensor-parallel group, counting the parameters every member holds whole (norms, biases after a sum, the
+/// position embedding) once.
+fn run_tensor_parallel(args: &Args, config: &Config, corpus: &Corpus, cfg: GptConfig, t: usize) -> Result<(), String> {
+    use zerorun::runtime::comm::Collectives;
+    use zerorun::runtime::tensor_parallel::TensorParallel;
+    let a = &args.common;
+    if a.activation_checkpointing
+        || a.init.is_some()
+        || config.stage() == 3
+        || config.precision() != zerorun::runtime::config::Precision::Fp32
+    {
+        return Err(
+            "--tensor-parallel runs fp32 at ZeRO stages 0-2, without --activation-checkpointing or --init, for now"
+                .into(),
+        );
+    }
+    if t == 0 || cfg.heads % t as i64 != 0 || (4 * cfg.embd) % t as i64 != 0 {
+        return Err(format!(
+            "--tensor-parallel {t} must divide --heads ({}) and the MLP width ({})",
+            cfg.heads,
+            4 * cfg.embd
+        ));
+    }
+    let cfg = GptConfig { vocab: padded_vocab(cfg.vocab), ..cfg };
+    if cfg.vocab % t as i64 != 0 {
+        return Err(format!("--tensor-parallel {t} must divide the padded vocabulary ({})", cfg.vocab));
+    }
+    let timeout = Duration::from_secs_f64(config.comms_timeout);
+    let summary = run_ranks(a.ranks, timeout, |comm| {
+        let (rank, world) = (comm.rank(), comm.world_size());
+        if world % t != 0 {
+            return Err(format!("--tensor-parallel {t} must divide the number of ranks ({world})"));
+        }
+        let (data_index, data_size) = (rank / t, world / t);
+        let group = |color: usize| -> Result<Box<dyn zerorun::runtime::comm::Communicator>, String> {
+            comm.split(Some(color as u32), rank as i64)
+                .map_err(|e| e.to_string())?
+                .ok_or_else(|| "no group".to_string())
+        };
+        // Tensor-parallel groups are adjacent ranks (one host's), data-parallel groups every t-th.
+        let (tp_comm, tp_norm, data_comm) = (group(data_index)?, group(data_index)?, group(rank % t)?);
+        let tp = TensorParallel::new(tp_comm);
+        tch::manual_seed(a.seed as i64);
+        let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+        let model = TpGpt::new(vs.root(), &tp, &cfg);
+        let options = EngineOptions { no_weight_decay: Some(no_decay_for_1d), ..Default::default() };
+        let mut engine = Engine::new(&vs, config.clone(), data_comm, options).map_err(|e| e.to_string())?;
+        engine.set_model_parallel_group(tp_norm);
+        engine.count_replicated_once(t, |name| tp_split_dim(name).is_none());
+        let b = engine.batch_sizes();
+        let mut progress = Progress::new(a.steps);
+        let first = resume(a, &mut engine)?;
+        for step in first..a.steps {
+            for m in 0..b.gradient_accumulation_steps {
+                let range = micro_batch_range(data_index, data_size, m, b.train_micro_batch_size_per_gpu);
+                let (x, y) = corpus.batch(a.seed, step, b.train_batch_size, range, cfg.block);
+                let loss = model.loss(&tp, &x, &y).map_err(|e| e.to_string())?;
+                engine.backward(&loss).map_err(|e| e.to_string())?;
+                let outcome = engine.step().map_err(|e| e.to_string())?;
+                progress.record_for(rank == 0, b.train_batch_size, outcome);
+                maybe_save(a, &mut engine, outcome)?;
+            }
+        }
+        if let Some(path) = &a.save_final {
+            // Every parameter whole: the tensor-parallel slices gathered along the dimension they split.
+            let params = engine.full_parameters().map_err(|e| e.to_string())?;
+            let whole = tch::no_grad(|| -> Result<Vec<(String, Tensor)>, zerorun::Error> {
+                params
+                    .into_iter()
+                    .map(|(name, p)| {
+                        let full = match tp_split_dim(&name) {
+                            Some(0) => tp.gather_sequence(&p)?,
+                            Some(_) => tp.gather_from_region(&p)?,
+                            None => p,
+                        };
+                        Ok((name, full))
+                    })
+                    .collect()
+            })
+            .map_err(|e| e.to_string())?;
+            if rank == 0 {
+                Tensor::write_safetensors(&whole, path).map_err(|e| format!("--save-final {}: {e}", path.display()))?;
+            }
+        }
+        finish_reports(&mut engine)?;
+        let counts = tp.counts();
+        Ok((progress.first_loss.unwrap_or(f64::NAN), progress.last_loss, progress.median_step_s(), counts, world))
+    })?;
+    let Some((first, last, median, counts, world)) = summary else { return Ok(()) };
+    println!("median_step_s {median:.4}");
+    println!(
+        "tensor_parallel_collectives all_reduce {} all_gather {} reduce_scatter {}",
+        counts.all_reduce, counts.all_gather, counts.reduce_scatter
+    );
+    println!(
+        "summary: {world} ranks, tensor parallel {t}, ZeRO stage {} over {} data-parallel ranks, {} optimizer steps, loss {first:.4} -> {last:.4}",
+        config.stage(),
+        world / t,
         a.steps
     );
     Ok(())

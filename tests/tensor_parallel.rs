@@ -3,7 +3,8 @@
 //! gradient) with one all-reduce forward and one backward; a column-parallel layer gathering its output matches
 //! the whole layer; the sequence-parallel pair is each other's backward; a vocabulary-parallel embedding tied to its
 //! LM head with the vocabulary-parallel cross-entropy gives the whole loss and gradients at T = 2 and 3; sizes that
-//! do not split are errors.
+//! do not split are errors. The GPT example with `--tensor-parallel` 2 and 4 (and 2 x ZeRO 1 and 2 over 2
+//! data-parallel ranks) under `zerorun launch` saves the weights of T = 1 within 1e-5, with clipping active.
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -198,6 +199,56 @@ fn the_vocabulary_parallel_embedding_and_cross_entropy_are_the_whole_ones() {
                 "T={t}, rows from {start}: loss {loss} vs {loss_ref}"
             );
             close(&grad, &grad_ref.narrow(0, start, part), &format!("T={t}, rows from {start}: embedding gradient"));
+        }
+    }
+}
+
+/// The GPT example with `--tensor-parallel`, under `zerorun launch`: its saved whole weights by name.
+fn gpt_run(ranks: usize, t: usize, stage: u8, tag: &str) -> Vec<(String, Tensor)> {
+    let dir = std::env::temp_dir().join(format!("zerorun-tp-{}-{tag}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("config.json");
+    let text = format!(
+        r#"{{"train_batch_size": 8, "optimizer": {{"type": "AdamW", "params": {{"lr": 0.003}}}}, "zero_optimization": {{"stage": {stage}}}}}"#
+    );
+    std::fs::write(&config, text).unwrap();
+    let out = dir.join("final.safetensors");
+    let gpt = std::env::current_exe().unwrap().parent().unwrap().parent().unwrap().join("examples").join("gpt");
+    let run = std::process::Command::new(env!("CARGO_BIN_EXE_zerorun"))
+        .args(["launch", "--nproc-per-node", &ranks.to_string(), "--"])
+        .arg(gpt)
+        .args(["--config", config.to_str().unwrap(), "--steps", "3", "--seed", "3", "--layers", "2", "--embd", "32"])
+        .args(["--heads", "4", "--block", "16", "--tensor-parallel", &t.to_string(), "--save-final"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&run.stdout);
+    assert!(
+        run.status.success(),
+        "{ranks} ranks, T={t}, stage {stage}:\n{text}\n{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    // Two all-reduces forward and two backward per block and step, plus the embedding's, the head's and the loss's.
+    assert!(text.contains("tensor_parallel_collectives all_reduce 36 "), "{text}");
+    let mut weights = Tensor::read_safetensors(&out).unwrap();
+    weights.sort_by(|a, b| a.0.cmp(&b.0));
+    std::fs::remove_dir_all(&dir).unwrap();
+    weights
+}
+
+#[test]
+fn the_gpt_example_at_tensor_parallel_2_and_4_and_with_zero_ends_where_1_does() {
+    // Gradient clipping (1.0, the default) is active: the norm counts replicated parameters once.
+    let whole = gpt_run(1, 1, 0, "t1");
+    for (ranks, t, stage) in [(2, 2, 0), (4, 4, 0), (4, 2, 1), (4, 2, 2)] {
+        let split = gpt_run(ranks, t, stage, &format!("t{t}r{ranks}s{stage}"));
+        assert_eq!(split.len(), whole.len(), "T={t}: every parameter, whole");
+        for ((name, a), (other, b)) in whole.iter().zip(&split) {
+            assert_eq!(name, other);
+            assert_eq!(a.size(), b.size(), "{name}: whole shape at T={t}");
+            let scale = a.abs().max().double_value(&[]).max(1e-6);
+            let d = (a - b).abs().max().double_value(&[]) / scale;
+            assert!(d <= 1e-5, "{ranks} ranks, T={t}, ZeRO {stage}: {name} differs by {d:e}");
         }
     }
 }

@@ -223,3 +223,119 @@ impl Corpus {
         (Tensor::from_slice(&xs).view([n, block]), Tensor::from_slice(&ys).view([n, block]))
     }
 }
+
+/// The vocabulary padded to a multiple of 8 (Megatron-LM's `make_vocab_size_divisible_by`), so that it splits
+/// over tensor-parallel degrees 1, 2, 4 and 8 alike; the padded ids never occur.
+pub fn padded_vocab(vocab: i64) -> i64 {
+    (vocab + 7) / 8 * 8
+}
+
+/// How a parameter of [`TpGpt`] is split across the tensor-parallel group: along dimension 0 (column-parallel
+/// layers, the vocabulary-parallel embedding and head), dimension 1 (row-parallel weights), or not at all.
+pub fn tp_split_dim(name: &str) -> Option<i64> {
+    let leaf = name.rsplit('.').nth(1).unwrap_or("");
+    let column = ["attn_q", "attn_k", "attn_v", "fc", "head", "tok"];
+    if column.contains(&leaf) {
+        Some(0)
+    } else if (leaf == "attn_proj" || leaf == "proj") && name.ends_with(".weight") {
+        Some(1)
+    } else {
+        None
+    }
+}
+
+/// The model split across a tensor-parallel group.
+pub mod tp {
+    use tch::nn::{self, Module};
+    use tch::{Kind, Tensor};
+    use zerorun::runtime::tensor_parallel::{
+        vocab_parallel_cross_entropy, ColumnParallelLinear, RowParallelLinear, TensorParallel, VocabParallelEmbedding,
+    };
+
+    use super::GptConfig;
+
+    /// A block with its heads split across the group: query, key and value column-parallel on one copy of the
+    /// normalized input, the attention's output row-parallel; the MLP column- then row-parallel. Two all-reduces
+    /// forward (the two row-parallel sums) and two backward (the two copies).
+    struct TpBlock {
+        ln1: nn::LayerNorm,
+        attn_q: ColumnParallelLinear,
+        attn_k: ColumnParallelLinear,
+        attn_v: ColumnParallelLinear,
+        attn_proj: RowParallelLinear,
+        ln2: nn::LayerNorm,
+        fc: ColumnParallelLinear,
+        proj: RowParallelLinear,
+        heads: i64,
+    }
+
+    impl TpBlock {
+        fn new(p: nn::Path, tp: &TensorParallel, c: &GptConfig) -> Self {
+            let e = c.embd;
+            let column =
+                |name: &str, out: i64, bias: bool| ColumnParallelLinear::new(&(&p / name), tp, e, out, bias, false);
+            TpBlock {
+                ln1: nn::layer_norm(&p / "ln1", vec![e], Default::default()),
+                attn_q: column("attn_q", e, true),
+                attn_k: column("attn_k", e, false),
+                attn_v: column("attn_v", e, true),
+                attn_proj: RowParallelLinear::new(&(&p / "attn_proj"), tp, e, e, true, true),
+                ln2: nn::layer_norm(&p / "ln2", vec![e], Default::default()),
+                fc: column("fc", 4 * e, true),
+                proj: RowParallelLinear::new(&(&p / "proj"), tp, 4 * e, e, true, true),
+                heads: c.heads / tp.size() as i64,
+            }
+        }
+
+        fn forward(&self, tp: &TensorParallel, x: &Tensor) -> Result<Tensor, zerorun::Error> {
+            let (b, t, _) = x.size3().unwrap();
+            let h = tp.copy_to_region(&self.ln1.forward(x))?;
+            let local = self.attn_q.weight.size()[0];
+            let hs = local / self.heads;
+            let split = |l: &ColumnParallelLinear| l.forward_copied(&h).view([b, t, self.heads, hs]).transpose(1, 2);
+            let (q, k, v) = (split(&self.attn_q), split(&self.attn_k), split(&self.attn_v));
+            let att = q.matmul(&k.transpose(-2, -1)) * (1.0 / (hs as f64).sqrt());
+            let mask = Tensor::ones([t, t], (Kind::Bool, x.device())).triu(1);
+            let att = att.masked_fill(&mask, f64::NEG_INFINITY).softmax(-1, Kind::Float);
+            let y = att.to_kind(v.kind()).matmul(&v).transpose(1, 2).contiguous().view([b, t, local]);
+            let x = x + self.attn_proj.forward(tp, &y)?;
+            let h = self.fc.forward_copied(&tp.copy_to_region(&self.ln2.forward(&x))?).gelu("none");
+            Ok(&x + self.proj.forward(tp, &h)?)
+        }
+    }
+
+    /// The GPT of `Gpt::new` (the same names, built in the same order) at tensor-parallel degree T: the vocabulary-
+    /// parallel token embedding, replicated position embedding and norms, [`TpBlock`]s, and a column-parallel head
+    /// over the padded vocabulary whose logits go to the vocabulary-parallel cross-entropy.
+    pub struct TpGpt {
+        tok: VocabParallelEmbedding,
+        pos: nn::Embedding,
+        blocks: Vec<TpBlock>,
+        ln_f: nn::LayerNorm,
+        head: ColumnParallelLinear,
+    }
+
+    impl TpGpt {
+        /// `c.vocab` must be the padded vocabulary (a multiple of T).
+        pub fn new(p: nn::Path, tp: &TensorParallel, c: &GptConfig) -> Self {
+            TpGpt {
+                tok: VocabParallelEmbedding::new(&(&p / "tok"), tp, c.vocab, c.embd),
+                pos: nn::embedding(&p / "pos", c.block, c.embd, Default::default()),
+                blocks: (0..c.layers).map(|i| TpBlock::new(&p / "blocks" / i, tp, c)).collect(),
+                ln_f: nn::layer_norm(&p / "ln_f", vec![c.embd], Default::default()),
+                head: ColumnParallelLinear::new(&(&p / "head"), tp, c.embd, c.vocab, true, false),
+            }
+        }
+
+        /// The mean cross-entropy of the next characters `targets` after `idx`, equal on every rank of the group.
+        pub fn loss(&self, tp: &TensorParallel, idx: &Tensor, targets: &Tensor) -> Result<Tensor, zerorun::Error> {
+            let at = Tensor::arange(idx.size()[1], (Kind::Int64, idx.device()));
+            let mut x = self.tok.forward(tp, idx)? + self.pos.forward(&at);
+            for b in &self.blocks {
+                x = b.forward(tp, &x)?;
+            }
+            let logits = self.head.forward(tp, &self.ln_f.forward(&x))?.to_kind(Kind::Float);
+            vocab_parallel_cross_entropy(tp, &logits, targets, self.tok.start)
+        }
+    }
+}

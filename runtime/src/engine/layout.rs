@@ -106,6 +106,29 @@ impl FlatLayout {
         runs
     }
 
+    /// The ranges of rank `r`'s shard (relative to its start) that hold slots `pick` chooses.
+    pub fn shard_runs_where(&self, rank: usize, pick: &dyn Fn(&ParamSlot) -> bool) -> Vec<Range<usize>> {
+        let mut offset = 0;
+        let mut runs = Vec::new();
+        for piece in self.shard_pieces(rank) {
+            runs.extend(self.runs_where(piece.clone(), pick).into_iter().map(|r| r.start + offset..r.end + offset));
+            offset += piece.len();
+        }
+        runs
+    }
+
+    /// The ranges within `range` (relative to its start) that hold slots `pick` chooses.
+    pub fn runs_where(&self, range: Range<usize>, pick: &dyn Fn(&ParamSlot) -> bool) -> Vec<Range<usize>> {
+        self.slots
+            .iter()
+            .filter(|slot| pick(slot))
+            .filter_map(|slot| {
+                let (s, e) = (slot.range.start.max(range.start), slot.range.end.min(range.end));
+                (s < e).then(|| s - range.start..e - range.start)
+            })
+            .collect()
+    }
+
     /// Weight-decay groups within `range`, as ranges relative to its start: runs of slots with the same `decay`
     /// (padding joins the run before it; it has zero gradients and stays zero).
     pub fn decay_runs(&self, range: Range<usize>) -> Vec<(Range<usize>, bool)> {

@@ -187,6 +187,9 @@ pub struct Engine {
     /// The ranks holding the model's other parts (a pipeline's other stages): the gradient norm and fp16 overflow
     /// are agreed over them too.
     model_parallel: Option<Box<dyn Communicator>>,
+    /// Ranges of the optimized values whose parameters every rank of the model-parallel group holds whole, and how
+    /// many copies there are: the norm counts them once.
+    replicated: Option<(Vec<std::ops::Range<usize>>, usize)>,
     /// [`EngineOptions::reduce_once_per_step`] on an fp32 model (16-bit ones reduce every micro-batch anyway): a
     /// micro-batch before the boundary leaves its gradients in `.grad`.
     defers_reduction: bool,
@@ -273,6 +276,18 @@ impl Engine {
     /// over the whole model, so every part skips or clips the same step.
     pub fn set_model_parallel_group(&mut self, group: Box<dyn Communicator>) {
         self.model_parallel = (group.world_size() > 1).then_some(group);
+    }
+
+    /// Parameters (by name) that `copies` ranks of the model-parallel group hold whole with equal gradients, such as
+    /// tensor parallelism's layer norms and row-parallel biases: the gradient norm over the group counts them once
+    /// (each rank adds 1/copies of their squares), not `copies` times.
+    pub fn count_replicated_once(&mut self, copies: usize, replicated: impl Fn(&str) -> bool) {
+        let pick = |slot: &layout::ParamSlot| replicated(&slot.name);
+        let ranges = match &self.shard.optimized {
+            plan::Optimized::Flat(plan::FlatRange(range)) => self.layout.runs_where(range.clone(), &pick),
+            plan::Optimized::Shard(_) => self.layout.shard_runs_where(self.rank(), &pick),
+        };
+        self.replicated = (copies > 1).then_some((ranges, copies));
     }
 
     /// Averages `buf` over the engine's (data-parallel) ranks.

@@ -345,6 +345,7 @@ impl Engine {
             scaler,
             progress: counters::Progress::default(),
             model_parallel: None,
+            replicated: None,
             defers_reduction: options.reduce_once_per_step && precision == Precision::Fp32,
             meetings: None,
             in_backward: None,

@@ -87,7 +87,7 @@ impl Engine {
         // inf or NaN anywhere makes it non-finite on every rank, which is how an fp16 overflow is agreed on.
         let mut sq = [match stepped {
             Some(s) => s.sum_of_squares as f32,
-            None => norm::sum_of_squares(Grads::F32(self.grads())) as f32,
+            None => self.local_sum_of_squares() as f32,
         }];
         if self.plan.partitions_optimizer() {
             self.comm.all_reduce(&mut sq, ReduceOp::Sum)?;
@@ -213,6 +213,20 @@ impl Engine {
             samples_per_s,
             "train"
         );
+    }
+
+    /// This rank's share of the squared gradient norm: its optimized gradients, replicated parameters counted by
+    /// 1/copies (every rank of the model-parallel group adds them).
+    fn local_sum_of_squares(&mut self) -> f64 {
+        let replicated = self.replicated.take();
+        let g = self.grads();
+        let mut sq = norm::sum_of_squares(Grads::F32(g));
+        if let Some((ranges, copies)) = &replicated {
+            let rep: f64 = ranges.iter().map(|r| norm::sum_of_squares(Grads::F32(&g[r.clone()]))).sum();
+            sq -= rep * (1.0 - 1.0 / *copies as f64);
+        }
+        self.replicated = replicated;
+        sq
     }
 
     /// The fp32 gradients of the optimized range.

@@ -43,8 +43,14 @@ impl ColumnParallelLinear {
         ColumnParallelLinear { weight, bias, gather_output }
     }
 
+    /// The layer on an input that already went through `copy_to_region` (several column-parallel layers reading
+    /// one input, as attention's query, key and value, share one copy: one all-reduce backward, not three).
+    pub fn forward_copied(&self, x: &Tensor) -> Tensor {
+        x.linear(&self.weight, self.bias.as_ref())
+    }
+
     pub fn forward(&self, tp: &TensorParallel, x: &Tensor) -> Result<Tensor> {
-        let y = tp.copy_to_region(x)?.linear(&self.weight, self.bias.as_ref());
+        let y = self.forward_copied(&tp.copy_to_region(x)?);
         if self.gather_output {
             tp.gather_from_region(&y)
         } else {
