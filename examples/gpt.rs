@@ -11,7 +11,7 @@ use zerorun::{Config, Engine, MicroBatch, PipelineEngine, StagePlacement};
 
 #[path = "support/mod.rs"]
 mod support;
-use support::gpt_model::tp::TpGpt;
+use support::gpt_model::tp::{TpGpt, TpUnits};
 use support::gpt_model::{padded_vocab, pipeline_model, tp_split_dim, Corpus, Gpt, GptConfig};
 use support::*;
 
@@ -206,15 +206,9 @@ fn run_tensor_parallel(args: &Args, config: &Config, corpus: &Corpus, cfg: GptCo
     use zerorun::runtime::comm::Collectives;
     use zerorun::runtime::tensor_parallel::TensorParallel;
     let a = &args.common;
-    if a.activation_checkpointing
-        || a.init.is_some()
-        || config.stage() == 3
-        || config.precision() != zerorun::runtime::config::Precision::Fp32
+    if a.activation_checkpointing || a.init.is_some() || config.precision() != zerorun::runtime::config::Precision::Fp32
     {
-        return Err(
-            "--tensor-parallel runs fp32 at ZeRO stages 0-2, without --activation-checkpointing or --init, for now"
-                .into(),
-        );
+        return Err("--tensor-parallel runs fp32, without --activation-checkpointing or --init, for now".into());
     }
     if t == 0 || cfg.heads % t as i64 != 0 || (4 * cfg.embd) % t as i64 != 0 {
         return Err(format!(
@@ -245,7 +239,9 @@ fn run_tensor_parallel(args: &Args, config: &Config, corpus: &Corpus, cfg: GptCo
         tch::manual_seed(a.seed as i64);
         let vs = tch::nn::VarStore::new(tch::Device::Cpu);
         let model = TpGpt::new(vs.root(), &tp, &cfg);
-        let options = EngineOptions { no_weight_decay: Some(no_decay_for_1d), ..Default::default() };
+        // The units of the plain GPT: stage 3 gathers one at a time over the data-parallel ranks.
+        let units = TpUnits { model: &model, tp: &tp };
+        let options = EngineOptions { no_weight_decay: Some(no_decay_for_1d), ..Default::default() }.units_of(&units);
         let mut engine = Engine::new(&vs, config.clone(), data_comm, options).map_err(|e| e.to_string())?;
         engine.set_model_parallel_group(tp_norm);
         engine.count_replicated_once(t, |name| tp_split_dim(name).is_none());
@@ -256,8 +252,9 @@ fn run_tensor_parallel(args: &Args, config: &Config, corpus: &Corpus, cfg: GptCo
             for m in 0..b.gradient_accumulation_steps {
                 let range = micro_batch_range(data_index, data_size, m, b.train_micro_batch_size_per_gpu);
                 let (x, y) = corpus.batch(a.seed, step, b.train_batch_size, range, cfg.block);
-                let loss = model.loss(&tp, &x, &y).map_err(|e| e.to_string())?;
-                engine.backward(&loss).map_err(|e| e.to_string())?;
+                let logits = engine.forward(&units, &x).map_err(|e| e.to_string())?;
+                let loss = model.loss(&tp, &logits, &y).map_err(|e| e.to_string())?;
+                engine.backward_units(&units, &loss).map_err(|e| e.to_string())?;
                 let outcome = engine.step().map_err(|e| e.to_string())?;
                 progress.record_for(rank == 0, b.train_batch_size, outcome);
                 maybe_save(a, &mut engine, outcome)?;

@@ -3,7 +3,7 @@
 //! gradient) with one all-reduce forward and one backward; a column-parallel layer gathering its output matches
 //! the whole layer; the sequence-parallel pair is each other's backward; a vocabulary-parallel embedding tied to its
 //! LM head with the vocabulary-parallel cross-entropy gives the whole loss and gradients at T = 2 and 3; sizes that
-//! do not split are errors. The GPT example with `--tensor-parallel` 2 and 4 (and 2 x ZeRO 1 and 2 over 2
+//! do not split are errors. The GPT example with `--tensor-parallel` 2 and 4 (and 2 x ZeRO 1, 2 and 3 over 2
 //! data-parallel ranks) under `zerorun launch` saves the weights of T = 1 within 1e-5, with clipping active.
 use std::sync::Mutex;
 use std::time::Duration;
@@ -240,7 +240,7 @@ fn gpt_run(ranks: usize, t: usize, stage: u8, tag: &str) -> Vec<(String, Tensor)
 fn the_gpt_example_at_tensor_parallel_2_and_4_and_with_zero_ends_where_1_does() {
     // Gradient clipping (1.0, the default) is active: the norm counts replicated parameters once.
     let whole = gpt_run(1, 1, 0, "t1");
-    for (ranks, t, stage) in [(2, 2, 0), (4, 4, 0), (4, 2, 1), (4, 2, 2)] {
+    for (ranks, t, stage) in [(2, 2, 0), (4, 4, 0), (4, 2, 1), (4, 2, 2), (4, 2, 3)] {
         let split = gpt_run(ranks, t, stage, &format!("t{t}r{ranks}s{stage}"));
         assert_eq!(split.len(), whole.len(), "T={t}: every parameter, whole");
         for ((name, a), (other, b)) in whole.iter().zip(&split) {

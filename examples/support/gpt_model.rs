@@ -327,15 +327,44 @@ pub mod tp {
             }
         }
 
-        /// The mean cross-entropy of the next characters `targets` after `idx`, equal on every rank of the group.
-        pub fn loss(&self, tp: &TensorParallel, idx: &Tensor, targets: &Tensor) -> Result<Tensor, zerorun::Error> {
-            let at = Tensor::arange(idx.size()[1], (Kind::Int64, idx.device()));
-            let mut x = self.tok.forward(tp, idx)? + self.pos.forward(&at);
-            for b in &self.blocks {
-                x = b.forward(tp, &x)?;
+        /// The mean cross-entropy of this rank's part of the logits against the next characters `targets`, equal on
+        /// every rank of the group.
+        pub fn loss(&self, tp: &TensorParallel, logits: &Tensor, targets: &Tensor) -> Result<Tensor, zerorun::Error> {
+            vocab_parallel_cross_entropy(tp, &logits.to_kind(Kind::Float), targets, self.tok.start)
+        }
+
+        /// Unit `unit` of [`TpUnits`]: the embeddings, a block, or the final norm with this rank's part of the
+        /// head (its part of the logits).
+        fn forward_unit(&self, tp: &TensorParallel, unit: usize, x: &Tensor) -> Result<Tensor, zerorun::Error> {
+            if unit == 0 {
+                let at = Tensor::arange(x.size()[1], (Kind::Int64, x.device()));
+                Ok(self.tok.forward(tp, x)? + self.pos.forward(&at))
+            } else if unit <= self.blocks.len() {
+                self.blocks[unit - 1].forward(tp, x)
+            } else {
+                self.head.forward(tp, &self.ln_f.forward(x))
             }
-            let logits = self.head.forward(tp, &self.ln_f.forward(&x))?.to_kind(Kind::Float);
-            vocab_parallel_cross_entropy(tp, &logits, targets, self.tok.start)
+        }
+    }
+
+    /// [`TpGpt`] as the engine's units (those of `Gpt`), with its group: stage 3 gathers one unit at a time over
+    /// the data-parallel ranks while the tensor-parallel collectives run inside each unit. A failed collective in a
+    /// unit panics (the unit interface returns a tensor), which ends the rank and, under `zerorun launch`, the job.
+    pub struct TpUnits<'a> {
+        pub model: &'a TpGpt,
+        pub tp: &'a TensorParallel,
+    }
+
+    impl zerorun::UnitModel for TpUnits<'_> {
+        fn unit_prefixes(&self) -> Vec<Vec<String>> {
+            let mut units = vec![vec!["tok".to_string(), "pos".to_string()]];
+            units.extend((0..self.model.blocks.len()).map(|i| vec![format!("blocks.{i}")]));
+            units.push(vec!["ln_f".to_string(), "head".to_string()]);
+            units
+        }
+
+        fn forward_unit(&self, unit: usize, x: &Tensor) -> Tensor {
+            self.model.forward_unit(self.tp, unit, x).unwrap_or_else(|e| panic!("tensor parallel, unit {unit}: {e}"))
         }
     }
 }
