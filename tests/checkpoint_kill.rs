@@ -3,18 +3,11 @@
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-/// The MLP example's executable, built here: `cargo test --all-targets` builds examples as test harnesses, not as
-/// the programs themselves.
+#[path = "common/examples.rs"]
+mod examples;
+
 fn mlp_example() -> std::path::PathBuf {
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let st = Command::new(cargo)
-        .args(["build", "--quiet", "--example", "mlp"])
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .status()
-        .unwrap();
-    assert!(st.success(), "cargo build --example mlp failed");
-    // Integration tests live in target/<profile>/deps; the example lands in target/<profile>/examples.
-    std::env::current_exe().unwrap().parent().unwrap().parent().unwrap().join("examples").join("mlp")
+    examples::example("mlp")
 }
 
 /// Direct children of `parent` whose command line contains `needle` (read from /proc: no procps needed).

@@ -2,6 +2,9 @@
 //! performance is judged from the benchmark's numbers, never by a test.
 use std::process::Command;
 
+#[path = "common/examples.rs"]
+mod examples;
+
 #[test]
 fn bench_adam_json_lines_have_the_documented_keys() {
     let out = Command::new(env!("CARGO_BIN_EXE_zerorun"))
@@ -77,7 +80,8 @@ fn bench_comm_json_lines_cover_every_op_and_memcpy() {
 
 #[test]
 fn bench_async_json_lines_have_the_documented_keys() {
-    // `cargo test` builds the MLP example beside the zerorun binary, where the benchmark looks for it.
+    // The benchmark runs the MLP example from beside the zerorun binary (target/<profile>/examples).
+    examples::example("mlp");
     let out = Command::new(env!("CARGO_BIN_EXE_zerorun"))
         .args(["bench", "async", "--ranks", "2", "--steps", "4", "--slow-factor", "1,2", "--json"])
         .output()

@@ -6,16 +6,11 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// The MLP example's executable, built here (`cargo test --all-targets` builds examples as test harnesses).
+#[path = "common/examples.rs"]
+mod examples;
+
 fn mlp_example() -> PathBuf {
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let st = Command::new(cargo)
-        .args(["build", "--quiet", "--example", "mlp"])
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .status()
-        .unwrap();
-    assert!(st.success(), "cargo build --example mlp failed");
-    std::env::current_exe().unwrap().parent().unwrap().parent().unwrap().join("examples").join("mlp")
+    examples::example("mlp")
 }
 
 fn run(mlp: &Path, dir: &Path, ranks: usize, zero: &str, extra: &[&str], out: &Path) -> Vec<String> {

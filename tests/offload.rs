@@ -13,6 +13,9 @@ use zerorun::{Config, Engine, EngineOptions};
 
 #[path = "common/mlp.rs"]
 mod mlp;
+
+#[path = "common/examples.rs"]
+mod examples;
 use mlp::*;
 
 fn tmp(name: &str) -> PathBuf {
@@ -370,15 +373,7 @@ fn peak_rss(mlp: &Path, dir: &Path, offload: Value) -> u64 {
 
 #[test]
 fn nvme_offload_lowers_peak_rss_by_most_of_the_optimizer_states() {
-    // The example program, built as a program (cargo test builds examples as test harnesses).
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let status = std::process::Command::new(env!("CARGO"))
-        .args(["build", "--quiet", "--example", "mlp"])
-        .current_dir(root)
-        .status()
-        .unwrap();
-    assert!(status.success());
-    let mlp = root.join("target/debug/examples/mlp");
+    let mlp = examples::example("mlp");
     let dir = tmp("rss");
     let swap = dir.join("swap");
     std::fs::create_dir_all(&swap).unwrap();

@@ -15,6 +15,9 @@ use zerorun::runtime::tensor_parallel::{
     vocab_parallel_cross_entropy, ColumnParallelLinear, RowParallelLinear, TensorParallel, VocabParallelEmbedding,
 };
 
+#[path = "common/examples.rs"]
+mod examples;
+
 /// libtorch's generator is the process's: ranks build their layers one at a time, each from the same seed.
 static BUILD: Mutex<()> = Mutex::new(());
 
@@ -213,7 +216,7 @@ fn gpt_run(ranks: usize, t: usize, stage: u8, tag: &str) -> Vec<(String, Tensor)
     );
     std::fs::write(&config, text).unwrap();
     let out = dir.join("final.safetensors");
-    let gpt = std::env::current_exe().unwrap().parent().unwrap().parent().unwrap().join("examples").join("gpt");
+    let gpt = examples::example("gpt");
     let run = std::process::Command::new(env!("CARGO_BIN_EXE_zerorun"))
         .args(["launch", "--nproc-per-node", &ranks.to_string(), "--"])
         .arg(gpt)
