@@ -217,6 +217,10 @@ impl Communicator for CommThread {
     }
 
     fn forget_gathered_pages(&self) {
+        // Only backends that map the peers' buffers read their pages (no round trip to the thread otherwise).
+        if !self.shared_buffers {
+            return;
+        }
         // On the thread that ran the all-gather, after it (jobs run in order).
         let _ = self
             .submit("forget_gathered_pages", |c| {

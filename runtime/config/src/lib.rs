@@ -298,29 +298,7 @@ impl Config {
             self.validate_optimizer_in_backward()?;
         }
         if let AsyncTraining::BoundedStaleness { .. } = self.async_training {
-            let conflict = |message: String| Err(ConfigError::Conflict { path: "async_training.mode".into(), message });
-            if z.stage != 1 {
-                return conflict(format!(
-                    "bounded staleness gives each rank a partition of the parameters and its optimizer state to serve, as at stage 1: `zero_optimization.stage` must be 1 (it is {})",
-                    z.stage
-                ));
-            }
-            if self.fp16.enabled || self.bf16.enabled {
-                return conflict(
-                    "bounded staleness runs fp32 models for now (`fp16.enabled` / `bf16.enabled` must be false)".into(),
-                );
-            }
-            if self.gradient_clipping != 0.0 {
-                return conflict(format!(
-                    "clipping needs the global norm of one step's gradients, which no owner sees: set `gradient_clipping` to 0 (it is {})",
-                    self.gradient_clipping
-                ));
-            }
-            if z.offload_optimizer.device == OffloadDevice::Nvme {
-                return conflict(
-                    "an owner steps its partition as its gradients come in: `zero_optimization.offload_optimizer.device` must not be \"nvme\"".into(),
-                );
-            }
+            self.validate_bounded_staleness()?;
         }
         if self.fp16.enabled && self.bf16.enabled {
             return Err(ConfigError::Conflict {
@@ -387,6 +365,35 @@ impl Config {
         }
         if self.steps_per_print == Some(0) {
             return Err(invalid("steps_per_print", 0.0, "must be >= 1 (leave it out for no periodic log)"));
+        }
+        Ok(())
+    }
+
+    /// Bounded staleness serves stage 1's partitions from their owners, as gradients come in.
+    fn validate_bounded_staleness(&self) -> Result<()> {
+        let z = &self.zero_optimization;
+        let conflict = |message: String| Err(ConfigError::Conflict { path: "async_training.mode".into(), message });
+        if z.stage != 1 {
+            return conflict(format!(
+                "bounded staleness gives each rank a partition of the parameters and its optimizer state to serve, as at stage 1: `zero_optimization.stage` must be 1 (it is {})",
+                z.stage
+            ));
+        }
+        if self.fp16.enabled || self.bf16.enabled {
+            return conflict(
+                "bounded staleness runs fp32 models for now (`fp16.enabled` / `bf16.enabled` must be false)".into(),
+            );
+        }
+        if self.gradient_clipping != 0.0 {
+            return conflict(format!(
+                "clipping needs the global norm of one step's gradients, which no owner sees: set `gradient_clipping` to 0 (it is {})",
+                self.gradient_clipping
+            ));
+        }
+        if z.offload_optimizer.device == OffloadDevice::Nvme {
+            return conflict(
+                "an owner steps its partition as its gradients come in: `zero_optimization.offload_optimizer.device` must not be \"nvme\"".into(),
+            );
         }
         Ok(())
     }

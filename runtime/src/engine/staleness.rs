@@ -65,9 +65,9 @@ pub(super) struct BoundedStaleness {
     finished: bool,
 }
 
-/// The optimizer step an owner runs on its partition: (learning-rate step index, the partition's values, the mean
-/// gradient).
-pub(super) type OwnerStep<'a> = dyn FnMut(u64, &mut [f32], &[f32]) -> Result<()> + 'a;
+/// The optimizer step an owner runs on its partition, in the order its steps are applied: (the partition's values,
+/// the mean gradient).
+pub(super) type OwnerStep<'a> = dyn FnMut(&mut [f32], &[f32]) -> Result<()> + 'a;
 
 impl BoundedStaleness {
     /// Sets up this rank's window with its partition's `values` (every rank starts from the same model) and maps
@@ -236,7 +236,7 @@ impl BoundedStaleness {
             let inv = 1.0 / self.world as f32;
             acc.sum.iter_mut().for_each(|g| *g *= inv);
             let own = &mut flat[me * p..(me + 1) * p];
-            step(applied, own, &acc.sum)?;
+            step(own, &acc.sum)?;
             (acc.clock, acc.count) = (None, 0);
             // Publish the values and the count together (readers retry while SEQ is odd or moved).
             self.word(me, SEQ).fetch_add(1, Ordering::AcqRel);
@@ -305,7 +305,7 @@ impl BoundedStaleness {
         let started = Instant::now();
         while self.word(self.rank, APPLIED).load(Ordering::Acquire) < self.clock {
             if !self.serve(flat, step)? {
-                let slowest = (0..self.world).min_by_key(|&w| self.pushed_by(w)).unwrap_or(0);
+                let slowest = (0..self.world).min_by_key(|&w| self.pushed_to(self.rank, w)).unwrap_or(0);
                 self.check_timeout(slowest, started, "push its last steps' gradients")?;
                 std::thread::yield_now();
             }
@@ -314,11 +314,6 @@ impl BoundedStaleness {
         self.pull(flat, step, self.clock)?;
         comm.barrier()?;
         Ok(())
-    }
-
-    /// The latest clock + 1 worker `w` pushed into this rank's inbox.
-    fn pushed_by(&self, w: usize) -> u64 {
-        self.pushed_to(self.rank, w)
     }
 
     /// The latest clock + 1 worker `w` pushed into owner k's inbox.
@@ -381,10 +376,10 @@ impl super::Engine {
             });
         }
         let range = self.layout.partition(self.rank());
-        // SAFETY: a copy out of the flat parameters; nothing runs meanwhile.
-        let values = unsafe { super::views::slice::<f32>(&self.parameters.flat) }[range].to_vec();
+        // SAFETY: read while the engine sets up; nothing writes the flat parameters meanwhile.
+        let values = &unsafe { super::views::slice::<f32>(&self.parameters.flat) }[range];
         let timeout = Duration::from_secs_f64(self.config.comms_timeout);
-        let ps = BoundedStaleness::new(self.comm.as_ref(), &values, staleness, lr_staleness_scaling, timeout)?;
+        let ps = BoundedStaleness::new(self.comm.as_ref(), values, staleness, lr_staleness_scaling, timeout)?;
         self.staleness = Some(Box::new(ps));
         self.owner_schedule = self.scheduler.clone();
         Ok(())
@@ -442,8 +437,8 @@ impl super::Engine {
 fn owner_step<'a>(
     shard: &'a mut super::optimizer_shard::OptimizerShard,
     schedule: &'a mut Option<zerorun_optim::schedule::LrScheduler>,
-) -> impl FnMut(u64, &mut [f32], &[f32]) -> Result<()> + 'a {
-    move |_clock, values, mean| {
+) -> impl FnMut(&mut [f32], &[f32]) -> Result<()> + 'a {
+    move |values, mean| {
         let lr = schedule.as_ref().map_or(shard.base_lr, zerorun_optim::schedule::LrScheduler::lr);
         for g in &mut shard.groups {
             g.lr = lr;

@@ -131,6 +131,11 @@ impl Engine {
                 self.comm_volume.all_reduce_elements += self.layout.padded as u64;
             }
         }
+        Ok(self.count_step(loss, lr, grad_norm))
+    }
+
+    /// What ends every optimizer step taken: the schedule moves on, the step and its samples are counted and logged.
+    fn count_step(&mut self, loss: f64, lr: f64, grad_norm: f64) -> StepOutcome {
         if let Some(s) = self.scheduler.as_mut() {
             s.step();
         }
@@ -138,7 +143,7 @@ impl Engine {
         self.progress.global_samples += self.batch.train_batch_size;
         self.log_step(loss, lr, grad_norm);
         self.end_of_step();
-        Ok(StepOutcome::Stepped { step: self.progress.global_steps, loss, grad_norm, lr })
+        StepOutcome::Stepped { step: self.progress.global_steps, loss, grad_norm, lr }
     }
 
     /// Bounded staleness at the boundary: this rank's gradients go to their owners and the next step's values come
@@ -150,14 +155,7 @@ impl Engine {
         let grad_norm = norm::sum_of_squares(Grads::F32(unsafe { views::slice::<f32>(grads) })).sqrt();
         self.timed(Phase::Step, Self::step_bounded_staleness)?;
         let loss = self.finish_loss()?;
-        if let Some(s) = self.scheduler.as_mut() {
-            s.step();
-        }
-        self.progress.global_steps += 1;
-        self.progress.global_samples += self.batch.train_batch_size;
-        self.log_step(loss, lr, grad_norm);
-        self.end_of_step();
-        Ok(StepOutcome::Stepped { step: self.progress.global_steps, loss, grad_norm, lr })
+        Ok(self.count_step(loss, lr, grad_norm))
     }
 
     /// A step skipped for overflowed gradients: counted, gradients dropped, no update.
@@ -218,15 +216,11 @@ impl Engine {
     /// This rank's share of the squared gradient norm: its optimized gradients, replicated parameters counted by
     /// 1/copies (every rank of the model-parallel group adds them).
     fn local_sum_of_squares(&mut self) -> f64 {
-        let replicated = self.replicated.take();
-        let g = self.grads();
-        let mut sq = norm::sum_of_squares(Grads::F32(g));
-        if let Some((ranges, copies)) = &replicated {
-            let rep: f64 = ranges.iter().map(|r| norm::sum_of_squares(Grads::F32(&g[r.clone()]))).sum();
-            sq -= rep * (1.0 - 1.0 / *copies as f64);
-        }
-        self.replicated = replicated;
-        sq
+        let g = self.gradients.for_step(&self.shard.optimized);
+        let sq = norm::sum_of_squares(Grads::F32(g));
+        let Some((ranges, copies)) = &self.replicated else { return sq };
+        let replicated: f64 = ranges.iter().map(|r| norm::sum_of_squares(Grads::F32(&g[r.clone()]))).sum();
+        sq - replicated * (1.0 - 1.0 / *copies as f64)
     }
 
     /// The fp32 gradients of the optimized range.

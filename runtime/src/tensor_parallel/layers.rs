@@ -15,6 +15,13 @@ fn full_linear(in_dim: i64, out_dim: i64, bias: bool) -> (Tensor, Option<Tensor>
     (l.ws.detach().copy(), l.bs.map(|b| b.detach().copy()))
 }
 
+/// This rank's part of `n` (first index, length): the group's ranks split it evenly, in rank order.
+fn this_part(tp: &TensorParallel, n: i64, what: &str) -> (i64, i64) {
+    let (t, r) = (tp.size() as i64, tp.rank() as i64);
+    assert!(n % t == 0, "{what}: {n} do not split into {t} ranks");
+    (r * n / t, n / t)
+}
+
 /// Linear with its output features (the weight's rows) split across the group: `y_r = x W_r^T + b_r`. The input
 /// goes through `copy_to_region` (its gradient is summed over the group backward); with `gather_output` the parts
 /// are all-gathered into the whole output, else each rank keeps its part (for a row-parallel layer next).
@@ -34,12 +41,10 @@ impl ColumnParallelLinear {
         bias: bool,
         gather_output: bool,
     ) -> ColumnParallelLinear {
-        let (t, r) = (tp.size() as i64, tp.rank() as i64);
-        assert!(out_dim % t == 0, "ColumnParallelLinear: {out_dim} output features do not split into {t} ranks");
-        let part = out_dim / t;
+        let (start, part) = this_part(tp, out_dim, "ColumnParallelLinear: output features");
         let (w, b) = full_linear(in_dim, out_dim, bias);
-        let weight = path.var_copy("weight", &w.narrow(0, r * part, part));
-        let bias = b.map(|b| path.var_copy("bias", &b.narrow(0, r * part, part)));
+        let weight = path.var_copy("weight", &w.narrow(0, start, part));
+        let bias = b.map(|b| path.var_copy("bias", &b.narrow(0, start, part)));
         ColumnParallelLinear { weight, bias, gather_output }
     }
 
@@ -79,11 +84,9 @@ impl RowParallelLinear {
         bias: bool,
         input_is_parallel: bool,
     ) -> RowParallelLinear {
-        let (t, r) = (tp.size() as i64, tp.rank() as i64);
-        assert!(in_dim % t == 0, "RowParallelLinear: {in_dim} input features do not split into {t} ranks");
-        let part = in_dim / t;
+        let (start, part) = this_part(tp, in_dim, "RowParallelLinear: input features");
         let (w, b) = full_linear(in_dim, out_dim, bias);
-        let weight = path.var_copy("weight", &w.narrow(1, r * part, part));
+        let weight = path.var_copy("weight", &w.narrow(1, start, part));
         let bias = b.map(|b| path.var_copy("bias", &b));
         RowParallelLinear { weight, bias, input_is_parallel }
     }
@@ -110,12 +113,10 @@ pub struct VocabParallelEmbedding {
 impl VocabParallelEmbedding {
     /// Variable `weight` [V/T, dim] under `path`: this rank's rows of `nn::embedding`'s.
     pub fn new(path: &nn::Path, tp: &TensorParallel, vocab: i64, dim: i64) -> VocabParallelEmbedding {
-        let (t, r) = (tp.size() as i64, tp.rank() as i64);
-        assert!(vocab % t == 0, "VocabParallelEmbedding: a vocabulary of {vocab} does not split into {t} ranks");
-        let part = vocab / t;
+        let (start, part) = this_part(tp, vocab, "VocabParallelEmbedding: vocabulary ids");
         let scratch = nn::VarStore::new(tch::Device::Cpu);
         let full = nn::embedding(scratch.root(), vocab, dim, Default::default()).ws.detach().copy();
-        VocabParallelEmbedding { weight: path.var_copy("weight", &full.narrow(0, r * part, part)), start: r * part }
+        VocabParallelEmbedding { weight: path.var_copy("weight", &full.narrow(0, start, part)), start }
     }
 
     pub fn forward(&self, tp: &TensorParallel, ids: &Tensor) -> Result<Tensor> {
