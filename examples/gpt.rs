@@ -243,8 +243,8 @@ fn run_tensor_parallel(args: &Args, config: &Config, corpus: &Corpus, cfg: GptCo
         let units = TpUnits { model: &model, tp: &tp };
         let options = EngineOptions { no_weight_decay: Some(no_decay_for_1d), ..Default::default() }.units_of(&units);
         let mut engine = Engine::new(&vs, config.clone(), data_comm, options).map_err(|e| e.to_string())?;
-        engine.set_model_parallel_group(tp_norm);
-        engine.count_replicated_once(t, |name| tp_split_dim(name).is_none());
+        // The norm over the group (whole parameters counted once) and checkpoints of slices by their place.
+        engine.set_tensor_parallel(tp_norm, tp_split_dim).map_err(|e| e.to_string())?;
         let b = engine.batch_sizes();
         let mut progress = Progress::new(a.steps);
         let first = resume(a, &mut engine)?;

@@ -208,7 +208,26 @@ fn the_vocabulary_parallel_embedding_and_cross_entropy_are_the_whole_ones() {
 
 /// The GPT example with `--tensor-parallel`, under `zerorun launch`: its saved whole weights by name.
 fn gpt_run(ranks: usize, t: usize, stage: u8, tag: &str) -> Vec<(String, Tensor)> {
-    let dir = std::env::temp_dir().join(format!("zerorun-tp-{}-{tag}", std::process::id()));
+    let text = gpt_launch(ranks, t, stage, tag, 3, &[]).1;
+    // Two all-reduces forward and two backward per block and step, plus the embedding's, the head's and the loss's.
+    assert!(text.contains("tensor_parallel_collectives all_reduce 36 "), "{text}");
+    gpt_launch_weights(tag)
+}
+
+fn run_dir(tag: &str) -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("zerorun-tp-{}-{tag}", std::process::id()))
+}
+
+/// Launches the GPT example for `steps` steps with `extra` arguments; returns the run's folder and its output.
+fn gpt_launch(
+    ranks: usize,
+    t: usize,
+    stage: u8,
+    tag: &str,
+    steps: u64,
+    extra: &[&str],
+) -> (std::path::PathBuf, String) {
+    let dir = run_dir(tag);
     std::fs::create_dir_all(&dir).unwrap();
     let config = dir.join("config.json");
     let text = format!(
@@ -220,23 +239,39 @@ fn gpt_run(ranks: usize, t: usize, stage: u8, tag: &str) -> Vec<(String, Tensor)
     let run = std::process::Command::new(env!("CARGO_BIN_EXE_zerorun"))
         .args(["launch", "--nproc-per-node", &ranks.to_string(), "--"])
         .arg(gpt)
-        .args(["--config", config.to_str().unwrap(), "--steps", "3", "--seed", "3", "--layers", "2", "--embd", "32"])
-        .args(["--heads", "4", "--block", "16", "--tensor-parallel", &t.to_string(), "--save-final"])
+        .args(["--config", config.to_str().unwrap(), "--steps", &steps.to_string(), "--seed", "3", "--layers", "2"])
+        .args(["--embd", "32", "--heads", "4", "--block", "16", "--tensor-parallel", &t.to_string(), "--save-final"])
         .arg(&out)
+        .args(extra)
         .output()
         .unwrap();
-    let text = String::from_utf8_lossy(&run.stdout);
+    let text = String::from_utf8_lossy(&run.stdout).into_owned();
     assert!(
         run.status.success(),
-        "{ranks} ranks, T={t}, stage {stage}:\n{text}\n{}",
+        "{ranks} ranks, T={t}, stage {stage}, {extra:?}:\n{text}\n{}",
         String::from_utf8_lossy(&run.stderr)
     );
-    // Two all-reduces forward and two backward per block and step, plus the embedding's, the head's and the loss's.
-    assert!(text.contains("tensor_parallel_collectives all_reduce 36 "), "{text}");
-    let mut weights = Tensor::read_safetensors(&out).unwrap();
+    (dir, text)
+}
+
+/// The weights `gpt_launch` saved for `tag`, sorted by name; its folder is removed.
+fn gpt_launch_weights(tag: &str) -> Vec<(String, Tensor)> {
+    let dir = run_dir(tag);
+    let mut weights = Tensor::read_safetensors(dir.join("final.safetensors")).unwrap();
     weights.sort_by(|a, b| a.0.cmp(&b.0));
     std::fs::remove_dir_all(&dir).unwrap();
     weights
+}
+
+fn assert_same_weights(whole: &[(String, Tensor)], other: &[(String, Tensor)], what: &str) {
+    assert_eq!(other.len(), whole.len(), "{what}: every parameter, whole");
+    for ((name, a), (theirs, b)) in whole.iter().zip(other) {
+        assert_eq!(name, theirs, "{what}");
+        assert_eq!(a.size(), b.size(), "{what}: {name}'s whole shape");
+        let scale = a.abs().max().double_value(&[]).max(1e-6);
+        let d = (a - b).abs().max().double_value(&[]) / scale;
+        assert!(d <= 1e-5, "{what}: {name} differs by {d:e}");
+    }
 }
 
 #[test]
@@ -245,13 +280,45 @@ fn the_gpt_example_at_tensor_parallel_2_and_4_and_with_zero_ends_where_1_does() 
     let whole = gpt_run(1, 1, 0, "t1");
     for (ranks, t, stage) in [(2, 2, 0), (4, 4, 0), (4, 2, 1), (4, 2, 2), (4, 2, 3)] {
         let split = gpt_run(ranks, t, stage, &format!("t{t}r{ranks}s{stage}"));
-        assert_eq!(split.len(), whole.len(), "T={t}: every parameter, whole");
-        for ((name, a), (other, b)) in whole.iter().zip(&split) {
-            assert_eq!(name, other);
-            assert_eq!(a.size(), b.size(), "{name}: whole shape at T={t}");
-            let scale = a.abs().max().double_value(&[]).max(1e-6);
-            let d = (a - b).abs().max().double_value(&[]) / scale;
-            assert!(d <= 1e-5, "{ranks} ranks, T={t}, ZeRO {stage}: {name} differs by {d:e}");
-        }
+        assert_same_weights(&whole, &split, &format!("{ranks} ranks, T={t}, ZeRO {stage}"));
     }
+}
+
+/// A checkpoint saved at T = 2 x 2 data-parallel ranks (ZeRO 1) holds each slice by its place: it resumes at
+/// T = 1 and at T = 4 (other stages) within 1e-5 of the uninterrupted T = 1 run, and `zerorun consolidate`
+/// writes T = 1's weights at the checkpoint's step.
+#[test]
+fn a_tensor_parallel_checkpoint_resumes_at_other_degrees_and_consolidates_whole() {
+    let checkpoints = run_dir("ckpt");
+    let ck = checkpoints.to_str().unwrap().to_string();
+    let at_3 = {
+        gpt_launch(1, 1, 0, "whole3", 3, &[]);
+        gpt_launch_weights("whole3")
+    };
+    let at_6 = {
+        gpt_launch(1, 1, 0, "whole6", 6, &[]);
+        gpt_launch_weights("whole6")
+    };
+    gpt_launch(4, 2, 1, "saved", 3, &["--checkpoint-dir", &ck, "--save-every", "3"]);
+    gpt_launch_weights("saved");
+    let manifest = std::fs::read_to_string(checkpoints.join("global_step3/manifest.json")).unwrap();
+    assert!(manifest.contains("\"tensor_parallel\": 2"), "{manifest}");
+    for (ranks, t, stage) in [(1, 1, 0), (4, 4, 2), (2, 2, 3)] {
+        let tag = format!("resumed-t{t}");
+        let (_, text) = gpt_launch(ranks, t, stage, &tag, 6, &["--checkpoint-dir", &ck, "--resume"]);
+        assert!(text.contains("summary"), "{text}");
+        assert_same_weights(&at_6, &gpt_launch_weights(&tag), &format!("resumed at T={t}, ZeRO {stage}"));
+    }
+    let out = checkpoints.join("whole.safetensors");
+    let run = std::process::Command::new(env!("CARGO_BIN_EXE_zerorun"))
+        .arg("consolidate")
+        .arg(&checkpoints)
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    let mut consolidated = Tensor::read_safetensors(&out).unwrap();
+    consolidated.sort_by(|a, b| a.0.cmp(&b.0));
+    assert_same_weights(&at_3, &consolidated, "consolidated T=2 checkpoint");
+    std::fs::remove_dir_all(&checkpoints).unwrap();
 }

@@ -232,7 +232,7 @@ pub fn padded_vocab(vocab: i64) -> i64 {
 
 /// How a parameter of [`TpGpt`] is split across the tensor-parallel group: along dimension 0 (column-parallel
 /// layers, the vocabulary-parallel embedding and head), dimension 1 (row-parallel weights), or not at all.
-pub fn tp_split_dim(name: &str) -> Option<i64> {
+pub fn tp_split_dim(name: &str) -> Option<usize> {
     let leaf = name.rsplit('.').nth(1).unwrap_or("");
     let column = ["attn_q", "attn_k", "attn_v", "fc", "head", "tok"];
     if column.contains(&leaf) {

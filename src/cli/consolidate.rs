@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use clap::Args;
 use zerorun_checkpoint::files;
-use zerorun_checkpoint::{CheckpointError, SavedCheckpoint};
+use zerorun_checkpoint::{read_region, region_of, CheckpointError, ParamEntry, SavedCheckpoint};
 
 use super::{emit, CliError};
 
@@ -44,10 +44,11 @@ pub fn run(a: ConsolidateArgs) -> Result<(), CliError> {
     // whole model: what `VarStore::load` of it reads.
     let variables = saved.variables_files().map_err(ck)?;
     let extras: Vec<&str> = m.buffers.iter().chain(&m.frozen).map(|e| e.name.as_str()).collect();
-    let mut tensors: Vec<(String, Vec<usize>, String)> = m
-        .params
+    // A parameter saved in slices (tensor parallelism) is one whole tensor here.
+    let params: Vec<&ParamEntry> = m.param_names().into_iter().filter_map(|n| m.param(n)).collect();
+    let mut tensors: Vec<(String, Vec<usize>, String)> = params
         .iter()
-        .map(|p| (p.name.clone(), p.shape.iter().map(|&d| d as usize).collect(), dtype.to_string()))
+        .map(|p| (p.name.clone(), p.full_shape().iter().map(|&d| d as usize).collect(), dtype.to_string()))
         .collect();
     if !variables.is_empty() {
         for name in &extras {
@@ -55,23 +56,22 @@ pub fn run(a: ConsolidateArgs) -> Result<(), CliError> {
             tensors.push((name.to_string(), shape, dt));
         }
     }
-    let mut buf = Vec::new();
     files::write_safetensors_typed(&a.out, &tensors, |i, w| {
-        if i >= m.params.len() {
+        if i >= params.len() {
             let (_, _, _, bytes) =
-                variables.raw(extras[i - m.params.len()]).map_err(|e| std::io::Error::other(e.to_string()))?;
+                variables.raw(extras[i - params.len()]).map_err(|e| std::io::Error::other(e.to_string()))?;
             return w.write_all(bytes);
         }
-        let p = &m.params[i];
-        buf.clear();
-        buf.resize(p.len, 0f32);
-        for loc in m.locate(p.start..p.start + p.len) {
-            let dst = loc.dst_offset..loc.dst_offset + loc.file_range.len();
-            opened[loc.entry]
-                .1
-                .read_f32("params", loc.file_range, &mut buf[dst])
-                .map_err(|e| std::io::Error::other(e.to_string()))?;
-        }
+        let p = params[i];
+        let whole = region_of(&p.full_shape(), None);
+        let buf = read_region(m, &saved.manifest_path(), &p.name, &whole, &mut |range, out| {
+            for loc in m.locate(range) {
+                let dst = loc.dst_offset..loc.dst_offset + loc.file_range.len();
+                opened[loc.entry].1.read_f32("params", loc.file_range, &mut out[dst])?;
+            }
+            Ok(())
+        })
+        .map_err(|e| std::io::Error::other(e.to_string()))?;
         if dtype == "BF16" {
             let v: Vec<u16> = buf.iter().map(|x| half::bf16::from_f32(*x).to_bits()).collect();
             w.write_all(bytemuck::cast_slice(&v))
@@ -84,7 +84,7 @@ pub fn run(a: ConsolidateArgs) -> Result<(), CliError> {
     emit(&format!(
         "{}: {} parameters ({} elements), {} buffers, {} frozen parameters{excluded} from {} ({} rank files, world size {}, stage {})",
         a.out.display(),
-        m.params.len(),
+        params.len(),
         m.numel,
         m.buffers.len(),
         m.frozen.len(),

@@ -8,9 +8,11 @@
 //! leaves the previous checkpoint and `latest` as they were.
 pub mod files;
 pub mod manifest;
+mod region;
 mod saved;
 
-pub use manifest::{Manifest, ParamEntry, RankEntry, VariableEntry, FORMAT_VERSION};
+pub use manifest::{region_of, Manifest, ParamEntry, RankEntry, Slice, VariableEntry, FORMAT_VERSION};
+pub use region::read_region;
 pub use saved::{SavedCheckpoint, VariableFiles};
 
 use std::path::{Path, PathBuf};

@@ -9,9 +9,21 @@ use super::{files, io_err, CheckpointError, Result};
 /// Bumped when the layout of checkpoints changes; a newer version is refused with a clear error.
 /// 2: rank files hold a list of flat ranges (stage 3 shards: one chunk per unit); version 1 files still load.
 /// 3: buffers and frozen parameters are saved (`variables_file`); versions 1-2 load with the model's own.
+/// A parameter may have several entries, each a slice of it (`ParamEntry::slice`, tensor parallelism); readers
+/// that do not know slices see only a checkpoint saved without tensor parallelism, so the version stays 3.
 pub const FORMAT_VERSION: u32 = 3;
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// Where a saved entry sits in its parameter's whole tensor: elements `start..start + len` of dimension `dim`
+/// (whose whole extent is `full`), every index of the other dimensions. Tensor parallelism saves each rank's
+/// slice so; a checkpoint loads at any tensor-parallel degree by reading the overlaps of slices.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Slice {
+    pub dim: usize,
+    pub start: i64,
+    pub full: i64,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct ParamEntry {
     pub name: String,
     pub shape: Vec<i64>,
@@ -21,6 +33,37 @@ pub struct ParamEntry {
     /// The model's dtype when saved ("F32", "BF16", "F16"); values in the rank files are the fp32 master.
     #[serde(default)]
     pub dtype: String,
+    /// This entry is a slice of the parameter (`shape` is the slice's); None: the whole parameter.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slice: Option<Slice>,
+}
+
+impl ParamEntry {
+    /// The whole parameter's shape.
+    pub fn full_shape(&self) -> Vec<i64> {
+        let mut shape = self.shape.clone();
+        if let Some(s) = self.slice {
+            shape[s.dim] = s.full;
+        }
+        shape
+    }
+
+    /// The box this entry covers in the whole parameter, one index range per dimension.
+    pub fn region(&self) -> Vec<std::ops::Range<i64>> {
+        region_of(&self.shape, self.slice)
+    }
+}
+
+/// The box a tensor of `shape` covers in its whole tensor when it is `slice` of it (or the whole).
+pub fn region_of(shape: &[i64], slice: Option<Slice>) -> Vec<std::ops::Range<i64>> {
+    shape
+        .iter()
+        .enumerate()
+        .map(|(d, &n)| match slice {
+            Some(s) if s.dim == d => s.start..s.start + n,
+            _ => 0..n,
+        })
+        .collect()
 }
 
 /// A variable saved whole once, outside the rank files: a buffer or a frozen parameter, in its own dtype.
@@ -114,6 +157,9 @@ pub struct Manifest {
     /// Pipeline stages of the run that saved it (0: none); the values are one flat space whatever the cut.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub pipeline_stages: usize,
+    /// Tensor-parallel degree of the run that saved it (0: none); its sliced parameters have an entry per slice.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub tensor_parallel: usize,
     /// DiLoCo's outer optimizer state (`async_training`): the anchor and the momentum by parameter name
     /// (`anchor/<name>`, `momentum/<name>`, fp32), in this file of the tag folder.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -142,8 +188,34 @@ impl Manifest {
     /// together); generator states are left out (a stage's engine numbers its ranks within its stage).
     pub fn merge_stages(stages: Vec<Manifest>, world_size: usize) -> Manifest {
         let pipeline_stages = stages.len();
-        let mut parts = stages.into_iter();
-        let mut merged = parts.next().expect("a pipeline has a stage");
+        let mut merged = Self::merge_parts(stages, world_size);
+        merged.pipeline_stages = pipeline_stages;
+        merged.model_weights = Some(
+            "absent: a pipeline's stages save their own weights; `zerorun consolidate` assembles them from the rank files"
+                .into(),
+        );
+        merged
+    }
+
+    /// One manifest for the parts of a tensor-parallel group (each saved by its engine, in tensor-parallel rank
+    /// order, with the slices it holds): their flat spaces end to end; a sliced parameter keeps every part's slice,
+    /// one replicated on every part (a norm, a bias added after the sum) keeps the first part's copy.
+    pub fn merge_tensor_parallel(parts: Vec<Manifest>, world_size: usize) -> Manifest {
+        let degree = parts.len();
+        let mut merged = Self::merge_parts(parts, world_size);
+        merged.tensor_parallel = degree;
+        merged.model_weights = Some(
+            "absent: each tensor-parallel rank holds slices; `zerorun consolidate` assembles the whole tensors from the rank files"
+                .into(),
+        );
+        merged
+    }
+
+    /// Parts' manifests laid end to end in one flat space. A parameter entry that is whole (no slice) and a
+    /// variable are kept once, from the first part that has them; slices are all kept.
+    fn merge_parts(parts: Vec<Manifest>, world_size: usize) -> Manifest {
+        let mut parts = parts.into_iter();
+        let mut merged = parts.next().expect("at least one part");
         let extent = |m: &Manifest| {
             let ranks = m.ranks.iter().flat_map(RankEntry::pieces).map(|r| r.end).max().unwrap_or(0);
             let params = m.params.iter().map(|p| p.start + p.len).max().unwrap_or(0);
@@ -151,27 +223,50 @@ impl Manifest {
         };
         let mut base = extent(&merged);
         for m in parts {
-            merged.numel += m.numel;
-            merged.params.extend(m.params.iter().map(|p| ParamEntry { start: p.start + base, ..p.clone() }));
+            for p in &m.params {
+                if p.slice.is_some() || merged.param(&p.name).is_none() {
+                    merged.numel += p.len;
+                    merged.params.push(ParamEntry { start: p.start + base, ..p.clone() });
+                }
+            }
             merged.ranks.extend(m.ranks.iter().map(|r| {
                 let pieces: Vec<std::ops::Range<usize>> =
                     r.pieces().into_iter().map(|x| x.start + base..x.end + base).collect();
                 RankEntry::new(r.file.clone(), &pieces, r.crc32)
             }));
             merged.stage_variables_files.extend(m.variables_file.clone());
-            merged.buffers.extend(m.buffers.iter().cloned());
-            merged.frozen.extend(m.frozen.iter().cloned());
+            for v in &m.buffers {
+                if !merged.buffers.iter().any(|b| b.name == v.name) {
+                    merged.buffers.push(v.clone());
+                }
+            }
+            for v in &m.frozen {
+                if !merged.frozen.iter().any(|b| b.name == v.name) {
+                    merged.frozen.push(v.clone());
+                }
+            }
             merged.frozen_excluded |= m.frozen_excluded;
             base += extent(&m);
         }
         merged.world_size = world_size;
         merged.rng_states.clear();
-        merged.pipeline_stages = pipeline_stages;
-        merged.model_weights = Some(
-            "absent: a pipeline's stages save their own weights; `zerorun consolidate` assembles them from the rank files"
-                .into(),
-        );
         merged
+    }
+
+    /// The parameters' names, each once, in entry order.
+    pub fn param_names(&self) -> Vec<&str> {
+        let mut names: Vec<&str> = Vec::new();
+        for p in &self.params {
+            if !names.contains(&p.name.as_str()) {
+                names.push(&p.name);
+            }
+        }
+        names
+    }
+
+    /// Every entry of parameter `name` (several when it was saved in slices).
+    pub fn entries<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a ParamEntry> + 'a {
+        self.params.iter().filter(move |p| p.name == name)
     }
 
     /// Every file of buffers and frozen parameters, in the order to search them.
@@ -246,6 +341,7 @@ mod tests {
             variables_file: None,
             stage_variables_files: vec![],
             pipeline_stages: 0,
+            tensor_parallel: 0,
             outer_state_file: None,
             buffers: vec![],
             frozen: vec![],
@@ -296,6 +392,7 @@ mod tests {
                     start: 6 * i,
                     len: 6,
                     dtype: "F32".into(),
+                    slice: None,
                 })
                 .collect();
             Manifest {

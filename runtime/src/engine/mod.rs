@@ -28,6 +28,7 @@ mod grad_hooks;
 mod gradients;
 pub mod layout;
 mod meetings;
+mod model_parallel;
 pub(crate) mod native;
 mod optimizer;
 mod optimizer_shard;
@@ -190,6 +191,8 @@ pub struct Engine {
     /// Ranges of the optimized values whose parameters every rank of the model-parallel group holds whole, and how
     /// many copies there are: the norm counts them once.
     replicated: Option<(Vec<std::ops::Range<usize>>, usize)>,
+    /// Tensor parallelism: this rank's slices of the whole parameters (`set_tensor_parallel`).
+    tensor_parallel: Option<model_parallel::TensorParallelPlace>,
     /// [`EngineOptions::reduce_once_per_step`] on an fp32 model (16-bit ones reduce every micro-batch anyway): a
     /// micro-batch before the boundary leaves its gradients in `.grad`.
     defers_reduction: bool,
@@ -270,31 +273,12 @@ impl Engine {
         }
     }
 
-    /// Whether the next `step` is an optimizer step (the last micro-batch of an accumulation).
-    /// Adds the ranks that hold the model's other parts (every rank of the engine's group calls it with its own
-    /// group of them, e.g. its pipeline): the gradient norm, clipping and the fp16 overflow verdict are then agreed
-    /// over the whole model, so every part skips or clips the same step.
-    pub fn set_model_parallel_group(&mut self, group: Box<dyn Communicator>) {
-        self.model_parallel = (group.world_size() > 1).then_some(group);
-    }
-
-    /// Parameters (by name) that `copies` ranks of the model-parallel group hold whole with equal gradients, such as
-    /// tensor parallelism's layer norms and row-parallel biases: the gradient norm over the group counts them once
-    /// (each rank adds 1/copies of their squares), not `copies` times.
-    pub fn count_replicated_once(&mut self, copies: usize, replicated: impl Fn(&str) -> bool) {
-        let pick = |slot: &layout::ParamSlot| replicated(&slot.name);
-        let ranges = match &self.shard.optimized {
-            plan::Optimized::Flat(plan::FlatRange(range)) => self.layout.runs_where(range.clone(), &pick),
-            plan::Optimized::Shard(_) => self.layout.shard_runs_where(self.rank(), &pick),
-        };
-        self.replicated = (copies > 1).then_some((ranges, copies));
-    }
-
     /// Averages `buf` over the engine's (data-parallel) ranks.
     pub fn data_parallel_mean(&self, buf: &mut [f32]) -> Result<()> {
         Ok(crate::comm::Collectives::all_reduce(self.comm.as_ref(), buf, crate::comm::ReduceOp::Avg)?)
     }
 
+    /// Whether the next `step` is an optimizer step (the last micro-batch of an accumulation).
     pub fn is_gradient_accumulation_boundary(&self) -> bool {
         (self.progress.micro_steps + 1) % self.batch.gradient_accumulation_steps == 0
     }

@@ -346,6 +346,7 @@ impl Engine {
             progress: counters::Progress::default(),
             model_parallel: None,
             replicated: None,
+            tensor_parallel: None,
             defers_reduction: options.reduce_once_per_step && precision == Precision::Fp32,
             meetings: None,
             in_backward: None,

@@ -3,17 +3,45 @@
 use super::*;
 
 /// Reads this rank's optimized elements (optimizer order) from a checkpoint's rank files, any range at a time,
-/// matching parameters by name. Each file is checksummed and mapped when first needed.
+/// matching parameters by name. Each file is checksummed and mapped when first needed. A parameter saved as this
+/// engine holds it (whole, or the same slice) is read by flat range; one held in other slices (another tensor-
+/// parallel degree) is assembled from the overlapping slices, by its box in the whole tensor.
 struct ShardReader<'a> {
     saved: &'a SavedCheckpoint,
     slots: &'a [ParamSlot],
+    /// Per slot: the slice of the whole parameter this engine holds (None: the whole).
+    slices: Vec<Option<Slice>>,
     /// This rank's optimized flat ranges with where each starts in optimizer order.
     pieces: Vec<(usize, std::ops::Range<usize>)>,
     opened: Vec<Option<MappedTensors>>,
 }
 
+/// Reads flat range `range` of tensor `name` of the rank files into `out`.
+fn read_flat(
+    saved: &SavedCheckpoint,
+    opened: &mut [Option<MappedTensors>],
+    name: &str,
+    range: std::ops::Range<usize>,
+    out: &mut [f32],
+) -> Result<()> {
+    for loc in saved.manifest.locate(range) {
+        if opened[loc.entry].is_none() {
+            opened[loc.entry] = Some(saved.rank_file(loc.entry)?);
+        }
+        let file = opened[loc.entry].as_ref().expect("opened above");
+        let dst = loc.dst_offset..loc.dst_offset + loc.file_range.len();
+        file.read_f32(name, loc.file_range, &mut out[dst])?;
+    }
+    Ok(())
+}
+
 impl<'a> ShardReader<'a> {
-    fn new(saved: &'a SavedCheckpoint, slots: &'a [ParamSlot], pieces: &[std::ops::Range<usize>]) -> Self {
+    fn new(
+        saved: &'a SavedCheckpoint,
+        slots: &'a [ParamSlot],
+        slices: Vec<Option<Slice>>,
+        pieces: &[std::ops::Range<usize>],
+    ) -> Self {
         let mut base = 0;
         let pieces = pieces
             .iter()
@@ -23,43 +51,71 @@ impl<'a> ShardReader<'a> {
             })
             .collect();
         let opened = (0..saved.manifest.ranks.len()).map(|_| None).collect();
-        ShardReader { saved, slots, pieces, opened }
+        ShardReader { saved, slots, slices, pieces, opened }
     }
 
-    fn file(&mut self, entry: usize) -> Result<&MappedTensors> {
-        if self.opened[entry].is_none() {
-            self.opened[entry] = Some(self.saved.rank_file(entry)?);
-        }
-        Ok(self.opened[entry].as_ref().expect("opened above"))
+    /// The checkpoint's entry of slot `i` when it holds the slot as this engine does (the same slice or whole).
+    fn same_entry(&self, i: usize) -> Option<&'a ParamEntry> {
+        let slot = &self.slots[i];
+        let mut entries = self.saved.manifest.entries(&slot.name);
+        let first = entries.next()?;
+        let alone = entries.next().is_none();
+        (alone && first.slice == self.slices[i] && first.shape == slot.shape).then_some(first)
     }
 
     /// Fills `out[i]` (each `want.len()` long) with tensor `names[i]` of the checkpoint over `want`, a range of
     /// this rank's optimized elements. Padding, which no file holds, is left as it is.
     fn read(&mut self, want: std::ops::Range<usize>, names: &[&str], out: &mut [&mut [f32]]) -> Result<()> {
+        // Slots assembled from other slices, per tensor name, while this read lasts.
+        let mut assembled: std::collections::HashMap<(usize, usize), Vec<f32>> = Default::default();
         for (base, piece) in self.pieces.clone() {
             let (lo, hi) = (want.start.max(base), want.end.min(base + piece.len()));
             if lo >= hi {
                 continue;
             }
             let flat = piece.start + (lo - base)..piece.start + (hi - base);
-            for slot in self.slots {
+            for (i, slot) in self.slots.iter().enumerate() {
                 let (a, b) = (slot.range.start.max(flat.start), slot.range.end.min(flat.end));
                 if a >= b {
                     continue;
                 }
-                let theirs = self.saved.manifest.param(&slot.name).expect("names checked before reading");
-                let from = theirs.start + (a - slot.range.start);
-                for loc in self.saved.manifest.locate(from..from + (b - a)) {
-                    let at = base + (a - piece.start) - want.start + loc.dst_offset;
-                    let dst = at..at + loc.file_range.len();
-                    let file = self.file(loc.entry)?;
+                let at = base + (a - piece.start) - want.start;
+                if let Some(theirs) = self.same_entry(i) {
+                    let from = theirs.start + (a - slot.range.start);
                     for (name, o) in names.iter().zip(out.iter_mut()) {
-                        file.read_f32(name, loc.file_range.clone(), &mut o[dst.clone()])?;
+                        read_flat(self.saved, &mut self.opened, name, from..from + (b - a), &mut o[at..at + (b - a)])?;
                     }
+                    continue;
+                }
+                let region = region_of(&slot.shape, self.slices[i]);
+                for (n, (name, o)) in names.iter().zip(out.iter_mut()).enumerate() {
+                    let values = match assembled.entry((i, n)) {
+                        std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                        std::collections::hash_map::Entry::Vacant(e) => {
+                            let (saved, opened) = (self.saved, &mut self.opened);
+                            e.insert(read_region(
+                                &saved.manifest,
+                                &saved.manifest_path(),
+                                &slot.name,
+                                &region,
+                                &mut |range, dst| read_flat(saved, opened, name, range, dst).map_err(box_checkpoint),
+                            )?)
+                        }
+                    };
+                    let local = a - slot.range.start..b - slot.range.start;
+                    o[at..at + (b - a)].copy_from_slice(&values[local]);
                 }
             }
         }
         Ok(())
+    }
+}
+
+/// `read_region` takes a reader of the checkpoint crate's error type; a file error keeps its message.
+fn box_checkpoint(e: Error) -> CheckpointError {
+    match e {
+        Error::Checkpoint(c) => c,
+        other => CheckpointError::Io { path: PathBuf::new(), what: other.to_string() },
     }
 }
 
@@ -83,26 +139,27 @@ impl Engine {
         let mismatch = |what: String| CheckpointError::Mismatch { path: manifest_path.clone(), what };
         // Parameters are matched by name, so layouts in another order (stage 3 lays out by unit) load too.
         let mut problems: Vec<String> = Vec::new();
-        for slot in &self.layout.slots {
+        // Whole shapes are compared: a slice of another tensor-parallel degree is read by its place.
+        for (i, slot) in self.layout.slots.iter().enumerate() {
+            let whole = ParamEntry { shape: slot.shape.clone(), slice: self.slot_slice(i), ..Default::default() };
             match m.param(&slot.name) {
                 None => problems.push(format!("model `{}` {:?} is not in the checkpoint", slot.name, slot.shape)),
-                Some(p) if p.shape != slot.shape => {
-                    problems.push(format!("model `{}` {:?} vs checkpoint {:?}", slot.name, slot.shape, p.shape))
-                }
+                Some(p) if p.full_shape() != whole.full_shape() => problems.push(format!(
+                    "model `{}` {:?} vs checkpoint {:?}",
+                    slot.name,
+                    whole.full_shape(),
+                    p.full_shape()
+                )),
                 Some(_) => {}
             }
         }
-        if problems.is_empty() && !part && m.params.len() != self.layout.slots.len() {
-            let extra: Vec<&str> = m
-                .params
-                .iter()
-                .filter(|p| !self.layout.slots.iter().any(|s| s.name == p.name))
-                .map(|p| p.name.as_str())
-                .take(3)
-                .collect();
+        let names = m.param_names();
+        if problems.is_empty() && !part && names.len() != self.layout.slots.len() {
+            let extra: Vec<&str> =
+                names.iter().filter(|n| !self.layout.slots.iter().any(|s| &s.name == *n)).copied().take(3).collect();
             problems.push(format!(
                 "the checkpoint has {} parameters, the model {} (not in the model: {extra:?})",
-                m.params.len(),
+                names.len(),
                 self.layout.slots.len()
             ));
         }
@@ -137,7 +194,8 @@ impl Engine {
         // Values first (the master or the parameters), then the optimizer state, which an NVMe run takes one
         // sub-group at a time, so the whole state is never assembled in memory.
         let pieces = self.optimized_pieces(self.rank());
-        let mut reader = ShardReader::new(&saved, &self.layout.slots, &pieces);
+        let slices = (0..self.layout.slots.len()).map(|i| self.slot_slice(i)).collect();
+        let mut reader = ShardReader::new(&saved, &self.layout.slots, slices, &pieces);
         let mut values = vec![0f32; self.shard.optimized.len()];
         reader.read(0..values.len(), &["params"], &mut [&mut values])?;
         let names: Vec<&str> = m.state_names.iter().map(String::as_str).collect();

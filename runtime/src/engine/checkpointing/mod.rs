@@ -15,7 +15,8 @@ use super::plan::{AfterStep, FlatRange, Optimized};
 use super::{views, Engine, ParamSlot};
 use crate::checkpoint::files::{self, MappedTensors};
 use crate::checkpoint::{
-    CheckpointError, Manifest, ParamEntry, RankEntry, SavedCheckpoint, VariableEntry, FORMAT_VERSION,
+    read_region, region_of, CheckpointError, Manifest, ParamEntry, RankEntry, SavedCheckpoint, Slice, VariableEntry,
+    FORMAT_VERSION,
 };
 use crate::comm::{Collectives, ReduceOp};
 use crate::config::{Precision, TagValidation};

@@ -51,17 +51,65 @@ impl Engine {
         check_tag(&tag)?;
         let tag = self.agree_on_tag(tag)?;
         let staging = dir.join(format!(".{tag}.partial"));
-        if self.rank() == 0 {
+        let tp = self.tensor_parallel.as_ref().map(|p| (p.rank, p.size));
+        if self.rank() == 0 && matches!(tp, None | Some((0, _))) {
             prepare_staging(dir, &staging)?;
         }
+        // With tensor parallelism the job's first rank prepared it: its tensor-parallel group, then each group's
+        // data-parallel ranks, wait for it.
+        self.tensor_parallel_barrier()?;
         self.comm.barrier()?;
-        let manifest = self.save_part(&staging, "", &tag, !options.exclude_frozen_parameters)?;
-        if let Some(manifest) = manifest {
-            publish(dir, &staging, &tag, &manifest)?;
+        let prefix = tp.map_or_else(String::new, |(r, _)| format!("tp{r}."));
+        let manifest = self.save_part(&staging, &prefix, &tag, !options.exclude_frozen_parameters)?;
+        match (manifest, tp) {
+            (Some(manifest), None) => publish(dir, &staging, &tag, &manifest)?,
+            (Some(manifest), Some((tp_rank, tp_size))) => {
+                self.publish_tensor_parallel(dir, &staging, &tag, manifest, tp_rank, tp_size)?
+            }
+            (None, _) => {}
         }
+        // Nobody returns before the checkpoint is published: the job's first rank publishes before it reaches its
+        // tensor-parallel group's barrier, which every data-parallel group's first rank passes before its own.
+        self.tensor_parallel_barrier()?;
         self.comm.barrier()?;
         tracing::info!(tag, step = self.progress.global_steps, "checkpoint saved");
         Ok(dir.join(tag))
+    }
+
+    fn tensor_parallel_barrier(&self) -> Result<()> {
+        if let (Some(_), Some(group)) = (&self.tensor_parallel, &self.model_parallel) {
+            group.barrier()?;
+        }
+        Ok(())
+    }
+
+    /// The tensor-parallel parts' manifests (each data-parallel group's first rank has its own) go to the first
+    /// part, which merges them into one ([`Manifest::merge_tensor_parallel`]) and publishes the checkpoint.
+    fn publish_tensor_parallel(
+        &self,
+        dir: &Path,
+        staging: &Path,
+        tag: &str,
+        manifest: Manifest,
+        tp_rank: usize,
+        tp_size: usize,
+    ) -> Result<()> {
+        use crate::pipeline::link::{recv_bytes, send_bytes};
+        let group = self.model_parallel.as_deref().expect("set_tensor_parallel sets the group");
+        if tp_rank > 0 {
+            send_bytes(group, &serde_json::to_vec(&manifest).expect("manifests serialize"), 0)?;
+            return Ok(());
+        }
+        let mut parts = vec![manifest];
+        for from in 1..tp_size {
+            let bytes = recv_bytes(group, from)?;
+            parts.push(serde_json::from_slice(&bytes).map_err(|e| CheckpointError::Io {
+                path: staging.to_path_buf(),
+                what: format!("tensor-parallel rank {from}'s manifest: {e}"),
+            })?);
+        }
+        let merged = Manifest::merge_tensor_parallel(parts, self.world_size() * tp_size);
+        publish(dir, staging, tag, &merged)
     }
 
     /// Writes this engine's files into `staging` (their names prefixed by `prefix`) and returns, on rank 0, the
@@ -153,12 +201,14 @@ impl Engine {
             params: layout
                 .slots
                 .iter()
-                .map(|s| ParamEntry {
+                .enumerate()
+                .map(|(i, s)| ParamEntry {
                     name: s.name.clone(),
                     shape: s.shape.clone(),
                     start: s.range.start,
                     len: s.range.len(),
                     dtype: dtype_name(self.precision).into(),
+                    slice: self.slot_slice(i),
                 })
                 .collect(),
             ranks,
@@ -167,6 +217,7 @@ impl Engine {
             variables_file: Some(file_name),
             stage_variables_files: Vec::new(),
             pipeline_stages: 0,
+            tensor_parallel: 0,
             outer_state_file,
             buffers: buffer_entries,
             frozen: frozen_entries,
