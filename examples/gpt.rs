@@ -39,7 +39,8 @@ struct Args {
     /// Split every layer across groups of this many adjacent ranks (tensor parallelism: attention heads, the MLP,
     /// the vocabulary of the embedding, head and loss); ZeRO runs over the data-parallel ranks of each group
     /// position. The vocabulary is padded to a multiple of 8 (also at 1), so runs at different degrees compare.
-    #[arg(long, conflicts_with = "pipeline_stages")]
+    /// With --pipeline-stages: each stage's layers split so (ranks = stages x data x tensor-parallel).
+    #[arg(long)]
     tensor_parallel: Option<usize>,
 }
 
@@ -119,22 +120,49 @@ fn run(args: &Args) -> Result<(), String> {
 
 /// `--pipeline-stages P`: the same model as layers, each rank building and training only its stage's.
 fn run_pipeline(args: &Args, config: &Config, corpus: &Corpus, cfg: GptConfig, stages: usize) -> Result<(), String> {
+    use zerorun::runtime::tensor_parallel::TensorParallel;
     let a = &args.common;
     if a.activation_checkpointing {
         return Err("--pipeline-stages runs without --activation-checkpointing (stage 3's) for now".into());
     }
+    let cfg = match args.tensor_parallel {
+        Some(t) => tensor_parallel_model(a, config, cfg, t)?,
+        None => cfg,
+    };
     let timeout = Duration::from_secs_f64(config.comms_timeout);
     let summary = run_ranks(a.ranks, timeout, |comm| {
         let placement = StagePlacement::new(&config.pipeline, Some(stages), comm.rank(), comm.world_size())
+            .and_then(|p| p.with_tensor_parallel(args.tensor_parallel.unwrap_or(1)))
             .map_err(|e| e.to_string())?;
-        let (mut vs, stage) = build_model(a.seed, a.init.as_ref(), |vs| {
-            pipeline_model(&cfg).build_stage(vs, &placement, &config.pipeline.partition)
-        })?;
+        // Each stage's tensor-parallel group: adjacent ranks of the stage.
+        let tp = match args.tensor_parallel {
+            Some(_) => Some(TensorParallel::new(
+                placement.topology().communicator(comm.as_ref(), &["model"]).map_err(|e| e.to_string())?,
+            )),
+            None => None,
+        };
+        let model = match &tp {
+            Some(tp) => gpt_model::tp::pipeline_model(&cfg, tp),
+            None => pipeline_model(&cfg),
+        };
+        let (mut vs, stage) =
+            build_model(a.seed, a.init.as_ref(), |vs| model.build_stage(vs, &placement, &config.pipeline.partition))?;
         let stage = stage.map_err(|e| e.to_string())?;
         to_config_precision(config, &mut vs);
         let options = EngineOptions { no_weight_decay: Some(no_decay_for_1d), ..Default::default() };
-        let mut pipe = PipelineEngine::new(&vs, config.clone(), comm, options, stage, placement.clone())
-            .map_err(|e| e.to_string())?;
+        let mut pipe = match &tp {
+            Some(_) => PipelineEngine::new_tensor_parallel(
+                &vs,
+                config.clone(),
+                comm,
+                options,
+                stage,
+                placement.clone(),
+                &tp_split_dim,
+            ),
+            None => PipelineEngine::new(&vs, config.clone(), comm, options, stage, placement.clone()),
+        }
+        .map_err(|e| e.to_string())?;
         let b = pipe.engine().batch_sizes();
         let (first, last) = (placement.takes_inputs(), placement.takes_labels());
         let mut progress = Progress::new(a.steps);
@@ -166,6 +194,11 @@ fn run_pipeline(args: &Args, config: &Config, corpus: &Corpus, cfg: GptConfig, s
         }
         if let Some(path) = &a.save_final {
             let params = pipe.full_parameters().map_err(|e| e.to_string())?;
+            // The first stage's ranks hold the whole pipeline's slices: their tensor-parallel groups join them.
+            let params = match &tp {
+                Some(tp) if placement.stage == 0 => whole_parameters(tp, params)?,
+                _ => params,
+            };
             if placement.rank == 0 {
                 Tensor::write_safetensors(&params, path)
                     .map_err(|e| format!("--save-final {}: {e}", path.display()))?;
@@ -186,10 +219,17 @@ fn run_pipeline(args: &Args, config: &Config, corpus: &Corpus, cfg: GptConfig, s
             progress.last_loss,
             progress.median_step_s(),
             pipe.engine().layout().numel,
+            tp.as_ref().map(TensorParallel::counts),
         ))
     })?;
-    let Some((first, last, median, params)) = summary else { return Ok(()) };
+    let Some((first, last, median, params, counts)) = summary else { return Ok(()) };
     println!("median_step_s {median:.4}");
+    if let Some(c) = counts {
+        println!(
+            "tensor_parallel_collectives all_reduce {} all_gather {} reduce_scatter {}",
+            c.all_reduce, c.all_gather, c.reduce_scatter
+        );
+    }
     println!(
         "summary: {stages} pipeline stages, ZeRO stage {} per stage, {params} parameters on stage 0, {} optimizer steps, loss {first:.4} -> {last:.4}",
         config.stage(),
@@ -198,14 +238,8 @@ fn run_pipeline(args: &Args, config: &Config, corpus: &Corpus, cfg: GptConfig, s
     Ok(())
 }
 
-/// `--tensor-parallel T`: groups of T adjacent ranks split every layer ([`TpGpt`]); each rank's engine runs ZeRO
-/// over the ranks at its position in the other groups (the data-parallel group), and agrees on the gradient norm
-/// with its tensor-parallel group, counting the parameters every member holds whole (norms, biases after a sum, the
-/// position embedding) once.
-fn run_tensor_parallel(args: &Args, config: &Config, corpus: &Corpus, cfg: GptConfig, t: usize) -> Result<(), String> {
-    use zerorun::runtime::comm::Collectives;
-    use zerorun::runtime::tensor_parallel::TensorParallel;
-    let a = &args.common;
+/// The model at tensor-parallel degree `t`: what splits must split, the vocabulary is padded to a multiple of 8.
+fn tensor_parallel_model(a: &CommonArgs, config: &Config, cfg: GptConfig, t: usize) -> Result<GptConfig, String> {
     if a.activation_checkpointing || a.init.is_some() || config.precision() != zerorun::runtime::config::Precision::Fp32
     {
         return Err("--tensor-parallel runs fp32, without --activation-checkpointing or --init, for now".into());
@@ -221,6 +255,40 @@ fn run_tensor_parallel(args: &Args, config: &Config, corpus: &Corpus, cfg: GptCo
     if cfg.vocab % t as i64 != 0 {
         return Err(format!("--tensor-parallel {t} must divide the padded vocabulary ({})", cfg.vocab));
     }
+    Ok(cfg)
+}
+
+/// Every parameter whole: the tensor-parallel slices gathered along the dimension they split. Collective over
+/// the group.
+fn whole_parameters(
+    tp: &zerorun::runtime::tensor_parallel::TensorParallel,
+    params: Vec<(String, Tensor)>,
+) -> Result<Vec<(String, Tensor)>, String> {
+    tch::no_grad(|| -> Result<Vec<(String, Tensor)>, zerorun::Error> {
+        params
+            .into_iter()
+            .map(|(name, p)| {
+                let full = match tp_split_dim(&name) {
+                    Some(0) => tp.gather_sequence(&p)?,
+                    Some(_) => tp.gather_from_region(&p)?,
+                    None => p,
+                };
+                Ok((name, full))
+            })
+            .collect()
+    })
+    .map_err(|e| e.to_string())
+}
+
+/// `--tensor-parallel T`: groups of T adjacent ranks split every layer ([`TpGpt`]); each rank's engine runs ZeRO
+/// over the ranks at its position in the other groups (the data-parallel group), and agrees on the gradient norm
+/// with its tensor-parallel group, counting the parameters every member holds whole (norms, biases after a sum, the
+/// position embedding) once.
+fn run_tensor_parallel(args: &Args, config: &Config, corpus: &Corpus, cfg: GptConfig, t: usize) -> Result<(), String> {
+    use zerorun::runtime::comm::Collectives;
+    use zerorun::runtime::tensor_parallel::TensorParallel;
+    let a = &args.common;
+    let cfg = tensor_parallel_model(a, config, cfg, t)?;
     let timeout = Duration::from_secs_f64(config.comms_timeout);
     let summary = run_ranks(a.ranks, timeout, |comm| {
         let (rank, world) = (comm.rank(), comm.world_size());
@@ -261,22 +329,7 @@ fn run_tensor_parallel(args: &Args, config: &Config, corpus: &Corpus, cfg: GptCo
             }
         }
         if let Some(path) = &a.save_final {
-            // Every parameter whole: the tensor-parallel slices gathered along the dimension they split.
-            let params = engine.full_parameters().map_err(|e| e.to_string())?;
-            let whole = tch::no_grad(|| -> Result<Vec<(String, Tensor)>, zerorun::Error> {
-                params
-                    .into_iter()
-                    .map(|(name, p)| {
-                        let full = match tp_split_dim(&name) {
-                            Some(0) => tp.gather_sequence(&p)?,
-                            Some(_) => tp.gather_from_region(&p)?,
-                            None => p,
-                        };
-                        Ok((name, full))
-                    })
-                    .collect()
-            })
-            .map_err(|e| e.to_string())?;
+            let whole = whole_parameters(&tp, engine.full_parameters().map_err(|e| e.to_string())?)?;
             if rank == 0 {
                 Tensor::write_safetensors(&whole, path).map_err(|e| format!("--save-final {}: {e}", path.display()))?;
             }

@@ -98,7 +98,7 @@ impl Gpt {
 /// The same model as pipeline layers: the embeddings, each block, and the final norm with the head, each built
 /// under the names `Gpt::new` gives them and in its order (so the initial values are the same), with the
 /// cross-entropy of the logits as the loss.
-pub fn pipeline_model(c: &GptConfig) -> zerorun::PipelineModel<'static> {
+pub fn pipeline_model<'a>(c: &GptConfig) -> zerorun::PipelineModel<'a> {
     let c = *c;
     let mut model = zerorun::PipelineModel::new(move |logits: &Tensor, targets: &Tensor| {
         logits.to_kind(Kind::Float).view([-1, c.vocab]).cross_entropy_for_logits(&targets.view([-1]))
@@ -345,6 +345,38 @@ pub mod tp {
                 self.head.forward(tp, &self.ln_f.forward(x))
             }
         }
+    }
+
+    /// [`super::pipeline_model`] split across the tensor-parallel group `tp`: the same layers (names, order,
+    /// initial values) built from [`TpGpt`]'s parts, the loss the vocabulary-parallel cross-entropy. `c.vocab` must
+    /// be the padded vocabulary. A failed collective panics (a layer's forward returns a tensor).
+    pub fn pipeline_model<'a>(c: &GptConfig, tp: &'a TensorParallel) -> zerorun::PipelineModel<'a> {
+        let c = *c;
+        let failed = |what: &str, e: zerorun::Error| -> Tensor { panic!("tensor parallel, {what}: {e}") };
+        let start = tp.rank() as i64 * (c.vocab / tp.size() as i64);
+        let mut model = zerorun::PipelineModel::new(move |logits: &Tensor, targets: &Tensor| {
+            vocab_parallel_cross_entropy(tp, &logits.to_kind(Kind::Float), targets, start)
+                .unwrap_or_else(|e| failed("loss", e))
+        })
+        .layer("embed", move |p| {
+            let tok = VocabParallelEmbedding::new(&(p / "tok"), tp, c.vocab, c.embd);
+            let pos = nn::embedding(p / "pos", c.block, c.embd, Default::default());
+            Box::new(move |x: &Tensor| {
+                let at = Tensor::arange(x.size()[1], (Kind::Int64, x.device()));
+                tok.forward(tp, x).unwrap_or_else(|e| failed("embedding", e)) + pos.forward(&at)
+            })
+        });
+        for i in 0..c.layers {
+            model = model.layer(format!("blocks.{i}"), move |p| {
+                let block = TpBlock::new(p / "blocks" / i, tp, &c);
+                Box::new(move |x: &Tensor| block.forward(tp, x).unwrap_or_else(|e| failed("block", e)))
+            });
+        }
+        model.layer("head", move |p| {
+            let ln_f = nn::layer_norm(p / "ln_f", vec![c.embd], Default::default());
+            let head = ColumnParallelLinear::new(&(p / "head"), tp, c.embd, c.vocab, true, false);
+            Box::new(move |x: &Tensor| head.forward(tp, &ln_f.forward(x)).unwrap_or_else(|e| failed("head", e)))
+        })
     }
 
     /// [`TpGpt`] as the engine's units (those of `Gpt`), with its group: stage 3 gathers one unit at a time over

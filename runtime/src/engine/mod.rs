@@ -63,6 +63,7 @@ pub use checkpointing::{load_mapped, SaveOptions};
 use counters::Progress;
 pub use counters::{CommVolume, GatheredBytes};
 pub use layout::{FlatLayout, ParamSlot, UnitSpan};
+pub use model_parallel::SplitDim;
 use plan::{GradientPath, StagePlan};
 pub use reporting::{MemoryReportFiles, MEMORY_REPORT_ENV};
 use sharded_unit::ShardedUnit;

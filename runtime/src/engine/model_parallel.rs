@@ -4,16 +4,20 @@
 //! each whole parameter this rank holds, so that checkpoints save slices by their place in the whole tensor.
 use super::{layout, plan, Engine};
 use crate::checkpoint::Slice;
-use crate::comm::Communicator;
+use crate::comm::{Collectives, Communicator};
 use crate::error::{Error, Result};
 
+/// The dimension along which parameter `name` is split across a tensor-parallel group (None: held whole).
+pub type SplitDim<'a> = dyn Fn(&str) -> Option<usize> + 'a;
+
 /// This rank's part of a tensor-parallel group's model.
-#[derive(Debug, Clone)]
 pub(crate) struct TensorParallelPlace {
     pub rank: usize,
     pub size: usize,
     /// Per layout slot: the slice of the whole parameter this rank holds, or None when it holds it whole.
     pub slices: Vec<Option<Slice>>,
+    /// The tensor-parallel group, for checkpoints: its members' manifests meet at its first rank.
+    pub group: Box<dyn Communicator>,
 }
 
 impl Engine {
@@ -47,6 +51,20 @@ impl Engine {
         group: Box<dyn Communicator>,
         split_dim: impl Fn(&str) -> Option<usize>,
     ) -> Result<()> {
+        let checkpoints = group.as_ref().split(Some(0), group.rank() as i64)?.expect("every member joins color 0");
+        self.place_tensor_parallel(checkpoints, &split_dim)?;
+        self.set_model_parallel_group(group);
+        Ok(())
+    }
+
+    /// Records this rank's slices in the tensor-parallel `group` (see [`Engine::set_tensor_parallel`]) and counts
+    /// the whole parameters once in the norm; the norm's group is the caller's to set (a pipeline's spans its
+    /// stages too).
+    pub(crate) fn place_tensor_parallel(
+        &mut self,
+        group: Box<dyn Communicator>,
+        split_dim: &SplitDim<'_>,
+    ) -> Result<()> {
         let (rank, size) = (group.rank(), group.world_size());
         let mut slices = Vec::with_capacity(self.layout.slots.len());
         for slot in &self.layout.slots {
@@ -54,7 +72,7 @@ impl Engine {
                 None => None,
                 Some(dim) if dim >= slot.shape.len() => {
                     return Err(Error::Usage(format!(
-                        "set_tensor_parallel: parameter `{}` {:?} has no dimension {dim} to split",
+                        "tensor parallelism: parameter `{}` {:?} has no dimension {dim} to split",
                         slot.name, slot.shape
                     )))
                 }
@@ -65,8 +83,7 @@ impl Engine {
             });
         }
         self.count_replicated_once(size, |name| split_dim(name).is_none());
-        self.set_model_parallel_group(group);
-        self.tensor_parallel = (size > 1).then_some(TensorParallelPlace { rank, size, slices });
+        self.tensor_parallel = (size > 1).then_some(TensorParallelPlace { rank, size, slices, group });
         Ok(())
     }
 

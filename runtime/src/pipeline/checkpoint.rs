@@ -1,5 +1,6 @@
-//! A pipeline's checkpoints: each stage's engine writes its files (prefixed `stage{s}.`) into one staging folder,
-//! the stages' manifests go to rank 0, which merges them into one manifest over one flat space
+//! A pipeline's checkpoints: each stage's engine writes its files (prefixed `stage{s}.`, and `tp{t}.` with tensor
+//! parallelism) into one staging folder, a stage's tensor-parallel parts merge into the stage's manifest, the
+//! stages' manifests go to rank 0, which merges them into one manifest over one flat space
 //! ([`Manifest::merge_stages`]) and publishes the folder. The checkpoint is so by parameter name, like any other:
 //! it loads into a pipeline of another cut or data-parallel degree (each stage reads the ranges of its own
 //! parameters), into a plain engine, and into `zerorun consolidate`, with no conversion step.
@@ -24,8 +25,14 @@ impl PipelineEngine<'_> {
         }
         self.world.barrier()?;
         let stage = self.placement.stage;
-        let part = self.engine.save_part(&staging, &format!("stage{stage}."), &tag, true)?;
-        // Each stage's first data-parallel rank has its manifest; they form the pipeline of rank 0.
+        let prefix = format!("stage{stage}.{}", self.engine.tensor_parallel_prefix());
+        let part = self.engine.save_part(&staging, &prefix, &tag, true)?;
+        // Each stage's (and tensor-parallel rank's) first data-parallel rank has its manifest; a stage's tensor-
+        // parallel parts merge at its first tensor-parallel rank, and the stages form the pipeline of rank 0.
+        let part = match part {
+            Some(part) => self.engine.merge_tensor_parallel_parts(&staging, part)?,
+            None => None,
+        };
         if let Some(part) = part {
             let c = self.pipe.as_ref();
             if stage > 0 {

@@ -20,7 +20,7 @@ use super::schedule::{self, Action, Kind};
 use super::PipelineError;
 use crate::comm::{Collectives, Communicator};
 use crate::config::{Config, ScheduleName};
-use crate::engine::{Engine, EngineOptions, StepOutcome};
+use crate::engine::{Engine, EngineOptions, SplitDim, StepOutcome};
 use crate::error::{Error, Result};
 
 /// One micro-batch as a stage sees it: the first stage needs the inputs, the last the labels; the others get None.
@@ -84,6 +84,42 @@ impl<'a> PipelineEngine<'a> {
         model: StageModel<'a>,
         placement: StagePlacement,
     ) -> Result<PipelineEngine<'a>> {
+        if placement.tensor_parallel > 1 {
+            return Err(Error::Usage(format!(
+                "the placement splits each stage's layers across {} ranks: build the pipeline with PipelineEngine::new_tensor_parallel, which takes the dimension each parameter is split along",
+                placement.tensor_parallel
+            )));
+        }
+        Self::build(vs, config, comm, options, model, placement, None)
+    }
+
+    /// [`PipelineEngine::new`] for stages whose layers are split across the placement's tensor-parallel groups
+    /// (`StagePlacement::with_tensor_parallel`; the layers' own collectives run over
+    /// `placement.topology().communicator(world, &["model"])`). `split_dim(name)` is the dimension parameter `name`
+    /// is split along, evenly in rank order (None: every member of the group holds it whole), as in
+    /// [`Engine::set_tensor_parallel`]: the gradient norm spans every stage and tensor-parallel rank with whole
+    /// parameters counted once, and checkpoints hold each slice by its place in the whole tensor.
+    pub fn new_tensor_parallel(
+        vs: &nn::VarStore,
+        config: Config,
+        comm: Box<dyn Communicator>,
+        options: EngineOptions,
+        model: StageModel<'a>,
+        placement: StagePlacement,
+        split_dim: &SplitDim<'_>,
+    ) -> Result<PipelineEngine<'a>> {
+        Self::build(vs, config, comm, options, model, placement, Some(split_dim))
+    }
+
+    fn build(
+        vs: &nn::VarStore,
+        config: Config,
+        comm: Box<dyn Communicator>,
+        options: EngineOptions,
+        model: StageModel<'a>,
+        placement: StagePlacement,
+        split_dim: Option<&SplitDim<'_>>,
+    ) -> Result<PipelineEngine<'a>> {
         if config.zero_optimization.stage > 2 {
             return Err(Error::Unsupported {
                 key: "zero_optimization.stage",
@@ -124,7 +160,9 @@ impl<'a> PipelineEngine<'a> {
         let data = topology.communicator(comm.as_ref(), &["data"])?;
         let link = StageLink::new(topology.communicator(comm.as_ref(), &["pipe"])?)?;
         let pipe = topology.communicator(comm.as_ref(), &["pipe"])?;
-        let norm_group = topology.communicator(comm.as_ref(), &["pipe"])?;
+        // The norm and the fp16 overflow verdict span the whole model: every stage and tensor-parallel rank.
+        let norm_group = topology.communicator(comm.as_ref(), &["pipe", "model"])?;
+        let model_group = topology.communicator(comm.as_ref(), &["model"])?;
         let tied_group = topology.communicator(comm.as_ref(), &["pipe"])?;
         let pipeline = config.pipeline.clone();
         // Replicas live outside the VarStore: they take the precision the program gave the model's variables.
@@ -140,6 +178,9 @@ impl<'a> PipelineEngine<'a> {
         let options = EngineOptions { reduce_once_per_step: true, ..options };
         let mut engine = Engine::new(vs, config, data, options)?;
         engine.set_model_parallel_group(norm_group);
+        if let Some(split_dim) = split_dim {
+            engine.place_tensor_parallel(model_group, split_dim)?;
+        }
         let m = engine.batch_sizes().gradient_accumulation_steps as usize;
         let kind = match pipeline.schedule {
             ScheduleName::OneFOneB => Kind::OneFOneB,
@@ -154,6 +195,7 @@ impl<'a> PipelineEngine<'a> {
             tracing::info!(
                 stages = placement.stages,
                 data_parallel = placement.data_parallel,
+                tensor_parallel = placement.tensor_parallel,
                 micro_batches = m,
                 schedule = ?kind,
                 bubble = simulation.bubble,

@@ -1,6 +1,7 @@
-//! Where a rank sits in a pipeline: ranks laid out as `pipe x data` (data fastest, as DeepSpeed's
-//! `PipeDataParallelTopology`), so a stage's data-parallel replicas are adjacent ranks (one host) and a pipeline is
-//! every `data`-th rank.
+//! Where a rank sits in a pipeline: ranks laid out as `pipe x data x model` (model fastest, then data, as
+//! DeepSpeed's `PipeModelDataParallelTopology` and Megatron-LM's order), so a tensor-parallel group is adjacent
+//! ranks (one host), a stage's data-parallel replicas come next, and a pipeline is every `data x model`-th rank.
+//! Without tensor parallelism the model axis has one rank and the layout is DeepSpeed's `pipe x data`.
 use crate::comm::topology::Topology;
 use crate::config::PipelineConfig;
 
@@ -18,6 +19,10 @@ pub struct StagePlacement {
     pub data_parallel: usize,
     /// This rank's index in its stage's data-parallel group.
     pub data_index: usize,
+    /// Ranks that split each layer of a stage (the tensor-parallel degree; 1 without tensor parallelism).
+    pub tensor_parallel: usize,
+    /// This rank's index in its tensor-parallel group.
+    pub model_index: usize,
     pub rank: usize,
     pub world_size: usize,
 }
@@ -52,14 +57,37 @@ impl StagePlacement {
             stage: rank / data_parallel,
             data_parallel,
             data_index: rank % data_parallel,
+            tensor_parallel: 1,
+            model_index: 0,
             rank,
             world_size,
         })
     }
 
-    /// The `pipe x data` topology.
+    /// This placement with each stage's layers split across `tensor_parallel` adjacent ranks: the ranks of a stage
+    /// are `data x model`, so the data-parallel degree is the stage's ranks over `tensor_parallel`.
+    pub fn with_tensor_parallel(self, tensor_parallel: usize) -> Result<StagePlacement, PipelineError> {
+        let per_stage = self.world_size / self.stages;
+        if tensor_parallel == 0 || per_stage % tensor_parallel != 0 {
+            return Err(PipelineError::Placement(format!(
+                "a tensor-parallel degree of {tensor_parallel} must divide the ranks of a stage ({} ranks over {} stages = {per_stage})",
+                self.world_size, self.stages
+            )));
+        }
+        let within = self.rank % per_stage;
+        Ok(StagePlacement {
+            data_parallel: per_stage / tensor_parallel,
+            data_index: within / tensor_parallel,
+            tensor_parallel,
+            model_index: within % tensor_parallel,
+            ..self
+        })
+    }
+
+    /// The `pipe x data x model` topology.
     pub fn topology(&self) -> Topology {
-        Topology::new(&[("pipe", self.stages), ("data", self.data_parallel)]).expect("both axes have ranks")
+        Topology::new(&[("pipe", self.stages), ("data", self.data_parallel), ("model", self.tensor_parallel)])
+            .expect("every axis has ranks")
     }
 
     /// Whether this rank's micro-batches need their inputs (the first stage's do).
@@ -100,6 +128,24 @@ mod tests {
         assert_eq!((at(1).stage, at(1).data_index), (0, 1));
         assert_eq!((at(3).stage, at(3).data_index), (1, 1));
         assert_eq!(at(2).topology().group_of(2, &["pipe"]).unwrap(), vec![0, 2]);
+    }
+
+    #[test]
+    fn tensor_parallel_ranks_are_adjacent_within_a_stage() {
+        let c = PipelineConfig::default();
+        let at = |rank| StagePlacement::new(&c, Some(2), rank, 8).unwrap().with_tensor_parallel(2).unwrap();
+        // Rank 5: stage 1, data index 0, model index 1.
+        let p = at(5);
+        assert_eq!((p.stage, p.data_index, p.model_index, p.data_parallel), (1, 0, 1, 2));
+        let t = p.topology();
+        assert_eq!(t.group_of(5, &["model"]).unwrap(), vec![4, 5]);
+        assert_eq!(t.group_of(5, &["data"]).unwrap(), vec![5, 7]);
+        assert_eq!(t.group_of(5, &["pipe"]).unwrap(), vec![1, 5]);
+        assert_eq!(t.group_of(5, &["pipe", "model"]).unwrap(), vec![0, 1, 4, 5]);
+        assert_eq!(
+            StagePlacement::new(&c, Some(2), 0, 6).unwrap().with_tensor_parallel(2).unwrap_err().to_string(),
+            "pipeline: a tensor-parallel degree of 2 must divide the ranks of a stage (6 ranks over 2 stages = 3)"
+        );
     }
 
     #[test]

@@ -59,14 +59,16 @@ impl Engine {
         // data-parallel ranks, wait for it.
         self.tensor_parallel_barrier()?;
         self.comm.barrier()?;
-        let prefix = tp.map_or_else(String::new, |(r, _)| format!("tp{r}."));
-        let manifest = self.save_part(&staging, &prefix, &tag, !options.exclude_frozen_parameters)?;
-        match (manifest, tp) {
-            (Some(manifest), None) => publish(dir, &staging, &tag, &manifest)?,
-            (Some(manifest), Some((tp_rank, tp_size))) => {
-                self.publish_tensor_parallel(dir, &staging, &tag, manifest, tp_rank, tp_size)?
+        let manifest =
+            self.save_part(&staging, &self.tensor_parallel_prefix(), &tag, !options.exclude_frozen_parameters)?;
+        match manifest {
+            Some(manifest) if tp.is_none() => publish(dir, &staging, &tag, &manifest)?,
+            Some(manifest) => {
+                if let Some(merged) = self.merge_tensor_parallel_parts(&staging, manifest)? {
+                    publish(dir, &staging, &tag, &merged)?
+                }
             }
-            (None, _) => {}
+            None => {}
         }
         // Nobody returns before the checkpoint is published: the job's first rank publishes before it reaches its
         // tensor-parallel group's barrier, which every data-parallel group's first rank passes before its own.
@@ -77,39 +79,36 @@ impl Engine {
     }
 
     fn tensor_parallel_barrier(&self) -> Result<()> {
-        if let (Some(_), Some(group)) = (&self.tensor_parallel, &self.model_parallel) {
-            group.barrier()?;
+        if let Some(p) = &self.tensor_parallel {
+            p.group.barrier()?;
         }
         Ok(())
     }
 
-    /// The tensor-parallel parts' manifests (each data-parallel group's first rank has its own) go to the first
-    /// part, which merges them into one ([`Manifest::merge_tensor_parallel`]) and publishes the checkpoint.
-    fn publish_tensor_parallel(
-        &self,
-        dir: &Path,
-        staging: &Path,
-        tag: &str,
-        manifest: Manifest,
-        tp_rank: usize,
-        tp_size: usize,
-    ) -> Result<()> {
+    /// The tensor-parallel parts' manifests (each data-parallel group's first rank has its part's) go to the
+    /// group's first rank, which returns them merged into one ([`Manifest::merge_tensor_parallel`]); the others
+    /// return None. Without tensor parallelism: `manifest` itself.
+    pub(crate) fn merge_tensor_parallel_parts(&self, staging: &Path, manifest: Manifest) -> Result<Option<Manifest>> {
         use crate::pipeline::link::{recv_bytes, send_bytes};
-        let group = self.model_parallel.as_deref().expect("set_tensor_parallel sets the group");
-        if tp_rank > 0 {
-            send_bytes(group, &serde_json::to_vec(&manifest).expect("manifests serialize"), 0)?;
-            return Ok(());
+        let Some(p) = &self.tensor_parallel else { return Ok(Some(manifest)) };
+        if p.rank > 0 {
+            send_bytes(p.group.as_ref(), &serde_json::to_vec(&manifest).expect("manifests serialize"), 0)?;
+            return Ok(None);
         }
         let mut parts = vec![manifest];
-        for from in 1..tp_size {
-            let bytes = recv_bytes(group, from)?;
+        for from in 1..p.size {
+            let bytes = recv_bytes(p.group.as_ref(), from)?;
             parts.push(serde_json::from_slice(&bytes).map_err(|e| CheckpointError::Io {
                 path: staging.to_path_buf(),
                 what: format!("tensor-parallel rank {from}'s manifest: {e}"),
             })?);
         }
-        let merged = Manifest::merge_tensor_parallel(parts, self.world_size() * tp_size);
-        publish(dir, staging, tag, &merged)
+        Ok(Some(Manifest::merge_tensor_parallel(parts, self.world_size() * p.size)))
+    }
+
+    /// This engine's prefix of file names in a checkpoint: its tensor-parallel rank's.
+    pub(crate) fn tensor_parallel_prefix(&self) -> String {
+        self.tensor_parallel.as_ref().map_or_else(String::new, |p| format!("tp{}.", p.rank))
     }
 
     /// Writes this engine's files into `staging` (their names prefixed by `prefix`) and returns, on rank 0, the
