@@ -126,7 +126,7 @@ fn run_pipeline(args: &Args, config: &Config, corpus: &Corpus, cfg: GptConfig, s
         return Err("--pipeline-stages runs without --activation-checkpointing (stage 3's) for now".into());
     }
     let cfg = match args.tensor_parallel {
-        Some(t) => tensor_parallel_model(a, config, cfg, t)?,
+        Some(t) => tensor_parallel_model(a, cfg, t)?,
         None => cfg,
     };
     let timeout = Duration::from_secs_f64(config.comms_timeout);
@@ -239,10 +239,9 @@ fn run_pipeline(args: &Args, config: &Config, corpus: &Corpus, cfg: GptConfig, s
 }
 
 /// The model at tensor-parallel degree `t`: what splits must split, the vocabulary is padded to a multiple of 8.
-fn tensor_parallel_model(a: &CommonArgs, config: &Config, cfg: GptConfig, t: usize) -> Result<GptConfig, String> {
-    if a.activation_checkpointing || a.init.is_some() || config.precision() != zerorun::runtime::config::Precision::Fp32
-    {
-        return Err("--tensor-parallel runs fp32, without --activation-checkpointing or --init, for now".into());
+fn tensor_parallel_model(a: &CommonArgs, cfg: GptConfig, t: usize) -> Result<GptConfig, String> {
+    if a.init.is_some() {
+        return Err("--tensor-parallel starts from the seed's weights (no --init) for now".into());
     }
     if t == 0 || cfg.heads % t as i64 != 0 || (4 * cfg.embd) % t as i64 != 0 {
         return Err(format!(
@@ -288,7 +287,7 @@ fn run_tensor_parallel(args: &Args, config: &Config, corpus: &Corpus, cfg: GptCo
     use zerorun::runtime::comm::Collectives;
     use zerorun::runtime::tensor_parallel::TensorParallel;
     let a = &args.common;
-    let cfg = tensor_parallel_model(a, config, cfg, t)?;
+    let cfg = tensor_parallel_model(a, cfg, t)?;
     let timeout = Duration::from_secs_f64(config.comms_timeout);
     let summary = run_ranks(a.ranks, timeout, |comm| {
         let (rank, world) = (comm.rank(), comm.world_size());
@@ -306,10 +305,17 @@ fn run_tensor_parallel(args: &Args, config: &Config, corpus: &Corpus, cfg: GptCo
         let tp = TensorParallel::new(tp_comm);
         tch::manual_seed(a.seed as i64);
         let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+        let mut vs = vs;
         let model = TpGpt::new(vs.root(), &tp, &cfg);
+        to_config_precision(config, &mut vs);
         // The units of the plain GPT: stage 3 gathers one at a time over the data-parallel ranks.
         let units = TpUnits { model: &model, tp: &tp };
-        let options = EngineOptions { no_weight_decay: Some(no_decay_for_1d), ..Default::default() }.units_of(&units);
+        let options = EngineOptions {
+            no_weight_decay: Some(no_decay_for_1d),
+            activation_checkpointing: a.activation_checkpointing,
+            ..Default::default()
+        }
+        .units_of(&units);
         let mut engine = Engine::new(&vs, config.clone(), data_comm, options).map_err(|e| e.to_string())?;
         // The norm over the group (whole parameters counted once) and checkpoints of slices by their place.
         engine.set_tensor_parallel(tp_norm, tp_split_dim).map_err(|e| e.to_string())?;
