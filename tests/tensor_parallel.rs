@@ -411,3 +411,57 @@ fn tensor_parallel_with_activation_checkpointing_and_16_bit() {
         assert!((losses[0] - losses[1]).abs() <= 2e-3, "{precision}: T=1 and T=2 end at {losses:?}");
     }
 }
+
+/// A parameter every member holds whole that differs between members (here rank 1's bias is moved) is refused
+/// by name at `set_tensor_parallel`, at stage 0 and with the optimizer partitioned over 2 data-parallel ranks; a
+/// buffer said to be split is refused by name.
+#[test]
+fn whole_parameters_that_differ_across_the_group_and_split_buffers_are_refused() {
+    let split = |name: &str| (name == "col.weight" || name == "col.bias").then_some(0);
+    for (ranks, stage) in [(2usize, 0u8), (4, 2)] {
+        let comms = threads::group(ranks, Duration::from_secs(30));
+        let errors: Vec<String> = std::thread::scope(|s| {
+            let hs: Vec<_> = comms
+                .into_iter()
+                .map(|comm| {
+                    s.spawn(move || {
+                        use zerorun::runtime::comm::{Collectives, Communicator};
+                        let r = comm.rank();
+                        let tp = TensorParallel::new(comm.split(Some((r / 2) as u32), r as i64).unwrap().unwrap());
+                        let group = comm.split(Some((r / 2) as u32), r as i64).unwrap().unwrap();
+                        let data = comm.split(Some((r % 2) as u32), r as i64).unwrap().unwrap();
+                        let vs = nn::VarStore::new(tch::Device::Cpu);
+                        {
+                            let _g = BUILD.lock().unwrap();
+                            tch::manual_seed(1);
+                            ColumnParallelLinear::new(&(vs.root() / "col"), &tp, IN, HIDDEN, true, false);
+                            let head = nn::linear(vs.root() / "head", IN, 1, Default::default());
+                            if r % 2 == 1 {
+                                let _ = tch::no_grad(|| head.bs.as_ref().unwrap().shallow_clone().f_add_scalar_(1.0)).unwrap();
+                            }
+                        }
+                        let config = zerorun::Config::from_json_str(&format!(
+                            r#"{{"train_batch_size": 4, "optimizer": {{"type": "Adam"}}, "zero_optimization": {{"stage": {stage}}}}}"#
+                        ))
+                        .unwrap();
+                        let mut engine = zerorun::initialize_with(&vs, config, data, Default::default()).unwrap();
+                        engine.set_tensor_parallel(group, split).unwrap_err().to_string()
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for e in &errors {
+            assert!(e.contains("`head.bias` is held whole by every member"), "{ranks} ranks, stage {stage}: {e}");
+        }
+    }
+    // A buffer (BatchNorm's running statistics) said to be split.
+    let comm = threads::group(1, Duration::from_secs(30)).pop().unwrap();
+    let vs = nn::VarStore::new(tch::Device::Cpu);
+    let _bn = nn::batch_norm1d(vs.root() / "bn", 4, Default::default());
+    let config = zerorun::Config::from_json_str(r#"{"train_batch_size": 1}"#).unwrap();
+    let mut engine = zerorun::initialize_with(&vs, config, Box::new(comm), Default::default()).unwrap();
+    let group = threads::group(1, Duration::from_secs(30)).pop().unwrap();
+    let err = engine.set_tensor_parallel(Box::new(group), |n| n.starts_with("bn.").then_some(0)).unwrap_err();
+    assert!(err.to_string().contains("`bn.running_mean` is a buffer or a frozen parameter"), "{err}");
+}

@@ -66,6 +66,17 @@ impl Engine {
         split_dim: &SplitDim<'_>,
     ) -> Result<()> {
         let (rank, size) = (group.rank(), group.world_size());
+        // Buffers and frozen parameters are whole on every member (a checkpoint keeps the first member's): one
+        // the caller says is split would come back as that member's slice on every rank.
+        let whole_only =
+            self.buffers.iter().map(|(n, _)| n.clone()).chain(self.frozen_specs().into_iter().map(|s| s.0));
+        for name in whole_only {
+            if let Some(dim) = split_dim(&name) {
+                return Err(Error::Usage(format!(
+                    "tensor parallelism: `{name}` is a buffer or a frozen parameter, which every member of the group holds whole, but split_dim gives it dimension {dim}: split only trainable parameters (keep such a layer outside the split, or make its state trainable)"
+                )));
+            }
+        }
         let mut slices = Vec::with_capacity(self.layout.slots.len());
         for slot in &self.layout.slots {
             slices.push(match split_dim(&slot.name) {
@@ -83,7 +94,53 @@ impl Engine {
             });
         }
         self.count_replicated_once(size, |name| split_dim(name).is_none());
+        if size > 1 {
+            self.check_whole_parameters_agree(group.as_ref(), &slices)?;
+        }
         self.tensor_parallel = (size > 1).then_some(TensorParallelPlace { rank, size, slices, group });
+        Ok(())
+    }
+
+    /// Every member of the tensor-parallel `group` must start from the same values of the parameters they all hold
+    /// whole (`slices[i]` None), or the replicas drift apart with nothing to notice it. Compares one fingerprint
+    /// per parameter (a weighted sum of its values, summed over the data-parallel ranks that each optimize a part,
+    /// so it does not depend on the partition) across the group; the error names the first that differs.
+    fn check_whole_parameters_agree(&mut self, group: &dyn Communicator, slices: &[Option<Slice>]) -> Result<()> {
+        let whole: Vec<usize> = (0..slices.len()).filter(|&i| slices[i].is_none()).collect();
+        if whole.is_empty() {
+            return Ok(());
+        }
+        let values = self.optimized_values()?;
+        let (mut prints, mut scales) = (vec![0f64; whole.len()], vec![0f64; whole.len()]);
+        let mut base = 0;
+        for piece in self.optimized_pieces(self.rank()) {
+            for (k, &i) in whole.iter().enumerate() {
+                let slot = &self.layout.slots[i].range;
+                for e in slot.start.max(piece.start)..slot.end.min(piece.end) {
+                    let (v, w) = (values[base + e - piece.start] as f64, 1.0 + ((e - slot.start) % 101) as f64 / 101.0);
+                    prints[k] += v * w;
+                    scales[k] += v.abs() * w;
+                }
+            }
+            base += piece.len();
+        }
+        let mut sums: Vec<f32> = prints.iter().chain(&scales).map(|&x| x as f32).collect();
+        if self.plan.partitions_optimizer() {
+            self.comm.all_reduce(&mut sums, crate::comm::ReduceOp::Sum)?;
+        }
+        let n = whole.len();
+        // The group's largest and smallest fingerprint of each parameter, in one max.
+        let mut extremes: Vec<f32> = sums[..n].iter().copied().chain(sums[..n].iter().map(|x| -x)).collect();
+        group.all_reduce(&mut extremes, crate::comm::ReduceOp::Max)?;
+        for (k, &i) in whole.iter().enumerate() {
+            let (max, min) = (extremes[k], -extremes[n + k]);
+            if (max - min) as f64 > 1e-5 * sums[n + k] as f64 + 1e-30 {
+                return Err(Error::Usage(format!(
+                    "tensor parallelism: `{}` is held whole by every member of the tensor-parallel group, but their values differ: build the model from the same seed on every member (libtorch's generator is one per process: threads that draw from it at once interleave), or split it (split_dim)",
+                    self.layout.slots[i].name
+                )));
+            }
+        }
         Ok(())
     }
 

@@ -53,7 +53,7 @@ impl Engine {
     }
 
     /// (name, shape, kind) of every frozen parameter.
-    pub(super) fn frozen_specs(&self) -> Vec<(String, Vec<i64>, Kind)> {
+    pub(crate) fn frozen_specs(&self) -> Vec<(String, Vec<i64>, Kind)> {
         match &self.parameters.frozen_units {
             Some(units) => units.specs(),
             None => self.frozen.iter().map(|(n, t)| (n.clone(), t.size(), t.kind())).collect(),

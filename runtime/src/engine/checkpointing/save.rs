@@ -17,7 +17,7 @@ impl Engine {
 
     /// The flat ranges of the layout rank `r` optimizes, in the order of its optimized values: everything at
     /// stage 0, its partition at stages 1-2, a chunk of every unit at stage 3.
-    pub(super) fn optimized_pieces(&self, r: usize) -> Vec<std::ops::Range<usize>> {
+    pub(crate) fn optimized_pieces(&self, r: usize) -> Vec<std::ops::Range<usize>> {
         match self.plan.optimized(&self.layout, r) {
             Optimized::Flat(FlatRange(range)) => vec![range],
             Optimized::Shard(_) => self.layout.shard_pieces(r),
@@ -25,7 +25,7 @@ impl Engine {
     }
 
     /// The fp32 values of this rank's optimized range (the master copy, or the parameters themselves in fp32).
-    fn optimized_values(&mut self) -> Result<Vec<f32>> {
+    pub(crate) fn optimized_values(&mut self) -> Result<Vec<f32>> {
         Ok(match &self.shard.master {
             Some(m) => m.to_vec(),
             None => Vec::<f32>::try_from(&self.read_shard()?).expect("fp32 parameters"),
