@@ -259,6 +259,11 @@ fn run(args: &Args) -> Result<(), String> {
             println!("train_samples_per_s {:.3}", samples as f64 / train_s.max(1e-9));
             println!("eval_loss {eval_loss:.6}");
         }
+        let counts = engine.staleness_counts();
+        if !counts.is_empty() {
+            // Bounded staleness: the gradients this rank applied as an owner, by how stale they were.
+            println!("staleness_counts {counts:?}");
+        }
         if let Some(path) = &a.save_final {
             save_final(&mut engine, path)?;
         }

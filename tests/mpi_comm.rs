@@ -28,6 +28,21 @@ fn worker_entry() {
             groups::point_to_point(c.as_ref());
             groups::groups(c.as_ref());
         }
+        Ok("mpi-staleness") => {
+            // Bounded staleness needs shared memory or groups that run from threads of their own: MPI has neither.
+            let c = communicator_from_env(Duration::from_secs(60)).unwrap();
+            let rank = c.rank();
+            let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+            let _layer = tch::nn::linear(vs.root() / "l", 4, 4, Default::default());
+            let config = zerorun::Config::from_json_str(
+                r#"{"train_batch_size": 2, "gradient_clipping": 0, "optimizer": {"type": "Adam"}, "zero_optimization": {"stage": 1}, "async_training": {"mode": "bounded_staleness", "staleness": 1}}"#,
+            )
+            .unwrap();
+            let err = zerorun::initialize_with(&vs, config, c, Default::default()).err().expect("refused");
+            let text = err.to_string();
+            assert!(text.contains("async_training.mode") && text.contains("MPI runs serialized"), "{text}");
+            println!("refused ok on rank {rank}");
+        }
         Ok("mpi-loop") => {
             let c = communicator_from_env(Duration::from_secs(60)).unwrap();
             let mut buf = vec![1.0f32; 1 << 16];
@@ -134,5 +149,22 @@ fn mpi_point_to_point_and_groups_at_world_sizes_2_to_4() {
         for r in 0..n {
             assert!(text.contains(&format!("groups ok on rank {r}")), "-np {n}, rank {r}:\n{text}");
         }
+    }
+}
+
+#[test]
+fn bounded_staleness_over_mpi_is_refused_naming_the_key() {
+    let out = Command::new("mpirun")
+        .args(["--allow-run-as-root", "--oversubscribe", "-np", "2", "-x", "ZERORUN_TEST_WORKER"])
+        .arg(std::env::current_exe().unwrap())
+        .args(["--exact", "worker_entry", "--ignored", "--nocapture", "--test-threads", "1"])
+        .env("ZERORUN_TEST_WORKER", "mpi-staleness")
+        .env_remove("ZERORUN_BACKEND")
+        .output()
+        .expect("mpirun (make setup installs openmpi-bin)");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    for r in 0..2 {
+        assert!(text.contains(&format!("refused ok on rank {r}")), "rank {r}:\n{text}");
     }
 }

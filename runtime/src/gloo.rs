@@ -293,6 +293,11 @@ impl Communicator for GlooComm {
         self.rank
     }
 
+    /// Every group is a ProcessGroupGloo of its own, with its own connections.
+    fn independent_groups(&self) -> bool {
+        true
+    }
+
     fn world_size(&self) -> usize {
         self.world_size
     }

@@ -16,6 +16,7 @@ pub struct CommThread {
     rank: usize,
     world_size: usize,
     shared_buffers: bool,
+    independent_groups: bool,
     jobs: Option<Sender<Job>>,
     thread: Option<JoinHandle<Box<dyn Communicator>>>,
 }
@@ -76,6 +77,7 @@ impl CommThread {
     /// Moves `comm` onto a new communication thread.
     pub fn spawn(comm: Box<dyn Communicator>) -> CommThread {
         let (rank, world_size, shared_buffers) = (comm.rank(), comm.world_size(), comm.prefers_shared_buffers());
+        let independent_groups = comm.independent_groups();
         let (tx, rx) = channel::<Job>();
         let thread = std::thread::Builder::new()
             .name(format!("zerorun-comm-{rank}"))
@@ -86,7 +88,7 @@ impl CommThread {
                 comm
             })
             .expect("spawning the communication thread");
-        CommThread { rank, world_size, shared_buffers, jobs: Some(tx), thread: Some(thread) }
+        CommThread { rank, world_size, shared_buffers, independent_groups, jobs: Some(tx), thread: Some(thread) }
     }
 
     /// Queues `f` to run on the communication thread after everything submitted before it.
@@ -187,6 +189,10 @@ impl Communicator for CommThread {
 
     fn prefers_shared_buffers(&self) -> bool {
         self.shared_buffers
+    }
+
+    fn independent_groups(&self) -> bool {
+        self.independent_groups
     }
 
     fn all_reduce_buf(&self, buf: BufMut<'_>, op: ReduceOp) -> CommResult<()> {

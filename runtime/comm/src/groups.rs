@@ -162,6 +162,10 @@ impl Communicator for Named {
         self.named(self.inner.window(local))
     }
 
+    fn independent_groups(&self) -> bool {
+        self.inner.independent_groups()
+    }
+
     fn broadcast_buf(&self, buf: BufMut<'_>, root: usize) -> CommResult<()> {
         self.named(self.inner.broadcast_buf(buf, root))
     }

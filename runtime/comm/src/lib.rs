@@ -112,6 +112,11 @@ pub trait Communicator: Send {
     fn window(&self, _local: &mut [u8]) -> CommResult<Option<Vec<usize>>> {
         Ok(None)
     }
+    /// Whether the groups `split` and `new_group` make from this one may be used from different threads at once
+    /// (each group by one thread): gloo's (each its own process group), not MPI's (initialised serialized).
+    fn independent_groups(&self) -> bool {
+        false
+    }
 }
 
 /// The collectives on typed slices (f32, bf16, f16, i64), for any communicator.

@@ -39,6 +39,7 @@ pub mod sampler;
 mod setup;
 mod sharded_unit;
 mod staleness;
+mod staleness_relay;
 mod step;
 mod step_in_backward;
 mod swapped_params;

@@ -13,6 +13,9 @@
 //!   fewer than c + 1 - s steps: it never runs more than s clocks ahead of the slowest, and the values a gradient is
 //!   computed on lack at most s steps (its staleness, counted by the owners: `staleness_counts`).
 //!
+//! Where ranks do not share memory (gloo), `staleness_relay.rs` carries the pushes and the owners' values as
+//! messages into the owners' windows and into mirrors of them, and the logic here reads those alike.
+//!
 //! Owners serve from the worker's own thread, whenever it is inside `engine.step()` (and while it waits there), so
 //! the optimizer state stays the engine's. Every wait has the config's `comms_timeout` and names the rank waited
 //! for: a dead rank is an error, never a hang.
@@ -24,15 +27,76 @@ use crate::comm::Communicator;
 use crate::error::{Error, Result};
 
 /// Header words of a window: the owner's applied steps and the sequence lock over its published values.
-const APPLIED: usize = 0;
-const SEQ: usize = 1;
+pub(super) const APPLIED: usize = 0;
+pub(super) const SEQ: usize = 1;
 const HEADER_WORDS: usize = 8;
 /// Stamps of one inbox slot: the clock + 1 of the gradient written there, of the last one the owner took, and the
 /// owner's applied count the worker's values were from.
-const FILLED: usize = 0;
-const TAKEN: usize = 1;
-const BASE: usize = 2;
+pub(super) const FILLED: usize = 0;
+pub(super) const TAKEN: usize = 1;
+pub(super) const BASE: usize = 2;
 const STAMP_WORDS: usize = 3;
+
+/// Where things are in a window: the header, the stamps of every worker's inbox slots, the owner's published
+/// values, then the inbox (a slot per worker and clock modulo `slots`). A relay's mirror of a peer's window
+/// (message-passing backends) stops after the values.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct WindowLayout {
+    pub world: usize,
+    pub slots: usize,
+    /// Elements of one partition.
+    pub partition: usize,
+}
+
+impl WindowLayout {
+    fn values_offset(&self) -> usize {
+        ((HEADER_WORDS + self.world * self.slots * STAMP_WORDS) * 8).next_multiple_of(64)
+    }
+
+    /// Bytes of a whole window.
+    pub fn bytes(&self) -> usize {
+        self.values_offset() + (1 + self.world * self.slots) * self.partition * 4
+    }
+
+    /// Bytes of a mirror: the header, the stamps and the values.
+    pub fn mirror_bytes(&self) -> usize {
+        self.values_offset() + self.partition * 4
+    }
+
+    /// Word `index` of the window at `base`.
+    ///
+    /// # Safety
+    /// `base` is a live window (or mirror) of this layout, u64-aligned; shared words are only accessed atomically.
+    pub unsafe fn word<'a>(&self, base: usize, index: usize) -> &'a AtomicU64 {
+        unsafe { &*((base as *const AtomicU64).add(index)) }
+    }
+
+    /// Stamp `which` of `worker`'s inbox slot `slot` in the window at `base` (safety: as [`WindowLayout::word`]).
+    pub unsafe fn stamp<'a>(&self, base: usize, worker: usize, slot: usize, which: usize) -> &'a AtomicU64 {
+        unsafe { self.word(base, HEADER_WORDS + (worker * self.slots + slot) * STAMP_WORDS + which) }
+    }
+
+    /// The published values of the window at `base`.
+    ///
+    /// # Safety
+    /// As [`WindowLayout::word`]; written by one writer only inside its sequence lock, read inside it; the slice is
+    /// dropped before the window goes.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn values<'a>(&self, base: usize) -> &'a mut [f32] {
+        unsafe { std::slice::from_raw_parts_mut((base + self.values_offset()) as *mut f32, self.partition) }
+    }
+
+    /// Worker `w`'s inbox slot `slot` in the (whole) window at `base`.
+    ///
+    /// # Safety
+    /// As [`WindowLayout::word`]; the worker writes it while its FILLED stamp says the owner took the last one,
+    /// the owner reads it after; the slice is dropped before the window goes.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn inbox<'a>(&self, base: usize, w: usize, slot: usize) -> &'a mut [f32] {
+        let p = base + self.values_offset() + (1 + w * self.slots + slot) * self.partition * 4;
+        unsafe { std::slice::from_raw_parts_mut(p as *mut f32, self.partition) }
+    }
+}
 
 /// One clock's gradients summed on the owner.
 struct Accumulator {
@@ -42,10 +106,16 @@ struct Accumulator {
 }
 
 pub(super) struct BoundedStaleness {
+    /// Message-passing backends: the threads that carry pushes to the owners and the owners' values back (dropped,
+    /// and joined, before the windows they write).
+    relay: Option<super::staleness_relay::Relay>,
     /// This rank's window: header, stamps, its published values, its inbox.
     _window: SharedBuffer,
-    /// Every rank's window as mapped here.
+    /// Message-passing backends: this rank's mirror of every peer's window (header, stamps, values).
+    _mirrors: Vec<Vec<u64>>,
+    /// Every rank's window as mapped here (or its mirror).
     windows: Vec<usize>,
+    layout: WindowLayout,
     rank: usize,
     world: usize,
     staleness: u64,
@@ -70,27 +140,51 @@ pub(super) struct BoundedStaleness {
 pub(super) type OwnerStep<'a> = dyn FnMut(&mut [f32], &[f32]) -> Result<()> + 'a;
 
 impl BoundedStaleness {
-    /// Sets up this rank's window with its partition's `values` (every rank starts from the same model) and maps
-    /// every peer's. Collective.
+    /// Sets up this rank's window with its partition of `flat` (the whole padded model; every rank starts from the
+    /// same) and maps every peer's: one-sided where ranks share memory (shm, threads), else through a relay of
+    /// messages over groups of two ranks (gloo). Collective.
     pub fn new(
         comm: &dyn Communicator,
-        values: &[f32],
+        flat: &[f32],
         staleness: u64,
         scaling: bool,
         timeout: Duration,
     ) -> Result<BoundedStaleness> {
-        let (rank, world, partition) = (comm.rank(), comm.world_size(), values.len());
+        let (rank, world) = (comm.rank(), comm.world_size());
+        let partition = flat.len() / world;
         let slots = staleness as usize + 1;
-        let bytes = Self::values_offset(world, slots) + (1 + world * slots) * partition * 4;
-        let mut window = SharedBuffer::zeroed(bytes);
-        let windows = comm.window(window.as_slice_mut::<u8>())?.ok_or_else(|| Error::Unsupported {
-            key: "async_training.mode",
-            value: "\"bounded_staleness\"".into(),
-            why: "bounded staleness writes into the owners' memory (one-sided): it needs ranks that share memory, the shm backend (processes of one host) or threads; this backend only exchanges messages",
-        })?;
+        let layout = WindowLayout { world, slots, partition };
+        let mut window = SharedBuffer::zeroed(layout.bytes());
+        let (windows, mirrors, relay) = match comm.window(window.as_slice_mut::<u8>())? {
+            Some(windows) => (windows, Vec::new(), None),
+            None if comm.independent_groups() => {
+                // Each peer's mirror starts as its window does: applied 0 and its partition of the model.
+                let mut mirrors: Vec<Vec<u64>> = (0..world)
+                    .map(|k| if k == rank { Vec::new() } else { vec![0u64; layout.mirror_bytes().div_ceil(8)] })
+                    .collect();
+                let mut windows: Vec<usize> = mirrors.iter_mut().map(|m| m.as_mut_ptr() as usize).collect();
+                windows[rank] = window.as_slice_mut::<u8>().as_mut_ptr() as usize;
+                for k in (0..world).filter(|&k| k != rank) {
+                    // SAFETY: the mirror just made, of this layout; no thread reads it yet.
+                    unsafe { layout.values(windows[k]) }.copy_from_slice(&flat[k * partition..(k + 1) * partition]);
+                }
+                let relay = super::staleness_relay::Relay::new(comm, layout, &windows)?;
+                (windows, mirrors, Some(relay))
+            }
+            None => {
+                return Err(Error::Unsupported {
+                    key: "async_training.mode",
+                    value: "\"bounded_staleness\"".into(),
+                    why: "bounded staleness needs ranks that share memory (shm, threads) or a backend whose groups carry messages from threads of their own (gloo); this backend has neither (MPI runs serialized)",
+                })
+            }
+        };
         let ps = BoundedStaleness {
+            relay,
             _window: window,
+            _mirrors: mirrors,
             windows,
+            layout,
             rank,
             world,
             staleness,
@@ -106,51 +200,40 @@ impl BoundedStaleness {
             finished: false,
         };
         // SAFETY: this rank's own published values; nobody reads them before the barrier below.
-        unsafe { ps.values(rank) }.copy_from_slice(values);
+        unsafe { ps.values(rank) }.copy_from_slice(&flat[rank * partition..(rank + 1) * partition]);
         comm.barrier()?;
         Ok(ps)
     }
 
     fn slots(&self) -> usize {
-        self.staleness as usize + 1
-    }
-
-    fn values_offset(world: usize, slots: usize) -> usize {
-        ((HEADER_WORDS + world * slots * STAMP_WORDS) * 8).next_multiple_of(64)
+        self.layout.slots
     }
 
     fn word(&self, k: usize, index: usize) -> &AtomicU64 {
-        // SAFETY: inside rank k's window (u64-aligned: page-aligned base), which lives as long as the job; shared
-        // words are only accessed atomically.
-        unsafe { &*((self.windows[k] as *const AtomicU64).add(index)) }
+        // SAFETY: rank k's window (or mirror) lives as long as this value.
+        unsafe { self.layout.word(self.windows[k], index) }
     }
 
     fn stamp(&self, owner: usize, worker: usize, slot: usize, which: usize) -> &AtomicU64 {
-        self.word(owner, HEADER_WORDS + (worker * self.slots() + slot) * STAMP_WORDS + which)
+        // SAFETY: as `word`.
+        unsafe { self.layout.stamp(self.windows[owner], worker, slot, which) }
     }
 
     /// Owner k's published values.
     ///
     /// # Safety
-    /// Written by the owner only inside its sequence lock; the caller reads them inside it or is the owner, and
-    /// drops the slice before the window goes (the engine's end).
-    #[allow(clippy::mut_from_ref)]
+    /// Written by the owner (or, for a mirror, its relay thread) only inside its sequence lock; the caller reads
+    /// them inside it or is the owner, and drops the slice before the window goes (the engine's end).
     unsafe fn values<'a>(&self, k: usize) -> &'a mut [f32] {
-        let p = self.windows[k] + Self::values_offset(self.world, self.slots());
-        unsafe { std::slice::from_raw_parts_mut(p as *mut f32, self.partition) }
+        unsafe { self.layout.values(self.windows[k]) }
     }
 
-    /// Worker `w`'s inbox slot `slot` at owner k.
+    /// Worker `w`'s inbox slot `slot` at owner k (a whole window: shared memory, or this rank's own).
     ///
     /// # Safety
-    /// The worker writes it while its FILLED stamp says the owner took the last one; the owner reads it after; the
-    /// slice is dropped before the window goes.
-    #[allow(clippy::mut_from_ref)]
+    /// As [`WindowLayout::inbox`].
     unsafe fn inbox<'a>(&self, k: usize, w: usize, slot: usize) -> &'a mut [f32] {
-        let p = self.windows[k]
-            + Self::values_offset(self.world, self.slots())
-            + (1 + w * self.slots() + slot) * self.partition * 4;
-        unsafe { std::slice::from_raw_parts_mut(p as *mut f32, self.partition) }
+        unsafe { self.layout.inbox(self.windows[k], w, slot) }
     }
 
     /// Gradients this rank applied as an owner, by staleness (index 0: computed on up-to-date values).
@@ -181,10 +264,21 @@ impl BoundedStaleness {
             self.wait(k, "take this rank's gradient of an earlier step", || {
                 taken.load(Ordering::Acquire) + self.slots() as u64 > c
             })?;
-            // SAFETY: the slot is free (above) and only this worker writes it.
-            unsafe { self.inbox(k, self.rank, slot) }.copy_from_slice(&grads[k * p..(k + 1) * p]);
-            self.stamp(k, self.rank, slot, BASE).store(self.based[k], Ordering::Relaxed);
-            self.stamp(k, self.rank, slot, FILLED).store(c + 1, Ordering::Release);
+            let part = &grads[k * p..(k + 1) * p];
+            match &self.relay {
+                Some(relay) if k != self.rank => {
+                    // The mirror's stamps say what was pushed (the relay marks it taken once k applies it).
+                    self.stamp(k, self.rank, slot, BASE).store(self.based[k], Ordering::Relaxed);
+                    self.stamp(k, self.rank, slot, FILLED).store(c + 1, Ordering::Release);
+                    relay.push(k, c + 1, self.based[k], part)?;
+                }
+                _ => {
+                    // SAFETY: the slot is free (above) and only this worker writes it.
+                    unsafe { self.inbox(k, self.rank, slot) }.copy_from_slice(part);
+                    self.stamp(k, self.rank, slot, BASE).store(self.based[k], Ordering::Relaxed);
+                    self.stamp(k, self.rank, slot, FILLED).store(c + 1, Ordering::Release);
+                }
+            }
         }
         self.clock += 1;
         Ok(())
@@ -244,6 +338,9 @@ impl BoundedStaleness {
             unsafe { self.values(me) }.copy_from_slice(own);
             self.word(me, APPLIED).store(applied + 1, Ordering::Release);
             self.word(me, SEQ).fetch_add(1, Ordering::Release);
+            if let Some(relay) = &self.relay {
+                relay.publish(applied + 1, own)?;
+            }
             progressed = true;
         }
         Ok(progressed)
@@ -325,6 +422,19 @@ impl BoundedStaleness {
     /// not got (a rank that died), read from its inbox's stamps.
     fn stuck(&self, k: usize) -> Error {
         let next = self.word(k, APPLIED).load(Ordering::Acquire);
+        if let (Some(relay), true) = (&self.relay, k != self.rank) {
+            // A mirror knows only this worker's pushes: what the relay saw fail, if anything.
+            let mut why =
+                format!("rank {k} has not published it (it, or a rank whose gradient it waits for, may have died)");
+            if let Some(failure) = relay.failure(k) {
+                why += &format!("; rank {k}: {failure}");
+            }
+            return Error::Usage(format!(
+                "bounded_staleness: rank {} waited {:.0} s (comms_timeout) for step {next} to be applied to partition {k}: {why}",
+                self.rank,
+                self.timeout.as_secs_f64()
+            ));
+        }
         let missing: Vec<usize> = (0..self.world).filter(|&w| self.pushed_to(k, w) <= next).collect();
         let why = if missing.is_empty() {
             format!("rank {k} has every gradient of it and has not stepped (it may have died)")
@@ -375,11 +485,10 @@ impl super::Engine {
                 why: "bounded staleness pushes the gradients as autograd wrote them: they must travel in the model's dtype (leave communication_data_type out)",
             });
         }
-        let range = self.layout.partition(self.rank());
         // SAFETY: read while the engine sets up; nothing writes the flat parameters meanwhile.
-        let values = &unsafe { super::views::slice::<f32>(&self.parameters.flat) }[range];
+        let flat = unsafe { super::views::slice::<f32>(&self.parameters.flat) };
         let timeout = Duration::from_secs_f64(self.config.comms_timeout);
-        let ps = BoundedStaleness::new(self.comm.as_ref(), values, staleness, lr_staleness_scaling, timeout)?;
+        let ps = BoundedStaleness::new(self.comm.as_ref(), flat, staleness, lr_staleness_scaling, timeout)?;
         self.staleness = Some(Box::new(ps));
         self.owner_schedule = self.scheduler.clone();
         Ok(())
