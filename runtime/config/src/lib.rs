@@ -287,12 +287,6 @@ impl Config {
                     z.stage
                 ));
             }
-            if self.fp16.enabled || self.bf16.enabled {
-                return conflict(
-                    "local SGD and DiLoCo run fp32 models for now (`fp16.enabled` / `bf16.enabled` must be false)"
-                        .into(),
-                );
-            }
         }
         if self.optimizer_in_backward {
             self.validate_optimizer_in_backward()?;

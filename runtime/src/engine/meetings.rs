@@ -25,7 +25,8 @@ struct Diloco {
 }
 
 impl Meetings {
-    /// None when training is synchronous. `flat`: the parameters' flat buffer (fp32 at stage 0).
+    /// None when training is synchronous. `flat`: the values the ranks meet by (the parameters' flat buffer, or a
+    /// 16-bit model's fp32 master), stage 0's whole padded length.
     pub fn new(mode: &AsyncTraining, flat: &Tensor) -> Option<Meetings> {
         match *mode {
             AsyncTraining::Off | AsyncTraining::BoundedStaleness { .. } => None,
@@ -95,7 +96,7 @@ impl Meetings {
         self.diloco.is_some()
     }
 
-    /// The meeting: every rank ends with the same parameters in `flat`. Collective.
+    /// The meeting: every rank ends with the same values in `flat` (see [`Meetings::new`]). Collective.
     pub fn meet(&mut self, comm: &dyn Communicator, flat: &Tensor) -> Result<()> {
         views::all_reduce(comm, flat, ReduceOp::Avg)?;
         let Some(d) = &mut self.diloco else { return Ok(()) };

@@ -124,14 +124,29 @@ impl Engine {
         self.memory_event(|| "optimizer step".into(), &[]);
         self.gradients.consume()?;
         self.after_step()?;
-        if let Some(m) = self.meetings.as_mut() {
-            if m.meets_after(self.progress.global_steps + 1) {
-                let _span = Phase::AllGather.span().entered();
-                m.meet(self.comm.as_ref(), &self.parameters.flat)?;
-                self.comm_volume.all_reduce_elements += self.layout.padded as u64;
-            }
+        if self.meetings.as_ref().is_some_and(|m| m.meets_after(self.progress.global_steps + 1)) {
+            let _span = Phase::AllGather.span().entered();
+            self.meet()?;
         }
         Ok(self.count_step(loss, lr, grad_norm))
+    }
+
+    /// Local SGD's and DiLoCo's meeting. A 16-bit model's ranks meet by their fp32 master (the values the next
+    /// step starts from), and the parameters take the met values; an fp32 model's parameters are the values.
+    fn meet(&mut self) -> Result<()> {
+        let mut meetings = self.meetings.take().expect("a meeting has meetings");
+        let met = match self.shard.master.as_mut() {
+            Some(master) => {
+                let values = Tensor::from_slice(&master[..]);
+                let met = meetings.meet(self.comm.as_ref(), &values);
+                master.copy_from_slice(&Vec::<f32>::try_from(&values)?);
+                met.and_then(|()| self.write_shard(&values))
+            }
+            None => meetings.meet(self.comm.as_ref(), &self.parameters.flat),
+        };
+        self.meetings = Some(meetings);
+        self.comm_volume.all_reduce_elements += self.layout.padded as u64;
+        met
     }
 
     /// What ends every optimizer step taken: the schedule moves on, the step and its samples are counted and logged.

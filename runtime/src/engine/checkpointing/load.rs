@@ -273,7 +273,12 @@ impl Engine {
                 tracing::info!(
                     "the checkpoint has no DiLoCo outer state: the anchor is the loaded parameters, the momentum zero"
                 );
-                *meetings = super::super::meetings::Meetings::new(&self.config.async_training, &self.parameters.flat)
+                // A 16-bit model's ranks meet by their fp32 master.
+                let values = match &self.shard.master {
+                    Some(master) => Tensor::from_slice(&master[..]),
+                    None => self.parameters.flat.shallow_clone(),
+                };
+                *meetings = super::super::meetings::Meetings::new(&self.config.async_training, &values)
                     .expect("DiLoCo has meetings");
                 Ok(())
             }
