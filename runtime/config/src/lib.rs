@@ -373,9 +373,9 @@ impl Config {
                 z.stage
             ));
         }
-        if self.fp16.enabled || self.bf16.enabled {
+        if self.fp16.enabled {
             return conflict(
-                "bounded staleness runs fp32 models for now (`fp16.enabled` / `bf16.enabled` must be false)".into(),
+                "fp16's loss scale needs every rank's overflow verdict on the same step, which no rank waits for here: use bf16 or fp32 (`fp16.enabled` must be false)".into(),
             );
         }
         if self.gradient_clipping != 0.0 {

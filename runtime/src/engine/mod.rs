@@ -205,6 +205,9 @@ pub struct Engine {
     /// `async_training` bounded staleness: this rank's window, inbox and accumulators (None otherwise), and the
     /// schedule of the steps it applies as an owner.
     staleness: Option<Box<staleness::BoundedStaleness>>,
+    /// Bounded staleness on a 16-bit model: the fp32 values workers and owners exchange (the own partition is the
+    /// master).
+    staleness_values: Option<Vec<f32>>,
     owner_schedule: Option<LrScheduler>,
 }
 

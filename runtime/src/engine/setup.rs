@@ -351,6 +351,7 @@ impl Engine {
             meetings: None,
             in_backward: None,
             staleness: None,
+            staleness_values: None,
             owner_schedule: None,
         };
         engine.meetings = meetings::Meetings::new(&engine.config.async_training, &engine.parameters.flat);

@@ -471,7 +471,8 @@ impl BoundedStaleness {
 }
 
 impl super::Engine {
-    /// `async_training.mode = "bounded_staleness"`: the window, with this rank's partition as its owner's values.
+    /// `async_training.mode = "bounded_staleness"`: the window, with this rank's partition as its owner's values
+    /// (a 16-bit model's: its fp32 master).
     pub(super) fn start_bounded_staleness(&mut self) -> Result<()> {
         let crate::config::AsyncTraining::BoundedStaleness { staleness, lr_staleness_scaling } =
             self.config.async_training
@@ -485,25 +486,57 @@ impl super::Engine {
                 why: "bounded staleness pushes the gradients as autograd wrote them: they must travel in the model's dtype (leave communication_data_type out)",
             });
         }
-        // SAFETY: read while the engine sets up; nothing writes the flat parameters meanwhile.
-        let flat = unsafe { super::views::slice::<f32>(&self.parameters.flat) };
+        let mut wide = Vec::<f32>::try_from(&self.parameters.flat.to_kind(tch::Kind::Float))?;
+        if let Some(master) = &self.shard.master {
+            wide[self.layout.partition(self.rank())].copy_from_slice(master);
+        }
         let timeout = Duration::from_secs_f64(self.config.comms_timeout);
-        let ps = BoundedStaleness::new(self.comm.as_ref(), flat, staleness, lr_staleness_scaling, timeout)?;
+        let ps = BoundedStaleness::new(self.comm.as_ref(), &wide, staleness, lr_staleness_scaling, timeout)?;
         self.staleness = Some(Box::new(ps));
+        // An fp32 model exchanges its parameters themselves; a 16-bit one an fp32 copy of them.
+        self.staleness_values = self.shard.master.is_some().then_some(wide);
         self.owner_schedule = self.scheduler.clone();
         Ok(())
+    }
+
+    /// Runs `f` on the fp32 values workers and owners exchange: an fp32 model's flat parameters, or a 16-bit
+    /// model's fp32 copy of them (its own partition being the owner's master), which then goes back into the
+    /// parameters and the master.
+    fn with_exchanged_values(
+        &mut self,
+        f: impl FnOnce(&mut BoundedStaleness, &dyn Communicator, &mut [f32], &mut OwnerStep<'_>) -> Result<()>,
+    ) -> Result<()> {
+        let ps = self.staleness.as_mut().expect("bounded staleness is set up");
+        let mut step =
+            owner_step(&mut self.shard.tier, &self.shard.groups, self.shard.base_lr, &mut self.owner_schedule);
+        let Some(wide) = self.staleness_values.as_mut() else {
+            // SAFETY: inside `engine.step()` or between steps: nothing else touches the flat parameters.
+            let flat = unsafe { super::views::slice::<f32>(&self.parameters.flat) };
+            return f(ps, self.comm.as_ref(), flat, &mut step);
+        };
+        let done = f(ps, self.comm.as_ref(), wide, &mut step);
+        tch::no_grad(|| self.parameters.flat.shallow_clone().f_copy_(&tch::Tensor::from_slice(wide)))?;
+        if let Some(master) = self.shard.master.as_mut() {
+            master.copy_from_slice(&wide[self.layout.partition(self.comm.rank())]);
+        }
+        done
     }
 
     /// Bounded staleness's optimizer step: push this step's gradients, serve this rank's partition, pull the next
     /// step's values.
     pub(super) fn step_bounded_staleness(&mut self) -> Result<()> {
-        let ps = self.staleness.as_mut().expect("bounded staleness is set up");
-        // SAFETY: inside `engine.step()`: no forward, backward or collective touches the flat parameters or
-        // gradients, and the two are different buffers.
-        let flat = unsafe { super::views::slice::<f32>(&self.parameters.flat) };
-        let grads = self.gradients.view_buffer().expect("bounded staleness keeps gradient views");
-        let grads = unsafe { super::views::slice::<f32>(grads) };
-        ps.step(grads, flat, &mut owner_step(&mut self.shard, &mut self.owner_schedule))?;
+        // A handle of the gradient buffer (its storage is the engine's, untouched while this step runs).
+        let grads = self.gradients.view_buffer().expect("bounded staleness keeps gradient views").shallow_clone();
+        let grads = &grads;
+        let wide_grads = (grads.kind() != tch::Kind::Float)
+            .then(|| Vec::<f32>::try_from(&grads.to_kind(tch::Kind::Float)))
+            .transpose()?;
+        // SAFETY: inside `engine.step()`: no forward, backward or collective touches the gradients.
+        let grads: &[f32] = match &wide_grads {
+            Some(g) => g,
+            None => unsafe { super::views::slice::<f32>(grads) },
+        };
+        self.with_exchanged_values(|ps, _, values, step| ps.step(grads, values, step))?;
         self.gradients.consume()
     }
 
@@ -515,10 +548,10 @@ impl super::Engine {
     /// Bounded staleness before a checkpoint: every owner applies every step pushed so far and every rank pulls the
     /// values, so the ranks hold one model and no gradient is in flight; the checkpoint is then stage 1's.
     pub(super) fn quiesce_bounded_staleness(&mut self) -> Result<()> {
-        let Some(ps) = self.staleness.as_mut() else { return Ok(()) };
-        // SAFETY: between steps: nothing else touches the flat parameters.
-        let flat = unsafe { super::views::slice::<f32>(&self.parameters.flat) };
-        ps.quiesce(self.comm.as_ref(), flat, &mut owner_step(&mut self.shard, &mut self.owner_schedule))
+        if self.staleness.is_none() {
+            return Ok(());
+        }
+        self.with_exchanged_values(|ps, comm, values, step| ps.quiesce(comm, values, step))
     }
 
     /// After a checkpoint load: the owners start again from the loaded values (collective).
@@ -534,28 +567,31 @@ impl super::Engine {
     /// (collective; see [`BoundedStaleness::finish`]), after which the ranks' parameters are equal and no step may
     /// follow. Nothing to do in other modes. Dropping the engine does it too, logging what fails.
     pub fn finish(&mut self) -> Result<()> {
-        let Some(ps) = self.staleness.as_mut() else { return Ok(()) };
-        // SAFETY: between steps: nothing else touches the flat parameters.
-        let flat = unsafe { super::views::slice::<f32>(&self.parameters.flat) };
-        ps.finish(self.comm.as_ref(), flat, &mut owner_step(&mut self.shard, &mut self.owner_schedule))
+        if self.staleness.is_none() {
+            return Ok(());
+        }
+        self.with_exchanged_values(|ps, comm, values, step| ps.finish(comm, values, step))
     }
 }
 
 /// An owner's optimizer step on its partition: the owner's schedule gives each applied step its learning rate (and
 /// cycled momentum), in the order the steps are applied.
 fn owner_step<'a>(
-    shard: &'a mut super::optimizer_shard::OptimizerShard,
+    tier: &'a mut super::optimizer::OptimizerTier,
+    groups: &'a [zerorun_optim::Group],
+    base_lr: f64,
     schedule: &'a mut Option<zerorun_optim::schedule::LrScheduler>,
 ) -> impl FnMut(&mut [f32], &[f32]) -> Result<()> + 'a {
+    let mut groups = groups.to_vec();
     move |values, mean| {
-        let lr = schedule.as_ref().map_or(shard.base_lr, zerorun_optim::schedule::LrScheduler::lr);
-        for g in &mut shard.groups {
+        let lr = schedule.as_ref().map_or(base_lr, zerorun_optim::schedule::LrScheduler::lr);
+        for g in &mut groups {
             g.lr = lr;
         }
         if let Some(momentum) = schedule.as_ref().and_then(zerorun_optim::schedule::LrScheduler::momentum) {
-            shard.tier.set_momentum(momentum);
+            tier.set_momentum(momentum);
         }
-        shard.tier.step(values, mean, &shard.groups, None)?;
+        tier.step(values, mean, &groups, None)?;
         if let Some(s) = schedule.as_mut() {
             s.step();
         }

@@ -67,7 +67,8 @@ impl Engine {
         // After backward: 16-bit models reduce every micro-batch and accumulate in fp32; fp32 models accumulate in
         // autograd. Hooks and unit walks reduced during backward already.
         let after_backward = self.plan.gradients == GradientPath::AfterBackward;
-        if self.precision != Precision::Fp32 && after_backward {
+        // Bounded staleness pushes the gradients as autograd accumulated them: nothing is reduced.
+        if self.precision != Precision::Fp32 && after_backward && self.staleness.is_none() {
             self.timed(Phase::ReduceScatter, Self::reduce_micro_batch)?;
         }
         if !boundary {
@@ -167,7 +168,7 @@ impl Engine {
         let lr = self.lr();
         let grads = self.gradients.view_buffer().expect("bounded staleness keeps gradient views");
         // SAFETY: read between backward and the push; nothing writes the gradients meanwhile.
-        let grad_norm = norm::sum_of_squares(Grads::F32(unsafe { views::slice::<f32>(grads) })).sqrt();
+        let grad_norm = norm::sum_of_squares(unsafe { views::grads_of(grads) }).sqrt();
         self.timed(Phase::Step, Self::step_bounded_staleness)?;
         let loss = self.finish_loss()?;
         Ok(self.count_step(loss, lr, grad_norm))

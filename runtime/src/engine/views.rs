@@ -74,6 +74,21 @@ pub unsafe fn slice<T: ViewElement>(t: &Tensor) -> &mut [T] {
     unsafe { std::slice::from_raw_parts_mut(t.data_ptr() as *mut T, n) }
 }
 
+/// A gradient buffer of any float kind the engine keeps, for the norm and the optimizer.
+///
+/// # Safety
+/// As for [`slice`].
+pub unsafe fn grads_of(t: &Tensor) -> zerorun_optim::Grads<'_> {
+    // SAFETY: the caller's, as for `slice`.
+    unsafe {
+        match t.kind() {
+            Kind::BFloat16 => zerorun_optim::Grads::Bf16(slice(t)),
+            Kind::Half => zerorun_optim::Grads::F16(slice(t)),
+            _ => zerorun_optim::Grads::F32(slice(t)),
+        }
+    }
+}
+
 /// A contiguous CPU tensor's bytes, whatever its kind.
 ///
 /// # Safety
