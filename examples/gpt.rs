@@ -192,6 +192,8 @@ fn run_pipeline(args: &Args, config: &Config, corpus: &Corpus, cfg: GptConfig, s
                 }
             }
         }
+        // Asynchronous training ends with every rank holding the final values (a no-op when synchronous).
+        pipe.finish().map_err(|e| e.to_string())?;
         if let Some(path) = &a.save_final {
             let params = pipe.full_parameters().map_err(|e| e.to_string())?;
             // The first stage's ranks hold the whole pipeline's slices: their tensor-parallel groups join them.

@@ -178,6 +178,8 @@ fn run_with(
                         let files = pipe.write_memory_report(dir).map_err(|e| e.to_string())?;
                         assert_eq!(files.table.is_some(), rank == 0);
                     }
+                    // Asynchronous training ends with every rank holding the final values (a no-op otherwise).
+                    pipe.finish().map_err(|e| e.to_string())?;
                     let params = pipe.full_parameters().map_err(|e| e.to_string())?;
                     Ok(((rank == 0).then_some((params, last_loss)), pipe.engine().skipped_steps()))
                 })
@@ -393,6 +395,39 @@ fn an_fp16_overflow_on_any_stage_skips_the_step_on_every_rank() {
         assert!((1..STEPS).contains(&skipped), "{world} ranks, {stages} stages: {skipped} steps skipped");
         assert!(loss.is_finite() && params.iter().all(|(_, v)| v.iter().all(|x| x.is_finite())));
     }
+}
+
+/// `async_training` inside a pipeline: each stage's engine runs the mode over its data-parallel group. Bounded
+/// staleness 0 at stage 1 ends where the synchronous pipeline does, local SGD every step with plain SGD where
+/// synchronous SGD does (2 stages x 2 data-parallel ranks, clipping off: it needs one step's global norm); a
+/// checkpoint between local SGD's meetings is refused on every rank.
+#[test]
+fn asynchronous_modes_run_inside_pipeline_stages() {
+    let corpus = Corpus::load();
+    let pipe = json!({"stages": 2});
+    let off = json!({"gradient_clipping": 0});
+    let with =
+        |mode: Value, optimizer: Value| json!({"gradient_clipping": 0, "async_training": mode, "optimizer": optimizer});
+    let adamw = json!({"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}});
+    let (sync, _) = run_pipeline(&corpus, 4, &config(1, 2, pipe.clone(), off.clone()), None, train_all).unwrap();
+    let ssp = with(json!({"mode": "bounded_staleness", "staleness": 0}), adamw);
+    let (fresh, _) = run_pipeline(&corpus, 4, &config(1, 2, pipe.clone(), ssp), None, train_all).unwrap();
+    let d = max_relative_difference(&fresh, &sync);
+    assert!(d < 1e-6, "bounded staleness 0 vs synchronous: {d:e}");
+    let sgd = json!({"type": "SGD", "params": {"lr": 0.05}});
+    let plain = json!({"gradient_clipping": 0, "optimizer": sgd});
+    let (sync_sgd, _) = run_pipeline(&corpus, 4, &config(0, 2, pipe.clone(), plain), None, train_all).unwrap();
+    let local = with(json!({"mode": "local_sgd", "sync_every": 1}), sgd.clone());
+    let (local, _) = run_pipeline(&corpus, 4, &config(0, 2, pipe.clone(), local), None, train_all).unwrap();
+    let d = max_relative_difference(&local, &sync_sgd);
+    assert!(d < 1e-6, "local SGD every step vs synchronous SGD: {d:e}");
+    // STEPS is not a multiple of 4: the checkpoint at the end falls between meetings.
+    let apart = with(json!({"mode": "local_sgd", "sync_every": 4}), sgd);
+    let dir = tempdir("async-between-meetings");
+    let run = Run { steps: 0..STEPS, load_from: None, save_to: Some(&dir), report_to: None };
+    let e = run_with(&corpus, 4, &config(0, 2, pipe, apart), None, train_all, pipeline_model, &run).unwrap_err();
+    assert!(e.contains("between meetings"), "{e}");
+    assert!(!dir.join("latest").exists(), "nothing saved");
 }
 
 #[test]

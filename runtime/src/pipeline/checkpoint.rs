@@ -19,6 +19,8 @@ impl PipelineEngine<'_> {
         let dir = dir.as_ref();
         let tag = tag.map_or_else(|| format!("global_step{}", self.engine.global_steps()), str::to_string);
         check_tag(&tag)?;
+        // Every stage steps together, so every stage refuses (or quiesces) alike.
+        self.engine.ready_for_checkpoint()?;
         let staging = dir.join(format!(".{tag}.partial"));
         if self.placement.rank == 0 {
             prepare_staging(dir, &staging)?;

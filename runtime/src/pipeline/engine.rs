@@ -127,13 +127,6 @@ impl<'a> PipelineEngine<'a> {
                 why: "a pipeline stage runs ZeRO 0, 1 or 2 over its data-parallel group: stage 3 would gather every layer of the stage at every micro-batch's forward and backward; use stage 2 (a stage already holds only its own layers)",
             });
         }
-        if config.async_training.is_async() {
-            return Err(Error::Unsupported {
-                key: "async_training.mode",
-                value: format!("{:?}", config.async_training),
-                why: "local SGD, DiLoCo and bounded staleness run without a pipeline for now",
-            });
-        }
         if options.units.is_some() {
             return Err(Error::Usage(
                 "a pipeline stage runs its layers itself: leave EngineOptions::units unset".into(),
@@ -369,6 +362,14 @@ impl<'a> PipelineEngine<'a> {
             }
         }
         Ok(own)
+    }
+
+    /// Ends asynchronous training (`async_training`): with bounded staleness every stage's owners apply every
+    /// step and its ranks pull the final values ([`Engine::finish`]). Collective; a no-op otherwise.
+    pub fn finish(&mut self) -> Result<()> {
+        self.engine.finish()?;
+        self.world.barrier()?;
+        Ok(())
     }
 
     /// The ZeRO engine of this stage (over its data-parallel group).

@@ -42,11 +42,7 @@ impl Engine {
     /// [`Engine::save_checkpoint`] with options (DeepSpeed's `exclude_frozen_parameters`).
     pub fn save_checkpoint_with(&mut self, dir: impl AsRef<Path>, options: &SaveOptions) -> Result<PathBuf> {
         let dir = dir.as_ref();
-        if let Some(why) = self.meetings.as_ref().and_then(|m| m.refuses_checkpoint(self.progress.global_steps)) {
-            return Err(crate::error::Error::Usage(why));
-        }
-        // Bounded staleness: a checkpoint is a meeting (every step applied, one model), then stage 1's.
-        self.quiesce_bounded_staleness()?;
+        self.ready_for_checkpoint()?;
         let tag = options.tag.clone().unwrap_or_else(|| format!("global_step{}", self.progress.global_steps));
         check_tag(&tag)?;
         let tag = self.agree_on_tag(tag)?;
@@ -109,6 +105,16 @@ impl Engine {
     /// This engine's prefix of file names in a checkpoint: its tensor-parallel rank's.
     pub(crate) fn tensor_parallel_prefix(&self) -> String {
         self.tensor_parallel.as_ref().map_or_else(String::new, |p| format!("tp{}.", p.rank))
+    }
+
+    /// What asynchronous training needs before a checkpoint: local SGD and DiLoCo refuse one between meetings (the
+    /// ranks' parameters differ); bounded staleness makes it a meeting (every step applied, one model), after which
+    /// it is stage 1's. Collective.
+    pub(crate) fn ready_for_checkpoint(&mut self) -> Result<()> {
+        if let Some(why) = self.meetings.as_ref().and_then(|m| m.refuses_checkpoint(self.progress.global_steps)) {
+            return Err(crate::error::Error::Usage(why));
+        }
+        self.quiesce_bounded_staleness()
     }
 
     /// Writes this engine's files into `staging` (their names prefixed by `prefix`) and returns, on rank 0, the
