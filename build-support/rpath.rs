@@ -5,8 +5,9 @@
 //! libtorch_cuda is not linked: a CPU run never loads the CUDA stack (about 230 MiB resident); code that uses CUDA
 //! loads it first (`zerorun::cuda::load`, a dlopen of the libtorch_cuda beside the libtorch in use).
 //!
-//! It also compiles the package's C++ shims over libtorch calls tch does not bind: `src/cli/native/fused_adamw.cpp`
-//! (zerorun: libtorch's fused AdamW kernel, for `zerorun bench adam`) and `native/unit_storage.cpp`
+//! It also compiles the package's C++ shims over libtorch calls tch does not bind: `native/fused_adam.cpp`
+//! (zerorun-runtime: libtorch's fused Adam/AdamW kernels, the optimizer step on device memory and `zerorun bench
+//! adam`'s reference) and `native/unit_storage.cpp`
 //! (zerorun-runtime: storage resizing and backward into chosen inputs, for stage 3) with `native/region_allocator.cpp`
 //! (zerorun-runtime: tensors in the shm backend's shared buffer region) and `native/gloo_backend.cpp` (zerorun-runtime:
 //! libtorch's TCPStore and ProcessGroupGloo, the backend across hosts) and `native/tensor_parallel.cpp`
@@ -21,7 +22,7 @@ fn main() {
             println!("cargo:libtorch_lib={}", lib.display());
         }
         let shims: &[&str] = match std::env::var("CARGO_PKG_NAME").as_deref() {
-            Ok("zerorun") => &["src/cli/native/fused_adamw.cpp"],
+            Ok("zerorun") => &[],
             Ok("zerorun-runtime") => &[
                 "native/unit_storage.cpp",
                 "native/region_allocator.cpp",
@@ -29,6 +30,7 @@ fn main() {
                 "native/cuda_loader.cpp",
                 "native/gloo_backend.cpp",
                 "native/tensor_parallel.cpp",
+                "native/fused_adam.cpp",
             ],
             _ => &[],
         };

@@ -6,6 +6,7 @@ use tch::nn::{self, OptimizerConfig};
 use tch::{Kind, Tensor};
 use zerorun_optim::traffic::adam_traffic;
 use zerorun_optim::{simd_level, Adam, AdamConfig, AlignedVec, Grads, Group, Optimizer, ParamsOut};
+use zerorun_runtime::engine::tensor_adam::{fused_adam_step, FusedAdamStep};
 
 use super::{emit, CliError};
 
@@ -75,25 +76,10 @@ impl ZerorunAdam {
     }
 }
 
-extern "C" {
-    /// `src/cli/native/fused_adamw.cpp`: libtorch's `_fused_adamw_` on one tensor (0 on success).
-    fn zerorun_fused_adamw(
-        p: *mut std::ffi::c_void,
-        g: *mut std::ffi::c_void,
-        m: *mut std::ffi::c_void,
-        v: *mut std::ffi::c_void,
-        step: *mut std::ffi::c_void,
-        lr: f64,
-        beta1: f64,
-        beta2: f64,
-        weight_decay: f64,
-        eps: f64,
-    ) -> i32;
-}
-
 /// libtorch's fused CPU AdamW kernel (`_fused_adamw_`, what `torch.optim.AdamW(fused=True)` runs).
 struct TorchFusedAdam {
-    t: [Tensor; 5],
+    t: [Tensor; 4],
+    steps: u64,
 }
 
 impl TorchFusedAdam {
@@ -105,20 +91,23 @@ impl TorchFusedAdam {
                 Tensor::full([n as i64], 0.01, o),
                 Tensor::zeros([n as i64], o),
                 Tensor::zeros([n as i64], o),
-                Tensor::zeros([], o),
             ],
+            steps: 0,
         }
     }
 
     fn step(&mut self) -> f64 {
-        let [p, g, m, v, s] = &mut self.t;
-        let ptr = |t: &mut Tensor| t.as_mut_ptr() as *mut std::ffi::c_void;
-        timed(|| {
-            // SAFETY: tch's handles point at live at::Tensor objects, which is what the shim takes.
-            let rc =
-                unsafe { zerorun_fused_adamw(ptr(p), ptr(g), ptr(m), ptr(v), ptr(s), 1e-3, 0.9, 0.999, 0.01, 1e-8) };
-            assert_eq!(rc, 0, "libtorch's _fused_adamw_ failed");
-        })
+        let [p, g, m, v] = &self.t;
+        self.steps += 1;
+        let h = FusedAdamStep {
+            step: self.steps,
+            lr: 1e-3,
+            betas: (0.9, 0.999),
+            weight_decay: 0.01,
+            eps: 1e-8,
+            decoupled: true,
+        };
+        timed(|| fused_adam_step(p, g, m, v, None, h).expect("libtorch's _fused_adamw_"))
     }
 }
 

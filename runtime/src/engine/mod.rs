@@ -43,6 +43,7 @@ mod staleness_relay;
 mod step;
 mod step_in_backward;
 mod swapped_params;
+pub mod tensor_adam;
 mod unit_walk;
 pub mod units;
 mod variables;
@@ -90,6 +91,13 @@ pub enum StepOutcome {
     /// fp16 gradients (or bf16 ones with `bf16.check_grad_overflow`) overflowed on some rank: no update; under fp16
     /// the loss scale was lowered (`scale` is the new one, 1 under bf16).
     Skipped { step: u64, loss: f64, scale: f64 },
+}
+
+/// `ZERORUN_DEVICE_EMULATION=1`: the engine takes its device paths on CPU tensors, as if they were device memory,
+/// so that `make test` runs what a GPU run runs but the CUDA calls. For now: the optimizer step on libtorch's
+/// fused Adam/AdamW with its states in tensors of their own ([`tensor_adam::TensorAdam`]).
+pub fn device_emulation() -> bool {
+    std::env::var("ZERORUN_DEVICE_EMULATION").is_ok_and(|v| v == "1")
 }
 
 /// Options a program sets in code rather than in ds_config.json.

@@ -9,27 +9,11 @@ use crate::config::{Config, OptimizerConfig};
 /// The optimizer for a shard of `len` elements, its base lr and weight decay. No optimizer section: AdamW with
 /// DeepSpeed's defaults.
 pub fn build(config: &Config, len: usize) -> (Box<dyn Optimizer>, f64, f64) {
-    let default = OptimizerConfig::AdamW(crate::config::AdamParams {
-        lr: 1e-3,
-        betas: [0.9, 0.999],
-        eps: 1e-8,
-        weight_decay: 0.0,
-        bias_correction: true,
-        amsgrad: false,
-        adam_w_mode: true,
-        torch_adam: false,
-    });
-    match config.optimizer.as_ref().unwrap_or(&default) {
-        OptimizerConfig::Adam(p) | OptimizerConfig::AdamW(p) => {
-            let c = AdamConfig {
-                betas: (p.betas[0], p.betas[1]),
-                eps: p.eps,
-                bias_correction: p.bias_correction,
-                amsgrad: p.amsgrad,
-                adam_w_mode: p.adam_w_mode,
-            };
-            (Box::new(Adam::new(c, len)), p.lr, p.weight_decay)
-        }
+    if let Some((c, lr, weight_decay)) = adam(config) {
+        return (Box::new(Adam::new(c, len)), lr, weight_decay);
+    }
+    match optimizer_config(config).as_ref() {
+        OptimizerConfig::Adam(_) | OptimizerConfig::AdamW(_) => unreachable!("Adam is built above"),
         OptimizerConfig::Adagrad(p) => {
             let c = AdagradConfig {
                 eps: p.eps,
@@ -56,6 +40,40 @@ pub fn build(config: &Config, len: usize) -> (Box<dyn Optimizer>, f64, f64) {
             let c = SgdConfig { momentum: p.momentum, dampening: p.dampening, nesterov: p.nesterov };
             (Box::new(Sgd::new(c, len)), p.lr, p.weight_decay)
         }
+    }
+}
+
+/// The config's optimizer section; none: AdamW with DeepSpeed's defaults.
+fn optimizer_config(config: &Config) -> std::borrow::Cow<'_, OptimizerConfig> {
+    match &config.optimizer {
+        Some(o) => std::borrow::Cow::Borrowed(o),
+        None => std::borrow::Cow::Owned(OptimizerConfig::AdamW(crate::config::AdamParams {
+            lr: 1e-3,
+            betas: [0.9, 0.999],
+            eps: 1e-8,
+            weight_decay: 0.0,
+            bias_correction: true,
+            amsgrad: false,
+            adam_w_mode: true,
+            torch_adam: false,
+        })),
+    }
+}
+
+/// The config's Adam or AdamW (its hyper-parameters, lr and weight decay); None for other optimizers.
+pub fn adam(config: &Config) -> Option<(AdamConfig, f64, f64)> {
+    match optimizer_config(config).as_ref() {
+        OptimizerConfig::Adam(p) | OptimizerConfig::AdamW(p) => {
+            let c = AdamConfig {
+                betas: (p.betas[0], p.betas[1]),
+                eps: p.eps,
+                bias_correction: p.bias_correction,
+                amsgrad: p.amsgrad,
+                adam_w_mode: p.adam_w_mode,
+            };
+            Some((c, p.lr, p.weight_decay))
+        }
+        _ => None,
     }
 }
 

@@ -190,7 +190,9 @@ pub(super) fn optimizer_tier(
 ) -> Result<(optimizer::OptimizerTier, f64, f64)> {
     let z = &config.zero_optimization;
     let nvme = z.offload_optimizer.device == OffloadDevice::Nvme;
-    let (in_memory, base_lr, weight_decay) = optimizer::build(config, if nvme { 0 } else { optimized_len });
+    let on_device = z.offload_optimizer.device == OffloadDevice::None && super::device_emulation();
+    let (in_memory, base_lr, weight_decay) =
+        optimizer::build(config, if nvme || on_device { 0 } else { optimized_len });
     let tier = match z.offload_optimizer.device {
         OffloadDevice::Nvme => {
             let o = &z.offload_optimizer;
@@ -208,6 +210,18 @@ pub(super) fn optimizer_tier(
             )?;
             tracing::info!(rank, dir = %dir.display(), bytes = swapped.swapped_bytes(), "optimizer states on NVMe");
             Box::new(swapped) as optimizer::OptimizerTier
+        }
+        OffloadDevice::None if on_device => {
+            // The device path: the states are "device memory" (separate CPU tensors), the step libtorch's kernel.
+            let Some((adam, base_lr, weight_decay)) = optimizer::adam(config) else {
+                return Err(Error::Unsupported {
+                    key: "optimizer.type",
+                    value: config.optimizer.as_ref().map_or("AdamW", |o| o.name()).to_string(),
+                    why: "the optimizer step on device memory (ZERORUN_DEVICE_EMULATION) is libtorch's fused Adam/AdamW; other optimizers step on the host with offload_optimizer.device = \"cpu\"",
+                });
+            };
+            let tier = super::tensor_adam::TensorAdam::new(adam, optimized_len, tch::Device::Cpu)?;
+            return Ok((Box::new(tier), base_lr, weight_decay));
         }
         device => {
             if device == OffloadDevice::Cpu {

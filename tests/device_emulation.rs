@@ -1,0 +1,179 @@
+//! The device path on this CPU (`ZERORUN_DEVICE_EMULATION=1`): the optimizer step on libtorch's fused Adam/AdamW
+//! with its states in tensors of their own (`TensorAdam`). The tier alone matches zerorun-optim's Adam (both modes,
+//! amsgrad, groups of their own lr and decay, a step in pieces, its states through a checkpoint); the engine under
+//! emulation at stages 0-3, fp32 and bf16, with CPU offload, ends where the host path does and resumes from its
+//! checkpoints. One test function: the variable is the process's.
+use serde_json::{json, Value};
+use zerorun::runtime::comm::Communicator;
+use zerorun::runtime::engine::tensor_adam::TensorAdam;
+use zerorun::{Config, Engine, EngineOptions};
+use zerorun_offload::OptimizerTier;
+use zerorun_optim::{Adam, AdamConfig, Grads, Group, Optimizer};
+
+#[path = "common/mlp.rs"]
+mod mlp;
+use mlp::*;
+
+#[path = "common/compare.rs"]
+mod compare;
+use compare::max_relative_difference;
+
+fn relative(a: &[f32], b: &[f32]) -> f64 {
+    let scale = b.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-6) as f64;
+    a.iter().zip(b).map(|(x, y)| (x - y).abs() as f64).fold(0.0, f64::max) / scale
+}
+
+/// The tier against zerorun-optim's Adam on the same values: 6 steps, two groups.
+fn tier_matches_the_host_adam() {
+    let n = 1000;
+    let values: Vec<f32> = (0..n).map(|i| ((i * 37 % 101) as f32 - 50.0) / 40.0).collect();
+    let groups = vec![
+        Group { range: 0..600, lr: 1e-2, weight_decay: 0.1 },
+        Group { range: 600..n, lr: 3e-3, weight_decay: 0.0 },
+    ];
+    for (adam_w_mode, amsgrad) in [(true, false), (false, false), (true, true)] {
+        let c = AdamConfig { betas: (0.9, 0.99), eps: 1e-8, bias_correction: true, amsgrad, adam_w_mode };
+        let (mut host, mut device) =
+            (Adam::new(c.clone(), n), TensorAdam::new(c.clone(), n, tch::Device::Cpu).unwrap());
+        let (mut a, mut b) = (values.clone(), values.clone());
+        for step in 0..6 {
+            let g: Vec<f32> = (0..n).map(|i| (((i + 7 * step) * 13 % 29) as f32 - 14.0) / 10.0).collect();
+            host.step(&mut a, Grads::F32(&g), &groups, None).unwrap();
+            if step == 3 {
+                // A step in pieces (stage 3's optimizer in backward), across the groups' boundary.
+                device.begin_step().unwrap();
+                device.update_range(0..450, &mut b[..450], &g[..450], &groups, None).unwrap();
+                device.update_range(450..n, &mut b[450..], &g[450..], &groups, None).unwrap();
+            } else {
+                device.step(&mut b, &g, &groups, None).unwrap();
+            }
+        }
+        let d = relative(&b, &a);
+        assert!(d < 1e-6, "adamw {adam_w_mode}, amsgrad {amsgrad}: {d:e}");
+        assert_eq!(device.name(), host.name());
+        // The states as a checkpoint stores them, back into a fresh tier: the next step is the same.
+        let names = device.state_names();
+        let mut saved: Vec<Vec<u8>> = vec![Vec::new(); names.len()];
+        for (i, s) in saved.iter_mut().enumerate() {
+            device.write_state(i, s).unwrap();
+        }
+        let mut again = TensorAdam::new(c, n, tch::Device::Cpu).unwrap();
+        again
+            .import_from(6, &mut |range, out| {
+                for (o, s) in out.iter_mut().zip(&saved) {
+                    o.copy_from_slice(&bytemuck::cast_slice::<u8, f32>(s)[range.clone()]);
+                }
+                Ok(())
+            })
+            .unwrap();
+        let g = vec![0.25f32; n];
+        let mut c1 = b.clone();
+        device.step(&mut b, &g, &groups, None).unwrap();
+        again.step(&mut c1, &g, &groups, None).unwrap();
+        assert_eq!(b, c1, "resumed from its saved states");
+    }
+    let no_correction = AdamConfig { bias_correction: false, ..AdamConfig::default() };
+    let e = TensorAdam::new(no_correction, 4, tch::Device::Cpu).err().unwrap().to_string();
+    assert!(e.contains("optimizer.params.bias_correction"), "{e}");
+}
+
+fn config(extra: Value) -> Config {
+    let mut v = json!({
+        "train_batch_size": GLOBAL_BATCH, "gradient_clipping": CLIP,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": LR, "warmup_num_steps": 4}},
+    });
+    for (k, x) in extra.as_object().unwrap() {
+        v[k] = x.clone();
+    }
+    Config::from_value(v).unwrap()
+}
+
+/// `ranks` thread ranks for `steps`, loading from / saving to a checkpoint; rank 0's parameters.
+fn train(
+    ranks: usize,
+    c: &Config,
+    steps: std::ops::Range<i64>,
+    load: Option<&std::path::Path>,
+    save: Option<&std::path::Path>,
+) -> Vec<(String, Vec<f32>)> {
+    let bf16 = c.bf16.enabled;
+    on_thread_ranks(ranks, |comm, x, y| {
+        let rank = comm.rank();
+        // One unit per layer: stage 3 gathers them one by one; other stages run them in order.
+        let (mut vs, model) = init_layers(&[IN, HIDDEN, HIDDEN, OUT]);
+        if bf16 {
+            vs.bfloat16();
+        }
+        let options = EngineOptions::default().units_of(&model);
+        let mut engine = Engine::new(&vs, c.clone(), Box::new(comm), options).unwrap();
+        if let Some(dir) = load {
+            engine.load_checkpoint(dir, None).unwrap();
+        }
+        let micro = engine.batch_sizes().train_micro_batch_size_per_gpu as usize;
+        let x = if bf16 { x.to_kind(tch::Kind::BFloat16) } else { x };
+        for step in steps.clone() {
+            let rows = batch_indices(step);
+            let idx = tch::Tensor::from_slice(&rows[rank * micro..(rank + 1) * micro]);
+            let pred = engine.forward(&model, &x.index_select(0, &idx)).unwrap().to_kind(tch::Kind::Float);
+            let loss = pred.mse_loss(&y.index_select(0, &idx), tch::Reduction::Mean);
+            engine.backward_units(&model, &loss).unwrap();
+            engine.step().unwrap();
+        }
+        if let Some(dir) = save {
+            engine.save_checkpoint(dir, None).unwrap();
+        }
+        params_of(&vs)
+    })
+    .swap_remove(0)
+}
+
+fn with_emulation<R>(on: bool, f: impl FnOnce() -> R) -> R {
+    std::env::set_var("ZERORUN_DEVICE_EMULATION", if on { "1" } else { "0" });
+    let r = f();
+    std::env::remove_var("ZERORUN_DEVICE_EMULATION");
+    r
+}
+
+#[test]
+fn the_device_path_steps_checkpoints_and_trains_as_the_host_path() {
+    tier_matches_the_host_adam();
+    let steps = 0..8;
+    for (stage, extra) in [
+        (0, json!({})),
+        (1, json!({})),
+        (2, json!({"bf16": {"enabled": true}})),
+        (3, json!({})),
+        (2, json!({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})),
+    ] {
+        let mut e = extra.clone();
+        if e.get("zero_optimization").is_none() {
+            e["zero_optimization"] = json!({"stage": stage});
+        }
+        let c = config(e);
+        let host = with_emulation(false, || train(3, &c, steps.clone(), None, None));
+        let device = with_emulation(true, || train(3, &c, steps.clone(), None, None));
+        let d = max_relative_difference(&device, &host);
+        let bound = if c.bf16.enabled { 1e-2 } else { 1e-5 };
+        assert!(d < bound, "stage {stage} {extra}: device path {d:e} from the host path");
+        // Saved halfway under emulation and resumed: where the uninterrupted emulated run ends.
+        let dir = std::env::temp_dir().join(format!("zerorun-emulation-{}-{stage}", std::process::id()));
+        let resumed = with_emulation(true, || {
+            train(3, &c, 0..4, None, Some(&dir));
+            train(2, &c, 4..8, Some(&dir), None)
+        });
+        std::fs::remove_dir_all(&dir).unwrap();
+        let d = max_relative_difference(&resumed, &device);
+        assert!(d < bound, "stage {stage} {extra}: resumed at 2 ranks {d:e} from the uninterrupted run");
+    }
+    // Another optimizer on the device path is refused by name; with its states offloaded it steps on the host.
+    let lion = json!({"type": "Lion", "params": {"lr": 1e-3}});
+    let refused = with_emulation(true, || {
+        let c = config(json!({"optimizer": lion.clone(), "zero_optimization": {"stage": 1}}));
+        let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+        let _m = mlp(vs.root());
+        let comm = zerorun::runtime::comm::threads::group(1, std::time::Duration::from_secs(10)).pop().unwrap();
+        Engine::new(&vs, c, Box::new(comm), EngineOptions::default()).err().unwrap().to_string()
+    });
+    assert!(refused.contains("optimizer.type") && refused.contains("fused Adam/AdamW"), "{refused}");
+}
