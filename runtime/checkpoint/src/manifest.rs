@@ -177,6 +177,15 @@ pub struct Manifest {
     pub config: serde_json::Value,
 }
 
+/// Appends the entries of `more` whose names `to` lacks.
+fn add_new(to: &mut Vec<VariableEntry>, more: &[VariableEntry]) {
+    for v in more {
+        if !to.iter().any(|e| e.name == v.name) {
+            to.push(v.clone());
+        }
+    }
+}
+
 fn is_zero(n: &usize) -> bool {
     *n == 0
 }
@@ -235,16 +244,8 @@ impl Manifest {
                 RankEntry::new(r.file.clone(), &pieces, r.crc32)
             }));
             merged.stage_variables_files.extend(m.variables_file.clone());
-            for v in &m.buffers {
-                if !merged.buffers.iter().any(|b| b.name == v.name) {
-                    merged.buffers.push(v.clone());
-                }
-            }
-            for v in &m.frozen {
-                if !merged.frozen.iter().any(|b| b.name == v.name) {
-                    merged.frozen.push(v.clone());
-                }
-            }
+            add_new(&mut merged.buffers, &m.buffers);
+            add_new(&mut merged.frozen, &m.frozen);
             merged.frozen_excluded |= m.frozen_excluded;
             base += extent(&m);
         }
