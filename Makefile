@@ -55,6 +55,8 @@ test: setup
 	$(CARGO) clippy --workspace --all-targets --features mpi,nccl -- -D warnings
 	$(CARGO) test --workspace --all-targets --features mpi,nccl --no-fail-fast
 	$(CARGO) test --workspace --doc --features mpi,nccl
+	# The device path on CPU tensors (README "The device path"): the same suites through it.
+	ZERORUN_DEVICE_EMULATION=1 $(CARGO) test --workspace --features mpi,nccl --test equivalence --test mixed_precision --test checkpoint
 
 # Binaries for scripts/gpu-check.sh on the GPU machine (no Rust toolchain there): stripped, under 64 MiB together.
 gpu-binaries: setup

@@ -115,8 +115,40 @@ fn check_disjoint(t: &Tensor, out: &Tensor) {
 // is done: SAFETY for each is that the engine runs nothing else on these buffers meanwhile (one thread drives a
 // rank's engine; its communication thread is waited on before a buffer it uses is touched).
 
+/// Whether a collective on `t` runs on a host copy of it: a tensor in device memory, which the backends reach only
+/// through host memory (NCCL's own device path is to come), and every tensor under device emulation
+/// (`ZERORUN_DEVICE_EMULATION`), so the staging runs in `make test`.
+fn staged(t: &Tensor) -> bool {
+    t.device() != tch::Device::Cpu || super::device_emulation()
+}
+
+/// A host copy of `t` of its own (a separate buffer even when `t` is a host tensor), contiguous.
+fn host_copy(t: &Tensor) -> CommResult<Tensor> {
+    let host = if t.device() == tch::Device::Cpu { Ok(t.copy()) } else { t.f_to_device(tch::Device::Cpu) };
+    host.map(|h| h.contiguous()).map_err(|e| crate::comm::CommError::BadArgument {
+        op: "stage",
+        rank: 0,
+        what: format!("copying a tensor to host memory: {e}"),
+    })
+}
+
+/// `t` takes `host`'s values back (the staging's second copy).
+fn copy_back(t: &Tensor, host: &Tensor) -> CommResult<()> {
+    tch::no_grad(|| t.shallow_clone().f_copy_(host)).map(|_| ()).map_err(|e| crate::comm::CommError::BadArgument {
+        op: "stage",
+        rank: 0,
+        what: format!("copying a collective's result back: {e}"),
+    })
+}
+
 /// Runs a collective on a flat tensor of any supported kind.
 pub fn all_reduce(comm: &dyn Communicator, t: &Tensor, op: ReduceOp) -> CommResult<()> {
+    if staged(t) {
+        let host = host_copy(t)?;
+        // SAFETY: `host` is this call's own buffer.
+        unsafe { all_reduce_views(comm, &host, op) }?;
+        return copy_back(t, &host);
+    }
     // SAFETY: see above.
     unsafe { all_reduce_views(comm, t, op) }
 }
@@ -130,6 +162,12 @@ unsafe fn all_reduce_views(comm: &dyn Communicator, t: &Tensor, op: ReduceOp) ->
 }
 
 pub fn broadcast(comm: &dyn Communicator, t: &Tensor, root: usize) -> CommResult<()> {
+    if staged(t) {
+        let host = host_copy(t)?;
+        // SAFETY: `host` is this call's own buffer.
+        unsafe { broadcast_views(comm, &host, root) }?;
+        return copy_back(t, &host);
+    }
     // SAFETY: see above.
     unsafe { broadcast_views(comm, t, root) }
 }
@@ -143,6 +181,12 @@ unsafe fn broadcast_views(comm: &dyn Communicator, t: &Tensor, root: usize) -> C
 }
 
 pub fn all_gather(comm: &dyn Communicator, t: &Tensor) -> CommResult<()> {
+    if staged(t) {
+        let host = host_copy(t)?;
+        // SAFETY: `host` is this call's own buffer.
+        unsafe { all_gather_views(comm, &host) }?;
+        return copy_back(t, &host);
+    }
     // SAFETY: see above.
     unsafe { all_gather_views(comm, t) }
 }
@@ -158,6 +202,12 @@ unsafe fn all_gather_views(comm: &dyn Communicator, t: &Tensor) -> CommResult<()
 /// Reduce-scatter of a flat tensor into `out` (a tensor of the same kind, one partition long).
 pub fn reduce_scatter(comm: &dyn Communicator, t: &Tensor, out: &Tensor, op: ReduceOp) -> CommResult<()> {
     check_disjoint(t, out);
+    if staged(t) || staged(out) {
+        let (host, host_out) = (host_copy(t)?, host_copy(out)?);
+        // SAFETY: two buffers of this call's own.
+        unsafe { reduce_scatter_views(comm, &host, &host_out, op) }?;
+        return copy_back(out, &host_out);
+    }
     // SAFETY: see above; the two buffers are disjoint (checked).
     unsafe { reduce_scatter_views(comm, t, out, op) }
 }
