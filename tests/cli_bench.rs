@@ -94,7 +94,7 @@ fn bench_async_json_lines_have_the_documented_keys() {
     let modes: Vec<&str> = rows.iter().take(4).map(|r| r["mode"].as_str().unwrap()).collect();
     assert_eq!(modes, ["off", "bounded_staleness", "local_sgd", "diloco"]);
     for row in &rows {
-        assert_eq!(row["ranks"], 2);
+        assert_eq!((&row["ranks"], &row["backend"]), (&serde_json::json!(2), &serde_json::json!("shm")));
         for key in ["samples_per_s", "loss", "slow_factor", "vs_no_slow", "vs_sync"] {
             assert!(row[key].as_f64().is_some_and(|v| v > 0.0 && v.is_finite()), "{key} in {row}");
         }
@@ -103,6 +103,16 @@ fn bench_async_json_lines_have_the_documented_keys() {
     assert_eq!(slows, ["none", "fixed", "rotating"]);
     // The synchronous run's model does not depend on the straggler: the same loss with and without one.
     assert_eq!(rows[0]["loss"], rows[4]["loss"]);
+    // Over gloo (messages only, as across hosts) every mode runs, bounded staleness through its relay.
+    let out = Command::new(env!("CARGO_BIN_EXE_zerorun"))
+        .args(["bench", "async", "--ranks", "2", "--steps", "4", "--slow-factor", "1", "--json", "--backend", "gloo"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let rows: Vec<serde_json::Value> =
+        String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(rows.len(), 4);
+    assert!(rows.iter().all(|r| r["backend"] == "gloo" && r["samples_per_s"].as_f64().is_some_and(|v| v > 0.0)));
     let bad = Command::new(env!("CARGO_BIN_EXE_zerorun")).args(["bench", "async", "--ranks", "1"]).output().unwrap();
     assert!(!bad.status.success());
     assert_eq!(

@@ -75,6 +75,9 @@ pub enum BenchCommand {
         /// the rotating straggler) beside the synchronous run with no slow rank.
         #[arg(long)]
         plot: Option<std::path::PathBuf>,
+        /// How the ranks communicate: shm (shared memory, one-sided) or gloo (messages only, as across hosts).
+        #[arg(long, default_value = "shm", value_parser = ["shm", "gloo"])]
+        backend: String,
     },
     /// Write and read GiB/s of the NVMe swapper on a folder, beside dd with O_DIRECT on the same folder and size.
     Swap {
@@ -107,7 +110,7 @@ pub fn run(command: BenchCommand) -> Result<(), CliError> {
         BenchCommand::Comm { backend, ranks, max_bytes, dtype, repeats, json, worker } => {
             super::bench_comm::run(&backend, ranks, max_bytes, &dtype, repeats.max(1), json, worker)
         }
-        BenchCommand::Async { ranks, steps, slow_factor, json, plot } => {
+        BenchCommand::Async { ranks, steps, slow_factor, json, plot, backend } => {
             if ranks.iter().any(|&r| r < 2) || slow_factor.iter().any(|&f| f.is_nan() || f < 1.0) || steps == 0 {
                 return Err(CliError::Usage(
                     "bench async: --ranks at least 2, --slow-factor at least 1, --steps at least 1".into(),
@@ -119,6 +122,7 @@ pub fn run(command: BenchCommand) -> Result<(), CliError> {
                 slow_factors: slow_factor,
                 json,
                 plot,
+                backend,
             })
         }
         BenchCommand::Swap { dir, size, block_size, queue_depth, threads, repeats, json } => {

@@ -30,6 +30,8 @@ pub struct AsyncBenchArgs {
     /// Draw `{plot}.svg` and `.png`: training loss against samples for every mode, at the largest rank count with
     /// the rotating straggler (or none).
     pub plot: Option<PathBuf>,
+    /// `zerorun launch --backend`: shm or gloo.
+    pub backend: String,
 }
 
 #[derive(Clone)]
@@ -60,8 +62,8 @@ pub fn run(args: AsyncBenchArgs) -> Result<(), CliError> {
 fn run_cases(args: &AsyncBenchArgs, zerorun: &Path, mlp: &Path, dir: &Path) -> Result<(), CliError> {
     let mut curves: Vec<zerorun_report::curves::Curve> = Vec::new();
     let mut table = format!(
-        "synchronous vs asynchronous training, MLP 64-1024x3-8, AdamW, {} steps of {MICRO_BATCH} samples per rank; a slow rank sleeps per micro-batch so its step takes slow_factor x the synchronous step\n{:<18} {:>5} {:>9} {:>11} {:>8} {:>10} {:>9} {:>7} {:>8}\n",
-        args.steps, "mode", "ranks", "slow", "slow_factor", "slow_ms", "samples/s", "/ no slow", "/ sync", "loss"
+        "synchronous vs asynchronous training over {}, MLP 64-1024x3-8, AdamW, {} steps of {MICRO_BATCH} samples per rank; a slow rank sleeps per micro-batch so its step takes slow_factor x the synchronous step\n{:<18} {:>5} {:>9} {:>11} {:>8} {:>10} {:>9} {:>7} {:>8}\n",
+        args.backend, args.steps, "mode", "ranks", "slow", "slow_factor", "slow_ms", "samples/s", "/ no slow", "/ sync", "loss"
     );
     for &ranks in &args.ranks {
         let configs: Vec<PathBuf> = MODES
@@ -70,7 +72,7 @@ fn run_cases(args: &AsyncBenchArgs, zerorun: &Path, mlp: &Path, dir: &Path) -> R
             .collect::<Result<_, _>>()?;
         // With no slow rank: each mode's own throughput, and the synchronous step that sets the slowdowns.
         let no_slow: Vec<Measured> =
-            configs.iter().map(|c| measure(zerorun, mlp, c, ranks, args.steps, None)).collect::<Result<_, _>>()?;
+            configs.iter().map(|c| measure(zerorun, mlp, c, args, ranks, None)).collect::<Result<_, _>>()?;
         let step_ms = 1000.0 * (MICRO_BATCH * ranks) as f64 / no_slow[0].samples_per_s;
         let mut cases: Vec<(Option<Slow>, f64)> = Vec::new();
         for &factor in &args.slow_factors {
@@ -87,7 +89,7 @@ fn run_cases(args: &AsyncBenchArgs, zerorun: &Path, mlp: &Path, dir: &Path) -> R
             for (i, (name, _, _)) in MODES.iter().enumerate() {
                 let m = match slow {
                     None => no_slow[i].clone(),
-                    Some(s) => measure(zerorun, mlp, &configs[i], ranks, args.steps, Some((s, slow_ms)))?,
+                    Some(s) => measure(zerorun, mlp, &configs[i], args, ranks, Some((s, slow_ms)))?,
                 };
                 let sync_sps = *sync.get_or_insert(m.samples_per_s);
                 let (vs_no_slow, vs_sync) = (m.samples_per_s / no_slow[i].samples_per_s, m.samples_per_s / sync_sps);
@@ -104,7 +106,7 @@ fn run_cases(args: &AsyncBenchArgs, zerorun: &Path, mlp: &Path, dir: &Path) -> R
                         &serde_json::json!({
                             "mode": name, "ranks": ranks, "slow": pattern, "slow_factor": factor, "slow_ms": ms,
                             "samples_per_s": m.samples_per_s, "loss": m.loss, "vs_no_slow": vs_no_slow,
-                            "vs_sync": vs_sync, "steps": args.steps,
+                            "vs_sync": vs_sync, "steps": args.steps, "backend": args.backend,
                         })
                         .to_string(),
                     )?;
@@ -176,12 +178,13 @@ fn measure(
     zerorun: &Path,
     mlp: &Path,
     config: &Path,
+    args: &AsyncBenchArgs,
     ranks: usize,
-    steps: usize,
     slow: Option<(Slow, u64)>,
 ) -> Result<Measured, CliError> {
+    let steps = args.steps;
     let mut cmd = Command::new(zerorun);
-    cmd.args(["launch", "--nproc-per-node", &ranks.to_string(), "--"]).arg(mlp).args([
+    cmd.args(["launch", "--nproc-per-node", &ranks.to_string(), "--backend", &args.backend, "--"]).arg(mlp).args([
         "--config",
         &config.display().to_string(),
         "--steps",
