@@ -126,7 +126,7 @@ fn run_pipeline(args: &Args, config: &Config, corpus: &Corpus, cfg: GptConfig, s
         return Err("--pipeline-stages runs without --activation-checkpointing (stage 3's) for now".into());
     }
     let cfg = match args.tensor_parallel {
-        Some(t) => tensor_parallel_model(a, cfg, t)?,
+        Some(t) => tensor_parallel_model(cfg, t)?,
         None => cfg,
     };
     let timeout = Duration::from_secs_f64(config.comms_timeout);
@@ -145,9 +145,15 @@ fn run_pipeline(args: &Args, config: &Config, corpus: &Corpus, cfg: GptConfig, s
             Some(tp) => gpt_model::tp::pipeline_model(&cfg, tp),
             None => pipeline_model(&cfg),
         };
+        // With tensor parallelism the stage's slices are cut from --init's whole weights after building.
+        let whole_init = if tp.is_some() { None } else { a.init.as_ref() };
         let (mut vs, stage) =
-            build_model(a.seed, a.init.as_ref(), |vs| model.build_stage(vs, &placement, &config.pipeline.partition))?;
+            build_model(a.seed, whole_init, |vs| model.build_stage(vs, &placement, &config.pipeline.partition))?;
         let stage = stage.map_err(|e| e.to_string())?;
+        if let (Some(tp), Some(path)) = (&tp, &a.init) {
+            zerorun::runtime::engine::load_mapped_slices(&vs, path, tp.rank(), tp.size(), &tp_split_dim)
+                .map_err(|e| format!("--init {}: {e}", path.display()))?;
+        }
         to_config_precision(config, &mut vs);
         let options = EngineOptions { no_weight_decay: Some(no_decay_for_1d), ..Default::default() };
         let mut pipe = match &tp {
@@ -241,10 +247,7 @@ fn run_pipeline(args: &Args, config: &Config, corpus: &Corpus, cfg: GptConfig, s
 }
 
 /// The model at tensor-parallel degree `t`: what splits must split, the vocabulary is padded to a multiple of 8.
-fn tensor_parallel_model(a: &CommonArgs, cfg: GptConfig, t: usize) -> Result<GptConfig, String> {
-    if a.init.is_some() {
-        return Err("--tensor-parallel starts from the seed's weights (no --init) for now".into());
-    }
+fn tensor_parallel_model(cfg: GptConfig, t: usize) -> Result<GptConfig, String> {
     if t == 0 || cfg.heads % t as i64 != 0 || (4 * cfg.embd) % t as i64 != 0 {
         return Err(format!(
             "--tensor-parallel {t} must divide --heads ({}) and the MLP width ({})",
@@ -289,7 +292,7 @@ fn run_tensor_parallel(args: &Args, config: &Config, corpus: &Corpus, cfg: GptCo
     use zerorun::runtime::comm::Collectives;
     use zerorun::runtime::tensor_parallel::TensorParallel;
     let a = &args.common;
-    let cfg = tensor_parallel_model(a, cfg, t)?;
+    let cfg = tensor_parallel_model(cfg, t)?;
     let timeout = Duration::from_secs_f64(config.comms_timeout);
     let summary = run_ranks(a.ranks, timeout, |comm| {
         let (rank, world) = (comm.rank(), comm.world_size());
@@ -305,10 +308,13 @@ fn run_tensor_parallel(args: &Args, config: &Config, corpus: &Corpus, cfg: GptCo
         // Tensor-parallel groups are adjacent ranks (one host's), data-parallel groups every t-th.
         let (tp_comm, tp_norm, data_comm) = (group(data_index)?, group(data_index)?, group(rank % t)?);
         let tp = TensorParallel::new(tp_comm);
-        tch::manual_seed(a.seed as i64);
-        let vs = tch::nn::VarStore::new(tch::Device::Cpu);
-        let mut vs = vs;
-        let model = TpGpt::new(vs.root(), &tp, &cfg);
+        // Built from the seed under the examples' build lock (thread ranks share libtorch's generator).
+        let (mut vs, model) = build_model(a.seed, None, |vs| TpGpt::new(vs.root(), &tp, &cfg))?;
+        if let Some(path) = &a.init {
+            // Whole weights by name (a T = 1 run's --save-final, or `zerorun consolidate`'s): this rank's slices.
+            zerorun::runtime::engine::load_mapped_slices(&vs, path, tp.rank(), t, &tp_split_dim)
+                .map_err(|e| format!("--init {}: {e}", path.display()))?;
+        }
         to_config_precision(config, &mut vs);
         // The units of the plain GPT: stage 3 gathers one at a time over the data-parallel ranks.
         let units = TpUnits { model: &model, tp: &tp };

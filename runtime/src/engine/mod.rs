@@ -61,7 +61,7 @@ use crate::error::{Error, Result};
 use crate::report::memory::MemoryTracker;
 use crate::report::{Phase, PhaseTimes};
 pub use builders::{BuiltModel, UnitBuilders, UnitForward};
-pub use checkpointing::{load_mapped, SaveOptions};
+pub use checkpointing::{load_mapped, load_mapped_slices, SaveOptions};
 use counters::Progress;
 pub use counters::{CommVolume, GatheredBytes};
 pub use layout::{FlatLayout, ParamSlot, UnitSpan};

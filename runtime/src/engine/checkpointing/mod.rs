@@ -156,6 +156,42 @@ pub fn load_mapped(vs: &tch::nn::VarStore, path: impl AsRef<Path>) -> Result<()>
     Ok(())
 }
 
+/// [`load_mapped`] for member `rank` of a tensor-parallel group of `size`: a parameter `split_dim` names is cut from
+/// the file's whole tensor (this rank's part along that dimension, evenly in rank order), the others are read
+/// whole. So a run at any tensor-parallel degree starts from the whole weights a run at degree 1 (or
+/// `zerorun consolidate`) wrote. Call it before `initialize`.
+pub fn load_mapped_slices(
+    vs: &tch::nn::VarStore,
+    path: impl AsRef<Path>,
+    rank: usize,
+    size: usize,
+    split_dim: &super::SplitDim<'_>,
+) -> Result<()> {
+    let path = path.as_ref();
+    let file = MappedTensors::open(path)?;
+    let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+    vars.sort_by(|a, b| a.0.cmp(&b.0));
+    for (name, var) in vars {
+        let whole = read_variable(&file, path, &name)?;
+        let part = match split_dim(&name) {
+            Some(d) if d < var.dim() && whole.dim() == var.dim() && whole.size()[d] == var.size()[d] * size as i64 => {
+                let n = var.size()[d];
+                whole.narrow(d as i64, rank as i64 * n, n)
+            }
+            Some(d) => {
+                let mut wanted = var.size();
+                if d < wanted.len() {
+                    wanted[d] *= size as i64;
+                }
+                return Err(file_mismatch(path)(&name, whole.size(), wanted));
+            }
+            None => whole,
+        };
+        fill_variable(&name, &var, &part, file_mismatch(path))?;
+    }
+    Ok(())
+}
+
 impl Engine {
     /// `checkpoint.tag_validation`: the ranks compare their tags (a hash each, all-reduced) before anything is
     /// written. Tags that differ are an error on every rank under "Fail", a warning under "Warn" (the default) and
