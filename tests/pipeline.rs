@@ -448,9 +448,6 @@ fn bad_setups_say_what_to_change() {
     assert!(max_relative_difference(&params, &reference(&corpus)) < 1e-5);
     let e = err(2, &config(1, 3, json!({"schedule": "interleaved"}), json!({})), Some(2));
     assert!(e.contains("must be a multiple of the stages"), "{e}");
-    let local = json!({"async_training": {"mode": "local_sgd", "sync_every": 2}});
-    let e = err(2, &config(0, 4, json!({}), local), Some(2));
-    assert!(e.contains("async_training.mode") && e.contains("without a pipeline"), "{e}");
     let e = err(2, &config(1, 4, json!({"partition": [0, 2]}), json!({})), Some(2));
     assert!(e.contains("pipeline.partition: the boundaries [0, 2] must be 2 + 1"), "{e}");
     assert!(Config::from_value(json!({"train_batch_size": 4, "pipeline": {"schedule": "zigzag"}}))
