@@ -58,7 +58,7 @@ impl Grads<'_> {
 
     /// Writes elements `range` as f32 into `dst` (len = range.len()).
     #[inline]
-    pub(crate) fn load(&self, range: Range<usize>, dst: &mut [f32]) {
+    pub fn load(&self, range: Range<usize>, dst: &mut [f32]) {
         match self {
             Grads::F32(g) => dst.copy_from_slice(&g[range]),
             Grads::Bf16(g) => {
@@ -81,6 +81,14 @@ impl ParamsOut<'_> {
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// Rounds `src` (this output's length) into it: the 16-bit copy of fp32 values.
+    pub fn store(&mut self, src: &[f32]) {
+        match self {
+            ParamsOut::Bf16(o) => half::slice::HalfFloatSliceExt::convert_from_f32_slice(&mut **o, src),
+            ParamsOut::F16(o) => half::slice::HalfFloatSliceExt::convert_from_f32_slice(&mut **o, src),
+        }
     }
 }
 

@@ -97,7 +97,8 @@ pub enum StepOutcome {
 /// so that `make test` runs what a GPU run runs but the CUDA calls. For now: the optimizer step on libtorch's
 /// fused Adam/AdamW with its states in tensors of their own ([`tensor_adam::TensorAdam`]).
 pub fn device_emulation() -> bool {
-    std::env::var("ZERORUN_DEVICE_EMULATION").is_ok_and(|v| v == "1")
+    // Read at every tensor collective (views.rs): var_os, no allocation.
+    std::env::var_os("ZERORUN_DEVICE_EMULATION").is_some_and(|v| v == "1")
 }
 
 /// Options a program sets in code rather than in ds_config.json.
@@ -215,7 +216,7 @@ pub struct Engine {
     staleness: Option<Box<staleness::BoundedStaleness>>,
     /// Bounded staleness on a 16-bit model: the fp32 values workers and owners exchange (the own partition is the
     /// master).
-    staleness_values: Option<Vec<f32>>,
+    staleness_values: Option<staleness::StalenessValues>,
     owner_schedule: Option<LrScheduler>,
 }
 

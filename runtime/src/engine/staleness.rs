@@ -470,6 +470,13 @@ impl BoundedStaleness {
     }
 }
 
+/// Bounded staleness on a 16-bit model: the fp32 values workers and owners exchange (the own partition is the
+/// master), and the buffer its gradients are widened into each step.
+pub(super) struct StalenessValues {
+    values: Vec<f32>,
+    grads: Vec<f32>,
+}
+
 impl super::Engine {
     /// `async_training.mode = "bounded_staleness"`: the window, with this rank's partition as its owner's values
     /// (a 16-bit model's: its fp32 master).
@@ -494,7 +501,8 @@ impl super::Engine {
         let ps = BoundedStaleness::new(self.comm.as_ref(), &wide, staleness, lr_staleness_scaling, timeout)?;
         self.staleness = Some(Box::new(ps));
         // An fp32 model exchanges its parameters themselves; a 16-bit one an fp32 copy of them.
-        self.staleness_values = self.shard.master.is_some().then_some(wide);
+        self.staleness_values =
+            self.shard.master.is_some().then(|| StalenessValues { grads: vec![0.0; wide.len()], values: wide });
         self.owner_schedule = self.scheduler.clone();
         Ok(())
     }
@@ -514,10 +522,17 @@ impl super::Engine {
             let flat = unsafe { super::views::slice::<f32>(&self.parameters.flat) };
             return f(ps, self.comm.as_ref(), flat, &mut step);
         };
-        let done = f(ps, self.comm.as_ref(), wide, &mut step);
-        tch::no_grad(|| self.parameters.flat.shallow_clone().f_copy_(&tch::Tensor::from_slice(wide)))?;
+        let done = f(ps, self.comm.as_ref(), &mut wide.values, &mut step);
+        // SAFETY: as above; the 16-bit parameters take the exchanged values rounded, in one pass.
+        let mut params = unsafe {
+            match self.parameters.flat.kind() {
+                tch::Kind::Half => zerorun_optim::ParamsOut::F16(super::views::slice(&self.parameters.flat)),
+                _ => zerorun_optim::ParamsOut::Bf16(super::views::slice(&self.parameters.flat)),
+            }
+        };
+        params.store(&wide.values);
         if let Some(master) = self.shard.master.as_mut() {
-            master.copy_from_slice(&wide[self.layout.partition(self.comm.rank())]);
+            master.copy_from_slice(&wide.values[self.layout.partition(self.comm.rank())]);
         }
         done
     }
@@ -526,17 +541,22 @@ impl super::Engine {
     /// step's values.
     pub(super) fn step_bounded_staleness(&mut self) -> Result<()> {
         // A handle of the gradient buffer (its storage is the engine's, untouched while this step runs).
-        let grads = self.gradients.view_buffer().expect("bounded staleness keeps gradient views").shallow_clone();
-        let grads = &grads;
-        let wide_grads = (grads.kind() != tch::Kind::Float)
-            .then(|| Vec::<f32>::try_from(&grads.to_kind(tch::Kind::Float)))
-            .transpose()?;
+        let view = self.gradients.view_buffer().expect("bounded staleness keeps gradient views").shallow_clone();
+        // A 16-bit model's gradients widened into the buffer kept for them (taken out for the exchange).
+        let mut widened = self.staleness_values.as_mut().map(|w| std::mem::take(&mut w.grads));
         // SAFETY: inside `engine.step()`: no forward, backward or collective touches the gradients.
-        let grads: &[f32] = match &wide_grads {
-            Some(g) => g,
-            None => unsafe { super::views::slice::<f32>(grads) },
+        let grads: &[f32] = match widened.as_mut() {
+            Some(g) => {
+                unsafe { super::views::grads_of(&view) }.load(0..g.len(), g);
+                g
+            }
+            None => unsafe { super::views::slice::<f32>(&view) },
         };
-        self.with_exchanged_values(|ps, _, values, step| ps.step(grads, values, step))?;
+        let stepped = self.with_exchanged_values(|ps, _, values, step| ps.step(grads, values, step));
+        if let (Some(w), Some(g)) = (self.staleness_values.as_mut(), widened) {
+            w.grads = g;
+        }
+        stepped?;
         self.gradients.consume()
     }
 

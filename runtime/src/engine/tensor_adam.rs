@@ -158,12 +158,8 @@ impl TensorAdam {
             })?;
         }
         p.to_device(Device::Cpu).f_copy_data(params, params.len())?;
-        match out {
-            Some(ParamsOut::Bf16(o)) => {
-                o.iter_mut().zip(params.iter()).for_each(|(o, p)| *o = half::bf16::from_f32(*p))
-            }
-            Some(ParamsOut::F16(o)) => o.iter_mut().zip(params.iter()).for_each(|(o, p)| *o = half::f16::from_f32(*p)),
-            None => {}
+        if let Some(mut out) = out {
+            out.store(params);
         }
         Ok(())
     }
