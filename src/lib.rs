@@ -16,6 +16,7 @@ pub use zerorun_optim as optim;
 pub use zerorun_runtime as runtime;
 pub use zerorun_runtime::config::{self, Config, ConfigError};
 pub use zerorun_runtime::cuda;
+pub use zerorun_runtime::cuda::local_device;
 pub use zerorun_runtime::engine::no_decay_for_1d;
 pub use zerorun_runtime::engine::{BuiltModel, Sequence, UnitBuilders, UnitForward, UnitModel, Whole};
 pub use zerorun_runtime::estimate::{estimate, EstimateInput, EstimateRow};

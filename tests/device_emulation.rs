@@ -1,8 +1,10 @@
-//! The device path on this CPU (`ZERORUN_DEVICE_EMULATION=1`): the optimizer step on libtorch's fused Adam/AdamW
-//! with its states in tensors of their own (`TensorAdam`). The tier alone matches zerorun-optim's Adam (both modes,
-//! amsgrad, groups of their own lr and decay, a step in pieces, its states through a checkpoint); the engine under
-//! emulation at stages 0-3, fp32 and bf16, with CPU offload, ends where the host path does and resumes from its
-//! checkpoints. One test function: the variable is the process's.
+//! The device path on this CPU (`ZERORUN_DEVICE_EMULATION=1`): the engine's buffers taken through tensor ops
+//! (norm, clipping, fp32 accumulation, host staging of collectives) and the optimizer step on libtorch's fused
+//! Adam/AdamW with its states, master and gradients in tensors where the model is (`TensorAdam`). The tier alone
+//! matches zerorun-optim's Adam (both modes, amsgrad, groups of their own lr and decay, a step in pieces, its
+//! states through a checkpoint); the engine under emulation at stages 0-3, fp32 and bf16, stage 3's optimizer in
+//! backward, with CPU offload (host optimizer, device buffers), ends where the host path does and resumes from
+//! its checkpoints. One test function: the variable is the process's.
 use serde_json::{json, Value};
 use zerorun::runtime::comm::Communicator;
 use zerorun::runtime::engine::tensor_adam::TensorAdam;
@@ -143,8 +145,15 @@ fn the_device_path_steps_checkpoints_and_trains_as_the_host_path() {
         (0, json!({})),
         (1, json!({})),
         (2, json!({"bf16": {"enabled": true}})),
+        (2, json!({})),
         (3, json!({})),
+        (3, json!({"bf16": {"enabled": true}})),
+        (3, json!({"optimizer_in_backward": true, "gradient_clipping": 0.0})),
         (2, json!({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})),
+        (
+            3,
+            json!({"bf16": {"enabled": true}, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}),
+        ),
     ] {
         let mut e = extra.clone();
         if e.get("zero_optimization").is_none() {

@@ -33,6 +33,11 @@ pub trait OptimizerTier: Send {
     fn state_names(&self) -> Vec<String>;
     /// Optimizer steps taken (bias correction's t).
     fn step_count(&self) -> u64;
+    /// The tier as `Any`, so that an engine reaches a tier of its own kind directly (zerorun's device-path Adam
+    /// steps tensors where they live rather than host slices). None by default.
+    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
+        None
+    }
     /// One step over all the optimized elements; `groups` are relative to them; `out` takes the 16-bit copy.
     fn step(
         &mut self,

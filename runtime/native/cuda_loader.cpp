@@ -26,3 +26,25 @@ extern "C" int zerorun_libtorch_dir(char *out, int cap) {
     std::memcpy(out, dir.c_str(), dir.size() + 1);
     return static_cast<int>(dir.size());
 }
+
+// The CUDA caching allocator's statistics for one device (allocated and reserved bytes, current and peak), through
+// libc10's allocator registry (c10::getDeviceAllocator), which libtorch_cuda fills when it loads: nothing of
+// libtorch_cuda is linked. Returns 0, or -1 when no CUDA allocator is registered or it refuses.
+#include <c10/core/CachingDeviceAllocator.h>
+
+extern "C" int zerorun_device_memory(int device_index, int64_t *out) {
+    try {
+        if (!at::CUDAHooksRegistry()->Has("CUDAHooks")) return -1;
+        c10::DeviceAllocator *allocator = c10::getDeviceAllocator(c10::DeviceType::CUDA);
+        if (!allocator || !allocator->initialized()) return -1;
+        auto stats = allocator->getDeviceStats(static_cast<c10::DeviceIndex>(device_index));
+        const auto all = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+        out[0] = stats.allocated_bytes[all].current;
+        out[1] = stats.allocated_bytes[all].peak;
+        out[2] = stats.reserved_bytes[all].current;
+        out[3] = stats.reserved_bytes[all].peak;
+        return 0;
+    } catch (...) {
+        return -1;
+    }
+}

@@ -22,9 +22,22 @@ static char *message(const char *what) {
     return m;
 }
 
+// Host storages keep their bytes up to the smaller size (resize_bytes_cpu). Device storages get a fresh allocation
+// from the storage's own allocator (the CUDA caching allocator) without their old bytes: resize_bytes_cuda lives
+// in libtorch_cuda, which zerorun does not link, and the engine resizes a unit only between empty and full, after
+// which a gather writes every byte.
 extern "C" char *zerorun_resize_storage(at::Tensor *t, int64_t nbytes) {
     try {
-        at::native::resize_bytes_cpu(t->storage().unsafeGetStorageImpl(), static_cast<size_t>(nbytes));
+        c10::StorageImpl *storage = t->storage().unsafeGetStorageImpl();
+        if (storage->device_type() == c10::DeviceType::CPU) {
+            at::native::resize_bytes_cpu(storage, static_cast<size_t>(nbytes));
+            return nullptr;
+        }
+        if (!storage->resizable()) return message("the storage is not resizable");
+        c10::DataPtr fresh = nbytes > 0 ? storage->allocator()->allocate(static_cast<size_t>(nbytes))
+                                        : c10::DataPtr(nullptr, storage->device());
+        storage->set_data_ptr_noswap(std::move(fresh));
+        storage->set_nbytes(static_cast<size_t>(nbytes));
         return nullptr;
     } catch (const std::exception &e) {
         return message(e.what());

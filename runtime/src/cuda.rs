@@ -76,3 +76,44 @@ pub fn device_count() -> i64 {
         0
     }
 }
+
+/// The device this process trains on: `cuda:{LOCAL_RANK mod the GPUs seen}` when a GPU is usable (`zerorun
+/// launch`, torchrun and mpirun set LOCAL_RANK; a lone process is local rank 0), else the CPU. Build the model's
+/// `VarStore` on it; the engine puts its buffers where the model is.
+pub fn local_device() -> tch::Device {
+    let count = device_count();
+    if count <= 0 || !tch::Cuda::is_available() {
+        return tch::Device::Cpu;
+    }
+    let local_rank = ["LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK"]
+        .iter()
+        .find_map(|name| std::env::var(name).ok())
+        .and_then(|v| v.trim().parse::<i64>().ok())
+        .unwrap_or(0);
+    tch::Device::Cuda((local_rank.rem_euclid(count)) as usize)
+}
+
+pub use zerorun_report::memory::DeviceMemory;
+
+extern "C" {
+    fn zerorun_device_memory(device_index: c_int, out: *mut i64) -> c_int;
+}
+
+/// The CUDA allocator's statistics for `device` (a CUDA device); None for the CPU, or when libtorch's CUDA backend
+/// is not loaded (then no CUDA tensor exists either). Read through libc10's allocator registry, so zerorun still
+/// does not link libtorch_cuda.
+pub fn device_memory(device: tch::Device) -> Option<DeviceMemory> {
+    let tch::Device::Cuda(index) = device else { return None };
+    if !hooks_registered() {
+        return None;
+    }
+    let mut out = [0i64; 4];
+    // SAFETY: `out` holds the four values the shim writes.
+    let rc = unsafe { zerorun_device_memory(index as c_int, out.as_mut_ptr()) };
+    (rc == 0).then(|| DeviceMemory {
+        allocated: out[0].max(0) as u64,
+        allocated_peak: out[1].max(0) as u64,
+        reserved: out[2].max(0) as u64,
+        reserved_peak: out[3].max(0) as u64,
+    })
+}

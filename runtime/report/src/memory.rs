@@ -159,6 +159,24 @@ pub struct MemoryReport {
     /// A pipeline stage's rank: which stage, its layers and where its time went.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pipeline: Option<PipelineStage>,
+    /// A model on a device: where ("cuda:0"); the categories then count bytes of that device's memory for the
+    /// engine's buffers there (the optimizer's side is on the host when offloaded). Absent: the CPU.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device: Option<String>,
+    /// A model on a CUDA device: libtorch's CUDA caching allocator at the end of the run, beside the engine's
+    /// categories (what they do not name is activations, temporaries and the allocator's cache).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_memory: Option<DeviceMemory>,
+}
+
+/// A CUDA caching allocator's statistics for one device, in bytes (`torch.cuda.memory_stats()`'s
+/// `allocated_bytes.all.*` and `reserved_bytes.all.*`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceMemory {
+    pub allocated: u64,
+    pub allocated_peak: u64,
+    pub reserved: u64,
+    pub reserved_peak: u64,
 }
 
 /// What a pipeline stage's report adds (`rank` and `world_size` are then the job's).
@@ -347,6 +365,25 @@ pub fn table(reports: &[MemoryReport]) -> String {
             .collect(),
     ));
     rows.push(("peak RSS (process)".into(), reports.iter().map(|r| mib(r.peak_rss_bytes)).collect()));
+    if reports.iter().any(|r| r.device_memory.is_some()) {
+        let cell =
+            |r: &MemoryReport, f: &dyn Fn(&DeviceMemory) -> String| r.device_memory.as_ref().map_or("-".into(), f);
+        rows.insert(0, ("device".into(), reports.iter().map(|r| r.device.clone().unwrap_or("cpu".into())).collect()));
+        rows.push((
+            "device allocated (CUDA allocator)".into(),
+            reports
+                .iter()
+                .map(|r| cell(r, &|d| format!("{} (peak {})", mib(d.allocated), mib(d.allocated_peak))))
+                .collect(),
+        ));
+        rows.push((
+            "device reserved (CUDA allocator)".into(),
+            reports
+                .iter()
+                .map(|r| cell(r, &|d| format!("{} (peak {})", mib(d.reserved), mib(d.reserved_peak))))
+                .collect(),
+        ));
+    }
     if reports.iter().any(|r| r.pipeline.is_some()) {
         let cell = |r: &MemoryReport, f: &dyn Fn(&PipelineStage) -> String| r.pipeline.as_ref().map_or("-".into(), f);
         rows.insert(
@@ -447,7 +484,33 @@ mod tests {
             }),
             events: Vec::new(),
             pipeline: None,
+            device: None,
+            device_memory: None,
         }
+    }
+
+    /// A CUDA rank's report keeps the allocator's numbers through its file, and the table shows them.
+    #[test]
+    fn device_memory_travels_through_the_file_and_into_the_table() {
+        let dir = std::env::temp_dir().join(format!("zerorun-device-memory-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut r = report(0);
+        r.device = Some("cuda:0".into());
+        r.device_memory = Some(DeviceMemory {
+            allocated: 5 << 20,
+            allocated_peak: 7 << 20,
+            reserved: 8 << 20,
+            reserved_peak: 9 << 20,
+        });
+        r.write(&dir).unwrap();
+        let back = MemoryReport::read(&dir, 0).unwrap();
+        assert_eq!(back.device.as_deref(), Some("cuda:0"));
+        assert_eq!(back.device_memory, r.device_memory);
+        let t = table(&[back, report(1)]);
+        assert!(t.contains("device allocated (CUDA allocator)"), "{t}");
+        assert!(t.contains("cuda:0"), "{t}");
+        assert!(table(&[report(0)]).find("CUDA allocator").is_none(), "a CPU run's table names no device memory");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -61,7 +61,7 @@ pub(super) struct Bucket {
 /// Where a finished bucket's reduced part goes ([`Bucket::lands_at`]).
 pub(super) enum Landing<'a> {
     /// Added to the fp32 accumulator (gradients kept until the optimizer step).
-    Accumulate(&'a mut [f32]),
+    Accumulate(&'a Tensor),
     /// Stepped at once: stage 3's optimizer in backward.
     Step(&'a mut dyn StepPart),
 }
@@ -70,8 +70,7 @@ impl Landing<'_> {
     fn land(&mut self, at: usize, part: &Tensor) -> Result<()> {
         match self {
             Landing::Accumulate(acc) => {
-                views::accumulate(&mut acc[at..at + part.numel()], part);
-                Ok(())
+                super::flat_math::accumulate(&acc.narrow(0, at as i64, part.numel() as i64), part)
             }
             Landing::Step(stepper) => stepper.step_part(at, part),
         }

@@ -6,7 +6,7 @@ use tch::{Kind, Tensor};
 
 use super::layout::FlatLayout;
 use super::sharded_unit::{ShardedUnit, UnitState};
-use super::views;
+use super::swapped_params::Chunk;
 use crate::comm::async_comm::CommThread;
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
@@ -27,6 +27,7 @@ impl FrozenUnits {
         by_unit: Vec<Vec<(String, Tensor)>>,
         persistent: &[bool],
         comm: &dyn Communicator,
+        device: tch::Device,
         mut materialize: Option<&mut super::units::Materialize>,
     ) -> Result<FrozenUnits> {
         let kind = frozen_kind(&by_unit)?;
@@ -34,7 +35,7 @@ impl FrozenUnits {
             by_unit.iter().map(|u| u.iter().map(|(n, t)| (n.clone(), t.size(), false)).collect()).collect();
         let ws = comm.world_size();
         let layout = FlatLayout::with_units(&specs, ws);
-        let shard = Tensor::zeros([layout.partition_len() as i64], (kind, tch::Device::Cpu));
+        let shard = Tensor::f_zeros([layout.partition_len() as i64], (kind, device))?;
         let mut units = Vec::with_capacity(by_unit.len());
         let mut offset = 0;
         for (i, ((span, params), &keep)) in layout.units.iter().zip(by_unit).zip(persistent).enumerate() {
@@ -70,8 +71,7 @@ impl FrozenUnits {
             UnitState::Gathering => self.units[i].finish_gather().map(|_| 0),
             UnitState::Sharded => {
                 let chunk = self.chunk(i, comm.world_size());
-                // SAFETY: a view of this rank's shard, read by the gather while nothing writes the shard.
-                self.units[i].gather(comm, unsafe { views::bytes(&chunk) })
+                self.units[i].gather(comm, &Chunk::InMemory(chunk))
             }
         }
     }
@@ -82,8 +82,7 @@ impl FrozenUnits {
             return Ok(0);
         }
         let chunk = self.chunk(i, thread.world_size());
-        // SAFETY: as in `gather`; begin_gather copies the chunk into the unit before it returns.
-        self.units[i].begin_gather(thread, unsafe { views::bytes(&chunk) })
+        self.units[i].begin_gather(thread, &Chunk::InMemory(chunk))
     }
 
     /// Unit `i` back to its shard (a no-op for persistent units, which stay gathered).
@@ -150,12 +149,6 @@ impl FrozenUnits {
 fn frozen_kind(by_unit: &[Vec<(String, Tensor)>]) -> Result<Kind> {
     let mut kind: Option<(Kind, &str)> = None;
     for (name, t) in by_unit.iter().flatten() {
-        if t.device() != tch::Device::Cpu {
-            return Err(Error::Parameter {
-                name: name.clone(),
-                why: format!("is on {:?}; this build trains on the CPU", t.device()),
-            });
-        }
         match kind {
             None if t.is_floating_point() => kind = Some((t.kind(), name)),
             None => return Err(Error::Parameter { name: name.clone(), why: format!("is frozen with dtype {:?}; stage 3 partitions frozen parameters, which must be floating", t.kind()) }),

@@ -2,8 +2,7 @@
 //! [`GradientSizes`]), and the reduction of each gradient path through one [`BucketQueue`]: the rounds of stages
 //! 0-1 after backward, and a unit's gradients during the unit walk of stages 2-3 or from stage 2's hooks
 //! (`grad_hooks.rs`).
-use tch::Tensor;
-use zerorun_optim::AlignedVec;
+use tch::{Device, Kind, Tensor};
 
 use super::bucket::{Bucket, BucketQueue, Landing, Reduction};
 use super::counters::CommVolume;
@@ -12,7 +11,7 @@ use super::grad_hooks::Countdown;
 use super::layout::FlatLayout;
 use super::plan::{GradientPath, GradientSizes, GradientViews, Optimized, ReducedGradients, StagePlan};
 use super::step_in_backward::ShardStepper;
-use super::{native, views};
+use super::{flat_math, native, views};
 use crate::config::{Config, Precision};
 use crate::error::{Error, Result};
 use crate::report::{Phase, PhaseTimes};
@@ -33,8 +32,9 @@ pub(super) struct Gradients {
     /// in the communication dtype.
     grad_part: Option<Tensor>,
     /// fp32 reduced gradients of the optimized range: accumulated over micro-batches (16-bit models, stages 2-3),
-    /// or the boundary's reduction (fp32 models reducing into a partition buffer).
-    accumulator: AlignedVec,
+    /// or the boundary's reduction (fp32 models reducing into a partition buffer). Where the optimizer's values
+    /// live: on the model's device, or in host memory when the optimizer is offloaded.
+    accumulator: Tensor,
     /// Where the reduced fp32 gradients are when the optimizer steps.
     reduced: ReducedGradients,
     how: Reduction,
@@ -48,7 +48,9 @@ pub(super) struct Gradients {
 
 impl Gradients {
     /// Allocates the buffers the plan sizes, and makes the model's `.grad` tensors views of the reduction buffer
-    /// where gradients travel in the model's dtype (stages 0-1).
+    /// where gradients travel in the model's dtype (stages 0-1). The buffers go on the model's `device`, the fp32
+    /// accumulator on the optimizer's (`optimizer_device`).
+    #[allow(clippy::too_many_arguments)] // one call site (the engine's set-up), each argument a distinct input
     pub fn new(
         config: &Config,
         plan: &StagePlan,
@@ -56,6 +58,8 @@ impl Gradients {
         params: &[Tensor],
         rank: usize,
         shared: bool,
+        device: Device,
+        optimizer_device: Device,
     ) -> Result<Self> {
         let precision = config.precision();
         let comm_kind = views::comm_kind(config.communication_data_type, precision);
@@ -66,11 +70,11 @@ impl Gradients {
             precision == Precision::Fp32,
             comm_kind == views::kind_of(precision),
         );
-        let staging = views::comm_zeros(sizes.staged, comm_kind, shared)?;
+        let staging = views::comm_zeros(sizes.staged, comm_kind, shared, device)?;
         let grad_buffer = match sizes.views {
             GradientViews::None => None,
             GradientViews::OfStaging => Some(staging.shallow_clone()),
-            GradientViews::OfOwnBuffer => Some(views::comm_zeros(layout.padded, comm_kind, shared)?),
+            GradientViews::OfOwnBuffer => Some(views::comm_zeros(layout.padded, comm_kind, shared, device)?),
         };
         if let Some(g) = &grad_buffer {
             for (slot, t) in layout.slots.iter().zip(params) {
@@ -95,8 +99,8 @@ impl Gradients {
             queue: BucketQueue::new(staging, plan.staging_halves()),
             grad_buffer,
             round_len: sizes.round_len,
-            grad_part: sizes.part.map(|n| Tensor::zeros([n as i64], (comm_kind, tch::Device::Cpu))),
-            accumulator: AlignedVec::filled(sizes.accumulator, 0.0),
+            grad_part: sizes.part.map(|n| Tensor::f_zeros([n as i64], (comm_kind, device))).transpose()?,
+            accumulator: Tensor::f_zeros([sizes.accumulator as i64], (Kind::Float, optimizer_device))?,
             reduced: sizes.reduced,
             how: Reduction::new(config, rank, ws),
             refuse_unused: !config.zero_optimization.ignore_unused_parameters,
@@ -112,44 +116,32 @@ impl Gradients {
     }
 
     /// The fp32 accumulator of the optimized range.
-    pub fn accumulator(&mut self) -> &mut [f32] {
-        &mut self.accumulator
+    pub fn accumulator(&self) -> &Tensor {
+        &self.accumulator
     }
 
     /// Zeroes the fp32 accumulator (after the step used it, or a skipped step).
     pub fn clear_accumulator(&mut self) {
-        self.accumulator.fill(0.0);
+        let _ = tch::no_grad(|| self.accumulator.zero_());
     }
 
-    /// The fp32 reduced gradients of the optimized range wherever they are ([`ReducedGradients`]).
-    ///
-    /// # Safety
-    /// As for [`views::slice`]: the reduced gradients are read and scaled between the reduction and the next
-    /// backward, when no collective and no autograd writes these buffers; the caller holds one such view at a time.
-    #[allow(clippy::mut_from_ref)]
-    pub unsafe fn reduced_fp32(&self, optimized: &Optimized) -> Option<&mut [f32]> {
+    /// The fp32 reduced gradients of the optimized range wherever they are ([`ReducedGradients`]), if in a flat
+    /// buffer: a view of the staging buffer (stage 0) or of the gradient buffer's partition (stage 1).
+    fn reduced_in_flat_buffer(&self, optimized: &Optimized) -> Option<Tensor> {
         match self.reduced {
-            // SAFETY: this function's contract.
-            ReducedGradients::Staging => Some(unsafe { views::slice::<f32>(self.queue.staging()) }),
-            ReducedGradients::ViewPartition => {
-                self.grad_buffer.as_ref().map(|g| &mut unsafe { views::slice::<f32>(g) }[optimized.range()])
-            }
+            ReducedGradients::Staging => Some(self.queue.staging().shallow_clone()),
+            ReducedGradients::ViewPartition => self.grad_buffer.as_ref().map(|g| {
+                let r = optimized.range();
+                g.narrow(0, r.start as i64, r.len() as i64)
+            }),
             ReducedGradients::Accumulator | ReducedGradients::Stepped => None,
         }
     }
 
-    /// The fp32 gradients the optimizer steps with: in a flat buffer, or the accumulator.
-    pub fn for_step(&mut self, optimized: &Optimized) -> &mut [f32] {
-        let in_accumulator = match self.reduced {
-            ReducedGradients::Accumulator | ReducedGradients::Stepped => true,
-            ReducedGradients::ViewPartition => self.grad_buffer.is_none(),
-            ReducedGradients::Staging => false,
-        };
-        if in_accumulator {
-            return &mut self.accumulator;
-        }
-        // SAFETY: called between the reduction and the optimizer step (norm, clipping, the step), one view at a time.
-        unsafe { self.reduced_fp32(optimized) }.expect("the reduced gradients are in a flat buffer")
+    /// The fp32 gradients the optimizer steps with (a handle to them: the norm, clipping and the step read and
+    /// scale them between the reduction and the next backward): in a flat buffer, or the accumulator.
+    pub fn for_step(&self, optimized: &Optimized) -> Tensor {
+        self.reduced_in_flat_buffer(optimized).unwrap_or_else(|| self.accumulator.shallow_clone())
     }
 
     /// Whether the reduced fp32 gradients are in a flat buffer rather than the fp32 accumulator: fp32 models at
@@ -166,7 +158,7 @@ impl Gradients {
 
     /// Bytes of the fp32 accumulator.
     pub fn accumulator_bytes(&self) -> usize {
-        self.accumulator.len() * 4
+        self.accumulator.numel() * 4
     }
 
     /// After the gradients were used (the optimizer step, or a micro-batch's accumulation into fp32): with gradient
@@ -179,10 +171,10 @@ impl Gradients {
     }
 
     /// Stage 1 after a reduction: adds this rank's reduced partition to the fp32 accumulator.
-    pub fn accumulate_partition(&mut self) {
+    pub fn accumulate_partition(&mut self) -> Result<()> {
         match &self.grad_part {
-            Some(part) => views::accumulate(&mut self.accumulator, part),
-            None => views::accumulate(&mut self.accumulator, self.queue.staging()),
+            Some(part) => flat_math::accumulate(&self.accumulator, part),
+            None => flat_math::accumulate(&self.accumulator, self.queue.staging()),
         }
     }
 }
@@ -203,7 +195,7 @@ pub(super) struct GradientSync<'a> {
 
 /// Where this backward's finished buckets land: the stepper when the optimizer runs in backward, else the fp32
 /// accumulator.
-fn landing<'s>(accumulator: &'s mut AlignedVec, stepper: &'s mut Option<ShardStepper<'_>>) -> Landing<'s> {
+fn landing<'s>(accumulator: &'s Tensor, stepper: &'s mut Option<ShardStepper<'_>>) -> Landing<'s> {
     match stepper {
         Some(s) => Landing::Step(s),
         None => Landing::Accumulate(accumulator),
@@ -243,7 +235,7 @@ impl GradientSync<'_> {
         for c in (0..part).step_by(round_len) {
             let l = round_len.min(part - c);
             let g = &mut *self.gradients;
-            let staged = g.queue.claim(ws * l, &g.how, &mut Landing::Accumulate(&mut g.accumulator))?;
+            let staged = g.queue.claim(ws * l, &g.how, &mut Landing::Accumulate(&g.accumulator))?;
             for k in 0..ws {
                 self.gather_grads(&staged.narrow(0, (k * l) as i64, l as i64), k * part + c..k * part + c + l)?;
             }
@@ -254,11 +246,11 @@ impl GradientSync<'_> {
                 self.comm,
                 &g.how,
                 self.volume,
-                &mut Landing::Accumulate(&mut g.accumulator),
+                &mut Landing::Accumulate(&g.accumulator),
             )?;
         }
         let g = &mut *self.gradients;
-        g.queue.drain(&g.how, &mut Landing::Accumulate(&mut g.accumulator))?;
+        g.queue.drain(&g.how, &mut Landing::Accumulate(&g.accumulator))?;
         self.clear_param_grads();
         Ok(())
     }
@@ -334,12 +326,12 @@ impl GradientSync<'_> {
             let l = round.min(chunk - c);
             let g = &mut *self.gradients;
             let half = g.queue.next_half();
-            let staged = g.queue.claim(ws * l, &g.how, &mut landing(&mut g.accumulator, &mut self.stepper))?;
+            let staged = g.queue.claim(ws * l, &g.how, &mut landing(&g.accumulator, &mut self.stepper))?;
             self.stage_unit_round(i, grads, &staged, c, l)?;
             let out = part.narrow(0, (half * part_half) as i64, l as i64);
             let g = &mut *self.gradients;
             let bucket = Bucket { staged, out, lands_at: Some(offset + c) };
-            let mut landing = landing(&mut g.accumulator, &mut self.stepper);
+            let mut landing = landing(&g.accumulator, &mut self.stepper);
             g.queue.launch(bucket, self.comm, &g.how, self.volume, &mut landing)?;
         }
         self.times.add(Phase::ReduceScatter, started.elapsed());
@@ -349,7 +341,7 @@ impl GradientSync<'_> {
     /// Finishes every reduction in flight (the end of a backward, before anything reads the accumulator).
     pub fn drain(&mut self) -> Result<()> {
         let g = &mut *self.gradients;
-        g.queue.drain(&g.how, &mut landing(&mut g.accumulator, &mut self.stepper))
+        g.queue.drain(&g.how, &mut landing(&g.accumulator, &mut self.stepper))
     }
 
     /// Copies elements `c..c+l` of every rank's chunk of unit `i`'s gradients (slot order; None: zeros) into

@@ -23,6 +23,7 @@ mod builders;
 pub(crate) mod checkpointing;
 mod counters;
 mod engine_comm;
+mod flat_math;
 mod frozen;
 mod grad_hooks;
 mod gradients;
@@ -154,6 +155,8 @@ pub fn no_decay_for_1d(_name: &str, shape: &[i64]) -> bool {
 
 pub struct Engine {
     comm: engine_comm::EngineComm,
+    /// Where the model and the engine's buffers live: the CPU or one CUDA device.
+    device: tch::Device,
     config: Config,
     /// What the stage partitions and how gradients reach the reduction: every stage decision asks it.
     plan: StagePlan,
@@ -233,6 +236,11 @@ impl Engine {
 
     pub fn rank(&self) -> usize {
         self.comm.rank()
+    }
+
+    /// The device the model and the engine's buffers are on (the CPU, or the CUDA device of the model).
+    pub fn device(&self) -> tch::Device {
+        self.device
     }
 
     pub fn world_size(&self) -> usize {

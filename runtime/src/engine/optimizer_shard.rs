@@ -2,23 +2,30 @@
 //! ([`Optimized`]), the fp32 master of a 16-bit model, the optimizer states in their tier (memory or NVMe) and the
 //! parameter groups. Its step writes this rank's parameters in place where they are one contiguous range, or
 //! through a contiguous copy where they are pieces of every unit (stage 2) or on NVMe (stage 3).
-use tch::Tensor;
-use zerorun_optim::{AlignedVec, Group, ParamsOut};
+//!
+//! Two homes: the device path's Adam ([`TensorAdam`]) keeps its states, the master and the gradients on the model's
+//! device and steps them there as tensors; the host tiers (zerorun-optim's optimizers, NVMe) step host slices, and
+//! when the engine's buffers are on a device (CPU offload) they step host copies of the values and gradients,
+//! written back after the step.
+use tch::{Kind, Tensor};
+use zerorun_optim::{Group, ParamsOut};
 
 use super::gradients::Gradients;
 use super::layout::FlatLayout;
 use super::optimizer::OptimizerTier;
 use super::parameters::Parameters;
 use super::plan::{Optimized, StagePlan};
-use super::views;
+use super::tensor_adam::TensorAdam;
+use super::{flat_math, views};
 use crate::config::Precision;
 use crate::error::Result;
 
 pub(super) struct OptimizerShard {
     /// The values this rank steps.
     pub optimized: Optimized,
-    /// fp32 master of the optimized range (16-bit models only; fp32 models step the parameters directly).
-    pub master: Option<AlignedVec>,
+    /// fp32 master of the optimized range (16-bit models only; fp32 models step the parameters directly), where the
+    /// optimizer's states live.
+    pub master: Option<Tensor>,
     /// The optimizer and where its states live.
     pub tier: OptimizerTier,
     /// Groups relative to the optimized range (weight decay or not; the schedule's learning rate).
@@ -37,22 +44,39 @@ pub(super) struct StepTarget<'a> {
     pub rank: usize,
 }
 
+/// Whether `tier` is the device path's Adam, which keeps the master and the gradients it steps on the model's device.
+pub(super) fn steps_on_device(tier: &mut OptimizerTier) -> bool {
+    tier.as_any_mut().is_some_and(|a| a.is::<TensorAdam>())
+}
+
 impl OptimizerShard {
+    /// Where the fp32 master and accumulator live: on `model_device` for the device path's Adam, else the host.
+    pub fn master_device(&mut self, model_device: tch::Device) -> tch::Device {
+        if steps_on_device(&mut self.tier) {
+            model_device
+        } else {
+            tch::Device::Cpu
+        }
+    }
+
     /// Steps this rank's values with the reduced fp32 gradients (the groups carry the learning rate).
     pub fn step(&mut self, t: StepTarget<'_>) -> Result<()> {
-        if t.parameters.steps_a_copy(t.plan) {
+        if let Some(adam) = self.tier.as_any_mut().and_then(|a| a.downcast_mut::<TensorAdam>()) {
+            return step_on_device(adam, self.master.as_ref(), &self.optimized, &self.groups, t);
+        }
+        if t.parameters.steps_a_copy(t.plan) || views::on_device(&t.parameters.flat) {
             return self.step_on_copy(t);
         }
         // Contiguous in the flat buffer: the flat range at stages 0-1, the shard buffer itself at stage 3.
         let range = self.optimized.range();
-        match self.master.as_mut() {
+        match self.master.as_ref() {
             None => {
                 // SAFETY: the optimizer step writes the flat parameters while no forward, backward or collective
                 // runs; the gradients it reads are another buffer (the staging or view partition, or the accumulator).
                 let params = &mut unsafe { views::slice::<f32>(&t.parameters.flat) }[range];
-                // The only view of the reduced gradients during the step (the parameters are another buffer).
                 let grads = t.gradients.for_step(&self.optimized);
-                self.tier.step(params, grads, &self.groups, None)?;
+                // SAFETY: the only view of the reduced gradients during the step (the parameters are another buffer).
+                self.tier.step(params, unsafe { views::slice::<f32>(&grads) }, &self.groups, None)?;
             }
             Some(master) => {
                 // The update writes the 16-bit model copy of the range in the same pass.
@@ -63,47 +87,94 @@ impl OptimizerShard {
                     }
                     _ => ParamsOut::F16(&mut unsafe { views::slice::<half::f16>(&t.parameters.flat) }[range]),
                 };
-                self.tier.step(master, t.gradients.accumulator(), &self.groups, Some(out))?;
+                // SAFETY: the master and the accumulator are this shard's own host buffers, viewed for the step.
+                let (master, grads) =
+                    unsafe { (views::slice::<f32>(master), views::slice::<f32>(t.gradients.accumulator())) };
+                self.tier.step(master, grads, &self.groups, Some(out))?;
                 t.gradients.clear_accumulator();
             }
         }
         Ok(())
     }
 
-    /// When this rank's shard is not one contiguous range in memory (stage 2 with units: a chunk of every unit
-    /// inside the full parameter buffer; stage 3 with parameters on NVMe), the optimizer steps a contiguous copy
-    /// of it (the fp32 values, or the 16-bit output with an fp32 master), which is then written back: a transient
-    /// buffer of one shard, not held between steps. 16-bit parameters on NVMe skip the copy.
+    /// When this rank's shard is not one contiguous range of host memory (stage 2 with units: a chunk of every
+    /// unit inside the full parameter buffer; stage 3 with parameters on NVMe; parameters on a device with the
+    /// optimizer on the host), the optimizer steps a contiguous host copy of it (the fp32 values, or the 16-bit
+    /// output with an fp32 master), which is then written back: a transient buffer of one shard, not held between
+    /// steps. 16-bit parameters on NVMe skip the copy.
     fn step_on_copy(&mut self, t: StepTarget<'_>) -> Result<()> {
-        if let (Some(master), Some(swapped)) = (self.master.as_mut(), t.parameters.swapped.as_mut()) {
+        if let (Some(master), Some(swapped)) = (self.master.as_ref(), t.parameters.swapped.as_mut()) {
             // 16-bit parameters on NVMe: step the master, then write each unit's rounded chunk (the same rounding
             // as the step's own 16-bit output), with no copy of the shard.
-            self.tier.step(master, t.gradients.accumulator(), &self.groups, None)?;
+            // SAFETY: the master and the accumulator are this shard's own host buffers, viewed for the step.
+            let (master, grads) =
+                unsafe { (views::slice::<f32>(master), views::slice::<f32>(t.gradients.accumulator())) };
+            self.tier.step(master, grads, &self.groups, None)?;
             t.gradients.clear_accumulator();
             return swapped.write_all_from_f32(master);
         }
         let scratch = match self.master {
-            None => t.parameters.read_shard(t.layout, t.rank, t.plan, &self.optimized)?,
-            Some(_) => Tensor::zeros([self.optimized.len() as i64], (views::kind_of(t.precision), tch::Device::Cpu)),
+            None => flat_math::on_host(&t.parameters.read_shard(t.layout, t.rank, t.plan, &self.optimized)?)?,
+            Some(_) => Tensor::f_zeros([self.optimized.len() as i64], (views::kind_of(t.precision), tch::Device::Cpu))?,
         };
-        match self.master.as_mut() {
-            // SAFETY: `scratch` is this step's own copy of the shard.
-            None => self.tier.step(
-                unsafe { views::slice::<f32>(&scratch) },
-                t.gradients.accumulator(),
-                &self.groups,
-                None,
-            )?,
+        match self.master.as_ref() {
+            None => {
+                let grads = flat_math::on_host(&t.gradients.for_step(&self.optimized))?;
+                // SAFETY: `scratch` is this step's own copy of the shard; `grads` the reduced gradients (or a host
+                // copy of them), another buffer.
+                let (params, grads) = unsafe { (views::slice::<f32>(&scratch), views::slice::<f32>(&grads)) };
+                self.tier.step(params, grads, &self.groups, None)?
+            }
             Some(master) => {
                 // SAFETY: `scratch` was just made here; nothing else holds it.
                 let out = match t.precision {
                     Precision::Bf16 => ParamsOut::Bf16(unsafe { views::slice::<half::bf16>(&scratch) }),
                     _ => ParamsOut::F16(unsafe { views::slice::<half::f16>(&scratch) }),
                 };
-                self.tier.step(master, t.gradients.accumulator(), &self.groups, Some(out))?;
+                // SAFETY: the master and the accumulator are this shard's own host buffers, viewed for the step.
+                let (master, grads) =
+                    unsafe { (views::slice::<f32>(master), views::slice::<f32>(t.gradients.accumulator())) };
+                self.tier.step(master, grads, &self.groups, Some(out))?;
                 t.gradients.clear_accumulator();
             }
         }
         t.parameters.write_shard(&scratch, t.layout, t.rank, t.plan, &self.optimized)
+    }
+}
+
+/// The device path's step: libtorch's fused Adam on the values where they live. fp32 models step the parameters
+/// in place where they are contiguous (else a copy of the shard, written back); 16-bit models step the fp32 master
+/// and take its rounding into the parameters.
+fn step_on_device(
+    adam: &mut TensorAdam,
+    master: Option<&Tensor>,
+    optimized: &Optimized,
+    groups: &[Group],
+    t: StepTarget<'_>,
+) -> Result<()> {
+    match master {
+        None => {
+            let grads = t.gradients.for_step(optimized);
+            if t.parameters.steps_a_copy(t.plan) {
+                let values = t.parameters.read_shard(t.layout, t.rank, t.plan, optimized)?;
+                adam.step_tensors(&values, &grads, groups)?;
+                t.parameters.write_shard(&values, t.layout, t.rank, t.plan, optimized)
+            } else {
+                let r = optimized.range();
+                adam.step_tensors(&t.parameters.flat.narrow(0, r.start as i64, r.len() as i64), &grads, groups)
+            }
+        }
+        Some(master) => {
+            adam.step_tensors(master, t.gradients.accumulator(), groups)?;
+            t.gradients.clear_accumulator();
+            match t.parameters.swapped.as_mut() {
+                Some(swapped) => {
+                    let host = master.to_device(tch::Device::Cpu).to_kind(Kind::Float).contiguous();
+                    // SAFETY: `host` is this call's own copy.
+                    swapped.write_all_from_f32(unsafe { views::slice::<f32>(&host) })
+                }
+                None => t.parameters.write_shard(master, t.layout, t.rank, t.plan, optimized),
+            }
+        }
     }
 }

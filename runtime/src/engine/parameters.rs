@@ -55,7 +55,7 @@ impl Parameters {
             UnitState::Gathering => self.units[i].finish_gather()?,
             UnitState::Sharded => {
                 let chunk = self.unit_chunk(i, comm.world_size())?;
-                let gathered = self.units[i].gather(comm, chunk.bytes());
+                let gathered = self.units[i].gather(comm, &chunk);
                 self.recycle(chunk);
                 volume.all_gather_elements += gathered? as u64;
                 self.gathered.add(self.units[i].full_bytes());
@@ -137,7 +137,7 @@ impl Parameters {
         );
         for u in picked {
             let chunk = self.unit_chunk(u, comm.world_size())?;
-            let n = self.units[u].begin_gather(thread, chunk.bytes());
+            let n = self.units[u].begin_gather(thread, &chunk);
             self.recycle(chunk);
             volume.all_gather_elements += n? as u64;
             self.gathered.add(self.units[u].full_bytes());
@@ -172,7 +172,7 @@ impl Parameters {
             }
             let n = if self.units[i].owns_buffer() {
                 let chunk = self.unit_chunk(i, comm.world_size())?;
-                let n = self.units[i].refresh(comm, Some(chunk.bytes()));
+                let n = self.units[i].refresh(comm, Some(&chunk));
                 self.recycle(chunk);
                 n?
             } else {

@@ -54,7 +54,7 @@ impl Engine {
             (ParametersGathered, self.parameters.gathered.current),
             (GradientsFull, full),
             (GradientsShard, shard),
-            (MasterFp32, self.shard.master.as_ref().map_or(0, |m| m.len() * 4)),
+            (MasterFp32, self.shard.master.as_ref().map_or(0, |m| m.numel() * 4)),
             (OptimizerStates, self.shard.tier.resident_bytes()),
             (OptimizerStatesNvme, self.shard.tier.swapped_bytes()),
             (CommunicationBuffers, staging + partition),
@@ -177,6 +177,11 @@ impl Engine {
             peak_rss_bytes: memory::rss().1,
             steps: self.memory.steps.clone(),
             pipeline: None,
+            device: (self.device != tch::Device::Cpu).then(|| match self.device {
+                tch::Device::Cuda(i) => format!("cuda:{i}"),
+                other => format!("{other:?}"),
+            }),
+            device_memory: crate::cuda::device_memory(self.device),
         }
     }
 

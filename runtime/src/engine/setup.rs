@@ -3,7 +3,7 @@
 //! stage 3 shards unit by unit in `unit_walk.rs`, and may move its shard to NVMe: `swap_parameters_out`), this
 //! rank's optimizer and where its states live (`optimizer_shard`, [`optimizer_tier`]), the gradient buffers
 //! (`gradients.rs`) and the loss scaler. `Engine::new_materialized` calls them in that order.
-use tch::{nn, Kind, Tensor};
+use tch::{nn, Device, Kind, Tensor};
 use zerorun_offload::OptimizerTier as _;
 
 use super::counters::{self, CommVolume};
@@ -19,7 +19,7 @@ use crate::config::{Config, OffloadDevice, OptimizerConfig, Precision, ZeroConfi
 use crate::error::{Error, Result};
 use crate::report::memory::MemoryTracker;
 use crate::report::PhaseTimes;
-use zerorun_optim::{AlignedVec, Group, LossScaler, LossScalerConfig};
+use zerorun_optim::{Group, LossScaler, LossScalerConfig};
 
 /// The model's trainable parameters in layout order, and the layout.
 pub(super) struct Arrangement {
@@ -112,16 +112,36 @@ pub(super) fn check_whole_model_persists(z: &ZeroConfig, numel: u64) -> Result<(
     )))
 }
 
-/// Every parameter is on the CPU, in the dtype the config trains in.
+/// The one device every variable of the model is on: the CPU, or one CUDA device (the engine's buffers go there
+/// too). A variable elsewhere is an error naming it.
+pub(super) fn model_device<'a>(vars: impl Iterator<Item = &'a (String, Tensor)>) -> Result<Device> {
+    let mut first: Option<(Device, &str)> = None;
+    for (name, t) in vars {
+        let device = t.device();
+        if !matches!(device, Device::Cpu | Device::Cuda(_)) {
+            return Err(Error::Parameter {
+                name: name.clone(),
+                why: format!("is on {device:?}; the engine trains on the CPU or a CUDA device"),
+            });
+        }
+        match first {
+            None => first = Some((device, name)),
+            Some((d, f)) if d != device => {
+                return Err(Error::Parameter {
+                    name: name.clone(),
+                    why: format!("is on {device:?} but `{f}` on {d:?}; the engine keeps a model on one device: build the VarStore on it (`nn::VarStore::new(zerorun::local_device())`) or move it with `vs.set_device`"),
+                })
+            }
+            Some(_) => {}
+        }
+    }
+    Ok(first.map_or(Device::Cpu, |(d, _)| d))
+}
+
+/// Every parameter is in the dtype the config trains in.
 fn check_parameters(named: &[(String, Tensor)], precision: Precision) -> Result<()> {
     let kind = views::kind_of(precision);
     for (name, t) in named {
-        if t.device() != tch::Device::Cpu {
-            return Err(Error::Parameter {
-                name: name.clone(),
-                why: format!("is on {:?}; this build trains on the CPU", t.device()),
-            });
-        }
         if t.kind() != kind {
             let hint = match precision {
                 Precision::Fp32 => "the config trains in fp32: keep the VarStore in Float",
@@ -144,8 +164,9 @@ pub(super) fn pack(
     comm: &dyn Communicator,
     plan: &StagePlan,
     shared: bool,
+    device: Device,
 ) -> Result<(Tensor, Vec<Tensor>, Vec<ShardedUnit>)> {
-    let flat_params = views::comm_zeros(layout.padded, kind, shared)?;
+    let flat_params = views::comm_zeros(layout.padded, kind, shared, device)?;
     let mut params = Vec::with_capacity(named.len());
     tch::no_grad(|| {
         for ((_, mut t), slot) in named.into_iter().zip(&layout.slots) {
@@ -181,16 +202,19 @@ pub(super) fn io_config(config: &Config) -> zerorun_offload::IoConfig {
 
 /// The optimizer over `optimized_len` elements, in memory or with its states on NVMe, its base learning rate and
 /// weight decay. The in-memory optimizer is built only without NVMe offload: its states would be the very bytes
-/// NVMe offload keeps out of memory.
+/// NVMe offload keeps out of memory. A model on a device (`device`, or any under emulation) without optimizer
+/// offload gets the device path's Adam, its states on that device.
 pub(super) fn optimizer_tier(
     config: &Config,
     optimized_len: usize,
     rank: usize,
     engine_id: usize,
+    device: Device,
 ) -> Result<(optimizer::OptimizerTier, f64, f64)> {
     let z = &config.zero_optimization;
     let nvme = z.offload_optimizer.device == OffloadDevice::Nvme;
-    let on_device = z.offload_optimizer.device == OffloadDevice::None && super::device_emulation();
+    let on_device =
+        z.offload_optimizer.device == OffloadDevice::None && (device != Device::Cpu || super::device_emulation());
     let (in_memory, base_lr, weight_decay) =
         optimizer::build(config, if nvme || on_device { 0 } else { optimized_len });
     let tier = match z.offload_optimizer.device {
@@ -217,14 +241,14 @@ pub(super) fn optimizer_tier(
                 return Err(Error::Unsupported {
                     key: "optimizer.type",
                     value: config.optimizer.as_ref().map_or("AdamW", |o| o.name()).to_string(),
-                    why: "the optimizer step on device memory (ZERORUN_DEVICE_EMULATION) is libtorch's fused Adam/AdamW; other optimizers step on the host with offload_optimizer.device = \"cpu\"",
+                    why: "the optimizer step on device memory (a CUDA model, or ZERORUN_DEVICE_EMULATION) is libtorch's fused Adam/AdamW; other optimizers step on the host with zero_optimization.offload_optimizer.device = \"cpu\"",
                 });
             };
-            let tier = super::tensor_adam::TensorAdam::new(adam, optimized_len, tch::Device::Cpu)?;
+            let tier = super::tensor_adam::TensorAdam::new(adam, optimized_len, device)?;
             return Ok((Box::new(tier), base_lr, weight_decay));
         }
-        device => {
-            if device == OffloadDevice::Cpu {
+        offload => {
+            if offload == OffloadDevice::Cpu && device == Device::Cpu {
                 tracing::info!(
                     rank,
                     "offload_optimizer.device = cpu: a CPU run keeps optimizer states in host memory already"
@@ -281,6 +305,8 @@ impl Engine {
         // Buffers the collectives read go where the peers map them (the shm backend's shared region).
         let shared = comm.prefers_shared_buffers();
         let variables::Variables { trainable, frozen, buffers } = variables::classify(vs);
+        let device = model_device(trainable.iter().chain(&frozen).chain(&buffers))?;
+        check_device_support(&config, device)?;
         let claim = variables::Claim::new(trainable.iter().chain(&frozen).chain(&buffers))?;
         let Arrangement { named, layout, unit_prefixes, frozen_by_unit } =
             arrange(trainable, frozen, &options, &plan, z.reduce_bucket_size, precision, world_size)?;
@@ -299,23 +325,26 @@ impl Engine {
         let broadcast: Vec<&Tensor> = frozen_whole.iter().chain(&buffers).map(|(_, t)| t).collect();
         variables::broadcast_values(comm.as_ref(), &broadcast)?;
         let (mut flat_params, params, sharded_units) = if plan.partitions_parameters() {
-            Self::shard_units(&layout, named, &frozen_numel, kind, comm.as_ref(), &config, materialize.as_deref_mut())?
+            let materialize = materialize.as_deref_mut();
+            Self::shard_units(&layout, named, &frozen_numel, (kind, device), comm.as_ref(), &config, materialize)?
         } else {
-            pack(&layout, named, kind, comm.as_ref(), &plan, shared)?
+            pack(&layout, named, kind, comm.as_ref(), &plan, shared, device)?
         };
         let frozen_units = if plan.partitions_parameters() && frozen_by_unit.iter().any(|u| !u.is_empty()) {
             let persistent: Vec<bool> = sharded_units.iter().map(|u| u.persistent).collect();
-            Some(frozen::FrozenUnits::new(frozen_by_unit, &persistent, comm.as_ref(), materialize)?)
+            Some(frozen::FrozenUnits::new(frozen_by_unit, &persistent, comm.as_ref(), device, materialize)?)
         } else {
             None
         };
 
-        let shard = optimizer_shard(&config, &plan, &layout, &flat_params, rank)?;
+        let mut shard = optimizer_shard(&config, &plan, &layout, &flat_params, rank, device)?;
+        let optimizer_device = shard.master_device(device);
         let swapped_params = swap_parameters_out(&mut flat_params, &sharded_units, &plan, &config, rank, world_size)?;
         let scheduler = optimizer::scheduler(&config, shard.base_lr);
-        let gradients = gradients::Gradients::new(&config, &plan, &layout, &params, rank, shared)?;
+        let gradients =
+            gradients::Gradients::new(&config, &plan, &layout, &params, rank, shared, device, optimizer_device)?;
         let scaler = loss_scaler(&config);
-        if precision == Precision::Fp16 && rank == 0 {
+        if precision == Precision::Fp16 && rank == 0 && device == Device::Cpu {
             // Every parameter is on the CPU (checked in `arrange`).
             tracing::warn!("fp16 on the CPU: libtorch runs Half matmuls with a slow reference kernel on most CPUs (hundreds of times slower than bf16); bf16.enabled saves the same memory at full speed");
         }
@@ -327,10 +356,13 @@ impl Engine {
             params = layout.numel,
             partition = layout.partition_len(),
             units = layout.units.len(),
+            ?device,
+            ?optimizer_device,
             "zerorun engine ready"
         );
         let mut engine = Engine {
             comm: engine_comm::EngineComm::new(comm, plan.threaded_comm()),
+            device,
             config,
             plan,
             batch,
@@ -390,14 +422,19 @@ fn optimizer_shard(
     layout: &FlatLayout,
     flat: &Tensor,
     rank: usize,
+    device: Device,
 ) -> Result<optimizer_shard::OptimizerShard> {
     let optimized = plan.optimized(layout, rank);
-    let master = (config.precision() != Precision::Fp32).then(|| {
-        let part = parameters::shard_values(flat, layout, rank, plan, &optimized).to_kind(Kind::Float);
-        // SAFETY: `part` is a fresh fp32 copy (to_kind) nothing else holds.
-        AlignedVec::from_slice(unsafe { views::slice::<f32>(&part) })
-    });
-    let (tier, base_lr, weight_decay) = optimizer_tier(config, optimized.len(), rank, next_engine_id())?;
+    let (mut tier, base_lr, weight_decay) = optimizer_tier(config, optimized.len(), rank, next_engine_id(), device)?;
+    // The master lives with the optimizer's states: on the device for the device path's Adam, else on the host.
+    let home = if optimizer_shard::steps_on_device(&mut tier) { device } else { Device::Cpu };
+    let master = (config.precision() != Precision::Fp32)
+        .then(|| -> Result<Tensor> {
+            let part = parameters::shard_values(flat, layout, rank, plan, &optimized);
+            // A copy of its own (the kind changes), on the optimizer's side.
+            Ok(part.f_to_device(home)?.f_to_kind(Kind::Float)?.f_contiguous()?)
+        })
+        .transpose()?;
     let runs = match &optimized {
         Optimized::Shard(_) => layout.shard_decay_runs(rank),
         Optimized::Flat(plan::FlatRange(range)) => layout.decay_runs(range.clone()),
@@ -407,6 +444,31 @@ fn optimizer_shard(
         .map(|(range, decay)| Group { range, lr: base_lr, weight_decay: if decay { weight_decay } else { 0.0 } })
         .collect();
     Ok(optimizer_shard::OptimizerShard { optimized, master, tier, groups, base_lr })
+}
+
+/// What a model on a CUDA device cannot do in this build, refused by the key that asks for it.
+fn check_device_support(config: &Config, device: Device) -> Result<()> {
+    if device == Device::Cpu {
+        return Ok(());
+    }
+    if config.zero_optimization.offload_param.device == OffloadDevice::Nvme {
+        return Err(Error::Unsupported {
+            key: "zero_optimization.offload_param.device",
+            value: "\"nvme\"".into(),
+            why: "parameters on NVMe with the model on a CUDA device are not in this build (they would travel through pinned host buffers); offload_param.device = \"cpu\" or offload_optimizer.device = \"nvme\" work",
+        });
+    }
+    if config.async_training.is_async() {
+        return Err(Error::Unsupported {
+            key: "async_training.mode",
+            value: serde_json::to_value(config.async_training)
+                .ok()
+                .and_then(|v| v.get("mode").cloned())
+                .map_or_else(|| "?".into(), |m| m.to_string()),
+            why: "the asynchronous modes keep host copies of the values they exchange; with the model on a CUDA device they are not in this build",
+        });
+    }
+    Ok(())
 }
 
 /// Stage 3 with `offload_param.device = nvme`: moves this rank's shard out of `flat` (left empty) into swap files.

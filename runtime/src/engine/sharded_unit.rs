@@ -8,6 +8,7 @@
 use tch::{Kind, Tensor};
 
 use super::layout::{ParamSlot, UnitSpan};
+use super::swapped_params::Chunk;
 use super::{native, views};
 use crate::comm::async_comm::{CommThread, Handle};
 use crate::comm::Communicator;
@@ -46,8 +47,10 @@ pub struct ShardedUnit {
 impl ShardedUnit {
     /// Packs `params` (the unit's tensors, in slot order) into a new buffer and makes them views of it; the unit
     /// starts gathered with the model's own values.
-    /// `shared`: the buffer goes in the shm backend's shared region (see `views::comm_zeros`).
-    pub fn new(
+    /// `shared`: the buffer goes in the shm backend's shared region (see `views::comm_zeros`); it lives on
+    /// `device`.
+    #[allow(clippy::too_many_arguments)] // one call site (`shard_from_rank0`), each argument a distinct input
+    fn new(
         span: UnitSpan,
         slots: &[ParamSlot],
         params: Vec<Tensor>,
@@ -55,8 +58,9 @@ impl ShardedUnit {
         shard_offset: usize,
         persistent: bool,
         shared: bool,
+        device: tch::Device,
     ) -> Result<ShardedUnit> {
-        let full = views::comm_zeros(span.range.len(), kind, shared)?;
+        let full = views::comm_zeros(span.range.len(), kind, shared, device)?;
         let mut views = Vec::with_capacity(params.len());
         let mut params = params;
         tch::no_grad(|| {
@@ -69,7 +73,7 @@ impl ShardedUnit {
                 views.push(view);
             }
         });
-        let empty = Tensor::zeros([0], (kind, tch::Device::Cpu));
+        let empty = Tensor::f_zeros([0], (kind, device))?;
         Ok(ShardedUnit {
             span,
             shard_offset,
@@ -99,8 +103,8 @@ impl ShardedUnit {
         comm: &dyn Communicator,
         shard: &Tensor,
     ) -> Result<ShardedUnit> {
-        let mut unit =
-            ShardedUnit::new(span, slots, params, kind, shard_offset, persistent, comm.prefers_shared_buffers())?;
+        let shared = comm.prefers_shared_buffers();
+        let mut unit = ShardedUnit::new(span, slots, params, kind, shard_offset, persistent, shared, shard.device())?;
         views::broadcast(comm, unit.full(), 0)?;
         unit.store_chunk(shard, comm.rank(), comm.world_size());
         if !persistent {
@@ -127,7 +131,7 @@ impl ShardedUnit {
                     .view(slot.shape.as_slice())
             })
             .collect();
-        let empty = Tensor::zeros([0], (region.kind(), tch::Device::Cpu));
+        let empty = Tensor::zeros([0], (region.kind(), region.device()));
         ShardedUnit {
             span,
             shard_offset,
@@ -171,18 +175,14 @@ impl ShardedUnit {
         self.full.narrow(0, (rank * c) as i64, c as i64)
     }
 
-    /// Copies this rank's chunk (bytes of the model's dtype) into its place in the full buffer.
-    fn put_chunk(&self, rank: usize, ws: usize, chunk: &[u8]) {
-        let n = self.span.chunk_len(ws) * self.full.kind().elt_size_in_bytes();
-        assert_eq!(chunk.len(), n, "a unit's chunk has the unit's chunk length");
-        // SAFETY: the unit's own buffer, not gathering (no collective writes it) while the chunk is copied in.
-        let full = unsafe { views::bytes(&self.full) };
-        full[rank * n..(rank + 1) * n].copy_from_slice(chunk);
+    /// Copies this rank's chunk into its place in the full buffer (not gathering: no collective writes it).
+    fn put_chunk(&self, rank: usize, ws: usize, chunk: &Chunk) -> Result<()> {
+        chunk.copy_into(&self.chunk_of_full(rank, ws))
     }
 
     /// Sharded -> Gathered: regrows the buffer and all-gathers every rank's chunk, this rank's being `chunk`.
     /// Returns the elements gathered.
-    pub fn gather(&mut self, comm: &dyn Communicator, chunk: &[u8]) -> Result<usize> {
+    pub fn gather(&mut self, comm: &dyn Communicator, chunk: &Chunk) -> Result<usize> {
         debug_assert_eq!(self.state, UnitState::Sharded);
         native::resize_storage(&self.full, self.full_bytes())?;
         if self.span.range.is_empty() {
@@ -216,14 +216,14 @@ impl ShardedUnit {
 
     /// Sharded -> Gathering: regrows the buffer, puts this rank's `chunk` in and starts the all-gather on the
     /// communication thread. Returns the elements it will gather.
-    pub fn begin_gather(&mut self, thread: &CommThread, chunk: &[u8]) -> Result<usize> {
+    pub fn begin_gather(&mut self, thread: &CommThread, chunk: &Chunk) -> Result<usize> {
         debug_assert_eq!(self.state, UnitState::Sharded);
         native::resize_storage(&self.full, self.full_bytes())?;
         if self.span.range.is_empty() {
             self.point_params_at_views();
             return Ok(0);
         }
-        self.put_chunk(thread.rank(), thread.world_size(), chunk);
+        self.put_chunk(thread.rank(), thread.world_size(), chunk)?;
         // The job holds its own handle to the buffer, so the storage outlives it; nothing here reads, writes or
         // resizes the buffer until `finish_gather` waits (release finishes a Gathering unit first).
         let full = self.full.shallow_clone();
@@ -240,18 +240,18 @@ impl ShardedUnit {
 
     /// Gathered: refreshes the full parameters after an optimizer step, from this rank's new `chunk` (None: an
     /// in-place unit, whose region already holds it). Returns the elements.
-    pub fn refresh(&mut self, comm: &dyn Communicator, chunk: Option<&[u8]>) -> Result<usize> {
+    pub fn refresh(&mut self, comm: &dyn Communicator, chunk: Option<&Chunk>) -> Result<usize> {
         debug_assert_eq!(self.state, UnitState::Gathered);
         self.fill_from(comm, chunk)?;
         Ok(self.span.range.len())
     }
 
-    fn fill_from(&self, comm: &dyn Communicator, chunk: Option<&[u8]>) -> Result<()> {
+    fn fill_from(&self, comm: &dyn Communicator, chunk: Option<&Chunk>) -> Result<()> {
         if self.span.range.is_empty() {
             return Ok(());
         }
         if let Some(chunk) = chunk {
-            self.put_chunk(comm.rank(), comm.world_size(), chunk);
+            self.put_chunk(comm.rank(), comm.world_size(), chunk)?;
         }
         views::all_gather(comm, &self.full)?;
         Ok(())

@@ -495,7 +495,7 @@ impl super::Engine {
         }
         let mut wide = Vec::<f32>::try_from(&self.parameters.flat.to_kind(tch::Kind::Float))?;
         if let Some(master) = &self.shard.master {
-            wide[self.layout.partition(self.rank())].copy_from_slice(master);
+            wide[self.layout.partition(self.rank())].copy_from_slice(&Vec::<f32>::try_from(master)?);
         }
         let timeout = Duration::from_secs_f64(self.config.comms_timeout);
         let ps = BoundedStaleness::new(self.comm.as_ref(), &wide, staleness, lr_staleness_scaling, timeout)?;
@@ -532,7 +532,8 @@ impl super::Engine {
         };
         params.store(&wide.values);
         if let Some(master) = self.shard.master.as_mut() {
-            master.copy_from_slice(&wide.values[self.layout.partition(self.comm.rank())]);
+            let own = tch::Tensor::from_slice(&wide.values[self.layout.partition(self.comm.rank())]);
+            tch::no_grad(|| master.f_copy_(&own))?;
         }
         done
     }

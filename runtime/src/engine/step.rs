@@ -3,12 +3,12 @@
 //! or through a contiguous copy; then what follows the step by the plan ([`AfterStep`]).
 use tch::Tensor;
 use zerorun_optim::loss_scale::StepDecision;
+use zerorun_optim::norm;
 use zerorun_optim::schedule::LrScheduler;
-use zerorun_optim::{norm, Grads};
 
 use super::optimizer_shard::StepTarget;
 use super::plan::{AfterStep, GradientPath};
-use super::{variables, views, Engine, StepOutcome};
+use super::{flat_math, variables, views, Engine, StepOutcome};
 use crate::comm::{Collectives, ReduceOp};
 use crate::config::Precision;
 use crate::error::{Error, Result};
@@ -88,7 +88,7 @@ impl Engine {
         // inf or NaN anywhere makes it non-finite on every rank, which is how an fp16 overflow is agreed on.
         let mut sq = [match stepped {
             Some(s) => s.sum_of_squares as f32,
-            None => self.local_sum_of_squares() as f32,
+            None => self.local_sum_of_squares()? as f32,
         }];
         if self.plan.partitions_optimizer() {
             self.comm.all_reduce(&mut sq, ReduceOp::Sum)?;
@@ -110,7 +110,7 @@ impl Engine {
         let grad_norm = (sq[0] as f64).sqrt() / scale;
         let coef = norm::clip_coefficient(grad_norm, self.config.gradient_clipping) / scale;
         if coef != 1.0 {
-            norm::scale_in_place(self.grads(), coef as f32);
+            flat_math::scale(&self.gradients.for_step(&self.shard.optimized), coef as f32)?;
         }
         for g in &mut self.shard.groups {
             g.lr = lr;
@@ -138,10 +138,8 @@ impl Engine {
         let mut meetings = self.meetings.take().expect("a meeting has meetings");
         let met = match self.shard.master.as_mut() {
             Some(master) => {
-                let values = Tensor::from_slice(&master[..]);
-                let met = meetings.meet(self.comm.as_ref(), &values);
-                master.copy_from_slice(&Vec::<f32>::try_from(&values)?);
-                met.and_then(|()| self.write_shard(&values))
+                let values = master.shallow_clone();
+                meetings.meet(self.comm.as_ref(), &values).and_then(|()| self.write_shard(&values))
             }
             None => meetings.meet(self.comm.as_ref(), &self.parameters.flat),
         };
@@ -167,8 +165,7 @@ impl Engine {
     fn bounded_staleness_step(&mut self) -> Result<StepOutcome> {
         let lr = self.lr();
         let grads = self.gradients.view_buffer().expect("bounded staleness keeps gradient views");
-        // SAFETY: read between backward and the push; nothing writes the gradients meanwhile.
-        let grad_norm = norm::sum_of_squares(unsafe { views::grads_of(grads) }).sqrt();
+        let grad_norm = flat_math::sum_of_squares(grads)?.sqrt();
         self.timed(Phase::Step, Self::step_bounded_staleness)?;
         let loss = self.finish_loss()?;
         Ok(self.count_step(loss, lr, grad_norm))
@@ -231,17 +228,15 @@ impl Engine {
 
     /// This rank's share of the squared gradient norm: its optimized gradients, replicated parameters counted by
     /// 1/copies (every rank of the model-parallel group adds them).
-    fn local_sum_of_squares(&mut self) -> f64 {
+    fn local_sum_of_squares(&mut self) -> Result<f64> {
         let g = self.gradients.for_step(&self.shard.optimized);
-        let sq = norm::sum_of_squares(Grads::F32(g));
-        let Some((ranges, copies)) = &self.replicated else { return sq };
-        let replicated: f64 = ranges.iter().map(|r| norm::sum_of_squares(Grads::F32(&g[r.clone()]))).sum();
-        sq - replicated * (1.0 - 1.0 / *copies as f64)
-    }
-
-    /// The fp32 gradients of the optimized range.
-    fn grads(&mut self) -> &mut [f32] {
-        self.gradients.for_step(&self.shard.optimized)
+        let sq = flat_math::sum_of_squares(&g)?;
+        let Some((ranges, copies)) = &self.replicated else { return Ok(sq) };
+        let mut replicated = 0.0;
+        for r in ranges {
+            replicated += flat_math::sum_of_squares(&g.narrow(0, r.start as i64, r.len() as i64))?;
+        }
+        Ok(sq - replicated * (1.0 - 1.0 / *copies as f64))
     }
 
     /// fp32 models at the boundary: reduce, and (stage 1 into a partition buffer) take the partition as fp32.
@@ -250,7 +245,7 @@ impl Engine {
         self.gradient_sync().reduce_after_backward(partitioned)?;
         if !self.gradients.in_flat_buffer() {
             self.gradients.clear_accumulator();
-            self.gradients.accumulate_partition();
+            self.gradients.accumulate_partition()?;
         }
         Ok(())
     }
@@ -259,7 +254,7 @@ impl Engine {
     fn reduce_micro_batch(&mut self) -> Result<()> {
         let partitioned = self.plan.partitions_optimizer();
         self.gradient_sync().reduce_after_backward(partitioned)?;
-        self.gradients.accumulate_partition();
+        self.gradients.accumulate_partition()?;
         self.gradients.consume()
     }
 

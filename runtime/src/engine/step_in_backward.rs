@@ -8,7 +8,8 @@ use tch::Tensor;
 use zerorun_optim::{norm, Grads, Group};
 
 use super::optimizer::OptimizerTier;
-use super::{views, Engine};
+use super::tensor_adam::TensorAdam;
+use super::{flat_math, views, Engine};
 use crate::error::{Error, Result};
 
 /// What a bucket's reduced part is handed to when it is stepped at once ([`super::bucket::Landing::Step`]).
@@ -37,6 +38,12 @@ pub(super) struct ShardStepper<'a> {
 impl StepPart for ShardStepper<'_> {
     fn step_part(&mut self, at: usize, grads: &Tensor) -> Result<()> {
         let n = grads.numel();
+        if let Some(adam) = self.tier.as_any_mut().and_then(|a| a.downcast_mut::<TensorAdam>()) {
+            // The device path: the part is stepped where the shard lives.
+            self.progress.sum_of_squares += flat_math::sum_of_squares(grads)?;
+            let values = self.shard.narrow(0, at as i64, n as i64);
+            return adam.update_range_tensors(at, &values, grads, self.groups);
+        }
         // SAFETY: `grads` is the bucket's reduced part, finished and not touched again before its half is claimed;
         // the shard's range `at..at + n` is this unit's part, which no gather reads during this unit's reduction
         // (the unit was gathered before its backward; other units' gathers read their own parts).

@@ -17,21 +17,30 @@ use super::views;
 use crate::config::{ConfigError, OffloadParamConfig};
 use crate::error::Result;
 
-/// One unit's chunk of the shard, ready to copy from: a view of a host tensor, or a host buffer read from NVMe.
+/// One unit's chunk of the shard, ready to copy from: a view of the shard tensor (host or device), or a host
+/// buffer read from NVMe.
 pub(super) enum Chunk {
     InMemory(Tensor),
     Read { buffer: HostBuffer, bytes: usize },
 }
 
 impl Chunk {
-    /// The chunk's elements, as bytes of the model's dtype.
-    pub fn bytes(&self) -> &[u8] {
+    /// Copies the chunk's elements into `dst` (a tensor of the model's dtype and the chunk's length, on any device).
+    pub fn copy_into(&self, dst: &Tensor) -> Result<()> {
         match self {
-            // SAFETY: a view of the shard (or a unit's resident chunk) read while nothing writes it: the engine
-            // reads a chunk to gather it and writes chunks only in the optimizer step.
-            Chunk::InMemory(t) => unsafe { views::bytes(t) },
-            Chunk::Read { buffer, bytes } => &buffer.as_slice()[..*bytes],
+            Chunk::InMemory(t) => {
+                tch::no_grad(|| dst.shallow_clone().f_copy_(t))?;
+            }
+            Chunk::Read { buffer, bytes } if views::on_device(dst) => {
+                let host = Tensor::f_from_data_size(&buffer.as_slice()[..*bytes], &[dst.numel() as i64], dst.kind())?;
+                tch::no_grad(|| dst.shallow_clone().f_copy_(&host))?;
+            }
+            Chunk::Read { buffer, bytes } => {
+                // SAFETY: `dst` is the unit's own buffer, which nothing else reads or writes while its chunk is put in.
+                unsafe { views::bytes(dst) }.copy_from_slice(&buffer.as_slice()[..*bytes]);
+            }
         }
+        Ok(())
     }
 }
 
@@ -203,15 +212,13 @@ impl SwappedParams {
     /// The whole shard in memory (checkpoints, the optimizer step of fp32 models): every unit's chunk in order.
     pub fn read_all(&mut self, len: usize) -> Result<Tensor> {
         let out = Tensor::zeros([len as i64], (self.kind, tch::Device::Cpu));
-        // SAFETY: `out` was just made here; no other handle to it exists until it is returned.
-        let dst = unsafe { views::bytes(&out) };
-        let elt = self.kind.elt_size_in_bytes();
         for u in 0..self.chunks.len() {
             self.read_ahead(u + 1..self.chunks.len(), |_| true);
             let chunk = self.chunk(u)?;
             let r = self.chunks[u].clone();
-            dst[r.start * elt..r.end * elt].copy_from_slice(chunk.bytes());
+            let copied = chunk.copy_into(&out.narrow(0, r.start as i64, r.len() as i64));
             self.recycle(chunk);
+            copied?;
         }
         Ok(out)
     }

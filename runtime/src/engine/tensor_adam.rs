@@ -118,24 +118,39 @@ impl TensorAdam {
         self.states[0].numel()
     }
 
-    /// Steps elements `range` of the optimized values at the current count: `params` and `grads` hold the range's
-    /// elements (host memory), staged through copies on the tier's device; `groups` are relative to the whole.
-    fn update(
+    /// The device its states live on.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// One step of the whole optimized range where it lives: `values` (fp32, the parameters or the master) and
+    /// `grads` (fp32) are tensors on the states' device, `values` updated in place; `groups` are relative to them.
+    pub fn step_tensors(&mut self, values: &Tensor, grads: &Tensor, groups: &[Group]) -> Result<()> {
+        self.step += 1;
+        self.update_tensors(0, values, grads, groups)
+    }
+
+    /// Steps the elements `start..start + values.numel()` of the optimized range at the current count (a step
+    /// begun with `begin_step`), `values` and `grads` on the states' device: a piece of a step taken in pieces.
+    pub fn update_range_tensors(
         &mut self,
-        range: Range<usize>,
-        params: &mut [f32],
-        grads: &[f32],
+        start: usize,
+        values: &Tensor,
+        grads: &Tensor,
         groups: &[Group],
-        out: Option<ParamsOut<'_>>,
     ) -> Result<()> {
-        let p = Tensor::from_slice(params).to_device(self.device);
-        let g = Tensor::from_slice(grads).to_device(self.device);
+        self.update_tensors(start, values, grads, groups)
+    }
+
+    /// Steps the elements `start..start + values.numel()` of the optimized range at the current count.
+    fn update_tensors(&mut self, start: usize, values: &Tensor, grads: &Tensor, groups: &[Group]) -> Result<()> {
+        let end = start + values.numel();
         for group in groups {
-            let (lo, hi) = (group.range.start.max(range.start), group.range.end.min(range.end));
+            let (lo, hi) = (group.range.start.max(start), group.range.end.min(end));
             if lo >= hi {
                 continue;
             }
-            let local = |t: &Tensor| t.narrow(0, (lo - range.start) as i64, (hi - lo) as i64);
+            let local = |t: &Tensor| t.narrow(0, (lo - start) as i64, (hi - lo) as i64);
             let state = |t: &Tensor| t.narrow(0, lo as i64, (hi - lo) as i64);
             let max_v = self.states.get(2).map(state);
             let h = FusedAdamStep {
@@ -148,8 +163,8 @@ impl TensorAdam {
             };
             tch::no_grad(|| {
                 fused_adam_step(
-                    &local(&p),
-                    &local(&g),
+                    &local(values),
+                    &local(grads),
                     &state(&self.states[0]),
                     &state(&self.states[1]),
                     max_v.as_ref(),
@@ -157,6 +172,22 @@ impl TensorAdam {
                 )
             })?;
         }
+        Ok(())
+    }
+
+    /// Steps elements `range` of the optimized values at the current count: `params` and `grads` hold the range's
+    /// elements (host memory), staged through copies on the tier's device; `groups` are relative to the whole.
+    fn update(
+        &mut self,
+        range: Range<usize>,
+        params: &mut [f32],
+        grads: &[f32],
+        groups: &[Group],
+        out: Option<ParamsOut<'_>>,
+    ) -> Result<()> {
+        let p = Tensor::from_slice(params).to_device(self.device);
+        let g = Tensor::from_slice(grads).to_device(self.device);
+        self.update_tensors(range.start, &p, &g, groups)?;
         p.to_device(Device::Cpu).f_copy_data(params, params.len())?;
         if let Some(mut out) = out {
             out.store(params);
@@ -184,6 +215,10 @@ impl zerorun_offload::OptimizerTier for TensorAdam {
 
     fn step_count(&self) -> u64 {
         self.step
+    }
+
+    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
+        Some(self)
     }
 
     fn step(

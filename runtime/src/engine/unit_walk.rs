@@ -222,14 +222,14 @@ impl Engine {
         layout: &super::FlatLayout,
         named: Vec<(String, Tensor)>,
         frozen_numel: &[u64],
-        kind: tch::Kind,
+        (kind, device): (tch::Kind, tch::Device),
         comm: &dyn crate::comm::Communicator,
         config: &crate::config::Config,
         mut materialize: Option<&mut super::units::Materialize>,
     ) -> Result<(Tensor, Vec<Tensor>, Vec<super::ShardedUnit>)> {
         let z = &config.zero_optimization;
         let ws = comm.world_size();
-        let shard = Tensor::zeros([layout.partition_len() as i64], (kind, tch::Device::Cpu));
+        let shard = Tensor::f_zeros([layout.partition_len() as i64], (kind, device))?;
         let (names, params): (Vec<String>, Vec<Tensor>) = named.into_iter().unzip();
         let mut units = Vec::with_capacity(layout.units.len());
         // A unit persists by its whole size, frozen parameters included: both parts are gathered together.

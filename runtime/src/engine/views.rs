@@ -24,13 +24,13 @@ pub fn comm_kind(c: Option<CommDataType>, p: Precision) -> Kind {
     }
 }
 
-/// A zeroed flat buffer of `len` elements that the engine hands to collectives: in the shared buffer region
-/// when the communicator's peers map it (`shared`), an ordinary tensor otherwise.
-pub fn comm_zeros(len: usize, kind: Kind, shared: bool) -> crate::error::Result<Tensor> {
-    if shared {
+/// A zeroed flat buffer of `len` elements on `device` that the engine hands to collectives: in host memory, in the
+/// shared buffer region when the communicator's peers map it (`shared`), an ordinary tensor otherwise.
+pub fn comm_zeros(len: usize, kind: Kind, shared: bool, device: tch::Device) -> crate::error::Result<Tensor> {
+    if shared && device == tch::Device::Cpu {
         return super::native::region_zeros(len, kind);
     }
-    Ok(Tensor::zeros([len as i64], (kind, tch::Device::Cpu)))
+    Ok(Tensor::f_zeros([len as i64], (kind, device))?)
 }
 
 /// Element types a tensor is viewed as, with the kind that holds them.
@@ -115,11 +115,16 @@ fn check_disjoint(t: &Tensor, out: &Tensor) {
 // is done: SAFETY for each is that the engine runs nothing else on these buffers meanwhile (one thread drives a
 // rank's engine; its communication thread is waited on before a buffer it uses is touched).
 
-/// Whether a collective on `t` runs on a host copy of it: a tensor in device memory, which the backends reach only
-/// through host memory (NCCL's own device path is to come), and every tensor under device emulation
-/// (`ZERORUN_DEVICE_EMULATION`), so the staging runs in `make test`.
-fn staged(t: &Tensor) -> bool {
+/// Whether `t` takes the device paths: a tensor in device memory, and every tensor under device emulation
+/// (`ZERORUN_DEVICE_EMULATION`), so that `make test` runs them. Host slices (this module's views) are for the others.
+pub fn on_device(t: &Tensor) -> bool {
     t.device() != tch::Device::Cpu || super::device_emulation()
+}
+
+/// Whether a collective on `t` runs on a host copy of it: a tensor on the device paths ([`on_device`]), which the
+/// host backends reach only through host memory.
+fn staged(t: &Tensor) -> bool {
+    on_device(t)
 }
 
 /// A host copy of `t` of its own (a separate buffer even when `t` is a host tensor), contiguous.

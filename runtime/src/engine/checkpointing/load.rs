@@ -202,10 +202,11 @@ impl Engine {
         self.shard.tier.import_from(m.optimizer_steps, &mut |range, out| {
             reader.read(range, &names, out).map_err(|e| zerorun_offload::TierError::Fill(Box::new(e)))
         })?;
+        let values = tch::Tensor::from_slice(&values);
         if let Some(master) = &mut self.shard.master {
-            master.copy_from_slice(&values);
+            tch::no_grad(|| master.f_copy_(&values))?;
         }
-        self.write_shard(&tch::Tensor::from_slice(&values))?;
+        self.write_shard(&values)?;
         match self.plan.after_step() {
             AfterStep::Nothing => {}
             AfterStep::AllGatherFlat => views::all_gather(self.comm.as_ref(), &self.parameters.flat)?,
@@ -275,7 +276,7 @@ impl Engine {
                 );
                 // A 16-bit model's ranks meet by their fp32 master.
                 let values = match &self.shard.master {
-                    Some(master) => Tensor::from_slice(&master[..]),
+                    Some(master) => master.copy(),
                     None => self.parameters.flat.shallow_clone(),
                 };
                 *meetings = super::super::meetings::Meetings::new(&self.config.async_training, &values)

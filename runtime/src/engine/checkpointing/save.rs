@@ -27,7 +27,7 @@ impl Engine {
     /// The fp32 values of this rank's optimized range (the master copy, or the parameters themselves in fp32).
     pub(crate) fn optimized_values(&mut self) -> Result<Vec<f32>> {
         Ok(match &self.shard.master {
-            Some(m) => m.to_vec(),
+            Some(m) => Vec::<f32>::try_from(m)?,
             None => Vec::<f32>::try_from(&self.read_shard()?).expect("fp32 parameters"),
         })
     }
