@@ -57,15 +57,18 @@ test: setup
 	$(CARGO) test --workspace --doc --features mpi,nccl
 	# The device path on CPU tensors (README "The device path"): the same suites through it.
 	ZERORUN_DEVICE_EMULATION=1 $(CARGO) test --workspace --features mpi,nccl --test equivalence --test mixed_precision --test checkpoint
+	# The device check's table with the device path emulated (exit 2: every row passed, no GPU here).
+	$(CARGO) run --quiet --features mpi,nccl --example device_check; test $$? -eq 2
 
 # Binaries for scripts/gpu-check.sh on the GPU machine (no Rust toolchain there): stripped, under 64 MiB together.
 gpu-binaries: setup
-	$(CARGO) build --release --features nccl --bins --example gpu_probe --example nccl_check
+	$(CARGO) build --release --features nccl --bins --example gpu_probe --example nccl_check --example device_check
 	mkdir -p gpu-bin
 	strip -o gpu-bin/zerorun target/release/zerorun
 	strip -o gpu-bin/zerorun-torch target/release/zerorun-torch
 	strip -o gpu-bin/gpu_probe target/release/examples/gpu_probe
 	strip -o gpu-bin/nccl_check target/release/examples/nccl_check
+	strip -o gpu-bin/device_check target/release/examples/device_check
 
 bench: setup
 	$(CARGO) build --release --bins

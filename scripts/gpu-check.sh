@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The device check (issues 4 and 11), run on the GPU machine from the repository root. It has no Rust toolchain:
+# The device check (issues 4, 11 and 23), run on the GPU machine from the repository root. It has no Rust toolchain:
 # the binaries are built here (`make gpu-binaries`) and carried in gpu-bin/. They link libtorch dynamically; on the
 # GPU machine the image's torch (the same 2.11.0 build) provides it, so LD_LIBRARY_PATH points there.
 set -u
@@ -25,3 +25,6 @@ echo "gpu_probe exit: ${PIPESTATUS[0]}"
 timeout 120 ./gpu-bin/zerorun bench adam --params 16777216 --repeats 5 2>&1 | tee "$out/bench_adam_h200_host.txt"
 NCCL_DEBUG=WARN timeout 180 ./gpu-bin/nccl_check 2>&1 | tail -n 12 | tee "$out/nccl_check.txt"
 echo "nccl_check exit: ${PIPESTATUS[0]}"
+# The engine with CUDA tensors against the host run, stages 0-3, bf16, CPU offload: one Markdown table.
+timeout 240 ./gpu-bin/device_check 2>&1 | tee "$out/device_check.md"
+echo "device_check exit: ${PIPESTATUS[0]}"

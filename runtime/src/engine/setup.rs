@@ -512,3 +512,33 @@ fn loss_scaler(config: &Config) -> Option<LossScaler> {
         ))
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What a CUDA model cannot do yet is refused by its key; the same config on the CPU is accepted.
+    #[test]
+    fn a_cuda_model_refuses_nvme_parameters_and_async_modes_by_key() {
+        let config = |extra: serde_json::Value| {
+            let mut v = serde_json::json!({"train_batch_size": 4, "zero_optimization": {"stage": 3}});
+            for (k, x) in extra.as_object().unwrap() {
+                v[k] = x.clone();
+            }
+            Config::from_value(v).unwrap()
+        };
+        let nvme = config(serde_json::json!({"zero_optimization": {"stage": 3,
+            "offload_param": {"device": "nvme", "nvme_path": "/tmp"}}}));
+        let local_sgd = config(serde_json::json!({"zero_optimization": {"stage": 0},
+            "async_training": {"mode": "local_sgd", "sync_every": 4}}));
+        for (c, key, value) in [
+            (&nvme, "zero_optimization.offload_param.device", "\"nvme\""),
+            (&local_sgd, "async_training.mode", "\"local_sgd\""),
+        ] {
+            let e = check_device_support(c, Device::Cuda(0)).unwrap_err().to_string();
+            assert!(e.contains(key) && e.contains(value), "{e}");
+            assert!(check_device_support(c, Device::Cpu).is_ok());
+        }
+        assert!(check_device_support(&config(serde_json::json!({})), Device::Cuda(0)).is_ok());
+    }
+}

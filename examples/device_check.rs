@@ -1,0 +1,176 @@
+//! The engine with its model on a device against the same run on the host: one small MLP (a unit per layer),
+//! trained 6 steps by thread ranks sharing the device (collectives staged through host memory), at stages 0-3,
+//! fp32 and bf16, with CPU offload of the optimizer and of the parameters, and stage 3's optimizer in backward.
+//! Prints one Markdown table (the max relative difference of rank 0's weights from the host run, and the CUDA
+//! allocator's peak) and exits 0 when every row is within its bound, 1 otherwise.
+//!
+//! Run by scripts/gpu-check.sh on the GPU machine. Without CUDA it runs the same table with the device path
+//! emulated on the CPU (`ZERORUN_DEVICE_EMULATION=1`: the engine's tensor paths on CPU tensors) and exits 2 when
+//! every row passes, so `make test` runs it too.
+use serde_json::{json, Value};
+use tch::nn::{self, Module};
+use tch::{Device, Kind, Tensor};
+use zerorun::runtime::comm::threads;
+use zerorun::{Config, Engine, EngineOptions, UnitModel};
+
+const DIMS: [i64; 4] = [32, 64, 64, 8];
+const SAMPLES: i64 = 64;
+const STEPS: i64 = 6;
+
+struct Layers(Vec<nn::Linear>);
+
+impl UnitModel for Layers {
+    fn unit_prefixes(&self) -> Vec<Vec<String>> {
+        (0..self.0.len()).map(|i| vec![format!("layers.{i}")]).collect()
+    }
+
+    fn forward_unit(&self, unit: usize, x: &Tensor) -> Tensor {
+        let h = self.0[unit].forward(x);
+        if unit + 1 < self.0.len() {
+            h.gelu("none")
+        } else {
+            h
+        }
+    }
+}
+
+/// Every rank's model from one seed on the CPU (the generator's values do not depend on the device), then moved.
+fn model(device: Device) -> (nn::VarStore, Layers) {
+    static BUILD: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one_at_a_time = BUILD.lock().unwrap();
+    tch::manual_seed(11);
+    let mut vs = nn::VarStore::new(Device::Cpu);
+    let p = vs.root();
+    let layers = (0..DIMS.len() - 1).map(|i| nn::linear(&p / "layers" / i, DIMS[i], DIMS[i + 1], Default::default()));
+    let layers = Layers(layers.collect());
+    vs.set_device(device);
+    (vs, layers)
+}
+
+fn config(ranks: usize, extra: &Value) -> Config {
+    let mut v = json!({
+        "train_batch_size": 16, "train_micro_batch_size_per_gpu": 16 / ranks, "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
+    });
+    for (k, x) in extra.as_object().unwrap() {
+        v[k] = x.clone();
+    }
+    Config::from_value(v).unwrap()
+}
+
+/// Rank 0's weights after training on `device`, by name, on the host; and the allocator's peak there.
+fn train(device: Device, ranks: usize, c: &Config) -> (Vec<(String, Vec<f32>)>, Option<u64>) {
+    tch::manual_seed(3);
+    let x = Tensor::randn([SAMPLES, DIMS[0]], (Kind::Float, Device::Cpu));
+    let y = Tensor::randn([SAMPLES, DIMS[3]], (Kind::Float, Device::Cpu));
+    let (xv, yv) = (Vec::<f32>::try_from(&x.view([-1])).unwrap(), Vec::<f32>::try_from(&y.view([-1])).unwrap());
+    let comms = threads::group(ranks, std::time::Duration::from_secs(60));
+    let bf16 = c.bf16.enabled;
+    let mut out: Vec<_> = std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .enumerate()
+            .map(|(rank, comm)| {
+                let (xv, yv, c) = (&xv, &yv, c.clone());
+                s.spawn(move || {
+                    let (mut vs, layers) = model(device);
+                    if bf16 {
+                        vs.bfloat16();
+                    }
+                    let options = EngineOptions::default().units_of(&layers);
+                    let mut engine = Engine::new(&vs, c, Box::new(comm), options).unwrap();
+                    let kind = if bf16 { Kind::BFloat16 } else { Kind::Float };
+                    let x = Tensor::from_slice(xv).view([SAMPLES, DIMS[0]]).to_device(device).to_kind(kind);
+                    let y = Tensor::from_slice(yv).view([SAMPLES, DIMS[3]]).to_device(device);
+                    let micro = 16 / ranks as i64;
+                    for step in 0..STEPS {
+                        let start = (step * 16 + rank as i64 * micro) % SAMPLES;
+                        let pred = engine.forward(&layers, &x.narrow(0, start, micro)).unwrap();
+                        let loss = pred.to_kind(Kind::Float).mse_loss(&y.narrow(0, start, micro), tch::Reduction::Mean);
+                        engine.backward_units(&layers, &loss).unwrap();
+                        engine.step().unwrap();
+                    }
+                    let peak = zerorun::cuda::device_memory(device).map(|m| m.allocated_peak);
+                    let mut weights: Vec<(String, Vec<f32>)> = vs
+                        .variables()
+                        .into_iter()
+                        .map(|(n, t)| (n, Vec::<f32>::try_from(&t.to_kind(Kind::Float).view([-1])).unwrap()))
+                        .collect();
+                    weights.sort_by(|a, b| a.0.cmp(&b.0));
+                    (weights, peak)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    out.swap_remove(0)
+}
+
+fn max_relative_difference(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) -> f64 {
+    a.iter()
+        .zip(b)
+        .map(|((_, x), (_, y))| {
+            let scale = y.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6) as f64;
+            x.iter().zip(y).map(|(p, q)| (p - q).abs() as f64).fold(0.0, f64::max) / scale
+        })
+        .fold(0.0, f64::max)
+}
+
+fn set_emulation(on: bool) {
+    std::env::set_var("ZERORUN_DEVICE_EMULATION", if on { "1" } else { "0" });
+}
+
+fn main() {
+    let _ = zerorun::cuda::load();
+    let cuda = zerorun::cuda::available();
+    let device = if cuda { zerorun::local_device() } else { Device::Cpu };
+    let cases: [(&str, usize, Value); 9] = [
+        ("stage 0, fp32", 1, json!({"zero_optimization": {"stage": 0}})),
+        ("stage 1, fp32", 2, json!({"zero_optimization": {"stage": 1}})),
+        ("stage 2, fp32", 2, json!({"zero_optimization": {"stage": 2}})),
+        ("stage 3, fp32", 2, json!({"zero_optimization": {"stage": 3}})),
+        ("stage 2, bf16", 2, json!({"zero_optimization": {"stage": 2}, "bf16": {"enabled": true}})),
+        ("stage 3, bf16", 2, json!({"zero_optimization": {"stage": 3}, "bf16": {"enabled": true}})),
+        (
+            "stage 2, optimizer offloaded to cpu",
+            2,
+            json!({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}),
+        ),
+        (
+            "stage 3, optimizer and parameters offloaded to cpu",
+            2,
+            json!({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}}),
+        ),
+        (
+            "stage 3, optimizer in backward",
+            2,
+            json!({"zero_optimization": {"stage": 3}, "optimizer_in_backward": true, "gradient_clipping": 0.0}),
+        ),
+    ];
+    let place = if cuda { format!("{device:?}") } else { "CPU, device path emulated".into() };
+    println!("| case ({place} vs the host) | ranks | max relative difference | bound | CUDA allocated peak |");
+    println!("|---|---|---|---|---|");
+    let mut failed = 0;
+    for (name, ranks, extra) in cases {
+        let c = config(ranks, &extra);
+        set_emulation(false);
+        let (host, _) = train(Device::Cpu, ranks, &c);
+        set_emulation(!cuda);
+        let (on_device, peak) = train(device, ranks, &c);
+        set_emulation(false);
+        let d = max_relative_difference(&on_device, &host);
+        let bound = if c.bf16.enabled { 1e-2 } else { 1e-5 };
+        let verdict = if d < bound { "" } else { " FAILED" };
+        failed += (d >= bound) as usize;
+        let peak = peak.map_or("-".into(), |b| format!("{:.2} MiB", b as f64 / (1 << 20) as f64));
+        println!("| {name} | {ranks} | {d:.2e}{verdict} | {bound:e} | {peak} |");
+    }
+    println!("device_check_failed_rows: {failed}");
+    std::process::exit(if failed > 0 {
+        1
+    } else if cuda {
+        0
+    } else {
+        2
+    });
+}
