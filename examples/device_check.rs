@@ -124,7 +124,7 @@ fn main() {
     let _ = zerorun::cuda::load();
     let cuda = zerorun::cuda::available();
     let device = if cuda { zerorun::local_device() } else { Device::Cpu };
-    let cases: [(&str, usize, Value); 9] = [
+    let cases: [(&str, usize, Value); 10] = [
         ("stage 0, fp32", 1, json!({"zero_optimization": {"stage": 0}})),
         ("stage 1, fp32", 2, json!({"zero_optimization": {"stage": 1}})),
         ("stage 2, fp32", 2, json!({"zero_optimization": {"stage": 2}})),
@@ -140,6 +140,11 @@ fn main() {
             "stage 3, optimizer and parameters offloaded to cpu",
             2,
             json!({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}}),
+        ),
+        (
+            "stage 3, parameters on NVMe (max_in_cpu 0)",
+            2,
+            json!({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": std::env::temp_dir(), "max_in_cpu": 0}}}),
         ),
         (
             "stage 3, optimizer in backward",

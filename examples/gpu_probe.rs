@@ -1,6 +1,6 @@
 //! Checks what the GPU work builds on: a binary built on a CPU machine against the venv's libtorch runs on a GPU
 //! machine against the image's libtorch, sees CUDA through tch, runs libtorch's AdamW there, and the engine's
-//! device-path optimizer (`TensorAdam`: the fused kernel on device tensors) matches the host one.
+//! device-path optimizer (`DeviceOptimizer`: the fused kernel on device tensors) matches the host one.
 //! Run by scripts/gpu-check.sh; prints one `key: value` line per fact. Without CUDA it checks the device path on
 //! the CPU and exits 2.
 use std::time::Instant;
@@ -51,7 +51,7 @@ fn main() {
 /// The engine's device-path Adam (states on `d`, the values staged through copies) against zerorun-optim's host
 /// Adam over 1M elements in two groups and 5 steps: the largest difference relative to the values' scale.
 fn device_adam_vs_host(d: Device) -> f64 {
-    use zerorun::runtime::engine::tensor_adam::TensorAdam;
+    use zerorun::runtime::engine::device_optimizer::DeviceOptimizer;
     use zerorun_offload::OptimizerTier;
     use zerorun_optim::{Adam, AdamConfig, Grads, Group, Optimizer};
     let n = 1 << 20;
@@ -60,7 +60,7 @@ fn device_adam_vs_host(d: Device) -> f64 {
         Group { range: 0..n / 2, lr: 1e-3, weight_decay: 0.01 },
         Group { range: n / 2..n, lr: 3e-4, weight_decay: 0.0 },
     ];
-    let (mut host, mut device) = (Adam::new(c.clone(), n), TensorAdam::new(c, n, d).expect("Adam on the device"));
+    let (mut host, mut device) = (Adam::new(c.clone(), n), DeviceOptimizer::adam(c, n, d).expect("Adam on the device"));
     let mut a: Vec<f32> = (0..n).map(|i| ((i % 97) as f32 - 48.0) / 50.0).collect();
     let mut b = a.clone();
     for step in 0..5 {

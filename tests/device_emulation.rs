@@ -1,16 +1,17 @@
 //! The device path on this CPU (`ZERORUN_DEVICE_EMULATION=1`): the engine's buffers taken through tensor ops
 //! (norm, clipping, fp32 accumulation, host staging of collectives) and the optimizer step on libtorch's fused
-//! Adam/AdamW with its states, master and gradients in tensors where the model is (`TensorAdam`). The tier alone
+//! Adam/AdamW with its states, master and gradients in tensors where the model is (`DeviceOptimizer`). The tier alone
 //! matches zerorun-optim's Adam (both modes, amsgrad, groups of their own lr and decay, a step in pieces, its
 //! states through a checkpoint); the engine under emulation at stages 0-3, fp32 and bf16, stage 3's optimizer in
 //! backward, with CPU offload (host optimizer, device buffers), ends where the host path does and resumes from
 //! its checkpoints. One test function: the variable is the process's.
 use serde_json::{json, Value};
+use tch::Tensor;
 use zerorun::runtime::comm::Communicator;
-use zerorun::runtime::engine::tensor_adam::TensorAdam;
+use zerorun::runtime::engine::device_optimizer::DeviceOptimizer;
 use zerorun::{Config, Engine, EngineOptions};
 use zerorun_offload::OptimizerTier;
-use zerorun_optim::{Adam, AdamConfig, Grads, Group, Optimizer};
+use zerorun_optim::{Adam, AdamConfig, Grads, Group, Optimizer, Sgd, SgdConfig};
 
 #[path = "common/mlp.rs"]
 mod mlp;
@@ -25,7 +26,7 @@ fn relative(a: &[f32], b: &[f32]) -> f64 {
     a.iter().zip(b).map(|(x, y)| (x - y).abs() as f64).fold(0.0, f64::max) / scale
 }
 
-/// The tier against zerorun-optim's Adam on the same values: 6 steps, two groups.
+/// The tier against zerorun-optim's Adam and SGD on the same values: 6 steps, two groups.
 fn tier_matches_the_host_adam() {
     let n = 1000;
     let values: Vec<f32> = (0..n).map(|i| ((i * 37 % 101) as f32 - 50.0) / 40.0).collect();
@@ -36,7 +37,7 @@ fn tier_matches_the_host_adam() {
     for (adam_w_mode, amsgrad) in [(true, false), (false, false), (true, true)] {
         let c = AdamConfig { betas: (0.9, 0.99), eps: 1e-8, bias_correction: true, amsgrad, adam_w_mode };
         let (mut host, mut device) =
-            (Adam::new(c.clone(), n), TensorAdam::new(c.clone(), n, tch::Device::Cpu).unwrap());
+            (Adam::new(c.clone(), n), DeviceOptimizer::adam(c.clone(), n, tch::Device::Cpu).unwrap());
         let (mut a, mut b) = (values.clone(), values.clone());
         for step in 0..6 {
             let g: Vec<f32> = (0..n).map(|i| (((i + 7 * step) * 13 % 29) as f32 - 14.0) / 10.0).collect();
@@ -59,7 +60,7 @@ fn tier_matches_the_host_adam() {
         for (i, s) in saved.iter_mut().enumerate() {
             device.write_state(i, s).unwrap();
         }
-        let mut again = TensorAdam::new(c, n, tch::Device::Cpu).unwrap();
+        let mut again = DeviceOptimizer::adam(c, n, tch::Device::Cpu).unwrap();
         again
             .import_from(6, &mut |range, out| {
                 for (o, s) in out.iter_mut().zip(&saved) {
@@ -74,8 +75,37 @@ fn tier_matches_the_host_adam() {
         again.step(&mut c1, &g, &groups, None).unwrap();
         assert_eq!(b, c1, "resumed from its saved states");
     }
+    // SGD as tensor ops against zerorun-optim's SGD: plain, momentum with dampening, Nesterov; weight decay in one
+    // group; a cycled momentum from the fourth step.
+    for c in [
+        SgdConfig { momentum: 0.0, dampening: 0.0, nesterov: false },
+        SgdConfig { momentum: 0.9, dampening: 0.1, nesterov: false },
+        SgdConfig { momentum: 0.8, dampening: 0.0, nesterov: true },
+    ] {
+        let (mut host, mut device) =
+            (Sgd::new(c.clone(), n), DeviceOptimizer::sgd(c.clone(), n, tch::Device::Cpu).unwrap());
+        let (mut a, b) = (values.clone(), Tensor::from_slice(&values));
+        for step in 0..6 {
+            if step == 3 {
+                host.set_momentum(0.7);
+                device.set_momentum(0.7);
+            }
+            let g: Vec<f32> = (0..n).map(|i| (((i + 5 * step) * 11 % 23) as f32 - 11.0) / 10.0).collect();
+            host.step(&mut a, Grads::F32(&g), &groups, None).unwrap();
+            device.step_tensors(&b, &Tensor::from_slice(&g), &groups).unwrap();
+        }
+        let d = relative(&Vec::<f32>::try_from(&b).unwrap(), &a);
+        assert!(d < 1e-6, "{c:?}: {d:e}");
+        assert_eq!(
+            (device.name(), device.state_names()),
+            (
+                host.name(),
+                zerorun_offload::OptimizerTier::state_names(&zerorun_offload::InMemory(Box::new(Sgd::new(c, 1))))
+            )
+        );
+    }
     let no_correction = AdamConfig { bias_correction: false, ..AdamConfig::default() };
-    let e = TensorAdam::new(no_correction, 4, tch::Device::Cpu).err().unwrap().to_string();
+    let e = DeviceOptimizer::adam(no_correction, 4, tch::Device::Cpu).err().unwrap().to_string();
     assert!(e.contains("optimizer.params.bias_correction"), "{e}");
 }
 
@@ -141,6 +171,7 @@ fn with_emulation<R>(on: bool, f: impl FnOnce() -> R) -> R {
 fn the_device_path_steps_checkpoints_and_trains_as_the_host_path() {
     tier_matches_the_host_adam();
     let steps = 0..8;
+    let nvme = std::env::temp_dir().to_string_lossy().into_owned();
     for (stage, extra) in [
         (0, json!({})),
         (1, json!({})),
@@ -153,6 +184,17 @@ fn the_device_path_steps_checkpoints_and_trains_as_the_host_path() {
         (
             3,
             json!({"bf16": {"enabled": true}, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}),
+        ),
+        // max_in_cpu 0: every chunk in a swap file, read through the swap buffers.
+        (
+            3,
+            json!({"zero_optimization": {"stage": 3,
+                "offload_param": {"device": "nvme", "nvme_path": nvme.clone(), "max_in_cpu": 0}}}),
+        ),
+        (
+            3,
+            json!({"bf16": {"enabled": true}, "zero_optimization": {"stage": 3,
+                "offload_param": {"device": "nvme", "nvme_path": nvme.clone()}}}),
         ),
     ] {
         let mut e = extra.clone();
@@ -184,5 +226,8 @@ fn the_device_path_steps_checkpoints_and_trains_as_the_host_path() {
         let comm = zerorun::runtime::comm::threads::group(1, std::time::Duration::from_secs(10)).pop().unwrap();
         Engine::new(&vs, c, Box::new(comm), EngineOptions::default()).err().unwrap().to_string()
     });
-    assert!(refused.contains("optimizer.type") && refused.contains("fused Adam/AdamW"), "{refused}");
+    assert!(
+        refused.contains("optimizer.type") && refused.contains("Adam/AdamW (libtorch's fused kernels) or SGD"),
+        "{refused}"
+    );
 }

@@ -6,7 +6,7 @@ use tch::nn::{self, OptimizerConfig};
 use tch::{Kind, Tensor};
 use zerorun_optim::traffic::adam_traffic;
 use zerorun_optim::{simd_level, Adam, AdamConfig, AlignedVec, Grads, Group, Optimizer, ParamsOut};
-use zerorun_runtime::engine::tensor_adam::{fused_adam_step, FusedAdamStep};
+use zerorun_runtime::engine::device_optimizer::{fused_adam_step, FusedAdamStep};
 
 use super::{emit, CliError};
 

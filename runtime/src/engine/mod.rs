@@ -22,6 +22,7 @@ mod bucket;
 mod builders;
 pub(crate) mod checkpointing;
 mod counters;
+pub mod device_optimizer;
 mod engine_comm;
 mod flat_math;
 mod frozen;
@@ -44,7 +45,6 @@ mod staleness_relay;
 mod step;
 mod step_in_backward;
 mod swapped_params;
-pub mod tensor_adam;
 mod unit_walk;
 pub mod units;
 mod variables;
@@ -96,7 +96,7 @@ pub enum StepOutcome {
 
 /// `ZERORUN_DEVICE_EMULATION=1`: the engine takes its device paths on CPU tensors, as if they were device memory,
 /// so that `make test` runs what a GPU run runs but the CUDA calls. For now: the optimizer step on libtorch's
-/// fused Adam/AdamW with its states in tensors of their own ([`tensor_adam::TensorAdam`]).
+/// fused Adam/AdamW with its states in tensors of their own ([`device_optimizer::DeviceOptimizer`]).
 pub fn device_emulation() -> bool {
     // Read at every tensor collective (views.rs): var_os, no allocation.
     std::env::var_os("ZERORUN_DEVICE_EMULATION").is_some_and(|v| v == "1")

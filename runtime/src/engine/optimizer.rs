@@ -77,6 +77,18 @@ pub fn adam(config: &Config) -> Option<(AdamConfig, f64, f64)> {
     }
 }
 
+/// The config's SGD (its hyper-parameters, lr and weight decay); None for other optimizers.
+pub fn sgd(config: &Config) -> Option<(SgdConfig, f64, f64)> {
+    match optimizer_config(config).as_ref() {
+        OptimizerConfig::SGD(p) => Some((
+            SgdConfig { momentum: p.momentum, dampening: p.dampening, nesterov: p.nesterov },
+            p.lr,
+            p.weight_decay,
+        )),
+        _ => None,
+    }
+}
+
 pub fn scheduler(config: &Config, base_lr: f64) -> Option<LrScheduler> {
     config.scheduler.clone().map(|s| LrScheduler::new(s, base_lr))
 }

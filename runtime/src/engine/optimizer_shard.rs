@@ -3,19 +3,19 @@
 //! parameter groups. Its step writes this rank's parameters in place where they are one contiguous range, or
 //! through a contiguous copy where they are pieces of every unit (stage 2) or on NVMe (stage 3).
 //!
-//! Two homes: the device path's Adam ([`TensorAdam`]) keeps its states, the master and the gradients on the model's
+//! Two homes: the device path's Adam ([`DeviceOptimizer`]) keeps its states, the master and the gradients on the model's
 //! device and steps them there as tensors; the host tiers (zerorun-optim's optimizers, NVMe) step host slices, and
 //! when the engine's buffers are on a device (CPU offload) they step host copies of the values and gradients,
 //! written back after the step.
 use tch::{Kind, Tensor};
 use zerorun_optim::{Group, ParamsOut};
 
+use super::device_optimizer::DeviceOptimizer;
 use super::gradients::Gradients;
 use super::layout::FlatLayout;
 use super::optimizer::OptimizerTier;
 use super::parameters::Parameters;
 use super::plan::{Optimized, StagePlan};
-use super::tensor_adam::TensorAdam;
 use super::{flat_math, views};
 use crate::config::Precision;
 use crate::error::Result;
@@ -46,7 +46,7 @@ pub(super) struct StepTarget<'a> {
 
 /// Whether `tier` is the device path's Adam, which keeps the master and the gradients it steps on the model's device.
 pub(super) fn steps_on_device(tier: &mut OptimizerTier) -> bool {
-    tier.as_any_mut().is_some_and(|a| a.is::<TensorAdam>())
+    tier.as_any_mut().is_some_and(|a| a.is::<DeviceOptimizer>())
 }
 
 impl OptimizerShard {
@@ -61,7 +61,7 @@ impl OptimizerShard {
 
     /// Steps this rank's values with the reduced fp32 gradients (the groups carry the learning rate).
     pub fn step(&mut self, t: StepTarget<'_>) -> Result<()> {
-        if let Some(adam) = self.tier.as_any_mut().and_then(|a| a.downcast_mut::<TensorAdam>()) {
+        if let Some(adam) = self.tier.as_any_mut().and_then(|a| a.downcast_mut::<DeviceOptimizer>()) {
             return step_on_device(adam, self.master.as_ref(), &self.optimized, &self.groups, t);
         }
         if t.parameters.steps_a_copy(t.plan) || views::on_device(&t.parameters.flat) {
@@ -146,7 +146,7 @@ impl OptimizerShard {
 /// in place where they are contiguous (else a copy of the shard, written back); 16-bit models step the fp32 master
 /// and take its rounding into the parameters.
 fn step_on_device(
-    adam: &mut TensorAdam,
+    adam: &mut DeviceOptimizer,
     master: Option<&Tensor>,
     optimized: &Optimized,
     groups: &[Group],
@@ -156,7 +156,10 @@ fn step_on_device(
         None => {
             let grads = t.gradients.for_step(optimized);
             if t.parameters.steps_a_copy(t.plan) {
-                let values = t.parameters.read_shard(t.layout, t.rank, t.plan, optimized)?;
+                // Pieces of every unit (stage 2), or read from NVMe into host memory (stage 3): stepped on the
+                // optimizer's device, written back where they came from.
+                let values =
+                    t.parameters.read_shard(t.layout, t.rank, t.plan, optimized)?.f_to_device(adam.device())?;
                 adam.step_tensors(&values, &grads, groups)?;
                 t.parameters.write_shard(&values, t.layout, t.rank, t.plan, optimized)
             } else {

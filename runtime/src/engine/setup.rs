@@ -236,15 +236,20 @@ pub(super) fn optimizer_tier(
             Box::new(swapped) as optimizer::OptimizerTier
         }
         OffloadDevice::None if on_device => {
-            // The device path: the states are "device memory" (separate CPU tensors), the step libtorch's kernel.
-            let Some((adam, base_lr, weight_decay)) = optimizer::adam(config) else {
+            // The device path: the states in device memory (separate CPU tensors under emulation), the step
+            // libtorch's kernels.
+            use super::device_optimizer::DeviceOptimizer;
+            let (tier, base_lr, weight_decay) = if let Some((adam, lr, wd)) = optimizer::adam(config) {
+                (DeviceOptimizer::adam(adam, optimized_len, device)?, lr, wd)
+            } else if let Some((sgd, lr, wd)) = optimizer::sgd(config) {
+                (DeviceOptimizer::sgd(sgd, optimized_len, device)?, lr, wd)
+            } else {
                 return Err(Error::Unsupported {
                     key: "optimizer.type",
                     value: config.optimizer.as_ref().map_or("AdamW", |o| o.name()).to_string(),
-                    why: "the optimizer step on device memory (a CUDA model, or ZERORUN_DEVICE_EMULATION) is libtorch's fused Adam/AdamW; other optimizers step on the host with zero_optimization.offload_optimizer.device = \"cpu\"",
+                    why: "the optimizer step on device memory (a CUDA model, or ZERORUN_DEVICE_EMULATION) is Adam/AdamW (libtorch's fused kernels) or SGD; other optimizers step on the host with zero_optimization.offload_optimizer.device = \"cpu\"",
                 });
             };
-            let tier = super::tensor_adam::TensorAdam::new(adam, optimized_len, device)?;
             return Ok((Box::new(tier), base_lr, weight_decay));
         }
         offload => {
@@ -306,7 +311,6 @@ impl Engine {
         let shared = comm.prefers_shared_buffers();
         let variables::Variables { trainable, frozen, buffers } = variables::classify(vs);
         let device = model_device(trainable.iter().chain(&frozen).chain(&buffers))?;
-        check_device_support(&config, device)?;
         let claim = variables::Claim::new(trainable.iter().chain(&frozen).chain(&buffers))?;
         let Arrangement { named, layout, unit_prefixes, frozen_by_unit } =
             arrange(trainable, frozen, &options, &plan, z.reduce_bucket_size, precision, world_size)?;
@@ -446,31 +450,6 @@ fn optimizer_shard(
     Ok(optimizer_shard::OptimizerShard { optimized, master, tier, groups, base_lr })
 }
 
-/// What a model on a CUDA device cannot do in this build, refused by the key that asks for it.
-fn check_device_support(config: &Config, device: Device) -> Result<()> {
-    if device == Device::Cpu {
-        return Ok(());
-    }
-    if config.zero_optimization.offload_param.device == OffloadDevice::Nvme {
-        return Err(Error::Unsupported {
-            key: "zero_optimization.offload_param.device",
-            value: "\"nvme\"".into(),
-            why: "parameters on NVMe with the model on a CUDA device are not in this build (they would travel through pinned host buffers); offload_param.device = \"cpu\" or offload_optimizer.device = \"nvme\" work",
-        });
-    }
-    if config.async_training.is_async() {
-        return Err(Error::Unsupported {
-            key: "async_training.mode",
-            value: serde_json::to_value(config.async_training)
-                .ok()
-                .and_then(|v| v.get("mode").cloned())
-                .map_or_else(|| "?".into(), |m| m.to_string()),
-            why: "the asynchronous modes keep host copies of the values they exchange; with the model on a CUDA device they are not in this build",
-        });
-    }
-    Ok(())
-}
-
 /// Stage 3 with `offload_param.device = nvme`: moves this rank's shard out of `flat` (left empty) into swap files.
 fn swap_parameters_out(
     flat: &mut Tensor,
@@ -494,7 +473,7 @@ fn swap_parameters_out(
     let persistent: Vec<bool> = units.iter().map(|u| u.persistent).collect();
     let prefix = format!("zerorun-{}-{}-rank{rank}-params", std::process::id(), next_engine_id());
     let swapped = swapped_params::SwappedParams::new(flat, chunks, &persistent, offload, io_config(config), &prefix)?;
-    *flat = Tensor::zeros([0], (flat.kind(), tch::Device::Cpu));
+    *flat = Tensor::zeros([0], (flat.kind(), flat.device()));
     Ok(Some(swapped))
 }
 
@@ -511,34 +490,4 @@ fn loss_scaler(config: &Config) -> Option<LossScaler> {
             f.min_loss_scale,
         ))
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// What a CUDA model cannot do yet is refused by its key; the same config on the CPU is accepted.
-    #[test]
-    fn a_cuda_model_refuses_nvme_parameters_and_async_modes_by_key() {
-        let config = |extra: serde_json::Value| {
-            let mut v = serde_json::json!({"train_batch_size": 4, "zero_optimization": {"stage": 3}});
-            for (k, x) in extra.as_object().unwrap() {
-                v[k] = x.clone();
-            }
-            Config::from_value(v).unwrap()
-        };
-        let nvme = config(serde_json::json!({"zero_optimization": {"stage": 3,
-            "offload_param": {"device": "nvme", "nvme_path": "/tmp"}}}));
-        let local_sgd = config(serde_json::json!({"zero_optimization": {"stage": 0},
-            "async_training": {"mode": "local_sgd", "sync_every": 4}}));
-        for (c, key, value) in [
-            (&nvme, "zero_optimization.offload_param.device", "\"nvme\""),
-            (&local_sgd, "async_training.mode", "\"local_sgd\""),
-        ] {
-            let e = check_device_support(c, Device::Cuda(0)).unwrap_err().to_string();
-            assert!(e.contains(key) && e.contains(value), "{e}");
-            assert!(check_device_support(c, Device::Cpu).is_ok());
-        }
-        assert!(check_device_support(&config(serde_json::json!({})), Device::Cuda(0)).is_ok());
-    }
 }

@@ -470,8 +470,9 @@ impl BoundedStaleness {
     }
 }
 
-/// Bounded staleness on a 16-bit model: the fp32 values workers and owners exchange (the own partition is the
-/// master), and the buffer its gradients are widened into each step.
+/// Bounded staleness on a 16-bit model or one on a device: the fp32 host values workers and owners exchange (a
+/// 16-bit model's own partition is the master), and the host buffer its gradients are widened or copied into each
+/// step. The windows are host memory; an fp32 host model exchanges its parameters in place instead.
 pub(super) struct StalenessValues {
     values: Vec<f32>,
     grads: Vec<f32>,
@@ -500,9 +501,9 @@ impl super::Engine {
         let timeout = Duration::from_secs_f64(self.config.comms_timeout);
         let ps = BoundedStaleness::new(self.comm.as_ref(), &wide, staleness, lr_staleness_scaling, timeout)?;
         self.staleness = Some(Box::new(ps));
-        // An fp32 model exchanges its parameters themselves; a 16-bit one an fp32 copy of them.
-        self.staleness_values =
-            self.shard.master.is_some().then(|| StalenessValues { grads: vec![0.0; wide.len()], values: wide });
+        // An fp32 host model exchanges its parameters themselves; a 16-bit or device one an fp32 host copy of them.
+        let copied = self.shard.master.is_some() || super::views::on_device(&self.parameters.flat);
+        self.staleness_values = copied.then(|| StalenessValues { grads: vec![0.0; wide.len()], values: wide });
         self.owner_schedule = self.scheduler.clone();
         Ok(())
     }
@@ -523,14 +524,21 @@ impl super::Engine {
             return f(ps, self.comm.as_ref(), flat, &mut step);
         };
         let done = f(ps, self.comm.as_ref(), &mut wide.values, &mut step);
-        // SAFETY: as above; the 16-bit parameters take the exchanged values rounded, in one pass.
-        let mut params = unsafe {
-            match self.parameters.flat.kind() {
-                tch::Kind::Half => zerorun_optim::ParamsOut::F16(super::views::slice(&self.parameters.flat)),
-                _ => zerorun_optim::ParamsOut::Bf16(super::views::slice(&self.parameters.flat)),
-            }
-        };
-        params.store(&wide.values);
+        let flat = &self.parameters.flat;
+        if super::views::on_device(flat) {
+            // The parameters take the exchanged values where they live (rounded to a 16-bit kind as the host does).
+            let values = tch::Tensor::from_slice(&wide.values);
+            tch::no_grad(|| flat.shallow_clone().f_copy_(&values))?;
+        } else {
+            // SAFETY: as above; the 16-bit parameters take the exchanged values rounded, in one pass.
+            let mut params = unsafe {
+                match flat.kind() {
+                    tch::Kind::Half => zerorun_optim::ParamsOut::F16(super::views::slice(flat)),
+                    _ => zerorun_optim::ParamsOut::Bf16(super::views::slice(flat)),
+                }
+            };
+            params.store(&wide.values);
+        }
         if let Some(master) = self.shard.master.as_mut() {
             let own = tch::Tensor::from_slice(&wide.values[self.layout.partition(self.comm.rank())]);
             tch::no_grad(|| master.f_copy_(&own))?;
@@ -547,6 +555,11 @@ impl super::Engine {
         let mut widened = self.staleness_values.as_mut().map(|w| std::mem::take(&mut w.grads));
         // SAFETY: inside `engine.step()`: no forward, backward or collective touches the gradients.
         let grads: &[f32] = match widened.as_mut() {
+            Some(g) if super::views::on_device(&view) => {
+                let n = g.len();
+                view.f_to_device(tch::Device::Cpu)?.f_to_kind(tch::Kind::Float)?.f_copy_data(g, n)?;
+                g
+            }
             Some(g) => {
                 unsafe { super::views::grads_of(&view) }.load(0..g.len(), g);
                 g

@@ -7,8 +7,8 @@
 use tch::Tensor;
 use zerorun_optim::{norm, Grads, Group};
 
+use super::device_optimizer::DeviceOptimizer;
 use super::optimizer::OptimizerTier;
-use super::tensor_adam::TensorAdam;
 use super::{flat_math, views, Engine};
 use crate::error::{Error, Result};
 
@@ -38,7 +38,7 @@ pub(super) struct ShardStepper<'a> {
 impl StepPart for ShardStepper<'_> {
     fn step_part(&mut self, at: usize, grads: &Tensor) -> Result<()> {
         let n = grads.numel();
-        if let Some(adam) = self.tier.as_any_mut().and_then(|a| a.downcast_mut::<TensorAdam>()) {
+        if let Some(adam) = self.tier.as_any_mut().and_then(|a| a.downcast_mut::<DeviceOptimizer>()) {
             // The device path: the part is stepped where the shard lives.
             self.progress.sum_of_squares += flat_math::sum_of_squares(grads)?;
             let values = self.shard.narrow(0, at as i64, n as i64);

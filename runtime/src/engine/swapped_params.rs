@@ -64,8 +64,9 @@ fn key(unit: usize) -> String {
 }
 
 impl SwappedParams {
-    /// Moves `shard` (this rank's values, shard space) out of memory: units whose chunks are not kept in host
-    /// memory are written to swap files under `nvme_path`. `chunks` and `persistent` are per unit.
+    /// Moves `shard` (this rank's values, shard space; host or device memory) out of memory: units whose chunks
+    /// are not kept in host memory are written to swap files under `nvme_path`, the others copied to host memory
+    /// (`max_in_cpu`, persistent units). `chunks` and `persistent` are per unit.
     pub fn new(
         shard: &Tensor,
         chunks: Vec<Range<usize>>,
@@ -85,7 +86,8 @@ impl SwappedParams {
                 if fits {
                     in_cpu += r.len() as u64;
                 }
-                (persistent || fits).then(|| shard.narrow(0, r.start as i64, r.len() as i64).copy())
+                (persistent || fits)
+                    .then(|| shard.narrow(0, r.start as i64, r.len() as i64).to_device(tch::Device::Cpu).copy())
             })
             .collect();
         let swapped: Vec<usize> = (0..chunks.len()).filter(|&u| in_memory[u].is_none()).collect();
@@ -168,7 +170,8 @@ impl SwappedParams {
     /// the unit waits for the write.
     pub fn write(&mut self, unit: usize, values: &Tensor) -> Result<()> {
         debug_assert_eq!(values.numel(), self.chunks[unit].len());
-        let values = values.contiguous();
+        // Device values (a CUDA model's step) come to host memory first: swap files are written from there.
+        let values = values.f_to_device(tch::Device::Cpu)?.contiguous();
         // SAFETY: `values` is this call's own contiguous copy (or the caller's tensor, only read here).
         self.write_with(unit, |dst| dst.copy_from_slice(unsafe { views::bytes(&values) }))
     }

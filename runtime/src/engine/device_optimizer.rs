@@ -1,18 +1,20 @@
-//! Adam and AdamW as libtorch's fused kernels on tensors (`native/fused_adam.cpp`: `_fused_adam_` /
-//! `_fused_adamw_`, what `torch.optim.Adam(W)(fused=True)` runs on CPU and CUDA alike): the optimizer step where
-//! the states live in device memory. The states are tensors on the tier's device; the optimized values and
-//! gradients arrive in host memory and are staged through device copies, as a device engine's host-resident
-//! buffers would be. Under device emulation (`ZERORUN_DEVICE_EMULATION=1` or [`super::EngineOptions`]) the
-//! "device" is the CPU with separate buffers, so every line but the CUDA copies themselves runs in `make test`.
+//! The optimizer step where the optimized values live on a device, as libtorch kernels on tensors: Adam and AdamW
+//! as its fused kernels (`native/fused_adam.cpp`: `_fused_adam_` / `_fused_adamw_`, what
+//! `torch.optim.Adam(W)(fused=True)` runs on CPU and CUDA alike), SGD (momentum, dampening, Nesterov, weight
+//! decay) as tensor ops, torch.optim.SGD's formula. The states are tensors on the tier's device; the engine hands
+//! it the values and gradients where they live ([`DeviceOptimizer::step_tensors`]). Through the host tier
+//! interface (slices) the values are staged through device copies. Under device emulation
+//! (`ZERORUN_DEVICE_EMULATION=1`) the "device" is the CPU with separate buffers, so every line but the CUDA
+//! copies themselves runs in `make test`.
 //!
-//! The kernels always correct the bias; `bias_correction: false` is refused by name. Checkpoints hold the same
-//! state names as zerorun-optim's Adam, so a run saved here resumes on the host optimizer and back.
+//! The Adam kernels always correct the bias; `bias_correction: false` is refused by name. Checkpoints hold the
+//! same state names as zerorun-optim's Adam and SGD, so a run saved here resumes on the host optimizer and back.
 use std::ffi::{c_char, c_void};
 use std::ops::Range;
 
 use tch::{Device, Kind, Tensor};
 use zerorun_offload::{FillState, TierError};
-use zerorun_optim::{AdamConfig, Group, ParamsOut};
+use zerorun_optim::{AdamConfig, Group, ParamsOut, SgdConfig};
 
 use crate::error::{Error, Result};
 
@@ -89,19 +91,28 @@ pub fn fused_adam_step(
     Ok(())
 }
 
-/// Adam(W) whose states are tensors on `device`, stepped by libtorch's fused kernel: zerorun-offload's
+/// Which update the device path runs.
+#[derive(Debug, Clone)]
+enum Rule {
+    Adam(AdamConfig),
+    Sgd(SgdConfig),
+}
+
+/// An optimizer whose states are tensors on `device`, stepped by libtorch's kernels: zerorun-offload's
 /// [`zerorun_offload::OptimizerTier`], so the engine steps, checkpoints and reports it as any other.
-pub struct TensorAdam {
-    config: AdamConfig,
-    /// exp_avg, exp_avg_sq, and max_exp_avg_sq under amsgrad.
+pub struct DeviceOptimizer {
+    rule: Rule,
+    /// Adam: exp_avg, exp_avg_sq, and max_exp_avg_sq under amsgrad. SGD: momentum_buffer when momentum is on.
     states: Vec<Tensor>,
+    len: usize,
     step: u64,
     device: Device,
 }
 
-impl TensorAdam {
-    /// States of `len` elements on `device` (the CPU under emulation). Refuses what the kernels cannot do.
-    pub fn new(config: AdamConfig, len: usize, device: Device) -> Result<TensorAdam> {
+impl DeviceOptimizer {
+    /// Adam(W) with states of `len` elements on `device` (the CPU under emulation). Refuses what the kernels
+    /// cannot do.
+    pub fn adam(config: AdamConfig, len: usize, device: Device) -> Result<DeviceOptimizer> {
         if !config.bias_correction {
             return Err(Error::Unsupported {
                 key: "optimizer.params.bias_correction",
@@ -110,12 +121,20 @@ impl TensorAdam {
             });
         }
         let n = if config.amsgrad { 3 } else { 2 };
-        let states = (0..n).map(|_| Tensor::zeros([len as i64], (Kind::Float, device))).collect();
-        Ok(TensorAdam { config, states, step: 0, device })
+        Self::with_states(Rule::Adam(config), n, len, device)
     }
 
-    fn len(&self) -> usize {
-        self.states[0].numel()
+    /// SGD with its momentum buffer (when momentum is on) of `len` elements on `device`.
+    pub fn sgd(config: SgdConfig, len: usize, device: Device) -> Result<DeviceOptimizer> {
+        let n = usize::from(config.momentum != 0.0);
+        Self::with_states(Rule::Sgd(config), n, len, device)
+    }
+
+    fn with_states(rule: Rule, n: usize, len: usize, device: Device) -> Result<DeviceOptimizer> {
+        let states = (0..n)
+            .map(|_| Tensor::f_zeros([len as i64], (Kind::Float, device)))
+            .collect::<std::result::Result<_, _>>()?;
+        Ok(DeviceOptimizer { rule, states, len, step: 0, device })
     }
 
     /// The device its states live on.
@@ -151,25 +170,21 @@ impl TensorAdam {
                 continue;
             }
             let local = |t: &Tensor| t.narrow(0, (lo - start) as i64, (hi - lo) as i64);
-            let state = |t: &Tensor| t.narrow(0, lo as i64, (hi - lo) as i64);
-            let max_v = self.states.get(2).map(state);
-            let h = FusedAdamStep {
-                step: self.step,
-                lr: group.lr,
-                betas: self.config.betas,
-                weight_decay: group.weight_decay,
-                eps: self.config.eps,
-                decoupled: self.config.adam_w_mode,
-            };
-            tch::no_grad(|| {
-                fused_adam_step(
-                    &local(values),
-                    &local(grads),
-                    &state(&self.states[0]),
-                    &state(&self.states[1]),
-                    max_v.as_ref(),
-                    h,
-                )
+            let states: Vec<Tensor> = self.states.iter().map(|t| t.narrow(0, lo as i64, (hi - lo) as i64)).collect();
+            let (p, g) = (local(values), local(grads));
+            tch::no_grad(|| match &self.rule {
+                Rule::Adam(c) => {
+                    let h = FusedAdamStep {
+                        step: self.step,
+                        lr: group.lr,
+                        betas: c.betas,
+                        weight_decay: group.weight_decay,
+                        eps: c.eps,
+                        decoupled: c.adam_w_mode,
+                    };
+                    fused_adam_step(&p, &g, &states[0], &states[1], states.get(2), h)
+                }
+                Rule::Sgd(c) => sgd_step(c, self.step == 1, &p, &g, states.first(), group),
             })?;
         }
         Ok(())
@@ -196,21 +211,49 @@ impl TensorAdam {
     }
 }
 
+/// One SGD step of `p` with gradient `g` (fp32 tensors of one device), torch.optim.SGD's update: d = g + wd p;
+/// with momentum the buffer takes d on the first step, else momentum buf + (1 - dampening) d, and d becomes the
+/// buffer (or d + momentum buf, Nesterov); p -= lr d.
+fn sgd_step(c: &SgdConfig, first: bool, p: &Tensor, g: &Tensor, buf: Option<&Tensor>, group: &Group) -> Result<()> {
+    let d = if group.weight_decay != 0.0 { g.f_add(&p.f_mul_scalar(group.weight_decay)?)? } else { g.shallow_clone() };
+    let d = match buf {
+        Some(buf) => {
+            if first {
+                buf.shallow_clone().f_copy_(&d)?;
+            } else {
+                let _ = buf.shallow_clone().f_mul_scalar_(c.momentum)?.f_add_(&d.f_mul_scalar(1.0 - c.dampening)?)?;
+            }
+            if c.nesterov {
+                d.f_add(&buf.f_mul_scalar(c.momentum)?)?
+            } else {
+                buf.shallow_clone()
+            }
+        }
+        None => d,
+    };
+    let _ = p.shallow_clone().f_sub_(&d.f_mul_scalar(group.lr)?)?;
+    Ok(())
+}
+
 fn tier(e: Error) -> TierError {
     TierError::Fill(Box::new(e))
 }
 
-impl zerorun_offload::OptimizerTier for TensorAdam {
+impl zerorun_offload::OptimizerTier for DeviceOptimizer {
     fn name(&self) -> &'static str {
-        if self.config.adam_w_mode {
-            "AdamW"
-        } else {
-            "Adam"
+        match &self.rule {
+            Rule::Adam(c) if c.adam_w_mode => "AdamW",
+            Rule::Adam(_) => "Adam",
+            Rule::Sgd(_) => "SGD",
         }
     }
 
     fn state_names(&self) -> Vec<String> {
-        ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"][..self.states.len()].iter().map(|s| s.to_string()).collect()
+        let names: &[&str] = match self.rule {
+            Rule::Adam(_) => &["exp_avg", "exp_avg_sq", "max_exp_avg_sq"],
+            Rule::Sgd(_) => &["momentum_buffer"],
+        };
+        names[..self.states.len()].iter().map(|s| s.to_string()).collect()
     }
 
     fn step_count(&self) -> u64 {
@@ -248,14 +291,19 @@ impl zerorun_offload::OptimizerTier for TensorAdam {
         self.update(range, params, grads, groups, out).map_err(tier)
     }
 
+    /// Adam's beta1; SGD's momentum when it has a buffer (plain SGD stays plain, as on the host).
     fn set_momentum(&mut self, momentum: f64) {
-        self.config.betas.0 = momentum;
+        match &mut self.rule {
+            Rule::Adam(c) => c.betas.0 = momentum,
+            Rule::Sgd(c) if c.momentum != 0.0 => c.momentum = momentum,
+            Rule::Sgd(_) => {}
+        }
     }
 
     /// Under emulation the "device" is host memory.
     fn resident_bytes(&self) -> usize {
         if self.device == Device::Cpu {
-            self.states.len() * self.len() * 4
+            self.states.len() * self.len * 4
         } else {
             0
         }
@@ -271,7 +319,7 @@ impl zerorun_offload::OptimizerTier for TensorAdam {
     }
 
     fn import_from(&mut self, step: u64, fill: &mut FillState<'_>) -> std::result::Result<(), TierError> {
-        let len = self.len();
+        let len = self.len;
         let mut host: Vec<Vec<f32>> = self.states.iter().map(|_| vec![0f32; len]).collect();
         {
             let mut out: Vec<&mut [f32]> = host.iter_mut().map(|b| b.as_mut_slice()).collect();
