@@ -58,52 +58,79 @@ fn config(ranks: usize, extra: &Value) -> Config {
     Config::from_value(v).unwrap()
 }
 
-/// Rank 0's weights after training on `device`, by name, on the host; and the allocator's peak there.
-fn train(device: Device, ranks: usize, c: &Config) -> (Vec<(String, Vec<f32>)>, Option<u64>) {
+/// The data every run trains on, as host values.
+fn data() -> (Vec<f32>, Vec<f32>) {
     tch::manual_seed(3);
     let x = Tensor::randn([SAMPLES, DIMS[0]], (Kind::Float, Device::Cpu));
     let y = Tensor::randn([SAMPLES, DIMS[3]], (Kind::Float, Device::Cpu));
-    let (xv, yv) = (Vec::<f32>::try_from(&x.view([-1])).unwrap(), Vec::<f32>::try_from(&y.view([-1])).unwrap());
-    let comms = threads::group(ranks, std::time::Duration::from_secs(60));
+    (Vec::<f32>::try_from(&x.view([-1])).unwrap(), Vec::<f32>::try_from(&y.view([-1])).unwrap())
+}
+
+type Weights = Vec<(String, Vec<f32>)>;
+
+/// One rank of `ranks` training on `device` through `comm`: its weights by name, on the host, and the CUDA
+/// allocator's peak there.
+fn run_rank(
+    comm: Box<dyn zerorun::runtime::comm::Communicator>,
+    ranks: usize,
+    device: Device,
+    c: &Config,
+    (xv, yv): (&[f32], &[f32]),
+) -> (Weights, Option<u64>) {
+    let rank = comm.rank();
     let bf16 = c.bf16.enabled;
+    let (mut vs, layers) = model(device);
+    if bf16 {
+        vs.bfloat16();
+    }
+    let options = EngineOptions::default().units_of(&layers);
+    let mut engine = Engine::new(&vs, c.clone(), comm, options).unwrap();
+    let kind = if bf16 { Kind::BFloat16 } else { Kind::Float };
+    let x = Tensor::from_slice(xv).view([SAMPLES, DIMS[0]]).to_device(device).to_kind(kind);
+    let y = Tensor::from_slice(yv).view([SAMPLES, DIMS[3]]).to_device(device);
+    let micro = 16 / ranks as i64;
+    for step in 0..STEPS {
+        let start = (step * 16 + rank as i64 * micro) % SAMPLES;
+        let pred = engine.forward(&layers, &x.narrow(0, start, micro)).unwrap();
+        let loss = pred.to_kind(Kind::Float).mse_loss(&y.narrow(0, start, micro), tch::Reduction::Mean);
+        engine.backward_units(&layers, &loss).unwrap();
+        engine.step().unwrap();
+    }
+    let peak = zerorun::cuda::device_memory(device).map(|m| m.allocated_peak);
+    let mut weights: Weights = vs
+        .variables()
+        .into_iter()
+        .map(|(n, t)| (n, Vec::<f32>::try_from(&t.to_kind(Kind::Float).view([-1])).unwrap()))
+        .collect();
+    weights.sort_by(|a, b| a.0.cmp(&b.0));
+    (weights, peak)
+}
+
+/// Rank 0's weights after `ranks` thread ranks trained on `device`, and the allocator's peak there.
+fn train(device: Device, ranks: usize, c: &Config) -> (Weights, Option<u64>) {
+    let (xv, yv) = data();
+    let comms = threads::group(ranks, std::time::Duration::from_secs(60));
     let mut out: Vec<_> = std::thread::scope(|s| {
         let handles: Vec<_> = comms
             .into_iter()
-            .enumerate()
-            .map(|(rank, comm)| {
-                let (xv, yv, c) = (&xv, &yv, c.clone());
-                s.spawn(move || {
-                    let (mut vs, layers) = model(device);
-                    if bf16 {
-                        vs.bfloat16();
-                    }
-                    let options = EngineOptions::default().units_of(&layers);
-                    let mut engine = Engine::new(&vs, c, Box::new(comm), options).unwrap();
-                    let kind = if bf16 { Kind::BFloat16 } else { Kind::Float };
-                    let x = Tensor::from_slice(xv).view([SAMPLES, DIMS[0]]).to_device(device).to_kind(kind);
-                    let y = Tensor::from_slice(yv).view([SAMPLES, DIMS[3]]).to_device(device);
-                    let micro = 16 / ranks as i64;
-                    for step in 0..STEPS {
-                        let start = (step * 16 + rank as i64 * micro) % SAMPLES;
-                        let pred = engine.forward(&layers, &x.narrow(0, start, micro)).unwrap();
-                        let loss = pred.to_kind(Kind::Float).mse_loss(&y.narrow(0, start, micro), tch::Reduction::Mean);
-                        engine.backward_units(&layers, &loss).unwrap();
-                        engine.step().unwrap();
-                    }
-                    let peak = zerorun::cuda::device_memory(device).map(|m| m.allocated_peak);
-                    let mut weights: Vec<(String, Vec<f32>)> = vs
-                        .variables()
-                        .into_iter()
-                        .map(|(n, t)| (n, Vec::<f32>::try_from(&t.to_kind(Kind::Float).view([-1])).unwrap()))
-                        .collect();
-                    weights.sort_by(|a, b| a.0.cmp(&b.0));
-                    (weights, peak)
-                })
+            .map(|comm| {
+                let (xv, yv) = (&xv, &yv);
+                s.spawn(move || run_rank(Box::new(comm), ranks, device, c, (xv, yv)))
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
     out.swap_remove(0)
+}
+
+/// One rank with NCCL on the GPU: its collectives on the tensors' device memory.
+#[cfg(feature = "nccl")]
+fn train_nccl(device: Device, c: &Config) -> (Weights, Option<u64>) {
+    let Device::Cuda(index) = device else { unreachable!("NCCL runs on a CUDA device") };
+    let id = zerorun::runtime::comm::nccl::unique_id().unwrap();
+    let comm = zerorun::runtime::comm::nccl::NcclComm::new(index, 0, 1, id).unwrap();
+    let (xv, yv) = data();
+    run_rank(Box::new(comm), 1, device, c, (&xv, &yv))
 }
 
 fn max_relative_difference(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) -> f64 {
@@ -169,6 +196,18 @@ fn main() {
         failed += (d >= bound) as usize;
         let peak = peak.map_or("-".into(), |b| format!("{:.2} MiB", b as f64 / (1 << 20) as f64));
         println!("| {name} | {ranks} | {d:.2e}{verdict} | {bound:e} | {peak} |");
+    }
+    #[cfg(feature = "nccl")]
+    if cuda {
+        // NCCL at world size 1 on the tensors' device memory (`views.rs` hands NCCL the pointers).
+        let c = config(1, &json!({"zero_optimization": {"stage": 2}}));
+        let (host, _) = train(Device::Cpu, 1, &c);
+        let (on_device, peak) = train_nccl(device, &c);
+        let d = max_relative_difference(&on_device, &host);
+        failed += (d >= 1e-5) as usize;
+        let verdict = if d < 1e-5 { "" } else { " FAILED" };
+        let peak = peak.map_or("-".into(), |b| format!("{:.2} MiB", b as f64 / (1 << 20) as f64));
+        println!("| stage 2, NCCL on device memory | 1 | {d:.2e}{verdict} | 1e-5 | {peak} |");
     }
     println!("device_check_failed_rows: {failed}");
     std::process::exit(if failed > 0 {

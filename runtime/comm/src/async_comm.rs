@@ -7,7 +7,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use super::groups::Split;
-use super::{BufMut, BufRef, Collectives, CommError, CommResult, Communicator, Dtype, Element, ReduceOp};
+use super::{BufMut, BufRef, Collectives, CommError, CommResult, Communicator, DeviceBuf, Dtype, Element, ReduceOp};
 
 type Job = Box<dyn FnOnce(&dyn Communicator) + Send>;
 
@@ -217,6 +217,28 @@ impl Communicator for CommThread {
         self.submit("broadcast", move |c| c.broadcast_buf(unsafe { raw.buf_mut() }, root)).wait()
     }
 
+    // Device buffers are addresses (Copy, Send): the job carries them; the caller keeps the memory alive until the
+    // wait returns, as for the host buffers above.
+    unsafe fn all_reduce_device(&self, buf: DeviceBuf, op: ReduceOp) -> CommResult<bool> {
+        // SAFETY: the caller's, passed on; the call waits for the job.
+        self.submit("all_reduce", move |c| unsafe { c.all_reduce_device(buf, op) }).wait()
+    }
+
+    unsafe fn reduce_scatter_device(&self, input: DeviceBuf, output: DeviceBuf, op: ReduceOp) -> CommResult<bool> {
+        // SAFETY: as above.
+        self.submit("reduce_scatter", move |c| unsafe { c.reduce_scatter_device(input, output, op) }).wait()
+    }
+
+    unsafe fn all_gather_device(&self, buf: DeviceBuf) -> CommResult<bool> {
+        // SAFETY: as above.
+        self.submit("all_gather", move |c| unsafe { c.all_gather_device(buf) }).wait()
+    }
+
+    unsafe fn broadcast_device(&self, buf: DeviceBuf, root: usize) -> CommResult<bool> {
+        // SAFETY: as above.
+        self.submit("broadcast", move |c| unsafe { c.broadcast_device(buf, root) }).wait()
+    }
+
     fn window(&self, local: &mut [u8]) -> CommResult<Option<Vec<usize>>> {
         let raw = RawBuf::new(local.as_mut_ptr(), local.len(), Dtype::I64);
         self.submit("window", move |c| c.window(unsafe { raw.buf_mut() }.bytes)).wait()
@@ -261,6 +283,27 @@ impl Drop for CommThread {
         self.jobs.take();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A backend without device collectives answers "not here" through the communication thread too, so the
+    /// engine stages a device tensor through host memory instead of waiting on a collective no backend runs.
+    #[test]
+    fn device_collectives_fall_back_through_the_thread() {
+        let comm = crate::threads::group(1, Duration::from_secs(5)).pop().unwrap();
+        let thread = CommThread::spawn(Box::new(comm));
+        let buf = DeviceBuf { ptr: 0x1000, count: 4, dtype: Dtype::F32, device: 0 };
+        // SAFETY: the default methods never touch the memory.
+        unsafe {
+            assert!(!thread.all_reduce_device(buf, ReduceOp::Sum).unwrap());
+            assert!(!thread.reduce_scatter_device(buf, buf, ReduceOp::Sum).unwrap());
+            assert!(!thread.all_gather_device(buf).unwrap());
+            assert!(!thread.broadcast_device(buf, 0).unwrap());
         }
     }
 }

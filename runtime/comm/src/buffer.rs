@@ -15,6 +15,16 @@ pub enum Dtype {
     I64,
 }
 
+/// A buffer in device memory (a CUDA tensor's storage): its address on CUDA device `device`, its element count and
+/// type. What the engine hands a backend that reduces device memory itself (NCCL) instead of a host copy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceBuf {
+    pub ptr: u64,
+    pub count: usize,
+    pub dtype: Dtype,
+    pub device: usize,
+}
+
 impl Dtype {
     pub fn size(self) -> usize {
         match self {

@@ -4,7 +4,7 @@
 //! called is here.
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::{BufMut, BufRef, Collectives, CommError, CommResult, Communicator, ReduceOp};
+use super::{BufMut, BufRef, Collectives, CommError, CommResult, Communicator, DeviceBuf, ReduceOp};
 
 /// A split every rank of the parent group agreed on.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -168,6 +168,26 @@ impl Communicator for Named {
 
     fn broadcast_buf(&self, buf: BufMut<'_>, root: usize) -> CommResult<()> {
         self.named(self.inner.broadcast_buf(buf, root))
+    }
+
+    unsafe fn all_reduce_device(&self, buf: DeviceBuf, op: ReduceOp) -> CommResult<bool> {
+        // SAFETY: the caller's, passed on.
+        self.named(unsafe { self.inner.all_reduce_device(buf, op) })
+    }
+
+    unsafe fn reduce_scatter_device(&self, input: DeviceBuf, output: DeviceBuf, op: ReduceOp) -> CommResult<bool> {
+        // SAFETY: the caller's, passed on.
+        self.named(unsafe { self.inner.reduce_scatter_device(input, output, op) })
+    }
+
+    unsafe fn all_gather_device(&self, buf: DeviceBuf) -> CommResult<bool> {
+        // SAFETY: the caller's, passed on.
+        self.named(unsafe { self.inner.all_gather_device(buf) })
+    }
+
+    unsafe fn broadcast_device(&self, buf: DeviceBuf, root: usize) -> CommResult<bool> {
+        // SAFETY: the caller's, passed on.
+        self.named(unsafe { self.inner.broadcast_device(buf, root) })
     }
 
     fn barrier(&self) -> CommResult<()> {

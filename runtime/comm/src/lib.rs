@@ -25,7 +25,7 @@ pub mod topology;
 use std::time::Duration;
 
 pub(crate) use buffer::reduce_into;
-pub use buffer::{BufMut, BufRef, Dtype, Element};
+pub use buffer::{BufMut, BufRef, DeviceBuf, Dtype, Element};
 
 /// How values from the ranks are combined.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -116,6 +116,38 @@ pub trait Communicator: Send {
     /// (each group by one thread): gloo's (each its own process group), not MPI's (initialised serialized).
     fn independent_groups(&self) -> bool {
         false
+    }
+    /// The collectives on device memory, for backends that reduce it where it is (NCCL). Each returns Ok(false)
+    /// when this backend has none (the default), and the caller stages the values through host memory; Ok(true)
+    /// once done (blocking, as the host collectives). Every rank of the group makes the same choice: the backend
+    /// decides, not the buffer.
+    ///
+    /// # Safety
+    /// The buffers are live device memory of `count` elements of `dtype` on `device`, which nothing else uses
+    /// until the call returns; `reduce_scatter_device`'s two do not overlap.
+    unsafe fn all_reduce_device(&self, _buf: DeviceBuf, _op: ReduceOp) -> CommResult<bool> {
+        Ok(false)
+    }
+    /// See [`Communicator::all_reduce_device`]; `input` is `world_size` equal parts, `output` one.
+    ///
+    /// # Safety
+    /// As for [`Communicator::all_reduce_device`].
+    unsafe fn reduce_scatter_device(&self, _input: DeviceBuf, _output: DeviceBuf, _op: ReduceOp) -> CommResult<bool> {
+        Ok(false)
+    }
+    /// See [`Communicator::all_reduce_device`]; in place, rank r's part r contributed.
+    ///
+    /// # Safety
+    /// As for [`Communicator::all_reduce_device`].
+    unsafe fn all_gather_device(&self, _buf: DeviceBuf) -> CommResult<bool> {
+        Ok(false)
+    }
+    /// See [`Communicator::all_reduce_device`].
+    ///
+    /// # Safety
+    /// As for [`Communicator::all_reduce_device`].
+    unsafe fn broadcast_device(&self, _buf: DeviceBuf, _root: usize) -> CommResult<bool> {
+        Ok(false)
     }
 }
 

@@ -14,7 +14,7 @@ use cudarc::nccl::{Comm, Id, ReduceOp as NcclOp};
 use half::{bf16, f16};
 
 use super::groups::{self, Split};
-use super::{BufMut, BufRef, Collectives, CommError, CommResult, Communicator, Dtype, ReduceOp};
+use super::{BufMut, BufRef, Collectives, CommError, CommResult, Communicator, DeviceBuf, Dtype, ReduceOp};
 
 fn dl_ok(name: &str) -> bool {
     let c = std::ffi::CString::new(name).expect("no NUL in library names");
@@ -186,6 +186,71 @@ impl NcclComm {
     }
 }
 
+/// A CUDA tensor's storage as cudarc's NCCL calls take device memory: its address and length. The collectives run
+/// on the communicator's stream, the legacy default stream, which is also libtorch's unless a program sets another:
+/// work queued by libtorch before the call is ordered before the collective, and the call synchronizes the stream
+/// before it returns (the engine's collectives block).
+struct TorchMemory<'s, T> {
+    ptr: u64,
+    len: usize,
+    stream: &'s Arc<CudaStream>,
+    elements: std::marker::PhantomData<T>,
+}
+
+impl<T> cudarc::driver::DeviceSlice<T> for TorchMemory<'_, T> {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn stream(&self) -> &Arc<CudaStream> {
+        self.stream
+    }
+}
+
+impl<T> cudarc::driver::DevicePtr<T> for TorchMemory<'_, T> {
+    fn device_ptr<'a>(&'a self, _stream: &'a CudaStream) -> (u64, cudarc::driver::SyncOnDrop<'a>) {
+        // Ordering is the one stream's: nothing to record.
+        (self.ptr, cudarc::driver::SyncOnDrop::Sync(None))
+    }
+}
+
+impl<T> cudarc::driver::DevicePtrMut<T> for TorchMemory<'_, T> {
+    fn device_ptr_mut<'a>(&'a mut self, _stream: &'a CudaStream) -> (u64, cudarc::driver::SyncOnDrop<'a>) {
+        (self.ptr, cudarc::driver::SyncOnDrop::Sync(None))
+    }
+}
+
+impl NcclComm {
+    /// `buf` (and `rest`) as device memory of this communicator's device, or an error naming the mismatch.
+    fn check_device(&self, op: &'static str, bufs: &[DeviceBuf]) -> CommResult<()> {
+        match bufs.iter().find(|b| b.device != self.device) {
+            None => Ok(()),
+            Some(b) => Err(CommError::BadArgument {
+                op,
+                rank: self.rank,
+                what: format!("a buffer on cuda:{} given to the NCCL communicator of cuda:{}", b.device, self.device),
+            }),
+        }
+    }
+
+    fn memory<T>(&self, ptr: u64, len: usize) -> TorchMemory<'_, T> {
+        TorchMemory { ptr, len, stream: &self.stream, elements: std::marker::PhantomData }
+    }
+
+    /// Runs a device collective on this thread with the communicator's context bound, then waits for the stream.
+    fn on_device(
+        &self,
+        op: &'static str,
+        f: impl FnOnce() -> Result<cudarc::nccl::result::NcclStatus, cudarc::nccl::result::NcclError>,
+    ) -> CommResult<bool> {
+        let e = |x: cudarc::driver::DriverError| nccl_err(op, self.rank, x);
+        self.stream.context().bind_to_thread().map_err(e)?;
+        f().map_err(|x| nccl_err(op, self.rank, x.0))?;
+        self.stream.synchronize().map_err(e)?;
+        Ok(true)
+    }
+}
+
 macro_rules! by_dtype {
     ($dtype:expr, $f:ident ! ($($arg:tt)*)) => {
         match $dtype {
@@ -264,6 +329,69 @@ impl Communicator for NcclComm {
             }};
         }
         by_dtype!(buf.dtype, run!(buf, root))
+    }
+
+    unsafe fn all_reduce_device(&self, buf: DeviceBuf, op: ReduceOp) -> CommResult<bool> {
+        self.check_device("all_reduce", &[buf])?;
+        if buf.count == 0 {
+            return Ok(true);
+        }
+        let o = Self::op(op);
+        macro_rules! run {
+            ($t:ty, $buf:expr) => {{
+                let mut m = self.memory::<$t>($buf.ptr, $buf.count);
+                self.on_device("all_reduce", || self.comm.all_reduce_in_place(&mut m, &o))
+            }};
+        }
+        by_dtype!(buf.dtype, run!(buf))
+    }
+
+    unsafe fn reduce_scatter_device(&self, input: DeviceBuf, output: DeviceBuf, op: ReduceOp) -> CommResult<bool> {
+        self.check_device("reduce_scatter", &[input, output])?;
+        if input.count == 0 {
+            return Ok(true);
+        }
+        let o = Self::op(op);
+        macro_rules! run {
+            ($t:ty, $input:expr, $output:expr) => {{
+                let i = self.memory::<$t>($input.ptr, $input.count);
+                let mut out = self.memory::<$t>($output.ptr, $output.count);
+                self.on_device("reduce_scatter", || self.comm.reduce_scatter(&i, &mut out, &o))
+            }};
+        }
+        by_dtype!(input.dtype, run!(input, output))
+    }
+
+    unsafe fn all_gather_device(&self, buf: DeviceBuf) -> CommResult<bool> {
+        self.check_device("all_gather", &[buf])?;
+        if buf.count == 0 {
+            return Ok(true);
+        }
+        // In place, as NCCL allows: this rank's part is the send buffer, inside the receive buffer.
+        let part = buf.count / self.world_size;
+        let mine = buf.ptr + (self.rank * part * buf.dtype.size()) as u64;
+        macro_rules! run {
+            ($t:ty, $buf:expr) => {{
+                let send = self.memory::<$t>(mine, part);
+                let mut all = self.memory::<$t>($buf.ptr, $buf.count);
+                self.on_device("all_gather", || self.comm.all_gather(&send, &mut all))
+            }};
+        }
+        by_dtype!(buf.dtype, run!(buf))
+    }
+
+    unsafe fn broadcast_device(&self, buf: DeviceBuf, root: usize) -> CommResult<bool> {
+        self.check_device("broadcast", &[buf])?;
+        if buf.count == 0 {
+            return Ok(true);
+        }
+        macro_rules! run {
+            ($t:ty, $buf:expr) => {{
+                let mut m = self.memory::<$t>($buf.ptr, $buf.count);
+                self.on_device("broadcast", || self.comm.broadcast_in_place(&mut m, root as i32))
+            }};
+        }
+        by_dtype!(buf.dtype, run!(buf))
     }
 
     fn barrier(&self) -> CommResult<()> {

@@ -146,8 +146,29 @@ fn copy_back(t: &Tensor, host: &Tensor) -> CommResult<()> {
     })
 }
 
-/// Runs a collective on a flat tensor of any supported kind.
+/// `t` as device memory for a backend that reduces it where it is: a contiguous tensor on a CUDA device. None
+/// for host tensors (and under emulation, whose "device" is host memory).
+fn device_buf(t: &Tensor) -> Option<crate::comm::DeviceBuf> {
+    let tch::Device::Cuda(device) = t.device() else { return None };
+    assert!(t.is_contiguous(), "a collective on a non-contiguous device tensor");
+    let dtype = match t.kind() {
+        Kind::BFloat16 => crate::comm::Dtype::Bf16,
+        Kind::Half => crate::comm::Dtype::F16,
+        Kind::Int64 => crate::comm::Dtype::I64,
+        _ => crate::comm::Dtype::F32,
+    };
+    Some(crate::comm::DeviceBuf { ptr: t.data_ptr() as u64, count: t.numel(), dtype, device })
+}
+
+/// Runs a collective on a flat tensor of any supported kind: on device memory where the backend reduces it there
+/// (NCCL), else on host memory (staged for device tensors).
 pub fn all_reduce(comm: &dyn Communicator, t: &Tensor, op: ReduceOp) -> CommResult<()> {
+    // SAFETY: the engine's buffer, untouched by anything else during the blocking call.
+    if let Some(buf) = device_buf(t) {
+        if unsafe { comm.all_reduce_device(buf, op) }? {
+            return Ok(());
+        }
+    }
     if staged(t) {
         let host = host_copy(t)?;
         // SAFETY: `host` is this call's own buffer.
@@ -167,6 +188,12 @@ unsafe fn all_reduce_views(comm: &dyn Communicator, t: &Tensor, op: ReduceOp) ->
 }
 
 pub fn broadcast(comm: &dyn Communicator, t: &Tensor, root: usize) -> CommResult<()> {
+    // SAFETY: as in `all_reduce`.
+    if let Some(buf) = device_buf(t) {
+        if unsafe { comm.broadcast_device(buf, root) }? {
+            return Ok(());
+        }
+    }
     if staged(t) {
         let host = host_copy(t)?;
         // SAFETY: `host` is this call's own buffer.
@@ -186,6 +213,12 @@ unsafe fn broadcast_views(comm: &dyn Communicator, t: &Tensor, root: usize) -> C
 }
 
 pub fn all_gather(comm: &dyn Communicator, t: &Tensor) -> CommResult<()> {
+    // SAFETY: as in `all_reduce`.
+    if let Some(buf) = device_buf(t) {
+        if unsafe { comm.all_gather_device(buf) }? {
+            return Ok(());
+        }
+    }
     if staged(t) {
         let host = host_copy(t)?;
         // SAFETY: `host` is this call's own buffer.
@@ -207,6 +240,12 @@ unsafe fn all_gather_views(comm: &dyn Communicator, t: &Tensor) -> CommResult<()
 /// Reduce-scatter of a flat tensor into `out` (a tensor of the same kind, one partition long).
 pub fn reduce_scatter(comm: &dyn Communicator, t: &Tensor, out: &Tensor, op: ReduceOp) -> CommResult<()> {
     check_disjoint(t, out);
+    if let (Some(input), Some(output)) = (device_buf(t), device_buf(out)) {
+        // SAFETY: as in `all_reduce`; the two buffers are disjoint (checked).
+        if unsafe { comm.reduce_scatter_device(input, output, op) }? {
+            return Ok(());
+        }
+    }
     if staged(t) || staged(out) {
         let (host, host_out) = (host_copy(t)?, host_copy(out)?);
         // SAFETY: two buffers of this call's own.
