@@ -6,6 +6,7 @@
 use tch::{Kind, Tensor};
 use zerorun_optim::norm;
 
+use super::staging::{self, Staged};
 use super::views;
 use crate::error::Result;
 
@@ -63,13 +64,13 @@ fn accumulate_on(acc: &Tensor, part: &Tensor, device_path: bool) -> Result<()> {
     Ok(())
 }
 
-/// `t` in host memory: `t` itself when it is a host tensor off the device paths, else a contiguous host copy (what
-/// the host optimizer reads when the engine's buffers are on a device and its states are not).
-pub fn on_host(t: &Tensor) -> Result<Tensor> {
+/// `t` in host memory: `t` itself when it is a host tensor off the device paths, else a host copy in a staging
+/// buffer (what the host optimizer reads when the engine's buffers are on a device and its states are not).
+pub fn on_host(t: &Tensor) -> Result<Staged> {
     if views::on_device(t) {
-        return Ok(tch::no_grad(|| t.f_to_device(tch::Device::Cpu)?.f_contiguous())?.copy());
+        return staging::host_copy(t);
     }
-    Ok(t.shallow_clone())
+    Ok(Staged::borrowed(t))
 }
 
 #[cfg(test)]

@@ -100,7 +100,11 @@ impl Gradients {
             grad_buffer,
             round_len: sizes.round_len,
             grad_part: sizes.part.map(|n| Tensor::f_zeros([n as i64], (comm_kind, device))).transpose()?,
-            accumulator: Tensor::f_zeros([sizes.accumulator as i64], (Kind::Float, optimizer_device))?,
+            // Pinned when it is host memory that a CUDA model's gradients are copied into (CPU offload).
+            accumulator: super::staging::pinned_for(
+                Tensor::f_zeros([sizes.accumulator as i64], (Kind::Float, optimizer_device))?,
+                device,
+            )?,
             reduced: sizes.reduced,
             how: Reduction::new(config, rank, ws),
             refuse_unused: !config.zero_optimization.ignore_unused_parameters,

@@ -40,6 +40,7 @@ mod reporting;
 pub mod sampler;
 mod setup;
 mod sharded_unit;
+mod staging;
 mod staleness;
 mod staleness_relay;
 mod step;

@@ -16,6 +16,7 @@ use super::layout::FlatLayout;
 use super::optimizer::OptimizerTier;
 use super::parameters::Parameters;
 use super::plan::{Optimized, StagePlan};
+use super::staging::{self, Staged};
 use super::{flat_math, views};
 use crate::config::Precision;
 use crate::error::Result;
@@ -113,23 +114,29 @@ impl OptimizerShard {
             t.gradients.clear_accumulator();
             return swapped.write_all_from_f32(master);
         }
+        let (len, kind, device) = (self.optimized.len(), views::kind_of(t.precision), t.parameters.flat.device());
         let scratch = match self.master {
             None => flat_math::on_host(&t.parameters.read_shard(t.layout, t.rank, t.plan, &self.optimized)?)?,
-            Some(_) => Tensor::f_zeros([self.optimized.len() as i64], (views::kind_of(t.precision), tch::Device::Cpu))?,
+            // The step writes every element of the 16-bit output: a kept staging buffer for device parameters,
+            // a transient one otherwise (host memory is not held between steps for it).
+            Some(_) if views::on_device(&t.parameters.flat) => staging::host_buffer(len, kind, device)?,
+            Some(_) => Staged::borrowed(&Tensor::f_zeros([len as i64], (kind, tch::Device::Cpu))?),
         };
+        let scratch = scratch.values();
         match self.master.as_ref() {
             None => {
                 let grads = flat_math::on_host(&t.gradients.for_step(&self.optimized))?;
+                let grads = grads.values();
                 // SAFETY: `scratch` is this step's own copy of the shard; `grads` the reduced gradients (or a host
                 // copy of them), another buffer.
-                let (params, grads) = unsafe { (views::slice::<f32>(&scratch), views::slice::<f32>(&grads)) };
+                let (params, grads) = unsafe { (views::slice::<f32>(scratch), views::slice::<f32>(grads)) };
                 self.tier.step(params, grads, &self.groups, None)?
             }
             Some(master) => {
                 // SAFETY: `scratch` was just made here; nothing else holds it.
                 let out = match t.precision {
-                    Precision::Bf16 => ParamsOut::Bf16(unsafe { views::slice::<half::bf16>(&scratch) }),
-                    _ => ParamsOut::F16(unsafe { views::slice::<half::f16>(&scratch) }),
+                    Precision::Bf16 => ParamsOut::Bf16(unsafe { views::slice::<half::bf16>(scratch) }),
+                    _ => ParamsOut::F16(unsafe { views::slice::<half::f16>(scratch) }),
                 };
                 // SAFETY: the master and the accumulator are this shard's own host buffers, viewed for the step.
                 let (master, grads) =
@@ -138,7 +145,7 @@ impl OptimizerShard {
                 t.gradients.clear_accumulator();
             }
         }
-        t.parameters.write_shard(&scratch, t.layout, t.rank, t.plan, &self.optimized)
+        t.parameters.write_shard(scratch, t.layout, t.rank, t.plan, &self.optimized)
     }
 }
 

@@ -435,8 +435,9 @@ fn optimizer_shard(
     let master = (config.precision() != Precision::Fp32)
         .then(|| -> Result<Tensor> {
             let part = parameters::shard_values(flat, layout, rank, plan, &optimized);
-            // A copy of its own (the kind changes), on the optimizer's side.
-            Ok(part.f_to_device(home)?.f_to_kind(Kind::Float)?.f_contiguous()?)
+            // A copy of its own (the kind changes), on the optimizer's side; pinned when that is host memory the
+            // 16-bit values of a CUDA model are written back from.
+            super::staging::pinned_for(part.f_to_device(home)?.f_to_kind(Kind::Float)?.f_contiguous()?, device)
         })
         .transpose()?;
     let runs = match &optimized {

@@ -127,19 +127,28 @@ fn staged(t: &Tensor) -> bool {
     on_device(t)
 }
 
-/// A host copy of `t` of its own (a separate buffer even when `t` is a host tensor), contiguous.
-fn host_copy(t: &Tensor) -> CommResult<Tensor> {
-    let host = if t.device() == tch::Device::Cpu { Ok(t.copy()) } else { t.f_to_device(tch::Device::Cpu) };
-    host.map(|h| h.contiguous()).map_err(|e| crate::comm::CommError::BadArgument {
+/// A host copy of `t` in a buffer of its own (from the staging pool, pinned for a CUDA tensor).
+fn host_copy(t: &Tensor) -> CommResult<super::staging::Staged> {
+    super::staging::host_copy(t).map_err(|e| crate::comm::CommError::BadArgument {
         op: "stage",
         rank: 0,
         what: format!("copying a tensor to host memory: {e}"),
     })
 }
 
-/// `t` takes `host`'s values back (the staging's second copy).
+/// A host buffer for a collective's output of `t`'s length and kind (nothing copied in).
+fn host_output(t: &Tensor) -> CommResult<super::staging::Staged> {
+    super::staging::host_buffer(t.numel(), t.kind(), t.device()).map_err(|e| crate::comm::CommError::BadArgument {
+        op: "stage",
+        rank: 0,
+        what: format!("a host buffer for a collective's output: {e}"),
+    })
+}
+
+/// `t` takes `host`'s values back (the staging's second copy); `host` is flat, `t` of any shape.
 fn copy_back(t: &Tensor, host: &Tensor) -> CommResult<()> {
-    tch::no_grad(|| t.shallow_clone().f_copy_(host)).map(|_| ()).map_err(|e| crate::comm::CommError::BadArgument {
+    let copied = tch::no_grad(|| t.shallow_clone().f_copy_(&host.f_view(t.size().as_slice())?));
+    copied.map_err(|e| crate::comm::CommError::BadArgument {
         op: "stage",
         rank: 0,
         what: format!("copying a collective's result back: {e}"),
@@ -147,10 +156,12 @@ fn copy_back(t: &Tensor, host: &Tensor) -> CommResult<()> {
 }
 
 /// `t` as device memory for a backend that reduces it where it is: a contiguous tensor on a CUDA device. None
-/// for host tensors (and under emulation, whose "device" is host memory).
+/// for host tensors (and under emulation, whose "device" is host memory) and non-contiguous ones (staged).
 fn device_buf(t: &Tensor) -> Option<crate::comm::DeviceBuf> {
     let tch::Device::Cuda(device) = t.device() else { return None };
-    assert!(t.is_contiguous(), "a collective on a non-contiguous device tensor");
+    if !t.is_contiguous() {
+        return None;
+    }
     let dtype = match t.kind() {
         Kind::BFloat16 => crate::comm::Dtype::Bf16,
         Kind::Half => crate::comm::Dtype::F16,
@@ -172,8 +183,8 @@ pub fn all_reduce(comm: &dyn Communicator, t: &Tensor, op: ReduceOp) -> CommResu
     if staged(t) {
         let host = host_copy(t)?;
         // SAFETY: `host` is this call's own buffer.
-        unsafe { all_reduce_views(comm, &host, op) }?;
-        return copy_back(t, &host);
+        unsafe { all_reduce_views(comm, host.values(), op) }?;
+        return copy_back(t, host.values());
     }
     // SAFETY: see above.
     unsafe { all_reduce_views(comm, t, op) }
@@ -197,8 +208,8 @@ pub fn broadcast(comm: &dyn Communicator, t: &Tensor, root: usize) -> CommResult
     if staged(t) {
         let host = host_copy(t)?;
         // SAFETY: `host` is this call's own buffer.
-        unsafe { broadcast_views(comm, &host, root) }?;
-        return copy_back(t, &host);
+        unsafe { broadcast_views(comm, host.values(), root) }?;
+        return copy_back(t, host.values());
     }
     // SAFETY: see above.
     unsafe { broadcast_views(comm, t, root) }
@@ -222,8 +233,8 @@ pub fn all_gather(comm: &dyn Communicator, t: &Tensor) -> CommResult<()> {
     if staged(t) {
         let host = host_copy(t)?;
         // SAFETY: `host` is this call's own buffer.
-        unsafe { all_gather_views(comm, &host) }?;
-        return copy_back(t, &host);
+        unsafe { all_gather_views(comm, host.values()) }?;
+        return copy_back(t, host.values());
     }
     // SAFETY: see above.
     unsafe { all_gather_views(comm, t) }
@@ -247,10 +258,10 @@ pub fn reduce_scatter(comm: &dyn Communicator, t: &Tensor, out: &Tensor, op: Red
         }
     }
     if staged(t) || staged(out) {
-        let (host, host_out) = (host_copy(t)?, host_copy(out)?);
+        let (host, host_out) = (host_copy(t)?, host_output(out)?);
         // SAFETY: two buffers of this call's own.
-        unsafe { reduce_scatter_views(comm, &host, &host_out, op) }?;
-        return copy_back(out, &host_out);
+        unsafe { reduce_scatter_views(comm, host.values(), host_out.values(), op) }?;
+        return copy_back(out, host_out.values());
     }
     // SAFETY: see above; the two buffers are disjoint (checked).
     unsafe { reduce_scatter_views(comm, t, out, op) }
