@@ -60,6 +60,7 @@ test: setup
 	  --test checkpoint --test async_training --test pipeline --test tensor_parallel --test stage2_hooks --test model_state
 	# The device check's table with the device path emulated (exit 2: every row passed, no GPU here).
 	$(CARGO) run --quiet --features mpi,nccl --example device_check; test $$? -eq 2
+	./target/debug/zerorun launch --nproc-per-node 2 -- ./target/debug/examples/device_check
 
 # Binaries for scripts/gpu-check.sh on the GPU machine (no Rust toolchain there): stripped, under 64 MiB together.
 gpu-binaries: setup

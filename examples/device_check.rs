@@ -7,6 +7,10 @@
 //! Run by scripts/gpu-check.sh on the GPU machine. Without CUDA it runs the same table with the device path
 //! emulated on the CPU (`ZERORUN_DEVICE_EMULATION=1`: the engine's tensor paths on CPU tensors) and exits 2 when
 //! every row passes, so `make test` runs it too.
+//!
+//! Under `zerorun launch` (RANK set) it is one rank of a job instead: the processes share the GPU (each
+//! `zerorun::local_device()`, LOCAL_RANK modulo the GPUs) and reduce through the launcher's backend (shm: host
+//! staged), at stage 3; rank 0 prints one row against the same run by thread ranks on the host.
 use serde_json::{json, Value};
 use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
@@ -147,7 +151,37 @@ fn set_emulation(on: bool) {
     std::env::set_var("ZERORUN_DEVICE_EMULATION", if on { "1" } else { "0" });
 }
 
+/// One rank of a launched job (see the module's doc): stage 3, fp32.
+fn launched() -> i32 {
+    let _ = zerorun::cuda::load();
+    let cuda = zerorun::cuda::available();
+    let device = if cuda { zerorun::local_device() } else { Device::Cpu };
+    set_emulation(!cuda);
+    let comm = zerorun::communicator_from_env(std::time::Duration::from_secs(120)).unwrap();
+    let (rank, ranks) = (comm.rank(), comm.world_size());
+    let c = config(ranks, &json!({"zero_optimization": {"stage": 3}}));
+    let (xv, yv) = data();
+    let (on_device, peak) = run_rank(comm, ranks, device, &c, (&xv, &yv));
+    if rank != 0 {
+        return 0;
+    }
+    set_emulation(false);
+    let (host, _) = train(Device::Cpu, ranks, &c);
+    let d = max_relative_difference(&on_device, &host);
+    let peak = peak.map_or("-".into(), |b| format!("{:.2} MiB", b as f64 / (1 << 20) as f64));
+    let verdict = if d < 1e-5 { "" } else { " FAILED" };
+    println!("| stage 3, {ranks} processes ({}) | {ranks} | {d:.2e}{verdict} | 1e-5 | {peak} |", zerorun_backend());
+    i32::from(d >= 1e-5)
+}
+
+fn zerorun_backend() -> String {
+    std::env::var("ZERORUN_BACKEND").unwrap_or_else(|_| "shm".into())
+}
+
 fn main() {
+    if std::env::var_os("RANK").is_some() {
+        std::process::exit(launched());
+    }
     let _ = zerorun::cuda::load();
     let cuda = zerorun::cuda::available();
     let device = if cuda { zerorun::local_device() } else { Device::Cpu };

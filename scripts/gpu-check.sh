@@ -28,3 +28,6 @@ echo "nccl_check exit: ${PIPESTATUS[0]}"
 # The engine with CUDA tensors against the host run, stages 0-3, bf16, CPU offload: one Markdown table.
 timeout 240 ./gpu-bin/device_check 2>&1 | tee "$out/device_check.md"
 echo "device_check exit: ${PIPESTATUS[0]}"
+# Two processes sharing the GPU through the launcher's shm backend (host-staged), stage 3: one more row.
+timeout 180 ./gpu-bin/zerorun launch --nproc-per-node 2 -- ./gpu-bin/device_check 2>&1 | tee -a "$out/device_check.md"
+echo "device_check launched exit: ${PIPESTATUS[0]}"
