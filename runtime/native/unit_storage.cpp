@@ -11,6 +11,7 @@
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/autograd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
@@ -22,10 +23,9 @@ static char *message(const char *what) {
     return m;
 }
 
-// Host storages keep their bytes up to the smaller size (resize_bytes_cpu). Device storages get a fresh allocation
-// from the storage's own allocator (the CUDA caching allocator) without their old bytes: resize_bytes_cuda lives
-// in libtorch_cuda, which zerorun does not link, and the engine resizes a unit only between empty and full, after
-// which a gather writes every byte.
+// Storages keep their bytes up to the smaller size. Host ones through resize_bytes_cpu; device ones get a fresh
+// allocation from the storage's own allocator (the CUDA caching allocator), the kept bytes copied by that allocator
+// (resize_bytes_cuda lives in libtorch_cuda, which zerorun does not link).
 extern "C" char *zerorun_resize_storage(at::Tensor *t, int64_t nbytes) {
     try {
         c10::StorageImpl *storage = t->storage().unsafeGetStorageImpl();
@@ -34,8 +34,11 @@ extern "C" char *zerorun_resize_storage(at::Tensor *t, int64_t nbytes) {
             return nullptr;
         }
         if (!storage->resizable()) return message("the storage is not resizable");
-        c10::DataPtr fresh = nbytes > 0 ? storage->allocator()->allocate(static_cast<size_t>(nbytes))
+        c10::Allocator *allocator = storage->allocator();
+        c10::DataPtr fresh = nbytes > 0 ? allocator->allocate(static_cast<size_t>(nbytes))
                                         : c10::DataPtr(nullptr, storage->device());
+        const size_t kept = std::min(storage->nbytes(), static_cast<size_t>(nbytes));
+        if (kept > 0) allocator->copy_data(fresh.get(), storage->data(), kept);
         storage->set_data_ptr_noswap(std::move(fresh));
         storage->set_nbytes(static_cast<size_t>(nbytes));
         return nullptr;

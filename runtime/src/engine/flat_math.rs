@@ -20,8 +20,10 @@ fn sum_of_squares_on(t: &Tensor, device_path: bool) -> Result<f64> {
         return Ok(0.0);
     }
     if device_path {
-        let sq = tch::no_grad(|| t.f_to_kind(Kind::Double)?.f_square()?.f_sum(Kind::Double))?;
-        return Ok(f64::try_from(&sq)?);
+        // The norm accumulated in f64 by the kernel, without an f64 or squared copy of the gradients.
+        let norm = tch::no_grad(|| t.f_linalg_norm(2.0, None::<&[i64]>, false, Kind::Double))?;
+        let norm = f64::try_from(&norm)?;
+        return Ok(norm * norm);
     }
     // SAFETY: read-only for this call, between the reduction and the step (nothing writes gradients then).
     Ok(norm::sum_of_squares(unsafe { views::grads_of(t) }))
@@ -52,8 +54,9 @@ fn accumulate_on(acc: &Tensor, part: &Tensor, device_path: bool) -> Result<()> {
     debug_assert_eq!(acc.numel(), part.numel(), "an accumulation adds equal lengths");
     if device_path {
         tch::no_grad(|| -> Result<()> {
-            let wide = part.f_to_device(acc.device())?.f_to_kind(Kind::Float)?;
-            let _ = acc.shallow_clone().f_add_(&wide)?;
+            // In-place add promotes a 16-bit part to f32 in the kernel: no widened copy (only a device hop when
+            // the accumulator is in host memory).
+            let _ = acc.shallow_clone().f_add_(&part.f_to_device(acc.device())?)?;
             Ok(())
         })?;
         return Ok(());
