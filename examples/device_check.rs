@@ -12,62 +12,35 @@
 //! `zerorun::local_device()`, LOCAL_RANK modulo the GPUs) and reduce through the launcher's backend (shm: host
 //! staged), at stage 3; rank 0 prints one row against the same run by thread ranks on the host.
 use serde_json::{json, Value};
-use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
 use zerorun::runtime::comm::threads;
-use zerorun::{Config, Engine, EngineOptions, UnitModel};
+use zerorun::{Config, Engine, EngineOptions};
 
-const DIMS: [i64; 4] = [32, 64, 64, 8];
-const SAMPLES: i64 = 64;
+// The engine tests' MLP (a unit per layer), its data and its batches.
+#[path = "../tests/common/mlp.rs"]
+mod mlp;
+use mlp::{batch_indices, data, init_layers, Layers, GLOBAL_BATCH, HIDDEN, IN, OUT, SAMPLES};
+
 const STEPS: i64 = 6;
 
-struct Layers(Vec<nn::Linear>);
-
-impl UnitModel for Layers {
-    fn unit_prefixes(&self) -> Vec<Vec<String>> {
-        (0..self.0.len()).map(|i| vec![format!("layers.{i}")]).collect()
-    }
-
-    fn forward_unit(&self, unit: usize, x: &Tensor) -> Tensor {
-        let h = self.0[unit].forward(x);
-        if unit + 1 < self.0.len() {
-            h.gelu("none")
-        } else {
-            h
-        }
-    }
-}
-
-/// Every rank's model from one seed on the CPU (the generator's values do not depend on the device), then moved.
-fn model(device: Device) -> (nn::VarStore, Layers) {
-    static BUILD: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let _one_at_a_time = BUILD.lock().unwrap();
-    tch::manual_seed(11);
-    let mut vs = nn::VarStore::new(Device::Cpu);
-    let p = vs.root();
-    let layers = (0..DIMS.len() - 1).map(|i| nn::linear(&p / "layers" / i, DIMS[i], DIMS[i + 1], Default::default()));
-    let layers = Layers(layers.collect());
+/// Every rank's model from the tests' seed on the CPU (the generator's values do not depend on the device), then
+/// moved to `device`.
+fn model(device: Device) -> (tch::nn::VarStore, Layers) {
+    let (mut vs, layers) = init_layers(&[IN, HIDDEN, HIDDEN, OUT]);
     vs.set_device(device);
     (vs, layers)
 }
 
 fn config(ranks: usize, extra: &Value) -> Config {
     let mut v = json!({
-        "train_batch_size": 16, "train_micro_batch_size_per_gpu": 16 / ranks, "gradient_clipping": 1.0,
+        "train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": GLOBAL_BATCH as usize / ranks,
+        "gradient_clipping": 1.0,
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
     });
     for (k, x) in extra.as_object().unwrap() {
         v[k] = x.clone();
     }
     Config::from_value(v).unwrap()
-}
-
-/// The data every run trains on, as host values.
-fn data() -> (Vec<f32>, Vec<f32>) {
-    tch::manual_seed(3);
-    let x = Tensor::randn([SAMPLES, DIMS[0]], (Kind::Float, Device::Cpu));
-    let y = Tensor::randn([SAMPLES, DIMS[3]], (Kind::Float, Device::Cpu));
-    (Vec::<f32>::try_from(&x.view([-1])).unwrap(), Vec::<f32>::try_from(&y.view([-1])).unwrap())
 }
 
 type Weights = Vec<(String, Vec<f32>)>;
@@ -90,13 +63,14 @@ fn run_rank(
     let options = EngineOptions::default().units_of(&layers);
     let mut engine = Engine::new(&vs, c.clone(), comm, options).unwrap();
     let kind = if bf16 { Kind::BFloat16 } else { Kind::Float };
-    let x = Tensor::from_slice(xv).view([SAMPLES, DIMS[0]]).to_device(device).to_kind(kind);
-    let y = Tensor::from_slice(yv).view([SAMPLES, DIMS[3]]).to_device(device);
-    let micro = 16 / ranks as i64;
+    let x = Tensor::from_slice(xv).view([SAMPLES, IN]).to_device(device).to_kind(kind);
+    let y = Tensor::from_slice(yv).view([SAMPLES, OUT]).to_device(device);
+    let micro = GLOBAL_BATCH as usize / ranks;
     for step in 0..STEPS {
-        let start = (step * 16 + rank as i64 * micro) % SAMPLES;
-        let pred = engine.forward(&layers, &x.narrow(0, start, micro)).unwrap();
-        let loss = pred.to_kind(Kind::Float).mse_loss(&y.narrow(0, start, micro), tch::Reduction::Mean);
+        let rows = batch_indices(step);
+        let idx = Tensor::from_slice(&rows[rank * micro..(rank + 1) * micro]).to_device(device);
+        let pred = engine.forward(&layers, &x.index_select(0, &idx)).unwrap();
+        let loss = pred.to_kind(Kind::Float).mse_loss(&y.index_select(0, &idx), tch::Reduction::Mean);
         engine.backward_units(&layers, &loss).unwrap();
         engine.step().unwrap();
     }
