@@ -61,6 +61,10 @@ fn run(args: &Args) -> Result<(), String> {
     let cfg =
         GptConfig { vocab: corpus.vocab, block: args.block, layers: args.layers, heads: args.heads, embd: args.embd };
     share_cores(a.ranks);
+    let device = a.device()?;
+    if device != tch::Device::Cpu && (args.pipeline_stages.is_some() || args.tensor_parallel.is_some()) {
+        return Err("--device cuda trains the data-parallel GPT; with --pipeline-stages or --tensor-parallel this example runs on the CPU only".into());
+    }
     if let Some(stages) = args.pipeline_stages {
         return run_pipeline(args, &config, &corpus, cfg, stages);
     }
@@ -70,6 +74,7 @@ fn run(args: &Args) -> Result<(), String> {
     let timeout = Duration::from_secs_f64(config.comms_timeout);
     let summary = run_ranks(a.ranks, timeout, |comm| {
         let (mut vs, model) = build_model(a.seed, a.init.as_ref(), |vs| Gpt::new(vs.root(), &cfg))?;
+        vs.set_device(device);
         to_config_precision(&config, &mut vs);
         let options = EngineOptions {
             no_weight_decay: Some(no_decay_for_1d),
@@ -86,6 +91,7 @@ fn run(args: &Args) -> Result<(), String> {
             for m in 0..b.gradient_accumulation_steps {
                 let range = micro_batch_range(rank, world, m, b.train_micro_batch_size_per_gpu);
                 let (x, y) = corpus.batch(a.seed, step, b.train_batch_size, range, cfg.block);
+                let (x, y) = (x.to_device(device), y.to_device(device));
                 let logits = engine.forward(&model, &x).map_err(|e| e.to_string())?.to_kind(tch::Kind::Float);
                 let loss = logits.view([-1, cfg.vocab]).cross_entropy_for_logits(&y.view([-1]));
                 engine.backward_units(&model, &loss).map_err(|e| e.to_string())?;

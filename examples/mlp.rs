@@ -146,6 +146,7 @@ fn main() {
 fn run(args: &Args) -> Result<(), String> {
     let a = &args.common;
     a.check()?;
+    let device = a.device()?;
     let config = load_config(&a.config)?;
     let (x, y) = match &args.data {
         Some(p) => load_data(p)?,
@@ -181,7 +182,7 @@ fn run(args: &Args) -> Result<(), String> {
         let options = EngineOptions { activation_checkpointing: a.activation_checkpointing, ..Default::default() };
         let (_vs, model, kind, mut engine): (nn::VarStore, Box<dyn UnitModel>, Kind, Engine) = if args.builders {
             tch::manual_seed(a.seed as i64);
-            let vs = nn::VarStore::new(tch::Device::Cpu);
+            let vs = nn::VarStore::new(device);
             let builders = mlp_builders(args.input, args.hidden, args.layers, args.out);
             let builders = match &a.init {
                 Some(path) => builders.init_from(path),
@@ -194,6 +195,7 @@ fn run(args: &Args) -> Result<(), String> {
             let (mut vs, model) = build_model(a.seed, a.init.as_ref(), |vs| {
                 Mlp::new(vs.root(), args.input, args.hidden, args.layers, args.out)
             })?;
+            vs.set_device(device);
             let kind = to_config_precision(&config, &mut vs);
             for (name, t) in vs.variables() {
                 let layer = name
@@ -209,8 +211,8 @@ fn run(args: &Args) -> Result<(), String> {
             (vs, Box::new(model), kind, engine)
         };
         let model: &dyn UnitModel = model.as_ref();
-        let x = Tensor::from_slice(&xv).view([samples as i64, args.input]).to_kind(kind);
-        let y = Tensor::from_slice(&yv).view([samples as i64, args.out]);
+        let x = Tensor::from_slice(&xv).view([samples as i64, args.input]).to_device(device).to_kind(kind);
+        let y = Tensor::from_slice(&yv).view([samples as i64, args.out]).to_device(device);
         let b = engine.batch_sizes();
         let (rank, world) = (engine.rank(), engine.world_size());
         let mut progress = Progress::new(a.steps);
@@ -227,7 +229,8 @@ fn run(args: &Args) -> Result<(), String> {
                     }
                 }
                 let idx =
-                    Tensor::from_slice(&order[micro_batch_range(rank, world, m, b.train_micro_batch_size_per_gpu)]);
+                    Tensor::from_slice(&order[micro_batch_range(rank, world, m, b.train_micro_batch_size_per_gpu)])
+                        .to_device(device);
                 let input = x.index_select(0, &idx);
                 let pred = if args.plain_loop {
                     (0..model.unit_prefixes().len()).fold(input, |h, i| model.forward_unit(i, &h))

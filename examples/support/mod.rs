@@ -45,9 +45,35 @@ pub struct CommonArgs {
     /// Stage 3: keep only each unit's input in forward and recompute the unit in backward.
     #[arg(long)]
     pub activation_checkpointing: bool,
+    /// Where the model trains: the CPU, or this rank's GPU (`cuda`: LOCAL_RANK modulo the GPUs seen).
+    #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
+    pub device: DeviceArg,
+}
+
+/// `--device`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceArg {
+    Cpu,
+    Cuda,
 }
 
 impl CommonArgs {
+    /// The device `--device` names: the CPU, or this rank's GPU (an error when none is usable here).
+    pub fn device(&self) -> Result<tch::Device, String> {
+        match self.device {
+            DeviceArg::Cpu => Ok(tch::Device::Cpu),
+            DeviceArg::Cuda => {
+                if let Err(e) = zerorun::cuda::load() {
+                    return Err(format!("--device cuda: {e}"));
+                }
+                if !zerorun::cuda::available() {
+                    return Err("--device cuda: libtorch sees no CUDA device on this machine".into());
+                }
+                Ok(zerorun::local_device())
+            }
+        }
+    }
+
     /// Refuses flags whose feature is not in this build, rather than ignoring them.
     pub fn check(&self) -> Result<(), String> {
         if (self.save_every.is_some() || self.resume) && self.checkpoint_dir.is_none() {
