@@ -3,7 +3,7 @@
 //! parameter groups. Its step writes this rank's parameters in place where they are one contiguous range, or
 //! through a contiguous copy where they are pieces of every unit (stage 2) or on NVMe (stage 3).
 //!
-//! Two homes: the device path's Adam ([`DeviceOptimizer`]) keeps its states, the master and the gradients on the model's
+//! Two homes: the device path's optimizer ([`DeviceOptimizer`]) keeps its states, the master and the gradients on the model's
 //! device and steps them there as tensors; the host tiers (zerorun-optim's optimizers, NVMe) step host slices, and
 //! when the engine's buffers are on a device (CPU offload) they step host copies of the values and gradients,
 //! written back after the step.
@@ -45,13 +45,13 @@ pub(super) struct StepTarget<'a> {
     pub rank: usize,
 }
 
-/// Whether `tier` is the device path's Adam, which keeps the master and the gradients it steps on the model's device.
+/// Whether `tier` is the device path's optimizer, which keeps the master and the gradients on the model's device.
 pub(super) fn steps_on_device(tier: &mut OptimizerTier) -> bool {
     tier.as_any_mut().is_some_and(|a| a.is::<DeviceOptimizer>())
 }
 
 impl OptimizerShard {
-    /// Where the fp32 master and accumulator live: on `model_device` for the device path's Adam, else the host.
+    /// Where the fp32 master and accumulator live: on `model_device` for the device path's optimizer, else the host.
     pub fn master_device(&mut self, model_device: tch::Device) -> tch::Device {
         if steps_on_device(&mut self.tier) {
             model_device
@@ -149,7 +149,7 @@ impl OptimizerShard {
     }
 }
 
-/// The device path's step: libtorch's fused Adam on the values where they live. fp32 models step the parameters
+/// The device path's step: libtorch's kernels on the values where they live. fp32 models step the parameters
 /// in place where they are contiguous (else a copy of the shard, written back); 16-bit models step the fp32 master
 /// and take its rounding into the parameters.
 fn step_on_device(
