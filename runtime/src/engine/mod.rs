@@ -98,7 +98,7 @@ pub enum StepOutcome {
 /// `ZERORUN_DEVICE_EMULATION=1`: the engine takes its device paths on CPU tensors, as if they were device memory,
 /// so that `make test` runs what a GPU run runs but the CUDA calls: the arithmetic as tensor ops (`flat_math.rs`),
 /// the optimizer's side in tensors stepped by libtorch's kernels ([`device_optimizer::DeviceOptimizer`]), host
-/// staging for collectives and host copies (`views.rs`, `staging.rs`). See [`views::on_device`].
+/// staging for collectives and host copies (`views.rs`, `staging.rs`); `views::on_device` is the rule.
 pub fn device_emulation() -> bool {
     // Read at every tensor collective (views.rs): var_os, no allocation.
     std::env::var_os("ZERORUN_DEVICE_EMULATION").is_some_and(|v| v == "1")
