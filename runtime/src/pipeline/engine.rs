@@ -233,7 +233,8 @@ impl<'a> PipelineEngine<'a> {
         for (index, action) in self.actions.clone().into_iter().enumerate() {
             match action {
                 Action::RecvActivation { mb, chunk } => {
-                    inputs[slot(mb, chunk)] = Some(self.link.recv_activation()?.set_requires_grad(true));
+                    let received = self.link.recv_activation()?.to_device(self.engine.device());
+                    inputs[slot(mb, chunk)] = Some(received.set_requires_grad(true));
                 }
                 Action::Forward { mb, chunk } => {
                     let t = Instant::now();
@@ -255,7 +256,9 @@ impl<'a> PipelineEngine<'a> {
                     self.link
                         .send_activation(outputs[slot(mb, chunk)].as_ref().expect("computed before it is sent"))?;
                 }
-                Action::RecvGradient { mb, chunk } => grads[slot(mb, chunk)] = Some(self.link.recv_gradient()?),
+                Action::RecvGradient { mb, chunk } => {
+                    grads[slot(mb, chunk)] = Some(self.link.recv_gradient()?.to_device(self.engine.device()))
+                }
                 Action::Backward { mb, chunk } => {
                     if last_backward == Some(index) {
                         // Every replica's gradient is complete (their stages' backwards come first).
@@ -317,7 +320,7 @@ impl<'a> PipelineEngine<'a> {
                 let input = if self.placement.is_first(chunk) {
                     batch.inputs.take().ok_or_else(|| self.missing("inputs", mb))?
                 } else {
-                    self.link.recv_activation()?
+                    self.link.recv_activation()?.to_device(self.engine.device())
                 };
                 let out = tch::no_grad(|| self.model.forward(chunk, &input));
                 if self.placement.is_last(chunk) {

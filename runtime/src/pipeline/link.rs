@@ -89,7 +89,7 @@ impl StageLink {
         self.queue(GRADIENTS, grad)
     }
 
-    /// The previous stage's next activation.
+    /// The previous stage's next activation, in host memory (the stage moves it to its device).
     pub fn recv_activation(&mut self) -> CommResult<Tensor> {
         self.receive(ACTIVATIONS)
     }
