@@ -186,20 +186,8 @@ fn bounded_staleness_trains_a_bf16_model_from_fp32_masters() {
             if let Some(dir) = load {
                 engine.load_checkpoint(dir, None).unwrap();
             }
-            let micro = engine.batch_sizes().train_micro_batch_size_per_gpu as usize;
             let x = x.to_kind(tch::Kind::BFloat16);
-            let mut last = f64::NAN;
-            for step in steps.clone() {
-                if let (Some(ms), 2) = (slow, rank) {
-                    std::thread::sleep(std::time::Duration::from_millis(ms));
-                }
-                let rows = batch_indices(step);
-                let loss = loss_on(&model, &x, &y, &rows[rank * micro..(rank + 1) * micro]);
-                engine.backward(&loss).unwrap();
-                if let zerorun::StepOutcome::Stepped { loss, .. } = engine.step().unwrap() {
-                    last = loss;
-                }
-            }
+            let last = train_steps(&mut engine, &model, (&x, &y), steps.clone(), slow.filter(|_| rank == 2));
             if let Some(dir) = save {
                 engine.save_checkpoint(dir, None).unwrap();
             }
@@ -269,6 +257,31 @@ struct BoundedRun {
     loss: f64,
 }
 
+/// This rank's micro-batch of each step of `steps` through `engine` (sleeping `sleep_ms` first in each, a slow
+/// rank); the last loss a step reported.
+fn train_steps(
+    engine: &mut Engine,
+    model: &tch::nn::Sequential,
+    (x, y): (&tch::Tensor, &tch::Tensor),
+    steps: std::ops::Range<i64>,
+    sleep_ms: Option<u64>,
+) -> f64 {
+    let (rank, micro) = (engine.rank(), engine.batch_sizes().train_micro_batch_size_per_gpu as usize);
+    let mut last = f64::NAN;
+    for step in steps {
+        if let Some(ms) = sleep_ms {
+            std::thread::sleep(std::time::Duration::from_millis(ms));
+        }
+        let rows = batch_indices(step);
+        let loss = loss_on(model, x, y, &rows[rank * micro..(rank + 1) * micro]);
+        engine.backward(&loss).unwrap();
+        if let zerorun::StepOutcome::Stepped { loss, .. } = engine.step().unwrap() {
+            last = loss;
+        }
+    }
+    last
+}
+
 /// Bounded staleness at stage 1 with AdamW and WarmupLR, 3 thread ranks: each rank's parameters after `steps`
 /// steps, its staleness counts as an owner and its last loss. `slow`: (rank, milliseconds it sleeps per step).
 fn bounded(staleness: u64, scaling: bool, steps: i64, slow: Option<(usize, u64)>) -> Vec<BoundedRun> {
@@ -288,19 +301,8 @@ fn bounded(staleness: u64, scaling: bool, steps: i64, slow: Option<(usize, u64)>
         let options =
             EngineOptions { no_weight_decay: Some(zerorun::runtime::engine::no_decay_for_1d), ..Default::default() };
         let mut engine = Engine::new(&vs, c.clone(), Box::new(comm), options).unwrap();
-        let micro = engine.batch_sizes().train_micro_batch_size_per_gpu as usize;
-        let mut last = f64::NAN;
-        for step in 0..steps {
-            if let Some((_, ms)) = slow.filter(|(r, _)| *r == rank) {
-                std::thread::sleep(std::time::Duration::from_millis(ms));
-            }
-            let rows = batch_indices(step);
-            let loss = loss_on(&model, &x, &y, &rows[rank * micro..(rank + 1) * micro]);
-            engine.backward(&loss).unwrap();
-            if let zerorun::StepOutcome::Stepped { loss, .. } = engine.step().unwrap() {
-                last = loss;
-            }
-        }
+        let sleep = slow.filter(|(r, _)| *r == rank).map(|(_, ms)| ms);
+        let last = train_steps(&mut engine, &model, (&x, &y), 0..steps, sleep);
         // Every owner applies every step and every rank pulls the final values.
         engine.finish().unwrap();
         BoundedRun { params: params_of(&vs), counts: engine.staleness_counts(), loss: last }

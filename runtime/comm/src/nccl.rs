@@ -221,7 +221,7 @@ impl<T> cudarc::driver::DevicePtrMut<T> for TorchMemory<'_, T> {
 }
 
 impl NcclComm {
-    /// `buf` (and `rest`) as device memory of this communicator's device, or an error naming the mismatch.
+    /// Every one of `bufs` is device memory of this communicator's device, or an error names the mismatch.
     fn check_device(&self, op: &'static str, bufs: &[DeviceBuf]) -> CommResult<()> {
         match bufs.iter().find(|b| b.device != self.device) {
             None => Ok(()),

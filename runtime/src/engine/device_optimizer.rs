@@ -146,11 +146,12 @@ impl DeviceOptimizer {
     /// `grads` (fp32) are tensors on the states' device, `values` updated in place; `groups` are relative to them.
     pub fn step_tensors(&mut self, values: &Tensor, grads: &Tensor, groups: &[Group]) -> Result<()> {
         self.step += 1;
-        self.update_tensors(0, values, grads, groups)
+        self.update_range_tensors(0, values, grads, groups)
     }
 
-    /// Steps the elements `start..start + values.numel()` of the optimized range at the current count (a step
-    /// begun with `begin_step`), `values` and `grads` on the states' device: a piece of a step taken in pieces.
+    /// Steps the elements `start..start + values.numel()` of the optimized range at the current count (a whole
+    /// step from `step_tensors`, or a piece of one begun with `begin_step`); `values` and `grads` on the states'
+    /// device.
     pub fn update_range_tensors(
         &mut self,
         start: usize,
@@ -158,11 +159,6 @@ impl DeviceOptimizer {
         grads: &Tensor,
         groups: &[Group],
     ) -> Result<()> {
-        self.update_tensors(start, values, grads, groups)
-    }
-
-    /// Steps the elements `start..start + values.numel()` of the optimized range at the current count.
-    fn update_tensors(&mut self, start: usize, values: &Tensor, grads: &Tensor, groups: &[Group]) -> Result<()> {
         let end = start + values.numel();
         for group in groups {
             let (lo, hi) = (group.range.start.max(start), group.range.end.min(end));
@@ -186,26 +182,6 @@ impl DeviceOptimizer {
                 }
                 Rule::Sgd(c) => sgd_step(c, self.step == 1, &p, &g, states.first(), group),
             })?;
-        }
-        Ok(())
-    }
-
-    /// Steps elements `range` of the optimized values at the current count: `params` and `grads` hold the range's
-    /// elements (host memory), staged through copies on the tier's device; `groups` are relative to the whole.
-    fn update(
-        &mut self,
-        range: Range<usize>,
-        params: &mut [f32],
-        grads: &[f32],
-        groups: &[Group],
-        out: Option<ParamsOut<'_>>,
-    ) -> Result<()> {
-        let p = Tensor::from_slice(params).to_device(self.device);
-        let g = Tensor::from_slice(grads).to_device(self.device);
-        self.update_tensors(range.start, &p, &g, groups)?;
-        p.to_device(Device::Cpu).f_copy_data(params, params.len())?;
-        if let Some(mut out) = out {
-            out.store(params);
         }
         Ok(())
     }
@@ -272,7 +248,7 @@ impl zerorun_offload::OptimizerTier for DeviceOptimizer {
         out: Option<ParamsOut<'_>>,
     ) -> std::result::Result<(), TierError> {
         self.step += 1;
-        self.update(0..params.len(), params, grads, groups, out).map_err(tier)
+        self.update_range(0..params.len(), params, grads, groups, out)
     }
 
     fn begin_step(&mut self) -> std::result::Result<(), TierError> {
@@ -288,7 +264,19 @@ impl zerorun_offload::OptimizerTier for DeviceOptimizer {
         groups: &[Group],
         out: Option<ParamsOut<'_>>,
     ) -> std::result::Result<(), TierError> {
-        self.update(range, params, grads, groups, out).map_err(tier)
+        // Host slices (the tier interface): staged through copies on the states' device.
+        let mut staged = || -> Result<()> {
+            let p = Tensor::from_slice(params).to_device(self.device);
+            let g = Tensor::from_slice(grads).to_device(self.device);
+            self.update_range_tensors(range.start, &p, &g, groups)?;
+            p.to_device(Device::Cpu).f_copy_data(params, params.len())?;
+            Ok(())
+        };
+        staged().map_err(tier)?;
+        if let Some(mut out) = out {
+            out.store(params);
+        }
+        Ok(())
     }
 
     /// Adam's beta1; SGD's momentum when it has a buffer (plain SGD stays plain, as on the host).

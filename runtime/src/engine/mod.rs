@@ -43,6 +43,7 @@ mod sharded_unit;
 mod staging;
 mod staleness;
 mod staleness_relay;
+mod staleness_step;
 mod step;
 mod step_in_backward;
 mod swapped_params;
@@ -221,7 +222,7 @@ pub struct Engine {
     staleness: Option<Box<staleness::BoundedStaleness>>,
     /// Bounded staleness on a 16-bit model: the fp32 values workers and owners exchange (the own partition is the
     /// master).
-    staleness_values: Option<staleness::StalenessValues>,
+    staleness_values: Option<staleness_step::StalenessValues>,
     owner_schedule: Option<LrScheduler>,
 }
 

@@ -12,8 +12,13 @@ pub fn build(config: &Config, len: usize) -> (Box<dyn Optimizer>, f64, f64) {
     if let Some((c, lr, weight_decay)) = adam(config) {
         return (Box::new(Adam::new(c, len)), lr, weight_decay);
     }
+    if let Some((c, lr, weight_decay)) = sgd(config) {
+        return (Box::new(Sgd::new(c, len)), lr, weight_decay);
+    }
     match optimizer_config(config).as_ref() {
-        OptimizerConfig::Adam(_) | OptimizerConfig::AdamW(_) => unreachable!("Adam is built above"),
+        OptimizerConfig::Adam(_) | OptimizerConfig::AdamW(_) | OptimizerConfig::SGD(_) => {
+            unreachable!("Adam and SGD are built above")
+        }
         OptimizerConfig::Adagrad(p) => {
             let c = AdagradConfig {
                 eps: p.eps,
@@ -35,10 +40,6 @@ pub fn build(config: &Config, len: usize) -> (Box<dyn Optimizer>, f64, f64) {
         }
         OptimizerConfig::Lion(p) => {
             (Box::new(Lion::new(LionConfig { betas: (p.betas[0], p.betas[1]) }, len)), p.lr, p.weight_decay)
-        }
-        OptimizerConfig::SGD(p) => {
-            let c = SgdConfig { momentum: p.momentum, dampening: p.dampening, nesterov: p.nesterov };
-            (Box::new(Sgd::new(c, len)), p.lr, p.weight_decay)
         }
     }
 }

@@ -51,15 +51,6 @@ pub(super) fn steps_on_device(tier: &mut OptimizerTier) -> bool {
 }
 
 impl OptimizerShard {
-    /// Where the fp32 master and accumulator live: on `model_device` for the device path's optimizer, else the host.
-    pub fn master_device(&mut self, model_device: tch::Device) -> tch::Device {
-        if steps_on_device(&mut self.tier) {
-            model_device
-        } else {
-            tch::Device::Cpu
-        }
-    }
-
     /// Steps this rank's values with the reduced fp32 gradients (the groups carry the learning rate).
     pub fn step(&mut self, t: StepTarget<'_>) -> Result<()> {
         if let Some(adam) = self.tier.as_any_mut().and_then(|a| a.downcast_mut::<DeviceOptimizer>()) {

@@ -341,8 +341,7 @@ impl Engine {
             None
         };
 
-        let mut shard = optimizer_shard(&config, &plan, &layout, &flat_params, rank, device)?;
-        let optimizer_device = shard.master_device(device);
+        let (shard, optimizer_device) = optimizer_shard(&config, &plan, &layout, &flat_params, rank, device)?;
         let swapped_params = swap_parameters_out(&mut flat_params, &sharded_units, &plan, &config, rank, world_size)?;
         let scheduler = optimizer::scheduler(&config, shard.base_lr);
         let gradients =
@@ -419,7 +418,8 @@ impl Engine {
 }
 
 /// This rank's optimizer side: the values it steps (by the plan), their fp32 master for a 16-bit model (from
-/// `flat`, before the shard may move to NVMe), the optimizer and its tier, and the groups with their weight decay.
+/// `flat`, before the shard may move to NVMe), the optimizer and its tier, and the groups with their weight decay;
+/// and where that side lives (the fp32 master and accumulator: the model's device or the host).
 fn optimizer_shard(
     config: &Config,
     plan: &StagePlan,
@@ -427,10 +427,10 @@ fn optimizer_shard(
     flat: &Tensor,
     rank: usize,
     device: Device,
-) -> Result<optimizer_shard::OptimizerShard> {
+) -> Result<(optimizer_shard::OptimizerShard, Device)> {
     let optimized = plan.optimized(layout, rank);
     let (mut tier, base_lr, weight_decay) = optimizer_tier(config, optimized.len(), rank, next_engine_id(), device)?;
-    // The master lives with the optimizer's states: on the device for the device path's Adam, else on the host.
+    // The master lives with the optimizer's states: on the device for the device path's optimizer, else the host.
     let home = if optimizer_shard::steps_on_device(&mut tier) { device } else { Device::Cpu };
     let master = (config.precision() != Precision::Fp32)
         .then(|| -> Result<Tensor> {
@@ -448,7 +448,7 @@ fn optimizer_shard(
         .into_iter()
         .map(|(range, decay)| Group { range, lr: base_lr, weight_decay: if decay { weight_decay } else { 0.0 } })
         .collect();
-    Ok(optimizer_shard::OptimizerShard { optimized, master, tier, groups, base_lr })
+    Ok((optimizer_shard::OptimizerShard { optimized, master, tier, groups, base_lr }, home))
 }
 
 /// Stage 3 with `offload_param.device = nvme`: moves this rank's shard out of `flat` (left empty) into swap files.

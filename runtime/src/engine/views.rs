@@ -121,38 +121,15 @@ pub fn on_device(t: &Tensor) -> bool {
     t.device() != tch::Device::Cpu || super::device_emulation()
 }
 
-/// Whether a collective on `t` runs on a host copy of it: a tensor on the device paths ([`on_device`]), which the
-/// host backends reach only through host memory.
-fn staged(t: &Tensor) -> bool {
-    on_device(t)
-}
-
-/// A host copy of `t` in a buffer of its own (from the staging pool, pinned for a CUDA tensor).
-fn host_copy(t: &Tensor) -> CommResult<super::staging::Staged> {
-    super::staging::host_copy(t).map_err(|e| crate::comm::CommError::BadArgument {
-        op: "stage",
-        rank: 0,
-        what: format!("copying a tensor to host memory: {e}"),
-    })
-}
-
-/// A host buffer for a collective's output of `t`'s length and kind (nothing copied in).
-fn host_output(t: &Tensor) -> CommResult<super::staging::Staged> {
-    super::staging::host_buffer(t.numel(), t.kind(), t.device()).map_err(|e| crate::comm::CommError::BadArgument {
-        op: "stage",
-        rank: 0,
-        what: format!("a host buffer for a collective's output: {e}"),
-    })
+/// A staging step's error, naming what failed.
+fn staging_error(what: &'static str) -> impl FnOnce(crate::error::Error) -> crate::comm::CommError {
+    move |e| crate::comm::CommError::BadArgument { op: "stage", rank: 0, what: format!("{what}: {e}") }
 }
 
 /// `t` takes `host`'s values back (the staging's second copy); `host` is flat, `t` of any shape.
 fn copy_back(t: &Tensor, host: &Tensor) -> CommResult<()> {
-    let copied = tch::no_grad(|| t.shallow_clone().f_copy_(&host.f_view(t.size().as_slice())?));
-    copied.map_err(|e| crate::comm::CommError::BadArgument {
-        op: "stage",
-        rank: 0,
-        what: format!("copying a collective's result back: {e}"),
-    })
+    tch::no_grad(|| t.shallow_clone().f_copy_(&host.f_view(t.size().as_slice())?))
+        .map_err(|e| staging_error("copying a collective's result back")(e.into()))
 }
 
 /// `t` as device memory for a backend that reduces it where it is: a contiguous tensor on a CUDA device. None
@@ -171,23 +148,32 @@ fn device_buf(t: &Tensor) -> Option<crate::comm::DeviceBuf> {
     Some(crate::comm::DeviceBuf { ptr: t.data_ptr() as u64, count: t.numel(), dtype, device })
 }
 
-/// Runs a collective on a flat tensor of any supported kind: on device memory where the backend reduces it there
-/// (NCCL), else on host memory (staged for device tensors).
-pub fn all_reduce(comm: &dyn Communicator, t: &Tensor, op: ReduceOp) -> CommResult<()> {
-    // SAFETY: the engine's buffer, untouched by anything else during the blocking call.
+/// The one route of an in-place collective on `t`: on its device memory when the backend reduces it there
+/// (`on_device_memory`, NCCL), else on host views (`on_host`) of a staged host copy (the device paths) or of `t`
+/// itself.
+fn in_place(
+    t: &Tensor,
+    on_device_memory: impl FnOnce(crate::comm::DeviceBuf) -> CommResult<bool>,
+    on_host: impl FnOnce(&Tensor) -> CommResult<()>,
+) -> CommResult<()> {
     if let Some(buf) = device_buf(t) {
-        if unsafe { comm.all_reduce_device(buf, op) }? {
+        if on_device_memory(buf)? {
             return Ok(());
         }
     }
-    if staged(t) {
-        let host = host_copy(t)?;
-        // SAFETY: `host` is this call's own buffer.
-        unsafe { all_reduce_views(comm, host.values(), op) }?;
-        return copy_back(t, host.values());
+    if !on_device(t) {
+        return on_host(t);
     }
-    // SAFETY: see above.
-    unsafe { all_reduce_views(comm, t, op) }
+    let host = super::staging::host_copy(t).map_err(staging_error("copying a tensor to host memory"))?;
+    on_host(host.values())?;
+    copy_back(t, host.values())
+}
+
+/// Runs a collective on a flat tensor of any supported kind (see [`in_place`]).
+pub fn all_reduce(comm: &dyn Communicator, t: &Tensor, op: ReduceOp) -> CommResult<()> {
+    // SAFETY (both): the engine's buffer or this call's host copy, untouched by anything else during the blocking
+    // call.
+    in_place(t, |buf| unsafe { comm.all_reduce_device(buf, op) }, |h| unsafe { all_reduce_views(comm, h, op) })
 }
 
 unsafe fn all_reduce_views(comm: &dyn Communicator, t: &Tensor, op: ReduceOp) -> CommResult<()> {
@@ -199,20 +185,8 @@ unsafe fn all_reduce_views(comm: &dyn Communicator, t: &Tensor, op: ReduceOp) ->
 }
 
 pub fn broadcast(comm: &dyn Communicator, t: &Tensor, root: usize) -> CommResult<()> {
-    // SAFETY: as in `all_reduce`.
-    if let Some(buf) = device_buf(t) {
-        if unsafe { comm.broadcast_device(buf, root) }? {
-            return Ok(());
-        }
-    }
-    if staged(t) {
-        let host = host_copy(t)?;
-        // SAFETY: `host` is this call's own buffer.
-        unsafe { broadcast_views(comm, host.values(), root) }?;
-        return copy_back(t, host.values());
-    }
-    // SAFETY: see above.
-    unsafe { broadcast_views(comm, t, root) }
+    // SAFETY (both): as in `all_reduce`.
+    in_place(t, |buf| unsafe { comm.broadcast_device(buf, root) }, |h| unsafe { broadcast_views(comm, h, root) })
 }
 
 unsafe fn broadcast_views(comm: &dyn Communicator, t: &Tensor, root: usize) -> CommResult<()> {
@@ -224,20 +198,8 @@ unsafe fn broadcast_views(comm: &dyn Communicator, t: &Tensor, root: usize) -> C
 }
 
 pub fn all_gather(comm: &dyn Communicator, t: &Tensor) -> CommResult<()> {
-    // SAFETY: as in `all_reduce`.
-    if let Some(buf) = device_buf(t) {
-        if unsafe { comm.all_gather_device(buf) }? {
-            return Ok(());
-        }
-    }
-    if staged(t) {
-        let host = host_copy(t)?;
-        // SAFETY: `host` is this call's own buffer.
-        unsafe { all_gather_views(comm, host.values()) }?;
-        return copy_back(t, host.values());
-    }
-    // SAFETY: see above.
-    unsafe { all_gather_views(comm, t) }
+    // SAFETY (both): as in `all_reduce`.
+    in_place(t, |buf| unsafe { comm.all_gather_device(buf) }, |h| unsafe { all_gather_views(comm, h) })
 }
 
 unsafe fn all_gather_views(comm: &dyn Communicator, t: &Tensor) -> CommResult<()> {
@@ -257,8 +219,10 @@ pub fn reduce_scatter(comm: &dyn Communicator, t: &Tensor, out: &Tensor, op: Red
             return Ok(());
         }
     }
-    if staged(t) || staged(out) {
-        let (host, host_out) = (host_copy(t)?, host_output(out)?);
+    if on_device(t) || on_device(out) {
+        let host = super::staging::host_copy(t).map_err(staging_error("copying a tensor to host memory"))?;
+        let host_out = super::staging::host_buffer(out.numel(), out.kind(), out.device())
+            .map_err(staging_error("a host buffer for a collective's output"))?;
         // SAFETY: two buffers of this call's own.
         unsafe { reduce_scatter_views(comm, host.values(), host_out.values(), op) }?;
         return copy_back(out, host_out.values());

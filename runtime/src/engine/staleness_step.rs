@@ -1,0 +1,171 @@
+//! The engine's side of bounded staleness (`staleness.rs` is the protocol): setting up the window from the
+//! engine's values, the step at each accumulation boundary (push this rank's gradients, serve its partition as
+//! owner, pull the next values), and quiescing before checkpoints and at the end of the run.
+use std::time::Duration;
+
+use super::staleness::{BoundedStaleness, OwnerStep};
+use crate::comm::Communicator;
+use crate::error::{Error, Result};
+
+/// Bounded staleness on a 16-bit model or one on a device: the fp32 host values workers and owners exchange (a
+/// 16-bit model's own partition is the master), and the host buffer its gradients are widened or copied into each
+/// step. The windows are host memory; an fp32 host model exchanges its parameters in place instead.
+pub(super) struct StalenessValues {
+    values: Vec<f32>,
+    grads: Vec<f32>,
+}
+
+impl super::Engine {
+    /// `async_training.mode = "bounded_staleness"`: the window, with this rank's partition as its owner's values
+    /// (a 16-bit model's: its fp32 master).
+    pub(super) fn start_bounded_staleness(&mut self) -> Result<()> {
+        let crate::config::AsyncTraining::BoundedStaleness { staleness, lr_staleness_scaling } =
+            self.config.async_training
+        else {
+            return Ok(());
+        };
+        if self.gradients.view_buffer().is_none() {
+            return Err(Error::Unsupported {
+                key: "communication_data_type",
+                value: format!("{:?}", self.config.communication_data_type),
+                why: "bounded staleness pushes the gradients as autograd wrote them: they must travel in the model's dtype (leave communication_data_type out)",
+            });
+        }
+        let mut wide = Vec::<f32>::try_from(&self.parameters.flat.to_kind(tch::Kind::Float))?;
+        if let Some(master) = &self.shard.master {
+            wide[self.layout.partition(self.rank())].copy_from_slice(&Vec::<f32>::try_from(master)?);
+        }
+        let timeout = Duration::from_secs_f64(self.config.comms_timeout);
+        let ps = BoundedStaleness::new(self.comm.as_ref(), &wide, staleness, lr_staleness_scaling, timeout)?;
+        self.staleness = Some(Box::new(ps));
+        // An fp32 host model exchanges its parameters themselves; a 16-bit or device one an fp32 host copy of them.
+        let copied = self.shard.master.is_some() || super::views::on_device(&self.parameters.flat);
+        self.staleness_values = copied.then(|| StalenessValues { grads: vec![0.0; wide.len()], values: wide });
+        self.owner_schedule = self.scheduler.clone();
+        Ok(())
+    }
+
+    /// Runs `f` on the fp32 values workers and owners exchange: an fp32 model's flat parameters, or a 16-bit
+    /// model's fp32 copy of them (its own partition being the owner's master), which then goes back into the
+    /// parameters and the master.
+    fn with_exchanged_values(
+        &mut self,
+        f: impl FnOnce(&mut BoundedStaleness, &dyn Communicator, &mut [f32], &mut OwnerStep<'_>) -> Result<()>,
+    ) -> Result<()> {
+        let ps = self.staleness.as_mut().expect("bounded staleness is set up");
+        let mut step =
+            owner_step(&mut self.shard.tier, &self.shard.groups, self.shard.base_lr, &mut self.owner_schedule);
+        let Some(wide) = self.staleness_values.as_mut() else {
+            // SAFETY: inside `engine.step()` or between steps: nothing else touches the flat parameters.
+            let flat = unsafe { super::views::slice::<f32>(&self.parameters.flat) };
+            return f(ps, self.comm.as_ref(), flat, &mut step);
+        };
+        let done = f(ps, self.comm.as_ref(), &mut wide.values, &mut step);
+        let flat = &self.parameters.flat;
+        if super::views::on_device(flat) {
+            // The parameters take the exchanged values where they live (rounded to a 16-bit kind as the host does).
+            let values = tch::Tensor::from_slice(&wide.values);
+            tch::no_grad(|| flat.shallow_clone().f_copy_(&values))?;
+        } else {
+            // SAFETY: as above; the 16-bit parameters take the exchanged values rounded, in one pass.
+            let mut params = unsafe {
+                match flat.kind() {
+                    tch::Kind::Half => zerorun_optim::ParamsOut::F16(super::views::slice(flat)),
+                    _ => zerorun_optim::ParamsOut::Bf16(super::views::slice(flat)),
+                }
+            };
+            params.store(&wide.values);
+        }
+        if let Some(master) = self.shard.master.as_mut() {
+            let own = tch::Tensor::from_slice(&wide.values[self.layout.partition(self.comm.rank())]);
+            tch::no_grad(|| master.f_copy_(&own))?;
+        }
+        done
+    }
+
+    /// Bounded staleness's optimizer step: push this step's gradients, serve this rank's partition, pull the next
+    /// step's values.
+    pub(super) fn step_bounded_staleness(&mut self) -> Result<()> {
+        // A handle of the gradient buffer (its storage is the engine's, untouched while this step runs).
+        let view = self.gradients.view_buffer().expect("bounded staleness keeps gradient views").shallow_clone();
+        // A 16-bit model's gradients widened into the buffer kept for them (taken out for the exchange).
+        let mut widened = self.staleness_values.as_mut().map(|w| std::mem::take(&mut w.grads));
+        // SAFETY: inside `engine.step()`: no forward, backward or collective touches the gradients.
+        let grads: &[f32] = match widened.as_mut() {
+            Some(g) if super::views::on_device(&view) => {
+                let n = g.len();
+                view.f_to_device(tch::Device::Cpu)?.f_to_kind(tch::Kind::Float)?.f_copy_data(g, n)?;
+                g
+            }
+            Some(g) => {
+                unsafe { super::views::grads_of(&view) }.load(0..g.len(), g);
+                g
+            }
+            None => unsafe { super::views::slice::<f32>(&view) },
+        };
+        let stepped = self.with_exchanged_values(|ps, _, values, step| ps.step(grads, values, step));
+        if let (Some(w), Some(g)) = (self.staleness_values.as_mut(), widened) {
+            w.grads = g;
+        }
+        stepped?;
+        self.gradients.consume()
+    }
+
+    /// Gradients applied by this rank as an owner, by staleness (bounded staleness; empty otherwise).
+    pub fn staleness_counts(&self) -> Vec<u64> {
+        self.staleness.as_ref().map_or_else(Vec::new, |ps| ps.staleness_counts().to_vec())
+    }
+
+    /// Bounded staleness before a checkpoint: every owner applies every step pushed so far and every rank pulls the
+    /// values, so the ranks hold one model and no gradient is in flight; the checkpoint is then stage 1's.
+    pub(super) fn quiesce_bounded_staleness(&mut self) -> Result<()> {
+        if self.staleness.is_none() {
+            return Ok(());
+        }
+        self.with_exchanged_values(|ps, comm, values, step| ps.quiesce(comm, values, step))
+    }
+
+    /// After a checkpoint load: the owners start again from the loaded values (collective).
+    pub(super) fn restart_bounded_staleness(&mut self) -> Result<()> {
+        if self.staleness.take().is_some() {
+            self.comm.barrier()?;
+            self.start_bounded_staleness()?;
+        }
+        Ok(())
+    }
+
+    /// Ends the run: with bounded staleness, every owner applies every step and every rank pulls the final values
+    /// (collective; see [`BoundedStaleness::finish`]), after which the ranks' parameters are equal and no step may
+    /// follow. Nothing to do in other modes. Dropping the engine does it too, logging what fails.
+    pub fn finish(&mut self) -> Result<()> {
+        if self.staleness.is_none() {
+            return Ok(());
+        }
+        self.with_exchanged_values(|ps, comm, values, step| ps.finish(comm, values, step))
+    }
+}
+
+/// An owner's optimizer step on its partition: the owner's schedule gives each applied step its learning rate (and
+/// cycled momentum), in the order the steps are applied.
+fn owner_step<'a>(
+    tier: &'a mut super::optimizer::OptimizerTier,
+    groups: &'a [zerorun_optim::Group],
+    base_lr: f64,
+    schedule: &'a mut Option<zerorun_optim::schedule::LrScheduler>,
+) -> impl FnMut(&mut [f32], &[f32]) -> Result<()> + 'a {
+    let mut groups = groups.to_vec();
+    move |values, mean| {
+        let lr = schedule.as_ref().map_or(base_lr, zerorun_optim::schedule::LrScheduler::lr);
+        for g in &mut groups {
+            g.lr = lr;
+        }
+        if let Some(momentum) = schedule.as_ref().and_then(zerorun_optim::schedule::LrScheduler::momentum) {
+            tier.set_momentum(momentum);
+        }
+        tier.step(values, mean, &groups, None)?;
+        if let Some(s) = schedule.as_mut() {
+            s.step();
+        }
+        Ok(())
+    }
+}
