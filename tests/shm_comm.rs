@@ -131,12 +131,17 @@ fn shm_conformance_at_world_sizes_1_to_4_direct_and_staged() {
 fn shm_point_to_point_and_groups_direct_and_staged() {
     let dir = std::env::temp_dir();
     let before = segments();
+    // Each job's segments are named by its launcher's pid (`zerorun-<pid>-<nanos>`, groups with a suffix); the
+    // other tests of this file run jobs at the same time, whose segments come and go meanwhile.
+    let mut ours = Vec::new();
     for (n, staged) in [(2, false), (3, false), (4, false), (2, true), (4, true)] {
         let mut cmd = launch(n, "groups", &dir);
         if staged {
             cmd.env("ZERORUN_SHM_STAGING", "1");
         }
-        let out = cmd.output().unwrap();
+        let child = cmd.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn().unwrap();
+        ours.push(format!("zerorun-{}-", child.id()));
+        let out = child.wait_with_output().unwrap();
         let text = String::from_utf8_lossy(&out.stdout);
         assert!(
             out.status.success(),
@@ -148,7 +153,8 @@ fn shm_point_to_point_and_groups_direct_and_staged() {
         }
     }
     // Every group's segment is gone too.
-    let after: Vec<String> = segments().into_iter().filter(|s| !before.contains(s)).collect();
+    let after: Vec<String> =
+        segments().into_iter().filter(|s| !before.contains(s) && ours.iter().any(|o| s.starts_with(o))).collect();
     assert!(after.is_empty(), "left in /dev/shm: {after:?}");
 }
 
@@ -186,6 +192,9 @@ fn a_killed_rank_stops_the_job_with_its_name_and_leaves_nothing() {
     let pids: Vec<i32> = (0..3).map(|r| pid_of(r).unwrap()).collect();
     let killed_at = Instant::now();
     unsafe { libc::kill(pids[1], libc::SIGKILL) };
+    // This job's segments are named by its launcher's pid (`zerorun-<pid>-<nanos>`, groups with a suffix); the
+    // other tests of this file run jobs at the same time, whose segments come and go meanwhile.
+    let ours = format!("zerorun-{}-", child.id());
     let out = child.wait_with_output().unwrap();
     let elapsed = killed_at.elapsed();
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -203,7 +212,7 @@ fn a_killed_rank_stops_the_job_with_its_name_and_leaves_nothing() {
     for pid in pids {
         assert!(unsafe { libc::kill(pid, 0) } != 0, "process {pid} is still alive");
     }
-    let after: Vec<String> = segments().into_iter().filter(|s| !before.contains(s)).collect();
+    let after: Vec<String> = segments().into_iter().filter(|s| !before.contains(s) && s.starts_with(&ours)).collect();
     assert!(after.is_empty(), "left in /dev/shm: {after:?}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
