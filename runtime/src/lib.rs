@@ -8,7 +8,9 @@
 //! - [`gloo`]: the backend across hosts (libtorch's TCPStore and ProcessGroupGloo), and the communicator factory
 //!   that knows it.
 //! - [`engine`]: the ZeRO engine (stages 0-3, offload) over a tch `VarStore`.
-//! - [`pipeline`]: pipeline parallelism; so far its schedules as data, proven by simulation.
+//! - [`pipeline`]: pipeline parallelism: the partition, the stages' links, and the engine that runs a schedule over
+//!   a ZeRO engine per stage.
+//! - [`tensor_parallel`]: Megatron-LM's tensor-parallel layers and the regions between split and whole.
 //! - [`checkpoint`]: the sharded checkpoint format.
 //! - [`estimate`]: model-state memory per stage and offload option, before a run.
 //! - [`report`]: the measured memory report, its picture, and the wall-clock breakdown.

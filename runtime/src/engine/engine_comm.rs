@@ -1,13 +1,13 @@
 //! The engine's communicator, called directly or driven by its own thread (`overlap_comm`), so stage 3's next
 //! units' all-gathers and stages 1-2's reductions run while this rank computes. Which units to start ahead is the
-//! plan's ([`super::plan::units_to_prefetch`]).
+//! plan's ([`crate::engine::zero::plan::units_to_prefetch`]).
 use std::ops::Deref;
 
 use crate::comm::async_comm::CommThread;
 use crate::comm::Communicator;
 
 /// The engine's process group.
-pub(super) enum EngineComm {
+pub(crate) enum EngineComm {
     Direct(Box<dyn Communicator>),
     /// On a communication thread: blocking calls queue behind the prefetches started before them.
     Threaded(CommThread),

@@ -9,71 +9,48 @@
 //! writes the updated 16-bit parameters in the same pass, and stages 1-2 all-gather them.
 //!
 //! With the model's units (see [`units`]): stage 3 keeps one buffer per unit, gathered only while the unit runs
-//! (`sharded_unit.rs`, `unit_walk.rs`); stage 2 walks the same units in backward and reduces each unit's gradients
-//! at once. Stage 2 of a plain loop lays buckets out like units and reduces each when autograd's hooks say its
-//! gradients are all written (`grad_hooks.rs`).
+//! (`zero/sharded_unit.rs`, `zero/unit_walk.rs`); stage 2 walks the same units in backward and reduces each unit's
+//! gradients at once. Stage 2 of a plain loop lays buckets out like units and reduces each when autograd's hooks
+//! say its gradients are all written (`zero/grads/hooks.rs`).
 //!
-//! The Engine keeps what every strategy shares (config, communicator, schedule, loss scaler, progress, reports)
-//! and calls the parts that own the rest: `plan.rs` decides, `parameters.rs` holds the values (and the units),
-//! `gradients.rs` and `bucket.rs` reduce, `optimizer_shard.rs` steps this rank's values (states in memory or on
-//! NVMe through zerorun-offload's `OptimizerTier`), `step.rs` runs the optimizer step, `setup.rs` builds it all.
-mod allocator;
-mod bucket;
-mod builders;
+//! The Engine is a facade: it keeps what every strategy shares (config, communicator, plan, progress) and one
+//! field per part, each part in a folder of its own: [`zero`] (the plan, the layout, where the parameter values
+//! live, the units and stage 3's walk; `zero/grads/` reduces, `zero/optim/` steps this rank's values with states
+//! in memory or on NVMe), [`device`] (where buffers live, decided once as a [`device::Residence`]),
+//! [`async_training`] (how ranks synchronise at a step boundary), [`parallel`] (the engine's place in a model
+//! split across ranks), `checkpointing/`; `setup.rs` builds it all, `step.rs` runs the optimizer step.
+pub mod async_training;
 pub(crate) mod checkpointing;
 mod counters;
-pub mod device_optimizer;
+pub mod device;
 mod engine_comm;
-mod flat_math;
-mod frozen;
-mod grad_hooks;
-mod gradients;
-pub mod layout;
-mod meetings;
-mod model_parallel;
-pub(crate) mod native;
-mod optimizer;
-mod optimizer_shard;
-mod parameters;
-mod plan;
+pub mod parallel;
 mod reporting;
 pub mod sampler;
 mod setup;
-mod sharded_unit;
-mod staging;
-mod staleness;
-mod staleness_relay;
-mod staleness_step;
 mod step;
-mod step_in_backward;
-mod swapped_params;
-mod unit_walk;
-pub mod units;
-mod variables;
-pub(crate) mod views;
+pub mod zero;
 
 use std::time::Instant;
 
 use tch::{nn, Tensor};
-use zerorun_optim::schedule::LrScheduler;
 use zerorun_optim::LossScaler;
 
 use crate::comm::Communicator;
 use crate::config::{BatchSizes, Config, Precision};
 use crate::error::{Error, Result};
-use crate::report::memory::MemoryTracker;
-use crate::report::{Phase, PhaseTimes};
-pub use builders::{BuiltModel, UnitBuilders, UnitForward};
+use crate::report::Phase;
 pub use checkpointing::{load_mapped, load_mapped_slices, SaveOptions};
 use counters::Progress;
 pub use counters::{CommVolume, GatheredBytes};
-pub use layout::{FlatLayout, ParamSlot, UnitSpan};
-pub use model_parallel::SplitDim;
-use plan::{GradientPath, StagePlan};
+pub use device::optimizer as device_optimizer;
+pub use parallel::placement::SplitDim;
 pub use reporting::{MemoryReportFiles, MEMORY_REPORT_ENV};
-use sharded_unit::ShardedUnit;
-pub use units::{Sequence, UnitModel, Whole};
-pub use variables::BufferSync;
+pub use zero::builders::{BuiltModel, UnitBuilders, UnitForward};
+pub use zero::layout::{self, FlatLayout, ParamSlot, UnitSpan};
+use zero::plan::{GradientPath, StagePlan};
+pub use zero::units::{self, Sequence, UnitModel, Whole};
+pub use zero::variables::BufferSync;
 
 /// Where a backward starts.
 #[derive(Clone, Copy)]
@@ -94,15 +71,6 @@ pub enum StepOutcome {
     /// fp16 gradients (or bf16 ones with `bf16.check_grad_overflow`) overflowed on some rank: no update; under fp16
     /// the loss scale was lowered (`scale` is the new one, 1 under bf16).
     Skipped { step: u64, loss: f64, scale: f64 },
-}
-
-/// `ZERORUN_DEVICE_EMULATION=1`: the engine takes its device paths on CPU tensors, as if they were device memory,
-/// so that `make test` runs what a GPU run runs but the CUDA calls: the arithmetic as tensor ops (`flat_math.rs`),
-/// the optimizer's side in tensors stepped by libtorch's kernels ([`device_optimizer::DeviceOptimizer`]), host
-/// staging for collectives and host copies (`views.rs`, `staging.rs`); `views::on_device` is the rule.
-pub fn device_emulation() -> bool {
-    // Read at every tensor collective (views.rs): var_os, no allocation.
-    std::env::var_os("ZERORUN_DEVICE_EMULATION").is_some_and(|v| v == "1")
 }
 
 /// Options a program sets in code rather than in ds_config.json.
@@ -156,74 +124,32 @@ pub fn no_decay_for_1d(_name: &str, shape: &[i64]) -> bool {
     shape.len() <= 1
 }
 
+/// The ZeRO engine: a facade over the parts that own the work, each in a folder of its own (`zero/`: the plan,
+/// the parameters and units, `zero/grads/`, `zero/optim/`; `device/`; `async_training/`; `parallel/`;
+/// `checkpointing/`). The engine keeps what every strategy shares and hands each part what it borrows.
 pub struct Engine {
     comm: engine_comm::EngineComm,
-    /// Where the model and the engine's buffers live: the CPU or one CUDA device.
-    device: tch::Device,
+    /// Where the model and the engine's buffers live, decided once at set-up.
+    residence: device::Residence,
     config: Config,
     /// What the stage partitions and how gradients reach the reduction: every stage decision asks it.
     plan: StagePlan,
     batch: BatchSizes,
-    precision: Precision,
-    layout: FlatLayout,
-    /// The model's parameters, in layout order; views into `flat_params` (stages 0-2) or into their unit's
-    /// buffer (stage 3).
-    params: Vec<Tensor>,
-    /// Where the parameter values live: the flat buffer (stages 0-2), or the shard and the units (stage 3).
-    parameters: parameters::Parameters,
-    /// Stages 0-2: the frozen parameters, whole on every rank (rank 0's values), by name.
-    frozen: Vec<(String, Tensor)>,
-    /// The model's buffers by name, whole on every rank, kept consistent by `buffer_sync`.
-    buffers: Vec<(String, Tensor)>,
-    buffer_sync: BufferSync,
-    /// Every variable of the VarStore is this engine's while it lives.
-    _claim: variables::Claim,
-    /// The gradients' fingerprint at the end of the last `step` call (see `gradient_fingerprint`).
-    grad_mark: i64,
-    /// Resident memory when `new` began, less the model's variables: the process floor the memory report names.
-    floor_rss_bytes: u64,
-    /// The process's peak resident memory when `new` returned.
-    init_peak_rss_bytes: u64,
-    /// Whether the engine samples memory at its events (a report is asked for; see `memory_event`).
-    sample_events: bool,
-    unit_prefixes: Vec<Vec<String>>,
-    /// Stage 2 of a plain loop: the gradient hooks that reduce bucket by bucket during backward.
-    grad_hooks: Option<grad_hooks::GradHooks>,
-    /// Stage 3: what the current micro-batch's forward kept for backward.
-    records: Vec<unit_walk::UnitRecord>,
-    activation_checkpointing: bool,
-    comm_volume: CommVolume,
-    memory: MemoryTracker,
-    times: PhaseTimes,
+    /// The parameters, their layout, the frozen ones and the buffers.
+    states: zero::ModelStates,
+    /// Stage 3's walk over the units: what forward kept for backward.
+    walk: zero::unit_walk::Walk,
     /// Where gradients are staged, reduced and accumulated, and how.
-    gradients: gradients::Gradients,
-    /// This rank's optimizer: the values it steps, the fp32 master, the states, the groups.
-    shard: optimizer_shard::OptimizerShard,
-    scheduler: Option<LrScheduler>,
-    scaler: Option<LossScaler>,
+    gradients: zero::grads::Gradients,
+    /// This rank's optimizer: the values it steps, the fp32 master, the states, the groups, the schedule.
+    shard: zero::optim::OptimizerShard,
     progress: Progress,
-    /// The ranks holding the model's other parts (a pipeline's other stages): the gradient norm and fp16 overflow
-    /// are agreed over them too.
-    model_parallel: Option<Box<dyn Communicator>>,
-    /// Ranges of the optimized values whose parameters every rank of the model-parallel group holds whole, and how
-    /// many copies there are: the norm counts them once.
-    replicated: Option<(Vec<std::ops::Range<usize>>, usize)>,
-    /// Tensor parallelism: this rank's slices of the whole parameters (`set_tensor_parallel`).
-    tensor_parallel: Option<model_parallel::TensorParallelPlace>,
-    /// [`EngineOptions::reduce_once_per_step`] on an fp32 model (16-bit ones reduce every micro-batch anyway): a
-    /// micro-batch before the boundary leaves its gradients in `.grad`.
-    defers_reduction: bool,
-    /// `async_training` local SGD / DiLoCo: when the ranks meet, and DiLoCo's outer state. None: synchronous.
-    meetings: Option<meetings::Meetings>,
-    /// `optimizer_in_backward`: the step this backward took in pieces, until `step` ends it.
-    in_backward: Option<step_in_backward::StepInBackward>,
-    /// `async_training` bounded staleness: this rank's window, inbox and accumulators (None otherwise), and the
-    /// schedule of the steps it applies as an owner.
-    staleness: Option<Box<staleness::BoundedStaleness>>,
-    /// Bounded staleness on a 16-bit model: the fp32 values workers and owners exchange (the own partition is the
-    /// master).
-    staleness_values: Option<staleness_step::StalenessValues>,
-    owner_schedule: Option<LrScheduler>,
+    /// The memory and wall-clock reports' measurements.
+    report: reporting::Reporting,
+    /// The engine's place in a model split across ranks (pipeline stages, tensor parallelism).
+    placement: parallel::placement::Placement,
+    /// How the ranks synchronise at a step boundary (`async_training`).
+    sync: async_training::Synchronization,
 }
 
 impl Engine {
@@ -243,7 +169,12 @@ impl Engine {
 
     /// The device the model and the engine's buffers are on (the CPU, or the CUDA device of the model).
     pub fn device(&self) -> tch::Device {
-        self.device
+        self.residence.device()
+    }
+
+    /// The precision the config trains in.
+    fn precision(&self) -> Precision {
+        self.config.precision()
     }
 
     pub fn world_size(&self) -> usize {
@@ -259,7 +190,7 @@ impl Engine {
     }
 
     pub fn layout(&self) -> &FlatLayout {
-        &self.layout
+        &self.states.layout
     }
 
     /// Optimizer steps taken, skipped ones included (as DeepSpeed counts them).
@@ -278,12 +209,12 @@ impl Engine {
 
     /// The current fp16 loss scale (1 without fp16).
     pub fn loss_scale(&self) -> f64 {
-        self.scaler.as_ref().map_or(1.0, LossScaler::scale)
+        self.shard.scaler.as_ref().map_or(1.0, LossScaler::scale)
     }
 
     /// The learning rate the next optimizer step uses.
     pub fn lr(&self) -> f64 {
-        self.scheduler.as_ref().map_or(self.shard.base_lr, LrScheduler::lr)
+        self.shard.lr()
     }
 
     /// A sampler giving this rank its micro-batches of every global batch (torch's DistributedSampler by batch).
@@ -336,7 +267,7 @@ impl Engine {
         if self.plan.gradients == GradientPath::UnitWalk {
             self.begin_backward(Some(loss))?;
             let factor = self.loss_scale() / self.batch.gradient_accumulation_steps as f64;
-            let (started, comm_before) = (Instant::now(), self.times.comm());
+            let (started, comm_before) = (Instant::now(), self.report.times.comm());
             let _span = Phase::Backward.span().entered();
             // The walk records its own events, unit by unit.
             return self.backward_units_impl(model, loss, factor).map(|()| self.end_backward(started, comm_before));
@@ -364,7 +295,7 @@ impl Engine {
         })?;
         let factor = self.loss_scale() / self.batch.gradient_accumulation_steps as f64;
         let _span = Phase::Backward.span().entered();
-        let (started, comm_before) = (Instant::now(), self.times.comm());
+        let (started, comm_before) = (Instant::now(), self.report.times.comm());
         let autograd = || -> Result<()> {
             match root {
                 Root::Loss(loss) if factor != 1.0 => (loss * factor).f_backward()?,
@@ -375,14 +306,14 @@ impl Engine {
             Ok(())
         };
         // Deferring: this micro-batch's gradients stay in `.grad` (the hooks only act while lent).
-        let defer = self.defers_reduction && !self.is_gradient_accumulation_boundary();
+        let defer = self.gradients.defers_reduction && !self.is_gradient_accumulation_boundary();
         match self.plan.gradients {
             GradientPath::AfterBackward => autograd()?,
             GradientPath::Hooks if defer => autograd()?,
             GradientPath::Hooks => {
-                let hooks = self.grad_hooks.take().expect("hooked mode has hooks");
+                let hooks = self.gradients.hooks.take().expect("hooked mode has hooks");
                 let ran = hooks.lend(&mut self.gradient_sync(), autograd);
-                self.grad_hooks = Some(hooks);
+                self.gradients.hooks = Some(hooks);
                 ran?
             }
             GradientPath::UnitWalk => unreachable!("unit walks run in backward_impl"),
@@ -393,7 +324,9 @@ impl Engine {
     }
 
     fn end_backward(&mut self, started: Instant, comm_before: std::time::Duration) {
-        self.times.add(Phase::Backward, started.elapsed().saturating_sub(self.times.comm() - comm_before));
+        self.report
+            .times
+            .add(Phase::Backward, started.elapsed().saturating_sub(self.report.times.comm() - comm_before));
     }
 
     /// Runs `f` as collective time of `phase`.
@@ -401,26 +334,26 @@ impl Engine {
         let _span = phase.span().entered();
         let t = Instant::now();
         let out = f(self);
-        self.times.add(phase, t.elapsed());
+        self.report.times.add(phase, t.elapsed());
         out
     }
 
     /// What reducing gradients needs, borrowed from the engine's fields.
-    fn gradient_sync(&mut self) -> gradients::GradientSync<'_> {
+    fn gradient_sync(&mut self) -> zero::grads::GradientSync<'_> {
         // Only while stage 3's optimizer in backward has begun a step.
-        let stepper = self.in_backward.as_mut().map(|progress| step_in_backward::ShardStepper {
+        let stepper = self.shard.in_backward.as_mut().map(|progress| zero::optim::in_backward::ShardStepper {
             tier: &mut self.shard.tier,
             groups: &self.shard.groups,
-            shard: &self.parameters.flat,
+            shard: &self.states.parameters.flat,
             progress,
         });
-        gradients::GradientSync {
+        zero::grads::GradientSync {
             gradients: &mut self.gradients,
             comm: &self.comm,
-            layout: &self.layout,
-            params: &self.params,
-            volume: &mut self.comm_volume,
-            times: &mut self.times,
+            layout: &self.states.layout,
+            params: &self.states.params,
+            volume: &mut self.report.comm_volume,
+            times: &mut self.report.times,
             stepper,
         }
     }

@@ -4,8 +4,8 @@ use std::path::PathBuf;
 
 use tch::Tensor;
 
-use super::Engine;
 use crate::config::Precision;
+use crate::engine::Engine;
 use crate::error::Result;
 use crate::estimate::{model_states_bytes, EstimateInput};
 use crate::report::memory::{self, MemoryCategory, MemoryReport, ModelStates, SCHEMA_VERSION};
@@ -22,6 +22,21 @@ pub struct MemoryReportFiles {
     pub png: Option<PathBuf>,
 }
 
+/// What the engine measures for its reports.
+#[derive(Default)]
+pub(crate) struct Reporting {
+    /// Resident memory when the engine's set-up began, less the model's variables: the process floor the memory
+    /// report names.
+    pub floor_rss_bytes: u64,
+    /// The process's peak resident memory when set-up ended.
+    pub init_peak_rss_bytes: u64,
+    /// Whether the engine samples memory at its events (a report is asked for; see `memory_event`).
+    pub sample_events: bool,
+    pub memory: crate::report::memory::MemoryTracker,
+    pub times: crate::report::PhaseTimes,
+    pub comm_volume: crate::engine::CommVolume,
+}
+
 impl Engine {
     /// Bytes this rank holds, by category: `parameters` (the model-dtype values kept between steps: all of them
     /// at stages 0-2, the shard at stage 3), `parameters_nvme` (the shard's chunks on NVMe), `parameters_gathered` (stage 3 units gathered now), `gradients_full`
@@ -35,7 +50,7 @@ impl Engine {
         // With gradient views the `.grad` tensors are the gradient buffer: counted once, as the full gradients.
         let full = match view_buffer {
             Some(b) => b,
-            None => self.params.iter().map(|t| t.grad()).filter(Tensor::defined).map(|g| bytes(&g)).sum(),
+            None => self.states.params.iter().map(|t| t.grad()).filter(Tensor::defined).map(|g| bytes(&g)).sum(),
         };
         // Stage 0 reducing in the staging buffer: it is the full gradients (views) or the reduced ones.
         let in_staging =
@@ -46,12 +61,12 @@ impl Engine {
             self.gradients.accumulator_bytes()
         };
         let staging = if in_staging { 0 } else { staging };
-        let (params_kept, params_nvme) = self.parameters.kept_bytes();
+        let (params_kept, params_nvme) = self.states.parameters.kept_bytes();
         use MemoryCategory::*;
         vec![
             (Parameters, params_kept),
             (ParametersNvme, params_nvme),
-            (ParametersGathered, self.parameters.gathered.current),
+            (ParametersGathered, self.states.parameters.gathered.current),
             (GradientsFull, full),
             (GradientsShard, shard),
             (MasterFp32, self.shard.master.as_ref().map_or(0, |m| m.numel() * 4)),
@@ -60,12 +75,13 @@ impl Engine {
             (CommunicationBuffers, staging + partition),
             (
                 FrozenParameters,
-                self.parameters
+                self.states
+                    .parameters
                     .frozen_units
                     .as_ref()
-                    .map_or_else(|| super::variables::bytes_of(&self.frozen), |f| f.shard_bytes()),
+                    .map_or_else(|| crate::engine::zero::variables::bytes_of(&self.states.frozen), |f| f.shard_bytes()),
             ),
-            (Buffers, super::variables::bytes_of(&self.buffers)),
+            (Buffers, crate::engine::zero::variables::bytes_of(&self.states.buffers)),
         ]
     }
 
@@ -74,32 +90,32 @@ impl Engine {
     /// Sampled only when a report is asked for (`memory_breakdown`, `zerorun launch --memory-report`): each
     /// sample reads /proc and walks the categories, too much for every unit of every step otherwise.
     pub(super) fn memory_event(&mut self, label: impl FnOnce() -> String, extra: &[(MemoryCategory, usize)]) {
-        if !self.sample_events {
+        if !self.report.sample_events {
             return;
         }
         let mut now = self.memory_bytes();
         now.extend_from_slice(extra);
         let step = self.progress.global_steps + 1;
-        self.memory.event(step, label(), &now);
+        self.report.memory.event(step, label(), &now);
     }
 
     /// The sample after `initialize`: the initialisation's own timeline (step 0).
     pub(super) fn memory_event_initialized(&mut self) {
-        if !self.sample_events {
+        if !self.report.sample_events {
             return;
         }
         let now = self.memory_bytes();
-        self.memory.event(0, "initialized".into(), &now);
-        self.memory.end_step();
+        self.report.memory.event(0, "initialized".into(), &now);
+        self.report.memory.end_step();
     }
 
     /// After every optimizer step (taken or skipped): a memory sample and the step's phase times.
     pub(super) fn end_of_step(&mut self) {
         let now = self.memory_bytes();
-        let peaks = [(MemoryCategory::ParametersGathered, self.parameters.gathered.step_peak)];
-        self.memory.sample(self.progress.global_steps, &now, &peaks);
-        self.parameters.gathered.step_peak = self.parameters.gathered.current;
-        let times = self.times.end_step();
+        let peaks = [(MemoryCategory::ParametersGathered, self.states.parameters.gathered.step_peak)];
+        self.report.memory.sample(self.progress.global_steps, &now, &peaks);
+        self.states.parameters.gathered.step_peak = self.states.parameters.gathered.current;
+        let times = self.report.times.end_step();
         if self.config.wall_clock_breakdown
             && self.rank() == 0
             && self.config.steps_per_print.is_some_and(|k| self.progress.global_steps % k == 0)
@@ -122,23 +138,23 @@ impl Engine {
 
     /// The mean time per step of each phase so far, as one line (`wall_clock_breakdown`).
     pub fn wall_clock_summary(&self) -> String {
-        self.times.summary()
+        self.report.times.summary()
     }
 
     /// Model-state bytes by ZeRO's formula for this run (the estimator's number).
     pub fn estimated_model_state_bytes(&self) -> u64 {
-        let (frozen_params, frozen_bytes) = match &self.parameters.frozen_units {
+        let (frozen_params, frozen_bytes) = match &self.states.parameters.frozen_units {
             Some(f) => (f.layout.numel as u64, f.specs().first().map(|s| s.2.elt_size_in_bytes() as u64)),
             None => (
-                self.frozen.iter().map(|(_, t)| t.numel() as u64).sum(),
-                self.frozen.first().map(|(_, t)| t.kind().elt_size_in_bytes() as u64),
+                self.states.frozen.iter().map(|(_, t)| t.numel() as u64).sum(),
+                self.states.frozen.first().map(|(_, t)| t.kind().elt_size_in_bytes() as u64),
             ),
         };
         let input = EstimateInput {
             gpus_per_node: self.world_size() as u64,
             frozen_params,
             frozen_bytes_per_param: frozen_bytes,
-            ..EstimateInput::new(self.layout.numel as u64)
+            ..EstimateInput::new(self.states.layout.numel as u64)
         }
         .with_config(&self.config);
         model_states_bytes(&input, self.plan.stage())
@@ -148,7 +164,7 @@ impl Engine {
     /// process's peak RSS and the per-step samples.
     pub fn memory_report(&self) -> MemoryReport {
         let now = self.memory_bytes();
-        let mut tracker_categories = self.memory.categories.clone();
+        let mut tracker_categories = self.report.memory.categories.clone();
         for (category, b) in &now {
             let c = tracker_categories.entry(category.name().to_string()).or_default();
             c.current_bytes = *b as u64;
@@ -159,7 +175,7 @@ impl Engine {
             rank: self.rank(),
             world_size: self.world_size(),
             stage: self.plan.stage(),
-            precision: match self.precision {
+            precision: match self.precision() {
                 Precision::Fp32 => "fp32",
                 Precision::Bf16 => "bf16",
                 Precision::Fp16 => "fp16",
@@ -170,18 +186,18 @@ impl Engine {
                 measured_bytes: memory::model_state_bytes(&now),
                 estimated_bytes: self.estimated_model_state_bytes(),
             },
-            floor_rss_bytes: self.floor_rss_bytes,
-            init_peak_rss_bytes: self.init_peak_rss_bytes,
-            peak: self.memory.peak.clone(),
-            events: self.memory.peak_step_events.clone(),
+            floor_rss_bytes: self.report.floor_rss_bytes,
+            init_peak_rss_bytes: self.report.init_peak_rss_bytes,
+            peak: self.report.memory.peak.clone(),
+            events: self.report.memory.peak_step_events.clone(),
             peak_rss_bytes: memory::rss().1,
-            steps: self.memory.steps.clone(),
+            steps: self.report.memory.steps.clone(),
             pipeline: None,
-            device: (self.device != tch::Device::Cpu).then(|| match self.device {
+            device: (self.device() != tch::Device::Cpu).then(|| match self.device() {
                 tch::Device::Cuda(i) => format!("cuda:{i}"),
                 other => format!("{other:?}"),
             }),
-            device_memory: crate::cuda::device_memory(self.device),
+            device_memory: crate::cuda::device_memory(self.device()),
         }
     }
 

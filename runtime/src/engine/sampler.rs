@@ -5,7 +5,7 @@
 //! accumulation step m. The sequence of global batches therefore never depends on the number of ranks.
 use std::ops::Range;
 
-use super::BatchSizes;
+use crate::engine::BatchSizes;
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct DistributedSampler {

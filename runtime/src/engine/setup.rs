@@ -1,24 +1,40 @@
-//! How an [`Engine`](super::Engine) is put together, one decision per function: what the stage asks for
+//! How an [`Engine`](crate::engine::Engine) is put together, one decision per function: what the stage asks for
 //! ([`StagePlan`]), which parameters and in what layout ([`arrange`]), where they live ([`pack`] for stages 0-2;
 //! stage 3 shards unit by unit in `unit_walk.rs`, and may move its shard to NVMe: `swap_parameters_out`), this
 //! rank's optimizer and where its states live (`optimizer_shard`, [`optimizer_tier`]), the gradient buffers
 //! (`gradients.rs`) and the loss scaler. `Engine::new_materialized` calls them in that order.
+use std::collections::HashSet;
+
 use tch::{nn, Device, Kind, Tensor};
 use zerorun_offload::OptimizerTier as _;
 
-use super::counters::{self, CommVolume};
-use super::layout::FlatLayout;
-use super::plan::{self, GradientPath, Optimized, StagePlan};
-use super::sharded_unit::ShardedUnit;
-use super::{
-    allocator, engine_comm, frozen, grad_hooks, gradients, meetings, native, next_engine_id, optimizer,
-    optimizer_shard, parameters, swapped_params, units, variables, views, Engine, EngineOptions,
-};
 use crate::comm::Communicator;
 use crate::config::{Config, OffloadDevice, OptimizerConfig, Precision, ZeroConfig};
+use crate::engine::async_training::meetings;
+use crate::engine::async_training::Synchronization;
+use crate::engine::counters;
+use crate::engine::device::native;
+use crate::engine::device::views;
+use crate::engine::device::{allocator, Residence};
+use crate::engine::parallel::placement::Placement;
+use crate::engine::reporting::Reporting;
+use crate::engine::zero::frozen;
+use crate::engine::zero::grads as gradients;
+use crate::engine::zero::layout::FlatLayout;
+use crate::engine::zero::optim as optimizer_shard;
+use crate::engine::zero::optim::build as optimizer;
+use crate::engine::zero::parameters;
+use crate::engine::zero::plan::{self, GradientPath, Optimized, StagePlan};
+use crate::engine::checkpointing::{file_mismatch, fill_variable, read_variable};
+use crate::engine::zero::builders::{settle_new_variables, BuiltModel, UnitBuilders};
+use crate::engine::zero::plan::Strategy;
+use crate::engine::zero::sharded_unit::ShardedUnit;
+use crate::engine::zero::units::UnitModel;
+use crate::engine::zero::swapped_params;
+use crate::engine::zero::units;
+use crate::engine::zero::variables;
+use crate::engine::{engine_comm, next_engine_id, Engine, EngineOptions};
 use crate::error::{Error, Result};
-use crate::report::memory::MemoryTracker;
-use crate::report::PhaseTimes;
 use zerorun_optim::{Group, LossScaler, LossScalerConfig};
 
 /// The model's trainable parameters in layout order, and the layout.
@@ -209,12 +225,12 @@ pub(super) fn optimizer_tier(
     optimized_len: usize,
     rank: usize,
     engine_id: usize,
-    device: Device,
+    residence: Residence,
 ) -> Result<(optimizer::OptimizerTier, f64, f64)> {
     let z = &config.zero_optimization;
+    let device = residence.device();
     let nvme = z.offload_optimizer.device == OffloadDevice::Nvme;
-    let on_device =
-        z.offload_optimizer.device == OffloadDevice::None && (device != Device::Cpu || super::device_emulation());
+    let on_device = z.offload_optimizer.device == OffloadDevice::None && residence.device_path();
     let (in_memory, base_lr, weight_decay) =
         optimizer::build(config, if nvme || on_device { 0 } else { optimized_len });
     let tier = match z.offload_optimizer.device {
@@ -238,7 +254,7 @@ pub(super) fn optimizer_tier(
         OffloadDevice::None if on_device => {
             // The device path: the states in device memory (separate CPU tensors under emulation), the step
             // libtorch's kernels.
-            use super::device_optimizer::DeviceOptimizer;
+            use crate::engine::device::optimizer::DeviceOptimizer;
             let (tier, base_lr, weight_decay) = if let Some((adam, lr, wd)) = optimizer::adam(config) {
                 (DeviceOptimizer::adam(adam, optimized_len, device)?, lr, wd)
             } else if let Some((sgd, lr, wd)) = optimizer::sgd(config) {
@@ -311,6 +327,7 @@ impl Engine {
         let shared = comm.prefers_shared_buffers();
         let variables::Variables { trainable, frozen, buffers } = variables::classify(vs);
         let device = model_device(trainable.iter().chain(&frozen).chain(&buffers))?;
+        let residence = Residence::of(device);
         let claim = variables::Claim::new(trainable.iter().chain(&frozen).chain(&buffers))?;
         let Arrangement { named, layout, unit_prefixes, frozen_by_unit } =
             arrange(trainable, frozen, &options, &plan, z.reduce_bucket_size, precision, world_size)?;
@@ -341,7 +358,7 @@ impl Engine {
             None
         };
 
-        let (shard, optimizer_device) = optimizer_shard(&config, &plan, &layout, &flat_params, rank, device)?;
+        let (shard, optimizer_device) = optimizer_shard(&config, &plan, &layout, &flat_params, rank, residence)?;
         let swapped_params = swap_parameters_out(&mut flat_params, &sharded_units, &plan, &config, rank, world_size)?;
         let scheduler = optimizer::scheduler(&config, shard.base_lr);
         let gradients =
@@ -363,55 +380,49 @@ impl Engine {
             ?optimizer_device,
             "zerorun engine ready"
         );
+        let mut gradients = gradients;
+        gradients.defers_reduction = options.reduce_once_per_step && precision == Precision::Fp32;
+        let shard = optimizer_shard::OptimizerShard { scheduler, scaler, ..shard };
+        let sync = match meetings::Meetings::new(&config.async_training, &flat_params) {
+            Some(m) => Synchronization::Meetings(m),
+            None => Synchronization::Synchronous,
+        };
         let mut engine = Engine {
             comm: engine_comm::EngineComm::new(comm, plan.threaded_comm()),
-            device,
+            residence,
             config,
             plan,
             batch,
-            precision,
-            layout,
-            params,
-            parameters: parameters::Parameters::new(flat_params, swapped_params, sharded_units, frozen_units),
-            frozen: frozen_whole,
-            buffers,
-            buffer_sync: options.buffers,
-            _claim: claim,
-            grad_mark: 0,
-            floor_rss_bytes,
-            init_peak_rss_bytes: 0,
-            sample_events: false,
-            unit_prefixes,
-            grad_hooks: None,
-            records: Vec::new(),
-            activation_checkpointing: options.activation_checkpointing,
-            comm_volume: CommVolume::default(),
-            memory: MemoryTracker::default(),
-            times: PhaseTimes::default(),
+            states: crate::engine::zero::ModelStates {
+                layout,
+                params,
+                parameters: parameters::Parameters::new(flat_params, swapped_params, sharded_units, frozen_units),
+                frozen: frozen_whole,
+                buffers,
+                buffer_sync: options.buffers,
+                _claim: claim,
+            },
+            walk: crate::engine::zero::unit_walk::Walk {
+                unit_prefixes,
+                records: Vec::new(),
+                activation_checkpointing: options.activation_checkpointing,
+            },
             gradients,
             shard,
-            scheduler,
-            scaler,
             progress: counters::Progress::default(),
-            model_parallel: None,
-            replicated: None,
-            tensor_parallel: None,
-            defers_reduction: options.reduce_once_per_step && precision == Precision::Fp32,
-            meetings: None,
-            in_backward: None,
-            staleness: None,
-            staleness_values: None,
-            owner_schedule: None,
+            report: Reporting { floor_rss_bytes, ..Reporting::default() },
+            placement: Placement::default(),
+            sync,
         };
-        engine.meetings = meetings::Meetings::new(&engine.config.async_training, &engine.parameters.flat);
         engine.start_bounded_staleness()?;
         if plan.gradients == plan::GradientPath::Hooks {
-            engine.grad_hooks = Some(grad_hooks::GradHooks::install(&engine.params)?);
+            engine.gradients.hooks =
+                Some(crate::engine::zero::grads::hooks::GradHooks::install(&engine.states.params)?);
         }
-        engine.grad_mark = engine.gradient_fingerprint();
+        engine.gradients.mark = engine.gradient_fingerprint();
         allocator::return_freed_memory();
-        engine.init_peak_rss_bytes = crate::report::memory::rss().1;
-        engine.sample_events = engine.memory_report_dir().is_some();
+        engine.report.init_peak_rss_bytes = crate::report::memory::rss().1;
+        engine.report.sample_events = engine.memory_report_dir().is_some();
         engine.memory_event_initialized();
         Ok(engine)
     }
@@ -426,10 +437,11 @@ fn optimizer_shard(
     layout: &FlatLayout,
     flat: &Tensor,
     rank: usize,
-    device: Device,
+    residence: Residence,
 ) -> Result<(optimizer_shard::OptimizerShard, Device)> {
+    let device = residence.device();
     let optimized = plan.optimized(layout, rank);
-    let (mut tier, base_lr, weight_decay) = optimizer_tier(config, optimized.len(), rank, next_engine_id(), device)?;
+    let (mut tier, base_lr, weight_decay) = optimizer_tier(config, optimized.len(), rank, next_engine_id(), residence)?;
     // The master lives with the optimizer's states: on the device for the device path's optimizer, else the host.
     let home = if optimizer_shard::steps_on_device(&mut tier) { device } else { Device::Cpu };
     let master = (config.precision() != Precision::Fp32)
@@ -437,7 +449,10 @@ fn optimizer_shard(
             let part = parameters::shard_values(flat, layout, rank, plan, &optimized);
             // A copy of its own (the kind changes), on the optimizer's side; pinned when that is host memory the
             // 16-bit values of a CUDA model are written back from.
-            super::staging::pinned_for(part.f_to_device(home)?.f_to_kind(Kind::Float)?.f_contiguous()?, device)
+            crate::engine::device::staging::pinned_for(
+                part.f_to_device(home)?.f_to_kind(Kind::Float)?.f_contiguous()?,
+                device,
+            )
         })
         .transpose()?;
     let runs = match &optimized {
@@ -448,7 +463,17 @@ fn optimizer_shard(
         .into_iter()
         .map(|(range, decay)| Group { range, lr: base_lr, weight_decay: if decay { weight_decay } else { 0.0 } })
         .collect();
-    Ok((optimizer_shard::OptimizerShard { optimized, master, tier, groups, base_lr }, home))
+    let shard = optimizer_shard::OptimizerShard {
+        optimized,
+        master,
+        tier,
+        groups,
+        base_lr,
+        scheduler: None,
+        scaler: None,
+        in_backward: None,
+    };
+    Ok((shard, home))
 }
 
 /// Stage 3 with `offload_param.device = nvme`: moves this rank's shard out of `flat` (left empty) into swap files.
@@ -491,4 +516,84 @@ fn loss_scaler(config: &Config) -> Option<LossScaler> {
             f.min_loss_scale,
         ))
     })
+}
+
+impl Engine {
+    /// Builds the model from `builders` on `vs` (which should hold nothing else yet) and the engine over it, with
+    /// the builders' units (see the module doc). Returns the engine and the model to run through
+    /// `engine.forward`. The values equal those of building every unit in order from the same generator state.
+    pub fn from_builders<'a>(
+        vs: &nn::VarStore,
+        config: Config,
+        comm: Box<dyn Communicator>,
+        options: EngineOptions,
+        builders: UnitBuilders<'a>,
+    ) -> Result<(Engine, BuiltModel<'a>)> {
+        if builders.units.is_empty() {
+            return Err(Error::Usage("UnitBuilders has no unit".into()));
+        }
+        let kind = views::kind_of(config.precision());
+        let stage3 = Strategy::of_stage(config.zero_optimization.stage) == Strategy::PartitionedParameters;
+        let prefixes: Vec<Vec<String>> = builders.units.iter().map(|(p, _)| p.clone()).collect();
+        if stage3 && !options.keep_allocator_settings {
+            crate::engine::device::allocator::fix_mmap_threshold();
+        }
+        let mut starts = Vec::with_capacity(builders.units.len());
+        let mut forwards = Vec::with_capacity(builders.units.len());
+        for (_, build) in &builders.units {
+            starts.push(native::rng_state()?);
+            let known: HashSet<String> = vs.variables().into_keys().collect();
+            forwards.push(build(&vs.root()));
+            settle_new_variables(vs, &known, kind, stage3)?;
+            if stage3 {
+                crate::engine::device::allocator::return_freed_memory();
+            }
+        }
+        let model = BuiltModel { prefixes, forwards };
+        let options = EngineOptions { units: Some(model.unit_prefixes()), ..options };
+        if !stage3 {
+            if let Some(path) = &builders.init {
+                crate::engine::checkpointing::load_mapped(vs, path)?;
+            }
+            return Ok((Engine::new(vs, config, comm, options)?, model));
+        }
+        if let Some(path) = &builders.init {
+            // Every rank reads its units from the file; nothing draws from the generator.
+            let file = crate::checkpoint::files::MappedTensors::open(path)?;
+            let mut materialize = |_unit: usize, vars: &[(&str, &Tensor)]| -> Result<()> {
+                for (name, t) in vars {
+                    fill_variable(name, t, &read_variable(&file, path, name)?, file_mismatch(path))?;
+                }
+                Ok(())
+            };
+            return Ok((Engine::new_materialized(vs, config, comm, options, Some(&mut materialize))?, model));
+        }
+        let end = native::rng_state()?;
+        // Every rank takes rank 0's values when the unit is packed, so only rank 0 builds them again; the others
+        // only give the variables their storage (and never touch the generator, which thread ranks share).
+        let rank = comm.rank();
+        let mut materialize = |unit: usize, vars: &[(&str, &Tensor)]| -> Result<()> {
+            if rank != 0 {
+                for (_, t) in vars {
+                    native::resize_storage(t, t.numel() * t.kind().elt_size_in_bytes())?;
+                }
+                return Ok(());
+            }
+            native::set_rng_state(&starts[unit])?;
+            let scratch = nn::VarStore::new(tch::Device::Cpu);
+            let _forward = (builders.units[unit].1)(&scratch.root());
+            let values = scratch.variables();
+            for (name, t) in vars {
+                let v = values.get(*name).ok_or_else(|| Error::Parameter { name: name.to_string(), why: format!("the builder of unit {unit} did not create it again (builders must create the same variables every run)") })?;
+                fill_variable(name, t, v, |name, again, first| Error::Parameter {
+                    name: name.into(),
+                    why: format!("the builder of unit {unit} made it {first:?}, then {again:?}"),
+                })?;
+            }
+            Ok(())
+        };
+        let engine = Engine::new_materialized(vs, config, comm, options, Some(&mut materialize));
+        native::set_rng_state(&end)?;
+        Ok((engine?, model))
+    }
 }

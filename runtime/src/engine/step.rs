@@ -6,11 +6,15 @@ use zerorun_optim::loss_scale::StepDecision;
 use zerorun_optim::norm;
 use zerorun_optim::schedule::LrScheduler;
 
-use super::optimizer_shard::StepTarget;
-use super::plan::{AfterStep, GradientPath};
-use super::{flat_math, variables, views, Engine, StepOutcome};
 use crate::comm::{Collectives, ReduceOp};
 use crate::config::Precision;
+use crate::engine::async_training::Synchronization;
+use crate::engine::device::flat_math;
+use crate::engine::device::views;
+use crate::engine::zero::optim::StepTarget;
+use crate::engine::zero::plan::{AfterStep, GradientPath};
+use crate::engine::zero::variables;
+use crate::engine::{Engine, StepOutcome};
 use crate::error::{Error, Result};
 use crate::report::Phase;
 
@@ -19,7 +23,7 @@ impl Engine {
     pub fn step(&mut self) -> Result<StepOutcome> {
         if self.is_gradient_accumulation_boundary()
             && self.progress.backwards == 0
-            && self.gradient_fingerprint() == self.grad_mark
+            && self.gradient_fingerprint() == self.gradients.mark
         {
             return Err(Error::Usage(
                 "engine.step() at an accumulation boundary with no backward since the last step: there are no gradients to apply (call `engine.backward(&loss)` before `engine.step()`)".into(),
@@ -27,17 +31,17 @@ impl Engine {
         }
         let outcome = self.step_impl()?;
         // Local SGD / DiLoCo: buffers meet with the parameters.
-        let met = match (&self.meetings, outcome) {
+        let met = match (&self.sync, outcome) {
             // Bounded staleness: no collective during training; buffers stay each rank's.
-            _ if self.staleness.is_some() => false,
-            (None, _) => true,
-            (Some(m), StepOutcome::Stepped { step, .. }) => m.meets_after(step),
-            (Some(_), _) => false,
+            (Synchronization::Stale(_), _) => false,
+            (Synchronization::Synchronous, _) => true,
+            (Synchronization::Meetings(m), StepOutcome::Stepped { step, .. }) => m.meets_after(step),
+            (Synchronization::Meetings(_), _) => false,
         };
         if met {
-            variables::sync_buffers(self.comm.as_ref(), self.buffer_sync, &self.buffers)?;
+            variables::sync_buffers(self.comm.as_ref(), self.states.buffer_sync, &self.states.buffers)?;
         }
-        self.grad_mark = self.gradient_fingerprint();
+        self.gradients.mark = self.gradient_fingerprint();
         Ok(outcome)
     }
 
@@ -49,12 +53,12 @@ impl Engine {
         if self.plan.gradients == GradientPath::UnitWalk {
             return 0;
         }
-        self.params.iter().map(Tensor::grad).filter(Tensor::defined).map(|g| g.internal_version() + 1).sum()
+        self.states.params.iter().map(Tensor::grad).filter(Tensor::defined).map(|g| g.internal_version() + 1).sum()
     }
 
     fn step_impl(&mut self) -> Result<StepOutcome> {
         if self.plan.gradients == GradientPath::Hooks
-            && (!self.defers_reduction || self.is_gradient_accumulation_boundary())
+            && (!self.gradients.defers_reduction || self.is_gradient_accumulation_boundary())
         {
             let mut sync = self.gradient_sync();
             if sync.gradients_wait_in_grad() {
@@ -68,21 +72,21 @@ impl Engine {
         // autograd. Hooks and unit walks reduced during backward already.
         let after_backward = self.plan.gradients == GradientPath::AfterBackward;
         // Bounded staleness pushes the gradients as autograd accumulated them: nothing is reduced.
-        if self.precision != Precision::Fp32 && after_backward && self.staleness.is_none() {
+        if self.precision() != Precision::Fp32 && after_backward && !self.sync.is_stale() {
             self.timed(Phase::ReduceScatter, Self::reduce_micro_batch)?;
         }
         if !boundary {
             return Ok(StepOutcome::Accumulating);
         }
-        if self.staleness.is_some() {
+        if self.sync.is_stale() {
             return self.bounded_staleness_step();
         }
-        if self.precision == Precision::Fp32 && after_backward {
+        if self.precision() == Precision::Fp32 && after_backward {
             self.timed(Phase::ReduceScatter, Self::reduce_fp32)?;
         }
         let lr = self.lr();
         // The optimizer in backward (stage 3) has stepped already; what is left is the step's bookkeeping.
-        let stepped = self.in_backward.take();
+        let stepped = self.shard.in_backward.take();
 
         // Global squared norm: the ranks' parts are disjoint at stages 1-2, so one all-reduce of a scalar; an
         // inf or NaN anywhere makes it non-finite on every rank, which is how an fp16 overflow is agreed on.
@@ -93,16 +97,16 @@ impl Engine {
         if self.plan.partitions_optimizer() {
             self.comm.all_reduce(&mut sq, ReduceOp::Sum)?;
         }
-        if let Some(others) = &self.model_parallel {
+        if let Some(others) = &self.placement.model_parallel {
             others.all_reduce(&mut sq, ReduceOp::Sum)?;
         }
         let loss = self.finish_loss()?;
         let scale = self.loss_scale();
         let overflow = !sq[0].is_finite();
-        let skip = match self.scaler.as_mut() {
+        let skip = match self.shard.scaler.as_mut() {
             Some(scaler) => scaler.update(overflow)? == StepDecision::Skip,
             // bf16.check_grad_overflow (DeepSpeed's default): a non-finite gradient skips the step, no scale to lower.
-            None => overflow && self.precision == Precision::Bf16 && self.config.bf16.check_grad_overflow,
+            None => overflow && self.precision() == Precision::Bf16 && self.config.bf16.check_grad_overflow,
         };
         if skip {
             return self.skip_step(loss);
@@ -116,7 +120,7 @@ impl Engine {
             g.lr = lr;
         }
         // OneCycle's cycle_momentum: beta1 (or SGD's momentum) follows the schedule, as the lr does.
-        if let Some(momentum) = self.scheduler.as_ref().and_then(LrScheduler::momentum) {
+        if let Some(momentum) = self.shard.scheduler.as_ref().and_then(LrScheduler::momentum) {
             self.shard.tier.set_momentum(momentum);
         }
         if stepped.is_none() {
@@ -125,7 +129,7 @@ impl Engine {
         self.memory_event(|| "optimizer step".into(), &[]);
         self.gradients.consume()?;
         self.after_step()?;
-        if self.meetings.as_ref().is_some_and(|m| m.meets_after(self.progress.global_steps + 1)) {
+        if self.sync.meetings().is_some_and(|m| m.meets_after(self.progress.global_steps + 1)) {
             let _span = Phase::AllGather.span().entered();
             self.meet()?;
         }
@@ -135,22 +139,25 @@ impl Engine {
     /// Local SGD's and DiLoCo's meeting. A 16-bit model's ranks meet by their fp32 master (the values the next
     /// step starts from), and the parameters take the met values; an fp32 model's parameters are the values.
     fn meet(&mut self) -> Result<()> {
-        let mut meetings = self.meetings.take().expect("a meeting has meetings");
+        let Synchronization::Meetings(mut meetings) = std::mem::replace(&mut self.sync, Synchronization::Synchronous)
+        else {
+            unreachable!("a meeting has meetings")
+        };
         let met = match self.shard.master.as_mut() {
             Some(master) => {
                 let values = master.shallow_clone();
                 meetings.meet(self.comm.as_ref(), &values).and_then(|()| self.write_shard(&values))
             }
-            None => meetings.meet(self.comm.as_ref(), &self.parameters.flat),
+            None => meetings.meet(self.comm.as_ref(), &self.states.parameters.flat),
         };
-        self.meetings = Some(meetings);
-        self.comm_volume.all_reduce_elements += self.layout.padded as u64;
+        self.sync = Synchronization::Meetings(meetings);
+        self.report.comm_volume.all_reduce_elements += self.states.layout.padded as u64;
         met
     }
 
     /// What ends every optimizer step taken: the schedule moves on, the step and its samples are counted and logged.
     fn count_step(&mut self, loss: f64, lr: f64, grad_norm: f64) -> StepOutcome {
-        if let Some(s) = self.scheduler.as_mut() {
+        if let Some(s) = self.shard.scheduler.as_mut() {
             s.step();
         }
         self.progress.global_steps += 1;
@@ -183,8 +190,8 @@ impl Engine {
             step = self.progress.global_steps,
             scale,
             "{:?} gradients overflowed; step skipped{}",
-            self.precision,
-            if self.scaler.is_some() { " (the loss scale drops once the hysteresis is used up)" } else { "" }
+            self.precision(),
+            if self.shard.scaler.is_some() { " (the loss scale drops once the hysteresis is used up)" } else { "" }
         );
         self.end_of_step();
         Ok(StepOutcome::Skipped { step: self.progress.global_steps, loss, scale })
@@ -195,8 +202,8 @@ impl Engine {
         match self.plan.after_step() {
             AfterStep::Nothing => {}
             AfterStep::AllGatherFlat => {
-                self.timed(Phase::AllGather, |e| views::all_gather(e.comm.as_ref(), &e.parameters.flat))?;
-                self.comm_volume.all_gather_elements += self.layout.padded as u64;
+                self.timed(Phase::AllGather, |e| views::all_gather(e.comm.as_ref(), &e.states.parameters.flat))?;
+                self.report.comm_volume.all_gather_elements += self.states.layout.padded as u64;
             }
             AfterStep::RefreshGatheredUnits => {
                 // Reductions during backward accumulate into the fp32 accumulator across micro-batches.
@@ -231,7 +238,7 @@ impl Engine {
     fn local_sum_of_squares(&mut self) -> Result<f64> {
         let g = self.gradients.for_step(&self.shard.optimized);
         let sq = flat_math::sum_of_squares(&g)?;
-        let Some((ranges, copies)) = &self.replicated else { return Ok(sq) };
+        let Some((ranges, copies)) = &self.placement.replicated else { return Ok(sq) };
         let mut replicated = 0.0;
         for r in ranges {
             replicated += flat_math::sum_of_squares(&g.narrow(0, r.start as i64, r.len() as i64))?;
@@ -261,8 +268,8 @@ impl Engine {
     /// The mean loss over this step's micro-batches and all ranks (this rank's between local SGD's meetings).
     fn finish_loss(&mut self) -> Result<f64> {
         let mut loss = [(self.progress.loss_sum / self.progress.loss_count.max(1) as f64) as f32];
-        let meets = self.meetings.as_ref().map_or(true, |m| m.meets_after(self.progress.global_steps + 1));
-        if meets && self.staleness.is_none() {
+        let meets = self.sync.meetings().map_or(true, |m| m.meets_after(self.progress.global_steps + 1));
+        if meets && !self.sync.is_stale() {
             self.comm.all_reduce(&mut loss, ReduceOp::Avg)?;
         }
         self.progress.loss_sum = 0.0;
@@ -272,13 +279,13 @@ impl Engine {
     }
 
     fn apply_optimizer(&mut self) -> Result<()> {
-        let rank = self.rank();
+        let (rank, precision) = (self.rank(), self.precision());
         self.shard.step(StepTarget {
-            parameters: &mut self.parameters,
+            parameters: &mut self.states.parameters,
             gradients: &mut self.gradients,
-            layout: &self.layout,
+            layout: &self.states.layout,
             plan: &self.plan,
-            precision: self.precision,
+            precision,
             rank,
         })
     }
@@ -286,12 +293,12 @@ impl Engine {
     /// This rank's optimized values in the optimizer's order (see [`parameters::Parameters::read_shard`]).
     pub(super) fn read_shard(&mut self) -> Result<Tensor> {
         let rank = self.rank();
-        self.parameters.read_shard(&self.layout, rank, &self.plan, &self.shard.optimized)
+        self.states.parameters.read_shard(&self.states.layout, rank, &self.plan, &self.shard.optimized)
     }
 
     /// Writes values in the optimizer's order into this rank's part of the parameters.
     pub(super) fn write_shard(&mut self, values: &Tensor) -> Result<()> {
         let rank = self.rank();
-        self.parameters.write_shard(values, &self.layout, rank, &self.plan, &self.shard.optimized)
+        self.states.parameters.write_shard(values, &self.states.layout, rank, &self.plan, &self.shard.optimized)
     }
 }

@@ -11,7 +11,8 @@ use tch::{nn, Tensor};
 use super::{MicroBatch, PipelineEngine, PipelineModel, StagePlacement};
 use crate::comm::{threads, Communicator};
 use crate::config::Config;
-use crate::engine::{native, EngineOptions};
+use crate::engine::device::native;
+use crate::engine::EngineOptions;
 use crate::error::{Error, Result};
 
 /// One case: which schedule, on how many stages (thread ranks), with how many micro-batches.

@@ -525,7 +525,7 @@ impl<'a> PipelineEngine<'a> {
                 if grad.defined() {
                     tch::no_grad(|| grad.shallow_clone().f_add_(&g.to_kind(grad.kind())).map(drop))?;
                 } else {
-                    crate::engine::native::set_grad(&t.tensor, &g.to_kind(t.tensor.kind()))?;
+                    crate::engine::device::native::set_grad(&t.tensor, &g.to_kind(t.tensor.kind()))?;
                 }
             }
         }
@@ -539,7 +539,7 @@ impl<'a> PipelineEngine<'a> {
             let grad = t.tensor.grad();
             let g = if grad.defined() { grad.shallow_clone() } else { t.tensor.zeros_like() };
             send_tensor(self.tied_group.as_ref(), &g, t.owner)?;
-            crate::engine::native::reset_grad(&t.tensor);
+            crate::engine::device::native::reset_grad(&t.tensor);
         }
         Ok(())
     }

@@ -15,7 +15,7 @@ use super::partition::{partition, LayerInfo};
 use super::placement::StagePlacement;
 use super::PipelineError;
 use crate::config::Partition;
-use crate::engine::native;
+use crate::engine::device::native;
 use crate::error::Result;
 
 /// A layer's forward, as its builder returns it.

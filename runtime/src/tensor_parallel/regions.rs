@@ -10,7 +10,7 @@ use std::ffi::{c_char, c_void, CString};
 use tch::Tensor;
 
 use crate::comm::{Communicator, ReduceOp};
-use crate::engine::views;
+use crate::engine::device::views;
 use crate::error::{Error, Result};
 
 extern "C" {

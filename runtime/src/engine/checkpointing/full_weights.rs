@@ -14,10 +14,11 @@ impl Engine {
             return self.gather_full_parameters(kind, false);
         }
         Ok(self
+            .states
             .layout
             .slots
             .iter()
-            .zip(&self.params)
+            .zip(&self.states.params)
             .map(|(s, t)| (s.name.clone(), t.detach().to_kind(kind).copy()))
             .collect())
     }
@@ -28,7 +29,7 @@ impl Engine {
     /// empty tensors of the released units). Collective at stage 3, where it gathers the units one at a time:
     /// every rank calls it.
     pub fn state_dict(&mut self) -> Result<Vec<(String, Tensor)>> {
-        self.model_tensors(Some(views::kind_of(self.precision)), true)
+        self.model_tensors(Some(views::kind_of(self.precision())), true)
     }
 
     /// The trainable parameters as `kind` (None: without them), the frozen ones (with `frozen`, in their dtype)
@@ -42,21 +43,21 @@ impl Engine {
             None => Vec::new(),
         };
         if frozen && !(stage3 && kind.is_some()) {
-            match &mut self.parameters.frozen_units {
+            match &mut self.states.parameters.frozen_units {
                 Some(units) => out.extend(units.full_copies(self.comm.as_ref())?),
-                None => out.extend(self.frozen.iter().map(|(n, t)| (n.clone(), t.detach().copy()))),
+                None => out.extend(self.states.frozen.iter().map(|(n, t)| (n.clone(), t.detach().copy()))),
             }
         }
-        out.extend(self.buffers.iter().map(|(n, t)| (n.clone(), t.detach().copy())));
+        out.extend(self.states.buffers.iter().map(|(n, t)| (n.clone(), t.detach().copy())));
         out.sort_by(|a, b| a.0.cmp(&b.0));
         Ok(out)
     }
 
     /// (name, shape, kind) of every frozen parameter.
     pub(crate) fn frozen_specs(&self) -> Vec<(String, Vec<i64>, Kind)> {
-        match &self.parameters.frozen_units {
+        match &self.states.parameters.frozen_units {
             Some(units) => units.specs(),
-            None => self.frozen.iter().map(|(n, t)| (n.clone(), t.size(), t.kind())).collect(),
+            None => self.states.frozen.iter().map(|(n, t)| (n.clone(), t.size(), t.kind())).collect(),
         }
     }
 

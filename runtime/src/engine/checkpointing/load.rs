@@ -140,7 +140,7 @@ impl Engine {
         // Parameters are matched by name, so layouts in another order (stage 3 lays out by unit) load too.
         let mut problems: Vec<String> = Vec::new();
         // Whole shapes are compared: a slice of another tensor-parallel degree is read by its place.
-        for (i, slot) in self.layout.slots.iter().enumerate() {
+        for (i, slot) in self.states.layout.slots.iter().enumerate() {
             let whole = ParamEntry { shape: slot.shape.clone(), slice: self.slot_slice(i), ..Default::default() };
             match m.param(&slot.name) {
                 None => problems.push(format!("model `{}` {:?} is not in the checkpoint", slot.name, slot.shape)),
@@ -154,13 +154,17 @@ impl Engine {
             }
         }
         let names = m.param_names();
-        if problems.is_empty() && !part && names.len() != self.layout.slots.len() {
-            let extra: Vec<&str> =
-                names.iter().filter(|n| !self.layout.slots.iter().any(|s| &s.name == *n)).copied().take(3).collect();
+        if problems.is_empty() && !part && names.len() != self.states.layout.slots.len() {
+            let extra: Vec<&str> = names
+                .iter()
+                .filter(|n| !self.states.layout.slots.iter().any(|s| &s.name == *n))
+                .copied()
+                .take(3)
+                .collect();
             problems.push(format!(
                 "the checkpoint has {} parameters, the model {} (not in the model: {extra:?})",
                 names.len(),
-                self.layout.slots.len()
+                self.states.layout.slots.len()
             ));
         }
         if !problems.is_empty() {
@@ -168,7 +172,8 @@ impl Engine {
             return Err(mismatch(format!("parameters differ: {}", problems.join("; "))).into());
         }
         if m.variables_file.is_some() {
-            let buffers: Vec<(String, Vec<i64>)> = self.buffers.iter().map(|(n, t)| (n.clone(), t.size())).collect();
+            let buffers: Vec<(String, Vec<i64>)> =
+                self.states.buffers.iter().map(|(n, t)| (n.clone(), t.size())).collect();
             let mut problems = variable_problems("buffer", &buffers, &m.buffers, part);
             if !m.frozen_excluded {
                 let frozen: Vec<(String, Vec<i64>)> = self.frozen_specs().into_iter().map(|(n, s, _)| (n, s)).collect();
@@ -194,8 +199,8 @@ impl Engine {
         // Values first (the master or the parameters), then the optimizer state, which an NVMe run takes one
         // sub-group at a time, so the whole state is never assembled in memory.
         let pieces = self.optimized_pieces(self.rank());
-        let slices = (0..self.layout.slots.len()).map(|i| self.slot_slice(i)).collect();
-        let mut reader = ShardReader::new(&saved, &self.layout.slots, slices, &pieces);
+        let slices = (0..self.states.layout.slots.len()).map(|i| self.slot_slice(i)).collect();
+        let mut reader = ShardReader::new(&saved, &self.states.layout.slots, slices, &pieces);
         let mut values = vec![0f32; self.shard.optimized.len()];
         reader.read(0..values.len(), &["params"], &mut [&mut values])?;
         let names: Vec<&str> = m.state_names.iter().map(String::as_str).collect();
@@ -209,19 +214,19 @@ impl Engine {
         self.write_shard(&values)?;
         match self.plan.after_step() {
             AfterStep::Nothing => {}
-            AfterStep::AllGatherFlat => views::all_gather(self.comm.as_ref(), &self.parameters.flat)?,
+            AfterStep::AllGatherFlat => views::all_gather(self.comm.as_ref(), &self.states.parameters.flat)?,
             AfterStep::RefreshGatheredUnits => self.refresh_gathered_units()?,
         }
         self.load_variables(&saved)?;
         self.load_outer_state(&saved)?;
-        if let (Some(s), Some(it)) = (self.scheduler.as_mut(), m.scheduler_last_batch_iteration) {
+        if let (Some(s), Some(it)) = (self.shard.scheduler.as_mut(), m.scheduler_last_batch_iteration) {
             s.last_batch_iteration = it;
         }
-        if let (Some(s), Some(state)) = (self.scaler.as_mut(), m.loss_scaler.clone()) {
+        if let (Some(s), Some(state)) = (self.shard.scaler.as_mut(), m.loss_scaler.clone()) {
             s.state = state;
         }
         match m.rng_states.get(self.rank()) {
-            Some(hex) if m.world_size == self.world_size() && !part => super::super::native::set_rng_state(
+            Some(hex) if m.world_size == self.world_size() && !part => crate::engine::device::native::set_rng_state(
                 &from_hex(hex).map_err(|what| mismatch(format!("rng_states[{}]: {what}", self.rank())))?,
             )?,
             _ if !m.rng_states.is_empty() => tracing::warn!(
@@ -231,8 +236,8 @@ impl Engine {
             ),
             _ => {}
         }
-        if let Some(p) = m.params.iter().find(|p| !p.dtype.is_empty() && p.dtype != dtype_name(self.precision)) {
-            tracing::info!(saved = %p.dtype, now = dtype_name(self.precision), "the checkpoint was saved in another precision; values come from its fp32 master");
+        if let Some(p) = m.params.iter().find(|p| !p.dtype.is_empty() && p.dtype != dtype_name(self.precision())) {
+            tracing::info!(saved = %p.dtype, now = dtype_name(self.precision()), "the checkpoint was saved in another precision; values come from its fp32 master");
         }
         self.progress.global_steps = m.global_steps;
         self.progress.global_samples = m.global_samples;
@@ -243,7 +248,7 @@ impl Engine {
         self.progress.backwards = 0;
         self.gradients.clear_accumulator();
         self.gradients.consume()?;
-        self.grad_mark = self.gradient_fingerprint();
+        self.gradients.mark = self.gradient_fingerprint();
         self.comm.barrier()?;
         self.restart_bounded_staleness()?;
         tracing::info!(
@@ -259,11 +264,11 @@ impl Engine {
     /// DiLoCo's anchor and momentum, by parameter name; a checkpoint without them (saved synchronously or by local
     /// SGD) starts the outer optimizer from the loaded parameters, with no momentum.
     fn load_outer_state(&mut self, saved: &SavedCheckpoint) -> Result<()> {
-        let Some(meetings) = self.meetings.as_mut() else { return Ok(()) };
+        let Some(meetings) = self.sync.meetings_mut() else { return Ok(()) };
         if !meetings.has_outer_state() {
             return Ok(());
         }
-        let slots = self.layout.slots.clone();
+        let slots = self.states.layout.slots.clone();
         match &saved.manifest.outer_state_file {
             Some(name) => {
                 let path = saved.folder.join(name);
@@ -277,10 +282,11 @@ impl Engine {
                 // A 16-bit model's ranks meet by their fp32 master.
                 let values = match &self.shard.master {
                     Some(master) => master.copy(),
-                    None => self.parameters.flat.shallow_clone(),
+                    None => self.states.parameters.flat.shallow_clone(),
                 };
-                *meetings = super::super::meetings::Meetings::new(&self.config.async_training, &values)
-                    .expect("DiLoCo has meetings");
+                *meetings =
+                    crate::engine::async_training::meetings::Meetings::new(&self.config.async_training, &values)
+                        .expect("DiLoCo has meetings");
                 Ok(())
             }
         }
@@ -292,7 +298,7 @@ impl Engine {
         let m = &saved.manifest;
         let files = saved.variables_files()?;
         if files.is_empty() {
-            if !self.buffers.is_empty() || !self.frozen_specs().is_empty() {
+            if !self.states.buffers.is_empty() || !self.frozen_specs().is_empty() {
                 tracing::warn!(
                     format = m.format_version,
                     "a checkpoint from before format 3 holds no buffers or frozen parameters: the model keeps its own"
@@ -301,7 +307,7 @@ impl Engine {
             return Ok(());
         }
         tch::no_grad(|| -> Result<()> {
-            for (name, t) in &self.buffers {
+            for (name, t) in &self.states.buffers {
                 t.shallow_clone().f_copy_(&read_saved_variable(&files, name)?)?;
             }
             Ok(())
@@ -312,10 +318,10 @@ impl Engine {
             }
             return Ok(());
         }
-        match self.parameters.frozen_units.as_mut() {
+        match self.states.parameters.frozen_units.as_mut() {
             Some(units) => units.load(self.comm.as_ref(), &mut |name| read_saved_variable(&files, name).map(Some)),
             None => tch::no_grad(|| -> Result<()> {
-                for (name, t) in &self.frozen {
+                for (name, t) in &self.states.frozen {
                     t.shallow_clone().f_copy_(&read_saved_variable(&files, name)?)?;
                 }
                 Ok(())

@@ -11,8 +11,6 @@ use std::path::{Path, PathBuf};
 
 use tch::{Kind, Tensor};
 
-use super::plan::{AfterStep, FlatRange, Optimized};
-use super::{views, Engine, ParamSlot};
 use crate::checkpoint::files::{self, MappedTensors};
 use crate::checkpoint::{
     read_region, region_of, CheckpointError, Manifest, ParamEntry, RankEntry, SavedCheckpoint, Slice, VariableEntry,
@@ -20,6 +18,9 @@ use crate::checkpoint::{
 };
 use crate::comm::{Collectives, ReduceOp};
 use crate::config::{Precision, TagValidation};
+use crate::engine::device::views;
+use crate::engine::zero::plan::{AfterStep, FlatRange, Optimized};
+use crate::engine::{Engine, ParamSlot};
 use crate::error::{Error, Result};
 
 /// How [`Engine::save_checkpoint_with`] saves.
@@ -103,8 +104,8 @@ pub(super) fn fill_variable(
         return Err(mismatch(name, src.size(), dst.size()));
     }
     let bytes = dst.numel() * dst.kind().elt_size_in_bytes();
-    if super::native::storage_nbytes(dst) < bytes {
-        super::native::resize_storage(dst, bytes)?;
+    if crate::engine::device::native::storage_nbytes(dst) < bytes {
+        crate::engine::device::native::resize_storage(dst, bytes)?;
     }
     tch::no_grad(|| dst.shallow_clone().f_copy_(src))?;
     Ok(())
@@ -165,7 +166,7 @@ pub fn load_mapped_slices(
     path: impl AsRef<Path>,
     rank: usize,
     size: usize,
-    split_dim: &super::SplitDim<'_>,
+    split_dim: &crate::engine::SplitDim<'_>,
 ) -> Result<()> {
     let path = path.as_ref();
     let file = MappedTensors::open(path)?;

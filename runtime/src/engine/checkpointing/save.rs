@@ -5,7 +5,7 @@ use super::*;
 impl Engine {
     /// Every rank's CPU generator state, hex, on every rank (rank r fills slot r of a zeroed buffer; one sum).
     fn gather_rng_states(&mut self) -> Result<Vec<String>> {
-        let mine = super::super::native::rng_state()?;
+        let mine = crate::engine::device::native::rng_state()?;
         let (ws, rank, n) = (self.world_size(), self.rank(), mine.len());
         let mut all = vec![0i64; ws * n];
         for (d, b) in all[rank * n..(rank + 1) * n].iter_mut().zip(&mine) {
@@ -18,9 +18,9 @@ impl Engine {
     /// The flat ranges of the layout rank `r` optimizes, in the order of its optimized values: everything at
     /// stage 0, its partition at stages 1-2, a chunk of every unit at stage 3.
     pub(crate) fn optimized_pieces(&self, r: usize) -> Vec<std::ops::Range<usize>> {
-        match self.plan.optimized(&self.layout, r) {
+        match self.plan.optimized(&self.states.layout, r) {
             Optimized::Flat(FlatRange(range)) => vec![range],
-            Optimized::Shard(_) => self.layout.shard_pieces(r),
+            Optimized::Shard(_) => self.states.layout.shard_pieces(r),
         }
     }
 
@@ -47,7 +47,7 @@ impl Engine {
         check_tag(&tag)?;
         let tag = self.agree_on_tag(tag)?;
         let staging = dir.join(format!(".{tag}.partial"));
-        let tp = self.tensor_parallel.as_ref().map(|p| (p.rank, p.size));
+        let tp = self.placement.tensor_parallel.as_ref().map(|p| (p.rank, p.size));
         if self.rank() == 0 && matches!(tp, None | Some((0, _))) {
             prepare_staging(dir, &staging)?;
         }
@@ -75,7 +75,7 @@ impl Engine {
     }
 
     fn tensor_parallel_barrier(&self) -> Result<()> {
-        if let Some(p) = &self.tensor_parallel {
+        if let Some(p) = &self.placement.tensor_parallel {
             p.group.barrier()?;
         }
         Ok(())
@@ -86,7 +86,7 @@ impl Engine {
     /// return None. Without tensor parallelism: `manifest` itself.
     pub(crate) fn merge_tensor_parallel_parts(&self, staging: &Path, manifest: Manifest) -> Result<Option<Manifest>> {
         use crate::pipeline::link::{recv_bytes, send_bytes};
-        let Some(p) = &self.tensor_parallel else { return Ok(Some(manifest)) };
+        let Some(p) = &self.placement.tensor_parallel else { return Ok(Some(manifest)) };
         if p.rank > 0 {
             send_bytes(p.group.as_ref(), &serde_json::to_vec(&manifest).expect("manifests serialize"), 0)?;
             return Ok(None);
@@ -104,14 +104,14 @@ impl Engine {
 
     /// This engine's prefix of file names in a checkpoint: its tensor-parallel rank's.
     pub(crate) fn tensor_parallel_prefix(&self) -> String {
-        self.tensor_parallel.as_ref().map_or_else(String::new, |p| format!("tp{}.", p.rank))
+        self.placement.tensor_parallel.as_ref().map_or_else(String::new, |p| format!("tp{}.", p.rank))
     }
 
     /// What asynchronous training needs before a checkpoint: local SGD and DiLoCo refuse one between meetings (the
     /// ranks' parameters differ); bounded staleness makes it a meeting (every step applied, one model), after which
     /// it is stage 1's. Collective.
     pub(crate) fn ready_for_checkpoint(&mut self) -> Result<()> {
-        if let Some(why) = self.meetings.as_ref().and_then(|m| m.refuses_checkpoint(self.progress.global_steps)) {
+        if let Some(why) = self.sync.meetings().and_then(|m| m.refuses_checkpoint(self.progress.global_steps)) {
             return Err(crate::error::Error::Usage(why));
         }
         self.quiesce_bounded_staleness()
@@ -159,7 +159,7 @@ impl Engine {
         } else {
             (format!("{prefix}variables.safetensors"), "absent: stage 3 without zero_optimization.stage3_gather_16bit_weights_on_model_save; `zerorun consolidate` assembles them from the rank files".to_string())
         };
-        let tensors = self.model_tensors(whole.then(|| views::kind_of(self.precision)), with_frozen)?;
+        let tensors = self.model_tensors(whole.then(|| views::kind_of(self.precision())), with_frozen)?;
         if rank == 0 {
             let file = staging.join(&file_name);
             tch::Tensor::write_safetensors(&tensors, &file)
@@ -167,7 +167,7 @@ impl Engine {
         }
         drop(tensors);
         // DiLoCo's outer state: the same on every rank right after a meeting; rank 0 writes it.
-        let outer = self.meetings.as_ref().map(|m| m.outer_state(&self.layout.slots)).unwrap_or_default();
+        let outer = self.sync.meetings().map(|m| m.outer_state(&self.states.layout.slots)).unwrap_or_default();
         let outer_state_file = (!outer.is_empty()).then(|| format!("{prefix}outer.safetensors"));
         if let (0, Some(name)) = (rank, &outer_state_file) {
             let file = staging.join(name);
@@ -178,13 +178,13 @@ impl Engine {
             return Ok(None);
         }
         let buffer_entries: Vec<VariableEntry> =
-            self.buffers.iter().map(|(n, t)| entry(n, &t.size(), t.kind())).collect();
+            self.states.buffers.iter().map(|(n, t)| entry(n, &t.size(), t.kind())).collect();
         let frozen_entries: Vec<VariableEntry> = if with_frozen {
             self.frozen_specs().iter().map(|(n, shape, kind)| entry(n, shape, *kind)).collect()
         } else {
             Vec::new()
         };
-        let layout = &self.layout;
+        let layout = &self.states.layout;
         let ranks = (0..if per_rank { ws } else { 1 })
             .map(|r| RankEntry::new(format!("{prefix}rank{r}.safetensors"), &self.optimized_pieces(r), crcs[r] as u32))
             .collect();
@@ -197,11 +197,11 @@ impl Engine {
             optimizer_steps: self.shard.tier.step_count(),
             optimizer: self.shard.tier.name().to_string(),
             state_names: self.shard.tier.state_names(),
-            scheduler_last_batch_iteration: self.scheduler.as_ref().map(|s| s.last_batch_iteration),
-            loss_scaler: self.scaler.as_ref().map(|s| s.state.clone()),
+            scheduler_last_batch_iteration: self.shard.scheduler.as_ref().map(|s| s.last_batch_iteration),
+            loss_scaler: self.shard.scaler.as_ref().map(|s| s.state.clone()),
             world_size: ws,
             stage,
-            precision: format!("{:?}", self.precision).to_lowercase(),
+            precision: format!("{:?}", self.precision()).to_lowercase(),
             numel: layout.numel,
             params: layout
                 .slots
@@ -212,7 +212,7 @@ impl Engine {
                     shape: s.shape.clone(),
                     start: s.range.start,
                     len: s.range.len(),
-                    dtype: dtype_name(self.precision).into(),
+                    dtype: dtype_name(self.precision()).into(),
                     slice: self.slot_slice(i),
                 })
                 .collect(),

@@ -3,22 +3,31 @@
 //! owner, pull the next values), and quiescing before checkpoints and at the end of the run.
 use std::time::Duration;
 
-use super::staleness::{BoundedStaleness, OwnerStep};
 use crate::comm::Communicator;
+use crate::engine::async_training::staleness::{BoundedStaleness, OwnerStep};
+use crate::engine::async_training::Synchronization;
 use crate::error::{Error, Result};
 
 /// Bounded staleness on a 16-bit model or one on a device: the fp32 host values workers and owners exchange (a
 /// 16-bit model's own partition is the master), and the host buffer its gradients are widened or copied into each
 /// step. The windows are host memory; an fp32 host model exchanges its parameters in place instead.
-pub(super) struct StalenessValues {
+pub(crate) struct StalenessValues {
     values: Vec<f32>,
     grads: Vec<f32>,
 }
 
-impl super::Engine {
+/// A rank's bounded staleness: its window, inbox and accumulators, the values it exchanges, and the schedule of
+/// the steps it applies as an owner.
+pub(crate) struct Stale {
+    window: BoundedStaleness,
+    values: Option<StalenessValues>,
+    owner_schedule: Option<zerorun_optim::schedule::LrScheduler>,
+}
+
+impl crate::engine::Engine {
     /// `async_training.mode = "bounded_staleness"`: the window, with this rank's partition as its owner's values
     /// (a 16-bit model's: its fp32 master).
-    pub(super) fn start_bounded_staleness(&mut self) -> Result<()> {
+    pub(crate) fn start_bounded_staleness(&mut self) -> Result<()> {
         let crate::config::AsyncTraining::BoundedStaleness { staleness, lr_staleness_scaling } =
             self.config.async_training
         else {
@@ -31,17 +40,17 @@ impl super::Engine {
                 why: "bounded staleness pushes the gradients as autograd wrote them: they must travel in the model's dtype (leave communication_data_type out)",
             });
         }
-        let mut wide = Vec::<f32>::try_from(&self.parameters.flat.to_kind(tch::Kind::Float))?;
+        let mut wide = Vec::<f32>::try_from(&self.states.parameters.flat.to_kind(tch::Kind::Float))?;
         if let Some(master) = &self.shard.master {
-            wide[self.layout.partition(self.rank())].copy_from_slice(&Vec::<f32>::try_from(master)?);
+            wide[self.states.layout.partition(self.rank())].copy_from_slice(&Vec::<f32>::try_from(master)?);
         }
         let timeout = Duration::from_secs_f64(self.config.comms_timeout);
         let ps = BoundedStaleness::new(self.comm.as_ref(), &wide, staleness, lr_staleness_scaling, timeout)?;
-        self.staleness = Some(Box::new(ps));
         // An fp32 host model exchanges its parameters themselves; a 16-bit or device one an fp32 host copy of them.
-        let copied = self.shard.master.is_some() || super::views::on_device(&self.parameters.flat);
-        self.staleness_values = copied.then(|| StalenessValues { grads: vec![0.0; wide.len()], values: wide });
-        self.owner_schedule = self.scheduler.clone();
+        let copied = self.shard.master.is_some() || self.residence.device_path();
+        let values = copied.then(|| StalenessValues { grads: vec![0.0; wide.len()], values: wide });
+        let owner_schedule = self.shard.scheduler.clone();
+        self.sync = Synchronization::Stale(Box::new(Stale { window: ps, values, owner_schedule }));
         Ok(())
     }
 
@@ -52,17 +61,16 @@ impl super::Engine {
         &mut self,
         f: impl FnOnce(&mut BoundedStaleness, &dyn Communicator, &mut [f32], &mut OwnerStep<'_>) -> Result<()>,
     ) -> Result<()> {
-        let ps = self.staleness.as_mut().expect("bounded staleness is set up");
-        let mut step =
-            owner_step(&mut self.shard.tier, &self.shard.groups, self.shard.base_lr, &mut self.owner_schedule);
-        let Some(wide) = self.staleness_values.as_mut() else {
+        let Stale { window: ps, values, owner_schedule } = self.sync.stale_mut().expect("bounded staleness is set up");
+        let mut step = owner_step(&mut self.shard.tier, &self.shard.groups, self.shard.base_lr, owner_schedule);
+        let Some(wide) = values.as_mut() else {
             // SAFETY: inside `engine.step()` or between steps: nothing else touches the flat parameters.
-            let flat = unsafe { super::views::slice::<f32>(&self.parameters.flat) };
+            let flat = unsafe { crate::engine::device::views::slice::<f32>(&self.states.parameters.flat) };
             return f(ps, self.comm.as_ref(), flat, &mut step);
         };
         let done = f(ps, self.comm.as_ref(), &mut wide.values, &mut step);
-        let flat = &self.parameters.flat;
-        if super::views::on_device(flat) {
+        let flat = &self.states.parameters.flat;
+        if self.residence.device_path() {
             // The parameters take the exchanged values where they live (rounded to a 16-bit kind as the host does).
             let values = tch::Tensor::from_slice(&wide.values);
             tch::no_grad(|| flat.shallow_clone().f_copy_(&values))?;
@@ -70,14 +78,14 @@ impl super::Engine {
             // SAFETY: as above; the 16-bit parameters take the exchanged values rounded, in one pass.
             let mut params = unsafe {
                 match flat.kind() {
-                    tch::Kind::Half => zerorun_optim::ParamsOut::F16(super::views::slice(flat)),
-                    _ => zerorun_optim::ParamsOut::Bf16(super::views::slice(flat)),
+                    tch::Kind::Half => zerorun_optim::ParamsOut::F16(crate::engine::device::views::slice(flat)),
+                    _ => zerorun_optim::ParamsOut::Bf16(crate::engine::device::views::slice(flat)),
                 }
             };
             params.store(&wide.values);
         }
         if let Some(master) = self.shard.master.as_mut() {
-            let own = tch::Tensor::from_slice(&wide.values[self.layout.partition(self.comm.rank())]);
+            let own = tch::Tensor::from_slice(&wide.values[self.states.layout.partition(self.comm.rank())]);
             tch::no_grad(|| master.f_copy_(&own))?;
         }
         done
@@ -85,49 +93,55 @@ impl super::Engine {
 
     /// Bounded staleness's optimizer step: push this step's gradients, serve this rank's partition, pull the next
     /// step's values.
-    pub(super) fn step_bounded_staleness(&mut self) -> Result<()> {
+    pub(crate) fn step_bounded_staleness(&mut self) -> Result<()> {
         // A handle of the gradient buffer (its storage is the engine's, untouched while this step runs).
         let view = self.gradients.view_buffer().expect("bounded staleness keeps gradient views").shallow_clone();
         // A 16-bit model's gradients widened into the buffer kept for them (taken out for the exchange).
-        let mut widened = self.staleness_values.as_mut().map(|w| std::mem::take(&mut w.grads));
+        let mut widened = self.exchanged_values().map(|w| std::mem::take(&mut w.grads));
         // SAFETY: inside `engine.step()`: no forward, backward or collective touches the gradients.
         let grads: &[f32] = match widened.as_mut() {
-            Some(g) if super::views::on_device(&view) => {
+            Some(g) if self.residence.device_path() => {
                 let n = g.len();
                 view.f_to_device(tch::Device::Cpu)?.f_to_kind(tch::Kind::Float)?.f_copy_data(g, n)?;
                 g
             }
             Some(g) => {
-                unsafe { super::views::grads_of(&view) }.load(0..g.len(), g);
+                unsafe { crate::engine::device::views::grads_of(&view) }.load(0..g.len(), g);
                 g
             }
-            None => unsafe { super::views::slice::<f32>(&view) },
+            None => unsafe { crate::engine::device::views::slice::<f32>(&view) },
         };
         let stepped = self.with_exchanged_values(|ps, _, values, step| ps.step(grads, values, step));
-        if let (Some(w), Some(g)) = (self.staleness_values.as_mut(), widened) {
+        if let (Some(w), Some(g)) = (self.exchanged_values(), widened) {
             w.grads = g;
         }
         stepped?;
         self.gradients.consume()
     }
 
+    /// The fp32 values this rank exchanges, where it keeps a copy of its own.
+    fn exchanged_values(&mut self) -> Option<&mut StalenessValues> {
+        self.sync.stale_mut().and_then(|s| s.values.as_mut())
+    }
+
     /// Gradients applied by this rank as an owner, by staleness (bounded staleness; empty otherwise).
     pub fn staleness_counts(&self) -> Vec<u64> {
-        self.staleness.as_ref().map_or_else(Vec::new, |ps| ps.staleness_counts().to_vec())
+        self.sync.stale().map_or_else(Vec::new, |s| s.window.staleness_counts().to_vec())
     }
 
     /// Bounded staleness before a checkpoint: every owner applies every step pushed so far and every rank pulls the
     /// values, so the ranks hold one model and no gradient is in flight; the checkpoint is then stage 1's.
-    pub(super) fn quiesce_bounded_staleness(&mut self) -> Result<()> {
-        if self.staleness.is_none() {
+    pub(crate) fn quiesce_bounded_staleness(&mut self) -> Result<()> {
+        if !self.sync.is_stale() {
             return Ok(());
         }
         self.with_exchanged_values(|ps, comm, values, step| ps.quiesce(comm, values, step))
     }
 
     /// After a checkpoint load: the owners start again from the loaded values (collective).
-    pub(super) fn restart_bounded_staleness(&mut self) -> Result<()> {
-        if self.staleness.take().is_some() {
+    pub(crate) fn restart_bounded_staleness(&mut self) -> Result<()> {
+        if self.sync.is_stale() {
+            self.sync = Synchronization::Synchronous;
             self.comm.barrier()?;
             self.start_bounded_staleness()?;
         }
@@ -138,7 +152,7 @@ impl super::Engine {
     /// (collective; see [`BoundedStaleness::finish`]), after which the ranks' parameters are equal and no step may
     /// follow. Nothing to do in other modes. Dropping the engine does it too, logging what fails.
     pub fn finish(&mut self) -> Result<()> {
-        if self.staleness.is_none() {
+        if !self.sync.is_stale() {
             return Ok(());
         }
         self.with_exchanged_values(|ps, comm, values, step| ps.finish(comm, values, step))
@@ -148,7 +162,7 @@ impl super::Engine {
 /// An owner's optimizer step on its partition: the owner's schedule gives each applied step its learning rate (and
 /// cycled momentum), in the order the steps are applied.
 fn owner_step<'a>(
-    tier: &'a mut super::optimizer::OptimizerTier,
+    tier: &'a mut crate::engine::zero::optim::build::OptimizerTier,
     groups: &'a [zerorun_optim::Group],
     base_lr: f64,
     schedule: &'a mut Option<zerorun_optim::schedule::LrScheduler>,

@@ -6,8 +6,8 @@
 use tch::{Kind, Tensor};
 use zerorun_optim::norm;
 
-use super::staging::{self, Staged};
-use super::views;
+use crate::engine::device::staging::{self, Staged};
+use crate::engine::device::views;
 use crate::error::Result;
 
 /// The sum of the squares of `t`'s elements (any float kind), accumulated in f64.

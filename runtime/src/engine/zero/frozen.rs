@@ -4,14 +4,14 @@
 //! no reduction and no optimizer state. This rank keeps its chunk of every frozen unit in `shard`.
 use tch::{Kind, Tensor};
 
-use super::layout::FlatLayout;
-use super::sharded_unit::{ShardedUnit, UnitState};
-use super::swapped_params::Chunk;
 use crate::comm::async_comm::CommThread;
 use crate::comm::Communicator;
+use crate::engine::zero::layout::FlatLayout;
+use crate::engine::zero::sharded_unit::{ShardedUnit, UnitState};
+use crate::engine::zero::swapped_params::Chunk;
 use crate::error::{Error, Result};
 
-pub(super) struct FrozenUnits {
+pub(crate) struct FrozenUnits {
     /// The frozen parameters by unit, in the engine's unit order (a unit without any has an empty span).
     pub layout: FlatLayout,
     /// This rank's chunk of every unit, concatenated (the frozen unit's `shard_offset` is its place here).
@@ -28,7 +28,7 @@ impl FrozenUnits {
         persistent: &[bool],
         comm: &dyn Communicator,
         device: tch::Device,
-        mut materialize: Option<&mut super::units::Materialize>,
+        mut materialize: Option<&mut crate::engine::zero::units::Materialize>,
     ) -> Result<FrozenUnits> {
         let kind = frozen_kind(&by_unit)?;
         let specs: Vec<Vec<(String, Vec<i64>, bool)>> =

@@ -13,8 +13,8 @@ use std::sync::{LazyLock, Mutex};
 
 use tch::{nn, Kind, Tensor};
 
-use super::native;
 use crate::comm::{Collectives, Communicator, ReduceOp};
+use crate::engine::device::native;
 use crate::error::{Error, Result};
 
 /// How buffers (variables the model updates itself, such as BatchNorm's running statistics) stay consistent
@@ -38,14 +38,14 @@ pub enum BufferSync {
 }
 
 /// The VarStore's variables by role, each list sorted by name.
-pub(super) struct Variables {
+pub(crate) struct Variables {
     pub trainable: Vec<(String, Tensor)>,
     pub frozen: Vec<(String, Tensor)>,
     pub buffers: Vec<(String, Tensor)>,
 }
 
 /// Sorts the variables of `vs` into trainable parameters, frozen parameters and buffers.
-pub(super) fn classify(vs: &nn::VarStore) -> Variables {
+pub(crate) fn classify(vs: &nn::VarStore) -> Variables {
     let listed: HashSet<usize> = vs.trainable_variables().iter().map(native::tensor_identity).collect();
     let mut all: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
     all.sort_by(|a, b| a.0.cmp(&b.0));
@@ -67,7 +67,7 @@ static CLAIMED: LazyLock<Mutex<HashSet<usize>>> = LazyLock::new(|| Mutex::new(Ha
 
 /// The variables one engine holds, registered for as long as it lives: a second engine over the same variables
 /// would repack tensors the first one steps, so the first engine's updates would stop reaching the model.
-pub(super) struct Claim {
+pub(crate) struct Claim {
     ids: Vec<usize>,
 }
 
@@ -103,7 +103,7 @@ fn nbytes(t: &Tensor) -> usize {
 const PACK_BYTES: usize = 64 << 20;
 
 /// Rank 0's values of `tensors` on every rank: their bytes packed into one buffer per batch, one broadcast each.
-pub(super) fn broadcast_values(comm: &dyn Communicator, tensors: &[&Tensor]) -> Result<()> {
+pub(crate) fn broadcast_values(comm: &dyn Communicator, tensors: &[&Tensor]) -> Result<()> {
     if comm.world_size() == 1 {
         return Ok(());
     }
@@ -145,7 +145,7 @@ pub(super) fn broadcast_values(comm: &dyn Communicator, tensors: &[&Tensor]) -> 
 }
 
 /// Floating `tensors` averaged over the ranks (in f32), the others set to rank 0's.
-pub(super) fn average_values(comm: &dyn Communicator, tensors: &[&Tensor]) -> Result<()> {
+pub(crate) fn average_values(comm: &dyn Communicator, tensors: &[&Tensor]) -> Result<()> {
     if comm.world_size() == 1 {
         return Ok(());
     }
@@ -166,7 +166,7 @@ pub(super) fn average_values(comm: &dyn Communicator, tensors: &[&Tensor]) -> Re
 }
 
 /// Applies `sync` to `buffers` (the end of an `engine.step()` call).
-pub(super) fn sync_buffers(comm: &dyn Communicator, sync: BufferSync, buffers: &[(String, Tensor)]) -> Result<()> {
+pub(crate) fn sync_buffers(comm: &dyn Communicator, sync: BufferSync, buffers: &[(String, Tensor)]) -> Result<()> {
     if buffers.is_empty() {
         return Ok(());
     }
@@ -179,6 +179,6 @@ pub(super) fn sync_buffers(comm: &dyn Communicator, sync: BufferSync, buffers: &
 }
 
 /// Bytes of the tensors.
-pub(super) fn bytes_of(vars: &[(String, Tensor)]) -> usize {
+pub(crate) fn bytes_of(vars: &[(String, Tensor)]) -> usize {
     vars.iter().map(|(_, t)| nbytes(t)).sum()
 }

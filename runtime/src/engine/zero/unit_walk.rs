@@ -5,20 +5,31 @@
 //! unit is recomputed in backward.
 use tch::Tensor;
 
-use super::counters::{CommVolume, GatheredBytes};
-use super::plan::{self, GradientPath};
-use super::sharded_unit::UnitState;
-use super::units::UnitModel;
-use super::{native, Engine};
+use crate::engine::counters::{CommVolume, GatheredBytes};
+use crate::engine::device::native;
+use crate::engine::zero::plan::{self, GradientPath};
+use crate::engine::zero::sharded_unit::UnitState;
+use crate::engine::zero::units::UnitModel;
+use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::report::memory::MemoryCategory;
 
 /// What forward keeps of one unit for backward.
-pub(super) struct UnitRecord {
+pub(crate) struct UnitRecord {
     /// The unit's input as run: a leaf that requires grad (units after the first, floating inputs).
     input: Tensor,
     /// The unit's output with its graph (None under activation checkpointing: recomputed in backward).
     output: Option<Tensor>,
+}
+
+/// Stage 3's walk over the model's units.
+pub(crate) struct Walk {
+    /// The units' parameter-name prefixes, in execution order.
+    pub unit_prefixes: Vec<Vec<String>>,
+    /// What the current micro-batch's forward kept for backward.
+    pub records: Vec<UnitRecord>,
+    /// Keep only each unit's input in forward and recompute the unit in backward.
+    pub activation_checkpointing: bool,
 }
 
 impl Engine {
@@ -26,10 +37,12 @@ impl Engine {
     /// gathers each unit's parameters only while it runs. Under `tch::no_grad` nothing is kept for backward.
     pub fn forward(&mut self, model: &dyn UnitModel, input: &Tensor) -> Result<Tensor> {
         let _span = crate::report::Phase::Forward.span().entered();
-        let (started, comm_before) = (std::time::Instant::now(), self.times.comm());
+        let (started, comm_before) = (std::time::Instant::now(), self.report.times.comm());
         let out = self.forward_impl(model, input);
-        self.times
-            .add(crate::report::Phase::Forward, started.elapsed().saturating_sub(self.times.comm() - comm_before));
+        self.report.times.add(
+            crate::report::Phase::Forward,
+            started.elapsed().saturating_sub(self.report.times.comm() - comm_before),
+        );
         out
     }
 
@@ -42,26 +55,26 @@ impl Engine {
             }
             return Ok(h);
         }
-        if prefixes != self.unit_prefixes {
+        if prefixes != self.walk.unit_prefixes {
             return Err(Error::Usage(format!(
                 "the model's units {prefixes:?} are not the ones the engine was built with {:?} (EngineOptions::units)",
-                self.unit_prefixes
+                self.walk.unit_prefixes
             )));
         }
         let train = native::grad_enabled();
-        self.records.clear();
-        let n = self.parameters.units.len();
-        let keep = self.parameters.kept_after_forward(&self.config.zero_optimization);
-        let first_trainable = self.parameters.units.iter().position(|u| !u.span.range.is_empty()).unwrap_or(n);
+        self.walk.records.clear();
+        let n = self.states.parameters.units.len();
+        let keep = self.states.parameters.kept_after_forward(&self.config.zero_optimization);
+        let first_trainable = self.states.parameters.units.iter().position(|u| !u.span.range.is_empty()).unwrap_or(n);
         let mut h = input.shallow_clone();
         for (i, kept) in keep.into_iter().enumerate() {
             self.gather_unit(i)?;
             self.prefetch(i + 1..n)?;
-            self.parameters.read_ahead(i + 1..n);
+            self.states.parameters.read_ahead(i + 1..n);
             let last = i + 1 == n;
             if !train {
                 h = model.forward_unit(i, &h);
-                if !self.parameters.units[i].persistent {
+                if !self.states.parameters.units[i].persistent {
                     self.release_unit(i)?;
                 }
                 continue;
@@ -74,10 +87,10 @@ impl Engine {
                 h.shallow_clone()
             };
             self.memory_event(|| format!("forward: unit {i} gathered"), &[]);
-            let recompute = self.activation_checkpointing && !last;
+            let recompute = self.walk.activation_checkpointing && !last;
             let y = if recompute { tch::no_grad(|| model.forward_unit(i, &x)) } else { model.forward_unit(i, &x) };
-            self.records.push(UnitRecord { input: x, output: (!recompute).then(|| y.shallow_clone()) });
-            if !last && !self.parameters.units[i].persistent && !kept {
+            self.walk.records.push(UnitRecord { input: x, output: (!recompute).then(|| y.shallow_clone()) });
+            if !last && !self.states.parameters.units[i].persistent && !kept {
                 self.release_unit(i)?;
             }
             h = y;
@@ -87,14 +100,14 @@ impl Engine {
 
     /// Stage 3 backward from a loss computed from `forward`'s output. `model` recomputes units when activation
     /// checkpointing is on.
-    pub(super) fn backward_units_impl(
+    pub(crate) fn backward_units_impl(
         &mut self,
         model: Option<&dyn UnitModel>,
         loss: &Tensor,
         factor: f64,
     ) -> Result<()> {
-        let records = std::mem::take(&mut self.records);
-        if records.len() != self.parameters.units.len() {
+        let records = std::mem::take(&mut self.walk.records);
+        if records.len() != self.states.parameters.units.len() {
             let stage = self.plan.stage();
             let plain = if self.plan.shard_in_pieces() {
                 "; for a plain loop at stage 2 build the engine without EngineOptions::units"
@@ -106,7 +119,7 @@ impl Engine {
             )));
         }
         if self.plan.steps_in_backward {
-            self.begin_step_in_backward()?;
+            self.shard.begin_step_in_backward()?;
         }
         let root = if factor != 1.0 { loss * factor } else { loss.shallow_clone() };
         let mut upstream: Option<Tensor> = None;
@@ -115,7 +128,7 @@ impl Engine {
             let rec = &records[i];
             self.gather_unit(i)?;
             self.prefetch((0..i).rev())?;
-            self.parameters.read_ahead((0..i).rev());
+            self.states.parameters.read_ahead((0..i).rev());
             self.memory_event(|| format!("backward: unit {i} gathered"), &[]);
             let output = match &rec.output {
                 Some(y) => y.shallow_clone(),
@@ -128,7 +141,7 @@ impl Engine {
             };
             let takes_input = i > 0 && rec.input.requires_grad();
             let grads = {
-                let params = self.parameters.units[i].params();
+                let params = self.states.parameters.units[i].params();
                 let mut inputs: Vec<&Tensor> = params.iter().collect();
                 if takes_input {
                     inputs.push(&rec.input);
@@ -154,56 +167,56 @@ impl Engine {
                 &[(MemoryCategory::GradientsUnit, unit_grad_bytes)],
             );
             drop(grads);
-            if !self.parameters.units[i].persistent {
+            if !self.states.parameters.units[i].persistent {
                 self.release_unit(i)?;
             }
         }
         self.gradient_sync().drain()
     }
 
-    pub(super) fn gather_unit(&mut self, i: usize) -> Result<()> {
+    pub(crate) fn gather_unit(&mut self, i: usize) -> Result<()> {
         let t = std::time::Instant::now();
-        self.parameters.gather(i, self.comm.as_ref(), &mut self.comm_volume)?;
-        self.times.add(crate::report::Phase::AllGather, t.elapsed());
+        self.states.parameters.gather(i, self.comm.as_ref(), &mut self.report.comm_volume)?;
+        self.report.times.add(crate::report::Phase::AllGather, t.elapsed());
         Ok(())
     }
 
     fn prefetch(&mut self, order: impl Iterator<Item = usize>) -> Result<()> {
-        self.parameters.prefetch(order, &self.comm, &self.config.zero_optimization, &mut self.comm_volume)
+        self.states.parameters.prefetch(order, &self.comm, &self.config.zero_optimization, &mut self.report.comm_volume)
     }
 
-    pub(super) fn release_unit(&mut self, i: usize) -> Result<()> {
-        self.parameters.release(i)
+    pub(crate) fn release_unit(&mut self, i: usize) -> Result<()> {
+        self.states.parameters.release(i)
     }
 
     /// After an optimizer step: units that stay gathered take the new values of every rank's shard.
-    pub(super) fn refresh_gathered_units(&mut self) -> Result<()> {
-        self.parameters.refresh_gathered(self.comm.as_ref(), &mut self.comm_volume)
+    pub(crate) fn refresh_gathered_units(&mut self) -> Result<()> {
+        self.states.parameters.refresh_gathered(self.comm.as_ref(), &mut self.report.comm_volume)
     }
 
     /// Bytes of gathered full parameters (stage 3): now, the run's peak, the current step's peak.
     pub fn gathered_bytes(&self) -> GatheredBytes {
-        self.parameters.gathered
+        self.states.parameters.gathered
     }
 
     /// Elements this rank's collectives moved since the engine started.
     pub fn comm_volume(&self) -> CommVolume {
-        self.comm_volume
+        self.report.comm_volume
     }
 
     /// Every trainable parameter by name as full copies of `kind`, and with `frozen` every frozen one in its own
     /// dtype (stage 3 gathers unit by unit: collective there).
-    pub(super) fn gather_full_parameters(&mut self, kind: tch::Kind, frozen: bool) -> Result<Vec<(String, Tensor)>> {
-        let mut out = Vec::with_capacity(self.layout.slots.len());
-        for i in 0..self.parameters.units.len() {
-            let was = self.parameters.units[i].state();
+    pub(crate) fn gather_full_parameters(&mut self, kind: tch::Kind, frozen: bool) -> Result<Vec<(String, Tensor)>> {
+        let mut out = Vec::with_capacity(self.states.layout.slots.len());
+        for i in 0..self.states.parameters.units.len() {
+            let was = self.states.parameters.units[i].state();
             self.gather_unit(i)?;
-            let span = self.parameters.units[i].span.clone();
-            for (slot, t) in self.layout.slots[span.slots].iter().zip(self.parameters.units[i].params()) {
+            let span = self.states.parameters.units[i].span.clone();
+            for (slot, t) in self.states.layout.slots[span.slots].iter().zip(self.states.parameters.units[i].params()) {
                 // A copy: the unit's storage may be freed below.
                 out.push((slot.name.clone(), t.detach().to_kind(kind).copy()));
             }
-            if let Some(units) = self.parameters.frozen_units.as_ref().filter(|_| frozen) {
+            if let Some(units) = self.states.parameters.frozen_units.as_ref().filter(|_| frozen) {
                 out.extend(units.named(i).map(|(n, t)| (n.to_string(), t.detach().copy())));
             }
             if was == UnitState::Sharded {
@@ -218,15 +231,15 @@ impl Engine {
     /// Start-up at stage 3: packs each unit's parameters into its buffer, takes rank 0's values, keeps this
     /// rank's chunk of every unit in the shard and releases all but the persistent units. Returns (shard, the
     /// model's tensors in layout order, units).
-    pub(super) fn shard_units(
-        layout: &super::FlatLayout,
+    pub(crate) fn shard_units(
+        layout: &crate::engine::FlatLayout,
         named: Vec<(String, Tensor)>,
         frozen_numel: &[u64],
         (kind, device): (tch::Kind, tch::Device),
         comm: &dyn crate::comm::Communicator,
         config: &crate::config::Config,
-        mut materialize: Option<&mut super::units::Materialize>,
-    ) -> Result<(Tensor, Vec<Tensor>, Vec<super::ShardedUnit>)> {
+        mut materialize: Option<&mut crate::engine::zero::units::Materialize>,
+    ) -> Result<(Tensor, Vec<Tensor>, Vec<crate::engine::zero::sharded_unit::ShardedUnit>)> {
         let z = &config.zero_optimization;
         let ws = comm.world_size();
         let shard = Tensor::f_zeros([layout.partition_len() as i64], (kind, device))?;
@@ -251,7 +264,7 @@ impl Engine {
                 m(units.len(), &vars)?;
             }
             let own: Vec<Tensor> = params[span.slots.clone()].iter().map(Tensor::shallow_clone).collect();
-            units.push(super::ShardedUnit::shard_from_rank0(
+            units.push(crate::engine::zero::sharded_unit::ShardedUnit::shard_from_rank0(
                 span.clone(),
                 &layout.slots[span.slots.clone()],
                 own,

@@ -28,7 +28,7 @@ pub fn comm_kind(c: Option<CommDataType>, p: Precision) -> Kind {
 /// shared buffer region when the communicator's peers map it (`shared`), an ordinary tensor otherwise.
 pub fn comm_zeros(len: usize, kind: Kind, shared: bool, device: tch::Device) -> crate::error::Result<Tensor> {
     if shared && device == tch::Device::Cpu {
-        return super::native::region_zeros(len, kind);
+        return crate::engine::device::native::region_zeros(len, kind);
     }
     Ok(Tensor::f_zeros([len as i64], (kind, device))?)
 }
@@ -118,7 +118,7 @@ fn check_disjoint(t: &Tensor, out: &Tensor) {
 /// Whether `t` takes the device paths: a tensor in device memory, and every tensor under device emulation
 /// (`ZERORUN_DEVICE_EMULATION`), so that `make test` runs them. Host slices (this module's views) are for the others.
 pub fn on_device(t: &Tensor) -> bool {
-    t.device() != tch::Device::Cpu || super::device_emulation()
+    t.device() != tch::Device::Cpu || super::emulation_requested()
 }
 
 /// A staging step's error, naming what failed.
@@ -164,7 +164,8 @@ fn in_place(
     if !on_device(t) {
         return on_host(t);
     }
-    let host = super::staging::host_copy(t).map_err(staging_error("copying a tensor to host memory"))?;
+    let host =
+        crate::engine::device::staging::host_copy(t).map_err(staging_error("copying a tensor to host memory"))?;
     on_host(host.values())?;
     copy_back(t, host.values())
 }
@@ -220,8 +221,9 @@ pub fn reduce_scatter(comm: &dyn Communicator, t: &Tensor, out: &Tensor, op: Red
         }
     }
     if on_device(t) || on_device(out) {
-        let host = super::staging::host_copy(t).map_err(staging_error("copying a tensor to host memory"))?;
-        let host_out = super::staging::host_buffer(out.numel(), out.kind(), out.device())
+        let host =
+            crate::engine::device::staging::host_copy(t).map_err(staging_error("copying a tensor to host memory"))?;
+        let host_out = crate::engine::device::staging::host_buffer(out.numel(), out.kind(), out.device())
             .map_err(staging_error("a host buffer for a collective's output"))?;
         // SAFETY: two buffers of this call's own.
         unsafe { reduce_scatter_views(comm, host.values(), host_out.values(), op) }?;

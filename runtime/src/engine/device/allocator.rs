@@ -12,7 +12,7 @@
 pub const MMAP_THRESHOLD: usize = 4 << 20;
 
 /// Fixes malloc's mmap threshold (glibc only; elsewhere nothing).
-pub(super) fn fix_mmap_threshold() {
+pub(crate) fn fix_mmap_threshold() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: mallopt changes a tunable of glibc's allocator; any thread may call it at any time.
     unsafe {
@@ -21,7 +21,7 @@ pub(super) fn fix_mmap_threshold() {
 }
 
 /// Hands the free pages of malloc's heap back to the OS (glibc only).
-pub(super) fn return_freed_memory() {
+pub(crate) fn return_freed_memory() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: malloc_trim only releases free pages of the allocator's own arenas.
     unsafe {

@@ -2,22 +2,27 @@
 //! [`GradientSizes`]), and the reduction of each gradient path through one [`BucketQueue`]: the rounds of stages
 //! 0-1 after backward, and a unit's gradients during the unit walk of stages 2-3 or from stage 2's hooks
 //! (`grad_hooks.rs`).
+pub(crate) mod bucket;
+pub(crate) mod hooks;
+
 use tch::{Device, Kind, Tensor};
 
-use super::bucket::{Bucket, BucketQueue, Landing, Reduction};
-use super::counters::CommVolume;
-use super::engine_comm::EngineComm;
-use super::grad_hooks::Countdown;
-use super::layout::FlatLayout;
-use super::plan::{GradientPath, GradientSizes, GradientViews, Optimized, ReducedGradients, StagePlan};
-use super::step_in_backward::ShardStepper;
-use super::{flat_math, native, views};
 use crate::config::{Config, Precision};
+use crate::engine::counters::CommVolume;
+use crate::engine::device::flat_math;
+use crate::engine::device::native;
+use crate::engine::device::views;
+use crate::engine::engine_comm::EngineComm;
+use crate::engine::zero::grads::bucket::{Bucket, BucketQueue, Landing, Reduction};
+use crate::engine::zero::grads::hooks::Countdown;
+use crate::engine::zero::layout::FlatLayout;
+use crate::engine::zero::optim::in_backward::ShardStepper;
+use crate::engine::zero::plan::{GradientPath, GradientSizes, GradientViews, Optimized, ReducedGradients, StagePlan};
 use crate::error::{Error, Result};
 use crate::report::{Phase, PhaseTimes};
 
 /// The gradient buffers and how they are reduced.
-pub(super) struct Gradients {
+pub(crate) struct Gradients {
     /// The staging buffer the collectives read, in the communication dtype, in one or two halves: all gradients at
     /// stage 0; a reduction round (`reduce_bucket_size` elements: `round_len` of every rank's partition) at stage 1;
     /// a unit or bucket (or a round of one) at stages 2-3.
@@ -44,6 +49,13 @@ pub(super) struct Gradients {
     unit_offsets: Vec<usize>,
     /// Stage 2 of a plain loop: the hooked buckets' countdown.
     pub countdown: Option<Countdown>,
+    /// Stage 2 of a plain loop: the gradient hooks that reduce bucket by bucket during backward.
+    pub hooks: Option<hooks::GradHooks>,
+    /// The gradients' fingerprint at the end of the last `step` call (see `Engine::gradient_fingerprint`).
+    pub mark: i64,
+    /// [`crate::engine::EngineOptions::reduce_once_per_step`] on an fp32 model (16-bit ones reduce every
+    /// micro-batch anyway): a micro-batch before the boundary leaves its gradients in `.grad`.
+    pub defers_reduction: bool,
 }
 
 impl Gradients {
@@ -101,7 +113,7 @@ impl Gradients {
             round_len: sizes.round_len,
             grad_part: sizes.part.map(|n| Tensor::f_zeros([n as i64], (comm_kind, device))).transpose()?,
             // Pinned when it is host memory that a CUDA model's gradients are copied into (CPU offload).
-            accumulator: super::staging::pinned_for(
+            accumulator: crate::engine::device::staging::pinned_for(
                 Tensor::f_zeros([sizes.accumulator as i64], (Kind::Float, optimizer_device))?,
                 device,
             )?,
@@ -110,6 +122,9 @@ impl Gradients {
             refuse_unused: !config.zero_optimization.ignore_unused_parameters,
             unit_offsets,
             countdown,
+            hooks: None,
+            mark: 0,
+            defers_reduction: false,
         })
     }
 
@@ -185,7 +200,7 @@ impl Gradients {
 
 /// What reducing gradients needs beside the buffers, borrowed from the engine for one call (or for one backward,
 /// by the hooks).
-pub(super) struct GradientSync<'a> {
+pub(crate) struct GradientSync<'a> {
     pub gradients: &'a mut Gradients,
     pub comm: &'a EngineComm,
     pub layout: &'a FlatLayout,

@@ -7,11 +7,12 @@
 //! back before backward needs them.
 use tch::{Kind, Tensor};
 
-use super::layout::{ParamSlot, UnitSpan};
-use super::swapped_params::Chunk;
-use super::{native, views};
 use crate::comm::async_comm::{CommThread, Handle};
 use crate::comm::Communicator;
+use crate::engine::device::native;
+use crate::engine::device::views;
+use crate::engine::zero::layout::{ParamSlot, UnitSpan};
+use crate::engine::zero::swapped_params::Chunk;
 use crate::error::Result;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -110,7 +111,7 @@ impl ShardedUnit {
         if !persistent {
             unit.release()?;
         }
-        super::allocator::return_freed_memory();
+        crate::engine::device::allocator::return_freed_memory();
         Ok(unit)
     }
 

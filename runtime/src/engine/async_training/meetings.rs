@@ -5,13 +5,13 @@
 //! Between meetings no collective runs: not the gradients' reduction, not the loss's mean, not the buffers' sync.
 use tch::Tensor;
 
-use super::layout::ParamSlot;
-use super::views;
 use crate::comm::{Communicator, ReduceOp};
 use crate::config::{AsyncTraining, OuterOptimizer};
+use crate::engine::device::views;
+use crate::engine::zero::layout::ParamSlot;
 use crate::error::Result;
 
-pub(super) struct Meetings {
+pub(crate) struct Meetings {
     every: u64,
     diloco: Option<Diloco>,
 }

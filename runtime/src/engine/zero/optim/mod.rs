@@ -7,21 +7,25 @@
 //! device and steps them there as tensors; the host tiers (zerorun-optim's optimizers, NVMe) step host slices, and
 //! when the engine's buffers are on a device (CPU offload) they step host copies of the values and gradients,
 //! written back after the step.
+pub(crate) mod build;
+pub(crate) mod in_backward;
+
 use tch::{Kind, Tensor};
 use zerorun_optim::{Group, ParamsOut};
 
-use super::device_optimizer::DeviceOptimizer;
-use super::gradients::Gradients;
-use super::layout::FlatLayout;
-use super::optimizer::OptimizerTier;
-use super::parameters::Parameters;
-use super::plan::{Optimized, StagePlan};
-use super::staging::{self, Staged};
-use super::{flat_math, views};
 use crate::config::Precision;
+use crate::engine::device::flat_math;
+use crate::engine::device::optimizer::DeviceOptimizer;
+use crate::engine::device::staging::{self, Staged};
+use crate::engine::device::views;
+use crate::engine::zero::grads::Gradients;
+use crate::engine::zero::layout::FlatLayout;
+use crate::engine::zero::optim::build::OptimizerTier;
+use crate::engine::zero::parameters::Parameters;
+use crate::engine::zero::plan::{Optimized, StagePlan};
 use crate::error::Result;
 
-pub(super) struct OptimizerShard {
+pub(crate) struct OptimizerShard {
     /// The values this rank steps.
     pub optimized: Optimized,
     /// fp32 master of the optimized range (16-bit models only; fp32 models step the parameters directly), where the
@@ -33,10 +37,16 @@ pub(super) struct OptimizerShard {
     pub groups: Vec<Group>,
     /// The optimizer's configured learning rate (what the schedule starts from).
     pub base_lr: f64,
+    /// The learning-rate schedule (`scheduler` in the config).
+    pub scheduler: Option<zerorun_optim::schedule::LrScheduler>,
+    /// fp16's loss scaler.
+    pub scaler: Option<zerorun_optim::LossScaler>,
+    /// `optimizer_in_backward`: the step this backward took in pieces, until `step` ends it.
+    pub in_backward: Option<in_backward::StepInBackward>,
 }
 
 /// What a step reads and writes beside the optimizer's own state.
-pub(super) struct StepTarget<'a> {
+pub(crate) struct StepTarget<'a> {
     pub parameters: &'a mut Parameters,
     pub gradients: &'a mut Gradients,
     pub layout: &'a FlatLayout,
@@ -46,11 +56,36 @@ pub(super) struct StepTarget<'a> {
 }
 
 /// Whether `tier` is the device path's optimizer, which keeps the master and the gradients on the model's device.
-pub(super) fn steps_on_device(tier: &mut OptimizerTier) -> bool {
+pub(crate) fn steps_on_device(tier: &mut OptimizerTier) -> bool {
     tier.as_any_mut().is_some_and(|a| a.is::<DeviceOptimizer>())
 }
 
 impl OptimizerShard {
+    /// The learning rate the next optimizer step uses.
+    pub fn lr(&self) -> f64 {
+        self.scheduler.as_ref().map_or(self.base_lr, zerorun_optim::schedule::LrScheduler::lr)
+    }
+
+    /// Begins this optimizer step before the backward walk reduces anything: the schedule's learning rate (and
+    /// cycled momentum) for it, and the optimizer's step count. `step` ends it.
+    pub fn begin_step_in_backward(&mut self) -> Result<()> {
+        if self.in_backward.is_some() {
+            return Err(crate::error::Error::Usage(
+                "optimizer_in_backward steps the optimizer during backward: call `engine.step()` after each backward (gradient_accumulation_steps is 1)".into(),
+            ));
+        }
+        let lr = self.lr();
+        for g in &mut self.groups {
+            g.lr = lr;
+        }
+        if let Some(momentum) = self.scheduler.as_ref().and_then(zerorun_optim::schedule::LrScheduler::momentum) {
+            self.tier.set_momentum(momentum);
+        }
+        self.tier.begin_step()?;
+        self.in_backward = Some(in_backward::StepInBackward::default());
+        Ok(())
+    }
+
     /// Steps this rank's values with the reduced fp32 gradients (the groups carry the learning rate).
     pub fn step(&mut self, t: StepTarget<'_>) -> Result<()> {
         if let Some(adam) = self.tier.as_any_mut().and_then(|a| a.downcast_mut::<DeviceOptimizer>()) {

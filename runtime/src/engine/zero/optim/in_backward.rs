@@ -7,13 +7,14 @@
 use tch::Tensor;
 use zerorun_optim::{norm, Grads, Group};
 
-use super::device_optimizer::DeviceOptimizer;
-use super::optimizer::OptimizerTier;
-use super::{flat_math, views, Engine};
-use crate::error::{Error, Result};
+use crate::engine::device::flat_math;
+use crate::engine::device::optimizer::DeviceOptimizer;
+use crate::engine::device::views;
+use crate::engine::zero::optim::build::OptimizerTier;
+use crate::error::Result;
 
-/// What a bucket's reduced part is handed to when it is stepped at once ([`super::bucket::Landing::Step`]).
-pub(super) trait StepPart {
+/// What a bucket's reduced part is handed to when it is stepped at once ([`crate::engine::zero::grads::bucket::Landing::Step`]).
+pub(crate) trait StepPart {
     /// Steps elements `at..at + grads.numel()` of the optimized range with `grads` (fp32, this rank's reduced part).
     fn step_part(&mut self, at: usize, grads: &Tensor) -> Result<()>;
 }
@@ -21,12 +22,12 @@ pub(super) trait StepPart {
 /// The step of this optimizer step so far: the squared norm of the gradients stepped (reported as the step's
 /// gradient norm once the ranks' parts are summed).
 #[derive(Debug, Clone, Copy, Default)]
-pub(super) struct StepInBackward {
+pub(crate) struct StepInBackward {
     pub sum_of_squares: f64,
 }
 
 /// Steps pieces of this rank's fp32 shard, borrowed from the engine for one backward.
-pub(super) struct ShardStepper<'a> {
+pub(crate) struct ShardStepper<'a> {
     pub tier: &'a mut OptimizerTier,
     /// Groups relative to the optimized range, with this step's learning rate.
     pub groups: &'a [Group],
@@ -51,28 +52,6 @@ impl StepPart for ShardStepper<'_> {
         self.progress.sum_of_squares += norm::sum_of_squares(Grads::F32(g));
         let params = &mut unsafe { views::slice::<f32>(self.shard) }[at..at + n];
         self.tier.update_range(at..at + n, params, g, self.groups, None)?;
-        Ok(())
-    }
-}
-
-impl Engine {
-    /// Begins this optimizer step before the backward walk reduces anything: the schedule's learning rate (and
-    /// cycled momentum) for it, and the optimizer's step count. `step` ends it.
-    pub(super) fn begin_step_in_backward(&mut self) -> Result<()> {
-        if self.in_backward.is_some() {
-            return Err(Error::Usage(
-                "optimizer_in_backward steps the optimizer during backward: call `engine.step()` after each backward (gradient_accumulation_steps is 1)".into(),
-            ));
-        }
-        let lr = self.lr();
-        for g in &mut self.shard.groups {
-            g.lr = lr;
-        }
-        if let Some(momentum) = self.scheduler.as_ref().and_then(zerorun_optim::schedule::LrScheduler::momentum) {
-            self.shard.tier.set_momentum(momentum);
-        }
-        self.shard.tier.begin_step()?;
-        self.in_backward = Some(StepInBackward::default());
         Ok(())
     }
 }

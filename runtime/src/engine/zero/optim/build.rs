@@ -95,4 +95,4 @@ pub fn scheduler(config: &Config, base_lr: f64) -> Option<LrScheduler> {
 }
 
 /// Where the optimizer's states live (zerorun-offload's tiers: in memory, or on NVMe by sub-group).
-pub(super) type OptimizerTier = Box<dyn zerorun_offload::OptimizerTier>;
+pub(crate) type OptimizerTier = Box<dyn zerorun_offload::OptimizerTier>;

@@ -14,8 +14,8 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-use super::staleness::{WindowLayout, APPLIED, BASE, FILLED, SEQ, TAKEN};
 use crate::comm::{Collectives, Communicator};
+use crate::engine::async_training::staleness::{WindowLayout, APPLIED, BASE, FILLED, SEQ, TAKEN};
 use crate::error::{Error, Result};
 
 /// First word of a message header: what follows.
@@ -24,7 +24,7 @@ const PUSH: i64 = 1;
 const PUBLISH: i64 = 2;
 const HEADER: usize = 3;
 
-pub(super) struct Relay {
+pub(crate) struct Relay {
     rank: usize,
     /// By peer: the group this rank pushes its gradients to it over (this rank is the group's rank 0).
     push_to: Vec<Option<Box<dyn Communicator>>>,

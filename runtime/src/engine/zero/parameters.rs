@@ -6,18 +6,18 @@
 //! `write_shard` or in place.
 use tch::Tensor;
 
-use super::counters::{CommVolume, GatheredBytes};
-use super::engine_comm::EngineComm;
-use super::frozen::FrozenUnits;
-use super::layout::FlatLayout;
-use super::plan::{self, Optimized, StagePlan};
-use super::sharded_unit::{ShardedUnit, UnitState};
-use super::swapped_params::{Chunk, SwappedParams};
 use crate::comm::Communicator;
 use crate::config::ZeroConfig;
+use crate::engine::counters::{CommVolume, GatheredBytes};
+use crate::engine::engine_comm::EngineComm;
+use crate::engine::zero::frozen::FrozenUnits;
+use crate::engine::zero::layout::FlatLayout;
+use crate::engine::zero::plan::{self, Optimized, StagePlan};
+use crate::engine::zero::sharded_unit::{ShardedUnit, UnitState};
+use crate::engine::zero::swapped_params::{Chunk, SwappedParams};
 use crate::error::Result;
 
-pub(super) struct Parameters {
+pub(crate) struct Parameters {
     /// All parameters in the model's dtype (stages 0-2); this rank's shard of every unit (stage 3; empty when the
     /// shard is on NVMe).
     pub flat: Tensor,
@@ -245,7 +245,7 @@ impl Parameters {
 
 /// This rank's optimized values in the model's dtype: a view of `flat` where they are contiguous (stages 0-1, 3's
 /// shard), the concatenation of its chunk of every unit at stage 2 (laid out by units).
-pub(super) fn shard_values(
+pub(crate) fn shard_values(
     flat: &Tensor,
     layout: &FlatLayout,
     rank: usize,

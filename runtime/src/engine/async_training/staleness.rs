@@ -27,21 +27,21 @@ use crate::comm::Communicator;
 use crate::error::{Error, Result};
 
 /// Header words of a window: the owner's applied steps and the sequence lock over its published values.
-pub(super) const APPLIED: usize = 0;
-pub(super) const SEQ: usize = 1;
+pub(crate) const APPLIED: usize = 0;
+pub(crate) const SEQ: usize = 1;
 const HEADER_WORDS: usize = 8;
 /// Stamps of one inbox slot: the clock + 1 of the gradient written there, of the last one the owner took, and the
 /// owner's applied count the worker's values were from.
-pub(super) const FILLED: usize = 0;
-pub(super) const TAKEN: usize = 1;
-pub(super) const BASE: usize = 2;
+pub(crate) const FILLED: usize = 0;
+pub(crate) const TAKEN: usize = 1;
+pub(crate) const BASE: usize = 2;
 const STAMP_WORDS: usize = 3;
 
 /// Where things are in a window: the header, the stamps of every worker's inbox slots, the owner's published
 /// values, then the inbox (a slot per worker and clock modulo `slots`). A relay's mirror of a peer's window
 /// (message-passing backends) stops after the values.
 #[derive(Debug, Clone, Copy)]
-pub(super) struct WindowLayout {
+pub(crate) struct WindowLayout {
     pub world: usize,
     pub slots: usize,
     /// Elements of one partition.
@@ -105,10 +105,10 @@ struct Accumulator {
     sum: Vec<f32>,
 }
 
-pub(super) struct BoundedStaleness {
+pub(crate) struct BoundedStaleness {
     /// Message-passing backends: the threads that carry pushes to the owners and the owners' values back (dropped,
     /// and joined, before the windows they write).
-    relay: Option<super::staleness_relay::Relay>,
+    relay: Option<crate::engine::async_training::relay::Relay>,
     /// This rank's window: header, stamps, its published values, its inbox.
     _window: SharedBuffer,
     /// Message-passing backends: this rank's mirror of every peer's window (header, stamps, values).
@@ -137,7 +137,7 @@ pub(super) struct BoundedStaleness {
 
 /// The optimizer step an owner runs on its partition, in the order its steps are applied: (the partition's values,
 /// the mean gradient).
-pub(super) type OwnerStep<'a> = dyn FnMut(&mut [f32], &[f32]) -> Result<()> + 'a;
+pub(crate) type OwnerStep<'a> = dyn FnMut(&mut [f32], &[f32]) -> Result<()> + 'a;
 
 impl BoundedStaleness {
     /// Sets up this rank's window with its partition of `flat` (the whole padded model; every rank starts from the
@@ -168,7 +168,7 @@ impl BoundedStaleness {
                     // SAFETY: the mirror just made, of this layout; no thread reads it yet.
                     unsafe { layout.values(windows[k]) }.copy_from_slice(&flat[k * partition..(k + 1) * partition]);
                 }
-                let relay = super::staleness_relay::Relay::new(comm, layout, &windows)?;
+                let relay = crate::engine::async_training::relay::Relay::new(comm, layout, &windows)?;
                 (windows, mirrors, Some(relay))
             }
             None => {

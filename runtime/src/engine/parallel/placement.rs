@@ -2,13 +2,28 @@
 //! stages, a tensor-parallel group), over which the gradient norm and the fp16 overflow verdict are agreed; the
 //! parameters every member holds whole (counted once in that norm); and under tensor parallelism, which slice of
 //! each whole parameter this rank holds, so that checkpoints save slices by their place in the whole tensor.
-use super::{layout, plan, Engine};
 use crate::checkpoint::Slice;
 use crate::comm::{Collectives, Communicator};
+use crate::engine::zero::layout;
+use crate::engine::zero::plan;
+use crate::engine::Engine;
 use crate::error::{Error, Result};
 
 /// The dimension along which parameter `name` is split across a tensor-parallel group (None: held whole).
 pub type SplitDim<'a> = dyn Fn(&str) -> Option<usize> + 'a;
+
+/// The engine's place in a model split across ranks (none: the engine holds the whole model).
+#[derive(Default)]
+pub(crate) struct Placement {
+    /// The ranks holding the model's other parts (a pipeline's other stages, a tensor-parallel group): the
+    /// gradient norm and fp16 overflow are agreed over them too.
+    pub model_parallel: Option<Box<dyn Communicator>>,
+    /// Ranges of the optimized values whose parameters every rank of the model-parallel group holds whole, and how
+    /// many copies there are: the norm counts them once.
+    pub replicated: Option<(Vec<std::ops::Range<usize>>, usize)>,
+    /// Tensor parallelism: this rank's slices of the whole parameters.
+    pub tensor_parallel: Option<TensorParallelPlace>,
+}
 
 /// This rank's part of a tensor-parallel group's model.
 pub(crate) struct TensorParallelPlace {
@@ -25,7 +40,7 @@ impl Engine {
     /// group of them, e.g. its pipeline): the gradient norm, clipping and the fp16 overflow verdict are then agreed
     /// over the whole model, so every part skips or clips the same step.
     pub fn set_model_parallel_group(&mut self, group: Box<dyn Communicator>) {
-        self.model_parallel = (group.world_size() > 1).then_some(group);
+        self.placement.model_parallel = (group.world_size() > 1).then_some(group);
     }
 
     /// Parameters (by name) that `copies` ranks of the model-parallel group hold whole with equal gradients, such as
@@ -34,10 +49,10 @@ impl Engine {
     pub fn count_replicated_once(&mut self, copies: usize, replicated: impl Fn(&str) -> bool) {
         let pick = |slot: &layout::ParamSlot| replicated(&slot.name);
         let ranges = match &self.shard.optimized {
-            plan::Optimized::Flat(plan::FlatRange(range)) => self.layout.runs_where(range.clone(), &pick),
-            plan::Optimized::Shard(_) => self.layout.shard_runs_where(self.rank(), &pick),
+            plan::Optimized::Flat(plan::FlatRange(range)) => self.states.layout.runs_where(range.clone(), &pick),
+            plan::Optimized::Shard(_) => self.states.layout.shard_runs_where(self.rank(), &pick),
         };
-        self.replicated = (copies > 1).then_some((ranges, copies));
+        self.placement.replicated = (copies > 1).then_some((ranges, copies));
     }
 
     /// Makes this engine one part of a tensor-parallel model: `group` is this rank's tensor-parallel group (a
@@ -69,7 +84,7 @@ impl Engine {
         // Buffers and frozen parameters are whole on every member (a checkpoint keeps the first member's): one
         // the caller says is split would come back as that member's slice on every rank.
         let whole_only =
-            self.buffers.iter().map(|(n, _)| n.clone()).chain(self.frozen_specs().into_iter().map(|s| s.0));
+            self.states.buffers.iter().map(|(n, _)| n.clone()).chain(self.frozen_specs().into_iter().map(|s| s.0));
         for name in whole_only {
             if let Some(dim) = split_dim(&name) {
                 return Err(Error::Usage(format!(
@@ -77,8 +92,8 @@ impl Engine {
                 )));
             }
         }
-        let mut slices = Vec::with_capacity(self.layout.slots.len());
-        for slot in &self.layout.slots {
+        let mut slices = Vec::with_capacity(self.states.layout.slots.len());
+        for slot in &self.states.layout.slots {
             slices.push(match split_dim(&slot.name) {
                 None => None,
                 Some(dim) if dim >= slot.shape.len() => {
@@ -97,7 +112,7 @@ impl Engine {
         if size > 1 {
             self.check_whole_parameters_agree(group.as_ref(), &slices)?;
         }
-        self.tensor_parallel = (size > 1).then_some(TensorParallelPlace { rank, size, slices, group });
+        self.placement.tensor_parallel = (size > 1).then_some(TensorParallelPlace { rank, size, slices, group });
         Ok(())
     }
 
@@ -115,7 +130,7 @@ impl Engine {
         let mut base = 0;
         for piece in self.optimized_pieces(self.rank()) {
             for (k, &i) in whole.iter().enumerate() {
-                let slot = &self.layout.slots[i].range;
+                let slot = &self.states.layout.slots[i].range;
                 for e in slot.start.max(piece.start)..slot.end.min(piece.end) {
                     let (v, w) = (values[base + e - piece.start] as f64, 1.0 + ((e - slot.start) % 101) as f64 / 101.0);
                     prints[k] += v * w;
@@ -137,7 +152,7 @@ impl Engine {
             if (max - min) as f64 > 1e-5 * sums[n + k] as f64 + 1e-30 {
                 return Err(Error::Usage(format!(
                     "tensor parallelism: `{}` is held whole by every member of the tensor-parallel group, but their values differ: build the model from the same seed on every member (libtorch's generator is one per process: threads that draw from it at once interleave), or split it (split_dim)",
-                    self.layout.slots[i].name
+                    self.states.layout.slots[i].name
                 )));
             }
         }
@@ -146,6 +161,6 @@ impl Engine {
 
     /// The slice of its whole parameter that layout slot `slot` holds (None: the whole).
     pub(crate) fn slot_slice(&self, slot: usize) -> Option<Slice> {
-        self.tensor_parallel.as_ref().and_then(|p| p.slices[slot])
+        self.placement.tensor_parallel.as_ref().and_then(|p| p.slices[slot])
     }
 }

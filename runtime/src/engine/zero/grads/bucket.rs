@@ -6,13 +6,13 @@
 //! at once by the optimizer in backward. With two halves, one bucket reduces while the next is staged.
 use tch::Tensor;
 
-use super::counters::CommVolume;
-use super::engine_comm::EngineComm;
-use super::step_in_backward::StepPart;
-use super::views;
 use crate::comm::async_comm::Handle;
 use crate::comm::ReduceOp;
 use crate::config::{AllreduceOp, Config};
+use crate::engine::counters::CommVolume;
+use crate::engine::device::views;
+use crate::engine::engine_comm::EngineComm;
+use crate::engine::zero::optim::in_backward::StepPart;
 use crate::error::Result;
 
 /// How gradients are combined across ranks: `prescale_gradients` / `gradient_predivide_factor` as DeepSpeed applies
@@ -20,7 +20,7 @@ use crate::error::Result;
 /// `gradient_allreduce_op` "sum" (stages 0-2; the config refuses it at 3) the ranks' gradients are summed, not
 /// averaged: `post` is the factor alone.
 #[derive(Debug, Clone, Copy)]
-pub(super) struct Reduction {
+pub(crate) struct Reduction {
     pub op: ReduceOp,
     pub pre: Option<f64>,
     pub post: Option<f64>,
@@ -52,14 +52,14 @@ impl Reduction {
 
 /// One bucket: every rank's part of some gradients staged in `staged` (equal lengths, rank by rank); this rank's
 /// reduced part lands in `out` and, with `lands_at`, goes on from there at that offset of the optimized range.
-pub(super) struct Bucket {
+pub(crate) struct Bucket {
     pub staged: Tensor,
     pub out: Tensor,
     pub lands_at: Option<usize>,
 }
 
 /// Where a finished bucket's reduced part goes ([`Bucket::lands_at`]).
-pub(super) enum Landing<'a> {
+pub(crate) enum Landing<'a> {
     /// Added to the fp32 accumulator (gradients kept until the optimizer step).
     Accumulate(&'a Tensor),
     /// Stepped at once: stage 3's optimizer in backward.
@@ -70,7 +70,7 @@ impl Landing<'_> {
     fn land(&mut self, at: usize, part: &Tensor) -> Result<()> {
         match self {
             Landing::Accumulate(acc) => {
-                super::flat_math::accumulate(&acc.narrow(0, at as i64, part.numel() as i64), part)
+                crate::engine::device::flat_math::accumulate(&acc.narrow(0, at as i64, part.numel() as i64), part)
             }
             Landing::Step(stepper) => stepper.step_part(at, part),
         }
@@ -133,7 +133,7 @@ impl Started {
 
 /// The staging buffer in one or two halves, and the bucket in flight from each: a half is staged again only after
 /// its last bucket finished.
-pub(super) struct BucketQueue {
+pub(crate) struct BucketQueue {
     staging: Tensor,
     halves: usize,
     in_flight: [Option<Started>; 2],

@@ -13,13 +13,13 @@ use std::path::Path;
 use tch::{Kind, Tensor};
 use zerorun_offload::{BufferPool, HostBuffer, IoConfig, SwapHandle, Swapper, PAGE};
 
-use super::views;
 use crate::config::{ConfigError, OffloadParamConfig};
+use crate::engine::device::views;
 use crate::error::Result;
 
 /// One unit's chunk of the shard, ready to copy from: a view of the shard tensor (host or device), or a host
 /// buffer read from NVMe.
-pub(super) enum Chunk {
+pub(crate) enum Chunk {
     InMemory(Tensor),
     Read { buffer: HostBuffer, bytes: usize },
 }
@@ -44,7 +44,7 @@ impl Chunk {
     }
 }
 
-pub(super) struct SwappedParams {
+pub(crate) struct SwappedParams {
     kind: Kind,
     /// Per unit: its chunk's range in shard space (the concatenation of this rank's chunk of every unit).
     chunks: Vec<Range<usize>>,

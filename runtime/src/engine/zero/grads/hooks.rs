@@ -17,13 +17,13 @@ use std::ffi::c_void;
 
 use tch::Tensor;
 
-use super::gradients::GradientSync;
-use super::layout::UnitSpan;
-use super::native;
+use crate::engine::device::native;
+use crate::engine::zero::grads::GradientSync;
+use crate::engine::zero::layout::UnitSpan;
 use crate::error::{Error, Result};
 
 /// The buckets' countdown in the current backward.
-pub(super) struct Countdown {
+pub(crate) struct Countdown {
     /// Each parameter's bucket (unit), by layout slot.
     bucket_of: Vec<usize>,
     /// Per bucket: its parameters' slots.
@@ -67,7 +67,7 @@ struct HookTarget {
 }
 
 /// The hooks installed on the model's parameters. Dropping it removes them.
-pub(super) struct GradHooks {
+pub(crate) struct GradHooks {
     params: Vec<Tensor>,
     target: Box<HookTarget>,
 }

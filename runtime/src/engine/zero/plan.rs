@@ -4,11 +4,11 @@
 //! a question to [`StagePlan`]: nothing outside this file compares stage numbers.
 use std::ops::Range;
 
-use super::layout::FlatLayout;
+use crate::engine::zero::layout::FlatLayout;
 
 /// What ZeRO partitions across the data-parallel ranks (its stages 0-3).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Strategy {
+pub(crate) enum Strategy {
     /// Stage 0: plain data parallelism; gradients all-reduced, every rank steps every parameter.
     Replicated,
     /// Stage 1: optimizer states partitioned; the full gradients are reduce-scattered at the boundary.
@@ -33,7 +33,7 @@ impl Strategy {
 
 /// How the gradients of a backward reach the reduction.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum GradientPath {
+pub(crate) enum GradientPath {
     /// Autograd accumulates into `.grad` (views of the flat buffer where the dtypes allow); reduced at `step`
     /// (stages 0-1).
     AfterBackward,
@@ -47,7 +47,7 @@ pub(super) enum GradientPath {
 
 /// What follows the optimizer step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum AfterStep {
+pub(crate) enum AfterStep {
     /// Every rank stepped every parameter (stage 0).
     Nothing,
     /// Every rank's updated partition is all-gathered into the flat parameters (stage 1).
@@ -59,15 +59,15 @@ pub(super) enum AfterStep {
 
 /// A range of the flat layout: every trainable parameter, padded to the world size (stages 0-1 optimize one).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) struct FlatRange(pub Range<usize>);
+pub(crate) struct FlatRange(pub Range<usize>);
 
 /// A range of this rank's shard space: the concatenation of its chunk of every unit (stages 2-3 optimize one).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) struct ShardRange(pub Range<usize>);
+pub(crate) struct ShardRange(pub Range<usize>);
 
 /// The values this rank's optimizer steps, in the index space they are numbered in.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) enum Optimized {
+pub(crate) enum Optimized {
     /// A range of the flat layout: everything at stage 0, the rank's partition at stage 1.
     Flat(FlatRange),
     /// The whole shard space (stages 2-3).
@@ -89,7 +89,7 @@ impl Optimized {
 
 /// What the stage and options ask of the layout, the reduction and the communication thread.
 #[derive(Debug, Clone, Copy)]
-pub(super) struct StagePlan {
+pub(crate) struct StagePlan {
     pub strategy: Strategy,
     pub gradients: GradientPath,
     /// `overlap_comm` with more than one rank at stages 1-3.
@@ -183,7 +183,7 @@ impl StagePlan {
 
 /// Where the reduced fp32 gradients of the optimized values are when the optimizer steps.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum ReducedGradients {
+pub(crate) enum ReducedGradients {
     /// In the staging buffer itself: fp32 models at stage 0 reducing in fp32 (the all-reduce's output).
     Staging,
     /// In this rank's partition of the gradient-view buffer: fp32 models at stage 1 reduce it in place.
@@ -196,7 +196,7 @@ pub(super) enum ReducedGradients {
 
 /// Where the model's `.grad` tensors point (DDP's gradient_as_bucket_view).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum GradientViews {
+pub(crate) enum GradientViews {
     /// Autograd allocates `.grad` itself (gradients laid out by units, or a communication dtype other than the
     /// model's): gathered into staging before each reduction.
     None,
@@ -208,7 +208,7 @@ pub(super) enum GradientViews {
 
 /// The sizes of the buffers gradients are gathered, reduced and accumulated in (elements).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct GradientSizes {
+pub(crate) struct GradientSizes {
     /// The staging buffer collectives read: the whole model at stage 0; one round (`reduce_bucket_size`) or two
     /// halves with `overlap_comm` at stage 1; the largest unit, or a round of it, with units; two halves of the
     /// largest bucket with overlapped hooks.
@@ -271,7 +271,7 @@ impl GradientSizes {
 
 /// Cuts parameters of `sizes` elements (layout order) into buckets of at most `bucket` elements (a larger
 /// parameter is a bucket of its own). Returns each parameter's bucket.
-pub(super) fn bucket_cuts(sizes: &[usize], bucket: u64) -> Vec<usize> {
+pub(crate) fn bucket_cuts(sizes: &[usize], bucket: u64) -> Vec<usize> {
     let mut out = Vec::with_capacity(sizes.len());
     let (mut current, mut filled) = (0usize, 0u64);
     for &n in sizes {
@@ -287,7 +287,7 @@ pub(super) fn bucket_cuts(sizes: &[usize], bucket: u64) -> Vec<usize> {
 
 /// Stage 3's persistence rule: a unit of fewer than `param_threshold` elements (trainable and frozen: both are
 /// gathered together) stays gathered, while the persistent total stays within `model_threshold`.
-pub(super) fn persistent_units(unit_numels: &[u64], param_threshold: u64, model_threshold: u64) -> Vec<bool> {
+pub(crate) fn persistent_units(unit_numels: &[u64], param_threshold: u64, model_threshold: u64) -> Vec<bool> {
     let mut total = 0u64;
     unit_numels
         .iter()
@@ -304,7 +304,7 @@ pub(super) fn persistent_units(unit_numels: &[u64], param_threshold: u64, model_
 /// Which units forward leaves gathered because backward reuses them soon: the last one always, and units whose
 /// reuse distance (elements of the units after them) is within `max_reuse_distance`, while the live gathered
 /// elements stay within `max_live`. Persistent units stay gathered anyway and count only as distance.
-pub(super) fn kept_after_forward(
+pub(crate) fn kept_after_forward(
     sizes: &[u64],
     persistent: &[bool],
     max_reuse_distance: u64,
@@ -329,13 +329,13 @@ pub(super) fn kept_after_forward(
 }
 
 /// All-gathers in flight at most, as FSDP's rate limiter: more only holds memory without hiding more latency.
-pub(super) const MAX_GATHERS_IN_FLIGHT: usize = 2;
+pub(crate) const MAX_GATHERS_IN_FLIGHT: usize = 2;
 
 /// The units to start gathering next, walking `order` (unit indices in execution order after the current one):
 /// sharded ones, in order, while their elements fit `bucket` (the first always does), the gathered elements stay
 /// within `max_live`, and at most [`MAX_GATHERS_IN_FLIGHT`] counting the `in_flight` ones. `sizes[u]`: unit u's
 /// elements; `sharded[u]`: whether it still needs gathering; `live`: elements gathered or in flight now.
-pub(super) fn units_to_prefetch(
+pub(crate) fn units_to_prefetch(
     order: impl Iterator<Item = usize>,
     sizes: &[u64],
     sharded: &[bool],
