@@ -346,6 +346,7 @@ impl Engine {
             groups: &self.shard.groups,
             shard: &self.states.parameters.flat,
             progress,
+            residence: self.residence,
         });
         zero::grads::GradientSync {
             gradients: &mut self.gradients,

@@ -12,26 +12,26 @@ use crate::comm::Communicator;
 use crate::config::{Config, OffloadDevice, OptimizerConfig, Precision, ZeroConfig};
 use crate::engine::async_training::meetings;
 use crate::engine::async_training::Synchronization;
+use crate::engine::checkpointing::{file_mismatch, fill_variable, read_variable};
 use crate::engine::counters;
 use crate::engine::device::native;
 use crate::engine::device::views;
 use crate::engine::device::{allocator, Residence};
 use crate::engine::parallel::placement::Placement;
 use crate::engine::reporting::Reporting;
+use crate::engine::zero::builders::{settle_new_variables, BuiltModel, UnitBuilders};
 use crate::engine::zero::frozen;
 use crate::engine::zero::grads as gradients;
 use crate::engine::zero::layout::FlatLayout;
 use crate::engine::zero::optim as optimizer_shard;
 use crate::engine::zero::optim::build as optimizer;
 use crate::engine::zero::parameters;
-use crate::engine::zero::plan::{self, GradientPath, Optimized, StagePlan};
-use crate::engine::checkpointing::{file_mismatch, fill_variable, read_variable};
-use crate::engine::zero::builders::{settle_new_variables, BuiltModel, UnitBuilders};
 use crate::engine::zero::plan::Strategy;
+use crate::engine::zero::plan::{self, GradientPath, Optimized, StagePlan};
 use crate::engine::zero::sharded_unit::ShardedUnit;
-use crate::engine::zero::units::UnitModel;
 use crate::engine::zero::swapped_params;
 use crate::engine::zero::units;
+use crate::engine::zero::units::UnitModel;
 use crate::engine::zero::variables;
 use crate::engine::{engine_comm, next_engine_id, Engine, EngineOptions};
 use crate::error::{Error, Result};
@@ -180,9 +180,9 @@ pub(super) fn pack(
     comm: &dyn Communicator,
     plan: &StagePlan,
     shared: bool,
-    device: Device,
+    residence: Residence,
 ) -> Result<(Tensor, Vec<Tensor>, Vec<ShardedUnit>)> {
-    let flat_params = views::comm_zeros(layout.padded, kind, shared, device)?;
+    let flat_params = views::comm_zeros(layout.padded, kind, shared, residence.device())?;
     let mut params = Vec::with_capacity(named.len());
     tch::no_grad(|| {
         for ((_, mut t), slot) in named.into_iter().zip(&layout.slots) {
@@ -192,7 +192,7 @@ pub(super) fn pack(
             params.push(t);
         }
     });
-    views::broadcast(comm, &flat_params, 0)?;
+    views::broadcast(residence, comm, &flat_params, 0)?;
     let mut units = Vec::new();
     if plan.shard_in_pieces() {
         let world_size = comm.world_size();
@@ -200,7 +200,14 @@ pub(super) fn pack(
         for span in &layout.units {
             let own: Vec<Tensor> = params[span.slots.clone()].iter().map(Tensor::shallow_clone).collect();
             let region = flat_params.narrow(0, span.range.start as i64, span.range.len() as i64);
-            units.push(ShardedUnit::in_place(span.clone(), &layout.slots[span.slots.clone()], own, region, offset));
+            units.push(ShardedUnit::in_place(
+                span.clone(),
+                &layout.slots[span.slots.clone()],
+                own,
+                region,
+                offset,
+                residence,
+            ));
             offset += span.chunk_len(world_size);
         }
     }
@@ -347,13 +354,21 @@ impl Engine {
         variables::broadcast_values(comm.as_ref(), &broadcast)?;
         let (mut flat_params, params, sharded_units) = if plan.partitions_parameters() {
             let materialize = materialize.as_deref_mut();
-            Self::shard_units(&layout, named, &frozen_numel, (kind, device), comm.as_ref(), &config, materialize)?
+            crate::engine::zero::unit_walk::shard_units(
+                &layout,
+                named,
+                &frozen_numel,
+                (kind, residence),
+                comm.as_ref(),
+                &config,
+                materialize,
+            )?
         } else {
-            pack(&layout, named, kind, comm.as_ref(), &plan, shared, device)?
+            pack(&layout, named, kind, comm.as_ref(), &plan, shared, residence)?
         };
         let frozen_units = if plan.partitions_parameters() && frozen_by_unit.iter().any(|u| !u.is_empty()) {
             let persistent: Vec<bool> = sharded_units.iter().map(|u| u.persistent).collect();
-            Some(frozen::FrozenUnits::new(frozen_by_unit, &persistent, comm.as_ref(), device, materialize)?)
+            Some(frozen::FrozenUnits::new(frozen_by_unit, &persistent, comm.as_ref(), residence, materialize)?)
         } else {
             None
         };
@@ -362,7 +377,7 @@ impl Engine {
         let swapped_params = swap_parameters_out(&mut flat_params, &sharded_units, &plan, &config, rank, world_size)?;
         let scheduler = optimizer::scheduler(&config, shard.base_lr);
         let gradients =
-            gradients::Gradients::new(&config, &plan, &layout, &params, rank, shared, device, optimizer_device)?;
+            gradients::Gradients::new(&config, &plan, &layout, &params, rank, shared, residence, optimizer_device)?;
         let scaler = loss_scaler(&config);
         if precision == Precision::Fp16 && rank == 0 && device == Device::Cpu {
             // Every parameter is on the CPU (checked in `arrange`).

@@ -114,7 +114,7 @@ impl Engine {
         let grad_norm = (sq[0] as f64).sqrt() / scale;
         let coef = norm::clip_coefficient(grad_norm, self.config.gradient_clipping) / scale;
         if coef != 1.0 {
-            flat_math::scale(&self.gradients.for_step(&self.shard.optimized), coef as f32)?;
+            flat_math::scale(self.residence, &self.gradients.for_step(&self.shard.optimized), coef as f32)?;
         }
         for g in &mut self.shard.groups {
             g.lr = lr;
@@ -146,9 +146,9 @@ impl Engine {
         let met = match self.shard.master.as_mut() {
             Some(master) => {
                 let values = master.shallow_clone();
-                meetings.meet(self.comm.as_ref(), &values).and_then(|()| self.write_shard(&values))
+                meetings.meet(self.residence, self.comm.as_ref(), &values).and_then(|()| self.write_shard(&values))
             }
-            None => meetings.meet(self.comm.as_ref(), &self.states.parameters.flat),
+            None => meetings.meet(self.residence, self.comm.as_ref(), &self.states.parameters.flat),
         };
         self.sync = Synchronization::Meetings(meetings);
         self.report.comm_volume.all_reduce_elements += self.states.layout.padded as u64;
@@ -172,7 +172,7 @@ impl Engine {
     fn bounded_staleness_step(&mut self) -> Result<StepOutcome> {
         let lr = self.lr();
         let grads = self.gradients.view_buffer().expect("bounded staleness keeps gradient views");
-        let grad_norm = flat_math::sum_of_squares(grads)?.sqrt();
+        let grad_norm = flat_math::sum_of_squares(self.residence, grads)?.sqrt();
         self.timed(Phase::Step, Self::step_bounded_staleness)?;
         let loss = self.finish_loss()?;
         Ok(self.count_step(loss, lr, grad_norm))
@@ -202,7 +202,9 @@ impl Engine {
         match self.plan.after_step() {
             AfterStep::Nothing => {}
             AfterStep::AllGatherFlat => {
-                self.timed(Phase::AllGather, |e| views::all_gather(e.comm.as_ref(), &e.states.parameters.flat))?;
+                self.timed(Phase::AllGather, |e| {
+                    views::all_gather(e.residence, e.comm.as_ref(), &e.states.parameters.flat)
+                })?;
                 self.report.comm_volume.all_gather_elements += self.states.layout.padded as u64;
             }
             AfterStep::RefreshGatheredUnits => {
@@ -237,11 +239,11 @@ impl Engine {
     /// 1/copies (every rank of the model-parallel group adds them).
     fn local_sum_of_squares(&mut self) -> Result<f64> {
         let g = self.gradients.for_step(&self.shard.optimized);
-        let sq = flat_math::sum_of_squares(&g)?;
+        let sq = flat_math::sum_of_squares(self.residence, &g)?;
         let Some((ranges, copies)) = &self.placement.replicated else { return Ok(sq) };
         let mut replicated = 0.0;
         for r in ranges {
-            replicated += flat_math::sum_of_squares(&g.narrow(0, r.start as i64, r.len() as i64))?;
+            replicated += flat_math::sum_of_squares(self.residence, &g.narrow(0, r.start as i64, r.len() as i64))?;
         }
         Ok(sq - replicated * (1.0 - 1.0 / *copies as f64))
     }
@@ -287,6 +289,7 @@ impl Engine {
             plan: &self.plan,
             precision,
             rank,
+            residence: self.residence,
         })
     }
 

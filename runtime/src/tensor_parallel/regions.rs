@@ -10,7 +10,7 @@ use std::ffi::{c_char, c_void, CString};
 use tch::Tensor;
 
 use crate::comm::{Communicator, ReduceOp};
-use crate::engine::device::views;
+use crate::engine::device::{views, Residence};
 use crate::error::{Error, Result};
 
 extern "C" {
@@ -51,6 +51,9 @@ pub struct TensorParallelCounts {
 struct Inner {
     comm: Box<dyn Communicator>,
     counts: Cell<TensorParallelCounts>,
+    /// Where host tensors live for this group's collectives (emulated device memory or not), decided when the
+    /// group is made.
+    host: Residence,
 }
 
 /// A tensor-parallel group: the ranks that split each layer's weight between them.
@@ -61,7 +64,8 @@ pub struct TensorParallel {
 impl TensorParallel {
     /// The group of `comm`'s ranks (a tensor-parallel group of the topology, or the whole world).
     pub fn new(comm: Box<dyn Communicator>) -> TensorParallel {
-        TensorParallel { inner: Box::new(Inner { comm, counts: Cell::new(TensorParallelCounts::default()) }) }
+        let host = Residence::of(tch::Device::Cpu);
+        TensorParallel { inner: Box::new(Inner { comm, counts: Cell::new(TensorParallelCounts::default()), host }) }
     }
 
     pub fn rank(&self) -> usize {
@@ -170,12 +174,16 @@ fn run_collective(
         )
     };
     let comm = inner.comm.as_ref();
+    let residence = match input.device() {
+        tch::Device::Cpu => inner.host,
+        device => Residence::Device(device),
+    };
     let mut counts = inner.counts.get();
     let result = match kind {
         0 => {
             counts.all_reduce += 1;
             counts.elements += input.numel() as u64;
-            views::all_reduce(comm, &input, ReduceOp::Sum)
+            views::all_reduce(residence, comm, &input, ReduceOp::Sum)
         }
         1 => {
             counts.all_gather += 1;
@@ -183,12 +191,12 @@ fn run_collective(
             let n = input.numel() as i64;
             tch::no_grad(|| output.narrow(0, comm.rank() as i64 * n, n).f_copy_(&input.reshape([-1])))
                 .map_err(|e| e.to_string())?;
-            views::all_gather(comm, &output)
+            views::all_gather(residence, comm, &output)
         }
         _ => {
             counts.reduce_scatter += 1;
             counts.elements += input.numel() as u64;
-            views::reduce_scatter(comm, &input, &output, ReduceOp::Sum)
+            views::reduce_scatter(residence, comm, &input, &output, ReduceOp::Sum)
         }
     };
     inner.counts.set(counts);

@@ -7,7 +7,7 @@ use tch::Tensor;
 
 use crate::comm::{Communicator, ReduceOp};
 use crate::config::{AsyncTraining, OuterOptimizer};
-use crate::engine::device::views;
+use crate::engine::device::{views, Residence};
 use crate::engine::zero::layout::ParamSlot;
 use crate::error::Result;
 
@@ -97,8 +97,8 @@ impl Meetings {
     }
 
     /// The meeting: every rank ends with the same values in `flat` (see [`Meetings::new`]). Collective.
-    pub fn meet(&mut self, comm: &dyn Communicator, flat: &Tensor) -> Result<()> {
-        views::all_reduce(comm, flat, ReduceOp::Avg)?;
+    pub fn meet(&mut self, residence: Residence, comm: &dyn Communicator, flat: &Tensor) -> Result<()> {
+        views::all_reduce(residence, comm, flat, ReduceOp::Avg)?;
         let Some(d) = &mut self.diloco else { return Ok(()) };
         tch::no_grad(|| -> Result<()> {
             // The outer gradient: how far the average moved from the anchor, against the descent direction.

@@ -214,7 +214,9 @@ impl Engine {
         self.write_shard(&values)?;
         match self.plan.after_step() {
             AfterStep::Nothing => {}
-            AfterStep::AllGatherFlat => views::all_gather(self.comm.as_ref(), &self.states.parameters.flat)?,
+            AfterStep::AllGatherFlat => {
+                views::all_gather(self.residence, self.comm.as_ref(), &self.states.parameters.flat)?
+            }
             AfterStep::RefreshGatheredUnits => self.refresh_gathered_units()?,
         }
         self.load_variables(&saved)?;

@@ -1,8 +1,7 @@
 //! The engine's state in the checkpoint format of [`crate::checkpoint`]: `save.rs` writes it (atomically, with
-//! checksums), `load.rs` reads it back at any world size, `full_weights.rs` gives full weights out of the engine
+//! checksums), `load.rs` reads it back at any world size; `save.rs` also gives full weights out of the engine
 //! (`full_parameters`, `state_dict`, `save_16bit_model`). This file holds what they share: the options, the tag
 //! rules, dtype names, variable entries.
-mod full_weights;
 mod load;
 mod save;
 pub(crate) use save::{prepare_staging, publish};
@@ -16,7 +15,7 @@ use crate::checkpoint::{
     read_region, region_of, CheckpointError, Manifest, ParamEntry, RankEntry, SavedCheckpoint, Slice, VariableEntry,
     FORMAT_VERSION,
 };
-use crate::comm::{Collectives, ReduceOp};
+use crate::comm::{Collectives, Communicator, ReduceOp};
 use crate::config::{Precision, TagValidation};
 use crate::engine::device::views;
 use crate::engine::zero::plan::{AfterStep, FlatRange, Optimized};
@@ -193,49 +192,47 @@ pub fn load_mapped_slices(
     Ok(())
 }
 
-impl Engine {
-    /// `checkpoint.tag_validation`: the ranks compare their tags (a hash each, all-reduced) before anything is
-    /// written. Tags that differ are an error on every rank under "Fail", a warning under "Warn" (the default) and
-    /// nothing under "Ignore"; the checkpoint then takes rank 0's tag, so it stays one directory.
-    fn agree_on_tag(&self, tag: String) -> Result<String> {
-        if self.world_size() == 1 {
-            return Ok(tag);
-        }
-        // The same binary on every rank: std's hasher (SipHash with fixed keys) gives every rank the same value.
-        let hash = {
-            use std::hash::{Hash, Hasher};
-            let mut h = std::hash::DefaultHasher::new();
-            tag.hash(&mut h);
-            h.finish() as i64
-        };
-        // Max of the hash and of its negation: equal hashes everywhere iff max == -(-max of negation).
-        let mut extremes = [hash, hash.wrapping_neg()];
-        self.comm.all_reduce(&mut extremes, ReduceOp::Max)?;
-        if extremes[0] == extremes[1].wrapping_neg() {
-            return Ok(tag);
-        }
-        let mut len = [tag.len() as i64];
-        self.comm.broadcast(&mut len, 0)?;
-        let mut words = vec![0i64; (len[0] as usize).div_ceil(8)];
-        if self.rank() == 0 {
-            bytemuck::cast_slice_mut::<i64, u8>(&mut words)[..tag.len()].copy_from_slice(tag.as_bytes());
-        }
-        self.comm.broadcast(&mut words, 0)?;
-        let root = String::from_utf8_lossy(&bytemuck::cast_slice::<i64, u8>(&words)[..len[0] as usize]).into_owned();
-        let rank = self.rank();
-        match self.config.checkpoint.tag_validation {
-            TagValidation::Fail => {
-                return Err(crate::Error::Usage(format!(
-                    "checkpoint tags differ across ranks (rank 0 saves {root:?}, rank {rank} {tag:?}) and checkpoint.tag_validation is \"Fail\": nothing was written"
-                )))
-            }
-            TagValidation::Warn if root != tag => {
-                tracing::warn!(rank, tag, root_tag = root, "checkpoint tags differ across ranks; saving under rank 0's tag (checkpoint.tag_validation)")
-            }
-            _ => {}
-        }
-        Ok(root)
+/// `checkpoint.tag_validation`: the ranks of `comm` compare their tags (a hash each, all-reduced) before anything
+/// is written. Tags that differ are an error on every rank under "Fail", a warning under "Warn" (the default) and
+/// nothing under "Ignore"; the checkpoint then takes rank 0's tag, so it stays one directory.
+fn agree_on_tag(comm: &dyn Communicator, validation: TagValidation, tag: String) -> Result<String> {
+    if comm.world_size() == 1 {
+        return Ok(tag);
     }
+    // The same binary on every rank: std's hasher (SipHash with fixed keys) gives every rank the same value.
+    let hash = {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::hash::DefaultHasher::new();
+        tag.hash(&mut h);
+        h.finish() as i64
+    };
+    // Max of the hash and of its negation: equal hashes everywhere iff max == -(-max of negation).
+    let mut extremes = [hash, hash.wrapping_neg()];
+    comm.all_reduce(&mut extremes, ReduceOp::Max)?;
+    if extremes[0] == extremes[1].wrapping_neg() {
+        return Ok(tag);
+    }
+    let mut len = [tag.len() as i64];
+    comm.broadcast(&mut len, 0)?;
+    let mut words = vec![0i64; (len[0] as usize).div_ceil(8)];
+    if comm.rank() == 0 {
+        bytemuck::cast_slice_mut::<i64, u8>(&mut words)[..tag.len()].copy_from_slice(tag.as_bytes());
+    }
+    comm.broadcast(&mut words, 0)?;
+    let root = String::from_utf8_lossy(&bytemuck::cast_slice::<i64, u8>(&words)[..len[0] as usize]).into_owned();
+    let rank = comm.rank();
+    match validation {
+        TagValidation::Fail => {
+            return Err(crate::Error::Usage(format!(
+                "checkpoint tags differ across ranks (rank 0 saves {root:?}, rank {rank} {tag:?}) and checkpoint.tag_validation is \"Fail\": nothing was written"
+            )))
+        }
+        TagValidation::Warn if root != tag => {
+            tracing::warn!(rank, tag, root_tag = root, "checkpoint tags differ across ranks; saving under rank 0's tag (checkpoint.tag_validation)")
+        }
+        _ => {}
+    }
+    Ok(root)
 }
 
 pub(crate) fn check_tag(tag: &str) -> Result<()> {

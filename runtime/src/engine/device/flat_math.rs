@@ -1,18 +1,18 @@
 //! The arithmetic the engine runs on its flat buffers between backward and the optimizer step (the squared
 //! gradient norm, clipping's scaling, accumulating reduced gradients in fp32), written once for both residences:
 //! host buffers go through zerorun-optim's slice kernels (bitwise what the host engine always computed), buffers
-//! on the device paths ([`views::on_device`]: device memory, or any tensor under emulation) through tensor ops
+//! on the device paths ([`Residence::on_device`]: device memory, or any tensor under emulation) through tensor ops
 //! on their own device, so no gradient crosses to the host for it.
 use tch::{Kind, Tensor};
 use zerorun_optim::norm;
 
 use crate::engine::device::staging::{self, Staged};
-use crate::engine::device::views;
+use crate::engine::device::{views, Residence};
 use crate::error::Result;
 
 /// The sum of the squares of `t`'s elements (any float kind), accumulated in f64.
-pub fn sum_of_squares(t: &Tensor) -> Result<f64> {
-    sum_of_squares_on(t, views::on_device(t))
+pub fn sum_of_squares(residence: Residence, t: &Tensor) -> Result<f64> {
+    sum_of_squares_on(t, residence.on_device(t))
 }
 
 fn sum_of_squares_on(t: &Tensor, device_path: bool) -> Result<f64> {
@@ -30,8 +30,8 @@ fn sum_of_squares_on(t: &Tensor, device_path: bool) -> Result<f64> {
 }
 
 /// `t *= coef` in place (fp32).
-pub fn scale(t: &Tensor, coef: f32) -> Result<()> {
-    scale_on(t, coef, views::on_device(t))
+pub fn scale(residence: Residence, t: &Tensor, coef: f32) -> Result<()> {
+    scale_on(t, coef, residence.on_device(t))
 }
 
 fn scale_on(t: &Tensor, coef: f32, device_path: bool) -> Result<()> {
@@ -46,8 +46,8 @@ fn scale_on(t: &Tensor, coef: f32, device_path: bool) -> Result<()> {
 
 /// `acc[i] += part[i]` in f32, whatever `part`'s kind; `part` may live elsewhere than `acc` (a device part into a
 /// host accumulator under CPU offload), and is then copied to `acc`'s device first.
-pub fn accumulate(acc: &Tensor, part: &Tensor) -> Result<()> {
-    accumulate_on(acc, part, views::on_device(acc) || views::on_device(part))
+pub fn accumulate(residence: Residence, acc: &Tensor, part: &Tensor) -> Result<()> {
+    accumulate_on(acc, part, residence.on_device(acc) || residence.on_device(part))
 }
 
 fn accumulate_on(acc: &Tensor, part: &Tensor, device_path: bool) -> Result<()> {
@@ -69,8 +69,8 @@ fn accumulate_on(acc: &Tensor, part: &Tensor, device_path: bool) -> Result<()> {
 
 /// `t` in host memory: `t` itself when it is a host tensor off the device paths, else a host copy in a staging
 /// buffer (what the host optimizer reads when the engine's buffers are on a device and its states are not).
-pub fn on_host(t: &Tensor) -> Result<Staged> {
-    if views::on_device(t) {
+pub fn on_host(residence: Residence, t: &Tensor) -> Result<Staged> {
+    if residence.on_device(t) {
         return staging::host_copy(t);
     }
     Ok(Staged::borrowed(t))

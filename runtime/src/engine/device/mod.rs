@@ -39,6 +39,12 @@ impl Residence {
         }
     }
 
+    /// Whether `t` takes the device paths: a tensor in device memory, and every tensor of an emulated residence,
+    /// so that `make test` runs them. Host slices (`views.rs`) are for the others.
+    pub fn on_device(self, t: &tch::Tensor) -> bool {
+        t.device() != Device::Cpu || self == Residence::Emulated
+    }
+
     /// Whether the engine takes the device path (tensor ops, host staging for host-only collectives).
     pub fn device_path(self) -> bool {
         self != Residence::Host

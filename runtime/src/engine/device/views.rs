@@ -4,6 +4,7 @@ use tch::{Kind, Tensor};
 
 use crate::comm::{Collectives, CommResult, Communicator, ReduceOp};
 use crate::config::{CommDataType, Precision};
+use crate::engine::device::Residence;
 
 /// The tensor kind that holds a precision's model parameters.
 pub fn kind_of(p: Precision) -> Kind {
@@ -115,12 +116,6 @@ fn check_disjoint(t: &Tensor, out: &Tensor) {
 // is done: SAFETY for each is that the engine runs nothing else on these buffers meanwhile (one thread drives a
 // rank's engine; its communication thread is waited on before a buffer it uses is touched).
 
-/// Whether `t` takes the device paths: a tensor in device memory, and every tensor under device emulation
-/// (`ZERORUN_DEVICE_EMULATION`), so that `make test` runs them. Host slices (this module's views) are for the others.
-pub fn on_device(t: &Tensor) -> bool {
-    t.device() != tch::Device::Cpu || super::emulation_requested()
-}
-
 /// A staging step's error, naming what failed.
 fn staging_error(what: &'static str) -> impl FnOnce(crate::error::Error) -> crate::comm::CommError {
     move |e| crate::comm::CommError::BadArgument { op: "stage", rank: 0, what: format!("{what}: {e}") }
@@ -152,6 +147,7 @@ fn device_buf(t: &Tensor) -> Option<crate::comm::DeviceBuf> {
 /// (`on_device_memory`, NCCL), else on host views (`on_host`) of a staged host copy (the device paths) or of `t`
 /// itself.
 fn in_place(
+    residence: Residence,
     t: &Tensor,
     on_device_memory: impl FnOnce(crate::comm::DeviceBuf) -> CommResult<bool>,
     on_host: impl FnOnce(&Tensor) -> CommResult<()>,
@@ -161,7 +157,7 @@ fn in_place(
             return Ok(());
         }
     }
-    if !on_device(t) {
+    if !residence.on_device(t) {
         return on_host(t);
     }
     let host =
@@ -171,10 +167,15 @@ fn in_place(
 }
 
 /// Runs a collective on a flat tensor of any supported kind (see [`in_place`]).
-pub fn all_reduce(comm: &dyn Communicator, t: &Tensor, op: ReduceOp) -> CommResult<()> {
+pub fn all_reduce(residence: Residence, comm: &dyn Communicator, t: &Tensor, op: ReduceOp) -> CommResult<()> {
     // SAFETY (both): the engine's buffer or this call's host copy, untouched by anything else during the blocking
     // call.
-    in_place(t, |buf| unsafe { comm.all_reduce_device(buf, op) }, |h| unsafe { all_reduce_views(comm, h, op) })
+    in_place(
+        residence,
+        t,
+        |buf| unsafe { comm.all_reduce_device(buf, op) },
+        |h| unsafe { all_reduce_views(comm, h, op) },
+    )
 }
 
 unsafe fn all_reduce_views(comm: &dyn Communicator, t: &Tensor, op: ReduceOp) -> CommResult<()> {
@@ -185,9 +186,14 @@ unsafe fn all_reduce_views(comm: &dyn Communicator, t: &Tensor, op: ReduceOp) ->
     }
 }
 
-pub fn broadcast(comm: &dyn Communicator, t: &Tensor, root: usize) -> CommResult<()> {
+pub fn broadcast(residence: Residence, comm: &dyn Communicator, t: &Tensor, root: usize) -> CommResult<()> {
     // SAFETY (both): as in `all_reduce`.
-    in_place(t, |buf| unsafe { comm.broadcast_device(buf, root) }, |h| unsafe { broadcast_views(comm, h, root) })
+    in_place(
+        residence,
+        t,
+        |buf| unsafe { comm.broadcast_device(buf, root) },
+        |h| unsafe { broadcast_views(comm, h, root) },
+    )
 }
 
 unsafe fn broadcast_views(comm: &dyn Communicator, t: &Tensor, root: usize) -> CommResult<()> {
@@ -198,9 +204,9 @@ unsafe fn broadcast_views(comm: &dyn Communicator, t: &Tensor, root: usize) -> C
     }
 }
 
-pub fn all_gather(comm: &dyn Communicator, t: &Tensor) -> CommResult<()> {
+pub fn all_gather(residence: Residence, comm: &dyn Communicator, t: &Tensor) -> CommResult<()> {
     // SAFETY (both): as in `all_reduce`.
-    in_place(t, |buf| unsafe { comm.all_gather_device(buf) }, |h| unsafe { all_gather_views(comm, h) })
+    in_place(residence, t, |buf| unsafe { comm.all_gather_device(buf) }, |h| unsafe { all_gather_views(comm, h) })
 }
 
 unsafe fn all_gather_views(comm: &dyn Communicator, t: &Tensor) -> CommResult<()> {
@@ -212,7 +218,13 @@ unsafe fn all_gather_views(comm: &dyn Communicator, t: &Tensor) -> CommResult<()
 }
 
 /// Reduce-scatter of a flat tensor into `out` (a tensor of the same kind, one partition long).
-pub fn reduce_scatter(comm: &dyn Communicator, t: &Tensor, out: &Tensor, op: ReduceOp) -> CommResult<()> {
+pub fn reduce_scatter(
+    residence: Residence,
+    comm: &dyn Communicator,
+    t: &Tensor,
+    out: &Tensor,
+    op: ReduceOp,
+) -> CommResult<()> {
     check_disjoint(t, out);
     if let (Some(input), Some(output)) = (device_buf(t), device_buf(out)) {
         // SAFETY: as in `all_reduce`; the two buffers are disjoint (checked).
@@ -220,7 +232,7 @@ pub fn reduce_scatter(comm: &dyn Communicator, t: &Tensor, out: &Tensor, op: Red
             return Ok(());
         }
     }
-    if on_device(t) || on_device(out) {
+    if residence.on_device(t) || residence.on_device(out) {
         let host =
             crate::engine::device::staging::host_copy(t).map_err(staging_error("copying a tensor to host memory"))?;
         let host_out = crate::engine::device::staging::host_buffer(out.numel(), out.kind(), out.device())

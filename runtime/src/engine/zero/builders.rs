@@ -74,7 +74,12 @@ impl UnitModel for BuiltModel<'_> {
 
 /// Converts the floating variables of `vs` created since `known` to `kind` (what `vs.bfloat16()` does to all);
 /// with `release`, the parameters among them (tch's trainable list) keep name, shape and dtype but no storage.
-pub(crate) fn settle_new_variables(vs: &nn::VarStore, known: &HashSet<String>, kind: tch::Kind, release: bool) -> Result<()> {
+pub(crate) fn settle_new_variables(
+    vs: &nn::VarStore,
+    known: &HashSet<String>,
+    kind: tch::Kind,
+    release: bool,
+) -> Result<()> {
     let listed: HashSet<usize> = vs.trainable_variables().iter().map(native::tensor_identity).collect();
     for (name, t) in vs.variables() {
         if known.contains(&name) {

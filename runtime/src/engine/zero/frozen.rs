@@ -27,7 +27,7 @@ impl FrozenUnits {
         by_unit: Vec<Vec<(String, Tensor)>>,
         persistent: &[bool],
         comm: &dyn Communicator,
-        device: tch::Device,
+        residence: crate::engine::device::Residence,
         mut materialize: Option<&mut crate::engine::zero::units::Materialize>,
     ) -> Result<FrozenUnits> {
         let kind = frozen_kind(&by_unit)?;
@@ -35,7 +35,7 @@ impl FrozenUnits {
             by_unit.iter().map(|u| u.iter().map(|(n, t)| (n.clone(), t.size(), false)).collect()).collect();
         let ws = comm.world_size();
         let layout = FlatLayout::with_units(&specs, ws);
-        let shard = Tensor::f_zeros([layout.partition_len() as i64], (kind, device))?;
+        let shard = Tensor::f_zeros([layout.partition_len() as i64], (kind, residence.device()))?;
         let mut units = Vec::with_capacity(by_unit.len());
         let mut offset = 0;
         for (i, ((span, params), &keep)) in layout.units.iter().zip(by_unit).zip(persistent).enumerate() {
@@ -53,6 +53,7 @@ impl FrozenUnits {
                 keep,
                 comm,
                 &shard,
+                residence,
             )?);
             offset += span.chunk_len(ws);
         }

@@ -10,7 +10,7 @@ use tch::{Kind, Tensor};
 use crate::comm::async_comm::{CommThread, Handle};
 use crate::comm::Communicator;
 use crate::engine::device::native;
-use crate::engine::device::views;
+use crate::engine::device::{views, Residence};
 use crate::engine::zero::layout::{ParamSlot, UnitSpan};
 use crate::engine::zero::swapped_params::Chunk;
 use crate::error::Result;
@@ -43,6 +43,8 @@ pub struct ShardedUnit {
     /// Stage 2 with units: the buffer is a region of the engine's full parameter buffer and holds this rank's
     /// chunk itself (always gathered; never resized).
     in_place: bool,
+    /// Where the buffer lives (the engine's residence), for its collectives.
+    residence: Residence,
 }
 
 impl ShardedUnit {
@@ -59,9 +61,9 @@ impl ShardedUnit {
         shard_offset: usize,
         persistent: bool,
         shared: bool,
-        device: tch::Device,
+        residence: Residence,
     ) -> Result<ShardedUnit> {
-        let full = views::comm_zeros(span.range.len(), kind, shared, device)?;
+        let full = views::comm_zeros(span.range.len(), kind, shared, residence.device())?;
         let mut views = Vec::with_capacity(params.len());
         let mut params = params;
         tch::no_grad(|| {
@@ -74,7 +76,7 @@ impl ShardedUnit {
                 views.push(view);
             }
         });
-        let empty = Tensor::f_zeros([0], (kind, device))?;
+        let empty = Tensor::f_zeros([0], (kind, residence.device()))?;
         Ok(ShardedUnit {
             span,
             shard_offset,
@@ -86,6 +88,7 @@ impl ShardedUnit {
             state: UnitState::Gathered,
             pending: None,
             in_place: false,
+            residence,
         })
     }
 
@@ -103,10 +106,11 @@ impl ShardedUnit {
         persistent: bool,
         comm: &dyn Communicator,
         shard: &Tensor,
+        residence: Residence,
     ) -> Result<ShardedUnit> {
         let shared = comm.prefers_shared_buffers();
-        let mut unit = ShardedUnit::new(span, slots, params, kind, shard_offset, persistent, shared, shard.device())?;
-        views::broadcast(comm, unit.full(), 0)?;
+        let mut unit = ShardedUnit::new(span, slots, params, kind, shard_offset, persistent, shared, residence)?;
+        views::broadcast(residence, comm, unit.full(), 0)?;
         unit.store_chunk(shard, comm.rank(), comm.world_size());
         if !persistent {
             unit.release()?;
@@ -123,6 +127,7 @@ impl ShardedUnit {
         params: Vec<Tensor>,
         region: Tensor,
         shard_offset: usize,
+        residence: Residence,
     ) -> ShardedUnit {
         let views = slots
             .iter()
@@ -144,6 +149,7 @@ impl ShardedUnit {
             state: UnitState::Gathered,
             pending: None,
             in_place: true,
+            residence,
         }
     }
 
@@ -178,7 +184,7 @@ impl ShardedUnit {
 
     /// Copies this rank's chunk into its place in the full buffer (not gathering: no collective writes it).
     fn put_chunk(&self, rank: usize, ws: usize, chunk: &Chunk) -> Result<()> {
-        chunk.copy_into(&self.chunk_of_full(rank, ws))
+        chunk.copy_into(&self.chunk_of_full(rank, ws), self.residence)
     }
 
     /// Sharded -> Gathered: regrows the buffer and all-gathers every rank's chunk, this rank's being `chunk`.
@@ -227,9 +233,9 @@ impl ShardedUnit {
         self.put_chunk(thread.rank(), thread.world_size(), chunk)?;
         // The job holds its own handle to the buffer, so the storage outlives it; nothing here reads, writes or
         // resizes the buffer until `finish_gather` waits (release finishes a Gathering unit first).
-        let full = self.full.shallow_clone();
+        let (full, residence) = (self.full.shallow_clone(), self.residence);
         let handle = thread.submit("all_gather", move |c| {
-            views::all_gather(c, &full)?;
+            views::all_gather(residence, c, &full)?;
             // The peers free their copies of this unit soon: their pages need not stay in this resident set.
             c.forget_gathered_pages();
             Ok(())
@@ -254,7 +260,7 @@ impl ShardedUnit {
         if let Some(chunk) = chunk {
             self.put_chunk(comm.rank(), comm.world_size(), chunk)?;
         }
-        views::all_gather(comm, &self.full)?;
+        views::all_gather(self.residence, comm, &self.full)?;
         Ok(())
     }
 

@@ -25,13 +25,14 @@ pub(crate) enum Chunk {
 }
 
 impl Chunk {
-    /// Copies the chunk's elements into `dst` (a tensor of the model's dtype and the chunk's length, on any device).
-    pub fn copy_into(&self, dst: &Tensor) -> Result<()> {
+    /// Copies the chunk's elements into `dst` (a tensor of the model's dtype and the chunk's length, on any device;
+    /// `residence` is where `dst` lives).
+    pub fn copy_into(&self, dst: &Tensor, residence: crate::engine::device::Residence) -> Result<()> {
         match self {
             Chunk::InMemory(t) => {
                 tch::no_grad(|| dst.shallow_clone().f_copy_(t))?;
             }
-            Chunk::Read { buffer, bytes } if views::on_device(dst) => {
+            Chunk::Read { buffer, bytes } if residence.on_device(dst) => {
                 let host = Tensor::f_from_data_size(&buffer.as_slice()[..*bytes], &[dst.numel() as i64], dst.kind())?;
                 tch::no_grad(|| dst.shallow_clone().f_copy_(&host))?;
             }
@@ -219,7 +220,9 @@ impl SwappedParams {
             self.read_ahead(u + 1..self.chunks.len(), |_| true);
             let chunk = self.chunk(u)?;
             let r = self.chunks[u].clone();
-            let copied = chunk.copy_into(&out.narrow(0, r.start as i64, r.len() as i64));
+            // `out` is host memory made here, whatever the engine's residence.
+            let host = crate::engine::device::Residence::Host;
+            let copied = chunk.copy_into(&out.narrow(0, r.start as i64, r.len() as i64), host);
             self.recycle(chunk);
             copied?;
         }

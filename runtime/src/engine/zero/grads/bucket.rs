@@ -4,6 +4,7 @@
 //! applies the predivide, reduce-scatters (on the communication thread when there is one) or all-reduces, and on
 //! finishing applies the post-factor and lands the result ([`Landing`]): added to the fp32 accumulator, or stepped
 //! at once by the optimizer in backward. With two halves, one bucket reduces while the next is staged.
+use crate::engine::device::{flat_math, Residence};
 use tch::Tensor;
 
 use crate::comm::async_comm::Handle;
@@ -29,10 +30,12 @@ pub(crate) struct Reduction {
     pub rank: usize,
     /// `async_training` local SGD / DiLoCo: gradients stay this rank's (the ranks meet by their parameters).
     pub local: bool,
+    /// Where the buckets live (the engine's residence).
+    pub residence: Residence,
 }
 
 impl Reduction {
-    pub fn new(config: &Config, rank: usize, world_size: usize) -> Reduction {
+    pub fn new(config: &Config, rank: usize, world_size: usize, residence: Residence) -> Reduction {
         let f = config.gradient_predivide_factor;
         let (op, pre, post) = if config.gradient_allreduce_op == AllreduceOp::Sum {
             if f != 1.0 {
@@ -46,7 +49,7 @@ impl Reduction {
             (ReduceOp::Avg, None, None)
         };
         let local = config.async_training.is_local();
-        Reduction { op, pre, post, scatter: config.zero_optimization.reduce_scatter, rank, local }
+        Reduction { op, pre, post, scatter: config.zero_optimization.reduce_scatter, rank, local, residence }
     }
 }
 
@@ -67,10 +70,10 @@ pub(crate) enum Landing<'a> {
 }
 
 impl Landing<'_> {
-    fn land(&mut self, at: usize, part: &Tensor) -> Result<()> {
+    fn land(&mut self, residence: Residence, at: usize, part: &Tensor) -> Result<()> {
         match self {
             Landing::Accumulate(acc) => {
-                crate::engine::device::flat_math::accumulate(&acc.narrow(0, at as i64, part.numel() as i64), part)
+                flat_math::accumulate(residence, &acc.narrow(0, at as i64, part.numel() as i64), part)
             }
             Landing::Step(stepper) => stepper.step_part(at, part),
         }
@@ -92,7 +95,7 @@ impl Bucket {
             let _ = self.staged.shallow_clone().f_mul_scalar_(pre)?;
         }
         if !how.scatter {
-            views::all_reduce(comm.as_ref(), &self.staged, how.op)?;
+            views::all_reduce(how.residence, comm.as_ref(), &self.staged, how.op)?;
             volume.all_reduce_elements += n as u64;
             self.out.shallow_clone().f_copy_(&self.staged.narrow(0, (how.rank * l) as i64, l as i64))?;
             return Ok(Started { bucket: self, handle: None });
@@ -102,11 +105,12 @@ impl Bucket {
             Some(thread) => {
                 // The job holds its own handles to both tensors, so their storage outlives it; the queue does not
                 // touch this half or this output again before `finish` waits.
-                let (staged, out, op) = (self.staged.shallow_clone(), self.out.shallow_clone(), how.op);
-                Some(thread.submit("reduce_scatter", move |c| views::reduce_scatter(c, &staged, &out, op)))
+                let (staged, out, op, at) =
+                    (self.staged.shallow_clone(), self.out.shallow_clone(), how.op, how.residence);
+                Some(thread.submit("reduce_scatter", move |c| views::reduce_scatter(at, c, &staged, &out, op)))
             }
             None => {
-                views::reduce_scatter(comm.as_ref(), &self.staged, &self.out, how.op)?;
+                views::reduce_scatter(how.residence, comm.as_ref(), &self.staged, &self.out, how.op)?;
                 None
             }
         };
@@ -125,7 +129,7 @@ impl Started {
             let _ = out.shallow_clone().f_mul_scalar_(post)?;
         }
         if let Some(at) = self.bucket.lands_at {
-            landing.land(at, out)?;
+            landing.land(how.residence, at, out)?;
         }
         Ok(())
     }

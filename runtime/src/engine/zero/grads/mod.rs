@@ -9,9 +9,9 @@ use tch::{Device, Kind, Tensor};
 
 use crate::config::{Config, Precision};
 use crate::engine::counters::CommVolume;
-use crate::engine::device::flat_math;
 use crate::engine::device::native;
 use crate::engine::device::views;
+use crate::engine::device::{flat_math, Residence};
 use crate::engine::engine_comm::EngineComm;
 use crate::engine::zero::grads::bucket::{Bucket, BucketQueue, Landing, Reduction};
 use crate::engine::zero::grads::hooks::Countdown;
@@ -70,9 +70,10 @@ impl Gradients {
         params: &[Tensor],
         rank: usize,
         shared: bool,
-        device: Device,
+        residence: Residence,
         optimizer_device: Device,
     ) -> Result<Self> {
+        let device = residence.device();
         let precision = config.precision();
         let comm_kind = views::comm_kind(config.communication_data_type, precision);
         let sizes = GradientSizes::new(
@@ -118,7 +119,7 @@ impl Gradients {
                 device,
             )?,
             reduced: sizes.reduced,
-            how: Reduction::new(config, rank, ws),
+            how: Reduction::new(config, rank, ws, residence),
             refuse_unused: !config.zero_optimization.ignore_unused_parameters,
             unit_offsets,
             countdown,
@@ -192,8 +193,8 @@ impl Gradients {
     /// Stage 1 after a reduction: adds this rank's reduced partition to the fp32 accumulator.
     pub fn accumulate_partition(&mut self) -> Result<()> {
         match &self.grad_part {
-            Some(part) => flat_math::accumulate(&self.accumulator, part),
-            None => flat_math::accumulate(&self.accumulator, self.queue.staging()),
+            Some(part) => flat_math::accumulate(self.how.residence, &self.accumulator, part),
+            None => flat_math::accumulate(self.how.residence, &self.accumulator, self.queue.staging()),
         }
     }
 }
@@ -240,7 +241,7 @@ impl GradientSync<'_> {
             if let Some(pre) = how.pre {
                 let _ = staging.shallow_clone().f_mul_scalar_(pre)?;
             }
-            views::all_reduce(self.comm.as_ref(), &staging, how.op)?;
+            views::all_reduce(how.residence, self.comm.as_ref(), &staging, how.op)?;
             self.volume.all_reduce_elements += self.layout.padded as u64;
             if let Some(post) = how.post {
                 let _ = staging.shallow_clone().f_mul_scalar_(post)?;

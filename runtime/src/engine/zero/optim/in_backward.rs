@@ -34,6 +34,7 @@ pub(crate) struct ShardStepper<'a> {
     /// This rank's shard of every unit (the optimized range, in place).
     pub shard: &'a Tensor,
     pub progress: &'a mut StepInBackward,
+    pub residence: crate::engine::device::Residence,
 }
 
 impl StepPart for ShardStepper<'_> {
@@ -41,7 +42,7 @@ impl StepPart for ShardStepper<'_> {
         let n = grads.numel();
         if let Some(adam) = self.tier.as_any_mut().and_then(|a| a.downcast_mut::<DeviceOptimizer>()) {
             // The device path: the part is stepped where the shard lives.
-            self.progress.sum_of_squares += flat_math::sum_of_squares(grads)?;
+            self.progress.sum_of_squares += flat_math::sum_of_squares(self.residence, grads)?;
             let values = self.shard.narrow(0, at as i64, n as i64);
             return adam.update_range_tensors(at, &values, grads, self.groups);
         }

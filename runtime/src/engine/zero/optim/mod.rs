@@ -14,10 +14,10 @@ use tch::{Kind, Tensor};
 use zerorun_optim::{Group, ParamsOut};
 
 use crate::config::Precision;
-use crate::engine::device::flat_math;
 use crate::engine::device::optimizer::DeviceOptimizer;
 use crate::engine::device::staging::{self, Staged};
 use crate::engine::device::views;
+use crate::engine::device::{flat_math, Residence};
 use crate::engine::zero::grads::Gradients;
 use crate::engine::zero::layout::FlatLayout;
 use crate::engine::zero::optim::build::OptimizerTier;
@@ -53,6 +53,7 @@ pub(crate) struct StepTarget<'a> {
     pub plan: &'a StagePlan,
     pub precision: Precision,
     pub rank: usize,
+    pub residence: Residence,
 }
 
 /// Whether `tier` is the device path's optimizer, which keeps the master and the gradients on the model's device.
@@ -91,7 +92,7 @@ impl OptimizerShard {
         if let Some(adam) = self.tier.as_any_mut().and_then(|a| a.downcast_mut::<DeviceOptimizer>()) {
             return step_on_device(adam, self.master.as_ref(), &self.optimized, &self.groups, t);
         }
-        if t.parameters.steps_a_copy(t.plan) || views::on_device(&t.parameters.flat) {
+        if t.parameters.steps_a_copy(t.plan) || t.residence.device_path() {
             return self.step_on_copy(t);
         }
         // Contiguous in the flat buffer: the flat range at stages 0-1, the shard buffer itself at stage 3.
@@ -142,16 +143,18 @@ impl OptimizerShard {
         }
         let (len, kind, device) = (self.optimized.len(), views::kind_of(t.precision), t.parameters.flat.device());
         let scratch = match self.master {
-            None => flat_math::on_host(&t.parameters.read_shard(t.layout, t.rank, t.plan, &self.optimized)?)?,
+            None => {
+                flat_math::on_host(t.residence, &t.parameters.read_shard(t.layout, t.rank, t.plan, &self.optimized)?)?
+            }
             // The step writes every element of the 16-bit output: a kept staging buffer for device parameters,
             // a transient one otherwise (host memory is not held between steps for it).
-            Some(_) if views::on_device(&t.parameters.flat) => staging::host_buffer(len, kind, device)?,
+            Some(_) if t.residence.device_path() => staging::host_buffer(len, kind, device)?,
             Some(_) => Staged::borrowed(&Tensor::f_zeros([len as i64], (kind, tch::Device::Cpu))?),
         };
         let scratch = scratch.values();
         match self.master.as_ref() {
             None => {
-                let grads = flat_math::on_host(&t.gradients.for_step(&self.optimized))?;
+                let grads = flat_math::on_host(t.residence, &t.gradients.for_step(&self.optimized))?;
                 let grads = grads.values();
                 // SAFETY: `scratch` is this step's own copy of the shard; `grads` the reduced gradients (or a host
                 // copy of them), another buffer.
