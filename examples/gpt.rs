@@ -7,12 +7,12 @@ use std::time::Duration;
 use clap::Parser;
 use tch::Tensor;
 use zerorun::runtime::engine::{no_decay_for_1d, EngineOptions};
-use zerorun::{Config, Engine, MicroBatch, PipelineEngine, StagePlacement};
+use zerorun::{Config, Dim, Engine, Mesh, MeshOptions, MicroBatch, StagePlacement};
 
 #[path = "support/mod.rs"]
 mod support;
 use support::gpt_model::tp::{TpGpt, TpUnits};
-use support::gpt_model::{padded_vocab, pipeline_model, tp_split_dim, Corpus, Gpt, GptConfig};
+use support::gpt_model::{padded_vocab, pipeline_model, Corpus, Gpt, GptConfig};
 use support::*;
 
 #[derive(Parser, Debug)]
@@ -103,6 +103,8 @@ fn run(args: &Args) -> Result<(), String> {
         if let Some(path) = &a.save_final {
             save_final(&mut engine, path)?;
         }
+        // Bounded staleness: every step applied, one model on every rank (nothing to do in other modes).
+        engine.finish().map_err(|e| e.to_string())?;
         finish_reports(&mut engine)?;
         let state_bytes: usize = engine.memory_bytes().iter().map(|(_, b)| b).sum();
         Ok((
@@ -137,14 +139,12 @@ fn run_pipeline(args: &Args, config: &Config, corpus: &Corpus, cfg: GptConfig, s
     };
     let timeout = Duration::from_secs_f64(config.comms_timeout);
     let summary = run_ranks(a.ranks, timeout, |comm| {
-        let placement = StagePlacement::new(&config.pipeline, Some(stages), comm.rank(), comm.world_size())
-            .and_then(|p| p.with_tensor_parallel(args.tensor_parallel.unwrap_or(1)))
-            .map_err(|e| e.to_string())?;
-        // Each stage's tensor-parallel group: adjacent ranks of the stage.
+        // pipe x data x tensor: each stage's tensor-parallel group is adjacent ranks of the stage.
+        let options = MeshOptions { pipeline_stages: Some(stages), tensor_parallel: args.tensor_parallel };
+        let mesh = Mesh::from_config(comm, config, options).map_err(|e| e.to_string())?;
+        let placement = StagePlacement::of(&mesh, &config.pipeline);
         let tp = match args.tensor_parallel {
-            Some(_) => Some(TensorParallel::new(
-                placement.topology().communicator(comm.as_ref(), &["model"]).map_err(|e| e.to_string())?,
-            )),
+            Some(_) => Some(mesh.tensor_parallel().map_err(|e| e.to_string())?),
             None => None,
         };
         let model = match &tp {
@@ -157,24 +157,13 @@ fn run_pipeline(args: &Args, config: &Config, corpus: &Corpus, cfg: GptConfig, s
             build_model(a.seed, whole_init, |vs| model.build_stage(vs, &placement, &config.pipeline.partition))?;
         let stage = stage.map_err(|e| e.to_string())?;
         if let (Some(tp), Some(path)) = (&tp, &a.init) {
-            zerorun::runtime::engine::load_mapped_slices(&vs, path, tp.rank(), tp.size(), &tp_split_dim)
+            zerorun::runtime::engine::load_mapped_slices(&vs, path, tp.rank(), tp.size(), &|n| tp.split_dim(n))
                 .map_err(|e| format!("--init {}: {e}", path.display()))?;
         }
         to_config_precision(config, &mut vs);
         let options = EngineOptions { no_weight_decay: Some(no_decay_for_1d), ..Default::default() };
-        let mut pipe = match &tp {
-            Some(_) => PipelineEngine::new_tensor_parallel(
-                &vs,
-                config.clone(),
-                comm,
-                options,
-                stage,
-                placement.clone(),
-                &tp_split_dim,
-            ),
-            None => PipelineEngine::new(&vs, config.clone(), comm, options, stage, placement.clone()),
-        }
-        .map_err(|e| e.to_string())?;
+        let mut pipe =
+            zerorun::initialize_pipeline(&vs, config.clone(), mesh, stage, options).map_err(|e| e.to_string())?;
         let b = pipe.engine().batch_sizes();
         let (first, last) = (placement.takes_inputs(), placement.takes_labels());
         let mut progress = Progress::new(a.steps);
@@ -278,7 +267,7 @@ fn whole_parameters(
         params
             .into_iter()
             .map(|(name, p)| {
-                let full = match tp_split_dim(&name) {
+                let full = match tp.split_dim(&name) {
                     Some(0) => tp.gather_sequence(&p)?,
                     Some(_) => tp.gather_from_region(&p)?,
                     None => p,
@@ -295,30 +284,22 @@ fn whole_parameters(
 /// with its tensor-parallel group, counting the parameters every member holds whole (norms, biases after a sum, the
 /// position embedding) once.
 fn run_tensor_parallel(args: &Args, config: &Config, corpus: &Corpus, cfg: GptConfig, t: usize) -> Result<(), String> {
-    use zerorun::runtime::comm::Collectives;
-    use zerorun::runtime::tensor_parallel::TensorParallel;
     let a = &args.common;
     let cfg = tensor_parallel_model(cfg, t)?;
     let timeout = Duration::from_secs_f64(config.comms_timeout);
     let summary = run_ranks(a.ranks, timeout, |comm| {
-        let (rank, world) = (comm.rank(), comm.world_size());
-        if world % t != 0 {
-            return Err(format!("--tensor-parallel {t} must divide the number of ranks ({world})"));
-        }
-        let (data_index, data_size) = (rank / t, world / t);
-        let group = |color: usize| -> Result<Box<dyn zerorun::runtime::comm::Communicator>, String> {
-            comm.split(Some(color as u32), rank as i64)
-                .map_err(|e| e.to_string())?
-                .ok_or_else(|| "no group".to_string())
-        };
-        // Tensor-parallel groups are adjacent ranks (one host's), data-parallel groups every t-th.
-        let (tp_comm, tp_norm, data_comm) = (group(data_index)?, group(data_index)?, group(rank % t)?);
-        let tp = TensorParallel::new(tp_comm);
+        // Tensor-parallel groups are adjacent ranks (one host's), data-parallel groups every t-th. The layers
+        // record their splits on the mesh, where the engine reads them.
+        let options = MeshOptions { tensor_parallel: Some(t), ..Default::default() };
+        let mesh = Mesh::from_config(comm, config, options).map_err(|e| e.to_string())?;
+        let (rank, world) = (mesh.rank(), mesh.world_size());
+        let (data_index, data_size) = (mesh.coordinate(Dim::Shard), mesh.shape().data());
+        let tp = mesh.tensor_parallel().map_err(|e| e.to_string())?;
         // Built from the seed under the examples' build lock (thread ranks share libtorch's generator).
         let (mut vs, model) = build_model(a.seed, None, |vs| TpGpt::new(vs.root(), &tp, &cfg))?;
         if let Some(path) = &a.init {
             // Whole weights by name (a T = 1 run's --save-final, or `zerorun consolidate`'s): this rank's slices.
-            zerorun::runtime::engine::load_mapped_slices(&vs, path, tp.rank(), t, &tp_split_dim)
+            zerorun::runtime::engine::load_mapped_slices(&vs, path, tp.rank(), t, &|n| tp.split_dim(n))
                 .map_err(|e| format!("--init {}: {e}", path.display()))?;
         }
         to_config_precision(config, &mut vs);
@@ -330,9 +311,8 @@ fn run_tensor_parallel(args: &Args, config: &Config, corpus: &Corpus, cfg: GptCo
             ..Default::default()
         }
         .units_of(&units);
-        let mut engine = Engine::new(&vs, config.clone(), data_comm, options).map_err(|e| e.to_string())?;
         // The norm over the group (whole parameters counted once) and checkpoints of slices by their place.
-        engine.set_tensor_parallel(tp_norm, tp_split_dim).map_err(|e| e.to_string())?;
+        let mut engine = zerorun::initialize_with(&vs, config.clone(), mesh, options).map_err(|e| e.to_string())?;
         let b = engine.batch_sizes();
         let mut progress = Progress::new(a.steps);
         let first = resume(a, &mut engine)?;
@@ -354,6 +334,8 @@ fn run_tensor_parallel(args: &Args, config: &Config, corpus: &Corpus, cfg: GptCo
                 Tensor::write_safetensors(&whole, path).map_err(|e| format!("--save-final {}: {e}", path.display()))?;
             }
         }
+        // Bounded staleness: every step applied, one model on every rank (nothing to do in other modes).
+        engine.finish().map_err(|e| e.to_string())?;
         finish_reports(&mut engine)?;
         let counts = tp.counts();
         Ok((progress.first_loss.unwrap_or(f64::NAN), progress.last_loss, progress.median_step_s(), counts, world))

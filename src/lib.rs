@@ -21,11 +21,14 @@ pub use zerorun_runtime::engine::no_decay_for_1d;
 pub use zerorun_runtime::engine::{BuiltModel, Sequence, UnitBuilders, UnitForward, UnitModel, Whole};
 pub use zerorun_runtime::estimate::{estimate, EstimateInput, EstimateRow};
 pub use zerorun_runtime::gloo::communicator_from_env;
+pub use zerorun_runtime::mesh::{Dim, Mesh, MeshOptions, MeshShape};
 pub use zerorun_runtime::pipeline::{
     LayerForward, MicroBatch, PipelineEngine, PipelineModel, StageModel, StagePlacement,
 };
+pub use zerorun_runtime::tensor_parallel::TensorParallel;
 pub use zerorun_runtime::{
-    initialize, initialize_with, BufferSync, Engine, EngineOptions, Error, SaveOptions, StepOutcome,
+    initialize, initialize_pipeline, initialize_with, BufferSync, Engine, EngineOptions, Error, SaveOptions,
+    StepOutcome,
 };
 
 mod logging;

@@ -1,5 +1,6 @@
 /// Shows zerorun's logs on stderr, as a training program (or the CLI) should install them: warnings by default
-/// (ignored config keys, slow settings, skipped fp16 steps), more with `RUST_LOG`; colours only on a terminal, not
+/// (ignored config keys, slow settings, skipped fp16 steps) and the run's summaries (target `zerorun::summary`:
+/// the pipeline's partition, logged once by rank 0), more with `RUST_LOG`; colours only on a terminal, not
 /// into the pipes of `zerorun launch`. The library itself only logs through `tracing` and never prints; call this
 /// once at the start of `main`, or install your own subscriber instead.
 pub fn init_logging() {
@@ -7,7 +8,10 @@ pub fn init_logging() {
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "warn,zerorun::summary=info".into()),
+        )
         .with_target(false)
         .init();
 }

@@ -333,7 +333,7 @@ fn lamb_is_refused_at_initialize_so_its_own_keys_never_act() {
     let (vs, _model) = init_store();
     let comm = threads::group(1, std::time::Duration::from_secs(10)).pop().unwrap();
     let err =
-        Engine::new(&vs, config, Box::new(comm), EngineOptions::default()).err().expect("Lamb is refused").to_string();
+        Engine::new(&vs, config, Box::new(comm), EngineOptions::default()).expect_err("Lamb is refused").to_string();
     assert!(err.contains("optimizer.type"), "{err}");
 }
 

@@ -224,7 +224,7 @@ fn the_device_path_steps_checkpoints_and_trains_as_the_host_path() {
         let vs = tch::nn::VarStore::new(tch::Device::Cpu);
         let _m = mlp(vs.root());
         let comm = zerorun::runtime::comm::threads::group(1, std::time::Duration::from_secs(10)).pop().unwrap();
-        Engine::new(&vs, c, Box::new(comm), EngineOptions::default()).err().unwrap().to_string()
+        Engine::new(&vs, c, Box::new(comm), EngineOptions::default()).unwrap_err().to_string()
     });
     assert!(
         refused.contains("optimizer.type") && refused.contains("Adam/AdamW (libtorch's fused kernels) or SGD"),

@@ -369,7 +369,7 @@ fn one_varstore_in_two_live_engines_is_an_error_two_varstores_are_fine() {
     let (vs, net) = build(1, false);
     let first = engine(&vs, &net, 0, comm, BufferSync::Broadcast);
     let again = threads::group(1, Duration::from_secs(10)).pop().unwrap();
-    let err = Engine::new(&vs, config(0, 1), Box::new(again), EngineOptions::default()).err().unwrap().to_string();
+    let err = Engine::new(&vs, config(0, 1), Box::new(again), EngineOptions::default()).unwrap_err().to_string();
     assert!(
         err.starts_with("variable `")
             && err.ends_with("already belongs to a live zerorun engine: one VarStore, one engine (drop the first engine before wrapping its VarStore again; two models, as in a GAN, need two VarStores)"),
@@ -388,7 +388,7 @@ fn one_varstore_in_two_live_engines_is_an_error_two_varstores_are_fine() {
 fn stage_3_without_units_is_refused_unless_the_model_stays_gathered() {
     let (vs, _) = build(1, false);
     let comm = threads::group(1, Duration::from_secs(10)).pop().unwrap();
-    let err = Engine::new(&vs, config(3, 1), Box::new(comm), EngineOptions::default()).err().unwrap().to_string();
+    let err = Engine::new(&vs, config(3, 1), Box::new(comm), EngineOptions::default()).unwrap_err().to_string();
     assert!(err.starts_with("stage 3 partitions the parameters and gathers them only inside `engine.forward`, but the engine was built without the model's units: pass them (`EngineOptions::default().units_of(&model)`, or `zerorun::Whole(|x| model.forward(x))` for one unit)"), "{err}");
     // Under the persistence threshold the model stays gathered and a plain loop works.
     let small = Config::from_value(json!({"train_batch_size": BATCH, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}, "zero_optimization": {"stage": 3}})).unwrap();

@@ -38,7 +38,7 @@ fn worker_entry() {
                 r#"{"train_batch_size": 2, "gradient_clipping": 0, "optimizer": {"type": "Adam"}, "zero_optimization": {"stage": 1}, "async_training": {"mode": "bounded_staleness", "staleness": 1}}"#,
             )
             .unwrap();
-            let err = zerorun::initialize_with(&vs, config, c, Default::default()).err().expect("refused");
+            let err = zerorun::initialize_with(&vs, config, c, Default::default()).expect_err("refused");
             let text = err.to_string();
             assert!(text.contains("async_training.mode") && text.contains("MPI runs serialized"), "{text}");
             println!("refused ok on rank {rank}");

@@ -319,7 +319,7 @@ fn a_full_filesystem_fails_at_start_up_naming_nvme_path() {
     .unwrap();
     let result = Engine::new(&vs, cfg, Box::new(comm), EngineOptions::default().units_of(&model));
     if mounted {
-        let e = result.err().expect("the preflight refuses a full filesystem").to_string();
+        let e = result.expect_err("the preflight refuses a full filesystem").to_string();
         assert!(e.starts_with(&format!("nvme_path {}: needs ", mnt.display())) && e.contains("free"), "{e}");
         assert!(files_in(&mnt).is_empty(), "nothing left on the small filesystem");
         let _ = std::process::Command::new("umount").arg(&mnt).status();

@@ -10,7 +10,7 @@ use serde_json::{json, Value};
 use tch::nn::{self, OptimizerConfig};
 use tch::Tensor;
 use zerorun::runtime::comm::threads;
-use zerorun::{Config, Engine, EngineOptions, MicroBatch, PipelineEngine, StagePlacement};
+use zerorun::{Config, Engine, EngineOptions, Mesh, MeshOptions, MicroBatch, StagePlacement};
 
 #[path = "common/compare.rs"]
 mod compare;
@@ -127,22 +127,16 @@ fn run_with(
                 s.spawn(move || {
                     use zerorun::runtime::comm::Communicator;
                     let rank = comm.rank();
-                    let placement = StagePlacement::new(&config.pipeline, program_stages, rank, world)
-                        .map_err(|e| e.to_string())?;
+                    let options = MeshOptions { pipeline_stages: program_stages, ..Default::default() };
+                    let mesh = Mesh::from_config(Box::new(comm), config, options).map_err(|e| e.to_string())?;
+                    let placement = StagePlacement::of(&mesh, &config.pipeline);
                     let (mut vs, stage) = support::build_model(SEED, None, |vs| {
                         make(&cfg).build_stage(vs, &placement, &config.pipeline.partition)
                     })?;
                     let stage = stage.map_err(|e| e.to_string())?;
                     support::to_config_precision(config, &mut vs);
-                    let mut pipe = PipelineEngine::new(
-                        &vs,
-                        config.clone(),
-                        Box::new(comm),
-                        EngineOptions::default(),
-                        stage,
-                        placement.clone(),
-                    )
-                    .map_err(|e| e.to_string())?;
+                    let mut pipe = zerorun::initialize_pipeline(&vs, config.clone(), mesh, stage, Default::default())
+                        .map_err(|e| e.to_string())?;
                     if !before_training(rank) {
                         return Ok((None, 0));
                     }

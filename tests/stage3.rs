@@ -201,7 +201,7 @@ fn misuse_at_stage_3_is_a_clear_error() {
     // A parameter no unit claims.
     let bad =
         EngineOptions { units: Some(vec![vec!["layers.0".into()], vec!["layers.1".into()]]), ..Default::default() };
-    let e = Engine::new(&vs, config(1, json!({})), Box::new(comm), bad).err().unwrap().to_string();
+    let e = Engine::new(&vs, config(1, json!({})), Box::new(comm), bad).unwrap_err().to_string();
     assert!(e.starts_with("parameter `layers.2.bias`: belongs to no unit"), "{e}");
 
     let comm = threads::group(1, Duration::from_secs(10)).pop().unwrap();
@@ -391,7 +391,7 @@ fn optimizer_in_backward_refuses_accumulation_and_a_second_backward_before_step(
             s.spawn(move || {
                 let (vs, layers) = init_layers(&DIMS);
                 let options = EngineOptions::default().units_of(&layers);
-                let err = Engine::new(&vs, config, Box::new(comm), options).err().expect("refused").to_string();
+                let err = Engine::new(&vs, config, Box::new(comm), options).expect_err("refused").to_string();
                 assert_eq!(
                     err,
                     "`optimizer_in_backward`: accumulation needs a gradient shard to add micro-batches in: the batch sizes resolve to gradient_accumulation_steps 2 at 3 ranks (train_batch_size 12 = micro batch 2 x ranks); it must be 1"

@@ -14,6 +14,7 @@ use zerorun::runtime::comm::threads;
 use zerorun::runtime::tensor_parallel::{
     vocab_parallel_cross_entropy, ColumnParallelLinear, RowParallelLinear, TensorParallel, VocabParallelEmbedding,
 };
+use zerorun::{Mesh, MeshShape};
 
 #[path = "common/examples.rs"]
 mod examples;
@@ -417,11 +418,10 @@ fn tensor_parallel_with_activation_checkpointing_and_16_bit() {
 }
 
 /// A parameter every member holds whole that differs between members (here rank 1's bias is moved) is refused
-/// by name at `set_tensor_parallel`, at stage 0 and with the optimizer partitioned over 2 data-parallel ranks; a
-/// buffer said to be split is refused by name.
+/// by name when the engine is built on the mesh, at stage 0 and with the optimizer partitioned over 2
+/// data-parallel ranks; a buffer a layer places as split is refused by name.
 #[test]
 fn whole_parameters_that_differ_across_the_group_and_split_buffers_are_refused() {
-    let split = |name: &str| (name == "col.weight" || name == "col.bias").then_some(0);
     for (ranks, stage) in [(2usize, 0u8), (4, 2)] {
         let comms = threads::group(ranks, Duration::from_secs(30));
         let errors: Vec<String> = std::thread::scope(|s| {
@@ -429,11 +429,11 @@ fn whole_parameters_that_differ_across_the_group_and_split_buffers_are_refused()
                 .into_iter()
                 .map(|comm| {
                     s.spawn(move || {
-                        use zerorun::runtime::comm::{Collectives, Communicator};
+                        use zerorun::runtime::comm::Communicator;
                         let r = comm.rank();
-                        let tp = TensorParallel::new(comm.split(Some((r / 2) as u32), r as i64).unwrap().unwrap());
-                        let group = comm.split(Some((r / 2) as u32), r as i64).unwrap().unwrap();
-                        let data = comm.split(Some((r % 2) as u32), r as i64).unwrap().unwrap();
+                        // Tensor-parallel pairs of adjacent ranks; the data-parallel group every second rank.
+                        let mesh = Mesh::new(Box::new(comm), MeshShape::new(ranks, 1, 2, None).unwrap()).unwrap();
+                        let tp = mesh.tensor_parallel().unwrap();
                         let vs = nn::VarStore::new(tch::Device::Cpu);
                         {
                             let _g = BUILD.lock().unwrap();
@@ -448,8 +448,7 @@ fn whole_parameters_that_differ_across_the_group_and_split_buffers_are_refused()
                             r#"{{"train_batch_size": 4, "optimizer": {{"type": "Adam"}}, "zero_optimization": {{"stage": {stage}}}}}"#
                         ))
                         .unwrap();
-                        let mut engine = zerorun::initialize_with(&vs, config, data, Default::default()).unwrap();
-                        engine.set_tensor_parallel(group, split).unwrap_err().to_string()
+                        zerorun::initialize_with(&vs, config, mesh, Default::default()).unwrap_err().to_string()
                     })
                 })
                 .collect();
@@ -459,15 +458,33 @@ fn whole_parameters_that_differ_across_the_group_and_split_buffers_are_refused()
             assert!(e.contains("`head.bias` is held whole by every member"), "{ranks} ranks, stage {stage}: {e}");
         }
     }
-    // A buffer (BatchNorm's running statistics) said to be split.
-    let comm = threads::group(1, Duration::from_secs(30)).pop().unwrap();
-    let vs = nn::VarStore::new(tch::Device::Cpu);
-    let _bn = nn::batch_norm1d(vs.root() / "bn", 4, Default::default());
-    let config = zerorun::Config::from_json_str(r#"{"train_batch_size": 1}"#).unwrap();
-    let mut engine = zerorun::initialize_with(&vs, config, Box::new(comm), Default::default()).unwrap();
-    let group = threads::group(1, Duration::from_secs(30)).pop().unwrap();
-    let err = engine.set_tensor_parallel(Box::new(group), |n| n.starts_with("bn.").then_some(0)).unwrap_err();
-    assert!(err.to_string().contains("`bn.running_mean` is a buffer or a frozen parameter"), "{err}");
+    // A buffer (BatchNorm's running statistics) a layer of the program's places as split.
+    let errors = on_threads(2, |tp_mesh: Mesh| {
+        let tp = tp_mesh.tensor_parallel().unwrap();
+        let vs = nn::VarStore::new(tch::Device::Cpu);
+        let _bn = nn::batch_norm1d(vs.root() / "bn", 4, Default::default());
+        tp.place("bn.running_mean", 0);
+        let config = zerorun::Config::from_json_str(r#"{"train_batch_size": 1}"#).unwrap();
+        zerorun::initialize_with(&vs, config, tp_mesh, Default::default()).unwrap_err().to_string()
+    });
+    for err in errors {
+        assert!(err.contains("`bn.running_mean` is a buffer or a frozen parameter"), "{err}");
+    }
+}
+
+/// Runs `f` on `ranks` thread ranks laid out as one tensor-parallel group.
+fn on_threads<T: Send>(ranks: usize, f: impl Fn(Mesh) -> T + Sync) -> Vec<T> {
+    let comms = threads::group(ranks, Duration::from_secs(30));
+    std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .into_iter()
+            .map(|c| {
+                let f = &f;
+                s.spawn(move || f(Mesh::new(Box::new(c), MeshShape::new(ranks, 1, ranks, None).unwrap()).unwrap()))
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
 }
 
 /// `--init` with whole weights (a T = 1 run's): each rank cuts its slices by name (`load_mapped_slices`), so T = 2

@@ -230,20 +230,6 @@ pub fn padded_vocab(vocab: i64) -> i64 {
     (vocab + 7) / 8 * 8
 }
 
-/// How a parameter of [`TpGpt`] is split across the tensor-parallel group: along dimension 0 (column-parallel
-/// layers, the vocabulary-parallel embedding and head), dimension 1 (row-parallel weights), or not at all.
-pub fn tp_split_dim(name: &str) -> Option<usize> {
-    let leaf = name.rsplit('.').nth(1).unwrap_or("");
-    let column = ["attn_q", "attn_k", "attn_v", "fc", "head", "tok"];
-    if column.contains(&leaf) {
-        Some(0)
-    } else if (leaf == "attn_proj" || leaf == "proj") && name.ends_with(".weight") {
-        Some(1)
-    } else {
-        None
-    }
-}
-
 /// The model split across a tensor-parallel group.
 pub mod tp {
     use tch::nn::{self, Module};

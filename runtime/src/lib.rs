@@ -7,6 +7,8 @@
 //! - [`cuda`]: libtorch's CUDA backend, loaded on demand.
 //! - [`gloo`]: the backend across hosts (libtorch's TCPStore and ProcessGroupGloo), and the communicator factory
 //!   that knows it.
+//! - [`mesh`]: the ranks laid out over named dimensions (pipeline, data replicate and shard, tensor), every
+//!   parallelism's groups.
 //! - [`engine`]: the ZeRO engine (stages 0-3, offload) over a tch `VarStore`.
 //! - [`pipeline`]: pipeline parallelism: the partition, the stages' links, and the engine that runs a schedule over
 //!   a ZeRO engine per stage.
@@ -22,6 +24,7 @@ pub mod cuda;
 pub mod engine;
 mod error;
 pub mod gloo;
+pub mod mesh;
 pub mod pipeline;
 pub mod report;
 pub mod tensor_parallel;
@@ -29,20 +32,44 @@ pub mod tensor_parallel;
 pub use config::{Config, ConfigError};
 pub use engine::{BufferSync, BuiltModel, Engine, EngineOptions, SaveOptions, StepOutcome, UnitBuilders};
 pub use error::{Error, Result};
+pub use mesh::{Mesh, MeshOptions, MeshShape};
 
-/// Builds the engine for `vs` from `config`, on the communicator the environment names (`zerorun launch`'s or
-/// mpirun's variables; one rank without them), whose collectives time out after `comms_timeout`.
+/// Builds the engine for the model on `vs` from `config`, data parallel over the ranks the environment names
+/// (`zerorun launch`'s or mpirun's variables; one rank without them), whose collectives time out after
+/// `comms_timeout`. A model with units, or one split by tensor-parallel layers, goes through [`initialize_with`];
+/// a pipeline through [`initialize_pipeline`].
 pub fn initialize(vs: &tch::nn::VarStore, config: Config) -> Result<Engine> {
-    let comm = gloo::communicator_from_env(std::time::Duration::from_secs_f64(config.comms_timeout))?;
-    Engine::new(vs, config, comm, EngineOptions::default())
+    let mesh = Mesh::from_env(&config, MeshOptions::default())?;
+    initialize_with(vs, config, mesh, EngineOptions::default())
 }
 
-/// [`initialize`] with a communicator of the program's own (thread ranks, a sub-group) and options set in code.
+/// [`initialize`] on a mesh of the program's (made from the environment with [`Mesh::from_env`] to build
+/// tensor-parallel layers on [`Mesh::tensor_parallel`] first, or over a communicator of its own: thread ranks, a
+/// sub-group) with options set in code.
 pub fn initialize_with(
     vs: &tch::nn::VarStore,
     config: Config,
-    comm: Box<dyn comm::Communicator>,
+    mesh: impl Into<Mesh>,
     options: EngineOptions,
 ) -> Result<Engine> {
-    Engine::new(vs, config, comm, options)
+    let mesh = mesh.into();
+    if mesh.shape().pipeline > 1 {
+        return Err(Error::Usage(format!(
+            "the mesh has {} pipeline stages (pipeline.stages): build the stage's model and run it with zerorun::initialize_pipeline",
+            mesh.shape().pipeline
+        )));
+    }
+    Engine::on_mesh(vs, config, mesh, options)
+}
+
+/// The pipeline engine for this rank's stage of a pipeline model (`model`, built on `vs` with
+/// [`pipeline::PipelineModel::build_stage`] at [`pipeline::StagePlacement::of`] the mesh) on `mesh`.
+pub fn initialize_pipeline<'a>(
+    vs: &tch::nn::VarStore,
+    config: Config,
+    mesh: Mesh,
+    model: pipeline::StageModel<'a>,
+    options: EngineOptions,
+) -> Result<pipeline::PipelineEngine<'a>> {
+    pipeline::PipelineEngine::new(vs, config, mesh, options, model)
 }

@@ -189,10 +189,12 @@ pub struct PipelineStage {
     /// Trainable parameters of the stage.
     pub parameters: usize,
     /// Mean per optimizer step, microseconds: the whole step, forward and backward compute, blocked on the
-    /// neighbours.
+    /// neighbours, and the optimizer step (with the tied weights' exchange).
     pub step_us: u64,
     pub compute_us: u64,
     pub wait_us: u64,
+    #[serde(default)]
+    pub optimizer_us: u64,
 }
 
 /// The engine's running record: per-category current and peak, one sample per optimizer step, and the samples at
@@ -390,16 +392,19 @@ pub fn table(reports: &[MemoryReport]) -> String {
             0,
             ("pipeline stage layers".into(), reports.iter().map(|r| cell(r, &|p| p.layers.clone())).collect()),
         );
-        rows.push((
-            "stage idle (bubble and waits)".into(),
+        let share = |part: &dyn Fn(&PipelineStage) -> f64| -> Vec<String> {
             reports
                 .iter()
-                .map(|r| {
-                    cell(r, &|p| {
-                        format!("{:.1}%", 100.0 * (1.0 - p.compute_us as f64 / p.step_us.max(1) as f64).max(0.0))
-                    })
-                })
-                .collect(),
+                .map(|r| cell(r, &|p| format!("{:.1}%", 100.0 * (part(p) / p.step_us.max(1) as f64).max(0.0))))
+                .collect()
+        };
+        rows.push(("stage compute".into(), share(&|p| p.compute_us as f64)));
+        rows.push(("stage optimizer step".into(), share(&|p| p.optimizer_us as f64)));
+        rows.push(("stage waiting on neighbours".into(), share(&|p| p.wait_us as f64)));
+        // Neither computing nor stepping: the schedule's bubble and the waits.
+        rows.push((
+            "stage idle (bubble and waits)".into(),
+            share(&|p| p.step_us as f64 - p.compute_us as f64 - p.optimizer_us as f64),
         ));
     }
     let header: Vec<String> = reports

@@ -19,6 +19,19 @@
 //! in memory or on NVMe), [`device`] (where buffers live, decided once as a [`device::Residence`]),
 //! [`async_training`] (how ranks synchronise at a step boundary), [`parallel`] (the engine's place in a model
 //! split across ranks), `checkpointing/`; `setup.rs` builds it all, `step.rs` runs the optimizer step.
+/// The engine's parts bounded staleness borrows for a call: disjoint fields, so the others stay usable beside it.
+macro_rules! stale_parts {
+    ($engine:expr) => {
+        crate::engine::async_training::stale_step::StaleParts {
+            comm: $engine.comm.as_ref(),
+            flat: &$engine.states.parameters.flat,
+            shard: &mut $engine.shard,
+            layout: &$engine.states.layout,
+            residence: $engine.residence,
+        }
+    };
+}
+
 pub mod async_training;
 pub(crate) mod checkpointing;
 mod counters;
@@ -91,12 +104,6 @@ pub struct EngineOptions {
     /// (`mallopt(M_MMAP_THRESHOLD)`), so freed large tensors leave the resident memory instead of staying in the
     /// heap (see `engine/allocator.rs`); a program that tunes malloc itself sets this.
     pub keep_allocator_settings: bool,
-    /// Stage 2, fp32: let gradients accumulate in autograd over a step's micro-batches and reduce-scatter them once,
-    /// during the last micro-batch's backward, instead of after every micro-batch. Full gradients are held during
-    /// the step (as at stage 1) and no collective runs before its last backward: what a pipeline stage wants, whose
-    /// micro-batches' backwards are spread over the whole step. 16-bit models still reduce every micro-batch, into
-    /// their fp32 accumulator.
-    pub reduce_once_per_step: bool,
 }
 
 impl EngineOptions {
@@ -251,10 +258,20 @@ impl Engine {
         self.backward_impl(Some(model), loss)
     }
 
+    /// Whether the next backwards reduce their gradients (true, the default), or leave them accumulating in
+    /// `.grad` for a later backward to reduce (FSDP2's `set_requires_gradient_sync`): a pipeline stage, whose
+    /// micro-batches' backwards spread over the whole step, reduces once, during the last. Stage 2 of an fp32
+    /// plain loop then holds full gradients until that backward (as stage 1 does) and runs no collective before it;
+    /// 16-bit models reduce every micro-batch into their fp32 accumulator whatever this says, and the other paths
+    /// reduce at the step anyway.
+    pub fn set_requires_gradient_sync(&mut self, sync: bool) {
+        self.gradients.defers_reduction = !sync && self.precision() == Precision::Fp32;
+    }
+
     /// Backward of a part of the model from the gradient of its `output` (what the next pipeline stage sent back,
     /// already scaled as that stage's loss was): accumulates the parameters' gradients as [`Engine::backward`]
     /// does, records no loss. Stages 0-2 without units.
-    pub fn backward_output(&mut self, output: &Tensor, grad: &Tensor) -> Result<()> {
+    pub(crate) fn backward_output(&mut self, output: &Tensor, grad: &Tensor) -> Result<()> {
         if self.plan.gradients == GradientPath::UnitWalk {
             return Err(Error::Usage(
                 "engine.backward_output runs a plain backward: it needs ZeRO stage 0-2 without units".into(),
@@ -306,7 +323,7 @@ impl Engine {
             Ok(())
         };
         // Deferring: this micro-batch's gradients stay in `.grad` (the hooks only act while lent).
-        let defer = self.gradients.defers_reduction && !self.is_gradient_accumulation_boundary();
+        let defer = self.gradients.defers_reduction;
         match self.plan.gradients {
             GradientPath::AfterBackward => autograd()?,
             GradientPath::Hooks if defer => autograd()?,
@@ -360,11 +377,55 @@ impl Engine {
     }
 }
 
+impl Engine {
+    /// Gradients applied by this rank as an owner, by staleness (bounded staleness; empty otherwise).
+    pub fn staleness_counts(&self) -> Vec<u64> {
+        self.sync.stale().map_or_else(Vec::new, |s| s.counts().to_vec())
+    }
+
+    /// Ends the run: with bounded staleness, every owner applies every step and every rank pulls the final values
+    /// (collective), after which the ranks' parameters are equal and no step may follow. Nothing to do in other
+    /// modes. Every rank calls it before the engine goes: dropping the engine runs no collective (a rank that drops
+    /// its engine after an error must not wait on the others), it only logs that the run was not finished.
+    pub fn finish(&mut self) -> Result<()> {
+        let parts = stale_parts!(self);
+        match self.sync.stale_mut() {
+            Some(stale) => stale.finish(parts),
+            None => Ok(()),
+        }
+    }
+
+    /// Bounded staleness's window, set up from the engine's values (collective; nothing in the other modes).
+    fn start_bounded_staleness(&mut self) -> Result<()> {
+        let parts = stale_parts!(self);
+        if let Some(stale) = async_training::stale_step::Stale::start(&self.config, &self.gradients, parts)? {
+            self.sync = async_training::Synchronization::Stale(Box::new(stale));
+        }
+        Ok(())
+    }
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("rank", &self.rank())
+            .field("world_size", &self.world_size())
+            .field("stage", &self.plan.stage())
+            .field("parameters", &self.states.layout.numel)
+            .field("residence", &self.residence)
+            .field("global_steps", &self.progress.global_steps)
+            .finish()
+    }
+}
+
 impl Drop for Engine {
-    /// Bounded staleness: an owner serves what the other ranks still need of it before its memory goes.
+    /// No collective here: bounded staleness ends in `finish`, which every rank calls.
     fn drop(&mut self) {
-        if let Err(e) = self.finish() {
-            tracing::error!(rank = self.rank(), "bounded_staleness at the end: {e}");
+        if self.sync.stale().is_some_and(|s| !s.finished()) && !std::thread::panicking() {
+            tracing::warn!(
+                rank = self.rank(),
+                "the engine was dropped without engine.finish(): under bounded staleness the steps still in flight are not applied and the ranks' parameters may differ"
+            );
         }
     }
 }

@@ -17,7 +17,7 @@ use crate::engine::counters;
 use crate::engine::device::native;
 use crate::engine::device::views;
 use crate::engine::device::{allocator, Residence};
-use crate::engine::parallel::placement::Placement;
+use crate::engine::parallel::placement::{Placement, PlacementInputs};
 use crate::engine::reporting::Reporting;
 use crate::engine::zero::builders::{settle_new_variables, BuiltModel, UnitBuilders};
 use crate::engine::zero::frozen;
@@ -35,6 +35,7 @@ use crate::engine::zero::units::UnitModel;
 use crate::engine::zero::variables;
 use crate::engine::{engine_comm, next_engine_id, Engine, EngineOptions};
 use crate::error::{Error, Result};
+use crate::mesh::{Dim, Mesh};
 use zerorun_optim::{Group, LossScaler, LossScalerConfig};
 
 /// The model's trainable parameters in layout order, and the layout.
@@ -395,8 +396,6 @@ impl Engine {
             ?optimizer_device,
             "zerorun engine ready"
         );
-        let mut gradients = gradients;
-        gradients.defers_reduction = options.reduce_once_per_step && precision == Precision::Fp32;
         let shard = optimizer_shard::OptimizerShard { scheduler, scaler, ..shard };
         let sync = match meetings::Meetings::new(&config.async_training, &flat_params) {
             Some(m) => Synchronization::Meetings(m),
@@ -610,5 +609,41 @@ impl Engine {
         let engine = Engine::new_materialized(vs, config, comm, options, Some(&mut materialize));
         native::set_rng_state(&end)?;
         Ok((engine?, model))
+    }
+}
+
+impl Engine {
+    /// The engine for the model on `vs` on `mesh`: ZeRO over the mesh's data-parallel ranks and, with pipeline
+    /// stages or tensor parallelism, its place among the model's other parts (the norm's group, the placements
+    /// the mesh's tensor-parallel layers recorded). A data-parallel mesh's engine runs on its communicator itself.
+    pub fn on_mesh(vs: &nn::VarStore, config: Config, mesh: Mesh, options: EngineOptions) -> Result<Engine> {
+        if mesh.shape().data() == mesh.world_size() {
+            return Engine::new(vs, config, mesh.into_world(), options);
+        }
+        let data = mesh.group(&[Dim::Replicate, Dim::Shard])?;
+        let mut engine = Engine::new(vs, config, data, options)?;
+        engine.join_mesh(&mesh)?;
+        engine.placement.mesh = Some(mesh);
+        Ok(engine)
+    }
+
+    /// Takes this engine's place among the model's other parts on `mesh` (see [`Placement::on_mesh`]).
+    /// Collective over the mesh.
+    pub(crate) fn join_mesh(&mut self, mesh: &Mesh) -> Result<()> {
+        let values = if mesh.shape().tensor > 1 { Some(self.optimized_values()?) } else { None };
+        let whole_only = self.states.buffers.iter().map(|(n, _)| n.clone());
+        let whole_only = whole_only.chain(self.frozen_specs().into_iter().map(|s| s.0)).collect();
+        let inputs = PlacementInputs {
+            layout: &self.states.layout,
+            optimized: &self.shard.optimized,
+            rank: self.comm.rank(),
+            pieces: self.optimized_pieces(self.comm.rank()),
+            values,
+            whole_only,
+            data: self.comm.as_ref(),
+            partitions_optimizer: self.plan.partitions_optimizer(),
+        };
+        self.placement = Placement::on_mesh(mesh, inputs)?;
+        Ok(())
     }
 }

@@ -173,7 +173,10 @@ impl Engine {
         let lr = self.lr();
         let grads = self.gradients.view_buffer().expect("bounded staleness keeps gradient views");
         let grad_norm = flat_math::sum_of_squares(self.residence, grads)?.sqrt();
-        self.timed(Phase::Step, Self::step_bounded_staleness)?;
+        self.timed(Phase::Step, |e| {
+            let parts = stale_parts!(e);
+            e.sync.stale_mut().expect("bounded staleness").step(&mut e.gradients, parts)
+        })?;
         let loss = self.finish_loss()?;
         Ok(self.count_step(loss, lr, grad_norm))
     }

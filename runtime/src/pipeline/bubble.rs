@@ -9,11 +9,12 @@ use std::time::Duration;
 use tch::{nn, Tensor};
 
 use super::{MicroBatch, PipelineEngine, PipelineModel, StagePlacement};
-use crate::comm::{threads, Communicator};
+use crate::comm::threads;
 use crate::config::Config;
 use crate::engine::device::native;
 use crate::engine::EngineOptions;
 use crate::error::{Error, Result};
+use crate::mesh::{Mesh, MeshOptions};
 
 /// One case: which schedule, on how many stages (thread ranks), with how many micro-batches.
 #[derive(Debug, Clone, Copy)]
@@ -61,7 +62,9 @@ pub fn measure(case: &BubbleCase) -> Result<f64> {
             .map(|comm| {
                 let config = &config;
                 s.spawn(move || -> Result<Vec<f64>> {
-                    let placement = StagePlacement::new(&config.pipeline, Some(p), comm.rank(), p)?;
+                    let options = MeshOptions { pipeline_stages: Some(p), ..Default::default() };
+                    let mesh = Mesh::from_config(Box::new(comm), config, options)?;
+                    let placement = StagePlacement::of(&mesh, &config.pipeline);
                     let mut model = PipelineModel::new(|out: &Tensor, _labels: &Tensor| out.mean(None));
                     for i in 0..p * v {
                         model = model.layer(format!("layer{i}"), move |path: &nn::Path| {
@@ -74,14 +77,7 @@ pub fn measure(case: &BubbleCase) -> Result<f64> {
                     }
                     let vs = nn::VarStore::new(tch::Device::Cpu);
                     let stage = model.build_stage(&vs, &placement, &config.pipeline.partition)?;
-                    let mut engine = PipelineEngine::new(
-                        &vs,
-                        config.clone(),
-                        Box::new(comm),
-                        EngineOptions::default(),
-                        stage,
-                        placement,
-                    )?;
+                    let mut engine = PipelineEngine::new(&vs, config.clone(), mesh, EngineOptions::default(), stage)?;
                     for w in vs.trainable_variables() {
                         native::on_grad_ready(&w, sleep_micros, std::ptr::null_mut(), per_layer.as_micros() as usize)?;
                     }

@@ -25,7 +25,7 @@ impl PipelineEngine<'_> {
         if self.placement.rank == 0 {
             prepare_staging(dir, &staging)?;
         }
-        self.world.barrier()?;
+        self.mesh.world().barrier()?;
         let stage = self.placement.stage;
         let prefix = format!("stage{stage}.{}", self.engine.tensor_parallel_prefix());
         let part = self.engine.save_part(&staging, &prefix, &tag, true)?;
@@ -52,7 +52,7 @@ impl PipelineEngine<'_> {
                 publish(dir, &staging, &tag, &merged)?;
             }
         }
-        self.world.barrier()?;
+        self.mesh.world().barrier()?;
         tracing::info!(tag, step = self.engine.global_steps(), "pipeline checkpoint saved");
         Ok(dir.join(tag))
     }
@@ -63,7 +63,7 @@ impl PipelineEngine<'_> {
         let tag = self.engine.load_checkpoint_part(dir.as_ref(), tag)?;
         // Replicas of tied weights take their owner's loaded value.
         self.exchange_tied_values()?;
-        self.world.barrier()?;
+        self.mesh.world().barrier()?;
         Ok(tag)
     }
 }

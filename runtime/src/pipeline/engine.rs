@@ -3,10 +3,10 @@
 //!
 //! What the pipeline adds to the engine, and where:
 //! - the engine reduces once per step: fp32 gradients accumulate in autograd over the micro-batches and stage 2
-//!   reduce-scatters them during the last backward (`EngineOptions::reduce_once_per_step`), never once per
+//!   reduce-scatters them during the last backward (`Engine::set_requires_gradient_sync`), never once per
 //!   micro-batch as DeepSpeed would (which is why it refuses stage 2 with pipelines);
 //! - the gradient norm, clipping and the fp16 overflow verdict are agreed over the whole pipeline
-//!   (`Engine::set_model_parallel_group`), so every stage clips by the same factor and skips the same steps;
+//!   (the mesh's `pipe x tensor` group), so every stage clips by the same factor and skips the same steps;
 //! - a stage's backward starts from the gradient the next stage sent (`Engine::backward_output`); only the last
 //!   stage has a loss, which it scales as a plain loop's would, and which every stage gets back at the step.
 use std::time::{Duration, Instant};
@@ -20,8 +20,9 @@ use super::schedule::{self, Action, Kind};
 use super::PipelineError;
 use crate::comm::{Collectives, Communicator};
 use crate::config::{Config, ScheduleName};
-use crate::engine::{Engine, EngineOptions, SplitDim, StepOutcome};
+use crate::engine::{Engine, EngineOptions, StepOutcome};
 use crate::error::{Error, Result};
+use crate::mesh::{Dim, Mesh};
 
 /// One micro-batch as a stage sees it: the first stage needs the inputs, the last the labels; the others get None.
 #[derive(Debug, Default)]
@@ -39,16 +40,33 @@ pub struct StageTimes {
     pub compute: Duration,
     /// Blocked on the neighbours: receives, and the sends still in flight at the end of the step.
     pub wait: Duration,
+    /// The optimizer step, with the tied weights' exchange around it.
+    pub optimizer: Duration,
 }
 
 impl StageTimes {
-    /// The idle fraction: the part of the step this stage was not computing.
-    pub fn idle_fraction(&self) -> f64 {
+    fn fraction(&self, part: Duration) -> f64 {
         let step = self.step.as_secs_f64();
         if step == 0.0 {
             return 0.0;
         }
-        (1.0 - self.compute.as_secs_f64() / step).max(0.0)
+        (part.as_secs_f64() / step).clamp(0.0, 1.0)
+    }
+
+    /// The idle fraction: the part of the step this stage was neither computing nor stepping the optimizer (the
+    /// schedule's bubble, and waits beyond it).
+    pub fn idle_fraction(&self) -> f64 {
+        self.fraction(self.step.saturating_sub(self.compute + self.optimizer))
+    }
+
+    /// The part of the step spent blocked on the neighbours.
+    pub fn wait_fraction(&self) -> f64 {
+        self.fraction(self.wait)
+    }
+
+    /// The part of the step spent in the optimizer step.
+    pub fn optimizer_fraction(&self) -> f64 {
+        self.fraction(self.optimizer)
     }
 }
 
@@ -69,56 +87,21 @@ pub struct PipelineEngine<'a> {
     /// Sums over the steps so far, and their number.
     pub(super) total_times: StageTimes,
     pub(super) timed_steps: u32,
-    /// Every rank (splits of it are the engine's and the link's groups).
-    pub(super) world: Box<dyn Communicator>,
+    /// Every rank, laid out (splits of it are the engine's and the link's groups).
+    pub(super) mesh: Mesh,
 }
 
 impl<'a> PipelineEngine<'a> {
-    /// The pipeline over `comm` (the world: stages x data-parallel degree ranks, laid out as `placement` says), with
-    /// `model` built for this rank's stage on `vs` (see [`super::PipelineModel::build_stage`]). Collective.
+    /// The pipeline of `mesh` (its `pipe` dimension; each stage's ranks data parallel and, when the mesh has a
+    /// tensor dimension, split across tensor-parallel groups whose layers recorded their placements on the mesh),
+    /// with `model` built for this rank's stage on `vs` (see [`super::PipelineModel::build_stage`] and
+    /// [`StagePlacement::of`]). Collective.
     pub fn new(
         vs: &nn::VarStore,
         config: Config,
-        comm: Box<dyn Communicator>,
+        mesh: Mesh,
         options: EngineOptions,
         model: StageModel<'a>,
-        placement: StagePlacement,
-    ) -> Result<PipelineEngine<'a>> {
-        if placement.tensor_parallel > 1 {
-            return Err(Error::Usage(format!(
-                "the placement splits each stage's layers across {} ranks: build the pipeline with PipelineEngine::new_tensor_parallel, which takes the dimension each parameter is split along",
-                placement.tensor_parallel
-            )));
-        }
-        Self::build(vs, config, comm, options, model, placement, None)
-    }
-
-    /// [`PipelineEngine::new`] for stages whose layers are split across the placement's tensor-parallel groups
-    /// (`StagePlacement::with_tensor_parallel`; the layers' own collectives run over
-    /// `placement.topology().communicator(world, &["model"])`). `split_dim(name)` is the dimension parameter `name`
-    /// is split along, evenly in rank order (None: every member of the group holds it whole), as in
-    /// [`Engine::set_tensor_parallel`]: the gradient norm spans every stage and tensor-parallel rank with whole
-    /// parameters counted once, and checkpoints hold each slice by its place in the whole tensor.
-    pub fn new_tensor_parallel(
-        vs: &nn::VarStore,
-        config: Config,
-        comm: Box<dyn Communicator>,
-        options: EngineOptions,
-        model: StageModel<'a>,
-        placement: StagePlacement,
-        split_dim: &SplitDim<'_>,
-    ) -> Result<PipelineEngine<'a>> {
-        Self::build(vs, config, comm, options, model, placement, Some(split_dim))
-    }
-
-    fn build(
-        vs: &nn::VarStore,
-        config: Config,
-        comm: Box<dyn Communicator>,
-        options: EngineOptions,
-        model: StageModel<'a>,
-        placement: StagePlacement,
-        split_dim: Option<&SplitDim<'_>>,
     ) -> Result<PipelineEngine<'a>> {
         if config.zero_optimization.stage > 2 {
             return Err(Error::Unsupported {
@@ -132,16 +115,7 @@ impl<'a> PipelineEngine<'a> {
                 "a pipeline stage runs its layers itself: leave EngineOptions::units unset".into(),
             ));
         }
-        if comm.world_size() != placement.world_size || comm.rank() != placement.rank {
-            return Err(PipelineError::Placement(format!(
-                "the placement is for rank {} of {}, the communicator is rank {} of {}",
-                placement.rank,
-                placement.world_size,
-                comm.rank(),
-                comm.world_size()
-            ))
-            .into());
-        }
+        let placement = StagePlacement::of(&mesh, &config.pipeline);
         // Checked before any group is made, and the same on every rank, so every rank fails alike.
         if model.ties_cross_stages() && placement.chunks > 1 {
             return Err(PipelineError::Model(
@@ -149,14 +123,10 @@ impl<'a> PipelineEngine<'a> {
             )
             .into());
         }
-        let topology = placement.topology();
-        let data = topology.communicator(comm.as_ref(), &["data"])?;
-        let link = StageLink::new(topology.communicator(comm.as_ref(), &["pipe"])?)?;
-        let pipe = topology.communicator(comm.as_ref(), &["pipe"])?;
-        // The norm and the fp16 overflow verdict span the whole model: every stage and tensor-parallel rank.
-        let norm_group = topology.communicator(comm.as_ref(), &["pipe", "model"])?;
-        let model_group = topology.communicator(comm.as_ref(), &["model"])?;
-        let tied_group = topology.communicator(comm.as_ref(), &["pipe"])?;
+        let data = mesh.group(&[Dim::Replicate, Dim::Shard])?;
+        let link = StageLink::new(mesh.group(&[Dim::Pipeline])?)?;
+        let pipe = mesh.group(&[Dim::Pipeline])?;
+        let tied_group = mesh.group(&[Dim::Pipeline])?;
         let pipeline = config.pipeline.clone();
         // Replicas live outside the VarStore: they take the precision the program gave the model's variables.
         let kind = match config.precision() {
@@ -168,12 +138,9 @@ impl<'a> PipelineEngine<'a> {
             let mut replica = t.tensor.shallow_clone();
             tch::no_grad(|| replica.set_data(&t.tensor.to_kind(kind)));
         }
-        let options = EngineOptions { reduce_once_per_step: true, ..options };
         let mut engine = Engine::new(vs, config, data, options)?;
-        engine.set_model_parallel_group(norm_group);
-        if let Some(split_dim) = split_dim {
-            engine.place_tensor_parallel(model_group, split_dim)?;
-        }
+        // The norm and the fp16 overflow verdict span the whole model: every stage and tensor-parallel rank.
+        engine.join_mesh(&mesh)?;
         let m = engine.batch_sizes().gradient_accumulation_steps as usize;
         let kind = match pipeline.schedule {
             ScheduleName::OneFOneB => Kind::OneFOneB,
@@ -208,7 +175,7 @@ impl<'a> PipelineEngine<'a> {
             last_times: StageTimes::default(),
             total_times: StageTimes::default(),
             timed_steps: 0,
-            world: comm,
+            mesh,
         })
     }
 
@@ -217,7 +184,7 @@ impl<'a> PipelineEngine<'a> {
     /// every stage.
     pub fn train_batch(&mut self, micro_batches: &mut dyn Iterator<Item = MicroBatch>) -> Result<StepOutcome> {
         let started = Instant::now();
-        let mut compute = Duration::ZERO;
+        let (mut compute, mut optimizer) = (Duration::ZERO, Duration::ZERO);
         self.link.take_wait();
         let m = self.micro_batches();
         let v = self.placement.chunks;
@@ -267,6 +234,9 @@ impl<'a> PipelineEngine<'a> {
                     let t = Instant::now();
                     let at = slot(mb, chunk);
                     let out = outputs[at].take().expect("forward before backward");
+                    // Gradients accumulate over the step's micro-batches and are reduced once, during the last.
+                    let last_micro_batch = self.engine.is_gradient_accumulation_boundary();
+                    self.engine.set_requires_gradient_sync(last_micro_batch);
                     if self.placement.is_last(chunk) {
                         self.engine.backward(&out)?;
                     } else {
@@ -291,19 +261,22 @@ impl<'a> PipelineEngine<'a> {
                 // The engine reduces at its step (stage 2: during the last backward already).
                 Action::ReduceGradients => {}
                 Action::OptimizerStep => {
+                    let t = Instant::now();
                     self.send_tied_gradients()?;
                     outcome = Some(self.engine.step()?);
                     self.exchange_tied_values()?;
+                    optimizer += t.elapsed();
                 }
             }
         }
         self.link.finish_sends()?;
         let outcome = outcome.expect("every schedule ends with the optimizer step");
         let outcome = self.with_pipeline_loss(outcome)?;
-        self.last_times = StageTimes { step: started.elapsed(), compute, wait: self.link.take_wait() };
+        self.last_times = StageTimes { step: started.elapsed(), compute, wait: self.link.take_wait(), optimizer };
         self.total_times.step += self.last_times.step;
         self.total_times.compute += self.last_times.compute;
         self.total_times.wait += self.last_times.wait;
+        self.total_times.optimizer += self.last_times.optimizer;
         self.timed_steps += 1;
         Ok(outcome)
     }
@@ -371,7 +344,7 @@ impl<'a> PipelineEngine<'a> {
     /// step and its ranks pull the final values ([`Engine::finish`]). Collective; a no-op otherwise.
     pub fn finish(&mut self) -> Result<()> {
         self.engine.finish()?;
-        self.world.barrier()?;
+        self.mesh.world().barrier()?;
         Ok(())
     }
 
@@ -410,6 +383,7 @@ impl<'a> PipelineEngine<'a> {
             step: self.total_times.step / n,
             compute: self.total_times.compute / n,
             wait: self.total_times.wait / n,
+            optimizer: self.total_times.optimizer / n,
         }
     }
 
@@ -424,19 +398,21 @@ impl<'a> PipelineEngine<'a> {
             .join(", ")
     }
 
-    /// `wall_clock_breakdown` for this stage: the mean step, its compute, the time blocked on the neighbours, and
-    /// the idle fraction beside the schedule's bubble.
+    /// `wall_clock_breakdown` for this stage: the mean step, its compute, the optimizer step, the time blocked on
+    /// the neighbours, and the idle fraction (neither computing nor stepping) beside the schedule's bubble.
     pub fn wall_clock_summary(&self) -> String {
         let t = self.mean_times();
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
         format!(
-            "stage {} of {} ({}): step {:.2} ms, compute {:.2} ms, waiting on neighbours {:.2} ms, idle {:.1}% (the schedule's bubble {:.1}%)",
+            "stage {} of {} ({}): step {:.2} ms, compute {:.2} ms, optimizer step {:.2} ms, waiting on neighbours {:.2} ms ({:.1}%), idle {:.1}% (the schedule's bubble {:.1}%)",
             self.placement.stage,
             self.placement.stages,
             self.layer_names(),
             ms(t.step),
             ms(t.compute),
+            ms(t.optimizer),
             ms(t.wait),
+            100.0 * t.wait_fraction(),
             100.0 * t.idle_fraction(),
             100.0 * self.simulation.bubble
         )
@@ -467,9 +443,10 @@ impl<'a> PipelineEngine<'a> {
             step_us: t.step.as_micros() as u64,
             compute_us: t.compute.as_micros() as u64,
             wait_us: t.wait.as_micros() as u64,
+            optimizer_us: t.optimizer.as_micros() as u64,
         });
         let json = report.write(&dir)?;
-        self.world.barrier()?;
+        self.mesh.world().barrier()?;
         let mut files = crate::engine::MemoryReportFiles { json, table: None, svg: None, png: None };
         if self.placement.rank == 0 {
             let reports = (0..self.placement.world_size)
@@ -480,7 +457,7 @@ impl<'a> PipelineEngine<'a> {
             files.svg = Some(svg);
             files.png = Some(png);
         }
-        self.world.barrier()?;
+        self.mesh.world().barrier()?;
         Ok(files)
     }
 

@@ -212,7 +212,8 @@ impl<'a> PipelineModel<'a> {
                     format!("{}..{} ({} parameters)", infos[r.start].name, infos[r.end - 1].name, p)
                 })
                 .collect();
-            tracing::info!(stages = placement.stages, chunks = placement.chunks, cut = %stages.join(" | "), "pipeline partition");
+            // A summary the user sees at the default log level (`zerorun::init_logging` shows this target).
+            tracing::info!(target: "zerorun::summary", stages = placement.stages, chunks = placement.chunks, cut = %stages.join(" | "), "pipeline partition");
         }
         Ok(StageModel { chunks, loss, ranges, cut, layers: infos, tied, cross_stage_ties })
     }

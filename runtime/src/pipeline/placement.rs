@@ -4,6 +4,7 @@
 //! Without tensor parallelism the model axis has one rank and the layout is DeepSpeed's `pipe x data`.
 use crate::comm::topology::Topology;
 use crate::config::PipelineConfig;
+use crate::mesh::{Dim, Mesh};
 
 use super::PipelineError;
 
@@ -62,6 +63,23 @@ impl StagePlacement {
             rank,
             world_size,
         })
+    }
+
+    /// This rank's place in the pipeline of `mesh` (its `pipe` dimension; the data-parallel index counts replicas
+    /// and shards together).
+    pub fn of(mesh: &Mesh, config: &PipelineConfig) -> StagePlacement {
+        let shape = mesh.shape();
+        StagePlacement {
+            stages: shape.pipeline,
+            chunks: config.chunks().max(1),
+            stage: mesh.coordinate(Dim::Pipeline),
+            data_parallel: shape.data(),
+            data_index: mesh.coordinate(Dim::Replicate) * shape.shard + mesh.coordinate(Dim::Shard),
+            tensor_parallel: shape.tensor,
+            model_index: mesh.coordinate(Dim::Tensor),
+            rank: mesh.rank(),
+            world_size: mesh.world_size(),
+        }
     }
 
     /// This placement with each stage's layers split across `tensor_parallel` adjacent ranks: the ranks of a stage

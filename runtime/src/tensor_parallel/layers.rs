@@ -32,7 +32,8 @@ pub struct ColumnParallelLinear {
 }
 
 impl ColumnParallelLinear {
-    /// Variables `weight` [out/T, in] and `bias` [out/T] under `path`: this rank's rows of `nn::linear`'s.
+    /// Variables `weight` [out/T, in] and `bias` [out/T] under `path`: this rank's rows of `nn::linear`'s, placed
+    /// along dimension 0.
     pub fn new(
         path: &nn::Path,
         tp: &TensorParallel,
@@ -44,7 +45,11 @@ impl ColumnParallelLinear {
         let (start, part) = this_part(tp, out_dim, "ColumnParallelLinear: output features");
         let (w, b) = full_linear(in_dim, out_dim, bias);
         let weight = path.var_copy("weight", &w.narrow(0, start, part));
-        let bias = b.map(|b| path.var_copy("bias", &b.narrow(0, start, part)));
+        tp.place(path.path("weight"), 0);
+        let bias = b.map(|b| {
+            tp.place(path.path("bias"), 0);
+            path.var_copy("bias", &b.narrow(0, start, part))
+        });
         ColumnParallelLinear { weight, bias, gather_output }
     }
 
@@ -87,6 +92,7 @@ impl RowParallelLinear {
         let (start, part) = this_part(tp, in_dim, "RowParallelLinear: input features");
         let (w, b) = full_linear(in_dim, out_dim, bias);
         let weight = path.var_copy("weight", &w.narrow(1, start, part));
+        tp.place(path.path("weight"), 1);
         let bias = b.map(|b| path.var_copy("bias", &b));
         RowParallelLinear { weight, bias, input_is_parallel }
     }
@@ -116,6 +122,7 @@ impl VocabParallelEmbedding {
         let (start, part) = this_part(tp, vocab, "VocabParallelEmbedding: vocabulary ids");
         let scratch = nn::VarStore::new(tch::Device::Cpu);
         let full = nn::embedding(scratch.root(), vocab, dim, Default::default()).ws.detach().copy();
+        tp.place(path.path("weight"), 0);
         VocabParallelEmbedding { weight: path.var_copy("weight", &full.narrow(0, start, part)), start }
     }
 

@@ -9,6 +9,7 @@ use std::ffi::{c_char, c_void, CString};
 
 use tch::Tensor;
 
+use super::Placements;
 use crate::comm::{Communicator, ReduceOp};
 use crate::engine::device::{views, Residence};
 use crate::error::{Error, Result};
@@ -59,13 +60,38 @@ struct Inner {
 /// A tensor-parallel group: the ranks that split each layer's weight between them.
 pub struct TensorParallel {
     inner: Box<Inner>,
+    /// Where the layers made on this group split their parameters.
+    placements: Placements,
 }
 
 impl TensorParallel {
     /// The group of `comm`'s ranks (a tensor-parallel group of the topology, or the whole world).
     pub fn new(comm: Box<dyn Communicator>) -> TensorParallel {
+        TensorParallel::with_placements(comm, Placements::default())
+    }
+
+    /// The group of `comm`'s ranks, recording its layers' placements in `placements` (the mesh's: see
+    /// [`crate::mesh::Mesh::tensor_parallel`]).
+    pub fn with_placements(comm: Box<dyn Communicator>, placements: Placements) -> TensorParallel {
         let host = Residence::of(tch::Device::Cpu);
-        TensorParallel { inner: Box::new(Inner { comm, counts: Cell::new(TensorParallelCounts::default()), host }) }
+        let inner = Box::new(Inner { comm, counts: Cell::new(TensorParallelCounts::default()), host });
+        TensorParallel { inner, placements }
+    }
+
+    /// Records that the variable `name` (`path.path("weight")`) is split along `dim` across the group: what a
+    /// layer of its own calls for each variable it splits (the layers here do).
+    pub fn place(&self, name: impl Into<String>, dim: usize) {
+        self.placements.split(name, dim);
+    }
+
+    /// The dimension parameter `name` is split along (None: every member holds it whole).
+    pub fn split_dim(&self, name: &str) -> Option<usize> {
+        self.placements.split_dim(name)
+    }
+
+    /// Where this group's layers split their parameters.
+    pub fn placements(&self) -> &Placements {
+        &self.placements
     }
 
     pub fn rank(&self) -> usize {

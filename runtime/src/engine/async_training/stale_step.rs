@@ -1,11 +1,18 @@
-//! The engine's side of bounded staleness (`staleness.rs` is the protocol): setting up the window from the
-//! engine's values, the step at each accumulation boundary (push this rank's gradients, serve its partition as
-//! owner, pull the next values), and quiescing before checkpoints and at the end of the run.
+//! A rank's bounded staleness over the engine's parts (`staleness.rs` is the protocol): setting up the window from
+//! the engine's values, the step at each accumulation boundary (push this rank's gradients, serve its partition as
+//! owner, pull the next values), and quiescing before checkpoints and at the end of the run. The engine lends its
+//! parts for each call ([`StaleParts`]).
 use std::time::Duration;
 
+use tch::Tensor;
+
 use crate::comm::Communicator;
+use crate::config::Config;
 use crate::engine::async_training::staleness::{BoundedStaleness, OwnerStep};
-use crate::engine::async_training::Synchronization;
+use crate::engine::device::{views, Residence};
+use crate::engine::zero::grads::Gradients;
+use crate::engine::zero::layout::FlatLayout;
+use crate::engine::zero::optim::OptimizerShard;
 use crate::error::{Error, Result};
 
 /// Bounded staleness on a 16-bit model or one on a device: the fp32 host values workers and owners exchange (a
@@ -22,36 +29,53 @@ pub(crate) struct Stale {
     window: BoundedStaleness,
     values: Option<StalenessValues>,
     owner_schedule: Option<zerorun_optim::schedule::LrScheduler>,
+    /// `engine.finish()` ran: every step is applied and the ranks hold one model.
+    finished: bool,
 }
 
-impl crate::engine::Engine {
+impl Stale {
+    /// Whether the run was ended with `engine.finish()`.
+    pub fn finished(&self) -> bool {
+        self.finished
+    }
+}
+
+/// What bounded staleness borrows of the engine for one call.
+pub(crate) struct StaleParts<'a> {
+    pub comm: &'a dyn Communicator,
+    /// The flat parameters (every rank holds them whole: bounded staleness runs at stages 0-1).
+    pub flat: &'a Tensor,
+    pub shard: &'a mut OptimizerShard,
+    pub layout: &'a FlatLayout,
+    pub residence: Residence,
+}
+
+impl Stale {
     /// `async_training.mode = "bounded_staleness"`: the window, with this rank's partition as its owner's values
-    /// (a 16-bit model's: its fp32 master).
-    pub(crate) fn start_bounded_staleness(&mut self) -> Result<()> {
-        let crate::config::AsyncTraining::BoundedStaleness { staleness, lr_staleness_scaling } =
-            self.config.async_training
+    /// (a 16-bit model's: its fp32 master). None in the other modes. Collective.
+    pub fn start(config: &Config, gradients: &Gradients, parts: StaleParts<'_>) -> Result<Option<Stale>> {
+        let crate::config::AsyncTraining::BoundedStaleness { staleness, lr_staleness_scaling } = config.async_training
         else {
-            return Ok(());
+            return Ok(None);
         };
-        if self.gradients.view_buffer().is_none() {
+        if gradients.view_buffer().is_none() {
             return Err(Error::Unsupported {
                 key: "communication_data_type",
-                value: format!("{:?}", self.config.communication_data_type),
+                value: format!("{:?}", config.communication_data_type),
                 why: "bounded staleness pushes the gradients as autograd wrote them: they must travel in the model's dtype (leave communication_data_type out)",
             });
         }
-        let mut wide = Vec::<f32>::try_from(&self.states.parameters.flat.to_kind(tch::Kind::Float))?;
-        if let Some(master) = &self.shard.master {
-            wide[self.states.layout.partition(self.rank())].copy_from_slice(&Vec::<f32>::try_from(master)?);
+        let mut wide = Vec::<f32>::try_from(&parts.flat.to_kind(tch::Kind::Float))?;
+        if let Some(master) = &parts.shard.master {
+            wide[parts.layout.partition(parts.comm.rank())].copy_from_slice(&Vec::<f32>::try_from(master)?);
         }
-        let timeout = Duration::from_secs_f64(self.config.comms_timeout);
-        let ps = BoundedStaleness::new(self.comm.as_ref(), &wide, staleness, lr_staleness_scaling, timeout)?;
+        let timeout = Duration::from_secs_f64(config.comms_timeout);
+        let window = BoundedStaleness::new(parts.comm, &wide, staleness, lr_staleness_scaling, timeout)?;
         // An fp32 host model exchanges its parameters themselves; a 16-bit or device one an fp32 host copy of them.
-        let copied = self.shard.master.is_some() || self.residence.device_path();
+        let copied = parts.shard.master.is_some() || parts.residence.device_path();
         let values = copied.then(|| StalenessValues { grads: vec![0.0; wide.len()], values: wide });
-        let owner_schedule = self.shard.scheduler.clone();
-        self.sync = Synchronization::Stale(Box::new(Stale { window: ps, values, owner_schedule }));
-        Ok(())
+        let owner_schedule = parts.shard.scheduler.clone();
+        Ok(Some(Stale { window, values, owner_schedule, finished: false }))
     }
 
     /// Runs `f` on the fp32 values workers and owners exchange: an fp32 model's flat parameters, or a 16-bit
@@ -59,103 +83,85 @@ impl crate::engine::Engine {
     /// parameters and the master.
     fn with_exchanged_values(
         &mut self,
+        parts: StaleParts<'_>,
         f: impl FnOnce(&mut BoundedStaleness, &dyn Communicator, &mut [f32], &mut OwnerStep<'_>) -> Result<()>,
     ) -> Result<()> {
-        let Stale { window: ps, values, owner_schedule } = self.sync.stale_mut().expect("bounded staleness is set up");
-        let mut step = owner_step(&mut self.shard.tier, &self.shard.groups, self.shard.base_lr, owner_schedule);
+        let Stale { window, values, owner_schedule, .. } = self;
+        let shard = parts.shard;
+        let mut step = owner_step(&mut shard.tier, &shard.groups, shard.base_lr, owner_schedule);
         let Some(wide) = values.as_mut() else {
             // SAFETY: inside `engine.step()` or between steps: nothing else touches the flat parameters.
-            let flat = unsafe { crate::engine::device::views::slice::<f32>(&self.states.parameters.flat) };
-            return f(ps, self.comm.as_ref(), flat, &mut step);
+            let flat = unsafe { views::slice::<f32>(parts.flat) };
+            return f(window, parts.comm, flat, &mut step);
         };
-        let done = f(ps, self.comm.as_ref(), &mut wide.values, &mut step);
-        let flat = &self.states.parameters.flat;
-        if self.residence.device_path() {
+        let done = f(window, parts.comm, &mut wide.values, &mut step);
+        let flat = parts.flat;
+        if parts.residence.device_path() {
             // The parameters take the exchanged values where they live (rounded to a 16-bit kind as the host does).
-            let values = tch::Tensor::from_slice(&wide.values);
+            let values = Tensor::from_slice(&wide.values);
             tch::no_grad(|| flat.shallow_clone().f_copy_(&values))?;
         } else {
             // SAFETY: as above; the 16-bit parameters take the exchanged values rounded, in one pass.
             let mut params = unsafe {
                 match flat.kind() {
-                    tch::Kind::Half => zerorun_optim::ParamsOut::F16(crate::engine::device::views::slice(flat)),
-                    _ => zerorun_optim::ParamsOut::Bf16(crate::engine::device::views::slice(flat)),
+                    tch::Kind::Half => zerorun_optim::ParamsOut::F16(views::slice(flat)),
+                    _ => zerorun_optim::ParamsOut::Bf16(views::slice(flat)),
                 }
             };
             params.store(&wide.values);
         }
-        if let Some(master) = self.shard.master.as_mut() {
-            let own = tch::Tensor::from_slice(&wide.values[self.states.layout.partition(self.comm.rank())]);
+        if let Some(master) = shard.master.as_mut() {
+            let own = Tensor::from_slice(&wide.values[parts.layout.partition(parts.comm.rank())]);
             tch::no_grad(|| master.f_copy_(&own))?;
         }
         done
     }
 
-    /// Bounded staleness's optimizer step: push this step's gradients, serve this rank's partition, pull the next
-    /// step's values.
-    pub(crate) fn step_bounded_staleness(&mut self) -> Result<()> {
+    /// Bounded staleness's optimizer step: push this step's gradients (autograd's, in `gradients`' view buffer),
+    /// serve this rank's partition, pull the next step's values.
+    pub fn step(&mut self, gradients: &mut Gradients, parts: StaleParts<'_>) -> Result<()> {
         // A handle of the gradient buffer (its storage is the engine's, untouched while this step runs).
-        let view = self.gradients.view_buffer().expect("bounded staleness keeps gradient views").shallow_clone();
+        let view = gradients.view_buffer().expect("bounded staleness keeps gradient views").shallow_clone();
         // A 16-bit model's gradients widened into the buffer kept for them (taken out for the exchange).
-        let mut widened = self.exchanged_values().map(|w| std::mem::take(&mut w.grads));
+        let mut widened = self.values.as_mut().map(|w| std::mem::take(&mut w.grads));
         // SAFETY: inside `engine.step()`: no forward, backward or collective touches the gradients.
         let grads: &[f32] = match widened.as_mut() {
-            Some(g) if self.residence.device_path() => {
+            Some(g) if parts.residence.device_path() => {
                 let n = g.len();
                 view.f_to_device(tch::Device::Cpu)?.f_to_kind(tch::Kind::Float)?.f_copy_data(g, n)?;
                 g
             }
             Some(g) => {
-                unsafe { crate::engine::device::views::grads_of(&view) }.load(0..g.len(), g);
+                unsafe { views::grads_of(&view) }.load(0..g.len(), g);
                 g
             }
-            None => unsafe { crate::engine::device::views::slice::<f32>(&view) },
+            None => unsafe { views::slice::<f32>(&view) },
         };
-        let stepped = self.with_exchanged_values(|ps, _, values, step| ps.step(grads, values, step));
-        if let (Some(w), Some(g)) = (self.exchanged_values(), widened) {
+        let stepped = self.with_exchanged_values(parts, |ps, _, values, step| ps.step(grads, values, step));
+        if let (Some(w), Some(g)) = (self.values.as_mut(), widened) {
             w.grads = g;
         }
         stepped?;
-        self.gradients.consume()
+        gradients.consume()
     }
 
-    /// The fp32 values this rank exchanges, where it keeps a copy of its own.
-    fn exchanged_values(&mut self) -> Option<&mut StalenessValues> {
-        self.sync.stale_mut().and_then(|s| s.values.as_mut())
+    /// Gradients applied by this rank as an owner, by staleness.
+    pub fn counts(&self) -> &[u64] {
+        self.window.staleness_counts()
     }
 
-    /// Gradients applied by this rank as an owner, by staleness (bounded staleness; empty otherwise).
-    pub fn staleness_counts(&self) -> Vec<u64> {
-        self.sync.stale().map_or_else(Vec::new, |s| s.window.staleness_counts().to_vec())
+    /// Before a checkpoint: every owner applies every step pushed so far and every rank pulls the values, so the
+    /// ranks hold one model and no gradient is in flight; the checkpoint is then stage 1's. Collective.
+    pub fn quiesce(&mut self, parts: StaleParts<'_>) -> Result<()> {
+        self.with_exchanged_values(parts, |ps, comm, values, step| ps.quiesce(comm, values, step))
     }
 
-    /// Bounded staleness before a checkpoint: every owner applies every step pushed so far and every rank pulls the
-    /// values, so the ranks hold one model and no gradient is in flight; the checkpoint is then stage 1's.
-    pub(crate) fn quiesce_bounded_staleness(&mut self) -> Result<()> {
-        if !self.sync.is_stale() {
-            return Ok(());
-        }
-        self.with_exchanged_values(|ps, comm, values, step| ps.quiesce(comm, values, step))
-    }
-
-    /// After a checkpoint load: the owners start again from the loaded values (collective).
-    pub(crate) fn restart_bounded_staleness(&mut self) -> Result<()> {
-        if self.sync.is_stale() {
-            self.sync = Synchronization::Synchronous;
-            self.comm.barrier()?;
-            self.start_bounded_staleness()?;
-        }
+    /// Ends the run: every owner applies every step and every rank pulls the final values (collective; see
+    /// [`BoundedStaleness::finish`]), after which the ranks' parameters are equal and no step may follow.
+    pub fn finish(&mut self, parts: StaleParts<'_>) -> Result<()> {
+        self.with_exchanged_values(parts, |ps, comm, values, step| ps.finish(comm, values, step))?;
+        self.finished = true;
         Ok(())
-    }
-
-    /// Ends the run: with bounded staleness, every owner applies every step and every rank pulls the final values
-    /// (collective; see [`BoundedStaleness::finish`]), after which the ranks' parameters are equal and no step may
-    /// follow. Nothing to do in other modes. Dropping the engine does it too, logging what fails.
-    pub fn finish(&mut self) -> Result<()> {
-        if !self.sync.is_stale() {
-            return Ok(());
-        }
-        self.with_exchanged_values(|ps, comm, values, step| ps.finish(comm, values, step))
     }
 }
 

@@ -141,7 +141,8 @@ impl Engine {
         let mut problems: Vec<String> = Vec::new();
         // Whole shapes are compared: a slice of another tensor-parallel degree is read by its place.
         for (i, slot) in self.states.layout.slots.iter().enumerate() {
-            let whole = ParamEntry { shape: slot.shape.clone(), slice: self.slot_slice(i), ..Default::default() };
+            let whole =
+                ParamEntry { shape: slot.shape.clone(), slice: self.placement.slot_slice(i), ..Default::default() };
             match m.param(&slot.name) {
                 None => problems.push(format!("model `{}` {:?} is not in the checkpoint", slot.name, slot.shape)),
                 Some(p) if p.full_shape() != whole.full_shape() => problems.push(format!(
@@ -199,7 +200,7 @@ impl Engine {
         // Values first (the master or the parameters), then the optimizer state, which an NVMe run takes one
         // sub-group at a time, so the whole state is never assembled in memory.
         let pieces = self.optimized_pieces(self.rank());
-        let slices = (0..self.states.layout.slots.len()).map(|i| self.slot_slice(i)).collect();
+        let slices = (0..self.states.layout.slots.len()).map(|i| self.placement.slot_slice(i)).collect();
         let mut reader = ShardReader::new(&saved, &self.states.layout.slots, slices, &pieces);
         let mut values = vec![0f32; self.shard.optimized.len()];
         reader.read(0..values.len(), &["params"], &mut [&mut values])?;
@@ -252,7 +253,12 @@ impl Engine {
         self.gradients.consume()?;
         self.gradients.mark = self.gradient_fingerprint();
         self.comm.barrier()?;
-        self.restart_bounded_staleness()?;
+        if self.sync.is_stale() {
+            // The owners start again from the loaded values.
+            self.sync = crate::engine::async_training::Synchronization::Synchronous;
+            self.comm.barrier()?;
+            self.start_bounded_staleness()?;
+        }
         tracing::info!(
             tag,
             step = self.progress.global_steps,

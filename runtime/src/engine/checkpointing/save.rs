@@ -115,7 +115,11 @@ impl Engine {
         if let Some(why) = self.sync.meetings().and_then(|m| m.refuses_checkpoint(self.progress.global_steps)) {
             return Err(crate::error::Error::Usage(why));
         }
-        self.quiesce_bounded_staleness()
+        let parts = stale_parts!(self);
+        match self.sync.stale_mut() {
+            Some(stale) => stale.quiesce(parts),
+            None => Ok(()),
+        }
     }
 
     /// Writes this engine's files into `staging` (their names prefixed by `prefix`) and returns, on rank 0, the
@@ -214,7 +218,7 @@ impl Engine {
                     start: s.range.start,
                     len: s.range.len(),
                     dtype: dtype_name(self.precision()).into(),
-                    slice: self.slot_slice(i),
+                    slice: self.placement.slot_slice(i),
                 })
                 .collect(),
             ranks,

@@ -53,8 +53,8 @@ pub(crate) struct Gradients {
     pub hooks: Option<hooks::GradHooks>,
     /// The gradients' fingerprint at the end of the last `step` call (see `Engine::gradient_fingerprint`).
     pub mark: i64,
-    /// [`crate::engine::EngineOptions::reduce_once_per_step`] on an fp32 model (16-bit ones reduce every
-    /// micro-batch anyway): a micro-batch before the boundary leaves its gradients in `.grad`.
+    /// [`crate::engine::Engine::set_requires_gradient_sync`] false on an fp32 model (16-bit ones reduce every
+    /// micro-batch anyway): backwards leave their gradients in `.grad`.
     pub defers_reduction: bool,
 }
 

@@ -1,0 +1,279 @@
+//! One mesh of ranks that every parallelism reads (FSDP2's `DeviceMesh`, torchtitan's `ParallelDims`): named
+//! dimensions, slowest first `pipe x replicate x shard x tensor` (DeepSpeed's `pipe x data x model`, its data axis
+//! split in two), so a tensor-parallel group is adjacent ranks (one host), a shard group comes next, and a
+//! pipeline is every `replicate x shard x tensor`-th rank. Unused dimensions have size 1.
+//!
+//! The groups the engine needs all come from it: the data-parallel group ZeRO shards over (`shard`), the one it
+//! replicates across (`replicate`; size 1 until shard groups are asked for), the group the gradient norm and the
+//! fp16 overflow verdict span (`pipe x tensor`), the pipeline neighbours (`pipe`) and the tensor-parallel group
+//! the layers split their weights over (`tensor`). Tensor-parallel layers made on the mesh's group record where
+//! they split each parameter ([`Placements`]); the engine built on the mesh reads them there.
+use std::fmt;
+
+use crate::comm::topology::Topology;
+use crate::comm::{CommResult, Communicator};
+use crate::config::Config;
+use crate::error::{Error, Result};
+use crate::tensor_parallel::{Placements, TensorParallel};
+
+/// A dimension of the mesh.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dim {
+    /// Pipeline stages.
+    Pipeline,
+    /// Data-parallel replicas of a shard group (the same shards, gradients all-reduced across them).
+    Replicate,
+    /// Data-parallel ranks ZeRO partitions the model states over.
+    Shard,
+    /// Tensor-parallel ranks, which split each layer's weights.
+    Tensor,
+}
+
+impl Dim {
+    const ALL: [Dim; 4] = [Dim::Pipeline, Dim::Replicate, Dim::Shard, Dim::Tensor];
+
+    /// The dimension's name in group names and errors.
+    pub fn name(self) -> &'static str {
+        match self {
+            Dim::Pipeline => "pipe",
+            Dim::Replicate => "replicate",
+            Dim::Shard => "shard",
+            Dim::Tensor => "tensor",
+        }
+    }
+}
+
+/// The size of each dimension.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MeshShape {
+    pub pipeline: usize,
+    pub replicate: usize,
+    pub shard: usize,
+    pub tensor: usize,
+}
+
+impl fmt::Display for MeshShape {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "pipe {} x replicate {} x shard {} x tensor {}",
+            self.pipeline, self.replicate, self.shard, self.tensor
+        )
+    }
+}
+
+impl MeshShape {
+    /// Data parallel only: every rank one of `world` shards.
+    pub fn data_parallel(world: usize) -> MeshShape {
+        MeshShape { pipeline: 1, replicate: 1, shard: world, tensor: 1 }
+    }
+
+    /// `world` ranks as `pipeline` stages of `tensor`-parallel groups; the rest are data parallel, sharded over
+    /// groups of `shard_group` ranks and replicated across them (None: one group of all of them, plain ZeRO).
+    pub fn new(world: usize, pipeline: usize, tensor: usize, shard_group: Option<usize>) -> Result<MeshShape> {
+        let bad = |why: String| Err(Error::Usage(format!("mesh of {world} ranks: {why}")));
+        if pipeline == 0 || world % pipeline != 0 {
+            return bad(format!(
+                "{pipeline} pipeline stages x a data-parallel degree must equal the world size {world}: {world} is not a multiple of {pipeline}"
+            ));
+        }
+        let per_stage = world / pipeline;
+        if tensor == 0 || per_stage % tensor != 0 {
+            return bad(format!(
+                "a tensor-parallel degree of {tensor} must divide the ranks of a stage ({world} ranks over {pipeline} stages = {per_stage})"
+            ));
+        }
+        let data = world / (pipeline * tensor);
+        let shard = shard_group.unwrap_or(data);
+        if shard == 0 || data % shard != 0 {
+            return bad(format!("a shard group of {shard} ranks must divide the {data} data-parallel ranks"));
+        }
+        Ok(MeshShape { pipeline, replicate: data / shard, shard, tensor })
+    }
+
+    /// Ranks of the mesh.
+    pub fn size(&self) -> usize {
+        self.pipeline * self.replicate * self.shard * self.tensor
+    }
+
+    /// Data-parallel ranks: replicas times shards.
+    pub fn data(&self) -> usize {
+        self.replicate * self.shard
+    }
+
+    /// The size of `dim`.
+    pub fn of(&self, dim: Dim) -> usize {
+        match dim {
+            Dim::Pipeline => self.pipeline,
+            Dim::Replicate => self.replicate,
+            Dim::Shard => self.shard,
+            Dim::Tensor => self.tensor,
+        }
+    }
+
+    fn topology(&self) -> Topology {
+        let axes: Vec<(&str, usize)> = Dim::ALL.iter().map(|&d| (d.name(), self.of(d))).collect();
+        Topology::new(&axes).expect("every dimension has ranks")
+    }
+}
+
+/// What a program says of the mesh that the config does not.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MeshOptions {
+    /// Pipeline stages asked for by the program (a flag); `pipeline.stages` in the config must agree.
+    pub pipeline_stages: Option<usize>,
+    /// The tensor-parallel degree (None or 1: none).
+    pub tensor_parallel: Option<usize>,
+}
+
+/// The ranks of a job laid out over [`Dim`]s, with the job's communicator.
+pub struct Mesh {
+    world: Box<dyn Communicator>,
+    shape: MeshShape,
+    topology: Topology,
+    placements: Placements,
+}
+
+impl fmt::Debug for Mesh {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Mesh(rank {} of {}: {})", self.rank(), self.world_size(), self.shape)
+    }
+}
+
+/// A communicator as a data-parallel mesh of its ranks.
+impl From<Box<dyn Communicator>> for Mesh {
+    fn from(world: Box<dyn Communicator>) -> Mesh {
+        Mesh::data_parallel(world)
+    }
+}
+
+impl Mesh {
+    /// The mesh of `shape` over `world`'s ranks (its size must be the world size).
+    pub fn new(world: Box<dyn Communicator>, shape: MeshShape) -> Result<Mesh> {
+        if shape.size() != world.world_size() {
+            return Err(Error::Usage(format!(
+                "a mesh of {shape} has {} ranks, the communicator {}",
+                shape.size(),
+                world.world_size()
+            )));
+        }
+        Ok(Mesh { topology: shape.topology(), world, shape, placements: Placements::default() })
+    }
+
+    /// Every rank of `world` one data-parallel shard: what a plain training loop runs on.
+    pub fn data_parallel(world: Box<dyn Communicator>) -> Mesh {
+        let shape = MeshShape::data_parallel(world.world_size());
+        Mesh::new(world, shape).expect("the shape is the world's")
+    }
+
+    /// The mesh over `world` from the config (`pipeline.stages`) and what the program says: the rest of the
+    /// ranks are data parallel.
+    pub fn from_config(world: Box<dyn Communicator>, config: &Config, options: MeshOptions) -> Result<Mesh> {
+        let stages = match (config.pipeline.stages.map(|s| s as usize), options.pipeline_stages) {
+            (Some(c), Some(p)) if c != p => {
+                return Err(crate::pipeline::PipelineError::Placement(format!(
+                    "pipeline.stages is {c} but the program asks for {p} stages; give one of them (or \"auto\")"
+                ))
+                .into())
+            }
+            (Some(s), _) | (None, Some(s)) => s,
+            (None, None) => 1,
+        };
+        let shape = MeshShape::new(world.world_size(), stages, options.tensor_parallel.unwrap_or(1), None)?;
+        Mesh::new(world, shape)
+    }
+
+    /// [`Mesh::from_config`] over the communicator the environment names (`zerorun launch`'s or mpirun's
+    /// variables; one rank without them), whose collectives time out after `comms_timeout`.
+    pub fn from_env(config: &Config, options: MeshOptions) -> Result<Mesh> {
+        let world = crate::gloo::communicator_from_env(std::time::Duration::from_secs_f64(config.comms_timeout))?;
+        Mesh::from_config(world, config, options)
+    }
+
+    pub fn shape(&self) -> MeshShape {
+        self.shape
+    }
+
+    pub fn rank(&self) -> usize {
+        self.world.rank()
+    }
+
+    pub fn world_size(&self) -> usize {
+        self.world.world_size()
+    }
+
+    /// This rank's index along `dim`.
+    pub fn coordinate(&self, dim: Dim) -> usize {
+        self.topology.coordinate(self.rank(), dim.name()).expect("the rank is in the mesh")
+    }
+
+    /// The group of the ranks that differ from this one only along `dims` (collective: every rank of the mesh
+    /// asks for the same groups in the same order). Named after the dimensions and this rank's fixed coordinates.
+    pub fn group(&self, dims: &[Dim]) -> CommResult<Box<dyn Communicator>> {
+        let names: Vec<&str> = dims.iter().map(|d| d.name()).collect();
+        self.topology.communicator(self.world.as_ref(), &names)
+    }
+
+    /// The ranks of `dims` around this one (without a collective).
+    pub fn ranks(&self, dims: &[Dim]) -> Vec<usize> {
+        let names: Vec<&str> = dims.iter().map(|d| d.name()).collect();
+        self.topology.group_of(self.rank(), &names).expect("the rank is in the mesh")
+    }
+
+    /// The tensor-parallel group for the model's layers (collective). The layers record their parameters'
+    /// placements in it, which an engine built on this mesh reads.
+    pub fn tensor_parallel(&self) -> Result<TensorParallel> {
+        Ok(TensorParallel::with_placements(self.group(&[Dim::Tensor])?, self.placements.clone()))
+    }
+
+    /// Where the tensor-parallel layers made on this mesh split their parameters.
+    pub fn placements(&self) -> &Placements {
+        &self.placements
+    }
+
+    /// The job's communicator.
+    pub fn world(&self) -> &dyn Communicator {
+        self.world.as_ref()
+    }
+
+    /// The job's communicator, taken out of the mesh.
+    pub fn into_world(self) -> Box<dyn Communicator> {
+        self.world
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tensor_ranks_are_adjacent_then_shards_then_replicas_then_stages() {
+        let shape = MeshShape::new(16, 2, 2, Some(2)).unwrap();
+        assert_eq!(shape, MeshShape { pipeline: 2, replicate: 2, shard: 2, tensor: 2 });
+        let t = shape.topology();
+        let group = |rank, dims: &[Dim]| t.group_of(rank, &dims.iter().map(|d| d.name()).collect::<Vec<_>>()).unwrap();
+        assert_eq!(group(5, &[Dim::Tensor]), vec![4, 5]);
+        assert_eq!(group(5, &[Dim::Shard]), vec![5, 7]);
+        assert_eq!(group(5, &[Dim::Replicate]), vec![1, 5]);
+        assert_eq!(group(5, &[Dim::Replicate, Dim::Shard]), vec![1, 3, 5, 7]);
+        assert_eq!(group(5, &[Dim::Pipeline]), vec![5, 13]);
+        assert_eq!(group(5, &[Dim::Pipeline, Dim::Tensor]), vec![4, 5, 12, 13]);
+    }
+
+    #[test]
+    fn shapes_that_do_not_divide_the_world_are_refused() {
+        assert_eq!(
+            MeshShape::new(6, 2, 2, None).unwrap_err().to_string(),
+            "mesh of 6 ranks: a tensor-parallel degree of 2 must divide the ranks of a stage (6 ranks over 2 stages = 3)"
+        );
+        assert_eq!(
+            MeshShape::new(3, 2, 1, None).unwrap_err().to_string(),
+            "mesh of 3 ranks: 2 pipeline stages x a data-parallel degree must equal the world size 3: 3 is not a multiple of 2"
+        );
+        assert_eq!(
+            MeshShape::new(8, 1, 2, Some(3)).unwrap_err().to_string(),
+            "mesh of 8 ranks: a shard group of 3 ranks must divide the 4 data-parallel ranks"
+        );
+        assert_eq!(MeshShape::new(8, 1, 1, None).unwrap(), MeshShape::data_parallel(8));
+    }
+}
