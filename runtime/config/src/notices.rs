@@ -36,7 +36,7 @@ pub(crate) fn given_paths(value: &Value) -> BTreeSet<String> {
     out
 }
 
-const ACTIVATION_CHECKPOINTING: &str = "DeepSpeed's activation checkpointing API (deepspeed.checkpointing) reads it; zerorun recomputes stage-3 units with `EngineOptions::activation_checkpointing` and has no model parallelism to partition activations over";
+const ACTIVATION_CHECKPOINTING: &str = "DeepSpeed's activation checkpointing API (deepspeed.checkpointing) reads it; zerorun recomputes stage-3 units with `EngineOptions::activation_checkpointing` and keeps a checkpointed unit's input whole on every tensor-parallel rank (no partitioned activations)";
 
 /// The notices of `config`, read from a JSON that gave the keys `given`; `ignored` are the paths of whole
 /// DeepSpeed features the readers took without looking inside.

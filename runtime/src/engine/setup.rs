@@ -616,7 +616,7 @@ impl Engine {
     /// The engine for the model on `vs` on `mesh`: ZeRO over the mesh's data-parallel ranks and, with pipeline
     /// stages or tensor parallelism, its place among the model's other parts (the norm's group, the placements
     /// the mesh's tensor-parallel layers recorded). A data-parallel mesh's engine runs on its communicator itself.
-    pub fn on_mesh(vs: &nn::VarStore, config: Config, mesh: Mesh, options: EngineOptions) -> Result<Engine> {
+    pub(crate) fn on_mesh(vs: &nn::VarStore, config: Config, mesh: Mesh, options: EngineOptions) -> Result<Engine> {
         if mesh.shape().data() == mesh.world_size() {
             return Engine::new(vs, config, mesh.into_world(), options);
         }

@@ -1,5 +1,5 @@
-//! Stage 3's walk over the units: forward gathers each unit, runs it on its input detached as a new leaf and
-//! releases it; backward walks the units in reverse, gathers each again, backpropagates from its saved output
+//! The walk over the model's units (stage 3, and stage 2 with units, whose units stay gathered): forward gathers
+//! each unit, runs it on its input detached as a new leaf and releases it; backward walks the units in reverse, gathers each again, backpropagates from its saved output
 //! with the gradient of the next unit's input, reduce-scatters the unit's gradients into this rank's shard and
 //! releases parameters and full gradients. With activation checkpointing only unit inputs are kept and each
 //! unit is recomputed in backward.
