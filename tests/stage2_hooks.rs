@@ -152,3 +152,55 @@ fn buckets_launch_in_one_order_on_every_rank_whatever_order_backward_completes_t
         assert!(d <= 1e-6, "stage 2 hooks (overlap {overlap}) vs stage 1 with rank-dependent backward order: {d:e}");
     }
 }
+
+/// `engine.set_requires_gradient_sync(false)` (FSDP2's call, what a pipeline stage uses): the micro-batches before
+/// the last keep their gradients in `.grad` and run no collective; the last backward reduces the sum once. The run
+/// ends where the default one (a reduction per micro-batch) does, within the sums' rounding.
+#[test]
+fn gradient_sync_off_until_the_last_micro_batch_reduces_once_and_matches() {
+    let config = Config::from_value(json!({
+        "train_batch_size": GLOBAL_BATCH, "gradient_accumulation_steps": 2, "gradient_clipping": CLIP,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
+        "zero_optimization": {"stage": 2, "reduce_bucket_size": 100}
+    }))
+    .unwrap();
+    let train = |defer: bool| -> Vec<(String, Vec<f32>)> {
+        let mut runs = on_thread_ranks(2, |comm, x, y| {
+            let (vs, model) = init_store();
+            let mut engine = Engine::new(&vs, config.clone(), Box::new(comm), EngineOptions::default()).unwrap();
+            let micro = engine.batch_sizes().train_micro_batch_size_per_gpu as usize;
+            let rank = engine.rank();
+            for step in 0..6 {
+                let order = batch_indices(step);
+                for m in 0..2 {
+                    let at = (m * 2 + rank) * micro;
+                    let idx = Tensor::from_slice(&order[at..at + micro]);
+                    let loss = model
+                        .forward(&x.index_select(0, &idx))
+                        .mse_loss(&y.index_select(0, &idx), tch::Reduction::Mean);
+                    let last = engine.is_gradient_accumulation_boundary();
+                    if defer {
+                        engine.set_requires_gradient_sync(last);
+                    }
+                    let reduced_before = engine.comm_volume().reduce_scatter_elements;
+                    engine.backward(&loss).unwrap();
+                    let held = vs.trainable_variables().iter().filter(|t| t.grad().defined()).count();
+                    let reduced = engine.comm_volume().reduce_scatter_elements - reduced_before;
+                    if defer && !last {
+                        assert_eq!(held, vs.trainable_variables().len(), "step {step}: gradients stay in .grad");
+                        assert_eq!(reduced, 0, "step {step}: no collective before the last micro-batch");
+                    } else {
+                        assert_eq!(held, 0, "step {step} micro-batch {m}: the hooks reduced every gradient");
+                        assert!(reduced > 0, "step {step} micro-batch {m}: reduced");
+                    }
+                    engine.step().unwrap();
+                }
+            }
+            params_of(&vs)
+        });
+        runs.remove(0)
+    };
+    let (every, once) = (train(false), train(true));
+    let diff = max_relative_difference(&once, &every);
+    assert!(diff < 1e-5, "reduced once vs per micro-batch: {diff}");
+}

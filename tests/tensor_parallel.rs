@@ -509,3 +509,46 @@ fn whole_initial_weights_are_cut_into_each_ranks_slices() {
     assert_close_weights(&whole_gas, &gpt_launch_weights("init-pipe"), "2 stages x T=2 from --init", 1e-4);
     std::fs::remove_file(&init).unwrap();
 }
+
+/// The layers record where they split each variable, on their group and on the mesh it came from: no program
+/// declares a split again. A mesh with pipeline stages is refused by the data-parallel entry point.
+#[test]
+fn layers_record_their_splits_on_the_mesh_and_a_pipeline_mesh_needs_its_entry_point() {
+    let names = ["col.weight", "col.bias", "row.weight", "row.bias", "emb.weight"];
+    let recorded = on_threads(2, |mesh: Mesh| {
+        let tp = mesh.tensor_parallel().unwrap();
+        let vs = nn::VarStore::new(tch::Device::Cpu);
+        {
+            let _g = BUILD.lock().unwrap();
+            ColumnParallelLinear::new(&(vs.root() / "col"), &tp, IN, HIDDEN, true, false);
+            RowParallelLinear::new(&(vs.root() / "row"), &tp, HIDDEN, IN, true, true);
+            VocabParallelEmbedding::new(&(vs.root() / "emb"), &tp, 8, 4);
+        }
+        names.map(|n| (tp.split_dim(n), mesh.placements().split_dim(n)))
+    });
+    let want = [(Some(0), Some(0)), (Some(0), Some(0)), (Some(1), Some(1)), (None, None), (Some(0), Some(0))];
+    for r in recorded {
+        assert_eq!(r, want);
+    }
+    let errors: Vec<String> = {
+        let comms = threads::group(2, Duration::from_secs(30));
+        std::thread::scope(|s| {
+            let hs: Vec<_> = comms
+                .into_iter()
+                .map(|c| {
+                    s.spawn(move || {
+                        let mesh = Mesh::new(Box::new(c), MeshShape::new(2, 2, 1, None).unwrap()).unwrap();
+                        let vs = nn::VarStore::new(tch::Device::Cpu);
+                        let _l = nn::linear(vs.root() / "l", 2, 2, Default::default());
+                        let config = zerorun::Config::from_json_str(r#"{"train_batch_size": 1}"#).unwrap();
+                        zerorun::initialize_with(&vs, config, mesh, Default::default()).unwrap_err().to_string()
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    };
+    for e in errors {
+        assert!(e.contains("2 pipeline stages") && e.contains("zerorun::initialize_pipeline"), "{e}");
+    }
+}

@@ -553,3 +553,20 @@ impl<'a> PipelineEngine<'a> {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The optimizer step is neither idle nor waiting: a stage that computes 60 ms and steps 20 ms of a 100 ms step
+    /// idles 20%, of which the waits are what the link measured.
+    #[test]
+    fn the_optimizer_step_is_apart_from_idle_and_waiting() {
+        let ms = Duration::from_millis;
+        let t = StageTimes { step: ms(100), compute: ms(60), wait: ms(12), optimizer: ms(20) };
+        assert!((t.idle_fraction() - 0.2).abs() < 1e-12, "{}", t.idle_fraction());
+        assert!((t.wait_fraction() - 0.12).abs() < 1e-12);
+        assert!((t.optimizer_fraction() - 0.2).abs() < 1e-12);
+        assert_eq!(StageTimes::default().idle_fraction(), 0.0);
+    }
+}
