@@ -11,6 +11,24 @@
 //! // for each micro-batch: engine.backward(&loss)?; engine.step()?;
 //! # Ok(()) }
 //! ```
+//!
+//! A model split by tensor-parallel layers is built on the mesh's group first; the engine reads where the layers
+//! split their parameters from the mesh:
+//!
+//! ```no_run
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! use tch::nn;
+//! use zerorun::runtime::tensor_parallel::{ColumnParallelLinear, RowParallelLinear};
+//! let config = zerorun::Config::from_file("configs/zero1.json")?;
+//! let mesh = zerorun::Mesh::from_env(&config, zerorun::MeshOptions { tensor_parallel: Some(2), ..Default::default() })?;
+//! let tp = mesh.tensor_parallel()?;
+//! let vs = nn::VarStore::new(tch::Device::Cpu);
+//! let up = ColumnParallelLinear::new(&(vs.root() / "up"), &tp, 16, 64, true, false);
+//! let down = RowParallelLinear::new(&(vs.root() / "down"), &tp, 64, 16, true, true);
+//! let mut engine = zerorun::initialize_with(&vs, config, mesh, Default::default())?;
+//! # let _ = (up, down, &mut engine);
+//! # Ok(()) }
+//! ```
 pub use zerorun_offload as offload;
 pub use zerorun_optim as optim;
 pub use zerorun_runtime as runtime;
