@@ -50,4 +50,4 @@ pub use zerorun_runtime::{
 };
 
 mod logging;
-pub use logging::init_logging;
+pub use logging::{init_logging, init_logging_with_default};

@@ -6,6 +6,8 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 mod cli;
+// The library's logging set-up, shared as a file (the CLI links no libtorch, so not the library itself).
+#[allow(dead_code)]
 mod logging;
 
 #[derive(Parser)]
@@ -39,8 +41,9 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    // Logs (warnings about ignored keys, progress) go to stderr; stdout carries the command's output.
-    logging::init_logging();
+    // Logs (warnings about ignored keys, progress) go to stderr; stdout carries the command's output. Warnings only:
+    // the pipelines `bench pipeline` runs in this process are not the user's, and their partitions would be noise.
+    logging::init_logging_with_default("warn");
     let result = match cli.command {
         Command::Config(c) => cli::config::run(c),
         Command::Bench(c) => cli::bench::run(c),

@@ -15,6 +15,7 @@ mod bench_pipeline;
 #[path = "../cli/mod.rs"]
 mod cli;
 #[path = "../logging.rs"]
+#[allow(dead_code)]
 mod logging;
 
 use cli::{emit, CliError};
@@ -34,7 +35,8 @@ enum Command {
 
 fn main() -> ExitCode {
     let Command::Bench(bench) = Cli::parse().command;
-    logging::init_logging();
+    // Warnings only, as `zerorun`: the benches' in-process pipelines are not the user's (no partition summaries).
+    logging::init_logging_with_default("warn");
     let result = match bench {
         cli::bench::BenchCommand::Adam { params, repeats, json } => bench_adam::run(params, repeats, json),
         cli::bench::BenchCommand::Pipeline { stage_ms, steps, json } => bench_pipeline::run(stage_ms, steps.max(1), json),

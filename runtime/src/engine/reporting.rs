@@ -136,6 +136,11 @@ impl Engine {
         self.progress.step_started = None;
     }
 
+    /// Time spent updating the parameters (the optimizer's own work, without the norm's collectives) so far.
+    pub(crate) fn optimizer_time(&self) -> std::time::Duration {
+        self.report.times.total(crate::report::Phase::Step)
+    }
+
     /// The mean time per step of each phase so far, as one line (`wall_clock_breakdown`).
     pub fn wall_clock_summary(&self) -> String {
         self.report.times.summary()

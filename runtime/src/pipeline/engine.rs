@@ -40,7 +40,7 @@ pub struct StageTimes {
     pub compute: Duration,
     /// Blocked on the neighbours: receives, and the sends still in flight at the end of the step.
     pub wait: Duration,
-    /// The optimizer step, with the tied weights' exchange around it.
+    /// The optimizer's update (the engine's step phase: not the waits for the other stages inside the step).
     pub optimizer: Duration,
 }
 
@@ -261,11 +261,13 @@ impl<'a> PipelineEngine<'a> {
                 // The engine reduces at its step (stage 2: during the last backward already).
                 Action::ReduceGradients => {}
                 Action::OptimizerStep => {
-                    let t = Instant::now();
+                    // The update's own time: waits for the other stages inside the step (the norm's all-reduce,
+                    // the tied weights) are the schedule's bubble, not the optimizer's.
+                    let before = self.engine.optimizer_time();
                     self.send_tied_gradients()?;
                     outcome = Some(self.engine.step()?);
                     self.exchange_tied_values()?;
-                    optimizer += t.elapsed();
+                    optimizer += self.engine.optimizer_time().saturating_sub(before);
                 }
             }
         }

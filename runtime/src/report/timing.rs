@@ -48,6 +48,11 @@ impl PhaseTimes {
     }
 
     /// Collective time so far (to take out of the phase that ran them).
+    /// The time spent in `phase` since the start.
+    pub fn total(&self, phase: Phase) -> Duration {
+        self.total[phase as usize]
+    }
+
     pub fn comm(&self) -> Duration {
         self.total[Phase::AllGather as usize] + self.total[Phase::ReduceScatter as usize]
     }
