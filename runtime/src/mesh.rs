@@ -12,7 +12,7 @@ use std::fmt;
 
 use crate::comm::topology::Topology;
 use crate::comm::{CommResult, Communicator};
-use crate::config::Config;
+use crate::config::{Config, PipelineConfig};
 use crate::error::{Error, Result};
 use crate::tensor_parallel::{Placements, TensorParallel};
 
@@ -70,25 +70,35 @@ impl MeshShape {
 
     /// `world` ranks as `pipeline` stages of `tensor`-parallel groups; the rest are data parallel, sharded over
     /// groups of `shard_group` ranks and replicated across them (None: one group of all of them, plain ZeRO).
-    pub fn new(world: usize, pipeline: usize, tensor: usize, shard_group: Option<usize>) -> Result<MeshShape> {
-        let bad = |why: String| Err(Error::Usage(format!("mesh of {world} ranks: {why}")));
+    pub fn new(
+        world: usize,
+        pipeline: usize,
+        tensor: usize,
+        shard_group: Option<usize>,
+    ) -> std::result::Result<MeshShape, MeshError> {
         if pipeline == 0 || world % pipeline != 0 {
-            return bad(format!(
-                "{pipeline} pipeline stages x a data-parallel degree must equal the world size {world}: {world} is not a multiple of {pipeline}"
-            ));
+            return Err(MeshError::Stages { stages: pipeline, world });
         }
         let per_stage = world / pipeline;
         if tensor == 0 || per_stage % tensor != 0 {
-            return bad(format!(
-                "a tensor-parallel degree of {tensor} must divide the ranks of a stage ({world} ranks over {pipeline} stages = {per_stage})"
-            ));
+            return Err(MeshError::Tensor { tensor, world, stages: pipeline, per_stage });
         }
         let data = world / (pipeline * tensor);
         let shard = shard_group.unwrap_or(data);
         if shard == 0 || data % shard != 0 {
-            return bad(format!("a shard group of {shard} ranks must divide the {data} data-parallel ranks"));
+            return Err(MeshError::Shard { shard, data });
         }
         Ok(MeshShape { pipeline, replicate: data / shard, shard, tensor })
+    }
+
+    /// The pipeline stages: `pipeline.stages`, else the program's (`program`, e.g. a flag), else 1; both given must
+    /// agree.
+    pub fn pipeline_stages(config: &PipelineConfig, program: Option<usize>) -> std::result::Result<usize, MeshError> {
+        match (config.stages.map(|s| s as usize), program) {
+            (Some(config), Some(program)) if config != program => Err(MeshError::StagesDisagree { config, program }),
+            (Some(s), _) | (None, Some(s)) => Ok(s),
+            (None, None) => Ok(1),
+        }
     }
 
     /// Ranks of the mesh.
@@ -115,6 +125,19 @@ impl MeshShape {
         let axes: Vec<(&str, usize)> = Dim::ALL.iter().map(|&d| (d.name(), self.of(d))).collect();
         Topology::new(&axes).expect("every dimension has ranks")
     }
+}
+
+/// A mesh whose sizes do not fit the job.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MeshError {
+    #[error("{stages} pipeline stages x a data-parallel degree must equal the world size {world}: {world} is not a multiple of {stages}")]
+    Stages { stages: usize, world: usize },
+    #[error("a tensor-parallel degree of {tensor} must divide the ranks of a stage ({world} ranks over {stages} stages = {per_stage})")]
+    Tensor { tensor: usize, world: usize, stages: usize, per_stage: usize },
+    #[error("a shard group of {shard} ranks must divide the {data} data-parallel ranks")]
+    Shard { shard: usize, data: usize },
+    #[error("pipeline.stages is {config} but the program asks for {program} stages; give one of them (or \"auto\")")]
+    StagesDisagree { config: usize, program: usize },
 }
 
 /// What a program says of the mesh that the config does not.
@@ -169,17 +192,10 @@ impl Mesh {
     /// The mesh over `world` from the config (`pipeline.stages`) and what the program says: the rest of the
     /// ranks are data parallel.
     pub fn from_config(world: Box<dyn Communicator>, config: &Config, options: MeshOptions) -> Result<Mesh> {
-        let stages = match (config.pipeline.stages.map(|s| s as usize), options.pipeline_stages) {
-            (Some(c), Some(p)) if c != p => {
-                return Err(crate::pipeline::PipelineError::Placement(format!(
-                    "pipeline.stages is {c} but the program asks for {p} stages; give one of them (or \"auto\")"
-                ))
-                .into())
-            }
-            (Some(s), _) | (None, Some(s)) => s,
-            (None, None) => 1,
-        };
-        let shape = MeshShape::new(world.world_size(), stages, options.tensor_parallel.unwrap_or(1), None)?;
+        let placement = |e: MeshError| crate::pipeline::PipelineError::Placement(e.to_string());
+        let stages = MeshShape::pipeline_stages(&config.pipeline, options.pipeline_stages).map_err(placement)?;
+        let tensor = options.tensor_parallel.unwrap_or(1);
+        let shape = MeshShape::new(world.world_size(), stages, tensor, None).map_err(placement)?;
         Mesh::new(world, shape)
     }
 
@@ -212,12 +228,6 @@ impl Mesh {
     pub fn group(&self, dims: &[Dim]) -> CommResult<Box<dyn Communicator>> {
         let names: Vec<&str> = dims.iter().map(|d| d.name()).collect();
         self.topology.communicator(self.world.as_ref(), &names)
-    }
-
-    /// The ranks of `dims` around this one (without a collective).
-    pub fn ranks(&self, dims: &[Dim]) -> Vec<usize> {
-        let names: Vec<&str> = dims.iter().map(|d| d.name()).collect();
-        self.topology.group_of(self.rank(), &names).expect("the rank is in the mesh")
     }
 
     /// The tensor-parallel group for the model's layers (collective). The layers record their parameters'
@@ -264,15 +274,15 @@ mod tests {
     fn shapes_that_do_not_divide_the_world_are_refused() {
         assert_eq!(
             MeshShape::new(6, 2, 2, None).unwrap_err().to_string(),
-            "mesh of 6 ranks: a tensor-parallel degree of 2 must divide the ranks of a stage (6 ranks over 2 stages = 3)"
+            "a tensor-parallel degree of 2 must divide the ranks of a stage (6 ranks over 2 stages = 3)"
         );
         assert_eq!(
             MeshShape::new(3, 2, 1, None).unwrap_err().to_string(),
-            "mesh of 3 ranks: 2 pipeline stages x a data-parallel degree must equal the world size 3: 3 is not a multiple of 2"
+            "2 pipeline stages x a data-parallel degree must equal the world size 3: 3 is not a multiple of 2"
         );
         assert_eq!(
             MeshShape::new(8, 1, 2, Some(3)).unwrap_err().to_string(),
-            "mesh of 8 ranks: a shard group of 3 ranks must divide the 4 data-parallel ranks"
+            "a shard group of 3 ranks must divide the 4 data-parallel ranks"
         );
         assert_eq!(MeshShape::new(8, 1, 1, None).unwrap(), MeshShape::data_parallel(8));
     }

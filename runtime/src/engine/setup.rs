@@ -1,42 +1,25 @@
 //! How an [`Engine`](crate::engine::Engine) is put together, one decision per function: what the stage asks for
 //! ([`StagePlan`]), which parameters and in what layout ([`arrange`]), where they live ([`pack`] for stages 0-2;
 //! stage 3 shards unit by unit in `unit_walk.rs`, and may move its shard to NVMe: `swap_parameters_out`), this
-//! rank's optimizer and where its states live (`optimizer_shard`, [`optimizer_tier`]), the gradient buffers
-//! (`gradients.rs`) and the loss scaler. `Engine::new_materialized` calls them in that order.
-use std::collections::HashSet;
-
+//! rank's optimizer and where its states live (`zero/optim/build.rs`), the gradient buffers (`zero/grads/`) and
+//! the loss scaler. `Engine::new_materialized` calls them in that order.
 use tch::{nn, Device, Kind, Tensor};
-use zerorun_offload::OptimizerTier as _;
 
 use crate::comm::Communicator;
 use crate::config::{Config, OffloadDevice, OptimizerConfig, Precision, ZeroConfig};
-use crate::engine::async_training::meetings;
-use crate::engine::async_training::Synchronization;
-use crate::engine::checkpointing::{file_mismatch, fill_variable, read_variable};
+use crate::engine::async_training::{meetings, Synchronization};
 use crate::engine::counters;
-use crate::engine::device::native;
-use crate::engine::device::views;
-use crate::engine::device::{allocator, Residence};
+use crate::engine::device::{allocator, native, views, Residence};
 use crate::engine::parallel::placement::{Placement, PlacementInputs};
 use crate::engine::reporting::Reporting;
-use crate::engine::zero::builders::{settle_new_variables, BuiltModel, UnitBuilders};
-use crate::engine::zero::frozen;
-use crate::engine::zero::grads as gradients;
+use crate::engine::zero::builders::{BuiltModel, UnitBuilders};
 use crate::engine::zero::layout::FlatLayout;
-use crate::engine::zero::optim as optimizer_shard;
-use crate::engine::zero::optim::build as optimizer;
-use crate::engine::zero::parameters;
-use crate::engine::zero::plan::Strategy;
-use crate::engine::zero::plan::{self, GradientPath, Optimized, StagePlan};
+use crate::engine::zero::plan::{self, GradientPath, StagePlan};
 use crate::engine::zero::sharded_unit::ShardedUnit;
-use crate::engine::zero::swapped_params;
-use crate::engine::zero::units;
-use crate::engine::zero::units::UnitModel;
-use crate::engine::zero::variables;
+use crate::engine::zero::{frozen, grads, optim, parameters, swapped_params, units, variables};
 use crate::engine::{engine_comm, next_engine_id, Engine, EngineOptions};
 use crate::error::{Error, Result};
 use crate::mesh::{Dim, Mesh};
-use zerorun_optim::{Group, LossScaler, LossScalerConfig};
 
 /// The model's trainable parameters in layout order, and the layout.
 pub(super) struct Arrangement {
@@ -224,71 +207,6 @@ pub(super) fn io_config(config: &Config) -> zerorun_offload::IoConfig {
     }
 }
 
-/// The optimizer over `optimized_len` elements, in memory or with its states on NVMe, its base learning rate and
-/// weight decay. The in-memory optimizer is built only without NVMe offload: its states would be the very bytes
-/// NVMe offload keeps out of memory. A model on a device (`device`, or any under emulation) without optimizer
-/// offload gets the device path's Adam, its states on that device.
-pub(super) fn optimizer_tier(
-    config: &Config,
-    optimized_len: usize,
-    rank: usize,
-    engine_id: usize,
-    residence: Residence,
-) -> Result<(optimizer::OptimizerTier, f64, f64)> {
-    let z = &config.zero_optimization;
-    let device = residence.device();
-    let nvme = z.offload_optimizer.device == OffloadDevice::Nvme;
-    let on_device = z.offload_optimizer.device == OffloadDevice::None && residence.device_path();
-    let (in_memory, base_lr, weight_decay) =
-        optimizer::build(config, if nvme || on_device { 0 } else { optimized_len });
-    let tier = match z.offload_optimizer.device {
-        OffloadDevice::Nvme => {
-            let o = &z.offload_optimizer;
-            let dir = std::path::PathBuf::from(o.nvme_path.clone().expect("the config requires nvme_path for nvme"));
-            let prefix = format!("zerorun-{}-{engine_id}-rank{rank}", std::process::id());
-            let swapped = zerorun_offload::SwappedOptimizer::new(
-                |len| optimizer::build(config, len).0,
-                optimized_len,
-                z.sub_group_size as usize,
-                &dir,
-                &prefix,
-                io_config(config),
-                o.buffer_count as usize,
-                (o.pipeline_read, o.pipeline_write),
-            )?;
-            tracing::info!(rank, dir = %dir.display(), bytes = swapped.swapped_bytes(), "optimizer states on NVMe");
-            Box::new(swapped) as optimizer::OptimizerTier
-        }
-        OffloadDevice::None if on_device => {
-            // The device path: the states in device memory (separate CPU tensors under emulation), the step
-            // libtorch's kernels.
-            use crate::engine::device::optimizer::DeviceOptimizer;
-            let (tier, base_lr, weight_decay) = if let Some((adam, lr, wd)) = optimizer::adam(config) {
-                (DeviceOptimizer::adam(adam, optimized_len, device)?, lr, wd)
-            } else if let Some((sgd, lr, wd)) = optimizer::sgd(config) {
-                (DeviceOptimizer::sgd(sgd, optimized_len, device)?, lr, wd)
-            } else {
-                return Err(Error::Unsupported {
-                    key: "optimizer.type",
-                    value: config.optimizer.as_ref().map_or("AdamW", |o| o.name()).to_string(),
-                    why: "the optimizer step on device memory (a CUDA model, or ZERORUN_DEVICE_EMULATION) is Adam/AdamW (libtorch's fused kernels) or SGD; other optimizers step on the host with zero_optimization.offload_optimizer.device = \"cpu\"",
-                });
-            };
-            return Ok((Box::new(tier), base_lr, weight_decay));
-        }
-        offload => {
-            if offload == OffloadDevice::Cpu && device == Device::Cpu {
-                tracing::info!(
-                    rank,
-                    "offload_optimizer.device = cpu: a CPU run keeps optimizer states in host memory already"
-                );
-            }
-            Box::new(zerorun_offload::InMemory(in_memory))
-        }
-    };
-    Ok((tier, base_lr, weight_decay))
-}
-
 impl Engine {
     /// [`Engine::new`] where stage 3's unit parameters may still lack their values (`builders.rs`): `materialize`
     /// gives unit `i`'s variables (name, tensor) their storage and values right before the unit is packed.
@@ -374,12 +292,13 @@ impl Engine {
             None
         };
 
-        let (shard, optimizer_device) = optimizer_shard(&config, &plan, &layout, &flat_params, rank, residence)?;
+        let (shard, optimizer_device) =
+            optim::build::optimizer_shard(&config, &plan, &layout, &flat_params, rank, residence)?;
         let swapped_params = swap_parameters_out(&mut flat_params, &sharded_units, &plan, &config, rank, world_size)?;
-        let scheduler = optimizer::scheduler(&config, shard.base_lr);
+        let scheduler = optim::build::scheduler(&config, shard.base_lr);
         let gradients =
-            gradients::Gradients::new(&config, &plan, &layout, &params, rank, shared, residence, optimizer_device)?;
-        let scaler = loss_scaler(&config);
+            grads::Gradients::new(&config, &plan, &layout, &params, rank, shared, residence, optimizer_device)?;
+        let scaler = optim::build::loss_scaler(&config);
         if precision == Precision::Fp16 && rank == 0 && device == Device::Cpu {
             // Every parameter is on the CPU (checked in `arrange`).
             tracing::warn!("fp16 on the CPU: libtorch runs Half matmuls with a slow reference kernel on most CPUs (hundreds of times slower than bf16); bf16.enabled saves the same memory at full speed");
@@ -396,7 +315,7 @@ impl Engine {
             ?optimizer_device,
             "zerorun engine ready"
         );
-        let shard = optimizer_shard::OptimizerShard { scheduler, scaler, ..shard };
+        let shard = optim::OptimizerShard { scheduler, scaler, ..shard };
         let sync = match meetings::Meetings::new(&config.async_training, &flat_params) {
             Some(m) => Synchronization::Meetings(m),
             None => Synchronization::Synchronous,
@@ -442,54 +361,6 @@ impl Engine {
     }
 }
 
-/// This rank's optimizer side: the values it steps (by the plan), their fp32 master for a 16-bit model (from
-/// `flat`, before the shard may move to NVMe), the optimizer and its tier, and the groups with their weight decay;
-/// and where that side lives (the fp32 master and accumulator: the model's device or the host).
-fn optimizer_shard(
-    config: &Config,
-    plan: &StagePlan,
-    layout: &FlatLayout,
-    flat: &Tensor,
-    rank: usize,
-    residence: Residence,
-) -> Result<(optimizer_shard::OptimizerShard, Device)> {
-    let device = residence.device();
-    let optimized = plan.optimized(layout, rank);
-    let (mut tier, base_lr, weight_decay) = optimizer_tier(config, optimized.len(), rank, next_engine_id(), residence)?;
-    // The master lives with the optimizer's states: on the device for the device path's optimizer, else the host.
-    let home = if optimizer_shard::steps_on_device(&mut tier) { device } else { Device::Cpu };
-    let master = (config.precision() != Precision::Fp32)
-        .then(|| -> Result<Tensor> {
-            let part = parameters::shard_values(flat, layout, rank, plan, &optimized);
-            // A copy of its own (the kind changes), on the optimizer's side; pinned when that is host memory the
-            // 16-bit values of a CUDA model are written back from.
-            crate::engine::device::staging::pinned_for(
-                part.f_to_device(home)?.f_to_kind(Kind::Float)?.f_contiguous()?,
-                device,
-            )
-        })
-        .transpose()?;
-    let runs = match &optimized {
-        Optimized::Shard(_) => layout.shard_decay_runs(rank),
-        Optimized::Flat(plan::FlatRange(range)) => layout.decay_runs(range.clone()),
-    };
-    let groups = runs
-        .into_iter()
-        .map(|(range, decay)| Group { range, lr: base_lr, weight_decay: if decay { weight_decay } else { 0.0 } })
-        .collect();
-    let shard = optimizer_shard::OptimizerShard {
-        optimized,
-        master,
-        tier,
-        groups,
-        base_lr,
-        scheduler: None,
-        scaler: None,
-        in_backward: None,
-    };
-    Ok((shard, home))
-}
-
 /// Stage 3 with `offload_param.device = nvme`: moves this rank's shard out of `flat` (left empty) into swap files.
 fn swap_parameters_out(
     flat: &mut Tensor,
@@ -517,21 +388,6 @@ fn swap_parameters_out(
     Ok(Some(swapped))
 }
 
-/// fp16's dynamic (or static) loss scaler, as DeepSpeed configures it.
-fn loss_scaler(config: &Config) -> Option<LossScaler> {
-    config.fp16.enabled.then(|| {
-        let f = &config.fp16;
-        LossScaler::new(LossScalerConfig::from_fp16(
-            f.loss_scale,
-            f.initial_scale_power,
-            f.loss_scale_window,
-            f.hysteresis,
-            f.consecutive_hysteresis,
-            f.min_loss_scale,
-        ))
-    })
-}
-
 impl Engine {
     /// Builds the model from `builders` on `vs` (which should hold nothing else yet) and the engine over it, with
     /// the builders' units (see the module doc). Returns the engine and the model to run through
@@ -543,76 +399,9 @@ impl Engine {
         options: EngineOptions,
         builders: UnitBuilders<'a>,
     ) -> Result<(Engine, BuiltModel<'a>)> {
-        if builders.units.is_empty() {
-            return Err(Error::Usage("UnitBuilders has no unit".into()));
-        }
-        let kind = views::kind_of(config.precision());
-        let stage3 = Strategy::of_stage(config.zero_optimization.stage) == Strategy::PartitionedParameters;
-        let prefixes: Vec<Vec<String>> = builders.units.iter().map(|(p, _)| p.clone()).collect();
-        if stage3 && !options.keep_allocator_settings {
-            crate::engine::device::allocator::fix_mmap_threshold();
-        }
-        let mut starts = Vec::with_capacity(builders.units.len());
-        let mut forwards = Vec::with_capacity(builders.units.len());
-        for (_, build) in &builders.units {
-            starts.push(native::rng_state()?);
-            let known: HashSet<String> = vs.variables().into_keys().collect();
-            forwards.push(build(&vs.root()));
-            settle_new_variables(vs, &known, kind, stage3)?;
-            if stage3 {
-                crate::engine::device::allocator::return_freed_memory();
-            }
-        }
-        let model = BuiltModel { prefixes, forwards };
-        let options = EngineOptions { units: Some(model.unit_prefixes()), ..options };
-        if !stage3 {
-            if let Some(path) = &builders.init {
-                crate::engine::checkpointing::load_mapped(vs, path)?;
-            }
-            return Ok((Engine::new(vs, config, comm, options)?, model));
-        }
-        if let Some(path) = &builders.init {
-            // Every rank reads its units from the file; nothing draws from the generator.
-            let file = crate::checkpoint::files::MappedTensors::open(path)?;
-            let mut materialize = |_unit: usize, vars: &[(&str, &Tensor)]| -> Result<()> {
-                for (name, t) in vars {
-                    fill_variable(name, t, &read_variable(&file, path, name)?, file_mismatch(path))?;
-                }
-                Ok(())
-            };
-            return Ok((Engine::new_materialized(vs, config, comm, options, Some(&mut materialize))?, model));
-        }
-        let end = native::rng_state()?;
-        // Every rank takes rank 0's values when the unit is packed, so only rank 0 builds them again; the others
-        // only give the variables their storage (and never touch the generator, which thread ranks share).
-        let rank = comm.rank();
-        let mut materialize = |unit: usize, vars: &[(&str, &Tensor)]| -> Result<()> {
-            if rank != 0 {
-                for (_, t) in vars {
-                    native::resize_storage(t, t.numel() * t.kind().elt_size_in_bytes())?;
-                }
-                return Ok(());
-            }
-            native::set_rng_state(&starts[unit])?;
-            let scratch = nn::VarStore::new(tch::Device::Cpu);
-            let _forward = (builders.units[unit].1)(&scratch.root());
-            let values = scratch.variables();
-            for (name, t) in vars {
-                let v = values.get(*name).ok_or_else(|| Error::Parameter { name: name.to_string(), why: format!("the builder of unit {unit} did not create it again (builders must create the same variables every run)") })?;
-                fill_variable(name, t, v, |name, again, first| Error::Parameter {
-                    name: name.into(),
-                    why: format!("the builder of unit {unit} made it {first:?}, then {again:?}"),
-                })?;
-            }
-            Ok(())
-        };
-        let engine = Engine::new_materialized(vs, config, comm, options, Some(&mut materialize));
-        native::set_rng_state(&end)?;
-        Ok((engine?, model))
+        builders.build_engine(vs, config, comm, options)
     }
-}
 
-impl Engine {
     /// The engine for the model on `vs` on `mesh`: ZeRO over the mesh's data-parallel ranks and, with pipeline
     /// stages or tensor parallelism, its place among the model's other parts (the norm's group, the placements
     /// the mesh's tensor-parallel layers recorded). A data-parallel mesh's engine runs on its communicator itself.

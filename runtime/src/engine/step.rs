@@ -173,19 +173,10 @@ impl Engine {
         let lr = self.lr();
         let grads = self.gradients.view_buffer().expect("bounded staleness keeps gradient views");
         let grad_norm = flat_math::sum_of_squares(self.residence, grads)?.sqrt();
-        let stepped = self.timed(Phase::Step, |e| {
+        self.timed(Phase::Step, |e| {
             let parts = stale_parts!(e);
             e.sync.stale_mut().expect("bounded staleness").step(&mut e.gradients, parts)
-        });
-        if let Err(failed) = stepped {
-            // This rank stops here: it keeps serving its partition while it ends the run (bounded by
-            // comms_timeout), so the others see the failure that stopped it and name its cause, not this rank.
-            let parts = stale_parts!(self);
-            if let Err(e) = self.sync.stale_mut().expect("bounded staleness").finish(parts) {
-                tracing::debug!(rank = self.rank(), "bounded_staleness after a failed step: {e}");
-            }
-            return Err(failed);
-        }
+        })?;
         let loss = self.finish_loss()?;
         Ok(self.count_step(loss, lr, grad_norm))
     }

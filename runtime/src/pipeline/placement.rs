@@ -4,9 +4,13 @@
 //! Without tensor parallelism the model axis has one rank and the layout is DeepSpeed's `pipe x data`.
 use crate::comm::topology::Topology;
 use crate::config::PipelineConfig;
-use crate::mesh::{Dim, Mesh};
+use crate::mesh::{Mesh, MeshError, MeshShape};
 
 use super::PipelineError;
+
+fn placement(e: MeshError) -> PipelineError {
+    PipelineError::Placement(e.to_string())
+}
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StagePlacement {
@@ -37,69 +41,38 @@ impl StagePlacement {
         rank: usize,
         world_size: usize,
     ) -> Result<StagePlacement, PipelineError> {
-        let stages = match (config.stages.map(|s| s as usize), program_stages) {
-            (Some(c), Some(p)) if c != p => {
-                return Err(PipelineError::Placement(format!(
-                    "pipeline.stages is {c} but the program asks for {p} stages; give one of them (or \"auto\")"
-                )))
-            }
-            (Some(s), _) | (None, Some(s)) => s,
-            (None, None) => 1,
-        };
-        if stages == 0 || world_size % stages != 0 {
-            return Err(PipelineError::Placement(format!(
-                "{stages} pipeline stages x a data-parallel degree must equal the world size {world_size}: {world_size} is not a multiple of {stages}"
-            )));
-        }
-        let data_parallel = world_size / stages;
-        Ok(StagePlacement {
-            stages,
-            chunks: config.chunks().max(1),
-            stage: rank / data_parallel,
-            data_parallel,
-            data_index: rank % data_parallel,
-            tensor_parallel: 1,
-            model_index: 0,
-            rank,
-            world_size,
-        })
+        let stages = MeshShape::pipeline_stages(config, program_stages).map_err(placement)?;
+        let shape = MeshShape::new(world_size, stages, 1, None).map_err(placement)?;
+        Ok(StagePlacement::in_shape(shape, config.chunks(), rank))
     }
 
     /// This rank's place in the pipeline of `mesh` (its `pipe` dimension; the data-parallel index counts replicas
     /// and shards together).
     pub fn of(mesh: &Mesh, config: &PipelineConfig) -> StagePlacement {
-        let shape = mesh.shape();
-        StagePlacement {
-            stages: shape.pipeline,
-            chunks: config.chunks().max(1),
-            stage: mesh.coordinate(Dim::Pipeline),
-            data_parallel: shape.data(),
-            data_index: mesh.coordinate(Dim::Replicate) * shape.shard + mesh.coordinate(Dim::Shard),
-            tensor_parallel: shape.tensor,
-            model_index: mesh.coordinate(Dim::Tensor),
-            rank: mesh.rank(),
-            world_size: mesh.world_size(),
-        }
+        StagePlacement::in_shape(mesh.shape(), config.chunks(), mesh.rank())
     }
 
     /// This placement with each stage's layers split across `tensor_parallel` adjacent ranks: the ranks of a stage
     /// are `data x model`, so the data-parallel degree is the stage's ranks over `tensor_parallel`.
     pub fn with_tensor_parallel(self, tensor_parallel: usize) -> Result<StagePlacement, PipelineError> {
-        let per_stage = self.world_size / self.stages;
-        if tensor_parallel == 0 || per_stage % tensor_parallel != 0 {
-            return Err(PipelineError::Placement(format!(
-                "a tensor-parallel degree of {tensor_parallel} must divide the ranks of a stage ({} ranks over {} stages = {per_stage})",
-                self.world_size, self.stages
-            )));
+        let shape = MeshShape::new(self.world_size, self.stages, tensor_parallel, None).map_err(placement)?;
+        Ok(StagePlacement::in_shape(shape, self.chunks, self.rank))
+    }
+
+    /// Rank `rank` of a mesh of `shape` (row-major, the tensor dimension fastest, as [`Mesh`] lays ranks out).
+    fn in_shape(shape: MeshShape, chunks: usize, rank: usize) -> StagePlacement {
+        let per_stage = shape.data() * shape.tensor;
+        StagePlacement {
+            stages: shape.pipeline,
+            chunks: chunks.max(1),
+            stage: rank / per_stage,
+            data_parallel: shape.data(),
+            data_index: rank % per_stage / shape.tensor,
+            tensor_parallel: shape.tensor,
+            model_index: rank % shape.tensor,
+            rank,
+            world_size: shape.size(),
         }
-        let within = self.rank % per_stage;
-        Ok(StagePlacement {
-            data_parallel: per_stage / tensor_parallel,
-            data_index: within / tensor_parallel,
-            tensor_parallel,
-            model_index: within % tensor_parallel,
-            ..self
-        })
     }
 
     /// The `pipe x data x model` topology.

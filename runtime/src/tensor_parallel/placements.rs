@@ -30,9 +30,4 @@ impl Placements {
     pub fn split_dim(&self, name: &str) -> Option<usize> {
         self.lock().get(name).copied()
     }
-
-    /// Whether no parameter is split.
-    pub fn is_empty(&self) -> bool {
-        self.lock().is_empty()
-    }
 }

@@ -89,11 +89,6 @@ impl TensorParallel {
         self.placements.split_dim(name)
     }
 
-    /// Where this group's layers split their parameters.
-    pub fn placements(&self) -> &Placements {
-        &self.placements
-    }
-
     pub fn rank(&self) -> usize {
         self.inner.comm.rank()
     }

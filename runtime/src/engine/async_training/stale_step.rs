@@ -83,11 +83,11 @@ impl Stale {
     /// parameters and the master.
     fn with_exchanged_values(
         &mut self,
-        parts: StaleParts<'_>,
+        parts: &mut StaleParts<'_>,
         f: impl FnOnce(&mut BoundedStaleness, &dyn Communicator, &mut [f32], &mut OwnerStep<'_>) -> Result<()>,
     ) -> Result<()> {
         let Stale { window, values, owner_schedule, .. } = self;
-        let shard = parts.shard;
+        let shard = &mut *parts.shard;
         let mut step = owner_step(&mut shard.tier, &shard.groups, shard.base_lr, owner_schedule);
         let Some(wide) = values.as_mut() else {
             // SAFETY: inside `engine.step()` or between steps: nothing else touches the flat parameters.
@@ -119,7 +119,9 @@ impl Stale {
 
     /// Bounded staleness's optimizer step: push this step's gradients (autograd's, in `gradients`' view buffer),
     /// serve this rank's partition, pull the next step's values.
-    pub fn step(&mut self, gradients: &mut Gradients, parts: StaleParts<'_>) -> Result<()> {
+    /// A step that fails ends the run for this rank, which keeps serving its partition meanwhile (bounded by
+    /// `comms_timeout`), so the other ranks see the failure that stopped it and name its cause, not this rank.
+    pub fn step(&mut self, gradients: &mut Gradients, mut parts: StaleParts<'_>) -> Result<()> {
         // A handle of the gradient buffer (its storage is the engine's, untouched while this step runs).
         let view = gradients.view_buffer().expect("bounded staleness keeps gradient views").shallow_clone();
         // A 16-bit model's gradients widened into the buffer kept for them (taken out for the exchange).
@@ -137,11 +139,17 @@ impl Stale {
             }
             None => unsafe { views::slice::<f32>(&view) },
         };
-        let stepped = self.with_exchanged_values(parts, |ps, _, values, step| ps.step(grads, values, step));
+        let stepped = self.with_exchanged_values(&mut parts, |ps, _, values, step| ps.step(grads, values, step));
         if let (Some(w), Some(g)) = (self.values.as_mut(), widened) {
             w.grads = g;
         }
-        stepped?;
+        if let Err(failed) = stepped {
+            let rank = parts.comm.rank();
+            if let Err(e) = self.finish(parts) {
+                tracing::debug!(rank, "bounded_staleness after a failed step: {e}");
+            }
+            return Err(failed);
+        }
         gradients.consume()
     }
 
@@ -152,14 +160,14 @@ impl Stale {
 
     /// Before a checkpoint: every owner applies every step pushed so far and every rank pulls the values, so the
     /// ranks hold one model and no gradient is in flight; the checkpoint is then stage 1's. Collective.
-    pub fn quiesce(&mut self, parts: StaleParts<'_>) -> Result<()> {
-        self.with_exchanged_values(parts, |ps, comm, values, step| ps.quiesce(comm, values, step))
+    pub fn quiesce(&mut self, mut parts: StaleParts<'_>) -> Result<()> {
+        self.with_exchanged_values(&mut parts, |ps, comm, values, step| ps.quiesce(comm, values, step))
     }
 
     /// Ends the run: every owner applies every step and every rank pulls the final values (collective; see
     /// [`BoundedStaleness::finish`]), after which the ranks' parameters are equal and no step may follow.
-    pub fn finish(&mut self, parts: StaleParts<'_>) -> Result<()> {
-        self.with_exchanged_values(parts, |ps, comm, values, step| ps.finish(comm, values, step))?;
+    pub fn finish(&mut self, mut parts: StaleParts<'_>) -> Result<()> {
+        self.with_exchanged_values(&mut parts, |ps, comm, values, step| ps.finish(comm, values, step))?;
         self.finished = true;
         Ok(())
     }

@@ -11,9 +11,15 @@ use std::path::PathBuf;
 
 use tch::{nn, Tensor};
 
+use crate::comm::Communicator;
+use crate::config::Config;
+use crate::engine::checkpointing::{file_mismatch, fill_variable, read_variable};
 use crate::engine::device::native;
+use crate::engine::device::views;
+use crate::engine::zero::plan::Strategy;
 use crate::engine::zero::units::UnitModel;
-use crate::error::Result;
+use crate::engine::{Engine, EngineOptions};
+use crate::error::{Error, Result};
 
 /// A unit's forward, as a builder returns it.
 pub type UnitForward<'a> = Box<dyn Fn(&Tensor) -> Tensor + 'a>;
@@ -23,9 +29,9 @@ type Builder<'a> = Box<dyn Fn(&nn::Path) -> UnitForward<'a> + 'a>;
 /// The model as builders, one per unit, in execution order.
 #[derive(Default)]
 pub struct UnitBuilders<'a> {
-    pub(crate) units: Vec<(Vec<String>, Builder<'a>)>,
+    units: Vec<(Vec<String>, Builder<'a>)>,
     /// Pretrained weights to start from instead of the builders' initial values.
-    pub(crate) init: Option<PathBuf>,
+    init: Option<PathBuf>,
 }
 
 impl<'a> UnitBuilders<'a> {
@@ -58,8 +64,8 @@ impl<'a> UnitBuilders<'a> {
 
 /// The model the builders made: its units' forwards, run through `engine.forward` as any [`UnitModel`].
 pub struct BuiltModel<'a> {
-    pub(crate) prefixes: Vec<Vec<String>>,
-    pub(crate) forwards: Vec<UnitForward<'a>>,
+    prefixes: Vec<Vec<String>>,
+    forwards: Vec<UnitForward<'a>>,
 }
 
 impl UnitModel for BuiltModel<'_> {
@@ -74,12 +80,7 @@ impl UnitModel for BuiltModel<'_> {
 
 /// Converts the floating variables of `vs` created since `known` to `kind` (what `vs.bfloat16()` does to all);
 /// with `release`, the parameters among them (tch's trainable list) keep name, shape and dtype but no storage.
-pub(crate) fn settle_new_variables(
-    vs: &nn::VarStore,
-    known: &HashSet<String>,
-    kind: tch::Kind,
-    release: bool,
-) -> Result<()> {
+fn settle_new_variables(vs: &nn::VarStore, known: &HashSet<String>, kind: tch::Kind, release: bool) -> Result<()> {
     let listed: HashSet<usize> = vs.trainable_variables().iter().map(native::tensor_identity).collect();
     for (name, t) in vs.variables() {
         if known.contains(&name) {
@@ -97,4 +98,85 @@ pub(crate) fn settle_new_variables(
         }
     }
     Ok(())
+}
+
+impl<'a> UnitBuilders<'a> {
+    /// [`Engine::from_builders`]: builds every unit on `vs` (each rank, in order, noting the generator's state
+    /// before each), then the engine over them; at stage 3 each unit's values are made again (rank 0) or read from
+    /// the initial weights right before the unit is packed, so no rank holds the whole model.
+    pub(crate) fn build_engine(
+        self,
+        vs: &nn::VarStore,
+        config: Config,
+        comm: Box<dyn Communicator>,
+        options: EngineOptions,
+    ) -> Result<(Engine, BuiltModel<'a>)> {
+        let builders = self;
+        if builders.units.is_empty() {
+            return Err(Error::Usage("UnitBuilders has no unit".into()));
+        }
+        let kind = views::kind_of(config.precision());
+        let stage3 = Strategy::of_stage(config.zero_optimization.stage) == Strategy::PartitionedParameters;
+        let prefixes: Vec<Vec<String>> = builders.units.iter().map(|(p, _)| p.clone()).collect();
+        if stage3 && !options.keep_allocator_settings {
+            crate::engine::device::allocator::fix_mmap_threshold();
+        }
+        let mut starts = Vec::with_capacity(builders.units.len());
+        let mut forwards = Vec::with_capacity(builders.units.len());
+        for (_, build) in &builders.units {
+            starts.push(native::rng_state()?);
+            let known: HashSet<String> = vs.variables().into_keys().collect();
+            forwards.push(build(&vs.root()));
+            settle_new_variables(vs, &known, kind, stage3)?;
+            if stage3 {
+                crate::engine::device::allocator::return_freed_memory();
+            }
+        }
+        let model = BuiltModel { prefixes, forwards };
+        let options = EngineOptions { units: Some(model.unit_prefixes()), ..options };
+        if !stage3 {
+            if let Some(path) = &builders.init {
+                crate::engine::checkpointing::load_mapped(vs, path)?;
+            }
+            return Ok((Engine::new(vs, config, comm, options)?, model));
+        }
+        if let Some(path) = &builders.init {
+            // Every rank reads its units from the file; nothing draws from the generator.
+            let file = crate::checkpoint::files::MappedTensors::open(path)?;
+            let mut materialize = |_unit: usize, vars: &[(&str, &Tensor)]| -> Result<()> {
+                for (name, t) in vars {
+                    fill_variable(name, t, &read_variable(&file, path, name)?, file_mismatch(path))?;
+                }
+                Ok(())
+            };
+            return Ok((Engine::new_materialized(vs, config, comm, options, Some(&mut materialize))?, model));
+        }
+        let end = native::rng_state()?;
+        // Every rank takes rank 0's values when the unit is packed, so only rank 0 builds them again; the others
+        // only give the variables their storage (and never touch the generator, which thread ranks share).
+        let rank = comm.rank();
+        let mut materialize = |unit: usize, vars: &[(&str, &Tensor)]| -> Result<()> {
+            if rank != 0 {
+                for (_, t) in vars {
+                    native::resize_storage(t, t.numel() * t.kind().elt_size_in_bytes())?;
+                }
+                return Ok(());
+            }
+            native::set_rng_state(&starts[unit])?;
+            let scratch = nn::VarStore::new(tch::Device::Cpu);
+            let _forward = (builders.units[unit].1)(&scratch.root());
+            let values = scratch.variables();
+            for (name, t) in vars {
+                let v = values.get(*name).ok_or_else(|| Error::Parameter { name: name.to_string(), why: format!("the builder of unit {unit} did not create it again (builders must create the same variables every run)") })?;
+                fill_variable(name, t, v, |name, again, first| Error::Parameter {
+                    name: name.into(),
+                    why: format!("the builder of unit {unit} made it {first:?}, then {again:?}"),
+                })?;
+            }
+            Ok(())
+        };
+        let engine = Engine::new_materialized(vs, config, comm, options, Some(&mut materialize));
+        native::set_rng_state(&end)?;
+        Ok((engine?, model))
+    }
 }

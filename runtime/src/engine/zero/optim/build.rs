@@ -4,7 +4,15 @@ use zerorun_optim::{
     Adagrad, AdagradConfig, Adam, AdamConfig, Lamb, LambConfig, Lion, LionConfig, Optimizer, Sgd, SgdConfig,
 };
 
-use crate::config::{Config, OptimizerConfig};
+use tch::{Device, Kind, Tensor};
+use zerorun_offload::OptimizerTier as _;
+use zerorun_optim::{Group, LossScaler, LossScalerConfig};
+
+use crate::config::{Config, OffloadDevice, OptimizerConfig, Precision};
+use crate::engine::device::Residence;
+use crate::engine::zero::layout::FlatLayout;
+use crate::engine::zero::plan::{self, Optimized, StagePlan};
+use crate::error::{Error, Result};
 
 /// The optimizer for a shard of `len` elements, its base lr and weight decay. No optimizer section: AdamW with
 /// DeepSpeed's defaults.
@@ -96,3 +104,131 @@ pub fn scheduler(config: &Config, base_lr: f64) -> Option<LrScheduler> {
 
 /// Where the optimizer's states live (zerorun-offload's tiers: in memory, or on NVMe by sub-group).
 pub(crate) type OptimizerTier = Box<dyn zerorun_offload::OptimizerTier>;
+
+/// The optimizer over `optimized_len` elements, in memory or with its states on NVMe, its base learning rate and
+/// weight decay. The in-memory optimizer is built only without NVMe offload: its states would be the very bytes
+/// NVMe offload keeps out of memory. A model on a device (`device`, or any under emulation) without optimizer
+/// offload gets the device path's Adam, its states on that device.
+pub(crate) fn optimizer_tier(
+    config: &Config,
+    optimized_len: usize,
+    rank: usize,
+    engine_id: usize,
+    residence: Residence,
+) -> Result<(OptimizerTier, f64, f64)> {
+    let z = &config.zero_optimization;
+    let device = residence.device();
+    let nvme = z.offload_optimizer.device == OffloadDevice::Nvme;
+    let on_device = z.offload_optimizer.device == OffloadDevice::None && residence.device_path();
+    let (in_memory, base_lr, weight_decay) = build(config, if nvme || on_device { 0 } else { optimized_len });
+    let tier = match z.offload_optimizer.device {
+        OffloadDevice::Nvme => {
+            let o = &z.offload_optimizer;
+            let dir = std::path::PathBuf::from(o.nvme_path.clone().expect("the config requires nvme_path for nvme"));
+            let prefix = format!("zerorun-{}-{engine_id}-rank{rank}", std::process::id());
+            let swapped = zerorun_offload::SwappedOptimizer::new(
+                |len| build(config, len).0,
+                optimized_len,
+                z.sub_group_size as usize,
+                &dir,
+                &prefix,
+                crate::engine::setup::io_config(config),
+                o.buffer_count as usize,
+                (o.pipeline_read, o.pipeline_write),
+            )?;
+            tracing::info!(rank, dir = %dir.display(), bytes = swapped.swapped_bytes(), "optimizer states on NVMe");
+            Box::new(swapped) as OptimizerTier
+        }
+        OffloadDevice::None if on_device => {
+            // The device path: the states in device memory (separate CPU tensors under emulation), the step
+            // libtorch's kernels.
+            use crate::engine::device::optimizer::DeviceOptimizer;
+            let (tier, base_lr, weight_decay) = if let Some((adam, lr, wd)) = adam(config) {
+                (DeviceOptimizer::adam(adam, optimized_len, device)?, lr, wd)
+            } else if let Some((sgd, lr, wd)) = sgd(config) {
+                (DeviceOptimizer::sgd(sgd, optimized_len, device)?, lr, wd)
+            } else {
+                return Err(Error::Unsupported {
+                    key: "optimizer.type",
+                    value: config.optimizer.as_ref().map_or("AdamW", |o| o.name()).to_string(),
+                    why: "the optimizer step on device memory (a CUDA model, or ZERORUN_DEVICE_EMULATION) is Adam/AdamW (libtorch's fused kernels) or SGD; other optimizers step on the host with zero_optimization.offload_optimizer.device = \"cpu\"",
+                });
+            };
+            return Ok((Box::new(tier), base_lr, weight_decay));
+        }
+        offload => {
+            if offload == OffloadDevice::Cpu && device == Device::Cpu {
+                tracing::info!(
+                    rank,
+                    "offload_optimizer.device = cpu: a CPU run keeps optimizer states in host memory already"
+                );
+            }
+            Box::new(zerorun_offload::InMemory(in_memory))
+        }
+    };
+    Ok((tier, base_lr, weight_decay))
+}
+
+/// This rank's optimizer side: the values it steps (by the plan), their fp32 master for a 16-bit model (from
+/// `flat`, before the shard may move to NVMe), the optimizer and its tier, and the groups with their weight decay;
+/// and where that side lives (the fp32 master and accumulator: the model's device or the host).
+pub(crate) fn optimizer_shard(
+    config: &Config,
+    plan: &StagePlan,
+    layout: &FlatLayout,
+    flat: &Tensor,
+    rank: usize,
+    residence: Residence,
+) -> Result<(super::OptimizerShard, Device)> {
+    let device = residence.device();
+    let optimized = plan.optimized(layout, rank);
+    let (mut tier, base_lr, weight_decay) =
+        optimizer_tier(config, optimized.len(), rank, crate::engine::next_engine_id(), residence)?;
+    // The master lives with the optimizer's states: on the device for the device path's optimizer, else the host.
+    let home = if super::steps_on_device(&mut tier) { device } else { Device::Cpu };
+    let master = (config.precision() != Precision::Fp32)
+        .then(|| -> Result<Tensor> {
+            let part = crate::engine::zero::parameters::shard_values(flat, layout, rank, plan, &optimized);
+            // A copy of its own (the kind changes), on the optimizer's side; pinned when that is host memory the
+            // 16-bit values of a CUDA model are written back from.
+            crate::engine::device::staging::pinned_for(
+                part.f_to_device(home)?.f_to_kind(Kind::Float)?.f_contiguous()?,
+                device,
+            )
+        })
+        .transpose()?;
+    let runs = match &optimized {
+        Optimized::Shard(_) => layout.shard_decay_runs(rank),
+        Optimized::Flat(plan::FlatRange(range)) => layout.decay_runs(range.clone()),
+    };
+    let groups = runs
+        .into_iter()
+        .map(|(range, decay)| Group { range, lr: base_lr, weight_decay: if decay { weight_decay } else { 0.0 } })
+        .collect();
+    let shard = super::OptimizerShard {
+        optimized,
+        master,
+        tier,
+        groups,
+        base_lr,
+        scheduler: None,
+        scaler: None,
+        in_backward: None,
+    };
+    Ok((shard, home))
+}
+
+/// fp16's dynamic (or static) loss scaler, as DeepSpeed configures it.
+pub(crate) fn loss_scaler(config: &Config) -> Option<LossScaler> {
+    config.fp16.enabled.then(|| {
+        let f = &config.fp16;
+        LossScaler::new(LossScalerConfig::from_fp16(
+            f.loss_scale,
+            f.initial_scale_power,
+            f.loss_scale_window,
+            f.hysteresis,
+            f.consecutive_hysteresis,
+            f.min_loss_scale,
+        ))
+    })
+}
