@@ -37,6 +37,7 @@ pub(crate) mod checkpointing;
 mod counters;
 pub mod device;
 mod engine_comm;
+mod micro_batch;
 pub mod parallel;
 mod reporting;
 pub mod sampler;
@@ -44,15 +45,16 @@ mod setup;
 mod step;
 pub mod zero;
 
-use std::time::Instant;
+use std::path::PathBuf;
 
 use tch::{nn, Tensor};
 use zerorun_optim::LossScaler;
 
 use crate::comm::Communicator;
 use crate::config::{BatchSizes, Config, Precision};
-use crate::error::{Error, Result};
-use crate::report::Phase;
+use crate::error::Result;
+use crate::estimate::{model_states_bytes, EstimateInput};
+use crate::report::memory::{self, MemoryCategory, MemoryReport, ModelStates, SCHEMA_VERSION};
 pub use checkpointing::{load_mapped, load_mapped_slices, SaveOptions};
 use counters::Progress;
 pub use counters::{CommVolume, GatheredBytes};
@@ -61,18 +63,9 @@ pub use parallel::placement::SplitDim;
 pub use reporting::{MemoryReportFiles, MEMORY_REPORT_ENV};
 pub use zero::builders::{BuiltModel, UnitBuilders, UnitForward};
 pub use zero::layout::{self, FlatLayout, ParamSlot, UnitSpan};
-use zero::plan::{GradientPath, StagePlan};
+use zero::plan::StagePlan;
 pub use zero::units::{self, Sequence, UnitModel, Whole};
 pub use zero::variables::BufferSync;
-
-/// Where a backward starts.
-#[derive(Clone, Copy)]
-enum Root<'a> {
-    /// A micro-batch's loss, scaled by the loss scale over the accumulation steps.
-    Loss(&'a Tensor),
-    /// A part's output and the gradient of the loss with respect to it.
-    Output { output: &'a Tensor, grad: &'a Tensor },
-}
 
 /// What `step` did.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -241,139 +234,19 @@ impl Engine {
         Ok(crate::comm::Collectives::all_reduce(self.comm.as_ref(), buf, crate::comm::ReduceOp::Avg)?)
     }
 
+    /// Bytes of gathered full parameters (stage 3): now, the run's peak, the current step's peak.
+    pub fn gathered_bytes(&self) -> GatheredBytes {
+        self.states.parameters.gathered
+    }
+
+    /// Elements this rank's collectives moved since the engine started.
+    pub fn comm_volume(&self) -> CommVolume {
+        self.report.comm_volume
+    }
+
     /// Whether the next `step` is an optimizer step (the last micro-batch of an accumulation).
     pub fn is_gradient_accumulation_boundary(&self) -> bool {
         (self.progress.micro_steps + 1) % self.batch.gradient_accumulation_steps == 0
-    }
-
-    /// Backward of one micro-batch's loss, scaled by 1/gradient_accumulation_steps as DeepSpeed does (and by the
-    /// loss scale under fp16).
-    pub fn backward(&mut self, loss: &Tensor) -> Result<()> {
-        self.backward_impl(None, loss)
-    }
-
-    /// [`Engine::backward`] with the model at hand, which stage 3 needs to recompute units under activation
-    /// checkpointing. Works at every stage.
-    pub fn backward_units(&mut self, model: &dyn UnitModel, loss: &Tensor) -> Result<()> {
-        self.backward_impl(Some(model), loss)
-    }
-
-    /// Whether the next backwards reduce their gradients (true, the default), or leave them accumulating in
-    /// `.grad` for a later backward to reduce (FSDP2's `set_requires_gradient_sync`): a pipeline stage, whose
-    /// micro-batches' backwards spread over the whole step, reduces once, during the last. Stage 2 of an fp32
-    /// plain loop then holds full gradients until that backward (as stage 1 does) and runs no collective before it;
-    /// 16-bit models reduce every micro-batch into their fp32 accumulator whatever this says, and the other paths
-    /// reduce at the step anyway.
-    pub fn set_requires_gradient_sync(&mut self, sync: bool) {
-        self.gradients.defers_reduction = !sync && self.precision() == Precision::Fp32;
-    }
-
-    /// Backward of a part of the model from the gradient of its `output` (what the next pipeline stage sent back,
-    /// already scaled as that stage's loss was): accumulates the parameters' gradients as [`Engine::backward`]
-    /// does, records no loss. Stages 0-2 without units.
-    pub(crate) fn backward_output(&mut self, output: &Tensor, grad: &Tensor) -> Result<()> {
-        if self.plan.gradients == GradientPath::UnitWalk {
-            return Err(Error::Usage(
-                "engine.backward_output runs a plain backward: it needs ZeRO stage 0-2 without units".into(),
-            ));
-        }
-        self.backward_root(Root::Output { output, grad })
-    }
-
-    fn backward_impl(&mut self, model: Option<&dyn UnitModel>, loss: &Tensor) -> Result<()> {
-        if self.plan.gradients == GradientPath::UnitWalk {
-            self.begin_backward(Some(loss))?;
-            let factor = self.loss_scale() / self.batch.gradient_accumulation_steps as f64;
-            let (started, comm_before) = (Instant::now(), self.report.times.comm());
-            let _span = Phase::Backward.span().entered();
-            // The walk records its own events, unit by unit.
-            return self.backward_units_impl(model, loss, factor).map(|()| self.end_backward(started, comm_before));
-        }
-        self.backward_root(Root::Loss(loss))
-    }
-
-    /// Counts the backward (and its loss).
-    fn begin_backward(&mut self, loss: Option<&Tensor>) -> Result<()> {
-        if self.progress.step_started.is_none() {
-            self.progress.step_started = Some(Instant::now());
-        }
-        if let Some(loss) = loss {
-            self.progress.loss_sum += loss.f_double_value(&[])?;
-            self.progress.loss_count += 1;
-        }
-        self.progress.backwards += 1;
-        Ok(())
-    }
-
-    fn backward_root(&mut self, root: Root<'_>) -> Result<()> {
-        self.begin_backward(match root {
-            Root::Loss(loss) => Some(loss),
-            Root::Output { .. } => None,
-        })?;
-        let factor = self.loss_scale() / self.batch.gradient_accumulation_steps as f64;
-        let _span = Phase::Backward.span().entered();
-        let (started, comm_before) = (Instant::now(), self.report.times.comm());
-        let autograd = || -> Result<()> {
-            match root {
-                Root::Loss(loss) if factor != 1.0 => (loss * factor).f_backward()?,
-                Root::Loss(loss) => loss.f_backward()?,
-                // d/d(output) of sum(output * grad) is grad, exactly.
-                Root::Output { output, grad } => (output * grad.detach()).sum(None).f_backward()?,
-            }
-            Ok(())
-        };
-        // Deferring: this micro-batch's gradients stay in `.grad` (the hooks only act while lent).
-        let defer = self.gradients.defers_reduction;
-        match self.plan.gradients {
-            GradientPath::AfterBackward => autograd()?,
-            GradientPath::Hooks if defer => autograd()?,
-            GradientPath::Hooks => {
-                let hooks = self.gradients.hooks.take().expect("hooked mode has hooks");
-                let ran = hooks.lend(&mut self.gradient_sync(), autograd);
-                self.gradients.hooks = Some(hooks);
-                ran?
-            }
-            GradientPath::UnitWalk => unreachable!("unit walks run in backward_impl"),
-        }
-        self.memory_event(|| "backward".into(), &[]);
-        self.end_backward(started, comm_before);
-        Ok(())
-    }
-
-    fn end_backward(&mut self, started: Instant, comm_before: std::time::Duration) {
-        self.report
-            .times
-            .add(Phase::Backward, started.elapsed().saturating_sub(self.report.times.comm() - comm_before));
-    }
-
-    /// Runs `f` as collective time of `phase`.
-    fn timed<T>(&mut self, phase: Phase, f: impl FnOnce(&mut Self) -> T) -> T {
-        let _span = phase.span().entered();
-        let t = Instant::now();
-        let out = f(self);
-        self.report.times.add(phase, t.elapsed());
-        out
-    }
-
-    /// What reducing gradients needs, borrowed from the engine's fields.
-    fn gradient_sync(&mut self) -> zero::grads::GradientSync<'_> {
-        // Only while stage 3's optimizer in backward has begun a step.
-        let stepper = self.shard.in_backward.as_mut().map(|progress| zero::optim::in_backward::ShardStepper {
-            tier: &mut self.shard.tier,
-            groups: &self.shard.groups,
-            shard: &self.states.parameters.flat,
-            progress,
-            residence: self.residence,
-        });
-        zero::grads::GradientSync {
-            gradients: &mut self.gradients,
-            comm: &self.comm,
-            layout: &self.states.layout,
-            params: &self.states.params,
-            volume: &mut self.report.comm_volume,
-            times: &mut self.report.times,
-            stepper,
-        }
     }
 }
 
@@ -402,6 +275,214 @@ impl Engine {
             self.sync = async_training::Synchronization::Stale(Box::new(stale));
         }
         Ok(())
+    }
+}
+
+/// What the engine reports: memory by category, the memory report's files, the wall-clock breakdown.
+impl Engine {
+    /// Bytes this rank holds, by category: `parameters` (the model-dtype values kept between steps: all of them
+    /// at stages 0-2, the shard at stage 3), `parameters_nvme` (the shard's chunks on NVMe), `parameters_gathered` (stage 3 units gathered now), `gradients_full`
+    /// (autograd's `.grad` tensors of the model, stages 0-2), `gradients_shard` (the fp32 reduced gradients of the
+    /// optimized range), `master_fp32`, `optimizer_states`, `communication_buffers` (reduction staging),
+    /// `frozen_parameters` (all of them at stages 0-2; at stage 3 this rank's shard; gathered units,
+    /// persistent ones too, count in `parameters_gathered`) and `buffers` (BatchNorm's statistics, whole on every rank).
+    pub fn memory_bytes(&self) -> Vec<(MemoryCategory, usize)> {
+        let bytes = |t: &Tensor| t.numel() * t.kind().elt_size_in_bytes();
+        let (view_buffer, staging, partition) = self.gradients.buffer_bytes();
+        // With gradient views the `.grad` tensors are the gradient buffer: counted once, as the full gradients.
+        let full = match view_buffer {
+            Some(b) => b,
+            None => self.states.params.iter().map(|t| t.grad()).filter(Tensor::defined).map(|g| bytes(&g)).sum(),
+        };
+        // Stage 0 reducing in the staging buffer: it is the full gradients (views) or the reduced ones.
+        let in_staging =
+            !self.plan.partitions_optimizer() && (view_buffer.is_some() || self.gradients.in_flat_buffer());
+        let shard = if !self.plan.partitions_optimizer() && view_buffer.is_none() && self.gradients.in_flat_buffer() {
+            staging
+        } else {
+            self.gradients.accumulator_bytes()
+        };
+        let staging = if in_staging { 0 } else { staging };
+        let (params_kept, params_nvme) = self.states.parameters.kept_bytes();
+        use MemoryCategory::*;
+        vec![
+            (Parameters, params_kept),
+            (ParametersNvme, params_nvme),
+            (ParametersGathered, self.states.parameters.gathered.current),
+            (GradientsFull, full),
+            (GradientsShard, shard),
+            (MasterFp32, self.shard.master.as_ref().map_or(0, |m| m.numel() * 4)),
+            (OptimizerStates, self.shard.tier.resident_bytes()),
+            (OptimizerStatesNvme, self.shard.tier.swapped_bytes()),
+            (CommunicationBuffers, staging + partition),
+            (
+                FrozenParameters,
+                self.states
+                    .parameters
+                    .frozen_units
+                    .as_ref()
+                    .map_or_else(|| crate::engine::zero::variables::bytes_of(&self.states.frozen), |f| f.shard_bytes()),
+            ),
+            (Buffers, crate::engine::zero::variables::bytes_of(&self.states.buffers)),
+        ]
+    }
+
+    /// A memory sample at one of the engine's events (`label()` names it; `extra`: transient bytes that exist only
+    /// around it, such as a unit's gradients before their reduction). Events belong to the step in progress.
+    /// Sampled only when a report is asked for (`memory_breakdown`, `zerorun launch --memory-report`): each
+    /// sample reads /proc and walks the categories, too much for every unit of every step otherwise.
+    pub(super) fn memory_event(&mut self, label: impl FnOnce() -> String, extra: &[(MemoryCategory, usize)]) {
+        if !self.report.sample_events {
+            return;
+        }
+        let mut now = self.memory_bytes();
+        now.extend_from_slice(extra);
+        let step = self.progress.global_steps + 1;
+        self.report.memory.event(step, label(), &now);
+    }
+
+    /// The sample after `initialize`: the initialisation's own timeline (step 0).
+    pub(super) fn memory_event_initialized(&mut self) {
+        if !self.report.sample_events {
+            return;
+        }
+        let now = self.memory_bytes();
+        self.report.memory.event(0, "initialized".into(), &now);
+        self.report.memory.end_step();
+    }
+
+    /// After every optimizer step (taken or skipped): a memory sample and the step's phase times.
+    pub(super) fn end_of_step(&mut self) {
+        let now = self.memory_bytes();
+        let peaks = [(MemoryCategory::ParametersGathered, self.states.parameters.gathered.step_peak)];
+        self.report.memory.sample(self.progress.global_steps, &now, &peaks);
+        self.states.parameters.gathered.step_peak = self.states.parameters.gathered.current;
+        let times = self.report.times.end_step();
+        if self.config.wall_clock_breakdown
+            && self.rank() == 0
+            && self.config.steps_per_print.is_some_and(|k| self.progress.global_steps % k == 0)
+        {
+            let ms = |p: crate::report::Phase| times[p as usize].as_secs_f64() * 1e3;
+            use crate::report::Phase::*;
+            tracing::info!(
+                step = self.progress.global_steps,
+                forward_ms = ms(Forward),
+                backward_ms = ms(Backward),
+                step_ms = ms(Step),
+                all_gather_ms = ms(AllGather),
+                reduce_scatter_ms = ms(ReduceScatter),
+                offload_io_ms = ms(OffloadIo),
+                "wall_clock_breakdown"
+            );
+        }
+        self.progress.step_started = None;
+    }
+
+    /// Time spent updating the parameters (the optimizer's own work, without the norm's collectives) so far.
+    pub(crate) fn optimizer_time(&self) -> std::time::Duration {
+        self.report.times.total(crate::report::Phase::Step)
+    }
+
+    /// The mean time per step of each phase so far, as one line (`wall_clock_breakdown`).
+    pub fn wall_clock_summary(&self) -> String {
+        self.report.times.summary()
+    }
+
+    /// Model-state bytes by ZeRO's formula for this run (the estimator's number).
+    pub fn estimated_model_state_bytes(&self) -> u64 {
+        let (frozen_params, frozen_bytes) = match &self.states.parameters.frozen_units {
+            Some(f) => (f.layout.numel as u64, f.specs().first().map(|s| s.2.elt_size_in_bytes() as u64)),
+            None => (
+                self.states.frozen.iter().map(|(_, t)| t.numel() as u64).sum(),
+                self.states.frozen.first().map(|(_, t)| t.kind().elt_size_in_bytes() as u64),
+            ),
+        };
+        let input = EstimateInput {
+            gpus_per_node: self.world_size() as u64,
+            frozen_params,
+            frozen_bytes_per_param: frozen_bytes,
+            ..EstimateInput::new(self.states.layout.numel as u64)
+        }
+        .with_config(&self.config);
+        model_states_bytes(&input, self.plan.stage())
+    }
+
+    /// This rank's report: the categories' current and peak bytes, model states measured and estimated, the
+    /// process's peak RSS and the per-step samples.
+    pub fn memory_report(&self) -> MemoryReport {
+        let now = self.memory_bytes();
+        let mut tracker_categories = self.report.memory.categories.clone();
+        for (category, b) in &now {
+            let c = tracker_categories.entry(category.name().to_string()).or_default();
+            c.current_bytes = *b as u64;
+            c.peak_bytes = c.peak_bytes.max(*b as u64);
+        }
+        MemoryReport {
+            schema_version: SCHEMA_VERSION,
+            rank: self.rank(),
+            world_size: self.world_size(),
+            stage: self.plan.stage(),
+            precision: match self.precision() {
+                Precision::Fp32 => "fp32",
+                Precision::Bf16 => "bf16",
+                Precision::Fp16 => "fp16",
+            }
+            .into(),
+            categories: tracker_categories,
+            model_states: ModelStates {
+                measured_bytes: memory::model_state_bytes(&now),
+                estimated_bytes: self.estimated_model_state_bytes(),
+            },
+            floor_rss_bytes: self.report.floor_rss_bytes,
+            init_peak_rss_bytes: self.report.init_peak_rss_bytes,
+            peak: self.report.memory.peak.clone(),
+            events: self.report.memory.peak_step_events.clone(),
+            peak_rss_bytes: memory::rss().1,
+            steps: self.report.memory.steps.clone(),
+            pipeline: None,
+            device: (self.device() != tch::Device::Cpu).then(|| match self.device() {
+                tch::Device::Cuda(i) => format!("cuda:{i}"),
+                other => format!("{other:?}"),
+            }),
+            device_memory: crate::cuda::device_memory(self.device()),
+        }
+    }
+
+    /// Where the memory report goes: `zerorun launch --memory-report DIR` (through the environment), else the
+    /// working directory when the config sets `memory_breakdown`; None: no report.
+    pub fn memory_report_dir(&self) -> Option<PathBuf> {
+        match std::env::var(MEMORY_REPORT_ENV) {
+            Ok(d) if !d.is_empty() => Some(PathBuf::from(d)),
+            _ => self.config.memory_breakdown.then(|| PathBuf::from(".")),
+        }
+    }
+
+    /// At the end of a run, when a report is asked for: every rank writes `memory_rank{r}.json`; rank 0 then
+    /// reads them all, draws `memory.svg` and `memory.png` and returns the table. Collective. None: no report.
+    pub fn finish_memory_report(&mut self) -> Result<Option<MemoryReportFiles>> {
+        match self.memory_report_dir() {
+            Some(dir) => self.write_memory_report(&dir).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// Writes the memory report into `dir` now (see [`Engine::finish_memory_report`]). Collective.
+    pub fn write_memory_report(&mut self, dir: &std::path::Path) -> Result<MemoryReportFiles> {
+        let dir = dir.to_path_buf();
+        let json = self.memory_report().write(&dir)?;
+        self.comm.barrier()?;
+        let mut files = MemoryReportFiles { json, table: None, svg: None, png: None };
+        if self.rank() == 0 {
+            let reports = (0..self.world_size())
+                .map(|r| MemoryReport::read(&dir, r))
+                .collect::<zerorun_report::Result<Vec<_>>>()?;
+            let (svg, png) = crate::report::plot::draw_memory(&dir, &reports)?;
+            files.table = Some(memory::table(&reports));
+            files.svg = Some(svg);
+            files.png = Some(png);
+        }
+        self.comm.barrier()?;
+        Ok(files)
     }
 }
 

@@ -307,4 +307,13 @@ impl Engine {
         let rank = self.rank();
         self.states.parameters.write_shard(values, &self.states.layout, rank, &self.plan, &self.shard.optimized)
     }
+
+    /// Runs `f` as collective time of `phase`.
+    fn timed<T>(&mut self, phase: Phase, f: impl FnOnce(&mut Self) -> T) -> T {
+        let _span = phase.span().entered();
+        let t = std::time::Instant::now();
+        let out = f(self);
+        self.report.times.add(phase, t.elapsed());
+        out
+    }
 }

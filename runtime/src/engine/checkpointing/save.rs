@@ -352,4 +352,26 @@ impl Engine {
         self.comm.barrier()?;
         Ok(())
     }
+
+    /// Every trainable parameter by name as full copies of `kind`, and with `frozen` every frozen one in its own
+    /// dtype (stage 3 gathers unit by unit: collective there).
+    pub(crate) fn gather_full_parameters(&mut self, kind: tch::Kind, frozen: bool) -> Result<Vec<(String, Tensor)>> {
+        let mut out = Vec::with_capacity(self.states.layout.slots.len());
+        for i in 0..self.states.parameters.units.len() {
+            let was = self.states.parameters.units[i].state();
+            self.gather_unit(i)?;
+            let span = self.states.parameters.units[i].span.clone();
+            for (slot, t) in self.states.layout.slots[span.slots].iter().zip(self.states.parameters.units[i].params()) {
+                // A copy: the unit's storage may be freed below.
+                out.push((slot.name.clone(), t.detach().to_kind(kind).copy()));
+            }
+            if let Some(units) = self.states.parameters.frozen_units.as_ref().filter(|_| frozen) {
+                out.extend(units.named(i).map(|(n, t)| (n.to_string(), t.detach().copy())));
+            }
+            if was == crate::engine::zero::sharded_unit::UnitState::Sharded {
+                self.release_unit(i)?;
+            }
+        }
+        Ok(out)
+    }
 }

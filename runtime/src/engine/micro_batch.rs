@@ -1,0 +1,314 @@
+//! One micro-batch's forward and backward. A plain loop's backward is autograd's, with the gradients reduced
+//! after it or by hooks during it (`zero/grads/`); with the model's units (stage 3, and stage 2 with units) the
+//! engine walks them: forward gathers each unit, runs it on its input detached as a new leaf and releases it;
+//! backward walks the units in reverse, gathers each again, backpropagates from its saved output with the
+//! gradient of the next unit's input, reduce-scatters the unit's gradients into this rank's shard and releases
+//! parameters and full gradients. With activation checkpointing only unit inputs are kept and each unit is
+//! recomputed in backward. What forward keeps is
+//! [`Walk`](crate::engine::zero::unit_walk::Walk)'s.
+use std::time::Instant;
+
+use tch::Tensor;
+
+use crate::config::Precision;
+use crate::engine::device::native;
+use crate::engine::zero::plan::GradientPath;
+use crate::engine::zero::unit_walk::UnitRecord;
+use crate::engine::zero::{self, units::UnitModel};
+use crate::engine::Engine;
+use crate::error::{Error, Result};
+use crate::report::memory::MemoryCategory;
+use crate::report::Phase;
+
+/// Where a backward starts.
+#[derive(Clone, Copy)]
+enum Root<'a> {
+    /// A micro-batch's loss, scaled by the loss scale over the accumulation steps.
+    Loss(&'a Tensor),
+    /// A part's output and the gradient of the loss with respect to it.
+    Output { output: &'a Tensor, grad: &'a Tensor },
+}
+
+impl Engine {
+    /// Backward of one micro-batch's loss, scaled by 1/gradient_accumulation_steps as DeepSpeed does (and by the
+    /// loss scale under fp16).
+    pub fn backward(&mut self, loss: &Tensor) -> Result<()> {
+        self.backward_impl(None, loss)
+    }
+
+    /// [`Engine::backward`] with the model at hand, which stage 3 needs to recompute units under activation
+    /// checkpointing. Works at every stage.
+    pub fn backward_units(&mut self, model: &dyn UnitModel, loss: &Tensor) -> Result<()> {
+        self.backward_impl(Some(model), loss)
+    }
+
+    /// Whether the next backwards reduce their gradients (true, the default), or leave them accumulating in
+    /// `.grad` for a later backward to reduce (FSDP2's `set_requires_gradient_sync`): a pipeline stage, whose
+    /// micro-batches' backwards spread over the whole step, reduces once, during the last. Stage 2 of an fp32
+    /// plain loop then holds full gradients until that backward (as stage 1 does) and runs no collective before it;
+    /// 16-bit models reduce every micro-batch into their fp32 accumulator whatever this says, and the other paths
+    /// reduce at the step anyway.
+    pub fn set_requires_gradient_sync(&mut self, sync: bool) {
+        self.gradients.defers_reduction = !sync && self.precision() == Precision::Fp32;
+    }
+
+    /// Backward of a part of the model from the gradient of its `output` (what the next pipeline stage sent back,
+    /// already scaled as that stage's loss was): accumulates the parameters' gradients as [`Engine::backward`]
+    /// does, records no loss. Stages 0-2 without units.
+    pub(crate) fn backward_output(&mut self, output: &Tensor, grad: &Tensor) -> Result<()> {
+        if self.plan.gradients == GradientPath::UnitWalk {
+            return Err(Error::Usage(
+                "engine.backward_output runs a plain backward: it needs ZeRO stage 0-2 without units".into(),
+            ));
+        }
+        self.backward_root(Root::Output { output, grad })
+    }
+
+    fn backward_impl(&mut self, model: Option<&dyn UnitModel>, loss: &Tensor) -> Result<()> {
+        if self.plan.gradients == GradientPath::UnitWalk {
+            self.begin_backward(Some(loss))?;
+            let factor = self.loss_scale() / self.batch.gradient_accumulation_steps as f64;
+            let (started, comm_before) = (Instant::now(), self.report.times.comm());
+            let _span = Phase::Backward.span().entered();
+            // The walk records its own events, unit by unit.
+            return self.backward_units_impl(model, loss, factor).map(|()| self.end_backward(started, comm_before));
+        }
+        self.backward_root(Root::Loss(loss))
+    }
+
+    /// Counts the backward (and its loss).
+    fn begin_backward(&mut self, loss: Option<&Tensor>) -> Result<()> {
+        if self.progress.step_started.is_none() {
+            self.progress.step_started = Some(Instant::now());
+        }
+        if let Some(loss) = loss {
+            self.progress.loss_sum += loss.f_double_value(&[])?;
+            self.progress.loss_count += 1;
+        }
+        self.progress.backwards += 1;
+        Ok(())
+    }
+
+    fn backward_root(&mut self, root: Root<'_>) -> Result<()> {
+        self.begin_backward(match root {
+            Root::Loss(loss) => Some(loss),
+            Root::Output { .. } => None,
+        })?;
+        let factor = self.loss_scale() / self.batch.gradient_accumulation_steps as f64;
+        let _span = Phase::Backward.span().entered();
+        let (started, comm_before) = (Instant::now(), self.report.times.comm());
+        let autograd = || -> Result<()> {
+            match root {
+                Root::Loss(loss) if factor != 1.0 => (loss * factor).f_backward()?,
+                Root::Loss(loss) => loss.f_backward()?,
+                // d/d(output) of sum(output * grad) is grad, exactly.
+                Root::Output { output, grad } => (output * grad.detach()).sum(None).f_backward()?,
+            }
+            Ok(())
+        };
+        // Deferring: this micro-batch's gradients stay in `.grad` (the hooks only act while lent).
+        let defer = self.gradients.defers_reduction;
+        match self.plan.gradients {
+            GradientPath::AfterBackward => autograd()?,
+            GradientPath::Hooks if defer => autograd()?,
+            GradientPath::Hooks => {
+                let hooks = self.gradients.hooks.take().expect("hooked mode has hooks");
+                let ran = hooks.lend(&mut self.gradient_sync(), autograd);
+                self.gradients.hooks = Some(hooks);
+                ran?
+            }
+            GradientPath::UnitWalk => unreachable!("unit walks run in backward_impl"),
+        }
+        self.memory_event(|| "backward".into(), &[]);
+        self.end_backward(started, comm_before);
+        Ok(())
+    }
+
+    fn end_backward(&mut self, started: Instant, comm_before: std::time::Duration) {
+        self.report
+            .times
+            .add(Phase::Backward, started.elapsed().saturating_sub(self.report.times.comm() - comm_before));
+    }
+
+    /// What reducing gradients needs, borrowed from the engine's fields.
+    pub(super) fn gradient_sync(&mut self) -> zero::grads::GradientSync<'_> {
+        // Only while stage 3's optimizer in backward has begun a step.
+        let stepper = self.shard.in_backward.as_mut().map(|progress| zero::optim::in_backward::ShardStepper {
+            tier: &mut self.shard.tier,
+            groups: &self.shard.groups,
+            shard: &self.states.parameters.flat,
+            progress,
+            residence: self.residence,
+        });
+        zero::grads::GradientSync {
+            gradients: &mut self.gradients,
+            comm: &self.comm,
+            layout: &self.states.layout,
+            params: &self.states.params,
+            volume: &mut self.report.comm_volume,
+            times: &mut self.report.times,
+            stepper,
+        }
+    }
+
+    /// Runs `model` on `input`, unit by unit. At stages 0-2 this is just the units in order; at stage 3 it
+    /// gathers each unit's parameters only while it runs. Under `tch::no_grad` nothing is kept for backward.
+    pub fn forward(&mut self, model: &dyn UnitModel, input: &Tensor) -> Result<Tensor> {
+        let _span = crate::report::Phase::Forward.span().entered();
+        let (started, comm_before) = (std::time::Instant::now(), self.report.times.comm());
+        let out = self.forward_impl(model, input);
+        self.report.times.add(
+            crate::report::Phase::Forward,
+            started.elapsed().saturating_sub(self.report.times.comm() - comm_before),
+        );
+        out
+    }
+
+    fn forward_impl(&mut self, model: &dyn UnitModel, input: &Tensor) -> Result<Tensor> {
+        let prefixes = model.unit_prefixes();
+        if self.plan.gradients != GradientPath::UnitWalk {
+            let mut h = input.shallow_clone();
+            for i in 0..prefixes.len() {
+                h = model.forward_unit(i, &h);
+            }
+            return Ok(h);
+        }
+        if prefixes != self.walk.unit_prefixes {
+            return Err(Error::Usage(format!(
+                "the model's units {prefixes:?} are not the ones the engine was built with {:?} (EngineOptions::units)",
+                self.walk.unit_prefixes
+            )));
+        }
+        let train = native::grad_enabled();
+        self.walk.records.clear();
+        let n = self.states.parameters.units.len();
+        let keep = self.states.parameters.kept_after_forward(&self.config.zero_optimization);
+        let first_trainable = self.states.parameters.units.iter().position(|u| !u.span.range.is_empty()).unwrap_or(n);
+        let mut h = input.shallow_clone();
+        for (i, kept) in keep.into_iter().enumerate() {
+            self.gather_unit(i)?;
+            self.prefetch(i + 1..n)?;
+            self.states.parameters.read_ahead(i + 1..n);
+            let last = i + 1 == n;
+            if !train {
+                h = model.forward_unit(i, &h);
+                if !self.states.parameters.units[i].persistent {
+                    self.release_unit(i)?;
+                }
+                continue;
+            }
+            // A unit's input needs a gradient only when a unit before it has trainable parameters (a frozen
+            // backbone first: no backward through it).
+            let x = if i > first_trainable && h.is_floating_point() {
+                h.detach().set_requires_grad(true)
+            } else {
+                h.shallow_clone()
+            };
+            self.memory_event(|| format!("forward: unit {i} gathered"), &[]);
+            let recompute = self.walk.activation_checkpointing && !last;
+            let y = if recompute { tch::no_grad(|| model.forward_unit(i, &x)) } else { model.forward_unit(i, &x) };
+            self.walk.records.push(UnitRecord { input: x, output: (!recompute).then(|| y.shallow_clone()) });
+            if !last && !self.states.parameters.units[i].persistent && !kept {
+                self.release_unit(i)?;
+            }
+            h = y;
+        }
+        Ok(h)
+    }
+
+    /// Stage 3 backward from a loss computed from `forward`'s output. `model` recomputes units when activation
+    /// checkpointing is on.
+    pub(crate) fn backward_units_impl(
+        &mut self,
+        model: Option<&dyn UnitModel>,
+        loss: &Tensor,
+        factor: f64,
+    ) -> Result<()> {
+        let records = std::mem::take(&mut self.walk.records);
+        if records.len() != self.states.parameters.units.len() {
+            let stage = self.plan.stage();
+            let plain = if self.plan.shard_in_pieces() {
+                "; for a plain loop at stage 2 build the engine without EngineOptions::units"
+            } else {
+                ""
+            };
+            return Err(Error::Usage(format!(
+                "the engine runs the model's units at stage {stage}: the loss must come from `engine.forward(&model, input)` (run with gradients), once per backward{plain}"
+            )));
+        }
+        if self.plan.steps_in_backward {
+            self.shard.begin_step_in_backward()?;
+        }
+        let root = if factor != 1.0 { loss * factor } else { loss.shallow_clone() };
+        let mut upstream: Option<Tensor> = None;
+        for i in (0..records.len()).rev() {
+            let last = i + 1 == records.len();
+            let rec = &records[i];
+            self.gather_unit(i)?;
+            self.prefetch((0..i).rev())?;
+            self.states.parameters.read_ahead((0..i).rev());
+            self.memory_event(|| format!("backward: unit {i} gathered"), &[]);
+            let output = match &rec.output {
+                Some(y) => y.shallow_clone(),
+                None => {
+                    let model = model.ok_or_else(|| {
+                        Error::Usage("activation checkpointing recomputes units in backward: call `engine.backward_units(&model, &loss)`".into())
+                    })?;
+                    model.forward_unit(i, &rec.input)
+                }
+            };
+            let takes_input = i > 0 && rec.input.requires_grad();
+            let grads = {
+                let params = self.states.parameters.units[i].params();
+                let mut inputs: Vec<&Tensor> = params.iter().collect();
+                if takes_input {
+                    inputs.push(&rec.input);
+                }
+                let start: Option<(&Tensor, Option<&Tensor>)> =
+                    if last { Some((&root, None)) } else { upstream.as_ref().map(|g| (&output, Some(g))) };
+                match start {
+                    _ if inputs.is_empty() => Vec::new(),
+                    Some(r) if output.requires_grad() || last => native::grad(&[r], &inputs)?,
+                    _ => (0..inputs.len()).map(|_| None).collect(),
+                }
+            };
+            let mut grads = grads;
+            let unit_grad_bytes: usize = grads.iter().flatten().map(|g| g.numel() * g.kind().elt_size_in_bytes()).sum();
+            self.memory_event(
+                || format!("backward: unit {i} gradients"),
+                &[(MemoryCategory::GradientsUnit, unit_grad_bytes)],
+            );
+            upstream = if takes_input { grads.pop().flatten() } else { None };
+            self.gradient_sync().reduce_unit(i, &grads)?;
+            self.memory_event(
+                || format!("backward: unit {i} reduced"),
+                &[(MemoryCategory::GradientsUnit, unit_grad_bytes)],
+            );
+            drop(grads);
+            if !self.states.parameters.units[i].persistent {
+                self.release_unit(i)?;
+            }
+        }
+        self.gradient_sync().drain()
+    }
+
+    pub(crate) fn gather_unit(&mut self, i: usize) -> Result<()> {
+        let t = std::time::Instant::now();
+        self.states.parameters.gather(i, self.comm.as_ref(), &mut self.report.comm_volume)?;
+        self.report.times.add(crate::report::Phase::AllGather, t.elapsed());
+        Ok(())
+    }
+
+    fn prefetch(&mut self, order: impl Iterator<Item = usize>) -> Result<()> {
+        self.states.parameters.prefetch(order, &self.comm, &self.config.zero_optimization, &mut self.report.comm_volume)
+    }
+
+    pub(crate) fn release_unit(&mut self, i: usize) -> Result<()> {
+        self.states.parameters.release(i)
+    }
+
+    /// After an optimizer step: units that stay gathered take the new values of every rank's shard.
+    pub(crate) fn refresh_gathered_units(&mut self) -> Result<()> {
+        self.states.parameters.refresh_gathered(self.comm.as_ref(), &mut self.report.comm_volume)
+    }
+}
