@@ -38,7 +38,8 @@ struct Args {
     pipeline_stages: Option<usize>,
     /// Split every layer across groups of this many adjacent ranks (tensor parallelism: attention heads, the MLP,
     /// the vocabulary of the embedding, head and loss); ZeRO runs over the data-parallel ranks of each group
-    /// position. The vocabulary is padded to a multiple of 8 (also at 1), so runs at different degrees compare.
+    /// position. The embedding and head hold the vocabulary padded to a multiple of 8 (also at 1), so runs at
+    /// different degrees compare; checkpoints and --save-final hold the true vocabulary, as without the flag.
     /// With --pipeline-stages: each stage's layers split so (ranks = stages x data x tensor-parallel).
     #[arg(long)]
     tensor_parallel: Option<usize>,
@@ -157,7 +158,7 @@ fn run_pipeline(args: &Args, config: &Config, corpus: &Corpus, cfg: GptConfig, s
             build_model(a.seed, whole_init, |vs| model.build_stage(vs, &placement, &config.pipeline.partition))?;
         let stage = stage.map_err(|e| e.to_string())?;
         if let (Some(tp), Some(path)) = (&tp, &a.init) {
-            zerorun::runtime::engine::load_mapped_slices(&vs, path, tp.rank(), tp.size(), &|n| tp.split_dim(n))
+            zerorun::runtime::engine::load_mapped_slices(&vs, path, tp.rank(), tp.size(), tp.placements())
                 .map_err(|e| format!("--init {}: {e}", path.display()))?;
         }
         to_config_precision(config, &mut vs);
@@ -241,7 +242,7 @@ fn run_pipeline(args: &Args, config: &Config, corpus: &Corpus, cfg: GptConfig, s
     Ok(())
 }
 
-/// The model at tensor-parallel degree `t`: what splits must split, the vocabulary is padded to a multiple of 8.
+/// The model at tensor-parallel degree `t`: what splits must split (the vocabulary padded to a multiple of 8).
 fn tensor_parallel_model(cfg: GptConfig, t: usize) -> Result<GptConfig, String> {
     if t == 0 || cfg.heads % t as i64 != 0 || (4 * cfg.embd) % t as i64 != 0 {
         return Err(format!(
@@ -250,15 +251,15 @@ fn tensor_parallel_model(cfg: GptConfig, t: usize) -> Result<GptConfig, String> 
             4 * cfg.embd
         ));
     }
-    let cfg = GptConfig { vocab: padded_vocab(cfg.vocab), ..cfg };
-    if cfg.vocab % t as i64 != 0 {
-        return Err(format!("--tensor-parallel {t} must divide the padded vocabulary ({})", cfg.vocab));
+    let padded = padded_vocab(cfg.vocab);
+    if padded % t as i64 != 0 {
+        return Err(format!("--tensor-parallel {t} must divide the padded vocabulary ({padded})"));
     }
     Ok(cfg)
 }
 
-/// Every parameter whole: the tensor-parallel slices gathered along the dimension they split. Collective over
-/// the group.
+/// Every parameter whole: the tensor-parallel slices gathered along the dimension they split, padding left out.
+/// Collective over the group.
 fn whole_parameters(
     tp: &zerorun::runtime::tensor_parallel::TensorParallel,
     params: Vec<(String, Tensor)>,
@@ -267,12 +268,8 @@ fn whole_parameters(
         params
             .into_iter()
             .map(|(name, p)| {
-                let full = match tp.split_dim(&name) {
-                    Some(0) => tp.gather_sequence(&p)?,
-                    Some(_) => tp.gather_from_region(&p)?,
-                    None => p,
-                };
-                Ok((name, full))
+                let whole = tp.gather_whole(&name, &p)?;
+                Ok((name, whole))
             })
             .collect()
     })
@@ -299,7 +296,7 @@ fn run_tensor_parallel(args: &Args, config: &Config, corpus: &Corpus, cfg: GptCo
         let (mut vs, model) = build_model(a.seed, None, |vs| TpGpt::new(vs.root(), &tp, &cfg))?;
         if let Some(path) = &a.init {
             // Whole weights by name (a T = 1 run's --save-final, or `zerorun consolidate`'s): this rank's slices.
-            zerorun::runtime::engine::load_mapped_slices(&vs, path, tp.rank(), t, &|n| tp.split_dim(n))
+            zerorun::runtime::engine::load_mapped_slices(&vs, path, tp.rank(), t, tp.placements())
                 .map_err(|e| format!("--init {}: {e}", path.display()))?;
         }
         to_config_precision(config, &mut vs);

@@ -182,27 +182,40 @@ fn the_vocabulary_parallel_embedding_and_cross_entropy_are_the_whole_ones() {
         loss.backward();
         (loss.double_value(&[]), e.ws.grad())
     };
-    for t in [2usize, 3] {
+    // Unpadded at T = 2 and 3; padded to 16 rows at T = 2 and to 15 at T = 5 (the padding's values are random:
+    // they must take no part).
+    for (t, padded) in [(2usize, VOCAB), (3, VOCAB), (2, 16), (5, 15)] {
         let runs = on_ranks(t, |tp| {
             let vs = nn::VarStore::new(tch::Device::Cpu);
             let e = {
                 let _g = BUILD.lock().unwrap();
                 tch::manual_seed(5);
-                VocabParallelEmbedding::new(&vs.root(), &tp, VOCAB, DIM)
+                let e = VocabParallelEmbedding::padded(&vs.root(), &tp, (VOCAB, padded), DIM);
+                // The reference's rows (a padded table draws its values in another order).
+                tch::manual_seed(5);
+                let whole = nn::embedding(nn::VarStore::new(tch::Device::Cpu).root(), VOCAB, DIM, Default::default());
+                let held = (VOCAB - e.start).clamp(0, padded / t as i64);
+                tch::no_grad(|| e.weight.narrow(0, 0, held).copy_(&whole.ws.narrow(0, e.start.min(VOCAB), held)));
+                e
             };
             let h = e.forward(&tp, &ids()).unwrap();
             let logits = tp.copy_to_region(&h).unwrap().matmul(&e.weight.tr());
-            let loss = vocab_parallel_cross_entropy(&tp, &logits, &targets(), e.start).unwrap();
+            let loss = vocab_parallel_cross_entropy(&tp, &logits, &targets(), e.start, VOCAB).unwrap();
             loss.backward();
             (e.start, loss.double_value(&[]), e.weight.grad())
         });
-        let part = VOCAB / t as i64;
+        let part = padded / t as i64;
         for (start, loss, grad) in runs {
-            assert!(
-                (loss - loss_ref).abs() <= 1e-6 * loss_ref.abs(),
-                "T={t}, rows from {start}: loss {loss} vs {loss_ref}"
-            );
-            close(&grad, &grad_ref.narrow(0, start, part), &format!("T={t}, rows from {start}: embedding gradient"));
+            let what = format!("T={t}, {padded} rows, rows from {start}");
+            assert!((loss - loss_ref).abs() <= 1e-6 * loss_ref.abs(), "{what}: loss {loss} vs {loss_ref}");
+            let held = (VOCAB - start).clamp(0, part);
+            if held > 0 {
+                close(&grad.narrow(0, 0, held), &grad_ref.narrow(0, start, held), &format!("{what}: gradient"));
+            }
+            if held < part {
+                let padding = grad.narrow(0, held, part - held).abs().max().double_value(&[]);
+                assert_eq!(padding, 0.0, "{what}: the padding's gradient");
+            }
         }
     }
 }
@@ -219,7 +232,8 @@ fn run_dir(tag: &str) -> std::path::PathBuf {
     std::env::temp_dir().join(format!("zerorun-tp-{}-{tag}", std::process::id()))
 }
 
-/// Launches the GPT example for `steps` steps with `extra` arguments; returns the run's folder and its output.
+/// Launches the GPT example for `steps` steps with `extra` arguments (T = 0: the plain model, without
+/// `--tensor-parallel`); returns the run's folder and its output.
 fn gpt_launch(
     ranks: usize,
     t: usize,
@@ -254,8 +268,9 @@ fn gpt_launch_with(
         .args(["launch", "--nproc-per-node", &ranks.to_string(), "--"])
         .arg(gpt)
         .args(["--config", config.to_str().unwrap(), "--steps", &steps.to_string(), "--seed", "3", "--layers", "2"])
-        .args(["--embd", "32", "--heads", "4", "--block", "16", "--tensor-parallel", &t.to_string(), "--save-final"])
+        .args(["--embd", "32", "--heads", "4", "--block", "16", "--save-final"])
         .arg(&out)
+        .args(if t > 0 { vec!["--tensor-parallel".to_string(), t.to_string()] } else { vec![] })
         .args(extra)
         .output()
         .unwrap();
@@ -298,7 +313,11 @@ fn the_gpt_example_at_tensor_parallel_2_and_4_and_with_zero_ends_where_1_does() 
     let whole = gpt_run(1, 1, 0, "t1");
     for (ranks, t, stage) in [(2, 2, 0), (4, 4, 0), (4, 2, 1), (4, 2, 2), (4, 2, 3)] {
         let split = gpt_run(ranks, t, stage, &format!("t{t}r{ranks}s{stage}"));
-        assert_same_weights(&whole, &split, &format!("{ranks} ranks, T={t}, ZeRO {stage}"));
+        // Every parameter within 1e-5 but the query weights at T = 4 (1.5e-5, 2026-12-03): their gradients are
+        // near zero at the start, where Adam's first steps magnify the sums' order of rounding; a wrong slice or
+        // norm is off by 1e-3 or more.
+        let bound = if t == 4 { 3e-5 } else { 1e-5 };
+        assert_close_weights(&whole, &split, &format!("{ranks} ranks, T={t}, ZeRO {stage}"), bound);
     }
 }
 
@@ -338,6 +357,14 @@ fn a_tensor_parallel_checkpoint_resumes_at_other_degrees_and_consolidates_whole(
     let mut consolidated = Tensor::read_safetensors(&out).unwrap();
     consolidated.sort_by(|a, b| a.0.cmp(&b.0));
     assert_same_weights(&at_3, &consolidated, "consolidated T=2 checkpoint");
+    // The vocabulary the layers padded to 64 is saved at its true size: the plain model's tensors, by shape, and
+    // the consolidated file starts the plain model.
+    gpt_launch(1, 0, 0, "plain", 1, &["--init", out.to_str().unwrap()]);
+    let plain = gpt_launch_weights("plain");
+    let shapes = |w: &[(String, Tensor)]| w.iter().map(|(n, t)| (n.clone(), t.size())).collect::<Vec<_>>();
+    assert_eq!(shapes(&consolidated), shapes(&plain), "the consolidated T=2 checkpoint against the plain model");
+    let vocab = plain.iter().find(|(n, _)| n == "tok.weight").unwrap().1.size()[0];
+    assert!(vocab % 8 != 0, "the corpus's vocabulary ({vocab}) needs padding, or this proves nothing");
     std::fs::remove_dir_all(&checkpoints).unwrap();
 }
 

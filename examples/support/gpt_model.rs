@@ -292,31 +292,37 @@ pub mod tp {
 
     /// The GPT of `Gpt::new` (the same names, built in the same order) at tensor-parallel degree T: the vocabulary-
     /// parallel token embedding, replicated position embedding and norms, [`TpBlock`]s, and a column-parallel head
-    /// over the padded vocabulary whose logits go to the vocabulary-parallel cross-entropy.
+    /// whose logits go to the vocabulary-parallel cross-entropy. The embedding and the head hold the vocabulary
+    /// padded to a multiple of 8 ([`super::padded_vocab`], at every T, so runs at different degrees compute the
+    /// same); their placements carry its true size, so checkpoints and whole copies hold `Gpt`'s tensors.
     pub struct TpGpt {
         tok: VocabParallelEmbedding,
         pos: nn::Embedding,
         blocks: Vec<TpBlock>,
         ln_f: nn::LayerNorm,
         head: ColumnParallelLinear,
+        /// The true vocabulary (the embedding and head hold it padded).
+        vocab: i64,
     }
 
     impl TpGpt {
-        /// `c.vocab` must be the padded vocabulary (a multiple of T).
+        /// T must divide the padded vocabulary.
         pub fn new(p: nn::Path, tp: &TensorParallel, c: &GptConfig) -> Self {
+            let vocab = (c.vocab, super::padded_vocab(c.vocab));
             TpGpt {
-                tok: VocabParallelEmbedding::new(&(&p / "tok"), tp, c.vocab, c.embd),
+                tok: VocabParallelEmbedding::padded(&(&p / "tok"), tp, vocab, c.embd),
                 pos: nn::embedding(&p / "pos", c.block, c.embd, Default::default()),
                 blocks: (0..c.layers).map(|i| TpBlock::new(&p / "blocks" / i, tp, c)).collect(),
                 ln_f: nn::layer_norm(&p / "ln_f", vec![c.embd], Default::default()),
-                head: ColumnParallelLinear::new(&(&p / "head"), tp, c.embd, c.vocab, true, false),
+                head: ColumnParallelLinear::padded(&(&p / "head"), tp, c.embd, vocab, true, false),
+                vocab: c.vocab,
             }
         }
 
         /// The mean cross-entropy of this rank's part of the logits against the next characters `targets`, equal on
         /// every rank of the group.
         pub fn loss(&self, tp: &TensorParallel, logits: &Tensor, targets: &Tensor) -> Result<Tensor, zerorun::Error> {
-            vocab_parallel_cross_entropy(tp, &logits.to_kind(Kind::Float), targets, self.tok.start)
+            vocab_parallel_cross_entropy(tp, &logits.to_kind(Kind::Float), targets, self.tok.start, self.vocab)
         }
 
         /// Unit `unit` of [`TpUnits`]: the embeddings, a block, or the final norm with this rank's part of the
@@ -334,18 +340,19 @@ pub mod tp {
     }
 
     /// [`super::pipeline_model`] split across the tensor-parallel group `tp`: the same layers (names, order,
-    /// initial values) built from [`TpGpt`]'s parts, the loss the vocabulary-parallel cross-entropy. `c.vocab` must
-    /// be the padded vocabulary. A failed collective panics (a layer's forward returns a tensor).
+    /// initial values) built from [`TpGpt`]'s parts, the loss the vocabulary-parallel cross-entropy. T must divide
+    /// the padded vocabulary. A failed collective panics (a layer's forward returns a tensor).
     pub fn pipeline_model<'a>(c: &GptConfig, tp: &'a TensorParallel) -> zerorun::PipelineModel<'a> {
         let c = *c;
         let failed = |what: &str, e: zerorun::Error| -> Tensor { panic!("tensor parallel, {what}: {e}") };
-        let start = tp.rank() as i64 * (c.vocab / tp.size() as i64);
+        let vocab = (c.vocab, super::padded_vocab(c.vocab));
+        let start = tp.rank() as i64 * (vocab.1 / tp.size() as i64);
         let mut model = zerorun::PipelineModel::new(move |logits: &Tensor, targets: &Tensor| {
-            vocab_parallel_cross_entropy(tp, &logits.to_kind(Kind::Float), targets, start)
+            vocab_parallel_cross_entropy(tp, &logits.to_kind(Kind::Float), targets, start, c.vocab)
                 .unwrap_or_else(|e| failed("loss", e))
         })
         .layer("embed", move |p| {
-            let tok = VocabParallelEmbedding::new(&(p / "tok"), tp, c.vocab, c.embd);
+            let tok = VocabParallelEmbedding::padded(&(p / "tok"), tp, vocab, c.embd);
             let pos = nn::embedding(p / "pos", c.block, c.embd, Default::default());
             Box::new(move |x: &Tensor| {
                 let at = Tensor::arange(x.size()[1], (Kind::Int64, x.device()));
@@ -360,7 +367,7 @@ pub mod tp {
         }
         model.layer("head", move |p| {
             let ln_f = nn::layer_norm(p / "ln_f", vec![c.embd], Default::default());
-            let head = ColumnParallelLinear::new(&(p / "head"), tp, c.embd, c.vocab, true, false);
+            let head = ColumnParallelLinear::padded(&(p / "head"), tp, c.embd, vocab, true, false);
             Box::new(move |x: &Tensor| head.forward(tp, &ln_f.forward(x)).unwrap_or_else(|e| failed("head", e)))
         })
     }

@@ -15,7 +15,9 @@ pub const FORMAT_VERSION: u32 = 3;
 
 /// Where a saved entry sits in its parameter's whole tensor: elements `start..start + len` of dimension `dim`
 /// (whose whole extent is `full`), every index of the other dimensions. Tensor parallelism saves each rank's
-/// slice so; a checkpoint loads at any tensor-parallel degree by reading the overlaps of slices.
+/// slice so; a checkpoint loads at any tensor-parallel degree by reading the overlaps of slices. A layer that
+/// padded the tensor to split it evenly (a vocabulary) saves slices that reach past `full`: those elements are
+/// padding, which readers skip (consolidation writes `full`) and fill with zeros.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Slice {
     pub dim: usize,

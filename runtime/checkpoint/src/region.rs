@@ -10,8 +10,9 @@ pub type ReadFlat<'a> = dyn FnMut(Range<usize>, &mut [f32]) -> Result<()> + 'a;
 
 /// The values of parameter `name` over `want` (one index range per dimension of the whole tensor), row-major,
 /// from every entry that overlaps it. `read_flat(range, out)` reads a flat range of the checkpoint (one tensor of
-/// the rank files: the values or an optimizer state). Every element of `want` must be held by some entry; the
-/// error names the parameter and the manifest.
+/// the rank files: the values or an optimizer state). Every element of `want` inside the whole tensor must be held
+/// by some entry (the error names the parameter and the manifest); elements past its end (a padded slice's rows
+/// past the true size, [`crate::Slice::full`]) are padding and read as zeros.
 pub fn read_region(
     manifest: &Manifest,
     manifest_path: &std::path::Path,
@@ -23,7 +24,14 @@ pub fn read_region(
     let mut out = vec![0f32; want_shape.iter().product::<i64>() as usize];
     let mut covered = 0usize;
     let mut entry_values = Vec::new();
+    let mut inside: Option<usize> = None;
     for entry in manifest.entries(name) {
+        if inside.is_none() {
+            // The elements of `want` inside the whole tensor, which the entries must cover.
+            let full = entry.full_shape();
+            let n = want.iter().zip(full.iter().chain(std::iter::repeat(&i64::MAX)));
+            inside = Some(n.map(|(r, &f)| (r.end.min(f) - r.start.min(f)).max(0) as usize).product());
+        }
         let theirs = entry.region();
         if theirs.len() != want.len() {
             return Err(CheckpointError::Mismatch {
@@ -35,8 +43,14 @@ pub fn read_region(
                 ),
             });
         }
-        let overlap: Vec<Range<i64>> =
-            theirs.iter().zip(want).map(|(a, b)| a.start.max(b.start)..a.end.min(b.end)).collect();
+        // Their box, the box wanted and the whole tensor (a padded slice's padding is no value).
+        let full = entry.full_shape();
+        let overlap: Vec<Range<i64>> = theirs
+            .iter()
+            .zip(want)
+            .zip(&full)
+            .map(|((a, b), &f)| a.start.max(b.start)..a.end.min(b.end).min(f))
+            .collect();
         if overlap.iter().any(|r| r.start >= r.end) {
             continue;
         }
@@ -45,12 +59,12 @@ pub fn read_region(
         read_flat(entry.start..entry.start + entry.len, &mut entry_values)?;
         covered += copy_box(&entry_values, &theirs, &mut out, want, &overlap);
     }
-    if covered != out.len() {
+    let inside = inside.unwrap_or(out.len());
+    if covered != inside {
         return Err(CheckpointError::Mismatch {
             path: manifest_path.to_path_buf(),
             what: format!(
-                "the checkpoint's entries of `{name}` hold {covered} of the {} elements wanted (box {want:?})",
-                out.len()
+                "the checkpoint's entries of `{name}` hold {covered} of the {inside} elements wanted (box {want:?})"
             ),
         });
     }
@@ -159,5 +173,33 @@ mod tests {
         let half = manifest(vec![m.params[0].clone()]);
         let err = read_region(&half, p, "w", &[0..4, 0..6], &mut read).unwrap_err().to_string();
         assert!(err.contains("entries of `w` hold 12 of the 24 elements"), "{err}");
+    }
+
+    /// A vocabulary of 5 rows padded to 6 and saved as two 3-row slices (the second holds one row of padding):
+    /// the whole tensor is its 5 true rows, and a padded box reads the padding as zeros.
+    #[test]
+    fn padded_slices_read_back_without_their_padding() {
+        let rows = |from: i64, n: i64| -> Vec<f32> { (from..from + n).flat_map(|i| [i as f32, -i as f32]).collect() };
+        let mut flat = rows(0, 3);
+        flat.extend(rows(3, 2));
+        flat.extend([f32::NAN, f32::NAN]);
+        let m = manifest(vec![
+            entry(vec![3, 2], 0, Some(Slice { dim: 0, start: 0, full: 5 })),
+            entry(vec![3, 2], 6, Some(Slice { dim: 0, start: 3, full: 5 })),
+        ]);
+        assert_eq!(m.params[0].full_shape(), vec![5, 2]);
+        let mut read = |r: Range<usize>, out: &mut [f32]| -> Result<()> {
+            out.copy_from_slice(&flat[r]);
+            Ok(())
+        };
+        let p = std::path::Path::new("m.json");
+        assert_eq!(read_region(&m, p, "w", &[0..5, 0..2], &mut read).unwrap(), rows(0, 5));
+        let mut second = rows(3, 2);
+        second.extend([0.0, 0.0]);
+        assert_eq!(read_region(&m, p, "w", &[3..6, 0..2], &mut read).unwrap(), second);
+        // Padding at another degree: one rank holding all 5 rows as 8.
+        let mut one = rows(0, 5);
+        one.extend([0.0; 6]);
+        assert_eq!(read_region(&m, p, "w", &[0..8, 0..2], &mut read).unwrap(), one);
     }
 }

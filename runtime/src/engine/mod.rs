@@ -59,7 +59,6 @@ pub use checkpointing::{load_mapped, load_mapped_slices, SaveOptions};
 use counters::Progress;
 pub use counters::{CommVolume, GatheredBytes};
 pub use device::optimizer as device_optimizer;
-pub use parallel::placement::SplitDim;
 pub use reporting::{MemoryReportFiles, MEMORY_REPORT_ENV};
 pub use zero::builders::{BuiltModel, UnitBuilders, UnitForward};
 pub use zero::layout::{self, FlatLayout, ParamSlot, UnitSpan};

@@ -406,7 +406,7 @@ impl Engine {
     /// stages or tensor parallelism, its place among the model's other parts (the norm's group, the placements
     /// the mesh's tensor-parallel layers recorded). A data-parallel mesh's engine runs on its communicator itself.
     pub(crate) fn on_mesh(vs: &nn::VarStore, config: Config, mesh: Mesh, options: EngineOptions) -> Result<Engine> {
-        if mesh.shape().data() == mesh.world_size() {
+        if mesh.shape().data() == mesh.world_size() && !Placement::records_slices(&mesh) {
             return Engine::new(vs, config, mesh.into_world(), options);
         }
         let data = mesh.group(&[Dim::Replicate, Dim::Shard])?;
@@ -419,7 +419,7 @@ impl Engine {
     /// Takes this engine's place among the model's other parts on `mesh` (see [`Placement::on_mesh`]).
     /// Collective over the mesh.
     pub(crate) fn join_mesh(&mut self, mesh: &Mesh) -> Result<()> {
-        let values = if mesh.shape().tensor > 1 { Some(self.optimized_values()?) } else { None };
+        let values = if Placement::records_slices(mesh) { Some(self.optimized_values()?) } else { None };
         let whole_only = self.states.buffers.iter().map(|(n, _)| n.clone());
         let whole_only = whole_only.chain(self.frozen_specs().into_iter().map(|s| s.0)).collect();
         let inputs = PlacementInputs {

@@ -42,12 +42,31 @@ impl ColumnParallelLinear {
         bias: bool,
         gather_output: bool,
     ) -> ColumnParallelLinear {
-        let (start, part) = this_part(tp, out_dim, "ColumnParallelLinear: output features");
-        let (w, b) = full_linear(in_dim, out_dim, bias);
+        Self::padded(path, tp, in_dim, (out_dim, out_dim), bias, gather_output)
+    }
+
+    /// [`ColumnParallelLinear::new`] with `out_dim` features padded to `padded` (the output layer over a
+    /// vocabulary that does not split evenly): built as `nn::linear(in_dim, padded)`, placed with its true size, so
+    /// checkpoints and whole copies hold `out_dim` rows.
+    pub fn padded(
+        path: &nn::Path,
+        tp: &TensorParallel,
+        in_dim: i64,
+        (out_dim, padded): (i64, i64),
+        bias: bool,
+        gather_output: bool,
+    ) -> ColumnParallelLinear {
+        assert!(padded >= out_dim, "ColumnParallelLinear: {out_dim} features padded to {padded}, fewer");
+        let (start, part) = this_part(tp, padded, "ColumnParallelLinear: output features");
+        let (w, b) = full_linear(in_dim, padded, bias);
+        let place = |name: &str| match padded > out_dim {
+            true => tp.place_padded(path.path(name), 0, out_dim),
+            false => tp.place(path.path(name), 0),
+        };
         let weight = path.var_copy("weight", &w.narrow(0, start, part));
-        tp.place(path.path("weight"), 0);
+        place("weight");
         let bias = b.map(|b| {
-            tp.place(path.path("bias"), 0);
+            place("bias");
             path.var_copy("bias", &b.narrow(0, start, part))
         });
         ColumnParallelLinear { weight, bias, gather_output }
@@ -119,10 +138,26 @@ pub struct VocabParallelEmbedding {
 impl VocabParallelEmbedding {
     /// Variable `weight` [V/T, dim] under `path`: this rank's rows of `nn::embedding`'s.
     pub fn new(path: &nn::Path, tp: &TensorParallel, vocab: i64, dim: i64) -> VocabParallelEmbedding {
-        let (start, part) = this_part(tp, vocab, "VocabParallelEmbedding: vocabulary ids");
+        Self::padded(path, tp, (vocab, vocab), dim)
+    }
+
+    /// [`VocabParallelEmbedding::new`] with the vocabulary padded to `padded` rows so it splits evenly (ids past
+    /// `vocab` never occur): built as `nn::embedding(padded, dim)`, placed with its true size, so checkpoints and
+    /// whole copies hold `vocab` rows.
+    pub fn padded(
+        path: &nn::Path,
+        tp: &TensorParallel,
+        (vocab, padded): (i64, i64),
+        dim: i64,
+    ) -> VocabParallelEmbedding {
+        assert!(padded >= vocab, "VocabParallelEmbedding: a vocabulary of {vocab} padded to {padded}, fewer");
+        let (start, part) = this_part(tp, padded, "VocabParallelEmbedding: vocabulary ids");
         let scratch = nn::VarStore::new(tch::Device::Cpu);
-        let full = nn::embedding(scratch.root(), vocab, dim, Default::default()).ws.detach().copy();
-        tp.place(path.path("weight"), 0);
+        let full = nn::embedding(scratch.root(), padded, dim, Default::default()).ws.detach().copy();
+        match padded > vocab {
+            true => tp.place_padded(path.path("weight"), 0, vocab),
+            false => tp.place(path.path("weight"), 0),
+        }
         VocabParallelEmbedding { weight: path.var_copy("weight", &full.narrow(0, start, part)), start }
     }
 
@@ -137,16 +172,25 @@ impl VocabParallelEmbedding {
 
 /// Cross-entropy of logits split along the vocabulary (the last dimension; this rank's part starts at `start`)
 /// against `targets`, as Megatron-LM's vocab-parallel cross-entropy: the maximum, the target's logit and the sum
-/// of exponentials are all-reduced, so the whole logits never exist on one rank. Returns the mean over targets,
-/// equal on every rank.
+/// of exponentials are all-reduced, so the whole logits never exist on one rank. `vocab` is the true vocabulary:
+/// the logits of ids past it (a padded layer's) take no part, so a padded model computes what the unpadded one
+/// does and its padding stays inert (unlike Megatron-LM's, whose padding logits enter the softmax). Returns the mean
+/// over targets, equal on every rank.
 pub fn vocab_parallel_cross_entropy(
     tp: &TensorParallel,
     logits: &Tensor,
     targets: &Tensor,
     start: i64,
+    vocab: i64,
 ) -> Result<Tensor> {
     let part = *logits.size().last().expect("logits have a vocabulary dimension");
     let (logits, targets) = (logits.reshape([-1, part]), targets.reshape([-1]));
+    let logits = if start + part > vocab {
+        let padding = Tensor::arange(part, (tch::Kind::Int64, logits.device())).ge(vocab - start);
+        logits.masked_fill(&padding, f64::NEG_INFINITY)
+    } else {
+        logits
+    };
     // The maximum only shifts the exponentials (its gradient cancels): taken without one.
     let local_max = logits.detach().amax(-1, true);
     // The ranks' maxima side by side ([n, T]), then the largest.

@@ -9,5 +9,5 @@ mod placements;
 mod regions;
 
 pub use layers::{vocab_parallel_cross_entropy, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding};
-pub use placements::Placements;
+pub use placements::{Placements, Split};
 pub use regions::{TensorParallel, TensorParallelCounts};

@@ -84,9 +84,34 @@ impl TensorParallel {
         self.placements.split(name, dim);
     }
 
+    /// Records that the variable `name` is split along `dim` after the layer padded it to split evenly: its true
+    /// extent there is `whole` (a vocabulary's size), so checkpoints and whole copies hold the unpadded tensor.
+    pub fn place_padded(&self, name: impl Into<String>, dim: usize, whole: i64) {
+        self.placements.split_padded(name, dim, whole);
+    }
+
     /// The dimension parameter `name` is split along (None: every member holds it whole).
     pub fn split_dim(&self, name: &str) -> Option<usize> {
         self.placements.split_dim(name)
+    }
+
+    /// Where the layers made on this group split their parameters.
+    pub fn placements(&self) -> &Placements {
+        &self.placements
+    }
+
+    /// The whole parameter `name` from this rank's `part`: the members' parts gathered along its split dimension,
+    /// padding left out (`part` itself when it is held whole). Collective over the group; no graph.
+    pub fn gather_whole(&self, name: &str, part: &Tensor) -> Result<Tensor> {
+        let Some(split) = self.placements.get(name) else { return Ok(part.shallow_clone()) };
+        let whole = tch::no_grad(|| -> Result<Tensor> {
+            let moved = part.transpose(0, split.dim as i64).contiguous();
+            Ok(self.gather_sequence(&moved)?.transpose(0, split.dim as i64).contiguous())
+        })?;
+        Ok(match split.whole {
+            Some(n) => whole.narrow(split.dim as i64, 0, n).contiguous(),
+            None => whole,
+        })
     }
 
     pub fn rank(&self) -> usize {

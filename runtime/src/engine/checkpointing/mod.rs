@@ -156,16 +156,17 @@ pub fn load_mapped(vs: &tch::nn::VarStore, path: impl AsRef<Path>) -> Result<()>
     Ok(())
 }
 
-/// [`load_mapped`] for member `rank` of a tensor-parallel group of `size`: a parameter `split_dim` names is cut from
-/// the file's whole tensor (this rank's part along that dimension, evenly in rank order), the others are read
-/// whole. So a run at any tensor-parallel degree starts from the whole weights a run at degree 1 (or
-/// `zerorun consolidate`) wrote. Call it before `initialize`.
+/// [`load_mapped`] for member `rank` of a tensor-parallel group of `size`: a parameter `placements` splits is cut
+/// from the file's whole tensor (this rank's part along that dimension, evenly in rank order; a padded parameter's
+/// rows past its true size are zeros), the others are read whole. So a run at any tensor-parallel degree starts
+/// from the whole weights a run at degree 1 (or `zerorun consolidate`, or `TensorParallel::gather_whole`) wrote.
+/// Call it before `initialize`, with the group's placements (`tp.placements()`).
 pub fn load_mapped_slices(
     vs: &tch::nn::VarStore,
     path: impl AsRef<Path>,
     rank: usize,
     size: usize,
-    split_dim: &crate::engine::SplitDim<'_>,
+    placements: &crate::tensor_parallel::Placements,
 ) -> Result<()> {
     let path = path.as_ref();
     let file = MappedTensors::open(path)?;
@@ -173,15 +174,30 @@ pub fn load_mapped_slices(
     vars.sort_by(|a, b| a.0.cmp(&b.0));
     for (name, var) in vars {
         let whole = read_variable(&file, path, &name)?;
-        let part = match split_dim(&name) {
-            Some(d) if d < var.dim() && whole.dim() == var.dim() && whole.size()[d] == var.size()[d] * size as i64 => {
-                let n = var.size()[d];
-                whole.narrow(d as i64, rank as i64 * n, n)
+        let part = match placements.get(&name) {
+            Some(split) if split.dim < var.dim() && whole.dim() == var.dim() => {
+                let (d, n) = (split.dim, var.size()[split.dim]);
+                let extent = split.whole.unwrap_or(n * size as i64);
+                if whole.size()[d] != extent {
+                    let mut wanted = var.size();
+                    wanted[d] = extent;
+                    return Err(file_mismatch(path)(&name, whole.size(), wanted));
+                }
+                let start = rank as i64 * n;
+                let held = (extent - start).clamp(0, n);
+                let part = whole.narrow(d as i64, start.min(extent), held);
+                if held < n {
+                    let mut pad = var.size();
+                    pad[d] = n - held;
+                    Tensor::cat(&[part, Tensor::zeros(pad.as_slice(), (whole.kind(), whole.device()))], d as i64)
+                } else {
+                    part
+                }
             }
-            Some(d) => {
+            Some(split) => {
                 let mut wanted = var.size();
-                if d < wanted.len() {
-                    wanted[d] *= size as i64;
+                if split.dim < wanted.len() {
+                    wanted[split.dim] = split.whole.unwrap_or(wanted[split.dim] * size as i64);
                 }
                 return Err(file_mismatch(path)(&name, whole.size(), wanted));
             }

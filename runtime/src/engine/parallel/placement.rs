@@ -10,9 +10,7 @@ use std::ops::Range;
 
 use crate::error::{Error, Result};
 use crate::mesh::{Dim, Mesh};
-
-/// The dimension along which parameter `name` is split across a tensor-parallel group (None: held whole).
-pub type SplitDim<'a> = dyn Fn(&str) -> Option<usize> + 'a;
+use crate::tensor_parallel::Placements;
 
 /// The engine's place in a model split across ranks (none: the engine holds the whole model).
 #[derive(Default)]
@@ -69,23 +67,29 @@ impl Placement {
         if shape.pipeline * shape.tensor > 1 {
             placement.model_parallel = Some(mesh.group(&[Dim::Pipeline, Dim::Tensor])?);
         }
-        if shape.tensor > 1 {
+        if Placement::records_slices(mesh) {
             // The checkpoints' group: its members' manifests meet at its first rank.
             let group = mesh.group(&[Dim::Tensor])?;
-            let placements = mesh.placements().clone();
-            placement.place_tensor_parallel(group, &|name| placements.split_dim(name), inputs)?;
+            placement.place_tensor_parallel(group, mesh.placements(), inputs)?;
         }
         Ok(placement)
     }
 
-    /// Records this rank's slices in the tensor-parallel `group` (`split_dim(name)`: the dimension the mesh's
-    /// layers split parameter `name` along) and counts the whole parameters once in the norm.
+    /// Whether an engine on `mesh` records the slices of its parameters: with tensor parallelism, and in a group
+    /// of one when a layer padded a tensor (checkpoints hold the true size).
+    pub fn records_slices(mesh: &Mesh) -> bool {
+        mesh.shape().tensor > 1 || mesh.placements().any_padded()
+    }
+
+    /// Records this rank's slices in the tensor-parallel `group` (`placements`: where the mesh's layers split
+    /// each parameter) and counts the whole parameters once in the norm.
     fn place_tensor_parallel(
         &mut self,
         group: Box<dyn Communicator>,
-        split_dim: &SplitDim<'_>,
+        placements: &Placements,
         inputs: PlacementInputs<'_>,
     ) -> Result<()> {
+        let split_dim = |name: &str| placements.split_dim(name);
         let (rank, size) = (group.rank(), group.world_size());
         // Buffers and frozen parameters are whole on every member (a checkpoint keeps the first member's): one
         // placed as split would come back as that member's slice on every rank.
@@ -108,7 +112,8 @@ impl Placement {
                 }
                 Some(dim) => {
                     let n = slot.shape[dim];
-                    Some(Slice { dim, start: rank as i64 * n, full: n * size as i64 })
+                    let whole = placements.get(&slot.name).and_then(|s| s.whole).unwrap_or(n * size as i64);
+                    Some(Slice { dim, start: rank as i64 * n, full: whole })
                 }
             });
         }
