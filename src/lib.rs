@@ -45,8 +45,8 @@ pub use zerorun_runtime::pipeline::{
 };
 pub use zerorun_runtime::tensor_parallel::TensorParallel;
 pub use zerorun_runtime::{
-    initialize, initialize_pipeline, initialize_with, BufferSync, Engine, EngineOptions, Error, SaveOptions,
-    StepOutcome,
+    initialize, initialize_pipeline, initialize_with, BufferSync, Engine, EngineOptions, Error, PretrainedOptions,
+    SaveOptions, StepOutcome,
 };
 
 mod logging;

@@ -1,6 +1,7 @@
 //! What both examples share: flags, starting ranks, seeded batches, loading and saving weights.
 #![allow(dead_code)]
 pub mod gpt_model;
+pub mod llama_model;
 use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};

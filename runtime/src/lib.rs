@@ -30,7 +30,9 @@ pub mod report;
 pub mod tensor_parallel;
 
 pub use config::{Config, ConfigError};
-pub use engine::{BufferSync, BuiltModel, Engine, EngineOptions, SaveOptions, StepOutcome, UnitBuilders};
+pub use engine::{
+    BufferSync, BuiltModel, Engine, EngineOptions, PretrainedOptions, SaveOptions, StepOutcome, UnitBuilders,
+};
 pub use error::{Error, Result};
 pub use mesh::{Mesh, MeshOptions, MeshShape};
 

@@ -1,10 +1,12 @@
 //! `zerorun consolidate CHECKPOINT_DIR OUT.safetensors [--tag TAG] [--dtype fp32|bf16]`: the whole model by
 //! variable name from a sharded checkpoint (trainable parameters in `--dtype`, buffers and frozen parameters as
-//! saved), tensor by tensor (memory bounded by the largest tensor): a file `VarStore::load` reads.
+//! saved), tensor by tensor (memory bounded by the largest tensor): a file `VarStore::load` reads. With
+//! `--hf-config DIR`, OUT is a Hugging Face model folder instead: `DIR/config.json` copied with its dtype set, and
+//! `model.safetensors` (or shards past `--max-shard-size` and their index), which `from_pretrained(OUT)` loads.
 use std::path::PathBuf;
 
 use clap::Args;
-use zerorun_checkpoint::files;
+use zerorun_checkpoint::{files, hf};
 use zerorun_checkpoint::{read_region, region_of, CheckpointError, ParamEntry, SavedCheckpoint};
 
 use super::{emit, CliError};
@@ -21,6 +23,32 @@ pub struct ConsolidateArgs {
     /// fp32 (the master weights, exact) or bf16.
     #[arg(long, default_value = "fp32")]
     dtype: String,
+    /// Write OUT as a Hugging Face model folder, with this folder's config.json (the model's, as it came from the
+    /// hub) beside the weights.
+    #[arg(long, value_name = "DIR")]
+    hf_config: Option<PathBuf>,
+    /// With --hf-config: the largest weights file before sharding, as transformers' `max_shard_size` (5GB, 500MB,
+    /// or bytes).
+    #[arg(long, default_value = "5GB", value_parser = parse_size)]
+    max_shard_size: u64,
+}
+
+/// "5GB", "500MB", "10KB" (decimal units, as transformers counts) or a number of bytes.
+fn parse_size(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let (digits, unit) = t.split_at(t.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(t.len()));
+    let scale = match unit.trim().to_ascii_uppercase().as_str() {
+        "" | "B" => 1.0,
+        "KB" => 1e3,
+        "MB" => 1e6,
+        "GB" => 1e9,
+        "KIB" => 1024.0,
+        "MIB" => 1024.0 * 1024.0,
+        "GIB" => 1024.0 * 1024.0 * 1024.0,
+        other => return Err(format!("unknown unit {other:?} in {text:?} (use B, KB, MB, GB, KiB, MiB or GiB)")),
+    };
+    let n: f64 = digits.parse().map_err(|_| format!("{text:?} is not a size (e.g. 5GB)"))?;
+    Ok((n * scale) as u64)
 }
 
 fn ck(e: CheckpointError) -> CliError {
@@ -56,7 +84,7 @@ pub fn run(a: ConsolidateArgs) -> Result<(), CliError> {
             tensors.push((name.to_string(), shape, dt));
         }
     }
-    files::write_safetensors_typed(&a.out, &tensors, |i, w| {
+    let fill = |i: usize, w: &mut dyn std::io::Write| -> std::io::Result<()> {
         if i >= params.len() {
             let (_, _, _, bytes) =
                 variables.raw(extras[i - params.len()]).map_err(|e| std::io::Error::other(e.to_string()))?;
@@ -78,8 +106,21 @@ pub fn run(a: ConsolidateArgs) -> Result<(), CliError> {
         } else {
             files::write_f32(w, &buf)
         }
-    })
-    .map_err(ck)?;
+    };
+    match &a.hf_config {
+        None => {
+            files::write_safetensors_typed(&a.out, &tensors, fill).map_err(ck)?;
+        }
+        Some(config) => {
+            let source = if config.is_dir() { config.join("config.json") } else { config.clone() };
+            hf::write_config(&source, &a.out, dtype).map_err(ck)?;
+            let mut writer = hf::ShardedWriter::create(&a.out, tensors.clone(), a.max_shard_size).map_err(ck)?;
+            for i in 0..tensors.len() {
+                writer.tensor(|w| fill(i, w)).map_err(ck)?;
+            }
+            writer.finish().map_err(ck)?;
+        }
+    }
     let excluded = if m.frozen_excluded { " (saved without frozen parameters)" } else { "" };
     emit(&format!(
         "{}: {} parameters ({} elements), {} buffers, {} frozen parameters{excluded} from {} ({} rank files, world size {}, stage {})",

@@ -70,48 +70,92 @@ pub fn write_safetensors_typed(
     tensors: &[(String, Vec<usize>, String)],
     mut fill: impl FnMut(usize, &mut dyn Write) -> std::io::Result<()>,
 ) -> Result<u32> {
-    let mut header = BTreeMap::new();
-    let mut offset = 0usize;
-    let mut offsets = Vec::with_capacity(tensors.len());
-    let mut sizes = Vec::with_capacity(tensors.len());
-    for (name, shape, dtype) in tensors {
-        let elem = dtype_size(dtype)
-            .ok_or_else(|| io_err(path, format!("tensor `{name}`: no safetensors dtype {dtype:?}")))?;
-        let bytes = shape.iter().product::<usize>() * elem;
-        sizes.push(bytes);
-        header.insert(
-            name.clone(),
-            serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + bytes]}),
-        );
-        offsets.push(offset);
-        offset += bytes;
+    let mut w = SafetensorsWriter::create(path, tensors)?;
+    for i in 0..tensors.len() {
+        w.tensor(|out| fill(i, out))?;
     }
-    let mut text = serde_json::to_string(&header).expect("header serializes");
-    while text.len() % 8 != 0 {
-        text.push(' ');
+    w.finish()
+}
+
+/// A safetensors file written tensor by tensor in the order its header lists them (the header is written first:
+/// every name, shape and dtype is known up front), under a temporary name until [`SafetensorsWriter::finish`]
+/// fsyncs and renames it. Memory stays bounded by what the caller holds of one tensor.
+pub struct SafetensorsWriter {
+    path: std::path::PathBuf,
+    tmp: std::path::PathBuf,
+    names: Vec<String>,
+    /// Where each tensor's bytes end, from the start of the data.
+    ends: Vec<usize>,
+    next: usize,
+    data_start: usize,
+    w: CrcWriter<BufWriter<File>>,
+}
+
+impl SafetensorsWriter {
+    /// Starts `path` with the header of `tensors`: (name, shape, safetensors dtype).
+    pub fn create(path: &Path, tensors: &[(String, Vec<usize>, String)]) -> Result<SafetensorsWriter> {
+        let mut header = BTreeMap::new();
+        let mut offset = 0usize;
+        let mut ends = Vec::with_capacity(tensors.len());
+        for (name, shape, dtype) in tensors {
+            let elem = dtype_size(dtype)
+                .ok_or_else(|| io_err(path, format!("tensor `{name}`: no safetensors dtype {dtype:?}")))?;
+            let bytes = shape.iter().product::<usize>() * elem;
+            header.insert(
+                name.clone(),
+                serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + bytes]}),
+            );
+            offset += bytes;
+            ends.push(offset);
+        }
+        let mut text = serde_json::to_string(&header).expect("header serializes");
+        while text.len() % 8 != 0 {
+            text.push(' ');
+        }
+        let tmp = path.with_extension("tmp");
+        let file = File::create(&tmp).map_err(|e| io_err(&tmp, e))?;
+        let w = CrcWriter { inner: BufWriter::with_capacity(1 << 20, file), crc: crc32fast::Hasher::new(), written: 0 };
+        let names = tensors.iter().map(|t| t.0.clone()).collect();
+        let mut writer = SafetensorsWriter { path: path.to_path_buf(), tmp, names, ends, next: 0, data_start: 0, w };
+        writer.write(&(text.len() as u64).to_le_bytes())?;
+        writer.write(text.as_bytes())?;
+        writer.data_start = writer.w.written;
+        Ok(writer)
     }
-    let tmp = path.with_extension("tmp");
-    let file = File::create(&tmp).map_err(|e| io_err(&tmp, e))?;
-    let mut w = CrcWriter { inner: BufWriter::with_capacity(1 << 20, file), crc: crc32fast::Hasher::new(), written: 0 };
-    let at = |w: &CrcWriter<_>, e: std::io::Error| io_err(&tmp, format!("{e} (at byte offset {})", w.written));
-    w.write_all(&(text.len() as u64).to_le_bytes()).map_err(|e| at(&w, e))?;
-    w.write_all(text.as_bytes()).map_err(|e| at(&w, e))?;
-    let data_start = w.written;
-    for (i, (name, _, _)) in tensors.iter().enumerate() {
-        fill(i, &mut w).map_err(|e| at(&w, e))?;
-        let expected = data_start + offsets[i] + sizes[i];
-        if w.written != expected {
+
+    fn write(&mut self, bytes: &[u8]) -> Result<()> {
+        let at = self.w.written;
+        self.w.write_all(bytes).map_err(|e| io_err(&self.tmp, format!("{e} (at byte offset {at})")))
+    }
+
+    /// The next tensor's bytes: `fill` writes them (little-endian), exactly as many as its shape and dtype hold.
+    pub fn tensor(&mut self, fill: impl FnOnce(&mut dyn Write) -> std::io::Result<()>) -> Result<()> {
+        let name =
+            self.names.get(self.next).cloned().ok_or_else(|| io_err(&self.tmp, "more tensors than the header"))?;
+        let at = self.w.written;
+        fill(&mut self.w).map_err(|e| io_err(&self.tmp, format!("tensor `{name}`: {e} (at byte offset {at})")))?;
+        let expected = self.data_start + self.ends[self.next];
+        if self.w.written != expected {
             return Err(io_err(
-                &tmp,
-                format!("tensor `{name}` wrote {} bytes too few or many", w.written as i64 - expected as i64),
+                &self.tmp,
+                format!("tensor `{name}` wrote {} bytes too few or many", self.w.written as i64 - expected as i64),
             ));
         }
+        self.next += 1;
+        Ok(())
     }
-    let crc = w.crc.clone().finalize();
-    let file = w.inner.into_inner().map_err(|e| io_err(&tmp, e.error()))?;
-    file.sync_all().map_err(|e| io_err(&tmp, e))?;
-    std::fs::rename(&tmp, path).map_err(|e| io_err(path, e))?;
-    Ok(crc)
+
+    /// Fsyncs the file and renames it into place; returns its CRC-32. Every tensor must have been written.
+    pub fn finish(self) -> Result<u32> {
+        if self.next != self.names.len() {
+            return Err(io_err(&self.tmp, format!("{} of {} tensors written", self.next, self.names.len())));
+        }
+        let crc = self.w.crc.clone().finalize();
+        let file = self.w.inner.into_inner().map_err(|e| io_err(&self.tmp, e.error()))?;
+        file.sync_all().map_err(|e| io_err(&self.tmp, e))?;
+        std::fs::rename(&self.tmp, &self.path).map_err(|e| io_err(&self.path, e))?;
+        Ok(crc)
+    }
 }
 
 struct CrcWriter<W: Write> {

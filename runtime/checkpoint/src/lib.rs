@@ -7,6 +7,7 @@
 //! a temporary name and renamed into place last, and `latest` is replaced only after that. A crash at any point
 //! leaves the previous checkpoint and `latest` as they were.
 pub mod files;
+pub mod hf;
 pub mod manifest;
 mod region;
 mod saved;

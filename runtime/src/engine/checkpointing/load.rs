@@ -1,6 +1,7 @@
 //! Reading a checkpoint back: the manifest checked against this engine, this rank's values read from the saved
 //! ranks' files by range (any world size), the variables, the counters.
 use super::*;
+use crate::checkpoint::files::MappedTensors;
 
 /// Reads this rank's optimized elements (optimizer order) from a checkpoint's rank files, any range at a time,
 /// matching parameters by name. Each file is checksummed and mapped when first needed. A parameter saved as this
@@ -280,8 +281,8 @@ impl Engine {
         match &saved.manifest.outer_state_file {
             Some(name) => {
                 let path = saved.folder.join(name);
-                let file = MappedTensors::open(&path)?;
-                meetings.load_outer_state(&slots, &mut |n| read_variable(&file, &path, n))
+                let file = crate::checkpoint::hf::WeightFiles::open(&path)?;
+                meetings.load_outer_state(&slots, &mut |n| read_variable(&file, n).map(|(_, t)| t))
             }
             None => {
                 tracing::info!(

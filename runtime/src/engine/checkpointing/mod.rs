@@ -4,13 +4,15 @@
 //! rules, dtype names, variable entries.
 mod load;
 mod save;
+pub use save::PretrainedOptions;
 pub(crate) use save::{prepare_staging, publish};
 
 use std::path::{Path, PathBuf};
 
 use tch::{Kind, Tensor};
 
-use crate::checkpoint::files::{self, MappedTensors};
+use crate::checkpoint::files;
+use crate::checkpoint::hf::WeightFiles;
 use crate::checkpoint::{
     read_region, region_of, CheckpointError, Manifest, ParamEntry, RankEntry, SavedCheckpoint, Slice, VariableEntry,
     FORMAT_VERSION,
@@ -75,10 +77,18 @@ pub(super) fn read_saved_variable(files: &crate::checkpoint::VariableFiles, name
     tensor_of(path, name, &dtype, &shape, bytes)
 }
 
-/// Tensor `name` of a checkpoint's variables file, as a tensor of its saved dtype.
-pub(super) fn read_variable(file: &MappedTensors, path: &Path, name: &str) -> Result<Tensor> {
-    let (dtype, shape, bytes) = file.raw(name)?;
-    tensor_of(path, name, &dtype, &shape, bytes)
+/// Tensor `name` of weight files (a checkpoint's variables file, pretrained weights), as a tensor of its saved
+/// dtype, and the file it is in.
+pub(crate) fn read_variable<'a>(files: &'a WeightFiles, name: &str) -> Result<(&'a Path, Tensor)> {
+    let (path, dtype, shape, bytes) = files.raw(name)?;
+    Ok((path, tensor_of(path, name, &dtype, &shape, bytes)?))
+}
+
+/// Gives variable `var` (named `name`) the values of tensor `name` of `files`, converted to its dtype; another
+/// shape is an error naming the file and the tensor.
+pub(crate) fn load_variable(files: &WeightFiles, name: &str, var: &Tensor) -> Result<()> {
+    let (path, value) = read_variable(files, name)?;
+    fill_variable(name, var, &value, file_mismatch(path))
 }
 
 /// A saved tensor's bytes as a tensor of its dtype (`path` names the file in errors).
@@ -141,17 +151,17 @@ fn variable_problems(role: &str, ours: &[(String, Vec<i64>)], theirs: &[Variable
     problems
 }
 
-/// Loads every variable of `vs` from the safetensors file at `path` (pretrained weights, `save_16bit_model`'s or
-/// `zerorun consolidate`'s output), one tensor at a time from the memory-mapped file, so the file is never read
-/// whole into memory (`VarStore::load` reads it all first). Values convert to each variable's dtype; a variable
-/// missing from the file or of another shape is an error naming it. Call it before `initialize`.
+/// Loads every variable of `vs` from the safetensors weights at `path` (pretrained weights, `save_16bit_model`'s
+/// or `zerorun consolidate`'s output; a Hugging Face model folder or its sharded index too, see
+/// [`WeightFiles::open`]), one tensor at a time from the memory-mapped files, so they are never read whole into
+/// memory (`VarStore::load` reads a file all first). Values convert to each variable's dtype; a variable missing
+/// from the files or of another shape is an error naming it and the file. Call it before `initialize`.
 pub fn load_mapped(vs: &tch::nn::VarStore, path: impl AsRef<Path>) -> Result<()> {
-    let path = path.as_ref();
-    let file = MappedTensors::open(path)?;
+    let files = WeightFiles::open(path.as_ref())?;
     let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
     vars.sort_by(|a, b| a.0.cmp(&b.0));
     for (name, var) in vars {
-        fill_variable(&name, &var, &read_variable(&file, path, &name)?, file_mismatch(path))?;
+        load_variable(&files, &name, &var)?;
     }
     Ok(())
 }
@@ -168,12 +178,11 @@ pub fn load_mapped_slices(
     size: usize,
     placements: &crate::tensor_parallel::Placements,
 ) -> Result<()> {
-    let path = path.as_ref();
-    let file = MappedTensors::open(path)?;
+    let files = WeightFiles::open(path.as_ref())?;
     let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
     vars.sort_by(|a, b| a.0.cmp(&b.0));
     for (name, var) in vars {
-        let whole = read_variable(&file, path, &name)?;
+        let (path, whole) = read_variable(&files, &name)?;
         let part = match placements.get(&name) {
             Some(split) if split.dim < var.dim() && whole.dim() == var.dim() => {
                 let (d, n) = (split.dim, var.size()[split.dim]);

@@ -357,21 +357,167 @@ impl Engine {
     /// dtype (stage 3 gathers unit by unit: collective there).
     pub(crate) fn gather_full_parameters(&mut self, kind: tch::Kind, frozen: bool) -> Result<Vec<(String, Tensor)>> {
         let mut out = Vec::with_capacity(self.states.layout.slots.len());
+        // A copy: the unit's storage may be freed after the visit.
+        self.visit_units(kind, frozen, &mut |name, t| {
+            out.push((name.to_string(), t.copy()));
+            Ok(())
+        })?;
+        Ok(out)
+    }
+
+    /// Stage 3: gathers the units one at a time (collective) and shows `visit` each trainable parameter as `kind`
+    /// and, with `frozen`, each frozen one in its own dtype, in the units' order, while its unit is gathered.
+    fn visit_units(
+        &mut self,
+        kind: tch::Kind,
+        frozen: bool,
+        visit: &mut dyn FnMut(&str, &Tensor) -> Result<()>,
+    ) -> Result<()> {
         for i in 0..self.states.parameters.units.len() {
             let was = self.states.parameters.units[i].state();
             self.gather_unit(i)?;
             let span = self.states.parameters.units[i].span.clone();
             for (slot, t) in self.states.layout.slots[span.slots].iter().zip(self.states.parameters.units[i].params()) {
-                // A copy: the unit's storage may be freed below.
-                out.push((slot.name.clone(), t.detach().to_kind(kind).copy()));
+                visit(&slot.name, &t.detach().to_kind(kind))?;
             }
             if let Some(units) = self.states.parameters.frozen_units.as_ref().filter(|_| frozen) {
-                out.extend(units.named(i).map(|(n, t)| (n.to_string(), t.detach().copy())));
+                for (n, t) in units.named(i) {
+                    visit(n, &t.detach())?;
+                }
             }
             if was == crate::engine::zero::sharded_unit::UnitState::Sharded {
                 self.release_unit(i)?;
             }
         }
-        Ok(out)
+        Ok(())
+    }
+
+    /// Every variable of the model in the order [`Engine::visit_model`] shows them: (name, shape, kind), the
+    /// trainable parameters as `kind`, floating frozen parameters and buffers too.
+    fn model_specs(&self, kind: Kind) -> Vec<(String, Vec<i64>, Kind)> {
+        let as_run =
+            |k: Kind| if matches!(k, Kind::Float | Kind::Double | Kind::Half | Kind::BFloat16) { kind } else { k };
+        let mut specs = Vec::new();
+        let layout = &self.states.layout;
+        if self.plan.partitions_parameters() {
+            for (i, unit) in self.states.parameters.units.iter().enumerate() {
+                specs.extend(
+                    layout.slots[unit.span.slots.clone()].iter().map(|s| (s.name.clone(), s.shape.clone(), kind)),
+                );
+                if let Some(units) = &self.states.parameters.frozen_units {
+                    specs.extend(units.named(i).map(|(n, t)| (n.to_string(), units_shape(units, n), as_run(t.kind()))));
+                }
+            }
+        } else {
+            specs.extend(layout.slots.iter().map(|s| (s.name.clone(), s.shape.clone(), kind)));
+            specs.extend(self.frozen_specs().into_iter().map(|(n, shape, k)| (n, shape, as_run(k))));
+        }
+        specs.extend(self.states.buffers.iter().map(|(n, t)| (n.clone(), t.size(), as_run(t.kind()))));
+        specs
+    }
+
+    /// Shows `visit` every variable of the model whole, floating ones as `kind`, one at a time: at stage 3 unit by
+    /// unit, each while it is gathered (collective: every rank calls it), so no rank holds more than a unit.
+    fn visit_model(&mut self, kind: Kind, visit: &mut dyn FnMut(&str, &Tensor) -> Result<()>) -> Result<()> {
+        let as_run = |t: &Tensor| if t.is_floating_point() { t.to_kind(kind) } else { t.shallow_clone() };
+        if self.plan.partitions_parameters() {
+            self.visit_units(kind, true, &mut |n, t| visit(n, &as_run(t)))?;
+        } else {
+            for (slot, t) in self.states.layout.slots.iter().zip(&self.states.params) {
+                visit(&slot.name, &t.detach().to_kind(kind))?;
+            }
+            let frozen = match &mut self.states.parameters.frozen_units {
+                Some(units) => units.full_copies(self.comm.as_ref())?,
+                None => self.states.frozen.iter().map(|(n, t)| (n.clone(), t.detach())).collect(),
+            };
+            for (n, t) in &frozen {
+                visit(n, &as_run(t))?;
+            }
+        }
+        for (n, t) in &self.states.buffers {
+            visit(n, &as_run(&t.detach()))?;
+        }
+        Ok(())
+    }
+
+    /// The model as transformers' `save_pretrained` writes it, into `dir`: `model.safetensors`, or shards of at
+    /// most `options.max_shard_bytes` and `model.safetensors.index.json`, every variable by name in `options.kind`
+    /// (integer buffers in theirs), and with `options.config` that `config.json` copied with its dtype set. So a
+    /// model whose variable names are transformers' (the Llama example's) loads with `from_pretrained(dir)`.
+    /// Streamed: at stage 3 the units are gathered one at a time and written as they come, so no rank holds more
+    /// than a unit and rank 0 one tensor's bytes besides. Collective: every rank calls it; rank 0 writes. A write
+    /// that fails is an error on every rank (the others' says rank 0 failed), after the walk ends, so no rank waits.
+    pub fn save_pretrained(&mut self, dir: impl AsRef<Path>, options: &PretrainedOptions<'_>) -> Result<Vec<PathBuf>> {
+        let dir = dir.as_ref();
+        let specs: Vec<(String, Vec<usize>, String)> = self
+            .model_specs(options.kind)
+            .into_iter()
+            .map(|(n, shape, k)| (n, shape.iter().map(|&d| d as usize).collect(), dtype_of_kind(k).to_string()))
+            .collect();
+        let mut writer = match self.rank() {
+            0 => Some(crate::checkpoint::hf::ShardedWriter::create(dir, specs, options.max_shard_bytes)),
+            _ => None,
+        };
+        let mut failed: Option<Error> = None;
+        self.visit_model(options.kind, &mut |_name, t| {
+            if let Some(Ok(w)) = writer.as_mut().filter(|_| failed.is_none()) {
+                let t = t.contiguous();
+                let mut bytes = vec![0u8; t.numel() * t.kind().elt_size_in_bytes()];
+                t.f_copy_data_u8(&mut bytes, t.numel())?;
+                if let Err(e) = w.tensor(|out| out.write_all(&bytes)) {
+                    failed = Some(e.into());
+                }
+            }
+            Ok(())
+        })?;
+        let written = match writer {
+            Some(Ok(w)) if failed.is_none() => w.finish().map_err(Error::from),
+            Some(Ok(_)) => Err(failed.take().expect("a failure")),
+            Some(Err(e)) => Err(e.into()),
+            None => Ok(Vec::new()),
+        };
+        let written = written.and_then(|mut paths| {
+            if let (Some(config), 0) = (options.config, self.rank()) {
+                paths.push(crate::checkpoint::hf::write_config(config, dir, dtype_of_kind(options.kind))?);
+            }
+            Ok(paths)
+        });
+        // Rank 0's verdict, on every rank.
+        let mut verdict = [if written.is_err() { 1.0f32 } else { 0.0 }];
+        crate::comm::Collectives::all_reduce(self.comm.as_ref(), &mut verdict, crate::comm::ReduceOp::Max)?;
+        match written {
+            Err(e) => Err(e),
+            Ok(_) if verdict[0] > 0.0 => Err(Error::Io {
+                path: dir.to_path_buf(),
+                what: "rank 0 could not write the model (see its error)".into(),
+            }),
+            Ok(paths) => Ok(paths),
+        }
+    }
+}
+
+/// A frozen unit's variable shape by name.
+fn units_shape(units: &crate::engine::zero::frozen::FrozenUnits, name: &str) -> Vec<i64> {
+    units.layout.slots.iter().find(|s| s.name == name).map_or_else(Vec::new, |s| s.shape.clone())
+}
+
+/// What [`Engine::save_pretrained`] writes.
+#[derive(Debug, Clone, Copy)]
+pub struct PretrainedOptions<'a> {
+    /// The model's `config.json` to copy beside the weights (its dtype set to `kind`); None: weights only.
+    pub config: Option<&'a Path>,
+    /// The dtype of the floating variables written (fp32, bf16 or fp16).
+    pub kind: Kind,
+    /// Largest file before the weights are sharded (transformers' `max_shard_size`, 5 GB by default).
+    pub max_shard_bytes: u64,
+}
+
+impl Default for PretrainedOptions<'_> {
+    fn default() -> Self {
+        PretrainedOptions {
+            config: None,
+            kind: Kind::Float,
+            max_shard_bytes: crate::checkpoint::hf::DEFAULT_MAX_SHARD_BYTES,
+        }
     }
 }

@@ -13,7 +13,7 @@ use tch::{nn, Tensor};
 
 use crate::comm::Communicator;
 use crate::config::Config;
-use crate::engine::checkpointing::{file_mismatch, fill_variable, read_variable};
+use crate::engine::checkpointing::{fill_variable, load_variable};
 use crate::engine::device::native;
 use crate::engine::device::views;
 use crate::engine::zero::plan::Strategy;
@@ -142,10 +142,10 @@ impl<'a> UnitBuilders<'a> {
         }
         if let Some(path) = &builders.init {
             // Every rank reads its units from the file; nothing draws from the generator.
-            let file = crate::checkpoint::files::MappedTensors::open(path)?;
+            let files = crate::checkpoint::hf::WeightFiles::open(path)?;
             let mut materialize = |_unit: usize, vars: &[(&str, &Tensor)]| -> Result<()> {
                 for (name, t) in vars {
-                    fill_variable(name, t, &read_variable(&file, path, name)?, file_mismatch(path))?;
+                    load_variable(&files, name, t)?;
                 }
                 Ok(())
             };

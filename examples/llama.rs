@@ -1,0 +1,352 @@
+//! A Llama-architecture causal LM trained with ZeRO, starting from a Hugging Face checkpoint and ending in one:
+//!
+//! ```text
+//! zerorun launch --nproc-per-node 2 -- target/release/examples/llama --config configs/zero3.json \
+//!     --hf MODEL_DIR --data tokens.safetensors --steps 100 --save-hf OUT_DIR
+//! ```
+//!
+//! `--hf DIR` reads the shape from `DIR/config.json` (transformers' LlamaConfig) and the weights from
+//! `DIR/model.safetensors` or its sharded index, each rank reading only the units it holds (at stage 3, one
+//! decoder layer at a time, mapped). `--save-hf OUT` writes `OUT/config.json` and `OUT/model.safetensors` (shards
+//! and an index past `--max-shard-size`), which `transformers.AutoModelForCausalLM.from_pretrained(OUT)` loads.
+//!
+//! The data order is a contract: `--data FILE` holds a tensor `tokens` [N, T+1] (int64 or int32). The global
+//! batch of step s (1-based) is rows (s-1)·B .. s·B (mod N), B = train_batch_size; data-parallel rank r of W takes
+//! rows r·B/W .. (r+1)·B/W of it, split into its micro-batches in order; each row's first T tokens are the input
+//! and its last T the targets; the loss is the mean next-token cross-entropy over the micro-batch. Without
+//! `--data`, the rows are the shared text corpus's bytes (T+1 bytes each, stride T).
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use clap::Parser;
+use support::llama_model::{self, DecoderLayer, Head, LlamaConfig};
+use support::*;
+use tch::{nn, Kind, Tensor};
+use zerorun::runtime::checkpoint::files::MappedTensors;
+use zerorun::{Engine, EngineOptions, PretrainedOptions, UnitBuilders};
+
+#[derive(Parser, Debug)]
+#[command(about = "Llama with ZeRO: from a Hugging Face checkpoint to one")]
+struct Args {
+    #[command(flatten)]
+    common: CommonArgs,
+    /// A Hugging Face model folder: config.json and model.safetensors (or model.safetensors.index.json and its
+    /// shards). Without it, the model is made from the flags below and --seed.
+    #[arg(long)]
+    hf: Option<PathBuf>,
+    /// Token rows: a safetensors file with a tensor `tokens` [N, T+1], int64 or int32 (the order is in the
+    /// module's docs). Without it: the shared corpus's bytes.
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// Write the trained model here at the end, as transformers' save_pretrained does (config.json and the
+    /// weights in the run's dtype).
+    #[arg(long)]
+    save_hf: Option<PathBuf>,
+    /// With --save-hf: the largest weights file before sharding (5GB, 500MB, or bytes), as transformers'
+    /// `max_shard_size`.
+    #[arg(long, default_value = "5GB")]
+    max_shard_size: String,
+    /// Decoder layers (without --hf).
+    #[arg(long, default_value_t = 4)]
+    layers: i64,
+    /// Hidden size (without --hf).
+    #[arg(long, default_value_t = 256)]
+    hidden: i64,
+    /// Attention heads (without --hf).
+    #[arg(long, default_value_t = 8)]
+    heads: i64,
+    /// Key/value heads, grouped-query attention (without --hf; default: --heads).
+    #[arg(long)]
+    kv_heads: Option<i64>,
+    /// The MLP's width (without --hf; default: 8/3 of --hidden, rounded up to a multiple of 64).
+    #[arg(long)]
+    ffn: Option<i64>,
+    /// Vocabulary (without --hf; at least 256 to train on the corpus's bytes).
+    #[arg(long, default_value_t = 256)]
+    vocab: i64,
+    /// Tie the output projection to the embedding (without --hf).
+    #[arg(long)]
+    tie_embeddings: bool,
+    /// Tokens per row of the corpus (without --data).
+    #[arg(long, default_value_t = 64)]
+    seq_len: i64,
+}
+
+fn main() {
+    let args = Args::parse();
+    zerorun::init_logging();
+    if let Err(e) = run(&args) {
+        eprintln!("error: {e}");
+        std::process::exit(1);
+    }
+}
+
+/// The model's shape: from `--hf DIR/config.json`, else the flags.
+fn model_config(args: &Args) -> Result<LlamaConfig, String> {
+    if let Some(dir) = &args.hf {
+        return LlamaConfig::from_dir(dir).map_err(|e| format!("--hf: {e}"));
+    }
+    let ffn = args.ffn.unwrap_or_else(|| (8 * args.hidden / 3 + 63) / 64 * 64);
+    let c = LlamaConfig {
+        model_type: "llama".into(),
+        vocab_size: args.vocab,
+        hidden_size: args.hidden,
+        intermediate_size: ffn,
+        num_hidden_layers: args.layers,
+        num_attention_heads: args.heads,
+        num_key_value_heads: args.kv_heads,
+        head_dim: None,
+        rms_norm_eps: 1e-6,
+        rope_theta: 10000.0,
+        tie_word_embeddings: args.tie_embeddings,
+        max_position_embeddings: 2048,
+        hidden_act: "silu".into(),
+        attention_bias: false,
+        mlp_bias: false,
+        rope_scaling: None,
+    };
+    c.check()?;
+    Ok(c)
+}
+
+/// Training rows: [N, T+1] token ids, mapped (`--data`) or the corpus's bytes.
+enum Rows {
+    File { file: MappedTensors, int32: bool, n: usize, width: usize },
+    Bytes { bytes: Vec<u8>, width: usize },
+}
+
+impl Rows {
+    /// Opens `--data` (checking dtype, shape and every id against `vocab`), or the corpus's bytes.
+    fn open(data: Option<&Path>, vocab: i64, seq_len: i64) -> Result<Rows, String> {
+        let Some(path) = data else {
+            if vocab < 256 {
+                return Err(format!(
+                    "the corpus's bytes need a vocabulary of at least 256 (it is {vocab}): give --data or --vocab 256"
+                ));
+            }
+            let bytes = include_bytes!("data/shakespeare.txt").to_vec();
+            return Ok(Rows::Bytes { bytes, width: seq_len as usize + 1 });
+        };
+        let at = |e: String| format!("--data {}: {e}", path.display());
+        let file = MappedTensors::open(path).map_err(|e| at(e.to_string()))?;
+        let (dtype, shape, bytes) = file.raw("tokens").map_err(|e| at(e.to_string()))?;
+        let int32 = match dtype.as_str() {
+            "I64" => false,
+            "I32" => true,
+            other => return Err(at(format!("tensor `tokens` is {other}: int64 or int32 token ids wanted"))),
+        };
+        if shape.len() != 2 || shape[1] < 2 || shape[0] == 0 {
+            return Err(at(format!("tensor `tokens` is {shape:?}: [N, T+1] rows of at least 2 tokens wanted")));
+        }
+        let ids: Vec<i64> = if int32 {
+            bytemuck::pod_collect_to_vec::<u8, i32>(bytes).into_iter().map(i64::from).collect()
+        } else {
+            bytemuck::pod_collect_to_vec::<u8, i64>(bytes)
+        };
+        if let Some((i, id)) = ids.iter().enumerate().find(|(_, &id)| id < 0 || id >= vocab) {
+            let (row, col) = (i / shape[1], i % shape[1]);
+            return Err(at(format!(
+                "tensor `tokens` holds id {id} at row {row}, column {col}: not in the vocabulary 0..{vocab}"
+            )));
+        }
+        Ok(Rows::File { file, int32, n: shape[0], width: shape[1] })
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Rows::File { n, .. } => *n,
+            Rows::Bytes { bytes, width } => (bytes.len() - 1) / (width - 1),
+        }
+    }
+
+    fn width(&self) -> usize {
+        match self {
+            Rows::File { width, .. } | Rows::Bytes { width, .. } => *width,
+        }
+    }
+
+    /// Row `i` (mod N).
+    fn row(&self, i: u64) -> Vec<i64> {
+        let i = (i % self.len() as u64) as usize;
+        let w = self.width();
+        match self {
+            Rows::File { file, int32, .. } => {
+                let (_, _, bytes) = file.raw("tokens").expect("checked when opened");
+                let size = if *int32 { 4 } else { 8 };
+                let row = &bytes[i * w * size..(i + 1) * w * size];
+                match int32 {
+                    true => bytemuck::pod_collect_to_vec::<u8, i32>(row).into_iter().map(i64::from).collect(),
+                    false => bytemuck::pod_collect_to_vec::<u8, i64>(row),
+                }
+            }
+            Rows::Bytes { bytes, .. } => bytes[i * (w - 1)..i * (w - 1) + w].iter().map(|&b| b as i64).collect(),
+        }
+    }
+
+    /// Inputs and targets [rows, T] of rows `first .. first + count`.
+    fn batch(&self, first: u64, count: u64) -> (Tensor, Tensor) {
+        let w = self.width() as i64;
+        let ids: Vec<i64> = (first..first + count).flat_map(|i| self.row(i)).collect();
+        let all = Tensor::from_slice(&ids).view([count as i64, w]);
+        (all.narrow(1, 0, w - 1), all.narrow(1, 1, w - 1))
+    }
+}
+
+/// The model as one builder per unit (the embedding, each decoder layer, the norm with the head), so at stage 3
+/// no rank ever holds it whole; tied embeddings make it one unit. With `--hf`, the weights come from its files.
+fn builders(c: &LlamaConfig, hf: Option<&Path>) -> UnitBuilders<'static> {
+    let c = c.clone();
+    let builders = if c.tie_word_embeddings {
+        UnitBuilders::new().unit(["model"], move |root: &nn::Path| {
+            let model = llama_model::Llama::new(root, &c);
+            Box::new(move |x: &Tensor| model.forward(x))
+        })
+    } else {
+        let layers = c.num_hidden_layers;
+        let embed_config = c.clone();
+        let mut b = UnitBuilders::new().unit(["model.embed_tokens"], move |root: &nn::Path| {
+            let embed = llama_model::embedding(root, &embed_config);
+            Box::new(move |x: &Tensor| nn::Module::forward(&embed, x))
+        });
+        for i in 0..layers {
+            let c = c.clone();
+            b = b.unit([format!("model.layers.{i}")], move |root: &nn::Path| {
+                let layer = DecoderLayer::new(root / "model" / "layers" / i, &c);
+                Box::new(move |x: &Tensor| layer.forward(x))
+            });
+        }
+        let c = c.clone();
+        b.unit(["model.norm", "lm_head"], move |root: &nn::Path| {
+            let head = Head::new(root, &c, None);
+            Box::new(move |x: &Tensor| head.forward(x))
+        })
+    };
+    match hf {
+        Some(dir) => builders.init_from(dir),
+        None => builders,
+    }
+}
+
+/// "5GB", "500MB", "10KB" (decimal, as transformers counts), "1GiB", or bytes.
+fn parse_size(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(t.len());
+    let (digits, unit) = t.split_at(split);
+    let scale = match unit.trim().to_ascii_uppercase().as_str() {
+        "" | "B" => 1.0,
+        "KB" => 1e3,
+        "MB" => 1e6,
+        "GB" => 1e9,
+        "KIB" => 1024.0,
+        "MIB" => 1024.0 * 1024.0,
+        "GIB" => 1024.0 * 1024.0 * 1024.0,
+        other => return Err(format!("--max-shard-size {text:?}: unknown unit {other:?}")),
+    };
+    let n: f64 = digits.parse().map_err(|_| format!("--max-shard-size {text:?}: not a size (e.g. 5GB)"))?;
+    Ok((n * scale) as u64)
+}
+
+fn run(args: &Args) -> Result<(), String> {
+    let a = &args.common;
+    a.check()?;
+    if a.init.is_some() {
+        return Err("--init: give the weights as --hf DIR (config.json and model.safetensors)".into());
+    }
+    let config = load_config(&a.config)?;
+    let c = model_config(args)?;
+    let rows = Rows::open(args.data.as_deref(), c.vocab_size, args.seq_len)?;
+    let max_shard_bytes = parse_size(&args.max_shard_size)?;
+    let kind = config_kind(&config);
+    if config.stage() == 3 && c.tie_word_embeddings {
+        tracing::warn!("tied embeddings: the embedding serves both ends of the model, so stage 3 gathers the whole model as one unit");
+    }
+    share_cores(a.ranks);
+    let device = a.device()?;
+    let timeout = Duration::from_secs_f64(config.comms_timeout);
+    let summary = run_ranks(a.ranks, timeout, |comm| {
+        tch::manual_seed(a.seed as i64);
+        let vs = nn::VarStore::new(device);
+        let options = EngineOptions { activation_checkpointing: a.activation_checkpointing, ..Default::default() };
+        let (mut engine, model) =
+            Engine::from_builders(&vs, config.clone(), comm, options, builders(&c, args.hf.as_deref()))
+                .map_err(|e| e.to_string())?;
+        let b = engine.batch_sizes();
+        let (rank, world) = (engine.rank() as u64, engine.world_size() as u64);
+        let (global, micro) = (b.train_batch_size, b.train_micro_batch_size_per_gpu);
+        let mut progress = Progress::new(a.steps);
+        let first = resume(a, &mut engine)?;
+        for step in first..a.steps {
+            // Step s = step + 1 takes rows step·B .. (step+1)·B; this rank its share, micro-batch by micro-batch.
+            let base = step * global + rank * (global / world);
+            for m in 0..b.gradient_accumulation_steps {
+                let (x, y) = rows.batch(base + m * micro, micro);
+                let logits = engine.forward(&model, &x.to_device(device)).map_err(|e| e.to_string())?;
+                let loss = llama_model::loss(&logits, &y.to_device(device));
+                engine.backward_units(&model, &loss).map_err(|e| e.to_string())?;
+                let outcome = engine.step().map_err(|e| e.to_string())?;
+                progress.record(&engine, outcome);
+                maybe_save(a, &mut engine, outcome)?;
+            }
+        }
+        engine.finish().map_err(|e| e.to_string())?;
+        if let Some(path) = &a.save_final {
+            save_final(&mut engine, path)?;
+        }
+        if let Some(out) = &args.save_hf {
+            save_hf(&mut engine, args.hf.as_deref(), &c, out, kind, max_shard_bytes)?;
+        }
+        finish_reports(&mut engine)?;
+        Ok((
+            progress.first_loss.unwrap_or(f64::NAN),
+            progress.last_loss,
+            progress.median_step_s(),
+            engine.layout().numel,
+        ))
+    })?;
+    let Some((first, last, median, params)) = summary else { return Ok(()) };
+    println!("median_step_s {median:.4}");
+    println!(
+        "summary: Llama {} layers x {} hidden, {params} parameters, ZeRO stage {}, {} optimizer steps, loss {first:.4} -> {last:.4}",
+        c.num_hidden_layers,
+        c.hidden_size,
+        config.stage(),
+        a.steps
+    );
+    Ok(())
+}
+
+/// `--save-hf OUT`: the weights as transformers writes them and the config.json (`--hf`'s, or this shape's).
+fn save_hf(
+    engine: &mut Engine,
+    hf: Option<&Path>,
+    c: &LlamaConfig,
+    out: &Path,
+    kind: Kind,
+    max_shard_bytes: u64,
+) -> Result<(), String> {
+    let at = |e: String| format!("--save-hf {}: {e}", out.display());
+    let source = match hf {
+        Some(dir) => dir.join("config.json"),
+        None => {
+            // This shape's config.json, written first; save_pretrained sets its dtype.
+            let path = out.join("config.json");
+            if engine.rank() == 0 {
+                std::fs::create_dir_all(out).map_err(|e| at(e.to_string()))?;
+                let text = serde_json::to_string_pretty(&c.to_json()).expect("config serializes");
+                std::fs::write(&path, text).map_err(|e| at(e.to_string()))?;
+            }
+            path
+        }
+    };
+    let options = PretrainedOptions { config: Some(&source), kind, max_shard_bytes };
+    let files = engine.save_pretrained(out, &options).map_err(|e| at(e.to_string()))?;
+    if engine.rank() == 0 {
+        println!(
+            "saved for transformers: {}",
+            files.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
+        );
+    }
+    Ok(())
+}

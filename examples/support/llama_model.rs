@@ -1,0 +1,341 @@
+//! Llama's architecture in tch, as transformers' `LlamaForCausalLM` computes it: RMSNorm, rotary position
+//! embeddings, grouped-query attention, a SwiGLU MLP, tied or untied embeddings. Variable names are transformers'
+//! state-dict names, so a Hugging Face checkpoint loads by name and the trained model goes back in its form.
+//! Shared by examples/llama.rs and the tests.
+#![allow(dead_code)]
+use std::path::Path;
+
+use tch::nn::{self, Module};
+use tch::{Kind, Tensor};
+
+/// The keys of transformers' `LlamaConfig` this model reads (config.json). Options it does not implement are
+/// refused by name rather than ignored.
+#[derive(Debug, Clone, serde::Deserialize, serde::Serialize)]
+pub struct LlamaConfig {
+    #[serde(default = "llama")]
+    pub model_type: String,
+    pub vocab_size: i64,
+    pub hidden_size: i64,
+    pub intermediate_size: i64,
+    pub num_hidden_layers: i64,
+    pub num_attention_heads: i64,
+    /// Grouped-query attention's key/value heads (the attention heads when absent).
+    #[serde(default)]
+    pub num_key_value_heads: Option<i64>,
+    /// Per-head width (hidden / heads when absent).
+    #[serde(default)]
+    pub head_dim: Option<i64>,
+    #[serde(default = "default_eps")]
+    pub rms_norm_eps: f64,
+    #[serde(default = "default_theta")]
+    pub rope_theta: f64,
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
+    #[serde(default = "default_positions")]
+    pub max_position_embeddings: i64,
+    #[serde(default = "silu")]
+    pub hidden_act: String,
+    #[serde(default)]
+    pub attention_bias: bool,
+    #[serde(default)]
+    pub mlp_bias: bool,
+    #[serde(default)]
+    pub rope_scaling: Option<serde_json::Value>,
+}
+
+fn llama() -> String {
+    "llama".into()
+}
+fn silu() -> String {
+    "silu".into()
+}
+fn default_eps() -> f64 {
+    1e-6
+}
+fn default_theta() -> f64 {
+    10000.0
+}
+fn default_positions() -> i64 {
+    2048
+}
+
+impl LlamaConfig {
+    /// Reads and checks `DIR/config.json`; the error names the file and the key.
+    pub fn from_dir(dir: &Path) -> Result<LlamaConfig, String> {
+        let path = dir.join("config.json");
+        let text = std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let config: LlamaConfig =
+            serde_json::from_str(&text).map_err(|e| format!("{}: not a Llama config.json: {e}", path.display()))?;
+        config.check().map_err(|e| format!("{}: {e}", path.display()))?;
+        Ok(config)
+    }
+
+    /// Refuses what this model does not compute.
+    pub fn check(&self) -> Result<(), String> {
+        if self.model_type != "llama" {
+            return Err(format!(
+                "model_type {:?} is not supported: this example implements Llama (model_type \"llama\")",
+                self.model_type
+            ));
+        }
+        if let Some(scaling) = self.rope_scaling.as_ref().filter(|v| !v.is_null()) {
+            return Err(format!("rope_scaling {scaling} is not supported (only the default rotary embedding)"));
+        }
+        if self.hidden_act != "silu" {
+            return Err(format!("hidden_act {:?} is not supported (Llama's is \"silu\")", self.hidden_act));
+        }
+        if self.attention_bias || self.mlp_bias {
+            return Err("attention_bias and mlp_bias are not supported (Llama has no biases)".into());
+        }
+        let heads = self.num_attention_heads;
+        if heads <= 0 || self.kv_heads() <= 0 || heads % self.kv_heads() != 0 {
+            return Err(format!(
+                "num_attention_heads ({heads}) must be a positive multiple of num_key_value_heads ({})",
+                self.kv_heads()
+            ));
+        }
+        if self.head_dim.is_none() && self.hidden_size % heads != 0 {
+            return Err(format!("hidden_size ({}) must divide into num_attention_heads ({heads})", self.hidden_size));
+        }
+        if self.head_dim() % 2 != 0 {
+            return Err(format!("head_dim ({}) must be even (rotary embeddings rotate pairs)", self.head_dim()));
+        }
+        Ok(())
+    }
+
+    pub fn kv_heads(&self) -> i64 {
+        self.num_key_value_heads.unwrap_or(self.num_attention_heads)
+    }
+
+    pub fn head_dim(&self) -> i64 {
+        self.head_dim.unwrap_or(self.hidden_size / self.num_attention_heads)
+    }
+
+    /// The config.json transformers writes for this shape (for a model made here, without `--hf`).
+    pub fn to_json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.kv_heads(),
+            "head_dim": self.head_dim(),
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": null,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "hidden_act": "silu",
+            "attention_bias": false,
+            "mlp_bias": false,
+            "initializer_range": 0.02,
+            "torch_dtype": "float32",
+        })
+    }
+
+    /// Parameters of the model.
+    pub fn parameters(&self) -> i64 {
+        let (h, hd) = (self.hidden_size, self.head_dim());
+        let attention = h * hd * (2 * self.num_attention_heads + 2 * self.kv_heads());
+        let layer = attention + 3 * h * self.intermediate_size + 2 * h;
+        let head = if self.tie_word_embeddings { 0 } else { self.vocab_size * h };
+        self.vocab_size * h + self.num_hidden_layers * layer + h + head
+    }
+}
+
+/// transformers' `_init_weights` for Llama: normal(0, 0.02) weights, RMSNorm weights of one.
+fn weight(p: &nn::Path, name: &str, out_dim: i64, in_dim: i64) -> Tensor {
+    p.var(name, &[out_dim, in_dim], nn::Init::Randn { mean: 0.0, stdev: 0.02 })
+}
+
+/// `LlamaRMSNorm`: x / sqrt(mean(x²) + eps) in fp32, back to the input's dtype, times the weight.
+pub struct RmsNorm {
+    weight: Tensor,
+    eps: f64,
+}
+
+impl RmsNorm {
+    pub fn new(p: nn::Path, dim: i64, eps: f64) -> RmsNorm {
+        RmsNorm { weight: p.var("weight", &[dim], nn::Init::Const(1.0)), eps }
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Tensor {
+        let kind = x.kind();
+        let h = x.to_kind(Kind::Float);
+        let variance = h.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float);
+        let normed = (h * (variance + self.eps).rsqrt()).to_kind(kind);
+        &self.weight * normed
+    }
+}
+
+/// The rotary embedding's cos and sin for positions 0..t, [t, head_dim], computed in fp32 (transformers'
+/// `LlamaRotaryEmbedding` with the default rope type), in `kind`.
+fn rotary(t: i64, head_dim: i64, theta: f64, kind: Kind, device: tch::Device) -> (Tensor, Tensor) {
+    let exponents =
+        Tensor::arange_start_step(0, head_dim, 2, (Kind::Int64, device)).to_kind(Kind::Float) / head_dim as f64;
+    let inv_freq = Tensor::pow_scalar(theta, &exponents).reciprocal();
+    let positions = Tensor::arange(t, (Kind::Float, device));
+    let freqs = positions.unsqueeze(1) * inv_freq.unsqueeze(0);
+    let emb = Tensor::cat(&[&freqs, &freqs], -1);
+    (emb.cos().to_kind(kind), emb.sin().to_kind(kind))
+}
+
+/// (-x2, x1) of the halves of the last dimension.
+fn rotate_half(x: &Tensor) -> Tensor {
+    let half = x.size().last().copied().unwrap() / 2;
+    Tensor::cat(&[x.narrow(-1, half, half).neg(), x.narrow(-1, 0, half)], -1)
+}
+
+/// One decoder layer: pre-norm grouped-query attention with rotary positions, then a pre-norm SwiGLU MLP, each
+/// added to the residual stream.
+pub struct DecoderLayer {
+    input_layernorm: RmsNorm,
+    q_proj: Tensor,
+    k_proj: Tensor,
+    v_proj: Tensor,
+    o_proj: Tensor,
+    post_attention_layernorm: RmsNorm,
+    gate_proj: Tensor,
+    up_proj: Tensor,
+    down_proj: Tensor,
+    heads: i64,
+    kv_heads: i64,
+    head_dim: i64,
+    theta: f64,
+}
+
+impl DecoderLayer {
+    /// Variables under `p` (`model.layers.{i}`), in transformers' order of creation.
+    pub fn new(p: nn::Path, c: &LlamaConfig) -> DecoderLayer {
+        let (h, hd) = (c.hidden_size, c.head_dim());
+        let attn = &p / "self_attn";
+        let mlp = &p / "mlp";
+        let q_proj = weight(&(&attn / "q_proj"), "weight", c.num_attention_heads * hd, h);
+        let k_proj = weight(&(&attn / "k_proj"), "weight", c.kv_heads() * hd, h);
+        let v_proj = weight(&(&attn / "v_proj"), "weight", c.kv_heads() * hd, h);
+        let o_proj = weight(&(&attn / "o_proj"), "weight", h, c.num_attention_heads * hd);
+        let gate_proj = weight(&(&mlp / "gate_proj"), "weight", c.intermediate_size, h);
+        let up_proj = weight(&(&mlp / "up_proj"), "weight", c.intermediate_size, h);
+        let down_proj = weight(&(&mlp / "down_proj"), "weight", h, c.intermediate_size);
+        DecoderLayer {
+            input_layernorm: RmsNorm::new(&p / "input_layernorm", h, c.rms_norm_eps),
+            q_proj,
+            k_proj,
+            v_proj,
+            o_proj,
+            post_attention_layernorm: RmsNorm::new(&p / "post_attention_layernorm", h, c.rms_norm_eps),
+            gate_proj,
+            up_proj,
+            down_proj,
+            heads: c.num_attention_heads,
+            kv_heads: c.kv_heads(),
+            head_dim: hd,
+            theta: c.rope_theta,
+        }
+    }
+
+    fn attention(&self, x: &Tensor) -> Tensor {
+        let (b, t, _) = x.size3().unwrap();
+        let hd = self.head_dim;
+        let heads = |w: &Tensor, n: i64| x.linear::<Tensor>(w, None).view([b, t, n, hd]).transpose(1, 2);
+        let (q, k, v) =
+            (heads(&self.q_proj, self.heads), heads(&self.k_proj, self.kv_heads), heads(&self.v_proj, self.kv_heads));
+        let (cos, sin) = rotary(t, hd, self.theta, q.kind(), x.device());
+        let q = &q * &cos + rotate_half(&q) * &sin;
+        let k = &k * &cos + rotate_half(&k) * &sin;
+        // Each key/value head serves heads / kv_heads query heads (transformers' `repeat_kv`).
+        let repeat = self.heads / self.kv_heads;
+        let expand = |kv: &Tensor| match repeat {
+            1 => kv.shallow_clone(),
+            r => kv.unsqueeze(2).expand([b, self.kv_heads, r, t, hd], false).reshape([b, self.heads, t, hd]),
+        };
+        let (k, v) = (expand(&k), expand(&v));
+        let scores = q.matmul(&k.transpose(-2, -1)) * (1.0 / (hd as f64).sqrt());
+        let mask = Tensor::ones([t, t], (Kind::Bool, x.device())).triu(1);
+        let probs = scores.masked_fill(&mask, f64::NEG_INFINITY).softmax(-1, Kind::Float).to_kind(q.kind());
+        let y = probs.matmul(&v).transpose(1, 2).contiguous().view([b, t, self.heads * hd]);
+        y.linear::<Tensor>(&self.o_proj, None)
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Tensor {
+        let h = x + self.attention(&self.input_layernorm.forward(x));
+        let n = self.post_attention_layernorm.forward(&h);
+        let gated = n.linear::<Tensor>(&self.gate_proj, None).silu() * n.linear::<Tensor>(&self.up_proj, None);
+        &h + gated.linear::<Tensor>(&self.down_proj, None)
+    }
+}
+
+/// The token embedding (`model.embed_tokens`).
+pub fn embedding(root: &nn::Path, c: &LlamaConfig) -> nn::Embedding {
+    let config = nn::EmbeddingConfig { ws_init: nn::Init::Randn { mean: 0.0, stdev: 0.02 }, ..Default::default() };
+    nn::embedding(root / "model" / "embed_tokens", c.vocab_size, c.hidden_size, config)
+}
+
+/// The final norm and the output projection: `lm_head.weight`, or the embedding's weight when tied.
+pub struct Head {
+    norm: RmsNorm,
+    lm_head: Tensor,
+}
+
+impl Head {
+    /// `tied`: the embedding's weight (tie_word_embeddings), else a new `lm_head.weight`.
+    pub fn new(root: &nn::Path, c: &LlamaConfig, tied: Option<&Tensor>) -> Head {
+        let norm = RmsNorm::new(root / "model" / "norm", c.hidden_size, c.rms_norm_eps);
+        let lm_head = match tied {
+            Some(w) => w.shallow_clone(),
+            None => weight(&(root / "lm_head"), "weight", c.vocab_size, c.hidden_size),
+        };
+        Head { norm, lm_head }
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Tensor {
+        self.norm.forward(x).linear::<Tensor>(&self.lm_head, None)
+    }
+}
+
+/// The model's units for ZeRO stage 3 (parameter-name prefixes, in execution order): the embedding, one per
+/// decoder layer, the final norm with the head. Tied embeddings use the embedding at both ends, which a unit walk
+/// cannot gather twice: the whole model is then one unit.
+pub fn unit_prefixes(c: &LlamaConfig) -> Vec<Vec<String>> {
+    if c.tie_word_embeddings {
+        return vec![vec!["model".to_string()]];
+    }
+    let mut units = vec![vec!["model.embed_tokens".to_string()]];
+    units.extend((0..c.num_hidden_layers).map(|i| vec![format!("model.layers.{i}")]));
+    units.push(vec!["model.norm".to_string(), "lm_head".to_string()]);
+    units
+}
+
+/// The whole model built at once (for tests and tools that hold it whole).
+pub struct Llama {
+    embed: nn::Embedding,
+    layers: Vec<DecoderLayer>,
+    head: Head,
+}
+
+impl Llama {
+    pub fn new(root: &nn::Path, c: &LlamaConfig) -> Llama {
+        let embed = embedding(root, c);
+        let layers = (0..c.num_hidden_layers).map(|i| DecoderLayer::new(root / "model" / "layers" / i, c)).collect();
+        let head = Head::new(root, c, c.tie_word_embeddings.then_some(&embed.ws));
+        Llama { embed, layers, head }
+    }
+
+    /// Logits [b, t, vocab] of token ids [b, t].
+    pub fn forward(&self, ids: &Tensor) -> Tensor {
+        let mut h = self.embed.forward(ids);
+        for layer in &self.layers {
+            h = layer.forward(&h);
+        }
+        self.head.forward(&h)
+    }
+}
+
+/// The mean next-token cross-entropy of `logits` [b, t, vocab] against `targets` [b, t], in fp32.
+pub fn loss(logits: &Tensor, targets: &Tensor) -> Tensor {
+    let vocab = *logits.size().last().unwrap();
+    logits.to_kind(Kind::Float).reshape([-1, vocab]).cross_entropy_for_logits(&targets.reshape([-1]))
+}
