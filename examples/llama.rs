@@ -256,7 +256,11 @@ fn run(args: &Args) -> Result<(), String> {
     }
     let config = load_config(&a.config)?;
     let c = model_config(args)?;
-    let rows = Rows::open(args.data.as_deref(), c.vocab_size, args.seq_len)?;
+    // No data to read when no step runs (a conversion: --steps 0 --save-hf).
+    let rows = match a.steps {
+        0 => None,
+        _ => Some(Rows::open(args.data.as_deref(), c.vocab_size, args.seq_len)?),
+    };
     let max_shard_bytes = parse_size(&args.max_shard_size)?;
     let kind = config_kind(&config);
     if config.stage() == 3 && c.tie_word_embeddings {
@@ -277,7 +281,9 @@ fn run(args: &Args) -> Result<(), String> {
         let (global, micro) = (b.train_batch_size, b.train_micro_batch_size_per_gpu);
         let mut progress = Progress::new(a.steps);
         let first = resume(a, &mut engine)?;
+        let rows = rows.as_ref();
         for step in first..a.steps {
+            let rows = rows.expect("opened when steps run");
             // Step s = step + 1 takes rows step·B .. (step+1)·B; this rank its share, micro-batch by micro-batch.
             let base = step * global + rank * (global / world);
             for m in 0..b.gradient_accumulation_steps {

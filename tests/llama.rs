@@ -1,0 +1,276 @@
+//! The Llama example against transformers (the project venv's, from `make setup`): the same logits on tiny random
+//! models, the same weights after training with ZeRO-3 on 2 ranks as `torch.optim.AdamW` in one process, a saved
+//! model transformers loads with the loss the example measures, sharded files that round-trip bitwise, and bad
+//! input named.
+#[path = "common/examples.rs"]
+mod examples;
+#[path = "../examples/support/llama_model.rs"]
+mod llama_model;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use tch::{nn, Tensor};
+
+fn python() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python")
+}
+
+/// Runs tests/llama/reference.py with `args`; returns its output, asserting success.
+fn reference(args: &[&str]) -> String {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/llama/reference.py");
+    let out = Command::new(python()).arg(script).args(args).output().expect("the project venv (make setup)");
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "reference.py {args:?}:\n{text}");
+    text
+}
+
+fn scratch(tag: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("zerorun-llama-{}-{tag}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+/// Runs the example (under `zerorun launch` with `ranks` processes); returns (success, stdout + stderr).
+fn llama(ranks: usize, args: &[&str]) -> (bool, String) {
+    let example = examples::example("llama");
+    let out = Command::new(env!("CARGO_BIN_EXE_zerorun"))
+        .args(["launch", "--nproc-per-node", &ranks.to_string(), "--"])
+        .arg(example)
+        .args(args)
+        .output()
+        .unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    (out.status.success(), text)
+}
+
+fn config(dir: &Path, stage: u8, batch: u64, micro: u64, lr: f64) -> PathBuf {
+    let path = dir.join("ds_config.json");
+    let text = format!(
+        r#"{{"train_batch_size": {batch}, "train_micro_batch_size_per_gpu": {micro}, "gradient_clipping": 1.0,
+            "optimizer": {{"type": "AdamW", "params": {{"lr": {lr}, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}}}},
+            "zero_optimization": {{"stage": {stage}}}}}"#
+    );
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// The losses rank 0 printed (`[rank 0] step N loss X` under the launcher).
+fn losses(text: &str) -> Vec<f64> {
+    text.lines()
+        .map(|l| l.strip_prefix("[rank 0] ").unwrap_or(l))
+        .filter_map(|l| l.strip_prefix("step ").and_then(|r| r.split(" loss ").nth(1)))
+        .map(|v| v.trim().parse().unwrap())
+        .collect()
+}
+
+/// The example's model (built whole, loaded by name from transformers' files: one file tied, four shards and an
+/// index untied) gives transformers' logits on the same tokens.
+#[test]
+fn the_models_logits_are_transformers_logits() {
+    let dir = scratch("logits");
+    for (tied, shard) in [("untied", "100000"), ("tied", "")] {
+        let model_dir = dir.join(tied);
+        reference(&["make", s(&model_dir), tied, shard]);
+        let c = llama_model::LlamaConfig::from_dir(&model_dir).unwrap();
+        assert_eq!(c.tie_word_embeddings, tied == "tied");
+        let vs = nn::VarStore::new(tch::Device::Cpu);
+        let model = llama_model::Llama::new(&vs.root(), &c);
+        zerorun::runtime::engine::load_mapped(&vs, &model_dir).unwrap();
+        let expected: std::collections::HashMap<String, Tensor> =
+            Tensor::read_safetensors(model_dir.join("reference_logits.safetensors")).unwrap().into_iter().collect();
+        let logits = tch::no_grad(|| model.forward(&expected["ids"]));
+        let d = (&logits - &expected["logits"]).abs().max().double_value(&[]);
+        let scale = expected["logits"].abs().max().double_value(&[]);
+        assert!(d <= 1e-5 * scale.max(1.0), "{tied}: logits differ by {d:e} (largest {scale})");
+        // Tied: the file holds no lm_head.weight and the model made none.
+        assert_eq!(vs.variables().contains_key("lm_head.weight"), tied == "untied");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// ZeRO-3 on 2 ranks (2 micro-batches each, clipping, AdamW) from transformers' sharded files on an int32 token
+/// file has transformers' losses step by step (1e-5) and ends within 1e-4 (every element; training moved them by
+/// 5e-3) of transformers' model trained by torch.optim.AdamW on the full batches in one process;
+/// the saved model loads in transformers without missing or unexpected keys, and its loss on a batch is the one
+/// the example measures on it.
+#[test]
+fn zero3_on_two_ranks_trains_as_torch_adamw_and_saves_what_transformers_loads() {
+    let dir = scratch("train");
+    let source = dir.join("source");
+    reference(&["make", s(&source), "untied", "100000"]);
+    let data = dir.join("tokens.safetensors");
+    reference(&["tokens", s(&data), "12", "17", "128", "int32"]);
+    let ds = config(&dir, 3, 8, 2, 1e-3);
+    let trained = dir.join("trained");
+    let args = ["--config", s(&ds), "--hf", s(&source), "--data", s(&data), "--steps", "5", "--save-hf", s(&trained)];
+    let (ok, text) = llama(2, &[&args[..], &["--max-shard-size", "100KB"]].concat());
+    assert!(ok, "{text}");
+    assert_eq!(losses(&text).len(), 5, "{text}");
+    assert!(trained.join("model.safetensors.index.json").exists(), "sharded past 100KB: {text}");
+    let expected = dir.join("expected");
+    let reference_text = reference(&["train", s(&source), s(&data), s(&ds), "5", s(&expected)]);
+    // The same losses step by step (the first before any update).
+    let theirs: Vec<f64> = reference_text
+        .lines()
+        .filter_map(|l| l.strip_prefix("reference step ").and_then(|r| r.split(" loss ").nth(1)))
+        .map(|v| v.trim().parse().unwrap())
+        .collect();
+    for (step, (a, b)) in losses(&text).iter().zip(&theirs).enumerate() {
+        assert!((a - b).abs() <= 1e-5 * b.abs(), "step {}: example {a} vs transformers {b}", step + 1);
+    }
+    eprintln!("{}", reference(&["compare", s(&expected), s(&trained), "1e-4"]));
+    // The saved model's loss on step 1's batch: transformers' and the example's (lr 0, one step from it).
+    let theirs = reference(&["evaluate", s(&trained), s(&data), "8"]);
+    let theirs: f64 = theirs.lines().find_map(|l| l.strip_prefix("loss ")).unwrap().trim().parse().unwrap();
+    let frozen = config(&dir, 0, 8, 4, 0.0);
+    let (ok, text) = llama(2, &["--config", s(&frozen), "--hf", s(&trained), "--data", s(&data), "--steps", "1"]);
+    assert!(ok, "{text}");
+    let ours = losses(&text)[0];
+    assert!((ours - theirs).abs() <= 1e-5 * theirs, "the saved model's loss: example {ours} vs transformers {theirs}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Every ZeRO stage, stage 3 with activation checkpointing and the optimizer offloaded, trains the same model (the
+/// same losses step by step); bf16 trains and saves bf16 weights with config.json saying so.
+#[test]
+fn every_stage_offload_checkpointing_and_bf16_train_the_model() {
+    let dir = scratch("stages");
+    let source = dir.join("source");
+    reference(&["make", s(&source), "untied", ""]);
+    let data = dir.join("tokens.safetensors");
+    reference(&["tokens", s(&data), "16", "17", "128", "int64"]);
+    // `top`: keys beside zero_optimization; `zero`: keys inside it after the stage.
+    let run = |tag: &str, stage: u8, top: &str, zero: &str, flags: &[&str]| {
+        let text = std::fs::read_to_string(config(&dir, stage, 8, 2, 1e-3)).unwrap();
+        let section = format!(r#""zero_optimization": {{"stage": {stage}"#);
+        let text = text.replace(&section, &format!("{top} {section}{zero}"));
+        let path = dir.join(format!("{tag}.json"));
+        std::fs::write(&path, text).unwrap();
+        let out = dir.join(tag);
+        let args = ["--config", s(&path), "--hf", s(&source), "--data", s(&data), "--steps", "3", "--save-hf", s(&out)];
+        let (ok, text) = llama(2, &[&args[..], flags].concat());
+        assert!(ok, "{tag}: {text}");
+        (losses(&text), out)
+    };
+    let (zero0, _) = run("stage0", 0, "", "", &[]);
+    assert_eq!(zero0.len(), 3);
+    let offload = r#", "offload_optimizer": {"device": "cpu"}"#;
+    for (tag, stage, zero, flags) in [
+        ("stage1", 1, "", &[][..]),
+        ("stage2", 2, "", &[][..]),
+        ("stage3-ac-offload", 3, offload, &["--activation-checkpointing"][..]),
+    ] {
+        let (l, _) = run(tag, stage, "", zero, flags);
+        assert_eq!(l.len(), 3, "{tag}");
+        for (a, b) in l.iter().zip(&zero0) {
+            assert!((a - b).abs() <= 1e-5 * b, "{tag}: {l:?} vs stage 0 {zero0:?}");
+        }
+    }
+    let (bf16, out) = run("bf16", 3, r#""bf16": {"enabled": true},"#, "", &[]);
+    assert!(bf16.len() == 3 && (bf16[0] - zero0[0]).abs() < 0.05, "bf16 {bf16:?} vs {zero0:?}");
+    let saved = std::fs::read_to_string(out.join("config.json")).unwrap();
+    assert!(saved.contains(r#""torch_dtype": "bfloat16""#), "{saved}");
+    let weights = Tensor::read_safetensors(out.join("model.safetensors")).unwrap();
+    assert!(weights.iter().all(|(_, t)| t.kind() == tch::Kind::BFloat16), "bf16 weights");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Transformers' shards in, zerorun's shards out, read back in and written again: the same bytes, and every
+/// tensor bitwise transformers' own.
+#[test]
+fn sharded_weights_round_trip_bitwise() {
+    let dir = scratch("roundtrip");
+    let source = dir.join("source");
+    reference(&["make", s(&source), "untied", "100000"]);
+    let ds = config(&dir, 3, 4, 2, 1e-3);
+    let (a, b) = (dir.join("a"), dir.join("b"));
+    for (from, to) in [(&source, &a), (&a, &b)] {
+        let args =
+            ["--config", s(&ds), "--hf", s(from), "--steps", "0", "--save-hf", s(to), "--max-shard-size", "100KB"];
+        let (ok, text) = llama(2, &args);
+        assert!(ok, "{text}");
+    }
+    let mut names: Vec<String> =
+        std::fs::read_dir(&a).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    names.sort();
+    assert!(names.contains(&"model.safetensors.index.json".to_string()), "{names:?}");
+    for name in &names {
+        assert_eq!(std::fs::read(a.join(name)).unwrap(), std::fs::read(b.join(name)).unwrap(), "{name}");
+    }
+    reference(&["equal", s(&source), s(&a)]);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Bad input is named: another architecture's config.json, a weights file missing a layer's tensor, a tensor of
+/// another shape, token ids outside the vocabulary.
+#[test]
+fn bad_models_and_data_are_refused_by_name() {
+    let dir = scratch("bad");
+    let source = dir.join("source");
+    reference(&["make", s(&source), "tied", ""]);
+    let ds = config(&dir, 3, 4, 2, 1e-3);
+    let good = dir.join("good.safetensors");
+    reference(&["tokens", s(&good), "4", "9", "128", "int64"]);
+    let run = |hf: &Path, data: Option<&Path>| {
+        let data = data.unwrap_or(&good);
+        let (ok, text) = llama(1, &["--config", s(&ds), "--hf", s(hf), "--steps", "1", "--data", s(data)]);
+        assert!(!ok, "{text}");
+        text
+    };
+    let copy = |tag: &str| {
+        let to = dir.join(tag);
+        std::fs::create_dir_all(&to).unwrap();
+        for f in ["config.json", "model.safetensors"] {
+            std::fs::copy(source.join(f), to.join(f)).unwrap();
+        }
+        to
+    };
+    let other = copy("gpt2");
+    let text = std::fs::read_to_string(other.join("config.json")).unwrap().replace("\"llama\"", "\"gpt2\"");
+    std::fs::write(other.join("config.json"), text).unwrap();
+    let err = run(&other, None);
+    assert!(err.contains("gpt2/config.json") && err.contains("model_type \"gpt2\" is not supported"), "{err}");
+
+    let weights = |to: &Path, edit: &dyn Fn(&mut Vec<(String, Tensor)>)| {
+        let mut tensors = Tensor::read_safetensors(source.join("model.safetensors")).unwrap();
+        edit(&mut tensors);
+        Tensor::write_safetensors(&tensors, to.join("model.safetensors")).unwrap();
+    };
+    let missing = copy("missing");
+    weights(&missing, &|t| t.retain(|(n, _)| n != "model.layers.1.mlp.up_proj.weight"));
+    let err = run(&missing, None);
+    assert!(
+        err.contains("missing/model.safetensors") && err.contains("tensor `model.layers.1.mlp.up_proj.weight`"),
+        "{err}"
+    );
+
+    let shape = copy("shape");
+    weights(&shape, &|t| {
+        let (_, w) = t.iter_mut().find(|(n, _)| n == "model.layers.0.self_attn.k_proj.weight").unwrap();
+        *w = w.narrow(0, 0, 16).contiguous();
+    });
+    let err = run(&shape, None);
+    assert!(
+        err.contains("shape/model.safetensors")
+            && err
+                .contains("`model.layers.0.self_attn.k_proj.weight` is [16, 64] in the file and [32, 64] in the model"),
+        "{err}"
+    );
+
+    let data = dir.join("tokens.safetensors");
+    reference(&["tokens", s(&data), "4", "9", "130", "int64"]);
+    let err = run(&source, Some(&data));
+    assert!(
+        err.contains("tokens.safetensors")
+            && err.contains("tensor `tokens` holds id")
+            && err.contains("not in the vocabulary 0..128"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
