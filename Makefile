@@ -19,12 +19,15 @@ setup: .libtorch
 	fi
 
 # Python packages of the venv: torch (libtorch for tch), numpy (torch warns without it), safetensors (tests read
-# zerorun's consolidated checkpoints from Python). Installed only when one is missing or torch is not pinned.
-PY_PACKAGES := torch==$(TORCH_VERSION) numpy safetensors
-VENV_STAMP := $(VENV)/.deps-torch$(TORCH_VERSION)-numpy-safetensors
+# zerorun's consolidated checkpoints from Python), transformers (the Llama example's tests compare against its
+# LlamaForCausalLM; 4.57 is the newest whose dependencies PyPI here has). Installed only when one is missing or a pin
+# differs.
+TRANSFORMERS_VERSION := 4.57.6
+PY_PACKAGES := torch==$(TORCH_VERSION) numpy safetensors transformers==$(TRANSFORMERS_VERSION)
+VENV_STAMP := $(VENV)/.deps-torch$(TORCH_VERSION)-numpy-safetensors-transformers$(TRANSFORMERS_VERSION)
 
 $(VENV_STAMP):
-	@if ! $(VENV)/bin/python -c 'import torch, numpy, safetensors, sys; sys.exit(torch.__version__.split("+")[0] != "$(TORCH_VERSION)")' 2>/dev/null; then \
+	@if ! $(VENV)/bin/python -c 'import torch, numpy, safetensors, transformers, sys; sys.exit(torch.__version__.split("+")[0] != "$(TORCH_VERSION)" or transformers.__version__ != "$(TRANSFORMERS_VERSION)")' 2>/dev/null; then \
 	  echo "setup: installing $(PY_PACKAGES) into $(VENV)"; \
 	  ( [ -x $(VENV)/bin/python ] || $(PYTHON) -m venv $(VENV) ) && \
 	  $(VENV)/bin/pip install --quiet --progress-bar off --disable-pip-version-check $(PY_PACKAGES); \

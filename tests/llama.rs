@@ -12,6 +12,9 @@ use std::process::Command;
 
 use tch::{nn, Tensor};
 
+/// Tensors by name, as safetensors files hold them.
+type Named = Vec<(String, Tensor)>;
+
 fn python() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python")
 }
@@ -98,7 +101,7 @@ fn the_models_logits_are_transformers_logits() {
 /// file has transformers' losses step by step (1e-5) and ends within 1e-4 (every element; training moved them by
 /// 5e-3) of transformers' model trained by torch.optim.AdamW on the full batches in one process;
 /// the saved model loads in transformers without missing or unexpected keys, and its loss on a batch is the one
-/// the example measures on it.
+/// the example measures on it; `zerorun consolidate --hf-config` makes the same model of its checkpoint.
 #[test]
 fn zero3_on_two_ranks_trains_as_torch_adamw_and_saves_what_transformers_loads() {
     let dir = scratch("train");
@@ -108,8 +111,10 @@ fn zero3_on_two_ranks_trains_as_torch_adamw_and_saves_what_transformers_loads() 
     reference(&["tokens", s(&data), "12", "17", "128", "int32"]);
     let ds = config(&dir, 3, 8, 2, 1e-3);
     let trained = dir.join("trained");
+    let checkpoints = dir.join("checkpoints");
     let args = ["--config", s(&ds), "--hf", s(&source), "--data", s(&data), "--steps", "5", "--save-hf", s(&trained)];
-    let (ok, text) = llama(2, &[&args[..], &["--max-shard-size", "100KB"]].concat());
+    let more = ["--max-shard-size", "100KB", "--checkpoint-dir", s(&checkpoints), "--save-every", "5"];
+    let (ok, text) = llama(2, &[&args[..], &more].concat());
     assert!(ok, "{text}");
     assert_eq!(losses(&text).len(), 5, "{text}");
     assert!(trained.join("model.safetensors.index.json").exists(), "sharded past 100KB: {text}");
@@ -125,6 +130,14 @@ fn zero3_on_two_ranks_trains_as_torch_adamw_and_saves_what_transformers_loads() 
         assert!((a - b).abs() <= 1e-5 * b.abs(), "step {}: example {a} vs transformers {b}", step + 1);
     }
     eprintln!("{}", reference(&["compare", s(&expected), s(&trained), "1e-4"]));
+    // The step-5 checkpoint, consolidated for transformers: the same tensors, bitwise.
+    let consolidated = dir.join("consolidated");
+    let out = Command::new(env!("CARGO_BIN_EXE_zerorun"))
+        .args(["consolidate", s(&checkpoints), s(&consolidated), "--hf-config", s(&source)])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    reference(&["equal", s(&trained), s(&consolidated)]);
     // The saved model's loss on step 1's batch: transformers' and the example's (lr 0, one step from it).
     let theirs = reference(&["evaluate", s(&trained), s(&data), "8"]);
     let theirs: f64 = theirs.lines().find_map(|l| l.strip_prefix("loss ")).unwrap().trim().parse().unwrap();
@@ -237,7 +250,7 @@ fn bad_models_and_data_are_refused_by_name() {
     let err = run(&other, None);
     assert!(err.contains("gpt2/config.json") && err.contains("model_type \"gpt2\" is not supported"), "{err}");
 
-    let weights = |to: &Path, edit: &dyn Fn(&mut Vec<(String, Tensor)>)| {
+    let weights = |to: &Path, edit: &dyn Fn(&mut Named)| {
         let mut tensors = Tensor::read_safetensors(source.join("model.safetensors")).unwrap();
         edit(&mut tensors);
         Tensor::write_safetensors(&tensors, to.join("model.safetensors")).unwrap();
