@@ -25,7 +25,10 @@ use support::llama_model::{self, DecoderLayer, Head, LlamaConfig};
 use support::*;
 use tch::{nn, Kind, Tensor};
 use zerorun::runtime::checkpoint::files::MappedTensors;
-use zerorun::{Engine, EngineOptions, PretrainedOptions, UnitBuilders};
+use zerorun::runtime::tensor_parallel::TensorParallel;
+use zerorun::{
+    Dim, Engine, EngineOptions, Mesh, MeshOptions, MicroBatch, PretrainedOptions, StagePlacement, UnitBuilders,
+};
 
 #[derive(Parser, Debug)]
 #[command(about = "Llama with ZeRO: from a Hugging Face checkpoint to one")]
@@ -72,6 +75,15 @@ struct Args {
     /// Tokens per row of the corpus (without --data).
     #[arg(long, default_value_t = 64)]
     seq_len: i64,
+    /// Cut the model into this many pipeline stages (the embedding, each decoder layer, the norm with the head as
+    /// layers); ds_config's `pipeline` section picks the schedule and the cut. Untied embeddings only.
+    #[arg(long)]
+    pipeline_stages: Option<usize>,
+    /// Split every layer across groups of this many adjacent ranks (attention heads, key/value heads, the MLP,
+    /// the vocabulary); ZeRO runs over the data-parallel ranks of each group position. With --pipeline-stages:
+    /// inside each stage (ranks = stages x data x tensor-parallel).
+    #[arg(long)]
+    tensor_parallel: Option<usize>,
 }
 
 fn main() {
@@ -268,6 +280,19 @@ fn run(args: &Args) -> Result<(), String> {
     }
     share_cores(a.ranks);
     let device = a.device()?;
+    if let Some(t) = args.tensor_parallel {
+        llama_model::tp::check(&c, t)?;
+    }
+    if args.pipeline_stages.is_some() || args.tensor_parallel.is_some() {
+        if device != tch::Device::Cpu {
+            return Err("--pipeline-stages and --tensor-parallel run on the CPU only in this example".into());
+        }
+        let run = Run { args, config: &config, model: &c, rows: rows.as_ref(), kind, max_shard_bytes };
+        return match args.pipeline_stages {
+            Some(stages) => run.pipeline(stages),
+            None => run.tensor_parallel(args.tensor_parallel.expect("checked")),
+        };
+    }
     let timeout = Duration::from_secs_f64(config.comms_timeout);
     let summary = run_ranks(a.ranks, timeout, |comm| {
         tch::manual_seed(a.seed as i64);
@@ -355,4 +380,203 @@ fn save_hf(
         );
     }
     Ok(())
+}
+
+/// What a pipeline or tensor-parallel run reads.
+struct Run<'a> {
+    args: &'a Args,
+    config: &'a zerorun::Config,
+    model: &'a LlamaConfig,
+    rows: Option<&'a Rows>,
+    kind: Kind,
+    max_shard_bytes: u64,
+}
+
+impl Run<'_> {
+    /// This data-parallel rank's micro-batch `m` of step `step` (0-based), by the data contract.
+    fn micro_batch(&self, b: zerorun::config::BatchSizes, step: u64, m: u64, data: (usize, usize)) -> (Tensor, Tensor) {
+        let (global, micro) = (b.train_batch_size, b.train_micro_batch_size_per_gpu);
+        let base = step * global + data.0 as u64 * (global / data.1 as u64);
+        self.rows.expect("opened when steps run").batch(base + m * micro, micro)
+    }
+
+    /// `--save-hf` of whole tensors assembled by the caller (rank 0 writes).
+    fn write_hf(&self, whole: &[(String, Tensor)], rank: usize) -> Result<(), String> {
+        let Some(out) = &self.args.save_hf else { return Ok(()) };
+        if rank != 0 {
+            return Ok(());
+        }
+        let at = |e: String| format!("--save-hf {}: {e}", out.display());
+        let source = match &self.args.hf {
+            Some(dir) => dir.join("config.json"),
+            None => {
+                std::fs::create_dir_all(out).map_err(|e| at(e.to_string()))?;
+                let path = out.join("config.json");
+                let text = serde_json::to_string_pretty(&self.model.to_json()).expect("config serializes");
+                std::fs::write(&path, text).map_err(|e| at(e.to_string()))?;
+                path
+            }
+        };
+        let options =
+            PretrainedOptions { config: Some(&source), kind: self.kind, max_shard_bytes: self.max_shard_bytes };
+        let files = zerorun::runtime::engine::write_pretrained(out, whole, &options).map_err(|e| at(e.to_string()))?;
+        println!(
+            "saved for transformers: {}",
+            files.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
+        );
+        Ok(())
+    }
+
+    /// The starting weights: `--hf`'s, each rank cutting its slices (tensor parallel) or reading its stage's.
+    fn load(&self, vs: &nn::VarStore, tp: Option<&TensorParallel>) -> Result<(), String> {
+        let Some(dir) = &self.args.hf else { return Ok(()) };
+        let loaded = match tp {
+            Some(tp) => zerorun::runtime::engine::load_mapped_slices(vs, dir, tp.rank(), tp.size(), tp.placements()),
+            None => zerorun::runtime::engine::load_mapped(vs, dir),
+        };
+        loaded.map_err(|e| format!("--hf {}: {e}", dir.display()))
+    }
+
+    /// `--tensor-parallel T` without pipeline stages: groups of T adjacent ranks split every layer; each rank's
+    /// engine runs ZeRO over the ranks at its position in the other groups.
+    fn tensor_parallel(&self, t: usize) -> Result<(), String> {
+        let a = &self.args.common;
+        let timeout = Duration::from_secs_f64(self.config.comms_timeout);
+        let summary = run_ranks(a.ranks, timeout, |comm| {
+            let options = MeshOptions { tensor_parallel: Some(t), ..Default::default() };
+            let mesh = Mesh::from_config(comm, self.config, options).map_err(|e| e.to_string())?;
+            let rank = mesh.rank();
+            let data = (mesh.coordinate(Dim::Shard), mesh.shape().data());
+            let tp = mesh.tensor_parallel().map_err(|e| e.to_string())?;
+            let (mut vs, model) =
+                build_model(a.seed, None, |vs| llama_model::tp::TpLlama::new(&vs.root(), &tp, self.model))?;
+            self.load(&vs, Some(&tp))?;
+            to_config_precision(self.config, &mut vs);
+            let options = EngineOptions { activation_checkpointing: a.activation_checkpointing, ..Default::default() }
+                .units_of(&model);
+            let mut engine =
+                zerorun::initialize_with(&vs, self.config.clone(), mesh, options).map_err(|e| e.to_string())?;
+            let b = engine.batch_sizes();
+            let mut progress = Progress::new(a.steps);
+            let first = resume(a, &mut engine)?;
+            for step in first..a.steps {
+                for m in 0..b.gradient_accumulation_steps {
+                    let (x, y) = self.micro_batch(b, step, m, data);
+                    let logits = engine.forward(&model, &x).map_err(|e| e.to_string())?;
+                    let loss = llama_model::tp::loss(&tp, self.model, &logits, &y).map_err(|e| e.to_string())?;
+                    engine.backward_units(&model, &loss).map_err(|e| e.to_string())?;
+                    let outcome = engine.step().map_err(|e| e.to_string())?;
+                    progress.record_for(rank == 0, b.train_batch_size, outcome);
+                    maybe_save(a, &mut engine, outcome)?;
+                }
+            }
+            engine.finish().map_err(|e| e.to_string())?;
+            if self.args.save_hf.is_some() {
+                let whole = whole_parameters(&tp, engine.full_parameters().map_err(|e| e.to_string())?)?;
+                self.write_hf(&whole, rank)?;
+            }
+            finish_reports(&mut engine)?;
+            Ok((progress.first_loss.unwrap_or(f64::NAN), progress.last_loss, progress.median_step_s()))
+        })?;
+        let Some((first, last, median)) = summary else { return Ok(()) };
+        println!("median_step_s {median:.4}");
+        println!(
+            "summary: Llama {} layers x {} hidden, tensor parallel {t}, ZeRO stage {}, {} optimizer steps, loss {first:.4} -> {last:.4}",
+            self.model.num_hidden_layers,
+            self.model.hidden_size,
+            self.config.stage(),
+            a.steps
+        );
+        Ok(())
+    }
+
+    /// `--pipeline-stages P` (with `--tensor-parallel T` inside each stage): each rank builds and trains only its
+    /// stage's layers.
+    fn pipeline(&self, stages: usize) -> Result<(), String> {
+        let a = &self.args.common;
+        if a.activation_checkpointing {
+            return Err("--pipeline-stages runs without --activation-checkpointing (stage 3's)".into());
+        }
+        if self.model.tie_word_embeddings {
+            return Err("--pipeline-stages: tied embeddings are not supported (the embedding and the head sit on different stages)".into());
+        }
+        let timeout = Duration::from_secs_f64(self.config.comms_timeout);
+        let summary = run_ranks(a.ranks, timeout, |comm| {
+            let options = MeshOptions { pipeline_stages: Some(stages), tensor_parallel: self.args.tensor_parallel };
+            let mesh = Mesh::from_config(comm, self.config, options).map_err(|e| e.to_string())?;
+            let placement = StagePlacement::of(&mesh, &self.config.pipeline);
+            let tp = match self.args.tensor_parallel {
+                Some(_) => Some(mesh.tensor_parallel().map_err(|e| e.to_string())?),
+                None => None,
+            };
+            let model = match &tp {
+                Some(tp) => llama_model::tp::pipeline_model(self.model, tp),
+                None => llama_model::pipeline_model(self.model),
+            };
+            let partition = &self.config.pipeline.partition;
+            let (mut vs, stage) = build_model(a.seed, None, |vs| model.build_stage(vs, &placement, partition))?;
+            let stage = stage.map_err(|e| e.to_string())?;
+            self.load(&vs, tp.as_ref())?;
+            to_config_precision(self.config, &mut vs);
+            let mut pipe =
+                zerorun::initialize_pipeline(&vs, self.config.clone(), mesh, stage, EngineOptions::default())
+                    .map_err(|e| e.to_string())?;
+            let b = pipe.engine().batch_sizes();
+            let (first, last) = (placement.takes_inputs(), placement.takes_labels());
+            let data = (placement.data_index, placement.data_parallel);
+            let mut progress = Progress::new(a.steps);
+            let first_step = match (&a.checkpoint_dir, a.resume) {
+                (Some(dir), true) => {
+                    pipe.load_checkpoint(dir, None).map_err(|e| e.to_string())?;
+                    pipe.engine().global_steps()
+                }
+                _ => 0,
+            };
+            for step in first_step..a.steps {
+                let mut micro_batches = (0..b.gradient_accumulation_steps).map(|m| {
+                    let (x, y) = self.micro_batch(b, step, m, data);
+                    MicroBatch { inputs: first.then_some(x), labels: last.then_some(y) }
+                });
+                let outcome = pipe.train_batch(&mut micro_batches).map_err(|e| e.to_string())?;
+                progress.record_for(placement.rank == 0, b.train_batch_size, outcome);
+                if let (Some(dir), Some(every)) = (&a.checkpoint_dir, a.save_every) {
+                    if (step + 1) % every == 0 {
+                        pipe.save_checkpoint(dir, None).map_err(|e| e.to_string())?;
+                    }
+                }
+            }
+            pipe.finish().map_err(|e| e.to_string())?;
+            if self.args.save_hf.is_some() {
+                // Stage 0's ranks receive every stage's parameters; their tensor-parallel groups make them whole.
+                let params = pipe.full_parameters().map_err(|e| e.to_string())?;
+                let params = match &tp {
+                    Some(tp) if placement.stage == 0 => whole_parameters(tp, params)?,
+                    _ => params,
+                };
+                self.write_hf(&params, placement.rank)?;
+            }
+            println!("peak_rss_bytes {}", zerorun::runtime::report::memory::rss().1);
+            Ok((progress.first_loss.unwrap_or(f64::NAN), progress.last_loss, progress.median_step_s()))
+        })?;
+        let Some((first, last, median)) = summary else { return Ok(()) };
+        println!("median_step_s {median:.4}");
+        println!(
+            "summary: Llama {} layers x {} hidden, {stages} pipeline stages, tensor parallel {}, ZeRO stage {} per stage, {} optimizer steps, loss {first:.4} -> {last:.4}",
+            self.model.num_hidden_layers,
+            self.model.hidden_size,
+            self.args.tensor_parallel.unwrap_or(1),
+            self.config.stage(),
+            a.steps
+        );
+        Ok(())
+    }
+}
+
+/// Every parameter whole: the tensor-parallel slices gathered along the dimension they split, padding left out.
+/// Collective over the group.
+fn whole_parameters(tp: &TensorParallel, params: Vec<(String, Tensor)>) -> Result<Vec<(String, Tensor)>, String> {
+    params
+        .into_iter()
+        .map(|(name, p)| tp.gather_whole(&name, &p).map(|w| (name, w)).map_err(|e| e.to_string()))
+        .collect()
 }

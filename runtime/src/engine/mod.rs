@@ -55,7 +55,7 @@ use crate::config::{BatchSizes, Config, Precision};
 use crate::error::Result;
 use crate::estimate::{model_states_bytes, EstimateInput};
 use crate::report::memory::{self, MemoryCategory, MemoryReport, ModelStates, SCHEMA_VERSION};
-pub use checkpointing::{load_mapped, load_mapped_slices, PretrainedOptions, SaveOptions};
+pub use checkpointing::{load_mapped, load_mapped_slices, write_pretrained, PretrainedOptions, SaveOptions};
 use counters::Progress;
 pub use counters::{CommVolume, GatheredBytes};
 pub use device::optimizer as device_optimizer;

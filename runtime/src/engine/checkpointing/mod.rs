@@ -4,8 +4,8 @@
 //! rules, dtype names, variable entries.
 mod load;
 mod save;
-pub use save::PretrainedOptions;
 pub(crate) use save::{prepare_staging, publish};
+pub use save::{write_pretrained, PretrainedOptions};
 
 use std::path::{Path, PathBuf};
 

@@ -496,6 +496,39 @@ impl Engine {
     }
 }
 
+/// Whole tensors by name written as transformers' `save_pretrained` writes them (see
+/// [`Engine::save_pretrained`], which streams them out of an engine): for models assembled elsewhere, such as a
+/// pipeline's stages or a tensor-parallel group's slices made whole. Floating tensors are written as
+/// `options.kind`. Not collective: the caller picks the rank that writes.
+pub fn write_pretrained(
+    dir: impl AsRef<Path>,
+    tensors: &[(String, Tensor)],
+    options: &PretrainedOptions<'_>,
+) -> Result<Vec<PathBuf>> {
+    let dir = dir.as_ref();
+    let floating = |t: &Tensor| matches!(t.kind(), Kind::Float | Kind::Double | Kind::Half | Kind::BFloat16);
+    let as_run = |t: &Tensor| if floating(t) { t.to_kind(options.kind) } else { t.shallow_clone() };
+    let specs = tensors
+        .iter()
+        .map(|(n, t)| {
+            let kind = if floating(t) { options.kind } else { t.kind() };
+            (n.clone(), t.size().iter().map(|&d| d as usize).collect(), dtype_of_kind(kind).to_string())
+        })
+        .collect();
+    let mut writer = crate::checkpoint::hf::ShardedWriter::create(dir, specs, options.max_shard_bytes)?;
+    for (_, t) in tensors {
+        let t = as_run(t).contiguous();
+        let mut bytes = vec![0u8; t.numel() * t.kind().elt_size_in_bytes()];
+        t.f_copy_data_u8(&mut bytes, t.numel())?;
+        writer.tensor(|out| out.write_all(&bytes))?;
+    }
+    let mut paths = writer.finish()?;
+    if let Some(config) = options.config {
+        paths.push(crate::checkpoint::hf::write_config(config, dir, dtype_of_kind(options.kind))?);
+    }
+    Ok(paths)
+}
+
 /// A frozen unit's variable shape by name.
 fn units_shape(units: &crate::engine::zero::frozen::FrozenUnits, name: &str) -> Vec<i64> {
     units.layout.slots.iter().find(|s| s.name == name).map_or_else(Vec::new, |s| s.shape.clone())
