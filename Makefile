@@ -80,8 +80,10 @@ bench: setup
 	./target/release/zerorun bench adam
 
 # zerorun beside DeepSpeed 0.19.8 (CPU, gloo) on the same GPT, weights, data order and ds_config.json: writes
-# bench/deepspeed/results.{json,md}. Not part of `make test` (it installs DeepSpeed and takes minutes).
+# bench/deepspeed/results.{json,md}; then the Llama example beside transformers' LlamaForCausalLM under DeepSpeed
+# (bench/deepspeed/llama_results.{json,md}). Not part of `make test` (it installs DeepSpeed and takes minutes).
 bench-deepspeed: setup
 	$(VENV)/bin/pip install -q deepspeed==0.19.8 ninja
-	$(CARGO) build --release --bins --example gpt
+	$(CARGO) build --release --bins --example gpt --example llama
 	$(VENV)/bin/python bench/deepspeed/side_by_side.py
+	$(VENV)/bin/python bench/deepspeed/llama_side_by_side.py

@@ -1,0 +1,77 @@
+"""transformers' own LlamaForCausalLM trained with DeepSpeed on the data order of examples/llama.rs (rows
+(s-1)·B .. s·B of the token file, rank r's share r·B/W .. (r+1)·B/W in micro-batches), from the same Hugging Face
+folder and ds_config.json. Prints what the tch example prints: `step N loss X` (mean over ranks), `median_step_s T`
+and every rank's `peak_rss_bytes B`. Run under DeepSpeed's launcher:
+    deepspeed --num_gpus 2 llama_deepspeed.py --config C --hf DIR --data TOKENS --steps N"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from transformers import LlamaForCausalLM
+
+import deepspeed
+
+
+def peak_rss():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--config", required=True)
+    p.add_argument("--hf", required=True)
+    p.add_argument("--data", required=True)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--local_rank", type=int, default=0)
+    a = p.parse_args()
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    cfg = json.load(open(a.config))
+    dtype = torch.bfloat16 if cfg.get("bf16", {}).get("enabled") else torch.float32
+    model = LlamaForCausalLM.from_pretrained(a.hf, dtype=dtype)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    rows = load_file(a.data)["tokens"].long()
+    n = rows.shape[0]
+    train, micro, gas = engine.train_batch_size(), engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    times = []
+    for step in range(a.steps):
+        started = time.perf_counter()
+        losses = []
+        base = step * train + rank * (train // world)
+        for m in range(gas):
+            index = torch.tensor([(base + m * micro + i) % n for i in range(micro)])
+            x, y = rows[index, :-1], rows[index, 1:]
+            logits = engine(input_ids=x).logits
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        mean = torch.tensor([sum(losses) / len(losses)], dtype=torch.float32)
+        torch.distributed.all_reduce(mean)
+        times.append(time.perf_counter() - started)
+        if rank == 0:
+            print(f"step {step + 1} loss {mean.item() / world:.6f}", flush=True)
+    t = sorted(times[2:] or times)
+    if rank == 0:
+        print(f"median_step_s {t[len(t) // 2]:.6f}", flush=True)
+    torch.distributed.barrier()
+    print(f"peak_rss_bytes {peak_rss()}", flush=True)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    # DeepSpeed 0.19.8 on CPU can abort at interpreter exit after a finished run: leave once everything is written.
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
