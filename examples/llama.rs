@@ -525,13 +525,11 @@ impl Run<'_> {
             let (first, last) = (placement.takes_inputs(), placement.takes_labels());
             let data = (placement.data_index, placement.data_parallel);
             let mut progress = Progress::new(a.steps);
-            let first_step = match (&a.checkpoint_dir, a.resume) {
-                (Some(dir), true) => {
-                    pipe.load_checkpoint(dir, None).map_err(|e| e.to_string())?;
-                    pipe.engine().global_steps()
-                }
-                _ => 0,
-            };
+            let world = placement.stages * placement.data_parallel * self.args.tensor_parallel.unwrap_or(1);
+            let first_step = resume_with(a, placement.rank == 0, world, |dir| {
+                pipe.load_checkpoint(dir, None).map_err(|e| e.to_string())?;
+                Ok(pipe.engine().global_steps())
+            })?;
             for step in first_step..a.steps {
                 let mut micro_batches = (0..b.gradient_accumulation_steps).map(|m| {
                     let (x, y) = self.micro_batch(b, step, m, data);

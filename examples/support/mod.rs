@@ -283,15 +283,37 @@ impl Progress {
     }
 }
 
-/// `--resume`: continues from CHECKPOINT_DIR/latest (any world size and stage); returns the first step to run.
+/// `--resume`: continues from CHECKPOINT_DIR/latest (any world size and stage); returns the first step to run. A
+/// folder with no checkpoint yet starts from the beginning (so one command line serves the first start and every
+/// restart under `zerorun launch --max-restarts`). Rank 0 says which (`resumed from step K at world size W`).
 pub fn resume(args: &CommonArgs, engine: &mut Engine) -> Result<u64, String> {
-    match (&args.checkpoint_dir, args.resume) {
-        (Some(dir), true) => {
-            engine.load_checkpoint(dir, None).map_err(|e| e.to_string())?;
-            Ok(engine.global_steps())
+    let (rank, world) = (engine.rank(), engine.world_size());
+    resume_with(args, rank == 0, world, |dir| {
+        engine.load_checkpoint(dir, None).map_err(|e| e.to_string())?;
+        Ok(engine.global_steps())
+    })
+}
+
+/// [`resume`] for any engine: `load(dir)` loads the latest checkpoint and returns its step; `print`: this rank
+/// says what happened; `world`: the job's ranks, for the message.
+pub fn resume_with(
+    args: &CommonArgs,
+    print: bool,
+    world: usize,
+    load: impl FnOnce(&std::path::Path) -> Result<u64, String>,
+) -> Result<u64, String> {
+    let (Some(dir), true) = (&args.checkpoint_dir, args.resume) else { return Ok(0) };
+    if !dir.join("latest").exists() {
+        if print {
+            println!("no checkpoint in {} yet: starting from step 0", dir.display());
         }
-        _ => Ok(0),
+        return Ok(0);
     }
+    let step = load(dir)?;
+    if print {
+        println!("resumed from step {step} at world size {world}");
+    }
+    Ok(step)
 }
 
 /// `--save-every K`: a checkpoint after every K-th optimizer step.

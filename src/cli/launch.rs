@@ -1,9 +1,12 @@
 //! `zerorun launch --nproc-per-node N [--nnodes M --node-rank R] [--master-addr A] [--master-port P] [--backend B]
-//! [--memory-report [DIR]] -- PROGRAM ARGS...`
+//! [--memory-report [DIR]]
 //!
-//! Starts N ranks (this node's, of M nodes: ranks R*N..R*N+N of M*N) as child processes with torchrun's variables, prefixes their output with the rank, shares the
-//! cores among them, forwards SIGINT/SIGTERM, and when one rank fails stops the others within 5 seconds and exits
-//! non-zero naming the rank, how it ended and its last lines.
+//! [--max-restarts R] -- PROGRAM ARGS...`
+//!
+//! Starts N ranks (this node's, of M nodes: ranks R*N..R*N+N of M*N) as child processes with torchrun's variables,
+//! prefixes their output with the rank, shares the cores among them, forwards SIGINT/SIGTERM, and when one rank fails
+//! stops the others within 5 seconds; then, up to R times, starts them all again (the program resumes from its
+//! latest checkpoint), else exits non-zero naming the rank, how it ended and its last lines (every start's).
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
@@ -42,6 +45,11 @@ pub struct LaunchArgs {
     /// Without DIR: the working directory.
     #[arg(long, value_name = "DIR", num_args = 0..=1, default_missing_value = ".")]
     pub memory_report: Option<std::path::PathBuf>,
+    /// When a rank fails, stop the others and start the job again (same program and arguments) up to this many
+    /// times; the program resumes from its latest checkpoint (the examples' `--resume`). The ranks see
+    /// ZERORUN_RESTART_COUNT (and torchrun's TORCHELASTIC_RESTART_COUNT). One node only for now.
+    #[arg(long, default_value_t = 0)]
+    pub max_restarts: usize,
     /// The program and its arguments.
     #[arg(last = true, required = true)]
     pub command: Vec<String>,
@@ -137,25 +145,71 @@ pub fn run(args: LaunchArgs) -> Result<(), CliError> {
             )))
         }
     }
-    let port = match args.master_port {
-        Some(p) => p,
-        None if multi_node => {
-            return Err(CliError::Usage(
-                "--master-port: with --nnodes above 1 every node must give the same port".into(),
-            ))
+    if multi_node && args.max_restarts > 0 {
+        return Err(CliError::Usage(
+            "--max-restarts restarts the ranks of one node; across nodes it needs elastic membership, which is not there yet".into(),
+        ));
+    }
+    if multi_node && args.master_port.is_none() {
+        return Err(CliError::Usage("--master-port: with --nnodes above 1 every node must give the same port".into()));
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(sig, stop.clone())
+            .map_err(|e| CliError::Io { context: "installing signal handlers".into(), source: e })?;
+    }
+    let mut failures: Vec<String> = Vec::new();
+    for attempt in 0..=args.max_restarts {
+        match run_attempt(&args, &backend, attempt, &stop) {
+            Ok(()) => return Ok(()),
+            // Stopped by the user (a signal), or nothing left to try: the failure as it is.
+            Err(Failure { message, stopped: true }) => return Err(CliError::Usage(message)),
+            Err(Failure { message, .. }) if args.max_restarts == 0 => return Err(CliError::Usage(message)),
+            Err(Failure { message, .. }) => {
+                let first_line = message.lines().next().unwrap_or_default().to_string();
+                if attempt < args.max_restarts {
+                    eprintln!(
+                        "zerorun launch: {first_line}; restarting ({} of {}) from the latest checkpoint",
+                        attempt + 1,
+                        args.max_restarts
+                    );
+                }
+                failures.push(format!("start {}: {message}", attempt + 1));
+            }
         }
-        None => free_port(),
-    };
+    }
+    Err(CliError::Usage(format!(
+        "gave up after {} restart{}, every start failed:\n{}",
+        args.max_restarts,
+        if args.max_restarts == 1 { "" } else { "s" },
+        failures.join("\n")
+    )))
+}
+
+/// Why a start of the job ended badly: its report, and whether a signal to the launcher stopped it (no restart).
+struct Failure {
+    message: String,
+    stopped: bool,
+}
+
+impl Failure {
+    fn of(message: String) -> Failure {
+        Failure { message, stopped: false }
+    }
+}
+
+/// One start of this node's ranks, watched until all have ended. `attempt`: how many restarts came before.
+fn run_attempt(args: &LaunchArgs, backend: &str, attempt: usize, stop: &Arc<AtomicBool>) -> Result<(), Failure> {
+    let n = args.nproc_per_node;
+    let multi_node = args.nnodes > 1;
+    let io = |context: String, source: std::io::Error| Failure::of(CliError::Io { context, source }.to_string());
+    let port = args.master_port.unwrap_or_else(free_port);
     let world = n * args.nnodes;
     let first_rank = args.node_rank * n;
     let memory_report = match &args.memory_report {
         Some(d) => {
-            std::fs::create_dir_all(d)
-                .map_err(|e| CliError::Io { context: format!("--memory-report {}", d.display()), source: e })?;
-            Some(
-                std::fs::canonicalize(d)
-                    .map_err(|e| CliError::Io { context: format!("--memory-report {}", d.display()), source: e })?,
-            )
+            std::fs::create_dir_all(d).map_err(|e| io(format!("--memory-report {}", d.display()), e))?;
+            Some(std::fs::canonicalize(d).map_err(|e| io(format!("--memory-report {}", d.display()), e))?)
         }
         None => None,
     };
@@ -171,22 +225,15 @@ pub fn run(args: LaunchArgs) -> Result<(), CliError> {
     };
     // Several nodes: the launchers tell each other of a failed rank (launch_nodes.rs).
     let links = if multi_node {
-        Some(super::launch_nodes::NodeLinks::start(args.node_rank, &args.master_addr, port).map_err(|e| {
-            CliError::Io {
-                context: format!("listening for the other launchers on port {}", port as u32 + 1),
-                source: e,
-            }
-        })?)
+        Some(
+            super::launch_nodes::NodeLinks::start(args.node_rank, &args.master_addr, port)
+                .map_err(|e| io(format!("listening for the other launchers on port {}", port as u32 + 1), e))?,
+        )
     } else {
         None
     };
     let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
     let threads = (cores / n).max(1).to_string();
-    let stop = Arc::new(AtomicBool::new(false));
-    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
-        signal_hook::flag::register(sig, stop.clone())
-            .map_err(|e| CliError::Io { context: "installing signal handlers".into(), source: e })?;
-    }
 
     let mut ranks = Vec::with_capacity(n);
     for local in 0..n {
@@ -200,8 +247,10 @@ pub fn run(args: LaunchArgs) -> Result<(), CliError> {
             .env("GROUP_RANK", args.node_rank.to_string())
             .env("MASTER_ADDR", &args.master_addr)
             .env("MASTER_PORT", port.to_string())
-            .env("ZERORUN_BACKEND", &backend)
+            .env("ZERORUN_BACKEND", backend)
             .env("ZERORUN_RUN_ID", &run_id)
+            .env("ZERORUN_RESTART_COUNT", attempt.to_string())
+            .env("TORCHELASTIC_RESTART_COUNT", attempt.to_string())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -222,7 +271,7 @@ pub fn run(args: LaunchArgs) -> Result<(), CliError> {
                     let r: &Rank = r;
                     signal_group(&r.child, libc::SIGKILL);
                 }
-                return Err(CliError::Io { context: format!("starting rank {rank} ({})", args.command[0]), source: e });
+                return Err(io(format!("starting rank {rank} ({})", args.command[0]), e));
             }
         };
         let tail = Arc::new(Mutex::new(VecDeque::new()));
@@ -307,7 +356,7 @@ pub fn run(args: LaunchArgs) -> Result<(), CliError> {
     }
     let remote = links.as_ref().and_then(super::launch_nodes::NodeLinks::remote_failure);
     if let (None, Some(r)) = (failed, &remote) {
-        return Err(CliError::Usage(format!(
+        return Err(Failure::of(format!(
             "rank {} (node {}) {}; this node's ranks were stopped",
             r.rank, r.node, r.how
         )));
@@ -343,10 +392,11 @@ pub fn run(args: LaunchArgs) -> Result<(), CliError> {
         if !last.is_empty() {
             msg += &format!("\nlast lines of {}:\n{}", name(local), last.join("\n"));
         }
-        return Err(CliError::Usage(msg));
+        // Ranks that failed after the launcher was signalled were stopping as asked: no restart.
+        return Err(Failure { message: msg, stopped: forwarded });
     }
     if forwarded {
-        return Err(CliError::Usage("stopped by a signal; every rank was asked to stop".into()));
+        return Err(Failure { message: "stopped by a signal; every rank was asked to stop".into(), stopped: true });
     }
     Ok(())
 }

@@ -1,0 +1,146 @@
+//! `zerorun launch --max-restarts`: a rank SIGKILLed mid-run, the job started again from its latest checkpoint
+//! (the examples' `--resume`, which starts from step 0 on an empty folder) ends with the uninterrupted run's
+//! weights; the ranks see their restart count; a job that keeps failing gives up with every failure listed.
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use tch::Tensor;
+
+#[path = "common/examples.rs"]
+mod examples;
+
+/// Direct children of `parent` whose command line contains `needle` (read from /proc).
+fn children_running(parent: i32, needle: &str) -> Vec<i32> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else { continue };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
+        let ppid = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+            .and_then(|p| p.parse::<i32>().ok());
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        if ppid == Some(parent) && String::from_utf8_lossy(&cmdline).contains(needle) {
+            out.push(pid);
+        }
+    }
+    out.sort_unstable();
+    out
+}
+
+const STEPS: &str = "24";
+
+fn mlp_command(dir: &std::path::Path, tag: &str, restarts: &str) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_zerorun"));
+    cmd.args(["launch", "--nproc-per-node", "2", "--max-restarts", restarts, "--"])
+        .arg(examples::example("mlp"))
+        .args(["--config", dir.join("c.json").to_str().unwrap(), "--steps", STEPS, "--seed", "5"])
+        .args(["--in", "32", "--hidden", "128", "--layers", "3", "--out", "4"])
+        .args(["--save-final", dir.join(format!("{tag}.safetensors")).to_str().unwrap()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    cmd
+}
+
+fn weights(path: &std::path::Path) -> Vec<(String, Tensor)> {
+    let mut w = Tensor::read_safetensors(path).unwrap();
+    w.sort_by(|a, b| a.0.cmp(&b.0));
+    w
+}
+
+/// Killed after the checkpoint of step 4, then after step 10 in another run (the other rank): each run completes
+/// after one restart, with the uninterrupted run's weights within 1e-6, saying where it resumed.
+#[test]
+fn a_killed_rank_is_restarted_from_the_latest_checkpoint_and_loses_nothing() {
+    let dir = std::env::temp_dir().join(format!("zerorun-restarts-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join("c.json"),
+        r#"{"train_batch_size": 8, "gradient_clipping": 1.0, "optimizer": {"type": "AdamW", "params": {"lr": 0.003}}, "zero_optimization": {"stage": 2}}"#,
+    )
+    .unwrap();
+    let out = mlp_command(&dir, "reference", "0").output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let reference = weights(&dir.join("reference.safetensors"));
+    for (round, kill_after) in [(0usize, 4u64), (1, 10)] {
+        let ck = dir.join(format!("ck{round}"));
+        let tag = format!("restarted{round}");
+        let mut cmd = mlp_command(&dir, &tag, "1");
+        // One command line for the first start and the restart: --resume on an empty folder starts at step 0.
+        cmd.args(["--checkpoint-dir", ck.to_str().unwrap(), "--save-every", "2", "--resume"]);
+        let child = cmd.spawn().unwrap();
+        let start = Instant::now();
+        let wanted = format!("global_step{kill_after}");
+        while std::fs::read_to_string(ck.join("latest")).ok().as_deref() != Some(wanted.as_str()) {
+            let now = std::fs::read_to_string(ck.join("latest")).unwrap_or_default();
+            let reached = now.trim_start_matches("global_step").parse::<u64>().unwrap_or(0);
+            assert!(reached < kill_after, "round {round}: the run passed step {kill_after} before the kill ({now})");
+            assert!(start.elapsed() < Duration::from_secs(120), "round {round}: no checkpoint of step {kill_after}");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        let ranks = children_running(child.id() as i32, "examples/mlp");
+        assert_eq!(ranks.len(), 2, "round {round}: ranks {ranks:?}");
+        unsafe { libc::kill(ranks[round % 2], libc::SIGKILL) };
+        let out = child.wait_with_output().unwrap();
+        let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success(), "round {round}: {stdout}\n{stderr}");
+        let restart = stderr.lines().find(|l| l.contains("restarting (1 of 1) from the latest checkpoint"));
+        assert!(restart.is_some_and(|l| l.contains("was killed by signal 9 (SIGKILL)")), "{stderr}");
+        assert!(stdout.contains("[rank 0] no checkpoint in"), "the first start: {stdout}");
+        // The kill lands at step `kill_after` or a little later: the restart resumes from the latest checkpoint.
+        let resumed = stdout.lines().find_map(|l| l.strip_prefix("[rank 0] resumed from step "));
+        let resumed = resumed.unwrap_or_else(|| panic!("round {round}: no resume line in {stdout}"));
+        let (step, world) = resumed.split_once(" at world size ").unwrap();
+        assert!(step.parse::<u64>().unwrap() >= kill_after && world == "2", "round {round}: {resumed}");
+        let restarted = weights(&dir.join(format!("{tag}.safetensors")));
+        assert_eq!(restarted.len(), reference.len());
+        for ((name, a), (_, b)) in reference.iter().zip(&restarted) {
+            let d = (a - b).abs().max().double_value(&[]);
+            assert!(d <= 1e-6, "round {round}: {name} differs by {d:e} from the uninterrupted run");
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Every start sees its restart count; when the restarts are used up the launcher exits non-zero listing each
+/// start's failure.
+#[test]
+fn a_job_that_keeps_failing_gives_up_after_its_restarts_listing_every_failure() {
+    let out = Command::new(env!("CARGO_BIN_EXE_zerorun"))
+        .args(["launch", "--nproc-per-node", "2", "--max-restarts", "2", "--"])
+        .args([
+            "sh",
+            "-c",
+            "echo count=$ZERORUN_RESTART_COUNT torch=$TORCHELASTIC_RESTART_COUNT; [ $RANK = 1 ] && exit 3; sleep 30",
+        ])
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(!out.status.success());
+    for count in 0..3 {
+        assert!(stdout.contains(&format!("[rank 1] count={count} torch={count}")), "{stdout}");
+    }
+    assert!(stderr.contains("gave up after 2 restarts, every start failed:"), "{stderr}");
+    for start in 1..=3 {
+        assert!(stderr.contains(&format!("start {start}: rank 1 exited with status 3")), "{stderr}");
+    }
+    let multi = Command::new(env!("CARGO_BIN_EXE_zerorun"))
+        .args([
+            "launch",
+            "--nproc-per-node",
+            "1",
+            "--nnodes",
+            "2",
+            "--master-port",
+            "29999",
+            "--max-restarts",
+            "1",
+            "--",
+            "true",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&multi.stderr);
+    assert!(err.contains("--max-restarts restarts the ranks of one node"), "{err}");
+}
