@@ -30,11 +30,13 @@ fn children_running(parent: i32, needle: &str) -> Vec<i32> {
 
 const STEPS: &str = "24";
 
-fn mlp_command(dir: &std::path::Path, tag: &str, restarts: &str) -> Command {
+/// The MLP example for `steps` steps under `zerorun launch --max-restarts restarts`, saving its final weights as
+/// `tag`.
+fn mlp_command(dir: &std::path::Path, tag: &str, restarts: &str, steps: &str) -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_zerorun"));
     cmd.args(["launch", "--nproc-per-node", "2", "--max-restarts", restarts, "--"])
         .arg(examples::example("mlp"))
-        .args(["--config", dir.join("c.json").to_str().unwrap(), "--steps", STEPS, "--seed", "5"])
+        .args(["--config", dir.join("c.json").to_str().unwrap(), "--steps", steps, "--seed", "5"])
         .args(["--in", "32", "--hidden", "128", "--layers", "3", "--out", "4"])
         .args(["--save-final", dir.join(format!("{tag}.safetensors")).to_str().unwrap()])
         .stdout(Stdio::piped())
@@ -60,13 +62,13 @@ fn a_killed_rank_is_restarted_from_the_latest_checkpoint_and_loses_nothing() {
         r#"{"train_batch_size": 8, "gradient_clipping": 1.0, "optimizer": {"type": "AdamW", "params": {"lr": 0.003}}, "zero_optimization": {"stage": 2}}"#,
     )
     .unwrap();
-    let out = mlp_command(&dir, "reference", "0").output().unwrap();
+    let out = mlp_command(&dir, "reference", "0", STEPS).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let reference = weights(&dir.join("reference.safetensors"));
     for (round, kill_after) in [(0usize, 4u64), (1, 10)] {
         let ck = dir.join(format!("ck{round}"));
         let tag = format!("restarted{round}");
-        let mut cmd = mlp_command(&dir, &tag, "1");
+        let mut cmd = mlp_command(&dir, &tag, "1", STEPS);
         // One command line for the first start and the restart: --resume on an empty folder starts at step 0.
         cmd.args(["--checkpoint-dir", ck.to_str().unwrap(), "--save-every", "2", "--resume"]);
         let child = cmd.spawn().unwrap();
@@ -143,4 +145,51 @@ fn a_job_that_keeps_failing_gives_up_after_its_restarts_listing_every_failure() 
         .unwrap();
     let err = String::from_utf8_lossy(&multi.stderr);
     assert!(err.contains("--max-restarts restarts the ranks of one node"), "{err}");
+}
+
+/// A checkpoint damaged on disk (one byte of a rank file) is refused by its checksum, and `--resume` falls back to
+/// the one before it: the run ends with the uninterrupted run's weights.
+#[test]
+fn a_damaged_latest_checkpoint_falls_back_to_the_previous_one() {
+    let dir = std::env::temp_dir().join(format!("zerorun-fallback-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join("c.json"),
+        r#"{"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 0.003}}, "zero_optimization": {"stage": 2}}"#,
+    )
+    .unwrap();
+    let out = mlp_command(&dir, "reference", "0", STEPS).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let ck = dir.join("ck");
+    let saved = |steps: &str, tag: &str| {
+        let mut cmd = mlp_command(&dir, tag, "0", steps);
+        cmd.args(["--checkpoint-dir", ck.to_str().unwrap(), "--save-every", "4", "--resume"]);
+        cmd.output().unwrap()
+    };
+    let first = saved("12", "part");
+    assert!(first.status.success(), "{}", String::from_utf8_lossy(&first.stderr));
+    assert_eq!(std::fs::read_to_string(ck.join("latest")).unwrap(), "global_step12");
+    // One byte of rank 1's file of the newest checkpoint flipped.
+    let file = std::fs::read_dir(ck.join("global_step12"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.file_name().unwrap().to_string_lossy().contains("rank1"))
+        .expect("rank 1's file");
+    let mut bytes = std::fs::read(&file).unwrap();
+    let at = bytes.len() - 5;
+    bytes[at] ^= 0x40;
+    std::fs::write(&file, bytes).unwrap();
+    let out = saved(STEPS, "resumed");
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(stderr.contains("checkpoint not loaded") && stderr.contains("checksum mismatch"), "{stderr}");
+    assert!(stdout.contains("[rank 0] resumed from step 8 at world size 2"), "{stdout}");
+    let (reference, resumed) = (weights(&dir.join("reference.safetensors")), weights(&dir.join("resumed.safetensors")));
+    for ((name, a), (_, b)) in reference.iter().zip(&resumed) {
+        let d = (a - b).abs().max().double_value(&[]);
+        assert!(d <= 1e-6, "{name} differs by {d:e} from the uninterrupted run");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -283,13 +283,14 @@ impl Progress {
     }
 }
 
-/// `--resume`: continues from CHECKPOINT_DIR/latest (any world size and stage); returns the first step to run. A
-/// folder with no checkpoint yet starts from the beginning (so one command line serves the first start and every
-/// restart under `zerorun launch --max-restarts`). Rank 0 says which (`resumed from step K at world size W`).
+/// `--resume`: continues from CHECKPOINT_DIR's newest intact checkpoint (`latest`, else an older one when its
+/// files are damaged; any world size and stage); returns the first step to run. A folder with no checkpoint yet
+/// starts from the beginning (so one command line serves the first start and every restart under `zerorun launch
+/// --max-restarts`). Rank 0 says which (`resumed from step K at world size W`).
 pub fn resume(args: &CommonArgs, engine: &mut Engine) -> Result<u64, String> {
     let (rank, world) = (engine.rank(), engine.world_size());
     resume_with(args, rank == 0, world, |dir| {
-        engine.load_checkpoint(dir, None).map_err(|e| e.to_string())?;
+        engine.load_latest_intact_checkpoint(dir).map_err(|e| e.to_string())?;
         Ok(engine.global_steps())
     })
 }

@@ -25,6 +25,36 @@ impl SavedCheckpoint {
         Ok(SavedCheckpoint { tag, folder, manifest })
     }
 
+    /// Every file of the checkpoint present and intact: each rank file's checksum against the manifest, the
+    /// variables files readable. Reads the whole checkpoint once; the first fault is the error, naming its file.
+    pub fn verify(&self) -> Result<()> {
+        for i in 0..self.manifest.ranks.len() {
+            self.rank_file(i)?;
+        }
+        self.variables_files().map(|_| ())
+    }
+
+    /// The checkpoints in `dir`, newest first: the tag `latest` names, then every other tag with a manifest by its
+    /// step, highest first (staging folders of unfinished saves are not checkpoints).
+    pub fn candidates(dir: &Path) -> Vec<String> {
+        let latest = latest_tag(dir).ok();
+        let mut tags: Vec<(u64, String)> = std::fs::read_dir(dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| {
+                let name = e.file_name().to_string_lossy().into_owned();
+                if name.starts_with('.') || Some(&name) == latest.as_ref() {
+                    return None;
+                }
+                let manifest = Manifest::read(&e.path().join("manifest.json")).ok()?;
+                Some((manifest.global_steps, name))
+            })
+            .collect();
+        tags.sort_by(|a, b| b.cmp(a));
+        latest.into_iter().chain(tags.into_iter().map(|(_, t)| t)).collect()
+    }
+
     /// The manifest's path, which errors about the checkpoint as a whole name.
     pub fn manifest_path(&self) -> PathBuf {
         self.folder.join("manifest.json")

@@ -127,6 +127,48 @@ impl Engine {
         self.load_checkpoint_impl(dir.as_ref(), tag, false)
     }
 
+    /// Loads the newest intact checkpoint in `dir`: the one `latest` names, else (its files damaged or missing) the
+    /// next newest by step, and so on, each skipped one warned about with the file at fault. Returns the tag
+    /// loaded; an error when none is intact (or `dir` holds none). Collective: the data-parallel group's first
+    /// rank verifies a candidate's every file (reading the checkpoint once) and every rank takes its verdict, so
+    /// all load the same one. This is what a restarted job wants: a crash while a checkpoint was written, or a
+    /// disk that lost a file, costs the steps back to the previous checkpoint, not the run.
+    pub fn load_latest_intact_checkpoint(&mut self, dir: impl AsRef<Path>) -> Result<String> {
+        let dir = dir.as_ref();
+        let candidates = SavedCheckpoint::candidates(dir);
+        if candidates.is_empty() {
+            return Err(CheckpointError::Missing {
+                path: dir.to_path_buf(),
+                what: "no checkpoint with a manifest".into(),
+            }
+            .into());
+        }
+        let mut faults = Vec::new();
+        for tag in &candidates {
+            let verdict = match self.rank() {
+                0 => SavedCheckpoint::open(dir, Some(tag)).and_then(|saved| saved.verify()).err(),
+                _ => None,
+            };
+            let mut bad = [if verdict.is_some() { 1.0f32 } else { 0.0 }];
+            self.comm.all_reduce(&mut bad, ReduceOp::Max)?;
+            if bad[0] == 0.0 {
+                if !faults.is_empty() {
+                    tracing::warn!(tag = %tag, skipped = faults.len(), "loading an older checkpoint: the newer ones are damaged");
+                }
+                return self.load_checkpoint(dir, Some(tag));
+            }
+            let why =
+                verdict.map_or_else(|| "damaged (rank 0 of the group found it so)".to_string(), |e| e.to_string());
+            tracing::warn!(tag = %tag, "checkpoint not loaded: {why}");
+            faults.push(format!("{tag}: {why}"));
+        }
+        Err(CheckpointError::Missing {
+            path: dir.to_path_buf(),
+            what: format!("no intact checkpoint: {}", faults.join("; ")),
+        }
+        .into())
+    }
+
     /// [`Engine::load_checkpoint`] of a model that is part of the checkpoint's (a pipeline stage): every parameter
     /// and variable of this engine must be in it, the checkpoint's others are left alone.
     pub(crate) fn load_checkpoint_part(&mut self, dir: &Path, tag: Option<&str>) -> Result<String> {
