@@ -241,25 +241,6 @@ fn builders(c: &LlamaConfig, hf: Option<&Path>) -> UnitBuilders<'static> {
     }
 }
 
-/// "5GB", "500MB", "10KB" (decimal, as transformers counts), "1GiB", or bytes.
-fn parse_size(text: &str) -> Result<u64, String> {
-    let t = text.trim();
-    let split = t.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(t.len());
-    let (digits, unit) = t.split_at(split);
-    let scale = match unit.trim().to_ascii_uppercase().as_str() {
-        "" | "B" => 1.0,
-        "KB" => 1e3,
-        "MB" => 1e6,
-        "GB" => 1e9,
-        "KIB" => 1024.0,
-        "MIB" => 1024.0 * 1024.0,
-        "GIB" => 1024.0 * 1024.0 * 1024.0,
-        other => return Err(format!("--max-shard-size {text:?}: unknown unit {other:?}")),
-    };
-    let n: f64 = digits.parse().map_err(|_| format!("--max-shard-size {text:?}: not a size (e.g. 5GB)"))?;
-    Ok((n * scale) as u64)
-}
-
 fn run(args: &Args) -> Result<(), String> {
     let a = &args.common;
     a.check()?;
@@ -273,7 +254,8 @@ fn run(args: &Args) -> Result<(), String> {
         0 => None,
         _ => Some(Rows::open(args.data.as_deref(), c.vocab_size, args.seq_len)?),
     };
-    let max_shard_bytes = parse_size(&args.max_shard_size)?;
+    let max_shard_bytes = zerorun::runtime::checkpoint::hf::parse_size(&args.max_shard_size)
+        .map_err(|e| format!("--max-shard-size {e}"))?;
     let kind = config_kind(&config);
     if config.stage() == 3 && c.tie_word_embeddings {
         tracing::warn!("tied embeddings: the embedding serves both ends of the model, so stage 3 gathers the whole model as one unit");

@@ -189,6 +189,26 @@ fn rotate_half(x: &Tensor) -> Tensor {
     Tensor::cat(&[x.narrow(-1, half, half).neg(), x.narrow(-1, 0, half)], -1)
 }
 
+/// Causal grouped-query attention of queries [b, heads, t, hd] over keys and values [b, kv_heads, t, hd], rotary
+/// positions applied to both: the heads' outputs side by side, [b, t, heads · hd] (transformers' eager attention:
+/// scores scaled by hd^-1/2, softmax in fp32, each key/value head serving heads / kv_heads queries).
+fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, theta: f64) -> Tensor {
+    let (b, heads, t, hd) = q.size4().unwrap();
+    let kv_heads = k.size()[1];
+    let (cos, sin) = rotary(t, hd, theta, q.kind(), q.device());
+    let q = q * &cos + rotate_half(q) * &sin;
+    let k = k * &cos + rotate_half(k) * &sin;
+    let expand = |kv: &Tensor| match heads / kv_heads {
+        1 => kv.shallow_clone(),
+        r => kv.unsqueeze(2).expand([b, kv_heads, r, t, hd], false).reshape([b, heads, t, hd]),
+    };
+    let (k, v) = (expand(&k), expand(v));
+    let scores = q.matmul(&k.transpose(-2, -1)) * (1.0 / (hd as f64).sqrt());
+    let mask = Tensor::ones([t, t], (Kind::Bool, q.device())).triu(1);
+    let probs = scores.masked_fill(&mask, f64::NEG_INFINITY).softmax(-1, Kind::Float).to_kind(q.kind());
+    probs.matmul(&v).transpose(1, 2).contiguous().view([b, t, heads * hd])
+}
+
 /// One decoder layer: pre-norm grouped-query attention with rotary positions, then a pre-norm SwiGLU MLP, each
 /// added to the residual stream.
 pub struct DecoderLayer {
@@ -239,25 +259,10 @@ impl DecoderLayer {
 
     fn attention(&self, x: &Tensor) -> Tensor {
         let (b, t, _) = x.size3().unwrap();
-        let hd = self.head_dim;
-        let heads = |w: &Tensor, n: i64| x.linear::<Tensor>(w, None).view([b, t, n, hd]).transpose(1, 2);
+        let heads = |w: &Tensor, n: i64| x.linear::<Tensor>(w, None).view([b, t, n, self.head_dim]).transpose(1, 2);
         let (q, k, v) =
             (heads(&self.q_proj, self.heads), heads(&self.k_proj, self.kv_heads), heads(&self.v_proj, self.kv_heads));
-        let (cos, sin) = rotary(t, hd, self.theta, q.kind(), x.device());
-        let q = &q * &cos + rotate_half(&q) * &sin;
-        let k = &k * &cos + rotate_half(&k) * &sin;
-        // Each key/value head serves heads / kv_heads query heads (transformers' `repeat_kv`).
-        let repeat = self.heads / self.kv_heads;
-        let expand = |kv: &Tensor| match repeat {
-            1 => kv.shallow_clone(),
-            r => kv.unsqueeze(2).expand([b, self.kv_heads, r, t, hd], false).reshape([b, self.heads, t, hd]),
-        };
-        let (k, v) = (expand(&k), expand(&v));
-        let scores = q.matmul(&k.transpose(-2, -1)) * (1.0 / (hd as f64).sqrt());
-        let mask = Tensor::ones([t, t], (Kind::Bool, x.device())).triu(1);
-        let probs = scores.masked_fill(&mask, f64::NEG_INFINITY).softmax(-1, Kind::Float).to_kind(q.kind());
-        let y = probs.matmul(&v).transpose(1, 2).contiguous().view([b, t, self.heads * hd]);
-        y.linear::<Tensor>(&self.o_proj, None)
+        causal_attention(&q, &k, &v, self.theta).linear::<Tensor>(&self.o_proj, None)
     }
 
     pub fn forward(&self, x: &Tensor) -> Tensor {
@@ -377,7 +382,7 @@ pub mod tp {
         vocab_parallel_cross_entropy, ColumnParallelLinear, RowParallelLinear, TensorParallel, VocabParallelEmbedding,
     };
 
-    use super::{rotary, rotate_half, LlamaConfig, RmsNorm};
+    use super::{causal_attention, LlamaConfig, RmsNorm};
 
     /// What T must divide; tied embeddings are refused (the head and the embedding split differently).
     pub fn check(c: &LlamaConfig, t: usize) -> Result<(), String> {
@@ -457,20 +462,7 @@ pub mod tp {
                 heads(&self.k_proj, self.kv_heads),
                 heads(&self.v_proj, self.kv_heads),
             );
-            let (cos, sin) = rotary(t, hd, self.theta, q.kind(), x.device());
-            let q = &q * &cos + rotate_half(&q) * &sin;
-            let k = &k * &cos + rotate_half(&k) * &sin;
-            let repeat = self.heads / self.kv_heads;
-            let expand = |kv: &Tensor| match repeat {
-                1 => kv.shallow_clone(),
-                r => kv.unsqueeze(2).expand([b, self.kv_heads, r, t, hd], false).reshape([b, self.heads, t, hd]),
-            };
-            let (k, v) = (expand(&k), expand(&v));
-            let scores = q.matmul(&k.transpose(-2, -1)) * (1.0 / (hd as f64).sqrt());
-            let mask = Tensor::ones([t, t], (Kind::Bool, x.device())).triu(1);
-            let probs = scores.masked_fill(&mask, f64::NEG_INFINITY).softmax(-1, Kind::Float).to_kind(q.kind());
-            let y = probs.matmul(&v).transpose(1, 2).contiguous().view([b, t, self.heads * hd]);
-            self.o_proj.forward(tp, &y)
+            self.o_proj.forward(tp, &causal_attention(&q, &k, &v, self.theta))
         }
 
         pub fn forward(&self, tp: &TensorParallel, x: &Tensor) -> Result<Tensor, zerorun::Error> {

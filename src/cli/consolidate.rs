@@ -33,22 +33,9 @@ pub struct ConsolidateArgs {
     max_shard_size: u64,
 }
 
-/// "5GB", "500MB", "10KB" (decimal units, as transformers counts) or a number of bytes.
+/// `--max-shard-size`, as transformers reads it.
 fn parse_size(text: &str) -> Result<u64, String> {
-    let t = text.trim();
-    let (digits, unit) = t.split_at(t.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(t.len()));
-    let scale = match unit.trim().to_ascii_uppercase().as_str() {
-        "" | "B" => 1.0,
-        "KB" => 1e3,
-        "MB" => 1e6,
-        "GB" => 1e9,
-        "KIB" => 1024.0,
-        "MIB" => 1024.0 * 1024.0,
-        "GIB" => 1024.0 * 1024.0 * 1024.0,
-        other => return Err(format!("unknown unit {other:?} in {text:?} (use B, KB, MB, GB, KiB, MiB or GiB)")),
-    };
-    let n: f64 = digits.parse().map_err(|_| format!("{text:?} is not a size (e.g. 5GB)"))?;
-    Ok((n * scale) as u64)
+    hf::parse_size(text)
 }
 
 fn ck(e: CheckpointError) -> CliError {

@@ -236,6 +236,26 @@ impl ShardedWriter {
     }
 }
 
+/// A size as transformers' `max_shard_size` takes it: "5GB", "500MB", "10KB" (decimal), "1GiB", "512MiB", "4KiB"
+/// (binary), or a number of bytes.
+pub fn parse_size(text: &str) -> std::result::Result<u64, String> {
+    let t = text.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(t.len());
+    let (digits, unit) = t.split_at(split);
+    let scale = match unit.trim().to_ascii_uppercase().as_str() {
+        "" | "B" => 1.0,
+        "KB" => 1e3,
+        "MB" => 1e6,
+        "GB" => 1e9,
+        "KIB" => 1024.0,
+        "MIB" => 1024.0 * 1024.0,
+        "GIB" => 1024.0 * 1024.0 * 1024.0,
+        other => return Err(format!("{text:?}: unknown unit {other:?} (B, KB, MB, GB, KiB, MiB or GiB)")),
+    };
+    let n: f64 = digits.parse().map_err(|_| format!("{text:?} is not a size (e.g. 5GB)"))?;
+    Ok((n * scale) as u64)
+}
+
 /// transformers' name of a safetensors dtype (`torch_dtype` in config.json).
 pub fn torch_dtype_name(dtype: &str) -> Option<&'static str> {
     Some(match dtype {
@@ -272,6 +292,15 @@ mod tests {
 
     fn spec(name: &str, n: usize) -> (String, Vec<usize>, String) {
         (name.to_string(), vec![n], "F32".to_string())
+    }
+
+    #[test]
+    fn sizes_read_as_transformers_reads_them() {
+        assert_eq!(parse_size("5GB"), Ok(5_000_000_000));
+        assert_eq!(parse_size("100KB"), Ok(100_000));
+        assert_eq!(parse_size("2MiB"), Ok(2 * 1024 * 1024));
+        assert_eq!(parse_size("1234"), Ok(1234));
+        assert_eq!(parse_size("5 TB").unwrap_err(), "\"5 TB\": unknown unit \"TB\" (B, KB, MB, GB, KiB, MiB or GiB)");
     }
 
     #[test]
