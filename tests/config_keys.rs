@@ -75,6 +75,7 @@ fn table() -> Vec<(&'static str, Effect)> {
         ("bf16.check_grad_overflow", Here("bf16_check_grad_overflow_skips_a_step_with_a_non_finite_gradient")),
         ("bf16.enabled", Acted("tests/mixed_precision.rs")),
         ("checkpoint", Section),
+        ("checkpoint.async_save", Acted("tests/checkpoint_kill.rs")),
         ("checkpoint.load_universal", Noticed(json!({"checkpoint": {"load_universal": true}}))),
         ("checkpoint.parallel_write", Noticed(json!({"checkpoint": {"parallel_write": {"pipeline_stage": true}}}))),
         ("checkpoint.tag_validation", Here("checkpoint_tags_that_differ_across_ranks_follow_tag_validation")),

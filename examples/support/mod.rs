@@ -317,11 +317,16 @@ pub fn resume_with(
     Ok(step)
 }
 
-/// `--save-every K`: a checkpoint after every K-th optimizer step.
+/// `--save-every K`: a checkpoint after every K-th optimizer step. Rank 0 prints how long the save held training
+/// up (`checkpoint_stall_s`: the whole save, or with `checkpoint.async_save` the snapshot).
 pub fn maybe_save(args: &CommonArgs, engine: &mut Engine, outcome: StepOutcome) -> Result<(), String> {
     if let (Some(dir), Some(every)) = (&args.checkpoint_dir, args.save_every) {
         if outcome != StepOutcome::Accumulating && engine.global_steps() % every == 0 {
+            let started = Instant::now();
             engine.save_checkpoint(dir, None).map_err(|e| e.to_string())?;
+            if engine.rank() == 0 {
+                println!("checkpoint_stall_s {:.4} step {}", started.elapsed().as_secs_f64(), engine.global_steps());
+            }
         }
     }
     Ok(())

@@ -17,6 +17,9 @@ pub struct CheckpointConfig {
     pub tag_validation: TagValidation,
     pub load_universal: bool,
     pub use_node_local_storage: bool,
+    /// zerorun's: a save copies its data into host memory and writes the files on a thread of each rank while
+    /// training goes on; published (and `latest` moved) only once every file is written.
+    pub async_save: bool,
 }
 
 impl CheckpointConfig {
@@ -30,6 +33,7 @@ impl CheckpointConfig {
             tag_validation,
             load_universal: s.bool("load_universal", false)?,
             use_node_local_storage: s.bool("use_node_local_storage", false)?,
+            async_save: s.bool("async_save", false)?,
         };
         // Noticed (notices.rs): pipeline-parallel checkpoint writes.
         let _ = s.ignore("parallel_write");

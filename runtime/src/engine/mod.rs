@@ -149,6 +149,8 @@ pub struct Engine {
     placement: parallel::placement::Placement,
     /// How the ranks synchronise at a step boundary (`async_training`).
     sync: async_training::Synchronization,
+    /// The asynchronous checkpoint being written, if any (`checkpoint.async_save`).
+    in_flight: checkpointing::background::InFlight,
 }
 
 impl Engine {
@@ -260,6 +262,7 @@ impl Engine {
     /// modes. Every rank calls it before the engine goes: dropping the engine runs no collective (a rank that drops
     /// its engine after an error must not wait on the others), it only logs that the run was not finished.
     pub fn finish(&mut self) -> Result<()> {
+        self.wait_for_checkpoint()?;
         let parts = stale_parts!(self);
         match self.sync.stale_mut() {
             Some(stale) => stale.finish(parts),
@@ -501,6 +504,10 @@ impl std::fmt::Debug for Engine {
 impl Drop for Engine {
     /// No collective here: bounded staleness ends in `finish`, which every rank calls.
     fn drop(&mut self) {
+        // An asynchronous checkpoint still being written is finished (a failure only logged: a drop returns none).
+        if let Err(e) = self.in_flight.wait() {
+            tracing::error!(rank = self.rank(), "the asynchronous checkpoint failed: {e}");
+        }
         if self.sync.stale().is_some_and(|s| !s.finished()) && !std::thread::panicking() {
             tracing::warn!(
                 rank = self.rank(),

@@ -345,6 +345,7 @@ impl Engine {
             progress: counters::Progress::default(),
             report: Reporting { floor_rss_bytes, ..Reporting::default() },
             placement: Placement::default(),
+            in_flight: Default::default(),
             sync,
         };
         engine.start_bounded_staleness()?;

@@ -2,6 +2,7 @@
 //! checksums), `load.rs` reads it back at any world size; `save.rs` also gives full weights out of the engine
 //! (`full_parameters`, `state_dict`, `save_16bit_model`). This file holds what they share: the options, the tag
 //! rules, dtype names, variable entries.
+pub(crate) mod background;
 mod load;
 mod save;
 pub(crate) use save::{prepare_staging, publish};

@@ -43,6 +43,11 @@ impl Engine {
     /// [`Engine::save_checkpoint`] with options (DeepSpeed's `exclude_frozen_parameters`).
     pub fn save_checkpoint_with(&mut self, dir: impl AsRef<Path>, options: &SaveOptions) -> Result<PathBuf> {
         let dir = dir.as_ref();
+        // One save in flight at a time: the previous asynchronous one finishes first (its error is this one's).
+        if self.in_flight.is_busy() {
+            tracing::info!("waiting for the previous asynchronous checkpoint before the next");
+        }
+        self.in_flight.wait()?;
         self.ready_for_checkpoint()?;
         let tag = options.tag.clone().unwrap_or_else(|| format!("global_step{}", self.progress.global_steps));
         check_tag(&tag)?;
@@ -56,6 +61,9 @@ impl Engine {
         // data-parallel ranks, wait for it.
         self.tensor_parallel_barrier()?;
         self.comm.barrier()?;
+        if self.config.checkpoint.async_save && tp.is_none() {
+            return self.save_in_background(dir, &staging, &tag, !options.exclude_frozen_parameters);
+        }
         let manifest =
             self.save_part(&staging, &self.tensor_parallel_prefix(), &tag, !options.exclude_frozen_parameters)?;
         match manifest {
@@ -73,6 +81,36 @@ impl Engine {
         self.comm.barrier()?;
         tracing::info!(tag, step = self.progress.global_steps, "checkpoint saved");
         Ok(dir.join(tag))
+    }
+
+    /// The asynchronous save of [`Engine::save_checkpoint_with`]: the snapshot (collective, like the rest of a
+    /// save), then this rank's writer thread; rank 0's publishes. Returns the checkpoint's folder-to-be.
+    fn save_in_background(&mut self, dir: &Path, staging: &Path, tag: &str, with_frozen: bool) -> Result<PathBuf> {
+        let started = std::time::Instant::now();
+        let mut writes = Vec::new();
+        let manifest = self.save_part_to(staging, "", tag, with_frozen, Some(&mut writes))?;
+        let timeout = std::time::Duration::from_secs_f64(self.config.comms_timeout);
+        let publication = manifest.map(|manifest| background::Publication {
+            dir: dir.to_path_buf(),
+            tag: tag.to_string(),
+            manifest,
+            timeout,
+        });
+        self.in_flight.start(staging.to_path_buf(), writes, publication)?;
+        tracing::info!(
+            tag,
+            step = self.progress.global_steps,
+            snapshot_s = started.elapsed().as_secs_f64(),
+            "checkpoint snapshot taken; writing in the background"
+        );
+        Ok(dir.join(tag))
+    }
+
+    /// Waits until the asynchronous checkpoint in flight (`checkpoint.async_save`) is written and, on rank 0,
+    /// published; its error if it failed. Nothing to wait for otherwise. [`Engine::finish`] calls it; a program
+    /// that reads the checkpoint's files itself calls it first.
+    pub fn wait_for_checkpoint(&mut self) -> Result<()> {
+        self.in_flight.wait()
     }
 
     fn tensor_parallel_barrier(&self) -> Result<()> {
@@ -131,12 +169,41 @@ impl Engine {
         tag: &str,
         with_frozen: bool,
     ) -> Result<Option<Manifest>> {
+        self.save_part_to(staging, prefix, tag, with_frozen, None)
+    }
+
+    /// [`Engine::save_part`]; with `deferred`, the files are not written but their contents copied there (this
+    /// rank's values and optimizer states as bytes, rank 0's model tensors), and the manifest's checksums are left
+    /// for the writer to fill in ([`background`]).
+    fn save_part_to(
+        &mut self,
+        staging: &Path,
+        prefix: &str,
+        tag: &str,
+        with_frozen: bool,
+        mut deferred: Option<&mut Vec<background::Write>>,
+    ) -> Result<Option<Manifest>> {
         let (rank, ws, stage) = (self.rank(), self.world_size(), self.plan.stage());
         let per_rank = self.plan.partitions_optimizer();
         // Stage 0: every rank holds everything, so rank 0 writes it; stages 1-2: each rank its partition.
         let writes = per_rank || rank == 0;
         let mut crcs = vec![0i64; ws];
-        if writes {
+        if let (true, Some(deferred)) = (writes, deferred.as_deref_mut()) {
+            // A snapshot in host memory: training may change the values and states as soon as this returns.
+            let values = self.optimized_values()?;
+            let mut names = vec!["params".to_string()];
+            names.extend(self.shard.tier.state_names());
+            let mut states = Vec::with_capacity(names.len() - 1);
+            for i in 0..names.len() - 1 {
+                let mut bytes = Vec::with_capacity(values.len() * 4);
+                let io = |e: std::io::Error| Error::Io { path: staging.into(), what: e.to_string() };
+                self.shard.tier.write_state(i, &mut bytes).map_err(io)?;
+                states.push(bytes);
+            }
+            let file = staging.join(format!("{prefix}rank{rank}.safetensors"));
+            let tensors = names.into_iter().map(|n| (n, vec![values.len()])).collect();
+            deferred.push(background::Write::RankFile { file, tensors, values, states });
+        } else if writes {
             let values = self.optimized_values()?;
             let mut tensors = vec![("params".to_string(), vec![values.len()])];
             tensors.extend(self.shard.tier.state_names().into_iter().map(|n| (n, vec![values.len()])));
@@ -152,7 +219,9 @@ impl Engine {
             })?;
             crcs[rank] = crc as i64;
         }
-        self.comm.all_reduce(&mut crcs, ReduceOp::Sum)?;
+        if deferred.is_none() {
+            self.comm.all_reduce(&mut crcs, ReduceOp::Sum)?;
+        }
         let rng_states = self.gather_rng_states()?;
         // The model's weights in its dtype, by name (DeepSpeed's model states file), with its buffers and frozen
         // parameters: a file `VarStore::load` reads. Stage 3 gathers the weights only when configured to; the
@@ -165,12 +234,17 @@ impl Engine {
             (format!("{prefix}variables.safetensors"), "absent: stage 3 without zero_optimization.stage3_gather_16bit_weights_on_model_save; `zerorun consolidate` assembles them from the rank files".to_string())
         };
         let tensors = self.model_tensors(whole.then(|| views::kind_of(self.precision())), with_frozen)?;
-        if rank == 0 {
-            let file = staging.join(&file_name);
-            tch::Tensor::write_safetensors(&tensors, &file)
-                .map_err(|e| CheckpointError::Io { path: file.clone(), what: e.to_string() })?;
+        match (rank, deferred) {
+            (0, Some(deferred)) => {
+                deferred.push(background::Write::Tensors { file: staging.join(&file_name), tensors })
+            }
+            (0, None) => {
+                let file = staging.join(&file_name);
+                tch::Tensor::write_safetensors(&tensors, &file)
+                    .map_err(|e| CheckpointError::Io { path: file.clone(), what: e.to_string() })?;
+            }
+            _ => drop(tensors),
         }
-        drop(tensors);
         // DiLoCo's outer state: the same on every rank right after a meeting; rank 0 writes it.
         let outer = self.sync.meetings().map(|m| m.outer_state(&self.states.layout.slots)).unwrap_or_default();
         let outer_state_file = (!outer.is_empty()).then(|| format!("{prefix}outer.safetensors"));
