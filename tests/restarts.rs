@@ -177,3 +177,66 @@ fn a_damaged_latest_checkpoint_falls_back_to_the_previous_one() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// The data cursor: 2 epochs of a 48-sample dataset in global batches of 8, the first 5 steps on 4 thread ranks,
+/// a checkpoint, the rest on 2 ranks (2 micro-batches each) from it, every rank taking its micro-batches from
+/// `engine.sampler(..).next_micro_batches(engine.global_samples())`: every sample is trained on exactly once per
+/// epoch, none lost or repeated across the restart at the other world size.
+#[test]
+fn every_sample_is_consumed_once_per_epoch_across_a_restart_at_another_world_size() {
+    use std::sync::Mutex;
+    use zerorun::runtime::comm::threads;
+    const SAMPLES: usize = 48;
+    let dir = std::env::temp_dir().join(format!("zerorun-cursor-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let consumed: Mutex<Vec<(u64, usize)>> = Mutex::new(Vec::new());
+    let train = |world: usize, until: u64, resume: bool| {
+        let config = zerorun::Config::from_value(serde_json::json!({
+            "train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}, "zero_optimization": {"stage": 1}
+        }))
+        .unwrap();
+        std::thread::scope(|s| {
+            for comm in threads::group(world, Duration::from_secs(30)) {
+                let (config, consumed, dir) = (config.clone(), &consumed, &dir);
+                s.spawn(move || {
+                    let data = Tensor::arange(SAMPLES as i64 * 4, (tch::Kind::Float, tch::Device::Cpu))
+                        .view([SAMPLES as i64, 4])
+                        / 100.0;
+                    let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+                    let layer = tch::nn::linear(vs.root() / "w", 4, 1, Default::default());
+                    let mut engine = zerorun::Engine::new(&vs, config, Box::new(comm), Default::default()).unwrap();
+                    if resume {
+                        engine.load_checkpoint(dir, None).unwrap();
+                    }
+                    let sampler = engine.sampler(SAMPLES, 7, true);
+                    while engine.global_steps() < until {
+                        let (epoch, _) = sampler.position(engine.global_samples());
+                        for micro in sampler.next_micro_batches(engine.global_samples()) {
+                            consumed.lock().unwrap().extend(micro.iter().map(|&i| (epoch, i)));
+                            let index = Tensor::from_slice(&micro.iter().map(|&i| i as i64).collect::<Vec<_>>());
+                            let loss = tch::nn::Module::forward(&layer, &data.index_select(0, &index))
+                                .pow_tensor_scalar(2)
+                                .mean(None);
+                            engine.backward(&loss).unwrap();
+                            engine.step().unwrap();
+                        }
+                    }
+                    if !resume {
+                        engine.save_checkpoint(dir, None).unwrap();
+                    }
+                });
+            }
+        });
+    };
+    train(4, 5, false);
+    train(2, 12, true);
+    let consumed = consumed.into_inner().unwrap();
+    assert_eq!(consumed.len(), 2 * SAMPLES, "12 steps of 8");
+    for epoch in 0..2 {
+        let mut seen: Vec<usize> = consumed.iter().filter(|(e, _)| *e == epoch).map(|(_, i)| *i).collect();
+        seen.sort_unstable();
+        assert_eq!(seen, (0..SAMPLES).collect::<Vec<_>>(), "epoch {epoch}: every sample once");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -45,6 +45,21 @@ impl DistributedSampler {
         order
     }
 
+    /// Where the run is after `global_samples` samples (the data cursor: `engine.global_samples()`, which checkpoints
+    /// record): (epoch, global batch index within it) of the next global batch. The global batch size must be the
+    /// one the samples were counted in; the world size need not be.
+    pub fn position(&self, global_samples: u64) -> (u64, usize) {
+        let batch = global_samples / self.batch.train_batch_size;
+        let per_epoch = self.batches_per_epoch().max(1) as u64;
+        (batch / per_epoch, (batch % per_epoch) as usize)
+    }
+
+    /// This rank's micro-batches of the next global batch after `global_samples` samples ([`Self::position`]).
+    pub fn next_micro_batches(&self, global_samples: u64) -> Vec<Vec<usize>> {
+        let (epoch, index) = self.position(global_samples);
+        self.micro_batches(epoch, index)
+    }
+
     /// The positions within a global batch of this rank's micro-batch `micro` (0 .. accumulation steps).
     pub fn micro_range(&self, micro: u64) -> Range<usize> {
         let m = self.batch.train_micro_batch_size_per_gpu as usize;
@@ -88,6 +103,15 @@ mod tests {
             want.sort_unstable();
             assert_eq!(got, want, "world {world}, accumulation {gas}");
         }
+    }
+
+    #[test]
+    fn the_cursor_walks_batches_then_epochs() {
+        let s = sampler(1, 2, 1);
+        assert_eq!(s.position(0), (0, 0));
+        assert_eq!(s.position(12 * 7), (0, 7));
+        assert_eq!(s.position(12 * 8), (1, 0));
+        assert_eq!(s.next_micro_batches(12 * 9), s.micro_batches(1, 1));
     }
 
     #[test]
