@@ -61,7 +61,12 @@ impl Engine {
         // data-parallel ranks, wait for it.
         self.tensor_parallel_barrier()?;
         self.comm.barrier()?;
-        if self.config.checkpoint.async_save && tp.is_none() {
+        // States on NVMe stay a synchronous save's: a snapshot would bring them all into host memory.
+        let on_nvme = self.shard.tier.swapped_bytes() > 0;
+        if self.config.checkpoint.async_save && on_nvme && self.rank() == 0 {
+            tracing::warn!("checkpoint.async_save: the optimizer states are on NVMe, so this save is synchronous (a snapshot would hold them all in host memory)");
+        }
+        if self.config.checkpoint.async_save && tp.is_none() && !on_nvme {
             return self.save_in_background(dir, &staging, &tag, !options.exclude_frozen_parameters);
         }
         let manifest =
