@@ -1,4 +1,4 @@
-//! The `zerorun` command line: config, estimate, launch, bench, consolidate, report, pipeline. It links no libtorch (only the
+//! The `zerorun` command line: config, estimate, plan, launch, bench, consolidate, report, pipeline. It links no libtorch (only the
 //! tensor-free crates), so a command that touches no tensor costs a few MiB; `bench adam` runs in the
 //! `zerorun-torch` helper beside it.
 use std::process::ExitCode;
@@ -26,6 +26,9 @@ enum Command {
     Estimate(cli::estimate::EstimateArgs),
     /// The whole model by variable name from a sharded checkpoint (safetensors).
     Consolidate(cli::consolidate::ConsolidateArgs),
+    /// Every way to train a model on a cluster, its predicted peak memory and step time, those that fit fastest
+    /// first; `plan measure` writes this machine as a cluster, `plan validate` checks predictions against runs.
+    Plan(cli::plan::PlanArgs),
     /// Start N ranks of a program on this host (torchrun-compatible variables).
     Launch(cli::launch::LaunchArgs),
     /// Memory reports of several runs, side by side.
@@ -52,6 +55,7 @@ fn main() -> ExitCode {
         Command::Consolidate(a) => cli::consolidate::run(a),
         Command::Report(c) => cli::report::run(c),
         Command::Pipeline(c) => cli::pipeline::run(c),
+        Command::Plan(a) => cli::plan::run(a),
     };
     cli::exit_code(result)
 }

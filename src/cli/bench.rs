@@ -1,5 +1,5 @@
-//! `zerorun bench adam|comm|swap|pipeline`: the subcommands and where each runs. `adam` compares with libtorch and
-//! `pipeline` runs the pipeline engine, so they run in the `zerorun-torch` helper binary (`bench_adam.rs`,
+//! `zerorun bench adam|comm|swap|pipeline|matmul`: the subcommands and where each runs. `adam` and `matmul` run
+//! libtorch and `pipeline` runs the pipeline engine, so they run in the `zerorun-torch` helper binary (`bench_adam.rs`,
 //! `bench_pipeline.rs`); `comm`, `swap` and `async` (which runs the MLP example's processes) run here, with no
 //! libtorch loaded.
 use clap::Subcommand;
@@ -79,6 +79,25 @@ pub enum BenchCommand {
         #[arg(long, default_value = "shm", value_parser = ["shm", "gloo"])]
         backend: String,
     },
+    /// Achieved FLOP/s of fp32 matmuls of the given shape ([m, k] x [k, n], forward and both backward products) on
+    /// --threads threads, and the resident memory of a process with libtorch loaded: what `zerorun plan measure`
+    /// writes as a rank's `flops_per_rank` and `process_floor_bytes`.
+    Matmul {
+        #[arg(long, default_value_t = 512)]
+        m: i64,
+        #[arg(long, default_value_t = 1024)]
+        k: i64,
+        #[arg(long, default_value_t = 1024)]
+        n: i64,
+        /// Threads of libtorch's intra-op pool (a rank's share of the cores).
+        #[arg(long, default_value_t = 1)]
+        threads: usize,
+        #[arg(long, default_value_t = 5)]
+        repeats: usize,
+        /// One JSON object.
+        #[arg(long)]
+        json: bool,
+    },
     /// Write and read GiB/s of the NVMe swapper on a folder, beside dd with O_DIRECT on the same folder and size.
     Swap {
         /// The folder to test (where nvme_path would point).
@@ -106,7 +125,7 @@ pub enum BenchCommand {
 
 pub fn run(command: BenchCommand) -> Result<(), CliError> {
     match command {
-        BenchCommand::Adam { .. } | BenchCommand::Pipeline { .. } => super::torch_helper::run_here(),
+        BenchCommand::Adam { .. } | BenchCommand::Pipeline { .. } | BenchCommand::Matmul { .. } => super::torch_helper::run_here(),
         BenchCommand::Comm { backend, ranks, max_bytes, dtype, repeats, json, worker } => {
             super::bench_comm::run(&backend, ranks, max_bytes, &dtype, repeats.max(1), json, worker)
         }

@@ -10,6 +10,8 @@ pub mod estimate;
 pub mod launch;
 mod launch_nodes;
 pub mod pipeline;
+pub mod plan;
+pub mod plan_validate;
 pub mod report;
 pub mod torch_helper;
 

@@ -1,0 +1,235 @@
+//! Where it runs: hosts, ranks, memory, compute, and what each link class costs.
+use serde::{Deserialize, Serialize};
+
+use crate::PlanError;
+
+/// One link class's alpha-beta figures: a message of n bytes costs `latency_s + n / bandwidth_bytes_per_s`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Cost {
+    pub latency_s: f64,
+    /// Bus bandwidth (nccl-tests' busbw): what the ring's (p-1)/p terms divide by.
+    pub bandwidth_bytes_per_s: f64,
+}
+
+/// A link class (inside a host, across hosts), optionally with measured figures per collective.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Link {
+    pub latency_s: f64,
+    pub bandwidth_bytes_per_s: f64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub all_reduce: Option<Cost>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reduce_scatter: Option<Cost>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub all_gather: Option<Cost>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Links {
+    pub intra: Link,
+    /// Across hosts; the intra link's figures on a cluster of one host.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub inter: Option<Link>,
+}
+
+/// A cluster. The required keys are what a person can write from a data sheet; the optional ones are refinements
+/// `zerorun plan measure` writes from this machine's benchmarks.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Cluster {
+    pub hosts: u64,
+    pub ranks_per_host: u64,
+    /// Memory one rank may fill: an accelerator's, or on a CPU cluster the host's memory / ranks per host.
+    pub memory_per_rank_bytes: f64,
+    pub host_memory_bytes: f64,
+    /// Achieved matmul FLOP/s of one rank; absent: `zerorun plan` measures this machine's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub flops_per_rank: Option<f64>,
+    pub links: Links,
+    /// Ranks compute on accelerators (CPU offload frees their memory); false on a CPU cluster, where the
+    /// process's memory is the rank's memory and only NVMe offload frees it. Default true.
+    #[serde(default = "yes")]
+    pub accelerator: bool,
+    /// Resident memory of a rank before the model: the runtime, libraries, a CUDA context. Default 1 GiB.
+    #[serde(default = "gib")]
+    pub process_floor_bytes: f64,
+    /// Parameters per second one rank's optimizer steps (AdamW) where the states live; default: 2e10 on an
+    /// accelerator, 2e8 on a CPU.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub optimizer_params_per_s: Option<f64>,
+    /// Parameters per second of AdamW on the host for offloaded states (one rank's share of the host); default 5e8.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_optimizer_params_per_s: Option<f64>,
+    /// Bytes per second between a rank's accelerator and host memory; default 2.5e10 (PCIe 4 x16).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_link_bytes_per_s: Option<f64>,
+    /// NVMe read/write bytes per second available to one rank; absent: NVMe offload is not planned.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nvme_bytes_per_s: Option<f64>,
+    /// Memory bandwidth one rank gets while every rank streams (bytes/s): what elementwise work and the copies
+    /// around collectives run at. Default: 2e12 on an accelerator (HBM), 5e9 on a CPU.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_bytes_per_s: Option<f64>,
+    /// Fraction of ZeRO's collective time hidden behind compute (prefetch, bucketed reduce-scatter): 0 on a CPU
+    /// cluster whose ranks share the cores that compute; default 0.5 on accelerators.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub comm_overlap: Option<f64>,
+}
+
+fn yes() -> bool {
+    true
+}
+
+fn gib() -> f64 {
+    (1u64 << 30) as f64
+}
+
+impl Cluster {
+    pub fn from_json(text: &str, what: &str) -> Result<Cluster, PlanError> {
+        let c: Cluster = serde_json::from_str(text).map_err(|e| PlanError::Input(format!("{what}: {e}")))?;
+        c.check(what)?;
+        Ok(c)
+    }
+
+    fn check(&self, what: &str) -> Result<(), PlanError> {
+        let bad = |key: &str, why: &str| Err(PlanError::Input(format!("{what}: \"{key}\" {why}")));
+        if self.hosts == 0 {
+            return bad("hosts", "must be at least 1");
+        }
+        if self.ranks_per_host == 0 {
+            return bad("ranks_per_host", "must be at least 1");
+        }
+        let positive = [
+            ("memory_per_rank_bytes", Some(self.memory_per_rank_bytes)),
+            ("host_memory_bytes", Some(self.host_memory_bytes)),
+            ("flops_per_rank", self.flops_per_rank),
+            ("links.intra.bandwidth_bytes_per_s", Some(self.links.intra.bandwidth_bytes_per_s)),
+            ("links.inter.bandwidth_bytes_per_s", self.links.inter.map(|l| l.bandwidth_bytes_per_s)),
+            ("optimizer_params_per_s", self.optimizer_params_per_s),
+            ("host_optimizer_params_per_s", self.host_optimizer_params_per_s),
+            ("host_link_bytes_per_s", self.host_link_bytes_per_s),
+            ("nvme_bytes_per_s", self.nvme_bytes_per_s),
+            ("memory_bytes_per_s", self.memory_bytes_per_s),
+        ];
+        for (key, v) in positive {
+            if let Some(v) = v {
+                if !(v.is_finite() && v > 0.0) {
+                    return bad(key, &format!("must be a positive number, not {v}"));
+                }
+            }
+        }
+        if self.hosts > 1 && self.links.inter.is_none() {
+            return bad("links.inter", "is needed when \"hosts\" is more than 1");
+        }
+        if let Some(o) = self.comm_overlap {
+            if !(0.0..=1.0).contains(&o) {
+                return bad("comm_overlap", &format!("must be within 0..1, not {o}"));
+            }
+        }
+        Ok(())
+    }
+
+    pub fn world(&self) -> u64 {
+        self.hosts * self.ranks_per_host
+    }
+
+    pub fn inter(&self) -> Link {
+        self.links.inter.unwrap_or(self.links.intra)
+    }
+
+    pub fn optimizer_params_per_s(&self) -> f64 {
+        self.optimizer_params_per_s.unwrap_or(if self.accelerator { 2e10 } else { 2e8 })
+    }
+
+    pub fn host_optimizer_params_per_s(&self) -> f64 {
+        self.host_optimizer_params_per_s.unwrap_or(5e8)
+    }
+
+    pub fn host_link_bytes_per_s(&self) -> f64 {
+        self.host_link_bytes_per_s.unwrap_or(2.5e10)
+    }
+
+    pub fn memory_bytes_per_s(&self) -> f64 {
+        self.memory_bytes_per_s.unwrap_or(if self.accelerator { 2e12 } else { 5e9 })
+    }
+
+    pub fn comm_overlap(&self) -> f64 {
+        self.comm_overlap.unwrap_or(if self.accelerator { 0.5 } else { 0.0 })
+    }
+}
+
+/// A ring collective among `ranks` ranks over `n` bytes (Thakur, Rabenseifner, Gropp 2005).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Collective {
+    AllReduce,
+    ReduceScatter,
+    AllGather,
+}
+
+impl Link {
+    fn cost(&self, c: Collective) -> Cost {
+        let measured = match c {
+            Collective::AllReduce => self.all_reduce,
+            Collective::ReduceScatter => self.reduce_scatter,
+            Collective::AllGather => self.all_gather,
+        };
+        measured.unwrap_or(Cost { latency_s: self.latency_s, bandwidth_bytes_per_s: self.bandwidth_bytes_per_s })
+    }
+
+    /// Seconds of collective `c` of `n` bytes (the whole buffer) among `ranks`: (p-1) alpha + (p-1)/p n / busbw
+    /// for reduce-scatter and all-gather, twice both for all-reduce.
+    pub fn seconds(&self, c: Collective, ranks: u64, n: f64) -> f64 {
+        if ranks <= 1 || n <= 0.0 {
+            return 0.0;
+        }
+        let p = ranks as f64;
+        let cost = self.cost(c);
+        let steps = if c == Collective::AllReduce { 2.0 } else { 1.0 };
+        steps * ((p - 1.0) * cost.latency_s + (p - 1.0) / p * n / cost.bandwidth_bytes_per_s)
+    }
+
+    /// One message of n bytes between two ranks.
+    pub fn send_seconds(&self, n: f64) -> f64 {
+        self.latency_s + n / self.bandwidth_bytes_per_s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ring_costs_by_hand() {
+        let link = Link {
+            latency_s: 1e-5,
+            bandwidth_bytes_per_s: 1e9,
+            all_reduce: None,
+            reduce_scatter: None,
+            all_gather: None,
+        };
+        // 4 ranks, 1 GB: reduce-scatter 3 alpha + 0.75 s; all-reduce twice that.
+        assert!((link.seconds(Collective::ReduceScatter, 4, 1e9) - (3e-5 + 0.75)).abs() < 1e-12);
+        assert!((link.seconds(Collective::AllReduce, 4, 1e9) - 2.0 * (3e-5 + 0.75)).abs() < 1e-12);
+        assert_eq!(link.seconds(Collective::AllGather, 1, 1e9), 0.0);
+        let measured = Link { all_gather: Some(Cost { latency_s: 0.0, bandwidth_bytes_per_s: 5e8 }), ..link };
+        assert!((measured.seconds(Collective::AllGather, 2, 1e9) - 1.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn bad_clusters_name_the_key() {
+        let base = r#""hosts": 2, "ranks_per_host": 8, "memory_per_rank_bytes": 8e10, "host_memory_bytes": 1e12, "flops_per_rank": 3e14"#;
+        let intra = r#""intra": {"latency_s": 5e-6, "bandwidth_bytes_per_s": 2e11}"#;
+        let err = |t: String| Cluster::from_json(&t, "c.json").unwrap_err().to_string();
+        assert!(err(format!("{{{base}, \"links\": {{{intra}}}}}")).contains("c.json: \"links.inter\" is needed"));
+        let links = format!("\"links\": {{{intra}, \"inter\": {{\"latency_s\": 2e-5, \"bandwidth_bytes_per_s\": 2.5e10}}}}");
+        assert!(err(format!("{{{base}, {links}, \"comm_overlap\": 2}}")).contains("c.json: \"comm_overlap\" must be within 0..1"));
+        assert!(err(format!("{{{base}, {links}, \"nvme_bytes_per_s\": 0}}")).contains("\"nvme_bytes_per_s\" must be a positive number"));
+        let ok = format!("{{{base}, {links}}}");
+        let c = Cluster::from_json(&ok, "c.json").unwrap();
+        assert_eq!(c.world(), 16);
+        assert!(c.accelerator);
+    }
+}

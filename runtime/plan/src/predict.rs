@@ -1,0 +1,282 @@
+//! One strategy's peak memory and step time.
+use serde::Serialize;
+use zerorun_config::estimate::{model_states_bytes, EstimateInput};
+use zerorun_config::Precision;
+
+use crate::cluster::Collective::{AllGather, AllReduce, ReduceScatter};
+use crate::{activations, Cluster, Link, Model, Options, Row, Strategy};
+
+/// The peak's parts, bytes per rank.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct MemoryParts {
+    pub floor: f64,
+    /// Model states resident in the rank's memory (not offloaded; on a CPU cluster with the NVMe swap buffers).
+    pub model_states: f64,
+    /// Stage 3's gathered units (up to `stage3_max_live_parameters`), and the reduction's buffers: the full
+    /// gradients staged at stage 1, a unit's gradients and its reduced part at stages 2 and 3.
+    pub gathered: f64,
+    pub activations: f64,
+    /// What the forward creates but does not keep (resident in the heap after it is freed), the logits' gradient
+    /// and one layer's largest intermediate, alive during backward.
+    pub temporaries: f64,
+    /// Offloaded to the host (per rank) and to NVMe (per rank), outside the peak.
+    pub host: f64,
+    pub nvme: f64,
+}
+
+/// The step's parts, seconds.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Breakdown {
+    /// Forward and backward (and recomputation), with the pipeline's bubble.
+    pub compute: f64,
+    /// ZeRO's collectives over the data-parallel group, the part not hidden behind compute.
+    pub data_parallel_comm: f64,
+    pub tensor_parallel_comm: f64,
+    pub pipeline_comm: f64,
+    pub optimizer: f64,
+    /// Offload traffic: host link, NVMe reads and writes.
+    pub offload: f64,
+}
+
+/// DeepSpeed's defaults the planner's configs leave in place: `sub_group_size` and `stage3_max_live_parameters`.
+const SUB_GROUP_SIZE: f64 = 1e9;
+const MAX_LIVE_PARAMETERS: f64 = 1e9;
+
+fn value_bytes(p: Precision) -> f64 {
+    match p {
+        Precision::Fp32 => 4.0,
+        _ => 2.0,
+    }
+}
+
+/// Predicts one strategy (see the crate's documentation for the model).
+pub fn predict(model: &Model, cluster: &Cluster, options: &Options, s: &Strategy) -> Row {
+    let (p, t, d, b, m) =
+        (s.pipeline, s.tensor, s.data, s.micro_batch as f64, s.gradient_accumulation as f64);
+    let e = value_bytes(options.precision);
+    // One rank's slice of the model: its pipeline stage, its tensor-parallel share.
+    let local_params = model.params() as f64 / (p * t) as f64;
+    let local_layers = model.layers().div_ceil(p);
+    let input = EstimateInput {
+        gpus_per_node: d,
+        precision: options.precision,
+        ..EstimateInput::new(local_params.round() as u64)
+    };
+    let (pb, gb, ob) = input.bytes_per_param();
+    let shard = |sharded: bool| if sharded { local_params / d as f64 } else { local_params };
+    let params = shard(s.stage == 3) * pb as f64;
+    let grads = shard(s.stage >= 2) * gb as f64;
+    let optim = shard(s.stage >= 1) * ob as f64;
+    let stepped = shard(s.stage >= 1);
+    let moved = if s.offload.params() { params } else { 0.0 } + if s.offload.optimizer() { optim } else { 0.0 };
+    // NVMe offload swaps through memory: the optimizer's states of a sub-group (`sub_group_size`, 1e9) read in
+    // and written back from a second buffer, and the parameter shard read ahead of its all-gather.
+    let swap_buffers = if s.offload.nvme() {
+        2.0 * ob as f64 * stepped.min(SUB_GROUP_SIZE) + if s.offload.params() { params } else { 0.0 }
+    } else {
+        0.0
+    };
+    let (host, nvme) = if s.offload.nvme() { (0.0, moved) } else { (moved, 0.0) };
+    // On an accelerator the swap buffers are pinned host memory; on a CPU they are the rank's.
+    let (resident, host) = if cluster.accelerator {
+        (params + grads + optim - moved, host + swap_buffers)
+    } else {
+        (params + grads + optim - moved + swap_buffers, host)
+    };
+
+    let unit = model.largest_layer_params() as f64 / t as f64;
+    // Stage 3 keeps gathered units until `stage3_max_live_parameters` (1e9) are live.
+    let gathered = if s.stage == 3 { local_params.min(MAX_LIVE_PARAMETERS) * pb as f64 } else { 0.0 };
+    // The reduction's buffers: stage 1 stages the full gradients for one reduce-scatter; stages 2 and 3 reduce a
+    // unit at a time: its gradients, staged, and the rank's part of them.
+    let reduction = match s.stage {
+        1 => local_params * gb as f64,
+        2 | 3 => unit * gb as f64 * (2.0 + 1.0 / d as f64),
+        _ => 0.0,
+    };
+    // 1F1B: the first stage holds min(p, m) micro-batches' activations of its layers.
+    let in_flight = (p as f64).min(m);
+    let act_per_sample = activations::bytes_per_sample(model, local_layers, t, s.activation_checkpointing, e);
+    let activations = act_per_sample * b * in_flight;
+    // What the forward creates besides what it keeps stays in glibc's heap (recomputation creates one layer's at a
+    // time); backward adds the logits' gradient (fp32) and one MLP activation's.
+    let created_per_sample = activations::created_bytes_per_sample(model, local_layers, t, e);
+    let retained = if s.activation_checkpointing {
+        activations::created_bytes_per_sample(model, 1, t, e) - activations::bytes_per_sample(model, 1, t, false, e)
+    } else {
+        created_per_sample - act_per_sample
+    };
+    let temporaries = b * in_flight * retained.max(0.0)
+        + match model {
+            Model::Transformer(tr) => {
+                let seq = tr.seq_len as f64;
+                b * seq * (4.0 * tr.vocab as f64 / t as f64 + e * tr.ffn as f64 / t as f64)
+            }
+            Model::Measured(_) => 0.0,
+        };
+    let gathered = gathered + reduction;
+    let peak = cluster.process_floor_bytes + resident + gathered + activations + temporaries;
+    let host_per_host = cluster.ranks_per_host as f64 * (host + if cluster.accelerator { 0.0 } else { peak });
+    let fits = peak <= cluster.memory_per_rank_bytes && host_per_host <= cluster.host_memory_bytes;
+
+    // Time. Compute: FLOPs of the rank's share, recomputation adds a forward (a third of forward + backward).
+    let flops = cluster.flops_per_rank.unwrap_or(1e11);
+    let recompute = if s.activation_checkpointing { 4.0 / 3.0 } else { 1.0 };
+    // Elementwise work streams what the forward creates through memory: written and read forward, the saved part
+    // read and the gradients written and read backward (5 passes); recomputation adds the forward's 2.
+    let passes = if s.activation_checkpointing { 7.0 } else { 5.0 };
+    let memory_bw = cluster.memory_bytes_per_s();
+    let micro_compute = model.flops_per_sample() * b * recompute / (p * t) as f64 / flops
+        + passes * created_per_sample * b / memory_bw;
+    // The pipeline's schedule: (m + p - 1) slots of one micro-batch's stage time.
+    let slots = m + p as f64 - 1.0;
+    let compute = slots * micro_compute;
+
+    // The data-parallel group: t x d adjacent ranks (tensor innermost) inside one host, or across hosts.
+    let dp_link = link_for(cluster, t * d);
+    let (grad_bytes, param_bytes) = (local_params * gb as f64, local_params * pb as f64);
+    let (dp_comm, copied) = match s.stage {
+        0 => (dp_link.seconds(AllReduce, d, grad_bytes), 0.0),
+        1 => (dp_link.seconds(ReduceScatter, d, grad_bytes) + dp_link.seconds(AllGather, d, param_bytes), grad_bytes),
+        2 => (
+            m * dp_link.seconds(ReduceScatter, d, grad_bytes) + dp_link.seconds(AllGather, d, param_bytes),
+            m * grad_bytes + param_bytes,
+        ),
+        _ => (
+            m * (2.0 * dp_link.seconds(AllGather, d, param_bytes) + dp_link.seconds(ReduceScatter, d, grad_bytes)),
+            m * (2.0 * param_bytes + grad_bytes),
+        ),
+    };
+    // Sharded stages copy what they reduce or gather between the model's tensors and the flat buffers (read and
+    // write), outside the collective itself.
+    let dp_comm = if d > 1 { dp_comm + 2.0 * copied / memory_bw } else { 0.0 };
+    let hidden_behind = (dp_comm * cluster.comm_overlap()).min(compute);
+    let data_parallel_comm = dp_comm - hidden_behind;
+
+    let (activation_msg, tp_per_layer) = match model {
+        Model::Transformer(tr) => {
+            let msg = b * tr.seq_len as f64 * tr.hidden as f64 * e;
+            (msg, 4.0 * link_for(cluster, t).seconds(AllReduce, t, msg))
+        }
+        Model::Measured(_) => (0.0, 0.0),
+    };
+    let tensor_parallel_comm = slots * local_layers as f64 * tp_per_layer;
+    // Each micro-batch's activation forward and its gradient backward cross every stage boundary.
+    let pipeline_comm = if p > 1 { slots * 2.0 * link_for(cluster, t * d * p).send_seconds(activation_msg) } else { 0.0 };
+
+    let (optimizer, offload) = if s.offload.optimizer() {
+        let mut traffic = stepped * (gb + pb) as f64 / cluster.host_link_bytes_per_s();
+        if s.offload.nvme() {
+            // fp32 master, momentum and variance read and written back.
+            traffic += 2.0 * stepped * ob as f64 / cluster.nvme_bytes_per_s.unwrap_or(f64::INFINITY);
+        }
+        if s.offload.params() {
+            // Forward and backward read the rank's parameter shard from where it lives.
+            let bw = if s.offload.nvme() { cluster.nvme_bytes_per_s.unwrap_or(f64::INFINITY) } else { cluster.host_link_bytes_per_s() };
+            traffic += m * 2.0 * params / bw;
+        }
+        (stepped / cluster.host_optimizer_params_per_s(), traffic)
+    } else {
+        (stepped / cluster.optimizer_params_per_s(), 0.0)
+    };
+    let time = Breakdown { compute, data_parallel_comm, tensor_parallel_comm, pipeline_comm, optimizer, offload };
+    let step = compute + data_parallel_comm + tensor_parallel_comm + pipeline_comm + optimizer + offload;
+    Row {
+        strategy: *s,
+        peak_bytes_per_rank: peak,
+        activation_bytes_per_rank: activations,
+        model_state_bytes_per_rank: model_states_bytes(&input, s.stage) as f64,
+        host_bytes_per_host: host_per_host,
+        step_seconds: step,
+        tokens_per_s: options.global_batch as f64 * model.seq_len() as f64 / step,
+        fits,
+        memory: MemoryParts {
+            floor: cluster.process_floor_bytes,
+            model_states: resident,
+            gathered,
+            activations,
+            temporaries,
+            host,
+            nvme,
+        },
+        time,
+    }
+}
+
+/// The link a group of `span` adjacent ranks crosses.
+fn link_for(cluster: &Cluster, span: u64) -> Link {
+    if span <= cluster.ranks_per_host {
+        cluster.links.intra
+    } else {
+        cluster.inter()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Links, Offload};
+
+    #[test]
+    fn one_strategy_by_hand() {
+        // 1.2e9 FLOP/s, 2 ranks on one host at 1e9 B/s and no latency, a 2-layer GPT in fp32.
+        let link = Link { latency_s: 0.0, bandwidth_bytes_per_s: 1e9, all_reduce: None, reduce_scatter: None, all_gather: None };
+        let cluster = Cluster {
+            hosts: 1,
+            ranks_per_host: 2,
+            memory_per_rank_bytes: 1e10,
+            host_memory_bytes: 2e10,
+            flops_per_rank: Some(1.2e9),
+            links: Links { intra: link, inter: None },
+            accelerator: false,
+            process_floor_bytes: 1e8,
+            optimizer_params_per_s: Some(1e8),
+            host_optimizer_params_per_s: None,
+            host_link_bytes_per_s: None,
+            nvme_bytes_per_s: None,
+            memory_bytes_per_s: Some(1e10),
+            comm_overlap: None,
+        };
+        let model =
+            Model::from_json(r#"{"layers": 2, "hidden": 64, "heads": 4, "vocab": 65, "seq_len": 32}"#, "m").unwrap();
+        let params = model.params() as f64; // 2 (12 h^2 + 13 h) + V h + s h + 2 h + V h + V
+        assert_eq!(params, 2.0 * (12.0 * 4096.0 + 13.0 * 64.0) + 65.0 * 64.0 + 32.0 * 64.0 + 128.0 + 65.0 * 64.0 + 65.0);
+        let options = Options { global_batch: 8, precision: Precision::Fp32, max_micro_batch: 64 };
+        let s = Strategy {
+            stage: 2,
+            offload: Offload::None,
+            pipeline: 1,
+            tensor: 1,
+            data: 2,
+            micro_batch: 2,
+            gradient_accumulation: 2,
+            activation_checkpointing: false,
+        };
+        let row = predict(&model, &cluster, &options, &s);
+        // Model states at stage 2, fp32 Adam: 4 P + (4 + 8) P / 2.
+        assert_eq!(row.memory.model_states, 4.0 * params + 12.0 * params / 2.0);
+        assert_eq!(row.model_state_bytes_per_rank, (4.0 * params + 12.0 * params / 2.0).round());
+        // Activations: micro-batch 2 x the GPT's count per sample.
+        let per_sample = 4.0 * (2.0 * (16.0 * 32.0 * 64.0 + 4.0 * 32.0 * 32.0) + 2.0 * 32.0 * 64.0 + 32.0 * 65.0);
+        assert_eq!(row.activation_bytes_per_rank, 2.0 * per_sample);
+        // Compute: 2 micro-batches of 2 samples at 6 x matrix params x s + 12 L s^2 h FLOPs each.
+        let flops = 6.0 * (2.0 * 12.0 * 4096.0 + 65.0 * 64.0) * 32.0 + 12.0 * 2.0 * 32.0 * 32.0 * 64.0;
+        // Elementwise: 5 passes over what the forward creates, per layer 2 s (h + 2 kv) + 4 a s^2 + 2 s h + 2 ffn s
+        // values divided and 6 s h whole, plus the ends 2 s h + s V, in fp32, at 1e10 B/s.
+        let created = 4.0 * (2.0 * (2.0 * 32.0 * 192.0 + 4.0 * 4.0 * 1024.0 + 2.0 * 32.0 * 64.0 + 2.0 * 256.0 * 32.0 + 6.0 * 32.0 * 64.0) + 2.0 * 32.0 * 64.0 + 32.0 * 65.0);
+        assert_eq!(created, 516_224.0);
+        let micro = 2.0 * flops / 1.2e9 + 5.0 * created * 2.0 / 1e10;
+        assert!((row.time.compute - 2.0 * micro).abs() < 1e-12);
+        // Stage 2: a reduce-scatter per micro-batch, one all-gather per step, each (p-1)/p of 4 P bytes; no overlap
+        // on a CPU cluster; the gradients and parameters copied in and out of the flat buffers (2 x 3 x 4 P bytes).
+        let comm = 3.0 * 0.5 * 4.0 * params / 1e9 + 2.0 * 3.0 * 4.0 * params / 1e10;
+        assert!((row.time.data_parallel_comm - comm).abs() < 1e-12);
+        // The reduction's buffers at stage 2: the largest unit's gradients twice and its half (a block here).
+        let block = 12.0 * 4096.0 + 13.0 * 64.0;
+        assert_eq!(row.memory.gathered, block * 4.0 * 2.5);
+        // The optimizer steps half the parameters.
+        assert!((row.time.optimizer - params / 2.0 / 1e8).abs() < 1e-12);
+        assert_eq!(row.host_bytes_per_host, 2.0 * row.peak_bytes_per_rank);
+        assert!(row.fits);
+    }
+}
