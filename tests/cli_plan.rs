@@ -63,14 +63,16 @@ fn json_rows_rank_what_fits_and_configs_load() {
     }
     let steps: Vec<f64> = rows.iter().map(|r| r["step_seconds"].as_f64().unwrap()).collect();
     assert!(steps.windows(2).all(|w| w[0] <= w[1]), "{steps:?}");
-    // One config per row shown, each with the row's batch arithmetic, accepted by `zerorun config show`.
+    // One config per row shown, each with the row's batch arithmetic, accepted by `zerorun config show` at the
+    // row's data-parallel size.
     for (i, r) in rows.iter().enumerate() {
         let path = out_dir.join(format!("plan-{:02}.json", i + 1));
         let config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
         assert_eq!(config["zero_optimization"]["stage"], r["stage"]);
         assert_eq!(config["train_micro_batch_size_per_gpu"], r["micro_batch"]);
         assert_eq!(config["train_batch_size"], 64);
-        let (ok, _, err) = zerorun(&["config", "show", &path.display().to_string()]);
+        let data = r["data"].to_string();
+        let (ok, _, err) = zerorun(&["config", "show", &path.display().to_string(), "--world-size", &data]);
         assert!(ok, "{}: {err}", path.display());
     }
 }
@@ -100,4 +102,26 @@ fn bad_input_is_named() {
     let (ok, _, err) = zerorun(&["plan", "--model", &m]);
     assert!(!ok);
     assert!(err.contains("plan needs --model MODEL.json, --cluster CLUSTER.json and --global-batch B"), "{err}");
+}
+
+#[path = "common/examples.rs"]
+mod examples;
+
+#[test]
+fn validate_predicts_every_rows_peak_memory_within_ten_percent() {
+    // The runs use the GPT example from beside the zerorun binary (target/<profile>/examples). Step times are
+    // printed, not asserted here: they are the README's, measured by `zerorun plan validate` in release.
+    examples::example("gpt");
+    let (ok, out, err) = zerorun(&["plan", "validate", "--json", "--steps", "3"]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let rows = v["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 10);
+    for r in rows {
+        let (pred, meas) = (r["predicted_peak_bytes"].as_f64().unwrap(), r["measured_peak_bytes"].as_f64().unwrap());
+        assert!((pred / meas - 1.0).abs() < 0.10, "{}: predicted {pred}, measured {meas}", r["name"]);
+        assert!(r["predicted_step_s"].as_f64().unwrap() > 0.0 && r["measured_step_s"].as_f64().unwrap() > 0.0);
+    }
+    let published = v["published"].as_array().unwrap();
+    assert!(published.iter().all(|p| p["error"].as_f64().unwrap().abs() < 0.01 || p["rounds_to_published"] == true));
 }
