@@ -39,7 +39,8 @@ pub fn layer_values(t: &Transformer) -> (f64, f64) {
     let (s, h, a) = (t.seq_len as f64, t.hidden as f64, t.heads as f64);
     let kv = (t.hidden / t.heads * t.kv_heads) as f64;
     let mlp = if t.gated { 4.0 } else { 2.0 } * t.ffn as f64 * s;
-    let divided = s * (2.0 * h + 2.0 * kv) + a * s * s + mlp;
+    let probabilities = if t.flash_attention { 0.0 } else { a * s * s };
+    let divided = s * (2.0 * h + 2.0 * kv) + probabilities + mlp;
     (divided, 4.0 * s * h)
 }
 
@@ -51,7 +52,8 @@ pub fn layer_created_values(t: &Transformer) -> (f64, f64) {
     let (s, h, a) = (t.seq_len as f64, t.hidden as f64, t.heads as f64);
     let kv = (t.hidden / t.heads * t.kv_heads) as f64;
     let mlp = if t.gated { 4.0 } else { 2.0 } * t.ffn as f64 * s;
-    let divided = 2.0 * s * (h + 2.0 * kv) + 4.0 * a * s * s + 2.0 * s * h + mlp;
+    let scores = if t.flash_attention { 0.0 } else { 4.0 * a * s * s };
+    let divided = 2.0 * s * (h + 2.0 * kv) + scores + 2.0 * s * h + mlp;
     (divided, 6.0 * s * h)
 }
 

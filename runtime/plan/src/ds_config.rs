@@ -22,6 +22,9 @@ pub fn ds_config(s: &Strategy, precision: Precision, nvme_path: &str) -> Value {
     if s.offload.params() {
         zero["offload_param"] = device(true, s.offload.nvme());
     }
+    if s.offload.nvme() {
+        zero["sub_group_size"] = json!(crate::predict::NVME_SUB_GROUP_SIZE);
+    }
     let mut config = json!({
         "train_batch_size": s.micro_batch * s.gradient_accumulation * s.data,
         "train_micro_batch_size_per_gpu": s.micro_batch,

@@ -19,6 +19,9 @@ pub struct Transformer {
     pub tied: bool,
     /// Llama's layer: SwiGLU MLP (three matrices), RMSNorm, no biases, no position embedding table.
     pub gated: bool,
+    /// Fused attention (FlashAttention, SDPA) keeps no s x s matrices; eager attention (the examples') keeps the
+    /// softmax probabilities. Default false.
+    pub flash_attention: bool,
 }
 
 /// A model known by measured totals (`zerorun plan --from-report`, or written by hand).
@@ -55,6 +58,7 @@ struct ModelFile {
     seq_len: Option<u64>,
     tied: Option<bool>,
     gated: Option<bool>,
+    flash_attention: Option<bool>,
     params: Option<f64>,
     largest_layer_params: Option<f64>,
     activation_bytes_per_sample: Option<f64>,
@@ -110,6 +114,7 @@ impl Model {
             seq_len,
             tied: f.tied.unwrap_or(false),
             gated,
+            flash_attention: f.flash_attention.unwrap_or(false),
         }))
     }
 

@@ -38,8 +38,9 @@ pub struct Breakdown {
     pub offload: f64,
 }
 
-/// DeepSpeed's defaults the planner's configs leave in place: `sub_group_size` and `stage3_max_live_parameters`.
-const SUB_GROUP_SIZE: f64 = 1e9;
+/// `sub_group_size` the planner writes for NVMe offload (DeepSpeed's default 1e9 would stage 16 GB of states).
+pub const NVME_SUB_GROUP_SIZE: f64 = 1e8;
+/// DeepSpeed's default `stage3_max_live_parameters`, which the planner's configs leave in place.
 const MAX_LIVE_PARAMETERS: f64 = 1e9;
 
 fn value_bytes(p: Precision) -> f64 {
@@ -69,10 +70,10 @@ pub fn predict(model: &Model, cluster: &Cluster, options: &Options, s: &Strategy
     let optim = shard(s.stage >= 1) * ob as f64;
     let stepped = shard(s.stage >= 1);
     let moved = if s.offload.params() { params } else { 0.0 } + if s.offload.optimizer() { optim } else { 0.0 };
-    // NVMe offload swaps through memory: the optimizer's states of a sub-group (`sub_group_size`, 1e9) read in
+    // NVMe offload swaps through memory: the optimizer's states of a sub-group (`sub_group_size`) read in
     // and written back from a second buffer, and the parameter shard read ahead of its all-gather.
     let swap_buffers = if s.offload.nvme() {
-        2.0 * ob as f64 * stepped.min(SUB_GROUP_SIZE) + if s.offload.params() { params } else { 0.0 }
+        2.0 * ob as f64 * stepped.min(NVME_SUB_GROUP_SIZE) + if s.offload.params() { params } else { 0.0 }
     } else {
         0.0
     };
@@ -98,15 +99,17 @@ pub fn predict(model: &Model, cluster: &Cluster, options: &Options, s: &Strategy
     let in_flight = (p as f64).min(m);
     let act_per_sample = activations::bytes_per_sample(model, local_layers, t, s.activation_checkpointing, e);
     let activations = act_per_sample * b * in_flight;
-    // What the forward creates besides what it keeps stays in glibc's heap (recomputation creates one layer's at a
-    // time); backward adds the logits' gradient (fp32) and one MLP activation's.
+    // On a CPU, what the forward creates besides what it keeps stays in glibc's heap (recomputation creates one
+    // layer's at a time); an accelerator's caching allocator reuses it. Backward adds the logits' gradient (fp32)
+    // and one MLP activation's.
     let created_per_sample = activations::created_bytes_per_sample(model, local_layers, t, e);
     let retained = if s.activation_checkpointing {
         activations::created_bytes_per_sample(model, 1, t, e) - activations::bytes_per_sample(model, 1, t, false, e)
     } else {
         created_per_sample - act_per_sample
     };
-    let temporaries = b * in_flight * retained.max(0.0)
+    let retained = if cluster.accelerator { 0.0 } else { retained.max(0.0) };
+    let temporaries = b * in_flight * retained
         + match model {
             Model::Transformer(tr) => {
                 let seq = tr.seq_len as f64;
