@@ -257,10 +257,11 @@ fn write_configs(dir: &Path, rows: &[&Row], precision: Precision, nvme_path: &st
     Ok(())
 }
 
-/// The matmul shape that stands for the model's: a micro-batch's tokens (up to 2048) by the MLP's first matrix.
+/// The matmul shape that stands for the model's: the tokens of a micro-batch of a few samples (256 to 4096) by the
+/// MLP's first matrix.
 fn model_matmul(model: &Model) -> [i64; 3] {
     match model {
-        Model::Transformer(t) => [(t.seq_len as i64).clamp(64, 2048), t.hidden as i64, t.ffn as i64],
+        Model::Transformer(t) => [(8 * t.seq_len as i64).clamp(256, 4096), t.hidden as i64, t.ffn as i64],
         Model::Measured(_) => [512, 1024, 1024],
     }
 }
@@ -387,6 +388,7 @@ pub fn measure_machine(m: &MeasureArgs) -> Result<Cluster, CliError> {
         nvme_bytes_per_s: nvme,
         // With more ranks than cores, each gets its share of the time.
         memory_bytes_per_s: memory.map(|b| b * share),
+        op_overhead_s: None,
         comm_overlap: Some(0.0),
     })
 }

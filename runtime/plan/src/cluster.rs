@@ -73,6 +73,10 @@ pub struct Cluster {
     /// around collectives run at. Default: 2e12 on an accelerator (HBM), 5e9 on a CPU.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub memory_bytes_per_s: Option<f64>,
+    /// Fixed cost of one operator (eager dispatch, a kernel launch), seconds; default 1e-5 (PyTorch eager on a
+    /// CPU; about the same to launch a CUDA kernel from eager mode).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub op_overhead_s: Option<f64>,
     /// Fraction of ZeRO's collective time hidden behind compute (prefetch, bucketed reduce-scatter): 0 on a CPU
     /// cluster whose ranks share the cores that compute; default 0.5 on accelerators.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -113,6 +117,7 @@ impl Cluster {
             ("host_link_bytes_per_s", self.host_link_bytes_per_s),
             ("nvme_bytes_per_s", self.nvme_bytes_per_s),
             ("memory_bytes_per_s", self.memory_bytes_per_s),
+            ("op_overhead_s", self.op_overhead_s),
         ];
         for (key, v) in positive {
             if let Some(v) = v {
@@ -154,6 +159,10 @@ impl Cluster {
 
     pub fn memory_bytes_per_s(&self) -> f64 {
         self.memory_bytes_per_s.unwrap_or(if self.accelerator { 2e12 } else { 5e9 })
+    }
+
+    pub fn op_overhead_s(&self) -> f64 {
+        self.op_overhead_s.unwrap_or(1e-5)
     }
 
     pub fn comm_overlap(&self) -> f64 {

@@ -219,6 +219,7 @@ mod tests {
             host_link_bytes_per_s: None,
             nvme_bytes_per_s: nvme.then_some(2e9),
             memory_bytes_per_s: None,
+            op_overhead_s: None,
             comm_overlap: None,
         }
     }

@@ -129,8 +129,12 @@ pub fn predict(model: &Model, cluster: &Cluster, options: &Options, s: &Strategy
     // read and the gradients written and read backward (5 passes); recomputation adds the forward's 2.
     let passes = if s.activation_checkpointing { 7.0 } else { 5.0 };
     let memory_bw = cluster.memory_bytes_per_s();
+    // And every operator costs its dispatch: about 100 per layer forward and backward (30 forward, twice that
+    // backward, the norms' and residuals' included), 20 for the ends; recomputation runs the 30 again.
+    let ops = local_layers as f64 * (90.0 + if s.activation_checkpointing { 30.0 } else { 0.0 }) + 20.0;
     let micro_compute = model.flops_per_sample() * b * recompute / (p * t) as f64 / flops
-        + passes * created_per_sample * b / memory_bw;
+        + passes * created_per_sample * b / memory_bw
+        + ops * cluster.op_overhead_s();
     // The pipeline's schedule: (m + p - 1) slots of one micro-batch's stage time.
     let slots = m + p as f64 - 1.0;
     let compute = slots * micro_compute;
@@ -151,8 +155,8 @@ pub fn predict(model: &Model, cluster: &Cluster, options: &Options, s: &Strategy
         ),
     };
     // Sharded stages copy what they reduce or gather between the model's tensors and the flat buffers (read and
-    // write), outside the collective itself.
-    let dp_comm = if d > 1 { dp_comm + 2.0 * copied / memory_bw } else { 0.0 };
+    // write), outside the collective itself, even on one data-parallel rank.
+    let dp_comm = dp_comm + 2.0 * copied / memory_bw;
     let hidden_behind = (dp_comm * cluster.comm_overlap()).min(compute);
     let data_parallel_comm = dp_comm - hidden_behind;
 
@@ -238,6 +242,7 @@ mod tests {
             host_link_bytes_per_s: None,
             nvme_bytes_per_s: None,
             memory_bytes_per_s: Some(1e10),
+            op_overhead_s: Some(0.0),
             comm_overlap: None,
         };
         let model =
