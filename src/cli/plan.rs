@@ -216,6 +216,9 @@ fn describe(r: &Row) -> String {
     let (m, t) = (&r.memory, &r.time);
     let s = &r.strategy;
     let mut flags = String::new();
+    if !(s.tensor > 1 || s.pipeline > 1 || s.activation_checkpointing) {
+        flags.push_str(" none");
+    }
     if s.tensor > 1 {
         flags.push_str(&format!(" --tensor-parallel {}", s.tensor));
     }
@@ -226,7 +229,7 @@ fn describe(r: &Row) -> String {
         flags.push_str(" --activation-checkpointing");
     }
     format!(
-        "#1: peak {:.2} GiB = floor {:.2} + model states {:.2} + gathered {:.2} + activations {:.2} + temporaries {:.2} (offloaded: host {:.2}, NVMe {:.2})\n    step {:.4} s = compute {:.4} + data-parallel comm {:.4} + tensor-parallel comm {:.4} + pipeline comm {:.4} + optimizer {:.4} + offload {:.4}\n    run: the program with the ds_config --write-config writes{flags}",
+        "#1: peak {:.2} GiB = floor {:.2} + model states {:.2} + gathered {:.2} + activations {:.2} + temporaries {:.2} (offloaded: host {:.2}, NVMe {:.2})\n    step {:.4} s = compute {:.4} + data-parallel comm {:.4} + tensor-parallel comm {:.4} + pipeline comm {:.4} + optimizer {:.4} + offload {:.4}\n    run: the ds_config --write-config writes (plan-01.json), program flags:{flags}",
         gib(r.peak_bytes_per_rank),
         gib(m.floor),
         gib(m.model_states),
