@@ -39,7 +39,17 @@ fn json_rows_rank_what_fits_and_configs_load() {
     let (m, c) = files(&dir, LLAMA_7B, H100_NODES);
     let out_dir = dir.join("configs");
     let (ok, out, err) = zerorun(&[
-        "plan", "--model", &m, "--cluster", &c, "--global-batch", "64", "--top", "5", "--json", "--write-config",
+        "plan",
+        "--model",
+        &m,
+        "--cluster",
+        &c,
+        "--global-batch",
+        "64",
+        "--top",
+        "5",
+        "--json",
+        "--write-config",
         &out_dir.display().to_string(),
     ]);
     assert!(ok, "{err}");
@@ -48,8 +58,18 @@ fn json_rows_rank_what_fits_and_configs_load() {
     let rows = v["rows"].as_array().unwrap();
     assert_eq!(rows.len(), 5);
     let keys = [
-        "stage", "offload", "pipeline", "tensor", "data", "micro_batch", "activation_checkpointing",
-        "peak_bytes_per_rank", "activation_bytes_per_rank", "model_state_bytes_per_rank", "step_seconds", "fits",
+        "stage",
+        "offload",
+        "pipeline",
+        "tensor",
+        "data",
+        "micro_batch",
+        "activation_checkpointing",
+        "peak_bytes_per_rank",
+        "activation_bytes_per_rank",
+        "model_state_bytes_per_rank",
+        "step_seconds",
+        "fits",
     ];
     for r in rows {
         for k in keys {
@@ -95,7 +115,11 @@ fn bad_input_is_named() {
     let (ok, _, err) = zerorun(&["plan", "--model", &m, "--cluster", &c, "--global-batch", "8"]);
     assert!(!ok);
     assert!(err.contains("model.json: \"heads\" (3) must divide \"hidden\" (64)"), "{err}");
-    let (m, c) = files(&dir, LLAMA_7B, r#"{"hosts": 2, "ranks_per_host": 8, "memory_per_rank_bytes": 8e10, "host_memory_bytes": 1e12, "links": {"intra": {"latency_s": 1e-6, "bandwidth_bytes_per_s": 1e11}}}"#);
+    let (m, c) = files(
+        &dir,
+        LLAMA_7B,
+        r#"{"hosts": 2, "ranks_per_host": 8, "memory_per_rank_bytes": 8e10, "host_memory_bytes": 1e12, "links": {"intra": {"latency_s": 1e-6, "bandwidth_bytes_per_s": 1e11}}}"#,
+    );
     let (ok, _, err) = zerorun(&["plan", "--model", &m, "--cluster", &c, "--global-batch", "8"]);
     assert!(!ok);
     assert!(err.contains("cluster.json: \"links.inter\" is needed when \"hosts\" is more than 1"), "{err}");

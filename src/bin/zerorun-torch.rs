@@ -66,7 +66,8 @@ fn bench_matmul(m: i64, k: i64, n: i64, threads: usize, repeats: usize, json: bo
     tch::set_num_threads(threads as i32);
     let flops = {
         let opts = (tch::Kind::Float, tch::Device::Cpu);
-        let (x, w, dy) = (tch::Tensor::randn([m, k], opts), tch::Tensor::randn([k, n], opts), tch::Tensor::randn([m, n], opts));
+        let (x, w, dy) =
+            (tch::Tensor::randn([m, k], opts), tch::Tensor::randn([k, n], opts), tch::Tensor::randn([m, n], opts));
         let mut times = Vec::with_capacity(repeats);
         for i in 0..=repeats {
             let started = std::time::Instant::now();
@@ -83,9 +84,16 @@ fn bench_matmul(m: i64, k: i64, n: i64, threads: usize, repeats: usize, json: bo
     };
     let rss = zerorun::runtime::report::memory::rss().0;
     if json {
-        emit(&serde_json::json!({"m": m, "k": k, "n": n, "threads": threads, "flops_per_s": flops, "rss_bytes": rss}).to_string())
+        emit(
+            &serde_json::json!({"m": m, "k": k, "n": n, "threads": threads, "flops_per_s": flops, "rss_bytes": rss})
+                .to_string(),
+        )
     } else {
-        emit(&format!("[{m}, {k}] x [{k}, {n}] on {threads} thread(s): {:.2} GFLOP/s; resident memory {:.0} MiB", flops / 1e9, rss as f64 / (1u64 << 20) as f64))
+        emit(&format!(
+            "[{m}, {k}] x [{k}, {n}] on {threads} thread(s): {:.2} GFLOP/s; resident memory {:.0} MiB",
+            flops / 1e9,
+            rss as f64 / (1u64 << 20) as f64
+        ))
     }
 }
 

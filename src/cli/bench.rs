@@ -125,7 +125,9 @@ pub enum BenchCommand {
 
 pub fn run(command: BenchCommand) -> Result<(), CliError> {
     match command {
-        BenchCommand::Adam { .. } | BenchCommand::Pipeline { .. } | BenchCommand::Matmul { .. } => super::torch_helper::run_here(),
+        BenchCommand::Adam { .. } | BenchCommand::Pipeline { .. } | BenchCommand::Matmul { .. } => {
+            super::torch_helper::run_here()
+        }
         BenchCommand::Comm { backend, ranks, max_bytes, dtype, repeats, json, worker } => {
             super::bench_comm::run(&backend, ranks, max_bytes, &dtype, repeats.max(1), json, worker)
         }

@@ -92,7 +92,8 @@ struct PlanOptions {
 }
 
 fn read(path: &Path) -> Result<String, CliError> {
-    std::fs::read_to_string(path).map_err(|e| CliError::Io { context: format!("reading {}", path.display()), source: e })
+    std::fs::read_to_string(path)
+        .map_err(|e| CliError::Io { context: format!("reading {}", path.display()), source: e })
 }
 
 fn plan_error(e: zerorun_plan::PlanError) -> CliError {
@@ -124,7 +125,11 @@ fn plan(o: PlanOptions) -> Result<(), CliError> {
         let shape = model_matmul(&model);
         let threads = (cores() / cluster.ranks_per_host as usize).max(1);
         let (flops, _) = measure_matmul(shape, threads)?;
-        tracing::info!("{}: no flops_per_rank; measured {:.2} GFLOP/s per rank here", cluster_path.display(), flops / 1e9);
+        tracing::info!(
+            "{}: no flops_per_rank; measured {:.2} GFLOP/s per rank here",
+            cluster_path.display(),
+            flops / 1e9
+        );
         cluster.flops_per_rank = Some(flops);
     }
     let precision = match o.precision {
@@ -186,7 +191,20 @@ fn gib(b: f64) -> f64 {
 pub fn table(rows: &[&Row]) -> String {
     let mut out = format!(
         "{:>3} {:>5} {:<21} {:>3} {:>3} {:>5} {:>5} {:>4} {:>3} {:>10} {:>10} {:>10} {:>12} {:>5}",
-        "#", "stage", "offload", "pp", "tp", "dp", "micro", "gas", "ac", "peak GiB", "act GiB", "step s", "tokens/s", "fits"
+        "#",
+        "stage",
+        "offload",
+        "pp",
+        "tp",
+        "dp",
+        "micro",
+        "gas",
+        "ac",
+        "peak GiB",
+        "act GiB",
+        "step s",
+        "tokens/s",
+        "fits"
     );
     for (i, r) in rows.iter().enumerate() {
         let s = &r.strategy;
@@ -249,7 +267,8 @@ fn describe(r: &Row) -> String {
 }
 
 fn write_configs(dir: &Path, rows: &[&Row], precision: Precision, nvme_path: &str) -> Result<(), CliError> {
-    std::fs::create_dir_all(dir).map_err(|e| CliError::Io { context: format!("creating {}", dir.display()), source: e })?;
+    std::fs::create_dir_all(dir)
+        .map_err(|e| CliError::Io { context: format!("creating {}", dir.display()), source: e })?;
     for (i, r) in rows.iter().enumerate() {
         let path = dir.join(format!("plan-{:02}.json", i + 1));
         let config = zerorun_plan::ds_config(&r.strategy, precision, nvme_path);
@@ -281,7 +300,10 @@ pub fn measure_matmul(shape: [i64; 3], threads: usize) -> Result<(f64, f64), Cli
         .args(["bench", "matmul", "--json", "--threads", &threads.to_string()])
         .args(["--m", &shape[0].to_string(), "--k", &shape[1].to_string(), "--n", &shape[2].to_string()])
         .output()
-        .map_err(|e| CliError::Io { context: format!("running {} (build it: cargo build --bins)", helper.display()), source: e })?;
+        .map_err(|e| CliError::Io {
+            context: format!("running {} (build it: cargo build --bins)", helper.display()),
+            source: e,
+        })?;
     let v = json_line(&out.stdout, &out.stderr, "bench matmul")?;
     Ok((v["flops_per_s"].as_f64().unwrap_or(0.0), v["rss_bytes"].as_f64().unwrap_or(0.0)))
 }
@@ -300,7 +322,17 @@ fn json_line(stdout: &[u8], stderr: &[u8], what: &str) -> Result<serde_json::Val
 pub fn measure_link(backend: &str, ranks: u64) -> Result<(Link, Option<f64>), CliError> {
     let exe = std::env::current_exe().map_err(|e| CliError::Io { context: "finding zerorun".into(), source: e })?;
     let out = Command::new(&exe)
-        .args(["bench", "comm", "--backend", backend, "--json", "--repeats", "3", "--max-bytes", &(64u64 << 20).to_string()])
+        .args([
+            "bench",
+            "comm",
+            "--backend",
+            backend,
+            "--json",
+            "--repeats",
+            "3",
+            "--max-bytes",
+            &(64u64 << 20).to_string(),
+        ])
         .args(["--ranks", &ranks.max(2).to_string()])
         .output()
         .map_err(|e| CliError::Io { context: "running zerorun bench comm".into(), source: e })?;
@@ -320,7 +352,8 @@ pub fn measure_link(backend: &str, ranks: u64) -> Result<(Link, Option<f64>), Cl
             .filter(|v| v["op"] == op)
             .filter_map(|v| Some((v["bytes"].as_f64()?, v["busbw_gbps"].as_f64()? * 1e9)))
             .collect();
-        let (&(big, bw), &(small, small_bw)) = (mine.iter().max_by(|a, b| a.0.total_cmp(&b.0))?, mine.iter().min_by(|a, b| a.0.total_cmp(&b.0))?);
+        let (&(big, bw), &(small, small_bw)) =
+            (mine.iter().max_by(|a, b| a.0.total_cmp(&b.0))?, mine.iter().min_by(|a, b| a.0.total_cmp(&b.0))?);
         let _ = big;
         let factor = if op == "all_reduce" { 2.0 } else { 1.0 };
         let small_s = factor * (p - 1.0) / p * small / small_bw;
@@ -348,13 +381,19 @@ fn measure_adam() -> Result<f64, CliError> {
         .output()
         .map_err(|e| CliError::Io { context: format!("running {}", helper.display()), source: e })?;
     let v = json_line(&out.stdout, &out.stderr, "bench adam")?;
-    v["zerorun_params_per_s"].as_f64().ok_or_else(|| CliError::Usage("bench adam printed no zerorun_params_per_s".into()))
+    v["zerorun_params_per_s"]
+        .as_f64()
+        .ok_or_else(|| CliError::Usage("bench adam printed no zerorun_params_per_s".into()))
 }
 
 fn mem_total() -> f64 {
     std::fs::read_to_string("/proc/meminfo")
         .ok()
-        .and_then(|t| t.lines().find_map(|l| l.strip_prefix("MemTotal:")).and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok()))
+        .and_then(|t| {
+            t.lines()
+                .find_map(|l| l.strip_prefix("MemTotal:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+        })
         .map_or(0.0, |kb| kb * 1024.0)
 }
 

@@ -47,12 +47,36 @@ const CASES: [Case; 10] = [
     Case { name: "stage 1, 2 ranks", ranks: 2, stage: 1, offload: Offload::None, pipeline: 1, tensor: 1, ac: false },
     Case { name: "stage 2, 2 ranks", ranks: 2, stage: 2, offload: Offload::None, pipeline: 1, tensor: 1, ac: false },
     Case { name: "stage 3, 2 ranks", ranks: 2, stage: 3, offload: Offload::None, pipeline: 1, tensor: 1, ac: false },
-    Case { name: "stage 3 + checkpointing, 2 ranks", ranks: 2, stage: 3, offload: Offload::None, pipeline: 1, tensor: 1, ac: true },
-    Case { name: "stage 3 + NVMe, 2 ranks", ranks: 2, stage: 3, offload: Offload::NvmeOptimizerParams, pipeline: 1, tensor: 1, ac: false },
+    Case {
+        name: "stage 3 + checkpointing, 2 ranks",
+        ranks: 2,
+        stage: 3,
+        offload: Offload::None,
+        pipeline: 1,
+        tensor: 1,
+        ac: true,
+    },
+    Case {
+        name: "stage 3 + NVMe, 2 ranks",
+        ranks: 2,
+        stage: 3,
+        offload: Offload::NvmeOptimizerParams,
+        pipeline: 1,
+        tensor: 1,
+        ac: false,
+    },
     Case { name: "stage 2, 1 rank", ranks: 1, stage: 2, offload: Offload::None, pipeline: 1, tensor: 1, ac: false },
     Case { name: "stage 3, 4 ranks", ranks: 4, stage: 3, offload: Offload::None, pipeline: 1, tensor: 1, ac: false },
     Case { name: "pipeline 2, stage 1", ranks: 2, stage: 1, offload: Offload::None, pipeline: 2, tensor: 1, ac: false },
-    Case { name: "tensor parallel 2, stage 1", ranks: 2, stage: 1, offload: Offload::None, pipeline: 1, tensor: 2, ac: false },
+    Case {
+        name: "tensor parallel 2, stage 1",
+        ranks: 2,
+        stage: 1,
+        offload: Offload::None,
+        pipeline: 1,
+        tensor: 2,
+        ac: false,
+    },
 ];
 
 struct Measured {
@@ -71,7 +95,8 @@ pub fn run(a: ValidateArgs) -> Result<(), CliError> {
         )));
     }
     let dir = std::env::temp_dir().join(format!("zerorun-plan-validate-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).map_err(|e| CliError::Io { context: format!("creating {}", dir.display()), source: e })?;
+    std::fs::create_dir_all(&dir)
+        .map_err(|e| CliError::Io { context: format!("creating {}", dir.display()), source: e })?;
     let result = validate(&a, &zerorun, &gpt, &dir);
     let _ = std::fs::remove_dir_all(&dir);
     result
@@ -79,14 +104,28 @@ pub fn run(a: ValidateArgs) -> Result<(), CliError> {
 
 fn validate(a: &ValidateArgs, zerorun: &Path, gpt: &Path, dir: &Path) -> Result<(), CliError> {
     // The example's own floor: the same program with a model of a few thousand parameters.
-    let floor = run_gpt(zerorun, gpt, dir, "floor", 1, &tiny_config(), &["--layers", "1", "--embd", "8", "--heads", "1", "--block", "8", "--steps", "2"])?.peak;
+    let floor = run_gpt(
+        zerorun,
+        gpt,
+        dir,
+        "floor",
+        1,
+        &tiny_config(),
+        &["--layers", "1", "--embd", "8", "--heads", "1", "--block", "8", "--steps", "2"],
+    )?
+    .peak;
     let mut clusters: Vec<(u64, Cluster)> = Vec::new();
     let mut rows = Vec::new();
     let mut params = 0;
     for case in &CASES {
         if !clusters.iter().any(|(r, _)| *r == case.ranks) {
             let shape = [(MICRO * BLOCK) as i64, EMBD as i64, 4 * EMBD as i64];
-            let mut c = measure_machine(&MeasureArgs { ranks_per_host: case.ranks, hosts: 1, nvme_dir: Some(dir.to_path_buf()), matmul: shape.to_vec() })?;
+            let mut c = measure_machine(&MeasureArgs {
+                ranks_per_host: case.ranks,
+                hosts: 1,
+                nvme_dir: Some(dir.to_path_buf()),
+                matmul: shape.to_vec(),
+            })?;
             c.process_floor_bytes = floor;
             clusters.push((case.ranks, c));
         }
@@ -105,14 +144,16 @@ fn validate(a: &ValidateArgs, zerorun: &Path, gpt: &Path, dir: &Path) -> Result<
         };
         let config_path = dir.join(format!("case{}.json", rows.len()));
         let nvme = dir.join("nvme");
-        std::fs::create_dir_all(&nvme).map_err(|e| CliError::Io { context: format!("creating {}", nvme.display()), source: e })?;
+        std::fs::create_dir_all(&nvme)
+            .map_err(|e| CliError::Io { context: format!("creating {}", nvme.display()), source: e })?;
         let config = zerorun_plan::ds_config(&strategy, Precision::Fp32, &nvme.display().to_string());
         std::fs::write(&config_path, config.to_string())
             .map_err(|e| CliError::Io { context: format!("writing {}", config_path.display()), source: e })?;
-        let mut args: Vec<String> = ["--layers", &LAYERS.to_string(), "--embd", &EMBD.to_string(), "--heads", &HEADS.to_string()]
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
+        let mut args: Vec<String> =
+            ["--layers", &LAYERS.to_string(), "--embd", &EMBD.to_string(), "--heads", &HEADS.to_string()]
+                .iter()
+                .map(|s| s.to_string())
+                .collect();
         args.extend(["--block".into(), BLOCK.to_string(), "--steps".into(), a.steps.to_string()]);
         if case.ac {
             args.push("--activation-checkpointing".into());
@@ -130,9 +171,17 @@ fn validate(a: &ValidateArgs, zerorun: &Path, gpt: &Path, dir: &Path) -> Result<
             params = measured.params;
         }
         let model = gpt_model(params, case.tensor)?;
-        let options = Options { global_batch: MICRO * accumulation * data, precision: Precision::Fp32, max_micro_batch: 64 };
+        let options =
+            Options { global_batch: MICRO * accumulation * data, precision: Precision::Fp32, max_micro_batch: 64 };
         let p = zerorun_plan::predict(&model, cluster, &options, &strategy);
-        tracing::info!("{}: predicted {:.0} MiB {:.3} s, measured {:.0} MiB {:.3} s", case.name, p.peak_bytes_per_rank / 1048576.0, p.step_seconds, measured.peak / 1048576.0, measured.step);
+        tracing::info!(
+            "{}: predicted {:.0} MiB {:.3} s, measured {:.0} MiB {:.3} s",
+            case.name,
+            p.peak_bytes_per_rank / 1048576.0,
+            p.step_seconds,
+            measured.peak / 1048576.0,
+            measured.step
+        );
         rows.push(serde_json::json!({
             "name": case.name, "ranks": case.ranks, "stage": case.stage, "offload": case.offload.name(),
             "pipeline": case.pipeline, "tensor": case.tensor, "activation_checkpointing": case.ac,
@@ -180,7 +229,10 @@ fn validate(a: &ValidateArgs, zerorun: &Path, gpt: &Path, dir: &Path) -> Result<
     }
     out.push_str(&format!(
         "\npeak memory error: mean {:.1}%, max {:.1}%; step time error: mean {:.1}%, max {:.1}%",
-        100.0 * peak_mean, 100.0 * peak_max, 100.0 * step_mean, 100.0 * step_max
+        100.0 * peak_mean,
+        100.0 * peak_max,
+        100.0 * step_mean,
+        100.0 * step_max
     ));
     out.push_str("\npublished numbers, computed by the planner's formulas:");
     for p in &published {
@@ -215,7 +267,15 @@ fn gpt_model(params: u64, tensor: u64) -> Result<Model, CliError> {
 }
 
 /// Runs the example on `ranks` rank processes; the highest rank's peak resident memory and rank 0's median step.
-fn run_gpt(zerorun: &Path, gpt: &Path, dir: &Path, name: &str, ranks: u64, config: &Path, args: &[&str]) -> Result<Measured, CliError> {
+fn run_gpt(
+    zerorun: &Path,
+    gpt: &Path,
+    dir: &Path,
+    name: &str,
+    ranks: u64,
+    config: &Path,
+    args: &[&str],
+) -> Result<Measured, CliError> {
     let config = if config.as_os_str().is_empty() {
         let path = dir.join("floor.json");
         std::fs::write(&path, r#"{"train_batch_size": 1, "optimizer": {"type": "AdamW", "params": {"lr": 0.001}}}"#)
@@ -234,7 +294,10 @@ fn run_gpt(zerorun: &Path, gpt: &Path, dir: &Path, name: &str, ranks: u64, confi
         .map_err(|e| CliError::Io { context: format!("running {name}"), source: e })?;
     let text = String::from_utf8_lossy(&out.stdout);
     if !out.status.success() {
-        return Err(CliError::Usage(format!("plan validate: {name} failed:\n{text}{}", String::from_utf8_lossy(&out.stderr))));
+        return Err(CliError::Usage(format!(
+            "plan validate: {name} failed:\n{text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        )));
     }
     let values = |key: &str| -> Vec<f64> {
         text.lines()
@@ -289,7 +352,13 @@ fn published_checks() -> Vec<serde_json::Value> {
     let sbh = s * h;
     let rows = [
         ("no parallelism: sbh (34 + 5as/h)", 1.0, false, Recompute::None, sbh * (34.0 + 5.0 * a * s / h)),
-        ("tensor parallel: sbh (10 + 24/t + 5as/(ht))", t, false, Recompute::None, sbh * (10.0 + 24.0 / t + 5.0 * a * s / (h * t))),
+        (
+            "tensor parallel: sbh (10 + 24/t + 5as/(ht))",
+            t,
+            false,
+            Recompute::None,
+            sbh * (10.0 + 24.0 / t + 5.0 * a * s / (h * t)),
+        ),
         ("+ sequence parallel: sbh/t (34 + 5as/h)", t, true, Recompute::None, sbh / t * (34.0 + 5.0 * a * s / h)),
         ("+ selective recompute: 34 sbh/t", t, true, Recompute::Selective, 34.0 * sbh / t),
         ("full recompute: 2 sbh", t, false, Recompute::Full, 2.0 * sbh),

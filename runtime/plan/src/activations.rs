@@ -125,12 +125,16 @@ mod tests {
     fn the_example_gpt_count() {
         // The demo's GPT (8 x 512, 8 heads, block 64, vocabulary 65) at micro-batch 12 keeps
         // L (64 s b h + 4 a s^2 b) + 8 s b h + 4 s b V bytes in fp32 (#40: within 0.15% of PyTorch's profiler).
-        let m = Model::from_json(r#"{"layers": 8, "hidden": 512, "heads": 8, "vocab": 65, "seq_len": 64}"#, "m").unwrap();
+        let m =
+            Model::from_json(r#"{"layers": 8, "hidden": 512, "heads": 8, "vocab": 65, "seq_len": 64}"#, "m").unwrap();
         let (s, b, h, a, v, l) = (64.0, 12.0, 512.0, 8.0, 65.0, 8.0);
         let expected = l * (64.0 * s * b * h + 4.0 * a * s * s * b) + 8.0 * s * b * h + 4.0 * s * b * v;
         assert_eq!(bytes_per_sample(&m, 8, 1, false, 4.0) * b, expected);
         // Recomputation: every layer's input, one layer rebuilt.
         let ac = bytes_per_sample(&m, 8, 1, true, 4.0) * b;
-        assert_eq!(ac, l * 4.0 * s * b * h + (64.0 * s * b * h + 4.0 * a * s * s * b) + 8.0 * s * b * h + 4.0 * s * b * v);
+        assert_eq!(
+            ac,
+            l * 4.0 * s * b * h + (64.0 * s * b * h + 4.0 * a * s * s * b) + 8.0 * s * b * h + 4.0 * s * b * v
+        );
     }
 }

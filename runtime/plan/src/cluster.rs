@@ -233,9 +233,12 @@ mod tests {
         let intra = r#""intra": {"latency_s": 5e-6, "bandwidth_bytes_per_s": 2e11}"#;
         let err = |t: String| Cluster::from_json(&t, "c.json").unwrap_err().to_string();
         assert!(err(format!("{{{base}, \"links\": {{{intra}}}}}")).contains("c.json: \"links.inter\" is needed"));
-        let links = format!("\"links\": {{{intra}, \"inter\": {{\"latency_s\": 2e-5, \"bandwidth_bytes_per_s\": 2.5e10}}}}");
-        assert!(err(format!("{{{base}, {links}, \"comm_overlap\": 2}}")).contains("c.json: \"comm_overlap\" must be within 0..1"));
-        assert!(err(format!("{{{base}, {links}, \"nvme_bytes_per_s\": 0}}")).contains("\"nvme_bytes_per_s\" must be a positive number"));
+        let links =
+            format!("\"links\": {{{intra}, \"inter\": {{\"latency_s\": 2e-5, \"bandwidth_bytes_per_s\": 2.5e10}}}}");
+        assert!(err(format!("{{{base}, {links}, \"comm_overlap\": 2}}"))
+            .contains("c.json: \"comm_overlap\" must be within 0..1"));
+        assert!(err(format!("{{{base}, {links}, \"nvme_bytes_per_s\": 0}}"))
+            .contains("\"nvme_bytes_per_s\" must be a positive number"));
         let ok = format!("{{{base}, {links}}}");
         let c = Cluster::from_json(&ok, "c.json").unwrap();
         assert_eq!(c.world(), 16);

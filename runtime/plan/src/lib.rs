@@ -204,7 +204,13 @@ mod tests {
     use super::*;
 
     fn cluster(hosts: u64, rph: u64, accelerator: bool, nvme: bool) -> Cluster {
-        let link = |bw| Link { latency_s: 1e-5, bandwidth_bytes_per_s: bw, all_reduce: None, reduce_scatter: None, all_gather: None };
+        let link = |bw| Link {
+            latency_s: 1e-5,
+            bandwidth_bytes_per_s: bw,
+            all_reduce: None,
+            reduce_scatter: None,
+            all_gather: None,
+        };
         Cluster {
             hosts,
             ranks_per_host: rph,
@@ -274,6 +280,9 @@ mod tests {
         assert!(fit.windows(2).all(|w| w[0].step_seconds <= w[1].step_seconds));
         assert!(rows[fit.len()..].iter().all(|r| !r.fits));
         // Plain data parallelism of 70B cannot fit 80 GB (16 bytes per parameter).
-        assert!(rows.iter().filter(|r| r.strategy.stage == 0 && r.strategy.pipeline * r.strategy.tensor == 1).all(|r| !r.fits));
+        assert!(rows
+            .iter()
+            .filter(|r| r.strategy.stage == 0 && r.strategy.pipeline * r.strategy.tensor == 1)
+            .all(|r| !r.fits));
     }
 }

@@ -76,7 +76,7 @@ impl Model {
                     bad(key, "is needed with \"params\" (a measured model: params, largest_layer_params, activation_bytes_per_sample)")
                 })
             };
-            if !(params >= 1.0) {
+            if params.is_nan() || params < 1.0 {
                 return Err(bad("params", "must be at least 1"));
             }
             let seq_len = f.seq_len.unwrap_or(1).max(1);

@@ -52,8 +52,7 @@ fn value_bytes(p: Precision) -> f64 {
 
 /// Predicts one strategy (see the crate's documentation for the model).
 pub fn predict(model: &Model, cluster: &Cluster, options: &Options, s: &Strategy) -> Row {
-    let (p, t, d, b, m) =
-        (s.pipeline, s.tensor, s.data, s.micro_batch as f64, s.gradient_accumulation as f64);
+    let (p, t, d, b, m) = (s.pipeline, s.tensor, s.data, s.micro_batch as f64, s.gradient_accumulation as f64);
     let e = value_bytes(options.precision);
     // One rank's slice of the model: its pipeline stage, its tensor-parallel share.
     let local_params = model.params() as f64 / (p * t) as f64;
@@ -169,7 +168,8 @@ pub fn predict(model: &Model, cluster: &Cluster, options: &Options, s: &Strategy
     };
     let tensor_parallel_comm = slots * local_layers as f64 * tp_per_layer;
     // Each micro-batch's activation forward and its gradient backward cross every stage boundary.
-    let pipeline_comm = if p > 1 { slots * 2.0 * link_for(cluster, t * d * p).send_seconds(activation_msg) } else { 0.0 };
+    let pipeline_comm =
+        if p > 1 { slots * 2.0 * link_for(cluster, t * d * p).send_seconds(activation_msg) } else { 0.0 };
 
     let (optimizer, offload) = if s.offload.optimizer() {
         let mut traffic = stepped * (gb + pb) as f64 / cluster.host_link_bytes_per_s();
@@ -179,7 +179,11 @@ pub fn predict(model: &Model, cluster: &Cluster, options: &Options, s: &Strategy
         }
         if s.offload.params() {
             // Forward and backward read the rank's parameter shard from where it lives.
-            let bw = if s.offload.nvme() { cluster.nvme_bytes_per_s.unwrap_or(f64::INFINITY) } else { cluster.host_link_bytes_per_s() };
+            let bw = if s.offload.nvme() {
+                cluster.nvme_bytes_per_s.unwrap_or(f64::INFINITY)
+            } else {
+                cluster.host_link_bytes_per_s()
+            };
             traffic += m * 2.0 * params / bw;
         }
         (stepped / cluster.host_optimizer_params_per_s(), traffic)
@@ -227,7 +231,13 @@ mod tests {
     #[test]
     fn one_strategy_by_hand() {
         // 1.2e9 FLOP/s, 2 ranks on one host at 1e9 B/s and no latency, a 2-layer GPT in fp32.
-        let link = Link { latency_s: 0.0, bandwidth_bytes_per_s: 1e9, all_reduce: None, reduce_scatter: None, all_gather: None };
+        let link = Link {
+            latency_s: 0.0,
+            bandwidth_bytes_per_s: 1e9,
+            all_reduce: None,
+            reduce_scatter: None,
+            all_gather: None,
+        };
         let cluster = Cluster {
             hosts: 1,
             ranks_per_host: 2,
@@ -248,7 +258,10 @@ mod tests {
         let model =
             Model::from_json(r#"{"layers": 2, "hidden": 64, "heads": 4, "vocab": 65, "seq_len": 32}"#, "m").unwrap();
         let params = model.params() as f64; // 2 (12 h^2 + 13 h) + V h + s h + 2 h + V h + V
-        assert_eq!(params, 2.0 * (12.0 * 4096.0 + 13.0 * 64.0) + 65.0 * 64.0 + 32.0 * 64.0 + 128.0 + 65.0 * 64.0 + 65.0);
+        assert_eq!(
+            params,
+            2.0 * (12.0 * 4096.0 + 13.0 * 64.0) + 65.0 * 64.0 + 32.0 * 64.0 + 128.0 + 65.0 * 64.0 + 65.0
+        );
         let options = Options { global_batch: 8, precision: Precision::Fp32, max_micro_batch: 64 };
         let s = Strategy {
             stage: 2,
@@ -271,7 +284,15 @@ mod tests {
         let flops = 6.0 * (2.0 * 12.0 * 4096.0 + 65.0 * 64.0) * 32.0 + 12.0 * 2.0 * 32.0 * 32.0 * 64.0;
         // Elementwise: 5 passes over what the forward creates, per layer 2 s (h + 2 kv) + 4 a s^2 + 2 s h + 2 ffn s
         // values divided and 6 s h whole, plus the ends 2 s h + s V, in fp32, at 1e10 B/s.
-        let created = 4.0 * (2.0 * (2.0 * 32.0 * 192.0 + 4.0 * 4.0 * 1024.0 + 2.0 * 32.0 * 64.0 + 2.0 * 256.0 * 32.0 + 6.0 * 32.0 * 64.0) + 2.0 * 32.0 * 64.0 + 32.0 * 65.0);
+        let created = 4.0
+            * (2.0
+                * (2.0 * 32.0 * 192.0
+                    + 4.0 * 4.0 * 1024.0
+                    + 2.0 * 32.0 * 64.0
+                    + 2.0 * 256.0 * 32.0
+                    + 6.0 * 32.0 * 64.0)
+                + 2.0 * 32.0 * 64.0
+                + 32.0 * 65.0);
         assert_eq!(created, 516_224.0);
         let micro = 2.0 * flops / 1.2e9 + 5.0 * created * 2.0 / 1e10;
         assert!((row.time.compute - 2.0 * micro).abs() < 1e-12);
