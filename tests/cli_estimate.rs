@@ -64,3 +64,41 @@ fn config_and_model_description() {
     assert_eq!(err.trim(), "error: give --params P (>= 1) or --model MODEL_DESC.json");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn activations_of_a_transformer_micro_batch() {
+    let dir = std::env::temp_dir().join(format!("zerorun-est-act-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let model = dir.join("gpt.json");
+    std::fs::write(&model, r#"{"layers": 8, "hidden": 512, "heads": 8, "vocab": 65, "seq_len": 64}"#).unwrap();
+    let m = model.to_str().unwrap();
+    // The demo's GPT at micro-batch 12 in fp32 keeps L (64 s b h + 4 a s^2 b) + 8 s b h + 4 s b V bytes (PyTorch's
+    // saved-tensor hooks on its twin count 217,398,788: bench/activations/saved_tensors.py).
+    let (s, b, h, a, v, l) = (64u64, 12, 512, 8, 65, 8);
+    let kept = l * (64 * s * b * h + 4 * a * s * s * b) + 8 * s * b * h + 4 * s * b * v;
+    let (ok, out, err) = zerorun(&["estimate", "--model", m, "--micro-batch", "12", "--json"]);
+    assert!(ok, "{err}");
+    let v_: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v_["activations"]["end_of_forward_bytes"], kept);
+    assert_eq!(v_["activations"]["peak_bytes"], kept);
+    // Recomputing every layer: each keeps its input (4 s b h bytes); backward rebuilds one layer on top.
+    let (ok, out, err) =
+        zerorun(&["estimate", "--model", m, "--micro-batch", "12", "--activation-checkpointing", "--json"]);
+    assert!(ok, "{err}");
+    let v_: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let inputs = l * 4 * s * b * h + 8 * s * b * h + 4 * s * b * v;
+    assert_eq!(v_["activations"]["end_of_forward_bytes"], inputs);
+    assert_eq!(v_["activations"]["peak_bytes"], inputs + 64 * s * b * h + 4 * a * s * s * b);
+    // The text names what it is.
+    let (ok, out, _) = zerorun(&["estimate", "--model", m, "--micro-batch", "12"]);
+    assert!(ok && out.contains("Activations per rank, micro-batch 12, without recomputation"), "{out}");
+    // Without heads, or without a model: named.
+    std::fs::write(&model, r#"{"layers": 8, "hidden": 512, "vocab": 65, "seq_len": 64}"#).unwrap();
+    let (ok, _, err) = zerorun(&["estimate", "--model", m, "--micro-batch", "12"]);
+    assert!(
+        !ok && err.contains("--micro-batch needs a transformer description with \"layers\", \"hidden\", \"heads\""),
+        "{err}"
+    );
+    let (ok, _, err) = zerorun(&["estimate", "--params", "1e9", "--micro-batch", "12"]);
+    assert!(!ok && err.contains("--micro-batch needs --model MODEL_DESC.json"), "{err}");
+}

@@ -33,9 +33,17 @@ pub struct EstimateArgs {
     /// A ds_config.json: its precision and optimizer are used, and its row is marked.
     #[arg(long)]
     config: Option<PathBuf>,
-    /// A model description: {"layers", "hidden", "vocab", "seq_len"} of a GPT, or {"params"}.
+    /// A model description: {"layers", "hidden", "vocab", "seq_len"} of a GPT (with "heads" for --micro-batch), or
+    /// {"params"}.
     #[arg(long)]
     model: Option<PathBuf>,
+    /// Samples per micro-batch: with a transformer --model that names "heads" and "seq_len", the activations one
+    /// rank keeps for backward are estimated too.
+    #[arg(long)]
+    micro_batch: Option<u64>,
+    /// Activations with every layer recomputed in backward (each layer keeps its input; one layer is rebuilt).
+    #[arg(long)]
+    activation_checkpointing: bool,
     /// Print `{"rows": [...]}`.
     #[arg(long)]
     json: bool,
@@ -52,6 +60,8 @@ struct ModelDesc {
     /// The output head shares the token embedding (GPT-2); default false.
     tied: Option<bool>,
     largest_layer_params: Option<f64>,
+    /// Attention heads: with `seq_len`, what the activation estimate needs.
+    heads: Option<u64>,
 }
 
 impl ModelDesc {
@@ -80,6 +90,38 @@ impl ModelDesc {
     }
 }
 
+/// The activations of one micro-batch of `micro` samples on one rank (values of `value_bytes`): kept at the end of
+/// forward, and at the peak of backward (with recomputation, one layer rebuilt on top). The count is the planner's
+/// (`zerorun_plan::activations`): what a tch transformer layer without dropout saves.
+fn activations(
+    desc: &ModelDesc,
+    path: &std::path::Path,
+    micro: u64,
+    recompute: bool,
+    value_bytes: f64,
+) -> Result<(f64, f64), CliError> {
+    let (Some(layers), Some(hidden), Some(heads), Some(vocab), Some(seq_len)) =
+        (desc.layers, desc.hidden, desc.heads, desc.vocab, desc.seq_len)
+    else {
+        return Err(CliError::Usage(format!(
+            "{}: --micro-batch needs a transformer description with \"layers\", \"hidden\", \"heads\", \"vocab\" and \"seq_len\"",
+            path.display()
+        )));
+    };
+    let text = format!(
+        r#"{{"layers": {layers}, "hidden": {hidden}, "heads": {heads}, "vocab": {vocab}, "seq_len": {seq_len}, "tied": {}}}"#,
+        desc.tied.unwrap_or(false)
+    );
+    let model = zerorun_plan::Model::from_json(&text, &path.display().to_string())
+        .map_err(|e| CliError::Usage(e.to_string()))?;
+    let per_sample = zerorun_plan::activations::bytes_per_sample(&model, layers, 1, recompute, value_bytes);
+    let layer = zerorun_plan::activations::bytes_per_sample(&model, 1, 1, false, value_bytes)
+        - zerorun_plan::activations::bytes_per_sample(&model, 0, 1, false, value_bytes);
+    let peak = per_sample * micro as f64;
+    let end_of_forward = if recompute { peak - layer * micro as f64 } else { peak };
+    Ok((end_of_forward, peak))
+}
+
 /// Bytes in the largest binary unit that keeps the number >= 1.
 fn human(b: u64) -> String {
     let units = ["B", "KiB", "MiB", "GiB", "TiB"];
@@ -98,12 +140,24 @@ fn human(b: u64) -> String {
 
 pub fn run(a: EstimateArgs) -> Result<(), CliError> {
     let config = a.config.as_ref().map(Config::from_file).transpose()?;
+    if a.micro_batch.is_some() && a.model.is_none() {
+        return Err(CliError::Usage("--micro-batch needs --model MODEL_DESC.json (a transformer's shape)".into()));
+    }
+    let mut activation_bytes = None;
     let (params, mut largest) = match (&a.model, a.params) {
         (Some(path), None) => {
             let text = std::fs::read_to_string(path)
                 .map_err(|e| CliError::Io { context: format!("reading {}", path.display()), source: e })?;
             let desc: ModelDesc =
                 serde_json::from_str(&text).map_err(|e| CliError::Usage(format!("{}: {e}", path.display())))?;
+            if let Some(micro) = a.micro_batch {
+                let value_bytes = match config.as_ref().map(Config::precision) {
+                    Some(zerorun_config::Precision::Fp32) | None => 4.0,
+                    _ => 2.0,
+                };
+                activation_bytes =
+                    Some((micro, activations(&desc, path, micro.max(1), a.activation_checkpointing, value_bytes)?));
+            }
             desc.sizes(path)?
         }
         (None, Some(p)) if p >= 1.0 => (p as u64, None),
@@ -132,8 +186,12 @@ pub fn run(a: EstimateArgs) -> Result<(), CliError> {
     }
     let rows = estimate(&input);
     let mine = config.as_ref().and_then(|c| row_for(&rows, c));
+    let activations_json = activation_bytes.map(|(micro, (end, peak))| {
+        serde_json::json!({"micro_batch": micro, "activation_checkpointing": a.activation_checkpointing,
+            "end_of_forward_bytes": end.round() as u64, "peak_bytes": peak.round() as u64})
+    });
     if a.json {
-        return emit(&serde_json::json!({ "params": params, "frozen_params": input.frozen_params, "ranks": a.nodes * a.gpus_per_node, "rows": rows }).to_string());
+        return emit(&serde_json::json!({ "params": params, "frozen_params": input.frozen_params, "ranks": a.nodes * a.gpus_per_node, "rows": rows, "activations": activations_json }).to_string());
     }
     let frozen = if input.frozen_params > 0 { format!(" and {} frozen", input.frozen_params) } else { String::new() };
     emit(&format!(
@@ -155,6 +213,14 @@ pub fn run(a: EstimateArgs) -> Result<(), CliError> {
             r.stage,
             off(r.offload_optimizer),
             off(r.offload_param)
+        ))?;
+    }
+    if let Some((micro, (end, peak))) = activation_bytes {
+        let how = if a.activation_checkpointing { "with every layer recomputed" } else { "without recomputation" };
+        emit(&format!(
+            "Activations per rank, micro-batch {micro}, {how}: {} at the end of forward, {} at the peak of backward (not in the rows above; `zerorun plan` adds them up)",
+            human(end.round() as u64),
+            human(peak.round() as u64)
         ))?;
     }
     Ok(())
