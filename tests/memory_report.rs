@@ -84,11 +84,14 @@ fn check_files(dir: &Path, stage: u8) -> Vec<MemoryReport> {
         assert!(m.events.contains(peak), "rank {r}: the kept timeline holds the peak");
         let known = |e: &str| {
             e == "initialized"
+                || e == "forward"
                 || e == "backward"
                 || e == "optimizer step"
                 || e.starts_with("forward: unit ")
                 || e.starts_with("backward: unit ")
         };
+        // The end of forward (where the activations peak) is sampled at every stage.
+        assert!(m.events.iter().any(|e| e.event == "forward"), "rank {r}: no end-of-forward event");
         assert!(
             m.events.iter().all(|e| known(&e.event)),
             "rank {r}: {:?}",

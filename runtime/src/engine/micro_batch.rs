@@ -161,6 +161,10 @@ impl Engine {
             crate::report::Phase::Forward,
             started.elapsed().saturating_sub(self.report.times.comm() - comm_before),
         );
+        // The end of forward, where the activations autograd keeps peak: a sample at every stage.
+        if out.is_ok() && native::grad_enabled() {
+            self.memory_event(|| "forward".to_string(), &[]);
+        }
         out
     }
 
