@@ -147,10 +147,13 @@ fn gathered_parameters_stay_within_the_two_largest_units_and_model_states_are_16
     // Larger layers so padding is negligible: 64 -> 256 -> 256 -> 3.
     let dims = [IN, 256, 256, OUT];
     let world = 2;
-    // Prefetch on, one unit ahead.
+    // Prefetch on, one unit ahead (DeepSpeed's live bound given: sized from the model, it would allow one unit).
     let runs = run(
         world,
-        config(1, json!({"overlap_comm": true, "stage3_prefetch_bucket_size": 1})),
+        config(
+            1,
+            json!({"overlap_comm": true, "stage3_prefetch_bucket_size": 1, "stage3_max_live_parameters": 1_000_000_000u64}),
+        ),
         Units::PerLayer,
         false,
         &dims,
@@ -415,5 +418,54 @@ fn optimizer_in_backward_refuses_accumulation_and_a_second_backward_before_step(
         } else {
             r.unwrap();
         }
+    }
+}
+
+#[test]
+fn a_bare_stage_3_config_sizes_its_buckets_from_the_units_and_saves_what_deepspeeds_defaults_keep() {
+    // `{"stage": 3}` alone: DeepSpeed's defaults (1e9 live parameters, 5e7 prefetched) would keep this model
+    // gathered whole; sized from the units, one unit is live at a time. The same training either way.
+    let dims = [IN, 256, 256, OUT];
+    let bare = |zero: Value| {
+        Config::from_value(json!({
+            "train_batch_size": GLOBAL_BATCH, "gradient_clipping": CLIP,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
+            "zero_optimization": zero
+        }))
+        .unwrap()
+    };
+    let sized = bare(json!({"stage": 3, "stage3_max_reuse_distance": 0}));
+    assert_eq!(
+        sized.zero_optimization.sized_from_model,
+        [
+            "reduce_bucket_size",
+            "stage3_prefetch_bucket_size",
+            "stage3_param_persistence_threshold",
+            "stage3_max_live_parameters"
+        ]
+    );
+    let defaults = bare(json!({
+        "stage": 3, "stage3_max_reuse_distance": 0, "reduce_bucket_size": 500_000_000,
+        "stage3_prefetch_bucket_size": 50_000_000, "stage3_param_persistence_threshold": 100_000,
+        "stage3_max_live_parameters": 1_000_000_000u64
+    }));
+    assert!(defaults.zero_optimization.sized_from_model.is_empty());
+    let (small, large) =
+        (run(2, sized, Units::PerLayer, false, &dims), run(2, defaults, Units::PerLayer, false, &dims));
+    let unit_bytes: Vec<usize> = dims.windows(2).map(|w| ((w[0] * w[1] + w[1]) as usize).div_ceil(2) * 2 * 4).collect();
+    let largest = *unit_bytes.iter().max().unwrap();
+    for (s, l) in small.iter().zip(&large) {
+        assert!(
+            l.peak_gathered >= unit_bytes.iter().sum::<usize>() - unit_bytes[0],
+            "DeepSpeed's defaults keep the model gathered: {}",
+            l.peak_gathered
+        );
+        assert!(
+            s.peak_gathered <= 2 * largest,
+            "sized: at most the largest unit in use and a smaller one: {}",
+            s.peak_gathered
+        );
+        let d = max_relative_difference(&s.params, &l.params);
+        assert!(d <= 1e-6, "the same training: {d}");
     }
 }

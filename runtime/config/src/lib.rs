@@ -475,9 +475,14 @@ impl Config {
         }
     }
 
-    /// The config as JSON with DeepSpeed's key names; it reads back to an equal `Config`.
+    /// The config as JSON with DeepSpeed's key names; it reads back to an equal `Config`. Stage 3's size keys the
+    /// engine sizes from the model ([`ZeroConfig::sized_from_model`]) are written as "auto", as they were given.
     pub fn to_value(&self) -> Value {
-        serde_json::to_value(self).expect("config serializes")
+        let mut v = serde_json::to_value(self).expect("config serializes");
+        for key in &self.zero_optimization.sized_from_model {
+            v["zero_optimization"][*key] = Value::String("auto".into());
+        }
+        v
     }
 }
 

@@ -132,6 +132,15 @@ impl Section {
         }
     }
 
+    /// Whether `keys` (aliases) are absent or "auto", without taking the value.
+    pub fn uint_auto_peek(&self, keys: &[&'static str]) -> MaybeAuto<()> {
+        match keys.iter().find_map(|k| self.map.get(*k).filter(|v| !v.is_null())) {
+            None => MaybeAuto::Absent,
+            Some(Value::String(s)) if s == "auto" => MaybeAuto::Auto,
+            Some(_) => MaybeAuto::Value(()),
+        }
+    }
+
     pub fn uint_auto(&mut self, keys: &[&'static str]) -> Result<MaybeAuto<u64>> {
         self.auto_aware(keys, "a non-negative integer", as_uint)
     }

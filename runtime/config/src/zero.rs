@@ -78,6 +78,12 @@ pub struct ZeroConfig {
     pub ignore_unused_parameters: bool,
     pub offload_optimizer: OffloadOptimizerConfig,
     pub offload_param: OffloadParamConfig,
+    /// Stage 3's size keys the config left out or set to "auto" (`reduce_bucket_size`,
+    /// `stage3_prefetch_bucket_size`, `stage3_param_persistence_threshold`, `stage3_max_live_parameters`): the
+    /// engine sizes them from the model's units at initialize (DeepSpeed's defaults until then). Empty once sized,
+    /// and below stage 3. Not a key: `Config::to_value` writes these keys as "auto".
+    #[serde(skip)]
+    pub sized_from_model: Vec<&'static str>,
 }
 
 /// DeepSpeed ZeRO keys zerorun accepts and does not act on (performance knobs of DeepSpeed's own kernels).
@@ -125,7 +131,16 @@ impl ZeroConfig {
         };
         let contiguous_gradients = s.bool("contiguous_gradients", true)?;
         let reduce_scatter = s.bool("reduce_scatter", true)?;
-        let reduce_bucket_size = size(&mut s, &["reduce_bucket_size"], 500_000_000)?;
+        // Stage 3's size keys left out or "auto": noted, so the engine sizes them from the model.
+        let mut sized_from_model = Vec::new();
+        let sized = |s: &mut Section, noted: &mut Vec<&'static str>, keys: &[&'static str], default: u64| {
+            let defaulted = matches!(s.uint_auto_peek(keys), MaybeAuto::Absent | MaybeAuto::Auto);
+            if stage == 3 && defaulted {
+                noted.push(keys[0]);
+            }
+            size(s, keys, default)
+        };
+        let reduce_bucket_size = sized(&mut s, &mut sized_from_model, &["reduce_bucket_size"], 500_000_000)?;
         let allgather_partitions = s.bool("allgather_partitions", true)?;
         let allgather_bucket_size = size(&mut s, &["allgather_bucket_size"], 500_000_000)?;
         let overlap_comm = s.opt_bool(&["overlap_comm"])?.unwrap_or(stage == 3);
@@ -133,19 +148,28 @@ impl ZeroConfig {
         let elastic_checkpoint = s.bool("elastic_checkpoint", false)?;
         let sub_group_size = size(&mut s, &["sub_group_size"], 1_000_000_000)?;
         let stage3_prefetch_bucket_size =
-            size(&mut s, &["stage3_prefetch_bucket_size", "prefetch_bucket_size"], 50_000_000)?;
+            sized(&mut s, &mut sized_from_model, &["stage3_prefetch_bucket_size", "prefetch_bucket_size"], 50_000_000)?;
         let stage3_param_persistence_threshold =
             match s.uint_auto(&["stage3_param_persistence_threshold", "param_persistence_threshold"])? {
                 MaybeAuto::Value(v) => v,
-                _ => 100_000,
+                _ => {
+                    if stage == 3 {
+                        sized_from_model.push("stage3_param_persistence_threshold");
+                    }
+                    100_000
+                }
             };
         let stage3_model_persistence_threshold =
             match s.uint_auto(&["stage3_model_persistence_threshold", "model_persistence_threshold"])? {
                 MaybeAuto::Value(v) => v,
                 _ => i64::MAX as u64,
             };
-        let stage3_max_live_parameters =
-            size(&mut s, &["stage3_max_live_parameters", "max_live_parameters"], 1_000_000_000)?;
+        let stage3_max_live_parameters = sized(
+            &mut s,
+            &mut sized_from_model,
+            &["stage3_max_live_parameters", "max_live_parameters"],
+            1_000_000_000,
+        )?;
         let stage3_max_reuse_distance = match s.uint_auto(&["stage3_max_reuse_distance", "max_reuse_distance"])? {
             MaybeAuto::Value(v) => v,
             _ => 1_000_000_000,
@@ -238,6 +262,7 @@ impl ZeroConfig {
             ignore_unused_parameters,
             offload_optimizer,
             offload_param,
+            sized_from_model,
         })
     }
 

@@ -257,6 +257,8 @@ impl Engine {
         let claim = variables::Claim::new(trainable.iter().chain(&frozen).chain(&buffers))?;
         let Arrangement { named, layout, unit_prefixes, frozen_by_unit } =
             arrange(trainable, frozen, &options, &plan, z.reduce_bucket_size, precision, world_size)?;
+        let config = size_from_model(config, &layout, &plan, rank);
+        let z = &config.zero_optimization;
         let frozen_numel: Vec<u64> =
             frozen_by_unit.iter().map(|u| u.iter().map(|(_, t)| t.numel() as u64).sum()).collect();
         if plan.partitions_parameters() && options.units.is_none() {
@@ -436,4 +438,35 @@ impl Engine {
         self.placement = Placement::on_mesh(mesh, inputs)?;
         Ok(())
     }
+}
+
+/// Stage 3 with units: the size keys the config left out or set to "auto" sized from the units
+/// ([`plan::sizes_from_model`]), logged once and kept in the engine's resolved config.
+fn size_from_model(mut config: Config, layout: &FlatLayout, plan: &StagePlan, rank: usize) -> Config {
+    let z = &mut config.zero_optimization;
+    if !plan.partitions_parameters() || z.sized_from_model.is_empty() || layout.units.len() < 2 {
+        z.sized_from_model.clear();
+        return config;
+    }
+    let numels: Vec<u64> = layout.units.iter().map(|u| u.range.len() as u64).collect();
+    let sizes = plan::sizes_from_model(&numels, &z.sized_from_model);
+    for &(key, value) in &sizes {
+        match key {
+            "reduce_bucket_size" => z.reduce_bucket_size = value,
+            "stage3_prefetch_bucket_size" => z.stage3_prefetch_bucket_size = value,
+            "stage3_param_persistence_threshold" => z.stage3_param_persistence_threshold = value,
+            _ => z.stage3_max_live_parameters = value,
+        }
+    }
+    z.sized_from_model.clear();
+    if rank == 0 {
+        let chosen: Vec<String> = sizes.iter().map(|(k, v)| format!("zero_optimization.{k} = {v}")).collect();
+        tracing::info!(
+            "sized from the model's {} units (largest {} elements; absent or \"auto\" in the config): {}",
+            numels.len(),
+            numels.iter().max().unwrap_or(&0),
+            chosen.join(", ")
+        );
+    }
+    config
 }
