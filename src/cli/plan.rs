@@ -247,11 +247,12 @@ fn describe(r: &Row) -> String {
         flags.push_str(" --activation-checkpointing");
     }
     format!(
-        "#1: peak {:.2} GiB = floor {:.2} + model states {:.2} + gathered {:.2} + activations {:.2} + temporaries {:.2} (offloaded: host {:.2}, NVMe {:.2})\n    step {:.4} s = compute {:.4} + data-parallel comm {:.4} + tensor-parallel comm {:.4} + pipeline comm {:.4} + optimizer {:.4} + offload {:.4}\n    run: the ds_config --write-config writes (plan-01.json), program flags:{flags}",
+        "#1: peak {:.2} GiB = floor {:.2} + model states {:.2} + gathered {:.2} + reduction buffers {:.2} + activations {:.2} + temporaries {:.2} (offloaded: host {:.2}, NVMe {:.2})\n    step {:.4} s = compute {:.4} + data-parallel comm {:.4} + tensor-parallel comm {:.4} + pipeline comm {:.4} + optimizer {:.4} + offload {:.4}\n    run: the ds_config --write-config writes (plan-01.json), program flags:{flags}",
         gib(r.peak_bytes_per_rank),
         gib(m.floor),
         gib(m.model_states),
         gib(m.gathered),
+        gib(m.reduction_buffers),
         gib(m.activations),
         gib(m.temporaries),
         gib(m.host),

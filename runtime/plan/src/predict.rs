@@ -12,9 +12,11 @@ pub struct MemoryParts {
     pub floor: f64,
     /// Model states resident in the rank's memory (not offloaded; on a CPU cluster with the NVMe swap buffers).
     pub model_states: f64,
-    /// Stage 3's gathered units (up to `stage3_max_live_parameters`), and the reduction's buffers: the full
-    /// gradients staged at stage 1, a unit's gradients and its reduced part at stages 2 and 3.
+    /// Stage 3's gathered units (up to `stage3_max_live_parameters`).
     pub gathered: f64,
+    /// The reduction's buffers: the full gradients staged at stage 1, a unit's gradients and its reduced part at
+    /// stages 2 and 3.
+    pub reduction_buffers: f64,
     pub activations: f64,
     /// What the forward creates but does not keep (resident in the heap after it is freed), the logits' gradient
     /// and one layer's largest intermediate, alive during backward.
@@ -40,8 +42,6 @@ pub struct Breakdown {
 
 /// `sub_group_size` the planner writes for NVMe offload (DeepSpeed's default 1e9 would stage 16 GB of states).
 pub const NVME_SUB_GROUP_SIZE: f64 = 1e8;
-/// DeepSpeed's default `stage3_max_live_parameters`, which the planner's configs leave in place.
-const MAX_LIVE_PARAMETERS: f64 = 1e9;
 
 fn value_bytes(p: Precision) -> f64 {
     match p {
@@ -85,8 +85,9 @@ pub fn predict(model: &Model, cluster: &Cluster, options: &Options, s: &Strategy
     };
 
     let unit = model.largest_layer_params() as f64 / t as f64;
-    // Stage 3 keeps gathered units until `stage3_max_live_parameters` (1e9) are live.
-    let gathered = if s.stage == 3 { local_params.min(MAX_LIVE_PARAMETERS) * pb as f64 } else { 0.0 };
+    // Stage 3: the planner's configs leave the size keys to the engine, which sizes them from the units: one unit
+    // (the largest) live at a time.
+    let gathered = if s.stage == 3 { unit * pb as f64 } else { 0.0 };
     // The reduction's buffers: stage 1 stages the full gradients for one reduce-scatter; stages 2 and 3 reduce a
     // unit at a time: its gradients, staged, and the rank's part of them.
     let reduction = match s.stage {
@@ -116,8 +117,7 @@ pub fn predict(model: &Model, cluster: &Cluster, options: &Options, s: &Strategy
             }
             Model::Measured(_) => 0.0,
         };
-    let gathered = gathered + reduction;
-    let peak = cluster.process_floor_bytes + resident + gathered + activations + temporaries;
+    let peak = cluster.process_floor_bytes + resident + gathered + reduction + activations + temporaries;
     let host_per_host = cluster.ranks_per_host as f64 * (host + if cluster.accelerator { 0.0 } else { peak });
     let fits = peak <= cluster.memory_per_rank_bytes && host_per_host <= cluster.host_memory_bytes;
 
@@ -205,6 +205,7 @@ pub fn predict(model: &Model, cluster: &Cluster, options: &Options, s: &Strategy
             floor: cluster.process_floor_bytes,
             model_states: resident,
             gathered,
+            reduction_buffers: reduction,
             activations,
             temporaries,
             host,
@@ -302,7 +303,8 @@ mod tests {
         assert!((row.time.data_parallel_comm - comm).abs() < 1e-12);
         // The reduction's buffers at stage 2: the largest unit's gradients twice and its half (a block here).
         let block = 12.0 * 4096.0 + 13.0 * 64.0;
-        assert_eq!(row.memory.gathered, block * 4.0 * 2.5);
+        assert_eq!(row.memory.reduction_buffers, block * 4.0 * 2.5);
+        assert_eq!(row.memory.gathered, 0.0);
         // The optimizer steps half the parameters.
         assert!((row.time.optimizer - params / 2.0 / 1e8).abs() < 1e-12);
         assert_eq!(row.host_bytes_per_host, 2.0 * row.peak_bytes_per_rank);
