@@ -109,7 +109,11 @@ pub fn predict(model: &Model, cluster: &Cluster, options: &Options, s: &Strategy
         created_per_sample - act_per_sample
     };
     let retained = if cluster.accelerator { 0.0 } else { retained.max(0.0) };
+    // Backward works through one layer at a time: the gradients of what that layer created.
+    let layer_gradients = b * activations::created_bytes_per_sample(model, 1, t, e)
+        - b * activations::created_bytes_per_sample(model, 0, t, e);
     let temporaries = b * in_flight * retained
+        + layer_gradients
         + match model {
             Model::Transformer(tr) => {
                 let seq = tr.seq_len as f64;
