@@ -446,9 +446,7 @@ fn measure_nvme(dir: &Path) -> Result<f64, CliError> {
         .map_err(|e| CliError::Io { context: "running zerorun bench swap".into(), source: e })?;
     let v = json_line(&out.stdout, &out.stderr, "bench swap")?;
     let gib = (1u64 << 30) as f64;
-    let w = v["write_gibps"].as_f64().or_else(|| v["zerorun_write_gibps"].as_f64());
-    let r = v["read_gibps"].as_f64().or_else(|| v["zerorun_read_gibps"].as_f64());
-    match (w, r) {
+    match (v["write_gibps"].as_f64(), v["read_gibps"].as_f64()) {
         (Some(w), Some(r)) => Ok(w.min(r) * gib),
         _ => Err(CliError::Usage(format!("bench swap printed no write/read GiB/s: {v}"))),
     }

@@ -3,7 +3,7 @@
 //! resident memory (the highest rank's) and median step beside the measured ones. The cluster is this machine,
 //! measured first (matmul FLOP/s at the model's shape, the shared-memory collectives, AdamW, NVMe, the example's
 //! process floor); nothing is fitted to the rows. Then the published tables the formulas must reproduce.
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 use clap::Args;
@@ -110,7 +110,7 @@ fn validate(a: &ValidateArgs, zerorun: &Path, gpt: &Path, dir: &Path) -> Result<
         dir,
         "floor",
         1,
-        &tiny_config(),
+        None,
         &["--layers", "1", "--embd", "8", "--heads", "1", "--block", "8", "--steps", "2"],
     )?
     .peak;
@@ -165,7 +165,7 @@ fn validate(a: &ValidateArgs, zerorun: &Path, gpt: &Path, dir: &Path) -> Result<
             args.extend(["--tensor-parallel".into(), case.tensor.to_string()]);
         }
         let refs: Vec<&str> = args.iter().map(String::as_str).collect();
-        let measured = run_gpt(zerorun, gpt, dir, case.name, case.ranks, &config_path, &refs)?;
+        let measured = run_gpt(zerorun, gpt, dir, case.name, case.ranks, Some(config_path.as_path()), &refs)?;
         // The pipeline and tensor-parallel runs print no whole-model count: the data-parallel runs' stands.
         if measured.params > 0 {
             params = measured.params;
@@ -248,10 +248,6 @@ fn validate(a: &ValidateArgs, zerorun: &Path, gpt: &Path, dir: &Path) -> Result<
     emit(&out)
 }
 
-fn tiny_config() -> PathBuf {
-    PathBuf::new()
-}
-
 /// The GPT example's description for a run that printed `params` parameters: its vocabulary is the corpus's
 /// characters, found from the count (L (12 h^2 + 13 h) + V h + s h + 2 h + V h + V), padded to a multiple of 8 under
 /// tensor parallelism as the example pads it.
@@ -266,23 +262,24 @@ fn gpt_model(params: u64, tensor: u64) -> Result<Model, CliError> {
     Model::from_json(&text, "the GPT example").map_err(|e| CliError::Usage(e.to_string()))
 }
 
-/// Runs the example on `ranks` rank processes; the highest rank's peak resident memory and rank 0's median step.
+/// Runs the example on `ranks` rank processes (with `config`, or a one-sample AdamW config); the highest rank's
+/// peak resident memory and rank 0's median step.
 fn run_gpt(
     zerorun: &Path,
     gpt: &Path,
     dir: &Path,
     name: &str,
     ranks: u64,
-    config: &Path,
+    config: Option<&Path>,
     args: &[&str],
 ) -> Result<Measured, CliError> {
-    let config = if config.as_os_str().is_empty() {
+    let config = if let Some(config) = config {
+        config.to_path_buf()
+    } else {
         let path = dir.join("floor.json");
         std::fs::write(&path, r#"{"train_batch_size": 1, "optimizer": {"type": "AdamW", "params": {"lr": 0.001}}}"#)
             .map_err(|e| CliError::Io { context: format!("writing {}", path.display()), source: e })?;
         path
-    } else {
-        config.to_path_buf()
     };
     let out = Command::new(zerorun)
         .args(["launch", "--nproc-per-node", &ranks.to_string(), "--"])
