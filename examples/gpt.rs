@@ -141,6 +141,7 @@ fn run_pipeline(args: &Args, config: &Config, corpus: &Corpus, cfg: GptConfig, s
     let timeout = Duration::from_secs_f64(config.comms_timeout);
     let summary = run_ranks(a.ranks, timeout, |comm| {
         // pipe x data x tensor: each stage's tensor-parallel group is adjacent ranks of the stage.
+        // ANCHOR: pipeline
         let options = MeshOptions { pipeline_stages: Some(stages), tensor_parallel: args.tensor_parallel };
         let mesh = Mesh::from_config(comm, config, options).map_err(|e| e.to_string())?;
         let placement = StagePlacement::of(&mesh, &config.pipeline);
@@ -185,6 +186,7 @@ fn run_pipeline(args: &Args, config: &Config, corpus: &Corpus, cfg: GptConfig, s
                 MicroBatch { inputs: first.then_some(x), labels: last.then_some(y) }
             });
             let outcome = pipe.train_batch(&mut micro_batches).map_err(|e| e.to_string())?;
+            // ANCHOR_END: pipeline
             progress.record_for(placement.rank == 0, b.train_batch_size, outcome);
             if let (Some(dir), Some(every)) = (&a.checkpoint_dir, a.save_every) {
                 if (step + 1) % every == 0 {

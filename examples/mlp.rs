@@ -85,6 +85,7 @@ impl Mlp {
 }
 
 /// The same model as one builder per layer, in the order `Mlp::new` creates them.
+// ANCHOR: builders
 fn mlp_builders(input: i64, hidden: i64, layers: i64, out: i64) -> zerorun::UnitBuilders<'static> {
     let dims = layer_dims(input, hidden, layers, out);
     (0..layers as usize).fold(zerorun::UnitBuilders::new(), |b, i| {
@@ -95,8 +96,10 @@ fn mlp_builders(input: i64, hidden: i64, layers: i64, out: i64) -> zerorun::Unit
         })
     })
 }
+// ANCHOR_END: builders
 
 /// One unit per layer (stage 3 gathers one layer at a time).
+// ANCHOR: unit_model
 impl UnitModel for Mlp {
     fn unit_prefixes(&self) -> Vec<Vec<String>> {
         (0..self.layers.len()).map(|i| vec![format!("layers.{i}")]).collect()
@@ -111,6 +114,7 @@ impl UnitModel for Mlp {
         }
     }
 }
+// ANCHOR_END: unit_model
 
 /// Synthetic regression data: x ~ N(0, 1), y = a fixed random linear map of sin(x), from the seed.
 fn synthetic(seed: u64, n: i64, input: i64, out: i64) -> (Tensor, Tensor) {
@@ -206,8 +210,10 @@ fn run(args: &Args) -> Result<(), String> {
                     let _ = t.set_requires_grad(false);
                 }
             }
+            // ANCHOR: engine
             let options = if args.plain_loop { options } else { options.units_of(&model) };
             let engine = Engine::new(&vs, config.clone(), comm, options).map_err(|e| e.to_string())?;
+            // ANCHOR_END: engine
             (vs, Box::new(model), kind, engine)
         };
         let model: &dyn UnitModel = model.as_ref();
@@ -218,6 +224,7 @@ fn run(args: &Args) -> Result<(), String> {
         let mut progress = Progress::new(a.steps);
         let first = resume(a, &mut engine)?;
         let training = std::time::Instant::now();
+        // ANCHOR: loop
         for step in first..a.steps {
             let mut rng = Rng::new(a.seed, step);
             let order: Vec<i64> = (0..b.train_batch_size).map(|_| rng.below(samples) as i64).collect();
@@ -248,6 +255,7 @@ fn run(args: &Args) -> Result<(), String> {
                 maybe_save(a, &mut engine, outcome)?;
             }
         }
+        // ANCHOR_END: loop
         // Asynchronous training ends with every rank holding the final values (a no-op when synchronous).
         engine.finish().map_err(|e| e.to_string())?;
         let train_s = training.elapsed().as_secs_f64();

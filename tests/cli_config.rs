@@ -54,3 +54,26 @@ fn show_without_json_names_stage_and_precision() {
     assert_ne!(code, 0);
     assert_eq!(stderr.trim(), "error: --world-size must be >= 1");
 }
+
+/// The guide's configuration reference is what `zerorun config keys --markdown` prints (regenerate it with
+/// `make docs`), and the JSON form lists the same keys.
+#[test]
+fn the_guides_config_reference_is_the_commands_output() {
+    let (code, markdown, err) = zerorun(&["config", "keys", "--markdown"]);
+    assert_eq!(code, 0, "{err}");
+    let page = concat!(env!("CARGO_MANIFEST_DIR"), "/docs/book/src/configuration/keys.md");
+    let checked_in = std::fs::read_to_string(page).unwrap();
+    assert!(
+        checked_in == markdown,
+        "{page} differs from `zerorun config keys --markdown`: run `make docs` (or redirect the command into it)"
+    );
+    let (code, json, err) = zerorun(&["config", "keys", "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let keys: Vec<serde_json::Value> = serde_json::from_str(&json).unwrap();
+    let rows = markdown.lines().filter(|l| l.starts_with("| `")).count();
+    assert_eq!(keys.len(), rows);
+    let stage = keys.iter().find(|k| k["path"] == "zero_optimization.stage").unwrap();
+    assert_eq!(stage["status"], "acted");
+    assert_eq!(stage["default"], 0);
+    assert!(keys.iter().any(|k| k["status"] == "refused" && k["path"] == "aio.use_gds"));
+}

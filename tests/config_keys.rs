@@ -309,3 +309,37 @@ fn every_accepted_key_is_acted_on_noticed_or_refused() {
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
+
+/// The generated reference (`zerorun config keys`) says of every key what this file's table shows it does.
+#[test]
+fn the_config_reference_agrees_with_the_table() {
+    use zerorun::config::keys::KeyStatus;
+    let table = table();
+    let mut failures = Vec::new();
+    for key in zerorun::config::keys::reference() {
+        let Some((_, effect)) = table.iter().find(|(k, _)| *k == key.path) else {
+            failures.push(format!("{}: not in the table", key.path));
+            continue;
+        };
+        let expected = match effect {
+            Section => KeyStatus::Section,
+            Acted(_) | Here(_) => KeyStatus::Acted,
+            Noticed(_) => KeyStatus::Noticed,
+            Refused(_) => KeyStatus::Refused,
+        };
+        if key.status != expected {
+            failures.push(format!("{}: the reference says {:?}, the table shows {expected:?}", key.path, key.status));
+        }
+        if key.what.is_empty() {
+            failures.push(format!("{}: no description", key.path));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    // Defaults are DeepSpeed's, and stage 3's size keys are sized from the model.
+    let default =
+        |path: &str| zerorun::config::keys::reference().into_iter().find(|k| k.path == path).and_then(|k| k.default);
+    assert_eq!(default("gradient_clipping"), Some(json!(1.0)));
+    assert_eq!(default("zero_optimization.stage"), Some(json!(0)));
+    assert_eq!(default("zero_optimization.stage3_max_live_parameters"), Some(json!("auto")));
+    assert_eq!(default("train_batch_size"), None);
+}

@@ -126,6 +126,7 @@ pub fn pipeline_model<'a>(c: &GptConfig) -> zerorun::PipelineModel<'a> {
 
 /// [`pipeline_model`] with the head tied to the token embedding (logits = ln_f(x) · tokᵀ, no head of its own), as
 /// [`Gpt::forward_tied`] computes it.
+// ANCHOR: pipeline_tied
 pub fn pipeline_model_tied(c: &GptConfig) -> zerorun::PipelineModel<'static> {
     let c = *c;
     let mut model = zerorun::PipelineModel::new(move |logits: &Tensor, targets: &Tensor| {
@@ -153,6 +154,7 @@ pub fn pipeline_model_tied(c: &GptConfig) -> zerorun::PipelineModel<'static> {
         Box::new(move |x: &Tensor| ln_f.forward(x).matmul(&tok.tr()))
     })
 }
+// ANCHOR_END: pipeline_tied
 
 impl Gpt {
     /// The forward with the head tied to the token embedding (the `head` variables unused).

@@ -60,6 +60,7 @@ pub enum DeviceArg {
 
 impl CommonArgs {
     /// The device `--device` names: the CPU, or this rank's GPU (an error when none is usable here).
+    // ANCHOR: device
     pub fn device(&self) -> Result<tch::Device, String> {
         match self.device {
             DeviceArg::Cpu => Ok(tch::Device::Cpu),
@@ -74,6 +75,7 @@ impl CommonArgs {
             }
         }
     }
+    // ANCHOR_END: device
 
     /// Refuses flags whose feature is not in this build, rather than ignoring them.
     pub fn check(&self) -> Result<(), String> {

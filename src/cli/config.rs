@@ -1,4 +1,5 @@
 //! `zerorun config show CONFIG.json [--world-size N] [--json]`: the fully resolved config.
+//! `zerorun config keys [--markdown|--json]`: every key zerorun reads, generated from the reader itself.
 use std::path::PathBuf;
 
 use clap::Subcommand;
@@ -19,10 +20,44 @@ pub enum ConfigCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Every ds_config key zerorun reads: JSON path, type, default, what it does here, where DeepSpeed differs,
+    /// and whether it is acted on, noticed or refused.
+    Keys {
+        /// The guide's configuration reference page (a Markdown table).
+        #[arg(long, conflicts_with = "json")]
+        markdown: bool,
+        /// A JSON array of objects (path, type, default, status, what, deepspeed).
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 pub fn run(command: ConfigCommand) -> Result<(), CliError> {
     match command {
+        ConfigCommand::Keys { markdown, json } => {
+            if markdown {
+                return emit(zerorun_config::keys::markdown().trim_end());
+            }
+            let keys = zerorun_config::keys::reference();
+            if json {
+                return emit(&serde_json::to_string_pretty(&keys).expect("JSON value prints"));
+            }
+            let mut text = String::new();
+            for k in keys {
+                let default = k.default.map_or("-".to_string(), |v| v.to_string());
+                text.push_str(&format!(
+                    "{} ({}; default {default}; {})\n    {}\n",
+                    k.path,
+                    k.kind,
+                    k.status.as_str(),
+                    k.what
+                ));
+                if !k.deepspeed.is_empty() {
+                    text.push_str(&format!("    DeepSpeed: {}\n", k.deepspeed));
+                }
+            }
+            emit(text.trim_end())
+        }
         ConfigCommand::Show { config, world_size, json } => {
             let world_size = match world_size {
                 Some(n) => n,

@@ -11,16 +11,19 @@ pub(crate) struct Section {
     known: Vec<&'static str>,
     /// Other names of known keys (`take_aliased`'s second and later names).
     aliases: Vec<&'static str>,
+    /// What each typed getter expects of a key, for the generated config reference (`zerorun config keys`).
+    kinds: Vec<(&'static str, String)>,
 }
 
 thread_local! {
-    /// While [`collect_keys`] runs: the path of every key a section asked for (aliases left out).
-    static ASKED: std::cell::RefCell<Option<Vec<String>>> = const { std::cell::RefCell::new(None) };
+    /// While [`collect_keys`] runs: the path of every key a section asked for (aliases left out), with what its
+    /// getter expects ("" where the key is read by hand).
+    static ASKED: std::cell::RefCell<Option<Vec<(String, String)>>> = const { std::cell::RefCell::new(None) };
 }
 
-/// Runs `f` and returns, beside its result, the path of every key the sections it read asked for, in the order
-/// they were asked (`Config::accepted_keys`).
-pub(crate) fn collect_keys<T>(f: impl FnOnce() -> T) -> (T, Vec<String>) {
+/// Runs `f` and returns, beside its result, the path of every key the sections it read asked for and the type its
+/// getter expects, in the order they were asked (`Config::accepted_keys`).
+pub(crate) fn collect_keys<T>(f: impl FnOnce() -> T) -> (T, Vec<(String, String)>) {
     ASKED.with(|a| *a.borrow_mut() = Some(Vec::new()));
     let out = f();
     let keys = ASKED.with(|a| a.borrow_mut().take()).unwrap_or_default();
@@ -55,7 +58,9 @@ impl Section {
     /// Reads `value` as an object at `path` ("" for the top level).
     pub fn new(path: &str, value: Value) -> Result<Section> {
         match value {
-            Value::Object(map) => Ok(Section { path: path.to_string(), map, known: Vec::new(), aliases: Vec::new() }),
+            Value::Object(map) => {
+                Ok(Section { path: path.to_string(), map, known: Vec::new(), aliases: Vec::new(), kinds: Vec::new() })
+            }
             other => Err(ConfigError::Type {
                 path: if path.is_empty() { "(top level)".into() } else { path.into() },
                 expected: "an object",
@@ -105,6 +110,11 @@ impl Section {
         Ok(found)
     }
 
+    /// Records what `key` holds (the last word wins: `choice` refines `opt_string`'s "a string").
+    fn kind(&mut self, key: &'static str, kind: impl Into<String>) {
+        self.kinds.push((key, kind.into()));
+    }
+
     fn typed<T>(&self, key: &str, v: Value, expected: &'static str, f: impl Fn(&Value) -> Option<T>) -> Result<T> {
         f(&v).ok_or_else(|| ConfigError::Type { path: self.path_of(key), expected, got: describe(&v) })
     }
@@ -115,6 +125,7 @@ impl Section {
         expected: &'static str,
         f: impl Fn(&Value) -> Option<T>,
     ) -> Result<MaybeAuto<T>> {
+        self.kind(keys[0], expected);
         match self.take_aliased(keys)? {
             None => Ok(MaybeAuto::Absent),
             Some((_, Value::String(s))) if s == "auto" => Ok(MaybeAuto::Auto),
@@ -189,7 +200,9 @@ impl Section {
         allowed: &[&'static str],
         default: &'static str,
     ) -> Result<&'static str> {
-        match self.opt_string(key)? {
+        let value = self.opt_string(key)?;
+        self.kind(key, format!("one of {}", quoted_list(allowed)));
+        match value {
             None => Ok(default),
             Some(s) => {
                 allowed.iter().copied().find(|a| a.eq_ignore_ascii_case(&s)).ok_or_else(|| ConfigError::Invalid {
@@ -202,6 +215,7 @@ impl Section {
     }
 
     pub fn float_pair(&mut self, key: &'static str, default: [f64; 2]) -> Result<[f64; 2]> {
+        self.kind(key, "an array of two numbers");
         match self.take(key) {
             None => Ok(default),
             Some(Value::String(s)) if s == "auto" => self.no_auto(key, MaybeAuto::<()>::Auto).map(|_| default),
@@ -216,6 +230,7 @@ impl Section {
     /// A nested object; absent gives an empty section so defaults apply.
     pub fn section(&mut self, key: &'static str) -> Result<Section> {
         let path = self.path_of(key);
+        self.kind(key, "an object");
         match self.take(key) {
             None => Section::new(&path, Value::Object(Map::new())),
             Some(v) => Section::new(&path, v),
@@ -224,6 +239,7 @@ impl Section {
 
     /// Takes a key whose whole value is accepted and ignored (a DeepSpeed feature zerorun does not have).
     pub fn ignore(&mut self, key: &'static str) -> Option<String> {
+        self.kind(key, "any value");
         self.take(key).map(|_| self.path_of(key))
     }
 
@@ -231,7 +247,10 @@ impl Section {
     pub fn finish(self) -> Result<()> {
         ASKED.with(|a| {
             if let Some(asked) = a.borrow_mut().as_mut() {
-                asked.extend(self.known.iter().filter(|k| !self.aliases.contains(k)).map(|k| self.path_of(k)));
+                for key in self.known.iter().filter(|k| !self.aliases.contains(k)) {
+                    let kind = self.kinds.iter().rev().find(|(k, _)| k == key).map_or("", |(_, kind)| kind.as_str());
+                    asked.push((self.path_of(key), kind.to_string()));
+                }
             }
         });
         let Some(unknown) = self.map.keys().next() else { return Ok(()) };
