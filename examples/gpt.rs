@@ -86,7 +86,7 @@ fn run(args: &Args) -> Result<(), String> {
         let mut engine = Engine::new(&vs, config.clone(), comm, options).map_err(|e| e.to_string())?;
         let b = engine.batch_sizes();
         let (rank, world) = (engine.rank(), engine.world_size());
-        let mut progress = Progress::new(a.steps);
+        let mut progress = Progress::new(a.steps).in_tokens(cfg.block);
         let first = resume(a, &mut engine)?;
         for step in first..a.steps {
             for m in 0..b.gradient_accumulation_steps {
@@ -168,7 +168,7 @@ fn run_pipeline(args: &Args, config: &Config, corpus: &Corpus, cfg: GptConfig, s
             zerorun::initialize_pipeline(&vs, config.clone(), mesh, stage, options).map_err(|e| e.to_string())?;
         let b = pipe.engine().batch_sizes();
         let (first, last) = (placement.takes_inputs(), placement.takes_labels());
-        let mut progress = Progress::new(a.steps);
+        let mut progress = Progress::new(a.steps).in_tokens(cfg.block);
         let world = placement.stages * placement.data_parallel * args.tensor_parallel.unwrap_or(1);
         let first_step = resume_with(a, placement.rank == 0, world, |dir| {
             pipe.load_checkpoint(dir, None).map_err(|e| e.to_string())?;
@@ -311,7 +311,7 @@ fn run_tensor_parallel(args: &Args, config: &Config, corpus: &Corpus, cfg: GptCo
         // The norm over the group (whole parameters counted once) and checkpoints of slices by their place.
         let mut engine = zerorun::initialize_with(&vs, config.clone(), mesh, options).map_err(|e| e.to_string())?;
         let b = engine.batch_sizes();
-        let mut progress = Progress::new(a.steps);
+        let mut progress = Progress::new(a.steps).in_tokens(cfg.block);
         let first = resume(a, &mut engine)?;
         for step in first..a.steps {
             for m in 0..b.gradient_accumulation_steps {

@@ -286,7 +286,7 @@ fn run(args: &Args) -> Result<(), String> {
         let b = engine.batch_sizes();
         let (rank, world) = (engine.rank() as u64, engine.world_size() as u64);
         let (global, micro) = (b.train_batch_size, b.train_micro_batch_size_per_gpu);
-        let mut progress = Progress::new(a.steps);
+        let mut progress = Progress::new(a.steps).in_tokens(args.seq_len);
         let first = resume(a, &mut engine)?;
         let rows = rows.as_ref();
         for step in first..a.steps {
@@ -439,7 +439,7 @@ impl Run<'_> {
             let mut engine =
                 zerorun::initialize_with(&vs, self.config.clone(), mesh, options).map_err(|e| e.to_string())?;
             let b = engine.batch_sizes();
-            let mut progress = Progress::new(a.steps);
+            let mut progress = Progress::new(a.steps).in_tokens(self.args.seq_len);
             let first = resume(a, &mut engine)?;
             for step in first..a.steps {
                 for m in 0..b.gradient_accumulation_steps {
@@ -506,7 +506,7 @@ impl Run<'_> {
             let b = pipe.engine().batch_sizes();
             let (first, last) = (placement.takes_inputs(), placement.takes_labels());
             let data = (placement.data_index, placement.data_parallel);
-            let mut progress = Progress::new(a.steps);
+            let mut progress = Progress::new(a.steps).in_tokens(self.args.seq_len);
             let world = placement.stages * placement.data_parallel * self.args.tensor_parallel.unwrap_or(1);
             let first_step = resume_with(a, placement.rank == 0, world, |dir| {
                 pipe.load_checkpoint(dir, None).map_err(|e| e.to_string())?;

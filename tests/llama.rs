@@ -68,7 +68,7 @@ fn losses(text: &str) -> Vec<f64> {
     text.lines()
         .map(|l| l.strip_prefix("[rank 0] ").unwrap_or(l))
         .filter_map(|l| l.strip_prefix("step ").and_then(|r| r.split(" loss ").nth(1)))
-        .map(|v| v.trim().parse().unwrap())
+        .map(|v| v.split_whitespace().next().unwrap().parse().unwrap())
         .collect()
 }
 

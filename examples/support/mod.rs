@@ -219,6 +219,8 @@ pub struct Progress {
     pub first_loss: Option<f64>,
     total_steps: u64,
     terminal: bool,
+    /// Tokens per sample (a sequence model's block), to print tokens/s; 0 prints samples/s.
+    tokens_per_sample: u64,
 }
 
 impl Progress {
@@ -231,6 +233,22 @@ impl Progress {
             first_loss: None,
             total_steps,
             terminal: std::io::stdout().is_terminal(),
+            tokens_per_sample: 0,
+        }
+    }
+
+    /// Rates in tokens per second, `block` tokens a sample.
+    pub fn in_tokens(mut self, block: i64) -> Self {
+        self.tokens_per_sample = block.max(1) as u64;
+        self
+    }
+
+    /// "1234 tokens/s" or "56 samples/s" for `train_batch_size` samples in `secs`.
+    fn rate(&self, train_batch_size: u64, secs: f64) -> String {
+        let samples_per_s = train_batch_size as f64 / secs.max(1e-9);
+        match self.tokens_per_sample {
+            0 => format!("{samples_per_s:.1} samples/s"),
+            t => format!("{:.0} tokens/s", samples_per_s * t as f64),
         }
     }
 
@@ -256,19 +274,25 @@ impl Progress {
                 if self.terminal {
                     use std::io::Write;
                     let done = (step * 30 / self.total_steps.max(1)).min(30) as usize;
-                    let samples_per_s = train_batch_size as f64 / secs.max(1e-9);
                     print!(
-                        "\r[{}{}] step {step}/{} loss {loss:.4} {samples_per_s:.0} samples/s ",
+                        "\r[{}{}] step {step}/{} loss {loss:.4} {:.0} ms {} ",
                         "#".repeat(done),
                         " ".repeat(30 - done),
-                        self.total_steps
+                        self.total_steps,
+                        secs * 1e3,
+                        self.rate(train_batch_size, secs)
                     );
                     let _ = std::io::stdout().flush();
                     if step >= self.total_steps {
                         println!();
                     }
                 } else {
-                    println!("step {step} loss {loss:.6}");
+                    // `step N loss X` first: tools and tests read these lines.
+                    println!(
+                        "step {step} loss {loss:.6} time {:.0} ms {}",
+                        secs * 1e3,
+                        self.rate(train_batch_size, secs)
+                    );
                 }
             }
         }

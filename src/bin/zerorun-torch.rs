@@ -23,6 +23,9 @@ use cli::{emit, CliError};
 #[derive(Parser)]
 #[command(name = "zerorun", version, about = "zerorun's commands that need libtorch (run through `zerorun`)")]
 struct Cli {
+    /// As `zerorun --quiet`: no progress.
+    #[arg(long, short, global = true)]
+    quiet: bool,
     #[command(subcommand)]
     command: Command,
 }
@@ -34,7 +37,9 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    let Command::Bench(bench) = Cli::parse().command;
+    let parsed = Cli::parse();
+    cli::progress::set_quiet(parsed.quiet);
+    let Command::Bench(bench) = parsed.command;
     // Warnings only, as `zerorun`: the benches' in-process pipelines are not the user's (no partition summaries).
     logging::init_logging_with_default("warn");
     let result = match bench {

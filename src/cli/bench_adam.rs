@@ -151,7 +151,9 @@ pub fn run(params: Option<usize>, repeats: usize, json: bool) -> Result<(), CliE
             "params", "grads", "zerorun/s", "best torch/s", "limit/s", "vs torch", "of limit"
         ))?;
     }
+    let mut progress = super::cli::progress::Progress::new("bench adam", sizes.len() as u64);
     for &n in &sizes {
+        progress.item(&format!("{n} parameters"));
         // The machine's bandwidth drifts from second to second here: the reference, zerorun and libtorch are
         // interleaved, one round each per repetition, after one untimed warm-up round.
         let (mut z32, mut z16, mut torch, mut fused) =
@@ -173,32 +175,36 @@ pub fn run(params: Option<usize>, repeats: usize, json: bool) -> Result<(), CliE
             }
         }
         let [bw32, z32, bw16, z16, cpp, fused] = samples.map(median);
+        progress.done();
         let (torch, variant) = if fused >= cpp {
             (fused, "_fused_adamw_ (libtorch fused kernel)")
         } else {
             (cpp, "nn::AdamW (libtorch C++)")
         };
         // fp32 Adam reads p, g, m, v and writes p, m, v: 28 B. bf16 grads + bf16 copy-out: 14 B read + 14 B written.
-        for (grads, z, bw) in [("f32", z32, bw32), ("bf16", z16, bw16)] {
-            let limit = bw / 28.0;
-            if json {
-                emit(
-                    &serde_json::json!({
-                        "params": n, "grads": grads, "copy_out": if grads == "bf16" { "bf16" } else { "none" },
-                        "zerorun_params_per_s": z, "torch_params_per_s": torch, "torch_variant": variant,
-                        "torch_fused_params_per_s": fused, "torch_cpp_params_per_s": cpp,
-                        "limit_params_per_s": limit, "bandwidth_bytes_per_s": bw, "simd": format!("{:?}", simd_level()),
-                    })
-                    .to_string(),
-                )?;
-            } else {
-                emit(&format!(
-                    "{n:>12} {grads:>6} {z:>14.3e} {torch:>14.3e} {limit:>14.3e} {:>8.2}x {:>8.0}%",
-                    z / torch,
-                    100.0 * z / limit
-                ))?;
+        progress.suspend(|| -> Result<(), CliError> {
+            for (grads, z, bw) in [("f32", z32, bw32), ("bf16", z16, bw16)] {
+                let limit = bw / 28.0;
+                if json {
+                    emit(
+                        &serde_json::json!({
+                            "params": n, "grads": grads, "copy_out": if grads == "bf16" { "bf16" } else { "none" },
+                            "zerorun_params_per_s": z, "torch_params_per_s": torch, "torch_variant": variant,
+                            "torch_fused_params_per_s": fused, "torch_cpp_params_per_s": cpp,
+                            "limit_params_per_s": limit, "bandwidth_bytes_per_s": bw, "simd": format!("{:?}", simd_level()),
+                        })
+                        .to_string(),
+                    )?;
+                } else {
+                    emit(&format!(
+                        "{n:>12} {grads:>6} {z:>14.3e} {torch:>14.3e} {limit:>14.3e} {:>8.2}x {:>8.0}%",
+                        z / torch,
+                        100.0 * z / limit
+                    ))?;
+                }
             }
-        }
+            Ok(())
+        })?;
     }
     Ok(())
 }

@@ -65,14 +65,26 @@ fn run_cases(args: &AsyncBenchArgs, zerorun: &Path, mlp: &Path, dir: &Path) -> R
         "synchronous vs asynchronous training over {}, MLP 64-1024x3-8, AdamW, {} steps of {MICRO_BATCH} samples per rank; a slow rank sleeps per micro-batch so its step takes slow_factor x the synchronous step\n{:<18} {:>5} {:>9} {:>11} {:>8} {:>10} {:>9} {:>7} {:>8}\n",
         args.backend, args.steps, "mode", "ranks", "slow", "slow_factor", "slow_ms", "samples/s", "/ no slow", "/ sync", "loss"
     );
+    // One run per mode without a slow rank, and per mode for each slow pattern (fixed and rotating) of a factor > 1.
+    let slowed = args.slow_factors.iter().filter(|&&f| f > 1.0).count();
+    let runs = args.ranks.len() * MODES.len() * (1 + 2 * slowed);
+    let mut progress = super::progress::Progress::new("bench async", runs as u64);
     for &ranks in &args.ranks {
         let configs: Vec<PathBuf> = MODES
             .iter()
             .map(|(name, stage, mode)| write_config(dir, name, *stage, mode, ranks))
             .collect::<Result<_, _>>()?;
         // With no slow rank: each mode's own throughput, and the synchronous step that sets the slowdowns.
-        let no_slow: Vec<Measured> =
-            configs.iter().map(|c| measure(zerorun, mlp, c, args, ranks, None)).collect::<Result<_, _>>()?;
+        let no_slow: Vec<Measured> = configs
+            .iter()
+            .zip(MODES)
+            .map(|(c, (name, _, _))| {
+                progress.item(&format!("{name}, {ranks} ranks, no slow rank"));
+                let m = measure(zerorun, mlp, c, args, ranks, None);
+                progress.done();
+                m
+            })
+            .collect::<Result<_, _>>()?;
         let step_ms = 1000.0 * (MICRO_BATCH * ranks) as f64 / no_slow[0].samples_per_s;
         let mut cases: Vec<(Option<Slow>, f64)> = Vec::new();
         for &factor in &args.slow_factors {
@@ -89,7 +101,12 @@ fn run_cases(args: &AsyncBenchArgs, zerorun: &Path, mlp: &Path, dir: &Path) -> R
             for (i, (name, _, _)) in MODES.iter().enumerate() {
                 let m = match slow {
                     None => no_slow[i].clone(),
-                    Some(s) => measure(zerorun, mlp, &configs[i], args, ranks, Some((s, slow_ms)))?,
+                    Some(s) => {
+                        progress.item(&format!("{name}, {ranks} ranks, {} slow rank x{factor}", s.name()));
+                        let m = measure(zerorun, mlp, &configs[i], args, ranks, Some((s, slow_ms)))?;
+                        progress.done();
+                        m
+                    }
                 };
                 let sync_sps = *sync.get_or_insert(m.samples_per_s);
                 let (vs_no_slow, vs_sync) = (m.samples_per_s / no_slow[i].samples_per_s, m.samples_per_s / sync_sps);

@@ -128,10 +128,19 @@ pub fn rank_main(
 ) -> Result<(), CliError> {
     let rows: Vec<(&str, usize, f64)> = {
         let mut rows = Vec::new();
+        // Rank 0 shows the progress: every rank runs the same measurements in step.
+        let total = (OPS.len() * sizes(max_bytes).len()) as u64;
+        let mut progress = (c.rank() == 0).then(|| super::progress::Progress::new("bench comm", total));
         for op in OPS {
             for bytes in sizes(max_bytes) {
+                if let Some(p) = &mut progress {
+                    p.item(&format!("{op} {bytes} B"));
+                }
                 let secs = measure(c, op, bytes, dtype, repeats)?;
                 rows.push((op, bytes, busbw(op, bytes, c.world_size(), secs)));
+                if let Some(p) = &mut progress {
+                    p.done();
+                }
             }
         }
         rows

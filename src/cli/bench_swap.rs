@@ -63,13 +63,16 @@ pub fn run(a: SwapBenchArgs) -> Result<(), CliError> {
     let first = buf.as_slice()[size - 1];
     let (mut writes, mut reads) = (Vec::new(), Vec::new());
     let err = |e: zerorun_offload::OffloadError| CliError::Usage(e.to_string());
-    for _ in 0..a.repeats {
+    let mut progress = super::progress::Progress::new("bench swap", 2 * a.repeats as u64);
+    for i in 0..a.repeats {
+        progress.item(&format!("zerorun's swapper, repeat {}", i + 1));
         let t = Instant::now();
         buf = swapper.swap_out("bench", buf, size).wait().map_err(err)?;
         writes.push(t.elapsed().as_secs_f64());
         let t = Instant::now();
         buf = swapper.swap_in("bench", buf).wait().map_err(err)?;
         reads.push(t.elapsed().as_secs_f64());
+        progress.done();
     }
     if buf.as_slice()[size - 1] != first {
         return Err(CliError::Usage("the swapper read back other bytes than it wrote".into()));
@@ -80,12 +83,15 @@ pub fn run(a: SwapBenchArgs) -> Result<(), CliError> {
     drop(swapper);
     let (mut dd_w, mut dd_r) = (Vec::new(), Vec::new());
     let mut dd_direct = true;
-    for _ in 0..a.repeats {
+    for i in 0..a.repeats {
+        progress.item(&format!("dd with O_DIRECT, repeat {}", i + 1));
         let (w, r, d) = dd_times(&a.dir, size)?;
         dd_w.push(w);
         dd_r.push(r);
         dd_direct &= d;
+        progress.done();
     }
+    drop(progress);
     let gibps = |s: f64| size as f64 / GIB / s;
     let (w, r, dw, dr) = (gibps(median(writes)), gibps(median(reads)), gibps(median(dd_w)), gibps(median(dd_r)));
     if a.json {

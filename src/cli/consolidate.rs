@@ -71,7 +71,7 @@ pub fn run(a: ConsolidateArgs) -> Result<(), CliError> {
             tensors.push((name.to_string(), shape, dt));
         }
     }
-    let fill = |i: usize, w: &mut dyn std::io::Write| -> std::io::Result<()> {
+    let fill_tensor = |i: usize, w: &mut dyn std::io::Write| -> std::io::Result<()> {
         if i >= params.len() {
             let (_, _, _, bytes) =
                 variables.raw(extras[i - params.len()]).map_err(|e| std::io::Error::other(e.to_string()))?;
@@ -93,6 +93,13 @@ pub fn run(a: ConsolidateArgs) -> Result<(), CliError> {
         } else {
             files::write_f32(w, &buf)
         }
+    };
+    let progress = std::cell::RefCell::new(super::progress::Progress::new("consolidate", tensors.len() as u64));
+    let fill = |i: usize, w: &mut dyn std::io::Write| -> std::io::Result<()> {
+        progress.borrow_mut().item(&tensors[i].0);
+        let written = fill_tensor(i, w);
+        progress.borrow_mut().done();
+        written
     };
     match &a.hf_config {
         None => {

@@ -12,6 +12,7 @@ mod launch_nodes;
 pub mod pipeline;
 pub mod plan;
 pub mod plan_validate;
+pub mod progress;
 pub mod report;
 pub mod torch_helper;
 

@@ -103,6 +103,9 @@ pub fn run(a: ValidateArgs) -> Result<(), CliError> {
 }
 
 fn validate(a: &ValidateArgs, zerorun: &Path, gpt: &Path, dir: &Path) -> Result<(), CliError> {
+    // The floor run, then each case: its machine measured once per rank count, then the run.
+    let mut progress = super::progress::Progress::new("plan validate", 1 + CASES.len() as u64);
+    progress.item("the example's floor");
     // The example's own floor: the same program with a model of a few thousand parameters.
     let floor = run_gpt(
         zerorun,
@@ -117,7 +120,9 @@ fn validate(a: &ValidateArgs, zerorun: &Path, gpt: &Path, dir: &Path) -> Result<
     let mut clusters: Vec<(u64, Cluster)> = Vec::new();
     let mut rows = Vec::new();
     let mut params = 0;
+    progress.done();
     for case in &CASES {
+        progress.item(case.name);
         if !clusters.iter().any(|(r, _)| *r == case.ranks) {
             let shape = [(MICRO * BLOCK) as i64, EMBD as i64, 4 * EMBD as i64];
             let mut c = measure_machine(&MeasureArgs {
@@ -166,6 +171,7 @@ fn validate(a: &ValidateArgs, zerorun: &Path, gpt: &Path, dir: &Path) -> Result<
         }
         let refs: Vec<&str> = args.iter().map(String::as_str).collect();
         let measured = run_gpt(zerorun, gpt, dir, case.name, case.ranks, Some(config_path.as_path()), &refs)?;
+        progress.done();
         // The pipeline and tensor-parallel runs print no whole-model count: the data-parallel runs' stands.
         if measured.params > 0 {
             params = measured.params;
