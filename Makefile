@@ -8,7 +8,7 @@ TORCH_VERSION := 2.11.0
 APT_PACKAGES := pkg-config libopenmpi-dev openmpi-bin libclang-dev fonts-dejavu-core libgloo-dev
 CARGO ?= cargo
 
-.PHONY: setup demo test bench bench-deepspeed gpu-binaries
+.PHONY: setup demo test docs book-check bench bench-deepspeed gpu-binaries
 
 setup: .libtorch
 	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
@@ -64,6 +64,33 @@ test: setup
 	# The device check's table with the device path emulated (exit 2: every row passed, no GPU here).
 	$(CARGO) run --quiet --features mpi,nccl --example device_check; test $$? -eq 2
 	./target/debug/zerorun launch --nproc-per-node 2 -- ./target/debug/examples/device_check
+	$(MAKE) book-check
+
+# The guide (docs/book, an mdBook) and the API docs. mdbook comes from crates.io into .tools/ when it is not on the
+# PATH (about a minute and a half, once).
+MDBOOK_VERSION := 0.5.4
+MDBOOK := $(or $(shell command -v mdbook 2>/dev/null),.tools/bin/mdbook)
+.tools/bin/mdbook:
+	$(CARGO) install --quiet --locked --root .tools mdbook --version $(MDBOOK_VERSION) --no-default-features --features search
+
+# The book builds and no link inside it (or a relative one of the README) is broken; the API docs build with no
+# warning (missing docs, broken intra-doc links).
+book-check: setup $(MDBOOK)
+	$(MDBOOK) build docs/book
+	$(PYTHON) scripts/check-links.py
+	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --workspace --no-deps --quiet
+
+# Everything a reader gets: the configuration chapter regenerated from `zerorun config keys`, the book
+# (target/book/index.html), the API docs (target/doc/zerorun/index.html), man pages and shell completions
+# (target/docs/).
+docs: setup $(MDBOOK)
+	$(CARGO) build --quiet --bin zerorun
+	./target/debug/zerorun config keys --markdown > docs/book/src/configuration/keys.md
+	$(MAKE) book-check
+	rm -rf target/docs && mkdir -p target/docs/man target/docs/completions
+	./target/debug/zerorun man target/docs/man
+	for shell in bash zsh fish; do ./target/debug/zerorun completions $$shell > target/docs/completions/zerorun.$$shell; done
+	@echo "docs: target/book/index.html, target/doc/zerorun/index.html, target/docs/man, target/docs/completions"
 
 # Binaries for scripts/gpu-check.sh on the GPU machine (no Rust toolchain there): stripped, under 64 MiB together.
 gpu-binaries: setup

@@ -29,6 +29,7 @@
 //! # let _ = (up, down, &mut engine);
 //! # Ok(()) }
 //! ```
+#![warn(missing_docs)]
 pub use zerorun_offload as offload;
 pub use zerorun_optim as optim;
 pub use zerorun_runtime as runtime;

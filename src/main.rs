@@ -84,16 +84,16 @@ fn main() -> ExitCode {
 fn write_man_pages(out: &std::path::Path) -> Result<(), cli::CliError> {
     let io = |what: String| move |e: std::io::Error| cli::CliError::Io { context: what, source: e };
     std::fs::create_dir_all(out).map_err(io(format!("creating {}", out.display())))?;
-    fn walk(cmd: clap::Command, name: String, out: &std::path::Path, pages: &mut Vec<(String, clap::Command)>) {
+    fn walk(cmd: clap::Command, name: String, pages: &mut Vec<(String, clap::Command)>) {
         for sub in cmd.get_subcommands().filter(|s| !s.is_hide_set() && s.get_name() != "help") {
-            walk(sub.clone(), format!("{name}-{}", sub.get_name()), out, pages);
+            walk(sub.clone(), format!("{name}-{}", sub.get_name()), pages);
         }
         pages.push((name, cmd));
     }
     let mut pages = Vec::new();
     let mut root = Cli::command();
     root.build();
-    walk(root, "zerorun".into(), out, &mut pages);
+    walk(root, "zerorun".into(), &mut pages);
     for (name, cmd) in pages {
         let path = out.join(format!("{name}.1"));
         let mut page = Vec::new();

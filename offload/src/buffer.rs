@@ -4,6 +4,7 @@ use std::alloc::{alloc_zeroed, dealloc, handle_alloc_error, Layout};
 /// The alignment and length granule of host buffers.
 pub const PAGE: usize = 4096;
 
+/// Host memory aligned for O_DIRECT (a multiple of 4096 bytes at a 4096-byte address), the unit every swap moves.
 pub struct HostBuffer {
     ptr: *mut u8,
     capacity: usize,
@@ -31,11 +32,13 @@ impl HostBuffer {
         self.capacity
     }
 
+    /// The bytes.
     pub fn as_slice(&self) -> &[u8] {
         // SAFETY: ptr holds capacity initialised (zeroed) bytes.
         unsafe { std::slice::from_raw_parts(self.ptr, self.capacity) }
     }
 
+    /// The bytes, to fill before a swap-out.
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: as above, and we own it exclusively.
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.capacity) }

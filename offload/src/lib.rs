@@ -7,6 +7,7 @@
 //! - [`preflight`]: the swap folder is checked for existence, write access and room before the first step.
 //! - [`OptimizerTier`]: an optimizer's states in memory ([`InMemory`]) or on NVMe by sub-group
 //!   ([`SwappedOptimizer`]), one interface for the engine.
+#![warn(missing_docs)]
 mod buffer;
 mod error;
 pub mod io;

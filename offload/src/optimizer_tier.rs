@@ -11,15 +11,20 @@ use crate::OffloadError;
 #[derive(Debug, thiserror::Error)]
 pub enum TierError {
     #[error(transparent)]
+    /// A swap failed.
     Offload(#[from] OffloadError),
     #[error(transparent)]
+    /// The optimizer failed (a state buffer of the wrong length, say).
     Optim(#[from] zerorun_optim::OptimError),
     /// The caller's `fill` of a state load failed (a checkpoint file, say); its message as given.
     #[error("{0}")]
     Fill(Box<dyn std::error::Error + Send + Sync>),
     /// What a tier cannot do where its states live (a step in pieces with the states on NVMe).
     #[error("{what} needs the optimizer states in memory (they are on NVMe)")]
-    NeedsMemory { what: &'static str },
+    NeedsMemory {
+        /// The operation asked for.
+        what: &'static str,
+    },
 }
 
 /// Writes every state buffer of the optimizer over a range of the optimized elements (checkpoint load).

@@ -3,6 +3,7 @@ use std::sync::Mutex;
 
 use crate::buffer::HostBuffer;
 
+/// Aligned host buffers kept for reuse, up to a byte budget, so a swap does not allocate each time.
 pub struct BufferPool {
     idle: Mutex<Vec<HostBuffer>>,
     /// Idle bytes kept for reuse; buffers returned beyond this are freed.
@@ -10,6 +11,7 @@ pub struct BufferPool {
 }
 
 impl BufferPool {
+    /// A pool that keeps at most `max_idle_bytes` of idle buffers.
     pub fn new(max_idle_bytes: usize) -> BufferPool {
         BufferPool { idle: Mutex::new(Vec::new()), max_idle_bytes }
     }

@@ -11,6 +11,7 @@ use crate::error::{OffloadError, Result};
 static WARNED_BUFFERED: AtomicBool = AtomicBool::new(false);
 
 #[derive(Debug)]
+/// One file of swapped data, opened with O_DIRECT where the file system allows it (reads and writes of whole aligned blocks).
 pub struct SwapFile {
     path: PathBuf,
     direct: AtomicBool,
@@ -29,6 +30,7 @@ impl SwapFile {
         Ok(f)
     }
 
+    /// Where the file is.
     pub fn path(&self) -> &Path {
         &self.path
     }

@@ -20,6 +20,7 @@ struct SubGroup {
     groups: Vec<Group>,
 }
 
+/// An optimizer whose states live in swap files on NVMe, stepped sub-group by sub-group with reads ahead and writes behind (`offload_optimizer.device: nvme`).
 pub struct SwappedOptimizer {
     name: &'static str,
     state_names: Vec<String>,

@@ -74,6 +74,7 @@ struct Entry {
     write_done: Option<Receiver<()>>,
 }
 
+/// Moves host buffers to and from swap files on a pool of I/O threads (`aio.intra_op_parallelism`), `aio.queue_depth` requests in flight.
 pub struct Swapper {
     dir: PathBuf,
     prefix: String,

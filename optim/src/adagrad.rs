@@ -6,9 +6,13 @@ use crate::shard::{check_range, Grads, Group, ParamsOut};
 use crate::{Optimizer, OptimizerState, Result};
 
 #[derive(Debug, Clone, PartialEq)]
+/// Adagrad's hyper-parameters beside the learning rate and weight decay (in [`Group`](crate::Group)).
 pub struct AdagradConfig {
+    /// Added to the denominator.
     pub eps: f64,
+    /// Learning-rate decay per step: lr / (1 + (step - 1) * lr_decay).
     pub lr_decay: f64,
+    /// The accumulator's value before the first step.
     pub initial_accumulator_value: f64,
 }
 
@@ -20,11 +24,13 @@ impl Default for AdagradConfig {
 
 /// Adagrad over one flat shard: `sum` of squared gradients.
 pub struct Adagrad {
+    /// Its hyper-parameters.
     pub config: AdagradConfig,
     state: OptimizerState,
 }
 
 impl Adagrad {
+    /// Adagrad over `len` elements, its accumulator at `initial_accumulator_value`.
     pub fn new(config: AdagradConfig, len: usize) -> Self {
         Adagrad { state: OptimizerState::new(&["sum"], len, config.initial_accumulator_value as f32), config }
     }

@@ -6,10 +6,15 @@ use crate::shard::{check_range, Grads, Group, ParamsOut};
 use crate::{Optimizer, OptimizerState, Result};
 
 #[derive(Debug, Clone, PartialEq)]
+/// Adam's hyper-parameters beside the learning rate and weight decay (in [`Group`](crate::Group)).
 pub struct AdamConfig {
+    /// The moments' coefficients (beta1, beta2).
     pub betas: (f64, f64),
+    /// Added to the denominator.
     pub eps: f64,
+    /// Divides the moments by 1 - beta^step.
     pub bias_correction: bool,
+    /// Keeps the largest second moment seen (AMSGrad).
     pub amsgrad: bool,
     /// true: decoupled weight decay (AdamW); false: L2 penalty added to the gradient (classic Adam).
     pub adam_w_mode: bool,
@@ -23,11 +28,13 @@ impl Default for AdamConfig {
 
 /// Adam over one flat shard: `exp_avg`, `exp_avg_sq` (and `max_exp_avg_sq` with amsgrad).
 pub struct Adam {
+    /// Its hyper-parameters.
     pub config: AdamConfig,
     state: OptimizerState,
 }
 
 impl Adam {
+    /// Adam over `len` elements, its moments at zero.
     pub fn new(config: AdamConfig, len: usize) -> Self {
         let names: &[&str] =
             if config.amsgrad { &["exp_avg", "exp_avg_sq", "max_exp_avg_sq"] } else { &["exp_avg", "exp_avg_sq"] };

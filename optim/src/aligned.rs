@@ -11,6 +11,7 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 const HUGE: usize = 4 << 20;
 const HUGE_ALIGN: usize = 2 << 20;
 
+/// A vector of f32 aligned for the SIMD kernels (64 bytes).
 pub struct AlignedVec {
     ptr: *mut f32,
     len: usize,
@@ -47,16 +48,19 @@ impl AlignedVec {
         v
     }
 
+    /// A copy of `values`.
     pub fn from_slice(values: &[f32]) -> Self {
         let mut v = AlignedVec::filled(values.len(), 0.0);
         v.copy_from_slice(values);
         v
     }
 
+    /// The values.
     pub fn as_slice(&self) -> &[f32] {
         self
     }
 
+    /// The values, mutable.
     pub fn as_mut_slice(&mut self) -> &mut [f32] {
         self
     }

@@ -14,9 +14,13 @@ use crate::shard::{Grads, Group, ParamsOut};
 /// The vector instruction set the kernels run with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SimdLevel {
+    /// AVX-512F kernels.
     Avx512,
+    /// AVX2 kernels.
     Avx2,
+    /// NEON kernels (aarch64).
     Neon,
+    /// The portable fallback (also `ZERORUN_SIMD=scalar`).
     Scalar,
 }
 

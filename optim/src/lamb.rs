@@ -10,12 +10,19 @@ use crate::shard::{check, Grads, Group, ParamsOut};
 use crate::{Optimizer, OptimizerState, Result};
 
 #[derive(Debug, Clone, PartialEq)]
+/// Lamb's hyper-parameters beside the learning rate and weight decay (in [`Group`](crate::Group)).
 pub struct LambConfig {
+    /// The moments' coefficients (beta1, beta2).
     pub betas: (f64, f64),
+    /// Added to the denominator.
     pub eps: f64,
+    /// Divides the moments by 1 - beta^step.
     pub bias_correction: bool,
+    /// Adds eps inside the square root of the second moment.
     pub eps_inside_sqrt: bool,
+    /// Upper bound of the trust ratio.
     pub max_coeff: f64,
+    /// Lower bound of the trust ratio.
     pub min_coeff: f64,
 }
 
@@ -34,6 +41,7 @@ impl Default for LambConfig {
 
 /// LAMB over one flat shard: `exp_avg`, `exp_avg_sq`. The trust ratio of the last step is kept per group.
 pub struct Lamb {
+    /// Its hyper-parameters.
     pub config: LambConfig,
     state: OptimizerState,
     /// Trust ratios of the last step, one per group.
@@ -41,6 +49,7 @@ pub struct Lamb {
 }
 
 impl Lamb {
+    /// Lamb over `len` elements, its moments at zero.
     pub fn new(config: LambConfig, len: usize) -> Self {
         Lamb { state: OptimizerState::new(&["exp_avg", "exp_avg_sq"], len, 0.0), config, last_coeffs: Vec::new() }
     }

@@ -3,6 +3,7 @@
 //! Knows nothing of tensors or ranks: an optimizer steps a `&mut [f32]` shard with gradients given as f32, bf16 or
 //! f16 slices, optionally writing the updated parameters to a 16-bit copy in the same pass. Every element's math is
 //! independent of every other's, so results are bitwise the same whatever the thread count or vector width.
+#![warn(missing_docs)]
 mod adagrad;
 mod adam;
 pub mod aligned;
@@ -32,23 +33,63 @@ pub use state::OptimizerState;
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum OptimError {
     #[error("{what} has {got} elements, expected {expected}")]
-    Length { what: &'static str, got: usize, expected: usize },
+    /// An input of the step has the wrong length.
+    Length {
+        /// The input.
+        what: &'static str,
+        /// Its length.
+        got: usize,
+        /// The shard's.
+        expected: usize,
+    },
     #[error("parameter group {index} covers {start}..{end}, outside the shard of {len} elements")]
-    GroupRange { index: usize, start: usize, end: usize, len: usize },
+    /// A parameter group reaches outside the shard.
+    GroupRange {
+        /// The group's index.
+        index: usize,
+        /// Its first element.
+        start: usize,
+        /// One past its last.
+        end: usize,
+        /// The shard's length.
+        len: usize,
+    },
     #[error("parameter groups {first:?} and {second:?} overlap")]
-    GroupOverlap { first: std::ops::Range<usize>, second: std::ops::Range<usize> },
+    /// Two parameter groups cover the same elements.
+    GroupOverlap {
+        /// One group's range.
+        first: std::ops::Range<usize>,
+        /// The other's.
+        second: std::ops::Range<usize>,
+    },
     #[error("optimizer state has no buffer `{name}`")]
-    MissingState { name: String },
+    /// A state buffer the optimizer needs is missing (a checkpoint of another optimizer).
+    MissingState {
+        /// The buffer's name (`exp_avg`, ...).
+        name: String,
+    },
     #[error("{optimizer} cannot step part of its shard: its update reads more than one element (per-tensor norms)")]
-    NotElementWise { optimizer: &'static str },
+    /// A step in pieces was asked of an optimizer whose update needs whole tensors.
+    NotElementWise {
+        /// Its name.
+        optimizer: &'static str,
+    },
     #[error("current loss scale {scale} is already at the minimum ({min}) and gradients still overflow")]
-    LossScaleAtMinimum { scale: f64, min: f64 },
+    /// fp16's dynamic loss scale cannot shrink further.
+    LossScaleAtMinimum {
+        /// The current scale.
+        scale: f64,
+        /// `fp16.min_loss_scale`.
+        min: f64,
+    },
 }
 
+/// This crate's results.
 pub type Result<T> = std::result::Result<T, OptimError>;
 
 /// An optimizer over one flat fp32 shard. `step` advances the step count by one.
 pub trait Optimizer: Send {
+    /// The optimizer's name, as ds_config's `optimizer.type` spells it.
     fn name(&self) -> &'static str;
     /// Updates `params` in place from `grads`, group by group (each group has its own lr and weight decay), and
     /// writes the updated values to `out` when given (the 16-bit model copy).
@@ -87,6 +128,7 @@ pub trait Optimizer: Send {
     ) -> Result<()>;
     /// The state as plain data (for checkpoints and resharding).
     fn state(&self) -> &OptimizerState;
+    /// The state buffers, mutable (checkpoint loads).
     fn state_mut(&mut self) -> &mut OptimizerState;
     /// Sets the momentum a schedule cycles (OneCycle's `cycle_momentum`, as DeepSpeed applies it): beta1 of
     /// optimizers with betas, SGD's momentum. Optimizers without one (Adagrad) keep nothing.

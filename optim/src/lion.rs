@@ -6,7 +6,9 @@ use crate::shard::{check_range, Grads, Group, ParamsOut};
 use crate::{Optimizer, OptimizerState, Result};
 
 #[derive(Debug, Clone, PartialEq)]
+/// Lion's hyper-parameters beside the learning rate and weight decay (in [`Group`](crate::Group)).
 pub struct LionConfig {
+    /// The interpolation (beta1) and momentum (beta2) coefficients.
     pub betas: (f64, f64),
 }
 
@@ -18,11 +20,13 @@ impl Default for LionConfig {
 
 /// Lion over one flat shard: `exp_avg`.
 pub struct Lion {
+    /// Its hyper-parameters.
     pub config: LionConfig,
     state: OptimizerState,
 }
 
 impl Lion {
+    /// Lion over `len` elements, its momentum at zero.
     pub fn new(config: LionConfig, len: usize) -> Self {
         Lion { state: OptimizerState::new(&["exp_avg"], len, 0.0), config }
     }

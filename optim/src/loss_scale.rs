@@ -4,13 +4,17 @@ use serde::{Deserialize, Serialize};
 use crate::{OptimError, Result};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// fp16 loss scaling, as DeepSpeed's `fp16` section configures it.
 pub struct LossScalerConfig {
     /// false: a static scale that never changes (overflowing steps are still skipped).
     pub dynamic: bool,
+    /// The first scale (2^`initial_scale_power`, or the static `loss_scale`).
     pub initial_scale: f64,
+    /// The factor the scale grows and shrinks by (2).
     pub scale_factor: f64,
     /// Steps without overflow before the scale grows.
     pub scale_window: u64,
+    /// The scale never goes below this.
     pub min_scale: f64,
     /// Overflows tolerated before the scale shrinks ("delayed shift").
     pub hysteresis: u32,
@@ -56,26 +60,36 @@ impl LossScalerConfig {
 /// The scaler's mutable state, for checkpoints.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LossScalerState {
+    /// The scale now.
     pub cur_scale: f64,
+    /// Steps seen.
     pub cur_iter: u64,
+    /// The step of the last overflow (-1: none yet).
     pub last_overflow_iter: i64,
+    /// Overflows still tolerated before the scale shrinks.
     pub cur_hysteresis: u32,
 }
 
 #[derive(Debug, Clone, PartialEq)]
+/// The dynamic loss scaler: skips a step whose gradients overflowed and adjusts the scale.
 pub struct LossScaler {
+    /// Its settings.
     pub config: LossScalerConfig,
+    /// Its state.
     pub state: LossScalerState,
 }
 
 /// What to do with the step whose gradients were checked.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StepDecision {
+    /// The gradients are finite: take the step.
     Apply,
+    /// They overflowed: skip it (the scale was lowered).
     Skip,
 }
 
 impl LossScaler {
+    /// A scaler at `config.initial_scale`.
     pub fn new(config: LossScalerConfig) -> Self {
         let state = LossScalerState {
             cur_scale: config.initial_scale,
@@ -86,6 +100,7 @@ impl LossScaler {
         LossScaler { config, state }
     }
 
+    /// The current scale.
     pub fn scale(&self) -> f64 {
         self.state.cur_scale
     }

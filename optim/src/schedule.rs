@@ -6,60 +6,99 @@ use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
+/// How warmup grows the learning rate.
 pub enum WarmupType {
+    /// Logarithmically in the step (DeepSpeed's default).
     Log,
+    /// Linearly.
     Linear,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// WarmupLR: from `warmup_min_lr` to `warmup_max_lr` over `warmup_num_steps`, then constant.
 pub struct WarmupLrParams {
+    /// The learning rate at the first step.
     pub warmup_min_lr: f64,
+    /// The learning rate after warmup.
     pub warmup_max_lr: f64,
+    /// Steps of warmup.
     pub warmup_num_steps: u64,
+    /// How it grows.
     pub warmup_type: WarmupType,
+    /// The step to resume after (-1: from the start).
     pub last_batch_iteration: i64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// WarmupDecayLR: WarmupLR, then linear decay to zero at `total_num_steps`.
 pub struct WarmupDecayLrParams {
     #[serde(flatten)]
+    /// The warmup.
     pub warmup: WarmupLrParams,
+    /// The schedule's length.
     pub total_num_steps: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// WarmupCosineLR: warmup as a ratio of the optimizer's lr, then cosine decay to `cos_min_ratio`.
 pub struct WarmupCosineLrParams {
+    /// The schedule's length.
     pub total_num_steps: u64,
+    /// Warmup's start, as a ratio of the base lr.
     pub warmup_min_ratio: f64,
+    /// Steps of warmup.
     pub warmup_num_steps: u64,
+    /// The floor, as a ratio of the base lr.
     pub cos_min_ratio: f64,
+    /// How warmup grows.
     pub warmup_type: WarmupType,
+    /// The step to resume after (-1: from the start).
     pub last_batch_iteration: i64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// OneCycle: up from `cycle_min_lr` to `cycle_max_lr` and down again, then decay; momentum cycles against it.
 pub struct OneCycleParams {
+    /// The lowest learning rate.
     pub cycle_min_lr: f64,
+    /// The peak learning rate.
     pub cycle_max_lr: f64,
+    /// Learning-rate decay after the cycle.
     pub decay_lr_rate: f64,
+    /// Steps of the rising phase.
     pub cycle_first_step_size: u64,
+    /// Steps of the falling phase.
     pub cycle_second_step_size: u64,
+    /// Stairs in the rising phase (0: continuous).
     pub cycle_first_stair_count: u64,
+    /// Stairs in the falling phase (0: continuous).
     pub cycle_second_stair_count: u64,
+    /// Steps per decay interval after the cycle.
     pub decay_step_size: u64,
+    /// Cycles the momentum (Adam's beta1, SGD's momentum) against the learning rate.
     pub cycle_momentum: bool,
+    /// The lowest momentum.
     pub cycle_min_mom: f64,
+    /// The highest momentum.
     pub cycle_max_mom: f64,
+    /// Momentum decay after the cycle.
     pub decay_mom_rate: f64,
+    /// The step to resume after (-1: from the start).
     pub last_batch_iteration: i64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// LRRangeTest: grows the learning rate from `lr_range_test_min_lr` to find a good one.
 pub struct LrRangeTestParams {
+    /// The starting learning rate.
     pub lr_range_test_min_lr: f64,
+    /// Steps per interval.
     pub lr_range_test_step_size: u64,
+    /// Growth per interval.
     pub lr_range_test_step_rate: f64,
+    /// Grows in stairs instead of continuously.
     pub lr_range_test_staircase: bool,
+    /// The step to resume after (-1: from the start).
     pub last_batch_iteration: i64,
 }
 
@@ -67,14 +106,20 @@ pub struct LrRangeTestParams {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", content = "params")]
 pub enum SchedulerConfig {
+    /// DeepSpeed's WarmupLR.
     WarmupLR(WarmupLrParams),
+    /// DeepSpeed's WarmupDecayLR.
     WarmupDecayLR(WarmupDecayLrParams),
+    /// DeepSpeed's WarmupCosineLR.
     WarmupCosineLR(WarmupCosineLrParams),
+    /// DeepSpeed's OneCycle.
     OneCycle(OneCycleParams),
+    /// DeepSpeed's LRRangeTest.
     LRRangeTest(LrRangeTestParams),
 }
 
 impl SchedulerConfig {
+    /// The schedule's name, as ds_config's `scheduler.type` spells it.
     pub fn name(&self) -> &'static str {
         match self {
             SchedulerConfig::WarmupLR(_) => "WarmupLR",
@@ -99,7 +144,9 @@ impl SchedulerConfig {
 /// A running schedule: the config, the optimizer's base lr (WarmupCosineLR scales it) and the iteration.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LrScheduler {
+    /// The schedule.
     pub config: SchedulerConfig,
+    /// The optimizer's learning rate.
     pub base_lr: f64,
     /// Index of the last optimizer step taken; -1 before the first.
     pub last_batch_iteration: i64,
@@ -114,6 +161,7 @@ fn warmup_gamma(iteration: i64, warmup_num_steps: u64, kind: WarmupType) -> Opti
 }
 
 impl LrScheduler {
+    /// The schedule before its first step.
     pub fn new(config: SchedulerConfig, base_lr: f64) -> Self {
         let last_batch_iteration = config.initial_iteration();
         LrScheduler { config, base_lr, last_batch_iteration }

@@ -6,19 +6,25 @@ use crate::shard::{check_range, Grads, Group, ParamsOut};
 use crate::{Optimizer, OptimizerState, Result};
 
 #[derive(Debug, Clone, PartialEq, Default)]
+/// SGD's hyper-parameters beside the learning rate and weight decay (in [`Group`](crate::Group)).
 pub struct SgdConfig {
+    /// Momentum (0: none).
     pub momentum: f64,
+    /// Dampening of the momentum.
     pub dampening: f64,
+    /// Nesterov momentum.
     pub nesterov: bool,
 }
 
 /// SGD over one flat shard: `momentum_buffer` when momentum is on.
 pub struct Sgd {
+    /// Its hyper-parameters.
     pub config: SgdConfig,
     state: OptimizerState,
 }
 
 impl Sgd {
+    /// SGD over `len` elements, its momentum buffer at zero.
     pub fn new(config: SgdConfig, len: usize) -> Self {
         let names: &[&str] = if config.momentum != 0.0 { &["momentum_buffer"] } else { &[] };
         Sgd { state: OptimizerState::new(names, len, 0.0), config }

@@ -8,23 +8,30 @@ use crate::{OptimError, Result};
 /// Gradients of a shard, in the dtype the engine reduced them in.
 #[derive(Clone, Copy)]
 pub enum Grads<'a> {
+    /// fp32 gradients.
     F32(&'a [f32]),
+    /// bf16 gradients.
     Bf16(&'a [bf16]),
+    /// fp16 gradients.
     F16(&'a [f16]),
 }
 
 /// Where updated parameters are copied in 16 bits (the model's weights under mixed precision).
 pub enum ParamsOut<'a> {
+    /// bf16 weights.
     Bf16(&'a mut [bf16]),
+    /// fp16 weights.
     F16(&'a mut [f16]),
 }
 
 /// A parameter group: an element range of the shard and its hyper-parameters.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Group {
+    /// The group's elements in the shard.
     pub range: Range<usize>,
     /// Hyper-parameters are f64, as torch's Python floats: derived constants are computed in f64 and rounded once.
     pub lr: f64,
+    /// Weight decay (decoupled for AdamW).
     pub weight_decay: f64,
 }
 
@@ -36,6 +43,7 @@ impl Group {
 }
 
 impl Grads<'_> {
+    /// Elements.
     pub fn len(&self) -> usize {
         match self {
             Grads::F32(g) => g.len(),
@@ -44,6 +52,7 @@ impl Grads<'_> {
         }
     }
 
+    /// Whether there are none.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -72,6 +81,7 @@ impl Grads<'_> {
 }
 
 impl ParamsOut<'_> {
+    /// Elements.
     pub fn len(&self) -> usize {
         match self {
             ParamsOut::Bf16(o) => o.len(),
@@ -79,6 +89,7 @@ impl ParamsOut<'_> {
         }
     }
 
+    /// Whether there are none.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }

@@ -6,6 +6,7 @@ use crate::aligned::AlignedVec;
 use crate::{OptimError, Result};
 
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+/// An optimizer's state: named f32 buffers of the shard's length (`exp_avg`, `exp_avg_sq`, ...), as checkpoints save them.
 pub struct OptimizerState {
     /// Optimizer steps taken (the `t` of bias correction).
     pub step: u64,
@@ -14,6 +15,7 @@ pub struct OptimizerState {
 }
 
 impl OptimizerState {
+    /// Buffers named `names`, each `len` elements of `init`.
     pub fn new(names: &[&str], len: usize, init: f32) -> Self {
         OptimizerState {
             step: 0,
@@ -21,6 +23,7 @@ impl OptimizerState {
         }
     }
 
+    /// The buffer `name`.
     pub fn get(&self, name: &str) -> Result<&[f32]> {
         self.buffers
             .iter()
@@ -29,6 +32,7 @@ impl OptimizerState {
             .ok_or_else(|| OptimError::MissingState { name: name.into() })
     }
 
+    /// The buffer `name`, mutable.
     pub fn get_mut(&mut self, name: &str) -> Result<&mut [f32]> {
         self.buffers
             .iter_mut()

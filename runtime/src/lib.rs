@@ -16,6 +16,7 @@
 //! - [`checkpoint`]: the sharded checkpoint format.
 //! - [`estimate`]: model-state memory per stage and offload option, before a run.
 //! - [`report`]: the measured memory report, its picture, and the wall-clock breakdown.
+#![warn(missing_docs)]
 pub use zerorun_checkpoint as checkpoint;
 pub use zerorun_comm as comm;
 pub use zerorun_config as config;

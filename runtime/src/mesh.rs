@@ -46,9 +46,13 @@ impl Dim {
 /// The size of each dimension.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MeshShape {
+    /// Pipeline stages.
     pub pipeline: usize,
+    /// Replicas of each shard group (1 without shard groups).
     pub replicate: usize,
+    /// Ranks a shard group spans (ZeRO's data-parallel degree without shard groups).
     pub shard: usize,
+    /// Tensor-parallel degree.
     pub tensor: usize,
 }
 
@@ -131,13 +135,41 @@ impl MeshShape {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum MeshError {
     #[error("{stages} pipeline stages x a data-parallel degree must equal the world size {world}: {world} is not a multiple of {stages}")]
-    Stages { stages: usize, world: usize },
+    /// The stages do not divide the world.
+    Stages {
+        /// Stages asked for.
+        stages: usize,
+        /// Ranks in the job.
+        world: usize,
+    },
     #[error("a tensor-parallel degree of {tensor} must divide the ranks of a stage ({world} ranks over {stages} stages = {per_stage})")]
-    Tensor { tensor: usize, world: usize, stages: usize, per_stage: usize },
+    /// The tensor-parallel degree does not divide a stage's ranks.
+    Tensor {
+        /// The degree.
+        tensor: usize,
+        /// Ranks in the job.
+        world: usize,
+        /// Stages.
+        stages: usize,
+        /// Ranks per stage.
+        per_stage: usize,
+    },
     #[error("a shard group of {shard} ranks must divide the {data} data-parallel ranks")]
-    Shard { shard: usize, data: usize },
+    /// The shard group does not divide the data-parallel ranks.
+    Shard {
+        /// The shard group's size.
+        shard: usize,
+        /// Data-parallel ranks.
+        data: usize,
+    },
     #[error("pipeline.stages is {config} but the program asks for {program} stages; give one of them (or \"auto\")")]
-    StagesDisagree { config: usize, program: usize },
+    /// The config and the program ask for different numbers of stages.
+    StagesDisagree {
+        /// `pipeline.stages`.
+        config: usize,
+        /// The program's.
+        program: usize,
+    },
 }
 
 /// What a program says of the mesh that the config does not.
@@ -206,14 +238,17 @@ impl Mesh {
         Mesh::from_config(world, config, options)
     }
 
+    /// The size of each dimension.
     pub fn shape(&self) -> MeshShape {
         self.shape
     }
 
+    /// This rank in the job.
     pub fn rank(&self) -> usize {
         self.world.rank()
     }
 
+    /// Ranks in the job.
     pub fn world_size(&self) -> usize {
         self.world.world_size()
     }

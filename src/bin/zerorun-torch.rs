@@ -62,7 +62,7 @@ fn main() -> ExitCode {
     cli::exit_code(result)
 }
 
-/// FLOP/s of the three products of a linear layer's training step ([m,k]x[k,n] forward, its two gradients), the
+/// FLOP/s of the three products of a linear layer's training step (`[m,k] x [k,n]` forward, its two gradients), the
 /// median of `repeats` after one warm-up; then this process's resident memory with the operands freed.
 fn bench_matmul(m: i64, k: i64, n: i64, threads: usize, repeats: usize, json: bool) -> Result<(), CliError> {
     if m < 1 || k < 1 || n < 1 {

@@ -1,7 +1,5 @@
 //! `zerorun launch --nproc-per-node N [--nnodes M --node-rank R] [--master-addr A] [--master-port P] [--backend B]
-//! [--memory-report [DIR]]
-//!
-//! [--max-restarts R] -- PROGRAM ARGS...`
+//! [--memory-report [DIR]] [--max-restarts R] -- PROGRAM ARGS...`
 //!
 //! Starts N ranks (this node's, of M nodes: ranks R*N..R*N+N of M*N) as child processes with torchrun's variables,
 //! prefixes their output with the rank, shares the cores among them, forwards SIGINT/SIGTERM, and when one rank fails

@@ -18,6 +18,7 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     sync_dir(path.parent().unwrap_or(Path::new(".")))
 }
 
+/// fsyncs a folder, so the names created in it survive a crash.
 pub fn sync_dir(dir: &Path) -> Result<()> {
     File::open(dir).and_then(|d| d.sync_all()).map_err(|e| io_err(dir, e))
 }
@@ -188,6 +189,7 @@ pub struct MappedTensors {
 }
 
 impl MappedTensors {
+    /// Maps the safetensors file at `path` (read-only) and reads its header.
     pub fn open(path: &Path) -> Result<MappedTensors> {
         let f =
             File::open(path).map_err(|e| CheckpointError::Missing { path: path.to_path_buf(), what: e.to_string() })?;

@@ -117,11 +117,12 @@ impl WeightFiles {
     }
 }
 
-/// How [`write_sharded`] cut the tensors into files.
+/// How [`plan_shards`] cut the tensors into files.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ShardPlan {
     /// Per file: its name and the tensors (indices into the list given) it holds, in order.
     pub files: Vec<(String, Vec<usize>)>,
+    /// Bytes of every tensor together (the index's `metadata.total_size`).
     pub total_bytes: u64,
 }
 
@@ -180,6 +181,7 @@ impl ShardedWriter {
         Ok(ShardedWriter { dir: dir.to_path_buf(), tensors, plan, open: None, next_file: 0 })
     }
 
+    /// How the tensors are cut into files.
     pub fn plan(&self) -> &ShardPlan {
         &self.plan
     }

@@ -6,6 +6,7 @@
 //! Writes are atomic: files go to a temporary name, are fsynced and renamed; the tag's folder is assembled under
 //! a temporary name and renamed into place last, and `latest` is replaced only after that. A crash at any point
 //! leaves the previous checkpoint and `latest` as they were.
+#![warn(missing_docs)]
 pub mod files;
 pub mod hf;
 pub mod manifest;
@@ -22,17 +23,52 @@ use std::path::{Path, PathBuf};
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
     #[error("{path}: {what}")]
-    Io { path: PathBuf, what: String },
+    /// A file could not be read or written.
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The system's error.
+        what: String,
+    },
     #[error("{path}: checksum mismatch (manifest {expected:08x}, file {actual:08x}): the file is damaged")]
-    Checksum { path: PathBuf, expected: u32, actual: u32 },
+    /// A file's CRC differs from the manifest's: it changed after it was written.
+    Checksum {
+        /// The file.
+        path: PathBuf,
+        /// The manifest's CRC-32.
+        expected: u32,
+        /// The file's.
+        actual: u32,
+    },
     #[error("{path}: format version {found} is newer than this zerorun reads ({supported})")]
-    NewerFormat { path: PathBuf, found: u32, supported: u32 },
+    /// Written by a newer zerorun.
+    NewerFormat {
+        /// The manifest.
+        path: PathBuf,
+        /// Its format version.
+        found: u32,
+        /// The newest this build reads.
+        supported: u32,
+    },
     #[error("{path}: the checkpoint does not match the model: {what}")]
-    Mismatch { path: PathBuf, what: String },
+    /// The checkpoint's names or shapes are not the model's.
+    Mismatch {
+        /// The manifest.
+        path: PathBuf,
+        /// The first difference.
+        what: String,
+    },
     #[error("{path}: no checkpoint here ({what})")]
-    Missing { path: PathBuf, what: String },
+    /// No checkpoint at the path (no `latest`, no such tag).
+    Missing {
+        /// What was looked for.
+        path: PathBuf,
+        /// The system's error.
+        what: String,
+    },
 }
 
+/// This crate's results.
 pub type Result<T> = std::result::Result<T, CheckpointError>;
 
 pub(crate) fn io_err(path: &Path, e: impl std::fmt::Display) -> CheckpointError {

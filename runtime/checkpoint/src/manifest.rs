@@ -20,17 +20,24 @@ pub const FORMAT_VERSION: u32 = 3;
 /// padding, which readers skip (consolidation writes `full`) and fill with zeros.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Slice {
+    /// The dimension cut.
     pub dim: usize,
+    /// Where this slice starts along it.
     pub start: i64,
+    /// The whole tensor's size along it.
     pub full: i64,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+/// A trainable parameter of the checkpoint: its name, shape and place in the flat layout.
 pub struct ParamEntry {
+    /// The variable's name in the VarStore.
     pub name: String,
+    /// Its shape (a slice's own shape when saved in slices).
     pub shape: Vec<i64>,
     /// Flat element range in this checkpoint's layout.
     pub start: usize,
+    /// Elements.
     pub len: usize,
     /// The model's dtype when saved ("F32", "BF16", "F16"); values in the rank files are the fp32 master.
     #[serde(default)]
@@ -71,26 +78,33 @@ pub fn region_of(shape: &[i64], slice: Option<Slice>) -> Vec<std::ops::Range<i64
 /// A variable saved whole once, outside the rank files: a buffer or a frozen parameter, in its own dtype.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct VariableEntry {
+    /// The variable's name in the VarStore.
     pub name: String,
+    /// Its shape.
     pub shape: Vec<i64>,
     /// safetensors' dtype name ("F32", "I64", ...).
     pub dtype: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// One rank's file: which flat elements it holds and their checksum.
 pub struct RankEntry {
+    /// The file's name, inside the tag's folder.
     pub file: String,
     /// The first and last flat element this file covers (version 1: the one range it holds).
     pub start: usize,
+    /// One past the last flat element this file covers.
     pub end: usize,
     /// The flat element ranges this file holds, concatenated in this order (`params` and every state buffer
     /// cover them). Empty in version 1: `start..end`.
     #[serde(default)]
     pub ranges: Vec<[usize; 2]>,
+    /// CRC-32 of the file.
     pub crc32: u32,
 }
 
 impl RankEntry {
+    /// An entry for `file` holding `ranges` (in order), with its CRC.
     pub fn new(file: String, ranges: &[std::ops::Range<usize>], crc32: u32) -> Self {
         RankEntry {
             file,
@@ -115,31 +129,48 @@ impl RankEntry {
 /// `dst_offset` of the wanted range.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Located {
+    /// The rank file (index into `Manifest::ranks`).
     pub entry: usize,
+    /// Elements of its tensors.
     pub file_range: std::ops::Range<usize>,
+    /// Where they go in the range asked for.
     pub dst_offset: usize,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// A checkpoint's table of contents (`manifest.json`): what was saved, by whom, and where each element is.
 pub struct Manifest {
+    /// The layout's version ([`FORMAT_VERSION`]).
     pub format_version: u32,
+    /// The tag (`global_step8`, or the caller's).
     pub tag: String,
+    /// Optimizer steps taken.
     pub global_steps: u64,
+    /// Samples trained on over all ranks (the data cursor).
     pub global_samples: u64,
+    /// Steps skipped for fp16 overflow.
     pub skipped_steps: u64,
     /// The optimizer's own step count (bias correction).
     pub optimizer_steps: u64,
+    /// The optimizer's name.
     pub optimizer: String,
     /// Optimizer state buffers, stored as tensors of these names in every rank file.
     pub state_names: Vec<String>,
+    /// The LR schedule's position.
     pub scheduler_last_batch_iteration: Option<i64>,
+    /// fp16's loss scaler, when used.
     pub loss_scaler: Option<LossScalerState>,
+    /// Data-parallel ranks that saved it.
     pub world_size: usize,
+    /// The ZeRO stage that saved it.
     pub stage: u8,
+    /// The model's dtype ("fp32", "bf16", "fp16").
     pub precision: String,
     /// Real (unpadded) parameter elements.
     pub numel: usize,
+    /// Every trainable parameter.
     pub params: Vec<ParamEntry>,
+    /// Every rank's file.
     pub ranks: Vec<RankEntry>,
     /// libtorch's CPU generator state of every rank, hex (restored when resuming at the same world size).
     #[serde(default)]
@@ -299,6 +330,7 @@ impl Manifest {
         self.params.iter().find(|p| p.name == name)
     }
 
+    /// Reads `manifest.json` at `path`.
     pub fn read(path: &Path) -> Result<Manifest> {
         let text = std::fs::read_to_string(path)
             .map_err(|e| CheckpointError::Missing { path: path.to_path_buf(), what: e.to_string() })?;
@@ -311,6 +343,7 @@ impl Manifest {
         serde_json::from_value(v).map_err(|e| io_err(path, format!("not a zerorun manifest: {e}")))
     }
 
+    /// Writes it to `path` atomically (a temporary file, then a rename).
     pub fn write(&self, path: &Path) -> Result<()> {
         files::write_atomic(path, serde_json::to_string_pretty(self).expect("manifest serializes").as_bytes())
     }

@@ -6,10 +6,13 @@ use std::path::{Path, PathBuf};
 use crate::files::{self, MappedTensors};
 use crate::{latest_tag, CheckpointError, Manifest, Result};
 
+/// A checkpoint on disk, opened: its folder, tag and manifest, checked before anything is read.
 pub struct SavedCheckpoint {
+    /// Its tag.
     pub tag: String,
     /// `dir/<tag>`.
     pub folder: PathBuf,
+    /// Its table of contents.
     pub manifest: Manifest,
 }
 

@@ -34,6 +34,7 @@ pub fn scatter_output(
     Ok(part)
 }
 
+/// `root` must be a rank of the group.
 pub fn root(op: &'static str, rank: usize, world_size: usize, root: usize) -> CommResult<()> {
     if root >= world_size {
         return Err(CommError::BadArgument { op, rank, what: format!("root {root} is not a rank of {world_size}") });
@@ -47,12 +48,16 @@ const DTYPES: [Dtype; 4] = [Dtype::F32, Dtype::Bf16, Dtype::F16, Dtype::I64];
 /// What one rank passed to a collective, as three words a backend can publish anywhere (shared memory, MPI).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Call {
+    /// The collective (an index into the known operations).
     pub op: u64,
+    /// Elements.
     pub len: u64,
+    /// The element type's code.
     pub dtype: u64,
 }
 
 impl Call {
+    /// The call of `op` on `len` elements of `dtype`.
     pub fn new(op: &str, len: usize, dtype: Dtype) -> Call {
         Call {
             op: OPS.iter().position(|o| *o == op).unwrap_or(OPS.len()) as u64 + 1,
@@ -61,10 +66,12 @@ impl Call {
         }
     }
 
+    /// As three words.
     pub fn words(self) -> [u64; 3] {
         [self.op, self.len, self.dtype]
     }
 
+    /// From three words.
     pub fn from_words(w: &[u64]) -> Call {
         Call { op: w[0], len: w[1], dtype: w[2] }
     }

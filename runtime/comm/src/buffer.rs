@@ -9,9 +9,13 @@ use super::{pair_sum, ReduceOp};
 /// The element types of collectives: f32, bf16, f16 for tensors, i64 for bookkeeping.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Dtype {
+    /// 32-bit float.
     F32,
+    /// bfloat16.
     Bf16,
+    /// IEEE half.
     F16,
+    /// 64-bit signed integer.
     I64,
 }
 
@@ -19,13 +23,18 @@ pub enum Dtype {
 /// type. What the engine hands a backend that reduces device memory itself (NCCL) instead of a host copy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DeviceBuf {
+    /// The device address.
     pub ptr: u64,
+    /// Elements.
     pub count: usize,
+    /// Their type.
     pub dtype: Dtype,
+    /// The CUDA device's index.
     pub device: usize,
 }
 
 impl Dtype {
+    /// Bytes per element.
     pub fn size(self) -> usize {
         match self {
             Dtype::F32 => 4,
@@ -34,6 +43,7 @@ impl Dtype {
         }
     }
 
+    /// A code for the type, as agreement checks publish it.
     pub fn code(self) -> u64 {
         self as u64 + 1
     }
@@ -51,8 +61,11 @@ impl Dtype {
 
 /// A Rust type a collective can carry.
 pub trait Element: bytemuck::Pod + Send + Sync {
+    /// The dtype of this type.
     const DTYPE: Dtype;
+    /// a + b, as the collective sums.
     fn add(a: Self, b: Self) -> Self;
+    /// The larger of a and b.
     fn max(a: Self, b: Self) -> Self;
     /// The mean of a sum over `n` ranks.
     fn div(a: Self, n: usize) -> Self;
@@ -115,17 +128,22 @@ impl Element for i64 {
 
 /// A mutable collective buffer: bytes and what they hold.
 pub struct BufMut<'a> {
+    /// The bytes.
     pub bytes: &'a mut [u8],
+    /// What they hold.
     pub dtype: Dtype,
 }
 
 /// A read-only collective buffer.
 pub struct BufRef<'a> {
+    /// The bytes.
     pub bytes: &'a [u8],
+    /// What they hold.
     pub dtype: Dtype,
 }
 
 impl<'a> BufMut<'a> {
+    /// A view of `v`.
     pub fn new<T: Element>(v: &'a mut [T]) -> Self {
         BufMut { bytes: bytemuck::cast_slice_mut(v), dtype: T::DTYPE }
     }
@@ -135,6 +153,7 @@ impl<'a> BufMut<'a> {
         self.bytes.len() / self.dtype.size()
     }
 
+    /// Whether it has no element.
     pub fn is_empty(&self) -> bool {
         self.bytes.is_empty()
     }
@@ -147,14 +166,17 @@ impl<'a> From<BufMut<'a>> for BufRef<'a> {
 }
 
 impl<'a> BufRef<'a> {
+    /// A view of `v`.
     pub fn new<T: Element>(v: &'a [T]) -> Self {
         BufRef { bytes: bytemuck::cast_slice(v), dtype: T::DTYPE }
     }
 
+    /// Elements.
     pub fn len(&self) -> usize {
         self.bytes.len() / self.dtype.size()
     }
 
+    /// Whether it has no element.
     pub fn is_empty(&self) -> bool {
         self.bytes.is_empty()
     }

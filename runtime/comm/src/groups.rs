@@ -230,11 +230,17 @@ pub fn check_peer(op: &'static str, rank: usize, world_size: usize, peer: usize)
 
 /// One end of a point-to-point transfer, as the header handshake sees it.
 pub struct Transfer {
+    /// The transfer (`send`, `recv`).
     pub op: &'static str,
+    /// This rank.
     pub rank: usize,
+    /// The other end.
     pub peer: usize,
+    /// Whether this end sends.
     pub sending: bool,
+    /// Elements.
     pub len: usize,
+    /// Their type.
     pub dtype: super::Dtype,
 }
 

@@ -5,6 +5,7 @@
 //! variables `zerorun launch`, torchrun or mpirun set. Every blocking wait has a timeout (`comms_timeout`), and a
 //! departed peer is an error on every surviving rank, never a hang. Reductions of f32, bf16 and f16 run through
 //! the vector sums of `pair_sum`.
+#![warn(missing_docs)]
 pub mod agreement;
 pub mod async_comm;
 pub mod buffer;
@@ -30,8 +31,11 @@ pub use buffer::{BufMut, BufRef, DeviceBuf, Dtype, Element};
 /// How values from the ranks are combined.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ReduceOp {
+    /// The sum.
     Sum,
+    /// The sum divided by the number of ranks.
     Avg,
+    /// The largest value.
     Max,
 }
 
@@ -39,37 +43,133 @@ pub enum ReduceOp {
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum CommError {
     #[error("{op} on rank {rank}: buffer sizes differ between ranks ({sizes:?} elements by rank)")]
-    SizeMismatch { op: &'static str, rank: usize, sizes: Vec<usize> },
+    /// The ranks passed buffers of different lengths.
+    SizeMismatch {
+        /// The collective.
+        op: &'static str,
+        /// This rank.
+        rank: usize,
+        /// Each rank's length.
+        sizes: Vec<usize>,
+    },
     #[error("{op} on rank {rank}: element types differ between ranks ({dtypes:?} by rank)")]
-    DtypeMismatch { op: &'static str, rank: usize, dtypes: Vec<Dtype> },
+    /// The ranks passed different element types.
+    DtypeMismatch {
+        /// The collective.
+        op: &'static str,
+        /// This rank.
+        rank: usize,
+        /// Each rank's type.
+        dtypes: Vec<Dtype>,
+    },
     #[error("{op} on rank {rank}: {what}")]
-    BadArgument { op: &'static str, rank: usize, what: String },
+    /// An argument is wrong on this rank (a root that is no rank, a buffer not divisible into parts).
+    BadArgument {
+        /// The collective.
+        op: &'static str,
+        /// This rank.
+        rank: usize,
+        /// What is wrong.
+        what: String,
+    },
     #[error("{op} on rank {rank}: rank {dead} left the group after {waited:?} of waiting")]
-    PeerGone { op: &'static str, rank: usize, dead: usize, waited: Duration },
+    /// A rank left the group while this one waited.
+    PeerGone {
+        /// The collective.
+        op: &'static str,
+        /// This rank.
+        rank: usize,
+        /// The rank that left.
+        dead: usize,
+        /// How long this rank waited.
+        waited: Duration,
+    },
     #[error("{op} on rank {rank} of group {group}: rank {dead} (pid {pid}) died; waited {waited:?}")]
-    PeerDied { op: &'static str, rank: usize, group: String, dead: usize, pid: u32, waited: Duration },
+    /// A rank's process died while this one waited.
+    PeerDied {
+        /// The collective.
+        op: &'static str,
+        /// This rank.
+        rank: usize,
+        /// The group's name.
+        group: String,
+        /// The rank that died.
+        dead: usize,
+        /// Its process id.
+        pid: u32,
+        /// How long this rank waited.
+        waited: Duration,
+    },
     #[error("{op} on rank {rank}: timed out after {waited:?} waiting for ranks {missing:?} (comms_timeout)")]
-    Timeout { op: &'static str, rank: usize, missing: Vec<usize>, waited: Duration },
+    /// Ranks did not arrive within `comms_timeout`.
+    Timeout {
+        /// The collective.
+        op: &'static str,
+        /// This rank.
+        rank: usize,
+        /// The ranks that never came.
+        missing: Vec<usize>,
+        /// How long this rank waited.
+        waited: Duration,
+    },
     #[error("{op} on rank {rank}: ranks called different collectives ({ops:?} by rank)")]
-    OpMismatch { op: &'static str, rank: usize, ops: Vec<&'static str> },
+    /// The ranks called different collectives at the same point.
+    OpMismatch {
+        /// This rank's collective.
+        op: &'static str,
+        /// This rank.
+        rank: usize,
+        /// Each rank's.
+        ops: Vec<&'static str>,
+    },
     #[error("rendezvous of rank {rank} of {world_size} at {place}: {what}")]
-    Rendezvous { rank: usize, world_size: usize, place: String, what: String },
+    /// The ranks could not meet to form the group.
+    Rendezvous {
+        /// This rank.
+        rank: usize,
+        /// Ranks expected.
+        world_size: usize,
+        /// Where they meet (address, segment).
+        place: String,
+        /// What failed.
+        what: String,
+    },
     #[error(
         "{op} from rank {src} to rank {dst}: the send has {} {:?} elements and the receive expects {} {:?} elements",
         sent.0, sent.1, expected.0, expected.1
     )]
-    P2pMismatch { op: &'static str, src: usize, dst: usize, sent: (usize, Dtype), expected: (usize, Dtype) },
+    /// A send and its receive disagree on length or type.
+    P2pMismatch {
+        /// The transfer.
+        op: &'static str,
+        /// The sender.
+        src: usize,
+        /// The receiver.
+        dst: usize,
+        /// What was sent (elements, type).
+        sent: (usize, Dtype),
+        /// What the receive expects.
+        expected: (usize, Dtype),
+    },
     /// An error of a group made by `split` or `new_group`, with the group's name.
     #[error("group {group}: {error}")]
-    InGroup { group: String, error: Box<CommError> },
+    InGroup {
+        /// The group's name.
+        group: String,
+        /// The error inside it.
+        error: Box<CommError>,
+    },
 }
 
+/// Results of collectives.
 pub type CommResult<T> = std::result::Result<T, CommError>;
 
 /// A process group of `world_size` ranks. Calls are collective: every rank makes the same calls in the same
 /// order with buffers of the same sizes and element type. Use the typed methods of [`Collectives`].
 pub trait Communicator: Send {
+    /// This rank's index in the group.
     fn rank(&self) -> usize;
+    /// Ranks in the group.
     fn world_size(&self) -> usize;
     /// Combines `buf` over all ranks; every rank ends with the result.
     fn all_reduce_buf(&self, buf: BufMut<'_>, op: ReduceOp) -> CommResult<()>;
@@ -79,6 +179,7 @@ pub trait Communicator: Send {
     fn all_gather_buf(&self, buf: BufMut<'_>) -> CommResult<()>;
     /// Every rank ends with `root`'s `buf`.
     fn broadcast_buf(&self, buf: BufMut<'_>, root: usize) -> CommResult<()>;
+    /// Returns once every rank has called it.
     fn barrier(&self) -> CommResult<()>;
     /// Sends `buf` to rank `dst` of this group and returns once `dst` has it (a rendezvous: the receive checks the
     /// size and element type, and a mismatch is an error on both ends).
@@ -153,21 +254,27 @@ pub trait Communicator: Send {
 
 /// The collectives on typed slices (f32, bf16, f16, i64), for any communicator.
 pub trait Collectives: Communicator {
+    /// [`all_reduce_buf`](Communicator::all_reduce_buf) of a typed slice.
     fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> CommResult<()> {
         self.all_reduce_buf(BufMut::new(buf), op)
     }
+    /// [`reduce_scatter_buf`](Communicator::reduce_scatter_buf) of typed slices.
     fn reduce_scatter<T: Element>(&self, input: &[T], output: &mut [T], op: ReduceOp) -> CommResult<()> {
         self.reduce_scatter_buf(BufRef::new(input), BufMut::new(output), op)
     }
+    /// [`all_gather_buf`](Communicator::all_gather_buf) of a typed slice.
     fn all_gather_in_place<T: Element>(&self, buf: &mut [T]) -> CommResult<()> {
         self.all_gather_buf(BufMut::new(buf))
     }
+    /// [`broadcast_buf`](Communicator::broadcast_buf) of a typed slice.
     fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> CommResult<()> {
         self.broadcast_buf(BufMut::new(buf), root)
     }
+    /// [`Communicator::send_buf`] of a typed slice.
     fn send<T: Element>(&self, buf: &[T], dst: usize) -> CommResult<()> {
         self.send_buf(BufRef::new(buf), dst)
     }
+    /// [`Communicator::recv_buf`] into a typed slice.
     fn recv<T: Element>(&self, buf: &mut [T], src: usize) -> CommResult<()> {
         self.recv_buf(BufMut::new(buf), src)
     }

@@ -106,6 +106,7 @@ impl NcclComm {
         NcclComm::new(info.local_rank, info.rank, info.world_size, bytes)
     }
 
+    /// Joins the NCCL communicator `id` names as rank `rank` of `world_size`, on CUDA device `device` (every rank calls it with the id its first member made).
     pub fn new(device: usize, rank: usize, world_size: usize, id: [u8; 128]) -> CommResult<NcclComm> {
         preflight(rank, world_size)?;
         let ctx = CudaContext::new(device).map_err(|e| nccl_err("rendezvous", rank, e))?;

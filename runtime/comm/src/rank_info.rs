@@ -28,6 +28,7 @@ impl Backend {
         }
     }
 
+    /// The name `--backend` takes.
     pub fn name(self) -> &'static str {
         match self {
             Backend::Shm => "shm",
@@ -41,11 +42,17 @@ impl Backend {
 /// This process's place in the job.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RankInfo {
+    /// This process's rank in the job (RANK).
     pub rank: usize,
+    /// Its rank on this host (LOCAL_RANK).
     pub local_rank: usize,
+    /// Ranks in the job (WORLD_SIZE).
     pub world_size: usize,
+    /// Ranks on this host (LOCAL_WORLD_SIZE).
     pub local_world_size: usize,
+    /// The rendezvous host (MASTER_ADDR).
     pub master_addr: String,
+    /// The rendezvous port (MASTER_PORT).
     pub master_port: u16,
     /// Names this job's shared-memory segment; set by `zerorun launch` (else derived from the master address).
     pub run_id: String,

@@ -224,6 +224,7 @@ pub extern "C" fn region_alloc(bytes: usize) -> *mut std::ffi::c_void {
     SharedRegion::process().and_then(|r| r.alloc(bytes)).map_or(std::ptr::null_mut(), |p| p as *mut std::ffi::c_void)
 }
 
+/// Frees a block [`region_alloc`] returned.
 pub extern "C" fn region_free(ptr: *mut std::ffi::c_void, bytes: usize) {
     if let Some(r) = SharedRegion::process() {
         r.free(ptr as *mut u8, bytes);
@@ -243,6 +244,7 @@ pub struct SharedBuffer {
 unsafe impl Send for SharedBuffer {}
 
 impl SharedBuffer {
+    /// `len` zero bytes.
     pub fn zeroed(len: usize) -> SharedBuffer {
         match SharedRegion::process().and_then(|r| r.alloc(len)) {
             Some(ptr) => SharedBuffer { ptr, len, heap: None },
@@ -253,6 +255,7 @@ impl SharedBuffer {
         }
     }
 
+    /// Whether it lives in the shared region (else on the heap).
     pub fn in_region(&self) -> bool {
         self.heap.is_none()
     }

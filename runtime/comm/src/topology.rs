@@ -11,16 +11,47 @@ use super::{groups, CommError, CommResult, Communicator};
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum TopologyError {
     #[error("topology {axes}: the axes multiply to {product} ranks, but the world has {world_size}")]
-    Size { axes: String, product: usize, world_size: usize },
+    /// The axes' sizes do not multiply to the world size.
+    Size {
+        /// The axes, as given.
+        axes: String,
+        /// Their product.
+        product: usize,
+        /// The world's ranks.
+        world_size: usize,
+    },
     #[error("topology {axes}: no axis `{axis}`")]
-    UnknownAxis { axes: String, axis: String },
+    /// An axis named that is not one of the topology's.
+    UnknownAxis {
+        /// The axes.
+        axes: String,
+        /// The name asked for.
+        axis: String,
+    },
     #[error("topology {axes}: axis `{axis}` {what}")]
-    Axis { axes: String, axis: String, what: String },
+    /// An axis given wrongly (size 0, named twice).
+    Axis {
+        /// The axes.
+        axes: String,
+        /// The axis.
+        axis: String,
+        /// What is wrong.
+        what: String,
+    },
     #[error("topology {axes}: rank {rank} is not below {world_size}")]
-    Rank { axes: String, rank: usize, world_size: usize },
+    /// A rank outside the world.
+    Rank {
+        /// The axes.
+        axes: String,
+        /// The rank.
+        rank: usize,
+        /// The world's ranks.
+        world_size: usize,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
+/// Ranks laid out over named axes, the last fastest (DeepSpeed's ProcessTopology): coordinates, and the group of every rank that shares the other axes' coordinates.
 pub struct Topology {
     axes: Vec<(String, usize)>,
 }

@@ -5,6 +5,7 @@ use super::error::{ConfigError, Result};
 use super::reader::Section;
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
+/// The `aio` section: the NVMe swapper's I/O.
 pub struct AioConfig {
     /// Bytes per I/O request; a multiple of 4096 so O_DIRECT accepts it.
     pub block_size: u64,
@@ -12,8 +13,11 @@ pub struct AioConfig {
     pub queue_depth: u64,
     /// I/O threads per swap operation (old name: thread_count).
     pub intra_op_parallelism: u64,
+    /// `single_submit` (noticed when true).
     pub single_submit: bool,
+    /// `overlap_events` (noticed when false).
     pub overlap_events: bool,
+    /// `use_gds` (refused when true).
     pub use_gds: bool,
 }
 

@@ -12,8 +12,11 @@ use super::reader::Section;
 /// section spells it (`{"type": "nesterov", "lr": 0.7, "momentum": 0.9}`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct OuterOptimizer {
+    /// The outer learning rate.
     pub lr: f64,
+    /// The outer momentum.
     pub momentum: f64,
+    /// Nesterov momentum (`type: nesterov`).
     pub nesterov: bool,
 }
 
@@ -33,20 +36,34 @@ impl Default for OuterOptimizer {
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
 #[serde(tag = "mode", rename_all = "snake_case")]
+/// The `async_training` section: how far data-parallel ranks may run apart.
 pub enum AsyncTraining {
     /// Synchronous: gradients averaged every step.
     #[default]
     Off,
     /// Every rank steps alone; every `sync_every` steps the parameters are averaged.
-    LocalSgd { sync_every: u64 },
+    LocalSgd {
+        /// Local steps between averages.
+        sync_every: u64,
+    },
     /// Every rank steps alone (the inner optimizer is the config's); every `sync_every` steps the averaged change
     /// since the last meeting is applied by `outer_optimizer`.
-    Diloco { sync_every: u64, outer_optimizer: OuterOptimizer },
+    Diloco {
+        /// Local steps between meetings.
+        sync_every: u64,
+        /// What applies the averaged change.
+        outer_optimizer: OuterOptimizer,
+    },
     /// Stale synchronous parallel: each rank owns a partition of the parameters and its optimizer state (as at
     /// stage 1); workers push gradients to the owners and pull the owners' latest values, and start a step only
     /// once every owner has applied the steps older than `staleness` (0: synchronous). With
     /// `lr_staleness_scaling` each gradient is divided by its staleness (steps of updates its parameters lacked).
-    BoundedStaleness { staleness: u64, lr_staleness_scaling: bool },
+    BoundedStaleness {
+        /// Steps a rank may run ahead of the slowest owner.
+        staleness: u64,
+        /// Divide each gradient by its staleness + 1.
+        lr_staleness_scaling: bool,
+    },
 }
 
 impl AsyncTraining {

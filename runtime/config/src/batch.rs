@@ -7,16 +7,22 @@ use super::error::{ConfigError, Result};
 /// The three batch keys as given (None = not given or "auto").
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct BatchInput {
+    /// `train_batch_size`.
     pub train_batch_size: Option<u64>,
+    /// `train_micro_batch_size_per_gpu`.
     pub train_micro_batch_size_per_gpu: Option<u64>,
+    /// `gradient_accumulation_steps`.
     pub gradient_accumulation_steps: Option<u64>,
 }
 
 /// Batch sizes after the rule, consistent with the world size.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct BatchSizes {
+    /// Samples per optimizer step over all ranks.
     pub train_batch_size: u64,
+    /// Samples per micro-batch per rank.
     pub train_micro_batch_size_per_gpu: u64,
+    /// Micro-batches per optimizer step.
     pub gradient_accumulation_steps: u64,
 }
 

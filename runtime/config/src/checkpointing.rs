@@ -5,17 +5,24 @@ use super::error::{ConfigError, Result};
 use super::reader::Section;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+/// `checkpoint.tag_validation`: what to do when ranks save under different tags.
 pub enum TagValidation {
+    /// Do not compare.
     Ignore,
+    /// Warn and save under rank 0's tag.
     Warn,
+    /// Fail on every rank before anything is written.
     Fail,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
+/// The `checkpoint` section.
 pub struct CheckpointConfig {
     /// What to do when ranks save under different tags.
     pub tag_validation: TagValidation,
+    /// `load_universal` (noticed: every checkpoint reshards).
     pub load_universal: bool,
+    /// `use_node_local_storage` (noticed).
     pub use_node_local_storage: bool,
     /// zerorun's: a save copies its data into host memory and writes the files on a thread of each rank while
     /// training goes on; published (and `latest` moved) only once every file is written.
@@ -43,13 +50,19 @@ impl CheckpointConfig {
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
+/// The `activation_checkpointing` section: DeepSpeed's checkpointing API; every key is noticed.
 pub struct ActivationCheckpointingConfig {
     /// These keys configure DeepSpeed's activation checkpointing API; zerorun accepts them with a notice.
     pub partition_activations: bool,
+    /// `contiguous_memory_optimization`.
     pub contiguous_memory_optimization: bool,
+    /// `cpu_checkpointing`.
     pub cpu_checkpointing: bool,
+    /// `number_checkpoints`.
     pub number_checkpoints: Option<u64>,
+    /// `synchronize_checkpoint_boundary`.
     pub synchronize_checkpoint_boundary: bool,
+    /// `profile`.
     pub profile: bool,
 }
 

@@ -5,38 +5,111 @@ use thiserror::Error;
 #[derive(Debug, Clone, PartialEq, Error)]
 pub enum ConfigError {
     #[error("cannot read config file {file}: {message}")]
-    Read { file: String, message: String },
+    /// The config file could not be read.
+    Read {
+        /// The file.
+        file: String,
+        /// The system's error.
+        message: String,
+    },
 
     #[error("config is not valid JSON: {message}")]
-    Json { message: String },
+    /// The text is not JSON.
+    Json {
+        /// serde_json's error, with line and column.
+        message: String,
+    },
 
     #[error("`{path}`: expected {expected}, got {got}")]
-    Type { path: String, expected: &'static str, got: String },
+    /// A key holds the wrong type.
+    Type {
+        /// The key's JSON path.
+        path: String,
+        /// What it takes.
+        expected: &'static str,
+        /// What it holds.
+        got: String,
+    },
 
     #[error("`{path}`: {value} is not allowed: {allowed}")]
-    Invalid { path: String, value: String, allowed: String },
+    /// A key's value is outside what is allowed.
+    Invalid {
+        /// The key's JSON path.
+        path: String,
+        /// The value.
+        value: String,
+        /// What is allowed.
+        allowed: String,
+    },
 
     #[error("unknown key `{path}`{hint}")]
-    UnknownKey { path: String, hint: String },
+    /// A key neither DeepSpeed nor zerorun knows.
+    UnknownKey {
+        /// The key's JSON path.
+        path: String,
+        /// The closest known key, or the keys known there.
+        hint: String,
+    },
 
     #[error("`{path}` is \"auto\", but {why}; give a value")]
-    Auto { path: String, why: &'static str },
+    /// "auto" where zerorun cannot resolve it.
+    Auto {
+        /// The key's JSON path.
+        path: String,
+        /// Why it cannot.
+        why: &'static str,
+    },
 
     #[error("`{path}` is required {when}")]
-    Missing { path: String, when: String },
+    /// A key required by another's value.
+    Missing {
+        /// The key's JSON path.
+        path: String,
+        /// The value that requires it.
+        when: String,
+    },
 
     #[error(
         "`{first}` and `{second}` are the same key under two names and disagree ({first_value} vs {second_value})"
     )]
-    Alias { first: String, second: String, first_value: String, second_value: String },
+    /// A key given under two names with different values.
+    Alias {
+        /// One name's JSON path.
+        first: String,
+        /// The other's.
+        second: String,
+        /// The first's value.
+        first_value: String,
+        /// The second's.
+        second_value: String,
+    },
 
     #[error("`{path}`: {message}")]
-    Conflict { path: String, message: String },
+    /// Keys whose values cannot go together.
+    Conflict {
+        /// The key's JSON path.
+        path: String,
+        /// What conflicts and what to change.
+        message: String,
+    },
 
     #[error("batch sizes: {message}: train_batch_size {train}, train_micro_batch_size_per_gpu {micro}, gradient_accumulation_steps {gas}, world_size {world_size}")]
-    Batch { message: &'static str, train: u64, micro: u64, gas: u64, world_size: u64 },
+    /// The batch rule does not hold.
+    Batch {
+        /// What is wrong.
+        message: &'static str,
+        /// `train_batch_size`.
+        train: u64,
+        /// `train_micro_batch_size_per_gpu`.
+        micro: u64,
+        /// `gradient_accumulation_steps`.
+        gas: u64,
+        /// Data-parallel ranks.
+        world_size: u64,
+    },
 
     #[error("Either train_batch_size or train_micro_batch_size_per_gpu needs to be provided")]
+    /// No batch size given at all.
     BatchMissing,
 }
 
@@ -56,4 +129,5 @@ impl ConfigError {
     }
 }
 
+/// This crate's results.
 pub type Result<T> = std::result::Result<T, ConfigError>;

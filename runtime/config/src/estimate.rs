@@ -11,11 +11,15 @@ pub const ADDITIONAL_BUFFER_FACTOR: f64 = 1.5;
 /// What the estimate is about.
 #[derive(Debug, Clone, PartialEq)]
 pub struct EstimateInput {
+    /// Trainable parameters.
     pub params: u64,
     /// Parameters of the largest layer (gathered whole at stage 3); None leaves that term out.
     pub largest_layer_params: Option<u64>,
+    /// Hosts.
     pub nodes: u64,
+    /// Ranks per host.
     pub gpus_per_node: u64,
+    /// The parameters' precision.
     pub precision: Precision,
     /// fp32 values the optimizer keeps per parameter (Adam: 2).
     pub optimizer_states: u64,
@@ -30,6 +34,7 @@ pub struct EstimateInput {
 }
 
 impl EstimateInput {
+    /// An estimate for `params` trainable fp32 parameters with Adam on one rank of one host.
     pub fn new(params: u64) -> Self {
         EstimateInput {
             params,
@@ -79,8 +84,11 @@ impl EstimateInput {
 /// One row of the estimate.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct EstimateRow {
+    /// The ZeRO stage.
     pub stage: u8,
+    /// Where optimizer states are.
     pub offload_optimizer: OffloadDevice,
+    /// Where parameters are.
     pub offload_param: OffloadDevice,
     /// Accelerator (or, on CPU runs, process) memory per rank, DeepSpeed's estimator.
     pub per_device_bytes: u64,

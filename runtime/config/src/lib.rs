@@ -3,6 +3,7 @@
 //! A config written for DeepSpeed loads unchanged and means the same thing. Every error names the JSON path of
 //! the key at fault; unknown keys are errors that suggest the closest known key. `Config` keeps the batch keys as
 //! given until [`Config::resolve`] applies the batch rule for a world size.
+#![warn(missing_docs)]
 mod aio;
 mod async_training;
 mod batch;
@@ -44,7 +45,9 @@ use reader::{MaybeAuto, Section};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum AllreduceOp {
+    /// The mean of the ranks' gradients.
     Mean,
+    /// Their sum (stages 0-2).
     Sum,
 }
 
@@ -52,8 +55,11 @@ pub enum AllreduceOp {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum CommDataType {
+    /// fp32.
     Fp32,
+    /// fp16.
     Fp16,
+    /// bf16.
     Bf16,
 }
 
@@ -62,32 +68,49 @@ pub enum CommDataType {
 pub struct Config {
     /// Global batch per optimizer step. None until given or resolved.
     pub train_batch_size: Option<u64>,
+    /// Samples per micro-batch per rank. None until given or resolved.
     pub train_micro_batch_size_per_gpu: Option<u64>,
+    /// Micro-batches per optimizer step. None until given or resolved.
     pub gradient_accumulation_steps: Option<u64>,
     /// Clip gradients to this global L2 norm; 0 disables.
     pub gradient_clipping: f64,
     /// Log a line every this many optimizer steps; None: no periodic log.
     pub steps_per_print: Option<u64>,
+    /// `wall_clock_breakdown`: time each phase of the step.
     pub wall_clock_breakdown: bool,
+    /// `memory_breakdown`: log the memory accounting every step.
     pub memory_breakdown: bool,
     /// Divide gradients by the world size before the reduction rather than after.
     pub prescale_gradients: bool,
+    /// `gradient_predivide_factor`.
     pub gradient_predivide_factor: f64,
+    /// `gradient_allreduce_op`.
     pub gradient_allreduce_op: AllreduceOp,
     /// None: gradients travel in the parameters' dtype.
     pub communication_data_type: Option<CommDataType>,
+    /// `zero_allow_untested_optimizer`.
     pub zero_allow_untested_optimizer: bool,
+    /// `zero_force_ds_cpu_optimizer` (noticed when false).
     pub zero_force_ds_cpu_optimizer: bool,
     /// zerorun's own key: seconds any collective or rendezvous may block before it is an error.
     pub comms_timeout: f64,
+    /// The optimizer; None: AdamW's defaults at lr 1e-3 (`initialize` builds Adam with decoupled decay).
     pub optimizer: Option<OptimizerConfig>,
+    /// The LR schedule; None: a constant learning rate.
     pub scheduler: Option<SchedulerConfig>,
+    /// The `fp16` section.
     pub fp16: Fp16Config,
+    /// The `bf16` section.
     pub bf16: Bf16Config,
+    /// The `zero_optimization` section.
     pub zero_optimization: ZeroConfig,
+    /// The `aio` section.
     pub aio: AioConfig,
+    /// The `checkpoint` section.
     pub checkpoint: CheckpointConfig,
+    /// The `activation_checkpointing` section (noticed).
     pub activation_checkpointing: ActivationCheckpointingConfig,
+    /// The `pipeline` section.
     pub pipeline: PipelineConfig,
     /// zerorun's own section: synchronous, or ranks stepping alone between meetings.
     pub async_training: AsyncTraining,
@@ -491,10 +514,12 @@ impl Config {
         })
     }
 
+    /// `zero_optimization.stage`.
     pub fn stage(&self) -> u8 {
         self.zero_optimization.stage
     }
 
+    /// The parameters' precision, from `fp16.enabled` and `bf16.enabled`.
     pub fn precision(&self) -> Precision {
         if self.fp16.enabled {
             Precision::Fp16

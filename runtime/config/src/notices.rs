@@ -14,6 +14,7 @@ use super::{Config, OffloadDevice};
 pub struct Notice {
     /// The key's JSON path, e.g. `zero_optimization.round_robin_gradients`.
     pub path: String,
+    /// Why it has no effect here.
     pub why: String,
 }
 

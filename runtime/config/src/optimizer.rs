@@ -8,33 +8,55 @@ use super::reader::{quoted_list, Section};
 /// `adam_w_mode` is false. `adam_w_mode` here is the effective value.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct AdamParams {
+    /// `lr`.
     pub lr: f64,
+    /// `betas`.
     pub betas: [f64; 2],
+    /// `eps`.
     pub eps: f64,
+    /// `weight_decay`.
     pub weight_decay: f64,
+    /// `bias_correction`.
     pub bias_correction: bool,
+    /// `amsgrad`.
     pub amsgrad: bool,
+    /// `adam_w_mode`: decoupled weight decay (AdamW).
     pub adam_w_mode: bool,
+    /// `torch_adam` (noticed).
     pub torch_adam: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
+/// Adagrad's `optimizer.params`.
 pub struct AdagradParams {
+    /// `lr`.
     pub lr: f64,
+    /// `eps`.
     pub eps: f64,
+    /// `weight_decay`.
     pub weight_decay: f64,
+    /// `lr_decay`.
     pub lr_decay: f64,
+    /// `initial_accumulator_value`.
     pub initial_accumulator_value: f64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
+/// Lamb's `optimizer.params`.
 pub struct LambParams {
+    /// `lr`.
     pub lr: f64,
+    /// `betas`.
     pub betas: [f64; 2],
+    /// `eps`.
     pub eps: f64,
+    /// `weight_decay`.
     pub weight_decay: f64,
+    /// `bias_correction`.
     pub bias_correction: bool,
+    /// `eps_inside_sqrt`.
     pub eps_inside_sqrt: bool,
+    /// `max_grad_norm` (refused when non-zero: use `gradient_clipping`).
     pub max_grad_norm: f64,
     /// Upper bound of the trust ratio.
     pub max_coeff: f64,
@@ -43,18 +65,28 @@ pub struct LambParams {
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
+/// Lion's `optimizer.params`.
 pub struct LionParams {
+    /// `lr`.
     pub lr: f64,
+    /// `betas`.
     pub betas: [f64; 2],
+    /// `weight_decay`.
     pub weight_decay: f64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
+/// SGD's `optimizer.params`.
 pub struct SgdParams {
+    /// `lr`.
     pub lr: f64,
+    /// `momentum`.
     pub momentum: f64,
+    /// `dampening`.
     pub dampening: f64,
+    /// `weight_decay`.
     pub weight_decay: f64,
+    /// `nesterov`.
     pub nesterov: bool,
 }
 
@@ -62,11 +94,17 @@ pub struct SgdParams {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[serde(tag = "type", content = "params")]
 pub enum OptimizerConfig {
+    /// Adam; decoupled weight decay unless `adam_w_mode` is false.
     Adam(AdamParams),
+    /// AdamW.
     AdamW(AdamParams),
+    /// Adagrad.
     Adagrad(AdagradParams),
+    /// Lamb (stage 0 only: refused under sharding).
     Lamb(LambParams),
+    /// Lion.
     Lion(LionParams),
+    /// SGD.
     SGD(SgdParams),
 }
 
@@ -74,6 +112,7 @@ pub enum OptimizerConfig {
 pub const ZERO_SUPPORTED: &[&str] = &["Adam", "AdamW", "Adagrad", "Lion"];
 
 impl OptimizerConfig {
+    /// The name `optimizer.type` takes.
     pub fn name(&self) -> &'static str {
         match self {
             OptimizerConfig::Adam(_) => "Adam",
@@ -85,6 +124,7 @@ impl OptimizerConfig {
         }
     }
 
+    /// The learning rate.
     pub fn lr(&self) -> f64 {
         match self {
             OptimizerConfig::Adam(p) | OptimizerConfig::AdamW(p) => p.lr,

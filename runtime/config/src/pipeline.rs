@@ -45,19 +45,27 @@ pub enum ScheduleName {
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
+/// The `pipeline` section: pipeline parallelism's stages, partition and schedule.
 pub struct PipelineConfig {
     /// None: `"auto"` or absent, the program's number of stages (1 without one).
     pub stages: Option<u64>,
+    /// How layers are cut into stages.
     pub partition: Partition,
+    /// The schedule.
     pub schedule: ScheduleName,
     /// Chunks of layers per rank under the interleaved schedule (Megatron-LM's virtual pipeline size); 1 otherwise.
     pub virtual_stages: u64,
     /// Fewer micro-batches than stages leaves most stages idle; refused unless this is set.
     pub allow_fewer_micro_batches: bool,
+    /// `seed_layers` (noticed).
     pub seed_layers: bool,
+    /// `activation_checkpoint_interval` (noticed).
     pub activation_checkpoint_interval: u64,
+    /// `pipe_partitioned` (noticed when false).
     pub pipe_partitioned: bool,
+    /// `grad_partitioned` (noticed when false).
     pub grad_partitioned: bool,
+    /// `use_reentrant` (noticed when false).
     pub use_reentrant: bool,
 }
 

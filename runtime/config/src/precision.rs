@@ -7,7 +7,9 @@ use super::reader::Section;
 /// `fp16`: 16-bit model weights with fp32 master weights and (dynamic) loss scaling.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Fp16Config {
+    /// Train in fp16.
     pub enabled: bool,
+    /// `auto_cast` (noticed when true).
     pub auto_cast: bool,
     /// 0 means dynamic loss scaling; any other value is a static scale.
     pub loss_scale: f64,
@@ -17,7 +19,9 @@ pub struct Fp16Config {
     pub loss_scale_window: u64,
     /// Overflows tolerated before the scale is lowered.
     pub hysteresis: u32,
+    /// Refill the hysteresis after every step without overflow.
     pub consecutive_hysteresis: bool,
+    /// The dynamic scale never goes below this.
     pub min_loss_scale: f64,
 }
 
@@ -39,7 +43,9 @@ impl Default for Fp16Config {
 /// `bf16` (alias `bfloat16`): bf16 model weights with fp32 master weights; no loss scaling.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Bf16Config {
+    /// Train in bf16.
     pub enabled: bool,
+    /// Skip a step whose gradients are not finite.
     pub check_grad_overflow: bool,
 }
 
@@ -53,12 +59,16 @@ impl Default for Bf16Config {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Precision {
+    /// fp32.
     Fp32,
+    /// fp16.
     Fp16,
+    /// bf16.
     Bf16,
 }
 
 impl Precision {
+    /// Bytes per parameter.
     pub fn bytes(self) -> usize {
         match self {
             Precision::Fp32 => 4,

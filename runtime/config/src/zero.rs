@@ -8,8 +8,11 @@ use super::reader::{MaybeAuto, Section};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum OffloadDevice {
+    /// Not offloaded.
     None,
+    /// Host memory.
     Cpu,
+    /// NVMe swap files.
     Nvme,
 }
 
@@ -26,13 +29,19 @@ impl OffloadDevice {
 /// `zero_optimization.offload_optimizer`: fp32 master weights and optimizer moments off the device (ZeRO-Offload).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct OffloadOptimizerConfig {
+    /// Where the states live.
     pub device: OffloadDevice,
+    /// The swap folder (`nvme`).
     pub nvme_path: Option<String>,
     /// Swap buffers for NVMe sub-groups.
     pub buffer_count: u64,
+    /// `pin_memory` (noticed on CPU runs).
     pub pin_memory: bool,
+    /// Read the next NVMe sub-group while stepping this one.
     pub pipeline_read: bool,
+    /// Write a stepped sub-group while stepping the next.
     pub pipeline_write: bool,
+    /// `fast_init` (noticed).
     pub fast_init: bool,
     /// Fraction of the optimizer step that runs on the host.
     pub ratio: f64,
@@ -41,13 +50,17 @@ pub struct OffloadOptimizerConfig {
 /// `zero_optimization.offload_param` (stage 3 only): parameter shards off the device (ZeRO-Infinity).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct OffloadParamConfig {
+    /// Where the parameter shards live.
     pub device: OffloadDevice,
+    /// The swap folder (`nvme`).
     pub nvme_path: Option<String>,
+    /// Read-ahead buffers.
     pub buffer_count: u64,
     /// Elements per swap buffer.
     pub buffer_size: u64,
     /// Elements of parameters kept in host memory when offloading to NVMe.
     pub max_in_cpu: u64,
+    /// `pin_memory` (noticed on CPU runs).
     pub pin_memory: bool,
 }
 
@@ -56,27 +69,43 @@ pub struct OffloadParamConfig {
 pub struct ZeroConfig {
     /// 0: plain data parallel; 1: optimizer states sharded; 2: + gradients; 3: + parameters.
     pub stage: u8,
+    /// `contiguous_gradients` (noticed when false).
     pub contiguous_gradients: bool,
+    /// `false`: all-reduce gradients and keep this rank's part (stages 1-2).
     pub reduce_scatter: bool,
+    /// Elements per gradient reduction round.
     pub reduce_bucket_size: u64,
+    /// `allgather_partitions` (noticed when false).
     pub allgather_partitions: bool,
+    /// `allgather_bucket_size` (noticed when not the default).
     pub allgather_bucket_size: u64,
     /// Collectives run on the communication thread, overlapping compute. Default: true at stage 3 only.
     pub overlap_comm: bool,
+    /// `load_from_fp32_weights` (noticed when false).
     pub load_from_fp32_weights: bool,
+    /// `elastic_checkpoint` (noticed when true).
     pub elastic_checkpoint: bool,
     /// Elements per optimizer sub-group (the unit of NVMe swapping).
     pub sub_group_size: u64,
+    /// Stage 3: elements gathered ahead of use.
     pub stage3_prefetch_bucket_size: u64,
     /// Parameters smaller than this stay gathered for the whole step.
     pub stage3_param_persistence_threshold: u64,
+    /// Stage 3: elements of persistent parameters allowed in all.
     pub stage3_model_persistence_threshold: u64,
+    /// Stage 3: gathered elements allowed at once.
     pub stage3_max_live_parameters: u64,
+    /// Stage 3: a unit needed again within this many elements stays gathered.
     pub stage3_max_reuse_distance: u64,
+    /// Stage 3: `save_16bit_model` gathers the whole model.
     pub stage3_gather_16bit_weights_on_model_save: bool,
+    /// `round_robin_gradients` (noticed when true).
     pub round_robin_gradients: bool,
+    /// `false`: a parameter without a gradient is an error (stages 2-3).
     pub ignore_unused_parameters: bool,
+    /// The `offload_optimizer` section.
     pub offload_optimizer: OffloadOptimizerConfig,
+    /// The `offload_param` section.
     pub offload_param: OffloadParamConfig,
     /// Stage 3's size keys the config left out or set to "auto" (`reduce_bucket_size`,
     /// `stage3_prefetch_bucket_size`, `stage3_param_persistence_threshold`, `stage3_max_live_parameters`): the

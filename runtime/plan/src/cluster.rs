@@ -7,6 +7,7 @@ use crate::PlanError;
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Cost {
+    /// Per message, seconds.
     pub latency_s: f64,
     /// Bus bandwidth (nccl-tests' busbw): what the ring's (p-1)/p terms divide by.
     pub bandwidth_bytes_per_s: f64,
@@ -16,19 +17,26 @@ pub struct Cost {
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Link {
+    /// Per message, seconds.
     pub latency_s: f64,
+    /// Bus bandwidth (nccl-tests' busbw), bytes per second.
     pub bandwidth_bytes_per_s: f64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// Measured all-reduce figures, when they differ from the link's.
     pub all_reduce: Option<Cost>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// Measured reduce-scatter figures.
     pub reduce_scatter: Option<Cost>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// Measured all-gather figures.
     pub all_gather: Option<Cost>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
+/// The cluster's link classes.
 pub struct Links {
+    /// Inside a host.
     pub intra: Link,
     /// Across hosts; the intra link's figures on a cluster of one host.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -40,14 +48,18 @@ pub struct Links {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Cluster {
+    /// Hosts.
     pub hosts: u64,
+    /// Ranks per host.
     pub ranks_per_host: u64,
     /// Memory one rank may fill: an accelerator's, or on a CPU cluster the host's memory / ranks per host.
     pub memory_per_rank_bytes: f64,
+    /// Memory of one host.
     pub host_memory_bytes: f64,
     /// Achieved matmul FLOP/s of one rank; absent: `zerorun plan` measures this machine's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub flops_per_rank: Option<f64>,
+    /// The link classes.
     pub links: Links,
     /// Ranks compute on accelerators (CPU offload frees their memory); false on a CPU cluster, where the
     /// process's memory is the rank's memory and only NVMe offload frees it. Default true.
@@ -92,6 +104,7 @@ fn gib() -> f64 {
 }
 
 impl Cluster {
+    /// A cluster from its JSON (`what` names the file in errors), every value checked.
     pub fn from_json(text: &str, what: &str) -> Result<Cluster, PlanError> {
         let c: Cluster = serde_json::from_str(text).map_err(|e| PlanError::Input(format!("{what}: {e}")))?;
         c.check(what)?;
@@ -137,34 +150,42 @@ impl Cluster {
         Ok(())
     }
 
+    /// Ranks in all.
     pub fn world(&self) -> u64 {
         self.hosts * self.ranks_per_host
     }
 
+    /// The link across hosts (the one inside on a one-host cluster).
     pub fn inter(&self) -> Link {
         self.links.inter.unwrap_or(self.links.intra)
     }
 
+    /// Parameters per second one rank's optimizer steps where its states live.
     pub fn optimizer_params_per_s(&self) -> f64 {
         self.optimizer_params_per_s.unwrap_or(if self.accelerator { 2e10 } else { 2e8 })
     }
 
+    /// Parameters per second the host's optimizer steps (offloaded states).
     pub fn host_optimizer_params_per_s(&self) -> f64 {
         self.host_optimizer_params_per_s.unwrap_or(5e8)
     }
 
+    /// Bytes per second between a rank and its host's memory.
     pub fn host_link_bytes_per_s(&self) -> f64 {
         self.host_link_bytes_per_s.unwrap_or(2.5e10)
     }
 
+    /// Bytes per second of a rank's memory (the optimizer's and the activations' traffic).
     pub fn memory_bytes_per_s(&self) -> f64 {
         self.memory_bytes_per_s.unwrap_or(if self.accelerator { 2e12 } else { 5e9 })
     }
 
+    /// Seconds of fixed cost per collective or kernel launch.
     pub fn op_overhead_s(&self) -> f64 {
         self.op_overhead_s.unwrap_or(1e-5)
     }
 
+    /// The fraction of the data-parallel traffic hidden behind compute.
     pub fn comm_overlap(&self) -> f64 {
         self.comm_overlap.unwrap_or(if self.accelerator { 0.5 } else { 0.0 })
     }
@@ -173,8 +194,11 @@ impl Cluster {
 /// A ring collective among `ranks` ranks over `n` bytes (Thakur, Rabenseifner, Gropp 2005).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Collective {
+    /// Every rank ends with the reduction of every rank's buffer.
     AllReduce,
+    /// Every rank ends with its part of the reduction.
     ReduceScatter,
+    /// Every rank ends with every rank's part.
     AllGather,
 }
 

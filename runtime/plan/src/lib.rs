@@ -6,6 +6,7 @@
 //! ([`activations`]), stage 3's gathered units, the process floor. Time: compute from FLOPs and the rank's matmul
 //! throughput, every collective by the ring's alpha-beta cost on the link class it crosses ([`cluster`]), the
 //! pipeline's bubble from the schedule, the optimizer and the offload traffic from their throughputs. No libtorch.
+#![warn(missing_docs)]
 pub mod activations;
 pub mod cluster;
 mod ds_config;
@@ -21,8 +22,10 @@ use serde::Serialize;
 use zerorun_config::Precision;
 
 #[derive(Debug, thiserror::Error)]
+/// A plan that cannot be made, with the reason.
 pub enum PlanError {
     #[error("{0}")]
+    /// An input (a model or cluster file, an option) is wrong; the message names it.
     Input(String),
 }
 
@@ -30,14 +33,20 @@ pub enum PlanError {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Offload {
+    /// Everything in the rank's memory.
     None,
+    /// Optimizer states in host memory.
     CpuOptimizer,
+    /// Optimizer states and parameters in host memory.
     CpuOptimizerParams,
+    /// Optimizer states on NVMe.
     NvmeOptimizer,
+    /// Optimizer states and parameters on NVMe.
     NvmeOptimizerParams,
 }
 
 impl Offload {
+    /// Every placement, none first.
     pub const ALL: [Offload; 5] = [
         Offload::None,
         Offload::CpuOptimizer,
@@ -46,6 +55,7 @@ impl Offload {
         Offload::NvmeOptimizerParams,
     ];
 
+    /// The name the plan's tables and JSON use.
     pub fn name(self) -> &'static str {
         match self {
             Offload::None => "none",
@@ -56,14 +66,17 @@ impl Offload {
         }
     }
 
+    /// Whether parameters are offloaded.
     pub fn params(self) -> bool {
         matches!(self, Offload::CpuOptimizerParams | Offload::NvmeOptimizerParams)
     }
 
+    /// Whether optimizer states are offloaded.
     pub fn optimizer(self) -> bool {
         self != Offload::None
     }
 
+    /// Whether what is offloaded goes to NVMe.
     pub fn nvme(self) -> bool {
         matches!(self, Offload::NvmeOptimizer | Offload::NvmeOptimizerParams)
     }
@@ -72,13 +85,21 @@ impl Offload {
 /// One way to train: the choices a ds_config and the program's flags make.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct Strategy {
+    /// The ZeRO stage.
     pub stage: u8,
+    /// Where states live.
     pub offload: Offload,
+    /// Pipeline stages.
     pub pipeline: u64,
+    /// Tensor-parallel degree.
     pub tensor: u64,
+    /// Data-parallel degree.
     pub data: u64,
+    /// Samples per micro-batch per rank.
     pub micro_batch: u64,
+    /// Micro-batches per optimizer step.
     pub gradient_accumulation: u64,
+    /// Every layer recomputed in backward.
     pub activation_checkpointing: bool,
 }
 
@@ -86,17 +107,25 @@ pub struct Strategy {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Row {
     #[serde(flatten)]
+    /// The strategy.
     pub strategy: Strategy,
+    /// Predicted peak resident bytes of one rank.
     pub peak_bytes_per_rank: f64,
+    /// Of which activations.
     pub activation_bytes_per_rank: f64,
     /// Parameters, gradients and optimizer states one rank holds wherever they live (`zerorun estimate`'s count).
     pub model_state_bytes_per_rank: f64,
     /// Host memory per host of what is offloaded to CPU (plus, on a CPU cluster, every rank's peak).
     pub host_bytes_per_host: f64,
+    /// Predicted seconds per optimizer step.
     pub step_seconds: f64,
+    /// Predicted tokens per second over the job.
     pub tokens_per_s: f64,
+    /// Whether the peak fits the rank's memory (and the host's).
     pub fits: bool,
+    /// The peak's parts.
     pub memory: MemoryParts,
+    /// The step's parts.
     pub time: Breakdown,
 }
 
@@ -105,6 +134,7 @@ pub struct Row {
 pub struct Options {
     /// Samples per optimizer step, over all ranks.
     pub global_batch: u64,
+    /// The parameters' precision.
     pub precision: Precision,
     /// Largest micro-batch tried (powers of two up to it, and the whole per-rank batch).
     pub max_micro_batch: u64,

@@ -6,14 +6,19 @@ use crate::PlanError;
 /// A decoder-only transformer (GPT or Llama style), the keys `zerorun estimate --model` reads.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Transformer {
+    /// Transformer layers.
     pub layers: u64,
+    /// Hidden size.
     pub hidden: u64,
+    /// Attention heads.
     pub heads: u64,
     /// Key/value heads (grouped-query attention); `heads` without it.
     pub kv_heads: u64,
     /// Width of the MLP's inner layer; 4 x hidden (GPT) or Llama's `intermediate_size`.
     pub ffn: u64,
+    /// Vocabulary size.
     pub vocab: u64,
+    /// Sequence length.
     pub seq_len: u64,
     /// The output head shares the token embedding.
     pub tied: bool,
@@ -27,7 +32,9 @@ pub struct Transformer {
 /// A model known by measured totals (`zerorun plan --from-report`, or written by hand).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Measured {
+    /// Parameters.
     pub params: u64,
+    /// Parameters of the largest layer.
     pub largest_layer_params: u64,
     /// Bytes autograd keeps for backward per sample of a micro-batch, without recomputation.
     pub activation_bytes_per_sample: u64,
@@ -35,13 +42,17 @@ pub struct Measured {
     pub flops_per_sample: f64,
     /// Layers the model can be cut into (pipeline stages, recomputation units); default 1.
     pub layers: u64,
+    /// Sequence length.
     pub seq_len: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[serde(untagged)]
+/// A model to plan for: a transformer by its shape, or one known by measured totals.
 pub enum Model {
+    /// A transformer by its shape.
     Transformer(Transformer),
+    /// Measured totals.
     Measured(Measured),
 }
 
@@ -118,6 +129,7 @@ impl Model {
         }))
     }
 
+    /// Parameters.
     pub fn params(&self) -> u64 {
         match self {
             Model::Transformer(t) => t.params(),
@@ -125,6 +137,7 @@ impl Model {
         }
     }
 
+    /// Layers.
     pub fn layers(&self) -> u64 {
         match self {
             Model::Transformer(t) => t.layers,
@@ -132,6 +145,7 @@ impl Model {
         }
     }
 
+    /// Sequence length.
     pub fn seq_len(&self) -> u64 {
         match self {
             Model::Transformer(t) => t.seq_len,
@@ -185,6 +199,7 @@ impl Transformer {
         }
     }
 
+    /// Parameters of this shape.
     pub fn params(&self) -> u64 {
         let h = self.hidden;
         let embed = self.vocab * h + if self.gated { 0 } else { self.seq_len * h };

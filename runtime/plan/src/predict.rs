@@ -9,6 +9,7 @@ use crate::{activations, Cluster, Link, Model, Options, Row, Strategy};
 /// The peak's parts, bytes per rank.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct MemoryParts {
+    /// The process's memory before the model.
     pub floor: f64,
     /// Model states resident in the rank's memory (not offloaded; on a CPU cluster with the NVMe swap buffers).
     pub model_states: f64,
@@ -17,12 +18,14 @@ pub struct MemoryParts {
     /// The reduction's buffers: the full gradients staged at stage 1, a unit's gradients and its reduced part at
     /// stages 2 and 3.
     pub reduction_buffers: f64,
+    /// Autograd's saved tensors at the peak.
     pub activations: f64,
     /// What the forward creates but does not keep (resident in the heap after it is freed), the logits' gradient
     /// and one layer's largest intermediate, alive during backward.
     pub temporaries: f64,
     /// Offloaded to the host (per rank) and to NVMe (per rank), outside the peak.
     pub host: f64,
+    /// On NVMe.
     pub nvme: f64,
 }
 
@@ -33,8 +36,11 @@ pub struct Breakdown {
     pub compute: f64,
     /// ZeRO's collectives over the data-parallel group, the part not hidden behind compute.
     pub data_parallel_comm: f64,
+    /// Tensor-parallel collectives.
     pub tensor_parallel_comm: f64,
+    /// Pipeline sends and receives between stages.
     pub pipeline_comm: f64,
+    /// The optimizer step.
     pub optimizer: f64,
     /// Offload traffic: host link, NVMe reads and writes.
     pub offload: f64,

@@ -8,7 +8,9 @@ use crate::{ReportError, Result};
 
 /// One curve: its label and its (x, y) points in x order.
 pub struct Curve {
+    /// The legend's text.
     pub label: String,
+    /// (x, y) in x order.
     pub points: Vec<(f64, f64)>,
 }
 

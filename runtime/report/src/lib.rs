@@ -2,6 +2,7 @@
 //! the per-rank report (`memory.rs`: categories sampled every optimizer step and at events, the peak and its
 //! breakdown, the table) and its pictures (`plot.rs`: one run per rank, or several runs side by side); line
 //! charts of several runs' curves (`curves.rs`).
+#![warn(missing_docs)]
 pub mod curves;
 pub mod memory;
 pub mod plot;
@@ -12,12 +13,26 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 pub enum ReportError {
     #[error("{}: {what}", path.display())]
-    Io { path: PathBuf, what: String },
+    /// A report could not be read or written.
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The system's error.
+        what: String,
+    },
     /// A file that is not a zerorun memory report of this schema.
     #[error("{}: {what}", path.display())]
-    Format { path: PathBuf, what: String },
+    /// A report file is not what this version writes.
+    Format {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        what: String,
+    },
     #[error("{0}")]
+    /// A picture could not be drawn (plotters' error).
     Draw(String),
 }
 
+/// This crate's results.
 pub type Result<T> = std::result::Result<T, ReportError>;

@@ -41,8 +41,11 @@ pub enum MemoryCategory {
     GradientsShard,
     /// One unit's gradients during stage 3's backward, before their reduction (events only).
     GradientsUnit,
+    /// The fp32 master copy of 16-bit parameters.
     MasterFp32,
+    /// The optimizer's states in memory.
     OptimizerStates,
+    /// The optimizer's states on NVMe (outside the resident set).
     OptimizerStatesNvme,
     /// Reduction staging and partition buffers.
     CommunicationBuffers,
@@ -93,21 +96,31 @@ pub const MODEL_STATE_CATEGORIES: [&str; 8] = [
 pub type CategoryList = [(MemoryCategory, usize)];
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+/// A category's bytes now and at most over the run.
 pub struct CategoryBytes {
+    /// Now.
     pub current_bytes: u64,
+    /// At most.
     pub peak_bytes: u64,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+/// Model states measured by the engine beside the estimator's count for the same config.
 pub struct ModelStates {
+    /// What the engine holds.
     pub measured_bytes: u64,
+    /// What `zerorun estimate` predicts.
     pub estimated_bytes: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// The memory at the end of one optimizer step.
 pub struct StepSample {
+    /// The step (1 for the first).
     pub step: u64,
+    /// Resident memory.
     pub rss_bytes: u64,
+    /// Bytes by category.
     pub categories: BTreeMap<String, u64>,
 }
 
@@ -118,8 +131,11 @@ pub struct StepSample {
 pub struct EventSample {
     /// The optimizer step the event belongs to (1 for the first step; 0 for initialisation).
     pub step: u64,
+    /// The event's name (`forward unit 3`, `optimizer step`, ...).
     pub event: String,
+    /// Resident memory then.
     pub rss_bytes: u64,
+    /// Bytes by category then.
     pub categories: BTreeMap<String, u64>,
 }
 
@@ -131,13 +147,21 @@ impl EventSample {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// One rank's memory report (`memory_rank{r}.json`): categories, samples per step, the peak event and its step's timeline.
 pub struct MemoryReport {
+    /// The format's version.
     pub schema_version: u32,
+    /// The rank.
     pub rank: usize,
+    /// Ranks in the job.
     pub world_size: usize,
+    /// The ZeRO stage.
     pub stage: u8,
+    /// The model's dtype.
     pub precision: String,
+    /// Every category's bytes, now and at most.
     pub categories: BTreeMap<String, CategoryBytes>,
+    /// Model states, measured and estimated.
     pub model_states: ModelStates,
     /// The process floor: resident memory when `initialize` began less the model's variables (already built by
     /// the program): the libraries, libtorch first, and the program's own data. Peak RSS = floor + model states +
@@ -148,7 +172,9 @@ pub struct MemoryReport {
     /// packed and sharded). 0 in reports written before it existed.
     #[serde(default)]
     pub init_peak_rss_bytes: u64,
+    /// The process's peak resident memory over the run.
     pub peak_rss_bytes: u64,
+    /// One sample per optimizer step.
     pub steps: Vec<StepSample>,
     /// The event with the highest resident memory of the run.
     #[serde(default)]
@@ -173,16 +199,22 @@ pub struct MemoryReport {
 /// `allocated_bytes.all.*` and `reserved_bytes.all.*`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DeviceMemory {
+    /// Bytes in live tensors at the end.
     pub allocated: u64,
+    /// At most over the run.
     pub allocated_peak: u64,
+    /// Bytes the allocator holds from the driver at the end.
     pub reserved: u64,
+    /// At most over the run.
     pub reserved_peak: u64,
 }
 
 /// What a pipeline stage's report adds (`rank` and `world_size` are then the job's).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PipelineStage {
+    /// This rank's stage.
     pub stage: usize,
+    /// Stages in the pipeline.
     pub stages: usize,
     /// The stage's layers, e.g. `embed..blocks.1`.
     pub layers: String,
@@ -191,9 +223,12 @@ pub struct PipelineStage {
     /// Mean per optimizer step, microseconds: the whole step, forward and backward compute, blocked on the
     /// neighbours, and the optimizer step (with the tied weights' exchange).
     pub step_us: u64,
+    /// Forward and backward compute, microseconds.
     pub compute_us: u64,
+    /// Waiting for the neighbours, microseconds.
     pub wait_us: u64,
     #[serde(default)]
+    /// The optimizer step, microseconds.
     pub optimizer_us: u64,
 }
 
@@ -201,8 +236,11 @@ pub struct PipelineStage {
 /// the engine's events (the run's peak event and the timeline of its step).
 #[derive(Debug, Default)]
 pub struct MemoryTracker {
+    /// Every category's bytes, now and at most.
     pub categories: BTreeMap<String, CategoryBytes>,
+    /// One sample per optimizer step.
     pub steps: Vec<StepSample>,
+    /// The event with the highest resident memory so far.
     pub peak: Option<EventSample>,
     /// The timeline of the step that holds `peak`.
     pub peak_step_events: Vec<EventSample>,
@@ -289,11 +327,13 @@ pub fn rss() -> (u64, u64) {
     (field("VmRSS:").saturating_sub(peers), field("VmHWM:").saturating_sub(peers))
 }
 
+/// Where rank `rank`'s report goes in `dir`.
 pub fn report_path(dir: &Path, rank: usize) -> PathBuf {
     dir.join(format!("memory_rank{rank}.json"))
 }
 
 impl MemoryReport {
+    /// Writes the report to `dir` (atomically); returns its path.
     pub fn write(&self, dir: &Path) -> Result<PathBuf> {
         let path = report_path(dir, self.rank);
         std::fs::create_dir_all(dir).map_err(|e| ReportError::Io { path: dir.into(), what: e.to_string() })?;

@@ -12,6 +12,7 @@
 //! Sends are asynchronous (posted, then waited on at the end of the step), receives block and take messages in
 //! the order they were sent on their channel (one per pair of ranks and direction, as the runtime's links are):
 //! [`validate`] simulates exactly that.
+#![warn(missing_docs)]
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::fmt;
 
@@ -20,34 +21,49 @@ use std::fmt;
 pub enum Action {
     /// Receive micro-batch `mb`'s activation from the previous (virtual) stage.
     RecvActivation {
+        /// The micro-batch.
         mb: usize,
+        /// The model chunk.
         chunk: usize,
     },
+    /// Run micro-batch `mb` forward through chunk `chunk`.
     Forward {
+        /// The micro-batch.
         mb: usize,
+        /// The model chunk.
         chunk: usize,
     },
     /// Send micro-batch `mb`'s output to the next (virtual) stage.
     SendActivation {
+        /// The micro-batch.
         mb: usize,
+        /// The model chunk.
         chunk: usize,
     },
     /// Receive the gradient of micro-batch `mb`'s output from the next (virtual) stage.
     RecvGradient {
+        /// The micro-batch.
         mb: usize,
+        /// The model chunk.
         chunk: usize,
     },
+    /// Run micro-batch `mb` backward through chunk `chunk`.
     Backward {
+        /// The micro-batch.
         mb: usize,
+        /// The model chunk.
         chunk: usize,
     },
     /// Send the gradient of micro-batch `mb`'s input to the previous (virtual) stage.
     SendGradient {
+        /// The micro-batch.
         mb: usize,
+        /// The model chunk.
         chunk: usize,
     },
     /// Reduce this stage's gradients over its data-parallel group (once, after the last backward).
     ReduceGradients,
+    /// Step the stage's optimizer (once, after the reduction).
     OptimizerStep,
 }
 
@@ -76,7 +92,9 @@ impl fmt::Display for Action {
 /// Which schedule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
+    /// All forwards, then all backwards.
     GPipe,
+    /// One forward, one backward in the steady state (PipeDream-Flush).
     OneFOneB,
     /// Interleaved 1F1B with this many chunks per rank (at least 2).
     Interleaved(usize),
@@ -106,17 +124,53 @@ impl Kind {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ScheduleError {
     #[error("a pipeline of {stages} stages needs at least one stage and one micro-batch ({micro_batches} given)")]
-    Empty { stages: usize, micro_batches: usize },
+    /// No stage or no micro-batch.
+    Empty {
+        /// Stages.
+        stages: usize,
+        /// Micro-batches.
+        micro_batches: usize,
+    },
     #[error(
         "{micro_batches} micro-batches for {stages} stages: fewer micro-batches than stages leaves stages idle for most of the step (and hangs some implementations); use at least {stages}, or allow it explicitly (pipeline.allow_fewer_micro_batches)"
     )]
-    FewerMicroBatchesThanStages { stages: usize, micro_batches: usize },
+    /// Fewer micro-batches than stages, not allowed by the config.
+    FewerMicroBatchesThanStages {
+        /// Stages.
+        stages: usize,
+        /// Micro-batches.
+        micro_batches: usize,
+    },
     #[error("interleaved 1F1B with {virtual_stages} chunks per rank on {stages} stages and {micro_batches} micro-batches: {why}")]
-    Interleaving { stages: usize, micro_batches: usize, virtual_stages: usize, why: &'static str },
+    /// Interleaving that cannot run with these numbers.
+    Interleaving {
+        /// Stages.
+        stages: usize,
+        /// Micro-batches.
+        micro_batches: usize,
+        /// Chunks per rank.
+        virtual_stages: usize,
+        /// Why it cannot interleave.
+        why: &'static str,
+    },
     #[error("the schedule deadlocks: stage {stage} waits at action {index} ({action}) and no stage can move")]
-    Deadlock { stage: usize, index: usize, action: Action },
+    /// Every stage waits for another: the schedule deadlocks.
+    Deadlock {
+        /// The stage that waits.
+        stage: usize,
+        /// Its action's index.
+        index: usize,
+        /// The action.
+        action: Action,
+    },
     #[error("stage {stage}: {what}")]
-    Invalid { stage: usize, what: String },
+    /// A stage's actions are wrong (a backward before its forward, say).
+    Invalid {
+        /// The stage.
+        stage: usize,
+        /// What is wrong.
+        what: String,
+    },
 }
 
 /// Every stage's actions for one optimizer step: `p` stages, `m` micro-batches. `m < p` is an error unless
@@ -221,9 +275,11 @@ pub fn build(
 /// step and a stage waits for its inputs.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Simulation {
+    /// Each stage's peak of activations held, in chunks.
     pub peak_activations: Vec<usize>,
     /// Compute steps until the last stage's last action.
     pub steps: usize,
+    /// The idle fraction of stage-time.
     pub bubble: f64,
     /// Per time step, per stage: the compute action run then (None: idle).
     pub timeline: Vec<Vec<Option<Action>>>,

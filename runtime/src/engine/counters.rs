@@ -4,16 +4,22 @@
 /// Elements moved by the engine's collectives since it started (counted by the caller's rank).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct CommVolume {
+    /// By all-gathers.
     pub all_gather_elements: u64,
+    /// By reduce-scatters.
     pub reduce_scatter_elements: u64,
+    /// By all-reduces.
     pub all_reduce_elements: u64,
 }
 
 /// Bytes of gathered full parameters: now, at most over the run, and at most in the current optimizer step.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct GatheredBytes {
+    /// Now.
     pub current: usize,
+    /// At most over the run.
     pub peak: usize,
+    /// At most in the current optimizer step.
     pub step_peak: usize,
 }
 

@@ -72,10 +72,26 @@ pub enum StepOutcome {
     /// Not at a gradient-accumulation boundary: gradients were kept, nothing else happened.
     Accumulating,
     /// An optimizer step was taken; `loss` is the mean over micro-batches and ranks.
-    Stepped { step: u64, loss: f64, grad_norm: f64, lr: f64 },
+    Stepped {
+        /// The optimizer step (1 for the first).
+        step: u64,
+        /// The loss, mean over micro-batches and ranks.
+        loss: f64,
+        /// The global gradient norm before clipping.
+        grad_norm: f64,
+        /// The learning rate used.
+        lr: f64,
+    },
     /// fp16 gradients (or bf16 ones with `bf16.check_grad_overflow`) overflowed on some rank: no update; under fp16
     /// the loss scale was lowered (`scale` is the new one, 1 under bf16).
-    Skipped { step: u64, loss: f64, scale: f64 },
+    Skipped {
+        /// The optimizer step.
+        step: u64,
+        /// The loss, mean over micro-batches and ranks.
+        loss: f64,
+        /// The loss scale now.
+        scale: f64,
+    },
 }
 
 /// Options a program sets in code rather than in ds_config.json.
@@ -164,6 +180,7 @@ impl Engine {
         Self::new_materialized(vs, config, comm, options, None)
     }
 
+    /// This rank's index among the data-parallel ranks.
     pub fn rank(&self) -> usize {
         self.comm.rank()
     }
@@ -178,18 +195,22 @@ impl Engine {
         self.config.precision()
     }
 
+    /// Data-parallel ranks.
     pub fn world_size(&self) -> usize {
         self.comm.world_size()
     }
 
+    /// The config as `initialize` resolved it (stage 3's sizes filled in).
     pub fn config(&self) -> &Config {
         &self.config
     }
 
+    /// The batch sizes for this world size.
     pub fn batch_sizes(&self) -> BatchSizes {
         self.batch
     }
 
+    /// Where every parameter lives in the flat buffer.
     pub fn layout(&self) -> &FlatLayout {
         &self.states.layout
     }
@@ -199,6 +220,7 @@ impl Engine {
         self.progress.global_steps
     }
 
+    /// Samples trained on over all ranks: the data cursor (`sampler(..).next_micro_batches(engine.global_samples())`).
     pub fn global_samples(&self) -> u64 {
         self.progress.global_samples
     }

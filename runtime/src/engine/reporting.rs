@@ -8,10 +8,13 @@ pub use crate::comm::env::MEMORY_REPORT_ENV;
 /// What [`Engine::finish_memory_report`](crate::engine::Engine::finish_memory_report) wrote (rank 0 also drew the picture and made the table).
 #[derive(Debug, Clone)]
 pub struct MemoryReportFiles {
+    /// This rank's report.
     pub json: PathBuf,
     /// Rank 0: the table of every rank and the pictures.
     pub table: Option<String>,
+    /// Rank 0: the per-step picture (SVG).
     pub svg: Option<PathBuf>,
+    /// Rank 0: the same as PNG.
     pub png: Option<PathBuf>,
 }
 

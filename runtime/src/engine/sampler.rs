@@ -8,12 +8,19 @@ use std::ops::Range;
 use crate::engine::BatchSizes;
 
 #[derive(Debug, Clone, PartialEq)]
+/// torch's DistributedSampler by global batch: every global batch is a function of (seed, epoch, index), split over ranks and micro-batches, so a restart at any world size continues with the next sample.
 pub struct DistributedSampler {
+    /// Samples in the data set.
     pub dataset_len: usize,
+    /// The permutation's seed.
     pub seed: u64,
+    /// Shuffle each epoch.
     pub shuffle: bool,
+    /// The batch sizes.
     pub batch: BatchSizes,
+    /// This rank.
     pub rank: usize,
+    /// Data-parallel ranks.
     pub world_size: usize,
 }
 

@@ -21,7 +21,9 @@ use crate::mesh::{Mesh, MeshOptions};
 pub struct BubbleCase {
     /// "gpipe", "1f1b" or "interleaved".
     pub schedule: &'static str,
+    /// Pipeline stages.
     pub stages: usize,
+    /// Micro-batches per step.
     pub micro_batches: usize,
     /// Chunks per stage (interleaved; else 1).
     pub virtual_stages: usize,

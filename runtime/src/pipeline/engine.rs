@@ -27,7 +27,9 @@ use crate::mesh::{Dim, Mesh};
 /// One micro-batch as a stage sees it: the first stage needs the inputs, the last the labels; the others get None.
 #[derive(Debug, Default)]
 pub struct MicroBatch {
+    /// The first stage's inputs.
     pub inputs: Option<Tensor>,
+    /// The last stage's labels.
     pub labels: Option<Tensor>,
 }
 
@@ -70,6 +72,7 @@ impl StageTimes {
     }
 }
 
+/// A pipeline stage's engine: runs the schedule's actions for this stage, exchanges activations and gradients with its neighbours, and steps a ZeRO engine (stages 0-2) over the stage's data-parallel group.
 pub struct PipelineEngine<'a> {
     pub(super) engine: Engine,
     pub(super) model: StageModel<'a>,
@@ -355,14 +358,17 @@ impl<'a> PipelineEngine<'a> {
         &self.engine
     }
 
+    /// The stage's ZeRO engine, mutable.
     pub fn engine_mut(&mut self) -> &mut Engine {
         &mut self.engine
     }
 
+    /// Where this rank sits in the pipeline.
     pub fn placement(&self) -> &StagePlacement {
         &self.placement
     }
 
+    /// This stage's layers.
     pub fn model(&self) -> &StageModel<'a> {
         &self.model
     }
@@ -468,6 +474,7 @@ impl<'a> PipelineEngine<'a> {
         self.placement.rank
     }
 
+    /// Micro-batches per step (`gradient_accumulation_steps`).
     pub fn micro_batches(&self) -> usize {
         self.engine.batch_sizes().gradient_accumulation_steps as usize
     }

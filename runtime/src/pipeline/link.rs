@@ -32,6 +32,7 @@ struct Channel {
     from: usize,
 }
 
+/// Sends and receives between neighbouring stages, each message carrying its shape and dtype.
 pub struct StageLink {
     /// None with a single stage.
     channels: Option<[Channel; 2]>,

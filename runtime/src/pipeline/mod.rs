@@ -27,11 +27,15 @@ pub use placement::StagePlacement;
 #[derive(Debug, thiserror::Error)]
 pub enum PipelineError {
     #[error(transparent)]
+    /// The schedule cannot run.
     Schedule(#[from] schedule::ScheduleError),
     #[error(transparent)]
+    /// The layers cannot be cut into the stages.
     Partition(#[from] partition::PartitionError),
     #[error("pipeline: {0}")]
+    /// The ranks cannot be laid out as stages.
     Placement(String),
     #[error("pipeline model: {0}")]
+    /// The model is wrong for a pipeline (a tied weight asked for before it is made, say).
     Model(String),
 }

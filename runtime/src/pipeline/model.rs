@@ -46,7 +46,9 @@ enum Builder<'a> {
 /// owns it (its engine trains it); every other stage using it holds a replica, whose gradient goes to the owner
 /// before the owner's last backward and whose value comes back after the step.
 pub struct TiedWeight {
+    /// The key layers share it by.
     pub key: String,
+    /// The weight.
     pub tensor: Tensor,
     /// The owner's stage.
     pub owner: usize,
@@ -98,6 +100,7 @@ impl<'a> PipelineModel<'a> {
         self
     }
 
+    /// Layers in the model.
     pub fn layer_count(&self) -> usize {
         self.layers.len()
     }

@@ -11,21 +11,49 @@ use crate::config::Partition;
 /// What the partitioner knows of a layer.
 #[derive(Debug, Clone)]
 pub struct LayerInfo {
+    /// The layer's name.
     pub name: String,
     /// Trainable elements.
     pub parameters: usize,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+/// A partition that cannot be made; names the key and the numbers.
 pub enum PartitionError {
     #[error("pipeline.partition: {layers} layers cannot fill {stages} stages (every stage needs at least one layer)")]
-    TooFewLayers { layers: usize, stages: usize },
+    /// Fewer layers than stages.
+    TooFewLayers {
+        /// Layers.
+        layers: usize,
+        /// Stages.
+        stages: usize,
+    },
     #[error("pipeline.partition: the boundaries {bounds:?} must be {stages} + 1 increasing layer indices from 0 to {layers}")]
-    Bounds { bounds: Vec<usize>, stages: usize, layers: usize },
+    /// Explicit boundaries that do not cut the layers into the stages.
+    Bounds {
+        /// The boundaries given.
+        bounds: Vec<usize>,
+        /// Stages.
+        stages: usize,
+        /// Layers.
+        layers: usize,
+    },
     #[error("pipeline.partition: \"type:{pattern}\" is not a regular expression: {why}")]
-    Pattern { pattern: String, why: String },
+    /// A `type:REGEX` partition whose pattern is not a regular expression.
+    Pattern {
+        /// The pattern.
+        pattern: String,
+        /// The regex error.
+        why: String,
+    },
     #[error("pipeline.partition: \"type:{pattern}\" matches no layer (layers: {names})")]
-    NoMatch { pattern: String, names: String },
+    /// A `type:REGEX` partition whose pattern matches no layer.
+    NoMatch {
+        /// The pattern.
+        pattern: String,
+        /// The layers' names.
+        names: String,
+    },
 }
 
 /// Each stage's range of layers.

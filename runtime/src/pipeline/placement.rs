@@ -13,7 +13,9 @@ fn placement(e: MeshError) -> PipelineError {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
+/// Where this rank sits in a pipeline: its stage, its data-parallel and tensor-parallel indices.
 pub struct StagePlacement {
+    /// Pipeline stages.
     pub stages: usize,
     /// Chunks of layers per stage (interleaved schedules; else 1): chunk `c` of stage `s` is virtual stage
     /// `c * stages + s`.
@@ -28,7 +30,9 @@ pub struct StagePlacement {
     pub tensor_parallel: usize,
     /// This rank's index in its tensor-parallel group.
     pub model_index: usize,
+    /// This rank in the job.
     pub rank: usize,
+    /// Ranks in the job.
     pub world_size: usize,
 }
 

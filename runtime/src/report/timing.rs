@@ -3,16 +3,24 @@
 use std::time::Duration;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// A part of the optimizer step, timed by `wall_clock_breakdown`.
 pub enum Phase {
+    /// Forward compute.
     Forward,
+    /// Backward compute.
     Backward,
+    /// The optimizer step.
     Step,
+    /// Parameter all-gathers.
     AllGather,
+    /// Gradient reductions.
     ReduceScatter,
+    /// NVMe reads and writes not hidden behind compute.
     OffloadIo,
 }
 
 impl Phase {
+    /// Every phase, in report order.
     pub const ALL: [Phase; 6] =
         [Phase::Forward, Phase::Backward, Phase::Step, Phase::AllGather, Phase::ReduceScatter, Phase::OffloadIo];
 
@@ -21,6 +29,7 @@ impl Phase {
         tracing::trace_span!("phase", name = self.name())
     }
 
+    /// The phase's name in the report.
     pub fn name(self) -> &'static str {
         match self {
             Phase::Forward => "forward",
@@ -42,6 +51,7 @@ pub struct PhaseTimes {
 }
 
 impl PhaseTimes {
+    /// Adds `d` to `phase`.
     pub fn add(&mut self, phase: Phase, d: Duration) {
         self.current[phase as usize] += d;
         self.total[phase as usize] += d;
@@ -53,6 +63,7 @@ impl PhaseTimes {
         self.total[phase as usize]
     }
 
+    /// Collective time so far (all-gather and reduce-scatter).
     pub fn comm(&self) -> Duration {
         self.total[Phase::AllGather as usize] + self.total[Phase::ReduceScatter as usize]
     }
@@ -63,6 +74,7 @@ impl PhaseTimes {
         std::mem::take(&mut self.current)
     }
 
+    /// Optimizer steps timed.
     pub fn steps(&self) -> u64 {
         self.steps
     }

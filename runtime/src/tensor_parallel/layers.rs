@@ -26,8 +26,11 @@ fn this_part(tp: &TensorParallel, n: i64, what: &str) -> (i64, i64) {
 /// goes through `copy_to_region` (its gradient is summed over the group backward); with `gather_output` the parts
 /// are all-gathered into the whole output, else each rank keeps its part (for a row-parallel layer next).
 pub struct ColumnParallelLinear {
+    /// This rank's rows of the weight.
     pub weight: Tensor,
+    /// This rank's part of the bias.
     pub bias: Option<Tensor>,
+    /// All-gather the parts into the whole output.
     pub gather_output: bool,
 }
 
@@ -78,6 +81,7 @@ impl ColumnParallelLinear {
         x.linear(&self.weight, self.bias.as_ref())
     }
 
+    /// `x W_r^T + b_r` (all-gathered with `gather_output`).
     pub fn forward(&self, tp: &TensorParallel, x: &Tensor) -> Result<Tensor> {
         let y = self.forward_copied(&tp.copy_to_region(x)?);
         if self.gather_output {
@@ -93,13 +97,16 @@ impl ColumnParallelLinear {
 /// sum. With `input_is_parallel` the input is already this rank's part (a column-parallel layer's output), else it
 /// is cut with `scatter_to_region`.
 pub struct RowParallelLinear {
+    /// This rank's columns of the weight.
     pub weight: Tensor,
+    /// The bias, whole on every rank.
     pub bias: Option<Tensor>,
+    /// The input is already this rank's part.
     pub input_is_parallel: bool,
 }
 
 impl RowParallelLinear {
-    /// Variables `weight` [out, in/T] (this rank's columns of `nn::linear`'s) and `bias` [out] (whole) under `path`.
+    /// Variables `weight` `[out, in/T]` (this rank's columns of `nn::linear`'s) and `bias` `[out]` (whole) under `path`.
     pub fn new(
         path: &nn::Path,
         tp: &TensorParallel,
@@ -116,6 +123,7 @@ impl RowParallelLinear {
         RowParallelLinear { weight, bias, input_is_parallel }
     }
 
+    /// The sum over the group of `x_r W_r^T`, plus the bias.
     pub fn forward(&self, tp: &TensorParallel, x: &Tensor) -> Result<Tensor> {
         let x = if self.input_is_parallel { x.shallow_clone() } else { tp.scatter_to_region(x)? };
         let y = tp.reduce_from_region(&x.linear::<Tensor>(&self.weight, None))?;
@@ -130,6 +138,7 @@ impl RowParallelLinear {
 /// the ids in its range (the others read row 0 and are zeroed), and `reduce_from_region` sums the ranks' lookups,
 /// so every rank ends with the whole embedding of every id.
 pub struct VocabParallelEmbedding {
+    /// This rank's rows.
     pub weight: Tensor,
     /// This rank's first row (vocabulary id).
     pub start: i64,
@@ -161,6 +170,7 @@ impl VocabParallelEmbedding {
         VocabParallelEmbedding { weight: path.var_copy("weight", &full.narrow(0, start, part)), start }
     }
 
+    /// The embedding of every id in `ids`, whole on every rank.
     pub fn forward(&self, tp: &TensorParallel, ids: &Tensor) -> Result<Tensor> {
         let rows = self.weight.size()[0];
         let local = ids - self.start;

@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex};
 /// rows past it are padding, which checkpoints, consolidation and whole copies leave out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Split {
+    /// The dimension split.
     pub dim: usize,
     /// The true extent along `dim` (None: the members' parts together, no padding).
     pub whole: Option<i64>,

@@ -40,8 +40,11 @@ enum Region {
 /// Collectives this group ran, forward and backward together (each rank counts its own).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct TensorParallelCounts {
+    /// All-reduces.
     pub all_reduce: u64,
+    /// All-gathers.
     pub all_gather: u64,
+    /// Reduce-scatters.
     pub reduce_scatter: u64,
     /// Elements moved, as the engine's `CommVolume` counts them.
     pub elements: u64,
@@ -114,10 +117,12 @@ impl TensorParallel {
         })
     }
 
+    /// This rank in the group.
     pub fn rank(&self) -> usize {
         self.inner.comm.rank()
     }
 
+    /// Ranks in the group.
     pub fn size(&self) -> usize {
         self.inner.comm.world_size()
     }

@@ -16,8 +16,11 @@ use tch::Device;
 /// `ZERORUN_DEVICE_EMULATION=1`, so that `make test` runs the device path's code on CPU tensors.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Residence {
+    /// On the host: views and the host kernels.
     Host,
+    /// On this CUDA device.
     Device(Device),
+    /// Host memory taken as a device (`ZERORUN_DEVICE_EMULATION=1`).
     Emulated,
 }
 

@@ -43,9 +43,13 @@ extern "C" {
 pub struct FusedAdamStep {
     /// The step count after this step (bias correction's t, from 1).
     pub step: u64,
+    /// The learning rate.
     pub lr: f64,
+    /// (beta1, beta2).
     pub betas: (f64, f64),
+    /// Weight decay.
     pub weight_decay: f64,
+    /// Added to the denominator.
     pub eps: f64,
     /// Decoupled weight decay (AdamW); else L2 added to the gradient (Adam).
     pub decoupled: bool,

@@ -35,6 +35,7 @@ pub struct UnitBuilders<'a> {
 }
 
 impl<'a> UnitBuilders<'a> {
+    /// No unit yet.
     pub fn new() -> Self {
         UnitBuilders { units: Vec::new(), init: None }
     }

@@ -4,7 +4,9 @@ use std::ops::Range;
 /// One parameter's place in the flat buffer.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ParamSlot {
+    /// The variable's name.
     pub name: String,
+    /// Its shape.
     pub shape: Vec<i64>,
     /// Element range in the flat buffer.
     pub range: Range<usize>,
@@ -38,12 +40,15 @@ impl UnitSpan {
 /// evenly. Stages 0-2 use one unit (the whole model); stage 3 one per model unit, gathered one at a time.
 #[derive(Debug, Clone, PartialEq)]
 pub struct FlatLayout {
+    /// Every parameter, in flat order.
     pub slots: Vec<ParamSlot>,
+    /// The units.
     pub units: Vec<UnitSpan>,
     /// Elements of real parameters.
     pub numel: usize,
     /// Flat length: real elements plus every unit's padding.
     pub padded: usize,
+    /// Ranks the units are split over.
     pub world_size: usize,
 }
 

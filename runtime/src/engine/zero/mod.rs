@@ -1,8 +1,8 @@
-//! ZeRO's partitioning of the model states: what the stage partitions ([`plan`]), the flat layout of the
+//! ZeRO's partitioning of the model states: what the stage partitions (`plan.rs`), the flat layout of the
 //! parameters ([`layout`]), where their values live (`parameters.rs`: the flat buffer of stages 0-2, stage 3's
 //! shard and units, `sharded_unit.rs`, `frozen.rs`, `swapped_params.rs` for NVMe), the model's units and the stage-3
 //! walk over them (`units.rs`, `unit_walk.rs`, `builders.rs` for models built unit by unit), the VarStore's
-//! variables (`variables.rs`); gradients in [`grads`] and this rank's optimizer in [`optim`].
+//! variables (`variables.rs`); gradients in `grads/` and this rank's optimizer in `optim/`.
 pub mod builders;
 pub(crate) mod frozen;
 pub(crate) mod grads;

@@ -42,6 +42,7 @@ pub struct Sequence<'a> {
 type UnitFn<'a> = Box<dyn Fn(&Tensor) -> Tensor + 'a>;
 
 impl<'a> Sequence<'a> {
+    /// No unit yet.
     pub fn new() -> Self {
         Sequence { units: Vec::new() }
     }

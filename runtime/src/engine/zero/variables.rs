@@ -7,7 +7,7 @@
 //!   `running_var`, `num_batches_tracked`) that the model updates itself; kept consistent by [`BufferSync`].
 //!
 //! All of them start from rank 0's values (DDP's broadcast at construction), are saved in checkpoints and are in
-//! `engine.state_dict()`. A variable belongs to one live engine at a time ([`Claim`]).
+//! `engine.state_dict()`. A variable belongs to one live engine at a time (`Claim`).
 use std::collections::HashSet;
 use std::sync::{LazyLock, Mutex};
 
