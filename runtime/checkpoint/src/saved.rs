@@ -18,6 +18,13 @@ pub struct SavedCheckpoint {
 
 impl SavedCheckpoint {
     /// Opens `dir/<tag>` (default: the tag `dir/latest` names) and reads its manifest.
+    /// ```no_run
+    /// # fn main() -> Result<(), zerorun_checkpoint::CheckpointError> {
+    /// let saved = zerorun_checkpoint::SavedCheckpoint::open(std::path::Path::new("checkpoints"), None)?; // `latest`
+    /// let m = &saved.manifest;
+    /// println!("{}: step {}, saved by {} ranks at stage {}", saved.tag, m.global_steps, m.world_size, m.stage);
+    /// # Ok(()) }
+    /// ```
     pub fn open(dir: &Path, tag: Option<&str>) -> Result<SavedCheckpoint> {
         let tag = match tag {
             Some(t) => t.to_string(),

@@ -65,6 +65,23 @@ pub enum CommDataType {
 
 /// A whole ds_config with every default filled in.
 #[derive(Debug, Clone, PartialEq, Serialize)]
+/// ```
+/// # fn main() -> Result<(), zerorun_config::ConfigError> {
+/// let config = zerorun_config::Config::from_json_str(
+///     r#"{"train_batch_size": 32, "gradient_accumulation_steps": 2,
+///         "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+///         "bf16": {"enabled": true}}"#,
+/// )?;
+/// assert_eq!(config.stage(), 3);
+/// assert_eq!(config.gradient_clipping, 1.0); // DeepSpeed's default, filled in
+/// // The batch rule at 4 ranks: 32 = micro-batch x 2 x 4.
+/// let sizes = config.batch_sizes(4)?;
+/// assert_eq!(sizes.train_micro_batch_size_per_gpu, 4);
+/// // Errors name the JSON path of the key at fault.
+/// let err = zerorun_config::Config::from_json_str(r#"{"zero_optimization": {"stgae": 3}}"#).unwrap_err();
+/// assert!(err.to_string().contains("did you mean `zero_optimization.stage`?"));
+/// # Ok(()) }
+/// ```
 pub struct Config {
     /// Global batch per optimizer step. None until given or resolved.
     pub train_batch_size: Option<u64>,
@@ -153,6 +170,11 @@ const IGNORED_SECTIONS: &[&str] = &[
 
 impl Config {
     /// Reads and validates a ds_config.json file.
+    /// ```no_run
+    /// # fn main() -> Result<(), zerorun_config::ConfigError> {
+    /// let config = zerorun_config::Config::from_file("ds_config.json")?;
+    /// # let _ = config; Ok(()) }
+    /// ```
     pub fn from_file(path: impl AsRef<Path>) -> Result<Config> {
         let path = path.as_ref();
         let text = std::fs::read_to_string(path)
@@ -504,6 +526,13 @@ impl Config {
     }
 
     /// A copy with the batch values inferred for `world_size`: the fully resolved config.
+    /// ```
+    /// # fn main() -> Result<(), zerorun_config::ConfigError> {
+    /// let config: zerorun_config::Config = r#"{"train_micro_batch_size_per_gpu": 4}"#.parse()?;
+    /// let resolved = config.resolve(8)?;
+    /// assert_eq!(resolved.train_batch_size, Some(32));
+    /// # Ok(()) }
+    /// ```
     pub fn resolve(&self, world_size: usize) -> Result<Config> {
         let b = self.batch_sizes(world_size)?;
         Ok(Config {

@@ -344,6 +344,15 @@ impl MemoryReport {
     }
 
     /// Reads `memory_rank{r}.json`; a newer schema or a malformed file is an error naming it.
+    /// ```no_run
+    /// # fn main() -> Result<(), zerorun_report::ReportError> {
+    /// // What `zerorun launch --memory-report run1` wrote for rank 0.
+    /// let report = zerorun_report::memory::MemoryReport::read(std::path::Path::new("run1"), 0)?;
+    /// if let Some(peak) = &report.peak {
+    ///     println!("peak at `{}` of step {}: {} bytes resident", peak.event, peak.step, peak.rss_bytes);
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub fn read(dir: &Path, rank: usize) -> Result<MemoryReport> {
         let path = report_path(dir, rank);
         let text =

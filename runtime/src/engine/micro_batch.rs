@@ -32,12 +32,46 @@ enum Root<'a> {
 impl Engine {
     /// Backward of one micro-batch's loss, scaled by 1/gradient_accumulation_steps as DeepSpeed does (and by the
     /// loss scale under fp16).
+    ///
+    /// ```
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # use tch::nn::{self, Module};
+    /// # use tch::{Device, Kind, Tensor};
+    /// # let vs = nn::VarStore::new(Device::Cpu);
+    /// # let (l0, l1) = (nn::linear(vs.root() / "l0", 4, 8, Default::default()), nn::linear(vs.root() / "l1", 8, 1, Default::default()));
+    /// # let model = zerorun_runtime::engine::Sequence::new().unit(["l0"], move |x| l0.forward(x).relu()).unit(["l1"], move |x| l1.forward(x));
+    /// # let config: zerorun_runtime::Config = r#"{"train_batch_size": 2, "zero_optimization": {"stage": 3}}"#.parse()?;
+    /// # let mesh = zerorun_runtime::Mesh::from_env(&config, Default::default())?;
+    /// # let mut engine = zerorun_runtime::initialize_with(&vs, config, mesh, zerorun_runtime::EngineOptions::default().units_of(&model))?;
+    /// # let x = Tensor::randn([2, 4], (Kind::Float, Device::Cpu));
+    /// let loss = engine.forward(&model, &x)?.square().mean(Kind::Float);
+    /// engine.backward(&loss)?; // a plain loop's call; with units at hand, `backward_units`
+    /// engine.step()?;
+    /// # Ok(()) }
+    /// ```
     pub fn backward(&mut self, loss: &Tensor) -> Result<()> {
         self.backward_impl(None, loss)
     }
 
     /// [`Engine::backward`] with the model at hand, which stage 3 needs to recompute units under activation
     /// checkpointing. Works at every stage.
+    ///
+    /// ```
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # use tch::nn::{self, Module};
+    /// # use tch::{Device, Kind, Tensor};
+    /// # let vs = nn::VarStore::new(Device::Cpu);
+    /// # let (l0, l1) = (nn::linear(vs.root() / "l0", 4, 8, Default::default()), nn::linear(vs.root() / "l1", 8, 1, Default::default()));
+    /// # let model = zerorun_runtime::engine::Sequence::new().unit(["l0"], move |x| l0.forward(x).relu()).unit(["l1"], move |x| l1.forward(x));
+    /// # let config: zerorun_runtime::Config = r#"{"train_batch_size": 2, "zero_optimization": {"stage": 3}}"#.parse()?;
+    /// # let mesh = zerorun_runtime::Mesh::from_env(&config, Default::default())?;
+    /// # let mut engine = zerorun_runtime::initialize_with(&vs, config, mesh, zerorun_runtime::EngineOptions::default().units_of(&model))?;
+    /// # let x = Tensor::randn([2, 4], (Kind::Float, Device::Cpu));
+    /// let loss = engine.forward(&model, &x)?.square().mean(Kind::Float);
+    /// engine.backward_units(&model, &loss)?;
+    /// engine.step()?;
+    /// # Ok(()) }
+    /// ```
     pub fn backward_units(&mut self, model: &dyn UnitModel, loss: &Tensor) -> Result<()> {
         self.backward_impl(Some(model), loss)
     }
@@ -153,6 +187,23 @@ impl Engine {
 
     /// Runs `model` on `input`, unit by unit. At stages 0-2 this is just the units in order; at stage 3 it
     /// gathers each unit's parameters only while it runs. Under `tch::no_grad` nothing is kept for backward.
+    ///
+    /// ```
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # use tch::nn::{self, Module};
+    /// # use tch::{Device, Kind, Tensor};
+    /// # let vs = nn::VarStore::new(Device::Cpu);
+    /// # let (l0, l1) = (nn::linear(vs.root() / "l0", 4, 8, Default::default()), nn::linear(vs.root() / "l1", 8, 1, Default::default()));
+    /// # let model = zerorun_runtime::engine::Sequence::new().unit(["l0"], move |x| l0.forward(x).relu()).unit(["l1"], move |x| l1.forward(x));
+    /// # let config: zerorun_runtime::Config = r#"{"train_batch_size": 2, "zero_optimization": {"stage": 3}}"#.parse()?;
+    /// # let mesh = zerorun_runtime::Mesh::from_env(&config, Default::default())?;
+    /// # let mut engine = zerorun_runtime::initialize_with(&vs, config, mesh, zerorun_runtime::EngineOptions::default().units_of(&model))?;
+    /// # let x = Tensor::randn([2, 4], (Kind::Float, Device::Cpu));
+    /// let y = engine.forward(&model, &x)?; // at stage 3 no unit stays gathered afterwards
+    /// assert_eq!(y.size(), [2, 1]);
+    /// let eval = tch::no_grad(|| engine.forward(&model, &x))?; // keeps nothing for backward
+    /// # Ok(()) }
+    /// ```
     pub fn forward(&mut self, model: &dyn UnitModel, input: &Tensor) -> Result<Tensor> {
         let _span = crate::report::Phase::Forward.span().entered();
         let (started, comm_before) = (std::time::Instant::now(), self.report.times.comm());

@@ -142,6 +142,28 @@ pub fn no_decay_for_1d(_name: &str, shape: &[i64]) -> bool {
 /// The ZeRO engine: a facade over the parts that own the work, each in a folder of its own (`zero/`: the plan,
 /// the parameters and units, `zero/grads/`, `zero/optim/`; `device/`; `async_training/`; `parallel/`;
 /// `checkpointing/`). The engine keeps what every strategy shares and hands each part what it borrows.
+///
+/// ```
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// # use tch::nn::{self, Module};
+/// # use tch::{Device, Kind, Tensor};
+/// # let vs = nn::VarStore::new(Device::Cpu);
+/// # let (l0, l1) = (nn::linear(vs.root() / "l0", 4, 8, Default::default()), nn::linear(vs.root() / "l1", 8, 1, Default::default()));
+/// # let model = zerorun_runtime::engine::Sequence::new().unit(["l0"], move |x| l0.forward(x).relu()).unit(["l1"], move |x| l1.forward(x));
+/// # let config: zerorun_runtime::Config = r#"{"train_batch_size": 2, "zero_optimization": {"stage": 3}}"#.parse()?;
+/// # let mesh = zerorun_runtime::Mesh::from_env(&config, Default::default())?;
+/// # let mut engine = zerorun_runtime::initialize_with(&vs, config, mesh, zerorun_runtime::EngineOptions::default().units_of(&model))?;
+/// # let x = Tensor::randn([2, 4], (Kind::Float, Device::Cpu));
+/// // A step at stage 3: forward gathers one unit at a time, backward reduces each unit's gradients.
+/// let y = engine.forward(&model, &x)?;
+/// let loss = y.mse_loss(&x.sum_dim_intlist(1, true, Kind::Float), tch::Reduction::Mean);
+/// engine.backward_units(&model, &loss)?;
+/// if let zerorun_runtime::StepOutcome::Stepped { step, loss, grad_norm, lr } = engine.step()? {
+///     println!("step {step}: loss {loss:.4}, gradient norm {grad_norm:.3}, lr {lr}");
+/// }
+/// assert_eq!(engine.global_steps(), 1);
+/// # Ok(()) }
+/// ```
 pub struct Engine {
     comm: engine_comm::EngineComm,
     /// Where the model and the engine's buffers live, decided once at set-up.
@@ -241,6 +263,25 @@ impl Engine {
     }
 
     /// A sampler giving this rank its micro-batches of every global batch (torch's DistributedSampler by batch).
+    ///
+    /// ```
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # use tch::nn::{self, Module};
+    /// # use tch::{Device, Kind, Tensor};
+    /// # let vs = nn::VarStore::new(Device::Cpu);
+    /// # let (l0, l1) = (nn::linear(vs.root() / "l0", 4, 8, Default::default()), nn::linear(vs.root() / "l1", 8, 1, Default::default()));
+    /// # let model = zerorun_runtime::engine::Sequence::new().unit(["l0"], move |x| l0.forward(x).relu()).unit(["l1"], move |x| l1.forward(x));
+    /// # let config: zerorun_runtime::Config = r#"{"train_batch_size": 2, "zero_optimization": {"stage": 3}}"#.parse()?;
+    /// # let mesh = zerorun_runtime::Mesh::from_env(&config, Default::default())?;
+    /// # let mut engine = zerorun_runtime::initialize_with(&vs, config, mesh, zerorun_runtime::EngineOptions::default().units_of(&model))?;
+    /// # let x = Tensor::randn([2, 4], (Kind::Float, Device::Cpu));
+    /// let sampler = engine.sampler(1000, 7, true);
+    /// // This rank's micro-batches of the next global batch, from the data cursor (a resumed run continues exactly).
+    /// for indices in sampler.next_micro_batches(engine.global_samples()) {
+    ///     assert_eq!(indices.len(), 2); // train_micro_batch_size_per_gpu
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub fn sampler(&self, dataset_len: usize, seed: u64, shuffle: bool) -> sampler::DistributedSampler {
         sampler::DistributedSampler {
             dataset_len,
@@ -433,6 +474,23 @@ impl Engine {
 
     /// This rank's report: the categories' current and peak bytes, model states measured and estimated, the
     /// process's peak RSS and the per-step samples.
+    ///
+    /// ```
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # use tch::nn::{self, Module};
+    /// # use tch::{Device, Kind, Tensor};
+    /// # let vs = nn::VarStore::new(Device::Cpu);
+    /// # let (l0, l1) = (nn::linear(vs.root() / "l0", 4, 8, Default::default()), nn::linear(vs.root() / "l1", 8, 1, Default::default()));
+    /// # let model = zerorun_runtime::engine::Sequence::new().unit(["l0"], move |x| l0.forward(x).relu()).unit(["l1"], move |x| l1.forward(x));
+    /// # let config: zerorun_runtime::Config = r#"{"train_batch_size": 2, "zero_optimization": {"stage": 3}}"#.parse()?;
+    /// # let mesh = zerorun_runtime::Mesh::from_env(&config, Default::default())?;
+    /// # let mut engine = zerorun_runtime::initialize_with(&vs, config, mesh, zerorun_runtime::EngineOptions::default().units_of(&model))?;
+    /// # let x = Tensor::randn([2, 4], (Kind::Float, Device::Cpu));
+    /// let report = engine.memory_report();
+    /// let model_states = report.model_states.measured_bytes;
+    /// assert!(model_states > 0 && report.peak_rss_bytes > model_states);
+    /// # Ok(()) }
+    /// ```
     pub fn memory_report(&self) -> MemoryReport {
         let now = self.memory_bytes();
         let mut tracker_categories = self.report.memory.categories.clone();
@@ -483,6 +541,24 @@ impl Engine {
 
     /// At the end of a run, when a report is asked for: every rank writes `memory_rank{r}.json`; rank 0 then
     /// reads them all, draws `memory.svg` and `memory.png` and returns the table. Collective. None: no report.
+    ///
+    /// ```
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # use tch::nn::{self, Module};
+    /// # use tch::{Device, Kind, Tensor};
+    /// # let vs = nn::VarStore::new(Device::Cpu);
+    /// # let (l0, l1) = (nn::linear(vs.root() / "l0", 4, 8, Default::default()), nn::linear(vs.root() / "l1", 8, 1, Default::default()));
+    /// # let model = zerorun_runtime::engine::Sequence::new().unit(["l0"], move |x| l0.forward(x).relu()).unit(["l1"], move |x| l1.forward(x));
+    /// # let config: zerorun_runtime::Config = r#"{"train_batch_size": 2, "zero_optimization": {"stage": 3}}"#.parse()?;
+    /// # let mesh = zerorun_runtime::Mesh::from_env(&config, Default::default())?;
+    /// # let mut engine = zerorun_runtime::initialize_with(&vs, config, mesh, zerorun_runtime::EngineOptions::default().units_of(&model))?;
+    /// # let x = Tensor::randn([2, 4], (Kind::Float, Device::Cpu));
+    /// // With `zerorun launch --memory-report DIR` (or `memory_breakdown: true`): files and, on rank 0, the table.
+    /// if let Some(files) = engine.finish_memory_report()? {
+    ///     if let Some(table) = files.table { println!("{table}") }
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub fn finish_memory_report(&mut self) -> Result<Option<MemoryReportFiles>> {
         match self.memory_report_dir() {
             Some(dir) => self.write_memory_report(&dir).map(Some),

@@ -20,6 +20,27 @@ use crate::report::Phase;
 
 impl Engine {
     /// Ends a micro-batch; at the accumulation boundary reduces gradients and steps the optimizer.
+    ///
+    /// ```
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # use tch::nn::{self, Module};
+    /// # use tch::{Device, Kind, Tensor};
+    /// # let vs = nn::VarStore::new(Device::Cpu);
+    /// # let (l0, l1) = (nn::linear(vs.root() / "l0", 4, 8, Default::default()), nn::linear(vs.root() / "l1", 8, 1, Default::default()));
+    /// # let model = zerorun_runtime::engine::Sequence::new().unit(["l0"], move |x| l0.forward(x).relu()).unit(["l1"], move |x| l1.forward(x));
+    /// # let config: zerorun_runtime::Config = r#"{"train_batch_size": 2, "zero_optimization": {"stage": 3}}"#.parse()?;
+    /// # let mesh = zerorun_runtime::Mesh::from_env(&config, Default::default())?;
+    /// # let mut engine = zerorun_runtime::initialize_with(&vs, config, mesh, zerorun_runtime::EngineOptions::default().units_of(&model))?;
+    /// # let x = Tensor::randn([2, 4], (Kind::Float, Device::Cpu));
+    /// let loss = engine.forward(&model, &x)?.square().mean(Kind::Float);
+    /// engine.backward_units(&model, &loss)?;
+    /// match engine.step()? {
+    ///     zerorun_runtime::StepOutcome::Stepped { step, .. } => assert_eq!(step, 1),
+    ///     zerorun_runtime::StepOutcome::Skipped { .. } => unreachable!("fp32 gradients never overflow here"),
+    ///     zerorun_runtime::StepOutcome::Accumulating => unreachable!("one micro-batch per step"),
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub fn step(&mut self) -> Result<StepOutcome> {
         if self.is_gradient_accumulation_boundary()
             && self.progress.backwards == 0

@@ -123,6 +123,24 @@ fn box_checkpoint(e: Error) -> CheckpointError {
 impl Engine {
     /// Loads `dir/<tag>` (default: the tag `dir/latest` names), written at any world size and stage 0-3: each rank
     /// reads only the element ranges it optimizes, matching parameters by name. Collective. Returns the tag loaded.
+    ///
+    /// ```
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # use tch::nn::{self, Module};
+    /// # use tch::{Device, Kind, Tensor};
+    /// # let vs = nn::VarStore::new(Device::Cpu);
+    /// # let (l0, l1) = (nn::linear(vs.root() / "l0", 4, 8, Default::default()), nn::linear(vs.root() / "l1", 8, 1, Default::default()));
+    /// # let model = zerorun_runtime::engine::Sequence::new().unit(["l0"], move |x| l0.forward(x).relu()).unit(["l1"], move |x| l1.forward(x));
+    /// # let config: zerorun_runtime::Config = r#"{"train_batch_size": 2, "zero_optimization": {"stage": 3}}"#.parse()?;
+    /// # let mesh = zerorun_runtime::Mesh::from_env(&config, Default::default())?;
+    /// # let mut engine = zerorun_runtime::initialize_with(&vs, config, mesh, zerorun_runtime::EngineOptions::default().units_of(&model))?;
+    /// # let x = Tensor::randn([2, 4], (Kind::Float, Device::Cpu));
+    /// let dir = std::env::temp_dir().join(format!("zerorun-doc-load-{}", std::process::id()));
+    /// engine.save_checkpoint(&dir, Some("before"))?;
+    /// engine.load_checkpoint(&dir, Some("before"))?;
+    /// # std::fs::remove_dir_all(&dir)?;
+    /// # Ok(()) }
+    /// ```
     pub fn load_checkpoint(&mut self, dir: impl AsRef<Path>, tag: Option<&str>) -> Result<String> {
         self.load_checkpoint_impl(dir.as_ref(), tag, false)
     }
@@ -133,6 +151,26 @@ impl Engine {
     /// rank verifies a candidate's every file (reading the checkpoint once) and every rank takes its verdict, so
     /// all load the same one. This is what a restarted job wants: a crash while a checkpoint was written, or a
     /// disk that lost a file, costs the steps back to the previous checkpoint, not the run.
+    ///
+    /// ```
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # use tch::nn::{self, Module};
+    /// # use tch::{Device, Kind, Tensor};
+    /// # let vs = nn::VarStore::new(Device::Cpu);
+    /// # let (l0, l1) = (nn::linear(vs.root() / "l0", 4, 8, Default::default()), nn::linear(vs.root() / "l1", 8, 1, Default::default()));
+    /// # let model = zerorun_runtime::engine::Sequence::new().unit(["l0"], move |x| l0.forward(x).relu()).unit(["l1"], move |x| l1.forward(x));
+    /// # let config: zerorun_runtime::Config = r#"{"train_batch_size": 2, "zero_optimization": {"stage": 3}}"#.parse()?;
+    /// # let mesh = zerorun_runtime::Mesh::from_env(&config, Default::default())?;
+    /// # let mut engine = zerorun_runtime::initialize_with(&vs, config, mesh, zerorun_runtime::EngineOptions::default().units_of(&model))?;
+    /// # let x = Tensor::randn([2, 4], (Kind::Float, Device::Cpu));
+    /// let dir = std::env::temp_dir().join(format!("zerorun-doc-intact-{}", std::process::id()));
+    /// // What a restarted job does first: resume from what survived, or start from step 0.
+    /// match engine.load_latest_intact_checkpoint(&dir) {
+    ///     Ok(tag) => println!("resumed from {tag} at step {}", engine.global_steps()),
+    ///     Err(_) => println!("no checkpoint yet in {}: starting from step 0", dir.display()),
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub fn load_latest_intact_checkpoint(&mut self, dir: impl AsRef<Path>) -> Result<String> {
         let dir = dir.as_ref();
         let candidates = SavedCheckpoint::candidates(dir);

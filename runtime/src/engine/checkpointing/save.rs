@@ -36,6 +36,26 @@ impl Engine {
     /// Saves under `dir/<tag>/` (default tag `global_step{N}`) and points `dir/latest` at it once it is complete:
     /// the optimized values and optimizer states (each rank its own), and once, by name, the buffers and frozen
     /// parameters. Collective: every rank calls it. Returns the checkpoint's folder.
+    ///
+    /// ```
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # use tch::nn::{self, Module};
+    /// # use tch::{Device, Kind, Tensor};
+    /// # let vs = nn::VarStore::new(Device::Cpu);
+    /// # let (l0, l1) = (nn::linear(vs.root() / "l0", 4, 8, Default::default()), nn::linear(vs.root() / "l1", 8, 1, Default::default()));
+    /// # let model = zerorun_runtime::engine::Sequence::new().unit(["l0"], move |x| l0.forward(x).relu()).unit(["l1"], move |x| l1.forward(x));
+    /// # let config: zerorun_runtime::Config = r#"{"train_batch_size": 2, "zero_optimization": {"stage": 3}}"#.parse()?;
+    /// # let mesh = zerorun_runtime::Mesh::from_env(&config, Default::default())?;
+    /// # let mut engine = zerorun_runtime::initialize_with(&vs, config, mesh, zerorun_runtime::EngineOptions::default().units_of(&model))?;
+    /// # let x = Tensor::randn([2, 4], (Kind::Float, Device::Cpu));
+    /// let dir = std::env::temp_dir().join(format!("zerorun-doc-save-{}", std::process::id()));
+    /// let folder = engine.save_checkpoint(&dir, None)?; // dir/global_step0, and dir/latest names it
+    /// assert!(folder.ends_with("global_step0"));
+    /// let tag = engine.load_checkpoint(&dir, None)?; // the latest, at any world size and stage
+    /// assert_eq!(tag, "global_step0");
+    /// # std::fs::remove_dir_all(&dir)?;
+    /// # Ok(()) }
+    /// ```
     pub fn save_checkpoint(&mut self, dir: impl AsRef<Path>, tag: Option<&str>) -> Result<PathBuf> {
         self.save_checkpoint_with(dir, &SaveOptions { tag: tag.map(str::to_string), ..SaveOptions::default() })
     }
@@ -375,6 +395,23 @@ impl Engine {
     /// model reads back once written with `Tensor::write_safetensors` (a `vs.save` at stage 3 would write the
     /// empty tensors of the released units). Collective at stage 3, where it gathers the units one at a time:
     /// every rank calls it.
+    ///
+    /// ```
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # use tch::nn::{self, Module};
+    /// # use tch::{Device, Kind, Tensor};
+    /// # let vs = nn::VarStore::new(Device::Cpu);
+    /// # let (l0, l1) = (nn::linear(vs.root() / "l0", 4, 8, Default::default()), nn::linear(vs.root() / "l1", 8, 1, Default::default()));
+    /// # let model = zerorun_runtime::engine::Sequence::new().unit(["l0"], move |x| l0.forward(x).relu()).unit(["l1"], move |x| l1.forward(x));
+    /// # let config: zerorun_runtime::Config = r#"{"train_batch_size": 2, "zero_optimization": {"stage": 3}}"#.parse()?;
+    /// # let mesh = zerorun_runtime::Mesh::from_env(&config, Default::default())?;
+    /// # let mut engine = zerorun_runtime::initialize_with(&vs, config, mesh, zerorun_runtime::EngineOptions::default().units_of(&model))?;
+    /// # let x = Tensor::randn([2, 4], (Kind::Float, Device::Cpu));
+    /// let weights = engine.state_dict()?; // full size even at stage 3
+    /// let names: Vec<&str> = weights.iter().map(|(n, _)| n.as_str()).collect();
+    /// assert_eq!(names, ["l0.bias", "l0.weight", "l1.bias", "l1.weight"]);
+    /// # Ok(()) }
+    /// ```
     pub fn state_dict(&mut self) -> Result<Vec<(String, Tensor)>> {
         self.model_tensors(Some(views::kind_of(self.precision())), true)
     }
@@ -413,6 +450,22 @@ impl Engine {
     /// Collective. At stage 3 this gathers the units one at a time and needs
     /// `zero_optimization.stage3_gather_16bit_weights_on_model_save`; without it the weights exist only as
     /// shards, so it refuses and says where full weights come from instead of writing empty tensors.
+    ///
+    /// ```no_run
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # use tch::nn::{self, Module};
+    /// # use tch::{Device, Kind, Tensor};
+    /// # let vs = nn::VarStore::new(Device::Cpu);
+    /// # let (l0, l1) = (nn::linear(vs.root() / "l0", 4, 8, Default::default()), nn::linear(vs.root() / "l1", 8, 1, Default::default()));
+    /// # let model = zerorun_runtime::engine::Sequence::new().unit(["l0"], move |x| l0.forward(x).relu()).unit(["l1"], move |x| l1.forward(x));
+    /// # let config: zerorun_runtime::Config = r#"{"train_batch_size": 2, "zero_optimization": {"stage": 3}}"#.parse()?;
+    /// # let mesh = zerorun_runtime::Mesh::from_env(&config, Default::default())?;
+    /// # let mut engine = zerorun_runtime::initialize_with(&vs, config, mesh, zerorun_runtime::EngineOptions::default().units_of(&model))?;
+    /// # let x = Tensor::randn([2, 4], (Kind::Float, Device::Cpu));
+    /// // At stage 3 the config needs `stage3_gather_16bit_weights_on_model_save: true`.
+    /// engine.save_16bit_model("model.safetensors")?;
+    /// # Ok(()) }
+    /// ```
     pub fn save_16bit_model(&mut self, path: impl AsRef<std::path::Path>) -> Result<()> {
         let path = path.as_ref();
         if self.plan.partitions_parameters() && !self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
@@ -526,6 +579,23 @@ impl Engine {
     /// Streamed: at stage 3 the units are gathered one at a time and written as they come, so no rank holds more
     /// than a unit and rank 0 one tensor's bytes besides. Collective: every rank calls it; rank 0 writes. A write
     /// that fails is an error on every rank (the others' says rank 0 failed), after the walk ends, so no rank waits.
+    ///
+    /// ```no_run
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # use tch::nn::{self, Module};
+    /// # use tch::{Device, Kind, Tensor};
+    /// # let vs = nn::VarStore::new(Device::Cpu);
+    /// # let (l0, l1) = (nn::linear(vs.root() / "l0", 4, 8, Default::default()), nn::linear(vs.root() / "l1", 8, 1, Default::default()));
+    /// # let model = zerorun_runtime::engine::Sequence::new().unit(["l0"], move |x| l0.forward(x).relu()).unit(["l1"], move |x| l1.forward(x));
+    /// # let config: zerorun_runtime::Config = r#"{"train_batch_size": 2, "zero_optimization": {"stage": 3}}"#.parse()?;
+    /// # let mesh = zerorun_runtime::Mesh::from_env(&config, Default::default())?;
+    /// # let mut engine = zerorun_runtime::initialize_with(&vs, config, mesh, zerorun_runtime::EngineOptions::default().units_of(&model))?;
+    /// # let x = Tensor::randn([2, 4], (Kind::Float, Device::Cpu));
+    /// use zerorun_runtime::PretrainedOptions;
+    /// let options = PretrainedOptions { config: Some(std::path::Path::new("hf-model/config.json")), kind: Kind::BFloat16, ..Default::default() };
+    /// let files = engine.save_pretrained("out", &options)?; // out/model.safetensors (+ config.json)
+    /// # Ok(()) }
+    /// ```
     pub fn save_pretrained(&mut self, dir: impl AsRef<Path>, options: &PretrainedOptions<'_>) -> Result<Vec<PathBuf>> {
         let dir = dir.as_ref();
         let specs: Vec<(String, Vec<usize>, String)> = self

@@ -28,6 +28,28 @@ type Builder<'a> = Box<dyn Fn(&nn::Path) -> UnitForward<'a> + 'a>;
 
 /// The model as builders, one per unit, in execution order.
 #[derive(Default)]
+/// At stage 3 each unit's parameters are sharded as soon as its builder made them, so no rank ever holds the whole
+/// model ([`Engine::from_builders`](crate::Engine::from_builders)):
+///
+/// ```
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// use tch::nn::{self, Module};
+/// use tch::Tensor;
+/// let builders = (0..4).fold(zerorun_runtime::UnitBuilders::new(), |b, i| {
+///     b.unit([format!("layers.{i}")], move |p: &nn::Path| {
+///         let layer = nn::linear(p / "layers" / i, 16, 16, Default::default());
+///         Box::new(move |x: &Tensor| layer.forward(x).relu())
+///     })
+/// });
+/// let config: zerorun_runtime::Config = r#"{"train_batch_size": 2, "zero_optimization": {"stage": 3}}"#.parse()?;
+/// let vs = nn::VarStore::new(tch::Device::Cpu);
+/// let comm = zerorun_runtime::comm::threads::group(1, std::time::Duration::from_secs(60)).remove(0);
+/// let (mut engine, model) =
+///     zerorun_runtime::Engine::from_builders(&vs, config, Box::new(comm), Default::default(), builders)?;
+/// let y = engine.forward(&model, &Tensor::ones([2, 16], (tch::Kind::Float, tch::Device::Cpu)))?;
+/// assert_eq!(y.size(), [2, 16]);
+/// # Ok(()) }
+/// ```
 pub struct UnitBuilders<'a> {
     units: Vec<(Vec<String>, Builder<'a>)>,
     /// Pretrained weights to start from instead of the builders' initial values.

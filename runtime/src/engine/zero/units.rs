@@ -8,6 +8,29 @@ use crate::error::{Error, Result};
 /// names are one of its prefixes or start with a prefix and a `.` (the empty prefix takes every parameter); each
 /// parameter belongs to exactly one unit, and unit `i` only uses its own parameters. Buffers (BatchNorm's running
 /// statistics) need no unit: every rank holds them whole.
+/// ```
+/// use tch::nn::{self, Module};
+/// use tch::Tensor;
+///
+/// struct Mlp {
+///     layers: Vec<nn::Linear>,
+/// }
+///
+/// impl zerorun_runtime::engine::UnitModel for Mlp {
+///     fn unit_prefixes(&self) -> Vec<Vec<String>> {
+///         (0..self.layers.len()).map(|i| vec![format!("layers.{i}")]).collect()
+///     }
+///     fn forward_unit(&self, unit: usize, x: &Tensor) -> Tensor {
+///         self.layers[unit].forward(x).relu()
+///     }
+/// }
+///
+/// let vs = nn::VarStore::new(tch::Device::Cpu);
+/// let layers = (0..3).map(|i| nn::linear(vs.root() / "layers" / i, 8, 8, Default::default())).collect();
+/// let model = Mlp { layers };
+/// // The engine takes the units with `EngineOptions::default().units_of(&model)`.
+/// assert_eq!(zerorun_runtime::engine::UnitModel::unit_prefixes(&model).len(), 3);
+/// ```
 pub trait UnitModel {
     /// The parameter-name prefixes of every unit, in execution order.
     fn unit_prefixes(&self) -> Vec<Vec<String>>;
@@ -20,6 +43,14 @@ pub trait UnitModel {
 pub type Materialize<'m> = dyn FnMut(usize, &[(&str, &Tensor)]) -> Result<()> + 'm;
 
 /// A whole model as one unit: `Whole(|x| model.forward(x))`.
+/// ```
+/// use tch::nn::{self, Module};
+/// let vs = nn::VarStore::new(tch::Device::Cpu);
+/// let net = nn::seq().add(nn::linear(vs.root() / "a", 4, 4, Default::default())).add_fn(|x| x.relu());
+/// let model = zerorun_runtime::engine::Whole(move |x: &tch::Tensor| net.forward(x));
+/// let options = zerorun_runtime::EngineOptions::default().units_of(&model); // one unit: the whole model
+/// # let _ = options;
+/// ```
 pub struct Whole<F: Fn(&Tensor) -> Tensor>(pub F);
 
 impl<F: Fn(&Tensor) -> Tensor> UnitModel for Whole<F> {
@@ -34,6 +65,16 @@ impl<F: Fn(&Tensor) -> Tensor> UnitModel for Whole<F> {
 
 /// A stack of units given as closures with their prefixes: `Sequence::new().unit(["tok", "pos"], |x| ...)`.
 #[derive(Default)]
+/// ```
+/// use tch::nn::{self, Module};
+/// let vs = nn::VarStore::new(tch::Device::Cpu);
+/// let (tok, head) = (nn::embedding(vs.root() / "tok", 100, 16, Default::default()), nn::linear(vs.root() / "head", 16, 100, Default::default()));
+/// let model = zerorun_runtime::engine::Sequence::new()
+///     .unit(["tok"], move |ids| tok.forward(ids))
+///     .unit(["head"], move |h| head.forward(h));
+/// let options = zerorun_runtime::EngineOptions::default().units_of(&model);
+/// # let _ = options;
+/// ```
 pub struct Sequence<'a> {
     units: Vec<(Vec<String>, UnitFn<'a>)>,
 }
