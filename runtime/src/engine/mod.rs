@@ -32,17 +32,21 @@ macro_rules! stale_parts {
     };
 }
 
+#[doc(hidden)] // the engine's parts: what a program uses is re-exported below
 pub mod async_training;
 pub(crate) mod checkpointing;
 mod counters;
+#[doc(hidden)] // the engine's parts: what a program uses is re-exported below
 pub mod device;
 mod engine_comm;
 mod micro_batch;
+#[doc(hidden)] // the engine's parts: what a program uses is re-exported below
 pub mod parallel;
 mod reporting;
 pub mod sampler;
 mod setup;
 mod step;
+#[doc(hidden)] // the engine's parts: what a program uses is re-exported below
 pub mod zero;
 
 use std::path::PathBuf;
