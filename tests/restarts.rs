@@ -111,24 +111,6 @@ fn a_job_that_keeps_failing_gives_up_after_its_restarts_listing_every_failure() 
     for start in 1..=3 {
         assert!(stderr.contains(&format!("start {start}: rank 1 exited with status 3")), "{stderr}");
     }
-    let multi = Command::new(env!("CARGO_BIN_EXE_zerorun"))
-        .args([
-            "launch",
-            "--nproc-per-node",
-            "1",
-            "--nnodes",
-            "2",
-            "--master-port",
-            "29999",
-            "--max-restarts",
-            "1",
-            "--",
-            "true",
-        ])
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&multi.stderr);
-    assert!(err.contains("--max-restarts restarts the ranks of one node"), "{err}");
 }
 
 /// A checkpoint damaged on disk (one byte of a rank file) is refused by its checksum, and `--resume` falls back to

@@ -9,6 +9,7 @@ pub mod consolidate;
 pub mod estimate;
 pub mod launch;
 mod launch_nodes;
+mod launch_ranks;
 pub mod pipeline;
 pub mod plan;
 pub mod plan_validate;
