@@ -219,3 +219,53 @@ proptest! {
         }
     }
 }
+
+/// `elasticity` (DeepSpeed's elastic batch arithmetic, as 0.18 computed it): the global batch suits the most world
+/// sizes in `min_gpus..=max_gpus` and stays the same at each; batch keys beside it are refused unless
+/// `ignore_non_elastic_batch_info`; a world size the batch does not suit (version 0.1) is an error naming the
+/// numbers, while version 0.2 gives it a batch of its own.
+#[test]
+fn elasticity_keeps_the_global_batch_across_world_sizes() {
+    let elastic = |extra: serde_json::Value| {
+        let mut e = json!({"enabled": true, "max_train_batch_size": 96, "micro_batch_sizes": [2, 4], "min_gpus": 1,
+            "max_gpus": 8, "prefer_larger_batch": true, "version": 0.1, "num_gpus_per_node": 1, "model_parallel_size": 1});
+        for (k, v) in extra.as_object().unwrap() {
+            e[k] = v.clone();
+        }
+        Config::from_value(json!({ "elasticity": e }))
+    };
+    let c = elastic(json!({})).unwrap();
+    let sizes: Vec<_> = [1, 2, 4, 8].iter().map(|&w| c.batch_sizes(w).unwrap()).collect();
+    assert!(sizes.iter().all(|b| b.train_batch_size == 96), "{sizes:?}");
+    // The largest micro-batch that divides the share; accumulation takes up the rest.
+    assert_eq!((sizes[3].train_micro_batch_size_per_gpu, sizes[3].gradient_accumulation_steps), (4, 3));
+    let err = c.batch_sizes(5).unwrap_err().to_string();
+    assert!(err.contains("`elasticity`: world size 5 is not allowed") && err.contains("global batch 96"), "{err}");
+    // Version 0.2 gives a world size outside the list a batch of its own: the largest multiple of a micro-batch
+    // times the ranks (9 x 2 x 5 = 90).
+    let v2 = elastic(json!({"version": 0.2})).unwrap();
+    assert_eq!(v2.batch_sizes(5).unwrap().train_batch_size, 90);
+    // The smaller batch among equally elastic ones.
+    let smaller = elastic(json!({"prefer_larger_batch": false})).unwrap();
+    assert!(smaller.batch_sizes(1).unwrap().train_batch_size <= 96);
+    // Batch keys beside the section: refused, or overridden when asked.
+    let both = json!({"train_batch_size": 8, "elasticity": {"enabled": true, "max_train_batch_size": 96, "micro_batch_sizes": [2, 4]}});
+    let err = Config::from_value(both.clone()).unwrap_err().to_string();
+    assert!(
+        err.contains("`train_batch_size` would not be used") && err.contains("ignore_non_elastic_batch_info"),
+        "{err}"
+    );
+    let mut overridden = both;
+    overridden["elasticity"]["ignore_non_elastic_batch_info"] = json!(true);
+    assert_eq!(Config::from_value(overridden).unwrap().batch_sizes(2).unwrap().train_batch_size, 96);
+    // What DeepSpeed requires or refuses.
+    let missing = Config::from_value(json!({"elasticity": {"enabled": true, "micro_batch_sizes": [2]}})).unwrap_err();
+    assert_eq!(missing.to_string(), "`elasticity.max_train_batch_size` is required when `elasticity.enabled` is true");
+    let mp = elastic(json!({"model_parallel_size": 2})).unwrap_err().to_string();
+    assert!(mp.starts_with("`elasticity.model_parallel_size`: 2 is not allowed"), "{mp}");
+    let per_node = elastic(json!({"version": 0.2, "num_gpus_per_node": 2, "min_gpus": 2})).unwrap();
+    assert!(per_node.batch_sizes(4).is_ok());
+    // Disabled (the default), the batch keys rule as ever.
+    let off = Config::from_value(json!({"train_batch_size": 8, "elasticity": {"enabled": false}})).unwrap();
+    assert_eq!(off.batch_sizes(2).unwrap().train_micro_batch_size_per_gpu, 4);
+}

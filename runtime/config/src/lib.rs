@@ -8,6 +8,7 @@ mod aio;
 mod async_training;
 mod batch;
 mod checkpointing;
+mod elasticity;
 mod error;
 pub mod estimate;
 pub mod keys;
@@ -28,6 +29,7 @@ pub use aio::AioConfig;
 pub use async_training::{AsyncTraining, OuterOptimizer};
 pub use batch::{BatchInput, BatchSizes};
 pub use checkpointing::{ActivationCheckpointingConfig, CheckpointConfig, TagValidation};
+pub use elasticity::ElasticityConfig;
 pub use error::{ConfigError, Result};
 pub use notices::Notice;
 pub use optimizer::{AdagradParams, AdamParams, LambParams, LionParams, OptimizerConfig, SgdParams, ZERO_SUPPORTED};
@@ -129,6 +131,8 @@ pub struct Config {
     pub activation_checkpointing: ActivationCheckpointingConfig,
     /// The `pipeline` section.
     pub pipeline: PipelineConfig,
+    /// The `elasticity` section: when enabled, the batch sizes come from it for every world size.
+    pub elasticity: ElasticityConfig,
     /// zerorun's own section: synchronous, or ranks stepping alone between meetings.
     pub async_training: AsyncTraining,
     /// zerorun's own key (stage 3): step each unit's part of the shard as soon as its gradients are reduced, during
@@ -149,7 +153,6 @@ const IGNORED_SECTIONS: &[&str] = &[
     "flops_profiler",
     "comms_logger",
     "autotuning",
-    "elasticity",
     "data_efficiency",
     "curriculum_learning",
     "compression_training",
@@ -266,6 +269,7 @@ impl Config {
             checkpoint: CheckpointConfig::read(s.section("checkpoint")?)?,
             activation_checkpointing: ActivationCheckpointingConfig::read(s.section("activation_checkpointing")?)?,
             pipeline: PipelineConfig::read(s.section("pipeline")?)?,
+            elasticity: ElasticityConfig::read(s.section("elasticity")?)?,
             async_training: AsyncTraining::read(s.section("async_training")?)?,
             optimizer_in_backward: s.bool("optimizer_in_backward", false)?,
             notices: Vec::new(),
@@ -353,6 +357,25 @@ impl Config {
 
     /// Checks combinations no single section can see.
     fn validate(&self) -> Result<()> {
+        let e = &self.elasticity;
+        let given = [
+            ("train_batch_size", self.train_batch_size),
+            ("train_micro_batch_size_per_gpu", self.train_micro_batch_size_per_gpu),
+            ("gradient_accumulation_steps", self.gradient_accumulation_steps),
+        ];
+        let given: Vec<&str> = given.iter().filter(|(_, v)| v.is_some()).map(|(k, _)| *k).collect();
+        if e.enabled && !given.is_empty() {
+            if !e.ignore_non_elastic_batch_info {
+                return Err(ConfigError::Conflict {
+                    path: "elasticity.enabled".into(),
+                    message: format!(
+                        "elastic training computes the batch sizes, so {} would not be used; remove them, or set `elasticity.ignore_non_elastic_batch_info` to true to have them overridden",
+                        given.iter().map(|k| format!("`{k}`")).collect::<Vec<_>>().join(", ")
+                    ),
+                });
+            }
+            tracing::warn!("elastic training overrides {}", given.join(", "));
+        }
         let z = &self.zero_optimization;
         if self.async_training.is_local() {
             let conflict = |message: String| Err(ConfigError::Conflict { path: "async_training.mode".into(), message });
@@ -522,6 +545,9 @@ impl Config {
 
     /// The batch sizes for `world_size` data-parallel ranks.
     pub fn batch_sizes(&self, world_size: usize) -> Result<BatchSizes> {
+        if self.elasticity.enabled {
+            return self.elasticity.batch_sizes(world_size as u64);
+        }
         self.batch_input().resolve(world_size as u64)
     }
 
@@ -535,12 +561,15 @@ impl Config {
     /// ```
     pub fn resolve(&self, world_size: usize) -> Result<Config> {
         let b = self.batch_sizes(world_size)?;
-        Ok(Config {
+        let mut resolved = Config {
             train_batch_size: Some(b.train_batch_size),
             train_micro_batch_size_per_gpu: Some(b.train_micro_batch_size_per_gpu),
             gradient_accumulation_steps: Some(b.gradient_accumulation_steps),
             ..self.clone()
-        })
+        };
+        // The elastic batch written out beside the section: it reads back as given, overridden again.
+        resolved.elasticity.ignore_non_elastic_batch_info |= self.elasticity.enabled;
+        Ok(resolved)
     }
 
     /// `zero_optimization.stage`.

@@ -149,6 +149,11 @@ pub(crate) fn collect(config: &Config, given: &BTreeSet<String>, ignored: Vec<St
         true,
         "it configures DeepSpeed's pipeline checkpoint writes; every zerorun rank writes its own files by layer name",
     );
+    note(
+        "elasticity.min_time",
+        config.elasticity.min_time != 0,
+        "it tells a scheduler how long to let the job run before scaling it; `zerorun launch --nnodes MIN:MAX` restarts at once on the nodes left",
+    );
     let p = &config.pipeline;
     note(
         "pipeline.seed_layers",
