@@ -222,3 +222,56 @@ fn every_sample_is_consumed_once_per_epoch_across_a_restart_at_another_world_siz
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A rank that hangs (alive, but outside every collective while its peer waits: a 60 s sleep in its first step; or
+/// its process stopped with SIGSTOP) is found by its heartbeat within `--heartbeat-timeout`, killed and named, long
+/// before `comms_timeout`; with `--max-restarts` the job then goes on as after any failure.
+#[test]
+fn a_hung_rank_is_found_by_its_heartbeat_and_named() {
+    let dir = std::env::temp_dir().join(format!("zerorun-heartbeat-test-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("c.json"), r#"{"train_batch_size": 8, "zero_optimization": {"stage": 2}}"#).unwrap();
+    let launch = |extra: &[&str]| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_zerorun"));
+        cmd.args(["launch", "--nproc-per-node", "2", "--heartbeat-timeout", "3", "--"])
+            .arg(examples::example("mlp"))
+            .args(["--config", dir.join("c.json").to_str().unwrap(), "--steps", "400"])
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        cmd
+    };
+    let started = Instant::now();
+    let out = launch(&["--slow-rank", "1", "--slow-ms", "60000"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("error: rank 1 hung: outside every collective for 3 s, while its peers cannot go on without it; the launcher killed it (--heartbeat-timeout)"),
+        "{err}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(30), "took {:?}", started.elapsed());
+
+    let child = launch(&["--slow-rank", "0", "--slow-ms", "20"]).spawn().unwrap();
+    let start = Instant::now();
+    let ranks = loop {
+        let ranks = children_running(child.id() as i32, "examples/mlp");
+        if ranks.len() == 2 {
+            break ranks;
+        }
+        assert!(start.elapsed() < Duration::from_secs(60), "ranks did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    std::thread::sleep(Duration::from_secs(2));
+    unsafe { libc::kill(ranks[1], libc::SIGSTOP) };
+    let stopped_at = Instant::now();
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("error: rank 1 hung: its process stopped responding (no heartbeat for 3 s)")
+            || err.contains("error: rank 1 hung: its process stopped responding (no heartbeat for 4 s)"),
+        "{err}"
+    );
+    assert!(stopped_at.elapsed() < Duration::from_secs(20), "took {:?}", stopped_at.elapsed());
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -419,6 +419,12 @@ impl Communicator for GlooComm {
 /// The communicator the environment asks for, gloo included (the other backends come from
 /// [`crate::comm::env::communicator_from_env`]).
 pub fn communicator_from_env(timeout: Duration) -> CommResult<Box<dyn Communicator>> {
+    let comm = backend_from_env(timeout)?;
+    // Under `zerorun launch`: the launcher watches this rank's heartbeat (a hung rank is found and named).
+    Ok(if crate::comm::heartbeat::start_from_env() { Box::new(crate::comm::heartbeat::Watched(comm)) } else { comm })
+}
+
+fn backend_from_env(timeout: Duration) -> CommResult<Box<dyn Communicator>> {
     use crate::comm::rank_info::Backend;
     let info = RankInfo::from_env()?;
     match info.backend {

@@ -1,12 +1,13 @@
 //! `zerorun launch --nproc-per-node N [--nnodes M|MIN:MAX --node-rank R] [--master-addr A] [--master-port P]
-//! [--backend B] [--memory-report [DIR]] [--max-restarts R] -- PROGRAM ARGS...`
+//! [--backend B] [--memory-report [DIR]] [--max-restarts R] [--heartbeat-timeout S] -- PROGRAM ARGS...`
 //!
 //! Starts N ranks (this node's, of M nodes: ranks R*N..R*N+N of M*N) as child processes with torchrun's variables
 //! (`launch_ranks.rs`); when one rank fails the others stop within 5 seconds, and then, up to R times, the job starts
 //! again (the program resumes from its latest checkpoint), else the launcher exits non-zero naming the rank, how it
 //! ended and its last lines (every start's). Across nodes the launchers meet at node 0 (`launch_nodes.rs`), which
 //! decides each round's membership: with MIN:MAX, a lost node's ranks are dropped and the job restarts on the nodes
-//! left while at least MIN remain.
+//! left while at least MIN remain. A rank whose heartbeat says it is hung (outside every collective for S seconds
+//! while its peers wait, or not answering at all) is killed and named like a rank that failed.
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
@@ -71,6 +72,11 @@ pub struct LaunchArgs {
     /// same value; node 0's counts.
     #[arg(long, default_value_t = 0)]
     pub max_restarts: usize,
+    /// A rank that spends this many seconds outside every collective after its first one (its peers waiting for
+    /// it), or whose process stops answering, counts as hung: the launcher kills it and names it, as a failure.
+    /// 0 turns the heartbeat off. Default: 1800, as `comms_timeout`.
+    #[arg(long, value_name = "SECONDS", default_value_t = 1800.0)]
+    pub heartbeat_timeout: f64,
     /// The program and its arguments.
     #[arg(last = true, required = true)]
     pub command: Vec<String>,

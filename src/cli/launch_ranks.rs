@@ -158,6 +158,12 @@ pub fn run_round(
     let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
     let threads = (cores / n).max(1).to_string();
 
+    // Each rank's heartbeat file (`zerorun_comm::heartbeat`), in a folder of this round's.
+    let heartbeats = (args.heartbeat_timeout > 0.0)
+        .then(|| std::env::temp_dir().join(format!("zerorun-heartbeat-{}-{}", std::process::id(), round.restart)));
+    if let Some(dir) = &heartbeats {
+        std::fs::create_dir_all(dir).map_err(|e| io(format!("creating {}", dir.display()), e))?;
+    }
     let mut ranks = Vec::with_capacity(n);
     for local in 0..n {
         let rank = first_rank + local;
@@ -180,6 +186,9 @@ pub fn run_round(
             .process_group(0);
         if let Some(d) = &memory_report {
             cmd.env(zerorun_comm::env::MEMORY_REPORT_ENV, d);
+        }
+        if let Some(dir) = &heartbeats {
+            cmd.env(zerorun_comm::heartbeat::HEARTBEAT_ENV, dir.join(format!("rank{rank}")));
         }
         // Share the cores among the ranks unless the user chose.
         for var in ["OMP_NUM_THREADS", "RAYON_NUM_THREADS", "MKL_NUM_THREADS"] {
@@ -204,6 +213,11 @@ pub fn run_round(
     }
 
     let mut failed: Option<(usize, ExitStatus, Instant)> = None;
+    // Ranks the heartbeat found hung (and the launcher killed): how, instead of "killed by signal 9".
+    let mut hung: Vec<Option<String>> = vec![None; n];
+    let mut heartbeat_checked = Instant::now();
+    let describe_rank =
+        |hung: &[Option<String>], i: usize, s: ExitStatus| hung[i].clone().unwrap_or_else(|| describe(s));
     // When another node's launcher reported a failed rank first: this node's ranks are stopped too.
     let mut remote_stop: Option<Instant> = None;
     let mut forwarded = false;
@@ -225,7 +239,7 @@ pub fn run_round(
             if let Some(&(i, s)) = bad.clone().find(|(_, s)| s.signal().is_some()).or(bad.clone().next()) {
                 failed = Some((i, s, Instant::now()));
                 if let (Some(links), None) = (&links, remote_stop) {
-                    links.report(first_rank + i, &describe(s));
+                    links.report(first_rank + i, &describe_rank(&hung, i, s));
                 }
             }
         }
@@ -234,6 +248,20 @@ pub fn run_round(
         }
         if ranks.iter().all(|r| r.status.is_some()) {
             break;
+        }
+        if let (Some(dir), true) = (&heartbeats, heartbeat_checked.elapsed() >= Duration::from_millis(500)) {
+            heartbeat_checked = Instant::now();
+            for (i, r) in ranks.iter().enumerate() {
+                if r.status.is_some() || hung[i].is_some() {
+                    continue;
+                }
+                if let Some(why) =
+                    hung_by_heartbeat(&dir.join(format!("rank{}", first_rank + i)), args.heartbeat_timeout)
+                {
+                    hung[i] = Some(format!("hung: {why}; the launcher killed it (--heartbeat-timeout)"));
+                    signal_group(&r.child, libc::SIGKILL);
+                }
+            }
         }
         if stop.load(Ordering::Relaxed) && !forwarded {
             forwarded = true;
@@ -255,6 +283,9 @@ pub fn run_round(
             }
         }
         std::thread::sleep(Duration::from_millis(20));
+    }
+    if let Some(dir) = &heartbeats {
+        let _ = std::fs::remove_dir_all(dir);
     }
     // A rank killed before the rendezvous finished can leave its segment behind; nothing else can.
     let segment = zerorun_comm::shm::segment_path(&run_id);
@@ -299,9 +330,9 @@ pub fn run_round(
             .iter()
             .enumerate()
             .filter(|(i, r)| *i != local && r.status.is_some_and(|s| !s.success()))
-            .map(|(i, r)| format!("{} {}", name(i), describe(r.status.expect("reaped"))))
+            .map(|(i, r)| format!("{} {}", name(i), describe_rank(&hung, i, r.status.expect("reaped"))))
             .collect();
-        let mut msg = format!("{} {}", name(local), describe(status));
+        let mut msg = format!("{} {}", name(local), describe_rank(&hung, local, status));
         // Another node's rank killed by a signal is the likelier first cause than an error here.
         if let Some(r) =
             remote.filter(|r| remote_stop.is_some() || (status.signal().is_none() && r.how.contains("signal")))
@@ -322,4 +353,20 @@ pub fn run_round(
         return Err(Failure { message: "stopped by a signal; every rank was asked to stop".into(), stopped: true });
     }
     Ok(())
+}
+
+/// Why the rank whose heartbeat file is `path` counts as hung after `timeout` seconds, if it does: its process
+/// stopped writing (frozen), or it has been outside every collective that long since its first one (its peers
+/// cannot go on without it). Before its first collective (start-up, loading) it is never hung.
+fn hung_by_heartbeat(path: &std::path::Path, timeout: f64) -> Option<String> {
+    let text = std::fs::read_to_string(path).ok()?;
+    let beat = zerorun_comm::heartbeat::Beat::parse(&text)?;
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).ok()?.as_millis() as u64;
+    let silent = now.saturating_sub(beat.at_ms) as f64 / 1e3;
+    if silent > timeout {
+        return Some(format!("its process stopped responding (no heartbeat for {silent:.0} s)"));
+    }
+    let outside = now.saturating_sub(beat.since_ms) as f64 / 1e3;
+    (!beat.waiting && beat.since_ms > 0 && outside > timeout)
+        .then(|| format!("outside every collective for {outside:.0} s, while its peers cannot go on without it"))
 }

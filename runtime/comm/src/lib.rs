@@ -12,6 +12,7 @@ pub mod buffer;
 mod cma;
 pub mod env;
 pub mod groups;
+pub mod heartbeat;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 #[cfg(feature = "nccl")]
