@@ -44,7 +44,7 @@ fn run(mlp: &Path, dir: &Path, ranks: usize, zero: &str, extra: &[&str], out: &P
     text.lines()
         .filter_map(|l| l.strip_prefix("[rank 0] "))
         .filter(|l| l.starts_with("step "))
-        .map(str::to_string)
+        .map(step_and_loss)
         .collect()
 }
 
@@ -56,6 +56,11 @@ fn load(p: &Path) -> Vec<(String, Vec<f32>)> {
         .collect();
     v.sort_by(|a, b| a.0.cmp(&b.0));
     v
+}
+
+/// `step N loss X` of an example's step line (which goes on with the step's time and throughput).
+fn step_and_loss(line: &str) -> String {
+    line.split(" time ").next().unwrap_or(line).to_string()
 }
 
 /// The run's per-step losses and final parameters (`out`) match the reference's within 1e-5.
@@ -171,7 +176,7 @@ fn node_zero_losses(nodes: Vec<std::process::Child>, what: &str, rank0_prefix: &
                 .lines()
                 .filter_map(|l| l.strip_prefix(rank0_prefix))
                 .filter(|l| l.starts_with("step "))
-                .map(str::to_string)
+                .map(step_and_loss)
                 .collect();
         }
     }

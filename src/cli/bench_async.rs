@@ -242,7 +242,7 @@ fn measure(
     let losses = text
         .lines()
         .filter_map(|l| l.strip_prefix("[rank 0] step "))
-        .filter_map(|l| l.split_once(" loss ").and_then(|(_, v)| v.trim().parse().ok()))
+        .filter_map(|l| l.split_once(" loss ").and_then(|(_, v)| v.split_whitespace().next()?.parse().ok()))
         .collect();
     Ok(Measured { samples_per_s: value("train_samples_per_s")?, loss: value("eval_loss")?, losses })
 }
