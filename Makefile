@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 TORCH_VERSION := 2.11.0
 # Debian packages the build and the tests need (checked with dpkg, installed only when missing).
-APT_PACKAGES := pkg-config libopenmpi-dev openmpi-bin libclang-dev fonts-dejavu-core libgloo-dev
+APT_PACKAGES := pkg-config libopenmpi-dev openmpi-bin libclang-dev fonts-dejavu-core libgloo-dev iproute2
 CARGO ?= cargo
 
 .PHONY: setup demo test docs book-check bench bench-deepspeed gpu-binaries

@@ -120,3 +120,51 @@ fn bench_async_json_lines_have_the_documented_keys() {
         "error: bench async: --ranks at least 2, --slow-factor at least 1, --steps at least 1"
     );
 }
+
+/// `bench cluster` on two simulated hosts (network namespaces, 1 Gbit/s links): the MLP at stage 2 on one rank per
+/// host sends, per step, what gloo's collectives move: its reduce-scatter is an all-reduce (the whole gradient
+/// buffer) and its all-gather half of it, so 1.5 x 4 bytes x P across the link (the second host; the first adds
+/// the start's broadcast of the weights). The namespaces are gone afterwards. Needs root, as CI and `make test` run.
+#[test]
+fn bench_cluster_counts_the_bytes_that_cross_hosts_and_removes_its_namespaces() {
+    let out = Command::new(env!("CARGO_BIN_EXE_zerorun"))
+        .args(["bench", "cluster", "--hosts", "1", "--", "true"])
+        .output()
+        .unwrap();
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--hosts at least 2"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    if unsafe { libc::geteuid() } != 0 {
+        let out =
+            Command::new(env!("CARGO_BIN_EXE_zerorun")).args(["bench", "cluster", "--", "true"]).output().unwrap();
+        assert!(String::from_utf8_lossy(&out.stderr).contains("needs root (CAP_NET_ADMIN)"));
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("zerorun-cluster-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("c.json"), r#"{"train_batch_size": 8, "zero_optimization": {"stage": 2}}"#).unwrap();
+    let (input, hidden, layers, out_dim) = (256i64, 1024i64, 4i64, 16i64);
+    let out = Command::new(env!("CARGO_BIN_EXE_zerorun"))
+        .args(["bench", "cluster", "--hosts", "2", "--ranks-per-host", "1", "--link", "1gbit", "--json", "--"])
+        .arg(examples::example("mlp"))
+        .args(["--config", dir.join("c.json").to_str().unwrap(), "--steps", "6"])
+        .args(["--in", &input.to_string(), "--hidden", &hidden.to_string(), "--layers", &layers.to_string()])
+        .args(["--out", &out_dim.to_string()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(r["steps"], 6);
+    let params = input * hidden + hidden + (layers - 2) * (hidden * hidden + hidden) + hidden * out_dim + out_dim;
+    let expected = 1.5 * 4.0 * params as f64;
+    let second = r["cross_host_bytes_per_rank_per_step"][1].as_f64().unwrap();
+    assert!((second / expected - 1.0).abs() < 0.05, "host 1 sent {second} bytes a step, the formula {expected}");
+    let floor = r["link_floor_s"].as_f64().unwrap();
+    assert!(floor > 0.0 && r["median_step_s"].as_f64().unwrap() >= floor, "{r}");
+    let left =
+        String::from_utf8_lossy(&Command::new("ip").args(["netns", "list"]).output().unwrap().stdout).into_owned();
+    assert!(!left.lines().any(|l| l.starts_with("zr")), "namespaces left behind: {left}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

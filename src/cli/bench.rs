@@ -8,6 +8,10 @@ use super::CliError;
 
 #[derive(Subcommand)]
 pub enum BenchCommand {
+    /// A cluster of --hosts hosts simulated here (network namespaces joined by veth links limited to --link each
+    /// way), one `zerorun launch --nnodes H` in each: the median step, the bytes each rank sent across and inside
+    /// hosts, and the link floor. Needs root.
+    Cluster(super::bench_cluster::ClusterArgs),
     /// AdamW step throughput: zerorun-optim vs libtorch (fused kernel and C++ optimizer) vs the bandwidth limit.
     Adam {
         /// One size (parameters); default: every power of two from 2^20 to 2^27.
@@ -146,6 +150,7 @@ pub fn run(command: BenchCommand) -> Result<(), CliError> {
                 backend,
             })
         }
+        BenchCommand::Cluster(a) => super::bench_cluster::run(a),
         BenchCommand::Swap { dir, size, block_size, queue_depth, threads, repeats, json } => {
             super::bench_swap::run(super::bench_swap::SwapBenchArgs {
                 dir,
