@@ -140,19 +140,6 @@ int zr_gloo_all_reduce(void* group, void* data, int64_t n, int dtype, int op, ch
   });
 }
 
-int zr_gloo_reduce_scatter(void* group, void* input, void* output, int64_t part, int dtype, int op, char* err,
-                           size_t err_len) {
-  auto g = static_cast<Group*>(group);
-  return guarded(err, err_len, [&] {
-    auto in = view(input, part * g->size, dtype);
-    auto out = view(output, part, dtype);
-    c10d::ReduceScatterOptions o;
-    o.reduceOp = reduce_op(op);
-    o.timeout = g->timeout;
-    wait(g, g->pg->_reduce_scatter_base(out, in, o));
-  });
-}
-
 // `data` holds `size` parts of `part` elements; this rank's part is in place and every other part arrives.
 int zr_gloo_all_gather(void* group, void* data, int64_t part, int dtype, char* err, size_t err_len) {
   auto g = static_cast<Group*>(group);
@@ -162,6 +149,51 @@ int zr_gloo_all_gather(void* group, void* data, int64_t part, int dtype, char* e
     c10d::AllgatherOptions o;
     o.timeout = g->timeout;
     wait(g, g->pg->_allgather_base(whole, mine, o));
+  });
+}
+
+// The reduce-scatter's exchange, bandwidth-optimal and rank-ordered: every rank sends part `peer` of `input` (size
+// parts of `part` elements) to each peer and receives each peer's part `rank` into `slots` (size - 1 parts, the
+// peers' in rank order); all transfers are in flight at once, so each rank moves (size-1)/size of the buffer each
+// way. The caller then sums the parts in rank order (libtorch's _reduce_scatter_base on gloo all-reduces the whole
+// buffer instead).
+int zr_gloo_exchange_parts(void* group, void* input, void* slots, int64_t part, int dtype, int tag, char* err,
+                           size_t err_len) {
+  auto g = static_cast<Group*>(group);
+  return guarded(err, err_len, [&] {
+    auto in = view(input, part * g->size, dtype);
+    auto out = view(slots, part * (g->size - 1), dtype);
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    for (int k = 1; k < g->size; ++k) {
+      int to = (g->rank + k) % g->size;
+      int from = (g->rank - k + g->size) % g->size;
+      std::vector<at::Tensor> send{in.narrow(0, part * to, part)};
+      works.push_back(g->pg->send(send, to, tag));
+      int slot = from < g->rank ? from : from - 1;
+      std::vector<at::Tensor> recv{out.narrow(0, part * slot, part)};
+      works.push_back(g->pg->recv(recv, from, tag));
+    }
+    for (auto& w : works) wait(g, w);
+  });
+}
+
+// The all-gather's exchange: this rank's part `rank` of `data` goes to every peer and each peer's part arrives in
+// its place, all in flight at once ((size-1)/size of the buffer each way per rank, no copy of this rank's part).
+int zr_gloo_share_parts(void* group, void* data, int64_t part, int dtype, int tag, char* err, size_t err_len) {
+  auto g = static_cast<Group*>(group);
+  return guarded(err, err_len, [&] {
+    auto whole = view(data, part * g->size, dtype);
+    auto mine = whole.narrow(0, part * g->rank, part);
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    for (int k = 1; k < g->size; ++k) {
+      int to = (g->rank + k) % g->size;
+      int from = (g->rank - k + g->size) % g->size;
+      std::vector<at::Tensor> send{mine};
+      works.push_back(g->pg->send(send, to, tag));
+      std::vector<at::Tensor> recv{whole.narrow(0, part * from, part)};
+      works.push_back(g->pg->recv(recv, from, tag));
+    }
+    for (auto& w : works) wait(g, w);
   });
 }
 

@@ -44,21 +44,30 @@ extern "C" {
         err: *mut c_char,
         err_len: usize,
     ) -> c_int;
-    fn zr_gloo_reduce_scatter(
-        group: *mut c_void,
-        input: *mut c_void,
-        output: *mut c_void,
-        part: i64,
-        dtype: c_int,
-        op: c_int,
-        err: *mut c_char,
-        err_len: usize,
-    ) -> c_int;
     fn zr_gloo_all_gather(
         group: *mut c_void,
         data: *mut c_void,
         part: i64,
         dtype: c_int,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    fn zr_gloo_exchange_parts(
+        group: *mut c_void,
+        input: *mut c_void,
+        slots: *mut c_void,
+        part: i64,
+        dtype: c_int,
+        tag: c_int,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    fn zr_gloo_share_parts(
+        group: *mut c_void,
+        data: *mut c_void,
+        part: i64,
+        dtype: c_int,
+        tag: c_int,
         err: *mut c_char,
         err_len: usize,
     ) -> c_int;
@@ -97,6 +106,8 @@ extern "C" {
 /// Tags of a transfer's two messages (gloo matches by peer and tag, in order).
 const TAG_HEADER: c_int = 1;
 const TAG_PAYLOAD: c_int = 2;
+/// The collectives' own messages (reduce-scatter and all-gather parts): apart from the point-to-point ones.
+const TAG_PARTS: c_int = 3;
 
 /// One rank's gloo group.
 pub struct GlooComm {
@@ -105,6 +116,9 @@ pub struct GlooComm {
     world_size: usize,
     /// The job's store address, for errors.
     place: String,
+    /// Where a reduce-scatter receives the peers' parts, kept between calls (a bucket's worth, reused: no page
+    /// faults on every call).
+    scratch: std::cell::RefCell<Vec<u8>>,
 }
 
 // SAFETY: the group is used by one thread at a time (the trait is Send, not Sync); libtorch's ProcessGroupGloo
@@ -189,7 +203,7 @@ impl GlooComm {
             });
         }
         tracing::debug!(rank = info.rank, world_size = info.world_size, %host, "gloo backend ready");
-        Ok(GlooComm { group, rank: info.rank, world_size: info.world_size, place })
+        Ok(GlooComm { group, rank: info.rank, world_size: info.world_size, place, scratch: Default::default() })
     }
 
     /// Runs one C call; its failure becomes an error of `op` naming this rank and what libtorch said.
@@ -320,6 +334,8 @@ impl Communicator for GlooComm {
         Ok(())
     }
 
+    /// Bandwidth-optimal and in rank order: every rank sends each peer its part and sums the parts it received
+    /// in rank order, as every backend does (gloo's own reduce-scatter all-reduces the whole buffer).
     fn reduce_scatter_buf(&self, input: BufRef<'_>, output: BufMut<'_>, op: ReduceOp) -> CommResult<()> {
         const OP: &str = "reduce_scatter";
         let part = agreement::scatter_output(OP, self.rank, self.world_size, &input, &output)?;
@@ -328,27 +344,43 @@ impl Communicator for GlooComm {
             return Ok(());
         }
         let dtype = input.dtype;
-        let (i, o) = (input.bytes.as_ptr() as *mut c_void, output.bytes.as_mut_ptr() as *mut c_void);
-        // SAFETY: the input is only read (libtorch's view of it is not written); the output is this call's.
-        self.call(OP, |e, l| unsafe {
-            zr_gloo_reduce_scatter(self.group, i, o, part as i64, dtype as c_int, Self::op_code(op), e, l)
-        })?;
-        if op == ReduceOp::Avg {
-            divide(output.bytes, dtype, self.world_size);
+        let part_bytes = part * dtype.size();
+        // The peers' parts arrive in the scratch, one slot per peer in rank order (this rank's own is read from the
+        // input where it is).
+        let mut scratch = self.scratch.borrow_mut();
+        let need = (self.world_size - 1) * part_bytes;
+        if scratch.len() < need {
+            *scratch = vec![0u8; need];
         }
+        if self.world_size > 1 {
+            let (i, o) = (input.bytes.as_ptr() as *mut c_void, scratch.as_mut_ptr() as *mut c_void);
+            // SAFETY: the input is only read (sent); the scratch holds world_size - 1 parts of `part` elements.
+            self.call(OP, |e, l| unsafe {
+                zr_gloo_exchange_parts(self.group, i, o, part as i64, dtype as c_int, TAG_PARTS, e, l)
+            })?;
+        }
+        let own = &input.bytes[self.rank * part_bytes..(self.rank + 1) * part_bytes];
+        let mut peers = scratch[..need].chunks(part_bytes);
+        let parts: Vec<&[u8]> = (0..self.world_size)
+            .map(|r| if r == self.rank { own } else { peers.next().expect("a slot per peer") })
+            .collect();
+        crate::comm::reduce_into(dtype, output.bytes, &parts, op);
         Ok(())
     }
 
+    /// Bandwidth-optimal: this rank's part goes to every peer, each peer's arrives in its place.
     fn all_gather_buf(&self, buf: BufMut<'_>) -> CommResult<()> {
         const OP: &str = "all_gather";
         let part = agreement::equal_parts(OP, self.rank, self.world_size, buf.len())?;
         self.handshake(OP, buf.len(), buf.dtype)?;
-        if part == 0 {
+        if part == 0 || self.world_size == 1 {
             return Ok(());
         }
         let (data, dtype) = (buf.bytes.as_mut_ptr() as *mut c_void, buf.dtype);
         // SAFETY: `buf` holds world_size parts of `part` elements, this call's.
-        self.call(OP, |e, l| unsafe { zr_gloo_all_gather(self.group, data, part as i64, dtype as c_int, e, l) })
+        self.call(OP, |e, l| unsafe {
+            zr_gloo_share_parts(self.group, data, part as i64, dtype as c_int, TAG_PARTS, e, l)
+        })
     }
 
     fn broadcast_buf(&self, buf: BufMut<'_>, root: usize) -> CommResult<()> {
@@ -412,6 +444,7 @@ impl Communicator for GlooComm {
             rank: split.rank,
             world_size: split.members.len(),
             place: self.place.clone(),
+            scratch: Default::default(),
         })))
     }
 }

@@ -220,7 +220,7 @@ pub(crate) fn fold_into(dtype: Dtype, acc: &mut [u8], part: &[u8], op: ReduceOp)
 
 /// Writes the combination of `parts` (byte views of `dtype` elements, each at least as long as `dst`) into `dst`,
 /// in rank order. `Avg` divides the sum by the number of parts.
-pub(crate) fn reduce_into(dtype: Dtype, dst: &mut [u8], parts: &[&[u8]], op: ReduceOp) {
+pub fn reduce_into(dtype: Dtype, dst: &mut [u8], parts: &[&[u8]], op: ReduceOp) {
     if dst.is_empty() {
         return;
     }

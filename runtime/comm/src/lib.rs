@@ -26,7 +26,7 @@ pub mod topology;
 
 use std::time::Duration;
 
-pub(crate) use buffer::reduce_into;
+pub use buffer::reduce_into;
 pub use buffer::{BufMut, BufRef, DeviceBuf, Dtype, Element};
 
 /// How values from the ranks are combined.
