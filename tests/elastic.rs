@@ -32,8 +32,13 @@ fn mlp_args(cmd: &mut Command, dir: &std::path::Path, steps: &str, out: &str) {
 /// One host of an elastic job: `zerorun launch --nnodes 1:2 --node-rank node`, checkpointing every 2 steps into
 /// `dir/ck` and resuming from it; rank 0 sleeps 60 ms a micro-batch so that the run lasts a few seconds.
 fn host(dir: &std::path::Path, node: usize, port: u16) -> Child {
+    host_of(dir, "1:2", node, port)
+}
+
+/// [`host`] of a job of `nnodes` (N or MIN:MAX).
+fn host_of(dir: &std::path::Path, nnodes: &str, node: usize, port: u16) -> Child {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_zerorun"));
-    cmd.args(["launch", "--nnodes", "1:2", "--node-rank", &node.to_string(), "--nproc-per-node", "2"]).args([
+    cmd.args(["launch", "--nnodes", nnodes, "--node-rank", &node.to_string(), "--nproc-per-node", "2"]).args([
         "--master-addr",
         "127.0.0.1",
         "--master-port",
@@ -165,6 +170,30 @@ fn a_host_that_joins_late_is_taken_in_at_the_next_restart() {
     assert!(step >= 2 && world == 4, "resumed from step {step} at world size {world}");
     // Node 1's ranks are ranks 2 and 3 of the second start.
     assert!(String::from_utf8_lossy(&outs[1].stdout).contains("[rank 3] "), "{}", text(1));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A rank (not its host) that fails in a fixed `--nnodes 2` job: every node's ranks stop, and the next start runs
+/// on both nodes again from the latest checkpoint, at the same world size.
+#[test]
+fn a_failed_rank_restarts_every_node_of_a_fixed_job() {
+    let dir = temp_dir("fixed");
+    let port = free_port();
+    let (node0, node1) = (host_of(&dir, "2", 0, port), host_of(&dir, "2", 1, port));
+    wait_for_step(&dir.join("ck"), 4);
+    let ranks = children_running(node1.id() as i32, "examples/mlp");
+    assert_eq!(ranks.len(), 2, "node 1's ranks: {ranks:?}");
+    unsafe { libc::kill(ranks[0], libc::SIGKILL) };
+    let outs: Vec<_> = [node0, node1].into_iter().map(|c| c.wait_with_output().unwrap()).collect();
+    let text = |i: usize| {
+        format!("{}\n{}", String::from_utf8_lossy(&outs[i].stdout), String::from_utf8_lossy(&outs[i].stderr))
+    };
+    assert!(outs[0].status.success() && outs[1].status.success(), "node 0:\n{}\nnode 1:\n{}", text(0), text(1));
+    let restart = text(0);
+    let line = restart.lines().find(|l| l.contains("restarting (1 of 1) on 2 nodes from the latest checkpoint"));
+    assert!(line.is_some_and(|l| l.contains("(node 1) was killed by signal 9 (SIGKILL)")), "{restart}");
+    let (step, world) = resumed(&String::from_utf8_lossy(&outs[0].stdout));
+    assert!(step >= 4 && world == 4, "resumed from step {step} at world size {world}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
