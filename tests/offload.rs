@@ -233,8 +233,9 @@ fn parameters_on_nvme_leave_memory_and_max_in_cpu_keeps_them() {
     let (engine, _) =
         one_rank_stage3(json!({"device": "nvme", "nvme_path": swap, "max_in_cpu": 0, "buffer_count": 3})).unwrap();
     assert_eq!(category(&engine, "parameters_nvme"), shard_bytes);
-    // What stays in memory is the idle swap buffers (at most 3 pages here), not the shard.
-    assert!(category(&engine, "parameters") <= 3 * 4096, "{}", category(&engine, "parameters"));
+    // What stays in memory is the idle swap buffers (at most 3 pages here), counted apart from the parameters.
+    assert_eq!(category(&engine, "parameters"), 0);
+    assert!(category(&engine, "offload_buffers") <= 3 * 4096, "{}", category(&engine, "offload_buffers"));
     assert_eq!(files_in(&swap).len(), 3, "one swap file per unit: {:?}", files_in(&swap));
     drop(engine);
     // The default max_in_cpu (1e9 elements) keeps a small model's shard in host memory: no file at all.
@@ -390,4 +391,39 @@ fn nvme_offload_lowers_peak_rss_by_most_of_the_optimizer_states() {
     );
     assert!(files_in(&swap).is_empty());
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// With parameters and optimizer states on NVMe the model states measured equal the estimate (what lives on NVMe
+/// counts there, once), the tiers' host buffers are a category of their own, and a report's unaccounted bytes
+/// leave out what is on NVMe.
+#[test]
+fn nvme_states_count_once_and_stay_out_of_the_resident_sum() {
+    let swap = tmp("nvme-sums");
+    let comm = threads::group(1, Duration::from_secs(10)).pop().unwrap();
+    let (vs, model) = init_layers(&[IN, HIDDEN, HIDDEN, OUT]);
+    let nvme = json!({"device": "nvme", "nvme_path": swap});
+    let cfg = Config::from_value(json!({
+        "train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "sub_group_size": 1000,
+            "offload_param": {"device": "nvme", "nvme_path": swap, "max_in_cpu": 0}, "offload_optimizer": nvme}
+    }))
+    .unwrap();
+    let engine = Engine::new(&vs, cfg, Box::new(comm), EngineOptions::default().units_of(&model)).unwrap();
+    let report = engine.memory_report();
+    let (measured, estimated) = (report.model_states.measured_bytes, report.model_states.estimated_bytes);
+    assert!((measured as f64 / estimated as f64 - 1.0).abs() < 0.01, "measured {measured}, estimate {estimated}");
+    assert_eq!(category(&engine, "optimizer_states"), 0);
+    assert!(category(&engine, "optimizer_states_nvme") > 0 && category(&engine, "parameters_nvme") > 0);
+    assert!(category(&engine, "offload_buffers") > 0);
+    let nvme_bytes = (category(&engine, "optimizer_states_nvme") + category(&engine, "parameters_nvme")) as u64;
+    let sample = zerorun::runtime::report::memory::EventSample {
+        step: 1,
+        event: "x".into(),
+        rss_bytes: 1 << 30,
+        categories: engine.memory_bytes().into_iter().map(|(c, b)| (c.name().to_string(), b as u64)).collect(),
+    };
+    let resident: u64 = sample.categories.values().sum::<u64>() - nvme_bytes;
+    assert_eq!(sample.unaccounted_bytes(0), (1i64 << 30) - resident as i64);
+    drop(engine);
+    std::fs::remove_dir_all(&swap).unwrap();
 }

@@ -66,8 +66,12 @@ pub trait OptimizerTier: Send {
     ) -> Result<(), TierError>;
     /// The momentum a schedule cycles (see [`Optimizer::set_momentum`]).
     fn set_momentum(&mut self, momentum: f64);
-    /// State bytes in host memory between steps.
+    /// State bytes in host memory between steps (the states themselves, not copies staged for NVMe).
     fn resident_bytes(&self) -> usize;
+    /// Host buffers of the tier that are not states: swap buffers and the sub-group being stepped (NVMe).
+    fn buffer_bytes(&self) -> usize {
+        0
+    }
     /// State bytes on NVMe.
     fn swapped_bytes(&self) -> usize;
     /// Writes state buffer `index` over the whole range as little-endian f32 (a checkpoint streams it).

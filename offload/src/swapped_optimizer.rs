@@ -159,8 +159,13 @@ impl OptimizerTier for SwappedOptimizer {
         self.subgroups.iter().map(|g| g.range.len() * 4 * self.state_names.len()).sum()
     }
 
-    /// State and host buffers resident now: the scratch state and the idle swap buffers.
+    /// Every state lives on NVMe: what is in memory is staging.
     fn resident_bytes(&self) -> usize {
+        0
+    }
+
+    /// The scratch a sub-group is stepped in and the idle swap buffers.
+    fn buffer_bytes(&self) -> usize {
         self.pool.idle_bytes() + self.scratch.iter().flat_map(|(_, v)| v.iter()).map(|b| b.len() * 4).sum::<usize>()
     }
 

@@ -49,6 +49,8 @@ pub enum MemoryCategory {
     OptimizerStatesNvme,
     /// Reduction staging and partition buffers.
     CommunicationBuffers,
+    /// The NVMe tiers' host buffers: swap buffers, reads ahead, the sub-group being stepped (copies, not states).
+    OffloadBuffers,
     /// Frozen parameters: all of them at stages 0-2, this rank's shard at stage 3.
     FrozenParameters,
     /// Buffers (BatchNorm's statistics), whole on every rank.
@@ -69,6 +71,7 @@ impl MemoryCategory {
             MemoryCategory::OptimizerStates => "optimizer_states",
             MemoryCategory::OptimizerStatesNvme => "optimizer_states_nvme",
             MemoryCategory::CommunicationBuffers => "communication_buffers",
+            MemoryCategory::OffloadBuffers => "offload_buffers",
             MemoryCategory::FrozenParameters => "frozen_parameters",
             MemoryCategory::Buffers => "buffers",
         }
@@ -91,6 +94,11 @@ pub const MODEL_STATE_CATEGORIES: [&str; 8] = [
     "optimizer_states",
     "optimizer_states_nvme",
 ];
+
+/// Whether the category `name` lives on NVMe rather than in memory (reported beside RSS, never inside it).
+pub fn is_on_nvme(name: &str) -> bool {
+    name.ends_with("_nvme")
+}
 
 /// Bytes by category, as the engine reports them.
 pub type CategoryList = [(MemoryCategory, usize)];
@@ -140,9 +148,11 @@ pub struct EventSample {
 }
 
 impl EventSample {
-    /// Resident memory the floor and the categories do not explain: activations, allocator caches, leaks.
+    /// Resident memory the floor and the categories do not explain: activations, allocator caches, leaks. What
+    /// is on NVMe (`*_nvme`) is not resident and stays out of the sum.
     pub fn unaccounted_bytes(&self, floor: u64) -> i64 {
-        self.rss_bytes as i64 - floor as i64 - self.categories.values().sum::<u64>() as i64
+        let resident: u64 = self.categories.iter().filter(|(name, _)| !is_on_nvme(name)).map(|(_, b)| *b).sum();
+        self.rss_bytes as i64 - floor as i64 - resident as i64
     }
 }
 

@@ -33,11 +33,12 @@ pub(crate) fn register_font() -> Result<()> {
 const MIB: f64 = 1024.0 * 1024.0;
 
 /// Colors by category, in stacking order (model states first); event-only categories (`gradients_unit`) too.
+/// Bytes on NVMe are not host memory: they are in the tables, never stacked with what is resident.
 fn categories<'a>(reports: impl IntoIterator<Item = &'a MemoryReport>) -> Vec<String> {
     let mut names: Vec<String> = Vec::new();
     for r in reports {
         for n in r.categories.keys().chain(r.events.iter().flat_map(|e| e.categories.keys())) {
-            if !names.contains(n) {
+            if !names.contains(n) && !crate::memory::is_on_nvme(n) {
                 names.push(n.clone());
             }
         }
@@ -75,7 +76,8 @@ fn stacked<DB: DrawingBackend>(
     let err = |e: DrawingAreaErrorKind<DB::ErrorType>| e.to_string();
     let first = points.first().map_or(0.0, |p| p.x);
     let last = points.last().map_or(1.0, |p| p.x).max(first + 1.0);
-    let stacked_max = points.iter().map(|p| p.categories.values().sum::<u64>()).max().unwrap_or(0) as f64;
+    let stacked = |p: &Point| names.iter().filter_map(|n| p.categories.get(n)).sum::<u64>();
+    let stacked_max = points.iter().map(stacked).max().unwrap_or(0) as f64;
     let rss_max = points.iter().map(|p| p.rss).max().unwrap_or(0) as f64;
     // The engine's bytes on the left axis; the process's resident memory (libtorch included, usually far larger)
     // on its own right axis so it does not flatten the bars.
@@ -231,9 +233,8 @@ fn draw_runs<DB: DrawingBackend>(
 ) -> std::result::Result<(), String> {
     let err = |e: DrawingAreaErrorKind<DB::ErrorType>| e.to_string();
     root.fill(&WHITE).map_err(err)?;
-    // Bars are host memory: bytes on NVMe (`*_nvme`) are in the tables, not stacked with what is resident.
-    let names: Vec<String> =
-        categories(runs.iter().flat_map(|(_, r)| r)).into_iter().filter(|n| !n.ends_with("_nvme")).collect();
+    // Bars are host memory (`categories` leaves out what is on NVMe).
+    let names: Vec<String> = categories(runs.iter().flat_map(|(_, r)| r));
     let body = legend(&root, &names, &[("peak resident memory (right axis)", RED)])?;
     // One bar per rank, runs in groups with a gap between them.
     let mut points = Vec::new();

@@ -352,7 +352,8 @@ impl Engine {
     /// Bytes this rank holds, by category: `parameters` (the model-dtype values kept between steps: all of them
     /// at stages 0-2, the shard at stage 3), `parameters_nvme` (the shard's chunks on NVMe), `parameters_gathered` (stage 3 units gathered now), `gradients_full`
     /// (autograd's `.grad` tensors of the model, stages 0-2), `gradients_shard` (the fp32 reduced gradients of the
-    /// optimized range), `master_fp32`, `optimizer_states`, `communication_buffers` (reduction staging),
+    /// optimized range), `master_fp32`, `optimizer_states` (in memory), `optimizer_states_nvme`,
+    /// `communication_buffers` (reduction staging), `offload_buffers` (the NVMe tiers' swap buffers and staging),
     /// `frozen_parameters` (all of them at stages 0-2; at stage 3 this rank's shard; gathered units,
     /// persistent ones too, count in `parameters_gathered`) and `buffers` (BatchNorm's statistics, whole on every rank).
     pub fn memory_bytes(&self) -> Vec<(MemoryCategory, usize)> {
@@ -372,7 +373,7 @@ impl Engine {
             self.gradients.accumulator_bytes()
         };
         let staging = if in_staging { 0 } else { staging };
-        let (params_kept, params_nvme) = self.states.parameters.kept_bytes();
+        let (params_kept, params_nvme, params_buffers) = self.states.parameters.kept_bytes();
         use MemoryCategory::*;
         vec![
             (Parameters, params_kept),
@@ -384,6 +385,7 @@ impl Engine {
             (OptimizerStates, self.shard.tier.resident_bytes()),
             (OptimizerStatesNvme, self.shard.tier.swapped_bytes()),
             (CommunicationBuffers, staging + partition),
+            (OffloadBuffers, params_buffers + self.shard.tier.buffer_bytes()),
             (
                 FrozenParameters,
                 self.states

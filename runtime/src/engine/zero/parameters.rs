@@ -236,10 +236,11 @@ impl Parameters {
     }
 
     /// Bytes of parameter values kept between steps in memory, and on NVMe.
-    pub fn kept_bytes(&self) -> (usize, usize) {
+    pub fn kept_bytes(&self) -> (usize, usize, usize) {
         let flat = self.flat.numel() * self.flat.kind().elt_size_in_bytes();
-        let (resident, nvme) = self.swapped.as_ref().map_or((0, 0), |s| (s.resident_bytes(), s.swapped_bytes()));
-        (flat + resident, nvme)
+        let (kept, nvme, buffers) =
+            self.swapped.as_ref().map_or((0, 0, 0), |s| (s.kept_bytes(), s.swapped_bytes(), s.buffer_bytes()));
+        (flat + kept, nvme, buffers)
     }
 }
 

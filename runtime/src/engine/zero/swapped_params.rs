@@ -265,12 +265,15 @@ impl SwappedParams {
         (0..self.chunks.len()).filter(|&u| self.in_memory[u].is_none()).map(|u| self.chunk_bytes(u)).sum()
     }
 
-    /// Bytes in host memory between steps: chunks kept there, idle swap buffers, and those of the reads started
-    /// ahead (at least a chunk's pages each).
-    pub fn resident_bytes(&self) -> usize {
-        let kept: usize =
-            (0..self.chunks.len()).filter(|&u| self.in_memory[u].is_some()).map(|u| self.chunk_bytes(u)).sum();
+    /// Bytes of parameters kept in host memory (`max_in_cpu`).
+    pub fn kept_bytes(&self) -> usize {
+        (0..self.chunks.len()).filter(|&u| self.in_memory[u].is_some()).map(|u| self.chunk_bytes(u)).sum()
+    }
+
+    /// Host buffers that are not parameters: idle swap buffers, and those of the reads started ahead (at least a
+    /// chunk's pages each).
+    pub fn buffer_bytes(&self) -> usize {
         let reading: usize = self.reads.keys().map(|&u| self.chunk_bytes(u).div_ceil(PAGE) * PAGE).sum();
-        kept + self.pool.idle_bytes() + reading
+        self.pool.idle_bytes() + reading
     }
 }
