@@ -154,7 +154,6 @@ pub fn run_round(
             std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos())
         )
     };
-    let links = peers;
     let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
     let threads = (cores / n).max(1).to_string();
 
@@ -238,12 +237,12 @@ pub fn run_round(
             let bad = ended.iter().filter(|(_, s)| !s.success());
             if let Some(&(i, s)) = bad.clone().find(|(_, s)| s.signal().is_some()).or(bad.clone().next()) {
                 failed = Some((i, s, Instant::now()));
-                if let (Some(links), None) = (&links, remote_stop) {
-                    links.report(first_rank + i, &describe_rank(&hung, i, s));
+                if let (Some(peers), None) = (peers, remote_stop) {
+                    peers.report(first_rank + i, &describe_rank(&hung, i, s));
                 }
             }
         }
-        if failed.is_none() && remote_stop.is_none() && links.as_ref().is_some_and(|l| l.remote_failure().is_some()) {
+        if failed.is_none() && remote_stop.is_none() && peers.is_some_and(|l| l.remote_failure().is_some()) {
             remote_stop = Some(Instant::now());
         }
         if ranks.iter().all(|r| r.status.is_some()) {
@@ -302,13 +301,13 @@ pub fn run_round(
     std::thread::sleep(Duration::from_millis(50)); // let the pumps flush the last lines
                                                    // A rank here that exited with an error may have seen a peer on another node die: give that node's report a
                                                    // moment to arrive, and name the failure that came first.
-    if let (Some(links), Some((_, status, _))) = (&links, failed) {
+    if let (Some(peers), Some((_, status, _))) = (peers, failed) {
         let start = Instant::now();
-        while status.signal().is_none() && links.remote_failure().is_none() && start.elapsed() < GRACE {
+        while status.signal().is_none() && peers.remote_failure().is_none() && start.elapsed() < GRACE {
             std::thread::sleep(Duration::from_millis(20));
         }
     }
-    let remote = links.and_then(|l| l.remote_failure());
+    let remote = peers.and_then(|l| l.remote_failure());
     if let (None, Some(r)) = (failed, &remote) {
         return Err(Failure::of(format!(
             "rank {} (node {}) {}; this node's ranks were stopped",
