@@ -11,7 +11,8 @@
 //! (zerorun-runtime: storage resizing and backward into chosen inputs, for stage 3) with `native/region_allocator.cpp`
 //! (zerorun-runtime: tensors in the shm backend's shared buffer region) and `native/gloo_backend.cpp` (zerorun-runtime:
 //! libtorch's TCPStore and ProcessGroupGloo, the backend across hosts) and `native/tensor_parallel.cpp`
-//! (zerorun-runtime: tensor parallelism's conjugate operators as autograd functions).
+//! (zerorun-runtime: tensor parallelism's conjugate operators as autograd functions) and `native/counting_allocator.cpp`
+//! (zerorun-runtime: libtorch's CPU allocator with live-byte counters by owner, for the memory report).
 fn main() {
     println!("cargo:rerun-if-env-changed=DEP_TCH_LIBTORCH_LIB");
     if let Ok(lib) = std::env::var("DEP_TCH_LIBTORCH_LIB") {
@@ -26,6 +27,7 @@ fn main() {
             Ok("zerorun-runtime") => &[
                 "native/unit_storage.cpp",
                 "native/region_allocator.cpp",
+                "native/counting_allocator.cpp",
                 "native/grad_hooks.cpp",
                 "native/cuda_loader.cpp",
                 "native/gloo_backend.cpp",

@@ -86,6 +86,7 @@ fn check_files(dir: &Path, stage: u8) -> Vec<MemoryReport> {
             e == "initialized"
                 || e == "forward"
                 || e == "backward"
+                || e == "backward start"
                 || e == "optimizer step"
                 || e.starts_with("forward: unit ")
                 || e.starts_with("backward: unit ")

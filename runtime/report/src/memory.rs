@@ -55,6 +55,14 @@ pub enum MemoryCategory {
     FrozenParameters,
     /// Buffers (BatchNorm's statistics), whole on every rank.
     Buffers,
+    /// Live tensors the model's forward made and autograd keeps for backward (and the forward's output); events only.
+    Activations,
+    /// Other live tensors made outside the engine: the program's inputs and loss, autograd's gradients before the
+    /// engine takes them, backward's temporaries, tensors a program keeps; events only.
+    Temporaries,
+    /// Freed memory glibc's malloc keeps in its arenas for reuse (`mallinfo2().fordblks`), as far as the resident
+    /// set shows it (at most what the floor and the other categories leave of it); events only.
+    AllocatorRetained,
 }
 
 impl MemoryCategory {
@@ -74,6 +82,9 @@ impl MemoryCategory {
             MemoryCategory::OffloadBuffers => "offload_buffers",
             MemoryCategory::FrozenParameters => "frozen_parameters",
             MemoryCategory::Buffers => "buffers",
+            MemoryCategory::Activations => "activations",
+            MemoryCategory::Temporaries => "temporaries",
+            MemoryCategory::AllocatorRetained => "allocator_retained",
         }
     }
 
@@ -130,6 +141,9 @@ pub struct StepSample {
     pub rss_bytes: u64,
     /// Bytes by category.
     pub categories: BTreeMap<String, u64>,
+    /// The step's event with the most resident memory (when events were sampled).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peak_event: Option<EventSample>,
 }
 
 /// A sample at one of the engine's events inside a step (a unit gathered in forward, a unit's gradients computed
@@ -203,6 +217,56 @@ pub struct MemoryReport {
     /// categories (what they do not name is activations, temporaries and the allocator's cache).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device_memory: Option<DeviceMemory>,
+    /// Stage 3: live bytes each unit's forward left for its backward (activations per unit), from the last
+    /// training forward. Empty without the counting allocator or units.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub unit_activations_bytes: Vec<u64>,
+    /// Stage 3: each unit's input, in bytes (what activation checkpointing keeps of a unit).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub unit_input_bytes: Vec<u64>,
+    /// The largest live allocations at the highest event (`ZERORUN_MEMORY_SNAPSHOT=1`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peak_allocations: Option<PeakAllocations>,
+    /// Model states other configurations would hold on this rank, by the estimator (for the report's advice).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub alternatives: Vec<Alternative>,
+}
+
+/// The largest live tensor allocations at one event.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PeakAllocations {
+    /// The step of the event.
+    pub step: u64,
+    /// The event.
+    pub event: String,
+    /// Resident memory then.
+    pub rss_bytes: u64,
+    /// Live bytes of every counted allocation then.
+    pub live_bytes: u64,
+    /// Largest first.
+    pub allocations: Vec<Allocation>,
+}
+
+/// One live allocation of a snapshot.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Allocation {
+    /// Its size.
+    pub bytes: u64,
+    /// Whose: `forward` (activations), `backward`, `engine` or `program`.
+    pub owner: String,
+    /// The operator that made it, outermost > innermost (libtorch's RecordFunction); empty outside operators.
+    pub op: String,
+    /// The engine's phase when it was made (`forward: unit 3`, `backward`, `optimizer step`, ...).
+    pub phase: String,
+}
+
+/// Another configuration and the model states it would leave resident on this rank (the estimator's count).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Alternative {
+    /// The change, in ds_config terms (`zero_optimization.stage: 3`).
+    pub change: String,
+    /// Resident model-state bytes per rank with it.
+    pub model_states_bytes: u64,
 }
 
 /// A CUDA caching allocator's statistics for one device, in bytes (`torch.cuda.memory_stats()`'s
@@ -282,25 +346,42 @@ impl MemoryTracker {
                 (n.name().to_string(), peaks.iter().find(|(p, _)| p == n).map_or(*b, |(_, pb)| (*pb).max(*b)) as u64)
             })
             .collect();
-        self.steps.push(StepSample { step, rss_bytes: rss().0, categories });
+        self.steps.push(StepSample { step, rss_bytes: rss().0, categories, peak_event: None });
         self.end_step();
     }
 
-    /// A sample at an event of step `step`: resident memory now and `now` by category.
-    pub fn event(&mut self, step: u64, event: String, now: &CategoryList) {
+    /// A sample at an event of step `step`: resident memory now and `now` by category (their peaks too). Returns
+    /// the sample's resident memory.
+    pub fn event(&mut self, step: u64, event: String, now: &CategoryList) -> u64 {
+        for (category, b) in now {
+            let c = self.categories.entry(category.name().to_string()).or_default();
+            c.peak_bytes = c.peak_bytes.max(*b as u64);
+        }
         let sample = EventSample {
             step,
             event,
             rss_bytes: rss().0,
             categories: now.iter().map(|(n, b)| (n.name().to_string(), *b as u64)).collect(),
         };
+        let rss = sample.rss_bytes;
         self.current_events.push(sample);
+        rss
     }
 
-    /// Closes the step's timeline: it replaces the kept one when it holds a new peak.
+    /// The highest event so far (kept or of the step in progress): its resident memory.
+    pub fn highest_rss(&self) -> u64 {
+        let kept = self.peak.as_ref().map_or(0, |p| p.rss_bytes);
+        self.current_events.iter().map(|e| e.rss_bytes).fold(kept, u64::max)
+    }
+
+    /// Closes the step's timeline: it replaces the kept one when it holds a new peak; the step's sample (when
+    /// taken) keeps its highest event.
     pub fn end_step(&mut self) {
         let events = std::mem::take(&mut self.current_events);
         let Some(top) = events.iter().max_by_key(|e| e.rss_bytes) else { return };
+        if let Some(last) = self.steps.last_mut().filter(|s| s.step == top.step) {
+            last.peak_event = Some(top.clone());
+        }
         if self.peak.as_ref().map_or(true, |p| top.rss_bytes > p.rss_bytes) {
             self.peak = Some(top.clone());
             self.peak_step_events = events;
@@ -550,6 +631,10 @@ mod tests {
             pipeline: None,
             device: None,
             device_memory: None,
+            unit_activations_bytes: Vec::new(),
+            unit_input_bytes: Vec::new(),
+            peak_allocations: None,
+            alternatives: Vec::new(),
         }
     }
 

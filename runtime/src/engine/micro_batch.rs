@@ -17,6 +17,7 @@ use crate::engine::zero::unit_walk::UnitRecord;
 use crate::engine::zero::{self, units::UnitModel};
 use crate::engine::Engine;
 use crate::error::{Error, Result};
+use crate::report::allocations::{owned_by, Owner};
 use crate::report::memory::MemoryCategory;
 use crate::report::Phase;
 
@@ -90,6 +91,7 @@ impl Engine {
     /// already scaled as that stage's loss was): accumulates the parameters' gradients as [`Engine::backward`]
     /// does, records no loss. Stages 0-2 without units.
     pub(crate) fn backward_output(&mut self, output: &Tensor, grad: &Tensor) -> Result<()> {
+        let _owner = owned_by(Owner::Engine);
         if self.plan.gradients == GradientPath::UnitWalk {
             return Err(Error::Usage(
                 "engine.backward_output runs a plain backward: it needs ZeRO stage 0-2 without units".into(),
@@ -99,6 +101,8 @@ impl Engine {
     }
 
     fn backward_impl(&mut self, model: Option<&dyn UnitModel>, loss: &Tensor) -> Result<()> {
+        let _owner = owned_by(Owner::Engine);
+        self.memory_event(|| "backward start".into(), &[]);
         if self.plan.gradients == GradientPath::UnitWalk {
             self.begin_backward(Some(loss))?;
             let factor = self.loss_scale() / self.batch.gradient_accumulation_steps as f64;
@@ -132,6 +136,7 @@ impl Engine {
         let _span = Phase::Backward.span().entered();
         let (started, comm_before) = (Instant::now(), self.report.times.comm());
         let autograd = || -> Result<()> {
+            let _owner = owned_by(Owner::Backward);
             match root {
                 Root::Loss(loss) if factor != 1.0 => (loss * factor).f_backward()?,
                 Root::Loss(loss) => loss.f_backward()?,
@@ -206,6 +211,7 @@ impl Engine {
     /// ```
     pub fn forward(&mut self, model: &dyn UnitModel, input: &Tensor) -> Result<Tensor> {
         let _span = crate::report::Phase::Forward.span().entered();
+        let _owner = owned_by(Owner::Engine);
         let (started, comm_before) = (std::time::Instant::now(), self.report.times.comm());
         let out = self.forward_impl(model, input);
         self.report.times.add(
@@ -222,6 +228,7 @@ impl Engine {
     fn forward_impl(&mut self, model: &dyn UnitModel, input: &Tensor) -> Result<Tensor> {
         let prefixes = model.unit_prefixes();
         if self.plan.gradients != GradientPath::UnitWalk {
+            let _owner = owned_by(Owner::Forward);
             let mut h = input.shallow_clone();
             for i in 0..prefixes.len() {
                 h = model.forward_unit(i, &h);
@@ -246,7 +253,7 @@ impl Engine {
             self.states.parameters.read_ahead(i + 1..n);
             let last = i + 1 == n;
             if !train {
-                h = model.forward_unit(i, &h);
+                h = owned_forward(|| model.forward_unit(i, &h));
                 if !self.states.parameters.units[i].persistent {
                     self.release_unit(i)?;
                 }
@@ -261,7 +268,15 @@ impl Engine {
             };
             self.memory_event(|| format!("forward: unit {i} gathered"), &[]);
             let recompute = self.walk.activation_checkpointing && !last;
-            let y = if recompute { tch::no_grad(|| model.forward_unit(i, &x)) } else { model.forward_unit(i, &x) };
+            let before = self.forward_live_bytes();
+            let y = owned_forward(|| {
+                if recompute {
+                    tch::no_grad(|| model.forward_unit(i, &x))
+                } else {
+                    model.forward_unit(i, &x)
+                }
+            });
+            self.record_unit_activations(i, before, &x);
             self.walk.records.push(UnitRecord { input: x, output: (!recompute).then(|| y.shallow_clone()) });
             if !last && !self.states.parameters.units[i].persistent && !kept {
                 self.release_unit(i)?;
@@ -279,7 +294,7 @@ impl Engine {
         loss: &Tensor,
         factor: f64,
     ) -> Result<()> {
-        let records = std::mem::take(&mut self.walk.records);
+        let mut records = std::mem::take(&mut self.walk.records);
         if records.len() != self.states.parameters.units.len() {
             let stage = self.plan.stage();
             let plain = if self.plan.shard_in_pieces() {
@@ -296,9 +311,11 @@ impl Engine {
         }
         let root = if factor != 1.0 { loss * factor } else { loss.shallow_clone() };
         let mut upstream: Option<Tensor> = None;
-        for i in (0..records.len()).rev() {
-            let last = i + 1 == records.len();
-            let rec = &records[i];
+        let units = records.len();
+        for i in (0..units).rev() {
+            let last = i + 1 == units;
+            // Taken, so the unit's activations are freed once its backward is done (as autograd frees saved ones).
+            let rec = records.pop().expect("a record per unit");
             self.gather_unit(i)?;
             self.prefetch((0..i).rev())?;
             self.states.parameters.read_ahead((0..i).rev());
@@ -309,7 +326,7 @@ impl Engine {
                     let model = model.ok_or_else(|| {
                         Error::Usage("activation checkpointing recomputes units in backward: call `engine.backward_units(&model, &loss)`".into())
                     })?;
-                    model.forward_unit(i, &rec.input)
+                    owned_forward(|| model.forward_unit(i, &rec.input))
                 }
             };
             let takes_input = i > 0 && rec.input.requires_grad();
@@ -323,7 +340,10 @@ impl Engine {
                     if last { Some((&root, None)) } else { upstream.as_ref().map(|g| (&output, Some(g))) };
                 match start {
                     _ if inputs.is_empty() => Vec::new(),
-                    Some(r) if output.requires_grad() || last => native::grad(&[r], &inputs)?,
+                    Some(r) if output.requires_grad() || last => {
+                        let _owner = owned_by(Owner::Backward);
+                        native::grad(&[r], &inputs)?
+                    }
                     _ => (0..inputs.len()).map(|_| None).collect(),
                 }
             };
@@ -366,4 +386,10 @@ impl Engine {
     pub(crate) fn refresh_gathered_units(&mut self) -> Result<()> {
         self.states.parameters.refresh_gathered(self.comm.as_ref(), &mut self.report.comm_volume)
     }
+}
+
+/// Runs model code whose allocations are the forward's (activations, the output).
+fn owned_forward<T>(f: impl FnOnce() -> T) -> T {
+    let _owner = owned_by(Owner::Forward);
+    f()
 }

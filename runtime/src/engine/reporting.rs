@@ -1,7 +1,16 @@
-//! What the engine measures for the memory report and the wall-clock breakdown. The engine's methods that read
-//! it (memory by category, sampling after every optimizer step, printing every `steps_per_print`, the files at
-//! the end of the run) are the facade's, in `engine/mod.rs`: they walk every part.
+//! What the engine measures for the memory report and the wall-clock breakdown, and the engine's methods that
+//! read it: memory by category (they walk every part), the samples at its events and after every optimizer step,
+//! the measured categories (activations, temporaries, what malloc keeps), the report's files at the end.
 use std::path::PathBuf;
+
+use tch::Tensor;
+
+use super::Engine;
+use crate::config::Precision;
+use crate::error::Result;
+use crate::estimate::{model_states_bytes, EstimateInput};
+use crate::report::allocations::{self, Counting, Owner};
+use crate::report::memory::{self, MemoryCategory, MemoryReport, ModelStates, SCHEMA_VERSION};
 
 pub use crate::comm::env::MEMORY_REPORT_ENV;
 
@@ -29,6 +38,368 @@ pub(crate) struct Reporting {
     /// Whether the engine samples memory at its events (a report is asked for; see `memory_event`).
     pub sample_events: bool,
     pub memory: crate::report::memory::MemoryTracker,
+    /// The counting allocator's share: the measured categories (activations, temporaries) come from it. None:
+    /// turned off (`ZERORUN_COUNT_ALLOCATIONS=0`).
+    pub counting: Option<Counting>,
+    /// Recording the largest allocations at the highest event (`ZERORUN_MEMORY_SNAPSHOT=1`).
+    pub snapshot: bool,
+    /// The largest live allocations at the highest event so far.
+    pub peak_allocations: Option<memory::PeakAllocations>,
+    /// Stage 3: live bytes each unit's forward kept, and each unit's input bytes (the last training forward).
+    pub unit_activations: Vec<u64>,
+    pub unit_inputs: Vec<u64>,
     pub times: crate::report::PhaseTimes,
     pub comm_volume: crate::engine::CommVolume,
+}
+
+/// What the engine reports: memory by category, the memory report's files, the wall-clock breakdown.
+impl Engine {
+    /// Bytes this rank holds, by category: `parameters` (the model-dtype values kept between steps: all of them
+    /// at stages 0-2, the shard at stage 3), `parameters_nvme` (the shard's chunks on NVMe), `parameters_gathered` (stage 3 units gathered now), `gradients_full`
+    /// (autograd's `.grad` tensors of the model, stages 0-2), `gradients_shard` (the fp32 reduced gradients of the
+    /// optimized range), `master_fp32`, `optimizer_states` (in memory), `optimizer_states_nvme`,
+    /// `communication_buffers` (reduction staging), `offload_buffers` (the NVMe tiers' swap buffers and staging),
+    /// `frozen_parameters` (all of them at stages 0-2; at stage 3 this rank's shard; gathered units,
+    /// persistent ones too, count in `parameters_gathered`) and `buffers` (BatchNorm's statistics, whole on every rank).
+    pub fn memory_bytes(&self) -> Vec<(MemoryCategory, usize)> {
+        let bytes = |t: &Tensor| t.numel() * t.kind().elt_size_in_bytes();
+        let (view_buffer, staging, partition) = self.gradients.buffer_bytes();
+        // With gradient views the `.grad` tensors are the gradient buffer: counted once, as the full gradients.
+        let full = match view_buffer {
+            Some(b) => b,
+            None => self.states.params.iter().map(|t| t.grad()).filter(Tensor::defined).map(|g| bytes(&g)).sum(),
+        };
+        // Stage 0 reducing in the staging buffer: it is the full gradients (views) or the reduced ones.
+        let in_staging =
+            !self.plan.partitions_optimizer() && (view_buffer.is_some() || self.gradients.in_flat_buffer());
+        let shard = if !self.plan.partitions_optimizer() && view_buffer.is_none() && self.gradients.in_flat_buffer() {
+            staging
+        } else {
+            self.gradients.accumulator_bytes()
+        };
+        let staging = if in_staging { 0 } else { staging };
+        let (params_kept, params_nvme, params_buffers) = self.states.parameters.kept_bytes();
+        use MemoryCategory::*;
+        vec![
+            (Parameters, params_kept),
+            (ParametersNvme, params_nvme),
+            (ParametersGathered, self.states.parameters.gathered.current),
+            (GradientsFull, full),
+            (GradientsShard, shard),
+            (MasterFp32, self.shard.master.as_ref().map_or(0, |m| m.numel() * 4)),
+            (OptimizerStates, self.shard.tier.resident_bytes()),
+            (OptimizerStatesNvme, self.shard.tier.swapped_bytes()),
+            (CommunicationBuffers, staging + partition),
+            (OffloadBuffers, params_buffers + self.shard.tier.buffer_bytes()),
+            (
+                FrozenParameters,
+                self.states
+                    .parameters
+                    .frozen_units
+                    .as_ref()
+                    .map_or_else(|| crate::engine::zero::variables::bytes_of(&self.states.frozen), |f| f.shard_bytes()),
+            ),
+            (Buffers, crate::engine::zero::variables::bytes_of(&self.states.buffers)),
+        ]
+    }
+
+    /// A memory sample at one of the engine's events (`label()` names it; `extra`: transient bytes that exist only
+    /// around it, such as a unit's gradients before their reduction). Events belong to the step in progress.
+    /// Sampled only when a report is asked for (`memory_breakdown`, `zerorun launch --memory-report`): each
+    /// sample reads /proc and walks the categories, too much for every unit of every step otherwise.
+    pub(super) fn memory_event(&mut self, label: impl FnOnce() -> String, extra: &[(MemoryCategory, usize)]) {
+        if !self.report.sample_events {
+            return;
+        }
+        let mut now = self.memory_bytes();
+        now.extend_from_slice(extra);
+        let measured = self.measured_categories(&now);
+        now.extend(measured);
+        let step = self.progress.global_steps + 1;
+        let highest = self.report.memory.highest_rss();
+        let label = label();
+        if self.report.snapshot {
+            allocations::set_phase(&label);
+        }
+        let rss = self.report.memory.event(step, label.clone(), &now);
+        if self.report.snapshot && rss > highest {
+            let live = self.report.counting.as_ref().and_then(Counting::live).unwrap_or_default();
+            let allocations = allocations::largest(20)
+                .into_iter()
+                .map(|b| memory::Allocation { bytes: b.bytes, owner: b.owner.name().into(), op: b.op, phase: b.phase })
+                .collect();
+            self.report.peak_allocations = Some(memory::PeakAllocations {
+                step,
+                event: label,
+                rss_bytes: rss,
+                live_bytes: live.total,
+                allocations,
+            });
+        }
+    }
+
+    /// What the counting allocator and malloc say at an event, beside the engine's categories `now`:
+    /// `activations` (live bytes the model's forward made), `temporaries` (live bytes of the program and of
+    /// autograd's backward, less the gradients the engine counts already) and `allocator_retained` (malloc's free
+    /// blocks). Nothing when the allocator does not count for this engine alone.
+    fn measured_categories(&self, now: &[(MemoryCategory, usize)]) -> Vec<(MemoryCategory, usize)> {
+        let Some(live) = self.report.counting.as_ref().and_then(Counting::live) else { return Vec::new() };
+        let engine_counted =
+            |c: MemoryCategory| now.iter().filter(|(n, _)| *n == c).map(|(_, b)| *b as u64).sum::<u64>();
+        // Autograd allocates the `.grad` tensors (unless they are views of the engine's buffer) and a stage 3
+        // unit's gradients in backward: the engine counts them already.
+        let autograd_grads =
+            if self.gradients.buffer_bytes().0.is_none() { engine_counted(MemoryCategory::GradientsFull) } else { 0 }
+                + engine_counted(MemoryCategory::GradientsUnit);
+        let temporaries = (live.of(Owner::Program) + live.of(Owner::Backward)).saturating_sub(autograd_grads);
+        let activations = live.of(Owner::Forward);
+        // malloc's free blocks, as far as resident memory shows them: a trimmed heap keeps its free blocks in the
+        // books (`fordblks`) but not in memory, so the rest of the resident set bounds them.
+        let resident: u64 =
+            now.iter().filter(|(n, _)| !memory::is_on_nvme(n.name())).map(|(_, b)| *b as u64).sum::<u64>()
+                + activations
+                + temporaries;
+        let unexplained = memory::rss().0.saturating_sub(self.report.floor_rss_bytes + resident);
+        let retained = allocations::malloc_free_bytes().min(unexplained);
+        vec![
+            (MemoryCategory::Activations, activations as usize),
+            (MemoryCategory::Temporaries, temporaries as usize),
+            (MemoryCategory::AllocatorRetained, retained as usize),
+        ]
+    }
+
+    /// Stage 3, after unit `i`'s forward: what it left alive for backward since `before` (forward's live bytes
+    /// then) and its input's bytes.
+    pub(super) fn record_unit_activations(&mut self, i: usize, before: u64, input: &Tensor) {
+        let Some(live) = self.report.counting.as_ref().and_then(Counting::live) else { return };
+        let n = self.states.parameters.units.len();
+        self.report.unit_activations.resize(n, 0);
+        self.report.unit_inputs.resize(n, 0);
+        self.report.unit_activations[i] = live.of(Owner::Forward).saturating_sub(before);
+        self.report.unit_inputs[i] = (input.numel() * input.kind().elt_size_in_bytes()) as u64;
+    }
+
+    /// Live bytes of the model's forward now (0 without counting).
+    pub(super) fn forward_live_bytes(&self) -> u64 {
+        self.report.counting.as_ref().and_then(Counting::live).map_or(0, |l| l.of(Owner::Forward))
+    }
+
+    /// The sample after `initialize`: the initialisation's own timeline (step 0).
+    pub(super) fn memory_event_initialized(&mut self) {
+        if !self.report.sample_events {
+            return;
+        }
+        let now = self.memory_bytes();
+        self.report.memory.event(0, "initialized".into(), &now);
+        self.report.memory.end_step();
+    }
+
+    /// After every optimizer step (taken or skipped): a memory sample and the step's phase times.
+    pub(super) fn end_of_step(&mut self) {
+        let now = self.memory_bytes();
+        let peaks = [(MemoryCategory::ParametersGathered, self.states.parameters.gathered.step_peak)];
+        self.report.memory.sample(self.progress.global_steps, &now, &peaks);
+        self.states.parameters.gathered.step_peak = self.states.parameters.gathered.current;
+        let times = self.report.times.end_step();
+        if self.config.wall_clock_breakdown
+            && self.rank() == 0
+            && self.config.steps_per_print.is_some_and(|k| self.progress.global_steps % k == 0)
+        {
+            let ms = |p: crate::report::Phase| times[p as usize].as_secs_f64() * 1e3;
+            use crate::report::Phase::*;
+            tracing::info!(
+                step = self.progress.global_steps,
+                forward_ms = ms(Forward),
+                backward_ms = ms(Backward),
+                step_ms = ms(Step),
+                all_gather_ms = ms(AllGather),
+                reduce_scatter_ms = ms(ReduceScatter),
+                offload_io_ms = ms(OffloadIo),
+                "wall_clock_breakdown"
+            );
+        }
+        self.progress.step_started = None;
+    }
+
+    /// Time spent updating the parameters (the optimizer's own work, without the norm's collectives) so far.
+    pub(crate) fn optimizer_time(&self) -> std::time::Duration {
+        self.report.times.total(crate::report::Phase::Step)
+    }
+
+    /// The mean time per step of each phase so far, as one line (`wall_clock_breakdown`).
+    pub fn wall_clock_summary(&self) -> String {
+        self.report.times.summary()
+    }
+
+    /// Model states other configurations would leave resident on this rank (the estimator's counts): the higher
+    /// stages, the optimizer's states offloaded, and at stage 3 the parameters too. To NVMe on a CPU model (its
+    /// memory is the host's), to the host on a device.
+    fn alternatives(&self) -> Vec<memory::Alternative> {
+        use crate::config::OffloadDevice;
+        let input = self.estimate_input();
+        let stage = self.plan.stage();
+        let (_, g, o) = input.bytes_per_param();
+        let (psi, n) = (input.params as f64, self.world_size().max(1) as f64);
+        let z = &self.config.zero_optimization;
+        let mut out: Vec<memory::Alternative> = (stage + 1..=3)
+            .map(|s| memory::Alternative {
+                change: format!("zero_optimization.stage: {s}"),
+                model_states_bytes: model_states_bytes(&input, s),
+            })
+            .collect();
+        let to = if self.device() == tch::Device::Cpu { "nvme" } else { "cpu" };
+        let now = model_states_bytes(&input, stage);
+        if stage >= 1 && z.offload_optimizer.device == OffloadDevice::None {
+            out.push(memory::Alternative {
+                change: format!("zero_optimization.offload_optimizer.device: {to}"),
+                model_states_bytes: now.saturating_sub((psi * o as f64 / n).round() as u64),
+            });
+        }
+        if stage == 3 && z.offload_param.device == OffloadDevice::None {
+            out.push(memory::Alternative {
+                change: format!("zero_optimization.offload_optimizer.device and offload_param.device: {to}"),
+                model_states_bytes: (psi * g as f64 / n).round() as u64,
+            });
+        }
+        out
+    }
+
+    fn estimate_input(&self) -> EstimateInput {
+        let (frozen_params, frozen_bytes) = match &self.states.parameters.frozen_units {
+            Some(f) => (f.layout.numel as u64, f.specs().first().map(|s| s.2.elt_size_in_bytes() as u64)),
+            None => (
+                self.states.frozen.iter().map(|(_, t)| t.numel() as u64).sum(),
+                self.states.frozen.first().map(|(_, t)| t.kind().elt_size_in_bytes() as u64),
+            ),
+        };
+        EstimateInput {
+            gpus_per_node: self.world_size() as u64,
+            frozen_params,
+            frozen_bytes_per_param: frozen_bytes,
+            ..EstimateInput::new(self.states.layout.numel as u64)
+        }
+        .with_config(&self.config)
+    }
+
+    /// Model-state bytes by ZeRO's formula for this run (the estimator's number).
+    pub fn estimated_model_state_bytes(&self) -> u64 {
+        model_states_bytes(&self.estimate_input(), self.plan.stage())
+    }
+
+    /// This rank's report: the categories' current and peak bytes, model states measured and estimated, the
+    /// process's peak RSS and the per-step samples.
+    ///
+    /// ```
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # use tch::nn::{self, Module};
+    /// # use tch::{Device, Kind, Tensor};
+    /// # let vs = nn::VarStore::new(Device::Cpu);
+    /// # let (l0, l1) = (nn::linear(vs.root() / "l0", 4, 8, Default::default()), nn::linear(vs.root() / "l1", 8, 1, Default::default()));
+    /// # let model = zerorun_runtime::engine::Sequence::new().unit(["l0"], move |x| l0.forward(x).relu()).unit(["l1"], move |x| l1.forward(x));
+    /// # let config: zerorun_runtime::Config = r#"{"train_batch_size": 2, "zero_optimization": {"stage": 3}}"#.parse()?;
+    /// # let mesh = zerorun_runtime::Mesh::from_env(&config, Default::default())?;
+    /// # let mut engine = zerorun_runtime::initialize_with(&vs, config, mesh, zerorun_runtime::EngineOptions::default().units_of(&model))?;
+    /// # let x = Tensor::randn([2, 4], (Kind::Float, Device::Cpu));
+    /// let report = engine.memory_report();
+    /// let model_states = report.model_states.measured_bytes;
+    /// assert!(model_states > 0 && report.peak_rss_bytes > model_states);
+    /// # Ok(()) }
+    /// ```
+    pub fn memory_report(&self) -> MemoryReport {
+        let now = self.memory_bytes();
+        let mut tracker_categories = self.report.memory.categories.clone();
+        for (category, b) in &now {
+            let c = tracker_categories.entry(category.name().to_string()).or_default();
+            c.current_bytes = *b as u64;
+            c.peak_bytes = c.peak_bytes.max(*b as u64);
+        }
+        MemoryReport {
+            schema_version: SCHEMA_VERSION,
+            rank: self.rank(),
+            world_size: self.world_size(),
+            stage: self.plan.stage(),
+            precision: match self.precision() {
+                Precision::Fp32 => "fp32",
+                Precision::Bf16 => "bf16",
+                Precision::Fp16 => "fp16",
+            }
+            .into(),
+            categories: tracker_categories,
+            model_states: ModelStates {
+                measured_bytes: memory::model_state_bytes(&now),
+                estimated_bytes: self.estimated_model_state_bytes(),
+            },
+            floor_rss_bytes: self.report.floor_rss_bytes,
+            init_peak_rss_bytes: self.report.init_peak_rss_bytes,
+            peak: self.report.memory.peak.clone(),
+            events: self.report.memory.peak_step_events.clone(),
+            peak_rss_bytes: memory::rss().1,
+            steps: self.report.memory.steps.clone(),
+            pipeline: None,
+            device: (self.device() != tch::Device::Cpu).then(|| match self.device() {
+                tch::Device::Cuda(i) => format!("cuda:{i}"),
+                other => format!("{other:?}"),
+            }),
+            device_memory: crate::cuda::device_memory(self.device()),
+            unit_activations_bytes: self.report.unit_activations.clone(),
+            unit_input_bytes: self.report.unit_inputs.clone(),
+            peak_allocations: self.report.peak_allocations.clone(),
+            alternatives: self.alternatives(),
+        }
+    }
+
+    /// Where the memory report goes: `zerorun launch --memory-report DIR` (through the environment), else the
+    /// working directory when the config sets `memory_breakdown`; None: no report.
+    pub fn memory_report_dir(&self) -> Option<PathBuf> {
+        match std::env::var(MEMORY_REPORT_ENV) {
+            Ok(d) if !d.is_empty() => Some(PathBuf::from(d)),
+            _ => self.config.memory_breakdown.then(|| PathBuf::from(".")),
+        }
+    }
+
+    /// At the end of a run, when a report is asked for: every rank writes `memory_rank{r}.json`; rank 0 then
+    /// reads them all, draws `memory.svg` and `memory.png` and returns the table. Collective. None: no report.
+    ///
+    /// ```
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # use tch::nn::{self, Module};
+    /// # use tch::{Device, Kind, Tensor};
+    /// # let vs = nn::VarStore::new(Device::Cpu);
+    /// # let (l0, l1) = (nn::linear(vs.root() / "l0", 4, 8, Default::default()), nn::linear(vs.root() / "l1", 8, 1, Default::default()));
+    /// # let model = zerorun_runtime::engine::Sequence::new().unit(["l0"], move |x| l0.forward(x).relu()).unit(["l1"], move |x| l1.forward(x));
+    /// # let config: zerorun_runtime::Config = r#"{"train_batch_size": 2, "zero_optimization": {"stage": 3}}"#.parse()?;
+    /// # let mesh = zerorun_runtime::Mesh::from_env(&config, Default::default())?;
+    /// # let mut engine = zerorun_runtime::initialize_with(&vs, config, mesh, zerorun_runtime::EngineOptions::default().units_of(&model))?;
+    /// # let x = Tensor::randn([2, 4], (Kind::Float, Device::Cpu));
+    /// // With `zerorun launch --memory-report DIR` (or `memory_breakdown: true`): files and, on rank 0, the table.
+    /// if let Some(files) = engine.finish_memory_report()? {
+    ///     if let Some(table) = files.table { println!("{table}") }
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn finish_memory_report(&mut self) -> Result<Option<MemoryReportFiles>> {
+        match self.memory_report_dir() {
+            Some(dir) => self.write_memory_report(&dir).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// Writes the memory report into `dir` now (see [`Engine::finish_memory_report`]). Collective.
+    pub fn write_memory_report(&mut self, dir: &std::path::Path) -> Result<MemoryReportFiles> {
+        let dir = dir.to_path_buf();
+        let json = self.memory_report().write(&dir)?;
+        self.comm.barrier()?;
+        let mut files = MemoryReportFiles { json, table: None, svg: None, png: None };
+        if self.rank() == 0 {
+            let reports = (0..self.world_size())
+                .map(|r| MemoryReport::read(&dir, r))
+                .collect::<zerorun_report::Result<Vec<_>>>()?;
+            let (svg, png) = crate::report::plot::draw_memory(&dir, &reports)?;
+            files.table = Some(memory::table(&reports));
+            files.svg = Some(svg);
+            files.png = Some(png);
+        }
+        self.comm.barrier()?;
+        Ok(files)
+    }
 }

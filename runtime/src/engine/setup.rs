@@ -221,6 +221,9 @@ impl Engine {
         // (built by the program already; they are model states, which the engine then takes over).
         let model_bytes: usize = vs.variables().values().map(native::storage_nbytes).sum();
         let floor_rss_bytes = crate::report::memory::rss().0.saturating_sub(model_bytes as u64);
+        // From here on libtorch's CPU tensors are counted, by owner (the memory report's measured categories).
+        let counting = crate::report::allocations::Counting::start();
+        let _owner = crate::report::allocations::owned_by(crate::report::allocations::Owner::Engine);
         if !options.keep_allocator_settings {
             allocator::fix_mmap_threshold();
         }
@@ -345,7 +348,7 @@ impl Engine {
             gradients,
             shard,
             progress: counters::Progress::default(),
-            report: Reporting { floor_rss_bytes, ..Reporting::default() },
+            report: Reporting { floor_rss_bytes, counting, ..Reporting::default() },
             placement: Placement::default(),
             in_flight: Default::default(),
             sync,
@@ -359,6 +362,12 @@ impl Engine {
         allocator::return_freed_memory();
         engine.report.init_peak_rss_bytes = crate::report::memory::rss().1;
         engine.report.sample_events = engine.memory_report_dir().is_some();
+        engine.report.snapshot = engine.report.sample_events
+            && engine.report.counting.is_some()
+            && std::env::var(crate::report::allocations::SNAPSHOT_ENV).is_ok_and(|v| v.trim() == "1");
+        if engine.report.snapshot {
+            crate::report::allocations::trace(true);
+        }
         engine.memory_event_initialized();
         Ok(engine)
     }

@@ -42,6 +42,7 @@ impl Engine {
     /// # Ok(()) }
     /// ```
     pub fn step(&mut self) -> Result<StepOutcome> {
+        let _owner = crate::report::allocations::owned_by(crate::report::allocations::Owner::Engine);
         if self.is_gradient_accumulation_boundary()
             && self.progress.backwards == 0
             && self.gradient_fingerprint() == self.gradients.mark

@@ -142,6 +142,7 @@ impl Engine {
     /// # Ok(()) }
     /// ```
     pub fn load_checkpoint(&mut self, dir: impl AsRef<Path>, tag: Option<&str>) -> Result<String> {
+        let _owner = crate::report::allocations::owned_by(crate::report::allocations::Owner::Engine);
         self.load_checkpoint_impl(dir.as_ref(), tag, false)
     }
 

@@ -62,6 +62,7 @@ impl Engine {
 
     /// [`Engine::save_checkpoint`] with options (DeepSpeed's `exclude_frozen_parameters`).
     pub fn save_checkpoint_with(&mut self, dir: impl AsRef<Path>, options: &SaveOptions) -> Result<PathBuf> {
+        let _owner = crate::report::allocations::owned_by(crate::report::allocations::Owner::Engine);
         let dir = dir.as_ref();
         // One save in flight at a time: the previous asynchronous one finishes first (its error is this one's).
         if self.in_flight.is_busy() {

@@ -82,6 +82,8 @@ extern "C" fn grad_ready(ctx: *mut c_void, slot: i64) {
     // SAFETY: `GradHooks::lend` set it from a `&mut GradientSync` that lives, and is used by nothing else, until
     // autograd's run returns; autograd runs a CPU backward's hooks on the calling thread, one at a time.
     let sync = unsafe { &mut *lent };
+    // The reduction's buffers are the engine's, though autograd's backward calls it.
+    let _owner = crate::report::allocations::owned_by(crate::report::allocations::Owner::Engine);
     // A panic must not unwind into libtorch's C++ frames.
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| sync.on_grad_ready(slot as usize)));
     let error = match result {

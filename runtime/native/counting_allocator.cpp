@@ -1,0 +1,177 @@
+// libtorch's CPU allocator with counters: every CPU tensor's storage allocated after installation is counted, live
+// and at its peak, under the owner tag that was current when it was allocated (the engine, the model's forward,
+// autograd's backward, the program). The memory report reads the counters at its events; that is how it tells the
+// activations and temporaries apart from the engine's own memory and from what glibc keeps after frees.
+//
+// Each block carries a 64-byte header (its size and tag) in front of the data, so a free finds its counter without
+// a lookup and `data == context` holds (raw_allocate works). Blocks come from c10's own alloc_cpu, as the default
+// allocator's do. An opt-in trace records every live block with the operator that made it (RecordFunction) for
+// the peak's largest allocations; it costs a lock per allocation, so it is off unless asked for.
+#include <ATen/record_function.h>
+#include <c10/core/Allocator.h>
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/impl/alloc_cpu.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace {
+
+constexpr int kTags = 4;
+constexpr size_t kHeader = 64;  // keeps c10's 64-byte alignment of the data
+
+struct Header {
+    uint64_t bytes;
+    uint8_t tag;
+};
+
+std::atomic<int64_t> g_live[kTags];
+std::atomic<int64_t> g_peak_total{0};
+std::atomic<int64_t> g_total{0};
+std::atomic<uint64_t> g_allocations{0};
+std::atomic<uint8_t> g_tag{0};
+std::atomic<bool> g_tracing{false};
+
+struct Traced {
+    uint64_t bytes;
+    uint8_t tag;
+    std::string op;
+    std::string phase;
+};
+std::mutex g_trace_mutex;
+std::unordered_map<void *, Traced> g_trace;
+std::string g_phase;
+thread_local std::vector<std::string> t_ops;
+
+void on_free(void *data) {
+    if (!data) return;
+    auto *h = reinterpret_cast<Header *>(static_cast<char *>(data) - kHeader);
+    g_live[h->tag].fetch_sub(static_cast<int64_t>(h->bytes), std::memory_order_relaxed);
+    g_total.fetch_sub(static_cast<int64_t>(h->bytes), std::memory_order_relaxed);
+    if (g_tracing.load(std::memory_order_relaxed)) {
+        std::lock_guard<std::mutex> lock(g_trace_mutex);
+        g_trace.erase(data);
+    }
+    c10::free_cpu(h);
+}
+
+class CountingAllocator final : public c10::Allocator {
+  public:
+    c10::DataPtr allocate(size_t n) override {
+        c10::Device cpu(c10::DeviceType::CPU);
+        if (n == 0) return c10::DataPtr(nullptr, nullptr, &on_free, cpu);
+        auto *h = static_cast<Header *>(c10::alloc_cpu(n + kHeader));
+        uint8_t tag = g_tag.load(std::memory_order_relaxed);
+        h->bytes = n;
+        h->tag = tag;
+        void *data = reinterpret_cast<char *>(h) + kHeader;
+        g_live[tag].fetch_add(static_cast<int64_t>(n), std::memory_order_relaxed);
+        int64_t total = g_total.fetch_add(static_cast<int64_t>(n), std::memory_order_relaxed) + static_cast<int64_t>(n);
+        int64_t peak = g_peak_total.load(std::memory_order_relaxed);
+        while (total > peak && !g_peak_total.compare_exchange_weak(peak, total, std::memory_order_relaxed)) {
+        }
+        g_allocations.fetch_add(1, std::memory_order_relaxed);
+        if (g_tracing.load(std::memory_order_relaxed)) {
+            std::string op;
+            if (!t_ops.empty()) {
+                op = t_ops.front();
+                if (t_ops.size() > 1) op += " > " + t_ops.back();
+            }
+            std::lock_guard<std::mutex> lock(g_trace_mutex);
+            g_trace[data] = Traced{n, tag, std::move(op), g_phase};
+        }
+        return c10::DataPtr(data, data, &on_free, cpu);
+    }
+
+    c10::DeleterFnPtr raw_deleter() const override { return &on_free; }
+
+    void copy_data(void *dest, const void *src, std::size_t count) const override { default_copy_data(dest, src, count); }
+};
+
+CountingAllocator g_allocator;
+bool g_installed = false;
+std::once_flag g_callback_once;
+
+std::unique_ptr<at::ObserverContext> op_enter(const at::RecordFunction &fn) {
+    if (g_tracing.load(std::memory_order_relaxed)) t_ops.emplace_back(fn.name());
+    return nullptr;
+}
+
+void op_exit(const at::RecordFunction & /*fn*/, at::ObserverContext * /*ctx*/) {
+    if (!t_ops.empty()) t_ops.pop_back();
+}
+
+}  // namespace
+
+// Makes the counting allocator libtorch's CPU allocator (above the default's priority). Idempotent. Storage
+// allocated before keeps its own deleter, so it is simply not counted.
+extern "C" void zr_counting_allocator_install() {
+    if (g_installed) return;
+    c10::SetCPUAllocator(&g_allocator, /*priority=*/10);
+    g_installed = true;
+}
+
+extern "C" int zr_counting_allocator_installed() { return c10::GetCPUAllocator() == &g_allocator ? 1 : 0; }
+
+// The owner tag of allocations from now on (0..3); returns the previous one.
+extern "C" int zr_counting_allocator_set_tag(int tag) {
+    if (tag < 0 || tag >= kTags) tag = 0;
+    return g_tag.exchange(static_cast<uint8_t>(tag), std::memory_order_relaxed);
+}
+
+// live[0..4] by tag, then the total live, the peak total since the last reset, the number of allocations.
+extern "C" void zr_counting_allocator_stats(int64_t *out) {
+    for (int i = 0; i < kTags; ++i) out[i] = g_live[i].load(std::memory_order_relaxed);
+    out[kTags] = g_total.load(std::memory_order_relaxed);
+    out[kTags + 1] = g_peak_total.load(std::memory_order_relaxed);
+    out[kTags + 2] = static_cast<int64_t>(g_allocations.load(std::memory_order_relaxed));
+}
+
+// Starts a new peak window at the current total.
+extern "C" void zr_counting_allocator_reset_peak() {
+    g_peak_total.store(g_total.load(std::memory_order_relaxed), std::memory_order_relaxed);
+}
+
+// Records every block allocated from now on with the operator and phase that made it.
+extern "C" void zr_counting_allocator_trace(int on) {
+    if (on) {
+        std::call_once(g_callback_once, [] {
+            at::addGlobalCallback(at::RecordFunctionCallback(&op_enter, &op_exit).scopes({at::RecordScope::FUNCTION}));
+        });
+    }
+    g_tracing.store(on != 0, std::memory_order_relaxed);
+}
+
+// The phase (e.g. "forward unit 3") recorded with traced blocks from now on.
+extern "C" void zr_counting_allocator_set_phase(const char *phase) {
+    std::lock_guard<std::mutex> lock(g_trace_mutex);
+    g_phase = phase ? phase : "";
+}
+
+// The `max` largest traced live blocks, largest first. Each entry: bytes, tag, and the op and phase copied into
+// `op`/`phase` (NUL-terminated, truncated to `text_len`). Returns how many were written.
+extern "C" int zr_counting_allocator_top(int max, int64_t *bytes, int *tags, char *op, char *phase, int text_len) {
+    std::vector<const std::pair<void *const, Traced> *> all;
+    std::lock_guard<std::mutex> lock(g_trace_mutex);
+    all.reserve(g_trace.size());
+    for (const auto &e : g_trace) all.push_back(&e);
+    int n = std::min<int>(max, static_cast<int>(all.size()));
+    std::partial_sort(all.begin(), all.begin() + n, all.end(),
+                      [](auto *a, auto *b) { return a->second.bytes > b->second.bytes; });
+    for (int i = 0; i < n; ++i) {
+        const Traced &t = all[i]->second;
+        bytes[i] = static_cast<int64_t>(t.bytes);
+        tags[i] = t.tag;
+        std::snprintf(op + static_cast<size_t>(i) * text_len, text_len, "%s", t.op.c_str());
+        std::snprintf(phase + static_cast<size_t>(i) * text_len, text_len, "%s", t.phase.c_str());
+    }
+    return n;
+}
