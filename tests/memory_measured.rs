@@ -107,10 +107,13 @@ fn activations_temporaries_and_retained_memory_are_measured() {
     drop(leaked);
 
     // Freed small blocks stay in malloc's arenas (allocator_retained) until the heap is trimmed.
+    let mut pin = None;
     let report = train(0, 4, |step| {
         if step == 1 {
-            // 96 MiB in 64 KiB tensors (below the engine's 4 MiB mmap threshold: heap blocks), then freed.
+            // 96 MiB in 64 KiB tensors (below the engine's 4 MiB mmap threshold: heap blocks), then freed; a small
+            // tensor made after them stays, so malloc cannot hand them back as the top of its heap.
             let blocks: Vec<Tensor> = (0..1536).map(|_| Tensor::ones([16384], (Kind::Float, Device::Cpu))).collect();
+            pin = Some(Tensor::ones([16], (Kind::Float, Device::Cpu)));
             drop(blocks);
         }
         if step == 3 {
@@ -127,4 +130,17 @@ fn activations_temporaries_and_retained_memory_are_measured() {
     // itself); trimming returns it.
     assert!(retained[0] < 16.0 && retained[2] >= 48.0, "retained MiB by step {retained:?}: freed before step 2");
     assert!(retained[3] <= retained[2] - 40.0, "retained MiB by step {retained:?}: the heap trimmed before step 4");
+    drop(pin);
+
+    // The peak's largest allocations, when asked for: the units' outputs, made by tanh in their unit's forward.
+    // SAFETY: this binary's one test; no other thread reads the environment now.
+    unsafe { std::env::set_var(zerorun::runtime::report::allocations::SNAPSHOT_ENV, "1") };
+    let report = train(3, 2, |_| {});
+    let snapshot = report.peak_allocations.expect("a snapshot at the highest event");
+    let sizes: Vec<u64> = snapshot.allocations.iter().map(|a| a.bytes).collect();
+    assert!(sizes.windows(2).all(|w| w[0] >= w[1]) && sizes.iter().sum::<u64>() <= snapshot.live_bytes, "{snapshot:?}");
+    let unit_output = |a: &&zerorun::runtime::report::memory::Allocation| {
+        a.owner == "forward" && a.bytes == per_unit && a.op == "aten::tanh" && a.phase.starts_with("forward: unit ")
+    };
+    assert!(snapshot.allocations.iter().any(|a| unit_output(&a)), "{snapshot:?}");
 }

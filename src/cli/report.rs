@@ -1,5 +1,7 @@
-//! `zerorun report compare DIR... [--label L]... --out STEM`: runs' memory reports side by side (every rank at
-//! its peak, by category, and its peak resident memory) as STEM.svg and STEM.png, with the table of each run.
+//! `zerorun report show DIR`: a run's memory report again (the table, what would help, the peak's largest
+//! allocations when recorded) and its pictures redrawn (DIR/memory.svg and .png: every step, the peak step's
+//! timeline). `zerorun report compare DIR... [--label L]... --out STEM`: runs' memory reports side by side (every
+//! rank at its peak, by category, and its resident memory) as STEM.svg and STEM.png, with the table of each run.
 use std::path::PathBuf;
 
 use clap::{Args, Subcommand};
@@ -9,8 +11,16 @@ use super::{emit, CliError};
 
 #[derive(Subcommand)]
 pub enum ReportCommand {
+    /// Print a run's memory report (table, what would help, largest allocations) and redraw its pictures.
+    Show(ShowArgs),
     /// Draw several runs' memory reports side by side (e.g. stage 0, stage 3, stage 3 with NVMe offload).
     Compare(CompareArgs),
+}
+
+#[derive(Args)]
+pub struct ShowArgs {
+    /// The run's `--memory-report` folder (memory_rank{r}.json).
+    dir: PathBuf,
 }
 
 #[derive(Args)]
@@ -37,7 +47,10 @@ fn read_run(dir: &std::path::Path) -> Result<Vec<MemoryReport>, CliError> {
 }
 
 pub fn run(c: ReportCommand) -> Result<(), CliError> {
-    let ReportCommand::Compare(a) = c;
+    let a = match c {
+        ReportCommand::Show(s) => return show(&s.dir),
+        ReportCommand::Compare(a) => a,
+    };
     if !a.labels.is_empty() && a.labels.len() != a.dirs.len() {
         return Err(CliError::Usage(format!(
             "{} --label for {} folders: give one per folder, or none",
@@ -61,5 +74,12 @@ pub fn run(c: ReportCommand) -> Result<(), CliError> {
     }
     let (svg, png) =
         zerorun_report::plot::draw_comparison(&a.out, &runs).map_err(|e| CliError::Usage(e.to_string()))?;
+    emit(&format!("wrote {} and {}", svg.display(), png.display()))
+}
+
+fn show(dir: &std::path::Path) -> Result<(), CliError> {
+    let reports = read_run(dir)?;
+    emit(&memory::table(&reports))?;
+    let (svg, png) = zerorun_report::plot::draw_memory(dir, &reports).map_err(|e| CliError::Usage(e.to_string()))?;
     emit(&format!("wrote {} and {}", svg.display(), png.display()))
 }

@@ -573,6 +573,38 @@ pub fn table(reports: &[MemoryReport]) -> String {
             out += &format!("\nrank {}: {}", r.rank, describe_peak(p, r.floor_rss_bytes));
         }
     }
+    // What would help, per rank unless it says what the rank before said.
+    let mut said: Vec<String> = Vec::new();
+    for r in reports {
+        let lines = crate::advice::advice(r);
+        if !lines.is_empty() && lines != said {
+            out += &format!("\nwhat would help (rank {}):", r.rank);
+            for l in &lines {
+                out += &format!("\n  - {l}");
+            }
+            said = lines;
+        }
+    }
+    if let Some(snapshot) = reports.iter().find_map(|r| r.peak_allocations.as_ref().map(|p| (r.rank, p))) {
+        out += &format!("\n{}", allocations_table(snapshot.0, snapshot.1));
+    }
+    out
+}
+
+/// The largest live allocations at a rank's highest event, one line each.
+pub fn allocations_table(rank: usize, p: &PeakAllocations) -> String {
+    let mut out = format!(
+        "largest live allocations on rank {rank} at step {}, `{}` ({} MiB resident, {} MiB in live tensors):",
+        p.step,
+        p.event,
+        mib(p.rss_bytes),
+        mib(p.live_bytes)
+    );
+    out += &format!("\n  {:>10}  {:<8}  {:<28}  operator", "MiB", "owner", "phase");
+    for a in &p.allocations {
+        let op = if a.op.is_empty() { "-" } else { &a.op };
+        out += &format!("\n  {:>10}  {:<8}  {:<28}  {op}", mib(a.bytes), a.owner, a.phase);
+    }
     out
 }
 

@@ -1,7 +1,10 @@
-//! `memory.svg` and `memory.png`: bytes per category stacked for every optimizer step, one panel per rank, the
-//! model-state estimate as a line and the process's resident memory as a second line; beside each, the same for
-//! the events of the step that held the rank's peak (one step's timeline: gathers, unit gradients, the step).
+//! `memory.svg` and `memory.png`: one axis of resident memory. Every optimizer step is a bar at the step's highest
+//! event, stacked floor, model states by kind, gathered units, buffers, activations, temporaries, what malloc
+//! keeps, and what nothing explains; the resident memory is a red line over the bars (their tops, when the sum
+//! closes) and the model-state estimate a black line above the floor. One panel per rank; beside each, the events
+//! of the step that held the rank's peak (activations growing through forward, falling through backward).
 //! [`draw_comparison`]: several runs side by side, every rank at its peak (`zerorun report compare`).
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::OnceLock;
 
@@ -43,9 +46,36 @@ fn categories<'a>(reports: impl IntoIterator<Item = &'a MemoryReport>) -> Vec<St
             }
         }
     }
-    let order = |n: &str| MODEL_STATE_CATEGORIES.iter().position(|c| *c == n).unwrap_or(MODEL_STATE_CATEGORIES.len());
-    names.sort_by_key(|n| (order(n), n.clone()));
+    names.sort_by_key(|n| (stack_order(n), n.clone()));
+    names.insert(0, FLOOR.to_string());
+    names.push(UNEXPLAINED.to_string());
     names
+}
+
+/// The bottom of every bar: the process before the engine (libraries, the program's data).
+const FLOOR: &str = "floor";
+/// The top: resident memory the floor and the categories leave unexplained.
+const UNEXPLAINED: &str = "unaccounted";
+
+/// Model states first, then the engine's other categories, then the measured ones.
+fn stack_order(n: &str) -> usize {
+    const MEASURED: [&str; 3] = ["activations", "temporaries", "allocator_retained"];
+    let models = MODEL_STATE_CATEGORIES.len();
+    match (MODEL_STATE_CATEGORIES.iter().position(|c| *c == n), MEASURED.iter().position(|c| *c == n)) {
+        (Some(i), _) => i,
+        (None, Some(i)) => models + 1 + i,
+        (None, None) => models,
+    }
+}
+
+/// One bar's segments: the floor, `categories` (resident ones), and the rest of `rss` they leave unexplained.
+fn segments(categories: &BTreeMap<String, u64>, floor: u64, rss: u64) -> BTreeMap<String, u64> {
+    let mut out: BTreeMap<String, u64> =
+        categories.iter().filter(|(n, _)| !crate::memory::is_on_nvme(n)).map(|(n, b)| (n.clone(), *b)).collect();
+    let held: u64 = out.values().sum::<u64>() + floor;
+    out.insert(FLOOR.into(), floor);
+    out.insert(UNEXPLAINED.into(), rss.saturating_sub(held));
+    out
 }
 
 /// The x axis of a stacked chart: its title, a label for each x, and whether the resident memory is one line over
@@ -56,15 +86,15 @@ struct XAxis<'a> {
     connect_rss: bool,
 }
 
-/// One bar of a stacked chart: where it stands, the bytes by category, the resident memory then.
-struct Point<'a> {
+/// One bar of a stacked chart: where it stands, its segments (see [`segments`]), the resident memory then.
+struct Point {
     x: f64,
-    categories: &'a std::collections::BTreeMap<String, u64>,
+    categories: BTreeMap<String, u64>,
     rss: u64,
 }
 
-/// Bars of `points` stacked by category (`names` gives order and colour), the resident memory as a red line on a
-/// right axis of its own, and `estimate` as a black line.
+/// Bars of `points` stacked by category (`names` gives order and colour) on one axis, the resident memory as a
+/// red line (or a tick over each bar) on the same axis, and `estimate` (floor + model states) as a black line.
 fn stacked<DB: DrawingBackend>(
     area: &DrawingArea<DB, Shift>,
     caption: &str,
@@ -77,25 +107,20 @@ fn stacked<DB: DrawingBackend>(
     let first = points.first().map_or(0.0, |p| p.x);
     let last = points.last().map_or(1.0, |p| p.x).max(first + 1.0);
     let stacked = |p: &Point| names.iter().filter_map(|n| p.categories.get(n)).sum::<u64>();
-    let stacked_max = points.iter().map(stacked).max().unwrap_or(0) as f64;
-    let rss_max = points.iter().map(|p| p.rss).max().unwrap_or(0) as f64;
-    // The engine's bytes on the left axis; the process's resident memory (libtorch included, usually far larger)
-    // on its own right axis so it does not flatten the bars.
-    let ymax = stacked_max.max(estimate.unwrap_or(0) as f64).max(1.0) * 1.15 / MIB;
+    let top = points.iter().map(|p| stacked(p).max(p.rss)).max().unwrap_or(0) as f64;
+    let ymax = top.max(estimate.unwrap_or(0) as f64).max(1.0) * 1.1 / MIB;
     let x_range = (first - 0.5)..(last + 0.5);
     let mut chart = ChartBuilder::on(area)
         .caption(caption, ("sans-serif", 16))
         .margin(12)
         .x_label_area_size(36)
         .y_label_area_size(64)
-        .right_y_label_area_size(if rss_max > 0.0 { 64 } else { 0 })
-        .build_cartesian_2d(x_range.clone(), 0f64..ymax)
-        .map_err(err)?
-        .set_secondary_coord(x_range, 0f64..(rss_max.max(1.0) * 1.15 / MIB));
+        .build_cartesian_2d(x_range, 0f64..ymax)
+        .map_err(err)?;
     chart
         .configure_mesh()
         .x_desc(x.desc)
-        .y_desc("engine MiB (bars)")
+        .y_desc("resident MiB")
         // A label per bar when the bars fit (unit steps land on whole x), else about a dozen.
         .x_labels(if last - first <= 40.0 { (last - first) as usize + 1 } else { 12 })
         .x_label_formatter(x.label)
@@ -103,14 +128,12 @@ fn stacked<DB: DrawingBackend>(
         .light_line_style(WHITE)
         .draw()
         .map_err(err)?;
-    if rss_max > 0.0 {
-        chart.configure_secondary_axes().y_desc("resident MiB (red line)").draw().map_err(err)?;
-    }
+    let rss_max = points.iter().map(|p| p.rss).max().unwrap_or(0) as f64;
     // 80% of the closest spacing, so neighbours never touch (comparisons leave gaps between runs).
     let spacing = points.windows(2).map(|w| w[1].x - w[0].x).fold(f64::INFINITY, f64::min);
     let width = if spacing.is_finite() { 0.8 * spacing } else { 0.8 };
     for (i, name) in names.iter().enumerate() {
-        let color = Palette99::pick(i).to_rgba();
+        let color = colour(name, i);
         let bars = points.iter().map(|p| {
             let below: u64 = names[..i].iter().filter_map(|n| p.categories.get(n)).sum();
             let own = p.categories.get(name).copied().unwrap_or(0);
@@ -129,16 +152,25 @@ fn stacked<DB: DrawingBackend>(
     }
     if rss_max > 0.0 && x.connect_rss {
         let rss = points.iter().map(|p| (p.x, p.rss as f64 / MIB));
-        chart.draw_secondary_series(LineSeries::new(rss, RED.stroke_width(2))).map_err(err)?;
+        chart.draw_series(LineSeries::new(rss, RED.stroke_width(2))).map_err(err)?;
     } else if rss_max > 0.0 {
         // Separate runs: a tick over each bar, no line between them.
         let ticks = points.iter().map(|p| {
             let y = p.rss as f64 / MIB;
             PathElement::new([(p.x - width / 2.0, y), (p.x + width / 2.0, y)], RED.stroke_width(3))
         });
-        chart.draw_secondary_series(ticks).map_err(err)?;
+        chart.draw_series(ticks).map_err(err)?;
     }
     Ok(())
+}
+
+/// The floor grey, what nothing explains light grey, the rest from the palette.
+fn colour(name: &str, i: usize) -> RGBAColor {
+    match name {
+        FLOOR => RGBColor(150, 150, 150).to_rgba(),
+        UNEXPLAINED => RGBColor(225, 225, 225).to_rgba(),
+        _ => Palette99::pick(i).to_rgba(),
+    }
 }
 
 /// The legend in a strip at the top, five entries a row, so it never hides bars: a swatch per category, then
@@ -155,9 +187,7 @@ fn legend<DB: DrawingBackend>(
     let font = ("sans-serif", 13).into_font();
     for (i, name) in names.iter().enumerate() {
         let (x, y) = entry(i);
-        strip
-            .draw(&Rectangle::new([(x, y + 2), (x + 14, y + 14)], Palette99::pick(i).to_rgba().filled()))
-            .map_err(err)?;
+        strip.draw(&Rectangle::new([(x, y + 2), (x + 14, y + 14)], colour(name, i).filled())).map_err(err)?;
         strip.draw(&Text::new(name.clone(), (x + 20, y + 1), font.clone())).map_err(err)?;
     }
     for (k, (label, color)) in lines.iter().enumerate() {
@@ -172,7 +202,7 @@ fn draw<DB: DrawingBackend>(root: DrawingArea<DB, Shift>, reports: &[MemoryRepor
     let err = |e: DrawingAreaErrorKind<DB::ErrorType>| e.to_string();
     root.fill(&WHITE).map_err(err)?;
     let names = categories(reports);
-    let lines = [("model states, estimate", BLACK), ("resident memory (right axis)", RED)];
+    let lines = [("floor + model states, estimate", BLACK), ("resident memory", RED)];
     let body = legend(&root, &names, &lines)?;
     let panels = body.split_evenly((reports.len().max(1), 1));
     for (panel, r) in panels.iter().zip(reports) {
@@ -183,18 +213,31 @@ fn draw<DB: DrawingBackend>(root: DrawingArea<DB, Shift>, reports: &[MemoryRepor
             let (a, b) = panel.split_horizontally(panel.dim_in_pixel().0 * 3 / 5);
             (a, Some(b))
         };
-        let points: Vec<Point> =
-            r.steps.iter().map(|s| Point { x: s.step as f64, categories: &s.categories, rss: s.rss_bytes }).collect();
+        // Each step at its highest event when events were sampled, else its end.
+        let points: Vec<Point> = r
+            .steps
+            .iter()
+            .map(|s| {
+                let (categories, rss) =
+                    s.peak_event.as_ref().map_or((&s.categories, s.rss_bytes), |e| (&e.categories, e.rss_bytes));
+                Point { x: s.step as f64, categories: segments(categories, r.floor_rss_bytes, rss), rss }
+            })
+            .collect();
         let caption = format!("rank {} of {}: ZeRO stage {}, {}", r.rank, r.world_size, r.stage, r.precision);
         let step_number = |x: &f64| format!("{x:.0}");
         let steps = XAxis { desc: "optimizer step", label: &step_number, connect_rss: true };
-        stacked(&steps_area, &caption, &steps, &names, &points, Some(r.model_states.estimated_bytes))?;
+        let estimate = r.floor_rss_bytes + r.model_states.estimated_bytes;
+        stacked(&steps_area, &caption, &steps, &names, &points, Some(estimate))?;
         if let Some(area) = events_area {
             let points: Vec<Point> = r
                 .events
                 .iter()
                 .enumerate()
-                .map(|(i, e)| Point { x: i as f64, categories: &e.categories, rss: e.rss_bytes })
+                .map(|(i, e)| Point {
+                    x: i as f64,
+                    categories: segments(&e.categories, r.floor_rss_bytes, e.rss_bytes),
+                    rss: e.rss_bytes,
+                })
                 .collect();
             let step = r.events[0].step;
             let events = XAxis { desc: "event (gather, gradients, step)", label: &step_number, connect_rss: true };
@@ -218,12 +261,12 @@ pub fn draw_memory(dir: &Path, reports: &[MemoryReport]) -> Result<(std::path::P
     Ok((svg, png))
 }
 
-/// The engine's bytes by category at a rank's peak: the peak's event when events were recorded, else the step
-/// sample with the most bytes.
-fn at_peak(r: &MemoryReport) -> Option<&std::collections::BTreeMap<String, u64>> {
+/// A rank's bar at its peak: the peak event's categories and resident memory when events were recorded, else the
+/// step sample with the most resident memory.
+fn at_peak(r: &MemoryReport) -> Option<(&BTreeMap<String, u64>, u64)> {
     match &r.peak {
-        Some(p) => Some(&p.categories),
-        None => r.steps.iter().max_by_key(|s| s.categories.values().sum::<u64>()).map(|s| &s.categories),
+        Some(p) => Some((&p.categories, p.rss_bytes)),
+        None => r.steps.iter().max_by_key(|s| s.rss_bytes).map(|s| (&s.categories, s.rss_bytes)),
     }
 }
 
@@ -235,15 +278,15 @@ fn draw_runs<DB: DrawingBackend>(
     root.fill(&WHITE).map_err(err)?;
     // Bars are host memory (`categories` leaves out what is on NVMe).
     let names: Vec<String> = categories(runs.iter().flat_map(|(_, r)| r));
-    let body = legend(&root, &names, &[("peak resident memory (right axis)", RED)])?;
+    let body = legend(&root, &names, &[("resident memory at the peak event", RED)])?;
     // One bar per rank, runs in groups with a gap between them.
     let mut points = Vec::new();
     let mut labels: Vec<(f64, String)> = Vec::new();
     let mut x = 0.0;
     for (label, reports) in runs {
         for r in reports {
-            if let Some(categories) = at_peak(r) {
-                points.push(Point { x, categories, rss: r.peak_rss_bytes });
+            if let Some((categories, rss)) = at_peak(r) {
+                points.push(Point { x, categories: segments(categories, r.floor_rss_bytes, rss), rss });
                 labels.push((x, format!("{label} r{}", r.rank)));
             }
             x += 1.0;
@@ -253,7 +296,7 @@ fn draw_runs<DB: DrawingBackend>(
     let label_of =
         |x: &f64| labels.iter().find(|(at, _)| (at - x).abs() < 0.5).map_or(String::new(), |(_, l)| l.clone());
     let ranks = runs.iter().map(|(_, r)| r.len()).max().unwrap_or(0);
-    let caption = format!("host memory the engine holds at each rank's peak ({} runs of {ranks} ranks)", runs.len());
+    let caption = format!("resident memory at each rank's peak, explained ({} runs of {ranks} ranks)", runs.len());
     let x = XAxis { desc: "run and rank", label: &label_of, connect_rss: false };
     stacked(&body, &caption, &x, &names, &points, None)?;
     root.present().map_err(err)?;

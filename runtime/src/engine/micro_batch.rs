@@ -103,6 +103,7 @@ impl Engine {
     fn backward_impl(&mut self, model: Option<&dyn UnitModel>, loss: &Tensor) -> Result<()> {
         let _owner = owned_by(Owner::Engine);
         self.memory_event(|| "backward start".into(), &[]);
+        self.enter_phase(|| "backward".into());
         if self.plan.gradients == GradientPath::UnitWalk {
             self.begin_backward(Some(loss))?;
             let factor = self.loss_scale() / self.batch.gradient_accumulation_steps as f64;
@@ -212,6 +213,7 @@ impl Engine {
     pub fn forward(&mut self, model: &dyn UnitModel, input: &Tensor) -> Result<Tensor> {
         let _span = crate::report::Phase::Forward.span().entered();
         let _owner = owned_by(Owner::Engine);
+        self.enter_phase(|| "forward".into());
         let (started, comm_before) = (std::time::Instant::now(), self.report.times.comm());
         let out = self.forward_impl(model, input);
         self.report.times.add(
@@ -268,6 +270,7 @@ impl Engine {
             };
             self.memory_event(|| format!("forward: unit {i} gathered"), &[]);
             let recompute = self.walk.activation_checkpointing && !last;
+            self.enter_phase(|| format!("forward: unit {i}"));
             let before = self.forward_live_bytes();
             let y = owned_forward(|| {
                 if recompute {
@@ -320,6 +323,7 @@ impl Engine {
             self.prefetch((0..i).rev())?;
             self.states.parameters.read_ahead((0..i).rev());
             self.memory_event(|| format!("backward: unit {i} gathered"), &[]);
+            self.enter_phase(|| format!("backward: unit {i}"));
             let output = match &rec.output {
                 Some(y) => y.shallow_clone(),
                 None => {

@@ -118,9 +118,6 @@ impl Engine {
         let step = self.progress.global_steps + 1;
         let highest = self.report.memory.highest_rss();
         let label = label();
-        if self.report.snapshot {
-            allocations::set_phase(&label);
-        }
         let rss = self.report.memory.event(step, label.clone(), &now);
         if self.report.snapshot && rss > highest {
             let live = self.report.counting.as_ref().and_then(Counting::live).unwrap_or_default();
@@ -135,6 +132,13 @@ impl Engine {
                 live_bytes: live.total,
                 allocations,
             });
+        }
+    }
+
+    /// The phase the allocations from now on belong to, for the largest-allocations snapshot (when it is on).
+    pub(super) fn enter_phase(&self, phase: impl FnOnce() -> String) {
+        if self.report.snapshot {
+            allocations::set_phase(&phase());
         }
     }
 

@@ -43,6 +43,7 @@ impl Engine {
     /// ```
     pub fn step(&mut self) -> Result<StepOutcome> {
         let _owner = crate::report::allocations::owned_by(crate::report::allocations::Owner::Engine);
+        self.enter_phase(|| "optimizer step".into());
         if self.is_gradient_accumulation_boundary()
             && self.progress.backwards == 0
             && self.gradient_fingerprint() == self.gradients.mark

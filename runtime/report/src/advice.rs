@@ -1,0 +1,97 @@
+//! "What would help": lines computed from one rank's report alone (its measured categories at the peak event,
+//! the units' activations, the estimator's model states under other configurations), never generic advice.
+use crate::memory::{EventSample, MemoryReport};
+
+fn mib(b: u64) -> String {
+    format!("{:.1} MiB", b as f64 / (1024.0 * 1024.0))
+}
+
+fn at(e: &EventSample, name: &str) -> u64 {
+    e.categories.get(name).copied().unwrap_or(0)
+}
+
+/// The lines for `report`, largest saving first; empty without a peak event.
+pub fn advice(report: &MemoryReport) -> Vec<String> {
+    let Some(peak) = &report.peak else { return Vec::new() };
+    let mut lines: Vec<(u64, String)> = Vec::new();
+    // Activations: what checkpointing keeps of the units (their inputs, one unit recomputed at a time) against
+    // what the peak holds.
+    let end_of_forward = report.events.iter().find(|e| e.event == "forward").map_or(0, |e| at(e, "activations"));
+    let held = at(peak, "activations");
+    if !report.unit_activations_bytes.is_empty() && end_of_forward > 0 {
+        let units = report.unit_activations_bytes.len();
+        let inputs: u64 = report.unit_input_bytes.iter().sum();
+        let one = report.unit_activations_bytes.iter().copied().max().unwrap_or(0);
+        let kept = inputs + one;
+        if held > kept {
+            lines.push((
+                held - kept,
+                format!(
+                    "activation checkpointing of the {units} units would lower the peak by about {} (activations at the peak {}, at the end of forward {}; kept: the units' inputs {} and one unit recomputed {})",
+                    mib(held - kept), mib(held), mib(end_of_forward), mib(inputs), mib(one)
+                ),
+            ));
+        } else if held == 0 {
+            lines.push((
+                0,
+                format!(
+                    "activations ({} at the end of forward) are freed before the peak (`{}`): activation checkpointing would not lower it",
+                    mib(end_of_forward), peak.event
+                ),
+            ));
+        }
+    } else if held > 0 {
+        lines.push((
+            held / 2,
+            format!(
+                "activations hold {} at the peak ({} at the end of forward): activation checkpointing (stage 3 with the model's units, EngineOptions::activation_checkpointing) keeps only each unit's input",
+                mib(held), mib(end_of_forward)
+            ),
+        ));
+    }
+    // Model states under other configurations (the estimator's count for this rank).
+    let now = report.model_states.estimated_bytes;
+    for alt in &report.alternatives {
+        if alt.model_states_bytes < now {
+            let saved = now - alt.model_states_bytes;
+            lines.push((
+                saved,
+                format!(
+                    "`{}` would hold {} of model states here instead of {} ({} less)",
+                    alt.change,
+                    mib(alt.model_states_bytes),
+                    mib(now),
+                    mib(saved)
+                ),
+            ));
+        }
+    }
+    let retained = at(peak, "allocator_retained");
+    if retained * 10 > peak.rss_bytes {
+        lines.push((
+            retained,
+            format!(
+                "malloc keeps {} of freed blocks at the peak ({:.0}% of it): heap blocks below its mmap threshold stay resident for reuse; a lower threshold (MALLOC_MMAP_THRESHOLD_ with EngineOptions::keep_allocator_settings) returns them, at the price of page faults",
+                mib(retained),
+                100.0 * retained as f64 / peak.rss_bytes.max(1) as f64
+            ),
+        ));
+    }
+    let temporaries = at(peak, "temporaries");
+    if temporaries * 10 > peak.rss_bytes {
+        let largest = report
+            .peak_allocations
+            .as_ref()
+            .and_then(|p| p.allocations.iter().find(|a| a.owner == "program" || a.owner == "backward"))
+            .map_or(String::new(), |a| format!("; the largest: {} from `{}` during `{}`", mib(a.bytes), a.op, a.phase));
+        lines.push((
+            temporaries,
+            format!(
+                "temporaries hold {} at the peak: tensors the program keeps (inputs, the loss, data) and backward's{largest}",
+                mib(temporaries)
+            ),
+        ));
+    }
+    lines.sort_by(|a, b| b.0.cmp(&a.0));
+    lines.into_iter().map(|(_, l)| l).collect()
+}
