@@ -92,6 +92,6 @@ pub fn advice(report: &MemoryReport) -> Vec<String> {
             ),
         ));
     }
-    lines.sort_by(|a, b| b.0.cmp(&a.0));
+    lines.sort_by_key(|l| std::cmp::Reverse(l.0));
     lines.into_iter().map(|(_, l)| l).collect()
 }
