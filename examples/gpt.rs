@@ -12,7 +12,7 @@ use zerorun::{Config, Dim, Engine, Mesh, MeshOptions, MicroBatch, StagePlacement
 #[path = "support/mod.rs"]
 mod support;
 use support::gpt_model::tp::{TpGpt, TpUnits};
-use support::gpt_model::{padded_vocab, pipeline_model, Corpus, Gpt, GptConfig};
+use support::gpt_model::{gpt_builders, padded_vocab, pipeline_model, Corpus, Gpt, GptConfig};
 use support::*;
 
 #[derive(Parser, Debug)]
@@ -43,6 +43,11 @@ struct Args {
     /// With --pipeline-stages: each stage's layers split so (ranks = stages x data x tensor-parallel).
     #[arg(long)]
     tensor_parallel: Option<usize>,
+    /// Build the whole model before the engine shards it. By default stage 3 builds it unit by unit
+    /// (`zerorun::UnitBuilders`) when ranks run as processes, so no rank ever holds it whole, start-up included;
+    /// the initial weights are the same either way.
+    #[arg(long)]
+    whole_model: bool,
 }
 
 fn main() {
@@ -73,17 +78,33 @@ fn run(args: &Args) -> Result<(), String> {
         return run_tensor_parallel(args, &config, &corpus, cfg, t);
     }
     let timeout = Duration::from_secs_f64(config.comms_timeout);
+    // Unit by unit needs the generator to itself while the engine packs: ranks as processes (`zerorun launch`).
+    let by_units = config.stage() == 3 && a.ranks == 1 && !args.whole_model;
     let summary = run_ranks(a.ranks, timeout, |comm| {
-        let (mut vs, model) = build_model(a.seed, a.init.as_ref(), |vs| Gpt::new(vs.root(), &cfg))?;
-        vs.set_device(device);
-        to_config_precision(&config, &mut vs);
         let options = EngineOptions {
             no_weight_decay: Some(no_decay_for_1d),
             activation_checkpointing: a.activation_checkpointing,
             ..Default::default()
-        }
-        .units_of(&model);
-        let mut engine = Engine::new(&vs, config.clone(), comm, options).map_err(|e| e.to_string())?;
+        };
+        let (_vs, model, mut engine): (tch::nn::VarStore, Box<dyn zerorun::UnitModel>, Engine) = if by_units {
+            tch::manual_seed(a.seed as i64);
+            let vs = tch::nn::VarStore::new(device);
+            let builders = gpt_builders(&cfg);
+            let builders = match &a.init {
+                Some(path) => builders.init_from(path),
+                None => builders,
+            };
+            let (engine, model) =
+                Engine::from_builders(&vs, config.clone(), comm, options, builders).map_err(|e| e.to_string())?;
+            (vs, Box::new(model), engine)
+        } else {
+            let (mut vs, model) = build_model(a.seed, a.init.as_ref(), |vs| Gpt::new(vs.root(), &cfg))?;
+            vs.set_device(device);
+            to_config_precision(&config, &mut vs);
+            let engine = Engine::new(&vs, config.clone(), comm, options.units_of(&model)).map_err(|e| e.to_string())?;
+            (vs, Box::new(model), engine)
+        };
+        let model = model.as_ref();
         let b = engine.batch_sizes();
         let (rank, world) = (engine.rank(), engine.world_size());
         let mut progress = Progress::new(a.steps).in_tokens(cfg.block);
@@ -93,9 +114,9 @@ fn run(args: &Args) -> Result<(), String> {
                 let range = micro_batch_range(rank, world, m, b.train_micro_batch_size_per_gpu);
                 let (x, y) = corpus.batch(a.seed, step, b.train_batch_size, range, cfg.block);
                 let (x, y) = (x.to_device(device), y.to_device(device));
-                let logits = engine.forward(&model, &x).map_err(|e| e.to_string())?.to_kind(tch::Kind::Float);
+                let logits = engine.forward(model, &x).map_err(|e| e.to_string())?.to_kind(tch::Kind::Float);
                 let loss = logits.view([-1, cfg.vocab]).cross_entropy_for_logits(&y.view([-1]));
-                engine.backward_units(&model, &loss).map_err(|e| e.to_string())?;
+                engine.backward_units(model, &loss).map_err(|e| e.to_string())?;
                 let outcome = engine.step().map_err(|e| e.to_string())?;
                 progress.record(&engine, outcome);
                 maybe_save(a, &mut engine, outcome)?;

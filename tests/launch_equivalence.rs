@@ -230,3 +230,39 @@ fn two_torchrun_nodes_match_one_process() {
     assert_matches("torchrun", &losses, &ref_losses, &out, &load(&reference));
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// The example GPT at stage 3 under `zerorun launch` builds its model unit by unit by default: the same losses and
+/// final weights as building it whole first (`--whole-model`).
+#[test]
+fn the_gpt_built_unit_by_unit_trains_as_the_whole_model() {
+    let gpt = examples::example("gpt");
+    let dir = std::env::temp_dir().join(format!("zerorun-launch-gpt-units-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("zero3.json");
+    std::fs::write(&cfg, r#"{"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 0.003}}, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}"#).unwrap();
+    let run = |extra: &[&str], out: &Path| -> Vec<String> {
+        let o = Command::new(env!("CARGO_BIN_EXE_zerorun"))
+            .args(["launch", "--nproc-per-node", "2", "--"])
+            .arg(&gpt)
+            .args(["--config", cfg.to_str().unwrap(), "--steps", "4", "--layers", "2", "--embd", "32"])
+            .args(["--heads", "4", "--block", "16", "--save-final", out.to_str().unwrap()])
+            .args(extra)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&o.stdout).into_owned();
+        assert!(o.status.success(), "{extra:?}: {}\n{text}", String::from_utf8_lossy(&o.stderr));
+        text.lines()
+            .filter_map(|l| l.strip_prefix("[rank 0] "))
+            .filter(|l| l.starts_with("step "))
+            .map(step_and_loss)
+            .collect()
+    };
+    let whole = dir.join("whole.safetensors");
+    let ref_losses = run(&["--whole-model"], &whole);
+    assert_eq!(ref_losses.len(), 4);
+    let units = dir.join("units.safetensors");
+    let losses = run(&[], &units);
+    assert_matches("gpt by units", &losses, &ref_losses, &units, &load(&whole));
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -188,6 +188,33 @@ impl UnitModel for Gpt {
     }
 }
 
+/// The same model as one builder per unit, creating the variables in `Gpt::new`'s order under its names, so the
+/// initial values are the same from the same seed. At stage 3 (`Engine::from_builders`) each unit is sharded as
+/// soon as it is made: no rank ever holds the whole model, start-up included.
+pub fn gpt_builders(c: &GptConfig) -> zerorun::UnitBuilders<'static> {
+    let c = *c;
+    let embeddings = move |p: &nn::Path| -> zerorun::UnitForward<'static> {
+        let tok = nn::embedding(p / "tok", c.vocab, c.embd, Default::default());
+        let pos = nn::embedding(p / "pos", c.block, c.embd, Default::default());
+        Box::new(move |x: &Tensor| {
+            let ids = Tensor::arange(x.size()[1], (Kind::Int64, x.device()));
+            tok.forward(x) + pos.forward(&ids)
+        })
+    };
+    let builders = zerorun::UnitBuilders::new().unit(["tok", "pos"], embeddings);
+    let builders = (0..c.layers).fold(builders, |b, i| {
+        b.unit([format!("blocks.{i}")], move |p: &nn::Path| -> zerorun::UnitForward<'static> {
+            let block = Block::new(p / "blocks" / i, &c);
+            Box::new(move |x: &Tensor| block.forward(x))
+        })
+    });
+    builders.unit(["ln_f", "head"], move |p: &nn::Path| -> zerorun::UnitForward<'static> {
+        let ln_f = nn::layer_norm(p / "ln_f", vec![c.embd], Default::default());
+        let head = nn::linear(p / "head", c.embd, c.vocab, Default::default());
+        Box::new(move |x: &Tensor| head.forward(&ln_f.forward(x)))
+    })
+}
+
 /// The corpus as character ids.
 pub struct Corpus {
     pub ids: Vec<i64>,
