@@ -95,3 +95,81 @@ pub fn advice(report: &MemoryReport) -> Vec<String> {
     lines.sort_by_key(|l| std::cmp::Reverse(l.0));
     lines.into_iter().map(|(_, l)| l).collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::{Alternative, ModelStates, SCHEMA_VERSION};
+
+    const MIB: u64 = 1 << 20;
+
+    fn event(name: &str, rss: u64, categories: &[(&str, u64)]) -> EventSample {
+        EventSample {
+            step: 2,
+            event: name.into(),
+            rss_bytes: rss,
+            categories: categories.iter().map(|(n, b)| (n.to_string(), *b)).collect(),
+        }
+    }
+
+    fn report(peak: EventSample, forward: EventSample) -> MemoryReport {
+        MemoryReport {
+            schema_version: SCHEMA_VERSION,
+            rank: 0,
+            world_size: 2,
+            stage: 3,
+            precision: "fp32".into(),
+            categories: Default::default(),
+            model_states: ModelStates { measured_bytes: 400 * MIB, estimated_bytes: 400 * MIB },
+            floor_rss_bytes: 100 * MIB,
+            init_peak_rss_bytes: 0,
+            peak_rss_bytes: peak.rss_bytes,
+            steps: Vec::new(),
+            events: vec![forward, peak.clone()],
+            peak: Some(peak),
+            pipeline: None,
+            device: None,
+            device_memory: None,
+            unit_activations_bytes: vec![20 * MIB; 10],
+            unit_input_bytes: vec![2 * MIB; 10],
+            peak_allocations: None,
+            alternatives: vec![
+                Alternative {
+                    change: "zero_optimization.offload_optimizer.device: nvme".into(),
+                    model_states_bytes: 150 * MIB,
+                },
+                Alternative { change: "never smaller".into(), model_states_bytes: 500 * MIB },
+            ],
+        }
+    }
+
+    #[test]
+    fn lines_come_from_the_reports_numbers_largest_saving_first() {
+        let peak = event(
+            "backward: unit 8 reduced",
+            1000 * MIB,
+            &[("activations", 180 * MIB), ("allocator_retained", 200 * MIB)],
+        );
+        let forward = event("forward", 900 * MIB, &[("activations", 200 * MIB)]);
+        let lines = advice(&report(peak, forward));
+        assert_eq!(lines.len(), 3, "{lines:#?}");
+        // Offload saves 250 MiB, malloc keeps 200 MiB, checkpointing keeps 20 MiB of inputs + one 20 MiB unit.
+        assert!(lines[0].starts_with("`zero_optimization.offload_optimizer.device: nvme` would hold 150.0 MiB of model states here instead of 400.0 MiB (250.0 MiB less)"), "{lines:#?}");
+        assert!(lines[1].starts_with("malloc keeps 200.0 MiB of freed blocks at the peak (20% of it)"), "{lines:#?}");
+        assert!(lines[2].starts_with("activation checkpointing of the 10 units would lower the peak by about 140.0 MiB (activations at the peak 180.0 MiB, at the end of forward 200.0 MiB; kept: the units' inputs 20.0 MiB and one unit recomputed 20.0 MiB)"), "{lines:#?}");
+    }
+
+    #[test]
+    fn freed_activations_are_said_to_be_no_help() {
+        let peak = event("optimizer step", 1000 * MIB, &[("activations", 0)]);
+        let forward = event("forward", 900 * MIB, &[("activations", 200 * MIB)]);
+        let mut r = report(peak, forward);
+        r.alternatives.clear();
+        assert_eq!(
+            advice(&r),
+            ["activations (200.0 MiB at the end of forward) are freed before the peak (`optimizer step`): activation checkpointing would not lower it"]
+        );
+        r.peak = None;
+        assert!(advice(&r).is_empty());
+    }
+}

@@ -320,3 +320,26 @@ pub fn draw_comparison(
         .map_err(|e| ReportError::Io { path: png.clone(), what: e })?;
     Ok((svg, png))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A bar is the resident memory: floor, the resident categories, and what they leave unexplained on top;
+    /// bytes on NVMe are not part of it.
+    #[test]
+    fn a_bar_stacks_to_the_resident_memory() {
+        let categories: BTreeMap<String, u64> =
+            [("parameters", 30), ("optimizer_states_nvme", 500), ("activations", 20)]
+                .map(|(n, b)| (n.to_string(), b))
+                .into();
+        let bar = segments(&categories, 40, 100);
+        assert_eq!(bar.values().sum::<u64>(), 100);
+        assert_eq!((bar[FLOOR], bar[UNEXPLAINED], bar.get("optimizer_states_nvme")), (40, 10, None));
+        // Categories over the resident memory leave nothing unexplained (the bar then stands above the line).
+        assert_eq!(segments(&categories, 90, 100)[UNEXPLAINED], 0);
+        assert!(stack_order("parameters") < stack_order("parameters_gathered"));
+        assert!(stack_order("parameters_gathered") < stack_order("activations"));
+        assert!(stack_order("temporaries") < stack_order("allocator_retained"));
+    }
+}
