@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 
 use clap::{Args, Subcommand};
-use zerorun_report::memory::{self, MemoryReport};
+use zerorun_report::memory::MemoryReport;
 
 use super::{emit, CliError};
 
@@ -66,7 +66,7 @@ pub fn run(c: ReportCommand) -> Result<(), CliError> {
         runs.push((label, read_run(dir)?));
     }
     for (label, reports) in &runs {
-        emit(&format!("{label}:\n{}", memory::table(reports)))?;
+        emit(&format!("{label}:\n{}", zerorun_report::table::table(reports)))?;
     }
     if let Some(parent) = a.out.parent().filter(|p| !p.as_os_str().is_empty()) {
         std::fs::create_dir_all(parent)
@@ -79,7 +79,7 @@ pub fn run(c: ReportCommand) -> Result<(), CliError> {
 
 fn show(dir: &std::path::Path) -> Result<(), CliError> {
     let reports = read_run(dir)?;
-    emit(&memory::table(&reports))?;
+    emit(&zerorun_report::table::table(&reports))?;
     let (svg, png) = zerorun_report::plot::draw_memory(dir, &reports).map_err(|e| CliError::Usage(e.to_string()))?;
     emit(&format!("wrote {} and {}", svg.display(), png.display()))
 }

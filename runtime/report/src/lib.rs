@@ -1,12 +1,13 @@
 //! What zerorun tells the user about a run's memory, tensor-free so the CLI reads and draws it without libtorch:
 //! the per-rank report (`memory.rs`: categories sampled every optimizer step and at events, the peak and its
-//! breakdown, the table), what would lower its peak (`advice.rs`, from its own numbers) and its pictures
+//! breakdown), its table (`table.rs`), what would lower its peak (`advice.rs`, from its own numbers) and its pictures
 //! (`plot.rs`: one run per rank, or several runs side by side); line charts of several runs' curves (`curves.rs`).
 #![warn(missing_docs)]
 pub mod advice;
 pub mod curves;
 pub mod memory;
 pub mod plot;
+pub mod table;
 
 use std::path::PathBuf;
 

@@ -399,7 +399,7 @@ impl Engine {
                 .map(|r| MemoryReport::read(&dir, r))
                 .collect::<zerorun_report::Result<Vec<_>>>()?;
             let (svg, png) = crate::report::plot::draw_memory(&dir, &reports)?;
-            files.table = Some(memory::table(&reports));
+            files.table = Some(crate::report::table::table(&reports));
             files.svg = Some(svg);
             files.png = Some(png);
         }

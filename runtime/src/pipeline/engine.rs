@@ -461,7 +461,7 @@ impl<'a> PipelineEngine<'a> {
                 .map(|r| crate::report::memory::MemoryReport::read(&dir, r))
                 .collect::<zerorun_report::Result<Vec<_>>>()?;
             let (svg, png) = crate::report::plot::draw_memory(&dir, &reports)?;
-            files.table = Some(crate::report::memory::table(&reports));
+            files.table = Some(crate::report::table::table(&reports));
             files.svg = Some(svg);
             files.png = Some(png);
         }
