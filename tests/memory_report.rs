@@ -87,6 +87,7 @@ fn check_files(dir: &Path, stage: u8) -> Vec<MemoryReport> {
                 || e == "forward"
                 || e == "backward"
                 || e == "backward start"
+                || e == "step done"
                 || e == "optimizer step"
                 || e.starts_with("forward: unit ")
                 || e.starts_with("backward: unit ")

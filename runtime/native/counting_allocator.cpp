@@ -86,7 +86,8 @@ class CountingAllocator final : public c10::Allocator {
                 if (t_ops.size() > 1) op += " > " + t_ops.back();
             }
             std::lock_guard<std::mutex> lock(g_trace_mutex);
-            g_trace[data] = Traced{n, tag, std::move(op), g_phase};
+            // The program's own allocations (outside the engine's calls) belong to no engine phase.
+            g_trace[data] = Traced{n, tag, std::move(op), tag == 0 ? std::string() : g_phase};
         }
         return c10::DataPtr(data, data, &on_free, cpu);
     }

@@ -133,6 +133,7 @@ mod tests {
             unit_activations_bytes: vec![20 * MIB; 10],
             unit_input_bytes: vec![2 * MIB; 10],
             peak_allocations: None,
+            peak_window: None,
             alternatives: vec![
                 Alternative {
                     change: "zero_optimization.offload_optimizer.device: nvme".into(),

@@ -230,6 +230,9 @@ pub struct MemoryReport {
     /// Model states other configurations would hold on this rank, by the estimator (for the report's advice).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub alternatives: Vec<Alternative>,
+    /// Where the process's resident memory peaked, between which events (when measured).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peak_window: Option<PeakWindow>,
 }
 
 /// The largest live tensor allocations at one event.
@@ -320,6 +323,30 @@ pub struct MemoryTracker {
     pub peak_step_events: Vec<EventSample>,
     /// The events of the step in progress.
     current_events: Vec<EventSample>,
+    /// Measure the process's peak between events: at each event VmHWM is read and reset (`/proc/self/clear_refs`),
+    /// so each window's peak is known. Only where one tracker owns the process (the engine decides per event).
+    pub measure_windows: bool,
+    /// The most resident memory the process reached in any window so far (VmHWM no longer spans the run once
+    /// windows are measured).
+    pub process_peak_bytes: u64,
+    /// The window that held `process_peak_bytes`.
+    pub peak_window: Option<PeakWindow>,
+    /// The step and name of the last event, where the next window begins.
+    last_event: Option<(u64, String)>,
+}
+
+/// Where the process's resident memory peaked: between two events (the engine's events sample the memory at
+/// points; the peak can fall between them).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PeakWindow {
+    /// The step of the event that closed the window.
+    pub step: u64,
+    /// The event that opened it (None: the start of the run).
+    pub after: Option<String>,
+    /// The event that closed it.
+    pub before: String,
+    /// The peak resident memory in it.
+    pub rss_bytes: u64,
 }
 
 impl MemoryTracker {
@@ -357,10 +384,23 @@ impl MemoryTracker {
             let c = self.categories.entry(category.name().to_string()).or_default();
             c.peak_bytes = c.peak_bytes.max(*b as u64);
         }
+        let (resident, high_water) = rss();
+        if self.measure_windows {
+            if high_water > self.process_peak_bytes {
+                self.process_peak_bytes = high_water;
+                let after =
+                    self.last_event
+                        .as_ref()
+                        .map(|(s, e)| if *s == step { e.clone() } else { format!("{e} (step {s})") });
+                self.peak_window = Some(PeakWindow { step, after, before: event.clone(), rss_bytes: high_water });
+            }
+            reset_high_water();
+        }
+        self.last_event = Some((step, event.clone()));
         let sample = EventSample {
             step,
             event,
-            rss_bytes: rss().0,
+            rss_bytes: resident,
             categories: now.iter().map(|(n, b)| (n.name().to_string(), *b as u64)).collect(),
         };
         let rss = sample.rss_bytes;
@@ -416,6 +456,11 @@ pub fn rss() -> (u64, u64) {
         0
     };
     (field("VmRSS:").saturating_sub(peers), field("VmHWM:").saturating_sub(peers))
+}
+
+/// Resets the process's VmHWM to its current resident memory (Linux's `clear_refs` 5); nothing where refused.
+fn reset_high_water() {
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
 }
 
 /// Where rank `rank`'s report goes in `dir`.
@@ -494,6 +539,7 @@ mod tests {
             unit_input_bytes: Vec::new(),
             peak_allocations: None,
             alternatives: Vec::new(),
+            peak_window: None,
         }
     }
 

@@ -116,6 +116,19 @@ pub fn table(reports: &[MemoryReport]) -> String {
         if let Some(p) = &r.peak {
             out += &format!("\nrank {}: {}", r.rank, describe_peak(p, r.floor_rss_bytes));
         }
+        // The process's own peak, when it fell between events above the highest one.
+        if let (Some(w), Some(p)) = (&r.peak_window, &r.peak) {
+            if w.rss_bytes > p.rss_bytes {
+                let after = w.after.as_ref().map_or("the start".to_string(), |a| format!("`{a}`"));
+                out += &format!(
+                    "\nrank {}: the process peaked at {} MiB in step {}, between {after} and `{}`",
+                    r.rank,
+                    mib(w.rss_bytes),
+                    w.step,
+                    w.before
+                );
+            }
+        }
     }
     // What would help, per rank unless it says what the rank before said.
     let mut said: Vec<String> = Vec::new();

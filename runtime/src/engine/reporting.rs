@@ -117,6 +117,8 @@ impl Engine {
         now.extend(measured);
         let step = self.progress.global_steps + 1;
         let highest = self.report.memory.highest_rss();
+        // Windows reset the process's VmHWM: only where this engine is the process's one.
+        self.report.memory.measure_windows = self.report.counting.as_ref().and_then(Counting::live).is_some();
         let label = label();
         let rss = self.report.memory.event(step, label.clone(), &now);
         if self.report.snapshot && rss > highest {
@@ -200,6 +202,14 @@ impl Engine {
 
     /// After every optimizer step (taken or skipped): a memory sample and the step's phase times.
     pub(super) fn end_of_step(&mut self) {
+        // The step's last event: after the step's own tail (stage 3 regathers kept units), so its window ends.
+        if self.report.sample_events {
+            let mut now = self.memory_bytes();
+            let measured = self.measured_categories(&now);
+            now.extend(measured);
+            self.report.memory.measure_windows = self.report.counting.as_ref().and_then(Counting::live).is_some();
+            self.report.memory.event(self.progress.global_steps, "step done".into(), &now);
+        }
         let now = self.memory_bytes();
         let peaks = [(MemoryCategory::ParametersGathered, self.states.parameters.gathered.step_peak)];
         self.report.memory.sample(self.progress.global_steps, &now, &peaks);
@@ -337,7 +347,7 @@ impl Engine {
             init_peak_rss_bytes: self.report.init_peak_rss_bytes,
             peak: self.report.memory.peak.clone(),
             events: self.report.memory.peak_step_events.clone(),
-            peak_rss_bytes: memory::rss().1,
+            peak_rss_bytes: memory::rss().1.max(self.report.memory.process_peak_bytes),
             steps: self.report.memory.steps.clone(),
             pipeline: None,
             device: (self.device() != tch::Device::Cpu).then(|| match self.device() {
@@ -349,6 +359,7 @@ impl Engine {
             unit_input_bytes: self.report.unit_inputs.clone(),
             peak_allocations: self.report.peak_allocations.clone(),
             alternatives: self.alternatives(),
+            peak_window: self.report.memory.peak_window.clone(),
         }
     }
 
