@@ -17,6 +17,7 @@
 //! thread ranks of one process share it.
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use serde::{Deserialize, Serialize};
 
@@ -326,8 +327,7 @@ pub struct MemoryTracker {
     /// Measure the process's peak between events: at each event VmHWM is read and reset (`/proc/self/clear_refs`),
     /// so each window's peak is known. Only where one tracker owns the process (the engine decides per event).
     pub measure_windows: bool,
-    /// The most resident memory the process reached in any window so far (VmHWM no longer spans the run once
-    /// windows are measured).
+    /// The most resident memory the process reached in any window so far.
     pub process_peak_bytes: u64,
     /// The window that held `process_peak_bytes`.
     pub peak_window: Option<PeakWindow>,
@@ -384,7 +384,7 @@ impl MemoryTracker {
             let c = self.categories.entry(category.name().to_string()).or_default();
             c.peak_bytes = c.peak_bytes.max(*b as u64);
         }
-        let (resident, high_water) = rss();
+        let (resident, high_water) = rss_since_reset();
         if self.measure_windows {
             if high_water > self.process_peak_bytes {
                 self.process_peak_bytes = high_water;
@@ -435,12 +435,19 @@ pub fn model_state_bytes(now: &CategoryList) -> u64 {
 }
 
 /// This process's resident memory now and at its peak (VmRSS, VmHWM), in bytes; zeros where /proc is absent.
+/// The peak spans the whole process even where the memory report resets VmHWM to measure between its events.
 ///
 /// Under the shm backend a process maps its peers' shared buffer regions, and the pages of theirs it has read
 /// count in its RSS although they are the peers' memory (and in their RSS). Both numbers leave those out: shared
 /// resident pages (RssShmem) beyond this process's own region blocks. That estimate never exceeds the peers' pages
 /// (own blocks are counted whole), so the result does not undercount this process.
 pub fn rss() -> (u64, u64) {
+    let (now, high_water) = rss_since_reset();
+    (now, high_water.max(PEAK_BEFORE_RESET.load(Ordering::Relaxed)))
+}
+
+/// [`rss`] with VmHWM as the kernel has it: since the memory report last reset it (at its previous event).
+fn rss_since_reset() -> (u64, u64) {
     let Ok(status) = std::fs::read_to_string("/proc/self/status") else { return (0, 0) };
     let field = |key: &str| {
         status
@@ -458,8 +465,13 @@ pub fn rss() -> (u64, u64) {
     (field("VmRSS:").saturating_sub(peers), field("VmHWM:").saturating_sub(peers))
 }
 
-/// Resets the process's VmHWM to its current resident memory (Linux's `clear_refs` 5); nothing where refused.
+/// The process's peak resident memory before the last reset of VmHWM (see [`rss`]).
+static PEAK_BEFORE_RESET: AtomicU64 = AtomicU64::new(0);
+
+/// Resets the process's VmHWM to its current resident memory (Linux's `clear_refs` 5), keeping the peak so far
+/// for [`rss`]; nothing where refused.
 fn reset_high_water() {
+    PEAK_BEFORE_RESET.fetch_max(rss_since_reset().1, Ordering::Relaxed);
     let _ = std::fs::write("/proc/self/clear_refs", "5");
 }
 

@@ -347,7 +347,7 @@ impl Engine {
             init_peak_rss_bytes: self.report.init_peak_rss_bytes,
             peak: self.report.memory.peak.clone(),
             events: self.report.memory.peak_step_events.clone(),
-            peak_rss_bytes: memory::rss().1.max(self.report.memory.process_peak_bytes),
+            peak_rss_bytes: memory::rss().1,
             steps: self.report.memory.steps.clone(),
             pipeline: None,
             device: (self.device() != tch::Device::Cpu).then(|| match self.device() {
