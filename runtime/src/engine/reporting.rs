@@ -108,21 +108,24 @@ impl Engine {
     /// Sampled only when a report is asked for (`memory_breakdown`, `zerorun launch --memory-report`): each
     /// sample reads /proc and walks the categories, too much for every unit of every step otherwise.
     pub(super) fn memory_event(&mut self, label: impl FnOnce() -> String, extra: &[(MemoryCategory, usize)]) {
-        if !self.report.sample_events {
-            return;
+        if self.report.sample_events {
+            self.sample_event(self.progress.global_steps + 1, label(), extra);
         }
+    }
+
+    /// One event of step `step`: the engine's categories with `extra` and the measured ones, the process's window
+    /// (where this engine is the process's one: windows reset its VmHWM), and the largest allocations when it is
+    /// the highest event so far and they are recorded. Returns the event's resident memory.
+    fn sample_event(&mut self, step: u64, label: String, extra: &[(MemoryCategory, usize)]) -> u64 {
         let mut now = self.memory_bytes();
         now.extend_from_slice(extra);
         let measured = self.measured_categories(&now);
         now.extend(measured);
-        let step = self.progress.global_steps + 1;
         let highest = self.report.memory.highest_rss();
-        // Windows reset the process's VmHWM: only where this engine is the process's one.
-        self.report.memory.measure_windows = self.report.counting.as_ref().and_then(Counting::live).is_some();
-        let label = label();
+        let live = self.live_bytes();
+        self.report.memory.measure_windows = live.is_some();
         let rss = self.report.memory.event(step, label.clone(), &now);
         if self.report.snapshot && rss > highest {
-            let live = self.report.counting.as_ref().and_then(Counting::live).unwrap_or_default();
             let allocations = allocations::largest(20)
                 .into_iter()
                 .map(|b| memory::Allocation { bytes: b.bytes, owner: b.owner.name().into(), op: b.op, phase: b.phase })
@@ -131,10 +134,16 @@ impl Engine {
                 step,
                 event: label,
                 rss_bytes: rss,
-                live_bytes: live.total,
+                live_bytes: live.unwrap_or_default().total,
                 allocations,
             });
         }
+        rss
+    }
+
+    /// The counting allocator's counters, when this engine is the only counting one in the process.
+    fn live_bytes(&self) -> Option<allocations::LiveBytes> {
+        self.report.counting.as_ref().and_then(Counting::live)
     }
 
     /// The phase the allocations from now on belong to, for the largest-allocations snapshot (when it is on).
@@ -149,7 +158,7 @@ impl Engine {
     /// autograd's backward, less the gradients the engine counts already) and `allocator_retained` (malloc's free
     /// blocks). Nothing when the allocator does not count for this engine alone.
     fn measured_categories(&self, now: &[(MemoryCategory, usize)]) -> Vec<(MemoryCategory, usize)> {
-        let Some(live) = self.report.counting.as_ref().and_then(Counting::live) else { return Vec::new() };
+        let Some(live) = self.live_bytes() else { return Vec::new() };
         let engine_counted =
             |c: MemoryCategory| now.iter().filter(|(n, _)| *n == c).map(|(_, b)| *b as u64).sum::<u64>();
         // Autograd allocates the `.grad` tensors (unless they are views of the engine's buffer) and a stage 3
@@ -177,7 +186,7 @@ impl Engine {
     /// Stage 3, after unit `i`'s forward: what it left alive for backward since `before` (forward's live bytes
     /// then) and its input's bytes.
     pub(super) fn record_unit_activations(&mut self, i: usize, before: u64, input: &Tensor) {
-        let Some(live) = self.report.counting.as_ref().and_then(Counting::live) else { return };
+        let Some(live) = self.live_bytes() else { return };
         let n = self.states.parameters.units.len();
         self.report.unit_activations.resize(n, 0);
         self.report.unit_inputs.resize(n, 0);
@@ -187,7 +196,7 @@ impl Engine {
 
     /// Live bytes of the model's forward now (0 without counting).
     pub(super) fn forward_live_bytes(&self) -> u64 {
-        self.report.counting.as_ref().and_then(Counting::live).map_or(0, |l| l.of(Owner::Forward))
+        self.live_bytes().map_or(0, |l| l.of(Owner::Forward))
     }
 
     /// The sample after `initialize`: the initialisation's own timeline (step 0).
@@ -195,8 +204,7 @@ impl Engine {
         if !self.report.sample_events {
             return;
         }
-        let now = self.memory_bytes();
-        self.report.memory.event(0, "initialized".into(), &now);
+        self.sample_event(0, "initialized".into(), &[]);
         self.report.memory.end_step();
     }
 
@@ -204,11 +212,7 @@ impl Engine {
     pub(super) fn end_of_step(&mut self) {
         // The step's last event: after the step's own tail (stage 3 regathers kept units), so its window ends.
         if self.report.sample_events {
-            let mut now = self.memory_bytes();
-            let measured = self.measured_categories(&now);
-            now.extend(measured);
-            self.report.memory.measure_windows = self.report.counting.as_ref().and_then(Counting::live).is_some();
-            self.report.memory.event(self.progress.global_steps, "step done".into(), &now);
+            self.sample_event(self.progress.global_steps, "step done".into(), &[]);
         }
         let now = self.memory_bytes();
         let peaks = [(MemoryCategory::ParametersGathered, self.states.parameters.gathered.step_peak)];
@@ -263,13 +267,13 @@ impl Engine {
             .collect();
         let to = if self.device() == tch::Device::Cpu { "nvme" } else { "cpu" };
         let now = model_states_bytes(&input, stage);
-        if stage >= 1 && z.offload_optimizer.device == OffloadDevice::None {
+        if self.plan.partitions_optimizer() && z.offload_optimizer.device == OffloadDevice::None {
             out.push(memory::Alternative {
                 change: format!("zero_optimization.offload_optimizer.device: {to}"),
                 model_states_bytes: now.saturating_sub((psi * o as f64 / n).round() as u64),
             });
         }
-        if stage == 3 && z.offload_param.device == OffloadDevice::None {
+        if self.plan.partitions_parameters() && z.offload_param.device == OffloadDevice::None {
             out.push(memory::Alternative {
                 change: format!("zero_optimization.offload_optimizer.device and offload_param.device: {to}"),
                 model_states_bytes: (psi * g as f64 / n).round() as u64,
