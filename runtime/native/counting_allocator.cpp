@@ -1,5 +1,5 @@
-// libtorch's CPU allocator with counters: every CPU tensor's storage allocated after installation is counted, live
-// and at its peak, under the owner tag that was current when it was allocated (the engine, the model's forward,
+// libtorch's CPU allocator with counters: every CPU tensor's storage allocated after installation is counted while
+// it lives, under the owner tag that was current when it was allocated (the engine, the model's forward,
 // autograd's backward, the program). The memory report reads the counters at its events; that is how it tells the
 // activations and temporaries apart from the engine's own memory and from what glibc keeps after frees.
 //
@@ -34,9 +34,7 @@ struct Header {
 };
 
 std::atomic<int64_t> g_live[kTags];
-std::atomic<int64_t> g_peak_total{0};
 std::atomic<int64_t> g_total{0};
-std::atomic<uint64_t> g_allocations{0};
 std::atomic<uint8_t> g_tag{0};
 std::atomic<bool> g_tracing{false};
 
@@ -74,11 +72,7 @@ class CountingAllocator final : public c10::Allocator {
         h->tag = tag;
         void *data = reinterpret_cast<char *>(h) + kHeader;
         g_live[tag].fetch_add(static_cast<int64_t>(n), std::memory_order_relaxed);
-        int64_t total = g_total.fetch_add(static_cast<int64_t>(n), std::memory_order_relaxed) + static_cast<int64_t>(n);
-        int64_t peak = g_peak_total.load(std::memory_order_relaxed);
-        while (total > peak && !g_peak_total.compare_exchange_weak(peak, total, std::memory_order_relaxed)) {
-        }
-        g_allocations.fetch_add(1, std::memory_order_relaxed);
+        g_total.fetch_add(static_cast<int64_t>(n), std::memory_order_relaxed);
         if (g_tracing.load(std::memory_order_relaxed)) {
             std::string op;
             if (!t_ops.empty()) {
@@ -120,25 +114,16 @@ extern "C" void zr_counting_allocator_install() {
     g_installed = true;
 }
 
-extern "C" int zr_counting_allocator_installed() { return c10::GetCPUAllocator() == &g_allocator ? 1 : 0; }
-
 // The owner tag of allocations from now on (0..3); returns the previous one.
 extern "C" int zr_counting_allocator_set_tag(int tag) {
     if (tag < 0 || tag >= kTags) tag = 0;
     return g_tag.exchange(static_cast<uint8_t>(tag), std::memory_order_relaxed);
 }
 
-// live[0..4] by tag, then the total live, the peak total since the last reset, the number of allocations.
+// live[0..4] by tag, then the total live.
 extern "C" void zr_counting_allocator_stats(int64_t *out) {
     for (int i = 0; i < kTags; ++i) out[i] = g_live[i].load(std::memory_order_relaxed);
     out[kTags] = g_total.load(std::memory_order_relaxed);
-    out[kTags + 1] = g_peak_total.load(std::memory_order_relaxed);
-    out[kTags + 2] = static_cast<int64_t>(g_allocations.load(std::memory_order_relaxed));
-}
-
-// Starts a new peak window at the current total.
-extern "C" void zr_counting_allocator_reset_peak() {
-    g_peak_total.store(g_total.load(std::memory_order_relaxed), std::memory_order_relaxed);
 }
 
 // Records every block allocated from now on with the operator and phase that made it.

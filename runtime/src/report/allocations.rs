@@ -16,10 +16,8 @@ pub const SNAPSHOT_ENV: &str = "ZERORUN_MEMORY_SNAPSHOT";
 
 extern "C" {
     fn zr_counting_allocator_install();
-    fn zr_counting_allocator_installed() -> c_int;
     fn zr_counting_allocator_set_tag(tag: c_int) -> c_int;
     fn zr_counting_allocator_stats(out: *mut i64);
-    fn zr_counting_allocator_reset_peak();
     fn zr_counting_allocator_trace(on: c_int);
     fn zr_counting_allocator_set_phase(phase: *const c_char);
     fn zr_counting_allocator_top(
@@ -74,10 +72,6 @@ pub struct LiveBytes {
     pub by_owner: [u64; 4],
     /// All live bytes the allocator handed out.
     pub total: u64,
-    /// The most live bytes since the last [`reset_peak`].
-    pub peak: u64,
-    /// Allocations so far.
-    pub allocations: u64,
 }
 
 impl LiveBytes {
@@ -119,30 +113,13 @@ impl Drop for Counting {
     }
 }
 
-/// Whether libtorch's CPU allocator is the counting one.
-pub fn installed() -> bool {
-    // SAFETY: reads libtorch's allocator pointer.
-    unsafe { zr_counting_allocator_installed() != 0 }
-}
-
 /// The counters now (zeros until installed).
 pub fn live() -> LiveBytes {
-    let mut out = [0i64; 7];
-    // SAFETY: the shim writes exactly 7 values.
+    let mut out = [0i64; 5];
+    // SAFETY: the shim writes exactly 5 values.
     unsafe { zr_counting_allocator_stats(out.as_mut_ptr()) };
     let u = |v: i64| v.max(0) as u64;
-    LiveBytes {
-        by_owner: [u(out[0]), u(out[1]), u(out[2]), u(out[3])],
-        total: u(out[4]),
-        peak: u(out[5]),
-        allocations: u(out[6]),
-    }
-}
-
-/// Starts a new window for [`LiveBytes::peak`].
-pub fn reset_peak() {
-    // SAFETY: an atomic store in the shim.
-    unsafe { zr_counting_allocator_reset_peak() }
+    LiveBytes { by_owner: [u(out[0]), u(out[1]), u(out[2]), u(out[3])], total: u(out[4]) }
 }
 
 /// Sets the owner of allocations until the guard drops (then the previous owner again).
