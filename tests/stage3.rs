@@ -353,7 +353,11 @@ fn in_backward_config(in_backward: bool, extra: Value) -> Config {
                               "reduce_bucket_size": 40}
     });
     for (k, v) in extra.as_object().unwrap() {
-        c[k] = v.clone();
+        match (k.as_str(), v.as_object()) {
+            // `zero_optimization` keys are merged into the section above.
+            ("zero_optimization", Some(zero)) => zero.iter().for_each(|(z, v)| c[k][z] = v.clone()),
+            _ => c[k] = v.clone(),
+        }
     }
     Config::from_value(c).unwrap()
 }
@@ -381,6 +385,34 @@ fn optimizer_in_backward_gives_the_whole_steps_weights_bitwise_and_holds_no_grad
             assert_eq!(get(p, "gradients_shard"), 0, "rank {rank}: the optimizer in backward holds none");
         }
     }
+}
+
+#[test]
+fn optimizer_in_backward_with_parameters_and_states_on_nvme_steps_like_in_memory() {
+    // Every chunk on NVMe (max_in_cpu 0) and sub-groups of 64 elements: a bucket's part reads and writes the chunks
+    // and sub-groups it touches, some of them twice (parts of one unit share them). Bitwise the in-memory weights.
+    let swap = std::env::temp_dir().join(format!("zerorun-stage3-in-backward-nvme-{}", std::process::id()));
+    std::fs::create_dir_all(&swap).unwrap();
+    let options =
+        EngineOptions { no_weight_decay: Some(zerorun::runtime::engine::no_decay_for_1d), ..Default::default() };
+    let nvme = json!({"zero_optimization": {
+        "sub_group_size": 64,
+        "offload_param": {"device": "nvme", "nvme_path": swap, "max_in_cpu": 0},
+        "offload_optimizer": {"device": "nvme", "nvme_path": swap, "buffer_count": 3}
+    }});
+    for world in [2, 3] {
+        let memory = run_with(world, in_backward_config(true, json!({})), Units::PerLayer, options.clone(), &DIMS);
+        let on_nvme = run_with(world, in_backward_config(true, nvme.clone()), Units::PerLayer, options.clone(), &DIMS);
+        for (rank, (m, n)) in memory.iter().zip(&on_nvme).enumerate() {
+            let d = max_relative_difference(&n.params, &m.params);
+            assert!(m.params == n.params, "world size {world}, rank {rank}: weights differ ({d:e})");
+            let get = |r: &RankRun, name: &str| r.memory.iter().find(|(n, _)| n.name() == name).map_or(0, |(_, b)| *b);
+            assert_eq!(get(n, "gradients_shard"), 0, "rank {rank}: no gradient shard");
+            assert_eq!(get(n, "parameters"), 0, "rank {rank}: the values are on NVMe");
+            assert_eq!(get(n, "optimizer_states"), 0, "rank {rank}: the states are on NVMe");
+        }
+    }
+    std::fs::remove_dir_all(&swap).ok();
 }
 
 #[test]

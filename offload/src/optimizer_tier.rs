@@ -19,12 +19,6 @@ pub enum TierError {
     /// The caller's `fill` of a state load failed (a checkpoint file, say); its message as given.
     #[error("{0}")]
     Fill(Box<dyn std::error::Error + Send + Sync>),
-    /// What a tier cannot do where its states live (a step in pieces with the states on NVMe).
-    #[error("{what} needs the optimizer states in memory (they are on NVMe)")]
-    NeedsMemory {
-        /// The operation asked for.
-        what: &'static str,
-    },
 }
 
 /// Writes every state buffer of the optimizer over a range of the optimized elements (checkpoint load).
@@ -64,6 +58,11 @@ pub trait OptimizerTier: Send {
         groups: &[Group],
         out: Option<ParamsOut<'_>>,
     ) -> Result<(), TierError>;
+    /// Ends a step taken in pieces: waits for what the pieces left in flight (NVMe writes), so an I/O error
+    /// surfaces in the step that caused it.
+    fn finish_step(&mut self) -> Result<(), TierError> {
+        Ok(())
+    }
     /// The momentum a schedule cycles (see [`Optimizer::set_momentum`]).
     fn set_momentum(&mut self, momentum: f64);
     /// State bytes in host memory between steps (the states themselves, not copies staged for NVMe).

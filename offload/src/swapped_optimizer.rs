@@ -34,6 +34,9 @@ pub struct SwappedOptimizer {
     /// State buffers lent to whichever sub-group steps, by sub-group length (at most two lengths: the full
     /// size and the last sub-group's), so a step allocates nothing.
     scratch: Vec<(usize, Vec<AlignedVec>)>,
+    /// A step taken in pieces: the sub-groups' writes still in flight (with their bytes), which the next read of a
+    /// sub-group waits for (the swapper orders a key's read after its write); `finish_step` waits for all.
+    piece_writes: VecDeque<(SwapHandle<HostBuffer>, usize)>,
 }
 
 fn key(k: usize) -> String {
@@ -79,6 +82,7 @@ impl SwappedOptimizer {
             pipeline_write: pipeline.1,
             buffer_count,
             scratch: Vec::new(),
+            piece_writes: VecDeque::new(),
         };
         for start in (0..len.max(1)).step_by(size) {
             let range = start..(start + size).min(len);
@@ -118,6 +122,26 @@ impl SwappedOptimizer {
         let bytes = self.subgroups[k].range.len() * 4 * self.state_names.len();
         self.swapper.swap_in(&key(k), self.pool.take(bytes))
     }
+
+    /// Waits for the pieces' writes until at most `keep` are in flight.
+    fn finish_piece_writes(&mut self, keep: usize) -> Result<()> {
+        while self.piece_writes.len() > keep {
+            let (w, _) = self.piece_writes.pop_front().expect("non-empty");
+            self.pool.give_back(w.wait().map_err(offload_err)?);
+        }
+        Ok(())
+    }
+}
+
+/// `groups` (relative to the whole range) cut to a sub-group's `range` and made relative to its start.
+fn within(groups: &[Group], range: &Range<usize>) -> Vec<Group> {
+    groups
+        .iter()
+        .filter_map(|x| {
+            let (a, b) = (x.range.start.max(range.start), x.range.end.min(range.end));
+            (a < b).then(|| Group { range: a - range.start..b - range.start, lr: x.lr, weight_decay: x.weight_decay })
+        })
+        .collect()
 }
 
 impl OptimizerTier for SwappedOptimizer {
@@ -130,18 +154,74 @@ impl OptimizerTier for SwappedOptimizer {
     }
 
     fn begin_step(&mut self) -> std::result::Result<(), TierError> {
-        Err(TierError::NeedsMemory { what: "a step in pieces (optimizer_in_backward)" })
+        self.finish_piece_writes(0)?;
+        self.step += 1;
+        Ok(())
     }
 
+    /// A piece of a step begun with `begin_step` (stage 3's optimizer in backward, or a step unit by unit with the
+    /// parameters on NVMe): every sub-group `range` touches is read (the next one while this one steps), its part
+    /// updated, and written back behind. A sub-group that two pieces share is read twice, its state whole each time.
     fn update_range(
         &mut self,
-        _range: Range<usize>,
-        _params: &mut [f32],
-        _grads: &[f32],
-        _groups: &[Group],
-        _out: Option<ParamsOut<'_>>,
+        range: Range<usize>,
+        params: &mut [f32],
+        grads: &[f32],
+        groups: &[Group],
+        mut out: Option<ParamsOut<'_>>,
     ) -> std::result::Result<(), TierError> {
-        Err(TierError::NeedsMemory { what: "a step in pieces (optimizer_in_backward)" })
+        if params.len() != range.len() || grads.len() != range.len() {
+            let got = if params.len() != range.len() { params.len() } else { grads.len() };
+            return Err(zerorun_optim::OptimError::Length {
+                what: "a piece's values or gradients",
+                got,
+                expected: range.len(),
+            }
+            .into());
+        }
+        let first = self.subgroups.partition_point(|g| g.range.end <= range.start);
+        let touched: Vec<usize> =
+            (first..self.subgroups.len()).take_while(|&k| self.subgroups[k].range.start < range.end).collect();
+        let mut next_read = touched.first().map(|&k| self.read(k));
+        let max_writes = if self.pipeline_write { self.buffer_count.saturating_sub(2).max(1) } else { 0 };
+        for (i, &k) in touched.iter().enumerate() {
+            let buf = next_read.take().expect("sub-group k was read").wait().map_err(offload_err)?;
+            if let Some(&after) = touched.get(i + 1) {
+                next_read = Some(self.read(after));
+            }
+            let sg = &mut self.subgroups[k];
+            let len = sg.range.len();
+            let (a, b) = (sg.range.start.max(range.start), sg.range.end.min(range.end));
+            let local = a - sg.range.start..b - sg.range.start;
+            let piece = a - range.start..b - range.start;
+            let sg_groups = within(groups, &sg.range);
+            let scratch =
+                &mut self.scratch.iter_mut().find(|(l, _)| *l == len).expect("a scratch set per sub-group length").1;
+            lend(sg.optimizer.as_mut(), scratch, len, &buf, self.step);
+            self.pool.give_back(buf);
+            let sub_out = out.as_mut().map(|o| match o {
+                ParamsOut::Bf16(s) => ParamsOut::Bf16(&mut s[piece.clone()]),
+                ParamsOut::F16(s) => ParamsOut::F16(&mut s[piece.clone()]),
+            });
+            let r = sg.optimizer.update_range(
+                local,
+                &mut params[piece.clone()],
+                Grads::F32(&grads[piece]),
+                &sg_groups,
+                sub_out,
+            );
+            let packed = pack(&self.pool, sg.optimizer.as_mut(), len);
+            take_back(sg.optimizer.as_mut(), scratch);
+            r?;
+            let bytes = len * 4 * self.state_names.len();
+            self.piece_writes.push_back((self.swapper.swap_out(&key(k), packed, bytes), bytes));
+            self.finish_piece_writes(max_writes)?;
+        }
+        Ok(())
+    }
+
+    fn finish_step(&mut self) -> std::result::Result<(), TierError> {
+        self.finish_piece_writes(0)
     }
 
     fn set_momentum(&mut self, momentum: f64) {
@@ -166,7 +246,10 @@ impl OptimizerTier for SwappedOptimizer {
 
     /// The scratch a sub-group is stepped in and the idle swap buffers.
     fn buffer_bytes(&self) -> usize {
-        self.pool.idle_bytes() + self.scratch.iter().flat_map(|(_, v)| v.iter()).map(|b| b.len() * 4).sum::<usize>()
+        let writing: usize = self.piece_writes.iter().map(|(_, b)| b.div_ceil(crate::PAGE) * crate::PAGE).sum();
+        writing
+            + self.pool.idle_bytes()
+            + self.scratch.iter().flat_map(|(_, v)| v.iter()).map(|b| b.len() * 4).sum::<usize>()
     }
 
     /// One optimizer step over the whole range, sub-group by sub-group. `groups` are the engine's (relative to
@@ -178,18 +261,9 @@ impl OptimizerTier for SwappedOptimizer {
         groups: &[Group],
         mut out: Option<ParamsOut<'_>>,
     ) -> std::result::Result<(), TierError> {
+        self.finish_piece_writes(0)?;
         for g in &mut self.subgroups {
-            g.groups = groups
-                .iter()
-                .filter_map(|x| {
-                    let (a, b) = (x.range.start.max(g.range.start), x.range.end.min(g.range.end));
-                    (a < b).then(|| Group {
-                        range: a - g.range.start..b - g.range.start,
-                        lr: x.lr,
-                        weight_decay: x.weight_decay,
-                    })
-                })
-                .collect();
+            g.groups = within(groups, &g.range);
         }
         let n = self.subgroups.len();
         let mut next_read = Some(self.read(0));
@@ -364,6 +438,60 @@ mod tests {
                 swapped.write_state(i, &mut bytes).unwrap();
                 assert_eq!(bytes, bytemuck::cast_slice::<f32, u8>(state), "state {name}");
             }
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A step taken in pieces (begin_step, update_range per piece, finish_step) gives bitwise the whole step's
+    /// values, states and 16-bit output: pieces inside one sub-group, straddling several, and in backward's order
+    /// (last piece first).
+    #[test]
+    fn a_step_in_pieces_over_swapped_sub_groups_equals_the_whole_step() {
+        let n = 1000;
+        let groups = [
+            Group { range: 0..450, lr: 1e-2, weight_decay: 0.1 },
+            Group { range: 450..n, lr: 3e-3, weight_decay: 0.0 },
+        ];
+        let dir = std::env::temp_dir().join(format!("zerorun-swapped-pieces-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let io = IoConfig { block_size: 1 << 20, queue_depth: 8, intra_op_parallelism: 1 };
+        let build = |len: usize| -> Box<dyn Optimizer> { Box::new(Adam::new(AdamConfig::default(), len)) };
+        let mut reference = Adam::new(AdamConfig::default(), n);
+        let mut expected = values(n, 1);
+        let mut expected_out = vec![half::bf16::ZERO; n];
+        for s in 0..3 {
+            let out = ParamsOut::Bf16(&mut expected_out);
+            reference.step(&mut expected, Grads::F32(&values(n, 10 + s)), &groups, Some(out)).unwrap();
+        }
+        let pieces = [0..90, 90..100, 100..610, 610..611, 611..n];
+        for (case, (sub_group, pipeline)) in
+            [(256, (true, true)), (128, (false, false)), (n, (true, true))].into_iter().enumerate()
+        {
+            let prefix = format!("pieces{case}");
+            let mut swapped = SwappedOptimizer::new(build, n, sub_group, &dir, &prefix, io, 4, pipeline).unwrap();
+            let mut params = values(n, 1);
+            let mut out = vec![half::bf16::ZERO; n];
+            for s in 0..3 {
+                let grads = values(n, 10 + s);
+                swapped.begin_step().unwrap();
+                for r in pieces.iter().rev() {
+                    let o = ParamsOut::Bf16(&mut out[r.clone()]);
+                    swapped
+                        .update_range(r.clone(), &mut params[r.clone()], &grads[r.clone()], &groups, Some(o))
+                        .unwrap();
+                }
+                swapped.finish_step().unwrap();
+            }
+            assert_eq!(params, expected, "sub-groups of {sub_group}");
+            assert_eq!(out, expected_out);
+            assert_eq!(swapped.step_count(), 3);
+            for (i, (name, state)) in reference.state().buffers.iter().enumerate() {
+                let mut bytes = Vec::new();
+                swapped.write_state(i, &mut bytes).unwrap();
+                assert_eq!(bytes, bytemuck::cast_slice::<f32, u8>(state), "state {name}, sub-groups of {sub_group}");
+            }
+            let e = swapped.update_range(0..10, &mut params[..9], &values(10, 0), &groups, None).unwrap_err();
+            assert_eq!(e.to_string(), "a piece's values or gradients has 9 elements, expected 10");
         }
         std::fs::remove_dir_all(&dir).unwrap();
     }

@@ -463,15 +463,6 @@ impl Config {
                 opt.name()
             ));
         }
-        for (section, device) in
-            [("offload_optimizer", z.offload_optimizer.device), ("offload_param", z.offload_param.device)]
-        {
-            if device == OffloadDevice::Nvme {
-                return conflict(format!(
-                    "the step writes each unit's part in memory as it comes: `zero_optimization.{section}.device` must not be \"nvme\""
-                ));
-            }
-        }
         Ok(())
     }
 

@@ -176,7 +176,10 @@ impl Engine {
         let stepper = self.shard.in_backward.as_mut().map(|progress| zero::optim::in_backward::ShardStepper {
             tier: &mut self.shard.tier,
             groups: &self.shard.groups,
-            shard: &self.states.parameters.flat,
+            values: match self.states.parameters.swapped.as_mut() {
+                Some(swapped) => zero::optim::in_backward::ShardValues::Swapped(swapped),
+                None => zero::optim::in_backward::ShardValues::InMemory(&self.states.parameters.flat),
+            },
             progress,
             residence: self.residence,
         });

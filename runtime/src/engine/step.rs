@@ -146,8 +146,15 @@ impl Engine {
         if let Some(momentum) = self.shard.scheduler.as_ref().and_then(LrScheduler::momentum) {
             self.shard.tier.set_momentum(momentum);
         }
-        if stepped.is_none() {
-            self.timed(Phase::Step, Self::apply_optimizer)?;
+        match stepped {
+            None => self.timed(Phase::Step, Self::apply_optimizer)?,
+            // What the pieces left in flight (NVMe writes of states and values) ends with the step.
+            Some(_) => {
+                self.shard.tier.finish_step()?;
+                if let Some(swapped) = self.states.parameters.swapped.as_mut() {
+                    swapped.flush()?;
+                }
+            }
         }
         self.memory_event(|| "optimizer step".into(), &[]);
         self.gradients.consume()?;

@@ -191,9 +191,53 @@ impl SwappedParams {
         let bytes = self.chunk_bytes(unit);
         let mut buffer = self.pool.take(bytes);
         fill(&mut buffer.as_mut_slice()[..bytes]);
+        self.write_buffer(unit, buffer, bytes)
+    }
+
+    /// Starts writing a host buffer holding the unit's chunk (its first `bytes`), bounded in writes in flight.
+    fn write_buffer(&mut self, unit: usize, buffer: HostBuffer, bytes: usize) -> Result<()> {
         self.writes.push_back(self.swapper.swap_out(&key(unit), buffer, bytes));
         while self.writes.len() >= self.buffer_count {
             self.finish_oldest_write()?;
+        }
+        Ok(())
+    }
+
+    /// Updates the fp32 values of shard-space `range` in place, unit by unit: each chunk it touches is read (the
+    /// next ones ahead), `update(sub_range, values)` changes the part inside `range`, and the chunk is written back
+    /// behind. What an optimizer step needs of the values with no copy of the shard: a step unit by unit, or a
+    /// piece of one in backward (`optimizer_in_backward`).
+    pub fn update_f32(
+        &mut self,
+        range: Range<usize>,
+        mut update: impl FnMut(Range<usize>, &mut [f32]) -> Result<()>,
+    ) -> Result<()> {
+        debug_assert_eq!(self.kind, Kind::Float, "the optimizer steps fp32 values in place");
+        let first = self.chunks.partition_point(|c| c.end <= range.start);
+        let touched: Vec<usize> =
+            (first..self.chunks.len()).take_while(|&u| self.chunks[u].start < range.end).collect();
+        for (i, &u) in touched.iter().enumerate() {
+            self.read_ahead(touched[i + 1..].iter().copied(), |_| true);
+            let c = self.chunks[u].clone();
+            let (a, b) = (c.start.max(range.start), c.end.min(range.end));
+            let local = a - c.start..b - c.start;
+            if b <= a {
+                continue;
+            }
+            match self.chunk(u)? {
+                Chunk::InMemory(t) => {
+                    // SAFETY: the unit's resident chunk, which only this swapper touches, and not during a gather.
+                    update(a..b, &mut unsafe { views::slice::<f32>(&t) }[local])?;
+                }
+                Chunk::Read { mut buffer, bytes } => {
+                    let values: &mut [f32] = bytemuck::cast_slice_mut(&mut buffer.as_mut_slice()[..bytes]);
+                    if let Err(e) = update(a..b, &mut values[local]) {
+                        self.pool.give_back(buffer);
+                        return Err(e);
+                    }
+                    self.write_buffer(u, buffer, bytes)?;
+                }
+            }
         }
         Ok(())
     }

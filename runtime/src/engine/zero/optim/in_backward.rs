@@ -5,12 +5,13 @@
 //! element's update is its own. What needs every gradient before any update (clipping, accumulation, an overflow
 //! that skips the step, LAMB's trust ratio) is refused by the config.
 use tch::Tensor;
-use zerorun_optim::{norm, Grads, Group};
+use zerorun_optim::Group;
 
 use crate::engine::device::flat_math;
 use crate::engine::device::optimizer::DeviceOptimizer;
 use crate::engine::device::views;
 use crate::engine::zero::optim::build::OptimizerTier;
+use crate::engine::zero::swapped_params::SwappedParams;
 use crate::error::Result;
 
 /// What a bucket's reduced part is handed to when it is stepped at once ([`crate::engine::zero::grads::bucket::Landing::Step`]).
@@ -26,13 +27,22 @@ pub(crate) struct StepInBackward {
     pub sum_of_squares: f64,
 }
 
+/// Where the stepped values are.
+pub(crate) enum ShardValues<'a> {
+    /// The optimized range, in place.
+    InMemory(&'a Tensor),
+    /// `offload_param.device = nvme`.
+    Swapped(&'a mut SwappedParams),
+}
+
 /// Steps pieces of this rank's fp32 shard, borrowed from the engine for one backward.
 pub(crate) struct ShardStepper<'a> {
     pub tier: &'a mut OptimizerTier,
     /// Groups relative to the optimized range, with this step's learning rate.
     pub groups: &'a [Group],
-    /// This rank's shard of every unit (the optimized range, in place).
-    pub shard: &'a Tensor,
+    /// This rank's values: the shard of every unit in memory (stepped in place), or on NVMe (read, stepped and
+    /// written back unit by unit).
+    pub values: ShardValues<'a>,
     pub progress: &'a mut StepInBackward,
     pub residence: crate::engine::device::Residence,
 }
@@ -40,19 +50,36 @@ pub(crate) struct ShardStepper<'a> {
 impl StepPart for ShardStepper<'_> {
     fn step_part(&mut self, at: usize, grads: &Tensor) -> Result<()> {
         let n = grads.numel();
-        if let Some(adam) = self.tier.as_any_mut().and_then(|a| a.downcast_mut::<DeviceOptimizer>()) {
+        self.progress.sum_of_squares += flat_math::sum_of_squares(self.residence, grads)?;
+        let device_adam = self.tier.as_any_mut().and_then(|a| a.downcast_mut::<DeviceOptimizer>());
+        match (&mut self.values, device_adam) {
             // The device path: the part is stepped where the shard lives.
-            self.progress.sum_of_squares += flat_math::sum_of_squares(self.residence, grads)?;
-            let values = self.shard.narrow(0, at as i64, n as i64);
-            return adam.update_range_tensors(at, &values, grads, self.groups);
+            (ShardValues::InMemory(shard), Some(adam)) => {
+                adam.update_range_tensors(at, &shard.narrow(0, at as i64, n as i64), grads, self.groups)
+            }
+            (ShardValues::InMemory(shard), None) => {
+                // SAFETY: `grads` is the bucket's reduced part, finished and not touched again before its half is
+                // claimed; the shard's range `at..at + n` is this unit's part, which no gather reads during this
+                // unit's reduction (the unit was gathered before its backward; other units' gathers read their own).
+                let (g, params) = unsafe { (views::slice::<f32>(grads), views::slice::<f32>(shard)) };
+                Ok(self.tier.update_range(at..at + n, &mut params[at..at + n], g, self.groups, None)?)
+            }
+            (ShardValues::Swapped(swapped), Some(adam)) => swapped.update_f32(at..at + n, |sub, values| {
+                // Host values from NVMe, stepped on the states' device and brought back.
+                let on_device = Tensor::f_from_slice(values)?.f_to_device(adam.device())?;
+                let part = grads.narrow(0, (sub.start - at) as i64, sub.len() as i64);
+                adam.update_range_tensors(sub.start, &on_device, &part, self.groups)?;
+                on_device.f_to_device(tch::Device::Cpu)?.f_copy_data(values, sub.len())?;
+                Ok(())
+            }),
+            (ShardValues::Swapped(swapped), None) => {
+                // SAFETY: as above, the bucket's reduced part (host memory: the host tiers' reductions land there).
+                let g = unsafe { views::slice::<f32>(grads) };
+                let (tier, groups) = (&mut *self.tier, self.groups);
+                swapped.update_f32(at..at + n, |sub, values| {
+                    Ok(tier.update_range(sub.clone(), values, &g[sub.start - at..sub.end - at], groups, None)?)
+                })
+            }
         }
-        // SAFETY: `grads` is the bucket's reduced part, finished and not touched again before its half is claimed;
-        // the shard's range `at..at + n` is this unit's part, which no gather reads during this unit's reduction
-        // (the unit was gathered before its backward; other units' gathers read their own parts).
-        let g = unsafe { views::slice::<f32>(grads) };
-        self.progress.sum_of_squares += norm::sum_of_squares(Grads::F32(g));
-        let params = &mut unsafe { views::slice::<f32>(self.shard) }[at..at + n];
-        self.tier.update_range(at..at + n, params, g, self.groups, None)?;
-        Ok(())
     }
 }

@@ -1,7 +1,7 @@
 //! This rank's optimizer side (ZeRO's partitioned optimizer states): the values it optimizes, in their index space
 //! ([`Optimized`]), the fp32 master of a 16-bit model, the optimizer states in their tier (memory or NVMe) and the
-//! parameter groups. Its step writes this rank's parameters in place where they are one contiguous range, or
-//! through a contiguous copy where they are pieces of every unit (stage 2) or on NVMe (stage 3).
+//! parameter groups. Its step writes this rank's parameters in place where they are one contiguous range, unit by
+//! unit where they are on NVMe (stage 3), or through a contiguous copy where they are pieces of every unit (stage 2).
 //!
 //! Two homes: the device path's optimizer ([`DeviceOptimizer`]) keeps its states, the master and the gradients on the model's
 //! device and steps them there as tensors; the host tiers (zerorun-optim's optimizers, NVMe) step host slices, and
@@ -126,10 +126,10 @@ impl OptimizerShard {
     }
 
     /// When this rank's shard is not one contiguous range of host memory (stage 2 with units: a chunk of every
-    /// unit inside the full parameter buffer; stage 3 with parameters on NVMe; parameters on a device with the
-    /// optimizer on the host), the optimizer steps a contiguous host copy of it (the fp32 values, or the 16-bit
-    /// output with an fp32 master), which is then written back: a transient buffer of one shard, not held between
-    /// steps. 16-bit parameters on NVMe skip the copy.
+    /// unit inside the full parameter buffer; parameters on a device with the optimizer on the host), the optimizer
+    /// steps a contiguous host copy of it (the fp32 values, or the 16-bit output with an fp32 master), which is
+    /// then written back: a transient buffer of one shard, not held between steps. Parameters on NVMe skip the
+    /// copy: 16-bit ones take the master's rounding unit by unit, fp32 ones are stepped unit by unit.
     fn step_on_copy(&mut self, t: StepTarget<'_>) -> Result<()> {
         if let (Some(master), Some(swapped)) = (self.master.as_ref(), t.parameters.swapped.as_mut()) {
             // 16-bit parameters on NVMe: step the master, then write each unit's rounded chunk (the same rounding
@@ -140,6 +140,20 @@ impl OptimizerShard {
             self.tier.step(master, grads, &self.groups, None)?;
             t.gradients.clear_accumulator();
             return swapped.write_all_from_f32(master);
+        }
+        if let (None, Some(swapped)) = (self.master.as_ref(), t.parameters.swapped.as_mut()) {
+            // fp32 parameters on NVMe: one step taken unit by unit as each chunk is read (`update_f32`), so no
+            // copy of the shard is made; every element's update is its own, so the values are the whole step's.
+            let grads = flat_math::on_host(t.residence, &t.gradients.for_step(&self.optimized))?;
+            // SAFETY: the reduced gradients (or a host copy of them), read-only during the step.
+            let g = unsafe { views::slice::<f32>(grads.values()) };
+            self.tier.begin_step()?;
+            let (tier, groups) = (&mut self.tier, &self.groups);
+            swapped.update_f32(0..self.optimized.len(), |sub, values| {
+                Ok(tier.update_range(sub.clone(), values, &g[sub], groups, None)?)
+            })?;
+            self.tier.finish_step()?;
+            return swapped.flush();
         }
         let (len, kind, device) = (self.optimized.len(), views::kind_of(t.precision), t.parameters.flat.device());
         let scratch = match self.master {
