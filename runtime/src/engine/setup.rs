@@ -6,7 +6,7 @@
 use tch::{nn, Device, Kind, Tensor};
 
 use crate::comm::Communicator;
-use crate::config::{Config, OffloadDevice, OptimizerConfig, Precision, ZeroConfig};
+use crate::config::{Config, OptimizerConfig, Precision, ZeroConfig};
 use crate::engine::async_training::{meetings, Synchronization};
 use crate::engine::counters;
 use crate::engine::device::{allocator, native, views, Residence};
@@ -16,8 +16,8 @@ use crate::engine::zero::builders::{BuiltModel, UnitBuilders};
 use crate::engine::zero::layout::FlatLayout;
 use crate::engine::zero::plan::{self, GradientPath, StagePlan};
 use crate::engine::zero::sharded_unit::ShardedUnit;
-use crate::engine::zero::{frozen, grads, optim, parameters, swapped_params, units, variables};
-use crate::engine::{engine_comm, next_engine_id, Engine, EngineOptions};
+use crate::engine::zero::{frozen, grads, optim, parameters, units, variables};
+use crate::engine::{engine_comm, Engine, EngineOptions};
 use crate::error::{Error, Result};
 use crate::mesh::{Dim, Mesh};
 
@@ -276,7 +276,7 @@ impl Engine {
         };
         let broadcast: Vec<&Tensor> = frozen_whole.iter().chain(&buffers).map(|(_, t)| t).collect();
         variables::broadcast_values(comm.as_ref(), &broadcast)?;
-        let (mut flat_params, params, sharded_units) = if plan.partitions_parameters() {
+        let (flat_params, mut swapped_params, params, sharded_units) = if plan.partitions_parameters() {
             let materialize = materialize.as_deref_mut();
             crate::engine::zero::unit_walk::shard_units(
                 &layout,
@@ -288,7 +288,8 @@ impl Engine {
                 materialize,
             )?
         } else {
-            pack(&layout, named, kind, comm.as_ref(), &plan, shared, residence)?
+            let (flat, params, units) = pack(&layout, named, kind, comm.as_ref(), &plan, shared, residence)?;
+            (flat, None, params, units)
         };
         let frozen_units = if plan.partitions_parameters() && frozen_by_unit.iter().any(|u| !u.is_empty()) {
             let persistent: Vec<bool> = sharded_units.iter().map(|u| u.persistent).collect();
@@ -297,9 +298,14 @@ impl Engine {
             None
         };
 
+        // A 16-bit model's fp32 master starts from the values: read back unit by unit where they are on NVMe.
+        let values = match (&mut swapped_params, precision) {
+            (Some(s), Precision::Bf16 | Precision::Fp16) => s.read_all(layout.partition_len())?,
+            _ => flat_params.shallow_clone(),
+        };
         let (shard, optimizer_device) =
-            optim::build::optimizer_shard(&config, &plan, &layout, &flat_params, rank, residence)?;
-        let swapped_params = swap_parameters_out(&mut flat_params, &sharded_units, &plan, &config, rank, world_size)?;
+            optim::build::optimizer_shard(&config, &plan, &layout, &values, rank, residence)?;
+        drop(values);
         let scheduler = optim::build::scheduler(&config, shard.base_lr);
         let gradients =
             grads::Gradients::new(&config, &plan, &layout, &params, rank, shared, residence, optimizer_device)?;
@@ -371,33 +377,6 @@ impl Engine {
         engine.memory_event_initialized();
         Ok(engine)
     }
-}
-
-/// Stage 3 with `offload_param.device = nvme`: moves this rank's shard out of `flat` (left empty) into swap files.
-fn swap_parameters_out(
-    flat: &mut Tensor,
-    units: &[ShardedUnit],
-    plan: &StagePlan,
-    config: &Config,
-    rank: usize,
-    world_size: usize,
-) -> Result<Option<swapped_params::SwappedParams>> {
-    let offload = &config.zero_optimization.offload_param;
-    if !plan.partitions_parameters() {
-        return Ok(None);
-    }
-    if offload.device != OffloadDevice::Nvme {
-        if offload.device == OffloadDevice::Cpu {
-            tracing::info!(rank, "offload_param.device = cpu: a CPU run keeps parameter shards in host memory already");
-        }
-        return Ok(None);
-    }
-    let chunks = units.iter().map(|u| u.shard_range(world_size)).collect();
-    let persistent: Vec<bool> = units.iter().map(|u| u.persistent).collect();
-    let prefix = format!("zerorun-{}-{}-rank{rank}-params", std::process::id(), next_engine_id());
-    let swapped = swapped_params::SwappedParams::new(flat, chunks, &persistent, offload, io_config(config), &prefix)?;
-    *flat = Tensor::zeros([0], (flat.kind(), flat.device()));
-    Ok(Some(swapped))
 }
 
 impl Engine {

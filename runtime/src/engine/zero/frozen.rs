@@ -44,6 +44,11 @@ impl FrozenUnits {
                 m(i, &vars)?;
             }
             let own: Vec<Tensor> = params.into_iter().map(|(_, t)| t).collect();
+            let place = shard.narrow(0, offset as i64, span.chunk_len(ws) as i64);
+            let store = |chunk: &Tensor| -> Result<()> {
+                tch::no_grad(|| place.shallow_clone().f_copy_(chunk))?;
+                Ok(())
+            };
             units.push(ShardedUnit::shard_from_rank0(
                 span.clone(),
                 &layout.slots[span.slots.clone()],
@@ -52,7 +57,7 @@ impl FrozenUnits {
                 offset,
                 keep,
                 comm,
-                &shard,
+                store,
                 residence,
             )?);
             offset += span.chunk_len(ws);

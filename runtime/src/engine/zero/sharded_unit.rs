@@ -92,8 +92,8 @@ impl ShardedUnit {
         })
     }
 
-    /// Start-up at stage 3: packs `params` into a new unit, takes rank 0's values, copies this rank's chunk into
-    /// `shard` (at `shard_offset`) and releases the unit unless it is `persistent`; then hands the pages of the
+    /// Start-up at stage 3: packs `params` into a new unit, takes rank 0's values, hands this rank's chunk to
+    /// `store` (the shard in memory, or NVMe) and releases the unit unless it is `persistent`; then hands the pages of the
     /// parameters' original tensors, freed by the packing, back to the OS. So start-up holds the model, the shard
     /// and one unit rather than the model twice.
     #[allow(clippy::too_many_arguments)] // one call site (stage 3's start-up), each argument a distinct input
@@ -105,13 +105,13 @@ impl ShardedUnit {
         shard_offset: usize,
         persistent: bool,
         comm: &dyn Communicator,
-        shard: &Tensor,
+        store: impl FnOnce(&Tensor) -> Result<()>,
         residence: Residence,
     ) -> Result<ShardedUnit> {
         let shared = comm.prefers_shared_buffers();
         let mut unit = ShardedUnit::new(span, slots, params, kind, shard_offset, persistent, shared, residence)?;
         views::broadcast(residence, comm, unit.full(), 0)?;
-        unit.store_chunk(shard, comm.rank(), comm.world_size());
+        store(&unit.chunk_of_full(comm.rank(), comm.world_size()))?;
         if !persistent {
             unit.release()?;
         }
@@ -294,11 +294,6 @@ impl ShardedUnit {
     }
 
     /// Gathered: copies this rank's chunk of the full parameters into `shard` (at start-up).
-    pub fn store_chunk(&self, shard: &Tensor, rank: usize, ws: usize) {
-        let r = self.shard_range(ws);
-        shard.narrow(0, r.start as i64, r.len() as i64).copy_(&self.chunk_of_full(rank, ws));
-    }
-
     /// This rank's chunk's range in shard space.
     pub fn shard_range(&self, ws: usize) -> std::ops::Range<usize> {
         self.shard_offset..self.shard_offset + self.span.chunk_len(ws)

@@ -65,18 +65,18 @@ fn key(unit: usize) -> String {
 }
 
 impl SwappedParams {
-    /// Moves `shard` (this rank's values, shard space; host or device memory) out of memory: units whose chunks
-    /// are not kept in host memory are written to swap files under `nvme_path`, the others copied to host memory
-    /// (`max_in_cpu`, persistent units). `chunks` and `persistent` are per unit.
-    pub fn new(
-        shard: &Tensor,
+    /// An empty store for this rank's chunks (`chunks` and `persistent` per unit; `kind` the model's dtype): the
+    /// first units whose chunks fit in `max_in_cpu` elements and persistent units get host memory, the others
+    /// swap files under `nvme_path`, checked for room. Start-up then `put`s each unit's chunk as the unit is
+    /// sharded, so the shard is never whole in memory, and `finish`es.
+    pub fn create(
+        kind: Kind,
         chunks: Vec<Range<usize>>,
         persistent: &[bool],
         config: &OffloadParamConfig,
         io: IoConfig,
         prefix: &str,
     ) -> Result<SwappedParams> {
-        let kind = shard.kind();
         let elt = kind.elt_size_in_bytes();
         let mut in_cpu = 0u64;
         let in_memory: Vec<Option<Tensor>> = chunks
@@ -87,8 +87,7 @@ impl SwappedParams {
                 if fits {
                     in_cpu += r.len() as u64;
                 }
-                (persistent || fits)
-                    .then(|| shard.narrow(0, r.start as i64, r.len() as i64).to_device(tch::Device::Cpu).copy())
+                (persistent || fits).then(|| Tensor::zeros([r.len() as i64], (kind, tch::Device::Cpu)))
             })
             .collect();
         let swapped: Vec<usize> = (0..chunks.len()).filter(|&u| in_memory[u].is_none()).collect();
@@ -108,7 +107,7 @@ impl SwappedParams {
         zerorun_offload::preflight::check(dir, bytes_on_nvme)?;
         let buffer_count = (config.buffer_count as usize).max(2);
         let buffer_bytes = (largest * elt).div_ceil(PAGE).max(1) * PAGE;
-        let mut s = SwappedParams {
+        Ok(SwappedParams {
             kind,
             chunks,
             in_memory,
@@ -117,14 +116,26 @@ impl SwappedParams {
             reads: HashMap::new(),
             writes: VecDeque::new(),
             buffer_count,
-        };
-        for u in swapped {
-            let r = s.chunks[u].clone();
-            s.write(u, &shard.narrow(0, r.start as i64, r.len() as i64))?;
+        })
+    }
+
+    /// Stores unit `unit`'s first values (host or device memory) at start-up.
+    pub fn put(&mut self, unit: usize, values: &Tensor) -> Result<()> {
+        match &self.in_memory[unit] {
+            Some(t) => {
+                tch::no_grad(|| t.shallow_clone().f_copy_(values))?;
+                Ok(())
+            }
+            None => self.write(unit, values),
         }
-        s.flush()?;
-        tracing::info!(dir = %dir.display(), bytes = bytes_on_nvme, units_on_nvme = s.in_memory.iter().filter(|c| c.is_none()).count(), "parameter shards on NVMe");
-        Ok(s)
+    }
+
+    /// Ends start-up: every chunk written.
+    pub fn finish(&mut self) -> Result<()> {
+        self.flush()?;
+        let on_nvme = self.in_memory.iter().filter(|c| c.is_none()).count();
+        tracing::info!(bytes = self.swapped_bytes(), units_on_nvme = on_nvme, "parameter shards on NVMe");
+        Ok(())
     }
 
     fn chunk_bytes(&self, unit: usize) -> usize {

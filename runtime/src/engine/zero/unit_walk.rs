@@ -3,7 +3,10 @@
 //! The walk itself runs in `engine/micro_batch.rs`, where it reaches every part it drives.
 use tch::Tensor;
 
+use crate::config::OffloadDevice;
 use crate::engine::zero::plan;
+use crate::engine::zero::sharded_unit::ShardedUnit;
+use crate::engine::zero::swapped_params::SwappedParams;
 use crate::error::Result;
 
 /// What forward keeps of one unit for backward.
@@ -25,8 +28,9 @@ pub(crate) struct Walk {
 }
 
 /// Start-up at stage 3: packs each unit's parameters into its buffer, takes rank 0's values, keeps this
-/// rank's chunk of every unit in the shard and releases all but the persistent units. Returns (shard, the
-/// model's tensors in layout order, units).
+/// rank's chunk of every unit (in the shard, or with `offload_param.device = nvme` written to its swap file as the
+/// unit is sharded, so the shard is never whole in memory) and releases all but the persistent units. Returns
+/// (shard (empty with NVMe), the chunks on NVMe, the model's tensors in layout order, units).
 pub(crate) fn shard_units(
     layout: &crate::engine::FlatLayout,
     named: Vec<(String, Tensor)>,
@@ -35,12 +39,10 @@ pub(crate) fn shard_units(
     comm: &dyn crate::comm::Communicator,
     config: &crate::config::Config,
     mut materialize: Option<&mut crate::engine::zero::units::Materialize>,
-) -> Result<(Tensor, Vec<Tensor>, Vec<crate::engine::zero::sharded_unit::ShardedUnit>)> {
+) -> Result<(Tensor, Option<SwappedParams>, Vec<Tensor>, Vec<ShardedUnit>)> {
     let z = &config.zero_optimization;
-    let ws = comm.world_size();
-    let shard = Tensor::f_zeros([layout.partition_len() as i64], (kind, residence.device()))?;
+    let (ws, rank) = (comm.world_size(), comm.rank());
     let (names, params): (Vec<String>, Vec<Tensor>) = named.into_iter().unzip();
-    let mut units = Vec::with_capacity(layout.units.len());
     // A unit persists by its whole size, frozen parameters included: both parts are gathered together.
     let numels: Vec<u64> = layout
         .units
@@ -52,26 +54,59 @@ pub(crate) fn shard_units(
         .collect();
     let persistence =
         plan::persistent_units(&numels, z.stage3_param_persistence_threshold, z.stage3_model_persistence_threshold);
+    let mut chunks = Vec::with_capacity(layout.units.len());
     let mut offset = 0;
-    for (span, persistent) in layout.units.iter().zip(persistence) {
+    for span in &layout.units {
+        chunks.push(offset..offset + span.chunk_len(ws));
+        offset += span.chunk_len(ws);
+    }
+    let mut swapped = match z.offload_param.device {
+        OffloadDevice::Nvme => {
+            let prefix =
+                format!("zerorun-{}-{}-rank{rank}-params", std::process::id(), crate::engine::next_engine_id());
+            let io = crate::engine::setup::io_config(config);
+            Some(SwappedParams::create(kind, chunks.clone(), &persistence, &z.offload_param, io, &prefix)?)
+        }
+        OffloadDevice::Cpu => {
+            tracing::info!(rank, "offload_param.device = cpu: a CPU run keeps parameter shards in host memory already");
+            None
+        }
+        OffloadDevice::None => None,
+    };
+    let len = if swapped.is_some() { 0 } else { layout.partition_len() };
+    let shard = Tensor::f_zeros([len as i64], (kind, residence.device()))?;
+    let mut units = Vec::with_capacity(layout.units.len());
+    for (u, (span, persistent)) in layout.units.iter().zip(persistence).enumerate() {
         if let (Some(m), false) = (materialize.as_deref_mut(), span.slots.is_empty()) {
             let vars: Vec<(&str, &Tensor)> =
                 names[span.slots.clone()].iter().map(String::as_str).zip(&params[span.slots.clone()]).collect();
             m(units.len(), &vars)?;
         }
         let own: Vec<Tensor> = params[span.slots.clone()].iter().map(Tensor::shallow_clone).collect();
-        units.push(crate::engine::zero::sharded_unit::ShardedUnit::shard_from_rank0(
+        let r = chunks[u].clone();
+        let store = |chunk: &Tensor| -> Result<()> {
+            match swapped.as_mut() {
+                Some(s) => s.put(u, chunk),
+                None => {
+                    tch::no_grad(|| shard.narrow(0, r.start as i64, r.len() as i64).f_copy_(chunk))?;
+                    Ok(())
+                }
+            }
+        };
+        units.push(ShardedUnit::shard_from_rank0(
             span.clone(),
             &layout.slots[span.slots.clone()],
             own,
             kind,
-            offset,
+            r.start,
             persistent,
             comm,
-            &shard,
+            store,
             residence,
         )?);
-        offset += span.chunk_len(ws);
     }
-    Ok((shard, params, units))
+    if let Some(s) = swapped.as_mut() {
+        s.finish()?;
+    }
+    Ok((shard, swapped, params, units))
 }
