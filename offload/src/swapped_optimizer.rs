@@ -84,24 +84,24 @@ impl SwappedOptimizer {
             scratch: Vec::new(),
             piece_writes: VecDeque::new(),
         };
+        // Every sub-group starts from the initial state of its length (at most two lengths): packed once per
+        // length and written to each sub-group's file, so start-up holds one sub-group's state, not one per
+        // sub-group freed into malloc's heap. The sub-groups' own optimizers hold empty states, lent scratch to step.
+        let mut initial: Vec<(usize, HostBuffer)> = Vec::new();
         for start in (0..len.max(1)).step_by(size) {
             let range = start..(start + size).min(len);
-            let mut optimizer = build(range.len());
-            let buf = s.pack(optimizer.as_mut(), range.len());
-            for (_, b) in optimizer.state_mut().buffers.iter_mut() {
-                *b = AlignedVec::filled(0, 0.0);
-            }
-            s.swapper
-                .swap_out(&key(s.subgroups.len()), buf, range.len() * bytes_per_element)
-                .wait()
-                .map(|b| s.pool.give_back(b))
-                .map_err(offload_err)?;
-            s.subgroups.push(SubGroup { range, optimizer, groups: Vec::new() });
+            let n = range.len();
+            let buf = match initial.iter().position(|(l, _)| *l == n) {
+                Some(i) => initial.swap_remove(i).1,
+                None => s.pack(build(n).as_mut(), n),
+            };
+            let buf =
+                s.swapper.swap_out(&key(s.subgroups.len()), buf, n * bytes_per_element).wait().map_err(offload_err)?;
+            initial.push((n, buf));
+            s.subgroups.push(SubGroup { range, optimizer: build(0), groups: Vec::new() });
         }
-        // The sub-groups' initial states were allocated and freed one by one: give the freed pages back.
-        #[cfg(target_os = "linux")]
-        unsafe {
-            libc::malloc_trim(0);
+        for (_, buf) in initial {
+            s.pool.give_back(buf);
         }
         for g in &s.subgroups {
             if !s.scratch.iter().any(|(l, _)| *l == g.range.len()) {
