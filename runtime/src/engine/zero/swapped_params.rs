@@ -55,8 +55,8 @@ pub(crate) struct SwappedParams {
     pool: BufferPool,
     /// Reads started ahead, by unit.
     reads: HashMap<usize, SwapHandle<HostBuffer>>,
-    /// Writes in flight (the optimizer step's new values).
-    writes: VecDeque<SwapHandle<HostBuffer>>,
+    /// Writes in flight (the optimizer step's new values), with their buffers' bytes.
+    writes: VecDeque<(SwapHandle<HostBuffer>, usize)>,
     buffer_count: usize,
 }
 
@@ -207,7 +207,8 @@ impl SwappedParams {
 
     /// Starts writing a host buffer holding the unit's chunk (its first `bytes`), bounded in writes in flight.
     fn write_buffer(&mut self, unit: usize, buffer: HostBuffer, bytes: usize) -> Result<()> {
-        self.writes.push_back(self.swapper.swap_out(&key(unit), buffer, bytes));
+        let held = buffer.capacity();
+        self.writes.push_back((self.swapper.swap_out(&key(unit), buffer, bytes), held));
         while self.writes.len() >= self.buffer_count {
             self.finish_oldest_write()?;
         }
@@ -254,7 +255,7 @@ impl SwappedParams {
     }
 
     fn finish_oldest_write(&mut self) -> Result<()> {
-        if let Some(w) = self.writes.pop_front() {
+        if let Some((w, _)) = self.writes.pop_front() {
             self.pool.give_back(w.wait()?);
         }
         Ok(())
@@ -325,10 +326,11 @@ impl SwappedParams {
         (0..self.chunks.len()).filter(|&u| self.in_memory[u].is_some()).map(|u| self.chunk_bytes(u)).sum()
     }
 
-    /// Host buffers that are not parameters: idle swap buffers, and those of the reads started ahead (at least a
-    /// chunk's pages each).
+    /// Host buffers that are not parameters: idle swap buffers, those of the reads started ahead (at least a
+    /// chunk's pages each) and those of the writes in flight.
     pub fn buffer_bytes(&self) -> usize {
         let reading: usize = self.reads.keys().map(|&u| self.chunk_bytes(u).div_ceil(PAGE) * PAGE).sum();
-        self.pool.idle_bytes() + reading
+        let writing: usize = self.writes.iter().map(|(_, held)| held).sum();
+        self.pool.idle_bytes() + reading + writing
     }
 }
