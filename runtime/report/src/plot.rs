@@ -1,7 +1,7 @@
 //! `memory.svg` and `memory.png`: one axis of resident memory. Every optimizer step is a bar at the step's highest
 //! event, stacked floor, model states by kind, gathered units, buffers, activations, temporaries, what malloc
 //! keeps, and what nothing explains; the resident memory is a red line over the bars (their tops, when the sum
-//! closes) and the model-state estimate a black line above the floor. One panel per rank; beside each, the events
+//! closes) and the model-state estimate (in memory, not on NVMe) a black line above the floor. One panel per rank; beside each, the events
 //! of the step that held the rank's peak (activations growing through forward, falling through backward).
 //! [`draw_comparison`]: several runs side by side, every rank at its peak (`zerorun report compare`).
 use std::collections::BTreeMap;
@@ -94,7 +94,8 @@ struct Point {
 }
 
 /// Bars of `points` stacked by category (`names` gives order and colour) on one axis, the resident memory as a
-/// red line (or a tick over each bar) on the same axis, and `estimate` (floor + model states) as a black line.
+/// red line (or a tick over each bar) on the same axis, and `estimate` (floor + the model states in memory) as a
+/// black line.
 fn stacked<DB: DrawingBackend>(
     area: &DrawingArea<DB, Shift>,
     caption: &str,
@@ -202,7 +203,7 @@ fn draw<DB: DrawingBackend>(root: DrawingArea<DB, Shift>, reports: &[MemoryRepor
     let err = |e: DrawingAreaErrorKind<DB::ErrorType>| e.to_string();
     root.fill(&WHITE).map_err(err)?;
     let names = categories(reports);
-    let lines = [("floor + model states, estimate", BLACK), ("resident memory", RED)];
+    let lines = [("floor + states in memory (est.)", BLACK), ("resident memory", RED)];
     let body = legend(&root, &names, &lines)?;
     let panels = body.split_evenly((reports.len().max(1), 1));
     for (panel, r) in panels.iter().zip(reports) {
@@ -226,7 +227,10 @@ fn draw<DB: DrawingBackend>(root: DrawingArea<DB, Shift>, reports: &[MemoryRepor
         let caption = format!("rank {} of {}: ZeRO stage {}, {}", r.rank, r.world_size, r.stage, r.precision);
         let step_number = |x: &f64| format!("{x:.0}");
         let steps = XAxis { desc: "optimizer step", label: &step_number, connect_rss: true };
-        let estimate = r.floor_rss_bytes + r.model_states.estimated_bytes;
+        // The estimate's resident part: what is on NVMe (measured equal to its estimate) is not in memory.
+        let on_nvme: u64 =
+            r.categories.iter().filter(|(name, _)| crate::memory::is_on_nvme(name)).map(|(_, b)| b.peak_bytes).sum();
+        let estimate = r.floor_rss_bytes + r.model_states.estimated_bytes.saturating_sub(on_nvme);
         stacked(&steps_area, &caption, &steps, &names, &points, Some(estimate))?;
         if let Some(area) = events_area {
             let points: Vec<Point> = r
