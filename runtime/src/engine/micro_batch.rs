@@ -233,10 +233,16 @@ impl Engine {
     fn forward_impl(&mut self, model: &dyn UnitModel, input: &Tensor) -> Result<Tensor> {
         let prefixes = model.unit_prefixes();
         if self.plan.gradients != GradientPath::UnitWalk {
-            let _owner = owned_by(Owner::Forward);
             let mut h = input.shallow_clone();
+            let train = native::grad_enabled();
             for i in 0..prefixes.len() {
-                h = model.forward_unit(i, &h);
+                h = owned_forward(|| model.forward_unit(i, &h));
+                // Activations growing unit by unit; a no-grad forward peaks at a unit's input and output.
+                if train {
+                    self.memory_event(|| format!("forward: unit {i} computed"), &[]);
+                } else {
+                    self.memory_event(|| format!("forward (no grad): unit {i} computed"), &[]);
+                }
             }
             return Ok(h);
         }
@@ -259,6 +265,9 @@ impl Engine {
             let last = i + 1 == n;
             if !train {
                 h = owned_forward(|| model.forward_unit(i, &h));
+                // The unit's input and output beside its parameters: where a no-grad forward (an evaluation on
+                // more samples than a micro-batch, say) peaks.
+                self.memory_event(|| format!("forward (no grad): unit {i} computed"), &[]);
                 if !self.states.parameters.units[i].persistent {
                     self.release_unit(i)?;
                 }
@@ -283,6 +292,8 @@ impl Engine {
                 }
             });
             self.record_unit_activations(i, before, &x);
+            // The unit's output and what autograd saved, beside its parameters and the next unit's prefetch.
+            self.memory_event(|| format!("forward: unit {i} computed"), &[]);
             self.walk.records.push(UnitRecord { input: x, output: (!recompute).then(|| y.shallow_clone()) });
             if !last && !self.states.parameters.units[i].persistent && !kept {
                 self.release_unit(i)?;
