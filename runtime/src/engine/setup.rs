@@ -286,7 +286,8 @@ impl Engine {
                 comm.as_ref(),
                 &config,
                 materialize,
-            )?
+            )
+            .map(|s| (s.shard, s.swapped, s.params, s.units))?
         } else {
             let (flat, params, units) = pack(&layout, named, kind, comm.as_ref(), &plan, shared, residence)?;
             (flat, None, params, units)

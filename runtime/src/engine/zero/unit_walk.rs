@@ -29,8 +29,7 @@ pub(crate) struct Walk {
 
 /// Start-up at stage 3: packs each unit's parameters into its buffer, takes rank 0's values, keeps this
 /// rank's chunk of every unit (in the shard, or with `offload_param.device = nvme` written to its swap file as the
-/// unit is sharded, so the shard is never whole in memory) and releases all but the persistent units. Returns
-/// (shard (empty with NVMe), the chunks on NVMe, the model's tensors in layout order, units).
+/// unit is sharded, so the shard is never whole in memory) and releases all but the persistent units.
 pub(crate) fn shard_units(
     layout: &crate::engine::FlatLayout,
     named: Vec<(String, Tensor)>,
@@ -39,7 +38,7 @@ pub(crate) fn shard_units(
     comm: &dyn crate::comm::Communicator,
     config: &crate::config::Config,
     mut materialize: Option<&mut crate::engine::zero::units::Materialize>,
-) -> Result<(Tensor, Option<SwappedParams>, Vec<Tensor>, Vec<ShardedUnit>)> {
+) -> Result<ShardedStart> {
     let z = &config.zero_optimization;
     let (ws, rank) = (comm.world_size(), comm.rank());
     let (names, params): (Vec<String>, Vec<Tensor>) = named.into_iter().unzip();
@@ -108,5 +107,16 @@ pub(crate) fn shard_units(
     if let Some(s) = swapped.as_mut() {
         s.finish()?;
     }
-    Ok((shard, swapped, params, units))
+    Ok(ShardedStart { shard, swapped, params, units })
+}
+
+/// What stage 3's start-up leaves: where this rank's values live, the model's tensors and the units.
+pub(crate) struct ShardedStart {
+    /// This rank's chunk of every unit (empty when they are on NVMe).
+    pub shard: Tensor,
+    /// The chunks on NVMe (`offload_param.device = nvme`).
+    pub swapped: Option<SwappedParams>,
+    /// The model's tensors, in layout order.
+    pub params: Vec<Tensor>,
+    pub units: Vec<ShardedUnit>,
 }
