@@ -396,6 +396,19 @@ mod tests {
         (0..n).map(|i| ((i as u32).wrapping_mul(2654435761).wrapping_add(seed) % 1000) as f32 / 500.0 - 1.0).collect()
     }
 
+    /// The reference both tests compare with: one Adam in memory over `n` elements after three steps of
+    /// `values(n, 10 + s)`, its values and 16-bit output.
+    fn three_steps_in_memory(n: usize, groups: &[Group]) -> (Adam, Vec<f32>, Vec<half::bf16>) {
+        let mut reference = Adam::new(AdamConfig::default(), n);
+        let mut expected = values(n, 1);
+        let mut expected_out = vec![half::bf16::ZERO; n];
+        for s in 0..3 {
+            let out = ParamsOut::Bf16(&mut expected_out);
+            reference.step(&mut expected, Grads::F32(&values(n, 10 + s)), groups, Some(out)).unwrap();
+        }
+        (reference, expected, expected_out)
+    }
+
     /// Sub-groups on disk step exactly as one optimizer in memory: every sub-group size (one sub-group, several,
     /// a ragged last one), with and without pipelining, groups that straddle sub-groups, a 16-bit output, and
     /// the state read back for a checkpoint.
@@ -410,13 +423,7 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let io = IoConfig { block_size: 1 << 20, queue_depth: 8, intra_op_parallelism: 1 };
         let build = |len: usize| -> Box<dyn Optimizer> { Box::new(Adam::new(AdamConfig::default(), len)) };
-        let mut reference = Adam::new(AdamConfig::default(), n);
-        let mut expected = values(n, 1);
-        let mut expected_out = vec![half::bf16::ZERO; n];
-        for s in 0..3 {
-            let out = ParamsOut::Bf16(&mut expected_out);
-            reference.step(&mut expected, Grads::F32(&values(n, 10 + s)), &groups, Some(out)).unwrap();
-        }
+        let (reference, expected, expected_out) = three_steps_in_memory(n, &groups);
         for (k, (sub_group, pipeline)) in
             [(n, (false, false)), (256, (false, false)), (256, (true, true)), (333, (true, false))]
                 .into_iter()
@@ -456,13 +463,7 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let io = IoConfig { block_size: 1 << 20, queue_depth: 8, intra_op_parallelism: 1 };
         let build = |len: usize| -> Box<dyn Optimizer> { Box::new(Adam::new(AdamConfig::default(), len)) };
-        let mut reference = Adam::new(AdamConfig::default(), n);
-        let mut expected = values(n, 1);
-        let mut expected_out = vec![half::bf16::ZERO; n];
-        for s in 0..3 {
-            let out = ParamsOut::Bf16(&mut expected_out);
-            reference.step(&mut expected, Grads::F32(&values(n, 10 + s)), &groups, Some(out)).unwrap();
-        }
+        let (reference, expected, expected_out) = three_steps_in_memory(n, &groups);
         let pieces = [0..90, 90..100, 100..610, 610..611, 611..n];
         for (case, (sub_group, pipeline)) in
             [(256, (true, true)), (128, (false, false)), (n, (true, true))].into_iter().enumerate()

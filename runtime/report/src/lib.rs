@@ -7,6 +7,7 @@ pub mod advice;
 pub mod curves;
 pub mod memory;
 pub mod plot;
+pub mod rss;
 pub mod table;
 
 use std::path::PathBuf;

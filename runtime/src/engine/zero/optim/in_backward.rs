@@ -74,12 +74,23 @@ impl StepPart for ShardStepper<'_> {
             }),
             (ShardValues::Swapped(swapped), None) => {
                 // SAFETY: as above, the bucket's reduced part (host memory: the host tiers' reductions land there).
-                let g = unsafe { views::slice::<f32>(grads) };
-                let (tier, groups) = (&mut *self.tier, self.groups);
-                swapped.update_f32(at..at + n, |sub, values| {
-                    Ok(tier.update_range(sub.clone(), values, &g[sub.start - at..sub.end - at], groups, None)?)
-                })
+                step_swapped(self.tier, self.groups, swapped, at, unsafe { views::slice::<f32>(grads) })
             }
         }
     }
+}
+
+/// Steps elements `at..at + grads.len()` of fp32 values on NVMe with a host tier: each chunk they touch is read,
+/// updated and written back (`SwappedParams::update_f32`). A piece of a step begun with `begin_step`: the
+/// optimizer in backward's parts, or the whole range when an ordinary step goes unit by unit.
+pub(crate) fn step_swapped(
+    tier: &mut OptimizerTier,
+    groups: &[Group],
+    swapped: &mut SwappedParams,
+    at: usize,
+    grads: &[f32],
+) -> Result<()> {
+    swapped.update_f32(at..at + grads.len(), |sub, values| {
+        Ok(tier.update_range(sub.clone(), values, &grads[sub.start - at..sub.end - at], groups, None)?)
+    })
 }

@@ -148,10 +148,7 @@ impl OptimizerShard {
             // SAFETY: the reduced gradients (or a host copy of them), read-only during the step.
             let g = unsafe { views::slice::<f32>(grads.values()) };
             self.tier.begin_step()?;
-            let (tier, groups) = (&mut self.tier, &self.groups);
-            swapped.update_f32(0..self.optimized.len(), |sub, values| {
-                Ok(tier.update_range(sub.clone(), values, &g[sub], groups, None)?)
-            })?;
+            in_backward::step_swapped(&mut self.tier, &self.groups, swapped, 0, g)?;
             self.tier.finish_step()?;
             return swapped.flush();
         }
