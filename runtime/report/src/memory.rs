@@ -395,7 +395,7 @@ impl MemoryTracker {
                         .map(|(s, e)| if *s == step { e.clone() } else { format!("{e} (step {s})") });
                 self.peak_window = Some(PeakWindow { step, after, before: event.clone(), rss_bytes: high_water });
             }
-            reset_high_water();
+            reset_high_water(high_water);
         }
         self.last_event = Some((step, event.clone()));
         let sample = EventSample {

@@ -38,9 +38,11 @@ pub(crate) fn rss_since_reset() -> (u64, u64) {
 /// The process's peak resident memory before the last reset of VmHWM (see [`rss`]).
 static PEAK_BEFORE_RESET: AtomicU64 = AtomicU64::new(0);
 
-/// Resets the process's VmHWM to its current resident memory (Linux's `clear_refs` 5), keeping the peak so far
-/// for [`rss`]; nothing where refused.
-pub(crate) fn reset_high_water() {
-    PEAK_BEFORE_RESET.fetch_max(rss_since_reset().1, Ordering::Relaxed);
+/// Resets the process's VmHWM to its current resident memory (Linux's `clear_refs` 5), keeping `high_water` (the
+/// caller's reading of [`rss_since_reset`], the very value its window reports) as the peak so far for [`rss`];
+/// nothing where refused. A second reading here could come out lower than the caller's: the peers' pages it
+/// subtracts may have grown in between (a gather on the communication thread).
+pub(crate) fn reset_high_water(high_water: u64) {
+    PEAK_BEFORE_RESET.fetch_max(high_water, Ordering::Relaxed);
     let _ = std::fs::write("/proc/self/clear_refs", "5");
 }
