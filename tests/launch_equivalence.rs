@@ -2,7 +2,7 @@
 //! communication thread with prefetch at stage 3, per-unit reduction at stage 2, and stage 2 of a plain loop reducing
 //! from gradient hooks, and models built unit by unit from builders) ends at the parameters of one process at stage
 //! 0, within 1e-5, and prints the same per-step losses. So do two launchers as two nodes (`--nnodes 2`, the gloo
-//! backend over loopback) at stages 0-3, and two torchrun agents as two nodes (static rendezvous, `--no-python`).
+//! backend over loopback, its collectives in two levels: shm inside a node, gloo across) at stages 0-3, and two torchrun agents as two nodes (static rendezvous, `--no-python`).
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -135,21 +135,26 @@ fn processes_at_stages_2_and_3_match_one_process() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// Two launchers on this host as nodes 0 and 1 (`--nnodes 2 --nproc-per-node 2`): four gloo ranks.
-fn run_two_nodes(mlp: &Path, dir: &Path, zero: &str, out: &Path) -> Vec<String> {
+/// Two launchers on this host as nodes 0 and 1 (`--nnodes 2 --nproc-per-node 2`): four gloo ranks, their
+/// collectives in two levels (shm inside a node, gloo across) unless `hierarchy` is `flat`. Node 0's losses and the
+/// line its ranks log about their collectives.
+fn run_two_nodes(mlp: &Path, dir: &Path, zero: &str, hierarchy: &str, out: &Path) -> (Vec<String>, String) {
     let cfg = dir.join(format!("nodes-{}.json", out.file_stem().unwrap().to_string_lossy()));
     std::fs::write(&cfg, format!(r#"{{"train_batch_size": 12, "gradient_clipping": 1.0, "optimizer": {{"type": "AdamW", "params": {{"lr": 0.003, "weight_decay": 0.01}}}}, "zero_optimization": {zero}}}"#)).unwrap();
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
-    let launchers: Vec<_> =
-        (0..2)
-            .map(|node| {
-                let mut cmd = Command::new(env!("CARGO_BIN_EXE_zerorun"));
-                cmd.args(["launch", "--nnodes", "2", "--node-rank", &node.to_string(), "--nproc-per-node", "2"])
-                    .args(["--master-addr", "127.0.0.1", "--master-port", &port, "--"]);
-                mlp_on_node(&mut cmd, mlp, &cfg, out)
-            })
-            .collect();
-    node_zero_losses(launchers, zero, "[rank 0] ")
+    let launchers: Vec<_> = (0..2)
+        .map(|node| {
+            let mut cmd = Command::new(env!("CARGO_BIN_EXE_zerorun"));
+            cmd.args(["launch", "--nnodes", "2", "--node-rank", &node.to_string(), "--nproc-per-node", "2"])
+                .args(["--master-addr", "127.0.0.1", "--master-port", &port, "--"])
+                .env("ZERORUN_HIERARCHY", hierarchy)
+                .env("RUST_LOG", "zerorun_runtime::gloo=info");
+            mlp_on_node(&mut cmd, mlp, &cfg, out)
+        })
+        .collect();
+    let (losses, stderr) = node_zero_output(launchers, zero, "[rank 0] ");
+    let said = stderr.lines().find(|l| l.starts_with("[rank 0]") && l.contains("collectives: ")).unwrap_or_default();
+    (losses, said.split("collectives: ").nth(1).unwrap_or_default().to_string())
 }
 
 /// The MLP example's arguments for the two-node runs (8 steps), its output piped.
@@ -166,12 +171,18 @@ fn mlp_on_node(cmd: &mut Command, mlp: &Path, cfg: &Path, out: &Path) -> std::pr
 /// Waits for every node's process (each must succeed) and returns node 0's `step` lines: those of its output that
 /// start with `rank0_prefix` (`[rank 0] ` under `zerorun launch`), the prefix removed.
 fn node_zero_losses(nodes: Vec<std::process::Child>, what: &str, rank0_prefix: &str) -> Vec<String> {
-    let mut losses = Vec::new();
+    node_zero_output(nodes, what, rank0_prefix).0
+}
+
+/// [`node_zero_losses`], with node 0's standard error.
+fn node_zero_output(nodes: Vec<std::process::Child>, what: &str, rank0_prefix: &str) -> (Vec<String>, String) {
+    let (mut losses, mut stderr) = (Vec::new(), String::new());
     for (node, child) in nodes.into_iter().enumerate() {
         let o = child.wait_with_output().unwrap();
         let text = String::from_utf8_lossy(&o.stdout).into_owned();
         assert!(o.status.success(), "node {node}, {what}: {}\n{text}", String::from_utf8_lossy(&o.stderr));
         if node == 0 {
+            stderr = String::from_utf8_lossy(&o.stderr).into_owned();
             losses = text
                 .lines()
                 .filter_map(|l| l.strip_prefix(rank0_prefix))
@@ -180,9 +191,11 @@ fn node_zero_losses(nodes: Vec<std::process::Child>, what: &str, rank0_prefix: &
                 .collect();
         }
     }
-    losses
+    (losses, stderr)
 }
 
+/// Two hosts of two ranks each: collectives in two levels at every stage, and flat over gloo when asked, match one
+/// process within 1e-5; in bf16 the two levels (each host's sum first) keep the flat run's losses.
 #[test]
 fn two_launchers_as_two_nodes_match_one_process_at_stages_0_to_3() {
     let mlp = mlp_example();
@@ -192,11 +205,38 @@ fn two_launchers_as_two_nodes_match_one_process_at_stages_0_to_3() {
     let reference = dir.join("ref.safetensors");
     let ref_losses = run(&mlp, &dir, 1, r#"{"stage": 0}"#, &[], &reference);
     let reference = load(&reference);
-    for stage in 0..=3 {
-        let out = dir.join(format!("nodes-stage{stage}.safetensors"));
-        let losses = run_two_nodes(&mlp, &dir, &format!(r#"{{"stage": {stage}}}"#), &out);
+    const TWO_LEVELS: &str = "shared memory inside each host, gloo across hosts rank=0 hosts=2 per_host=2";
+    for (stage, hierarchy, said) in [
+        (0, "auto", TWO_LEVELS),
+        (1, "auto", TWO_LEVELS),
+        (2, "auto", TWO_LEVELS),
+        (3, "auto", TWO_LEVELS),
+        (3, "flat", "flat over gloo"),
+    ] {
+        let out = dir.join(format!("nodes-stage{stage}-{hierarchy}.safetensors"));
+        let (losses, logged) = run_two_nodes(&mlp, &dir, &format!(r#"{{"stage": {stage}}}"#), hierarchy, &out);
+        assert!(logged.starts_with(said), "stage {stage}, {hierarchy}: node 0 said {logged:?}");
         assert_eq!(losses.len(), 8, "stage {stage}");
-        assert_matches(&format!("stage {stage}"), &losses, &ref_losses, &out, &reference);
+        assert_matches(&format!("stage {stage}, {hierarchy}"), &losses, &ref_losses, &out, &reference);
+    }
+    for stage in [2, 3] {
+        let zero = format!(r#"{{"stage": {stage}}}, "bf16": {{"enabled": true}}"#);
+        let runs: Vec<Vec<f64>> = ["flat", "auto"]
+            .iter()
+            .map(|h| {
+                let out = dir.join(format!("nodes-bf16-stage{stage}-{h}.safetensors"));
+                let losses = run_two_nodes(&mlp, &dir, &zero, h, &out).0;
+                losses.iter().map(|l| l.rsplit(' ').next().unwrap().parse().unwrap()).collect()
+            })
+            .collect();
+        assert_eq!(runs[0].len(), 8, "bf16 stage {stage}");
+        for (step, (flat, two)) in runs[0].iter().zip(&runs[1]).enumerate() {
+            assert!(
+                (flat - two).abs() <= 1e-2 * flat.abs(),
+                "bf16 stage {stage} step {}: flat {flat}, two levels {two}",
+                step + 1
+            );
+        }
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -1,7 +1,7 @@
 //! Collectives for one data-parallel group, behind one trait so the engine does not care which backend runs them.
 //!
 //! Backends: [`threads`] (ranks as threads of one process), [`shm`] (ranks as processes on one host, through
-//! shared memory), `mpi` and `nccl` (cargo features). [`env`](mod@env) reads the rank and world size from the
+//! shared memory), `mpi` and `nccl` (cargo features); [`hierarchical`] runs a job that spans hosts in two levels. [`env`](mod@env) reads the rank and world size from the
 //! variables `zerorun launch`, torchrun or mpirun set. Every blocking wait has a timeout (`comms_timeout`), and a
 //! departed peer is an error on every surviving rank, never a hang. Reductions of f32, bf16 and f16 run through
 //! the vector sums of `pair_sum`.
@@ -13,6 +13,7 @@ mod cma;
 pub mod env;
 pub mod groups;
 pub mod heartbeat;
+pub mod hierarchical;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 #[cfg(feature = "nccl")]

@@ -1,0 +1,356 @@
+//! Collectives of ranks that span hosts, in two levels: among a host's ranks through a fast local group (shared
+//! memory) and across hosts through a group of the ranks with the same place on their host (gloo). Each of a
+//! host's K ranks carries 1/K of the host's cross-host traffic, so the K ranks use the link in parallel and every
+//! byte crosses it once: a reduce-scatter over H hosts sends (H-1)/H of the buffer per host across, where a flat
+//! one over H x K ranks sends (HK-1)/(HK) per rank, K times the link's share.
+//!
+//! Rank r = h K + k is rank k of its host's group and rank h of its cross-host group (ranks on a host are
+//! consecutive, as `zerorun launch` and torchrun number them). The reduction order differs from the flat one
+//! (each host's sum first): results agree with it to rounding, and every rank still ends with the same values.
+//! Everything that is not a reduce-scatter, all-gather or large all-reduce goes through the flat group.
+use std::cell::RefCell;
+
+use super::agreement;
+use super::buffer::divide;
+use super::groups::Split;
+use super::{BufMut, BufRef, Collectives, CommError, CommResult, Communicator, ReduceOp};
+
+/// Below this many elements an all-reduce goes through the flat group: three collectives cost more than one.
+const SMALL_ALL_REDUCE: usize = 4096;
+
+/// The two-level communicator: the flat group of every rank, this host's group and this rank's cross-host group.
+pub struct Hierarchical {
+    world: Box<dyn Communicator>,
+    local: Box<dyn Communicator>,
+    cross: Box<dyn Communicator>,
+    /// Permuted copies of the buffers (u64 words keep every element type aligned).
+    scratch: RefCell<Vec<u64>>,
+    /// The cross-host group's part of a reduce-scatter, reused.
+    staged: RefCell<Vec<u64>>,
+}
+
+/// How a job's ranks lie on hosts, as every rank agreed: `hosts` of `per_host` consecutive ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HostLayout {
+    /// Hosts.
+    pub hosts: usize,
+    /// Ranks on each host.
+    pub per_host: usize,
+}
+
+/// Agrees over `world` (collective) whether its collectives can run in two levels: every rank says where it is on
+/// its host (`local_rank` of `local_world_size`) and whether it wants the two levels. Some layout when every rank
+/// wants them, every host has the same number of ranks, more than one, on more than one host, and ranks on a host
+/// are consecutive; None otherwise, on every rank alike.
+pub fn agree_layout(
+    world: &dyn Communicator,
+    local_rank: usize,
+    local_world_size: usize,
+    wanted: bool,
+) -> CommResult<Option<HostLayout>> {
+    let (rank, n) = (world.rank(), world.world_size());
+    let mut all = vec![0i64; 3 * n];
+    all[3 * rank..3 * rank + 3].copy_from_slice(&[local_rank as i64, local_world_size as i64, i64::from(wanted)]);
+    world.all_gather_in_place(&mut all)?;
+    let k = all[1] as usize;
+    let fits = k > 1
+        && n > k
+        && n % k == 0
+        && (0..n).all(|r| all[3 * r] as usize == r % k && all[3 * r + 1] as usize == k && all[3 * r + 2] == 1);
+    Ok(fits.then_some(HostLayout { hosts: n / k, per_host: k }))
+}
+
+impl Hierarchical {
+    /// The two levels over `world`: `local` is this rank's host group (its rank the place on the host), `cross`
+    /// the group of the ranks with this rank's place on every host (its rank the host's index).
+    pub fn new(
+        world: Box<dyn Communicator>,
+        local: Box<dyn Communicator>,
+        cross: Box<dyn Communicator>,
+    ) -> CommResult<Hierarchical> {
+        let (k, h) = (local.world_size(), cross.world_size());
+        if k * h != world.world_size() || world.rank() != cross.rank() * k + local.rank() {
+            return Err(CommError::BadArgument {
+                op: "hierarchical",
+                rank: world.rank(),
+                what: format!(
+                    "rank {} of {} is not rank {} of a host's {k} ranks on host {} of {h}",
+                    world.rank(),
+                    world.world_size(),
+                    local.rank(),
+                    cross.rank()
+                ),
+            });
+        }
+        Ok(Hierarchical { world, local, cross, scratch: RefCell::default(), staged: RefCell::default() })
+    }
+
+    /// Builds the cross-host group from `world` (collective) and joins the two levels.
+    pub fn over(world: Box<dyn Communicator>, local: Box<dyn Communicator>) -> CommResult<Hierarchical> {
+        let cross = world.split(Some(local.rank() as u32), world.rank() as i64)?.expect("every rank has a color");
+        Hierarchical::new(world, local, cross)
+    }
+
+    fn per_host(&self) -> usize {
+        self.local.world_size()
+    }
+
+    fn hosts(&self) -> usize {
+        self.cross.world_size()
+    }
+}
+
+/// `words` as at least `bytes` bytes (grown when short).
+fn bytes_of(words: &mut Vec<u64>, bytes: usize) -> &mut [u8] {
+    let need = bytes.div_ceil(8);
+    if words.len() < need {
+        words.resize(need, 0);
+    }
+    &mut bytemuck::cast_slice_mut::<u64, u8>(words)[..bytes]
+}
+
+/// Moves part `h K + k` of `from` (parts of `part` bytes) to place `k H + h` of `to`, or back (`inverse`): the
+/// parts a host's rank k reduces or gathers across hosts become one contiguous run.
+fn permute(from: &[u8], to: &mut [u8], part: usize, hosts: usize, per_host: usize, inverse: bool) {
+    for h in 0..hosts {
+        for k in 0..per_host {
+            let (flat, grouped) = ((h * per_host + k) * part, (k * hosts + h) * part);
+            let (src, dst) = if inverse { (grouped, flat) } else { (flat, grouped) };
+            to[dst..dst + part].copy_from_slice(&from[src..src + part]);
+        }
+    }
+}
+
+/// A mean is a sum at both levels, divided once at the end as the flat group divides it.
+fn summed(op: ReduceOp) -> (ReduceOp, bool) {
+    match op {
+        ReduceOp::Avg => (ReduceOp::Sum, true),
+        op => (op, false),
+    }
+}
+
+impl Communicator for Hierarchical {
+    fn rank(&self) -> usize {
+        self.world.rank()
+    }
+
+    fn world_size(&self) -> usize {
+        self.world.world_size()
+    }
+
+    /// Inside each host a reduce-scatter into K pieces, across hosts an all-reduce of this rank's piece, inside
+    /// again an all-gather. Small buffers take the flat group.
+    fn all_reduce_buf(&self, buf: BufMut<'_>, op: ReduceOp) -> CommResult<()> {
+        let (len, dtype) = (buf.len(), buf.dtype);
+        if len < SMALL_ALL_REDUCE {
+            return self.world.all_reduce_buf(buf, op);
+        }
+        let (op, mean) = summed(op);
+        let (k, size) = (self.per_host(), dtype.size());
+        let piece = len.div_ceil(k);
+        let mut scratch = self.scratch.borrow_mut();
+        let mut staged = self.staged.borrow_mut();
+        // The buffer padded to K pieces (zeros beyond its end, which no rank reads back).
+        let padded = bytes_of(&mut scratch, piece * k * size);
+        padded[..len * size].copy_from_slice(buf.bytes);
+        padded[len * size..].fill(0);
+        let mine = bytes_of(&mut staged, piece * size);
+        self.local.reduce_scatter_buf(BufRef { bytes: padded, dtype }, BufMut { bytes: mine, dtype }, op)?;
+        self.cross.all_reduce_buf(BufMut { bytes: mine, dtype }, op)?;
+        let at = self.local.rank() * piece * size;
+        padded[at..at + piece * size].copy_from_slice(mine);
+        self.local.all_gather_buf(BufMut { bytes: padded, dtype })?;
+        buf.bytes.copy_from_slice(&padded[..len * size]);
+        if mean {
+            divide(dtype, buf.bytes, self.world_size());
+        }
+        Ok(())
+    }
+
+    /// Inside each host, rank k sums the parts of rank k on every host; across hosts, those sums reduce-scatter.
+    fn reduce_scatter_buf(&self, input: BufRef<'_>, output: BufMut<'_>, op: ReduceOp) -> CommResult<()> {
+        const OP: &str = "reduce_scatter";
+        let part = agreement::scatter_output(OP, self.rank(), self.world_size(), &input, &output)?;
+        let (h, k, dtype) = (self.hosts(), self.per_host(), input.dtype);
+        let part_bytes = part * dtype.size();
+        let mut scratch = self.scratch.borrow_mut();
+        let mut staged = self.staged.borrow_mut();
+        let grouped = bytes_of(&mut scratch, input.bytes.len());
+        permute(input.bytes, grouped, part_bytes, h, k, false);
+        let across = bytes_of(&mut staged, h * part_bytes);
+        let (op, mean) = summed(op);
+        self.local.reduce_scatter_buf(BufRef { bytes: grouped, dtype }, BufMut { bytes: across, dtype }, op)?;
+        let out = output.bytes;
+        self.cross.reduce_scatter_buf(BufRef { bytes: across, dtype }, BufMut { bytes: &mut *out, dtype }, op)?;
+        if mean {
+            divide(dtype, out, self.world_size());
+        }
+        Ok(())
+    }
+
+    /// Across hosts, rank k gathers the parts of rank k on every host; inside each host, those runs gather.
+    fn all_gather_buf(&self, buf: BufMut<'_>) -> CommResult<()> {
+        const OP: &str = "all_gather";
+        let part = agreement::equal_parts(OP, self.rank(), self.world_size(), buf.len())?;
+        let (h, k, dtype) = (self.hosts(), self.per_host(), buf.dtype);
+        let (part_bytes, local) = (part * dtype.size(), self.local.rank());
+        let mut scratch = self.scratch.borrow_mut();
+        let grouped = bytes_of(&mut scratch, buf.bytes.len());
+        let run = local * h * part_bytes..(local + 1) * h * part_bytes;
+        let own = self.rank() * part_bytes;
+        let at = run.start + self.cross.rank() * part_bytes;
+        grouped[at..at + part_bytes].copy_from_slice(&buf.bytes[own..own + part_bytes]);
+        self.cross.all_gather_buf(BufMut { bytes: &mut grouped[run.clone()], dtype })?;
+        self.local.all_gather_buf(BufMut { bytes: grouped, dtype })?;
+        permute(grouped, buf.bytes, part_bytes, h, k, true);
+        Ok(())
+    }
+
+    fn broadcast_buf(&self, buf: BufMut<'_>, root: usize) -> CommResult<()> {
+        self.world.broadcast_buf(buf, root)
+    }
+
+    fn barrier(&self) -> CommResult<()> {
+        self.world.barrier()
+    }
+
+    fn send_buf(&self, buf: BufRef<'_>, dst: usize) -> CommResult<()> {
+        self.world.send_buf(buf, dst)
+    }
+
+    fn recv_buf(&self, buf: BufMut<'_>, src: usize) -> CommResult<()> {
+        self.world.recv_buf(buf, src)
+    }
+
+    /// Groups split from this one are the flat group's.
+    fn split_group(&self, split: &Split) -> CommResult<Option<Box<dyn Communicator>>> {
+        self.world.split_group(split)
+    }
+
+    fn group_name(&self) -> String {
+        self.world.group_name()
+    }
+
+    fn independent_groups(&self) -> bool {
+        self.world.independent_groups()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::threads;
+
+    /// Runs `f` on every rank of `hosts` x `per_host` ranks as threads, each with a two-level communicator and a
+    /// flat one, and returns the ranks' results in rank order.
+    fn on_ranks<R: Send + 'static>(
+        hosts: usize,
+        per_host: usize,
+        f: impl Fn(&Hierarchical, &dyn Communicator) -> R + Send + Sync + Copy + 'static,
+    ) -> Vec<R> {
+        let t = Duration::from_secs(20);
+        let n = hosts * per_host;
+        let mut worlds: Vec<Option<_>> = threads::group(n, t).into_iter().map(Some).collect();
+        let mut flats: Vec<Option<_>> = threads::group(n, t).into_iter().map(Some).collect();
+        let mut locals: Vec<Option<_>> = (0..hosts).flat_map(|_| threads::group(per_host, t)).map(Some).collect();
+        let mut crosses: Vec<Vec<Option<_>>> =
+            (0..per_host).map(|_| threads::group(hosts, t).into_iter().map(Some).collect()).collect();
+        let handles: Vec<_> = (0..n)
+            .map(|r| {
+                let world = worlds[r].take().unwrap();
+                let flat = flats[r].take().unwrap();
+                let local = locals[r].take().unwrap();
+                let cross = crosses[r % per_host][r / per_host].take().unwrap();
+                std::thread::spawn(move || {
+                    let two = Hierarchical::new(Box::new(world), Box::new(local), Box::new(cross)).unwrap();
+                    f(&two, &flat)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    }
+
+    /// Integers in f32, so that any order of summing is exact: the two levels must equal the flat group bitwise.
+    fn values(rank: usize, len: usize) -> Vec<f32> {
+        (0..len).map(|i| ((i * 7 + rank * 13) % 97) as f32 - 40.0).collect()
+    }
+
+    #[test]
+    fn reduce_scatter_all_gather_and_all_reduce_equal_the_flat_group() {
+        for (hosts, per_host) in [(2, 2), (3, 2), (2, 3)] {
+            let n = hosts * per_host;
+            let results = on_ranks(hosts, per_host, move |two, flat| {
+                let r = two.rank();
+                for part in [1, 5, 1000] {
+                    let input = values(r, n * part);
+                    for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Avg] {
+                        let (mut a, mut b) = (vec![0f32; part], vec![0f32; part]);
+                        two.reduce_scatter(&input, &mut a, op).unwrap();
+                        flat.reduce_scatter(&input, &mut b, op).unwrap();
+                        assert_eq!(a, b, "reduce-scatter {op:?}, {hosts}x{per_host}, part {part}");
+                    }
+                    let mut gathered = vec![0f32; n * part];
+                    gathered[r * part..(r + 1) * part].copy_from_slice(&values(r, part));
+                    let mut reference = gathered.clone();
+                    two.all_gather_in_place(&mut gathered).unwrap();
+                    flat.all_gather_in_place(&mut reference).unwrap();
+                    assert_eq!(gathered, reference, "all-gather, {hosts}x{per_host}, part {part}");
+                }
+                for len in [3, 5000, 10_001] {
+                    let (mut a, mut b) = (values(r, len), values(r, len));
+                    two.all_reduce(&mut a, ReduceOp::Sum).unwrap();
+                    flat.all_reduce(&mut b, ReduceOp::Sum).unwrap();
+                    assert_eq!(a, b, "all-reduce of {len}, {hosts}x{per_host}");
+                }
+                let mut a = values(r, 8);
+                two.all_reduce(&mut a, ReduceOp::Sum).unwrap();
+                a
+            });
+            assert!(results.windows(2).all(|w| w[0] == w[1]), "every rank ends with the same values");
+        }
+    }
+
+    #[test]
+    fn bf16_differs_from_the_flat_order_by_at_most_two_units_in_the_last_place() {
+        let results = on_ranks(2, 2, |two, flat| {
+            let r = two.rank();
+            let input: Vec<half::bf16> =
+                (0..4 * 600).map(|i| half::bf16::from_f32(((i * 31 + r * 17) % 1000) as f32 / 997.0)).collect();
+            let (mut a, mut b) = (vec![half::bf16::ZERO; 600], vec![half::bf16::ZERO; 600]);
+            two.reduce_scatter(&input, &mut a, ReduceOp::Avg).unwrap();
+            flat.reduce_scatter(&input, &mut b, ReduceOp::Avg).unwrap();
+            a.iter()
+                .zip(&b)
+                .map(|(x, y)| (x.to_f32() - y.to_f32()).abs() / y.to_f32().abs().max(1e-3))
+                .fold(0f32, f32::max)
+        });
+        for worst in results {
+            assert!(worst <= 2.0 * 2f32.powi(-7), "relative difference {worst}");
+        }
+    }
+
+    #[test]
+    fn layouts_that_do_not_split_into_equal_consecutive_hosts_stay_flat() {
+        let t = Duration::from_secs(20);
+        let cases: Vec<(Vec<(usize, usize, bool)>, Option<HostLayout>)> = vec![
+            (vec![(0, 2, true), (1, 2, true), (0, 2, true), (1, 2, true)], Some(HostLayout { hosts: 2, per_host: 2 })),
+            (vec![(0, 2, true), (1, 2, true), (0, 2, false), (1, 2, true)], None),
+            (vec![(0, 2, true), (0, 2, true), (1, 2, true), (1, 2, true)], None),
+            (vec![(0, 1, true), (0, 1, true)], None),
+            (vec![(0, 2, true), (1, 2, true)], None),
+            (vec![(0, 3, true), (1, 3, true), (2, 3, true), (0, 1, true)], None),
+        ];
+        for (ranks, expected) in cases {
+            let handles: Vec<_> = threads::group(ranks.len(), t)
+                .into_iter()
+                .zip(ranks.clone())
+                .map(|(c, (lr, lws, want))| std::thread::spawn(move || agree_layout(&c, lr, lws, want).unwrap()))
+                .collect();
+            for h in handles {
+                assert_eq!(h.join().unwrap(), expected, "{ranks:?}");
+            }
+        }
+    }
+}
