@@ -121,11 +121,13 @@ fn bench_async_json_lines_have_the_documented_keys() {
     );
 }
 
-/// `bench cluster` on two simulated hosts (network namespaces, 1 Gbit/s links): the MLP at stage 2 on one rank per
-/// host sends, per step, what the bandwidth-optimal reduce-scatter and all-gather move: half the gradient buffer
-/// each ((N-1)/N at N = 2), so 4 bytes x P across the link (the second host; the first adds the start's broadcast
-/// of the weights). gloo's own reduce-scatter, an all-reduce, sent 1.5 x that. The namespaces are gone afterwards.
-/// Needs root, as CI and `make test` run.
+/// `bench cluster` on two simulated hosts (network namespaces, 1 Gbit/s links): the MLP at stage 2 sends, per rank
+/// and step, what the bandwidth-optimal reduce-scatter and all-gather move. One rank per host: half the gradient
+/// buffer each ((N-1)/N at N = 2), so 4 bytes x P across the link (the second host; the first adds the start's
+/// broadcast of the weights); gloo's own reduce-scatter, an all-reduce, sent 1.5 x that. Two ranks per host, flat:
+/// each rank sends 2 of its 4 parts to the other host in each collective, 4P again. Two ranks per host in two
+/// levels: each rank carries half its host's cross-host parts, 2P, and nothing goes over loopback (shm inside the
+/// host). The namespaces are gone afterwards. Needs root, as CI and `make test` run.
 #[test]
 fn bench_cluster_counts_the_bytes_that_cross_hosts_and_removes_its_namespaces() {
     let out = Command::new(env!("CARGO_BIN_EXE_zerorun"))
@@ -147,23 +149,36 @@ fn bench_cluster_counts_the_bytes_that_cross_hosts_and_removes_its_namespaces() 
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join("c.json"), r#"{"train_batch_size": 8, "zero_optimization": {"stage": 2}}"#).unwrap();
     let (input, hidden, layers, out_dim) = (256i64, 1024i64, 4i64, 16i64);
-    let out = Command::new(env!("CARGO_BIN_EXE_zerorun"))
-        .args(["bench", "cluster", "--hosts", "2", "--ranks-per-host", "1", "--link", "1gbit", "--json", "--"])
-        .arg(examples::example("mlp"))
-        .args(["--config", dir.join("c.json").to_str().unwrap(), "--steps", "6"])
-        .args(["--in", &input.to_string(), "--hidden", &hidden.to_string(), "--layers", &layers.to_string()])
-        .args(["--out", &out_dim.to_string()])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(r["steps"], 6);
     let params = input * hidden + hidden + (layers - 2) * (hidden * hidden + hidden) + hidden * out_dim + out_dim;
-    let expected = 4.0 * params as f64;
-    let second = r["cross_host_bytes_per_rank_per_step"][1].as_f64().unwrap();
-    assert!((second / expected - 1.0).abs() < 0.05, "host 1 sent {second} bytes a step, the formula {expected}");
-    let floor = r["link_floor_s"].as_f64().unwrap();
-    assert!(floor > 0.0 && r["median_step_s"].as_f64().unwrap() >= floor, "{r}");
+    for (per_host, hierarchy, times_4p) in [(1, "auto", 1.0), (2, "flat", 1.0), (2, "auto", 0.5)] {
+        let case = format!("2 hosts x {per_host} ranks, {hierarchy}");
+        let out = Command::new(env!("CARGO_BIN_EXE_zerorun"))
+            .args(["bench", "cluster", "--hosts", "2", "--ranks-per-host", &per_host.to_string()])
+            .args(["--link", "1gbit", "--json", "--"])
+            .arg(examples::example("mlp"))
+            .args(["--config", dir.join("c.json").to_str().unwrap(), "--steps", "6"])
+            .args(["--in", &input.to_string(), "--hidden", &hidden.to_string(), "--layers", &layers.to_string()])
+            .args(["--out", &out_dim.to_string()])
+            .env("ZERORUN_HIERARCHY", hierarchy)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{case}: {}", String::from_utf8_lossy(&out.stderr));
+        let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(r["steps"], 6);
+        let expected = times_4p * 4.0 * params as f64;
+        let second = r["cross_host_bytes_per_rank_per_step"][1].as_f64().unwrap();
+        assert!(
+            (second / expected - 1.0).abs() < 0.05,
+            "{case}: host 1 sent {second} bytes a step, the formula {expected}"
+        );
+        let inside = r["inside_host_bytes_per_rank_per_step"][1].as_f64().unwrap();
+        if per_host == 2 {
+            let flat = hierarchy == "flat";
+            assert!(flat == (inside > 0.25 * expected), "{case}: {inside} bytes a step over loopback");
+        }
+        let floor = r["link_floor_s"].as_f64().unwrap();
+        assert!(floor > 0.0 && r["median_step_s"].as_f64().unwrap() >= floor, "{case}: {r}");
+    }
     let left =
         String::from_utf8_lossy(&Command::new("ip").args(["netns", "list"]).output().unwrap().stdout).into_owned();
     assert!(!left.lines().any(|l| l.starts_with("zr")), "namespaces left behind: {left}");
