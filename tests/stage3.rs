@@ -501,3 +501,26 @@ fn a_bare_stage_3_config_sizes_its_buckets_from_the_units_and_saves_what_deepspe
         assert!(d <= 1e-6, "the same training: {d}");
     }
 }
+
+/// `zero_quantized_weights` (ZeRO++ qwZ): every gather carries int8 blocks, so training sees weights within half
+/// a quantization step of the shards' and ends near the unquantized run; what the model's weights are read as
+/// (here `full_parameters`) is gathered exactly, the same on every rank. Below stage 3 the key is refused.
+#[test]
+fn quantized_weight_gathers_train_near_the_full_precision_run() {
+    let reference = adamw_reference();
+    for (world, persistence) in [(2, 0), (3, 100000)] {
+        let zero = json!({"zero_quantized_weights": true, "stage3_param_persistence_threshold": persistence});
+        let runs = run(world, config(1, zero), Units::PerLayer, false, &DIMS);
+        let d = max_relative_difference(&runs[0].params, &reference);
+        assert!(d > 1e-6 && d < 0.1, "world size {world}, persistence {persistence}: {d:e} from the unquantized run");
+        for r in &runs[1..] {
+            assert_eq!(r.params, runs[0].params, "world size {world}: every rank reads the same weights");
+        }
+    }
+    let e = Config::from_value(
+        json!({"train_batch_size": 4, "zero_optimization": {"stage": 2, "zero_quantized_weights": true}}),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("zero_optimization.zero_quantized_weights") && e.contains("stage 3"), "{e}");
+}

@@ -19,6 +19,7 @@ pub mod mpi;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 mod pair_sum;
+pub mod quantized;
 pub mod rank_info;
 pub mod region;
 pub mod shm;

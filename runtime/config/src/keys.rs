@@ -375,6 +375,6 @@ const DOCS: &[KeyDoc] = &[
     KeyDoc { path: "zero_optimization.zero_hpz_partition_size", status: Refused, what: "Values above 1 are refused: hierarchical partitioning (ZeRO++ hpZ) is not built yet.", deepspeed: "" },
     KeyDoc { path: "zero_optimization.zero_quantized_gradients", status: Refused, what: "`true` is refused: quantized gradient communication (ZeRO++ qgZ) is not built yet.", deepspeed: "" },
     KeyDoc { path: "zero_optimization.zero_quantized_nontrainable_weights", status: Refused, what: "`true` is refused: quantized frozen weights are not built yet.", deepspeed: "" },
-    KeyDoc { path: "zero_optimization.zero_quantized_weights", status: Refused, what: "`true` is refused: quantized weight communication (ZeRO++ qwZ) is not built yet.", deepspeed: "" },
+    KeyDoc { path: "zero_optimization.zero_quantized_weights", status: Acted, what: "Stage 3 (ZeRO++ qwZ): parameter all-gathers carry int8 values in blocks of 4096 with one f32 scale each (a quarter of fp32's bytes, half of 16-bit's); every rank dequantizes every part, its own included; the shard and the optimizer keep full precision. `true` below stage 3 is refused.", deepspeed: "DeepSpeed's needs CUDA." },
     KeyDoc { path: "zero_optimization.zeropp_loco_param", status: Noticed, what: "No effect: ZeRO++ LoCo's parameters.", deepspeed: "" },
 ];

@@ -101,6 +101,9 @@ pub struct ZeroConfig {
     pub stage3_gather_16bit_weights_on_model_save: bool,
     /// `round_robin_gradients` (noticed when true).
     pub round_robin_gradients: bool,
+    /// `zero_quantized_weights` (ZeRO++ qwZ, stage 3): parameter all-gathers carry int8 values in blocks with
+    /// one scale each; the shard keeps full precision.
+    pub zero_quantized_weights: bool,
     /// `false`: a parameter without a gradient is an error (stages 2-3).
     pub ignore_unused_parameters: bool,
     /// The `offload_optimizer` section.
@@ -128,8 +131,7 @@ const IGNORED: &[&str] = &[
 ];
 
 /// DeepSpeed ZeRO features zerorun does not have: accepted only while they stay off.
-const UNSUPPORTED_FLAGS: &[&str] =
-    &["zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients"];
+const UNSUPPORTED_FLAGS: &[&str] = &["zero_quantized_nontrainable_weights", "zero_quantized_gradients"];
 
 impl ZeroConfig {
     /// Reads the section. `legacy` is the old boolean form (`"zero_optimization": true` = stage 1).
@@ -211,6 +213,16 @@ impl ZeroConfig {
         ];
         let stage3_gather_16bit_weights_on_model_save = s.opt_bool(&gather_keys)?.unwrap_or(false);
         let round_robin_gradients = s.bool("round_robin_gradients", false)?;
+        let zero_quantized_weights = s.bool("zero_quantized_weights", false)?;
+        if zero_quantized_weights && stage != 3 {
+            return Err(ConfigError::Invalid {
+                path: s.path_of("zero_quantized_weights"),
+                value: "true".into(),
+                allowed: format!(
+                    "`false` at stage {stage}: quantized weight all-gathers are stage 3's (set \"stage\": 3, or remove the key)"
+                ),
+            });
+        }
         let ignore_unused_parameters = s.bool("ignore_unused_parameters", true)?;
 
         // Deprecated booleans from DeepSpeed < 0.3.x configs, still seen in the wild.
@@ -255,7 +267,8 @@ impl ZeroConfig {
                 return Err(ConfigError::Invalid {
                     path: s.path_of(key),
                     value: "true".into(),
-                    allowed: "zerorun does not implement ZeRO++ quantized communication; set it to false".into(),
+                    allowed: "zerorun does not implement this ZeRO++ quantized communication yet; set it to false"
+                        .into(),
                 });
             }
         }
@@ -288,6 +301,7 @@ impl ZeroConfig {
             stage3_max_reuse_distance,
             stage3_gather_16bit_weights_on_model_save,
             round_robin_gradients,
+            zero_quantized_weights,
             ignore_unused_parameters,
             offload_optimizer,
             offload_param,

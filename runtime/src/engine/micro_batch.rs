@@ -392,6 +392,14 @@ impl Engine {
         Ok(())
     }
 
+    /// [`Engine::gather_unit`] with the shards' exact values where gathers are quantized (for saving the model).
+    pub(crate) fn gather_unit_exact(&mut self, i: usize) -> Result<()> {
+        let t = std::time::Instant::now();
+        self.states.parameters.gather_exact(i, self.comm.as_ref(), &mut self.report.comm_volume)?;
+        self.report.times.add(crate::report::Phase::AllGather, t.elapsed());
+        Ok(())
+    }
+
     fn prefetch(&mut self, order: impl Iterator<Item = usize>) -> Result<()> {
         self.states.parameters.prefetch(order, &self.comm, &self.config.zero_optimization, &mut self.report.comm_volume)
     }

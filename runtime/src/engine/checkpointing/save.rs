@@ -508,7 +508,7 @@ impl Engine {
     ) -> Result<()> {
         for i in 0..self.states.parameters.units.len() {
             let was = self.states.parameters.units[i].state();
-            self.gather_unit(i)?;
+            self.gather_unit_exact(i)?;
             let span = self.states.parameters.units[i].span.clone();
             for (slot, t) in self.states.layout.slots[span.slots].iter().zip(self.states.parameters.units[i].params()) {
                 visit(&slot.name, &t.detach().to_kind(kind))?;

@@ -217,6 +217,22 @@ unsafe fn all_gather_views(comm: &dyn Communicator, t: &Tensor) -> CommResult<()
     }
 }
 
+/// [`all_gather`] with every rank's part block-quantized to int8 on the way (`zero_quantized_weights`; see
+/// [`crate::comm::quantized`]). On host memory: a device tensor is staged through a host copy.
+pub fn all_gather_quantized(residence: Residence, comm: &dyn Communicator, t: &Tensor, block: usize) -> CommResult<()> {
+    // SAFETY: as in `all_reduce`.
+    in_place(residence, t, |_| Ok(false), |h| unsafe { all_gather_quantized_views(comm, h, block) })
+}
+
+unsafe fn all_gather_quantized_views(comm: &dyn Communicator, t: &Tensor, block: usize) -> CommResult<()> {
+    use crate::comm::{quantized, BufMut};
+    match t.kind() {
+        Kind::BFloat16 => quantized::all_gather(comm, BufMut::new(slice::<bf16>(t)), block),
+        Kind::Half => quantized::all_gather(comm, BufMut::new(slice::<f16>(t)), block),
+        _ => quantized::all_gather(comm, BufMut::new(slice::<f32>(t)), block),
+    }
+}
+
 /// Reduce-scatter of a flat tensor into `out` (a tensor of the same kind, one partition long).
 pub fn reduce_scatter(
     residence: Residence,

@@ -72,6 +72,25 @@ impl Parameters {
         Ok(())
     }
 
+    /// Unit `i` gathered with the values the shards hold, also where its gathers are quantized (a gathered unit then
+    /// holds dequantized values, so it is gathered again, exactly): what saving the model reads.
+    pub fn gather_exact(&mut self, i: usize, comm: &dyn Communicator, volume: &mut CommVolume) -> Result<()> {
+        let Some(block) = self.units[i].take_quantized() else { return self.gather(i, comm, volume) };
+        let exact = (|| {
+            let was_sharded = self.units[i].state() == UnitState::Sharded;
+            self.gather(i, comm, volume)?;
+            if !was_sharded {
+                let chunk = self.unit_chunk(i, comm.world_size())?;
+                let n = self.units[i].refresh(comm, Some(&chunk));
+                self.recycle(chunk);
+                volume.all_gather_elements += n? as u64;
+            }
+            Ok(())
+        })();
+        self.units[i].restore_quantized(Some(block));
+        exact
+    }
+
     /// Elements of unit `i` gathered together: its trainable and its frozen parameters.
     fn unit_elements(&self, i: usize) -> u64 {
         let frozen = self.frozen_units.as_ref().map_or(0, |f| f.units[i].span.range.len());

@@ -45,6 +45,8 @@ pub struct ShardedUnit {
     in_place: bool,
     /// Where the buffer lives (the engine's residence), for its collectives.
     residence: Residence,
+    /// `zero_quantized_weights`: gathers carry int8 blocks of this many values, one scale each.
+    quantized_block: Option<usize>,
 }
 
 impl ShardedUnit {
@@ -89,6 +91,7 @@ impl ShardedUnit {
             pending: None,
             in_place: false,
             residence,
+            quantized_block: None,
         })
     }
 
@@ -150,7 +153,23 @@ impl ShardedUnit {
             pending: None,
             in_place: true,
             residence,
+            quantized_block: None,
         }
+    }
+
+    /// Quantizes this unit's gathers from now on (`zero_quantized_weights`): int8 in blocks of `block` values.
+    pub fn quantize_gathers(&mut self, block: usize) {
+        self.quantized_block = Some(block);
+    }
+
+    /// Takes the quantization off this unit's gathers (for an exact gather), returning what it was.
+    pub fn take_quantized(&mut self) -> Option<usize> {
+        self.quantized_block.take()
+    }
+
+    /// Puts back what [`ShardedUnit::take_quantized`] took.
+    pub fn restore_quantized(&mut self, block: Option<usize>) {
+        self.quantized_block = block;
     }
 
     /// Whether the unit's buffer is its own (stage 3) rather than a region of the engine's parameters (stage 2).
@@ -233,9 +252,9 @@ impl ShardedUnit {
         self.put_chunk(thread.rank(), thread.world_size(), chunk)?;
         // The job holds its own handle to the buffer, so the storage outlives it; nothing here reads, writes or
         // resizes the buffer until `finish_gather` waits (release finishes a Gathering unit first).
-        let (full, residence) = (self.full.shallow_clone(), self.residence);
+        let (full, residence, quantized) = (self.full.shallow_clone(), self.residence, self.quantized_block);
         let handle = thread.submit("all_gather", move |c| {
-            views::all_gather(residence, c, &full)?;
+            gather_into(residence, c, &full, quantized)?;
             // The peers free their copies of this unit soon: their pages need not stay in this resident set.
             c.forget_gathered_pages();
             Ok(())
@@ -260,7 +279,7 @@ impl ShardedUnit {
         if let Some(chunk) = chunk {
             self.put_chunk(comm.rank(), comm.world_size(), chunk)?;
         }
-        views::all_gather(self.residence, comm, &self.full)?;
+        gather_into(self.residence, comm, &self.full, self.quantized_block)?;
         Ok(())
     }
 
@@ -297,5 +316,18 @@ impl ShardedUnit {
     /// This rank's chunk's range in shard space.
     pub fn shard_range(&self, ws: usize) -> std::ops::Range<usize> {
         self.shard_offset..self.shard_offset + self.span.chunk_len(ws)
+    }
+}
+
+/// The all-gather of a unit's buffer, quantized when the unit's gathers are.
+fn gather_into(
+    residence: Residence,
+    comm: &dyn Communicator,
+    full: &Tensor,
+    quantized: Option<usize>,
+) -> crate::comm::CommResult<()> {
+    match quantized {
+        Some(block) => views::all_gather_quantized(residence, comm, full, block),
+        None => views::all_gather(residence, comm, full),
     }
 }

@@ -92,7 +92,7 @@ pub(crate) fn shard_units(
                 }
             }
         };
-        units.push(ShardedUnit::shard_from_rank0(
+        let mut unit = ShardedUnit::shard_from_rank0(
             span.clone(),
             &layout.slots[span.slots.clone()],
             own,
@@ -102,7 +102,11 @@ pub(crate) fn shard_units(
             comm,
             store,
             residence,
-        )?);
+        )?;
+        if z.zero_quantized_weights {
+            unit.quantize_gathers(crate::comm::quantized::BLOCK);
+        }
+        units.push(unit);
     }
     if let Some(s) = swapped.as_mut() {
         s.finish()?;

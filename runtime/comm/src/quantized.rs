@@ -1,0 +1,279 @@
+//! Block-quantized int8 all-gather (ZeRO++'s qwZ): every rank's part travels as one signed byte per value and one
+//! f32 scale per block of [`BLOCK`] values (symmetric: scale = max |x| / 127, q = round(x / scale)), a quarter of
+//! fp32's bytes and half of 16-bit's, and every rank dequantizes every part, its own included, so all ranks hold
+//! the same values. A value comes back within half a step (scale / 2) of where it was.
+//!
+//! A block with NaN or an infinity comes back as NaN throughout (its scale is NaN): the run sees the non-finite
+//! value as an unquantized gather would show it, in a loss that is NaN (and an fp16 run skips the step).
+use std::cell::RefCell;
+
+use half::{bf16, f16};
+
+use super::{agreement, BufMut, CommResult, Communicator, Dtype, Element};
+
+/// Values per scale. DeepSpeed's qwZ uses groups of a few thousand; 4096 keeps the scales 0.1% of the bytes.
+pub const BLOCK: usize = 4096;
+
+/// A float type the quantizer reads and writes.
+pub trait Float: Element {
+    /// As f32.
+    fn to_f32(self) -> f32;
+    /// From f32, rounded.
+    fn from_f32(v: f32) -> Self;
+}
+
+impl Float for f32 {
+    fn to_f32(self) -> f32 {
+        self
+    }
+    fn from_f32(v: f32) -> f32 {
+        v
+    }
+}
+
+impl Float for bf16 {
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+    fn from_f32(v: f32) -> bf16 {
+        bf16::from_f32(v)
+    }
+}
+
+impl Float for f16 {
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+    fn from_f32(v: f32) -> f16 {
+        f16::from_f32(v)
+    }
+}
+
+/// Bytes of `len` values quantized in blocks of `block`: the values, then the scales.
+pub fn packed_bytes(len: usize, block: usize) -> usize {
+    len + 4 * len.div_ceil(block)
+}
+
+/// Quantizes `values` into `out` ([`packed_bytes`] long): the int8 values, then one f32 scale per block.
+pub fn quantize<T: Float>(values: &[T], block: usize, out: &mut [u8]) {
+    let (q, scales) = out[..packed_bytes(values.len(), block)].split_at_mut(values.len());
+    for ((block_values, block_q), scale_bytes) in
+        values.chunks(block).zip(q.chunks_mut(block)).zip(scales.chunks_exact_mut(4))
+    {
+        let amax = block_values.iter().fold(0f32, |m, v| {
+            let a = v.to_f32().abs();
+            // NaN must win the fold (f32::max would drop it).
+            if a.is_nan() || m.is_nan() {
+                f32::NAN
+            } else {
+                m.max(a)
+            }
+        });
+        let scale = if amax.is_finite() { amax / 127.0 } else { f32::NAN };
+        let inverse = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+        for (v, q) in block_values.iter().zip(block_q.iter_mut()) {
+            let x = if scale.is_nan() { 0.0 } else { (v.to_f32() * inverse).round().clamp(-127.0, 127.0) };
+            *q = x as i8 as u8;
+        }
+        scale_bytes.copy_from_slice(&scale.to_le_bytes());
+    }
+}
+
+/// The values `packed` (made by [`quantize`] from `out.len()` values) stands for.
+pub fn dequantize<T: Float>(packed: &[u8], block: usize, out: &mut [T]) {
+    let (q, scales) = packed[..packed_bytes(out.len(), block)].split_at(out.len());
+    for ((block_out, block_q), scale_bytes) in out.chunks_mut(block).zip(q.chunks(block)).zip(scales.chunks_exact(4)) {
+        let scale = f32::from_le_bytes(scale_bytes.try_into().expect("four bytes"));
+        for (o, q) in block_out.iter_mut().zip(block_q) {
+            *o = T::from_f32(f32::from(*q as i8) * scale);
+        }
+    }
+}
+
+thread_local! {
+    /// The packed parts of the last gather, reused (u64 words: the collective carries them as i64).
+    static PACKED: RefCell<Vec<u64>> = const { RefCell::new(Vec::new()) };
+}
+
+/// All-gathers `buf` (f32, bf16 or f16; `comm.world_size()` equal parts, this rank's part contributed) with every
+/// part quantized in blocks of `block` on the way. Every rank ends with the same dequantized values, its own part's
+/// included. Collective over `comm`: the same length, type and block on every rank.
+pub fn all_gather(comm: &dyn Communicator, buf: BufMut<'_>, block: usize) -> CommResult<()> {
+    const OP: &str = "quantized all_gather";
+    let (rank, n) = (comm.rank(), comm.world_size());
+    let part = agreement::equal_parts(OP, rank, n, buf.len())?;
+    let words = packed_bytes(part, block).div_ceil(8);
+    PACKED.with(|packed| {
+        let mut packed = packed.borrow_mut();
+        if packed.len() < n * words {
+            packed.resize(n * words, 0);
+        }
+        let parts = &mut packed[..n * words];
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(parts);
+        let own = &mut bytes[rank * words * 8..(rank + 1) * words * 8];
+        let dtype = buf.dtype;
+        match dtype {
+            Dtype::F32 => quantize::<f32>(&bytemuck::cast_slice(buf.bytes)[rank * part..][..part], block, own),
+            Dtype::Bf16 => quantize::<bf16>(&bytemuck::cast_slice(buf.bytes)[rank * part..][..part], block, own),
+            Dtype::F16 => quantize::<f16>(&bytemuck::cast_slice(buf.bytes)[rank * part..][..part], block, own),
+            Dtype::I64 => {
+                return Err(super::CommError::BadArgument {
+                    op: OP,
+                    rank,
+                    what: "integers are not quantized: gather them whole".into(),
+                })
+            }
+        }
+        comm.all_gather_buf(BufMut { bytes: bytemuck::cast_slice_mut(parts), dtype: Dtype::I64 })?;
+        let bytes: &[u8] = bytemuck::cast_slice(parts);
+        for r in 0..n {
+            let from = &bytes[r * words * 8..(r + 1) * words * 8];
+            match dtype {
+                Dtype::F32 => {
+                    dequantize::<f32>(from, block, &mut bytemuck::cast_slice_mut(buf.bytes)[r * part..][..part])
+                }
+                Dtype::Bf16 => {
+                    dequantize::<bf16>(from, block, &mut bytemuck::cast_slice_mut(buf.bytes)[r * part..][..part])
+                }
+                Dtype::F16 => {
+                    dequantize::<f16>(from, block, &mut bytemuck::cast_slice_mut(buf.bytes)[r * part..][..part])
+                }
+                Dtype::I64 => unreachable!("refused above"),
+            }
+        }
+        Ok(())
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::threads;
+
+    fn round_trip<T: Float>(values: &[T], block: usize) -> Vec<T> {
+        let mut packed = vec![0u8; packed_bytes(values.len(), block)];
+        quantize(values, block, &mut packed);
+        let mut out = vec![T::from_f32(0.0); values.len()];
+        dequantize(&packed, block, &mut out);
+        out
+    }
+
+    /// Pseudo-random values in [-scale, scale] (splitmix64).
+    fn noise(len: usize, seed: u64, scale: f32) -> Vec<f32> {
+        let mut s = seed;
+        (0..len)
+            .map(|_| {
+                s = s.wrapping_add(0x9e37_79b9_7f4a_7c15);
+                let mut z = s;
+                z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+                z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+                ((z >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+            })
+            .collect()
+    }
+
+    #[test]
+    fn every_value_comes_back_within_half_a_step_of_its_block() {
+        // Blocks of very different magnitudes, and a length that is not a multiple of the block.
+        let block = 64;
+        let mut values = noise(1000, 1, 1.0);
+        values[64..128].iter_mut().for_each(|v| *v *= 1e-6);
+        values[128..192].iter_mut().for_each(|v| *v *= 3e4);
+        let back = round_trip(&values, block);
+        for (b, (vals, outs)) in values.chunks(block).zip(back.chunks(block)).enumerate() {
+            let step = vals.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0;
+            for (v, o) in vals.iter().zip(outs) {
+                assert!((v - o).abs() <= step * 0.5 * (1.0 + 1e-5), "block {b}: {v} came back as {o}, step {step}");
+            }
+            let amax = vals.iter().fold(0f32, |m, v| m.max(v.abs()));
+            assert!(
+                outs.iter().any(|o| (o.abs() - amax).abs() <= amax * 1e-6),
+                "block {b}: its largest value is exact"
+            );
+        }
+        assert_eq!(packed_bytes(1000, 64), 1000 + 4 * 16);
+    }
+
+    #[test]
+    fn zero_blocks_stay_zero_and_non_finite_blocks_become_nan() {
+        let mut values = vec![0f32; 300];
+        values[150] = 2.0;
+        values[260] = f32::INFINITY;
+        let back = round_trip(&values, 100);
+        assert!(back[..100].iter().all(|v| *v == 0.0), "a zero block");
+        assert_eq!(back[150], 2.0);
+        assert!(back[100..200].iter().enumerate().all(|(i, v)| i == 50 || *v == 0.0));
+        assert!(back[200..].iter().all(|v| v.is_nan()), "the block with an infinity");
+        values[260] = f32::NAN;
+        assert!(round_trip(&values, 100)[200..].iter().all(|v| v.is_nan()), "the block with a NaN");
+    }
+
+    #[test]
+    fn bf16_and_fp16_values_round_trip_within_half_a_step_plus_their_rounding() {
+        let values = noise(5000, 7, 3.0);
+        for (name, back, unit) in [
+            (
+                "bf16",
+                round_trip(&values.iter().map(|v| bf16::from_f32(*v)).collect::<Vec<_>>(), BLOCK)
+                    .iter()
+                    .map(|v| v.to_f32())
+                    .collect::<Vec<_>>(),
+                2f32.powi(-8),
+            ),
+            (
+                "fp16",
+                round_trip(&values.iter().map(|v| f16::from_f32(*v)).collect::<Vec<_>>(), BLOCK)
+                    .iter()
+                    .map(|v| v.to_f32())
+                    .collect(),
+                2f32.powi(-11),
+            ),
+        ] {
+            for (block, (vals, outs)) in values.chunks(BLOCK).zip(back.chunks(BLOCK)).enumerate() {
+                let step = vals.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0;
+                for (v, o) in vals.iter().zip(outs) {
+                    // Rounded to the type on the way in, quantized, rounded again on the way out.
+                    let bound = step * 0.5 * (1.0 + 2.0 * unit) + 2.0 * unit * v.abs().max(o.abs());
+                    assert!((v - o).abs() <= bound, "{name} block {block}: {v} came back as {o}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_gather_gives_every_rank_the_same_dequantized_values_at_a_quarter_of_the_bytes() {
+        let (n, part) = (3, 5000);
+        let handles: Vec<_> = threads::group(n, Duration::from_secs(20))
+            .into_iter()
+            .map(|c| {
+                std::thread::spawn(move || {
+                    let r = c.rank();
+                    let mut buf = vec![0f32; n * part];
+                    buf[r * part..(r + 1) * part].copy_from_slice(&noise(part, r as u64, 0.1));
+                    all_gather(&c, BufMut::new(&mut buf), BLOCK).unwrap();
+                    buf
+                })
+            })
+            .collect();
+        let results: Vec<Vec<f32>> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        assert!(results.windows(2).all(|w| w[0] == w[1]), "every rank ends with the same values");
+        for r in 0..n {
+            let original = noise(part, r as u64, 0.1);
+            assert_eq!(&results[0][r * part..(r + 1) * part], round_trip(&original, BLOCK).as_slice(), "part {r}");
+        }
+        assert!(
+            packed_bytes(part, BLOCK) as f64 <= 0.26 * (4 * part) as f64,
+            "int8 and a scale per block: a quarter of fp32"
+        );
+    }
+
+    #[test]
+    fn integers_are_refused() {
+        let c = threads::group(1, Duration::from_secs(1)).pop().unwrap();
+        let mut v = vec![1i64; 4];
+        let e = all_gather(&c, BufMut::new(&mut v), BLOCK).unwrap_err();
+        assert!(e.to_string().contains("integers are not quantized"), "{e}");
+    }
+}
