@@ -268,7 +268,7 @@ fn table() -> Vec<(&'static str, Effect)> {
             Noticed(zero(json!({"use_multi_rank_bucket_allreduce": false}))),
         ),
         ("zero_optimization.zero_hpz_partition_size", Refused(zero(json!({"zero_hpz_partition_size": 2})))),
-        ("zero_optimization.zero_quantized_gradients", Refused(zero(json!({"zero_quantized_gradients": true})))),
+        ("zero_optimization.zero_quantized_gradients", Acted("tests/stage3.rs")),
         (
             "zero_optimization.zero_quantized_nontrainable_weights",
             Refused(zero(json!({"zero_quantized_nontrainable_weights": true}))),

@@ -219,6 +219,25 @@ fn two_launchers_as_two_nodes_match_one_process_at_stages_0_to_3() {
         assert_eq!(losses.len(), 8, "stage {stage}");
         assert_matches(&format!("stage {stage}, {hierarchy}"), &losses, &ref_losses, &out, &reference);
     }
+    // ZeRO++: gradients quantized across hosts (stages 2, 3) and weights in every gather (3) stay within 2% of the
+    // unquantized losses of the same run (`ref_losses`: one process).
+    let ref_values: Vec<f64> = ref_losses.iter().map(|l| l.rsplit(' ').next().unwrap().parse().unwrap()).collect();
+    for (stage, keys) in [
+        (2, r#""zero_quantized_gradients": true"#),
+        (3, r#""zero_quantized_gradients": true, "zero_quantized_weights": true"#),
+    ] {
+        let out = dir.join(format!("nodes-zeropp-stage{stage}.safetensors"));
+        let (losses, _) = run_two_nodes(&mlp, &dir, &format!(r#"{{"stage": {stage}, {keys}}}"#), "auto", &out);
+        assert_eq!(losses.len(), 8, "ZeRO++ stage {stage}");
+        for (step, (l, want)) in losses.iter().zip(&ref_values).enumerate() {
+            let got: f64 = l.rsplit(' ').next().unwrap().parse().unwrap();
+            assert!(
+                (got - want).abs() <= 0.02 * want.abs(),
+                "ZeRO++ stage {stage} step {}: {got} against {want}",
+                step + 1
+            );
+        }
+    }
     for stage in [2, 3] {
         let zero = format!(r#"{{"stage": {stage}}}, "bf16": {{"enabled": true}}"#);
         let runs: Vec<Vec<f64>> = ["flat", "auto"]

@@ -502,25 +502,31 @@ fn a_bare_stage_3_config_sizes_its_buckets_from_the_units_and_saves_what_deepspe
     }
 }
 
-/// `zero_quantized_weights` (ZeRO++ qwZ): every gather carries int8 blocks, so training sees weights within half
-/// a quantization step of the shards' and ends near the unquantized run; what the model's weights are read as
-/// (here `full_parameters`) is gathered exactly, the same on every rank. Below stage 3 the key is refused.
+/// ZeRO++'s quantized communication: with `zero_quantized_weights` every gather carries int8 blocks, so training
+/// sees weights within half a quantization step of the shards'; with `zero_quantized_gradients` the reduce-scatter's
+/// parts do. Either ends near the unquantized run; what the model's weights are read as (here `full_parameters`)
+/// is gathered exactly, the same on every rank. Below their stages the keys are refused.
 #[test]
-fn quantized_weight_gathers_train_near_the_full_precision_run() {
+fn quantized_weight_and_gradient_communication_trains_near_the_full_precision_run() {
     let reference = adamw_reference();
-    for (world, persistence) in [(2, 0), (3, 100000)] {
-        let zero = json!({"zero_quantized_weights": true, "stage3_param_persistence_threshold": persistence});
-        let runs = run(world, config(1, zero), Units::PerLayer, false, &DIMS);
+    let cases = [
+        (2, json!({"zero_quantized_weights": true})),
+        (3, json!({"zero_quantized_weights": true, "stage3_param_persistence_threshold": 100000})),
+        (3, json!({"zero_quantized_gradients": true})),
+        (2, json!({"zero_quantized_weights": true, "zero_quantized_gradients": true})),
+    ];
+    for (world, zero) in cases {
+        let runs = run(world, config(1, zero.clone()), Units::PerLayer, false, &DIMS);
         let d = max_relative_difference(&runs[0].params, &reference);
-        assert!(d > 1e-6 && d < 0.1, "world size {world}, persistence {persistence}: {d:e} from the unquantized run");
+        assert!(d > 1e-6 && d < 0.1, "world size {world}, {zero}: {d:e} from the unquantized run");
         for r in &runs[1..] {
-            assert_eq!(r.params, runs[0].params, "world size {world}: every rank reads the same weights");
+            assert_eq!(r.params, runs[0].params, "world size {world}, {zero}: every rank reads the same weights");
         }
     }
-    let e = Config::from_value(
-        json!({"train_batch_size": 4, "zero_optimization": {"stage": 2, "zero_quantized_weights": true}}),
-    )
-    .unwrap_err()
-    .to_string();
-    assert!(e.contains("zero_optimization.zero_quantized_weights") && e.contains("stage 3"), "{e}");
+    for (stage, key) in [(2, "zero_quantized_weights"), (1, "zero_quantized_gradients")] {
+        let e = Config::from_value(json!({"train_batch_size": 4, "zero_optimization": {"stage": stage, key: true}}))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(&format!("zero_optimization.{key}")) && e.contains(&format!("at stage {stage}")), "{e}");
+    }
 }

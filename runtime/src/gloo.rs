@@ -368,6 +368,43 @@ impl Communicator for GlooComm {
         Ok(())
     }
 
+    /// The reduce-scatter's exchange, every transfer in flight at once; this rank's own part is copied.
+    fn all_to_all_buf(&self, input: BufRef<'_>, output: BufMut<'_>) -> CommResult<()> {
+        const OP: &str = "all_to_all";
+        let part = agreement::equal_parts(OP, self.rank, self.world_size, input.len())?;
+        if output.len() != input.len() || output.dtype != input.dtype {
+            return Err(CommError::BadArgument {
+                op: OP,
+                rank: self.rank,
+                what: format!(
+                    "output has {} {:?} elements, input {} {:?}",
+                    output.len(),
+                    output.dtype,
+                    input.len(),
+                    input.dtype
+                ),
+            });
+        }
+        self.handshake(OP, input.len(), input.dtype)?;
+        if part == 0 {
+            return Ok(());
+        }
+        let (dtype, part_bytes, rank) = (input.dtype, part * input.dtype.size(), self.rank);
+        if self.world_size > 1 {
+            let (i, o) = (input.bytes.as_ptr() as *mut c_void, output.bytes.as_mut_ptr() as *mut c_void);
+            // SAFETY: the input is only read; the output holds world_size parts, the first world_size - 1 of
+            // which take the peers' parts in rank order.
+            self.call(OP, |e, l| unsafe {
+                zr_gloo_exchange_parts(self.group, i, o, part as i64, dtype as c_int, TAG_PARTS, e, l)
+            })?;
+        }
+        // The peers after this rank move up one place, and this rank's own part takes its place.
+        output.bytes.copy_within(rank * part_bytes..(self.world_size - 1) * part_bytes, (rank + 1) * part_bytes);
+        output.bytes[rank * part_bytes..(rank + 1) * part_bytes]
+            .copy_from_slice(&input.bytes[rank * part_bytes..(rank + 1) * part_bytes]);
+        Ok(())
+    }
+
     /// Bandwidth-optimal: this rank's part goes to every peer, each peer's arrives in its place.
     fn all_gather_buf(&self, buf: BufMut<'_>) -> CommResult<()> {
         const OP: &str = "all_gather";

@@ -212,6 +212,27 @@ impl Communicator for CommThread {
         self.submit("all_gather", move |c| c.all_gather_buf(unsafe { raw.buf_mut() })).wait()
     }
 
+    fn all_to_all_buf(&self, input: BufRef<'_>, output: BufMut<'_>) -> CommResult<()> {
+        let i = RawBuf::new(input.bytes.as_ptr() as *mut u8, input.bytes.len(), input.dtype);
+        let o = RawBuf::new(output.bytes.as_mut_ptr(), output.bytes.len(), output.dtype);
+        self.submit("all_to_all", move |c| c.all_to_all_buf(unsafe { i.buf_ref() }, unsafe { o.buf_mut() })).wait()
+    }
+
+    fn reduce_scatter_quantized_buf(
+        &self,
+        input: BufRef<'_>,
+        output: BufMut<'_>,
+        op: ReduceOp,
+        block: usize,
+    ) -> CommResult<()> {
+        let i = RawBuf::new(input.bytes.as_ptr() as *mut u8, input.bytes.len(), input.dtype);
+        let o = RawBuf::new(output.bytes.as_mut_ptr(), output.bytes.len(), output.dtype);
+        self.submit("reduce_scatter", move |c| {
+            c.reduce_scatter_quantized_buf(unsafe { i.buf_ref() }, unsafe { o.buf_mut() }, op, block)
+        })
+        .wait()
+    }
+
     fn broadcast_buf(&self, buf: BufMut<'_>, root: usize) -> CommResult<()> {
         let raw = RawBuf::new(buf.bytes.as_mut_ptr(), buf.bytes.len(), buf.dtype);
         self.submit("broadcast", move |c| c.broadcast_buf(unsafe { raw.buf_mut() }, root)).wait()

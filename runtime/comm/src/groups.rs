@@ -154,6 +154,20 @@ impl Communicator for Named {
         self.named(self.inner.all_gather_buf(buf))
     }
 
+    fn all_to_all_buf(&self, input: BufRef<'_>, output: BufMut<'_>) -> CommResult<()> {
+        self.named(self.inner.all_to_all_buf(input, output))
+    }
+
+    fn reduce_scatter_quantized_buf(
+        &self,
+        input: BufRef<'_>,
+        output: BufMut<'_>,
+        op: ReduceOp,
+        block: usize,
+    ) -> CommResult<()> {
+        self.named(self.inner.reduce_scatter_quantized_buf(input, output, op, block))
+    }
+
     fn forget_gathered_pages(&self) {
         self.inner.forget_gathered_pages()
     }

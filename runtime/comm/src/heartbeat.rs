@@ -88,6 +88,20 @@ impl Communicator for Watched {
         let _waiting = InCollective::enter();
         self.0.broadcast_buf(buf, root)
     }
+    fn all_to_all_buf(&self, input: BufRef<'_>, output: BufMut<'_>) -> CommResult<()> {
+        let _waiting = InCollective::enter();
+        self.0.all_to_all_buf(input, output)
+    }
+    fn reduce_scatter_quantized_buf(
+        &self,
+        input: BufRef<'_>,
+        output: BufMut<'_>,
+        op: ReduceOp,
+        block: usize,
+    ) -> CommResult<()> {
+        let _waiting = InCollective::enter();
+        self.0.reduce_scatter_quantized_buf(input, output, op, block)
+    }
     fn barrier(&self) -> CommResult<()> {
         let _waiting = InCollective::enter();
         self.0.barrier()

@@ -182,6 +182,23 @@ pub trait Communicator: Send {
     fn all_gather_buf(&self, buf: BufMut<'_>) -> CommResult<()>;
     /// Every rank ends with `root`'s `buf`.
     fn broadcast_buf(&self, buf: BufMut<'_>, root: usize) -> CommResult<()>;
+    /// `input` and `output` are `world_size` equal parts: rank r's part q goes to rank q, landing in its part r.
+    /// The default gathers every rank's whole input (world_size times the bytes); gloo exchanges the parts.
+    fn all_to_all_buf(&self, input: BufRef<'_>, output: BufMut<'_>) -> CommResult<()> {
+        quantized::all_to_all_by_gathering(self, input, output)
+    }
+    /// [`Communicator::reduce_scatter_buf`] of floats with the parts that travel quantized to int8 in blocks of
+    /// `block` values (ZeRO++ qgZ), summed in f32 after dequantizing. The default quantizes every part a peer
+    /// receives; the two-level communicator only what crosses hosts.
+    fn reduce_scatter_quantized_buf(
+        &self,
+        input: BufRef<'_>,
+        output: BufMut<'_>,
+        op: ReduceOp,
+        block: usize,
+    ) -> CommResult<()> {
+        quantized::reduce_scatter(self, input, output, op, block)
+    }
     /// Returns once every rank has called it.
     fn barrier(&self) -> CommResult<()>;
     /// Sends `buf` to rank `dst` of this group and returns once `dst` has it (a rendezvous: the receive checks the

@@ -9,7 +9,7 @@ use std::cell::RefCell;
 
 use half::{bf16, f16};
 
-use super::{agreement, BufMut, CommResult, Communicator, Dtype, Element};
+use super::{agreement, BufMut, BufRef, CommError, CommResult, Communicator, Dtype, Element, ReduceOp};
 
 /// Values per scale. DeepSpeed's qwZ uses groups of a few thousand; 4096 keeps the scales 0.1% of the bytes.
 pub const BLOCK: usize = 4096;
@@ -117,7 +117,7 @@ pub fn all_gather(comm: &dyn Communicator, buf: BufMut<'_>, block: usize) -> Com
             Dtype::Bf16 => quantize::<bf16>(&bytemuck::cast_slice(buf.bytes)[rank * part..][..part], block, own),
             Dtype::F16 => quantize::<f16>(&bytemuck::cast_slice(buf.bytes)[rank * part..][..part], block, own),
             Dtype::I64 => {
-                return Err(super::CommError::BadArgument {
+                return Err(CommError::BadArgument {
                     op: OP,
                     rank,
                     what: "integers are not quantized: gather them whole".into(),
@@ -141,6 +141,133 @@ pub fn all_gather(comm: &dyn Communicator, buf: BufMut<'_>, block: usize) -> Com
                 Dtype::I64 => unreachable!("refused above"),
             }
         }
+        Ok(())
+    })
+}
+
+/// [`Communicator::all_to_all_buf`] for any backend: every rank's whole input gathered, this rank's parts picked.
+pub fn all_to_all_by_gathering<C: Communicator + ?Sized>(
+    comm: &C,
+    input: BufRef<'_>,
+    output: BufMut<'_>,
+) -> CommResult<()> {
+    const OP: &str = "all_to_all";
+    let (rank, n) = (comm.rank(), comm.world_size());
+    let part = agreement::equal_parts(OP, rank, n, input.len())?;
+    if output.len() != input.len() || output.dtype != input.dtype {
+        return Err(CommError::BadArgument {
+            op: OP,
+            rank,
+            what: format!(
+                "output has {} {:?} elements, input {} {:?}",
+                output.len(),
+                output.dtype,
+                input.len(),
+                input.dtype
+            ),
+        });
+    }
+    let (whole, part_bytes) = (input.bytes.len(), part * input.dtype.size());
+    let mut all = vec![0u64; (n * whole).div_ceil(8)];
+    let bytes = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut all)[..n * whole];
+    bytes[rank * whole..(rank + 1) * whole].copy_from_slice(input.bytes);
+    comm.all_gather_buf(BufMut { bytes: &mut *bytes, dtype: input.dtype })?;
+    for r in 0..n {
+        let from = r * whole + rank * part_bytes;
+        output.bytes[r * part_bytes..(r + 1) * part_bytes].copy_from_slice(&bytes[from..from + part_bytes]);
+    }
+    Ok(())
+}
+
+thread_local! {
+    /// The packed parts a quantized reduce-scatter sends and receives, reused.
+    static EXCHANGE: RefCell<(Vec<u64>, Vec<u64>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// A reduce-scatter (ZeRO++ qgZ) whose parts travel to their ranks quantized in blocks of `block` values and are
+/// summed in f32, in rank order, after dequantizing; this rank's own part is added exactly. A maximum, and
+/// integers, are reduced unquantized.
+pub fn reduce_scatter<C: Communicator + ?Sized>(
+    comm: &C,
+    input: BufRef<'_>,
+    output: BufMut<'_>,
+    op: ReduceOp,
+    block: usize,
+) -> CommResult<()> {
+    const OP: &str = "quantized reduce_scatter";
+    if op == ReduceOp::Max || input.dtype == Dtype::I64 {
+        return comm.reduce_scatter_buf(input, output, op);
+    }
+    let (rank, n) = (comm.rank(), comm.world_size());
+    let part = agreement::scatter_output(OP, rank, n, &input, &output)?;
+    match input.dtype {
+        Dtype::F32 => reduce_scatter_typed::<f32, C>(
+            comm,
+            bytemuck::cast_slice(input.bytes),
+            bytemuck::cast_slice_mut(output.bytes),
+            part,
+            op,
+            block,
+        ),
+        Dtype::Bf16 => reduce_scatter_typed::<bf16, C>(
+            comm,
+            bytemuck::cast_slice(input.bytes),
+            bytemuck::cast_slice_mut(output.bytes),
+            part,
+            op,
+            block,
+        ),
+        Dtype::F16 => reduce_scatter_typed::<f16, C>(
+            comm,
+            bytemuck::cast_slice(input.bytes),
+            bytemuck::cast_slice_mut(output.bytes),
+            part,
+            op,
+            block,
+        ),
+        Dtype::I64 => unreachable!("reduced unquantized above"),
+    }
+}
+
+fn reduce_scatter_typed<T: Float, C: Communicator + ?Sized>(
+    comm: &C,
+    input: &[T],
+    output: &mut [T],
+    part: usize,
+    op: ReduceOp,
+    block: usize,
+) -> CommResult<()> {
+    let (rank, n) = (comm.rank(), comm.world_size());
+    let words = packed_bytes(part, block).div_ceil(8);
+    EXCHANGE.with(|exchange| {
+        let (sent, received) = &mut *exchange.borrow_mut();
+        for v in [&mut *sent, &mut *received] {
+            if v.len() < n * words {
+                v.resize(n * words, 0);
+            }
+        }
+        let (sent, received) = (&mut sent[..n * words], &mut received[..n * words]);
+        for (q, packed) in sent.chunks_mut(words).enumerate() {
+            if q != rank {
+                quantize(&input[q * part..(q + 1) * part], block, bytemuck::cast_slice_mut(packed));
+            }
+        }
+        comm.all_to_all_buf(
+            BufRef { bytes: bytemuck::cast_slice(sent), dtype: Dtype::I64 },
+            BufMut { bytes: bytemuck::cast_slice_mut(received), dtype: Dtype::I64 },
+        )?;
+        let mut sum = vec![0f32; part];
+        let mut values = vec![0f32; part];
+        for (r, packed) in received.chunks(words).enumerate() {
+            if r == rank {
+                values.iter_mut().zip(&input[rank * part..(rank + 1) * part]).for_each(|(v, x)| *v = x.to_f32());
+            } else {
+                dequantize(bytemuck::cast_slice(packed), block, &mut values);
+            }
+            sum.iter_mut().zip(&values).for_each(|(s, v)| *s += v);
+        }
+        let mean = op == ReduceOp::Avg;
+        output.iter_mut().zip(&sum).for_each(|(o, s)| *o = T::from_f32(if mean { s / n as f32 } else { *s }));
         Ok(())
     })
 }
@@ -267,6 +394,54 @@ mod tests {
             packed_bytes(part, BLOCK) as f64 <= 0.26 * (4 * part) as f64,
             "int8 and a scale per block: a quarter of fp32"
         );
+    }
+
+    /// Runs `f` on `n` thread ranks and returns their results in rank order.
+    fn on_threads<R: Send + 'static>(n: usize, f: impl Fn(&dyn Communicator) -> R + Send + Copy + 'static) -> Vec<R> {
+        let handles: Vec<_> =
+            threads::group(n, Duration::from_secs(20)).into_iter().map(|c| std::thread::spawn(move || f(&c))).collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    }
+
+    #[test]
+    fn all_to_all_sends_each_part_to_its_rank() {
+        let n = 3;
+        let results = on_threads(n, move |c| {
+            let r = c.rank() as f32;
+            let input: Vec<f32> = (0..n * 2).map(|i| r * 100.0 + i as f32).collect();
+            let mut output = vec![0f32; n * 2];
+            c.all_to_all_buf(BufRef::new(&input), BufMut::new(&mut output)).unwrap();
+            output
+        });
+        for (rank, out) in results.iter().enumerate() {
+            let want: Vec<f32> = (0..n).flat_map(|r| [0, 1].map(|j| (r * 100 + rank * 2 + j) as f32)).collect();
+            assert_eq!(out, &want, "rank {rank}");
+        }
+    }
+
+    #[test]
+    fn the_quantized_reduce_scatter_is_within_half_a_step_per_peer_of_the_exact_sum() {
+        let (n, part) = (3, 5000);
+        for op in [ReduceOp::Sum, ReduceOp::Avg] {
+            let results = on_threads(n, move |c| {
+                let input = noise(n * part, c.rank() as u64 + 10, 1.0);
+                let mut out = vec![0f32; part];
+                c.reduce_scatter_quantized_buf(BufRef::new(&input), BufMut::new(&mut out), op, BLOCK).unwrap();
+                out
+            });
+            let inputs: Vec<Vec<f32>> = (0..n).map(|r| noise(n * part, r as u64 + 10, 1.0)).collect();
+            for (rank, out) in results.iter().enumerate() {
+                for (i, o) in out.iter().enumerate() {
+                    let at = rank * part + i;
+                    let exact: f32 = inputs.iter().map(|v| v[at]).sum();
+                    // Each peer's value is within half its block's step (at most 1 / 127 / 2 here) of its own.
+                    let bound = (n - 1) as f32 * 0.5 / 127.0 + 1e-5;
+                    let (exact, bound) =
+                        if op == ReduceOp::Avg { (exact / n as f32, bound / n as f32) } else { (exact, bound) };
+                    assert!((o - exact).abs() <= bound, "{op:?}, rank {rank}, element {i}: {o} against {exact}");
+                }
+            }
+        }
     }
 
     #[test]

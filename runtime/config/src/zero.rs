@@ -104,6 +104,9 @@ pub struct ZeroConfig {
     /// `zero_quantized_weights` (ZeRO++ qwZ, stage 3): parameter all-gathers carry int8 values in blocks with
     /// one scale each; the shard keeps full precision.
     pub zero_quantized_weights: bool,
+    /// `zero_quantized_gradients` (ZeRO++ qgZ, stages 2-3): the gradient reduce-scatter's parts travel as int8
+    /// blocks (across hosts only, when the collectives run in two levels), summed in f32.
+    pub zero_quantized_gradients: bool,
     /// `false`: a parameter without a gradient is an error (stages 2-3).
     pub ignore_unused_parameters: bool,
     /// The `offload_optimizer` section.
@@ -131,7 +134,7 @@ const IGNORED: &[&str] = &[
 ];
 
 /// DeepSpeed ZeRO features zerorun does not have: accepted only while they stay off.
-const UNSUPPORTED_FLAGS: &[&str] = &["zero_quantized_nontrainable_weights", "zero_quantized_gradients"];
+const UNSUPPORTED_FLAGS: &[&str] = &["zero_quantized_nontrainable_weights"];
 
 impl ZeroConfig {
     /// Reads the section. `legacy` is the old boolean form (`"zero_optimization": true` = stage 1).
@@ -214,6 +217,19 @@ impl ZeroConfig {
         let stage3_gather_16bit_weights_on_model_save = s.opt_bool(&gather_keys)?.unwrap_or(false);
         let round_robin_gradients = s.bool("round_robin_gradients", false)?;
         let zero_quantized_weights = s.bool("zero_quantized_weights", false)?;
+        let zero_quantized_gradients = s.bool("zero_quantized_gradients", false)?;
+        if zero_quantized_gradients && (stage < 2 || !reduce_scatter) {
+            let why = if stage < 2 {
+                format!("at stage {stage}: quantized gradient reduce-scatters are stages 2 and 3's")
+            } else {
+                "with reduce_scatter false: the gradients are all-reduced, which is not quantized".into()
+            };
+            return Err(ConfigError::Invalid {
+                path: s.path_of("zero_quantized_gradients"),
+                value: "true".into(),
+                allowed: format!("`false` {why}"),
+            });
+        }
         if zero_quantized_weights && stage != 3 {
             return Err(ConfigError::Invalid {
                 path: s.path_of("zero_quantized_weights"),
@@ -302,6 +318,7 @@ impl ZeroConfig {
             stage3_gather_16bit_weights_on_model_save,
             round_robin_gradients,
             zero_quantized_weights,
+            zero_quantized_gradients,
             ignore_unused_parameters,
             offload_optimizer,
             offload_param,

@@ -248,25 +248,74 @@ pub fn reduce_scatter(
             return Ok(());
         }
     }
+    on_host_pair(residence, t, out, |t, out| {
+        // SAFETY: the engine's buffers or this call's host copies, disjoint (checked), untouched by anything else
+        // during the blocking call.
+        unsafe {
+            match t.kind() {
+                Kind::BFloat16 => comm.reduce_scatter(slice::<bf16>(t), slice::<bf16>(out), op),
+                Kind::Half => comm.reduce_scatter(slice::<f16>(t), slice::<f16>(out), op),
+                _ => comm.reduce_scatter(slice::<f32>(t), slice::<f32>(out), op),
+            }
+        }
+    })
+}
+
+/// [`reduce_scatter`] with the parts that travel quantized to int8 blocks (`zero_quantized_gradients`; see
+/// [`crate::comm::quantized`]). On host memory: device tensors are staged through host copies.
+pub fn reduce_scatter_quantized(
+    residence: Residence,
+    comm: &dyn Communicator,
+    t: &Tensor,
+    out: &Tensor,
+    op: ReduceOp,
+    block: usize,
+) -> CommResult<()> {
+    use crate::comm::{BufMut, BufRef};
+    check_disjoint(t, out);
+    on_host_pair(residence, t, out, |t, out| {
+        // SAFETY: as in `reduce_scatter`.
+        unsafe {
+            match t.kind() {
+                Kind::BFloat16 => comm.reduce_scatter_quantized_buf(
+                    BufRef::new(slice::<bf16>(t)),
+                    BufMut::new(slice::<bf16>(out)),
+                    op,
+                    block,
+                ),
+                Kind::Half => comm.reduce_scatter_quantized_buf(
+                    BufRef::new(slice::<f16>(t)),
+                    BufMut::new(slice::<f16>(out)),
+                    op,
+                    block,
+                ),
+                _ => comm.reduce_scatter_quantized_buf(
+                    BufRef::new(slice::<f32>(t)),
+                    BufMut::new(slice::<f32>(out)),
+                    op,
+                    block,
+                ),
+            }
+        }
+    })
+}
+
+/// Runs `f` on `t` and `out` where they are in host memory, else on host copies (the output's copied back).
+fn on_host_pair(
+    residence: Residence,
+    t: &Tensor,
+    out: &Tensor,
+    f: impl FnOnce(&Tensor, &Tensor) -> CommResult<()>,
+) -> CommResult<()> {
     if residence.on_device(t) || residence.on_device(out) {
         let host =
             crate::engine::device::staging::host_copy(t).map_err(staging_error("copying a tensor to host memory"))?;
         let host_out = crate::engine::device::staging::host_buffer(out.numel(), out.kind(), out.device())
             .map_err(staging_error("a host buffer for a collective's output"))?;
-        // SAFETY: two buffers of this call's own.
-        unsafe { reduce_scatter_views(comm, host.values(), host_out.values(), op) }?;
+        f(host.values(), host_out.values())?;
         return copy_back(out, host_out.values());
     }
-    // SAFETY: see above; the two buffers are disjoint (checked).
-    unsafe { reduce_scatter_views(comm, t, out, op) }
-}
-
-unsafe fn reduce_scatter_views(comm: &dyn Communicator, t: &Tensor, out: &Tensor, op: ReduceOp) -> CommResult<()> {
-    match t.kind() {
-        Kind::BFloat16 => comm.reduce_scatter(slice::<bf16>(t), slice::<bf16>(out), op),
-        Kind::Half => comm.reduce_scatter(slice::<f16>(t), slice::<f16>(out), op),
-        _ => comm.reduce_scatter(slice::<f32>(t), slice::<f32>(out), op),
-    }
+    f(t, out)
 }
 
 /// `acc[i] += t[i]` in f32, whatever `t`'s kind.

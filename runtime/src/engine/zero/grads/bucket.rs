@@ -32,6 +32,8 @@ pub(crate) struct Reduction {
     pub local: bool,
     /// Where the buckets live (the engine's residence).
     pub residence: Residence,
+    /// `zero_quantized_gradients`: the reduce-scatter's parts travel as int8 blocks of this many values.
+    pub quantized: Option<usize>,
 }
 
 impl Reduction {
@@ -49,7 +51,23 @@ impl Reduction {
             (ReduceOp::Avg, None, None)
         };
         let local = config.async_training.is_local();
-        Reduction { op, pre, post, scatter: config.zero_optimization.reduce_scatter, rank, local, residence }
+        let quantized = config.zero_optimization.zero_quantized_gradients.then_some(crate::comm::quantized::BLOCK);
+        Reduction { op, pre, post, scatter: config.zero_optimization.reduce_scatter, rank, local, residence, quantized }
+    }
+}
+
+impl Reduction {
+    /// The bucket's reduce-scatter, quantized when the gradients' are.
+    fn reduce_scatter(
+        &self,
+        comm: &dyn crate::comm::Communicator,
+        staged: &Tensor,
+        out: &Tensor,
+    ) -> crate::comm::CommResult<()> {
+        match self.quantized {
+            Some(block) => views::reduce_scatter_quantized(self.residence, comm, staged, out, self.op, block),
+            None => views::reduce_scatter(self.residence, comm, staged, out, self.op),
+        }
     }
 }
 
@@ -105,12 +123,11 @@ impl Bucket {
             Some(thread) => {
                 // The job holds its own handles to both tensors, so their storage outlives it; the queue does not
                 // touch this half or this output again before `finish` waits.
-                let (staged, out, op, at) =
-                    (self.staged.shallow_clone(), self.out.shallow_clone(), how.op, how.residence);
-                Some(thread.submit("reduce_scatter", move |c| views::reduce_scatter(at, c, &staged, &out, op)))
+                let (staged, out, how) = (self.staged.shallow_clone(), self.out.shallow_clone(), *how);
+                Some(thread.submit("reduce_scatter", move |c| how.reduce_scatter(c, &staged, &out)))
             }
             None => {
-                views::reduce_scatter(how.residence, comm.as_ref(), &self.staged, &self.out, how.op)?;
+                how.reduce_scatter(comm.as_ref(), &self.staged, &self.out)?;
                 None
             }
         };
