@@ -509,11 +509,20 @@ fn a_bare_stage_3_config_sizes_its_buckets_from_the_units_and_saves_what_deepspe
 #[test]
 fn quantized_weight_and_gradient_communication_trains_near_the_full_precision_run() {
     let reference = adamw_reference();
+    let nvme = std::env::temp_dir().join(format!("zerorun-qwz-nvme-{}", std::process::id()));
+    std::fs::create_dir_all(&nvme).unwrap();
     let cases = [
         (2, json!({"zero_quantized_weights": true})),
         (3, json!({"zero_quantized_weights": true, "stage3_param_persistence_threshold": 100000})),
         (3, json!({"zero_quantized_gradients": true})),
         (2, json!({"zero_quantized_weights": true, "zero_quantized_gradients": true})),
+        // Where the shards live does not matter to the collectives: optimizer on the CPU, parameters on NVMe.
+        (
+            2,
+            json!({"zero_quantized_weights": true, "zero_quantized_gradients": true,
+                   "offload_optimizer": {"device": "cpu"},
+                   "offload_param": {"device": "nvme", "nvme_path": nvme.clone()}}),
+        ),
     ];
     for (world, zero) in cases {
         let runs = run(world, config(1, zero.clone()), Units::PerLayer, false, &DIMS);
@@ -523,6 +532,7 @@ fn quantized_weight_and_gradient_communication_trains_near_the_full_precision_ru
             assert_eq!(r.params, runs[0].params, "world size {world}, {zero}: every rank reads the same weights");
         }
     }
+    std::fs::remove_dir_all(&nvme).unwrap();
     for (stage, key) in [(2, "zero_quantized_weights"), (1, "zero_quantized_gradients")] {
         let e = Config::from_value(json!({"train_batch_size": 4, "zero_optimization": {"stage": stage, key: true}}))
             .unwrap_err()

@@ -60,20 +60,41 @@ pub fn quantize<T: Float>(values: &[T], block: usize, out: &mut [u8]) {
     for ((block_values, block_q), scale_bytes) in
         values.chunks(block).zip(q.chunks_mut(block)).zip(scales.chunks_exact_mut(4))
     {
-        let amax = block_values.iter().fold(0f32, |m, v| {
-            let a = v.to_f32().abs();
-            // NaN must win the fold (f32::max would drop it).
-            if a.is_nan() || m.is_nan() {
-                f32::NAN
-            } else {
-                m.max(a)
+        // Eight lanes, branch-free, so the loop vectorizes: `x * 0` is NaN exactly when x is NaN or infinite.
+        const LANES: usize = 8;
+        let (mut amax, mut poison) = ([0f32; LANES], [0f32; LANES]);
+        let mut lanes = block_values.chunks_exact(LANES);
+        for eight in &mut lanes {
+            for i in 0..LANES {
+                let x = eight[i].to_f32();
+                amax[i] = if x.abs() > amax[i] { x.abs() } else { amax[i] };
+                poison[i] += x * 0.0;
             }
-        });
-        let scale = if amax.is_finite() { amax / 127.0 } else { f32::NAN };
-        let inverse = if scale > 0.0 { 1.0 / scale } else { 0.0 };
-        for (v, q) in block_values.iter().zip(block_q.iter_mut()) {
-            let x = if scale.is_nan() { 0.0 } else { (v.to_f32() * inverse).round().clamp(-127.0, 127.0) };
-            *q = x as i8 as u8;
+        }
+        for (i, v) in lanes.remainder().iter().enumerate() {
+            let x = v.to_f32();
+            amax[i] = if x.abs() > amax[i] { x.abs() } else { amax[i] };
+            poison[i] += x * 0.0;
+        }
+        let amax = amax.iter().fold(0f32, |m, a| m.max(*a));
+        let poisoned = poison.iter().any(|p| p.is_nan());
+        let scale = if poisoned { f32::NAN } else { amax / 127.0 };
+        let inverse = 1.0 / scale;
+        if poisoned || scale == 0.0 {
+            block_q.fill(0);
+        } else if inverse.is_finite() {
+            // Round to nearest (ties to even) by the float trick: adding 1.5 x 2^23 leaves an integer (|y| <= 127).
+            const ROUND: f32 = 12_582_912.0;
+            for (v, q) in block_values.iter().zip(block_q.iter_mut()) {
+                let y = (v.to_f32() * inverse).clamp(-127.0, 127.0);
+                // SAFETY: the value and the inverse are finite, so y is an integer in [-127, 127].
+                *q = unsafe { ((y + ROUND) - ROUND).to_int_unchecked::<i32>() } as i8 as u8;
+            }
+        } else {
+            // A subnormal scale, whose inverse overflows: divide instead.
+            for (v, q) in block_values.iter().zip(block_q.iter_mut()) {
+                *q = (v.to_f32() / scale).clamp(-127.0, 127.0).round() as i32 as i8 as u8;
+            }
         }
         scale_bytes.copy_from_slice(&scale.to_le_bytes());
     }
@@ -321,6 +342,16 @@ mod tests {
             );
         }
         assert_eq!(packed_bytes(1000, 64), 1000 + 4 * 16);
+    }
+
+    #[test]
+    fn subnormal_blocks_round_trip_too() {
+        let values: Vec<f32> = (0..100).map(|i| (i as f32 - 50.0) * 1e-42).collect();
+        let back = round_trip(&values, 100);
+        let step = 50e-42f32 / 127.0;
+        for (v, o) in values.iter().zip(&back) {
+            assert!(o.is_finite() && (v - o).abs() <= step, "{v} came back as {o}");
+        }
     }
 
     #[test]
