@@ -267,7 +267,7 @@ fn table() -> Vec<(&'static str, Effect)> {
             "zero_optimization.use_multi_rank_bucket_allreduce",
             Noticed(zero(json!({"use_multi_rank_bucket_allreduce": false}))),
         ),
-        ("zero_optimization.zero_hpz_partition_size", Refused(zero(json!({"zero_hpz_partition_size": 2})))),
+        ("zero_optimization.zero_hpz_partition_size", Acted("tests/stage3.rs")),
         ("zero_optimization.zero_quantized_gradients", Acted("tests/stage3.rs")),
         (
             "zero_optimization.zero_quantized_nontrainable_weights",

@@ -7,7 +7,8 @@ use std::time::Duration;
 use serde_json::{json, Value};
 use tch::nn::Module;
 use tch::Tensor;
-use zerorun::runtime::comm::threads;
+use zerorun::runtime::comm::hierarchical::Hierarchical;
+use zerorun::runtime::comm::{threads, Communicator};
 use zerorun::{Config, Engine, EngineOptions, Whole};
 
 #[path = "common/mlp.rs"]
@@ -51,8 +52,38 @@ fn run(world: usize, config: Config, units: Units, checkpointing: bool, dims: &[
 }
 
 fn run_with(world: usize, config: Config, units: Units, options: EngineOptions, dims: &[i64]) -> Vec<RankRun> {
+    let comms =
+        threads::group(world, Duration::from_secs(60)).into_iter().map(|c| Box::new(c) as Box<dyn Communicator>);
+    run_on(comms.collect(), config, units, options, dims)
+}
+
+/// `hosts` x `per_host` thread ranks whose collectives run in two levels, as across hosts.
+fn two_level_comms(hosts: usize, per_host: usize) -> Vec<Box<dyn Communicator>> {
+    let t = Duration::from_secs(60);
+    let n = hosts * per_host;
+    let mut worlds: Vec<Option<_>> = threads::group(n, t).into_iter().map(Some).collect();
+    let mut locals: Vec<Option<_>> = (0..hosts).flat_map(|_| threads::group(per_host, t)).map(Some).collect();
+    let mut crosses: Vec<Vec<Option<_>>> =
+        (0..per_host).map(|_| threads::group(hosts, t).into_iter().map(Some).collect()).collect();
+    (0..n)
+        .map(|r| {
+            let (world, local) = (worlds[r].take().unwrap(), locals[r].take().unwrap());
+            let cross = crosses[r % per_host][r / per_host].take().unwrap();
+            Box::new(Hierarchical::new(Box::new(world), Box::new(local), Box::new(cross)).unwrap())
+                as Box<dyn Communicator>
+        })
+        .collect()
+}
+
+fn run_on(
+    comms: Vec<Box<dyn Communicator>>,
+    config: Config,
+    units: Units,
+    options: EngineOptions,
+    dims: &[i64],
+) -> Vec<RankRun> {
+    let world = comms.len();
     let (xv, yv) = data();
-    let comms = threads::group(world, Duration::from_secs(60));
     let dims = dims.to_vec();
     std::thread::scope(|s| {
         let hs: Vec<_> = comms
@@ -69,7 +100,7 @@ fn run_with(world: usize, config: Config, units: Units, options: EngineOptions, 
                         Units::Whole => &whole,
                     };
                     let options = options.units_of(model);
-                    let mut engine = Engine::new(&vs, config, Box::new(comm), options).unwrap();
+                    let mut engine = Engine::new(&vs, config, comm, options).unwrap();
                     let b = engine.batch_sizes();
                     let (rank, micro) = (engine.rank() as i64, b.train_micro_batch_size_per_gpu as i64);
                     let mut volume_per_step = 0;
@@ -539,4 +570,48 @@ fn quantized_weight_and_gradient_communication_trains_near_the_full_precision_ru
             .to_string();
         assert!(e.contains(&format!("zero_optimization.{key}")) && e.contains(&format!("at stage {stage}")), "{e}");
     }
+}
+
+/// hpZ (`zero_hpz_partition_size`) on 2 hosts x 2 thread ranks in two levels: the first gather of each unit after a
+/// step keeps this rank's half of it, and the unit's later gathers (backward's) come from the host's two halves.
+/// The values are the same, so the run equals the two-level run without hpZ bitwise (and one rank's within the
+/// two levels' reduction order); the halves count among the gathered bytes, so the peak grows by at most half the
+/// model. A partition size that is not a host's ranks is an error naming the key; without a host level the key
+/// has no effect.
+#[test]
+fn hpz_gathers_from_the_host_copies_and_matches_the_run_without() {
+    let dims = [IN, 64, 64, OUT];
+    let one = run(1, config(1, json!({})), Units::PerLayer, false, &dims);
+    let plain = run_on(two_level_comms(2, 2), config(1, json!({})), Units::PerLayer, Default::default(), &dims);
+    let hpz_config = config(1, json!({"zero_hpz_partition_size": 2}));
+    let hpz = run_on(two_level_comms(2, 2), hpz_config.clone(), Units::PerLayer, Default::default(), &dims);
+    let psi_bytes: usize = dims.windows(2).map(|w| ((w[0] * w[1] + w[1]) as usize).div_ceil(4) * 4 * 4).sum();
+    for (rank, r) in hpz.iter().enumerate() {
+        assert_eq!(r.params, plain[rank].params, "rank {rank}: hpZ changes no value");
+        let d = max_relative_difference(&r.params, &one[0].params);
+        assert!(d <= 1e-4, "rank {rank}: {d:e} from one rank");
+        let extra = r.peak_gathered as i64 - plain[rank].peak_gathered as i64;
+        assert!(extra > 0 && extra as usize <= psi_bytes / 2, "rank {rank}: hpZ added {extra} gathered bytes");
+    }
+    let errors: Vec<String> = std::thread::scope(|s| {
+        let hs: Vec<_> = two_level_comms(2, 2)
+            .into_iter()
+            .map(|comm| {
+                s.spawn(move || {
+                    let (vs, layers) = init_layers(&dims);
+                    let options = EngineOptions::default().units_of(&layers);
+                    let bad = config(1, json!({"zero_hpz_partition_size": 4}));
+                    Engine::new(&vs, bad, comm, options).err().map(|e| e.to_string()).unwrap_or_default()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for e in errors {
+        assert!(e.contains("zero_optimization.zero_hpz_partition_size is 4, but each host runs 2 ranks"), "{e:?}");
+    }
+    // One level (plain thread ranks): no effect, the same result as without the key.
+    let flat = run(2, hpz_config, Units::PerLayer, false, &dims);
+    let without = run(2, config(1, json!({})), Units::PerLayer, false, &dims);
+    assert_eq!(flat[0].params, without[0].params);
 }

@@ -17,6 +17,7 @@ pub struct CommThread {
     world_size: usize,
     shared_buffers: bool,
     independent_groups: bool,
+    host_layout: Option<(usize, usize)>,
     jobs: Option<Sender<Job>>,
     thread: Option<JoinHandle<Box<dyn Communicator>>>,
 }
@@ -78,6 +79,7 @@ impl CommThread {
     pub fn spawn(comm: Box<dyn Communicator>) -> CommThread {
         let (rank, world_size, shared_buffers) = (comm.rank(), comm.world_size(), comm.prefers_shared_buffers());
         let independent_groups = comm.independent_groups();
+        let host_layout = comm.host_layout();
         let (tx, rx) = channel::<Job>();
         let thread = std::thread::Builder::new()
             .name(format!("zerorun-comm-{rank}"))
@@ -88,7 +90,15 @@ impl CommThread {
                 comm
             })
             .expect("spawning the communication thread");
-        CommThread { rank, world_size, shared_buffers, independent_groups, jobs: Some(tx), thread: Some(thread) }
+        CommThread {
+            rank,
+            world_size,
+            shared_buffers,
+            independent_groups,
+            host_layout,
+            jobs: Some(tx),
+            thread: Some(thread),
+        }
     }
 
     /// Queues `f` to run on the communication thread after everything submitted before it.
@@ -193,6 +203,15 @@ impl Communicator for CommThread {
 
     fn independent_groups(&self) -> bool {
         self.independent_groups
+    }
+
+    fn host_layout(&self) -> Option<(usize, usize)> {
+        self.host_layout
+    }
+
+    fn host_all_gather_buf(&self, buf: BufMut<'_>) -> CommResult<()> {
+        let raw = RawBuf::new(buf.bytes.as_mut_ptr(), buf.bytes.len(), buf.dtype);
+        self.submit("all_gather", move |c| c.host_all_gather_buf(unsafe { raw.buf_mut() })).wait()
     }
 
     fn all_reduce_buf(&self, buf: BufMut<'_>, op: ReduceOp) -> CommResult<()> {

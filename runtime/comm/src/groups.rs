@@ -158,6 +158,14 @@ impl Communicator for Named {
         self.named(self.inner.all_to_all_buf(input, output))
     }
 
+    fn host_layout(&self) -> Option<(usize, usize)> {
+        self.inner.host_layout()
+    }
+
+    fn host_all_gather_buf(&self, buf: BufMut<'_>) -> CommResult<()> {
+        self.named(self.inner.host_all_gather_buf(buf))
+    }
+
     fn reduce_scatter_quantized_buf(
         &self,
         input: BufRef<'_>,

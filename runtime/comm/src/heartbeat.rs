@@ -88,6 +88,13 @@ impl Communicator for Watched {
         let _waiting = InCollective::enter();
         self.0.broadcast_buf(buf, root)
     }
+    fn host_layout(&self) -> Option<(usize, usize)> {
+        self.0.host_layout()
+    }
+    fn host_all_gather_buf(&self, buf: BufMut<'_>) -> CommResult<()> {
+        let _waiting = InCollective::enter();
+        self.0.host_all_gather_buf(buf)
+    }
     fn all_to_all_buf(&self, input: BufRef<'_>, output: BufMut<'_>) -> CommResult<()> {
         let _waiting = InCollective::enter();
         self.0.all_to_all_buf(input, output)

@@ -236,6 +236,14 @@ impl Communicator for Hierarchical {
         self.world.all_to_all_buf(input, output)
     }
 
+    fn host_layout(&self) -> Option<(usize, usize)> {
+        Some((self.local.rank(), self.per_host()))
+    }
+
+    fn host_all_gather_buf(&self, buf: BufMut<'_>) -> CommResult<()> {
+        self.local.all_gather_buf(buf)
+    }
+
     fn broadcast_buf(&self, buf: BufMut<'_>, root: usize) -> CommResult<()> {
         self.world.broadcast_buf(buf, root)
     }

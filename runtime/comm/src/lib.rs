@@ -233,6 +233,20 @@ pub trait Communicator: Send {
     fn window(&self, _local: &mut [u8]) -> CommResult<Option<Vec<usize>>> {
         Ok(None)
     }
+    /// When the collectives run in two levels ([`hierarchical`]): this rank's place on its host and the host's
+    /// ranks, for what may stay inside a host (hpZ's secondary partition); None otherwise.
+    fn host_layout(&self) -> Option<(usize, usize)> {
+        None
+    }
+    /// An all-gather among this host's ranks only (`buf` is [`Communicator::host_layout`]'s ranks-per-host parts).
+    /// An error where there is no host level.
+    fn host_all_gather_buf(&self, _buf: BufMut<'_>) -> CommResult<()> {
+        Err(CommError::BadArgument {
+            op: "host all_gather",
+            rank: self.rank(),
+            what: "this group's collectives have no host level".into(),
+        })
+    }
     /// Whether the groups `split` and `new_group` make from this one may be used from different threads at once
     /// (each group by one thread): gloo's (each its own process group), not MPI's (initialised serialized).
     fn independent_groups(&self) -> bool {

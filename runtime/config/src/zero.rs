@@ -107,6 +107,9 @@ pub struct ZeroConfig {
     /// `zero_quantized_gradients` (ZeRO++ qgZ, stages 2-3): the gradient reduce-scatter's parts travel as int8
     /// blocks (across hosts only, when the collectives run in two levels), summed in f32.
     pub zero_quantized_gradients: bool,
+    /// `zero_hpz_partition_size` (ZeRO++ hpZ, stage 3; 1 = off): a secondary copy of each gathered unit, split
+    /// over a host's ranks, serves the unit's later gathers until the next step from inside the host.
+    pub zero_hpz_partition_size: u64,
     /// `false`: a parameter without a gradient is an error (stages 2-3).
     pub ignore_unused_parameters: bool,
     /// The `offload_optimizer` section.
@@ -288,13 +291,28 @@ impl ZeroConfig {
                 });
             }
         }
-        for (key, off) in [("zero_hpz_partition_size", 1u64), ("mics_shard_size", 0)] {
+        let zero_hpz_partition_size = s.uint("zero_hpz_partition_size", 1)?;
+        if zero_hpz_partition_size == 0 || (zero_hpz_partition_size > 1 && stage != 3) {
+            return Err(ConfigError::Invalid {
+                path: s.path_of("zero_hpz_partition_size"),
+                value: zero_hpz_partition_size.to_string(),
+                allowed: format!(
+                    "1 (off){}",
+                    if stage == 3 {
+                        ", or the ranks of a host"
+                    } else {
+                        " below stage 3: the secondary partition is of stage 3's gathered parameters"
+                    }
+                ),
+            });
+        }
+        for (key, off) in [("mics_shard_size", 0u64)] {
             let v = s.opt_int(key)?;
             if let Some(v) = v.filter(|&v| v > off as i64) {
                 return Err(ConfigError::Invalid {
                     path: s.path_of(key),
                     value: v.to_string(),
-                    allowed: "zerorun does not implement hierarchical or MiCS partitioning; remove the key".into(),
+                    allowed: "zerorun does not implement shard groups (MiCS) yet; remove the key".into(),
                 });
             }
         }
@@ -319,6 +337,7 @@ impl ZeroConfig {
             round_robin_gradients,
             zero_quantized_weights,
             zero_quantized_gradients,
+            zero_hpz_partition_size,
             ignore_unused_parameters,
             offload_optimizer,
             offload_param,

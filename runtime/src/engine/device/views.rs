@@ -217,6 +217,25 @@ unsafe fn all_gather_views(comm: &dyn Communicator, t: &Tensor) -> CommResult<()
     }
 }
 
+/// [`all_gather`] among this host's ranks only (hpZ's secondary partition; see
+/// [`Communicator::host_all_gather_buf`]): `t` is the host's ranks' equal parts.
+pub fn all_gather_in_host(residence: Residence, comm: &dyn Communicator, t: &Tensor) -> CommResult<()> {
+    use crate::comm::BufMut;
+    // SAFETY: as in `all_reduce`.
+    in_place(
+        residence,
+        t,
+        |_| Ok(false),
+        |h| unsafe {
+            match h.kind() {
+                Kind::BFloat16 => comm.host_all_gather_buf(BufMut::new(slice::<bf16>(h))),
+                Kind::Half => comm.host_all_gather_buf(BufMut::new(slice::<f16>(h))),
+                _ => comm.host_all_gather_buf(BufMut::new(slice::<f32>(h))),
+            }
+        },
+    )
+}
+
 /// [`all_gather`] with every rank's part block-quantized to int8 on the way (`zero_quantized_weights`; see
 /// [`crate::comm::quantized`]). On host memory: a device tensor is staged through a host copy.
 pub fn all_gather_quantized(residence: Residence, comm: &dyn Communicator, t: &Tensor, block: usize) -> CommResult<()> {

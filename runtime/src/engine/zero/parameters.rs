@@ -52,13 +52,18 @@ impl Parameters {
     pub fn gather(&mut self, i: usize, comm: &dyn Communicator, volume: &mut CommVolume) -> Result<()> {
         match self.units[i].state() {
             UnitState::Gathered => {}
-            UnitState::Gathering => self.units[i].finish_gather()?,
+            UnitState::Gathering => {
+                let kept = self.units[i].host_copy_bytes();
+                self.units[i].finish_gather()?;
+                self.gathered.add(self.units[i].host_copy_bytes() - kept);
+            }
             UnitState::Sharded => {
+                let kept = self.units[i].host_copy_bytes();
                 let chunk = self.unit_chunk(i, comm.world_size())?;
                 let gathered = self.units[i].gather(comm, &chunk);
                 self.recycle(chunk);
                 volume.all_gather_elements += gathered? as u64;
-                self.gathered.add(self.units[i].full_bytes());
+                self.gathered.add(self.units[i].full_bytes() + self.units[i].host_copy_bytes() - kept);
             }
         }
         if let Some(frozen) = self.frozen_units.as_mut() {
@@ -76,6 +81,8 @@ impl Parameters {
     /// holds dequantized values, so it is gathered again, exactly): what saving the model reads.
     pub fn gather_exact(&mut self, i: usize, comm: &dyn Communicator, volume: &mut CommVolume) -> Result<()> {
         let Some(block) = self.units[i].take_quantized() else { return self.gather(i, comm, volume) };
+        // An hpZ host copy of a quantized gather holds dequantized values.
+        self.gathered.current -= self.units[i].drop_host_copy();
         let exact = (|| {
             let was_sharded = self.units[i].state() == UnitState::Sharded;
             self.gather(i, comm, volume)?;
@@ -185,6 +192,10 @@ impl Parameters {
 
     /// After an optimizer step: units that stay gathered take the new values of every rank's shard.
     pub fn refresh_gathered(&mut self, comm: &dyn Communicator, volume: &mut CommVolume) -> Result<()> {
+        // hpZ's host copies hold the old values.
+        for unit in &mut self.units {
+            self.gathered.current -= unit.drop_host_copy();
+        }
         for i in 0..self.units.len() {
             if self.units[i].state() != UnitState::Gathered {
                 continue;

@@ -47,6 +47,10 @@ pub struct ShardedUnit {
     residence: Residence,
     /// `zero_quantized_weights`: gathers carry int8 blocks of this many values, one scale each.
     quantized_block: Option<usize>,
+    /// `zero_hpz_partition_size` (hpZ): this rank's place on its host and the host's ranks; the first gather
+    /// after a step keeps this rank's piece of the unit (`host_copy`), from which the host's ranks gather it again.
+    host_piece: Option<(usize, usize)>,
+    host_copy: Option<Tensor>,
 }
 
 impl ShardedUnit {
@@ -92,6 +96,8 @@ impl ShardedUnit {
             in_place: false,
             residence,
             quantized_block: None,
+            host_piece: None,
+            host_copy: None,
         })
     }
 
@@ -154,12 +160,56 @@ impl ShardedUnit {
             in_place: true,
             residence,
             quantized_block: None,
+            host_piece: None,
+            host_copy: None,
         }
     }
 
     /// Quantizes this unit's gathers from now on (`zero_quantized_weights`): int8 in blocks of `block` values.
     pub fn quantize_gathers(&mut self, block: usize) {
         self.quantized_block = Some(block);
+    }
+
+    /// hpZ: from now on the unit's first gather after each step keeps this rank's piece of the host's `per_host`
+    /// (`local` is this rank's place on its host), and later gathers until the step stay inside the host.
+    pub fn keep_host_copies(&mut self, local: usize, per_host: usize) {
+        self.host_piece = Some((local, per_host));
+    }
+
+    /// Bytes of this unit's host copy (hpZ), 0 without one.
+    pub fn host_copy_bytes(&self) -> usize {
+        self.host_copy.as_ref().map_or(0, |t| t.numel() * t.kind().elt_size_in_bytes())
+    }
+
+    /// After an optimizer step the host copy holds old values: dropped. Returns the bytes freed.
+    pub fn drop_host_copy(&mut self) -> usize {
+        let bytes = self.host_copy_bytes();
+        self.host_copy = None;
+        bytes
+    }
+
+    /// This rank's piece of the unit for its host's gathers: the range of the full buffer.
+    fn host_range(&self) -> Option<std::ops::Range<i64>> {
+        let (local, per_host) = self.host_piece?;
+        let piece = (self.span.range.len() / per_host) as i64;
+        Some(local as i64 * piece..(local as i64 + 1) * piece)
+    }
+
+    /// Keeps this rank's piece of a freshly gathered unit (hpZ) unless it has one. Returns the bytes kept.
+    fn keep_host_copy(&mut self) -> Result<usize> {
+        let Some(r) = self.host_range().filter(|_| self.host_copy.is_none() && !self.persistent) else { return Ok(0) };
+        let piece = self.full.narrow(0, r.start, r.end - r.start);
+        let copy = piece.f_empty_like()?;
+        tch::no_grad(|| copy.shallow_clone().f_copy_(&piece))?;
+        self.host_copy = Some(copy);
+        Ok(self.host_copy_bytes())
+    }
+
+    /// Puts the host copy (hpZ) in its place in the full buffer; whether there was one.
+    fn put_host_copy(&self) -> Result<bool> {
+        let (Some(r), Some(copy)) = (self.host_range(), self.host_copy.as_ref()) else { return Ok(false) };
+        tch::no_grad(|| self.full.narrow(0, r.start, r.end - r.start).f_copy_(copy))?;
+        Ok(true)
     }
 
     /// Takes the quantization off this unit's gathers (for an exact gather), returning what it was.
@@ -216,7 +266,12 @@ impl ShardedUnit {
             self.point_params_at_views();
             return Ok(0);
         }
-        self.fill_from(comm, Some(chunk))?;
+        if self.put_host_copy()? {
+            views::all_gather_in_host(self.residence, comm, &self.full)?;
+        } else {
+            self.fill_from(comm, Some(chunk))?;
+            self.keep_host_copy()?;
+        }
         // The peers free their copies of this unit soon: their pages need not stay in this resident set.
         comm.forget_gathered_pages();
         self.point_params_at_views();
@@ -227,6 +282,7 @@ impl ShardedUnit {
     pub fn finish_gather(&mut self) -> Result<()> {
         debug_assert_eq!(self.state, UnitState::Gathering);
         self.pending.take().expect("a gathering unit has a handle").wait()?;
+        self.keep_host_copy()?;
         self.point_params_at_views();
         Ok(())
     }
@@ -249,12 +305,19 @@ impl ShardedUnit {
             self.point_params_at_views();
             return Ok(0);
         }
-        self.put_chunk(thread.rank(), thread.world_size(), chunk)?;
+        let in_host = self.put_host_copy()?;
+        if !in_host {
+            self.put_chunk(thread.rank(), thread.world_size(), chunk)?;
+        }
         // The job holds its own handle to the buffer, so the storage outlives it; nothing here reads, writes or
         // resizes the buffer until `finish_gather` waits (release finishes a Gathering unit first).
         let (full, residence, quantized) = (self.full.shallow_clone(), self.residence, self.quantized_block);
         let handle = thread.submit("all_gather", move |c| {
-            gather_into(residence, c, &full, quantized)?;
+            if in_host {
+                views::all_gather_in_host(residence, c, &full)?;
+            } else {
+                gather_into(residence, c, &full, quantized)?;
+            }
             // The peers free their copies of this unit soon: their pages need not stay in this resident set.
             c.forget_gathered_pages();
             Ok(())

@@ -41,6 +41,7 @@ pub(crate) fn shard_units(
 ) -> Result<ShardedStart> {
     let z = &config.zero_optimization;
     let (ws, rank) = (comm.world_size(), comm.rank());
+    let host_piece = host_piece(z.zero_hpz_partition_size as usize, comm)?;
     let (names, params): (Vec<String>, Vec<Tensor>) = named.into_iter().unzip();
     // A unit persists by its whole size, frozen parameters included: both parts are gathered together.
     let numels: Vec<u64> = layout
@@ -106,6 +107,9 @@ pub(crate) fn shard_units(
         if z.zero_quantized_weights {
             unit.quantize_gathers(crate::comm::quantized::BLOCK);
         }
+        if let Some((local, per_host)) = host_piece {
+            unit.keep_host_copies(local, per_host);
+        }
         units.push(unit);
     }
     if let Some(s) = swapped.as_mut() {
@@ -123,4 +127,28 @@ pub(crate) struct ShardedStart {
     /// The model's tensors, in layout order.
     pub params: Vec<Tensor>,
     pub units: Vec<ShardedUnit>,
+}
+
+/// hpZ's secondary partition (`zero_hpz_partition_size` k above 1): this rank's place on its host and the host's
+/// ranks, which must be k. Without a host level (one host, or flat collectives) every gather stays inside the
+/// host's reach anyway or has no host to stay in: the key has no effect, which the log says.
+fn host_piece(k: usize, comm: &dyn crate::comm::Communicator) -> Result<Option<(usize, usize)>> {
+    if k <= 1 {
+        return Ok(None);
+    }
+    match comm.host_layout() {
+        Some((local, per_host)) if per_host == k => Ok(Some((local, per_host))),
+        Some((_, per_host)) => Err(crate::error::Error::Usage(format!(
+            "zero_optimization.zero_hpz_partition_size is {k}, but each host runs {per_host} ranks: the secondary \
+             partition spans a host's ranks (set it to {per_host}, or 1 for none)"
+        ))),
+        None => {
+            tracing::warn!(
+                rank = comm.rank(),
+                "zero_optimization.zero_hpz_partition_size = {k} has no effect: the collectives have no host level \
+                 (the ranks are on one host, or ZERORUN_HIERARCHY=flat)"
+            );
+            Ok(None)
+        }
+    }
 }
