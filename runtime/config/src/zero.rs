@@ -306,15 +306,12 @@ impl ZeroConfig {
                 ),
             });
         }
-        for (key, off) in [("mics_shard_size", 0u64)] {
-            let v = s.opt_int(key)?;
-            if let Some(v) = v.filter(|&v| v > off as i64) {
-                return Err(ConfigError::Invalid {
-                    path: s.path_of(key),
-                    value: v.to_string(),
-                    allowed: "zerorun does not implement shard groups (MiCS) yet; remove the key".into(),
-                });
-            }
+        if let Some(v) = s.opt_int("mics_shard_size")?.filter(|&v| v > 0) {
+            return Err(ConfigError::Invalid {
+                path: s.path_of("mics_shard_size"),
+                value: v.to_string(),
+                allowed: "zerorun does not implement shard groups (MiCS) yet; remove the key".into(),
+            });
         }
         s.finish()?;
         Ok(ZeroConfig {
