@@ -31,6 +31,9 @@ pub struct EstimateInput {
     /// `optimizer_in_backward`: stage 3 steps each unit's part as its gradients are reduced and holds no gradient
     /// shard.
     pub optimizer_in_backward: bool,
+    /// `zero_hpz_partition_size` (1: off): stage 3 keeps a secondary copy of the parameters split over this many
+    /// ranks (a host's) between a step's first gathers and the next step.
+    pub hpz_partition_size: u64,
 }
 
 impl EstimateInput {
@@ -46,6 +49,7 @@ impl EstimateInput {
             frozen_params: 0,
             frozen_bytes_per_param: None,
             optimizer_in_backward: false,
+            hpz_partition_size: 1,
         }
     }
 
@@ -54,6 +58,7 @@ impl EstimateInput {
         self.precision = config.precision();
         self.optimizer_states = config.optimizer.as_ref().map_or(2, |o| o.states_per_param() as u64);
         self.optimizer_in_backward = config.optimizer_in_backward;
+        self.hpz_partition_size = config.zero_optimization.zero_hpz_partition_size;
         self
     }
 
@@ -137,6 +142,9 @@ pub fn estimate(input: &EstimateInput) -> Vec<EstimateRow> {
         model_states_bytes: model_states_bytes(input, stage),
     };
     let load = psi * 4.0 * gpn * abf; // fp32 weights loaded on the host, once per local rank
+    // hpZ's secondary partition: the parameters once more, over a host's k ranks (2 Psi / k in 16 bits).
+    let hpz = if input.hpz_partition_size > 1 { psi * pb as f64 / input.hpz_partition_size as f64 } else { 0.0 };
+    let largest = largest + hpz;
     vec![
         row(0, Off, Off, psi * full, load),
         row(1, Off, Off, psi * (pb + gb) as f64 + psi * ob as f64 / n, load),
@@ -173,6 +181,20 @@ mod tests {
         assert!((gb(1) - 31.4).abs() < 0.05);
         assert!((gb(2) - 16.6).abs() < 0.05);
         assert!((gb(3) - 1.875).abs() < 0.01);
+    }
+
+    #[test]
+    fn hpz_adds_the_parameters_over_its_partition_at_stage_3_only() {
+        let base = EstimateInput { nodes: 2, gpus_per_node: 4, ..EstimateInput::new(1_000_000) };
+        let hpz = EstimateInput { hpz_partition_size: 4, ..base.clone() };
+        for (a, b) in estimate(&base).iter().zip(estimate(&hpz)) {
+            let extra = b.per_device_bytes as i64 - a.per_device_bytes as i64;
+            assert_eq!(extra, if a.stage == 3 { 2 * 1_000_000 / 4 } else { 0 }, "{a:?}");
+        }
+        let fp32 = EstimateInput { precision: Precision::Fp32, ..hpz };
+        let row = estimate(&fp32).into_iter().find(|r| r.stage == 3).unwrap();
+        let plain = estimate(&EstimateInput { hpz_partition_size: 1, ..fp32 }).into_iter().find(|r| r.stage == 3);
+        assert_eq!(row.per_device_bytes - plain.unwrap().per_device_bytes, 4 * 1_000_000 / 4);
     }
 
     #[test]
