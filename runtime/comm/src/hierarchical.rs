@@ -393,7 +393,9 @@ mod tests {
     #[test]
     fn layouts_that_do_not_split_into_equal_consecutive_hosts_stay_flat() {
         let t = Duration::from_secs(20);
-        let cases: Vec<(Vec<(usize, usize, bool)>, Option<HostLayout>)> = vec![
+        // Each rank's (local rank, ranks on its host, wants two levels), and what they agree.
+        type Case = (Vec<(usize, usize, bool)>, Option<HostLayout>);
+        let cases: Vec<Case> = vec![
             (vec![(0, 2, true), (1, 2, true), (0, 2, true), (1, 2, true)], Some(HostLayout { hosts: 2, per_host: 2 })),
             (vec![(0, 2, true), (1, 2, true), (0, 2, false), (1, 2, true)], None),
             (vec![(0, 2, true), (0, 2, true), (1, 2, true), (1, 2, true)], None),

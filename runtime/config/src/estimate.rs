@@ -142,6 +142,7 @@ pub fn estimate(input: &EstimateInput) -> Vec<EstimateRow> {
         model_states_bytes: model_states_bytes(input, stage),
     };
     let load = psi * 4.0 * gpn * abf; // fp32 weights loaded on the host, once per local rank
+
     // hpZ's secondary partition: the parameters once more, over a host's k ranks (2 Psi / k in 16 bits).
     let hpz = if input.hpz_partition_size > 1 { psi * pb as f64 / input.hpz_partition_size as f64 } else { 0.0 };
     let largest = largest + hpz;
