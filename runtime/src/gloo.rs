@@ -371,20 +371,7 @@ impl Communicator for GlooComm {
     /// The reduce-scatter's exchange, every transfer in flight at once; this rank's own part is copied.
     fn all_to_all_buf(&self, input: BufRef<'_>, output: BufMut<'_>) -> CommResult<()> {
         const OP: &str = "all_to_all";
-        let part = agreement::equal_parts(OP, self.rank, self.world_size, input.len())?;
-        if output.len() != input.len() || output.dtype != input.dtype {
-            return Err(CommError::BadArgument {
-                op: OP,
-                rank: self.rank,
-                what: format!(
-                    "output has {} {:?} elements, input {} {:?}",
-                    output.len(),
-                    output.dtype,
-                    input.len(),
-                    input.dtype
-                ),
-            });
-        }
+        let part = agreement::exchange_output(OP, self.rank, self.world_size, &input, &output)?;
         self.handshake(OP, input.len(), input.dtype)?;
         if part == 0 {
             return Ok(());

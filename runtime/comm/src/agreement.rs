@@ -34,6 +34,31 @@ pub fn scatter_output(
     Ok(part)
 }
 
+/// The part length of an all-to-all, whose output is as long as its input and of the same type.
+pub fn exchange_output(
+    op: &'static str,
+    rank: usize,
+    world_size: usize,
+    input: &BufRef<'_>,
+    output: &BufMut<'_>,
+) -> CommResult<usize> {
+    let part = equal_parts(op, rank, world_size, input.len())?;
+    if output.len() != input.len() || output.dtype != input.dtype {
+        return Err(CommError::BadArgument {
+            op,
+            rank,
+            what: format!(
+                "output has {} {:?} elements, expected {} {:?}",
+                output.len(),
+                output.dtype,
+                input.len(),
+                input.dtype
+            ),
+        });
+    }
+    Ok(part)
+}
+
 /// `root` must be a rank of the group.
 pub fn root(op: &'static str, rank: usize, world_size: usize, root: usize) -> CommResult<()> {
     if root >= world_size {

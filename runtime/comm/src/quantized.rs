@@ -121,8 +121,21 @@ thread_local! {
 /// included. Collective over `comm`: the same length, type and block on every rank.
 pub fn all_gather(comm: &dyn Communicator, buf: BufMut<'_>, block: usize) -> CommResult<()> {
     const OP: &str = "quantized all_gather";
+    let part = agreement::equal_parts(OP, comm.rank(), comm.world_size(), buf.len())?;
+    match buf.dtype {
+        Dtype::F32 => all_gather_typed::<f32>(comm, bytemuck::cast_slice_mut(buf.bytes), part, block),
+        Dtype::Bf16 => all_gather_typed::<bf16>(comm, bytemuck::cast_slice_mut(buf.bytes), part, block),
+        Dtype::F16 => all_gather_typed::<f16>(comm, bytemuck::cast_slice_mut(buf.bytes), part, block),
+        Dtype::I64 => Err(CommError::BadArgument {
+            op: OP,
+            rank: comm.rank(),
+            what: "integers are not quantized: gather them whole".into(),
+        }),
+    }
+}
+
+fn all_gather_typed<T: Float>(comm: &dyn Communicator, values: &mut [T], part: usize, block: usize) -> CommResult<()> {
     let (rank, n) = (comm.rank(), comm.world_size());
-    let part = agreement::equal_parts(OP, rank, n, buf.len())?;
     let words = packed_bytes(part, block).div_ceil(8);
     PACKED.with(|packed| {
         let mut packed = packed.borrow_mut();
@@ -130,37 +143,11 @@ pub fn all_gather(comm: &dyn Communicator, buf: BufMut<'_>, block: usize) -> Com
             packed.resize(n * words, 0);
         }
         let parts = &mut packed[..n * words];
-        let bytes: &mut [u8] = bytemuck::cast_slice_mut(parts);
-        let own = &mut bytes[rank * words * 8..(rank + 1) * words * 8];
-        let dtype = buf.dtype;
-        match dtype {
-            Dtype::F32 => quantize::<f32>(&bytemuck::cast_slice(buf.bytes)[rank * part..][..part], block, own),
-            Dtype::Bf16 => quantize::<bf16>(&bytemuck::cast_slice(buf.bytes)[rank * part..][..part], block, own),
-            Dtype::F16 => quantize::<f16>(&bytemuck::cast_slice(buf.bytes)[rank * part..][..part], block, own),
-            Dtype::I64 => {
-                return Err(CommError::BadArgument {
-                    op: OP,
-                    rank,
-                    what: "integers are not quantized: gather them whole".into(),
-                })
-            }
-        }
+        let own: &mut [u8] = bytemuck::cast_slice_mut(&mut parts[rank * words..(rank + 1) * words]);
+        quantize(&values[rank * part..(rank + 1) * part], block, own);
         comm.all_gather_buf(BufMut { bytes: bytemuck::cast_slice_mut(parts), dtype: Dtype::I64 })?;
-        let bytes: &[u8] = bytemuck::cast_slice(parts);
-        for r in 0..n {
-            let from = &bytes[r * words * 8..(r + 1) * words * 8];
-            match dtype {
-                Dtype::F32 => {
-                    dequantize::<f32>(from, block, &mut bytemuck::cast_slice_mut(buf.bytes)[r * part..][..part])
-                }
-                Dtype::Bf16 => {
-                    dequantize::<bf16>(from, block, &mut bytemuck::cast_slice_mut(buf.bytes)[r * part..][..part])
-                }
-                Dtype::F16 => {
-                    dequantize::<f16>(from, block, &mut bytemuck::cast_slice_mut(buf.bytes)[r * part..][..part])
-                }
-                Dtype::I64 => unreachable!("refused above"),
-            }
+        for (from, to) in parts.chunks(words).zip(values.chunks_mut(part)) {
+            dequantize(bytemuck::cast_slice(from), block, to);
         }
         Ok(())
     })
@@ -174,20 +161,7 @@ pub fn all_to_all_by_gathering<C: Communicator + ?Sized>(
 ) -> CommResult<()> {
     const OP: &str = "all_to_all";
     let (rank, n) = (comm.rank(), comm.world_size());
-    let part = agreement::equal_parts(OP, rank, n, input.len())?;
-    if output.len() != input.len() || output.dtype != input.dtype {
-        return Err(CommError::BadArgument {
-            op: OP,
-            rank,
-            what: format!(
-                "output has {} {:?} elements, input {} {:?}",
-                output.len(),
-                output.dtype,
-                input.len(),
-                input.dtype
-            ),
-        });
-    }
+    let part = agreement::exchange_output(OP, rank, n, &input, &output)?;
     let (whole, part_bytes) = (input.bytes.len(), part * input.dtype.size());
     let mut all = vec![0u64; (n * whole).div_ceil(8)];
     let bytes = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut all)[..n * whole];
@@ -221,31 +195,22 @@ pub fn reduce_scatter<C: Communicator + ?Sized>(
     }
     let (rank, n) = (comm.rank(), comm.world_size());
     let part = agreement::scatter_output(OP, rank, n, &input, &output)?;
+    fn typed<'a, T: Float>(input: &'a BufRef<'_>, output: BufMut<'a>) -> (&'a [T], &'a mut [T]) {
+        (bytemuck::cast_slice(input.bytes), bytemuck::cast_slice_mut(output.bytes))
+    }
     match input.dtype {
-        Dtype::F32 => reduce_scatter_typed::<f32, C>(
-            comm,
-            bytemuck::cast_slice(input.bytes),
-            bytemuck::cast_slice_mut(output.bytes),
-            part,
-            op,
-            block,
-        ),
-        Dtype::Bf16 => reduce_scatter_typed::<bf16, C>(
-            comm,
-            bytemuck::cast_slice(input.bytes),
-            bytemuck::cast_slice_mut(output.bytes),
-            part,
-            op,
-            block,
-        ),
-        Dtype::F16 => reduce_scatter_typed::<f16, C>(
-            comm,
-            bytemuck::cast_slice(input.bytes),
-            bytemuck::cast_slice_mut(output.bytes),
-            part,
-            op,
-            block,
-        ),
+        Dtype::F32 => {
+            let (i, o) = typed::<f32>(&input, output);
+            reduce_scatter_typed(comm, i, o, part, op, block)
+        }
+        Dtype::Bf16 => {
+            let (i, o) = typed::<bf16>(&input, output);
+            reduce_scatter_typed(comm, i, o, part, op, block)
+        }
+        Dtype::F16 => {
+            let (i, o) = typed::<f16>(&input, output);
+            reduce_scatter_typed(comm, i, o, part, op, block)
+        }
         Dtype::I64 => unreachable!("reduced unquantized above"),
     }
 }

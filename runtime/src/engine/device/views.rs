@@ -220,36 +220,28 @@ unsafe fn all_gather_views(comm: &dyn Communicator, t: &Tensor) -> CommResult<()
 /// [`all_gather`] among this host's ranks only (hpZ's secondary partition; see
 /// [`Communicator::host_all_gather_buf`]): `t` is the host's ranks' equal parts.
 pub fn all_gather_in_host(residence: Residence, comm: &dyn Communicator, t: &Tensor) -> CommResult<()> {
-    use crate::comm::BufMut;
     // SAFETY: as in `all_reduce`.
-    in_place(
-        residence,
-        t,
-        |_| Ok(false),
-        |h| unsafe {
-            match h.kind() {
-                Kind::BFloat16 => comm.host_all_gather_buf(BufMut::new(slice::<bf16>(h))),
-                Kind::Half => comm.host_all_gather_buf(BufMut::new(slice::<f16>(h))),
-                _ => comm.host_all_gather_buf(BufMut::new(slice::<f32>(h))),
-            }
-        },
-    )
+    in_place(residence, t, |_| Ok(false), |h| comm.host_all_gather_buf(unsafe { buf_of(h) }))
+}
+
+/// A host tensor of floats as a collective buffer.
+///
+/// # Safety
+/// As [`slice`]: nothing else reads or writes `t` while the buffer lives.
+unsafe fn buf_of(t: &Tensor) -> crate::comm::BufMut<'_> {
+    use crate::comm::BufMut;
+    match t.kind() {
+        Kind::BFloat16 => BufMut::new(slice::<bf16>(t)),
+        Kind::Half => BufMut::new(slice::<f16>(t)),
+        _ => BufMut::new(slice::<f32>(t)),
+    }
 }
 
 /// [`all_gather`] with every rank's part block-quantized to int8 on the way (`zero_quantized_weights`; see
 /// [`crate::comm::quantized`]). On host memory: a device tensor is staged through a host copy.
 pub fn all_gather_quantized(residence: Residence, comm: &dyn Communicator, t: &Tensor, block: usize) -> CommResult<()> {
     // SAFETY: as in `all_reduce`.
-    in_place(residence, t, |_| Ok(false), |h| unsafe { all_gather_quantized_views(comm, h, block) })
-}
-
-unsafe fn all_gather_quantized_views(comm: &dyn Communicator, t: &Tensor, block: usize) -> CommResult<()> {
-    use crate::comm::{quantized, BufMut};
-    match t.kind() {
-        Kind::BFloat16 => quantized::all_gather(comm, BufMut::new(slice::<bf16>(t)), block),
-        Kind::Half => quantized::all_gather(comm, BufMut::new(slice::<f16>(t)), block),
-        _ => quantized::all_gather(comm, BufMut::new(slice::<f32>(t)), block),
-    }
+    in_place(residence, t, |_| Ok(false), |h| crate::comm::quantized::all_gather(comm, unsafe { buf_of(h) }, block))
 }
 
 /// Reduce-scatter of a flat tensor into `out` (a tensor of the same kind, one partition long).
@@ -290,32 +282,11 @@ pub fn reduce_scatter_quantized(
     op: ReduceOp,
     block: usize,
 ) -> CommResult<()> {
-    use crate::comm::{BufMut, BufRef};
     check_disjoint(t, out);
     on_host_pair(residence, t, out, |t, out| {
         // SAFETY: as in `reduce_scatter`.
-        unsafe {
-            match t.kind() {
-                Kind::BFloat16 => comm.reduce_scatter_quantized_buf(
-                    BufRef::new(slice::<bf16>(t)),
-                    BufMut::new(slice::<bf16>(out)),
-                    op,
-                    block,
-                ),
-                Kind::Half => comm.reduce_scatter_quantized_buf(
-                    BufRef::new(slice::<f16>(t)),
-                    BufMut::new(slice::<f16>(out)),
-                    op,
-                    block,
-                ),
-                _ => comm.reduce_scatter_quantized_buf(
-                    BufRef::new(slice::<f32>(t)),
-                    BufMut::new(slice::<f32>(out)),
-                    op,
-                    block,
-                ),
-            }
-        }
+        let (input, output) = unsafe { (buf_of(t), buf_of(out)) };
+        comm.reduce_scatter_quantized_buf(input.into(), output, op, block)
     })
 }
 
