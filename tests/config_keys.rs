@@ -212,7 +212,11 @@ fn table() -> Vec<(&'static str, Effect)> {
         ("zero_optimization.load_from_fp32_weights", Noticed(zero(json!({"load_from_fp32_weights": false})))),
         ("zero_optimization.log_trace_cache_warnings", Noticed(zero(json!({"log_trace_cache_warnings": true})))),
         ("zero_optimization.memory_efficient_linear", Noticed(zero(json!({"memory_efficient_linear": false})))),
-        ("zero_optimization.mics_shard_size", Refused(zero(json!({"mics_shard_size": 2})))),
+        ("zero_optimization.mics_shard_size", Acted("tests/shard_groups.rs")),
+        (
+            "zero_optimization.mics_hierarchical_params_gather",
+            Noticed(zero(json!({"mics_hierarchical_params_gather": true}))),
+        ),
         ("zero_optimization.offload_optimizer", Section),
         ("zero_optimization.offload_optimizer.buffer_count", Acted("tests/offload.rs")),
         ("zero_optimization.offload_optimizer.device", Acted("tests/offload.rs")),

@@ -172,6 +172,20 @@ pub enum MeshError {
     },
 }
 
+/// A shard group that does not divide the data-parallel ranks, as the config key's error.
+fn shard_groups_error(e: MeshError) -> Error {
+    let value = match &e {
+        MeshError::Shard { shard, .. } => shard.to_string(),
+        _ => String::new(),
+    };
+    crate::config::ConfigError::Invalid {
+        path: "zero_optimization.mics_shard_size".into(),
+        value,
+        allowed: e.to_string(),
+    }
+    .into()
+}
+
 /// What a program says of the mesh that the config does not.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct MeshOptions {
@@ -227,7 +241,11 @@ impl Mesh {
         let placement = |e: MeshError| crate::pipeline::PipelineError::Placement(e.to_string());
         let stages = MeshShape::pipeline_stages(&config.pipeline, options.pipeline_stages).map_err(placement)?;
         let tensor = options.tensor_parallel.unwrap_or(1);
-        let shape = MeshShape::new(world.world_size(), stages, tensor, None).map_err(placement)?;
+        let shard_group = config.zero_optimization.mics_shard_size.map(|s| s as usize);
+        let shape = MeshShape::new(world.world_size(), stages, tensor, shard_group).map_err(|e| match e {
+            e @ MeshError::Shard { .. } => shard_groups_error(e),
+            e => placement(e).into(),
+        })?;
         Mesh::new(world, shape)
     }
 
@@ -236,6 +254,22 @@ impl Mesh {
     pub fn from_env(config: &Config, options: MeshOptions) -> Result<Mesh> {
         let world = crate::gloo::communicator_from_env(std::time::Duration::from_secs_f64(config.comms_timeout))?;
         Mesh::from_config(world, config, options)
+    }
+
+    /// This mesh with its data-parallel ranks in shard groups of `size` (`mics_shard_size`; None: as it is).
+    /// A mesh laid out with shard groups already keeps them; one without (a communicator taken as a mesh) is
+    /// laid out again, its placements kept.
+    pub fn with_shard_groups(self, size: Option<u64>) -> Result<Mesh> {
+        let shape = self.shape;
+        match size.map(|s| s as usize) {
+            Some(size) if shape.replicate == 1 && size != shape.shard => {
+                let world = self.world.world_size();
+                let shape =
+                    MeshShape::new(world, shape.pipeline, shape.tensor, Some(size)).map_err(shard_groups_error)?;
+                Ok(Mesh { topology: shape.topology(), shape, ..self })
+            }
+            _ => Ok(self),
+        }
     }
 
     /// The size of each dimension.

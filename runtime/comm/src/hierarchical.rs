@@ -261,8 +261,20 @@ impl Communicator for Hierarchical {
     }
 
     /// Groups split from this one are the flat group's.
+    /// Groups inside hosts split the host's group (shared memory: MiCS's shard group of a host's ranks), groups of
+    /// ranks with one place on their hosts split the cross-host group (its replicas); any other from the flat one.
+    /// Every rank decides alike from the colors.
     fn split_group(&self, split: &Split) -> CommResult<Option<Box<dyn Communicator>>> {
-        self.world.split_group(split)
+        match level_of(split, self.per_host()) {
+            Some(level) => {
+                let within = restrict(split, level, self.per_host(), self.world.rank());
+                match level {
+                    Level::InHost => self.local.split_group(&within),
+                    Level::AcrossHosts => self.cross.split_group(&within),
+                }
+            }
+            None => self.world.split_group(split),
+        }
     }
 
     fn group_name(&self) -> String {
@@ -271,6 +283,49 @@ impl Communicator for Hierarchical {
 
     fn independent_groups(&self) -> bool {
         self.world.independent_groups()
+    }
+}
+
+/// Which level a split's groups all lie in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Level {
+    /// Every group's ranks are on one host.
+    InHost,
+    /// Every group's ranks have one place on their hosts (each on another host).
+    AcrossHosts,
+}
+
+/// The level every group of `split` lies in (ranks are `per_host` to a host), or None when they span both.
+fn level_of(split: &Split, per_host: usize) -> Option<Level> {
+    let same = |key: &dyn Fn(usize) -> usize| {
+        let mut first: std::collections::HashMap<u32, usize> = std::collections::HashMap::new();
+        split.colors.iter().enumerate().all(|(r, c)| match c {
+            Some(c) => *first.entry(*c).or_insert_with(|| key(r)) == key(r),
+            None => true,
+        })
+    };
+    if same(&|r| r / per_host) {
+        Some(Level::InHost)
+    } else if same(&|r| r % per_host) {
+        Some(Level::AcrossHosts)
+    } else {
+        None
+    }
+}
+
+/// `split` as the split of the level's group holding `rank` (its ranks numbered in that group).
+fn restrict(split: &Split, level: Level, per_host: usize, rank: usize) -> Split {
+    let (host, place) = (rank / per_host, rank % per_host);
+    let (parents, index): (Vec<usize>, fn(usize, usize) -> usize) = match level {
+        Level::InHost => ((host * per_host..(host + 1) * per_host).collect(), |r, k| r % k),
+        Level::AcrossHosts => ((place..split.colors.len()).step_by(per_host).collect(), |r, k| r / k),
+    };
+    Split {
+        colors: parents.iter().map(|&r| split.colors[r]).collect(),
+        members: split.members.iter().map(|&r| index(r, per_host)).collect(),
+        rank: split.rank,
+        name: split.name.clone(),
+        id: split.id,
     }
 }
 
@@ -387,6 +442,54 @@ mod tests {
                 // The other host's sum of two values (at most 2 in size) arrives within half of 2 / 127.
                 assert!((o - exact).abs() <= 1.0 / 127.0 + 1e-5, "rank {r}, element {i}: {o} against {exact}");
             }
+        }
+    }
+
+    #[test]
+    fn splits_inside_hosts_or_across_them_use_that_level() {
+        let split = |colors: Vec<Option<u32>>, rank: usize| {
+            let mine = colors[rank];
+            let members: Vec<usize> = (0..colors.len()).filter(|&r| mine.is_some() && colors[r] == mine).collect();
+            let at = members.iter().position(|&r| r == rank).unwrap_or(0);
+            Split { colors, members, rank: at, name: "g".into(), id: 7 }
+        };
+        // 3 hosts x 2: a color per host, a color per place, and groups that span both.
+        let by_host: Vec<Option<u32>> = (0..6).map(|r| Some(r as u32 / 2)).collect();
+        let by_place: Vec<Option<u32>> = (0..6).map(|r| Some(r as u32 % 2)).collect();
+        let mixed: Vec<Option<u32>> = (0..6).map(|r| Some(r as u32 % 3)).collect();
+        assert_eq!(level_of(&split(by_host.clone(), 3), 2), Some(Level::InHost));
+        assert_eq!(level_of(&split(by_place.clone(), 3), 2), Some(Level::AcrossHosts));
+        assert_eq!(level_of(&split(mixed, 3), 2), None);
+        // Rank 3 is place 1 of host 1: its host's group numbers it 1, its cross-host group 1.
+        let within = restrict(&split(by_host, 3), Level::InHost, 2, 3);
+        assert_eq!((within.colors, within.members, within.rank), (vec![Some(1), Some(1)], vec![0, 1], 1));
+        let across = restrict(&split(by_place, 3), Level::AcrossHosts, 2, 3);
+        assert_eq!((across.colors, across.members, across.rank), (vec![Some(1); 3], vec![0, 1, 2], 1));
+        // Ranks left out of every group do not decide the level.
+        let some: Vec<Option<u32>> = (0..6).map(|r| (r != 2).then_some(r as u32 / 2)).collect();
+        assert_eq!(level_of(&split(some, 0), 2), Some(Level::InHost));
+    }
+
+    #[test]
+    fn groups_split_by_host_and_by_place_reduce_over_their_members() {
+        let sums = on_ranks(3, 2, |two, _| {
+            let r = two.rank();
+            let host = two.split(Some(r as u32 / 2), r as i64).unwrap().unwrap();
+            let place = two.split(Some(r as u32 % 2), r as i64).unwrap().unwrap();
+            let mixed = two.split(Some(r as u32 % 3), r as i64).unwrap().unwrap();
+            let mut sums = Vec::new();
+            for g in [&host, &place, &mixed] {
+                let mut v = [r as f32];
+                g.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+                sums.push((g.rank(), g.world_size(), v[0]));
+            }
+            sums
+        });
+        for (r, s) in sums.iter().enumerate() {
+            let host_sum = (r / 2 * 2) as f32 * 2.0 + 1.0;
+            let place_sum = (0..3).map(|h| (h * 2 + r % 2) as f32).sum::<f32>();
+            let mixed_sum = (r % 3 + r % 3 + 3) as f32;
+            assert_eq!(s, &vec![(r % 2, 2, host_sum), (r / 2, 3, place_sum), (r / 3, 2, mixed_sum)], "rank {r}");
         }
     }
 

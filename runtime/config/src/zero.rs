@@ -110,6 +110,9 @@ pub struct ZeroConfig {
     /// `zero_hpz_partition_size` (ZeRO++ hpZ, stage 3; 1 = off): a secondary copy of each gathered unit, split
     /// over a host's ranks, serves the unit's later gathers until the next step from inside the host.
     pub zero_hpz_partition_size: u64,
+    /// `mics_shard_size` (MiCS, FSDP2's HSDP; None = off): the data-parallel ranks form groups of this many,
+    /// ZeRO partitions over a group and the groups replicate each other (gradients all-reduced across them).
+    pub mics_shard_size: Option<u64>,
     /// `false`: a parameter without a gradient is an error (stages 2-3).
     pub ignore_unused_parameters: bool,
     /// The `offload_optimizer` section.
@@ -306,12 +309,27 @@ impl ZeroConfig {
                 ),
             });
         }
-        if let Some(v) = s.opt_int("mics_shard_size")?.filter(|&v| v > 0) {
-            return Err(ConfigError::Invalid {
-                path: s.path_of("mics_shard_size"),
-                value: v.to_string(),
-                allowed: "zerorun does not implement shard groups (MiCS) yet; remove the key".into(),
-            });
+        // DeepSpeed's default -1 (and 0) mean no shard groups.
+        let mics_shard_size = match s.opt_int("mics_shard_size")? {
+            Some(v) if v > 0 => {
+                if stage == 0 || zero_hpz_partition_size > 1 {
+                    return Err(ConfigError::Invalid {
+                        path: s.path_of("mics_shard_size"),
+                        value: v.to_string(),
+                        allowed: if stage == 0 {
+                            "-1 (off) at stage 0, which shards nothing; shard groups need stages 1-3".into()
+                        } else {
+                            "-1 (off) with zero_hpz_partition_size: the shard group already keeps the gathers inside it"
+                                .into()
+                        },
+                    });
+                }
+                Some(v as u64)
+            }
+            _ => None,
+        };
+        if s.bool("mics_hierarchical_params_gather", false)? {
+            ignored.push(s.path_of("mics_hierarchical_params_gather"));
         }
         s.finish()?;
         Ok(ZeroConfig {
@@ -335,6 +353,7 @@ impl ZeroConfig {
             zero_quantized_weights,
             zero_quantized_gradients,
             zero_hpz_partition_size,
+            mics_shard_size,
             ignore_unused_parameters,
             offload_optimizer,
             offload_param,

@@ -1,39 +1,121 @@
-//! The engine's communicator, called directly or driven by its own thread (`overlap_comm`), so stage 3's next
-//! units' all-gathers and stages 1-2's reductions run while this rank computes. Which units to start ahead is the
-//! plan's ([`crate::engine::zero::plan::units_to_prefetch`]).
+//! The engine's communicators: the shard group ZeRO partitions over, called directly or driven by its own thread
+//! (`overlap_comm`), so stage 3's next units' all-gathers and stages 1-3's reductions run while this rank computes
+//! (which units to start ahead is the plan's, [`crate::engine::zero::plan::units_to_prefetch`]); and with shard
+//! groups (MiCS, `mics_shard_size`) the replicas of this rank's shard across the other groups.
 use std::ops::Deref;
+use std::sync::{Arc, Mutex};
+
+use tch::Tensor;
 
 use crate::comm::async_comm::CommThread;
-use crate::comm::Communicator;
+use crate::comm::{CommResult, Communicator, ReduceOp};
+use crate::engine::device::{views, Residence};
 
-/// The engine's process group.
-pub(crate) enum EngineComm {
+/// The engine's process groups.
+pub(crate) struct EngineComm {
+    shard: ShardGroup,
+    replicas: Option<Replicas>,
+}
+
+enum ShardGroup {
     Direct(Box<dyn Communicator>),
     /// On a communication thread: blocking calls queue behind the prefetches started before them.
     Threaded(CommThread),
 }
 
-impl EngineComm {
-    pub fn new(comm: Box<dyn Communicator>, threaded: bool) -> Self {
-        if threaded {
-            EngineComm::Threaded(CommThread::spawn(comm))
-        } else {
-            EngineComm::Direct(comm)
-        }
+/// The ranks holding the same shard as this one in the other shard groups (MiCS): a bucket's reduced part is
+/// all-reduced across them, and what spans every data-parallel rank (the loss, barriers) ends here. Shared with the
+/// communication thread, which runs a bucket's reduce-scatter and then its all-reduce across replicas in one job;
+/// the lock orders nothing (the thread's jobs finish before the engine's own calls at a step boundary), it only
+/// makes the group `Sync`.
+#[derive(Clone)]
+pub(crate) struct Replicas {
+    group: Arc<Mutex<Box<dyn Communicator>>>,
+    index: usize,
+    count: usize,
+}
+
+impl Replicas {
+    fn new(group: Box<dyn Communicator>) -> Replicas {
+        let (index, count) = (group.rank(), group.world_size());
+        Replicas { group: Arc::new(Mutex::new(group)), index, count }
     }
 
+    /// This rank's shard group among the replicas.
+    pub fn index(&self) -> usize {
+        self.index
+    }
+
+    /// Shard groups in the job.
+    pub fn count(&self) -> usize {
+        self.count
+    }
+
+    /// Runs `f` on the replicas' group.
+    pub fn with<R>(&self, f: impl FnOnce(&dyn Communicator) -> R) -> R {
+        let group = self.group.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        f(group.as_ref())
+    }
+
+    /// All-reduces `t` (a reduced gradient part) across the replicas.
+    pub fn all_reduce(&self, residence: Residence, t: &Tensor, op: ReduceOp) -> CommResult<()> {
+        self.with(|g| views::all_reduce(residence, g, t, op))
+    }
+}
+
+impl EngineComm {
+    pub fn new(comm: Box<dyn Communicator>, replicas: Option<Box<dyn Communicator>>, threaded: bool) -> Self {
+        let shard = if threaded { ShardGroup::Threaded(CommThread::spawn(comm)) } else { ShardGroup::Direct(comm) };
+        EngineComm { shard, replicas: replicas.filter(|r| r.world_size() > 1).map(Replicas::new) }
+    }
+
+    /// The shard group.
     pub fn as_ref(&self) -> &(dyn Communicator + 'static) {
-        match self {
-            EngineComm::Direct(c) => c.as_ref(),
-            EngineComm::Threaded(t) => t,
+        match &self.shard {
+            ShardGroup::Direct(c) => c.as_ref(),
+            ShardGroup::Threaded(t) => t,
         }
     }
 
     /// The thread, when collectives can be started ahead.
     pub fn thread(&self) -> Option<&CommThread> {
-        match self {
-            EngineComm::Threaded(t) => Some(t),
-            EngineComm::Direct(_) => None,
+        match &self.shard {
+            ShardGroup::Threaded(t) => Some(t),
+            ShardGroup::Direct(_) => None,
+        }
+    }
+
+    /// The replicas of this rank's shard (MiCS), if there are any.
+    pub fn replicas(&self) -> Option<&Replicas> {
+        self.replicas.as_ref()
+    }
+
+    /// This rank among all data-parallel ranks: shard groups are consecutive ranks, replicas the slower index.
+    pub fn data_rank(&self) -> usize {
+        self.replicas.as_ref().map_or(0, |r| r.index * self.world_size()) + self.rank()
+    }
+
+    /// Data-parallel ranks: shard groups times their ranks.
+    pub fn data_world_size(&self) -> usize {
+        self.replicas.as_ref().map_or(1, |r| r.count) * self.world_size()
+    }
+
+    /// All-reduces `buf` over every data-parallel rank: inside the shard group, then across the replicas (a mean
+    /// of means of equal groups is the mean).
+    pub fn all_reduce_data(&self, buf: &mut [f32], op: ReduceOp) -> CommResult<()> {
+        crate::comm::Collectives::all_reduce(self.as_ref(), buf, op)?;
+        match &self.replicas {
+            Some(r) => r.with(|g| crate::comm::Collectives::all_reduce(g, buf, op)),
+            None => Ok(()),
+        }
+    }
+
+    /// Waits for every data-parallel rank.
+    pub fn barrier_data(&self) -> CommResult<()> {
+        self.barrier()?;
+        match &self.replicas {
+            Some(r) => r.with(|g| g.barrier()),
+            None => Ok(()),
         }
     }
 }

@@ -199,12 +199,12 @@ impl Engine {
         comm: Box<dyn Communicator>,
         options: EngineOptions,
     ) -> Result<Engine> {
-        Self::new_materialized(vs, config, comm, options, None)
+        Self::new_materialized(vs, config, comm, None, options, None)
     }
 
-    /// This rank's index among the data-parallel ranks.
+    /// This rank's index among the data-parallel ranks (with shard groups: every group's ranks, group by group).
     pub fn rank(&self) -> usize {
-        self.comm.rank()
+        self.comm.data_rank()
     }
 
     /// The device the model and the engine's buffers are on (the CPU, or the CUDA device of the model).
@@ -217,8 +217,14 @@ impl Engine {
         self.config.precision()
     }
 
-    /// Data-parallel ranks.
+    /// Data-parallel ranks (with shard groups: every group's).
     pub fn world_size(&self) -> usize {
+        self.comm.data_world_size()
+    }
+
+    /// Ranks ZeRO partitions the model states over: the shard group's (`mics_shard_size`), else every
+    /// data-parallel rank.
+    pub fn shard_group_size(&self) -> usize {
         self.comm.world_size()
     }
 
@@ -295,7 +301,7 @@ impl Engine {
 
     /// Averages `buf` over the engine's (data-parallel) ranks.
     pub fn data_parallel_mean(&self, buf: &mut [f32]) -> Result<()> {
-        Ok(crate::comm::Collectives::all_reduce(self.comm.as_ref(), buf, crate::comm::ReduceOp::Avg)?)
+        Ok(self.comm.all_reduce_data(buf, crate::comm::ReduceOp::Avg)?)
     }
 
     /// Bytes of gathered full parameters (stage 3): now, the run's peak, the current step's peak.

@@ -257,7 +257,7 @@ impl Engine {
         let input = self.estimate_input();
         let stage = self.plan.stage();
         let (_, g, o) = input.bytes_per_param();
-        let (psi, n) = (input.params as f64, self.world_size().max(1) as f64);
+        let (psi, n) = (input.params as f64, self.comm.world_size().max(1) as f64);
         let z = &self.config.zero_optimization;
         let mut out: Vec<memory::Alternative> = (stage + 1..=3)
             .map(|s| memory::Alternative {
@@ -291,7 +291,7 @@ impl Engine {
             ),
         };
         EstimateInput {
-            gpus_per_node: self.world_size() as u64,
+            gpus_per_node: self.comm.world_size() as u64,
             frozen_params,
             frozen_bytes_per_param: frozen_bytes,
             ..EstimateInput::new(self.states.layout.numel as u64)
@@ -407,7 +407,7 @@ impl Engine {
     pub fn write_memory_report(&mut self, dir: &std::path::Path) -> Result<MemoryReportFiles> {
         let dir = dir.to_path_buf();
         let json = self.memory_report().write(&dir)?;
-        self.comm.barrier()?;
+        self.comm.barrier_data()?;
         let mut files = MemoryReportFiles { json, table: None, svg: None, png: None };
         if self.rank() == 0 {
             let reports = (0..self.world_size())
@@ -418,7 +418,7 @@ impl Engine {
             files.svg = Some(svg);
             files.png = Some(png);
         }
-        self.comm.barrier()?;
+        self.comm.barrier_data()?;
         Ok(files)
     }
 }

@@ -214,6 +214,7 @@ impl Engine {
         vs: &nn::VarStore,
         config: Config,
         comm: Box<dyn Communicator>,
+        replicas: Option<Box<dyn Communicator>>,
         options: EngineOptions,
         mut materialize: Option<&mut units::Materialize>,
     ) -> Result<Engine> {
@@ -228,7 +229,11 @@ impl Engine {
             allocator::fix_mmap_threshold();
         }
         let (world_size, rank) = (comm.world_size(), comm.rank());
-        let batch = config.batch_sizes(world_size)?;
+        let replica_count = replicas.as_ref().map_or(1, |r| r.world_size());
+        check_shard_groups(&config, world_size, replica_count)?;
+        // The batch spans every data-parallel rank: the shard groups' ranks times the groups.
+        let data_world_size = world_size * replica_count;
+        let batch = config.batch_sizes(data_world_size)?;
         if let Some(OptimizerConfig::Lamb(_)) = &config.optimizer {
             return Err(Error::Unsupported {
                 key: "optimizer.type",
@@ -246,7 +251,7 @@ impl Engine {
             return Err(crate::config::ConfigError::Conflict {
                 path: "optimizer_in_backward".into(),
                 message: format!(
-                    "accumulation needs a gradient shard to add micro-batches in: the batch sizes resolve to gradient_accumulation_steps {} at {world_size} ranks (train_batch_size {} = micro batch {} x ranks); it must be 1",
+                    "accumulation needs a gradient shard to add micro-batches in: the batch sizes resolve to gradient_accumulation_steps {} at {data_world_size} ranks (train_batch_size {} = micro batch {} x ranks); it must be 1",
                     batch.gradient_accumulation_steps, batch.train_batch_size, batch.train_micro_batch_size_per_gpu
                 ),
             }
@@ -308,8 +313,16 @@ impl Engine {
             optim::build::optimizer_shard(&config, &plan, &layout, &values, rank, residence)?;
         drop(values);
         let scheduler = optim::build::scheduler(&config, shard.base_lr);
-        let gradients =
-            grads::Gradients::new(&config, &plan, &layout, &params, rank, shared, residence, optimizer_device)?;
+        let gradients = grads::Gradients::new(
+            &config,
+            &plan,
+            &layout,
+            &params,
+            (rank, data_world_size),
+            shared,
+            residence,
+            optimizer_device,
+        )?;
         let scaler = optim::build::loss_scaler(&config);
         if precision == Precision::Fp16 && rank == 0 && device == Device::Cpu {
             // Every parameter is on the CPU (checked in `arrange`).
@@ -318,6 +331,7 @@ impl Engine {
         tracing::info!(
             rank,
             world_size,
+            shard_groups = replica_count,
             stage = plan.stage(),
             ?precision,
             params = layout.numel,
@@ -333,7 +347,7 @@ impl Engine {
             None => Synchronization::Synchronous,
         };
         let mut engine = Engine {
-            comm: engine_comm::EngineComm::new(comm, plan.threaded_comm()),
+            comm: engine_comm::EngineComm::new(comm, replicas, plan.threaded_comm()),
             residence,
             config,
             plan,
@@ -398,12 +412,46 @@ impl Engine {
     /// stages or tensor parallelism, its place among the model's other parts (the norm's group, the placements
     /// the mesh's tensor-parallel layers recorded). A data-parallel mesh's engine runs on its communicator itself.
     pub(crate) fn on_mesh(vs: &nn::VarStore, config: Config, mesh: Mesh, options: EngineOptions) -> Result<Engine> {
+        let mesh = mesh.with_shard_groups(config.zero_optimization.mics_shard_size)?;
+        if mesh.shape().replicate > 1 {
+            return Engine::on_shard_groups(vs, config, mesh, options);
+        }
         if mesh.shape().data() == mesh.world_size() && !Placement::records_slices(&mesh) {
             return Engine::new(vs, config, mesh.into_world(), options);
         }
         let data = mesh.group(&[Dim::Replicate, Dim::Shard])?;
         let mut engine = Engine::new(vs, config, data, options)?;
         engine.join_mesh(&mesh)?;
+        engine.placement.mesh = Some(mesh);
+        Ok(engine)
+    }
+
+    /// MiCS (`mics_shard_size`): ZeRO over the mesh's shard group, its reduced gradients all-reduced across the
+    /// replicas. Every replica starts from the first group's values: broadcast across the replicas here, then
+    /// inside each group from its first rank (as every engine starts).
+    fn on_shard_groups(vs: &nn::VarStore, config: Config, mesh: Mesh, options: EngineOptions) -> Result<Engine> {
+        let shape = mesh.shape();
+        if shape.data() != mesh.world_size() || Placement::records_slices(&mesh) {
+            return Err(Error::Unsupported {
+                key: "zero_optimization.mics_shard_size",
+                value: shape.shard.to_string(),
+                why: "shard groups run on a data-parallel mesh; with pipeline stages or tensor parallelism they are not built yet",
+            });
+        }
+        let shard = mesh.group(&[Dim::Shard])?;
+        let replicas = mesh.group(&[Dim::Replicate])?;
+        let mut vars: Vec<(String, tch::Tensor)> = vs.variables().into_iter().collect();
+        vars.sort_by(|a, b| a.0.cmp(&b.0));
+        variables::broadcast_values(replicas.as_ref(), &vars.iter().map(|(_, t)| t).collect::<Vec<_>>())?;
+        drop(vars);
+        if mesh.rank() == 0 {
+            tracing::info!(
+                groups = shape.replicate,
+                ranks = shape.shard,
+                "shard groups (MiCS): ZeRO partitions over each group of consecutive ranks, gradients all-reduced across the groups"
+            );
+        }
+        let mut engine = Engine::new_materialized(vs, config, shard, Some(replicas), options, None)?;
         engine.placement.mesh = Some(mesh);
         Ok(engine)
     }
@@ -427,6 +475,29 @@ impl Engine {
         self.placement = Placement::on_mesh(mesh, inputs)?;
         Ok(())
     }
+}
+
+/// Shard groups need the replicas' group, which only an engine built on a mesh has (`zerorun::initialize`,
+/// `initialize_with`); they refuse what works on the shard group alone: asynchronous training's meetings and
+/// bounded staleness.
+fn check_shard_groups(config: &Config, world_size: usize, replicas: usize) -> Result<()> {
+    let Some(size) = config.zero_optimization.mics_shard_size else { return Ok(()) };
+    let key = "zero_optimization.mics_shard_size";
+    if replicas == 1 && size as usize != world_size {
+        return Err(Error::Unsupported {
+            key,
+            value: size.to_string(),
+            why: "shard groups are laid out by zerorun::initialize / initialize_with on a data-parallel mesh; this engine (pipeline stages, or built on a communicator directly) has none",
+        });
+    }
+    if replicas > 1 && config.async_training.is_async() {
+        return Err(Error::Unsupported {
+            key,
+            value: size.to_string(),
+            why: "asynchronous training (local SGD, DiLoCo, bounded staleness) meets over one group; shard groups need synchronous steps",
+        });
+    }
+    Ok(())
 }
 
 /// Stage 3 with units: the size keys the config left out or set to "auto" sized from the units

@@ -63,6 +63,9 @@ impl Engine {
         };
         if met {
             variables::sync_buffers(self.comm.as_ref(), self.states.buffer_sync, &self.states.buffers)?;
+            if let Some(replicas) = self.comm.replicas() {
+                replicas.with(|g| variables::sync_buffers(g, self.states.buffer_sync, &self.states.buffers))?;
+            }
         }
         self.gradients.mark = self.gradient_fingerprint();
         Ok(outcome)
@@ -305,7 +308,7 @@ impl Engine {
         let mut loss = [(self.progress.loss_sum / self.progress.loss_count.max(1) as f64) as f32];
         let meets = self.sync.meetings().map_or(true, |m| m.meets_after(self.progress.global_steps + 1));
         if meets && !self.sync.is_stale() {
-            self.comm.all_reduce(&mut loss, ReduceOp::Avg)?;
+            self.comm.all_reduce_data(&mut loss, ReduceOp::Avg)?;
         }
         self.progress.loss_sum = 0.0;
         self.progress.loss_count = 0;
@@ -314,7 +317,7 @@ impl Engine {
     }
 
     fn apply_optimizer(&mut self) -> Result<()> {
-        let (rank, precision) = (self.rank(), self.precision());
+        let (rank, precision) = (self.comm.rank(), self.precision());
         self.shard.step(StepTarget {
             parameters: &mut self.states.parameters,
             gradients: &mut self.gradients,
@@ -328,13 +331,13 @@ impl Engine {
 
     /// This rank's optimized values in the optimizer's order (see [`parameters::Parameters::read_shard`]).
     pub(super) fn read_shard(&mut self) -> Result<Tensor> {
-        let rank = self.rank();
+        let rank = self.comm.rank();
         self.states.parameters.read_shard(&self.states.layout, rank, &self.plan, &self.shard.optimized)
     }
 
     /// Writes values in the optimizer's order into this rank's part of the parameters.
     pub(super) fn write_shard(&mut self, values: &Tensor) -> Result<()> {
-        let rank = self.rank();
+        let rank = self.comm.rank();
         self.states.parameters.write_shard(values, &self.states.layout, rank, &self.plan, &self.shard.optimized)
     }
 

@@ -184,7 +184,7 @@ impl Engine {
         }
         let mut faults = Vec::new();
         for tag in &candidates {
-            let verdict = match self.rank() {
+            let verdict = match self.comm.rank() {
                 0 => SavedCheckpoint::open(dir, Some(tag)).and_then(|saved| saved.verify()).err(),
                 _ => None,
             };
@@ -281,7 +281,7 @@ impl Engine {
 
         // Values first (the master or the parameters), then the optimizer state, which an NVMe run takes one
         // sub-group at a time, so the whole state is never assembled in memory.
-        let pieces = self.optimized_pieces(self.rank());
+        let pieces = self.optimized_pieces(self.comm.rank());
         let slices = (0..self.states.layout.slots.len()).map(|i| self.placement.slot_slice(i)).collect();
         let mut reader = ShardReader::new(&saved, &self.states.layout.slots, slices, &pieces);
         let mut values = vec![0f32; self.shard.optimized.len()];
@@ -310,13 +310,15 @@ impl Engine {
         if let (Some(s), Some(state)) = (self.shard.scaler.as_mut(), m.loss_scaler.clone()) {
             s.state = state;
         }
-        match m.rng_states.get(self.rank()) {
-            Some(hex) if m.world_size == self.world_size() && !part => crate::engine::device::native::set_rng_state(
-                &from_hex(hex).map_err(|what| mismatch(format!("rng_states[{}]: {what}", self.rank())))?,
-            )?,
+        match m.rng_states.get(self.comm.rank()) {
+            Some(hex) if m.world_size == self.comm.world_size() && !part => {
+                crate::engine::device::native::set_rng_state(
+                    &from_hex(hex).map_err(|what| mismatch(format!("rng_states[{}]: {what}", self.comm.rank())))?,
+                )?
+            }
             _ if !m.rng_states.is_empty() => tracing::warn!(
                 from = m.world_size,
-                to = self.world_size(),
+                to = self.comm.world_size(),
                 "another world size: the CPU generator is not restored"
             ),
             _ => {}

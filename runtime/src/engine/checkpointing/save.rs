@@ -7,7 +7,7 @@ impl Engine {
     /// Every rank's CPU generator state, hex, on every rank (rank r fills slot r of a zeroed buffer; one sum).
     fn gather_rng_states(&mut self) -> Result<Vec<String>> {
         let mine = crate::engine::device::native::rng_state()?;
-        let (ws, rank, n) = (self.world_size(), self.rank(), mine.len());
+        let (ws, rank, n) = (self.comm.world_size(), self.comm.rank(), mine.len());
         let mut all = vec![0i64; ws * n];
         for (d, b) in all[rank * n..(rank + 1) * n].iter_mut().zip(&mine) {
             *d = *b as i64;
@@ -62,8 +62,33 @@ impl Engine {
 
     /// [`Engine::save_checkpoint`] with options (DeepSpeed's `exclude_frozen_parameters`).
     pub fn save_checkpoint_with(&mut self, dir: impl AsRef<Path>, options: &SaveOptions) -> Result<PathBuf> {
+        let Some(replicas) = self.comm.replicas().cloned() else {
+            return self.save_group_checkpoint(dir.as_ref(), options);
+        };
+        // Shard groups hold the same states: the first group writes the checkpoint (a checkpoint of its ranks,
+        // which loads at any world size), the others wait for its verdict.
+        let saved = match replicas.index() {
+            0 => self.save_group_checkpoint(dir.as_ref(), options),
+            _ => {
+                let tag = options.tag.clone().unwrap_or_else(|| format!("global_step{}", self.progress.global_steps));
+                Ok(dir.as_ref().join(tag))
+            }
+        };
+        let mut failed = [if saved.is_err() { 1.0f32 } else { 0.0 }];
+        replicas.with(|g| crate::comm::Collectives::all_reduce(g, &mut failed, ReduceOp::Max))?;
+        match saved {
+            Ok(_) if failed[0] > 0.0 => Err(Error::Io {
+                path: dir.as_ref().to_path_buf(),
+                what: "the first shard group, which writes the checkpoint, could not save it (see its ranks' errors)"
+                    .into(),
+            }),
+            saved => saved,
+        }
+    }
+
+    /// The checkpoint of this engine's (shard) group.
+    fn save_group_checkpoint(&mut self, dir: &Path, options: &SaveOptions) -> Result<PathBuf> {
         let _owner = crate::report::allocations::owned_by(crate::report::allocations::Owner::Engine);
-        let dir = dir.as_ref();
         // One save in flight at a time: the previous asynchronous one finishes first (its error is this one's).
         if self.in_flight.is_busy() {
             tracing::info!("waiting for the previous asynchronous checkpoint before the next");
@@ -75,7 +100,7 @@ impl Engine {
         let tag = agree_on_tag(self.comm.as_ref(), self.config.checkpoint.tag_validation, tag)?;
         let staging = dir.join(format!(".{tag}.partial"));
         let tp = self.placement.tensor_parallel.as_ref().map(|p| (p.rank, p.size));
-        if self.rank() == 0 && matches!(tp, None | Some((0, _))) {
+        if self.comm.rank() == 0 && matches!(tp, None | Some((0, _))) {
             prepare_staging(dir, &staging)?;
         }
         // With tensor parallelism the job's first rank prepared it: its tensor-parallel group, then each group's
@@ -84,7 +109,7 @@ impl Engine {
         self.comm.barrier()?;
         // States on NVMe stay a synchronous save's: a snapshot would bring them all into host memory.
         let on_nvme = self.shard.tier.swapped_bytes() > 0;
-        if self.config.checkpoint.async_save && on_nvme && self.rank() == 0 {
+        if self.config.checkpoint.async_save && on_nvme && self.comm.rank() == 0 {
             tracing::warn!("checkpoint.async_save: the optimizer states are on NVMe, so this save is synchronous (a snapshot would hold them all in host memory)");
         }
         if self.config.checkpoint.async_save && tp.is_none() && !on_nvme {
@@ -164,7 +189,7 @@ impl Engine {
                 what: format!("tensor-parallel rank {from}'s manifest: {e}"),
             })?);
         }
-        Ok(Some(Manifest::merge_tensor_parallel(parts, self.world_size() * p.size)))
+        Ok(Some(Manifest::merge_tensor_parallel(parts, self.comm.world_size() * p.size)))
     }
 
     /// This engine's prefix of file names in a checkpoint: its tensor-parallel rank's.
@@ -209,7 +234,7 @@ impl Engine {
         with_frozen: bool,
         mut deferred: Option<&mut Vec<background::Write>>,
     ) -> Result<Option<Manifest>> {
-        let (rank, ws, stage) = (self.rank(), self.world_size(), self.plan.stage());
+        let (rank, ws, stage) = (self.comm.rank(), self.comm.world_size(), self.plan.stage());
         let per_rank = self.plan.partitions_optimizer();
         // Stage 0: every rank holds everything, so rank 0 writes it; stages 1-2: each rank its partition.
         let writes = per_rank || rank == 0;
@@ -482,7 +507,7 @@ impl Engine {
             Tensor::write_safetensors(&params, path)
                 .map_err(|e| Error::Io { path: path.into(), what: e.to_string() })?;
         }
-        self.comm.barrier()?;
+        self.comm.barrier_data()?;
         Ok(())
     }
 
@@ -634,7 +659,7 @@ impl Engine {
         });
         // Rank 0's verdict, on every rank.
         let mut verdict = [if written.is_err() { 1.0f32 } else { 0.0 }];
-        crate::comm::Collectives::all_reduce(self.comm.as_ref(), &mut verdict, crate::comm::ReduceOp::Max)?;
+        self.comm.all_reduce_data(&mut verdict, crate::comm::ReduceOp::Max)?;
         match written {
             Err(e) => Err(e),
             Ok(_) if verdict[0] > 0.0 => Err(Error::Io {

@@ -172,7 +172,7 @@ impl<'a> UnitBuilders<'a> {
                 }
                 Ok(())
             };
-            return Ok((Engine::new_materialized(vs, config, comm, options, Some(&mut materialize))?, model));
+            return Ok((Engine::new_materialized(vs, config, comm, None, options, Some(&mut materialize))?, model));
         }
         let end = native::rng_state()?;
         // Every rank takes rank 0's values when the unit is packed, so only rank 0 builds them again; the others
@@ -198,7 +198,7 @@ impl<'a> UnitBuilders<'a> {
             }
             Ok(())
         };
-        let engine = Engine::new_materialized(vs, config, comm, options, Some(&mut materialize));
+        let engine = Engine::new_materialized(vs, config, comm, None, options, Some(&mut materialize));
         native::set_rng_state(&end)?;
         Ok((engine?, model))
     }

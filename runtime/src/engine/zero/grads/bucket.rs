@@ -12,14 +12,15 @@ use crate::comm::ReduceOp;
 use crate::config::{AllreduceOp, Config};
 use crate::engine::counters::CommVolume;
 use crate::engine::device::views;
-use crate::engine::engine_comm::EngineComm;
+use crate::engine::engine_comm::{EngineComm, Replicas};
 use crate::engine::zero::optim::in_backward::StepPart;
 use crate::error::Result;
 
 /// How gradients are combined across ranks: `prescale_gradients` / `gradient_predivide_factor` as DeepSpeed applies
 /// them (multiply by `pre` before a sum, by `post` = factor / world size after), else a plain mean. With
 /// `gradient_allreduce_op` "sum" (stages 0-2; the config refuses it at 3) the ranks' gradients are summed, not
-/// averaged: `post` is the factor alone.
+/// averaged: `post` is the factor alone. With shard groups the reduction continues across the replicas with the
+/// same operation, and the world size is every data-parallel rank's.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Reduction {
     pub op: ReduceOp,
@@ -57,16 +58,22 @@ impl Reduction {
 }
 
 impl Reduction {
-    /// The bucket's reduce-scatter, quantized when the gradients' are.
-    fn reduce_scatter(
+    /// The bucket's reduce-scatter (quantized when the gradients' are) and, with shard groups, the all-reduce of
+    /// this rank's part across the replicas.
+    fn reduce(
         &self,
         comm: &dyn crate::comm::Communicator,
+        replicas: Option<&Replicas>,
         staged: &Tensor,
         out: &Tensor,
     ) -> crate::comm::CommResult<()> {
         match self.quantized {
-            Some(block) => views::reduce_scatter_quantized(self.residence, comm, staged, out, self.op, block),
-            None => views::reduce_scatter(self.residence, comm, staged, out, self.op),
+            Some(block) => views::reduce_scatter_quantized(self.residence, comm, staged, out, self.op, block)?,
+            None => views::reduce_scatter(self.residence, comm, staged, out, self.op)?,
+        }
+        match replicas {
+            Some(r) => r.all_reduce(self.residence, out, self.op),
+            None => Ok(()),
         }
     }
 }
@@ -112,10 +119,18 @@ impl Bucket {
         if let Some(pre) = how.pre {
             let _ = self.staged.shallow_clone().f_mul_scalar_(pre)?;
         }
+        let replicas = comm.replicas();
+        if let Some(r) = replicas {
+            volume.all_reduce_elements += l as u64;
+            tracing::trace!(elements = l, replicas = r.count(), "bucket part all-reduced across the shard groups");
+        }
         if !how.scatter {
             views::all_reduce(how.residence, comm.as_ref(), &self.staged, how.op)?;
             volume.all_reduce_elements += n as u64;
             self.out.shallow_clone().f_copy_(&self.staged.narrow(0, (how.rank * l) as i64, l as i64))?;
+            if let Some(r) = replicas {
+                r.all_reduce(how.residence, &self.out, how.op)?;
+            }
             return Ok(Started { bucket: self, handle: None });
         }
         volume.reduce_scatter_elements += n as u64;
@@ -124,10 +139,11 @@ impl Bucket {
                 // The job holds its own handles to both tensors, so their storage outlives it; the queue does not
                 // touch this half or this output again before `finish` waits.
                 let (staged, out, how) = (self.staged.shallow_clone(), self.out.shallow_clone(), *how);
-                Some(thread.submit("reduce_scatter", move |c| how.reduce_scatter(c, &staged, &out)))
+                let replicas = replicas.cloned();
+                Some(thread.submit("reduce_scatter", move |c| how.reduce(c, replicas.as_ref(), &staged, &out)))
             }
             None => {
-                how.reduce_scatter(comm.as_ref(), &self.staged, &self.out)?;
+                how.reduce(comm.as_ref(), replicas, &self.staged, &self.out)?;
                 None
             }
         };

@@ -61,14 +61,15 @@ pub(crate) struct Gradients {
 impl Gradients {
     /// Allocates the buffers the plan sizes, and makes the model's `.grad` tensors views of the reduction buffer
     /// where gradients travel in the model's dtype (stages 0-1). The buffers go on the model's `device`, the fp32
-    /// accumulator on the optimizer's (`optimizer_device`).
+    /// accumulator on the optimizer's (`optimizer_device`). A mean divides by `data_world_size`: the shard
+    /// group's ranks, times its replicas with shard groups.
     #[allow(clippy::too_many_arguments)] // one call site (the engine's set-up), each argument a distinct input
     pub fn new(
         config: &Config,
         plan: &StagePlan,
         layout: &FlatLayout,
         params: &[Tensor],
-        rank: usize,
+        (rank, data_world_size): (usize, usize),
         shared: bool,
         residence: Residence,
         optimizer_device: Device,
@@ -119,7 +120,7 @@ impl Gradients {
                 device,
             )?,
             reduced: sizes.reduced,
-            how: Reduction::new(config, rank, ws, residence),
+            how: Reduction::new(config, rank, data_world_size, residence),
             refuse_unused: !config.zero_optimization.ignore_unused_parameters,
             unit_offsets,
             countdown,
