@@ -101,7 +101,8 @@ fn run(args: &Args) -> Result<(), String> {
             let (mut vs, model) = build_model(a.seed, a.init.as_ref(), |vs| Gpt::new(vs.root(), &cfg))?;
             vs.set_device(device);
             to_config_precision(&config, &mut vs);
-            let engine = Engine::new(&vs, config.clone(), comm, options.units_of(&model)).map_err(|e| e.to_string())?;
+            let engine = zerorun::initialize_with(&vs, config.clone(), comm, options.units_of(&model))
+                .map_err(|e| e.to_string())?;
             (vs, Box::new(model), engine)
         };
         let model = model.as_ref();

@@ -212,7 +212,8 @@ fn run(args: &Args) -> Result<(), String> {
             }
             // ANCHOR: engine
             let options = if args.plain_loop { options } else { options.units_of(&model) };
-            let engine = Engine::new(&vs, config.clone(), comm, options).map_err(|e| e.to_string())?;
+            // The job's communicator as a data-parallel mesh (shard groups from `mics_shard_size`, if set).
+            let engine = zerorun::initialize_with(&vs, config.clone(), comm, options).map_err(|e| e.to_string())?;
             // ANCHOR_END: engine
             (vs, Box::new(model), kind, engine)
         };

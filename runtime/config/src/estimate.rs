@@ -34,6 +34,8 @@ pub struct EstimateInput {
     /// `zero_hpz_partition_size` (1: off): stage 3 keeps a secondary copy of the parameters split over this many
     /// ranks (a host's) between a step's first gathers and the next step.
     pub hpz_partition_size: u64,
+    /// `mics_shard_size`: the model states are partitioned over groups of this many ranks, not over every rank.
+    pub shard_group_size: Option<u64>,
 }
 
 impl EstimateInput {
@@ -50,6 +52,7 @@ impl EstimateInput {
             frozen_bytes_per_param: None,
             optimizer_in_backward: false,
             hpz_partition_size: 1,
+            shard_group_size: None,
         }
     }
 
@@ -59,6 +62,7 @@ impl EstimateInput {
         self.optimizer_states = config.optimizer.as_ref().map_or(2, |o| o.states_per_param() as u64);
         self.optimizer_in_backward = config.optimizer_in_backward;
         self.hpz_partition_size = config.zero_optimization.zero_hpz_partition_size;
+        self.shard_group_size = config.zero_optimization.mics_shard_size;
         self
     }
 
@@ -66,11 +70,16 @@ impl EstimateInput {
         (self.nodes * self.gpus_per_node).max(1)
     }
 
+    /// Ranks the model states are partitioned over: a shard group's, else every rank.
+    fn partitions(&self) -> u64 {
+        self.shard_group_size.map_or(self.ranks(), |s| s.clamp(1, self.ranks()))
+    }
+
     /// Bytes of the frozen parameters one rank holds at `stage` (all of them, or its share at stage 3).
     pub fn frozen_bytes(&self, stage: u8) -> f64 {
         let bytes = (self.frozen_params * self.frozen_bytes_per_param.unwrap_or(self.bytes_per_param().0)) as f64;
         if stage == 3 {
-            bytes / self.ranks() as f64
+            bytes / self.partitions() as f64
         } else {
             bytes
         }
@@ -107,7 +116,7 @@ pub struct EstimateRow {
 /// optimizer): stage 0 keeps everything, 1 shards optimizer states, 2 also gradients, 3 also parameters.
 pub fn model_states_bytes(input: &EstimateInput, stage: u8) -> u64 {
     let (p, g, o) = input.bytes_per_param();
-    let (psi, n) = (input.params as f64, input.ranks() as f64);
+    let (psi, n) = (input.params as f64, input.partitions() as f64);
     let per_param = match stage {
         0 => (p + g + o) as f64,
         1 => (p + g) as f64 + o as f64 / n,
@@ -121,7 +130,7 @@ pub fn model_states_bytes(input: &EstimateInput, stage: u8) -> u64 {
 /// Every stage and CPU-offload option, in DeepSpeed's estimator terms.
 pub fn estimate(input: &EstimateInput) -> Vec<EstimateRow> {
     let psi = input.params as f64;
-    let n = input.ranks() as f64;
+    let n = input.partitions() as f64;
     let gpn = input.gpus_per_node as f64;
     let abf = ADDITIONAL_BUFFER_FACTOR;
     // DeepSpeed: the largest layer is gathered in 16 bits with its gradient (4 bytes per parameter).
@@ -172,6 +181,19 @@ pub fn row_for<'a>(rows: &'a [EstimateRow], config: &Config) -> Option<&'a Estim
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn shard_groups_partition_over_the_group_not_every_rank() {
+        let eight = EstimateInput { nodes: 2, gpus_per_node: 4, ..EstimateInput::new(1_000_000) };
+        let grouped = EstimateInput { shard_group_size: Some(2), ..eight.clone() };
+        let two = EstimateInput { nodes: 1, gpus_per_node: 2, ..eight.clone() };
+        for stage in 0..=3 {
+            assert_eq!(model_states_bytes(&grouped, stage), model_states_bytes(&two, stage), "stage {stage}");
+        }
+        assert!(model_states_bytes(&grouped, 3) > model_states_bytes(&eight, 3));
+        let device = |i: &EstimateInput| estimate(i).iter().map(|r| r.per_device_bytes).collect::<Vec<_>>();
+        assert_eq!(device(&grouped), device(&two));
+    }
 
     #[test]
     fn zero_paper_worked_example() {
