@@ -127,7 +127,9 @@ fn bench_async_json_lines_have_the_documented_keys() {
 /// broadcast of the weights); gloo's own reduce-scatter, an all-reduce, sent 1.5 x that. Two ranks per host, flat:
 /// each rank sends 2 of its 4 parts to the other host in each collective, 4P again. Two ranks per host in two
 /// levels: each rank carries half its host's cross-host parts, 2P, and nothing goes over loopback (shm inside the
-/// host). The namespaces are gone afterwards. Needs root, as CI and `make test` run.
+/// host). Shard groups of a host (`mics_shard_size` 2): the reduced half of each rank's buckets is all-reduced with
+/// its replica on the other host, 2P again, and the parameters' all-gather stays inside the host. The namespaces are
+/// gone afterwards. Needs root, as CI and `make test` run.
 #[test]
 fn bench_cluster_counts_the_bytes_that_cross_hosts_and_removes_its_namespaces() {
     let out = Command::new(env!("CARGO_BIN_EXE_zerorun"))
@@ -148,15 +150,18 @@ fn bench_cluster_counts_the_bytes_that_cross_hosts_and_removes_its_namespaces() 
     let dir = std::env::temp_dir().join(format!("zerorun-cluster-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join("c.json"), r#"{"train_batch_size": 8, "zero_optimization": {"stage": 2}}"#).unwrap();
+    let mics = r#"{"train_batch_size": 8, "zero_optimization": {"stage": 2, "mics_shard_size": 2}}"#;
+    std::fs::write(dir.join("mics.json"), mics).unwrap();
     let (input, hidden, layers, out_dim) = (256i64, 1024i64, 4i64, 16i64);
     let params = input * hidden + hidden + (layers - 2) * (hidden * hidden + hidden) + hidden * out_dim + out_dim;
-    for (per_host, hierarchy, times_4p) in [(1, "auto", 1.0), (2, "flat", 1.0), (2, "auto", 0.5)] {
-        let case = format!("2 hosts x {per_host} ranks, {hierarchy}");
+    let cases = [(1, "auto", "c", 1.0), (2, "flat", "c", 1.0), (2, "auto", "c", 0.5), (2, "auto", "mics", 0.5)];
+    for (per_host, hierarchy, config, times_4p) in cases {
+        let case = format!("2 hosts x {per_host} ranks, {hierarchy}, {config}.json");
         let out = Command::new(env!("CARGO_BIN_EXE_zerorun"))
             .args(["bench", "cluster", "--hosts", "2", "--ranks-per-host", &per_host.to_string()])
             .args(["--link", "1gbit", "--json", "--"])
             .arg(examples::example("mlp"))
-            .args(["--config", dir.join("c.json").to_str().unwrap(), "--steps", "6"])
+            .args(["--config", dir.join(format!("{config}.json")).to_str().unwrap(), "--steps", "6"])
             .args(["--in", &input.to_string(), "--hidden", &hidden.to_string(), "--layers", &layers.to_string()])
             .args(["--out", &out_dim.to_string()])
             .env("ZERORUN_HIERARCHY", hierarchy)

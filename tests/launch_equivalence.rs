@@ -195,7 +195,7 @@ fn node_zero_output(nodes: Vec<std::process::Child>, what: &str, rank0_prefix: &
 }
 
 /// Two hosts of two ranks each: collectives in two levels at every stage, and flat over gloo when asked, match one
-/// process within 1e-5; in bf16 the two levels (each host's sum first) keep the flat run's losses.
+/// process within 1e-5, and so do shard groups of a host at stages 2 and 3; in bf16 the two levels (each host's sum first) keep the flat run's losses.
 #[test]
 fn two_launchers_as_two_nodes_match_one_process_at_stages_0_to_3() {
     let mlp = mlp_example();
@@ -206,18 +206,23 @@ fn two_launchers_as_two_nodes_match_one_process_at_stages_0_to_3() {
     let ref_losses = run(&mlp, &dir, 1, r#"{"stage": 0}"#, &[], &reference);
     let reference = load(&reference);
     const TWO_LEVELS: &str = "shared memory inside each host, gloo across hosts rank=0 hosts=2 per_host=2";
-    for (stage, hierarchy, said) in [
-        (0, "auto", TWO_LEVELS),
-        (1, "auto", TWO_LEVELS),
-        (2, "auto", TWO_LEVELS),
-        (3, "auto", TWO_LEVELS),
-        (3, "flat", "flat over gloo"),
+    // Shard groups of a host (MiCS): the group is the host's shared-memory group, the replicas the cross-host one.
+    const MICS: &str = r#", "mics_shard_size": 2"#;
+    for (stage, hierarchy, said, keys) in [
+        (0, "auto", TWO_LEVELS, ""),
+        (1, "auto", TWO_LEVELS, ""),
+        (2, "auto", TWO_LEVELS, ""),
+        (3, "auto", TWO_LEVELS, ""),
+        (3, "flat", "flat over gloo", ""),
+        (2, "auto", TWO_LEVELS, MICS),
+        (3, "auto", TWO_LEVELS, MICS),
     ] {
-        let out = dir.join(format!("nodes-stage{stage}-{hierarchy}.safetensors"));
-        let (losses, logged) = run_two_nodes(&mlp, &dir, &format!(r#"{{"stage": {stage}}}"#), hierarchy, &out);
-        assert!(logged.starts_with(said), "stage {stage}, {hierarchy}: node 0 said {logged:?}");
-        assert_eq!(losses.len(), 8, "stage {stage}");
-        assert_matches(&format!("stage {stage}, {hierarchy}"), &losses, &ref_losses, &out, &reference);
+        let name = format!("stage{stage}-{hierarchy}{}", if keys.is_empty() { "" } else { "-mics" });
+        let out = dir.join(format!("nodes-{name}.safetensors"));
+        let (losses, logged) = run_two_nodes(&mlp, &dir, &format!(r#"{{"stage": {stage}{keys}}}"#), hierarchy, &out);
+        assert!(logged.starts_with(said), "{name}: node 0 said {logged:?}");
+        assert_eq!(losses.len(), 8, "{name}");
+        assert_matches(&name, &losses, &ref_losses, &out, &reference);
     }
     // ZeRO++: gradients quantized across hosts (stages 2, 3), weights in every gather and backward's gathers from
     // the host's secondary copies (3) stay within 2% of the unquantized losses (`ref_losses`: one process).
