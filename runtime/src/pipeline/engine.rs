@@ -113,6 +113,13 @@ impl<'a> PipelineEngine<'a> {
                 why: "a pipeline stage runs ZeRO 0, 1 or 2 over its data-parallel group: stage 3 would gather every layer of the stage at every micro-batch's forward and backward; use stage 2 (a stage already holds only its own layers)",
             });
         }
+        if let Some(size) = config.zero_optimization.mics_shard_size.filter(|&s| s as usize != mesh.shape().data()) {
+            return Err(Error::Unsupported {
+                key: "zero_optimization.mics_shard_size",
+                value: size.to_string(),
+                why: "shard groups run on a data-parallel mesh; with pipeline stages they are not built yet",
+            });
+        }
         if options.units.is_some() {
             return Err(Error::Usage(
                 "a pipeline stage runs its layers itself: leave EngineOptions::units unset".into(),

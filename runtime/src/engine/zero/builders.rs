@@ -163,6 +163,10 @@ impl<'a> UnitBuilders<'a> {
             }
             return Ok((Engine::new(vs, config, comm, options)?, model));
         }
+        // Shard groups (MiCS) split the communicator here; each group's first rank makes the values below.
+        let groups = crate::engine::setup::DataGroups::of(comm, &config)?;
+        let init_replicas = groups.replicas_again()?;
+        let crate::engine::setup::DataGroups { shard: comm, replicas, mesh } = groups;
         if let Some(path) = &builders.init {
             // Every rank reads its units from the file; nothing draws from the generator.
             let files = crate::checkpoint::hf::WeightFiles::open(path)?;
@@ -172,7 +176,9 @@ impl<'a> UnitBuilders<'a> {
                 }
                 Ok(())
             };
-            return Ok((Engine::new_materialized(vs, config, comm, None, options, Some(&mut materialize))?, model));
+            let mut engine = Engine::new_materialized(vs, config, comm, replicas, options, Some(&mut materialize))?;
+            engine.placement.mesh = mesh;
+            return Ok((engine, model));
         }
         let end = native::rng_state()?;
         // Every rank takes rank 0's values when the unit is packed, so only rank 0 builds them again; the others
@@ -196,10 +202,18 @@ impl<'a> UnitBuilders<'a> {
                     why: format!("the builder of unit {unit} made it {first:?}, then {again:?}"),
                 })?;
             }
+            // Shard groups: every group's first rank takes the first group's values (its own generator may differ).
+            if let Some(replicas) = &init_replicas {
+                let tensors: Vec<&Tensor> = vars.iter().map(|(_, t)| *t).collect();
+                crate::engine::zero::variables::broadcast_values(replicas.as_ref(), &tensors)?;
+            }
             Ok(())
         };
-        let engine = Engine::new_materialized(vs, config, comm, None, options, Some(&mut materialize));
+        let engine = Engine::new_materialized(vs, config, comm, replicas, options, Some(&mut materialize));
         native::set_rng_state(&end)?;
-        Ok((engine?, model))
+        let mut engine = engine?;
+        engine.placement.mesh = mesh;
+        drop(init_replicas);
+        Ok((engine, model))
     }
 }
