@@ -2,7 +2,7 @@
 //! each other. At 4 thread ranks in 2 groups of 2 and 2 ranks in groups of 1, stages 1-3, the MLP ends at the
 //! single-process AdamW reference within 1e-5 (every rank alike, whatever the other groups started from); the
 //! optimizer states per rank are those of the group's size; two-level communicators (2 hosts x 2) split the shard
-//! groups inside the hosts; the first group's checkpoint loads in a plain engine of another size; bad sizes and
+//! groups inside the hosts; quantized gradients quantize the all-reduce across the groups; the first group's checkpoint loads in a plain engine of another size; bad sizes and
 //! combinations are errors naming the key.
 use std::time::Duration;
 
@@ -198,6 +198,22 @@ fn shard_groups_of_a_host_run_over_two_level_communicators_and_bf16_stays_near_f
     let (grouped, plain) = (bf16(json!({"mics_shard_size": 2})), bf16(json!({})));
     for (step, (g, p)) in grouped.iter().zip(&plain).enumerate() {
         assert!((g - p).abs() <= 0.01 * p.abs() + 1e-3, "bf16 step {step}: {g} against {p}");
+    }
+}
+
+/// `zero_quantized_gradients` with shard groups quantizes the all-reduce across the groups (the reduce-scatter
+/// inside a group stays exact): the run ends near the reference, not at it, every rank alike.
+#[test]
+fn quantized_gradients_quantize_the_all_reduce_across_the_groups() {
+    let reference = adamw_reference();
+    for stage in [2, 3] {
+        let zero = json!({"mics_shard_size": 2, "zero_quantized_gradients": true});
+        let runs = run_on(two_level_comms(2, 2), config(stage, zero, json!({})), None);
+        let d = max_relative_difference(&runs[0].params, &reference);
+        assert!(d > 1e-6 && d < 0.1, "stage {stage}: {d:e} from the reference");
+        for r in &runs {
+            assert_eq!(r.params, runs[0].params, "stage {stage}, rank {}", r.rank);
+        }
     }
 }
 

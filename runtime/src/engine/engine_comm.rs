@@ -57,9 +57,19 @@ impl Replicas {
         f(group.as_ref())
     }
 
-    /// All-reduces `t` (a reduced gradient part) across the replicas.
-    pub fn all_reduce(&self, residence: Residence, t: &Tensor, op: ReduceOp) -> CommResult<()> {
-        self.with(|g| views::all_reduce(residence, g, t, op))
+    /// All-reduces `t` (a reduced gradient part) across the replicas, its traffic int8 blocks of `quantized`
+    /// values if given (`zero_quantized_gradients`).
+    pub fn all_reduce(
+        &self,
+        residence: Residence,
+        t: &Tensor,
+        op: ReduceOp,
+        quantized: Option<usize>,
+    ) -> CommResult<()> {
+        self.with(|g| match quantized {
+            Some(block) => views::all_reduce_quantized(residence, g, t, op, block),
+            None => views::all_reduce(residence, g, t, op),
+        })
     }
 }
 

@@ -244,6 +244,19 @@ pub fn all_gather_quantized(residence: Residence, comm: &dyn Communicator, t: &T
     in_place(residence, t, |_| Ok(false), |h| crate::comm::quantized::all_gather(comm, unsafe { buf_of(h) }, block))
 }
 
+/// All-reduce of a flat tensor whose traffic is int8 blocks of `block` values (ZeRO++ qgZ across shard groups;
+/// see [`crate::comm::quantized::all_reduce`]).
+pub fn all_reduce_quantized(
+    residence: Residence,
+    comm: &dyn Communicator,
+    t: &Tensor,
+    op: ReduceOp,
+    block: usize,
+) -> CommResult<()> {
+    // SAFETY: as in `all_reduce`.
+    in_place(residence, t, |_| Ok(false), |h| crate::comm::quantized::all_reduce(comm, unsafe { buf_of(h) }, op, block))
+}
+
 /// Reduce-scatter of a flat tensor into `out` (a tensor of the same kind, one partition long).
 pub fn reduce_scatter(
     residence: Residence,

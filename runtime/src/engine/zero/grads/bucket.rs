@@ -58,8 +58,8 @@ impl Reduction {
 }
 
 impl Reduction {
-    /// The bucket's reduce-scatter (quantized when the gradients' are) and, with shard groups, the all-reduce of
-    /// this rank's part across the replicas.
+    /// The bucket's reduce-scatter and, with shard groups, the all-reduce of this rank's part across the replicas;
+    /// with `zero_quantized_gradients` the reduce-scatter is quantized, or with shard groups the all-reduce.
     fn reduce(
         &self,
         comm: &dyn crate::comm::Communicator,
@@ -67,12 +67,13 @@ impl Reduction {
         staged: &Tensor,
         out: &Tensor,
     ) -> crate::comm::CommResult<()> {
-        match self.quantized {
-            Some(block) => views::reduce_scatter_quantized(self.residence, comm, staged, out, self.op, block)?,
-            None => views::reduce_scatter(self.residence, comm, staged, out, self.op)?,
-        }
+        // With shard groups the quantized step is the one across them (a group is a host's ranks, typically).
+        match (self.quantized, replicas) {
+            (Some(block), None) => views::reduce_scatter_quantized(self.residence, comm, staged, out, self.op, block),
+            _ => views::reduce_scatter(self.residence, comm, staged, out, self.op),
+        }?;
         match replicas {
-            Some(r) => r.all_reduce(self.residence, out, self.op),
+            Some(r) => r.all_reduce(self.residence, out, self.op, self.quantized),
             None => Ok(()),
         }
     }
@@ -129,7 +130,7 @@ impl Bucket {
             volume.all_reduce_elements += n as u64;
             self.out.shallow_clone().f_copy_(&self.staged.narrow(0, (how.rank * l) as i64, l as i64))?;
             if let Some(r) = replicas {
-                r.all_reduce(how.residence, &self.out, how.op)?;
+                r.all_reduce(how.residence, &self.out, how.op, None)?;
             }
             return Ok(Started { bucket: self, handle: None });
         }
