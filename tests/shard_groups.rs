@@ -8,13 +8,16 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 use tch::Tensor;
-use zerorun::runtime::comm::hierarchical::Hierarchical;
 use zerorun::runtime::comm::{threads, Communicator};
 use zerorun::{Config, Engine, EngineOptions};
 
 #[path = "common/mlp.rs"]
 mod mlp;
 use mlp::*;
+
+#[path = "common/hosts.rs"]
+mod hosts;
+use hosts::two_level_comms;
 
 #[path = "common/compare.rs"]
 mod compare;
@@ -38,6 +41,18 @@ fn config(stage: u64, zero: Value, top: Value) -> Config {
     Config::from_value(c).unwrap()
 }
 
+/// The engine's full parameters in fp32, sorted by name.
+fn final_params(engine: &mut Engine) -> Vec<(String, Vec<f32>)> {
+    let mut params: Vec<(String, Vec<f32>)> = engine
+        .full_parameters()
+        .unwrap()
+        .into_iter()
+        .map(|(n, t)| (n, Vec::<f32>::try_from(t.to_kind(tch::Kind::Float).reshape([-1])).unwrap()))
+        .collect();
+    params.sort_by(|a, b| a.0.cmp(&b.0));
+    params
+}
+
 /// What one rank saw.
 struct RankRun {
     params: Vec<(String, Vec<f32>)>,
@@ -50,24 +65,6 @@ struct RankRun {
 
 fn thread_comms(world: usize) -> Vec<Box<dyn Communicator>> {
     threads::group(world, Duration::from_secs(60)).into_iter().map(|c| Box::new(c) as Box<dyn Communicator>).collect()
-}
-
-/// `hosts` x `per_host` thread ranks whose collectives (and splits) run in two levels, as across hosts.
-fn two_level_comms(hosts: usize, per_host: usize) -> Vec<Box<dyn Communicator>> {
-    let t = Duration::from_secs(60);
-    let n = hosts * per_host;
-    let mut worlds: Vec<Option<_>> = threads::group(n, t).into_iter().map(Some).collect();
-    let mut locals: Vec<Option<_>> = (0..hosts).flat_map(|_| threads::group(per_host, t)).map(Some).collect();
-    let mut crosses: Vec<Vec<Option<_>>> =
-        (0..per_host).map(|_| threads::group(hosts, t).into_iter().map(Some).collect()).collect();
-    (0..n)
-        .map(|r| {
-            let (world, local) = (worlds[r].take().unwrap(), locals[r].take().unwrap());
-            let cross = crosses[r % per_host][r / per_host].take().unwrap();
-            Box::new(Hierarchical::new(Box::new(world), Box::new(local), Box::new(cross)).unwrap())
-                as Box<dyn Communicator>
-        })
-        .collect()
 }
 
 /// Trains the MLP (a unit per layer) on every rank of `comms` through `zerorun::initialize_with`, which lays out the
@@ -125,13 +122,7 @@ fn run_on(comms: Vec<Box<dyn Communicator>>, config: Config, save: Option<&std::
                         .iter()
                         .find(|(c, _)| c.name() == "optimizer_states")
                         .map_or(0, |(_, b)| *b);
-                    let mut params: Vec<(String, Vec<f32>)> = engine
-                        .full_parameters()
-                        .unwrap()
-                        .into_iter()
-                        .map(|(n, t)| (n, Vec::<f32>::try_from(t.to_kind(tch::Kind::Float).reshape([-1])).unwrap()))
-                        .collect();
-                    params.sort_by(|a, b| a.0.cmp(&b.0));
+                    let params = final_params(&mut engine);
                     RankRun {
                         params,
                         rank: engine.rank(),
@@ -228,14 +219,7 @@ fn the_first_group_writes_a_checkpoint_that_loads_at_another_world_size_and_stag
         let options = EngineOptions::default().units_of(&layers);
         let mut engine = Engine::new(&vs, config(2, json!({}), json!({})), Box::new(comm), options).unwrap();
         engine.load_checkpoint(&dir, None).unwrap();
-        let mut params: Vec<(String, Vec<f32>)> = engine
-            .full_parameters()
-            .unwrap()
-            .into_iter()
-            .map(|(n, t)| (n, Vec::<f32>::try_from(t.reshape([-1])).unwrap()))
-            .collect();
-        params.sort_by(|a, b| a.0.cmp(&b.0));
-        params
+        final_params(&mut engine)
     });
     for params in loaded {
         assert_eq!(params, runs[0].params, "the shard groups' parameters, loaded at 3 ranks and stage 2");
@@ -266,14 +250,7 @@ fn an_engine_built_on_a_communicator_lays_out_the_shard_groups_too() {
             engine.backward_units(&layers, &loss).unwrap();
             engine.step().unwrap();
         }
-        let mut params: Vec<(String, Vec<f32>)> = engine
-            .full_parameters()
-            .unwrap()
-            .into_iter()
-            .map(|(n, t)| (n, Vec::<f32>::try_from(t.reshape([-1])).unwrap()))
-            .collect();
-        params.sort_by(|a, b| a.0.cmp(&b.0));
-        params
+        final_params(&mut engine)
     });
     for (rank, params) in finals.iter().enumerate() {
         assert!(max_relative_difference(params, &reference) <= 1e-5, "rank {rank}");
@@ -321,13 +298,7 @@ fn models_built_unit_by_unit_train_in_shard_groups() {
             engine.backward_units(&model, &loss).unwrap();
             engine.step().unwrap();
         }
-        let mut params: Vec<(String, Vec<f32>)> = engine
-            .full_parameters()
-            .unwrap()
-            .into_iter()
-            .map(|(n, t)| (n, Vec::<f32>::try_from(t.reshape([-1])).unwrap()))
-            .collect();
-        params.sort_by(|a, b| a.0.cmp(&b.0));
+        let params = final_params(&mut engine);
         (engine.shard_group_size(), params)
     });
     for (rank, (shard, params)) in finals.iter().enumerate() {

@@ -7,13 +7,16 @@ use std::time::Duration;
 use serde_json::{json, Value};
 use tch::nn::Module;
 use tch::Tensor;
-use zerorun::runtime::comm::hierarchical::Hierarchical;
 use zerorun::runtime::comm::{threads, Communicator};
 use zerorun::{Config, Engine, EngineOptions, Whole};
 
 #[path = "common/mlp.rs"]
 mod mlp;
 use mlp::*;
+
+#[path = "common/hosts.rs"]
+mod hosts;
+use hosts::two_level_comms;
 
 #[path = "common/compare.rs"]
 mod compare;
@@ -55,24 +58,6 @@ fn run_with(world: usize, config: Config, units: Units, options: EngineOptions, 
     let comms =
         threads::group(world, Duration::from_secs(60)).into_iter().map(|c| Box::new(c) as Box<dyn Communicator>);
     run_on(comms.collect(), config, units, options, dims)
-}
-
-/// `hosts` x `per_host` thread ranks whose collectives run in two levels, as across hosts.
-fn two_level_comms(hosts: usize, per_host: usize) -> Vec<Box<dyn Communicator>> {
-    let t = Duration::from_secs(60);
-    let n = hosts * per_host;
-    let mut worlds: Vec<Option<_>> = threads::group(n, t).into_iter().map(Some).collect();
-    let mut locals: Vec<Option<_>> = (0..hosts).flat_map(|_| threads::group(per_host, t)).map(Some).collect();
-    let mut crosses: Vec<Vec<Option<_>>> =
-        (0..per_host).map(|_| threads::group(hosts, t).into_iter().map(Some).collect()).collect();
-    (0..n)
-        .map(|r| {
-            let (world, local) = (worlds[r].take().unwrap(), locals[r].take().unwrap());
-            let cross = crosses[r % per_host][r / per_host].take().unwrap();
-            Box::new(Hierarchical::new(Box::new(world), Box::new(local), Box::new(cross)).unwrap())
-                as Box<dyn Communicator>
-        })
-        .collect()
 }
 
 fn run_on(
