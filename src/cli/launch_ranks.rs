@@ -161,6 +161,9 @@ pub fn run_round(
     let heartbeats = (args.heartbeat_timeout > 0.0)
         .then(|| std::env::temp_dir().join(format!("zerorun-heartbeat-{}-{}", std::process::id(), round.restart)));
     if let Some(dir) = &heartbeats {
+        // A launcher that was killed leaves its folder behind; one that reuses its pid must not read the old
+        // ranks' beats (hours old: every rank would count as hung at once).
+        let _ = std::fs::remove_dir_all(dir);
         std::fs::create_dir_all(dir).map_err(|e| io(format!("creating {}", dir.display()), e))?;
     }
     let mut ranks = Vec::with_capacity(n);
