@@ -24,13 +24,7 @@ pub fn scatter_output(
     output: &BufMut<'_>,
 ) -> CommResult<usize> {
     let part = equal_parts(op, rank, world_size, input.len())?;
-    if output.len() != part || output.dtype != input.dtype {
-        return Err(CommError::BadArgument {
-            op,
-            rank,
-            what: format!("output has {} {:?} elements, expected {part} {:?}", output.len(), output.dtype, input.dtype),
-        });
-    }
+    output_of(op, rank, input, output, part)?;
     Ok(part)
 }
 
@@ -43,20 +37,20 @@ pub fn exchange_output(
     output: &BufMut<'_>,
 ) -> CommResult<usize> {
     let part = equal_parts(op, rank, world_size, input.len())?;
-    if output.len() != input.len() || output.dtype != input.dtype {
+    output_of(op, rank, input, output, input.len())?;
+    Ok(part)
+}
+
+/// The output must hold `len` elements of the input's type.
+fn output_of(op: &'static str, rank: usize, input: &BufRef<'_>, output: &BufMut<'_>, len: usize) -> CommResult<()> {
+    if output.len() != len || output.dtype != input.dtype {
         return Err(CommError::BadArgument {
             op,
             rank,
-            what: format!(
-                "output has {} {:?} elements, expected {} {:?}",
-                output.len(),
-                output.dtype,
-                input.len(),
-                input.dtype
-            ),
+            what: format!("output has {} {:?} elements, expected {len} {:?}", output.len(), output.dtype, input.dtype),
         });
     }
-    Ok(part)
+    Ok(())
 }
 
 /// `root` must be a rank of the group.

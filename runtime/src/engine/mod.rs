@@ -201,11 +201,7 @@ impl Engine {
     ) -> Result<Engine> {
         // Shard groups (`mics_shard_size`) split the communicator; without them it is the engine's group.
         let groups = setup::DataGroups::of(comm, &config)?;
-        groups.start_replicas_alike(vs)?;
-        let setup::DataGroups { shard, replicas, mesh } = groups;
-        let mut engine = Self::new_materialized(vs, config, shard, replicas, options, None)?;
-        engine.placement.mesh = mesh;
-        Ok(engine)
+        Self::on_data_groups(vs, config, groups, options)
     }
 
     /// This rank's index among the data-parallel ranks (with shard groups: every group's ranks, group by group).

@@ -429,7 +429,16 @@ impl Engine {
     /// MiCS (`mics_shard_size`): ZeRO over the mesh's shard group, its reduced gradients all-reduced across the
     /// replicas ([`DataGroups::of_mesh`]).
     fn on_shard_groups(vs: &nn::VarStore, config: Config, mesh: Mesh, options: EngineOptions) -> Result<Engine> {
-        let groups = DataGroups::of_mesh(mesh)?;
+        Engine::on_data_groups(vs, config, DataGroups::of_mesh(mesh)?, options)
+    }
+
+    /// The engine on `groups`, every replica starting from the first group's values of `vs`.
+    pub(super) fn on_data_groups(
+        vs: &nn::VarStore,
+        config: Config,
+        groups: DataGroups,
+        options: EngineOptions,
+    ) -> Result<Engine> {
         groups.start_replicas_alike(vs)?;
         let DataGroups { shard, replicas, mesh } = groups;
         let mut engine = Engine::new_materialized(vs, config, shard, replicas, options, None)?;
