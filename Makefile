@@ -8,7 +8,7 @@ TORCH_VERSION := 2.11.0
 APT_PACKAGES := pkg-config libopenmpi-dev openmpi-bin libclang-dev fonts-dejavu-core libgloo-dev iproute2
 CARGO ?= cargo
 
-.PHONY: setup demo test docs book-check bench bench-deepspeed gpu-binaries
+.PHONY: setup demo test docs book-check bench bench-deepspeed bench-deepspeed-cluster gpu-binaries
 
 setup: .libtorch
 	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
@@ -114,3 +114,11 @@ bench-deepspeed: setup
 	$(CARGO) build --release --bins --example gpt --example llama
 	$(VENV)/bin/python bench/deepspeed/side_by_side.py
 	$(VENV)/bin/python bench/deepspeed/llama_side_by_side.py
+
+# zerorun beside DeepSpeed 0.19.8 across simulated hosts (network namespaces, rate-limited links; needs root):
+# the 54.6M-parameter MLP at stages 0, 2, 3 and ZeRO++, 2 hosts x 1 and x 2 ranks, writes
+# bench/deepspeed/cluster_results.{json,md}. CLUSTER_ARGS passes flags, e.g. CLUSTER_ARGS="--links 1gbit,10gbit".
+bench-deepspeed-cluster: setup
+	$(VENV)/bin/pip install -q deepspeed==0.19.8 ninja
+	$(CARGO) build --release --bins --example mlp
+	$(VENV)/bin/python bench/deepspeed/cluster_side_by_side.py $(CLUSTER_ARGS)

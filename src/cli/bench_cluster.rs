@@ -1,7 +1,8 @@
 //! `zerorun bench cluster --hosts H --ranks-per-host K --link RATE [--json] -- PROGRAM ARGS...`: a cluster of H
 //! hosts simulated on this machine, to measure what crosses hosts. Each host is a network namespace joined to a
 //! switch namespace by a veth pair whose two ends are limited with `tc ... tbf` to RATE (so RATE in each direction);
-//! one `zerorun launch --nnodes H` runs in each, its ranks speaking gloo across hosts. It prints the median step
+//! one `zerorun launch --nnodes H` runs in each, its ranks speaking gloo across hosts (or, with `--launcher torchrun`,
+//! one `torchrun` per host running a PyTorch program: how DeepSpeed is measured beside zerorun). It prints the median step
 //! (from the program's `step N loss X time T ms` lines), the bytes each rank sent across hosts (the host's link,
 //! counted by the kernel) and inside its host (loopback), and the link floor: the busiest host's cross-host bytes of
 //! a step over RATE. Needs root (CAP_NET_ADMIN); the namespaces are removed however the run ends (a signal
@@ -30,9 +31,20 @@ pub struct ClusterArgs {
     /// One JSON object instead of the table.
     #[arg(long)]
     pub json: bool,
+    /// What starts each host's ranks: `zerorun launch`, or `torchrun` (from PATH; gloo is told the host's
+    /// interface with GLOO_SOCKET_IFNAME) for a PyTorch program, e.g. DeepSpeed's side of a comparison. The
+    /// program prints rank 0's `[rank 0] step N loss X time T ms` lines itself then.
+    #[arg(long, value_enum, default_value_t = Launcher::Zerorun)]
+    pub launcher: Launcher,
     /// The program to run on every host (its arguments follow), e.g. an example with its flags.
     #[arg(last = true, required = true)]
     pub command: Vec<String>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Launcher {
+    Zerorun,
+    Torchrun,
 }
 
 /// `tc`'s rate spelling, in bits per second.
@@ -135,11 +147,13 @@ impl Drop for Cluster {
 }
 
 /// Median of the `time T ms` of rank 0's `step N loss X time T ms` lines, the first two (warm-up) left out when
-/// there are more; and how many steps there were.
-fn median_step(output: &str) -> Option<(f64, usize)> {
-    let mut times: Vec<f64> = output
-        .lines()
-        .filter_map(|l| l.strip_prefix("[rank 0] step "))
+/// there are more; how many steps there were; and the last step's loss (runs of two programs on the same data and
+/// weights are seen to train alike).
+fn median_step(output: &str) -> Option<(f64, usize, Option<f64>)> {
+    let lines: Vec<&str> = output.lines().filter_map(|l| l.strip_prefix("[rank 0] step ")).collect();
+    let last_loss = lines.last().and_then(|l| l.split(" loss ").nth(1)?.split_whitespace().next()?.parse().ok());
+    let mut times: Vec<f64> = lines
+        .iter()
         .filter_map(|l| l.split(" time ").nth(1)?.split(" ms").next()?.trim().parse::<f64>().ok())
         .collect();
     let steps = times.len();
@@ -147,7 +161,13 @@ fn median_step(output: &str) -> Option<(f64, usize)> {
         times.drain(..2);
     }
     times.sort_by(f64::total_cmp);
-    times.get(times.len() / 2).map(|t| (t / 1e3, steps))
+    times.get(times.len() / 2).map(|t| (t / 1e3, steps, last_loss))
+}
+
+/// The first `name` on PATH: a namespace's `ip netns exec` would find it too, but its error would not say what
+/// was missing.
+fn find_in_path(name: &str) -> Option<PathBuf> {
+    std::env::split_paths(&std::env::var_os("PATH")?).map(|d| d.join(name)).find(|p| p.is_file())
 }
 
 pub fn run(a: ClusterArgs) -> Result<(), CliError> {
@@ -164,6 +184,12 @@ pub fn run(a: ClusterArgs) -> Result<(), CliError> {
         ));
     }
     let zerorun = std::env::current_exe().map_err(|e| CliError::Io { context: "finding zerorun".into(), source: e })?;
+    let torchrun = match a.launcher {
+        Launcher::Torchrun => find_in_path("torchrun").ok_or_else(|| {
+            CliError::Usage("--launcher torchrun: no `torchrun` on PATH (activate the venv with torch)".into())
+        })?,
+        Launcher::Zerorun => PathBuf::new(),
+    };
     let program = PathBuf::from(&a.command[0]);
     let program =
         if program.components().count() > 1 { std::fs::canonicalize(&program).unwrap_or(program) } else { program };
@@ -181,18 +207,25 @@ pub fn run(a: ClusterArgs) -> Result<(), CliError> {
     let mut launchers = Vec::new();
     for i in 0..a.hosts {
         let mut cmd = Command::new("ip");
-        cmd.args(["netns", "exec", &cluster.host(i)])
-            .arg(&zerorun)
-            .args(["--quiet", "launch", "--nnodes", &a.hosts.to_string(), "--node-rank", &i.to_string()])
-            .args(["--nproc-per-node", &a.ranks_per_host.to_string(), "--backend", "gloo"])
-            .args(["--master-addr", &Cluster::address(0), "--master-port", port, "--"])
-            // gloo binds this host's address (its hostname is the machine's, not the namespace's).
-            .env("ZERORUN_HOST_ADDR", Cluster::address(i))
-            .arg(&program)
-            .args(&a.command[1..])
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
+        cmd.args(["netns", "exec", &cluster.host(i)]);
+        let (nnodes, node_rank, per_host) = (a.hosts.to_string(), i.to_string(), a.ranks_per_host.to_string());
+        match a.launcher {
+            Launcher::Zerorun => {
+                cmd.arg(&zerorun)
+                    .args(["--quiet", "launch", "--nnodes", &nnodes, "--node-rank", &node_rank])
+                    .args(["--nproc-per-node", &per_host, "--backend", "gloo"])
+                    .args(["--master-addr", &Cluster::address(0), "--master-port", port, "--"])
+                    // gloo binds this host's address (its hostname is the machine's, not the namespace's).
+                    .env("ZERORUN_HOST_ADDR", Cluster::address(i));
+            }
+            Launcher::Torchrun => {
+                cmd.arg(&torchrun)
+                    .args(["--nnodes", &nnodes, "--node-rank", &node_rank, "--nproc-per-node", &per_host])
+                    .args(["--master-addr", &Cluster::address(0), "--master-port", port])
+                    .env("GLOO_SOCKET_IFNAME", "eth0");
+            }
+        }
+        cmd.arg(&program).args(&a.command[1..]).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
         launchers.push(
             cmd.spawn().map_err(|e| CliError::Io { context: format!("starting host {i}'s launcher"), source: e })?,
         );
@@ -237,7 +270,7 @@ pub fn run(a: ClusterArgs) -> Result<(), CliError> {
         }
     }
     let host0 = String::from_utf8_lossy(&outputs[0].stdout);
-    let (step_s, steps) = median_step(&host0).ok_or_else(|| {
+    let (step_s, steps, last_loss) = median_step(&host0).ok_or_else(|| {
         CliError::Usage("the program printed no `step N loss X time T ms` lines on rank 0 (the examples do)".into())
     })?;
     let k = a.ranks_per_host as f64;
@@ -248,7 +281,7 @@ pub fn run(a: ClusterArgs) -> Result<(), CliError> {
     let floor_s = per_step(busiest) * 8.0 / rate_bits;
     let report = serde_json::json!({
         "hosts": a.hosts, "ranks_per_host": a.ranks_per_host, "link": a.link, "link_bits_per_s": rate_bits,
-        "steps": steps, "median_step_s": step_s,
+        "steps": steps, "median_step_s": step_s, "last_loss": last_loss,
         "cross_host_bytes_per_rank_per_step": cross.iter().map(|&b| per_step(b) / k).collect::<Vec<_>>(),
         "inside_host_bytes_per_rank_per_step": inside.iter().map(|&b| per_step(b) / k).collect::<Vec<_>>(),
         "link_floor_s": floor_s, "step_over_floor": step_s / floor_s.max(1e-12),
@@ -281,6 +314,6 @@ mod tests {
         assert_eq!(parse_rate("500mbit"), Some(5e8));
         assert_eq!(parse_rate("fast"), None);
         let out = "[rank 0] step 1 loss 2.0 time 900 ms 10 tokens/s\n[rank 1] step 1 loss 2.0 time 1 ms\n[rank 0] step 2 loss 1.9 time 100 ms 1 tokens/s\n[rank 0] step 3 loss 1.8 time 200 ms 1 tokens/s\n[rank 0] step 4 loss 1.7 time 300 ms 1 tokens/s\n";
-        assert_eq!(median_step(out), Some((0.3, 4)));
+        assert_eq!(median_step(out), Some((0.3, 4, Some(1.7))));
     }
 }

@@ -3,10 +3,11 @@
 //! (`full_parameters`, `state_dict`, `save_16bit_model`). This file holds what they share: the options, the tag
 //! rules, dtype names, variable entries.
 pub(crate) mod background;
+mod export;
 mod load;
 mod save;
+pub use export::{write_pretrained, PretrainedOptions};
 pub(crate) use save::{prepare_staging, publish};
-pub use save::{write_pretrained, PretrainedOptions};
 
 use std::path::{Path, PathBuf};
 
