@@ -167,11 +167,11 @@ int zr_gloo_exchange_parts(void* group, void* input, void* slots, int64_t part, 
     for (int k = 1; k < g->size; ++k) {
       int to = (g->rank + k) % g->size;
       int from = (g->rank - k + g->size) % g->size;
-      std::vector<at::Tensor> send{in.narrow(0, part * to, part)};
-      works.push_back(g->pg->send(send, to, tag));
       int slot = from < g->rank ? from : from - 1;
       std::vector<at::Tensor> recv{out.narrow(0, part * slot, part)};
       works.push_back(g->pg->recv(recv, from, tag));
+      std::vector<at::Tensor> send{in.narrow(0, part * to, part)};
+      works.push_back(g->pg->send(send, to, tag));
     }
     for (auto& w : works) wait(g, w);
   });
@@ -188,10 +188,10 @@ int zr_gloo_share_parts(void* group, void* data, int64_t part, int dtype, int ta
     for (int k = 1; k < g->size; ++k) {
       int to = (g->rank + k) % g->size;
       int from = (g->rank - k + g->size) % g->size;
-      std::vector<at::Tensor> send{mine};
-      works.push_back(g->pg->send(send, to, tag));
       std::vector<at::Tensor> recv{whole.narrow(0, part * from, part)};
       works.push_back(g->pg->recv(recv, from, tag));
+      std::vector<at::Tensor> send{mine};
+      works.push_back(g->pg->send(send, to, tag));
     }
     for (auto& w : works) wait(g, w);
   });
@@ -222,6 +222,20 @@ int zr_gloo_send(void* group, void* data, int64_t n, int dtype, int dst, int tag
   return guarded(err, err_len, [&] {
     std::vector<at::Tensor> t{view(data, n, dtype)};
     wait(g, g->pg->send(t, dst, tag));
+  });
+}
+
+// Both payloads of a sendrecv in flight at once: `send` (n_send elements) to `dst`, `recv` (n_recv) from `src`.
+int zr_gloo_send_recv(void* group, void* send, int64_t n_send, int dst, void* recv, int64_t n_recv, int src, int dtype,
+                      int tag, char* err, size_t err_len) {
+  auto g = static_cast<Group*>(group);
+  return guarded(err, err_len, [&] {
+    std::vector<at::Tensor> out{view(send, n_send, dtype)};
+    std::vector<at::Tensor> in{view(recv, n_recv, dtype)};
+    auto received = g->pg->recv(in, src, tag);
+    auto sent = g->pg->send(out, dst, tag);
+    wait(g, sent);
+    wait(g, received);
   });
 }
 

@@ -91,6 +91,19 @@ extern "C" {
         err: *mut c_char,
         err_len: usize,
     ) -> c_int;
+    fn zr_gloo_send_recv(
+        group: *mut c_void,
+        send: *mut c_void,
+        n_send: i64,
+        dst: c_int,
+        recv: *mut c_void,
+        n_recv: i64,
+        src: c_int,
+        dtype: c_int,
+        tag: c_int,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
     fn zr_gloo_recv(
         group: *mut c_void,
         data: *mut c_void,
@@ -434,6 +447,57 @@ impl Communicator for GlooComm {
     fn recv_buf(&self, buf: BufMut<'_>, src: usize) -> CommResult<()> {
         let (len, dtype) = (buf.len(), buf.dtype);
         self.p2p("recv", src, false, buf.bytes.as_mut_ptr(), len, dtype)
+    }
+
+    /// Both headers are checked first (even ranks the send's, odd ranks the receive's, as the default does), then
+    /// both payloads move at once: a ring shift uses the link both ways.
+    fn send_recv_buf(&self, send: BufRef<'_>, dst: usize, recv: BufMut<'_>, src: usize) -> CommResult<()> {
+        const OP: &str = "send_recv";
+        groups::check_peer(OP, self.rank, self.world_size, dst)?;
+        groups::check_peer(OP, self.rank, self.world_size, src)?;
+        let out = Transfer { op: OP, rank: self.rank, peer: dst, sending: true, len: send.len(), dtype: send.dtype };
+        let inn = Transfer { op: OP, rank: self.rank, peer: src, sending: false, len: recv.len(), dtype: recv.dtype };
+        let headers = |t: &Transfer| {
+            groups::header_handshake(
+                t,
+                |w| self.p2p_message(t, true, w.as_ptr() as *mut u8, w.len(), Dtype::I64, TAG_HEADER),
+                |w| self.p2p_message(t, false, w.as_mut_ptr() as *mut u8, w.len(), Dtype::I64, TAG_HEADER),
+            )
+        };
+        if self.rank % 2 == 0 {
+            headers(&out)?;
+            headers(&inn)?;
+        } else {
+            headers(&inn)?;
+            headers(&out)?;
+        }
+        let (n_send, n_recv) = (send.len(), recv.len());
+        let (s, r) = (send.bytes.as_ptr() as *mut u8, recv.bytes.as_mut_ptr());
+        // An empty payload is not sent (as `send_buf` does not): the other one moves alone.
+        match (n_send, n_recv) {
+            (0, 0) => return Ok(()),
+            (_, 0) => return self.p2p_message(&out, true, s, n_send, send.dtype, TAG_PAYLOAD),
+            (0, _) => return self.p2p_message(&inn, false, r, n_recv, recv.dtype, TAG_PAYLOAD),
+            _ => {}
+        }
+        let (s, r) = (s as *mut c_void, r as *mut c_void);
+        // SAFETY: `send` is only read, `recv` is this call's to write; both hold the lengths given, of the dtypes
+        // both ends agreed on above.
+        self.call(OP, |e, l| unsafe {
+            zr_gloo_send_recv(
+                self.group,
+                s,
+                n_send as i64,
+                dst as c_int,
+                r,
+                n_recv as i64,
+                src as c_int,
+                send.dtype as c_int,
+                TAG_PAYLOAD,
+                e,
+                l,
+            )
+        })
     }
 
     /// The members make a ProcessGroupGloo of their own on the job's store, under the group's name and the

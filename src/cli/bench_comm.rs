@@ -9,20 +9,22 @@ use zerorun_comm::{threads, BufMut, BufRef, Collectives, Communicator, Dtype, Re
 
 use super::{emit, CliError};
 
-const OPS: [&str; 4] = ["all_reduce", "reduce_scatter", "all_gather", "send_recv"];
+const OPS: [&str; 5] = ["all_reduce", "reduce_scatter", "all_gather", "send_recv", "send_recv_ring"];
 
 fn sizes(max_bytes: usize) -> Vec<usize> {
     std::iter::successors(Some(4096usize), |b| Some(b * 4)).take_while(|b| *b <= max_bytes.max(4096)).collect()
 }
 
 /// nccl-tests: algbw = S / t with S the full array; busbw = algbw * 2(n-1)/n for all-reduce, * (n-1)/n for
-/// reduce-scatter and all-gather; a send/recv (one direction, rank 0 to rank 1) is S / t.
+/// reduce-scatter and all-gather; a send/recv (one direction, rank 0 to rank 1) is S / t, and so is a ring shift
+/// (`send_recv_ring`, nccl-tests' sendrecv: every rank sends S to the next and receives S from the previous at once,
+/// so the link, or loopback's copies, carry both directions, as a reduce-scatter's or all-gather's exchange does).
 fn busbw(op: &str, bytes: usize, ranks: usize, secs: f64) -> f64 {
     let algbw = bytes as f64 / secs / 1e9;
     let n = ranks as f64;
     match op {
         "all_reduce" => algbw * 2.0 * (n - 1.0) / n,
-        "send_recv" => algbw,
+        "send_recv" | "send_recv_ring" => algbw,
         _ => algbw * (n - 1.0) / n,
     }
 }
@@ -67,6 +69,9 @@ fn measure(c: &dyn Communicator, op: &str, bytes: usize, dtype: Dtype, repeats: 
         }
     };
     let (mut buf_mem, mut out_mem) = (alloc(elems), alloc(elems / n));
+    // The ring shift receives a whole buffer beside the one it sends.
+    let mut ring_mem = (op == "send_recv_ring").then(|| alloc(elems));
+    let mut ring = ring_mem.as_mut().map(|m| &mut m.bytes()[..elems * es]);
     let (buf, out) = (&mut buf_mem.bytes()[..elems * es], &mut out_mem.bytes()[..elems / n * es]);
     fill_ones(buf, dtype);
     let fail = |e: zerorun_comm::CommError| CliError::Usage(e.to_string());
@@ -86,6 +91,16 @@ fn measure(c: &dyn Communicator, op: &str, bytes: usize, dtype: Dtype, repeats: 
                 1 => c.recv_buf(BufMut { bytes: &mut *buf, dtype }, 0).map_err(fail)?,
                 _ => {}
             },
+            "send_recv_ring" => {
+                let (next, previous) = ((c.rank() + 1) % n, (c.rank() + n - 1) % n);
+                c.send_recv_buf(
+                    BufRef { bytes: &*buf, dtype },
+                    next,
+                    BufMut { bytes: ring.as_deref_mut().expect("allocated for the ring"), dtype },
+                    previous,
+                )
+                .map_err(fail)?
+            }
             _ => c.all_gather_buf(BufMut { bytes: &mut *buf, dtype }).map_err(fail)?,
         }
         if rep > 0 {

@@ -121,6 +121,10 @@ impl Communicator for Watched {
         let _waiting = InCollective::enter();
         self.0.recv_buf(buf, src)
     }
+    fn send_recv_buf(&self, send: BufRef<'_>, dst: usize, recv: BufMut<'_>, src: usize) -> CommResult<()> {
+        let _waiting = InCollective::enter();
+        self.0.send_recv_buf(send, dst, recv, src)
+    }
     fn split_group(&self, split: &groups::Split) -> CommResult<Option<Box<dyn Communicator>>> {
         let group = {
             let _waiting = InCollective::enter();

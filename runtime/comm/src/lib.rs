@@ -206,6 +206,18 @@ pub trait Communicator: Send {
     fn send_buf(&self, buf: BufRef<'_>, dst: usize) -> CommResult<()>;
     /// Receives into `buf` what rank `src` of this group sends.
     fn recv_buf(&self, buf: BufMut<'_>, src: usize) -> CommResult<()>;
+    /// Sends `send` to `dst` and receives `recv` from `src` (MPI's sendrecv; a ring shift when every rank calls it
+    /// with its neighbours). Backends that can have both in flight at once do (gloo); this default sends first on
+    /// even ranks and receives first on odd ones, which cannot deadlock on a ring.
+    fn send_recv_buf(&self, send: BufRef<'_>, dst: usize, recv: BufMut<'_>, src: usize) -> CommResult<()> {
+        if self.rank() % 2 == 0 {
+            self.send_buf(send, dst)?;
+            self.recv_buf(recv, src)
+        } else {
+            self.recv_buf(recv, src)?;
+            self.send_buf(send, dst)
+        }
+    }
     /// This rank's communicator of the group `split` (agreed by every rank of this group, see
     /// [`groups::Split`]) makes, or None when this rank is in no group. Collective over this group; use
     /// [`Collectives::split`] or [`Collectives::new_group`].
