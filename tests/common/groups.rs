@@ -26,6 +26,16 @@ fn ring<T: Element + PartialEq + std::fmt::Debug + Default>(c: &dyn Communicator
     assert_eq!(got, values(prev, rank, n, make), "ring of {n} elements on rank {rank}");
 }
 
+/// The same ring in one call: `send_recv` has both directions in flight where the backend can.
+fn ring_in_one_call(c: &dyn Communicator, n: usize) {
+    let (rank, world) = (c.rank(), c.world_size());
+    let (next, prev) = ((rank + 1) % world, (rank + world - 1) % world);
+    let out = values(rank, next, n, |x| x);
+    let mut got = vec![0f32; n];
+    c.send_recv(&out, next, &mut got, prev).unwrap();
+    assert_eq!(got, values(prev, rank, n, |x| x), "send_recv ring of {n} elements on rank {rank}");
+}
+
 /// Point-to-point: rings of every type and size, a pair exchanging back and forth, and a mismatch that is an
 /// error on both ends while the group stays usable.
 pub fn point_to_point(c: &dyn Communicator) {
@@ -39,6 +49,9 @@ pub fn point_to_point(c: &dyn Communicator) {
     ring::<half::bf16>(c, 1001, half::bf16::from_f32);
     ring::<half::f16>(c, 1001, half::f16::from_f32);
     ring::<i64>(c, 1001, |x| x as i64);
+    for n in [0usize, 1, 1001, 16 * 1024 * 1024 + 1] {
+        ring_in_one_call(c, n);
+    }
     // A pair, many times over: each message is the one sent (no mixing across calls).
     if rank < 2 {
         let peer = 1 - rank;
@@ -65,6 +78,13 @@ pub fn point_to_point(c: &dyn Communicator) {
         // So do types.
         let e = if rank == 0 { c.send(&[1f32; 4], 1) } else { c.recv(&mut [0i64; 4], 0) };
         assert!(e.unwrap_err().to_string().contains("the send has 4 F32 elements and the receive expects 4 I64"));
+        // In one call too: rank 1 expects 5 of rank 0's 4, and both ends fail naming that direction.
+        let (mine, mut theirs) = ([1f32; 4], vec![0f32; 4 + rank]);
+        let text = c.send_recv(&mine, peer, &mut theirs, peer).unwrap_err().to_string();
+        assert!(
+            text.contains("from rank 0 to rank 1: the send has 4 F32 elements and the receive expects 5 F32 elements"),
+            "rank {rank}: {text}"
+        );
     }
     let e = c.send(&[1f32], rank).unwrap_err().to_string();
     assert!(e.contains("cannot send to or from itself"), "{e}");

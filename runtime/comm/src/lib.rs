@@ -324,6 +324,10 @@ pub trait Collectives: Communicator {
     fn recv<T: Element>(&self, buf: &mut [T], src: usize) -> CommResult<()> {
         self.recv_buf(BufMut::new(buf), src)
     }
+    /// [`Communicator::send_recv_buf`] of typed slices.
+    fn send_recv<T: Element>(&self, send: &[T], dst: usize, recv: &mut [T], src: usize) -> CommResult<()> {
+        self.send_recv_buf(BufRef::new(send), dst, BufMut::new(recv), src)
+    }
     /// MPI_Comm_split: ranks that pass the same `color` form a group, ranked by `key` and then by their rank here;
     /// `None` joins no group (and gets None). Collective over this group.
     fn split(&self, color: Option<u32>, key: i64) -> CommResult<Option<Box<dyn Communicator>>> {
