@@ -19,21 +19,8 @@ from safetensors.torch import load_file
 
 import deepspeed
 
-MASK = (1 << 64) - 1
-
-
-class Rng:
-    """splitmix64, as examples/support/mod.rs: a step's samples depend only on (seed, step)."""
-
-    def __init__(self, seed, stream):
-        self.s = (seed ^ (stream * 0x9E3779B97F4A7C15)) & MASK
-
-    def next(self):
-        self.s = (self.s + 0x9E3779B97F4A7C15) & MASK
-        z = self.s
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK
-        return z ^ (z >> 31)
+# splitmix64, as examples/support/mod.rs: a step's samples depend only on (seed, step).
+from gpt_deepspeed import Rng
 
 
 class Mlp(nn.Module):
