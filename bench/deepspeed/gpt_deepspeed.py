@@ -104,6 +104,15 @@ def peak_rss():
     return 0
 
 
+def leave():
+    """Ends a rank once everything is written: DeepSpeed 0.19.8 on CPU can abort at interpreter exit ("terminate
+    called without an active exception") after a finished run, so its exit handlers are not run."""
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--config", required=True)
@@ -164,12 +173,7 @@ def main():
                 save_file({n: p.detach().float().contiguous().clone() for n, p in engine.module.named_parameters()}, a.save_final)
     torch.distributed.barrier()
     print(f"peak_rss_bytes {peak_rss()}", flush=True)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-    # DeepSpeed 0.19.8 on CPU can abort at interpreter exit ("terminate called without an active exception") after
-    # a finished run; leave without running its exit handlers once everything is written.
-    sys.stdout.flush()
-    os._exit(0)
+    leave()
 
 
 if __name__ == "__main__":

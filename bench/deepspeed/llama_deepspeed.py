@@ -6,7 +6,6 @@ and every rank's `peak_rss_bytes B`. Run under DeepSpeed's launcher:
 import argparse
 import json
 import os
-import sys
 import time
 
 import torch
@@ -15,6 +14,8 @@ from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 
 import deepspeed
+
+from gpt_deepspeed import leave
 
 
 def peak_rss():
@@ -66,11 +67,7 @@ def main():
         print(f"median_step_s {t[len(t) // 2]:.6f}", flush=True)
     torch.distributed.barrier()
     print(f"peak_rss_bytes {peak_rss()}", flush=True)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-    # DeepSpeed 0.19.8 on CPU can abort at interpreter exit after a finished run: leave once everything is written.
-    sys.stdout.flush()
-    os._exit(0)
+    leave()
 
 
 if __name__ == "__main__":

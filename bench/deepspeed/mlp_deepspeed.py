@@ -9,7 +9,6 @@ in PyTorch, trained with DeepSpeed on the same data, data order, initial weights
 import argparse
 import json
 import os
-import sys
 import time
 
 import torch
@@ -19,8 +18,8 @@ from safetensors.torch import load_file
 
 import deepspeed
 
-# splitmix64, as examples/support/mod.rs: a step's samples depend only on (seed, step).
-from gpt_deepspeed import Rng
+# The examples' splitmix64 (a step's samples depend only on (seed, step)) and the end of a rank.
+from gpt_deepspeed import Rng, leave
 
 
 class Mlp(nn.Module):
@@ -84,12 +83,7 @@ def main():
         ms = (time.perf_counter() - started) * 1e3
         if rank == 0:
             print(f"[rank 0] step {step + 1} loss {mean.item() / world:.6f} time {ms:.0f} ms", flush=True)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-    # DeepSpeed 0.19.8 on CPU can abort at interpreter exit ("terminate called without an active exception") after
-    # a finished run; leave without its exit handlers once everything is printed.
-    sys.stdout.flush()
-    os._exit(0)
+    leave()
 
 
 if __name__ == "__main__":
