@@ -58,8 +58,12 @@ fn a_killed_rank_is_restarted_from_the_latest_checkpoint_and_loses_nothing() {
         let child = cmd.spawn().unwrap();
         let start = Instant::now();
         let wanted = format!("global_step{kill_after}");
-        while std::fs::read_to_string(ck.join("latest")).ok().as_deref() != Some(wanted.as_str()) {
+        loop {
+            // One read per poll: a second read could see the checkpoint after the one the loop condition saw.
             let now = std::fs::read_to_string(ck.join("latest")).unwrap_or_default();
+            if now == wanted {
+                break;
+            }
             let reached = now.trim_start_matches("global_step").parse::<u64>().unwrap_or(0);
             assert!(reached < kill_after, "round {round}: the run passed step {kill_after} before the kill ({now})");
             assert!(start.elapsed() < Duration::from_secs(120), "round {round}: no checkpoint of step {kill_after}");
