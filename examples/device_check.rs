@@ -84,8 +84,10 @@ fn run_rank(
     (weights, peak)
 }
 
-/// Rank 0's weights after `ranks` thread ranks trained on `device`, and the allocator's peak there.
+/// Rank 0's weights after `ranks` thread ranks trained on `device`, and the allocator's peak there during this
+/// run (all ranks together: they share the device).
 fn train(device: Device, ranks: usize, c: &Config) -> (Weights, Option<u64>) {
+    zerorun::cuda::reset_peak(device);
     let (xv, yv) = data();
     let comms = threads::group(ranks, std::time::Duration::from_secs(60));
     let mut out: Vec<_> = std::thread::scope(|s| {
@@ -108,6 +110,7 @@ fn train_nccl(device: Device, c: &Config) -> (Weights, Option<u64>) {
     let id = zerorun::runtime::comm::nccl::unique_id().unwrap();
     let comm = zerorun::runtime::comm::nccl::NcclComm::new(index, 0, 1, id).unwrap();
     let (xv, yv) = data();
+    zerorun::cuda::reset_peak(device);
     run_rank(Box::new(comm), 1, device, c, (&xv, &yv))
 }
 

@@ -48,3 +48,17 @@ extern "C" int zerorun_device_memory(int device_index, int64_t *out) {
         return -1;
     }
 }
+
+// Starts the allocator's peaks (allocated and reserved) over from their current values, as
+// torch.cuda.reset_peak_memory_stats does; -1 when the CUDA backend is not loaded.
+extern "C" int zerorun_reset_device_peak(int device_index) {
+    try {
+        if (!at::CUDAHooksRegistry()->Has("CUDAHooks")) return -1;
+        c10::DeviceAllocator *allocator = c10::getDeviceAllocator(c10::DeviceType::CUDA);
+        if (!allocator || !allocator->initialized()) return -1;
+        allocator->resetPeakStats(static_cast<c10::DeviceIndex>(device_index));
+        return 0;
+    } catch (...) {
+        return -1;
+    }
+}

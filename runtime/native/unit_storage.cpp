@@ -125,3 +125,23 @@ extern "C" char *zerorun_rng_state_set(const uint8_t *in, int64_t len) {
 extern "C" const void *zerorun_tensor_impl(at::Tensor *t) {
     return t->unsafeGetTensorImpl();
 }
+
+// A page-locked copy of the host tensor `t` (for the current accelerator), into `out`. Tensor::pin_memory with
+// no device: libtorch 2.11 warns on every call that names one, which is the only form tch binds.
+extern "C" char *zerorun_pin_memory(at::Tensor *t, at::Tensor **out) {
+    try {
+        *out = new at::Tensor(t->pin_memory());
+        return nullptr;
+    } catch (const std::exception &e) {
+        return message(e.what());
+    }
+}
+
+// Whether the host tensor `t` is page-locked (no device argument, as above); 0 on any error.
+extern "C" int zerorun_is_pinned(at::Tensor *t) {
+    try {
+        return t->is_pinned() ? 1 : 0;
+    } catch (...) {
+        return 0;
+    }
+}

@@ -97,6 +97,7 @@ pub use zerorun_report::memory::DeviceMemory;
 
 extern "C" {
     fn zerorun_device_memory(device_index: c_int, out: *mut i64) -> c_int;
+    fn zerorun_reset_device_peak(device_index: c_int) -> c_int;
 }
 
 /// The CUDA allocator's statistics for `device` (a CUDA device); None for the CPU, or when libtorch's CUDA backend
@@ -116,4 +117,12 @@ pub fn device_memory(device: tch::Device) -> Option<DeviceMemory> {
         reserved: out[2].max(0) as u64,
         reserved_peak: out[3].max(0) as u64,
     })
+}
+
+/// Starts `device`'s allocator peaks over from the memory in use now (`torch.cuda.reset_peak_memory_stats`), so
+/// that [`device_memory`] gives the peak of what runs next; false for the CPU or without the CUDA backend.
+pub fn reset_peak(device: tch::Device) -> bool {
+    let tch::Device::Cuda(index) = device else { return false };
+    // SAFETY: a plain call into the shim, which checks that the allocator exists.
+    hooks_registered() && unsafe { zerorun_reset_device_peak(index as c_int) } == 0
 }

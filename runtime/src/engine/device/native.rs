@@ -35,6 +35,8 @@ extern "C" {
     fn zerorun_remove_grad_ready(param: *mut c_void);
     fn zerorun_reset_grad(param: *mut c_void);
     fn zerorun_tensor_impl(t: *mut c_void) -> *const c_void;
+    fn zerorun_pin_memory(t: *mut c_void, out: *mut *mut c_void) -> *mut c_char;
+    fn zerorun_is_pinned(t: *mut c_void) -> i32;
 }
 
 fn ptr(t: &Tensor) -> *mut c_void {
@@ -151,4 +153,18 @@ pub fn set_rng_state(state: &[u8]) -> Result<()> {
 /// The identity of a variable: its TensorImpl, shared by every shallow clone and kept by `set_data`.
 pub fn tensor_identity(t: &Tensor) -> usize {
     unsafe { zerorun_tensor_impl(ptr(t)) as usize }
+}
+
+/// A page-locked copy of the host tensor `t`. Not tch's `pin_memory(device)`: libtorch 2.11 warns on every call
+/// that names a device, once per staged buffer.
+pub fn pin_memory(t: &Tensor) -> Result<Tensor> {
+    let mut out = std::ptr::null_mut::<c_void>();
+    check(unsafe { zerorun_pin_memory(ptr(t), &mut out) }, "page-locking a host buffer")?;
+    // SAFETY: allocated by the shim with `new at::Tensor`, owned by tch's Tensor from here.
+    Ok(unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) })
+}
+
+/// Whether the host tensor `t` is page-locked (no device named, as in [`pin_memory`]).
+pub fn is_pinned(t: &Tensor) -> bool {
+    unsafe { zerorun_is_pinned(ptr(t)) != 0 }
 }

@@ -63,7 +63,7 @@ pub fn host_buffer(len: usize, kind: Kind, source: Device) -> crate::error::Resu
         None => {
             let t = Tensor::f_empty([len as i64], (kind, Device::Cpu))?;
             if pinned {
-                t.f_pin_memory(source)?
+                super::native::pin_memory(&t)?
             } else {
                 t
             }
@@ -84,13 +84,13 @@ pub fn host_copy(t: &Tensor) -> crate::error::Result<Staged> {
 /// it exchanges come from a CUDA device, as is.
 pub fn pinned_for(t: Tensor, source: Device) -> crate::error::Result<Tensor> {
     if matches!(source, Device::Cuda(_)) && t.device() == Device::Cpu {
-        return Ok(t.f_pin_memory(source)?);
+        return super::native::pin_memory(&t);
     }
     Ok(t)
 }
 
 fn is_pinned(t: &Tensor, source: Device) -> bool {
-    matches!(source, Device::Cuda(_)) && t.f_is_pinned(source).unwrap_or(false)
+    matches!(source, Device::Cuda(_)) && super::native::is_pinned(t)
 }
 
 /// Buffers this thread's pool holds now.
