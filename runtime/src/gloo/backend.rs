@@ -1,120 +1,13 @@
-//! The gloo backend: libtorch's own c10d, a TCPStore at MASTER_ADDR:MASTER_PORT for the rendezvous (rank 0 serves
-//! it, as under torchrun) and a ProcessGroupGloo for the collectives and point-to-point over TCP, so ranks can
-//! span hosts without MPI. The C++ side is `native/gloo_backend.cpp`; this side adds what every zerorun backend
-//! promises: a handshake before each collective (the same op, size and type on every rank, or an error on every
-//! rank), a header handshake before each transfer, the mean as a sum divided here (gloo has no average, and the
-//! division is the other backends' own), and groups on the same store.
-use std::ffi::{c_char, c_int, c_void, CString};
+//! One rank's ProcessGroupGloo as a zerorun [`Communicator`]: the handshakes, the mean, the bandwidth-optimal
+//! reduce-scatter and all-gather over gloo's point-to-point, and groups on the job's store.
+use std::ffi::{c_char, c_int, c_void};
 use std::time::Duration;
 
+use super::ffi::*;
 use crate::comm::agreement::{self, Call};
 use crate::comm::groups::{self, Split, Transfer};
 use crate::comm::rank_info::RankInfo;
 use crate::comm::{BufMut, BufRef, CommError, CommResult, Communicator, Dtype, Element, ReduceOp};
-
-extern "C" {
-    #[allow(clippy::too_many_arguments)]
-    fn zr_gloo_new(
-        master_addr: *const c_char,
-        master_port: c_int,
-        agent_store: c_int,
-        host: *const c_char,
-        rank: c_int,
-        size: c_int,
-        timeout_ms: i64,
-        prefix: *const c_char,
-        err: *mut c_char,
-        err_len: usize,
-    ) -> *mut c_void;
-    fn zr_gloo_subgroup(
-        parent: *mut c_void,
-        name: *const c_char,
-        rank: c_int,
-        size: c_int,
-        err: *mut c_char,
-        err_len: usize,
-    ) -> *mut c_void;
-    fn zr_gloo_free(group: *mut c_void);
-    fn zr_gloo_all_reduce(
-        group: *mut c_void,
-        data: *mut c_void,
-        n: i64,
-        dtype: c_int,
-        op: c_int,
-        err: *mut c_char,
-        err_len: usize,
-    ) -> c_int;
-    fn zr_gloo_all_gather(
-        group: *mut c_void,
-        data: *mut c_void,
-        part: i64,
-        dtype: c_int,
-        err: *mut c_char,
-        err_len: usize,
-    ) -> c_int;
-    fn zr_gloo_exchange_parts(
-        group: *mut c_void,
-        input: *mut c_void,
-        slots: *mut c_void,
-        part: i64,
-        dtype: c_int,
-        tag: c_int,
-        err: *mut c_char,
-        err_len: usize,
-    ) -> c_int;
-    fn zr_gloo_share_parts(
-        group: *mut c_void,
-        data: *mut c_void,
-        part: i64,
-        dtype: c_int,
-        tag: c_int,
-        err: *mut c_char,
-        err_len: usize,
-    ) -> c_int;
-    fn zr_gloo_broadcast(
-        group: *mut c_void,
-        data: *mut c_void,
-        n: i64,
-        dtype: c_int,
-        root: c_int,
-        err: *mut c_char,
-        err_len: usize,
-    ) -> c_int;
-    fn zr_gloo_barrier(group: *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
-    fn zr_gloo_send(
-        group: *mut c_void,
-        data: *mut c_void,
-        n: i64,
-        dtype: c_int,
-        dst: c_int,
-        tag: c_int,
-        err: *mut c_char,
-        err_len: usize,
-    ) -> c_int;
-    fn zr_gloo_send_recv(
-        group: *mut c_void,
-        send: *mut c_void,
-        n_send: i64,
-        dst: c_int,
-        recv: *mut c_void,
-        n_recv: i64,
-        src: c_int,
-        dtype: c_int,
-        tag: c_int,
-        err: *mut c_char,
-        err_len: usize,
-    ) -> c_int;
-    fn zr_gloo_recv(
-        group: *mut c_void,
-        data: *mut c_void,
-        n: i64,
-        dtype: c_int,
-        src: c_int,
-        tag: c_int,
-        err: *mut c_char,
-        err_len: usize,
-    ) -> c_int;
-}
 
 /// Tags of a transfer's two messages (gloo matches by peer and tag, in order).
 const TAG_HEADER: c_int = 1;
@@ -143,28 +36,6 @@ impl Drop for GlooComm {
         // SAFETY: made by zr_gloo_new or zr_gloo_subgroup, freed once.
         unsafe { zr_gloo_free(self.group) };
     }
-}
-
-/// An error buffer for the C side, and the message it holds.
-struct ErrBuf([u8; 2048]);
-
-impl ErrBuf {
-    fn new() -> ErrBuf {
-        ErrBuf([0; 2048])
-    }
-
-    fn ptr(&mut self) -> *mut c_char {
-        self.0.as_mut_ptr() as *mut c_char
-    }
-
-    fn message(&self) -> String {
-        let end = self.0.iter().position(|&b| b == 0).unwrap_or(self.0.len());
-        String::from_utf8_lossy(&self.0[..end]).into_owned()
-    }
-}
-
-fn c_string(s: &str) -> CString {
-    CString::new(s.replace('\0', "")).expect("no NUL left")
 }
 
 /// The address this rank's gloo device binds: `ZERORUN_HOST_ADDR`, else loopback when the master is local, else
@@ -535,75 +406,4 @@ impl Communicator for GlooComm {
             scratch: Default::default(),
         })))
     }
-}
-
-/// The communicator the environment asks for, gloo included (the other backends come from
-/// [`crate::comm::env::communicator_from_env`]).
-pub fn communicator_from_env(timeout: Duration) -> CommResult<Box<dyn Communicator>> {
-    let comm = backend_from_env(timeout)?;
-    // Under `zerorun launch`: the launcher watches this rank's heartbeat (a hung rank is found and named).
-    Ok(if crate::comm::heartbeat::start_from_env() { Box::new(crate::comm::heartbeat::Watched(comm)) } else { comm })
-}
-
-fn backend_from_env(timeout: Duration) -> CommResult<Box<dyn Communicator>> {
-    use crate::comm::rank_info::Backend;
-    let info = RankInfo::from_env()?;
-    match info.backend {
-        Backend::Gloo => {
-            let world: Box<dyn Communicator> = Box::new(GlooComm::from_env(&info, timeout)?);
-            two_levels(world, &info, timeout)
-        }
-        // NCCL across hosts: its id goes out through gloo's TCPStore rather than a shared-memory segment.
-        #[cfg(feature = "nccl")]
-        Backend::Nccl if info.local_world_size != info.world_size => {
-            let boot_info = RankInfo { run_id: format!("{}-nccl", info.run_id), ..info.clone() };
-            let boot = GlooComm::from_env(&boot_info, timeout)?;
-            Ok(Box::new(crate::comm::nccl::NcclComm::with_bootstrap(&info, Some(&boot))?))
-        }
-        _ => crate::comm::env::communicator_from_env(timeout),
-    }
-}
-
-/// `ZERORUN_HIERARCHY`: `auto` (the default) runs the collectives of ranks that span hosts in two levels, shared
-/// memory inside a host and gloo across; `flat` keeps every collective on gloo among all ranks (to compare).
-const HIERARCHY_VAR: &str = "ZERORUN_HIERARCHY";
-
-/// The job's gloo group in two levels when its ranks span hosts with several on each (agreed by every rank, see
-/// [`crate::comm::hierarchical::agree_layout`]), else as it is.
-fn two_levels(world: Box<dyn Communicator>, info: &RankInfo, timeout: Duration) -> CommResult<Box<dyn Communicator>> {
-    use crate::comm::hierarchical::{agree_layout, Hierarchical};
-    if info.world_size == info.local_world_size {
-        return Ok(world);
-    }
-    let wanted = match std::env::var(HIERARCHY_VAR).as_deref() {
-        Err(_) | Ok("auto") => true,
-        Ok("flat") => false,
-        Ok(other) => {
-            return Err(CommError::BadArgument {
-                op: "gloo",
-                rank: info.rank,
-                what: format!("{HIERARCHY_VAR}={other:?}: expected `auto` or `flat`"),
-            })
-        }
-    };
-    let Some(layout) = agree_layout(world.as_ref(), info.local_rank, info.local_world_size, wanted)? else {
-        tracing::info!(rank = info.rank, "collectives: flat over gloo");
-        return Ok(world);
-    };
-    let host = info.rank / layout.per_host;
-    // The host's own shared-memory group, named apart from every other host's (they may share /dev/shm).
-    let host_info = RankInfo {
-        rank: info.local_rank,
-        world_size: layout.per_host,
-        run_id: format!("{}.host{host}", info.run_id),
-        ..info.clone()
-    };
-    let local = Box::new(crate::comm::shm::ShmComm::join(&host_info, timeout)?);
-    tracing::info!(
-        rank = info.rank,
-        hosts = layout.hosts,
-        per_host = layout.per_host,
-        "collectives: shared memory inside each host, gloo across hosts"
-    );
-    Ok(Box::new(Hierarchical::over(world, local)?))
 }

@@ -1,0 +1,77 @@
+//! The communicator the environment asks for, gloo included, and gloo in two levels when ranks span hosts.
+use std::time::Duration;
+
+use super::GlooComm;
+use crate::comm::rank_info::RankInfo;
+use crate::comm::{CommError, CommResult, Communicator};
+
+/// The communicator the environment asks for, gloo included (the other backends come from
+/// [`crate::comm::env::communicator_from_env`]).
+pub fn communicator_from_env(timeout: Duration) -> CommResult<Box<dyn Communicator>> {
+    let comm = backend_from_env(timeout)?;
+    // Under `zerorun launch`: the launcher watches this rank's heartbeat (a hung rank is found and named).
+    Ok(if crate::comm::heartbeat::start_from_env() { Box::new(crate::comm::heartbeat::Watched(comm)) } else { comm })
+}
+
+fn backend_from_env(timeout: Duration) -> CommResult<Box<dyn Communicator>> {
+    use crate::comm::rank_info::Backend;
+    let info = RankInfo::from_env()?;
+    match info.backend {
+        Backend::Gloo => {
+            let world: Box<dyn Communicator> = Box::new(GlooComm::from_env(&info, timeout)?);
+            two_levels(world, &info, timeout)
+        }
+        // NCCL across hosts: its id goes out through gloo's TCPStore rather than a shared-memory segment.
+        #[cfg(feature = "nccl")]
+        Backend::Nccl if info.local_world_size != info.world_size => {
+            let boot_info = RankInfo { run_id: format!("{}-nccl", info.run_id), ..info.clone() };
+            let boot = GlooComm::from_env(&boot_info, timeout)?;
+            Ok(Box::new(crate::comm::nccl::NcclComm::with_bootstrap(&info, Some(&boot))?))
+        }
+        _ => crate::comm::env::communicator_from_env(timeout),
+    }
+}
+
+/// `ZERORUN_HIERARCHY`: `auto` (the default) runs the collectives of ranks that span hosts in two levels, shared
+/// memory inside a host and gloo across; `flat` keeps every collective on gloo among all ranks (to compare).
+const HIERARCHY_VAR: &str = "ZERORUN_HIERARCHY";
+
+/// The job's gloo group in two levels when its ranks span hosts with several on each (agreed by every rank, see
+/// [`crate::comm::hierarchical::agree_layout`]), else as it is.
+fn two_levels(world: Box<dyn Communicator>, info: &RankInfo, timeout: Duration) -> CommResult<Box<dyn Communicator>> {
+    use crate::comm::hierarchical::{agree_layout, Hierarchical};
+    if info.world_size == info.local_world_size {
+        return Ok(world);
+    }
+    let wanted = match std::env::var(HIERARCHY_VAR).as_deref() {
+        Err(_) | Ok("auto") => true,
+        Ok("flat") => false,
+        Ok(other) => {
+            return Err(CommError::BadArgument {
+                op: "gloo",
+                rank: info.rank,
+                what: format!("{HIERARCHY_VAR}={other:?}: expected `auto` or `flat`"),
+            })
+        }
+    };
+    let Some(layout) = agree_layout(world.as_ref(), info.local_rank, info.local_world_size, wanted)? else {
+        tracing::info!(rank = info.rank, "collectives: flat over gloo");
+        return Ok(world);
+    };
+    let host = info.rank / layout.per_host;
+    // The host's own shared-memory group, named apart from every other host's (they may share /dev/shm).
+    let host_info = RankInfo {
+        rank: info.local_rank,
+        world_size: layout.per_host,
+        run_id: format!("{}.host{host}", info.run_id),
+        ..info.clone()
+    };
+    let local = Box::new(crate::comm::shm::ShmComm::join(&host_info, timeout)?);
+    tracing::info!(
+        rank = info.rank,
+        hosts = layout.hosts,
+        per_host = layout.per_host,
+        "collectives: shared memory inside each host, gloo across hosts"
+    );
+    Ok(Box::new(Hierarchical::over(world, local)?))
+}
