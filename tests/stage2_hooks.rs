@@ -204,3 +204,25 @@ fn gradient_sync_off_until_the_last_micro_batch_reduces_once_and_matches() {
     let diff = max_relative_difference(&once, &every);
     assert!(diff < 1e-5, "reduced once vs per micro-batch: {diff}");
 }
+
+/// `reduce_bucket_size` left out (or "auto") at stage 2 in a plain loop: the buckets are an eighth of the model, at
+/// least 1M elements (DeepSpeed's 5e8 would make any model under 500M parameters one bucket, reduced after the
+/// last gradient); a value written in the config is used as written, and stage 1 keeps DeepSpeed's default.
+#[test]
+fn a_bare_stage_2_config_sizes_its_buckets_from_the_model() {
+    let bucket_of = |zero: serde_json::Value, elements: i64| {
+        let config = Config::from_value(json!({"train_batch_size": 2, "zero_optimization": zero})).unwrap();
+        on_thread_ranks(2, |comm, _, _| {
+            let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+            let _ = vs.root().var("a", &[elements / 2], tch::nn::Init::Const(0.1));
+            let _ = vs.root().var("b", &[elements / 2], tch::nn::Init::Const(0.1));
+            let engine = Engine::new(&vs, config.clone(), Box::new(comm), EngineOptions::default()).unwrap();
+            engine.config().zero_optimization.reduce_bucket_size
+        })
+        .remove(0)
+    };
+    assert_eq!(bucket_of(json!({"stage": 2}), 1000), 1 << 20);
+    assert_eq!(bucket_of(json!({"stage": 2, "reduce_bucket_size": "auto"}), 16_000_000), 2_000_000);
+    assert_eq!(bucket_of(json!({"stage": 2, "reduce_bucket_size": 300}), 16_000_000), 300);
+    assert_eq!(bucket_of(json!({"stage": 1}), 16_000_000), 500_000_000);
+}

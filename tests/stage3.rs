@@ -304,7 +304,7 @@ fn saving_the_16bit_model_at_stage_3_gathers_on_rank_0_or_refuses_by_name() {
 }
 
 #[test]
-fn stage2_with_units_reduces_unit_by_unit_and_holds_no_full_gradients() {
+fn stage2_with_units_reduces_unit_by_unit_holds_no_full_gradients_and_overlaps_bitwise() {
     let reference = adamw_reference();
     let dims = [IN, HIDDEN, HIDDEN, OUT];
     for (world, gas) in [(2, 2), (3, 1)] {
@@ -320,6 +320,14 @@ fn stage2_with_units_reduces_unit_by_unit_and_holds_no_full_gradients() {
             assert_eq!(get("parameters"), 4 * padded as usize, "parameters stay whole at stage 2");
             // Per step: one reduce-scatter per micro-batch and one all-gather of every unit.
             assert_eq!(r.volume_per_step, padded * (gas + 1), "world size {world}");
+        }
+        // overlap_comm: each unit's reduce-scatter runs on the communication thread while the unit before it
+        // backpropagates; the same sums in the same order, and no more memory (one staging round still).
+        let overlapped =
+            run(world, config(gas, json!({"stage": 2, "overlap_comm": true})), Units::PerLayer, false, &dims);
+        for (rank, (a, b)) in runs.iter().zip(&overlapped).enumerate() {
+            assert_eq!(a.params, b.params, "overlap_comm changes nothing: world size {world}, rank {rank}");
+            assert_eq!(a.memory, b.memory, "world size {world}, rank {rank}");
         }
     }
 }

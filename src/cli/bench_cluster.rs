@@ -36,6 +36,10 @@ pub struct ClusterArgs {
     /// program prints rank 0's `[rank 0] step N loss X time T ms` lines itself then.
     #[arg(long, value_enum, default_value_t = Launcher::Zerorun)]
     pub launcher: Launcher,
+    /// Keep each host's output: DIR/host<i>.out and DIR/host<i>.err (the launcher's stdout and stderr, every
+    /// rank's lines), e.g. for the program's wall-clock breakdown.
+    #[arg(long, value_name = "DIR")]
+    pub log: Option<PathBuf>,
     /// The program to run on every host (its arguments follow), e.g. an example with its flags.
     #[arg(last = true, required = true)]
     pub command: Vec<String>,
@@ -253,6 +257,19 @@ pub fn run(a: ClusterArgs) -> Result<(), CliError> {
         .collect::<Result<_, CliError>>()?;
     drop(cluster);
     let outputs: Vec<std::process::Output> = outputs.into_iter().map(|o| o.expect("waited")).collect();
+    if let Some(dir) = &a.log {
+        let io = |path: &std::path::Path| {
+            let context = format!("writing the hosts' output to {}", path.display());
+            move |source: std::io::Error| CliError::Io { context, source }
+        };
+        std::fs::create_dir_all(dir).map_err(io(dir))?;
+        for (i, o) in outputs.iter().enumerate() {
+            for (ext, bytes) in [("out", &o.stdout), ("err", &o.stderr)] {
+                let path = dir.join(format!("host{i}.{ext}"));
+                std::fs::write(&path, bytes).map_err(io(&path))?;
+            }
+        }
+    }
     for (i, o) in outputs.iter().enumerate() {
         if !o.status.success() {
             return Err(CliError::Usage(format!(

@@ -121,8 +121,8 @@ pub struct ZeroConfig {
     pub offload_param: OffloadParamConfig,
     /// Stage 3's size keys the config left out or set to "auto" (`reduce_bucket_size`,
     /// `stage3_prefetch_bucket_size`, `stage3_param_persistence_threshold`, `stage3_max_live_parameters`): the
-    /// engine sizes them from the model's units at initialize (DeepSpeed's defaults until then). Empty once sized,
-    /// and below stage 3. Not a key: `Config::to_value` writes these keys as "auto".
+    /// engine sizes them from the model's units at initialize (DeepSpeed's defaults until then); at stage 2,
+    /// `reduce_bucket_size` alone (the gradient hooks' buckets). Empty once sized, and below stage 2. Not a key: `Config::to_value` writes these keys as "auto".
     #[serde(skip)]
     pub sized_from_model: Vec<&'static str>,
 }
@@ -171,11 +171,12 @@ impl ZeroConfig {
         };
         let contiguous_gradients = s.bool("contiguous_gradients", true)?;
         let reduce_scatter = s.bool("reduce_scatter", true)?;
-        // Stage 3's size keys left out or "auto": noted, so the engine sizes them from the model.
+        // Stage 3's size keys left out or "auto": noted, so the engine sizes them from the model; stage 2's
+        // reduce_bucket_size too (its gradient hooks cut the model into buckets of that size).
         let mut sized_from_model = Vec::new();
         let sized = |s: &mut Section, noted: &mut Vec<&'static str>, keys: &[&'static str], default: u64| {
             let defaulted = matches!(s.uint_auto_peek(keys), MaybeAuto::Absent | MaybeAuto::Auto);
-            if stage == 3 && defaulted {
+            if defaulted && (stage == 3 || (stage == 2 && keys[0] == "reduce_bucket_size")) {
                 noted.push(keys[0]);
             }
             size(s, keys, default)

@@ -263,6 +263,8 @@ impl Engine {
         let device = model_device(trainable.iter().chain(&frozen).chain(&buffers))?;
         let residence = Residence::of(device);
         let claim = variables::Claim::new(trainable.iter().chain(&frozen).chain(&buffers))?;
+        let config = size_hooked_buckets(config, &plan, &trainable, rank);
+        let z = &config.zero_optimization;
         let Arrangement { named, layout, unit_prefixes, frozen_by_unit } =
             arrange(trainable, frozen, &options, &plan, z.reduce_bucket_size, precision, world_size)?;
         let config = size_from_model(config, &layout, &plan, rank);
@@ -547,6 +549,27 @@ fn check_shard_groups(config: &Config, world_size: usize, replicas: usize) -> Re
         });
     }
     Ok(())
+}
+
+/// Stage 2's gradient hooks: `reduce_bucket_size` left out or "auto" sized from the trainable parameters
+/// ([`plan::hooked_bucket_from_model`]), logged once and kept in the engine's resolved config.
+fn size_hooked_buckets(mut config: Config, plan: &StagePlan, trainable: &[(String, Tensor)], rank: usize) -> Config {
+    let z = &mut config.zero_optimization;
+    let Some(i) = z.sized_from_model.iter().position(|&k| k == "reduce_bucket_size") else { return config };
+    if plan.gradients != GradientPath::Hooks {
+        return config;
+    }
+    z.sized_from_model.remove(i);
+    let numels: Vec<usize> = trainable.iter().map(|(_, t)| t.numel()).collect();
+    z.reduce_bucket_size = plan::hooked_bucket_from_model(&numels);
+    if rank == 0 {
+        tracing::info!(
+            "sized from the model's {} trainable elements (absent or \"auto\" in the config): zero_optimization.reduce_bucket_size = {}",
+            numels.iter().sum::<usize>(),
+            z.reduce_bucket_size
+        );
+    }
+    config
 }
 
 /// Stage 3 with units: the size keys the config left out or set to "auto" sized from the units

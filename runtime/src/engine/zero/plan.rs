@@ -156,9 +156,13 @@ impl StagePlan {
     }
 
     /// The engine's collectives run on a communication thread: stage 3's prefetches, stage 1's double-buffered
-    /// rounds, hooked stage 2's two staging halves. Stage 2 with units reduces unit by unit in line.
+    /// rounds, hooked stage 2's two staging halves, the unit walk's reductions at stages 2-3 (a unit's while the
+    /// backward of the one before it runs). Hooked stage 2 without reduce-scatter all-reduces in line.
     pub fn threaded_comm(&self) -> bool {
-        self.overlap && (self.strategy != Strategy::PartitionedGradients || self.hooked_overlap)
+        self.overlap
+            && (self.strategy != Strategy::PartitionedGradients
+                || self.hooked_overlap
+                || self.gradients == GradientPath::UnitWalk)
     }
 
     /// Halves of the gradient staging buffer: two where one bucket reduces on the communication thread while the
@@ -304,6 +308,17 @@ pub(crate) fn sizes_from_model(unit_numels: &[u64], keys: &[&str]) -> Vec<(&'sta
         ("stage3_max_live_parameters", largest),
     ];
     all.into_iter().filter(|(k, _)| keys.contains(k)).collect()
+}
+
+/// Stage 2's bucket size (elements) for a config that left `reduce_bucket_size` to the model (absent or "auto"),
+/// when the gradient hooks cut the parameters into buckets (no units given): an eighth of the model, at least 1M
+/// elements and at most DeepSpeed's 5e8. DeepSpeed's 5e8 makes a model of under 500M parameters one bucket,
+/// reduced after the last gradient of backward, with the whole gradient staged beside the `.grad` tensors; eight
+/// buckets reduce while backward goes on (with `overlap_comm`), stage an eighth, and free each bucket's `.grad`
+/// tensors as it is reduced, while each collective still moves 4 MB or more.
+pub(crate) fn hooked_bucket_from_model(parameter_numels: &[usize]) -> u64 {
+    let total: u64 = parameter_numels.iter().map(|&n| n as u64).sum();
+    (total / 8).clamp(1 << 20, 500_000_000)
 }
 
 /// Stage 3's persistence rule: a unit of fewer than `param_threshold` elements (trainable and frozen: both are
@@ -458,7 +473,8 @@ mod tests {
         assert!(StagePlan::new(1, false, true, true, 2).threaded_comm());
         assert!(StagePlan::new(2, false, true, true, 2).threaded_comm());
         assert!(!StagePlan::new(2, false, true, false, 2).threaded_comm());
-        assert!(!StagePlan::new(2, true, true, true, 2).threaded_comm());
+        assert!(StagePlan::new(2, true, true, true, 2).threaded_comm());
+        assert!(!StagePlan::new(2, true, false, true, 2).threaded_comm());
         assert!(StagePlan::new(3, true, true, true, 2).threaded_comm());
     }
 
@@ -519,6 +535,19 @@ mod tests {
         // A parameter larger than the bucket is a bucket of its own, never split.
         assert_eq!(bucket_cuts(&[20, 3], 8), vec![0, 1]);
         assert_eq!(bucket_cuts(&[], 8), Vec::<usize>::new());
+    }
+
+    #[test]
+    fn stage_2_buckets_from_the_model_are_an_eighth_within_1m_and_5e8() {
+        // The 54.6M-parameter MLP: eight buckets of about 6.8M elements.
+        assert_eq!(hooked_bucket_from_model(&[4_194_304, 4096, 16_777_216 * 3, 4096 * 3, 32_768, 8]), 6_821_889);
+        assert_eq!(hooked_bucket_from_model(&[1000, 10]), 1 << 20);
+        assert_eq!(hooked_bucket_from_model(&[2_000_000_000, 2_000_000_000]), 500_000_000);
+        // Cut by it, in layout order (by name: each layer's bias, then its weight), the MLP makes seven buckets:
+        // the first layer with the next bias, each 16.7M weight alone, a bias alone before it, the last layer.
+        let sizes = [4096, 4_194_304, 4096, 16_777_216, 4096, 16_777_216, 4096, 16_777_216, 8, 32_768];
+        let cuts = bucket_cuts(&sizes, hooked_bucket_from_model(&sizes));
+        assert_eq!(cuts, vec![0, 0, 0, 1, 2, 3, 4, 5, 6, 6]);
     }
 
     #[test]
