@@ -333,7 +333,7 @@ fn stage2_with_units_reduces_unit_by_unit_holds_no_full_gradients_and_overlaps_b
 }
 
 #[test]
-fn evaluation_under_no_grad_gathers_and_releases_and_a_sequence_is_a_unit_model() {
+fn evaluation_under_no_grad_gathers_releases_and_is_left_out_of_the_timings_and_a_sequence_is_a_unit_model() {
     let comms = threads::group(2, Duration::from_secs(30));
     let outs: Vec<(Vec<f32>, Vec<f32>, usize)> = std::thread::scope(|s| {
         let hs: Vec<_> = comms
@@ -354,6 +354,10 @@ fn evaluation_under_no_grad_gathers_and_releases_and_a_sequence_is_a_unit_model(
                         Engine::new(&vs, config(1, json!({})), Box::new(comm), EngineOptions::default().units_of(&seq))
                             .unwrap();
                     let got = tch::no_grad(|| engine.forward(&seq, &x)).unwrap();
+                    // An evaluation is no training step's: the wall-clock breakdown leaves its forward and
+                    // gathers out.
+                    let summary = engine.wall_clock_summary();
+                    assert!(summary.contains("forward 0.000,") && summary.contains("all_gather 0.000,"), "{summary}");
                     (expected, Vec::<f32>::try_from(got.reshape([-1])).unwrap(), engine.gathered_bytes().current)
                 })
             })

@@ -320,7 +320,7 @@ const DOCS: &[KeyDoc] = &[
     KeyDoc { path: "timers", status: Noticed, what: "No effect: DeepSpeed's timer settings; see `wall_clock_breakdown`.", deepspeed: "" },
     KeyDoc { path: "train_batch_size", status: Acted, what: "Samples per optimizer step over all ranks (the batch rule infers it when absent or \"auto\").", deepspeed: "" },
     KeyDoc { path: "train_micro_batch_size_per_gpu", status: Acted, what: "Samples per micro-batch per rank (the batch rule infers it when absent or \"auto\").", deepspeed: "" },
-    KeyDoc { path: "wall_clock_breakdown", status: Acted, what: "Times forward, backward, reduction, gather and step per step (the report's wall-clock table).", deepspeed: "" },
+    KeyDoc { path: "wall_clock_breakdown", status: Acted, what: "Times forward, backward, reduction, gather and step per step (the report's wall-clock table); a forward under no_grad (an evaluation) is left out.", deepspeed: "" },
     KeyDoc { path: "wandb", status: Noticed, what: "No effect: DeepSpeed's Weights & Biases monitor.", deepspeed: "" },
     KeyDoc { path: "zero_allow_untested_optimizer", status: Acted, what: "Allows Lamb, SGD and other optimizers at stages >= 1.", deepspeed: "" },
     KeyDoc { path: "zero_force_ds_cpu_optimizer", status: Noticed, what: "Only `false` is noticed: offloaded states are always stepped by zerorun's CPU optimizers.", deepspeed: "" },

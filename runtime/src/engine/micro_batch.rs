@@ -218,13 +218,20 @@ impl Engine {
         let _owner = owned_by(Owner::Engine);
         self.enter_phase(|| "forward".into());
         let (started, comm_before) = (std::time::Instant::now(), self.report.times.comm());
+        // A forward under no_grad (an evaluation) is no training step's: its time, gathers included, is left out
+        // of the wall-clock breakdown, which divides by the steps.
+        let training = native::grad_enabled();
+        let times_before = (!training).then(|| self.report.times.clone());
         let out = self.forward_impl(model, input);
-        self.report.times.add(
-            crate::report::Phase::Forward,
-            started.elapsed().saturating_sub(self.report.times.comm() - comm_before),
-        );
+        match times_before {
+            Some(before) => self.report.times = before,
+            None => self.report.times.add(
+                crate::report::Phase::Forward,
+                started.elapsed().saturating_sub(self.report.times.comm() - comm_before),
+            ),
+        }
         // The end of forward, where the activations autograd keeps peak: a sample at every stage.
-        if out.is_ok() && native::grad_enabled() {
+        if out.is_ok() && training {
             self.memory_event(|| "forward".to_string(), &[]);
         }
         out
