@@ -322,12 +322,15 @@ fn stage2_with_units_reduces_unit_by_unit_holds_no_full_gradients_and_overlaps_b
             assert_eq!(r.volume_per_step, padded * (gas + 1), "world size {world}");
         }
         // overlap_comm: each unit's reduce-scatter runs on the communication thread while the unit before it
-        // backpropagates; the same sums in the same order, and no more memory (one staging round still).
+        // backpropagates, and each unit's all-gather while the optimizer steps the next unit's chunk; the same
+        // sums in the same order, the same step, and no more memory (one staging round still, no shard copy).
         let overlapped =
             run(world, config(gas, json!({"stage": 2, "overlap_comm": true})), Units::PerLayer, false, &dims);
         for (rank, (a, b)) in runs.iter().zip(&overlapped).enumerate() {
             assert_eq!(a.params, b.params, "overlap_comm changes nothing: world size {world}, rank {rank}");
             assert_eq!(a.memory, b.memory, "world size {world}, rank {rank}");
+            // The all-gathers started unit by unit during the step move what the in-line ones move.
+            assert_eq!(a.volume_per_step, b.volume_per_step, "world size {world}, rank {rank}");
         }
     }
 }

@@ -215,6 +215,12 @@ impl Parameters {
         Ok(())
     }
 
+    /// Stage 2: starts unit `i`'s refresh on the communication thread once its chunk is stepped
+    /// ([`ShardedUnit::begin_refresh`]); `refresh_gathered` waits for it.
+    pub fn begin_refresh(&mut self, i: usize, thread: &crate::comm::async_comm::CommThread, volume: &mut CommVolume) {
+        volume.all_gather_elements += self.units[i].begin_refresh(thread) as u64;
+    }
+
     /// Whether the optimizer steps a contiguous copy of this rank's values rather than the values in place: they
     /// are pieces of every unit (stage 2) or on NVMe (stage 3).
     pub fn steps_a_copy(&self, plan: &StagePlan) -> bool {

@@ -328,11 +328,31 @@ impl ShardedUnit {
     }
 
     /// Gathered: refreshes the full parameters after an optimizer step, from this rank's new `chunk` (None: an
-    /// in-place unit, whose region already holds it). Returns the elements.
+    /// in-place unit, whose region already holds it). Returns the elements. A refresh begun on the communication
+    /// thread ([`ShardedUnit::begin_refresh`]) is waited for instead.
     pub fn refresh(&mut self, comm: &dyn Communicator, chunk: Option<&Chunk>) -> Result<usize> {
         debug_assert_eq!(self.state, UnitState::Gathered);
+        if self.pending.is_some() {
+            self.gather_pending_only()?;
+            return Ok(0);
+        }
         self.fill_from(comm, chunk)?;
         Ok(self.span.range.len())
+    }
+
+    /// Gathered, in place (stage 2): starts the refresh after this rank's chunk was stepped, on the communication
+    /// thread, while the optimizer steps the next unit's chunk; the next [`ShardedUnit::refresh`] waits for it.
+    /// Returns the elements it will gather.
+    pub fn begin_refresh(&mut self, thread: &CommThread) -> usize {
+        debug_assert!(self.in_place && self.state == UnitState::Gathered && self.pending.is_none());
+        if self.span.range.is_empty() {
+            return 0;
+        }
+        // The job holds its own handle to the region; the step writes only other units' chunks until `refresh`
+        // waits, and this unit's other chunks are the peers', written by the gather alone.
+        let (full, residence, quantized) = (self.full.shallow_clone(), self.residence, self.quantized_block);
+        self.pending = Some(thread.submit("all_gather", move |c| gather_into(residence, c, &full, quantized)));
+        self.span.range.len()
     }
 
     fn fill_from(&self, comm: &dyn Communicator, chunk: Option<&Chunk>) -> Result<()> {

@@ -1,7 +1,9 @@
 //! This rank's optimizer side (ZeRO's partitioned optimizer states): the values it optimizes, in their index space
 //! ([`Optimized`]), the fp32 master of a 16-bit model, the optimizer states in their tier (memory or NVMe) and the
 //! parameter groups. Its step writes this rank's parameters in place where they are one contiguous range, unit by
-//! unit where they are on NVMe (stage 3), or through a contiguous copy where they are pieces of every unit (stage 2).
+//! unit where they are on NVMe (stage 3), piece by piece in place where they are pieces of every unit (stage 2, an
+//! fp32 model on the host: each unit's all-gather can start as its piece is done), or through a contiguous copy
+//! (stage 2 with a 16-bit model's master, or parameters on a device).
 //!
 //! Two homes: the device path's optimizer ([`DeviceOptimizer`]) keeps its states, the master and the gradients on the model's
 //! device and steps them there as tensors; the host tiers (zerorun-optim's optimizers, NVMe) step host slices, and
@@ -122,6 +124,45 @@ impl OptimizerShard {
                 t.gradients.clear_accumulator();
             }
         }
+        Ok(())
+    }
+
+    /// Whether the step can go unit by unit in place ([`OptimizerShard::step_in_pieces`]): stage 2's chunks of an
+    /// fp32 model in host memory, stepped by a host tier.
+    pub fn steps_in_pieces(&mut self, plan: &StagePlan, parameters: &Parameters, residence: Residence) -> bool {
+        plan.shard_in_pieces()
+            && self.master.is_none()
+            && parameters.swapped.is_none()
+            && !residence.device_path()
+            && !steps_on_device(&mut self.tier)
+    }
+
+    /// Stage 2 (see [`OptimizerShard::steps_in_pieces`]): steps this rank's chunk of each unit where it is in
+    /// `flat`, unit by unit (a step begun once, then a piece per unit: bitwise the whole step, every element's
+    /// update being its own), calling `stepped(i)` after unit `i`'s chunk, so its all-gather runs while the next
+    /// chunk steps. No copy of the shard is made.
+    pub fn step_in_pieces(
+        &mut self,
+        flat: &Tensor,
+        grads: &Tensor,
+        pieces: &[std::ops::Range<usize>],
+        mut stepped: impl FnMut(usize),
+    ) -> Result<()> {
+        // SAFETY: the step writes this rank's chunks of `flat` while no forward or backward runs; a unit's
+        // all-gather, started after its chunk, writes only the peers' chunks of that unit. The reduced gradients
+        // are another buffer, read-only here.
+        let (flat, grads) = unsafe { (views::slice::<f32>(flat), views::slice::<f32>(grads)) };
+        self.tier.begin_step()?;
+        let mut at = 0;
+        for (i, piece) in pieces.iter().enumerate() {
+            let n = piece.len();
+            if n > 0 {
+                self.tier.update_range(at..at + n, &mut flat[piece.clone()], &grads[at..at + n], &self.groups, None)?;
+            }
+            at += n;
+            stepped(i);
+        }
+        self.tier.finish_step()?;
         Ok(())
     }
 
