@@ -115,6 +115,13 @@ fn deepspeed_defaults() {
     assert_eq!(c.aio.queue_depth, 8);
     let s3 = Config::from_value(json!({"train_batch_size": 8, "zero_optimization": {"stage": 3}})).unwrap();
     assert!(s3.zero_optimization.overlap_comm, "overlap_comm defaults to true at stage 3");
+    // zerorun's own default at stage 2 (DeepSpeed's is false there): true, and a value given is kept.
+    let s2 = Config::from_value(json!({"train_batch_size": 8, "zero_optimization": {"stage": 2}})).unwrap();
+    assert!(s2.zero_optimization.overlap_comm, "overlap_comm defaults to true at stage 2");
+    let off = json!({"train_batch_size": 8, "zero_optimization": {"stage": 2, "overlap_comm": false}});
+    assert!(!Config::from_value(off).unwrap().zero_optimization.overlap_comm);
+    let s1 = Config::from_value(json!({"train_batch_size": 8, "zero_optimization": {"stage": 1}})).unwrap();
+    assert!(!s1.zero_optimization.overlap_comm, "stage 1 keeps DeepSpeed's false");
 }
 
 #[test]

@@ -184,7 +184,10 @@ impl ZeroConfig {
         let reduce_bucket_size = sized(&mut s, &mut sized_from_model, &["reduce_bucket_size"], 500_000_000)?;
         let allgather_partitions = s.bool("allgather_partitions", true)?;
         let allgather_bucket_size = size(&mut s, &["allgather_bucket_size"], 500_000_000)?;
-        let overlap_comm = s.opt_bool(&["overlap_comm"])?.unwrap_or(stage == 3);
+        // DeepSpeed's default is true at stage 3 only; zerorun's stage-2 overlap costs no memory with units (one
+        // staging round either way) and one more staging half in a plain loop (an eighth of the model when sized
+        // from it), so it is on by default there too.
+        let overlap_comm = s.opt_bool(&["overlap_comm"])?.unwrap_or(stage >= 2);
         let load_from_fp32_weights = s.bool("load_from_fp32_weights", true)?;
         let elastic_checkpoint = s.bool("elastic_checkpoint", false)?;
         let sub_group_size = size(&mut s, &["sub_group_size"], 1_000_000_000)?;
