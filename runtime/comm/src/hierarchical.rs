@@ -7,7 +7,7 @@
 //! Rank r = h K + k is rank k of its host's group and rank h of its cross-host group (ranks on a host are
 //! consecutive, as `zerorun launch` and torchrun number them). The reduction order differs from the flat one
 //! (each host's sum first): results agree with it to rounding, and every rank still ends with the same values.
-//! Everything that is not a reduce-scatter, all-gather or large all-reduce goes through the flat group.
+//! Everything that is not a reduce-scatter, all-gather, large all-reduce or large broadcast goes through the flat group.
 use std::cell::RefCell;
 
 use super::agreement;
@@ -244,8 +244,20 @@ impl Communicator for Hierarchical {
         self.local.all_gather_buf(buf)
     }
 
+    /// In two levels when large: the root's cross-host group (the ranks with its place on every host) first, then
+    /// every host's group from that place, so the value crosses each host's link once (flat, it goes to every rank
+    /// of the other hosts: at start-up a model broadcast from rank 0 crossed the link K times). Small ones, and a
+    /// root out of range (the flat group names the error), go through the flat group.
     fn broadcast_buf(&self, buf: BufMut<'_>, root: usize) -> CommResult<()> {
-        self.world.broadcast_buf(buf, root)
+        if buf.len() < SMALL_ALL_REDUCE || root >= self.world_size() {
+            return self.world.broadcast_buf(buf, root);
+        }
+        let k = self.per_host();
+        let BufMut { bytes, dtype } = buf;
+        if self.local.rank() == root % k {
+            self.cross.broadcast_buf(BufMut { bytes: &mut *bytes, dtype }, root / k)?;
+        }
+        self.local.broadcast_buf(BufMut { bytes, dtype }, root % k)
     }
 
     fn barrier(&self) -> CommResult<()> {
@@ -371,7 +383,7 @@ mod tests {
     }
 
     #[test]
-    fn reduce_scatter_all_gather_and_all_reduce_equal_the_flat_group() {
+    fn reduce_scatter_all_gather_all_reduce_and_broadcast_equal_the_flat_group() {
         for (hosts, per_host) in [(2, 2), (3, 2), (2, 3)] {
             let n = hosts * per_host;
             let results = on_ranks(hosts, per_host, move |two, flat| {
@@ -396,6 +408,13 @@ mod tests {
                     two.all_reduce(&mut a, ReduceOp::Sum).unwrap();
                     flat.all_reduce(&mut b, ReduceOp::Sum).unwrap();
                     assert_eq!(a, b, "all-reduce of {len}, {hosts}x{per_host}");
+                }
+                for (len, root) in [(3, 1), (5000, 0), (10_001, n - 1), (4096, n / 2)] {
+                    let (mut a, mut b) = (values(r, len), values(r, len));
+                    two.broadcast(&mut a, root).unwrap();
+                    flat.broadcast(&mut b, root).unwrap();
+                    assert_eq!(a, values(root, len), "broadcast of {len} from {root}, {hosts}x{per_host}");
+                    assert_eq!(a, b);
                 }
                 let mut a = values(r, 8);
                 two.all_reduce(&mut a, ReduceOp::Sum).unwrap();
