@@ -36,7 +36,7 @@ pub struct ClusterArgs {
     /// program prints rank 0's `[rank 0] step N loss X time T ms` lines itself then.
     #[arg(long, value_enum, default_value_t = Launcher::Zerorun)]
     pub launcher: Launcher,
-    /// Keep each host's output: DIR/host<i>.out and DIR/host<i>.err (the launcher's stdout and stderr, every
+    /// Keep each host's output: DIR/hostN.out and DIR/hostN.err (the launcher's stdout and stderr, every
     /// rank's lines), e.g. for the program's wall-clock breakdown.
     #[arg(long, value_name = "DIR")]
     pub log: Option<PathBuf>,
