@@ -32,11 +32,19 @@ extern "C" int zerorun_libtorch_dir(char *out, int cap) {
 // libtorch_cuda is linked. Returns 0, or -1 when no CUDA allocator is registered or it refuses.
 #include <c10/core/CachingDeviceAllocator.h>
 
+namespace {
+// The registered CUDA allocator, or null when libtorch_cuda is not loaded or its allocator not initialized.
+c10::DeviceAllocator *cuda_allocator() {
+    if (!at::CUDAHooksRegistry()->Has("CUDAHooks")) return nullptr;
+    c10::DeviceAllocator *allocator = c10::getDeviceAllocator(c10::DeviceType::CUDA);
+    return allocator && allocator->initialized() ? allocator : nullptr;
+}
+}  // namespace
+
 extern "C" int zerorun_device_memory(int device_index, int64_t *out) {
     try {
-        if (!at::CUDAHooksRegistry()->Has("CUDAHooks")) return -1;
-        c10::DeviceAllocator *allocator = c10::getDeviceAllocator(c10::DeviceType::CUDA);
-        if (!allocator || !allocator->initialized()) return -1;
+        c10::DeviceAllocator *allocator = cuda_allocator();
+        if (!allocator) return -1;
         auto stats = allocator->getDeviceStats(static_cast<c10::DeviceIndex>(device_index));
         const auto all = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
         out[0] = stats.allocated_bytes[all].current;
@@ -53,9 +61,8 @@ extern "C" int zerorun_device_memory(int device_index, int64_t *out) {
 // torch.cuda.reset_peak_memory_stats does; -1 when the CUDA backend is not loaded.
 extern "C" int zerorun_reset_device_peak(int device_index) {
     try {
-        if (!at::CUDAHooksRegistry()->Has("CUDAHooks")) return -1;
-        c10::DeviceAllocator *allocator = c10::getDeviceAllocator(c10::DeviceType::CUDA);
-        if (!allocator || !allocator->initialized()) return -1;
+        c10::DeviceAllocator *allocator = cuda_allocator();
+        if (!allocator) return -1;
         allocator->resetPeakStats(static_cast<c10::DeviceIndex>(device_index));
         return 0;
     } catch (...) {

@@ -15,8 +15,9 @@ use super::buffer::divide;
 use super::groups::Split;
 use super::{BufMut, BufRef, Collectives, CommError, CommResult, Communicator, ReduceOp};
 
-/// Below this many elements an all-reduce goes through the flat group: three collectives cost more than one.
-const SMALL_ALL_REDUCE: usize = 4096;
+/// Below this many elements an all-reduce or a broadcast goes through the flat group: two or three collectives
+/// cost more than one.
+const SMALL: usize = 4096;
 
 /// The two-level communicator: the flat group of every rank, this host's group and this rank's cross-host group.
 pub struct Hierarchical {
@@ -173,7 +174,7 @@ impl Communicator for Hierarchical {
     /// again an all-gather. Small buffers take the flat group.
     fn all_reduce_buf(&self, buf: BufMut<'_>, op: ReduceOp) -> CommResult<()> {
         let (len, dtype) = (buf.len(), buf.dtype);
-        if len < SMALL_ALL_REDUCE {
+        if len < SMALL {
             return self.world.all_reduce_buf(buf, op);
         }
         let (op, mean) = summed(op);
@@ -249,7 +250,7 @@ impl Communicator for Hierarchical {
     /// of the other hosts: at start-up a model broadcast from rank 0 crossed the link K times). Small ones, and a
     /// root out of range (the flat group names the error), go through the flat group.
     fn broadcast_buf(&self, buf: BufMut<'_>, root: usize) -> CommResult<()> {
-        if buf.len() < SMALL_ALL_REDUCE || root >= self.world_size() {
+        if buf.len() < SMALL || root >= self.world_size() {
             return self.world.broadcast_buf(buf, root);
         }
         let k = self.per_host();

@@ -318,20 +318,6 @@ impl Engine {
 
     fn apply_optimizer(&mut self) -> Result<()> {
         let (rank, precision) = (self.comm.rank(), self.precision());
-        // Stage 2's chunks stepped where they are, unit by unit; with a communication thread each unit's all-gather
-        // starts as soon as its chunk is stepped.
-        if self.shard.steps_in_pieces(&self.plan, &self.states.parameters, self.residence) {
-            let flat = self.states.parameters.flat.shallow_clone();
-            let grads = self.gradients.for_step(&self.shard.optimized);
-            let pieces = self.states.layout.shard_pieces(rank);
-            let (parameters, volume, thread) =
-                (&mut self.states.parameters, &mut self.report.comm_volume, self.comm.thread());
-            return self.shard.step_in_pieces(&flat, &grads, &pieces, |i| {
-                if let Some(thread) = thread {
-                    parameters.begin_refresh(i, thread, volume);
-                }
-            });
-        }
         self.shard.step(StepTarget {
             parameters: &mut self.states.parameters,
             gradients: &mut self.gradients,
@@ -340,6 +326,8 @@ impl Engine {
             precision,
             rank,
             residence: self.residence,
+            thread: self.comm.thread(),
+            volume: &mut self.report.comm_volume,
         })
     }
 

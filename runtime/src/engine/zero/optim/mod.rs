@@ -15,7 +15,9 @@ pub(crate) mod in_backward;
 use tch::{Kind, Tensor};
 use zerorun_optim::{Group, ParamsOut};
 
+use crate::comm::async_comm::CommThread;
 use crate::config::Precision;
+use crate::engine::counters::CommVolume;
 use crate::engine::device::optimizer::DeviceOptimizer;
 use crate::engine::device::staging::{self, Staged};
 use crate::engine::device::views;
@@ -56,6 +58,10 @@ pub(crate) struct StepTarget<'a> {
     pub precision: Precision,
     pub rank: usize,
     pub residence: Residence,
+    /// The communication thread, if the engine has one: stage 2's step in pieces starts each unit's all-gather
+    /// there as soon as its chunk is stepped.
+    pub thread: Option<&'a CommThread>,
+    pub volume: &'a mut CommVolume,
 }
 
 /// Whether `tier` is the device path's optimizer, which keeps the master and the gradients on the model's device.
@@ -94,6 +100,9 @@ impl OptimizerShard {
         if let Some(adam) = self.tier.as_any_mut().and_then(|a| a.downcast_mut::<DeviceOptimizer>()) {
             return step_on_device(adam, self.master.as_ref(), &self.optimized, &self.groups, t);
         }
+        if self.steps_in_pieces(&t) {
+            return self.step_in_pieces(t);
+        }
         if t.parameters.steps_a_copy(t.plan) || t.residence.device_path() {
             return self.step_on_copy(t);
         }
@@ -127,40 +136,37 @@ impl OptimizerShard {
         Ok(())
     }
 
-    /// Whether the step can go unit by unit in place ([`OptimizerShard::step_in_pieces`]): stage 2's chunks of an
-    /// fp32 model in host memory, stepped by a host tier.
-    pub fn steps_in_pieces(&mut self, plan: &StagePlan, parameters: &Parameters, residence: Residence) -> bool {
-        plan.shard_in_pieces()
+    /// Whether the step goes unit by unit in place ([`OptimizerShard::step_in_pieces`]): stage 2's chunks of an
+    /// fp32 model in host memory, stepped by a host tier (the device path's was dispatched before).
+    fn steps_in_pieces(&self, t: &StepTarget<'_>) -> bool {
+        t.plan.shard_in_pieces()
             && self.master.is_none()
-            && parameters.swapped.is_none()
-            && !residence.device_path()
-            && !steps_on_device(&mut self.tier)
+            && t.parameters.swapped.is_none()
+            && !t.residence.device_path()
     }
 
-    /// Stage 2 (see [`OptimizerShard::steps_in_pieces`]): steps this rank's chunk of each unit where it is in
-    /// `flat`, unit by unit (a step begun once, then a piece per unit: bitwise the whole step, every element's
-    /// update being its own), calling `stepped(i)` after unit `i`'s chunk, so its all-gather runs while the next
-    /// chunk steps. No copy of the shard is made.
-    pub fn step_in_pieces(
-        &mut self,
-        flat: &Tensor,
-        grads: &Tensor,
-        pieces: &[std::ops::Range<usize>],
-        mut stepped: impl FnMut(usize),
-    ) -> Result<()> {
+    /// Stage 2 (see [`OptimizerShard::steps_in_pieces`]): steps this rank's chunk of each unit where it is in the
+    /// flat buffer, unit by unit (a step begun once, then a piece per unit: bitwise the whole step, every element's
+    /// update being its own), so no copy of the shard is made; with a communication thread each unit's all-gather
+    /// starts as soon as its chunk is done, while the next chunk steps.
+    fn step_in_pieces(&mut self, t: StepTarget<'_>) -> Result<()> {
+        let flat = t.parameters.flat.shallow_clone();
+        let grads = t.gradients.for_step(&self.optimized);
         // SAFETY: the step writes this rank's chunks of `flat` while no forward or backward runs; a unit's
         // all-gather, started after its chunk, writes only the peers' chunks of that unit. The reduced gradients
         // are another buffer, read-only here.
-        let (flat, grads) = unsafe { (views::slice::<f32>(flat), views::slice::<f32>(grads)) };
+        let (values, g) = unsafe { (views::slice::<f32>(&flat), views::slice::<f32>(&grads)) };
         self.tier.begin_step()?;
         let mut at = 0;
-        for (i, piece) in pieces.iter().enumerate() {
+        for (i, piece) in t.layout.shard_pieces(t.rank).into_iter().enumerate() {
             let n = piece.len();
             if n > 0 {
-                self.tier.update_range(at..at + n, &mut flat[piece.clone()], &grads[at..at + n], &self.groups, None)?;
+                self.tier.update_range(at..at + n, &mut values[piece], &g[at..at + n], &self.groups, None)?;
             }
             at += n;
-            stepped(i);
+            if let Some(thread) = t.thread {
+                t.parameters.begin_refresh(i, thread, t.volume);
+            }
         }
         self.tier.finish_step()?;
         Ok(())
