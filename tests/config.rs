@@ -98,7 +98,8 @@ fn deepspeed_defaults() {
     assert_eq!(c.comms_timeout, 1800.0);
     assert_eq!(c.precision(), Precision::Fp32);
     let z = &c.zero_optimization;
-    assert!(!z.overlap_comm && z.contiguous_gradients && z.reduce_scatter);
+    // zerorun's own default at stage 0 (DeepSpeed all-reduces after backward whatever it says): true.
+    assert!(z.overlap_comm && z.contiguous_gradients && z.reduce_scatter);
     assert_eq!(
         (z.reduce_bucket_size, z.allgather_bucket_size, z.sub_group_size),
         (500_000_000, 500_000_000, 1_000_000_000)

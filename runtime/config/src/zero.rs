@@ -121,8 +121,9 @@ pub struct ZeroConfig {
     pub offload_param: OffloadParamConfig,
     /// Stage 3's size keys the config left out or set to "auto" (`reduce_bucket_size`,
     /// `stage3_prefetch_bucket_size`, `stage3_param_persistence_threshold`, `stage3_max_live_parameters`): the
-    /// engine sizes them from the model's units at initialize (DeepSpeed's defaults until then); at stage 2,
-    /// `reduce_bucket_size` alone (the gradient hooks' buckets). Empty once sized, and below stage 2. Not a key: `Config::to_value` writes these keys as "auto".
+    /// engine sizes them from the model's units at initialize (DeepSpeed's defaults until then); at stages 0 and 2,
+    /// `reduce_bucket_size` alone (the gradient hooks' buckets). Empty once sized, and at stage 1. Not a key:
+    /// `Config::to_value` writes these keys as "auto".
     #[serde(skip)]
     pub sized_from_model: Vec<&'static str>,
 }
@@ -171,12 +172,12 @@ impl ZeroConfig {
         };
         let contiguous_gradients = s.bool("contiguous_gradients", true)?;
         let reduce_scatter = s.bool("reduce_scatter", true)?;
-        // Stage 3's size keys left out or "auto": noted, so the engine sizes them from the model; stage 2's
-        // reduce_bucket_size too (its gradient hooks cut the model into buckets of that size).
+        // Stage 3's size keys left out or "auto": noted, so the engine sizes them from the model; stages 0 and 2's
+        // reduce_bucket_size too (their gradient hooks cut the model into buckets of that size).
         let mut sized_from_model = Vec::new();
         let sized = |s: &mut Section, noted: &mut Vec<&'static str>, keys: &[&'static str], default: u64| {
             let defaulted = matches!(s.uint_auto_peek(keys), MaybeAuto::Absent | MaybeAuto::Auto);
-            if defaulted && (stage == 3 || (stage == 2 && keys[0] == "reduce_bucket_size")) {
+            if defaulted && (stage == 3 || (stage != 1 && keys[0] == "reduce_bucket_size")) {
                 noted.push(keys[0]);
             }
             size(s, keys, default)
@@ -186,8 +187,9 @@ impl ZeroConfig {
         let allgather_bucket_size = size(&mut s, &["allgather_bucket_size"], 500_000_000)?;
         // DeepSpeed's default is true at stage 3 only; zerorun's stage-2 overlap costs no memory with units (one
         // staging round either way) and one more staging half in a plain loop (an eighth of the model when sized
-        // from it), so it is on by default there too.
-        let overlap_comm = s.opt_bool(&["overlap_comm"])?.unwrap_or(stage >= 2);
+        // from it), and stage 0's (the buckets all-reduced in place during backward, as DDP always does) none, so
+        // it is on by default there too.
+        let overlap_comm = s.opt_bool(&["overlap_comm"])?.unwrap_or(stage != 1);
         let load_from_fp32_weights = s.bool("load_from_fp32_weights", true)?;
         let elastic_checkpoint = s.bool("elastic_checkpoint", false)?;
         let sub_group_size = size(&mut s, &["sub_group_size"], 1_000_000_000)?;

@@ -148,20 +148,35 @@ impl Engine {
         };
         // Deferring: this micro-batch's gradients stay in `.grad` (the hooks only act while lent).
         let defer = self.gradients.defers_reduction;
+        // Stage 0's hooks all-reduce in the backward of a micro-step that reduces: each one of a 16-bit model
+        // (reduced into the fp32 accumulator at its step), the boundary's of an fp32 model.
+        let all_reduces = self.gradients.all_reduce_in_backward.is_some()
+            && !defer
+            && (self.precision() != Precision::Fp32 || self.is_gradient_accumulation_boundary());
         match self.plan.gradients {
+            GradientPath::AfterBackward if all_reduces => {
+                let staging = self.gradients.view_buffer().expect("stage 0's gradients are views").shallow_clone();
+                self.gradients.all_reduce_in_backward.as_mut().expect("checked").before_backward(&staging)?;
+                self.lend_hooks(autograd)?;
+                let mark = self.gradient_fingerprint();
+                self.gradients.all_reduce_in_backward.as_mut().expect("checked").mark_reduced(mark);
+            }
             GradientPath::AfterBackward => autograd()?,
             GradientPath::Hooks if defer => autograd()?,
-            GradientPath::Hooks => {
-                let hooks = self.gradients.hooks.take().expect("hooked mode has hooks");
-                let ran = hooks.lend(&mut self.gradient_sync(), autograd);
-                self.gradients.hooks = Some(hooks);
-                ran?
-            }
+            GradientPath::Hooks => self.lend_hooks(autograd)?,
             GradientPath::UnitWalk => unreachable!("unit walks run in backward_impl"),
         }
         self.memory_event(|| "backward".into(), &[]);
         self.end_backward(started, comm_before);
         Ok(())
+    }
+
+    /// Runs autograd with the gradient hooks reducing bucket by bucket.
+    fn lend_hooks(&mut self, autograd: impl FnOnce() -> Result<()>) -> Result<()> {
+        let hooks = self.gradients.hooks.take().expect("hooked mode has hooks");
+        let ran = hooks.lend(&mut self.gradient_sync(), autograd);
+        self.gradients.hooks = Some(hooks);
+        ran
     }
 
     fn end_backward(&mut self, started: Instant, comm_before: std::time::Duration) {

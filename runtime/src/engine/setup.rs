@@ -246,6 +246,12 @@ impl Engine {
         let kind = views::kind_of(precision);
         let mut plan = StagePlan::new(z.stage, options.units.is_some(), z.overlap_comm, z.reduce_scatter, world_size);
         plan.steps_in_backward = config.optimizer_in_backward;
+        // Stage 0's all-reduce in backward reduces the staging buffer the `.grad` tensors are views of, in place,
+        // over one group, every step: not across shard groups' replicas, not when asynchronous training keeps
+        // gradients local or serves them stale, not with a communication dtype other than the model's.
+        plan.all_reduce_in_backward &= replica_count == 1
+            && !config.async_training.is_async()
+            && views::comm_kind(config.communication_data_type, precision) == views::kind_of(precision);
         if config.optimizer_in_backward && batch.gradient_accumulation_steps > 1 {
             // The config checks a given value; this is the value the batch rule resolved.
             return Err(crate::config::ConfigError::Conflict {
@@ -377,7 +383,7 @@ impl Engine {
             sync,
         };
         engine.start_bounded_staleness()?;
-        if plan.gradients == plan::GradientPath::Hooks {
+        if plan.hooks_gradients() {
             engine.gradients.hooks =
                 Some(crate::engine::zero::grads::hooks::GradHooks::install(&engine.states.params)?);
         }
@@ -551,12 +557,13 @@ fn check_shard_groups(config: &Config, world_size: usize, replicas: usize) -> Re
     Ok(())
 }
 
-/// Stage 2's gradient hooks: `reduce_bucket_size` left out or "auto" sized from the trainable parameters
-/// ([`plan::hooked_bucket_from_model`]), logged once and kept in the engine's resolved config.
+/// The gradient hooks' buckets (stage 2 in a plain loop, stage 0's all-reduce in backward): `reduce_bucket_size`
+/// left out or "auto" sized from the trainable parameters ([`plan::hooked_bucket_from_model`]), logged once and
+/// kept in the engine's resolved config.
 fn size_hooked_buckets(mut config: Config, plan: &StagePlan, trainable: &[(String, Tensor)], rank: usize) -> Config {
     let z = &mut config.zero_optimization;
     let Some(i) = z.sized_from_model.iter().position(|&k| k == "reduce_bucket_size") else { return config };
-    if plan.gradients != GradientPath::Hooks {
+    if !plan.hooks_gradients() {
         return config;
     }
     z.sized_from_model.remove(i);

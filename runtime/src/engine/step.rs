@@ -71,15 +71,13 @@ impl Engine {
         Ok(outcome)
     }
 
-    /// What tells a direct `loss.backward()` (outside the engine) from no backward at all: the number of
-    /// parameters with a `.grad` plus the version counters of those gradients (autograd bumps them as it
-    /// accumulates in place; gradient views share the flat buffer's counter). Units' walks only run through the
-    /// engine, which counts their losses.
+    /// What tells a direct `loss.backward()` (outside the engine) from no backward at all
+    /// ([`crate::engine::zero::grads::fingerprint`]). Units' walks only run through the engine, which counts their losses.
     pub(super) fn gradient_fingerprint(&self) -> i64 {
         if self.plan.gradients == GradientPath::UnitWalk {
             return 0;
         }
-        self.states.params.iter().map(Tensor::grad).filter(Tensor::defined).map(|g| g.internal_version() + 1).sum()
+        crate::engine::zero::grads::fingerprint(&self.states.params)
     }
 
     fn step_impl(&mut self) -> Result<StepOutcome> {

@@ -98,6 +98,10 @@ pub(crate) struct StagePlan {
     pub hooked_overlap: bool,
     /// `optimizer_in_backward` (stage 3): the unit walk steps each reduced part at once; no gradient shard.
     pub steps_in_backward: bool,
+    /// Stage 0 with `overlap_comm` and more than one rank (DDP's bucketed all-reduce): gradient hooks start each
+    /// bucket's all-reduce on the communication thread while backward goes on. The engine turns it off where the
+    /// gradients are not views of the staging buffer or the ranks do not reduce every step (`grads/all_reduce.rs`).
+    pub all_reduce_in_backward: bool,
 }
 
 impl StagePlan {
@@ -111,7 +115,8 @@ impl StagePlan {
         };
         let overlap = overlap_comm && world_size > 1 && strategy != Strategy::Replicated;
         let hooked_overlap = gradients == GradientPath::Hooks && overlap && reduce_scatter;
-        StagePlan { strategy, gradients, overlap, hooked_overlap, steps_in_backward: false }
+        let all_reduce_in_backward = overlap_comm && world_size > 1 && strategy == Strategy::Replicated;
+        StagePlan { strategy, gradients, overlap, hooked_overlap, steps_in_backward: false, all_reduce_in_backward }
     }
 
     /// ZeRO's stage number, for reports, manifests and messages.
@@ -157,12 +162,19 @@ impl StagePlan {
 
     /// The engine's collectives run on a communication thread: stage 3's prefetches, stage 1's double-buffered
     /// rounds, hooked stage 2's two staging halves, the unit walk's reductions at stages 2-3 (a unit's while the
-    /// backward of the one before it runs). Hooked stage 2 without reduce-scatter all-reduces in line.
+    /// backward of the one before it runs), stage 0's buckets all-reduced in backward. Hooked stage 2 without
+    /// reduce-scatter all-reduces in line.
     pub fn threaded_comm(&self) -> bool {
-        self.overlap
-            && (self.strategy != Strategy::PartitionedGradients
-                || self.hooked_overlap
-                || self.gradients == GradientPath::UnitWalk)
+        self.all_reduce_in_backward
+            || self.overlap
+                && (self.strategy != Strategy::PartitionedGradients
+                    || self.hooked_overlap
+                    || self.gradients == GradientPath::UnitWalk)
+    }
+
+    /// Gradient hooks are installed on the parameters: stage 2's in a plain loop, stage 0's all-reduce in backward.
+    pub fn hooks_gradients(&self) -> bool {
+        self.gradients == GradientPath::Hooks || self.all_reduce_in_backward
     }
 
     /// Halves of the gradient staging buffer: two where one bucket reduces on the communication thread while the

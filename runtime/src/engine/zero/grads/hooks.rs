@@ -7,19 +7,20 @@
 //! autograd's completion order, which can differ between ranks (two branches summed in another order): a bucket
 //! that is complete waits, its gradients held, until every bucket before it in that order has launched. The
 //! reduction is the unit walk's ([`GradientSync::reduce_unit`]); with `overlap_comm` it runs on the communication
-//! thread from one of two staging halves while autograd goes on.
+//! thread from one of two staging halves while autograd goes on. Stage 0 with `overlap_comm` counts its buckets
+//! down the same way and all-reduces each in place instead (`all_reduce.rs`).
 //!
 //! The hooks reach only what the reduction needs ([`GradientSync`]: the gradient buffers, the communicator, the
 //! layout), lent by `engine.backward` for the duration of autograd's run; outside it they do nothing, and a
 //! backward the engine did not run leaves its gradients in `.grad` for `step` to reduce.
 use std::cell::Cell;
 use std::ffi::c_void;
+use std::ops::Range;
 
 use tch::Tensor;
 
 use crate::engine::device::native;
 use crate::engine::zero::grads::GradientSync;
-use crate::engine::zero::layout::UnitSpan;
 use crate::error::{Error, Result};
 
 /// The buckets' countdown in the current backward.
@@ -39,15 +40,26 @@ pub(crate) struct Countdown {
 }
 
 impl Countdown {
-    pub fn new(buckets: &[UnitSpan]) -> Countdown {
+    /// `buckets`: each bucket's parameter slots, in layout order.
+    pub fn new(buckets: Vec<Range<usize>>) -> Countdown {
         Countdown {
-            bucket_of: buckets.iter().enumerate().flat_map(|(b, u)| u.slots.clone().map(move |_| b)).collect(),
-            slots: buckets.iter().map(|u| u.slots.clone()).collect(),
-            pending: buckets.iter().map(|u| u.slots.len()).collect(),
+            bucket_of: buckets.iter().enumerate().flat_map(|(b, s)| s.clone().map(move |_| b)).collect(),
+            pending: buckets.iter().map(|s| s.len()).collect(),
             complete: vec![false; buckets.len()],
+            slots: buckets,
             launched: 0,
             error: None,
         }
+    }
+
+    /// A new backward's count (after one that an error cut short, the counts are not where it left them).
+    fn restart(&mut self) {
+        for (pending, slots) in self.pending.iter_mut().zip(&self.slots) {
+            *pending = slots.len();
+        }
+        self.complete.fill(false);
+        self.launched = 0;
+        self.error = None;
     }
 
     /// The order buckets launch in on every rank: the last one first.
@@ -111,6 +123,7 @@ impl GradHooks {
     /// Runs `backward` (autograd over the user's graph) with the hooks reducing through `sync`, then launches the
     /// buckets whose gradients did not all come (unused parameters) and finishes what is in flight.
     pub fn lend(&self, sync: &mut GradientSync<'_>, backward: impl FnOnce() -> Result<()>) -> Result<()> {
+        sync.countdown().restart();
         let lent: *mut GradientSync<'_> = sync;
         // The lifetime is erased for the cell; the pointer is cleared below, before `sync`'s borrow ends.
         self.target.lent.set(lent.cast());
@@ -151,10 +164,24 @@ impl GradientSync<'_> {
         Ok(())
     }
 
-    /// Reduces bucket `b`, the next in the launch order, from its parameters' `.grad` (a missing one counts as
-    /// zeros), frees them and resets its countdown.
+    /// Reduces bucket `b`, the next in the launch order, and resets its countdown: stage 0 all-reduces it in place
+    /// in the buffer its `.grad` tensors are views of; stage 2 reduce-scatters it from its parameters' `.grad` (a
+    /// missing one counts as zeros) and frees them.
     fn launch_bucket(&mut self, b: usize) -> Result<()> {
         let slots = self.countdown().slots[b].clone();
+        if self.gradients.all_reduce_in_backward.is_some() {
+            self.start_bucket_all_reduce(b)?;
+        } else {
+            self.reduce_scatter_bucket(b, slots.clone())?;
+        }
+        let countdown = self.countdown();
+        countdown.complete[b] = false;
+        countdown.pending[b] = slots.len();
+        countdown.launched += 1;
+        Ok(())
+    }
+
+    fn reduce_scatter_bucket(&mut self, b: usize, slots: Range<usize>) -> Result<()> {
         let params = &self.params[slots.clone()];
         let grads: Vec<Option<Tensor>> = params
             .iter()
@@ -164,13 +191,9 @@ impl GradientSync<'_> {
             })
             .collect();
         self.reduce_unit(b, &grads)?;
-        for p in &self.params[slots.clone()] {
+        for p in &self.params[slots] {
             native::reset_grad(p);
         }
-        let countdown = self.countdown();
-        countdown.complete[b] = false;
-        countdown.pending[b] = slots.len();
-        countdown.launched += 1;
         Ok(())
     }
 
@@ -184,11 +207,14 @@ impl GradientSync<'_> {
             self.launch_bucket(b)?;
         }
         self.countdown().launched = 0;
+        if self.gradients.all_reduce_in_backward.is_some() {
+            return self.finish_bucket_all_reduces();
+        }
         self.drain()
     }
 
-    /// Whether gradients wait in `.grad` for a reduction: a backward ran outside `engine.backward` (the hooks
-    /// only count inside it). `engine.backward` leaves none.
+    /// Stage 2: whether gradients wait in `.grad` for a reduction: a backward ran outside `engine.backward` (the
+    /// hooks only count inside it). `engine.backward` leaves none.
     pub fn gradients_wait_in_grad(&self) -> bool {
         self.params.iter().any(|p| p.grad().defined())
     }

@@ -2,6 +2,7 @@
 //! [`GradientSizes`]), and the reduction of each gradient path through one [`BucketQueue`]: the rounds of stages
 //! 0-1 after backward, and a unit's gradients during the unit walk of stages 2-3 or from stage 2's hooks
 //! (`grad_hooks.rs`).
+pub(crate) mod all_reduce;
 pub(crate) mod bucket;
 pub(crate) mod hooks;
 
@@ -13,6 +14,7 @@ use crate::engine::device::native;
 use crate::engine::device::views;
 use crate::engine::device::{flat_math, Residence};
 use crate::engine::engine_comm::EngineComm;
+use crate::engine::zero::grads::all_reduce::AllReduceInBackward;
 use crate::engine::zero::grads::bucket::{Bucket, BucketQueue, Landing, Reduction};
 use crate::engine::zero::grads::hooks::Countdown;
 use crate::engine::zero::layout::FlatLayout;
@@ -47,9 +49,11 @@ pub(crate) struct Gradients {
     refuse_unused: bool,
     /// Where each unit's chunk starts in this rank's shard space (stages 2-3).
     unit_offsets: Vec<usize>,
-    /// Stage 2 of a plain loop: the hooked buckets' countdown.
+    /// Stage 2 of a plain loop, stage 0's all-reduce in backward: the hooked buckets' countdown.
     pub countdown: Option<Countdown>,
-    /// Stage 2 of a plain loop: the gradient hooks that reduce bucket by bucket during backward.
+    /// Stage 0 with `overlap_comm`: the buckets all-reduced during backward.
+    pub all_reduce_in_backward: Option<AllReduceInBackward>,
+    /// The gradient hooks that reduce bucket by bucket during backward (the countdown's).
     pub hooks: Option<hooks::GradHooks>,
     /// The gradients' fingerprint at the end of the last `step` call (see `Engine::gradient_fingerprint`).
     pub mark: i64,
@@ -108,7 +112,13 @@ impl Gradients {
                 Some(start)
             })
             .collect();
-        let countdown = (plan.gradients == GradientPath::Hooks).then(|| Countdown::new(&layout.units));
+        let all_reduce_in_backward = (plan.all_reduce_in_backward && sizes.views == GradientViews::OfStaging)
+            .then(|| AllReduceInBackward::new(layout, config.zero_optimization.reduce_bucket_size));
+        let countdown = match &all_reduce_in_backward {
+            Some(a) => Some(Countdown::new(a.bucket_slots())),
+            None => (plan.gradients == GradientPath::Hooks)
+                .then(|| Countdown::new(layout.units.iter().map(|u| u.slots.clone()).collect())),
+        };
         Ok(Gradients {
             queue: BucketQueue::new(staging, plan.staging_halves()),
             grad_buffer,
@@ -124,6 +134,7 @@ impl Gradients {
             refuse_unused: !config.zero_optimization.ignore_unused_parameters,
             unit_offsets,
             countdown,
+            all_reduce_in_backward,
             hooks: None,
             mark: 0,
             defers_reduction: false,
@@ -200,6 +211,13 @@ impl Gradients {
     }
 }
 
+/// What tells one state of the gradients from another: the number of parameters with a `.grad` plus the version
+/// counters of those gradients (autograd bumps them as it accumulates in place; gradient views share the flat
+/// buffer's counter).
+pub(crate) fn fingerprint(params: &[Tensor]) -> i64 {
+    params.iter().map(Tensor::grad).filter(Tensor::defined).map(|g| g.internal_version() + 1).sum()
+}
+
 /// What reducing gradients needs beside the buffers, borrowed from the engine for one call (or for one backward,
 /// by the hooks).
 pub(crate) struct GradientSync<'a> {
@@ -239,11 +257,23 @@ impl GradientSync<'_> {
                 self.clear_param_grads();
                 return Ok(());
             }
-            if let Some(pre) = how.pre {
-                let _ = staging.shallow_clone().f_mul_scalar_(pre)?;
+            // Stage 0's hooks may have all-reduced the buckets in backward already.
+            match self.gradients.all_reduce_in_backward.as_mut().and_then(AllReduceInBackward::take_reduced) {
+                Some(mark) if mark != fingerprint(self.params) => return Err(Error::Usage(
+                    "gradients were added after stage 0 all-reduced this step's in engine.backward (zero_optimization.overlap_comm): a backward outside engine.backward (loss.backward()) must not follow one inside it before engine.step; run every backward through the engine, or set overlap_comm false".into(),
+                )),
+                Some(_) => {}
+                None => {
+                    if let Some(pre) = how.pre {
+                        let _ = staging.shallow_clone().f_mul_scalar_(pre)?;
+                    }
+                    views::all_reduce(how.residence, self.comm.as_ref(), &staging, how.op)?;
+                    self.volume.all_reduce_elements += self.layout.padded as u64;
+                    if let Some(a) = self.gradients.all_reduce_in_backward.as_mut() {
+                        a.add_aside(&staging)?;
+                    }
+                }
             }
-            views::all_reduce(how.residence, self.comm.as_ref(), &staging, how.op)?;
-            self.volume.all_reduce_elements += self.layout.padded as u64;
             if let Some(post) = how.post {
                 let _ = staging.shallow_clone().f_mul_scalar_(post)?;
             }

@@ -1,0 +1,144 @@
+//! Stage 0 with `overlap_comm` (DDP's bucketed all-reduce): the `.grad` tensors are views of the staging buffer, cut
+//! into buckets of about `reduce_bucket_size` elements (whole parameters, layout order); the gradient hooks count a
+//! bucket down as autograd writes its gradients and, once it is complete, start its all-reduce in place on the
+//! communication thread while backward goes on. Buckets start in one fixed order on every rank, the last first
+//! (the hooks' [`super::hooks::Countdown`]). The step then finds its gradients reduced but for the post-factor.
+//!
+//! The reduction happens in the backward of the micro-step that reduces: every micro-step for 16-bit models (they
+//! accumulate reduced gradients in fp32), the boundary's for fp32 models (autograd accumulates the micro-batches
+//! in the views first). A second backward in that micro-step finds its predecessor's gradients reduced already:
+//! they are set aside (one more gradient-sized buffer, only then) and added back after its own reduction, so the
+//! sum is what one reduction of both would give.
+use std::ops::Range;
+
+use tch::Tensor;
+
+use crate::comm::async_comm::Handle;
+use crate::engine::device::views;
+use crate::engine::zero::grads::GradientSync;
+use crate::engine::zero::layout::FlatLayout;
+use crate::engine::zero::plan;
+use crate::error::{Error, Result};
+
+/// Stage 0's buckets and the all-reduces in flight.
+pub(crate) struct AllReduceInBackward {
+    /// Each bucket's flat elements (of the staging buffer); the last one takes the padding.
+    ranges: Vec<Range<usize>>,
+    /// Each bucket's parameter slots (the hooks' countdown).
+    slots: Vec<Range<usize>>,
+    /// All-reduces started in this backward, in launch order.
+    in_flight: Vec<Handle<()>>,
+    /// The gradients in the staging buffer were all-reduced (before the post-factor) by a backward of this
+    /// micro-step, and the `.grad` fingerprint they left (a backward outside the engine changes it).
+    reduced: Option<i64>,
+    /// What earlier backwards of this micro-step reduced, set aside when another backward followed them.
+    aside: Option<Tensor>,
+}
+
+impl AllReduceInBackward {
+    /// Buckets of at most `bucket` elements over the layout's slots (one unit: stage 0's flat layout).
+    pub fn new(layout: &FlatLayout, bucket: u64) -> AllReduceInBackward {
+        let sizes: Vec<usize> = layout.slots.iter().map(|s| s.range.len()).collect();
+        let bucket_of = plan::bucket_cuts(&sizes, bucket);
+        let count = bucket_of.last().map_or(0, |b| b + 1);
+        let mut slots: Vec<Range<usize>> = vec![0..0; count];
+        for (i, &b) in bucket_of.iter().enumerate() {
+            slots[b] = if slots[b].is_empty() { i..i + 1 } else { slots[b].start..i + 1 };
+        }
+        let starts: Vec<usize> = slots.iter().map(|s| layout.slots[s.start].range.start).collect();
+        let ranges = (0..count).map(|b| starts[b]..starts.get(b + 1).copied().unwrap_or(layout.padded)).collect();
+        AllReduceInBackward { ranges, slots, in_flight: Vec::new(), reduced: None, aside: None }
+    }
+
+    /// Each bucket's parameter slots.
+    pub fn bucket_slots(&self) -> Vec<Range<usize>> {
+        self.slots.clone()
+    }
+
+    /// The `.grad` fingerprint a backward of this micro-step left after reducing the staging buffer, if one did;
+    /// taken by the step's reduction, which then only applies the post-factor.
+    pub fn take_reduced(&mut self) -> Option<i64> {
+        self.reduced.take()
+    }
+
+    /// After a backward whose hooks reduced every bucket: the staging buffer holds the micro-step's reduced
+    /// gradients, and the `.grad` tensors have `fingerprint` ([`super::fingerprint`]).
+    pub fn mark_reduced(&mut self, fingerprint: i64) {
+        self.reduced = Some(fingerprint);
+    }
+
+    /// Before a backward that will reduce in its hooks: what an earlier backward that failed left in flight is
+    /// waited for, and if an earlier one of this micro-step reduced the staging buffer, its values are set aside
+    /// and the buffer zeroed, so autograd writes only this backward's gradients.
+    pub fn before_backward(&mut self, staging: &Tensor) -> Result<()> {
+        for h in self.in_flight.drain(..) {
+            // That backward returned its error already.
+            let _ = h.wait();
+        }
+        if self.reduced.take().is_none() {
+            return Ok(());
+        }
+        tch::no_grad(|| -> Result<()> {
+            let aside = match self.aside.take() {
+                Some(aside) => aside,
+                None => staging.f_zeros_like()?,
+            };
+            let _ = aside.shallow_clone().f_add_(staging)?;
+            self.aside = Some(aside);
+            let _ = staging.shallow_clone().f_zero_()?;
+            Ok(())
+        })
+    }
+
+    /// After the reduction (this backward's, or the step's): adds what earlier backwards set aside.
+    pub fn add_aside(&mut self, staging: &Tensor) -> Result<()> {
+        if let Some(aside) = self.aside.take() {
+            let _ = tch::no_grad(|| staging.shallow_clone().f_add_(&aside))?;
+        }
+        Ok(())
+    }
+}
+
+impl GradientSync<'_> {
+    fn in_backward(&mut self) -> &mut AllReduceInBackward {
+        self.gradients.all_reduce_in_backward.as_mut().expect("stage 0's all-reduce in backward")
+    }
+
+    /// Starts bucket `b`'s all-reduce in place on the communication thread (the predivide first).
+    pub(super) fn start_bucket_all_reduce(&mut self, b: usize) -> Result<()> {
+        let how = self.gradients.how;
+        let range = self.in_backward().ranges[b].clone();
+        let bucket = self.gradients.queue.staging().narrow(0, range.start as i64, range.len() as i64);
+        if let Some(pre) = how.pre {
+            let _ = bucket.shallow_clone().f_mul_scalar_(pre)?;
+        }
+        self.volume.all_reduce_elements += range.len() as u64;
+        let thread = self.comm.thread().ok_or_else(|| {
+            Error::Usage("stage 0's all-reduce in backward runs on the communication thread, and there is none".into())
+        })?;
+        // The job holds its own handle to the bucket's storage; autograd does not write this bucket again in this
+        // backward (all its gradients came), and the step waits for the job before reading it.
+        let handle = thread.submit("all_reduce", move |c| views::all_reduce(how.residence, c, &bucket, how.op));
+        self.in_backward().in_flight.push(handle);
+        Ok(())
+    }
+
+    /// Waits for this backward's all-reduces (in launch order) and adds what earlier backwards of the micro-step
+    /// set aside; the engine then marks the buffer reduced ([`AllReduceInBackward::mark_reduced`]).
+    pub(super) fn finish_bucket_all_reduces(&mut self) -> Result<()> {
+        let started = std::time::Instant::now();
+        let handles = std::mem::take(&mut self.in_backward().in_flight);
+        let mut first_error = None;
+        for h in handles {
+            if let Err(e) = h.wait() {
+                first_error.get_or_insert(e);
+            }
+        }
+        self.times.add(crate::report::Phase::ReduceScatter, started.elapsed());
+        if let Some(e) = first_error {
+            return Err(e.into());
+        }
+        let staging = self.gradients.queue.staging().shallow_clone();
+        self.in_backward().add_aside(&staging)
+    }
+}
