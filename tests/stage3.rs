@@ -525,7 +525,7 @@ fn a_bare_stage_3_config_sizes_its_buckets_from_the_units_and_saves_what_deepspe
         );
         assert!(
             s.peak_gathered <= 2 * largest,
-            "sized: at most the largest unit in use and a smaller one: {}",
+            "sized: at most the largest unit in use and the next one prefetched: {}",
             s.peak_gathered
         );
         let d = max_relative_difference(&s.params, &l.params);

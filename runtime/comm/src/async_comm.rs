@@ -108,8 +108,18 @@ impl CommThread {
         f: impl FnOnce(&dyn Communicator) -> CommResult<R> + Send + 'static,
     ) -> Handle<R> {
         let (tx, rx) = channel();
+        let queued = std::time::Instant::now();
         let job: Job = Box::new(move |c| {
-            let _ = tx.send(f(c));
+            let started = std::time::Instant::now();
+            let result = f(c);
+            // Where a step's communication time goes: how long each job waited behind others, and ran.
+            tracing::trace!(
+                op,
+                waited_us = (started - queued).as_micros() as u64,
+                ran_us = started.elapsed().as_micros() as u64,
+                "communication thread job"
+            );
+            let _ = tx.send(result);
         });
         if let Some(jobs) = &self.jobs {
             let _ = jobs.send(job);

@@ -365,7 +365,7 @@ const DOCS: &[KeyDoc] = &[
     KeyDoc { path: "zero_optimization.round_robin_gradients", status: Noticed, what: "Only `true` is noticed: gradients are reduced straight into each rank's shard.", deepspeed: "" },
     KeyDoc { path: "zero_optimization.stage", status: Acted, what: "0 (data parallel), 1 (optimizer states sharded), 2 (+ gradients), 3 (+ parameters, unit by unit).", deepspeed: "" },
     KeyDoc { path: "zero_optimization.stage3_gather_16bit_weights_on_model_save", status: Acted, what: "Stage 3: `save_16bit_model` gathers the whole model into one file.", deepspeed: "" },
-    KeyDoc { path: "zero_optimization.stage3_max_live_parameters", status: Acted, what: "Stage 3: gathered elements allowed at once (sized from the model's units when absent or \"auto\").", deepspeed: "DeepSpeed keeps 1e9 when absent." },
+    KeyDoc { path: "zero_optimization.stage3_max_live_parameters", status: Acted, what: "Stage 3: gathered elements allowed at once (absent or \"auto\": twice the largest unit, the one in use and the next one prefetched).", deepspeed: "DeepSpeed keeps 1e9 when absent." },
     KeyDoc { path: "zero_optimization.stage3_max_reuse_distance", status: Acted, what: "Stage 3: a unit needed again within this many elements stays gathered.", deepspeed: "" },
     KeyDoc { path: "zero_optimization.stage3_model_persistence_threshold", status: Acted, what: "Stage 3: total elements of persistent (never released) parameters allowed.", deepspeed: "" },
     KeyDoc { path: "zero_optimization.stage3_param_persistence_threshold", status: Acted, what: "Stage 3: parameters this small stay gathered (1% of the model, at most 1e5, when absent or \"auto\").", deepspeed: "DeepSpeed keeps 1e5 when absent." },

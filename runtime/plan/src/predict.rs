@@ -91,9 +91,9 @@ pub fn predict(model: &Model, cluster: &Cluster, options: &Options, s: &Strategy
     };
 
     let unit = model.largest_layer_params() as f64 / t as f64;
-    // Stage 3: the planner's configs leave the size keys to the engine, which sizes them from the units: one unit
-    // (the largest) live at a time.
-    let gathered = if s.stage == 3 { unit * pb as f64 } else { 0.0 };
+    // Stage 3: the planner's configs leave the size keys to the engine, which sizes them from the units: two units
+    // (the largest) live at a time, the one in use and the next one prefetched.
+    let gathered = if s.stage == 3 { 2.0 * unit * pb as f64 } else { 0.0 };
     // The reduction's buffers: stage 1 stages the full gradients for one reduce-scatter; stages 2 and 3 reduce a
     // unit at a time: its gradients, staged, and the rank's part of them.
     let reduction = match s.stage {

@@ -303,12 +303,13 @@ pub(crate) fn bucket_cuts(sizes: &[usize], bucket: u64) -> Vec<usize> {
 
 /// Stage 3's size keys for a config that left them to the model (absent or "auto"): DeepSpeed's defaults (5e8
 /// elements per reduction round, 5e7 prefetched, 1e9 live) keep a model of under a billion parameters gathered
-/// whole, so stage 3 would save nothing. Sized from the units instead: one unit live at a time (the largest; a
-/// smaller one may be prefetched beside a smaller one in use), one unit prefetched per round, units under 1% of the
-/// model (at most DeepSpeed's 1e5 elements) kept gathered, and reductions in rounds of a quarter of the largest
-/// unit but at least 1M elements (a whole unit when smaller): the round's fp32 bucket and its reduced half sit
-/// beside the unit's gathered parameters and gradients, 3/8 of a unit instead of 1.5 units (the 4 x 8192 MLP's
-/// peak: 0.67x of stage 0 instead of 0.75x), while each collective still moves 4 MB or more.
+/// whole, so stage 3 would save nothing. Sized from the units instead: twice the largest unit live (the one in use
+/// and the next one prefetched, FSDP2's default; with one, no all-gather of a largest unit starts before the unit
+/// in use is released, so the link idles while it computes: a 2 x 1 stage-3 step across 1 Gbit/s hosts took 3.22 s
+/// with one, 2.71 s with two), one unit prefetched per round, units under 1% of the model (at most DeepSpeed's 1e5
+/// elements) kept gathered, and reductions in rounds of a quarter of the largest unit but at least 1M elements (a
+/// whole unit when smaller): the round's fp32 bucket and its reduced half sit beside the unit's gathered parameters
+/// and gradients, 3/8 of a unit instead of 1.5 units, while each collective still moves 4 MB or more.
 /// Returns (key, value) for each key in `keys`.
 pub(crate) fn sizes_from_model(unit_numels: &[u64], keys: &[&str]) -> Vec<(&'static str, u64)> {
     let largest = unit_numels.iter().copied().max().unwrap_or(1).max(1);
@@ -317,7 +318,7 @@ pub(crate) fn sizes_from_model(unit_numels: &[u64], keys: &[&str]) -> Vec<(&'sta
         ("reduce_bucket_size", (largest / 4).max(largest.min(1 << 20))),
         ("stage3_prefetch_bucket_size", largest),
         ("stage3_param_persistence_threshold", (total / 100).min(100_000)),
-        ("stage3_max_live_parameters", largest),
+        ("stage3_max_live_parameters", 2 * largest),
     ];
     all.into_iter().filter(|(k, _)| keys.contains(k)).collect()
 }
@@ -416,8 +417,8 @@ pub(crate) fn units_to_prefetch(
 mod tests {
     #[test]
     fn stage_3_sizes_from_the_model() {
-        // 16 units of 4.2M elements and a 1,000-element one: one unit live and prefetched, a quarter reduced per
-        // round, units under 1e5 (1% of the model is more) kept gathered.
+        // 16 units of 4.2M elements and a 1,000-element one: one unit in use and one prefetched, a quarter reduced
+        // per round, units under 1e5 (1% of the model is more) kept gathered.
         let mut units = vec![4_198_400u64; 16];
         units.push(1_000);
         let all = [
@@ -432,7 +433,7 @@ mod tests {
                 ("reduce_bucket_size", 1_049_600),
                 ("stage3_prefetch_bucket_size", 4_198_400),
                 ("stage3_param_persistence_threshold", 100_000),
-                ("stage3_max_live_parameters", 4_198_400),
+                ("stage3_max_live_parameters", 8_396_800),
             ]
         );
         // A small model: 1% of it; only the keys asked for.
