@@ -60,7 +60,8 @@ test: setup
 	$(CARGO) test --workspace --doc --features mpi,nccl
 	# The device path on CPU tensors (README "The device path"): the same suites through it.
 	ZERORUN_DEVICE_EMULATION=1 $(CARGO) test --workspace --features mpi,nccl --test equivalence --test mixed_precision \
-	  --test checkpoint --test async_training --test pipeline --test tensor_parallel --test stage2_hooks --test model_state
+	  --test checkpoint --test async_training --test pipeline --test tensor_parallel --test stage2_hooks --test model_state \
+	  --test all_reduce_in_backward
 	# The device check's table with the device path emulated (exit 2: every row passed, no GPU here).
 	$(CARGO) run --quiet --features mpi,nccl --example device_check; test $$? -eq 2
 	./target/debug/zerorun launch --nproc-per-node 2 -- ./target/debug/examples/device_check

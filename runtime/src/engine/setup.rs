@@ -16,7 +16,7 @@ use crate::engine::zero::builders::{BuiltModel, UnitBuilders};
 use crate::engine::zero::layout::FlatLayout;
 use crate::engine::zero::plan::{self, GradientPath, StagePlan};
 use crate::engine::zero::sharded_unit::ShardedUnit;
-use crate::engine::zero::{frozen, grads, optim, parameters, units, variables};
+use crate::engine::zero::{frozen, grads, optim, parameters, sizing, units, variables};
 use crate::engine::{engine_comm, Engine, EngineOptions};
 use crate::error::{Error, Result};
 use crate::mesh::{Dim, Mesh};
@@ -269,11 +269,11 @@ impl Engine {
         let device = model_device(trainable.iter().chain(&frozen).chain(&buffers))?;
         let residence = Residence::of(device);
         let claim = variables::Claim::new(trainable.iter().chain(&frozen).chain(&buffers))?;
-        let config = size_hooked_buckets(config, &plan, &trainable, rank);
+        let config = sizing::size_hooked_buckets(config, &plan, &trainable, rank);
         let z = &config.zero_optimization;
         let Arrangement { named, layout, unit_prefixes, frozen_by_unit } =
             arrange(trainable, frozen, &options, &plan, z.reduce_bucket_size, precision, world_size)?;
-        let config = size_from_model(config, &layout, &plan, rank);
+        let config = sizing::size_from_model(config, &layout, &plan, rank);
         let z = &config.zero_optimization;
         let frozen_numel: Vec<u64> =
             frozen_by_unit.iter().map(|u| u.iter().map(|(_, t)| t.numel() as u64).sum()).collect();
@@ -555,57 +555,4 @@ fn check_shard_groups(config: &Config, world_size: usize, replicas: usize) -> Re
         });
     }
     Ok(())
-}
-
-/// The gradient hooks' buckets (stage 2 in a plain loop, stage 0's all-reduce in backward): `reduce_bucket_size`
-/// left out or "auto" sized from the trainable parameters ([`plan::hooked_bucket_from_model`]), logged once and
-/// kept in the engine's resolved config.
-fn size_hooked_buckets(mut config: Config, plan: &StagePlan, trainable: &[(String, Tensor)], rank: usize) -> Config {
-    let z = &mut config.zero_optimization;
-    let Some(i) = z.sized_from_model.iter().position(|&k| k == "reduce_bucket_size") else { return config };
-    if !plan.hooks_gradients() {
-        return config;
-    }
-    z.sized_from_model.remove(i);
-    let numels: Vec<usize> = trainable.iter().map(|(_, t)| t.numel()).collect();
-    z.reduce_bucket_size = plan::hooked_bucket_from_model(&numels);
-    if rank == 0 {
-        tracing::info!(
-            "sized from the model's {} trainable elements (absent or \"auto\" in the config): zero_optimization.reduce_bucket_size = {}",
-            numels.iter().sum::<usize>(),
-            z.reduce_bucket_size
-        );
-    }
-    config
-}
-
-/// Stage 3 with units: the size keys the config left out or set to "auto" sized from the units
-/// ([`plan::sizes_from_model`]), logged once and kept in the engine's resolved config.
-fn size_from_model(mut config: Config, layout: &FlatLayout, plan: &StagePlan, rank: usize) -> Config {
-    let z = &mut config.zero_optimization;
-    if !plan.partitions_parameters() || z.sized_from_model.is_empty() || layout.units.len() < 2 {
-        z.sized_from_model.clear();
-        return config;
-    }
-    let numels: Vec<u64> = layout.units.iter().map(|u| u.range.len() as u64).collect();
-    let sizes = plan::sizes_from_model(&numels, &z.sized_from_model);
-    for &(key, value) in &sizes {
-        match key {
-            "reduce_bucket_size" => z.reduce_bucket_size = value,
-            "stage3_prefetch_bucket_size" => z.stage3_prefetch_bucket_size = value,
-            "stage3_param_persistence_threshold" => z.stage3_param_persistence_threshold = value,
-            _ => z.stage3_max_live_parameters = value,
-        }
-    }
-    z.sized_from_model.clear();
-    if rank == 0 {
-        let chosen: Vec<String> = sizes.iter().map(|(k, v)| format!("zero_optimization.{k} = {v}")).collect();
-        tracing::info!(
-            "sized from the model's {} units (largest {} elements; absent or \"auto\" in the config): {}",
-            numels.len(),
-            numels.iter().max().unwrap_or(&0),
-            chosen.join(", ")
-        );
-    }
-    config
 }

@@ -301,39 +301,6 @@ pub(crate) fn bucket_cuts(sizes: &[usize], bucket: u64) -> Vec<usize> {
     out
 }
 
-/// Stage 3's size keys for a config that left them to the model (absent or "auto"): DeepSpeed's defaults (5e8
-/// elements per reduction round, 5e7 prefetched, 1e9 live) keep a model of under a billion parameters gathered
-/// whole, so stage 3 would save nothing. Sized from the units instead: twice the largest unit live (the one in use
-/// and the next one prefetched, FSDP2's default; with one, no all-gather of a largest unit starts before the unit
-/// in use is released, so the link idles while it computes: a 2 x 1 stage-3 step across 1 Gbit/s hosts took 3.22 s
-/// with one, 2.71 s with two), one unit prefetched per round, units under 1% of the model (at most DeepSpeed's 1e5
-/// elements) kept gathered, and reductions in rounds of a quarter of the largest unit but at least 1M elements (a
-/// whole unit when smaller): the round's fp32 bucket and its reduced half sit beside the unit's gathered parameters
-/// and gradients, 3/8 of a unit instead of 1.5 units, while each collective still moves 4 MB or more.
-/// Returns (key, value) for each key in `keys`.
-pub(crate) fn sizes_from_model(unit_numels: &[u64], keys: &[&str]) -> Vec<(&'static str, u64)> {
-    let largest = unit_numels.iter().copied().max().unwrap_or(1).max(1);
-    let total: u64 = unit_numels.iter().sum();
-    let all = [
-        ("reduce_bucket_size", (largest / 4).max(largest.min(1 << 20))),
-        ("stage3_prefetch_bucket_size", largest),
-        ("stage3_param_persistence_threshold", (total / 100).min(100_000)),
-        ("stage3_max_live_parameters", 2 * largest),
-    ];
-    all.into_iter().filter(|(k, _)| keys.contains(k)).collect()
-}
-
-/// Stage 2's bucket size (elements) for a config that left `reduce_bucket_size` to the model (absent or "auto"),
-/// when the gradient hooks cut the parameters into buckets (no units given): an eighth of the model, at least 1M
-/// elements and at most DeepSpeed's 5e8. DeepSpeed's 5e8 makes a model of under 500M parameters one bucket,
-/// reduced after the last gradient of backward, with the whole gradient staged beside the `.grad` tensors; eight
-/// buckets reduce while backward goes on (with `overlap_comm`), stage an eighth, and free each bucket's `.grad`
-/// tensors as it is reduced, while each collective still moves 4 MB or more.
-pub(crate) fn hooked_bucket_from_model(parameter_numels: &[usize]) -> u64 {
-    let total: u64 = parameter_numels.iter().map(|&n| n as u64).sum();
-    (total / 8).clamp(1 << 20, 500_000_000)
-}
-
 /// Stage 3's persistence rule: a unit of fewer than `param_threshold` elements (trainable and frozen: both are
 /// gathered together) stays gathered, while the persistent total stays within `model_threshold`.
 pub(crate) fn persistent_units(unit_numels: &[u64], param_threshold: u64, model_threshold: u64) -> Vec<bool> {
@@ -415,41 +382,6 @@ pub(crate) fn units_to_prefetch(
 
 #[cfg(test)]
 mod tests {
-    #[test]
-    fn stage_3_sizes_from_the_model() {
-        // 16 units of 4.2M elements and a 1,000-element one: one unit in use and one prefetched, a quarter reduced
-        // per round, units under 1e5 (1% of the model is more) kept gathered.
-        let mut units = vec![4_198_400u64; 16];
-        units.push(1_000);
-        let all = [
-            "reduce_bucket_size",
-            "stage3_prefetch_bucket_size",
-            "stage3_param_persistence_threshold",
-            "stage3_max_live_parameters",
-        ];
-        assert_eq!(
-            super::sizes_from_model(&units, &all),
-            vec![
-                ("reduce_bucket_size", 1_049_600),
-                ("stage3_prefetch_bucket_size", 4_198_400),
-                ("stage3_param_persistence_threshold", 100_000),
-                ("stage3_max_live_parameters", 8_396_800),
-            ]
-        );
-        // A small model: 1% of it; only the keys asked for.
-        assert_eq!(
-            super::sizes_from_model(&[3_000, 2_000], &["stage3_param_persistence_threshold"]),
-            vec![("stage3_param_persistence_threshold", 50)]
-        );
-        // Rounds of at least 1M elements: a whole unit below that, 1M up to 4M, a quarter above.
-        for (largest, round) in [(3_000, 3_000), (2_000_000, 1 << 20), (67_117_056, 16_779_264)] {
-            assert_eq!(
-                super::sizes_from_model(&[largest, 10], &["reduce_bucket_size"]),
-                vec![("reduce_bucket_size", round)]
-            );
-        }
-    }
-
     use super::*;
 
     fn spec(name: &str, n: i64) -> (String, Vec<i64>, bool) {
@@ -480,8 +412,12 @@ mod tests {
             let after = [AfterStep::Nothing, AfterStep::AllGatherFlat][..].get(stage as usize).copied();
             assert_eq!(p.after_step(), after.unwrap_or(AfterStep::RefreshGatheredUnits));
         }
-        // Overlap needs two ranks and a partitioned stage; stage 2 with units reduces in line.
-        assert!(!StagePlan::new(0, false, true, true, 2).threaded_comm());
+        // Overlap needs two ranks; stage 0's is its all-reduce in backward, from the gradient hooks.
+        let stage0 = StagePlan::new(0, false, true, true, 2);
+        assert!(stage0.threaded_comm() && stage0.all_reduce_in_backward && stage0.hooks_gradients());
+        assert!(!StagePlan::new(0, false, false, true, 2).threaded_comm());
+        assert!(!StagePlan::new(0, false, true, true, 1).all_reduce_in_backward);
+        assert!(!StagePlan::new(1, false, true, true, 2).hooks_gradients());
         assert!(!StagePlan::new(3, true, true, true, 1).threaded_comm());
         assert!(StagePlan::new(1, false, true, true, 2).threaded_comm());
         assert!(StagePlan::new(2, false, true, true, 2).threaded_comm());
@@ -548,19 +484,6 @@ mod tests {
         // A parameter larger than the bucket is a bucket of its own, never split.
         assert_eq!(bucket_cuts(&[20, 3], 8), vec![0, 1]);
         assert_eq!(bucket_cuts(&[], 8), Vec::<usize>::new());
-    }
-
-    #[test]
-    fn stage_2_buckets_from_the_model_are_an_eighth_within_1m_and_5e8() {
-        // The 54.6M-parameter MLP: eight buckets of about 6.8M elements.
-        assert_eq!(hooked_bucket_from_model(&[4_194_304, 4096, 16_777_216 * 3, 4096 * 3, 32_768, 8]), 6_821_889);
-        assert_eq!(hooked_bucket_from_model(&[1000, 10]), 1 << 20);
-        assert_eq!(hooked_bucket_from_model(&[2_000_000_000, 2_000_000_000]), 500_000_000);
-        // Cut by it, in layout order (by name: each layer's bias, then its weight), the MLP makes seven buckets:
-        // the first layer with the next bias, each 16.7M weight alone, a bias alone before it, the last layer.
-        let sizes = [4096, 4_194_304, 4096, 16_777_216, 4096, 16_777_216, 4096, 16_777_216, 8, 32_768];
-        let cuts = bucket_cuts(&sizes, hooked_bucket_from_model(&sizes));
-        assert_eq!(cuts, vec![0, 0, 0, 1, 2, 3, 4, 5, 6, 6]);
     }
 
     #[test]
