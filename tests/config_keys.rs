@@ -271,13 +271,13 @@ fn table() -> Vec<(&'static str, Effect)> {
             "zero_optimization.use_multi_rank_bucket_allreduce",
             Noticed(zero(json!({"use_multi_rank_bucket_allreduce": false}))),
         ),
-        ("zero_optimization.zero_hpz_partition_size", Acted("tests/stage3.rs")),
-        ("zero_optimization.zero_quantized_gradients", Acted("tests/stage3.rs")),
+        ("zero_optimization.zero_hpz_partition_size", Acted("tests/zeropp.rs")),
+        ("zero_optimization.zero_quantized_gradients", Acted("tests/zeropp.rs")),
         (
             "zero_optimization.zero_quantized_nontrainable_weights",
             Refused(zero(json!({"zero_quantized_nontrainable_weights": true}))),
         ),
-        ("zero_optimization.zero_quantized_weights", Acted("tests/stage3.rs")),
+        ("zero_optimization.zero_quantized_weights", Acted("tests/zeropp.rs")),
         ("zero_optimization.zeropp_loco_param", Noticed(zero(json!({"zeropp_loco_param": {}})))),
     ]
 }
