@@ -1,7 +1,7 @@
 //! Where gradients go: the buffers they are staged, reduced and accumulated in (sized by the plan's
 //! [`GradientSizes`]), and the reduction of each gradient path through one [`BucketQueue`]: the rounds of stages
 //! 0-1 after backward, and a unit's gradients during the unit walk of stages 2-3 or from stage 2's hooks
-//! (`grad_hooks.rs`).
+//! (`hooks.rs`); stage 0's buckets all-reduced in place from the same hooks during backward (`all_reduce.rs`).
 pub(crate) mod all_reduce;
 pub(crate) mod bucket;
 pub(crate) mod hooks;
@@ -242,8 +242,9 @@ fn landing<'s>(accumulator: &'s Tensor, stepper: &'s mut Option<ShardStepper<'_>
 }
 
 impl GradientSync<'_> {
-    /// After backward (stages 0-1): stage 0 all-reduces every gradient; stage 1 reduce-scatters round by round into
-    /// this rank's partition, double-buffered on the communication thread with `overlap_comm`.
+    /// After backward (stages 0-1): stage 0 all-reduces every gradient (or, where its hooks all-reduced them during
+    /// backward, only applies the post-factor); stage 1 reduce-scatters round by round into this rank's partition,
+    /// double-buffered on the communication thread with `overlap_comm`.
     pub fn reduce_after_backward(&mut self, partitioned: bool) -> Result<()> {
         let g = &mut *self.gradients;
         if !partitioned {
