@@ -8,6 +8,10 @@ use tch::{Kind, Tensor};
 use zerorun::runtime::comm::threads;
 use zerorun::{Config, Engine, EngineOptions};
 
+#[path = "common/compare.rs"]
+mod compare;
+use compare::full_parameters;
+
 #[path = "common/mlp.rs"]
 mod mlp;
 use mlp::*;
@@ -74,14 +78,7 @@ fn train(world: usize, config: Config, until: i64, ckpt: Ckpt) -> Vec<(String, V
                             }
                         }
                     }
-                    let mut p: Vec<(String, Vec<f32>)> = engine
-                        .full_parameters()
-                        .unwrap()
-                        .into_iter()
-                        .map(|(n, t)| (n, Vec::<f32>::try_from(t.reshape([-1])).unwrap()))
-                        .collect();
-                    p.sort_by(|a, b| a.0.cmp(&b.0));
-                    p
+                    full_parameters(&mut engine)
                 })
             })
             .collect();
@@ -242,13 +239,7 @@ fn checkpoints_carry_the_rng_state_and_the_model_weights() {
                 .map(|(n, t)| (n, Vec::<f32>::try_from(t.reshape([-1])).unwrap()))
                 .collect();
             saved.sort_by(|a, b| a.0.cmp(&b.0));
-            let mut full: Vec<(String, Vec<f32>)> = engine
-                .full_parameters()
-                .unwrap()
-                .into_iter()
-                .map(|(n, t)| (n, Vec::<f32>::try_from(t.reshape([-1])).unwrap()))
-                .collect();
-            full.sort_by(|a, b| a.0.cmp(&b.0));
+            let full = full_parameters(&mut engine);
             assert_eq!(saved, full, "stage {stage}: model.safetensors holds the full weights");
         } else {
             assert!(!weights.exists());

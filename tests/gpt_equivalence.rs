@@ -12,7 +12,7 @@ use zerorun::{Config, Engine, EngineOptions};
 
 #[path = "common/compare.rs"]
 mod compare;
-use compare::max_relative_difference;
+use compare::{full_parameters, max_relative_difference};
 
 #[path = "../examples/support/mod.rs"]
 mod support;
@@ -107,13 +107,7 @@ fn gpt_stages_0_to_3_match_single_process_adamw() {
                                     engine.step().unwrap();
                                 }
                             }
-                            let mut p: Vec<(String, Vec<f32>)> = engine
-                                .full_parameters()
-                                .unwrap()
-                                .into_iter()
-                                .map(|(n, t)| (n, Vec::<f32>::try_from(t.reshape([-1])).unwrap()))
-                                .collect();
-                            p.sort_by(|a, b| a.0.cmp(&b.0));
+                            let p = full_parameters(&mut engine);
                             if stage < 3 {
                                 assert_eq!(p, params(&vs), "full_parameters are the model's own values");
                             }

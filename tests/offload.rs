@@ -11,6 +11,10 @@ use tch::{Kind, Tensor};
 use zerorun::runtime::comm::threads;
 use zerorun::{Config, Engine, EngineOptions};
 
+#[path = "common/compare.rs"]
+mod compare;
+use compare::full_parameters;
+
 #[path = "common/mlp.rs"]
 mod mlp;
 
@@ -95,14 +99,7 @@ fn train(config: Config, steps: i64, save_at: Option<(&Path, i64)>, resume: Opti
                             }
                         }
                     }
-                    let mut p: Params = engine
-                        .full_parameters()
-                        .unwrap()
-                        .into_iter()
-                        .map(|(n, t)| (n, Vec::<f32>::try_from(t.reshape([-1])).unwrap()))
-                        .collect();
-                    p.sort_by(|a, b| a.0.cmp(&b.0));
-                    Ok(p)
+                    Ok(full_parameters(&mut engine))
                 })
             })
             .collect();

@@ -14,7 +14,7 @@ use zerorun::{Config, Engine, EngineOptions, Mesh, MeshOptions, MicroBatch, Stag
 
 #[path = "common/compare.rs"]
 mod compare;
-use compare::max_relative_difference;
+use compare::{full_parameters, max_relative_difference, sorted_values};
 
 #[path = "../examples/support/mod.rs"]
 mod support;
@@ -36,11 +36,6 @@ type Params = Vec<(String, Vec<f32>)>;
 /// What a rank returns: rank 0's full parameters and last loss, and every rank's skipped steps.
 type RankResult = Result<(Option<(Vec<(String, Tensor)>, f64)>, u64), String>;
 
-fn sorted(mut v: Vec<(String, Tensor)>) -> Vec<(String, Vec<f32>)> {
-    v.sort_by(|a, b| a.0.cmp(&b.0));
-    v.into_iter().map(|(n, t)| (n, Vec::<f32>::try_from(t.to_kind(tch::Kind::Float).reshape([-1])).unwrap())).collect()
-}
-
 /// Single process, whole batches, libtorch's AdamW.
 fn reference(corpus: &Corpus) -> Vec<(String, Vec<f32>)> {
     reference_of(corpus, false)
@@ -60,7 +55,7 @@ fn reference_of(corpus: &Corpus, tied: bool) -> Vec<(String, Vec<f32>)> {
         opt.clip_grad_norm(CLIP);
         opt.step();
     }
-    sorted(vs.variables().into_iter().filter(|(n, _)| !(tied && n.starts_with("head."))).collect())
+    sorted_values(vs.variables().into_iter().filter(|(n, _)| !(tied && n.starts_with("head."))).collect())
 }
 
 fn config(stage: u8, gas: u64, pipeline: Value, extra: Value) -> Config {
@@ -195,7 +190,7 @@ fn run_with(
     }
     let (params, loss) = out.ok_or("rank 0 returned nothing")?;
     SKIPPED.with(|c| c.set(skipped[0]));
-    Ok((sorted(params), loss))
+    Ok((sorted_values(params), loss))
 }
 
 thread_local! {
@@ -230,7 +225,7 @@ fn plain_engine(
             }
         }
     }
-    (sorted(engine.full_parameters().unwrap()), loss)
+    (full_parameters(&mut engine), loss)
 }
 
 fn train_all(_: usize) -> bool {
@@ -320,7 +315,7 @@ fn checkpoints_resume_at_another_cut_and_degree_and_without_a_pipeline() {
         .status()
         .unwrap();
     assert!(status.success());
-    let consolidated = sorted(Tensor::read_safetensors(&out).unwrap());
+    let consolidated = sorted_values(Tensor::read_safetensors(&out).unwrap());
     assert_eq!(max_relative_difference(&consolidated, &at_half), 0.0);
     // The rest at (pipe 4, data 1) and at (pipe 1, data 2), ZeRO 1; both end at the reference.
     for (world, stages, stage, gas) in [(4, 4, 1, 4), (2, 1, 1, 2)] {

@@ -21,7 +21,7 @@ use hosts::two_level_comms;
 
 #[path = "common/compare.rs"]
 mod compare;
-use compare::max_relative_difference;
+use compare::{full_parameters, max_relative_difference};
 
 const DIMS: [i64; 4] = [IN, HIDDEN, HIDDEN, OUT];
 
@@ -39,18 +39,6 @@ fn config(stage: u64, zero: Value, top: Value) -> Config {
         c[k] = v.clone();
     }
     Config::from_value(c).unwrap()
-}
-
-/// The engine's full parameters in fp32, sorted by name.
-fn final_params(engine: &mut Engine) -> Vec<(String, Vec<f32>)> {
-    let mut params: Vec<(String, Vec<f32>)> = engine
-        .full_parameters()
-        .unwrap()
-        .into_iter()
-        .map(|(n, t)| (n, Vec::<f32>::try_from(t.to_kind(tch::Kind::Float).reshape([-1])).unwrap()))
-        .collect();
-    params.sort_by(|a, b| a.0.cmp(&b.0));
-    params
 }
 
 /// What one rank saw.
@@ -122,7 +110,7 @@ fn run_on(comms: Vec<Box<dyn Communicator>>, config: Config, save: Option<&std::
                         .iter()
                         .find(|(c, _)| c.name() == "optimizer_states")
                         .map_or(0, |(_, b)| *b);
-                    let params = final_params(&mut engine);
+                    let params = full_parameters(&mut engine);
                     RankRun {
                         params,
                         rank: engine.rank(),
@@ -219,7 +207,7 @@ fn the_first_group_writes_a_checkpoint_that_loads_at_another_world_size_and_stag
         let options = EngineOptions::default().units_of(&layers);
         let mut engine = Engine::new(&vs, config(2, json!({}), json!({})), Box::new(comm), options).unwrap();
         engine.load_checkpoint(&dir, None).unwrap();
-        final_params(&mut engine)
+        full_parameters(&mut engine)
     });
     for params in loaded {
         assert_eq!(params, runs[0].params, "the shard groups' parameters, loaded at 3 ranks and stage 2");
@@ -250,7 +238,7 @@ fn an_engine_built_on_a_communicator_lays_out_the_shard_groups_too() {
             engine.backward_units(&layers, &loss).unwrap();
             engine.step().unwrap();
         }
-        final_params(&mut engine)
+        full_parameters(&mut engine)
     });
     for (rank, params) in finals.iter().enumerate() {
         assert!(max_relative_difference(params, &reference) <= 1e-5, "rank {rank}");
@@ -298,7 +286,7 @@ fn models_built_unit_by_unit_train_in_shard_groups() {
             engine.backward_units(&model, &loss).unwrap();
             engine.step().unwrap();
         }
-        let params = final_params(&mut engine);
+        let params = full_parameters(&mut engine);
         (engine.shard_group_size(), params)
     });
     for (rank, (shard, params)) in finals.iter().enumerate() {

@@ -16,7 +16,7 @@ use mlp::*;
 
 #[path = "common/compare.rs"]
 mod compare;
-use compare::max_relative_difference;
+use compare::{full_parameters, max_relative_difference};
 
 #[path = "common/stage3_runs.rs"]
 mod stage3_runs;
@@ -171,13 +171,7 @@ fn saving_the_16bit_model_at_stage_3_gathers_on_rank_0_or_refuses_by_name() {
                         let mut engine =
                             Engine::new(&vs, cfg, Box::new(comm), EngineOptions::default().units_of(&layers)).unwrap();
                         engine.save_16bit_model(&path).map_err(|e| e.to_string())?;
-                        let mut full: Vec<(String, Vec<f32>)> = engine
-                            .full_parameters()
-                            .unwrap()
-                            .into_iter()
-                            .map(|(n, t)| (n, Vec::<f32>::try_from(t.reshape([-1])).unwrap()))
-                            .collect();
-                        full.sort_by(|a, b| a.0.cmp(&b.0));
+                        let full = full_parameters(&mut engine);
                         Ok(full)
                     })
                 })

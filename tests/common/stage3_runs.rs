@@ -9,6 +9,7 @@ use tch::Tensor;
 use zerorun::runtime::comm::{threads, Communicator};
 use zerorun::{Config, Engine, EngineOptions, Whole};
 
+use crate::compare::full_parameters;
 use crate::mlp::*;
 
 #[derive(Clone, Copy, Debug)]
@@ -95,13 +96,7 @@ pub fn run_on(
                     }
                     let peak_gathered = engine.gathered_bytes().peak;
                     let memory = engine.memory_bytes();
-                    let mut params: Vec<(String, Vec<f32>)> = engine
-                        .full_parameters()
-                        .unwrap()
-                        .into_iter()
-                        .map(|(n, t)| (n, Vec::<f32>::try_from(t.reshape([-1])).unwrap()))
-                        .collect();
-                    params.sort_by(|a, b| a.0.cmp(&b.0));
+                    let params = full_parameters(&mut engine);
                     RankRun { params, peak_gathered, memory, volume_per_step }
                 })
             })

@@ -20,12 +20,26 @@ use crate::engine::zero::layout::FlatLayout;
 use crate::engine::zero::plan;
 use crate::error::{Error, Result};
 
+/// Stage 0's buckets: each one's parameter slots (layout order), whole parameters of at most `bucket` elements
+/// together (one unit: stage 0's flat layout). The hooks' countdown counts them; [`AllReduceInBackward`] reduces
+/// their elements.
+pub(crate) fn bucket_slots(layout: &FlatLayout, bucket: u64) -> Vec<Range<usize>> {
+    let sizes: Vec<usize> = layout.slots.iter().map(|s| s.range.len()).collect();
+    let bucket_of = plan::bucket_cuts(&sizes, bucket);
+    let mut slots: Vec<Range<usize>> = Vec::new();
+    for (i, &b) in bucket_of.iter().enumerate() {
+        match slots.get_mut(b) {
+            Some(r) => r.end = i + 1,
+            None => slots.push(i..i + 1),
+        }
+    }
+    slots
+}
+
 /// Stage 0's buckets and the all-reduces in flight.
 pub(crate) struct AllReduceInBackward {
     /// Each bucket's flat elements (of the staging buffer); the last one takes the padding.
     ranges: Vec<Range<usize>>,
-    /// Each bucket's parameter slots (the hooks' countdown).
-    slots: Vec<Range<usize>>,
     /// All-reduces started in this backward, in launch order.
     in_flight: Vec<Handle<()>>,
     /// The gradients in the staging buffer were all-reduced (before the post-factor) by a backward of this
@@ -36,23 +50,12 @@ pub(crate) struct AllReduceInBackward {
 }
 
 impl AllReduceInBackward {
-    /// Buckets of at most `bucket` elements over the layout's slots (one unit: stage 0's flat layout).
-    pub fn new(layout: &FlatLayout, bucket: u64) -> AllReduceInBackward {
-        let sizes: Vec<usize> = layout.slots.iter().map(|s| s.range.len()).collect();
-        let bucket_of = plan::bucket_cuts(&sizes, bucket);
-        let count = bucket_of.last().map_or(0, |b| b + 1);
-        let mut slots: Vec<Range<usize>> = vec![0..0; count];
-        for (i, &b) in bucket_of.iter().enumerate() {
-            slots[b] = if slots[b].is_empty() { i..i + 1 } else { slots[b].start..i + 1 };
-        }
-        let starts: Vec<usize> = slots.iter().map(|s| layout.slots[s.start].range.start).collect();
-        let ranges = (0..count).map(|b| starts[b]..starts.get(b + 1).copied().unwrap_or(layout.padded)).collect();
-        AllReduceInBackward { ranges, slots, in_flight: Vec::new(), reduced: None, aside: None }
-    }
-
-    /// Each bucket's parameter slots.
-    pub fn bucket_slots(&self) -> Vec<Range<usize>> {
-        self.slots.clone()
+    /// The elements of the buckets of [`bucket_slots`]: from each one's first parameter to the next one's.
+    pub fn new(layout: &FlatLayout, buckets: &[Range<usize>]) -> AllReduceInBackward {
+        let starts: Vec<usize> = buckets.iter().map(|s| layout.slots[s.start].range.start).collect();
+        let ranges =
+            (0..starts.len()).map(|b| starts[b]..starts.get(b + 1).copied().unwrap_or(layout.padded)).collect();
+        AllReduceInBackward { ranges, in_flight: Vec::new(), reduced: None, aside: None }
     }
 
     /// The `.grad` fingerprint a backward of this micro-step left after reducing the staging buffer, if one did;
@@ -140,5 +143,22 @@ impl GradientSync<'_> {
         }
         let staging = self.gradients.queue.staging().shallow_clone();
         self.in_backward().add_aside(&staging)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_take_whole_parameters_and_their_elements_cover_the_buffer() {
+        let specs: Vec<(String, Vec<i64>, bool)> =
+            [4, 4, 4, 10, 1].iter().enumerate().map(|(i, &n)| (format!("p{i}"), vec![n], true)).collect();
+        let layout = FlatLayout::new(&specs, 2);
+        let buckets = bucket_slots(&layout, 8);
+        assert_eq!(buckets, vec![0..2, 2..3, 3..4, 4..5]);
+        let a = AllReduceInBackward::new(&layout, &buckets);
+        // 23 elements padded to 24 at world size 2: the last bucket takes the padding.
+        assert_eq!(a.ranges, vec![0..8, 8..12, 12..22, 22..24]);
     }
 }

@@ -112,13 +112,16 @@ impl Gradients {
                 Some(start)
             })
             .collect();
-        let all_reduce_in_backward = (plan.all_reduce_in_backward && sizes.views == GradientViews::OfStaging)
-            .then(|| AllReduceInBackward::new(layout, config.zero_optimization.reduce_bucket_size));
-        let countdown = match &all_reduce_in_backward {
-            Some(a) => Some(Countdown::new(a.bucket_slots())),
-            None => (plan.gradients == GradientPath::Hooks)
-                .then(|| Countdown::new(layout.units.iter().map(|u| u.slots.clone()).collect())),
-        };
+        // The hooks' buckets: stage 2's are the layout's units, stage 0's cut from its one unit.
+        let (countdown, all_reduce_in_backward) =
+            if plan.all_reduce_in_backward && sizes.views == GradientViews::OfStaging {
+                let buckets = all_reduce::bucket_slots(layout, config.zero_optimization.reduce_bucket_size);
+                (Some(Countdown::new(buckets.clone())), Some(AllReduceInBackward::new(layout, &buckets)))
+            } else if plan.gradients == GradientPath::Hooks {
+                (Some(Countdown::new(layout.units.iter().map(|u| u.slots.clone()).collect())), None)
+            } else {
+                (None, None)
+            };
         Ok(Gradients {
             queue: BucketQueue::new(staging, plan.staging_halves()),
             grad_buffer,
