@@ -7,6 +7,7 @@
 //! counted by the kernel) and inside its host (loopback), and the link floor: the busiest host's cross-host bytes of
 //! a step over RATE. Needs root (CAP_NET_ADMIN); the namespaces are removed however the run ends (a signal
 //! included), and only their own addresses (10.213.0.0/24) are used.
+use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -40,6 +41,12 @@ pub struct ClusterArgs {
     /// rank's lines), e.g. for the program's wall-clock breakdown.
     #[arg(long, value_name = "DIR")]
     pub log: Option<PathBuf>,
+    /// CPUs each simulated host owns: host i's launcher and ranks run on the i-th N of this machine's CPUs, as a
+    /// real host's run on its own, so a launcher shares only its host's cores among its ranks (libtorch, MKL and
+    /// rayon threads) and hosts do not take each other's. Left out, the machine's CPUs split evenly among the hosts
+    /// (shared by all when there are fewer CPUs than hosts); 0 shares them all.
+    #[arg(long, value_name = "N")]
+    pub cores_per_host: Option<usize>,
     /// The program to run on every host (its arguments follow), e.g. an example with its flags.
     #[arg(last = true, required = true)]
     pub command: Vec<String>,
@@ -168,6 +175,34 @@ fn median_step(output: &str) -> Option<(f64, usize, Option<f64>)> {
     times.get(times.len() / 2).map(|t| (t / 1e3, steps, last_loss))
 }
 
+/// The CPUs this process may run on (its affinity mask).
+fn allowed_cpus() -> Vec<usize> {
+    // SAFETY: a zeroed cpu_set_t is an empty set; sched_getaffinity writes at most its size.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    if unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) } != 0 {
+        return Vec::new();
+    }
+    (0..libc::CPU_SETSIZE as usize).filter(|&c| unsafe { libc::CPU_ISSET(c, &set) }).collect()
+}
+
+/// Each host's CPUs (`--cores-per-host`), or `None` where the hosts share the machine's.
+fn host_cpus(requested: Option<usize>, hosts: usize, cpus: &[usize]) -> Result<Option<Vec<Vec<usize>>>, CliError> {
+    let per_host = match requested {
+        Some(0) => return Ok(None),
+        Some(n) if n * hosts > cpus.len() => {
+            return Err(CliError::Usage(format!(
+                "--cores-per-host {n}: {hosts} hosts need {} CPUs and this process may use {}",
+                n * hosts,
+                cpus.len()
+            )))
+        }
+        Some(n) => n,
+        None if cpus.len() < hosts => return Ok(None),
+        None => cpus.len() / hosts,
+    };
+    Ok(Some(cpus.chunks(per_host).take(hosts).map(<[usize]>::to_vec).collect()))
+}
+
 /// The first `name` on PATH: a namespace's `ip netns exec` would find it too, but its error would not say what
 /// was missing.
 fn find_in_path(name: &str) -> Option<PathBuf> {
@@ -203,6 +238,7 @@ pub fn run(a: ClusterArgs) -> Result<(), CliError> {
         signal_hook::flag::register(sig, stop.clone())
             .map_err(|e| CliError::Io { context: "installing signal handlers".into(), source: e })?;
     }
+    let pinned = host_cpus(a.cores_per_host, a.hosts, &allowed_cpus())?;
     let cluster = Cluster::build(format!("zr{}", std::process::id() % 100_000), a.hosts, &a.link)?;
     let before: Vec<(u64, u64)> = (0..a.hosts)
         .map(|i| Ok((cluster.tx_bytes(i, "eth0")?, cluster.tx_bytes(i, "lo")?)))
@@ -230,6 +266,21 @@ pub fn run(a: ClusterArgs) -> Result<(), CliError> {
             }
         }
         cmd.arg(&program).args(&a.command[1..]).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+        if let Some(cpus) = pinned.as_ref().map(|p| p[i].clone()) {
+            // SAFETY: between fork and exec only sched_setaffinity runs, on a set built before the fork.
+            let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+            for &c in &cpus {
+                unsafe { libc::CPU_SET(c, &mut set) };
+            }
+            unsafe {
+                cmd.pre_exec(move || {
+                    if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+        }
         launchers.push(
             cmd.spawn().map_err(|e| CliError::Io { context: format!("starting host {i}'s launcher"), source: e })?,
         );
@@ -299,6 +350,7 @@ pub fn run(a: ClusterArgs) -> Result<(), CliError> {
     let report = serde_json::json!({
         "hosts": a.hosts, "ranks_per_host": a.ranks_per_host, "link": a.link, "link_bits_per_s": rate_bits,
         "steps": steps, "median_step_s": step_s, "last_loss": last_loss,
+        "cores_per_host": pinned.as_ref().map(|p| p[0].len()),
         "cross_host_bytes_per_rank_per_step": cross.iter().map(|&b| per_step(b) / k).collect::<Vec<_>>(),
         "inside_host_bytes_per_rank_per_step": inside.iter().map(|&b| per_step(b) / k).collect::<Vec<_>>(),
         "link_floor_s": floor_s, "step_over_floor": step_s / floor_s.max(1e-12),
@@ -308,8 +360,14 @@ pub fn run(a: ClusterArgs) -> Result<(), CliError> {
     }
     let mib = |b: f64| b / 1048576.0;
     let mut text = format!(
-        "{} hosts x {} ranks, links of {} each way, {steps} steps: median step {:.3} s, link floor {:.3} s ({:.2}x the floor)\nhost  cross-host MiB/rank/step  inside-host MiB/rank/step",
-        a.hosts, a.ranks_per_host, a.link, step_s, floor_s, step_s / floor_s.max(1e-12)
+        "{} hosts x {} ranks ({}), links of {} each way, {steps} steps: median step {:.3} s, link floor {:.3} s ({:.2}x the floor)\nhost  cross-host MiB/rank/step  inside-host MiB/rank/step",
+        a.hosts,
+        a.ranks_per_host,
+        pinned.as_ref().map_or("CPUs shared by the hosts".into(), |p| format!("{} CPUs per host", p[0].len())),
+        a.link,
+        step_s,
+        floor_s,
+        step_s / floor_s.max(1e-12)
     );
     for i in 0..a.hosts {
         text.push_str(&format!(
@@ -332,5 +390,16 @@ mod tests {
         assert_eq!(parse_rate("fast"), None);
         let out = "[rank 0] step 1 loss 2.0 time 900 ms 10 tokens/s\n[rank 1] step 1 loss 2.0 time 1 ms\n[rank 0] step 2 loss 1.9 time 100 ms 1 tokens/s\n[rank 0] step 3 loss 1.8 time 200 ms 1 tokens/s\n[rank 0] step 4 loss 1.7 time 300 ms 1 tokens/s\n";
         assert_eq!(median_step(out), Some((0.3, 4, Some(1.7))));
+    }
+
+    #[test]
+    fn hosts_get_disjoint_cpus() {
+        let cpus = [0, 1, 2, 3, 5];
+        assert_eq!(host_cpus(None, 2, &cpus).unwrap(), Some(vec![vec![0, 1], vec![2, 3]]));
+        assert_eq!(host_cpus(Some(1), 2, &cpus).unwrap(), Some(vec![vec![0], vec![1]]));
+        assert_eq!(host_cpus(None, 8, &cpus).unwrap(), None);
+        assert_eq!(host_cpus(Some(0), 2, &cpus).unwrap(), None);
+        let err = host_cpus(Some(3), 2, &cpus).unwrap_err().to_string();
+        assert!(err.contains("--cores-per-host 3: 2 hosts need 6 CPUs and this process may use 5"), "{err}");
     }
 }

@@ -111,6 +111,18 @@ pub fn dequantize<T: Float>(packed: &[u8], block: usize, out: &mut [T]) {
     }
 }
 
+/// Adds the values `packed` (made by [`quantize`] from `sum.len()` values) stands for to `sum`, in one pass: a
+/// quantized reduce-scatter's sum without a dequantized copy.
+fn dequantize_add(packed: &[u8], block: usize, sum: &mut [f32]) {
+    let (q, scales) = packed[..packed_bytes(sum.len(), block)].split_at(sum.len());
+    for ((block_sum, block_q), scale_bytes) in sum.chunks_mut(block).zip(q.chunks(block)).zip(scales.chunks_exact(4)) {
+        let scale = f32::from_le_bytes(scale_bytes.try_into().expect("four bytes"));
+        for (s, q) in block_sum.iter_mut().zip(block_q) {
+            *s += f32::from(*q as i8) * scale;
+        }
+    }
+}
+
 thread_local! {
     /// The packed parts of the last gather, reused (u64 words: the collective carries them as i64).
     static PACKED: RefCell<Vec<u64>> = const { RefCell::new(Vec::new()) };
@@ -215,8 +227,9 @@ fn all_reduce_typed<T: Float>(comm: &dyn Communicator, values: &mut [T], op: Red
 }
 
 thread_local! {
-    /// The packed parts a quantized reduce-scatter sends and receives, reused.
-    static EXCHANGE: RefCell<(Vec<u64>, Vec<u64>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+    /// The packed parts a quantized reduce-scatter sends and receives, and its f32 sum, reused: fresh buffers of
+    /// this size are fresh pages every call, and faulting them in cost more than the quantizing.
+    static EXCHANGE: RefCell<(Vec<u64>, Vec<u64>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
 }
 
 /// A reduce-scatter (ZeRO++ qgZ) whose parts travel to their ranks quantized in blocks of `block` values and are
@@ -266,7 +279,7 @@ fn reduce_scatter_typed<T: Float, C: Communicator + ?Sized>(
     let (rank, n) = (comm.rank(), comm.world_size());
     let words = packed_bytes(part, block).div_ceil(8);
     EXCHANGE.with(|exchange| {
-        let (sent, received) = &mut *exchange.borrow_mut();
+        let (sent, received, sum) = &mut *exchange.borrow_mut();
         for v in [&mut *sent, &mut *received] {
             if v.len() < n * words {
                 v.resize(n * words, 0);
@@ -282,18 +295,18 @@ fn reduce_scatter_typed<T: Float, C: Communicator + ?Sized>(
             BufRef { bytes: bytemuck::cast_slice(sent), dtype: Dtype::I64 },
             BufMut { bytes: bytemuck::cast_slice_mut(received), dtype: Dtype::I64 },
         )?;
-        let mut sum = vec![0f32; part];
-        let mut values = vec![0f32; part];
+        // Summed from zero in rank order, this rank's part exactly.
+        sum.clear();
+        sum.resize(part, 0.0);
         for (r, packed) in received.chunks(words).enumerate() {
             if r == rank {
-                values.iter_mut().zip(&input[rank * part..(rank + 1) * part]).for_each(|(v, x)| *v = x.to_f32());
+                sum.iter_mut().zip(&input[rank * part..(rank + 1) * part]).for_each(|(s, x)| *s += x.to_f32());
             } else {
-                dequantize(bytemuck::cast_slice(packed), block, &mut values);
+                dequantize_add(bytemuck::cast_slice(packed), block, sum);
             }
-            sum.iter_mut().zip(&values).for_each(|(s, v)| *s += v);
         }
         let mean = op == ReduceOp::Avg;
-        output.iter_mut().zip(&sum).for_each(|(o, s)| *o = T::from_f32(if mean { s / n as f32 } else { *s }));
+        output.iter_mut().zip(sum.iter()).for_each(|(o, s)| *o = T::from_f32(if mean { s / n as f32 } else { *s }));
         Ok(())
     })
 }
