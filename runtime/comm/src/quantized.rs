@@ -494,6 +494,24 @@ mod tests {
     }
 
     #[test]
+    fn a_reused_sum_buffer_gives_what_a_fresh_one_gives() {
+        // The thread's buffers are reused: a smaller reduce-scatter after a larger one must not see its sums.
+        let (n, small) = (2, 3000);
+        let reduce = move |c: &dyn Communicator, part: usize, seed: u64| {
+            let input = noise(n * part, c.rank() as u64 + seed, 1.0);
+            let mut out = vec![0f32; part];
+            c.reduce_scatter_quantized_buf(BufRef::new(&input), BufMut::new(&mut out), ReduceOp::Sum, BLOCK).unwrap();
+            out
+        };
+        let fresh = on_threads(n, move |c| reduce(c, small, 40));
+        let reused = on_threads(n, move |c| {
+            reduce(c, 5000, 30);
+            reduce(c, small, 40)
+        });
+        assert_eq!(reused, fresh);
+    }
+
+    #[test]
     fn the_quantized_all_reduce_gives_every_rank_the_same_values_near_the_exact_sum() {
         // A length that is not a multiple of the ranks (the padding must not leak into the values) and one that
         // is (reduced in place).
