@@ -8,6 +8,8 @@
 //! consecutive, as `zerorun launch` and torchrun number them). The reduction order differs from the flat one
 //! (each host's sum first): results agree with it to rounding, and every rank still ends with the same values.
 //! Everything that is not a reduce-scatter, all-gather, large all-reduce or large broadcast goes through the flat group.
+mod pipelined;
+
 use std::cell::RefCell;
 
 use super::agreement;
@@ -28,6 +30,8 @@ pub struct Hierarchical {
     scratch: RefCell<Vec<u64>>,
     /// The cross-host group's part of a reduce-scatter, reused.
     staged: RefCell<Vec<u64>>,
+    /// Bytes of each part's slice in one chunk of a large collective (see `pipelined`).
+    chunk_bytes: usize,
 }
 
 /// How a job's ranks lie on hosts, as every rank agreed: `hosts` of `per_host` consecutive ranks.
@@ -83,7 +87,14 @@ impl Hierarchical {
                 ),
             });
         }
-        Ok(Hierarchical { world, local, cross, scratch: RefCell::default(), staged: RefCell::default() })
+        Ok(Hierarchical {
+            world,
+            local,
+            cross,
+            scratch: RefCell::default(),
+            staged: RefCell::default(),
+            chunk_bytes: pipelined::CHUNK_BYTES,
+        })
     }
 
     /// Builds the cross-host group from `world` (collective) and joins the two levels.
@@ -103,13 +114,22 @@ impl Hierarchical {
         const OP: &str = "reduce_scatter";
         let part = agreement::scatter_output(OP, self.rank(), self.world_size(), &input, &output)?;
         let (h, k, dtype) = (self.hosts(), self.per_host(), input.dtype);
+        let (op, mean) = summed(op);
+        let chunk = self.chunk_elements(dtype);
+        if quantized.is_none() && part > chunk {
+            let out = output.bytes;
+            self.reduce_scatter_in_chunks(input, BufMut { bytes: &mut *out, dtype }, op, part, chunk)?;
+            if mean {
+                divide(dtype, out, self.world_size());
+            }
+            return Ok(());
+        }
         let part_bytes = part * dtype.size();
         let mut scratch = self.scratch.borrow_mut();
         let mut staged = self.staged.borrow_mut();
         let grouped = bytes_of(&mut scratch, input.bytes.len());
         permute(input.bytes, grouped, part_bytes, h, k, false);
         let across = bytes_of(&mut staged, h * part_bytes);
-        let (op, mean) = summed(op);
         self.local.reduce_scatter_buf(BufRef { bytes: grouped, dtype }, BufMut { bytes: across, dtype }, op)?;
         let out = output.bytes;
         let (input, output) = (BufRef { bytes: across, dtype }, BufMut { bytes: &mut *out, dtype });
@@ -180,6 +200,15 @@ impl Communicator for Hierarchical {
         let (op, mean) = summed(op);
         let (k, size) = (self.per_host(), dtype.size());
         let piece = len.div_ceil(k);
+        let chunk = self.chunk_elements(dtype);
+        if piece > chunk {
+            let bytes = buf.bytes;
+            self.all_reduce_in_chunks(BufMut { bytes: &mut *bytes, dtype }, op, piece, chunk)?;
+            if mean {
+                divide(dtype, bytes, self.world_size());
+            }
+            return Ok(());
+        }
         let mut scratch = self.scratch.borrow_mut();
         let mut staged = self.staged.borrow_mut();
         // The buffer padded to K pieces (zeros beyond its end, which no rank reads back).
@@ -209,6 +238,10 @@ impl Communicator for Hierarchical {
         const OP: &str = "all_gather";
         let part = agreement::equal_parts(OP, self.rank(), self.world_size(), buf.len())?;
         let (h, k, dtype) = (self.hosts(), self.per_host(), buf.dtype);
+        let chunk = self.chunk_elements(dtype);
+        if part > chunk {
+            return self.all_gather_in_chunks(buf, part, chunk);
+        }
         let (part_bytes, local) = (part * dtype.size(), self.local.rank());
         let mut scratch = self.scratch.borrow_mut();
         let grouped = bytes_of(&mut scratch, buf.bytes.len());
@@ -356,6 +389,16 @@ mod tests {
         per_host: usize,
         f: impl Fn(&Hierarchical, &dyn Communicator) -> R + Send + Sync + Copy + 'static,
     ) -> Vec<R> {
+        on_ranks_in_chunks(hosts, per_host, pipelined::CHUNK_BYTES, f)
+    }
+
+    /// [`on_ranks`] with chunks of `chunk_bytes` per part.
+    fn on_ranks_in_chunks<R: Send + 'static>(
+        hosts: usize,
+        per_host: usize,
+        chunk_bytes: usize,
+        f: impl Fn(&Hierarchical, &dyn Communicator) -> R + Send + Sync + Copy + 'static,
+    ) -> Vec<R> {
         let t = Duration::from_secs(20);
         let n = hosts * per_host;
         let mut worlds: Vec<Option<_>> = threads::group(n, t).into_iter().map(Some).collect();
@@ -370,7 +413,8 @@ mod tests {
                 let local = locals[r].take().unwrap();
                 let cross = crosses[r % per_host][r / per_host].take().unwrap();
                 std::thread::spawn(move || {
-                    let two = Hierarchical::new(Box::new(world), Box::new(local), Box::new(cross)).unwrap();
+                    let mut two = Hierarchical::new(Box::new(world), Box::new(local), Box::new(cross)).unwrap();
+                    two.chunk_bytes = chunk_bytes;
                     f(&two, &flat)
                 })
             })
@@ -422,6 +466,42 @@ mod tests {
                 a
             });
             assert!(results.windows(2).all(|w| w[0] == w[1]), "every rank ends with the same values");
+        }
+    }
+
+    /// In chunks (here of 64 bytes per part, so 1000-element parts take 16 chunks, the last short), the
+    /// reduce-scatter and the all-gather equal the flat group's, and the all-reduce too on values any order sums
+    /// exactly.
+    #[test]
+    fn chunked_collectives_equal_the_flat_group() {
+        for (hosts, per_host) in [(2, 2), (3, 2), (2, 3)] {
+            let n = hosts * per_host;
+            let results = on_ranks_in_chunks(hosts, per_host, 64, move |two, flat| {
+                let r = two.rank();
+                let part = 1000;
+                let input = values(r, n * part);
+                for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {
+                    let (mut a, mut b) = (vec![0f32; part], vec![0f32; part]);
+                    two.reduce_scatter(&input, &mut a, op).unwrap();
+                    flat.reduce_scatter(&input, &mut b, op).unwrap();
+                    assert_eq!(a, b, "reduce-scatter {op:?}, {hosts}x{per_host}");
+                }
+                let mut gathered = vec![0f32; n * part];
+                gathered[r * part..(r + 1) * part].copy_from_slice(&values(r + 7, part));
+                let mut reference = gathered.clone();
+                two.all_gather_in_place(&mut gathered).unwrap();
+                flat.all_gather_in_place(&mut reference).unwrap();
+                assert_eq!(gathered, reference, "all-gather, {hosts}x{per_host}");
+                // 10_001 elements: pieces of 3334 or 5001, the last padded.
+                for len in [10_001, 12_000] {
+                    let (mut a, mut b) = (values(r, len), values(r, len));
+                    two.all_reduce(&mut a, ReduceOp::Sum).unwrap();
+                    flat.all_reduce(&mut b, ReduceOp::Sum).unwrap();
+                    assert_eq!(a, b, "all-reduce of {len}, {hosts}x{per_host}");
+                }
+                gathered
+            });
+            assert!(results.windows(2).all(|w| w[0] == w[1]), "every rank gathers the same values");
         }
     }
 
