@@ -9,7 +9,7 @@ accelerator). Needs root.
 Each case's two runs follow each other in one invocation, so the ratio compares runs seconds apart. ZeRO++ (hpZ +
 qwZ + qgZ) and shard groups are zerorun's only: DeepSpeed's versions need CUDA, so the ratio there is against
 DeepSpeed's plain stage 3, what its users get on such a cluster. Every rank runs one libtorch thread
-(OMP_NUM_THREADS=1) under both. Writes cluster_results.json and cluster_results.md next to this file."""
+(OMP_NUM_THREADS=1) under both, and `bench cluster` pins each host's launcher and ranks to its share of the CPUs. Writes cluster_results.json and cluster_results.md next to this file."""
 import argparse
 import json
 import os
