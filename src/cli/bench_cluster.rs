@@ -5,8 +5,9 @@
 //! one `torchrun` per host running a PyTorch program: how DeepSpeed is measured beside zerorun). It prints the median step
 //! (from the program's `step N loss X time T ms` lines), the bytes each rank sent across hosts (the host's link,
 //! counted by the kernel) and inside its host (loopback), and the link floor: the busiest host's cross-host bytes of
-//! a step over RATE. Needs root (CAP_NET_ADMIN); the namespaces are removed however the run ends (a signal
-//! included), and only their own addresses (10.213.0.0/24) are used.
+//! a step over RATE. Each host's launcher and ranks are pinned to its share of this machine's CPUs, as a real host
+//! owns its cores (`--cores-per-host`). Needs root (CAP_NET_ADMIN); the namespaces are removed however the run
+//! ends (a signal included), and only their own addresses (10.213.0.0/24) are used.
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -266,12 +267,13 @@ pub fn run(a: ClusterArgs) -> Result<(), CliError> {
             }
         }
         cmd.arg(&program).args(&a.command[1..]).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
-        if let Some(cpus) = pinned.as_ref().map(|p| p[i].clone()) {
-            // SAFETY: between fork and exec only sched_setaffinity runs, on a set built before the fork.
+        if let Some(cpus) = &pinned {
+            // SAFETY: a zeroed cpu_set_t is an empty set, and CPU_SET writes inside it (the CPUs came from one).
             let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-            for &c in &cpus {
+            for &c in &cpus[i] {
                 unsafe { libc::CPU_SET(c, &mut set) };
             }
+            // SAFETY: between fork and exec only sched_setaffinity runs, on a set built before the fork.
             unsafe {
                 cmd.pre_exec(move || {
                     if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
