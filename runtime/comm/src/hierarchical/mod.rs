@@ -11,6 +11,7 @@
 mod pipelined;
 
 use std::cell::RefCell;
+use std::ops::Range;
 
 use super::agreement;
 use super::buffer::divide;
@@ -128,7 +129,7 @@ impl Hierarchical {
         let mut scratch = self.scratch.borrow_mut();
         let mut staged = self.staged.borrow_mut();
         let grouped = bytes_of(&mut scratch, input.bytes.len());
-        permute(input.bytes, grouped, part_bytes, h, k, false);
+        permute(input.bytes, grouped, part_bytes, 0..part_bytes, h, k, false);
         let across = bytes_of(&mut staged, h * part_bytes);
         self.local.reduce_scatter_buf(BufRef { bytes: grouped, dtype }, BufMut { bytes: across, dtype }, op)?;
         let out = output.bytes;
@@ -161,14 +162,17 @@ fn bytes_of(words: &mut Vec<u64>, bytes: usize) -> &mut [u8] {
     &mut bytemuck::cast_slice_mut::<u64, u8>(words)[..bytes]
 }
 
-/// Moves part `h K + k` of `from` (parts of `part` bytes) to place `k H + h` of `to`, or back (`inverse`): the
-/// parts a host's rank k reduces or gathers across hosts become one contiguous run.
-fn permute(from: &[u8], to: &mut [u8], part: usize, hosts: usize, per_host: usize, inverse: bool) {
+/// Moves bytes `slice` of part `h K + k` of the flat layout (parts of `part` bytes) to place `k H + h` of the
+/// grouped one (places of `slice.len()` bytes), or back (`inverse`: `from` grouped, `to` flat): the parts a host's
+/// rank k reduces or gathers across hosts become one contiguous run. Unchunked the slice is the whole part; in
+/// chunks, one chunk's slice of every part.
+fn permute(from: &[u8], to: &mut [u8], part: usize, slice: Range<usize>, hosts: usize, per_host: usize, inverse: bool) {
+    let len = slice.len();
     for h in 0..hosts {
         for k in 0..per_host {
-            let (flat, grouped) = ((h * per_host + k) * part, (k * hosts + h) * part);
+            let (flat, grouped) = ((h * per_host + k) * part + slice.start, (k * hosts + h) * len);
             let (src, dst) = if inverse { (grouped, flat) } else { (flat, grouped) };
-            to[dst..dst + part].copy_from_slice(&from[src..src + part]);
+            to[dst..dst + len].copy_from_slice(&from[src..src + len]);
         }
     }
 }
@@ -251,7 +255,7 @@ impl Communicator for Hierarchical {
         grouped[at..at + part_bytes].copy_from_slice(&buf.bytes[own..own + part_bytes]);
         self.cross.all_gather_buf(BufMut { bytes: &mut grouped[run.clone()], dtype })?;
         self.local.all_gather_buf(BufMut { bytes: grouped, dtype })?;
-        permute(grouped, buf.bytes, part_bytes, h, k, true);
+        permute(grouped, buf.bytes, part_bytes, 0..part_bytes, h, k, true);
         Ok(())
     }
 
@@ -427,11 +431,15 @@ mod tests {
         (0..len).map(|i| ((i * 7 + rank * 13) % 97) as f32 - 40.0).collect()
     }
 
+    /// Whole and in chunks (of 64 bytes per part, so 1000-element parts and 5000-element all-reduces run chunk by
+    /// chunk, the last chunk short and the all-reduce's last piece padded).
     #[test]
     fn reduce_scatter_all_gather_all_reduce_and_broadcast_equal_the_flat_group() {
-        for (hosts, per_host) in [(2, 2), (3, 2), (2, 3)] {
+        let layouts = [(2, 2), (3, 2), (2, 3)];
+        for ((hosts, per_host), chunk_bytes) in layouts.into_iter().flat_map(|l| [(l, pipelined::CHUNK_BYTES), (l, 64)])
+        {
             let n = hosts * per_host;
-            let results = on_ranks(hosts, per_host, move |two, flat| {
+            let results = on_ranks_in_chunks(hosts, per_host, chunk_bytes, move |two, flat| {
                 let r = two.rank();
                 for part in [1, 5, 1000] {
                     let input = values(r, n * part);
@@ -439,20 +447,26 @@ mod tests {
                         let (mut a, mut b) = (vec![0f32; part], vec![0f32; part]);
                         two.reduce_scatter(&input, &mut a, op).unwrap();
                         flat.reduce_scatter(&input, &mut b, op).unwrap();
-                        assert_eq!(a, b, "reduce-scatter {op:?}, {hosts}x{per_host}, part {part}");
+                        assert_eq!(
+                            a, b,
+                            "reduce-scatter {op:?}, {hosts}x{per_host}, part {part}, chunks of {chunk_bytes} B"
+                        );
                     }
                     let mut gathered = vec![0f32; n * part];
                     gathered[r * part..(r + 1) * part].copy_from_slice(&values(r, part));
                     let mut reference = gathered.clone();
                     two.all_gather_in_place(&mut gathered).unwrap();
                     flat.all_gather_in_place(&mut reference).unwrap();
-                    assert_eq!(gathered, reference, "all-gather, {hosts}x{per_host}, part {part}");
+                    assert_eq!(
+                        gathered, reference,
+                        "all-gather, {hosts}x{per_host}, part {part}, chunks of {chunk_bytes} B"
+                    );
                 }
                 for len in [3, 5000, 10_001] {
                     let (mut a, mut b) = (values(r, len), values(r, len));
                     two.all_reduce(&mut a, ReduceOp::Sum).unwrap();
                     flat.all_reduce(&mut b, ReduceOp::Sum).unwrap();
-                    assert_eq!(a, b, "all-reduce of {len}, {hosts}x{per_host}");
+                    assert_eq!(a, b, "all-reduce of {len}, {hosts}x{per_host}, chunks of {chunk_bytes} B");
                 }
                 for (len, root) in [(3, 1), (5000, 0), (10_001, n - 1), (4096, n / 2)] {
                     let (mut a, mut b) = (values(r, len), values(r, len));
@@ -466,42 +480,6 @@ mod tests {
                 a
             });
             assert!(results.windows(2).all(|w| w[0] == w[1]), "every rank ends with the same values");
-        }
-    }
-
-    /// In chunks (here of 64 bytes per part, so 1000-element parts take 16 chunks, the last short), the
-    /// reduce-scatter and the all-gather equal the flat group's, and the all-reduce too on values any order sums
-    /// exactly.
-    #[test]
-    fn chunked_collectives_equal_the_flat_group() {
-        for (hosts, per_host) in [(2, 2), (3, 2), (2, 3)] {
-            let n = hosts * per_host;
-            let results = on_ranks_in_chunks(hosts, per_host, 64, move |two, flat| {
-                let r = two.rank();
-                let part = 1000;
-                let input = values(r, n * part);
-                for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {
-                    let (mut a, mut b) = (vec![0f32; part], vec![0f32; part]);
-                    two.reduce_scatter(&input, &mut a, op).unwrap();
-                    flat.reduce_scatter(&input, &mut b, op).unwrap();
-                    assert_eq!(a, b, "reduce-scatter {op:?}, {hosts}x{per_host}");
-                }
-                let mut gathered = vec![0f32; n * part];
-                gathered[r * part..(r + 1) * part].copy_from_slice(&values(r + 7, part));
-                let mut reference = gathered.clone();
-                two.all_gather_in_place(&mut gathered).unwrap();
-                flat.all_gather_in_place(&mut reference).unwrap();
-                assert_eq!(gathered, reference, "all-gather, {hosts}x{per_host}");
-                // 10_001 elements: pieces of 3334 or 5001, the last padded.
-                for len in [10_001, 12_000] {
-                    let (mut a, mut b) = (values(r, len), values(r, len));
-                    two.all_reduce(&mut a, ReduceOp::Sum).unwrap();
-                    flat.all_reduce(&mut b, ReduceOp::Sum).unwrap();
-                    assert_eq!(a, b, "all-reduce of {len}, {hosts}x{per_host}");
-                }
-                gathered
-            });
-            assert!(results.windows(2).all(|w| w[0] == w[1]), "every rank gathers the same values");
         }
     }
 
