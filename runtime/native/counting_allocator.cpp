@@ -7,6 +7,13 @@
 // a lookup and `data == context` holds (raw_allocate works). Blocks come from c10's own alloc_cpu, as the default
 // allocator's do. An opt-in trace records every live block with the operator that made it (RecordFunction) for
 // the peak's largest allocations; it costs a lock per allocation, so it is off unless asked for.
+//
+// Large blocks can be kept for reuse (`zr_counting_allocator_keep`): the engine fixes malloc's mmap threshold, so
+// every block from there up is mapped, and zeroed by the kernel page by page, each time it is allocated; a ZeRO
+// step allocates the same sizes every step (a unit's gathered parameters, autograd's weight gradients), so a freed
+// block is kept and handed to the next allocation of the same size. A miss first gives back kept blocks (oldest
+// first) until the live and kept large blocks together, with the new one, are no more than the most large blocks
+// that were live at once: keeping does not raise the peak that those blocks make.
 #include <ATen/record_function.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
@@ -29,9 +36,14 @@ constexpr int kTags = 4;
 constexpr size_t kHeader = 64;  // keeps c10's 64-byte alignment of the data
 
 struct Header {
-    uint64_t bytes;
+    uint64_t bytes;     // asked for
+    uint64_t capacity;  // mapped: bytes rounded up to a page, the key of reuse
     uint8_t tag;
+    bool large;  // counted in the large blocks live, kept when freed
 };
+static_assert(sizeof(Header) <= kHeader, "the header fits in front of the data");
+
+constexpr uint64_t kPage = 4096;
 
 std::atomic<int64_t> g_live[kTags];
 std::atomic<int64_t> g_total{0};
@@ -49,6 +61,56 @@ std::unordered_map<void *, Traced> g_trace;
 std::string g_phase;
 thread_local std::vector<std::string> t_ops;
 
+// Kept blocks, oldest first. A step keeps tens of them, so a scan costs nothing beside mapping a block.
+std::atomic<uint64_t> g_keep_from{0};  // 0: nothing kept
+std::atomic<int64_t> g_kept_bytes{0};
+std::mutex g_kept_mutex;
+std::vector<Header *> g_kept;
+
+// Large blocks live now (by capacity) and the most that were live at once.
+int64_t g_large_live = 0;
+int64_t g_large_peak = 0;
+
+// A kept block of exactly `capacity` (the most recently kept), or null after giving back the oldest kept blocks
+// until the large blocks live and kept, with this one, stay within the most that were live at once.
+Header *take_kept(uint64_t capacity) {
+    std::vector<Header *> evicted;
+    {
+        std::lock_guard<std::mutex> lock(g_kept_mutex);
+        int64_t cap = static_cast<int64_t>(capacity);
+        g_large_live += cap;
+        g_large_peak = std::max(g_large_peak, g_large_live);
+        for (size_t i = g_kept.size(); i-- > 0;) {
+            if (g_kept[i]->capacity == capacity) {
+                Header *h = g_kept[i];
+                g_kept.erase(g_kept.begin() + static_cast<std::ptrdiff_t>(i));
+                g_kept_bytes.fetch_sub(cap, std::memory_order_relaxed);
+                return h;
+            }
+        }
+        int64_t kept = g_kept_bytes.load(std::memory_order_relaxed);
+        size_t n = 0;
+        while (n < g_kept.size() && g_large_live + kept > g_large_peak) {
+            kept -= static_cast<int64_t>(g_kept[n]->capacity);
+            evicted.push_back(g_kept[n++]);
+        }
+        g_kept.erase(g_kept.begin(), g_kept.begin() + static_cast<std::ptrdiff_t>(n));
+        g_kept_bytes.store(kept, std::memory_order_relaxed);
+    }
+    for (Header *h : evicted) c10::free_cpu(h);  // unmapping outside the lock
+    return nullptr;
+}
+
+void release_kept() {
+    std::vector<Header *> all;
+    {
+        std::lock_guard<std::mutex> lock(g_kept_mutex);
+        all.swap(g_kept);
+        g_kept_bytes.store(0, std::memory_order_relaxed);
+    }
+    for (Header *h : all) c10::free_cpu(h);
+}
+
 void on_free(void *data) {
     if (!data) return;
     auto *h = reinterpret_cast<Header *>(static_cast<char *>(data) - kHeader);
@@ -58,6 +120,15 @@ void on_free(void *data) {
         std::lock_guard<std::mutex> lock(g_trace_mutex);
         g_trace.erase(data);
     }
+    if (h->large) {
+        std::lock_guard<std::mutex> lock(g_kept_mutex);
+        g_large_live -= static_cast<int64_t>(h->capacity);
+        if (g_keep_from.load(std::memory_order_relaxed) != 0) {
+            g_kept.push_back(h);
+            g_kept_bytes.fetch_add(static_cast<int64_t>(h->capacity), std::memory_order_relaxed);
+            return;
+        }
+    }
     c10::free_cpu(h);
 }
 
@@ -66,9 +137,15 @@ class CountingAllocator final : public c10::Allocator {
     c10::DataPtr allocate(size_t n) override {
         c10::Device cpu(c10::DeviceType::CPU);
         if (n == 0) return c10::DataPtr(nullptr, nullptr, &on_free, cpu);
-        auto *h = static_cast<Header *>(c10::alloc_cpu(n + kHeader));
+        uint64_t keep_from = g_keep_from.load(std::memory_order_relaxed);
+        bool large = keep_from != 0 && n >= keep_from;
+        uint64_t capacity = large ? (n + kPage - 1) / kPage * kPage : n;
+        Header *h = large ? take_kept(capacity) : nullptr;
+        if (!h) h = static_cast<Header *>(c10::alloc_cpu(capacity + kHeader));
         uint8_t tag = g_tag.load(std::memory_order_relaxed);
         h->bytes = n;
+        h->capacity = capacity;
+        h->large = large;
         h->tag = tag;
         void *data = reinterpret_cast<char *>(h) + kHeader;
         g_live[tag].fetch_add(static_cast<int64_t>(n), std::memory_order_relaxed);
@@ -120,11 +197,22 @@ extern "C" int zr_counting_allocator_set_tag(int tag) {
     return g_tag.exchange(static_cast<uint8_t>(tag), std::memory_order_relaxed);
 }
 
-// live[0..4] by tag, then the total live.
+// live[0..4] by tag, the total live, then the bytes of kept blocks.
 extern "C" void zr_counting_allocator_stats(int64_t *out) {
     for (int i = 0; i < kTags; ++i) out[i] = g_live[i].load(std::memory_order_relaxed);
     out[kTags] = g_total.load(std::memory_order_relaxed);
+    out[kTags + 1] = g_kept_bytes.load(std::memory_order_relaxed);
 }
+
+// Keeps freed blocks of at least `min_bytes` for reuse by allocations of the same size (0: keeps none and gives
+// back what is kept).
+extern "C" void zr_counting_allocator_keep(int64_t min_bytes) {
+    g_keep_from.store(min_bytes > 0 ? static_cast<uint64_t>(min_bytes) : 0, std::memory_order_relaxed);
+    if (min_bytes <= 0) release_kept();
+}
+
+// Gives every kept block back.
+extern "C" void zr_counting_allocator_release_kept() { release_kept(); }
 
 // Records every block allocated from now on with the operator and phase that made it.
 extern "C" void zr_counting_allocator_trace(int on) {

@@ -62,8 +62,9 @@ pub enum MemoryCategory {
     /// Other live tensors made outside the engine: the program's inputs and loss, autograd's gradients before the
     /// engine takes them, backward's temporaries, tensors a program keeps; events only.
     Temporaries,
-    /// Freed memory glibc's malloc keeps in its arenas for reuse (`mallinfo2().fordblks`), as far as the resident
-    /// set shows it (at most what the floor and the other categories leave of it); events only.
+    /// Freed memory kept for reuse: the large blocks the counting allocator keeps for the next allocation of their
+    /// size, and glibc's free blocks in its arenas (`mallinfo2().fordblks`), as far as the resident set shows them
+    /// (at most what the floor and the other categories leave of it); events only.
     AllocatorRetained,
 }
 

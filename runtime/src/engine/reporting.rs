@@ -155,8 +155,8 @@ impl Engine {
 
     /// What the counting allocator and malloc say at an event, beside the engine's categories `now`:
     /// `activations` (live bytes the model's forward made), `temporaries` (live bytes of the program and of
-    /// autograd's backward, less the gradients the engine counts already) and `allocator_retained` (malloc's free
-    /// blocks). Nothing when the allocator does not count for this engine alone.
+    /// autograd's backward, less the gradients the engine counts already) and `allocator_retained` (the blocks the
+    /// counting allocator keeps for reuse and malloc's free blocks). Nothing when the allocator does not count for this engine alone.
     fn measured_categories(&self, now: &[(MemoryCategory, usize)]) -> Vec<(MemoryCategory, usize)> {
         let Some(live) = self.live_bytes() else { return Vec::new() };
         let engine_counted =
@@ -168,14 +168,14 @@ impl Engine {
                 + engine_counted(MemoryCategory::GradientsUnit);
         let temporaries = (live.of(Owner::Program) + live.of(Owner::Backward)).saturating_sub(autograd_grads);
         let activations = live.of(Owner::Forward);
-        // malloc's free blocks, as far as resident memory shows them: a trimmed heap keeps its free blocks in the
-        // books (`fordblks`) but not in memory, so the rest of the resident set bounds them.
+        // The kept blocks and malloc's free blocks, as far as resident memory shows them: a trimmed heap keeps its
+        // free blocks in the books (`fordblks`) but not in memory, so the rest of the resident set bounds them.
         let resident: u64 =
             now.iter().filter(|(n, _)| !memory::is_on_nvme(n.name())).map(|(_, b)| *b as u64).sum::<u64>()
                 + activations
                 + temporaries;
         let unexplained = memory::rss().0.saturating_sub(self.report.floor_rss_bytes + resident);
-        let retained = allocations::malloc_free_bytes().min(unexplained);
+        let retained = (live.kept + allocations::malloc_free_bytes()).min(unexplained);
         vec![
             (MemoryCategory::Activations, activations as usize),
             (MemoryCategory::Temporaries, temporaries as usize),

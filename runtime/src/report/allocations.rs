@@ -6,6 +6,9 @@
 //!
 //! The counters are process-wide: with several engines in one process (thread ranks) the report leaves the
 //! measured categories out rather than mix ranks. `ZERORUN_COUNT_ALLOCATIONS=0` keeps libtorch's allocator.
+//!
+//! The same allocator keeps freed large blocks for the next allocation of the same size ([`keep_freed`]): with
+//! malloc's mmap threshold fixed, each of them would otherwise be mapped, and faulted in page by page, every step.
 use std::ffi::{c_char, c_int, CStr};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -13,11 +16,15 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 pub const COUNT_ALLOCATIONS_ENV: &str = "ZERORUN_COUNT_ALLOCATIONS";
 /// Records the peak's largest allocations (op, phase) when set to `1`: `memory_snapshot_rank{r}.json`.
 pub const SNAPSHOT_ENV: &str = "ZERORUN_MEMORY_SNAPSHOT";
+/// Keeps no freed blocks for reuse when set to `0` (read when an engine is built).
+pub const KEEP_FREED_ENV: &str = "ZERORUN_ALLOCATOR_CACHE";
 
 extern "C" {
     fn zr_counting_allocator_install();
     fn zr_counting_allocator_set_tag(tag: c_int) -> c_int;
     fn zr_counting_allocator_stats(out: *mut i64);
+    fn zr_counting_allocator_keep(min_bytes: i64);
+    fn zr_counting_allocator_release_kept();
     fn zr_counting_allocator_trace(on: c_int);
     fn zr_counting_allocator_set_phase(phase: *const c_char);
     fn zr_counting_allocator_top(
@@ -72,6 +79,8 @@ pub struct LiveBytes {
     pub by_owner: [u64; 4],
     /// All live bytes the allocator handed out.
     pub total: u64,
+    /// Freed blocks the allocator keeps for reuse ([`keep_freed`]): resident, not live.
+    pub kept: u64,
 }
 
 impl LiveBytes {
@@ -115,11 +124,28 @@ impl Drop for Counting {
 
 /// The counters now (zeros until installed).
 pub fn live() -> LiveBytes {
-    let mut out = [0i64; 5];
-    // SAFETY: the shim writes exactly 5 values.
+    let mut out = [0i64; 6];
+    // SAFETY: the shim writes exactly 6 values.
     unsafe { zr_counting_allocator_stats(out.as_mut_ptr()) };
     let u = |v: i64| v.max(0) as u64;
-    LiveBytes { by_owner: [u(out[0]), u(out[1]), u(out[2]), u(out[3])], total: u(out[4]) }
+    LiveBytes { by_owner: [u(out[0]), u(out[1]), u(out[2]), u(out[3])], total: u(out[4]), kept: u(out[5]) }
+}
+
+/// From now on the counting allocator keeps each freed block of at least `min_bytes` and hands it to the next
+/// allocation of the same size (rounded up to a page); `None` keeps nothing and gives back what is kept. An
+/// allocation that finds no block of its size first gives back the oldest kept blocks until the live and kept
+/// large blocks, with the new one, are no more than the most that were live at once: keeping never raises the
+/// peak those blocks make.
+/// Process-wide; nothing happens until the allocator is installed ([`Counting::start`]).
+pub fn keep_freed(min_bytes: Option<usize>) {
+    // SAFETY: stores a threshold; with none, frees the kept blocks under the shim's lock.
+    unsafe { zr_counting_allocator_keep(min_bytes.map_or(0, |b| b.max(1) as i64)) }
+}
+
+/// Gives every kept block back to the system.
+pub fn release_kept() {
+    // SAFETY: frees the kept blocks under the shim's lock; none of them is in use.
+    unsafe { zr_counting_allocator_release_kept() }
 }
 
 /// Sets the owner of allocations until the guard drops (then the previous owner again).
