@@ -5,11 +5,19 @@
 //! every rank's buffer.
 //!
 //! The region is a large sparse file (pages exist only once written); blocks are page-granular, and freeing one
-//! punches it out of the file, so its memory goes back to the system for every process that maps it.
-use std::collections::BTreeMap;
+//! punches it out of the file, so its memory goes back to the system for every process that maps it. Tensors'
+//! blocks of a size the engine names ([`keep_freed`]) are kept instead, for the next tensor of the same size: a
+//! stage-3 step gathers the same units every step, and a punched block is faulted in again page by page, by its
+//! owner and by every peer that reads it.
+use std::collections::{BTreeMap, HashMap};
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
+
+static REGION: OnceLock<Option<SharedRegion>> = OnceLock::new();
+/// The size from which freed tensor blocks are kept (0: none), for a region made later.
+static KEEP_FROM: AtomicUsize = AtomicUsize::new(0);
 
 /// Bytes of address space the region reserves (nothing is allocated until used).
 const REGION_BYTES: usize = 256 << 30;
@@ -73,12 +81,103 @@ impl FreeList {
     }
 }
 
+/// Freed blocks kept for reuse by size: pure bookkeeping, like [`FreeList`]. A block is kept only if it was
+/// handed out while keeping was on ([`Kept::born`]), so the large blocks live and kept are both known; an
+/// allocation that finds no kept block of its size gives back the oldest until the live and kept ones, with it,
+/// are no more than the most that were live at once. Keeping never raises the peak those blocks make.
+#[derive(Debug, Default)]
+pub(crate) struct Kept {
+    /// Blocks from this many bytes up are kept (0: none).
+    from: usize,
+    /// Kept blocks (offset, length), oldest first.
+    blocks: Vec<(usize, usize)>,
+    bytes: usize,
+    /// Live blocks handed out while keeping was on, by offset.
+    live: HashMap<usize, usize>,
+    live_bytes: usize,
+    peak: usize,
+}
+
+/// What [`Kept::take`] found.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Taken {
+    /// A kept block of the size, at this offset.
+    Reused(usize),
+    /// None of the size: allocate afresh, after releasing these kept blocks (offset, length).
+    Fresh(Vec<(usize, usize)>),
+}
+
+impl Kept {
+    /// Whether blocks of `len` bytes are kept.
+    pub fn keeps(&self, len: usize) -> bool {
+        self.from != 0 && len >= self.from
+    }
+
+    /// A kept block of `len` bytes (the most recently kept), or the kept blocks to release before allocating one.
+    pub fn take(&mut self, len: usize) -> Taken {
+        if let Some(i) = self.blocks.iter().rposition(|&(_, l)| l == len) {
+            self.bytes -= len;
+            return Taken::Reused(self.blocks.remove(i).0);
+        }
+        let after = self.live_bytes + len;
+        let bound = self.peak.max(after);
+        let mut n = 0;
+        while n < self.blocks.len() && after + self.bytes > bound {
+            self.bytes -= self.blocks[n].1;
+            n += 1;
+        }
+        Taken::Fresh(self.blocks.drain(..n).collect())
+    }
+
+    /// A block of `len` bytes at `at` handed out.
+    pub fn born(&mut self, at: usize, len: usize) {
+        self.live.insert(at, len);
+        self.live_bytes += len;
+        self.peak = self.peak.max(self.live_bytes);
+    }
+
+    /// The block at `at` freed: true when it is kept (else the caller releases it).
+    pub fn freed(&mut self, at: usize) -> bool {
+        let Some(len) = self.live.remove(&at) else { return false };
+        self.live_bytes -= len;
+        if self.from == 0 {
+            return false;
+        }
+        self.blocks.push((at, len));
+        self.bytes += len;
+        true
+    }
+
+    /// Keeps blocks from `from` bytes up (0: none); returns the kept blocks to release when keeping stops.
+    pub fn set(&mut self, from: usize) -> Vec<(usize, usize)> {
+        self.from = from;
+        if from == 0 {
+            self.drain()
+        } else {
+            Vec::new()
+        }
+    }
+
+    /// Every kept block, to release.
+    pub fn drain(&mut self) -> Vec<(usize, usize)> {
+        self.bytes = 0;
+        std::mem::take(&mut self.blocks)
+    }
+}
+
+/// The region's books: free space and kept blocks, under one lock.
+#[derive(Debug)]
+struct Books {
+    free: FreeList,
+    kept: Kept,
+}
+
 /// This process's region.
 pub struct SharedRegion {
     fd: OwnedFd,
     base: *mut u8,
     len: usize,
-    blocks: Mutex<FreeList>,
+    books: Mutex<Books>,
 }
 
 // SAFETY: the mapping lives as long as the process (the region is never dropped); blocks are handed out under the
@@ -98,15 +197,22 @@ impl SharedRegion {
             return Err(io::Error::last_os_error());
         }
         let base = map(fd.as_raw_fd(), REGION_BYTES, libc::PROT_READ | libc::PROT_WRITE)?;
-        Ok(SharedRegion { fd, base, len: REGION_BYTES, blocks: Mutex::new(FreeList::new(REGION_BYTES)) })
+        Ok(SharedRegion {
+            fd,
+            base,
+            len: REGION_BYTES,
+            books: Mutex::new(Books { free: FreeList::new(REGION_BYTES), kept: Kept::default() }),
+        })
     }
 
     /// The process's region, created on first use; None where memfd or the mapping is refused.
     pub fn process() -> Option<&'static SharedRegion> {
-        static REGION: OnceLock<Option<SharedRegion>> = OnceLock::new();
         REGION
             .get_or_init(|| match SharedRegion::create() {
-                Ok(r) => Some(r),
+                Ok(r) => {
+                    r.books().kept.set(KEEP_FROM.load(Ordering::Relaxed));
+                    Some(r)
+                }
                 Err(e) => {
                     tracing::warn!(error = %e, "no shared buffer region: collectives read peers through process_vm_readv");
                     None
@@ -115,21 +221,62 @@ impl SharedRegion {
             .as_ref()
     }
 
+    /// The process's region if one was made.
+    fn existing() -> Option<&'static SharedRegion> {
+        REGION.get().and_then(Option::as_ref)
+    }
+
+    fn books(&self) -> std::sync::MutexGuard<'_, Books> {
+        self.books.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// `bytes` (rounded up to pages) of zeroed memory, or None when the region is full.
     pub fn alloc(&self, bytes: usize) -> Option<*mut u8> {
         let len = bytes.max(1).div_ceil(PAGE) * PAGE;
-        let at = self.blocks.lock().unwrap_or_else(|p| p.into_inner()).alloc(len)?;
+        let at = self.books().free.alloc(len)?;
         // SAFETY: inside the mapping.
         Some(unsafe { self.base.add(at) })
     }
 
-    /// Frees a block from [`alloc`](Self::alloc) of `bytes`: its pages leave the file (memory goes back to the
-    /// system, and the block reads as zeros when handed out again).
+    /// `bytes` (rounded up to pages) of memory whose contents are undefined: a kept block of the size when there is
+    /// one ([`keep_freed`]), else fresh zeroed memory. None when the region is full.
+    pub fn alloc_reusable(&self, bytes: usize) -> Option<*mut u8> {
+        let len = bytes.max(1).div_ceil(PAGE) * PAGE;
+        let mut books = self.books();
+        if !books.kept.keeps(len) {
+            drop(books);
+            return self.alloc(bytes);
+        }
+        let at = match books.kept.take(len) {
+            Taken::Reused(at) => at,
+            Taken::Fresh(released) => {
+                drop(books);
+                self.release_all(released);
+                books = self.books();
+                books.free.alloc(len)?
+            }
+        };
+        books.kept.born(at, len);
+        // SAFETY: inside the mapping.
+        Some(unsafe { self.base.add(at) })
+    }
+
+    /// Frees a block from [`alloc`](Self::alloc) or [`alloc_reusable`](Self::alloc_reusable) of `bytes`: kept
+    /// when it is of a kept size, else its pages leave the file (memory goes back to the system, and the block
+    /// reads as zeros when handed out again).
     ///
     /// SAFETY (for callers): `ptr` and `bytes` are those of a live block, not used afterwards.
     pub fn free(&self, ptr: *mut u8, bytes: usize) {
         let len = bytes.max(1).div_ceil(PAGE) * PAGE;
         let at = ptr as usize - self.base as usize;
+        if self.books().kept.freed(at) {
+            return;
+        }
+        self.release(at, len);
+    }
+
+    /// Punches a block out of the file and returns it to the free list.
+    fn release(&self, at: usize, len: usize) {
         // SAFETY: the range is the block's, inside the file.
         let punched = unsafe {
             libc::fallocate(
@@ -144,7 +291,18 @@ impl SharedRegion {
             tracing::warn!(error = %io::Error::last_os_error(), bytes = len, "could not release a shared buffer block");
             return;
         }
-        self.blocks.lock().unwrap_or_else(|p| p.into_inner()).release(at, len);
+        self.books().free.release(at, len);
+    }
+
+    /// Bytes of kept blocks: freed, resident, counted in [`used`](Self::used).
+    pub fn kept_bytes(&self) -> usize {
+        self.books().kept.bytes
+    }
+
+    fn release_all(&self, blocks: Vec<(usize, usize)>) {
+        for (at, len) in blocks {
+            self.release(at, len);
+        }
     }
 
     /// Whether `[addr, addr + len)` is inside the region.
@@ -155,7 +313,7 @@ impl SharedRegion {
 
     /// Bytes in use.
     pub fn used(&self) -> usize {
-        self.blocks.lock().unwrap_or_else(|p| p.into_inner()).used()
+        self.books().free.used()
     }
 
     /// What a peer needs to map it: (fd number in this process, base address here, length).
@@ -219,9 +377,35 @@ impl Drop for PeerRegion {
     }
 }
 
+/// Keeps freed tensor blocks ([`region_alloc`]) of at least `min_bytes` for the next tensor of the same size, in
+/// the process's region now or made later; None keeps none and releases what is kept.
+pub fn keep_freed(min_bytes: Option<usize>) {
+    let from = min_bytes.map_or(0, |b| b.max(1));
+    KEEP_FROM.store(from, Ordering::Relaxed);
+    if let Some(r) = SharedRegion::existing() {
+        let released = r.books().kept.set(from);
+        r.release_all(released);
+    }
+}
+
+/// Releases the blocks the process's region keeps.
+pub fn release_kept() {
+    if let Some(r) = SharedRegion::existing() {
+        let released = r.books().kept.drain();
+        r.release_all(released);
+    }
+}
+
+/// Bytes the process's region keeps ([`keep_freed`]).
+pub fn kept_bytes() -> usize {
+    SharedRegion::existing().map_or(0, SharedRegion::kept_bytes)
+}
+
 /// `region_alloc` / `region_free` for the C++ allocator of tensors in the region (engine/native.rs).
 pub extern "C" fn region_alloc(bytes: usize) -> *mut std::ffi::c_void {
-    SharedRegion::process().and_then(|r| r.alloc(bytes)).map_or(std::ptr::null_mut(), |p| p as *mut std::ffi::c_void)
+    SharedRegion::process()
+        .and_then(|r| r.alloc_reusable(bytes))
+        .map_or(std::ptr::null_mut(), |p| p as *mut std::ffi::c_void)
 }
 
 /// Frees a block [`region_alloc`] returned.
@@ -298,6 +482,52 @@ mod tests {
         f.release(c, PAGE);
         // Everything merged back into the top.
         assert_eq!((f.used(), f.top), (0, 0));
+    }
+
+    #[test]
+    fn kept_blocks_stay_within_the_live_peak() {
+        let mut k = Kept::default();
+        k.set(4 * PAGE);
+        assert!(!k.keeps(2 * PAGE) && k.keeps(4 * PAGE));
+        // Two 8-page blocks live at once, both freed and kept.
+        assert_eq!(k.take(8 * PAGE), Taken::Fresh(vec![]));
+        k.born(0, 8 * PAGE);
+        assert_eq!(k.take(8 * PAGE), Taken::Fresh(vec![]));
+        k.born(8 * PAGE, 8 * PAGE);
+        assert!(k.freed(0) && k.freed(8 * PAGE));
+        assert!(!k.freed(99 * PAGE), "a block handed out before keeping is not kept");
+        // The most recently kept block of the size comes back.
+        assert_eq!(k.take(8 * PAGE), Taken::Reused(8 * PAGE));
+        k.born(8 * PAGE, 8 * PAGE);
+        // 12 pages: none of the size; 8 live + 12 + 8 kept would exceed the 16 live at once, so the kept block goes.
+        assert_eq!(k.take(12 * PAGE), Taken::Fresh(vec![(0, 8 * PAGE)]));
+        k.born(16 * PAGE, 12 * PAGE);
+        assert!(k.freed(8 * PAGE) && k.freed(16 * PAGE));
+        assert_eq!(k.bytes, 20 * PAGE);
+        // 4 pages beside 20 kept is over the peak of 20 live: the oldest kept block (8 pages) goes, 12 stay.
+        assert_eq!(k.take(4 * PAGE), Taken::Fresh(vec![(8 * PAGE, 8 * PAGE)]));
+        assert_eq!(k.bytes, 12 * PAGE);
+        assert_eq!(k.set(0), vec![(16 * PAGE, 12 * PAGE)], "keeping off releases what is kept");
+    }
+
+    #[test]
+    fn a_kept_tensor_block_is_reused_unzeroed_and_released_zeroed() {
+        let Some(r) = SharedRegion::process() else { return };
+        // Keeping is process-wide; other tests here use `alloc`, whose blocks are never kept.
+        keep_freed(Some(64 * PAGE));
+        let p = r.alloc_reusable(64 * PAGE).unwrap();
+        unsafe { std::ptr::write_bytes(p, 7, 64 * PAGE) };
+        r.free(p, 64 * PAGE);
+        assert_eq!(kept_bytes(), 64 * PAGE, "kept and counted");
+        let q = r.alloc_reusable(64 * PAGE).unwrap();
+        assert_eq!(q, p);
+        assert!(unsafe { std::slice::from_raw_parts(q, 64 * PAGE) }.iter().all(|&b| b == 7), "not punched");
+        r.free(q, 64 * PAGE);
+        keep_freed(None);
+        assert_eq!(kept_bytes(), 0, "keeping off releases the block");
+        let z = r.alloc(64 * PAGE).unwrap();
+        assert!(unsafe { std::slice::from_raw_parts(z, 64 * PAGE) }.iter().all(|&b| b == 0), "released: punched");
+        r.free(z, 64 * PAGE);
     }
 
     #[test]

@@ -175,7 +175,8 @@ impl Engine {
                 + activations
                 + temporaries;
         let unexplained = memory::rss().0.saturating_sub(self.report.floor_rss_bytes + resident);
-        let retained = (live.kept + allocations::malloc_free_bytes()).min(unexplained);
+        let retained =
+            (crate::engine::device::allocator::kept_bytes() + allocations::malloc_free_bytes()).min(unexplained);
         vec![
             (MemoryCategory::Activations, activations as usize),
             (MemoryCategory::Temporaries, temporaries as usize),

@@ -221,7 +221,7 @@ impl Engine {
         // The process floor: what is resident before the engine allocates, less the model's own variables
         // (built by the program already; they are model states, which the engine then takes over).
         // Blocks an earlier engine's allocator kept are freed memory, not the floor.
-        crate::report::allocations::release_kept();
+        allocator::release_kept();
         let model_bytes: usize = vs.variables().values().map(native::storage_nbytes).sum();
         let floor_rss_bytes = crate::report::memory::rss().0.saturating_sub(model_bytes as u64);
         // From here on libtorch's CPU tensors are counted, by owner (the memory report's measured categories).
@@ -229,9 +229,7 @@ impl Engine {
         let _owner = crate::report::allocations::owned_by(crate::report::allocations::Owner::Engine);
         if !options.keep_allocator_settings {
             allocator::fix_mmap_threshold();
-            if counting.is_some() {
-                allocator::keep_freed_blocks();
-            }
+            allocator::keep_freed_blocks();
         }
         let (world_size, rank) = (comm.world_size(), comm.rank());
         let replica_count = replicas.as_ref().map_or(1, |r| r.world_size());

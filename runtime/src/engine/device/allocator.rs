@@ -8,8 +8,9 @@
 //! The engine fixes the threshold at [`MMAP_THRESHOLD`] (blocks from there up are mapped and unmapped on free)
 //! unless `EngineOptions::keep_allocator_settings`, and trims the heap when start-up freed the model's tensors.
 //! Mapping afresh costs page faults (the kernel zeroes each page at first touch), and a ZeRO step allocates the
-//! same large blocks every step, so the counting allocator keeps freed blocks from the threshold up for the next
-//! allocation of the same size (`report::allocations::keep_freed`), bounded by the most of them live at once;
+//! same large blocks every step, so the counting allocator and the shared region keep freed blocks from the
+//! threshold up for the next allocation of the same size (`report::allocations::keep_freed`,
+//! `comm::region::keep_freed`), bounded by the most of them live at once;
 //! measured, 2 hosts x 2 ranks at stage 3 with ZeRO++ on CPUs: a fifth of the CPU time was these page faults.
 
 use crate::report::allocations;
@@ -26,17 +27,29 @@ pub(crate) fn fix_mmap_threshold() {
     }
 }
 
-/// Keeps freed blocks of [`MMAP_THRESHOLD`] and up for reuse by the next allocation of the same size, unless
-/// `ZERORUN_ALLOCATOR_CACHE=0`.
+/// Keeps freed blocks of [`MMAP_THRESHOLD`] and up for reuse by the next allocation of the same size (tensors from
+/// the counting allocator and in the shm backend's shared region), unless `ZERORUN_ALLOCATOR_CACHE=0`.
 pub(crate) fn keep_freed_blocks() {
     let off = std::env::var(allocations::KEEP_FREED_ENV).is_ok_and(|v| v.trim() == "0");
     allocations::keep_freed((!off).then_some(MMAP_THRESHOLD));
+    crate::comm::region::keep_freed((!off).then_some(MMAP_THRESHOLD));
 }
 
-/// Hands the free pages of malloc's heap and the blocks the counting allocator keeps back to the OS (glibc's
+/// Releases the blocks kept for reuse (the counting allocator's and the shared region's).
+pub(crate) fn release_kept() {
+    allocations::release_kept();
+    crate::comm::region::release_kept();
+}
+
+/// Bytes kept for reuse (the counting allocator's and the shared region's).
+pub(crate) fn kept_bytes() -> u64 {
+    allocations::live().kept + crate::comm::region::kept_bytes() as u64
+}
+
+/// Hands the free pages of malloc's heap and the kept blocks back to the OS (glibc's
 /// heap only on glibc).
 pub(crate) fn return_freed_memory() {
-    allocations::release_kept();
+    release_kept();
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: malloc_trim only releases free pages of the allocator's own arenas.
     unsafe {
