@@ -39,8 +39,8 @@ fn parse_nnodes(text: &str) -> Result<NodeCount, String> {
 
 #[derive(Args)]
 pub struct LaunchArgs {
-    /// Ranks to start on this host.
-    #[arg(long)]
+    /// Ranks to start on this host. (Each two-word flag also takes torchrun's spelling, e.g. --nproc_per_node.)
+    #[arg(long, alias = "nproc_per_node")]
     pub nproc_per_node: usize,
     /// Hosts (nodes) in the job, each running one `zerorun launch` with its own --node-rank: N, or MIN:MAX for an
     /// elastic job (torchrun's spelling) that goes on with the nodes left when one is lost, while at least MIN
@@ -49,13 +49,13 @@ pub struct LaunchArgs {
     pub nnodes: NodeCount,
     /// This node's id: 0 hosts the rendezvous at --master-addr; the others any distinct numbers (below N for a
     /// fixed N). Each round numbers the nodes present in the order of their ids.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, alias = "node_rank", default_value_t = 0)]
     pub node_rank: usize,
     /// The address of node 0, where every rank meets (the gloo backend's TCPStore).
-    #[arg(long, default_value = "127.0.0.1")]
+    #[arg(long, alias = "master_addr", default_value = "127.0.0.1")]
     pub master_addr: String,
     /// Default: a free port (one node only: with several, every node must give the same).
-    #[arg(long)]
+    #[arg(long, alias = "master_port")]
     pub master_port: Option<u16>,
     /// How the ranks communicate: shm (shared memory; the default on one node), gloo (libtorch's TCP backend; the
     /// default across nodes) or nccl (GPUs).
@@ -70,7 +70,7 @@ pub struct LaunchArgs {
     /// times; the program resumes from its latest checkpoint (the examples' `--resume`). The ranks see
     /// ZERORUN_RESTART_COUNT (and torchrun's TORCHELASTIC_RESTART_COUNT). Across nodes every launcher gives the
     /// same value; node 0's counts.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, alias = "max_restarts", default_value_t = 0)]
     pub max_restarts: usize,
     /// A rank that spends this many seconds outside every collective after its first one (its peers waiting for
     /// it), or whose process stops answering, counts as hung: the launcher kills it and names it, as a failure.
@@ -153,4 +153,27 @@ pub(super) fn gave_up(max_restarts: usize, failures: &[String]) -> CliError {
         if max_restarts == 1 { "" } else { "s" },
         failures.join("\n")
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Launch {
+        #[command(flatten)]
+        args: LaunchArgs,
+    }
+
+    #[test]
+    fn torchrun_spellings_are_accepted() {
+        let argv =
+            ["launch", "--nproc_per_node", "2", "--nnodes", "2", "--node_rank", "1", "--master_addr", "10.0.0.1"];
+        let tail = ["--master_port", "29500", "--max_restarts", "3", "--", "prog"];
+        let a = Launch::try_parse_from(argv.iter().chain(&tail)).unwrap().args;
+        assert_eq!((a.nproc_per_node, a.node_rank, a.master_addr.as_str()), (2, 1, "10.0.0.1"));
+        assert_eq!((a.master_port, a.max_restarts, a.command), (Some(29500), 3, vec!["prog".to_string()]));
+        assert!(Launch::try_parse_from(["launch", "--nproc_per_nod", "2", "--", "prog"]).is_err());
+    }
 }
