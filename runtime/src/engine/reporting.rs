@@ -175,8 +175,8 @@ impl Engine {
                 + activations
                 + temporaries;
         let unexplained = memory::rss().0.saturating_sub(self.report.floor_rss_bytes + resident);
-        let retained =
-            (crate::engine::device::allocator::kept_bytes() + allocations::malloc_free_bytes()).min(unexplained);
+        let kept = live.kept + crate::comm::region::kept_bytes() as u64;
+        let retained = (kept + allocations::malloc_free_bytes()).min(unexplained);
         vec![
             (MemoryCategory::Activations, activations as usize),
             (MemoryCategory::Temporaries, temporaries as usize),

@@ -41,11 +41,6 @@ pub(crate) fn release_kept() {
     crate::comm::region::release_kept();
 }
 
-/// Bytes kept for reuse (the counting allocator's and the shared region's).
-pub(crate) fn kept_bytes() -> u64 {
-    allocations::live().kept + crate::comm::region::kept_bytes() as u64
-}
-
 /// Hands the free pages of malloc's heap and the kept blocks back to the OS (glibc's
 /// heap only on glibc).
 pub(crate) fn return_freed_memory() {
