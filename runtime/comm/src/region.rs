@@ -12,12 +12,26 @@
 use std::collections::{BTreeMap, HashMap};
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
 
 static REGION: OnceLock<Option<SharedRegion>> = OnceLock::new();
 /// The size from which freed tensor blocks are kept (0: none), for a region made later.
 static KEEP_FROM: AtomicUsize = AtomicUsize::new(0);
+/// Whether kept blocks may exceed the peak by the largest block ([`KeepBound`]), for a region made later.
+static KEEP_HEADROOM: AtomicBool = AtomicBool::new(false);
+
+/// How many freed large blocks are kept for reuse, beside the large blocks live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KeepBound {
+    /// Live and kept together never exceed the most that were live at once: keeping never raises that peak.
+    Peak,
+    /// They may exceed that peak by the largest block: a step whose mix of live sizes changes (a unit's gradient
+    /// beside the next unit in backward, activations in forward) evicts at its peak, within the peak alone, the
+    /// blocks it needs next and maps them afresh every step; one block of headroom keeps them.
+    #[default]
+    PeakAndLargest,
+}
 
 /// Bytes of address space the region reserves (nothing is allocated until used).
 const REGION_BYTES: usize = 256 << 30;
@@ -84,11 +98,14 @@ impl FreeList {
 /// Freed blocks kept for reuse by size: pure bookkeeping, like [`FreeList`]. A block is kept only if it was
 /// handed out while keeping was on ([`Kept::born`]), so the large blocks live and kept are both known; an
 /// allocation that finds no kept block of its size gives back the oldest until the live and kept ones, with it,
-/// are no more than the most that were live at once. Keeping never raises the peak those blocks make.
+/// are no more than the most that were live at once ([`KeepBound::Peak`]), or that plus the largest block.
 #[derive(Debug, Default)]
 pub(crate) struct Kept {
     /// Blocks from this many bytes up are kept (0: none).
     from: usize,
+    bound: KeepBound,
+    /// The largest block handed out since the kept blocks were last released.
+    largest: usize,
     /// Kept blocks (offset, length), oldest first.
     blocks: Vec<(usize, usize)>,
     bytes: usize,
@@ -120,7 +137,11 @@ impl Kept {
             return Taken::Reused(self.blocks.remove(i).0);
         }
         let after = self.live_bytes + len;
-        let bound = self.peak.max(after);
+        let headroom = match self.bound {
+            KeepBound::Peak => 0,
+            KeepBound::PeakAndLargest => self.largest.max(len),
+        };
+        let bound = self.peak.max(after) + headroom;
         let mut n = 0;
         while n < self.blocks.len() && after + self.bytes > bound {
             self.bytes -= self.blocks[n].1;
@@ -134,6 +155,7 @@ impl Kept {
         self.live.insert(at, len);
         self.live_bytes += len;
         self.peak = self.peak.max(self.live_bytes);
+        self.largest = self.largest.max(len);
     }
 
     /// The block at `at` freed: true when it is kept (else the caller releases it).
@@ -148,9 +170,11 @@ impl Kept {
         true
     }
 
-    /// Keeps blocks from `from` bytes up (0: none); returns the kept blocks to release when keeping stops.
-    pub fn set(&mut self, from: usize) -> Vec<(usize, usize)> {
+    /// Keeps blocks from `from` bytes up (0: none) within `bound`; returns the kept blocks to release when keeping
+    /// stops.
+    pub fn set(&mut self, from: usize, bound: KeepBound) -> Vec<(usize, usize)> {
         self.from = from;
+        self.bound = bound;
         if from == 0 {
             self.drain()
         } else {
@@ -158,9 +182,12 @@ impl Kept {
         }
     }
 
-    /// Every kept block, to release.
+    /// Every kept block, to release. The peak and the largest block count again from the blocks live now
+    /// (start-up's one-off blocks no longer widen the bound).
     pub fn drain(&mut self) -> Vec<(usize, usize)> {
         self.bytes = 0;
+        self.peak = self.live_bytes;
+        self.largest = 0;
         std::mem::take(&mut self.blocks)
     }
 }
@@ -210,7 +237,7 @@ impl SharedRegion {
         REGION
             .get_or_init(|| match SharedRegion::create() {
                 Ok(r) => {
-                    r.books().kept.set(KEEP_FROM.load(Ordering::Relaxed));
+                    r.books().kept.set(KEEP_FROM.load(Ordering::Relaxed), keep_bound());
                     Some(r)
                 }
                 Err(e) => {
@@ -378,13 +405,22 @@ impl Drop for PeerRegion {
 }
 
 /// Keeps freed tensor blocks ([`region_alloc`]) of at least `min_bytes` for the next tensor of the same size, in
-/// the process's region now or made later; None keeps none and releases what is kept.
-pub fn keep_freed(min_bytes: Option<usize>) {
+/// the process's region now or made later, within `bound`; None keeps none and releases what is kept.
+pub fn keep_freed(min_bytes: Option<usize>, bound: KeepBound) {
     let from = min_bytes.map_or(0, |b| b.max(1));
     KEEP_FROM.store(from, Ordering::Relaxed);
+    KEEP_HEADROOM.store(bound == KeepBound::PeakAndLargest, Ordering::Relaxed);
     if let Some(r) = SharedRegion::existing() {
-        let released = r.books().kept.set(from);
+        let released = r.books().kept.set(from, bound);
         r.release_all(released);
+    }
+}
+
+fn keep_bound() -> KeepBound {
+    if KEEP_HEADROOM.load(Ordering::Relaxed) {
+        KeepBound::PeakAndLargest
+    } else {
+        KeepBound::Peak
     }
 }
 
@@ -439,6 +475,16 @@ impl SharedBuffer {
         }
     }
 
+    /// Its length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it holds no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
     /// Whether it lives in the shared region (else on the heap).
     pub fn in_region(&self) -> bool {
         self.heap.is_none()
@@ -487,7 +533,7 @@ mod tests {
     #[test]
     fn kept_blocks_stay_within_the_live_peak() {
         let mut k = Kept::default();
-        k.set(4 * PAGE);
+        k.set(4 * PAGE, KeepBound::Peak);
         assert!(!k.keeps(2 * PAGE) && k.keeps(4 * PAGE));
         // Two 8-page blocks live at once, both freed and kept.
         assert_eq!(k.take(8 * PAGE), Taken::Fresh(vec![]));
@@ -507,14 +553,54 @@ mod tests {
         // 4 pages beside 20 kept is over the peak of 20 live: the oldest kept block (8 pages) goes, 12 stay.
         assert_eq!(k.take(4 * PAGE), Taken::Fresh(vec![(8 * PAGE, 8 * PAGE)]));
         assert_eq!(k.bytes, 12 * PAGE);
-        assert_eq!(k.set(0), vec![(16 * PAGE, 12 * PAGE)], "keeping off releases what is kept");
+        assert_eq!(k.set(0, KeepBound::Peak), vec![(16 * PAGE, 12 * PAGE)], "keeping off releases what is kept");
+    }
+
+    /// A cycle whose live mix changes: two 8-page blocks live at once, then a 4-page one. Within the peak alone the
+    /// 4-page block evicts an 8-page one, which the next cycle maps afresh (two blocks a cycle); with the largest
+    /// block's headroom every later cycle reuses, and live and kept stay within the peak plus that block.
+    #[test]
+    fn headroom_of_the_largest_block_keeps_a_changing_mix() {
+        for (bound, fresh_after_the_first) in [(KeepBound::Peak, 4), (KeepBound::PeakAndLargest, 0)] {
+            let mut k = Kept::default();
+            k.set(4 * PAGE, bound);
+            let (mut fresh, mut next_at) = (0, 0);
+            for cycle in 0..3 {
+                let mut take = |k: &mut Kept, len: usize| {
+                    let at = match k.take(len) {
+                        Taken::Reused(at) => at,
+                        Taken::Fresh(_) => {
+                            fresh += usize::from(cycle > 0);
+                            next_at += len;
+                            next_at - len
+                        }
+                    };
+                    k.born(at, len);
+                    at
+                };
+                let (a, b) = (take(&mut k, 8 * PAGE), take(&mut k, 8 * PAGE));
+                assert!(k.freed(a) && k.freed(b));
+                let c = take(&mut k, 4 * PAGE);
+                assert!(k.live_bytes + k.bytes <= 16 * PAGE + if bound == KeepBound::Peak { 0 } else { 8 * PAGE });
+                assert!(k.freed(c));
+            }
+            assert_eq!(fresh, fresh_after_the_first, "{bound:?}: blocks mapped afresh after the first cycle");
+        }
+        // Releasing the kept blocks starts the peak and the largest block over from what is live.
+        let mut k = Kept::default();
+        k.set(4 * PAGE, KeepBound::PeakAndLargest);
+        let _ = k.take(8 * PAGE);
+        k.born(0, 8 * PAGE);
+        assert!(k.freed(0));
+        assert_eq!(k.drain(), vec![(0, 8 * PAGE)]);
+        assert_eq!((k.peak, k.largest), (0, 0));
     }
 
     #[test]
     fn a_kept_tensor_block_is_reused_unzeroed_and_released_zeroed() {
         let Some(r) = SharedRegion::process() else { return };
         // Keeping is process-wide; other tests here use `alloc`, whose blocks are never kept.
-        keep_freed(Some(64 * PAGE));
+        keep_freed(Some(64 * PAGE), KeepBound::default());
         let p = r.alloc_reusable(64 * PAGE).unwrap();
         unsafe { std::ptr::write_bytes(p, 7, 64 * PAGE) };
         r.free(p, 64 * PAGE);
@@ -523,7 +609,7 @@ mod tests {
         assert_eq!(q, p);
         assert!(unsafe { std::slice::from_raw_parts(q, 64 * PAGE) }.iter().all(|&b| b == 7), "not punched");
         r.free(q, 64 * PAGE);
-        keep_freed(None);
+        keep_freed(None, KeepBound::default());
         assert_eq!(kept_bytes(), 0, "keeping off releases the block");
         let z = r.alloc(64 * PAGE).unwrap();
         assert!(unsafe { std::slice::from_raw_parts(z, 64 * PAGE) }.iter().all(|&b| b == 0), "released: punched");

@@ -229,7 +229,7 @@ impl Engine {
         let _owner = crate::report::allocations::owned_by(crate::report::allocations::Owner::Engine);
         if !options.keep_allocator_settings {
             allocator::fix_mmap_threshold();
-            allocator::keep_freed_blocks();
+            allocator::keep_freed_blocks()?;
         }
         let (world_size, rank) = (comm.world_size(), comm.rank());
         let replica_count = replicas.as_ref().map_or(1, |r| r.world_size());

@@ -12,18 +12,21 @@
 use std::ffi::{c_char, c_int, CStr};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+pub use crate::comm::region::KeepBound;
+
 /// Turns the counting allocator off when set to `0` (read when an engine is built).
 pub const COUNT_ALLOCATIONS_ENV: &str = "ZERORUN_COUNT_ALLOCATIONS";
 /// Records the peak's largest allocations (op, phase) when set to `1`: `memory_snapshot_rank{r}.json`.
 pub const SNAPSHOT_ENV: &str = "ZERORUN_MEMORY_SNAPSHOT";
-/// Keeps no freed blocks for reuse when set to `0` (read when an engine is built).
+/// Which freed blocks are kept for reuse (read when an engine is built): `0` none, `peak` within the large blocks'
+/// peak ([`KeepBound::Peak`]), unset or `1` within it plus the largest block ([`KeepBound::PeakAndLargest`]).
 pub const KEEP_FREED_ENV: &str = "ZERORUN_ALLOCATOR_CACHE";
 
 extern "C" {
     fn zr_counting_allocator_install();
     fn zr_counting_allocator_set_tag(tag: c_int) -> c_int;
     fn zr_counting_allocator_stats(out: *mut i64);
-    fn zr_counting_allocator_keep(min_bytes: i64);
+    fn zr_counting_allocator_keep(min_bytes: i64, headroom: c_int);
     fn zr_counting_allocator_release_kept();
     fn zr_counting_allocator_trace(on: c_int);
     fn zr_counting_allocator_set_phase(phase: *const c_char);
@@ -134,15 +137,16 @@ pub fn live() -> LiveBytes {
 /// From now on the counting allocator keeps each freed block of at least `min_bytes` and hands it to the next
 /// allocation of the same size (rounded up to a page); `None` keeps nothing and gives back what is kept. An
 /// allocation that finds no block of its size first gives back the oldest kept blocks until the live and kept
-/// large blocks, with the new one, are no more than the most that were live at once: keeping never raises the
-/// peak those blocks make.
+/// large blocks, with the new one, are within `bound`: the most that were live at once ([`KeepBound::Peak`]:
+/// keeping never raises that peak), or that plus the largest block.
 /// Process-wide; nothing happens until the allocator is installed ([`Counting::start`]).
-pub fn keep_freed(min_bytes: Option<usize>) {
-    // SAFETY: stores a threshold; with none, frees the kept blocks under the shim's lock.
-    unsafe { zr_counting_allocator_keep(min_bytes.map_or(0, |b| b.max(1) as i64)) }
+pub fn keep_freed(min_bytes: Option<usize>, bound: KeepBound) {
+    let headroom = c_int::from(bound == KeepBound::PeakAndLargest);
+    // SAFETY: stores a threshold and a flag; with no threshold, frees the kept blocks under the shim's lock.
+    unsafe { zr_counting_allocator_keep(min_bytes.map_or(0, |b| b.max(1) as i64), headroom) }
 }
 
-/// Gives every kept block back to the system.
+/// Gives every kept block back to the system; the peak and the largest block count again from what is live.
 pub fn release_kept() {
     // SAFETY: frees the kept blocks under the shim's lock; none of them is in use.
     unsafe { zr_counting_allocator_release_kept() }

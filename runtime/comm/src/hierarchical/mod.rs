@@ -16,6 +16,7 @@ use std::ops::Range;
 use super::agreement;
 use super::buffer::divide;
 use super::groups::Split;
+use super::region::SharedBuffer;
 use super::{BufMut, BufRef, Collectives, CommError, CommResult, Communicator, ReduceOp};
 
 /// Below this many elements an all-reduce or a broadcast goes through the flat group: two or three collectives
@@ -27,10 +28,10 @@ pub struct Hierarchical {
     world: Box<dyn Communicator>,
     local: Box<dyn Communicator>,
     cross: Box<dyn Communicator>,
-    /// Permuted copies of the buffers (u64 words keep every element type aligned).
-    scratch: RefCell<Vec<u64>>,
+    /// Permuted copies of the buffers.
+    scratch: RefCell<Scratch>,
     /// The cross-host group's part of a reduce-scatter, reused.
-    staged: RefCell<Vec<u64>>,
+    staged: RefCell<Scratch>,
     /// Bytes of each part's slice in one chunk of a large collective (see `pipelined`).
     chunk_bytes: usize,
 }
@@ -88,12 +89,13 @@ impl Hierarchical {
                 ),
             });
         }
+        let shared = local.prefers_shared_buffers();
         Ok(Hierarchical {
             world,
             local,
             cross,
-            scratch: RefCell::default(),
-            staged: RefCell::default(),
+            scratch: RefCell::new(Scratch::new(shared)),
+            staged: RefCell::new(Scratch::new(shared)),
             chunk_bytes: pipelined::CHUNK_BYTES,
         })
     }
@@ -153,13 +155,36 @@ impl Hierarchical {
     }
 }
 
-/// `words` as at least `bytes` bytes (grown when short).
-fn bytes_of(words: &mut Vec<u64>, bytes: usize) -> &mut [u8] {
-    let need = bytes.div_ceil(8);
-    if words.len() < need {
-        words.resize(need, 0);
+/// Scratch bytes, grown on demand: in the shared region when the host's group reads its peers' buffers there
+/// (a peer copies from its mapping; process_vm_readv, which it uses for other memory, pins and copies page by
+/// page at about half the speed), else on the heap (u64 words keep every element type aligned).
+struct Scratch {
+    shared: bool,
+    region: Option<SharedBuffer>,
+    heap: Vec<u64>,
+}
+
+impl Scratch {
+    fn new(shared: bool) -> Scratch {
+        Scratch { shared, region: None, heap: Vec::new() }
     }
-    &mut bytemuck::cast_slice_mut::<u64, u8>(words)[..bytes]
+}
+
+/// `scratch` as at least `bytes` bytes (grown when short; the contents are undefined).
+fn bytes_of(scratch: &mut Scratch, bytes: usize) -> &mut [u8] {
+    if scratch.shared {
+        if !scratch.region.as_ref().is_some_and(|b| b.len() >= bytes) {
+            scratch.region = None;
+            scratch.region = Some(SharedBuffer::zeroed(bytes));
+        }
+        let region = scratch.region.as_mut().expect("allocated above");
+        return &mut region.as_slice_mut::<u8>()[..bytes];
+    }
+    let need = bytes.div_ceil(8);
+    if scratch.heap.len() < need {
+        scratch.heap.resize(need, 0);
+    }
+    &mut bytemuck::cast_slice_mut::<u64, u8>(&mut scratch.heap)[..bytes]
 }
 
 /// Moves bytes `slice` of part `h K + k` of the flat layout (parts of `part` bytes) to place `k H + h` of the

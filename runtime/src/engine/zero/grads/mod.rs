@@ -401,37 +401,48 @@ impl GradientSync<'_> {
 
     /// Copies elements `c..c+l` of every rank's chunk of unit `i`'s gradients (slot order; None: zeros) into
     /// `staged` (`ws * l` long, rank by rank). The whole unit (`c` 0, `l` the chunk) is the unit's flat gradient,
-    /// staged slot by slot.
+    /// staged slot by slot. Only what no gradient covers is zeroed (padding, unused parameters): zeroing it all
+    /// first was one more pass over every unit's gradients each step.
     fn stage_unit_round(&self, i: usize, grads: &[Option<Tensor>], staged: &Tensor, c: usize, l: usize) -> Result<()> {
         let ws = self.layout.world_size;
         let span = &self.layout.units[i];
         let chunk = span.chunk_len(ws);
         let slots = &self.layout.slots[span.slots.clone()];
         tch::no_grad(|| -> Result<()> {
-            let _ = staged.shallow_clone().f_zero_()?;
+            // Where each copy lands in `staged`, in order.
+            let mut covered: Vec<(usize, usize)> = Vec::with_capacity(slots.len());
             if c == 0 && l == chunk {
                 for (slot, g) in slots.iter().zip(grads) {
                     if let Some(g) = g {
-                        staged
-                            .narrow(0, (slot.range.start - span.range.start) as i64, slot.range.len() as i64)
-                            .f_copy_(&g.reshape([-1]))?;
+                        let at = slot.range.start - span.range.start;
+                        staged.narrow(0, at as i64, slot.range.len() as i64).f_copy_(&g.reshape([-1]))?;
+                        covered.push((at, slot.range.len()));
                     }
                 }
-                return Ok(());
+            } else {
+                for k in 0..ws {
+                    // Unit-relative range of this round in rank k's chunk.
+                    let (lo, hi) = (k * chunk + c, k * chunk + c + l);
+                    for (slot, g) in slots.iter().zip(grads) {
+                        let Some(g) = g else { continue };
+                        let (s, e) = (slot.range.start - span.range.start, slot.range.end - span.range.start);
+                        let (a, b) = (s.max(lo), e.min(hi));
+                        if a >= b {
+                            continue;
+                        }
+                        let src = g.reshape([-1]).narrow(0, (a - s) as i64, (b - a) as i64);
+                        staged.narrow(0, (k * l + a - lo) as i64, (b - a) as i64).f_copy_(&src)?;
+                        covered.push((k * l + a - lo, b - a));
+                    }
+                }
             }
-            for k in 0..ws {
-                // Unit-relative range of this round in rank k's chunk.
-                let (lo, hi) = (k * chunk + c, k * chunk + c + l);
-                for (slot, g) in slots.iter().zip(grads) {
-                    let Some(g) = g else { continue };
-                    let (s, e) = (slot.range.start - span.range.start, slot.range.end - span.range.start);
-                    let (a, b) = (s.max(lo), e.min(hi));
-                    if a >= b {
-                        continue;
-                    }
-                    let src = g.reshape([-1]).narrow(0, (a - s) as i64, (b - a) as i64);
-                    staged.narrow(0, (k * l + a - lo) as i64, (b - a) as i64).f_copy_(&src)?;
+            covered.sort_unstable();
+            let mut from = 0;
+            for (at, len) in covered.into_iter().chain([(ws * l, 0)]) {
+                if at > from {
+                    let _ = staged.narrow(0, from as i64, (at - from) as i64).f_zero_()?;
                 }
+                from = from.max(at + len);
             }
             Ok(())
         })
