@@ -12,7 +12,7 @@
 //! threshold up for the next allocation of the same size (`report::allocations::keep_freed`,
 //! `comm::region::keep_freed`), bounded by the most of them live at once plus the largest block;
 //! measured, 2 hosts x 2 ranks at stage 3 with ZeRO++ on CPUs: a fifth of the CPU time was these page faults,
-//! and within the peak alone a step still mapped afresh about 220 MiB a rank (1.42 against 1.12 s a step).
+//! and within the peak alone a step still mapped afresh about 220 MiB a rank (1.38-1.45 against 1.16-1.21 s).
 
 use crate::report::allocations::{self, KeepBound};
 
