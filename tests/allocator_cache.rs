@@ -75,7 +75,7 @@ fn freed_large_blocks_are_reused_within_the_live_peak() {
     let _layer = tch::nn::linear(vs.root() / "l", 4, 4, Default::default());
     let config = zerorun::Config::from_value(serde_json::json!({"train_batch_size": 1})).unwrap();
     let comm = threads::group(1, std::time::Duration::from_secs(10)).pop().unwrap();
-    let error = Engine::new(&vs, config, Box::new(comm), EngineOptions::default()).err().expect("refused").to_string();
+    let error = Engine::new(&vs, config, Box::new(comm), EngineOptions::default()).expect_err("refused").to_string();
     std::env::remove_var(allocations::KEEP_FREED_ENV);
     assert!(
         error.contains("ZERORUN_ALLOCATOR_CACHE=\"lots\"") && error.contains("peak") && error.contains("0 (keep none)"),
