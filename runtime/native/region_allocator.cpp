@@ -1,4 +1,4 @@
-// Tensors whose storage lives in zerorun's shared buffer region (comm/region.rs): the shm backend's peers map
+// Tensors whose storage lives in zerorun's shared buffer region (comm/region/): the shm backend's peers map
 // the region, so a collective on such a tensor is one memcpy from the peer's mapping. The storage keeps this
 // allocator, so resizing it (stage 3 releasing and regathering a unit) frees and allocates in the region too.
 // The region's allocate and free come from Rust as function pointers.

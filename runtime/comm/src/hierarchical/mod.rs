@@ -157,34 +157,25 @@ impl Hierarchical {
 
 /// Scratch bytes, grown on demand: in the shared region when the host's group reads its peers' buffers there
 /// (a peer copies from its mapping; process_vm_readv, which it uses for other memory, pins and copies page by
-/// page at about half the speed), else on the heap (u64 words keep every element type aligned).
+/// page at about half the speed), else on the heap.
 struct Scratch {
     shared: bool,
-    region: Option<SharedBuffer>,
-    heap: Vec<u64>,
+    buf: Option<SharedBuffer>,
 }
 
 impl Scratch {
     fn new(shared: bool) -> Scratch {
-        Scratch { shared, region: None, heap: Vec::new() }
+        Scratch { shared, buf: None }
     }
 }
 
 /// `scratch` as at least `bytes` bytes (grown when short; the contents are undefined).
 fn bytes_of(scratch: &mut Scratch, bytes: usize) -> &mut [u8] {
-    if scratch.shared {
-        if !scratch.region.as_ref().is_some_and(|b| b.len() >= bytes) {
-            scratch.region = None;
-            scratch.region = Some(SharedBuffer::zeroed(bytes));
-        }
-        let region = scratch.region.as_mut().expect("allocated above");
-        return &mut region.as_slice_mut::<u8>()[..bytes];
+    if !scratch.buf.as_ref().is_some_and(|b| b.len() >= bytes) {
+        scratch.buf = None;
+        scratch.buf = Some(if scratch.shared { SharedBuffer::zeroed(bytes) } else { SharedBuffer::on_heap(bytes) });
     }
-    let need = bytes.div_ceil(8);
-    if scratch.heap.len() < need {
-        scratch.heap.resize(need, 0);
-    }
-    &mut bytemuck::cast_slice_mut::<u64, u8>(&mut scratch.heap)[..bytes]
+    &mut scratch.buf.as_mut().expect("allocated above").as_slice_mut::<u8>()[..bytes]
 }
 
 /// Moves bytes `slice` of part `h K + k` of the flat layout (parts of `part` bytes) to place `k H + h` of the

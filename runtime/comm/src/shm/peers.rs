@@ -1,5 +1,5 @@
 //! How a rank reaches its peers' buffers: with memcpy through a mapping of the peer's shared buffer region
-//! (region.rs) when the buffer is in it, else with `process_vm_readv` (cma.rs). Both are checked at join; if a
+//! (region/) when the buffer is in it, else with `process_vm_readv` (cma.rs). Both are checked at join; if a
 //! rank cannot read every other, the group stages everything through the segment's slots instead.
 use std::cell::{Cell, RefCell};
 use std::sync::atomic::Ordering;

@@ -47,7 +47,7 @@ pub(super) const R_DIRECT: usize = 5;
 const R_DTYPE: usize = 6;
 /// Set when this rank saw a peer die: if it exits too, others name the first death, not this rank.
 const R_FAILED: usize = 7;
-/// This rank's shared buffer region (region.rs), for peers to map: fd number, base address, length (0: none).
+/// This rank's shared buffer region (region/), for peers to map: fd number, base address, length (0: none).
 pub(super) const R_REGION_FD: usize = 8;
 pub(super) const R_REGION_BASE: usize = 9;
 pub(super) const R_REGION_LEN: usize = 10;

@@ -105,7 +105,7 @@ pub fn rng_state() -> Result<Vec<u8>> {
     Ok(out)
 }
 
-/// A zeroed 1-D tensor of `len` elements of `kind` in the shared buffer region (comm/region.rs); its storage
+/// A zeroed 1-D tensor of `len` elements of `kind` in the shared buffer region (comm/region/); its storage
 /// allocates there when resized too.
 pub fn region_zeros(len: usize, kind: tch::Kind) -> Result<Tensor> {
     static INIT: std::sync::Once = std::sync::Once::new();
