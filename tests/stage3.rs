@@ -378,6 +378,58 @@ fn optimizer_in_backward_refuses_accumulation_and_a_second_backward_before_step(
 }
 
 #[test]
+fn optimizer_in_backward_at_stage_0_steps_each_bucket_as_its_all_reduce_lands_bitwise_like_the_whole_step() {
+    // Stage 0 (its all-reduce in backward) with buckets of 40 elements: each layer's weight a bucket of its own,
+    // biases together, decay and no-decay groups across them; the predivide's post-factor applied bucket by bucket
+    // as each lands. One rank has no all-reduce and takes its ordinary step.
+    let options =
+        EngineOptions { no_weight_decay: Some(zerorun::runtime::engine::no_decay_for_1d), ..Default::default() };
+    for (world, extra) in [
+        (2, json!({"zero_optimization": {"stage": 0}})),
+        (3, json!({"zero_optimization": {"stage": 0}, "gradient_predivide_factor": 2.0})),
+        (1, json!({"zero_optimization": {"stage": 0}})),
+    ] {
+        let [whole, pieces] = [false, true]
+            .map(|b| run_with(world, in_backward_config(b, extra.clone()), Units::PerLayer, options.clone(), &DIMS));
+        for (rank, (w, p)) in whole.iter().zip(&pieces).enumerate() {
+            let d = max_relative_difference(&p.params, &w.params);
+            assert!(w.params == p.params, "stage 0, world size {world}, rank {rank}: weights differ ({d:e})");
+        }
+    }
+    // The step happens in backward: the weights change there, and `engine.step` ends it; a second backward first
+    // is refused, naming the call to make.
+    let comms = threads::group(2, Duration::from_secs(60));
+    std::thread::scope(|s| {
+        for comm in comms {
+            s.spawn(move || {
+                let (vs, layers) = init_layers(&DIMS);
+                let config = in_backward_config(true, json!({"zero_optimization": {"stage": 0}}));
+                let mut engine = Engine::new(&vs, config, Box::new(comm), EngineOptions::default().units_of(&layers)).unwrap();
+                let x = Tensor::ones([2, IN], (tch::Kind::Float, tch::Device::Cpu));
+                // WarmupLR's first two steps (iterations -1 and 0) have a learning rate of 0.
+                for _ in 0..2 {
+                    let loss = engine.forward(&layers, &x).unwrap().square().mean(None);
+                    engine.backward_units(&layers, &loss).unwrap();
+                    engine.step().unwrap();
+                }
+                let before = full_parameters(&mut engine);
+                let loss = engine.forward(&layers, &x).unwrap().square().mean(None);
+                engine.backward_units(&layers, &loss).unwrap();
+                let after_backward = full_parameters(&mut engine);
+                assert!(after_backward != before, "the optimizer stepped in backward");
+                let loss = engine.forward(&layers, &x).unwrap().square().mean(None);
+                assert_eq!(
+                    engine.backward_units(&layers, &loss).unwrap_err().to_string(),
+                    "optimizer_in_backward steps the optimizer during backward: call `engine.step()` after each backward (gradient_accumulation_steps is 1)"
+                );
+                engine.step().unwrap();
+                assert_eq!(full_parameters(&mut engine), after_backward, "the step in backward is the whole step");
+            });
+        }
+    });
+}
+
+#[test]
 fn a_bare_stage_3_config_sizes_its_buckets_from_the_units_and_saves_what_deepspeeds_defaults_keep() {
     // `{"stage": 3}` alone: DeepSpeed's defaults (1e9 live parameters, 5e7 prefetched) would keep this model
     // gathered whole; sized from the units, one unit is live at a time. The same training either way.

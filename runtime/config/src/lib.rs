@@ -135,9 +135,10 @@ pub struct Config {
     pub elasticity: ElasticityConfig,
     /// zerorun's own section: synchronous, or ranks stepping alone between meetings.
     pub async_training: AsyncTraining,
-    /// zerorun's own key (stage 3): step each unit's part of the shard as soon as its gradients are reduced, during
-    /// backward, so no gradient shard is held (torchtune's `optimizer_in_bwd`). Needs what a step in pieces allows:
-    /// no clipping, no accumulation, fp32, an element-wise optimizer, optimizer states in memory.
+    /// zerorun's own key: step each part as soon as its gradients are reduced, during backward (torchtune's
+    /// `optimizer_in_bwd`): stage 3's units, so no gradient shard is held; stage 0's buckets as their all-reduces
+    /// land, so the step hides behind the all-reduces still on the wire. Needs what a step in pieces allows: no
+    /// clipping, no accumulation, fp32, an element-wise optimizer.
     pub optimizer_in_backward: bool,
     /// Keys given that have no effect here, each with the reason (logged as warnings when the config is read).
     #[serde(skip)]
@@ -435,11 +436,16 @@ impl Config {
     fn validate_optimizer_in_backward(&self) -> Result<()> {
         let z = &self.zero_optimization;
         let conflict = |message: String| Err(ConfigError::Conflict { path: "optimizer_in_backward".into(), message });
-        if z.stage != 3 {
+        if z.stage != 0 && z.stage != 3 {
             return conflict(format!(
-                "the optimizer steps each unit's shard as its gradients are reduced in stage 3's walk: `zero_optimization.stage` must be 3 (it is {})",
+                "the optimizer steps each part as its gradients are reduced: stage 3's units in their walk, stage 0's buckets as their all-reduces land; `zero_optimization.stage` must be 0 or 3 (it is {})",
                 z.stage
             ));
+        }
+        if z.stage == 0 && !z.overlap_comm {
+            return conflict(
+                "stage 0 steps each bucket as its all-reduce in backward lands: `zero_optimization.overlap_comm` must be true (its default at stage 0)".into(),
+            );
         }
         if self.gradient_clipping != 0.0 {
             return conflict(format!(

@@ -156,6 +156,10 @@ impl Engine {
         match self.plan.gradients {
             GradientPath::AfterBackward if all_reduces => {
                 let staging = self.gradients.view_buffer().expect("stage 0's gradients are views").shallow_clone();
+                // First: a second backward before the step is refused before anything is set aside.
+                if self.plan.steps_in_backward {
+                    self.shard.begin_step_in_backward()?;
+                }
                 self.gradients.all_reduce_in_backward.as_mut().expect("checked").before_backward(&staging)?;
                 self.lend_hooks(autograd)?;
                 let mark = self.gradient_fingerprint();

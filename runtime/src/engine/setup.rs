@@ -248,13 +248,22 @@ impl Engine {
         let precision = config.precision();
         let kind = views::kind_of(precision);
         let mut plan = StagePlan::new(z.stage, options.units.is_some(), z.overlap_comm, z.reduce_scatter, world_size);
-        plan.steps_in_backward = config.optimizer_in_backward;
         // Stage 0's all-reduce in backward reduces the staging buffer the `.grad` tensors are views of, in place,
         // over one group, every step: not across shard groups' replicas, not when asynchronous training keeps
         // gradients local or serves them stale, not with a communication dtype other than the model's.
         plan.all_reduce_in_backward &= replica_count == 1
             && !config.async_training.is_async()
             && views::comm_kind(config.communication_data_type, precision) == views::kind_of(precision);
+        // Stage 0 steps each bucket as its all-reduce lands; a single rank has no all-reduce, and its ordinary step
+        // gives the same values.
+        plan.steps_in_backward = config.optimizer_in_backward && (z.stage == 3 || plan.all_reduce_in_backward);
+        if config.optimizer_in_backward && z.stage == 0 && world_size > 1 && !plan.all_reduce_in_backward {
+            return Err(crate::config::ConfigError::Conflict {
+                path: "optimizer_in_backward".into(),
+                message: "stage 0 steps each bucket as its all-reduce in backward lands, which runs over one group of ranks, in the model's dtype, every step: not with asynchronous training or a `communication_data_type` other than the model's".into(),
+            }
+            .into());
+        }
         if config.optimizer_in_backward && batch.gradient_accumulation_steps > 1 {
             // The config checks a given value; this is the value the batch rule resolved.
             return Err(crate::config::ConfigError::Conflict {

@@ -96,7 +96,8 @@ pub(crate) struct StagePlan {
     pub overlap: bool,
     /// Hooked stage 2 with overlap and reduce-scatter: two staging halves, one reducing on the communication thread.
     pub hooked_overlap: bool,
-    /// `optimizer_in_backward` (stage 3): the unit walk steps each reduced part at once; no gradient shard.
+    /// `optimizer_in_backward`: stage 3's unit walk steps each reduced part at once (no gradient shard); stage 0
+    /// steps each bucket as its all-reduce in backward lands (set only with that all-reduce).
     pub steps_in_backward: bool,
     /// Stage 0 with `overlap_comm` and more than one rank (DDP's bucketed all-reduce): gradient hooks start each
     /// bucket's all-reduce on the communication thread while backward goes on. The engine turns it off where the
@@ -274,7 +275,8 @@ impl GradientSizes {
             GradientPath::AfterBackward => Some(partition),
         };
         let reduced = match plan.strategy {
-            _ if plan.steps_in_backward => ReducedGradients::Stepped,
+            // Stage 0 steps its buckets where they are reduced, in the staging buffer.
+            _ if plan.steps_in_backward && plan.partitions_parameters() => ReducedGradients::Stepped,
             _ if !fp32_model => ReducedGradients::Accumulator,
             Strategy::Replicated if comm_in_model_dtype => ReducedGradients::Staging,
             Strategy::PartitionedOptimizer if fp32_in_place => ReducedGradients::ViewPartition,

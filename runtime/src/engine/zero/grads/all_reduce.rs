@@ -17,6 +17,7 @@ use crate::comm::async_comm::Handle;
 use crate::engine::device::views;
 use crate::engine::zero::grads::GradientSync;
 use crate::engine::zero::layout::FlatLayout;
+use crate::engine::zero::optim::in_backward::StepPart;
 use crate::engine::zero::plan;
 use crate::error::{Error, Result};
 
@@ -40,8 +41,8 @@ pub(crate) fn bucket_slots(layout: &FlatLayout, bucket: u64) -> Vec<Range<usize>
 pub(crate) struct AllReduceInBackward {
     /// Each bucket's flat elements (of the staging buffer); the last one takes the padding.
     ranges: Vec<Range<usize>>,
-    /// All-reduces started in this backward, in launch order.
-    in_flight: Vec<Handle<()>>,
+    /// All-reduces started in this backward, in launch order, with their buckets.
+    in_flight: Vec<(usize, Handle<()>)>,
     /// The gradients in the staging buffer were all-reduced (before the post-factor) by a backward of this
     /// micro-step, and the `.grad` fingerprint they left (a backward outside the engine changes it).
     reduced: Option<i64>,
@@ -74,7 +75,7 @@ impl AllReduceInBackward {
     /// waited for, and if an earlier one of this micro-step reduced the staging buffer, its values are set aside
     /// and the buffer zeroed, so autograd writes only this backward's gradients.
     pub fn before_backward(&mut self, staging: &Tensor) -> Result<()> {
-        for h in self.in_flight.drain(..) {
+        for (_, h) in self.in_flight.drain(..) {
             // That backward returned its error already.
             let _ = h.wait();
         }
@@ -122,27 +123,50 @@ impl GradientSync<'_> {
         // The job holds its own handle to the bucket's storage; autograd does not write this bucket again in this
         // backward (all its gradients came), and the step waits for the job before reading it.
         let handle = thread.submit("all_reduce", move |c| views::all_reduce(how.residence, c, &bucket, how.op));
-        self.in_backward().in_flight.push(handle);
+        self.in_backward().in_flight.push((b, handle));
         Ok(())
     }
 
     /// Waits for this backward's all-reduces (in launch order) and adds what earlier backwards of the micro-step
-    /// set aside; the engine then marks the buffer reduced ([`AllReduceInBackward::mark_reduced`]).
+    /// set aside; the engine then marks the buffer reduced ([`AllReduceInBackward::mark_reduced`]). With the
+    /// optimizer in backward each bucket is stepped as it lands, post-factor applied, while the ones after it are
+    /// still on the wire (nothing is set aside then: a second backward before the step is refused).
     pub(super) fn finish_bucket_all_reduces(&mut self) -> Result<()> {
         let started = std::time::Instant::now();
+        let mut stepping = std::time::Duration::ZERO;
         let handles = std::mem::take(&mut self.in_backward().in_flight);
         let mut first_error = None;
-        for h in handles {
+        for (b, h) in handles {
             if let Err(e) = h.wait() {
+                first_error.get_or_insert(e.into());
+            }
+            if first_error.is_some() || self.stepper.is_none() {
+                continue;
+            }
+            let t = std::time::Instant::now();
+            if let Err(e) = self.step_bucket(b) {
                 first_error.get_or_insert(e);
             }
+            stepping += t.elapsed();
         }
-        self.times.add(crate::report::Phase::ReduceScatter, started.elapsed());
+        self.times.add(crate::report::Phase::ReduceScatter, started.elapsed().saturating_sub(stepping));
+        self.times.add(crate::report::Phase::Step, stepping);
         if let Some(e) = first_error {
-            return Err(e.into());
+            return Err(e);
         }
         let staging = self.gradients.queue.staging().shallow_clone();
         self.in_backward().add_aside(&staging)
+    }
+
+    /// Steps bucket `b`, all-reduced: its post-factor, then its elements of the parameters (stage 0 optimizes the
+    /// whole flat range, so the bucket's flat elements are the optimizer's).
+    fn step_bucket(&mut self, b: usize) -> Result<()> {
+        let range = self.in_backward().ranges[b].clone();
+        let bucket = self.gradients.queue.staging().narrow(0, range.start as i64, range.len() as i64);
+        if let Some(post) = self.gradients.how.post {
+            let _ = bucket.shallow_clone().f_mul_scalar_(post)?;
+        }
+        self.stepper.as_mut().expect("checked by the caller").step_part(range.start, &bucket)
     }
 }
 

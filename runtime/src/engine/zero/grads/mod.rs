@@ -261,12 +261,14 @@ impl GradientSync<'_> {
                 self.clear_param_grads();
                 return Ok(());
             }
-            // Stage 0's hooks may have all-reduced the buckets in backward already.
+            // Stage 0's hooks may have all-reduced the buckets in backward already (and, with the optimizer in
+            // backward, stepped them, post-factor applied).
+            let mut stepped = false;
             match self.gradients.all_reduce_in_backward.as_mut().and_then(AllReduceInBackward::take_reduced) {
                 Some(mark) if mark != fingerprint(self.params) => return Err(Error::Usage(
                     "gradients were added after stage 0 all-reduced this step's in engine.backward (zero_optimization.overlap_comm): a backward outside engine.backward (loss.backward()) must not follow one inside it before engine.step; run every backward through the engine, or set overlap_comm false".into(),
                 )),
-                Some(_) => {}
+                Some(_) => stepped = self.stepper.is_some(),
                 None => {
                     if let Some(pre) = how.pre {
                         let _ = staging.shallow_clone().f_mul_scalar_(pre)?;
@@ -278,7 +280,7 @@ impl GradientSync<'_> {
                     }
                 }
             }
-            if let Some(post) = how.post {
+            if let Some(post) = how.post.filter(|_| !stepped) {
                 let _ = staging.shallow_clone().f_mul_scalar_(post)?;
             }
             self.clear_param_grads();

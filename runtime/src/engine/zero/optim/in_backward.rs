@@ -1,6 +1,7 @@
-//! Stage 3's optimizer in backward (`optimizer_in_backward`, torchtune's `optimizer_in_bwd`): each unit's part of
-//! this rank's shard is stepped as soon as its reduced gradients arrive, during the backward walk, so no gradient
-//! shard is held between the reduction and the step. The step is taken in pieces (`OptimizerTier::begin_step`
+//! The optimizer in backward (`optimizer_in_backward`, torchtune's `optimizer_in_bwd`): at stage 3 each unit's part
+//! of this rank's shard is stepped as soon as its reduced gradients arrive, during the backward walk, so no gradient
+//! shard is held between the reduction and the step; at stage 0 each bucket is stepped as its all-reduce in backward
+//! lands (`grads/all_reduce.rs`), so the step runs while the buckets after it are still on the wire. The step is taken in pieces (`OptimizerTier::begin_step`
 //! once, then `update_range` per reduced bucket), which gives bitwise the values of one whole step because every
 //! element's update is its own. What needs every gradient before any update (clipping, accumulation, an overflow
 //! that skips the step, LAMB's trust ratio) is refused by the config.
@@ -59,8 +60,9 @@ impl StepPart for ShardStepper<'_> {
             }
             (ShardValues::InMemory(shard), None) => {
                 // SAFETY: `grads` is the bucket's reduced part, finished and not touched again before its half is
-                // claimed; the shard's range `at..at + n` is this unit's part, which no gather reads during this
-                // unit's reduction (the unit was gathered before its backward; other units' gathers read their own).
+                // claimed (stage 0: its all-reduce has landed); the range `at..at + n` is this unit's part, which no
+                // gather reads during this unit's reduction (the unit was gathered before its backward; other units'
+                // gathers read their own), or at stage 0 the bucket's parameters, which autograd has finished with.
                 let (g, params) = unsafe { (views::slice::<f32>(grads), views::slice::<f32>(shard)) };
                 Ok(self.tier.update_range(at..at + n, &mut params[at..at + n], g, self.groups, None)?)
             }
