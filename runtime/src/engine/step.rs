@@ -273,7 +273,16 @@ impl Engine {
     /// 1/copies (every rank of the model-parallel group adds them).
     fn local_sum_of_squares(&mut self) -> Result<f64> {
         let g = self.gradients.for_step(&self.shard.optimized);
-        let sq = flat_math::sum_of_squares(self.residence, &g)?;
+        // Stage 0 may have summed its buckets as their all-reduces landed in backward.
+        let landed = self.gradients.all_reduce_in_backward.as_mut().and_then(|a| a.take_landed_sum_of_squares());
+        let sq = match landed {
+            Some(sq) => {
+                // Every stage-0 test checks the bucket-by-bucket sum against the whole buffer's.
+                debug_assert_eq!(sq.to_bits(), flat_math::sum_of_squares(self.residence, &g)?.to_bits());
+                sq
+            }
+            None => flat_math::sum_of_squares(self.residence, &g)?,
+        };
         let Some((ranges, copies)) = &self.placement.replicated else { return Ok(sq) };
         let mut replicated = 0.0;
         for r in ranges {

@@ -19,7 +19,9 @@ use crate::engine::zero::grads::GradientSync;
 use crate::engine::zero::layout::FlatLayout;
 use crate::engine::zero::optim::in_backward::StepPart;
 use crate::engine::zero::plan;
+use crate::engine::zero::plan::ReducedGradients;
 use crate::error::{Error, Result};
+use zerorun_optim::norm::PiecewiseSumOfSquares;
 
 /// Stage 0's buckets: each one's parameter slots (layout order), whole parameters of at most `bucket` elements
 /// together (one unit: stage 0's flat layout). The hooks' countdown counts them; [`AllReduceInBackward`] reduces
@@ -48,6 +50,10 @@ pub(crate) struct AllReduceInBackward {
     reduced: Option<i64>,
     /// What earlier backwards of this micro-step reduced, set aside when another backward followed them.
     aside: Option<Tensor>,
+    /// The reduced gradients' sum of squares, taken bucket by bucket as they landed (bitwise the whole buffer's),
+    /// for the step's norm: only where the landed values are the step's (fp32 in the staging buffer on the host,
+    /// no post-factor, nothing set aside).
+    landed_sum_of_squares: Option<f64>,
 }
 
 impl AllReduceInBackward {
@@ -56,7 +62,7 @@ impl AllReduceInBackward {
         let starts: Vec<usize> = buckets.iter().map(|s| layout.slots[s.start].range.start).collect();
         let ranges =
             (0..starts.len()).map(|b| starts[b]..starts.get(b + 1).copied().unwrap_or(layout.padded)).collect();
-        AllReduceInBackward { ranges, in_flight: Vec::new(), reduced: None, aside: None }
+        AllReduceInBackward { ranges, in_flight: Vec::new(), reduced: None, aside: None, landed_sum_of_squares: None }
     }
 
     /// The `.grad` fingerprint a backward of this micro-step left after reducing the staging buffer, if one did;
@@ -75,6 +81,7 @@ impl AllReduceInBackward {
     /// waited for, and if an earlier one of this micro-step reduced the staging buffer, its values are set aside
     /// and the buffer zeroed, so autograd writes only this backward's gradients.
     pub fn before_backward(&mut self, staging: &Tensor) -> Result<()> {
+        self.landed_sum_of_squares = None;
         for (_, h) in self.in_flight.drain(..) {
             // That backward returned its error already.
             let _ = h.wait();
@@ -92,6 +99,17 @@ impl AllReduceInBackward {
             let _ = staging.shallow_clone().f_zero_()?;
             Ok(())
         })
+    }
+
+    /// The sum of squares of the gradients this micro-step's backward reduced, taken as they landed, if it was.
+    pub fn take_landed_sum_of_squares(&mut self) -> Option<f64> {
+        self.landed_sum_of_squares.take()
+    }
+
+    /// The step all-reduced the staging buffer itself: what a backward summed as its buckets landed is not the
+    /// step's.
+    pub fn forget_landed(&mut self) {
+        self.landed_sum_of_squares = None;
     }
 
     /// After the reduction (this backward's, or the step's): adds what earlier backwards set aside.
@@ -135,12 +153,29 @@ impl GradientSync<'_> {
         let started = std::time::Instant::now();
         let mut stepping = std::time::Duration::ZERO;
         let handles = std::mem::take(&mut self.in_backward().in_flight);
+        let staging = self.gradients.queue.staging().shallow_clone();
+        // The norm's sum of squares, bucket by bucket while the later ones are on the wire (else the step's pass).
+        let mut landed = (self.sums_as_landing() && staging.kind() == tch::Kind::Float)
+            .then(|| PiecewiseSumOfSquares::new(staging.numel()));
+        let base = staging.data_ptr() as *const f32;
         let mut first_error = None;
         for (b, h) in handles {
             if let Err(e) = h.wait() {
                 first_error.get_or_insert(e.into());
             }
-            if first_error.is_some() || self.stepper.is_none() {
+            if first_error.is_some() {
+                continue;
+            }
+            if let Some(sum) = landed.as_mut() {
+                let range = self.in_backward().ranges[b].clone();
+                sum.add_final(range, |r| {
+                    // SAFETY: fp32 elements of the host staging buffer (checked above), read-only, whose
+                    // all-reduces have landed: the comm thread writes only the buckets still in flight, and nothing
+                    // else writes these before the step.
+                    zerorun_optim::Grads::F32(unsafe { std::slice::from_raw_parts(base.add(r.start), r.len()) })
+                });
+            }
+            if self.stepper.is_none() {
                 continue;
             }
             let t = std::time::Instant::now();
@@ -154,8 +189,20 @@ impl GradientSync<'_> {
         if let Some(e) = first_error {
             return Err(e);
         }
-        let staging = self.gradients.queue.staging().shallow_clone();
+        self.in_backward().landed_sum_of_squares = landed.and_then(|s| s.total());
         self.in_backward().add_aside(&staging)
+    }
+
+    /// Whether the values landing are the step's gradients, so their sum of squares can be taken as they land:
+    /// fp32 reduced in the staging buffer, on the host (the device path takes its norm in one kernel), with no
+    /// post-factor still to apply, nothing set aside to add, no optimizer in backward (which sums what it steps).
+    fn sums_as_landing(&mut self) -> bool {
+        let g = &*self.gradients;
+        g.reduced == ReducedGradients::Staging
+            && g.how.post.is_none()
+            && !g.how.residence.device_path()
+            && self.stepper.is_none()
+            && self.in_backward().aside.is_none()
     }
 
     /// Steps bucket `b`, all-reduced: its post-factor, then its elements of the parameters (stage 0 optimizes the

@@ -270,6 +270,9 @@ impl GradientSync<'_> {
                 )),
                 Some(_) => stepped = self.stepper.is_some(),
                 None => {
+                    if let Some(a) = self.gradients.all_reduce_in_backward.as_mut() {
+                        a.forget_landed();
+                    }
                     if let Some(pre) = how.pre {
                         let _ = staging.shallow_clone().f_mul_scalar_(pre)?;
                     }
