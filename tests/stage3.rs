@@ -1,7 +1,8 @@
 //! Stage 3: the MLP with one unit per layer, and as a single unit, at world sizes 1-4 (with gradient
 //! accumulation and activation checkpointing) ends at the single-process AdamW reference within 1e-5; gathered
 //! full parameters never exceed the two largest units plus persistent ones; model-state bytes per rank are 16Psi/N
-//! (fp32 Adam) within 5%; comm volume is 3Psi per step; misuse gives errors that say what to do.
+//! (fp32 Adam) within 5%; comm volume is 3Psi per step; misuse gives errors that say what to do. Also every
+//! `optimizer_in_backward` test, stage 0's (each bucket stepped as its all-reduce lands) included.
 use std::time::Duration;
 
 use serde_json::{json, Value};

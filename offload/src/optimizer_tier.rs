@@ -45,6 +45,22 @@ pub trait OptimizerTier: Send {
         groups: &[Group],
         out: Option<ParamsOut<'_>>,
     ) -> Result<(), TierError>;
+    /// [`OptimizerTier::step`] with the gradients multiplied by `scale` (clipping's coefficient): bitwise the step
+    /// after scaling them in place. Tiers that read the gradients once fold the factor into that read; the default
+    /// scales them in place first (so `grads` may be left scaled).
+    fn step_scaled(
+        &mut self,
+        params: &mut [f32],
+        grads: &mut [f32],
+        scale: f32,
+        groups: &[Group],
+        out: Option<ParamsOut<'_>>,
+    ) -> Result<(), TierError> {
+        if scale != 1.0 {
+            zerorun_optim::norm::scale_in_place(grads, scale);
+        }
+        self.step(params, grads, groups, out)
+    }
     /// Starts a step taken in pieces (stage 3's optimizer in backward): advances the step count; each piece is then
     /// an [`OptimizerTier::update_range`]. See [`Optimizer::update_range`].
     fn begin_step(&mut self) -> Result<(), TierError>;
@@ -104,6 +120,18 @@ impl OptimizerTier for InMemory {
         out: Option<ParamsOut<'_>>,
     ) -> Result<(), TierError> {
         Ok(self.0.step(params, Grads::F32(grads), groups, out)?)
+    }
+
+    fn step_scaled(
+        &mut self,
+        params: &mut [f32],
+        grads: &mut [f32],
+        scale: f32,
+        groups: &[Group],
+        out: Option<ParamsOut<'_>>,
+    ) -> Result<(), TierError> {
+        let grads = if scale == 1.0 { Grads::F32(grads) } else { Grads::Scaled(grads, scale) };
+        Ok(self.0.step(params, grads, groups, out)?)
     }
 
     fn begin_step(&mut self) -> Result<(), TierError> {

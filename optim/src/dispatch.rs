@@ -120,7 +120,7 @@ fn tile_body<const S: usize, K: Kernel<S>>(kernel: &K, step: &Step<'_, S>, group
     let mut staged = [0f32; STAGE];
     for start in tile.clone().step_by(STAGE) {
         let r = start..(start + STAGE).min(tile.end);
-        // f32 gradients are read in place; 16-bit ones are widened into an L1-resident buffer.
+        // f32 gradients are read in place; 16-bit and scaled ones are widened or scaled into an L1-resident buffer.
         let g: &[f32] = match step.grads {
             Grads::F32(g) => &g[r.clone()],
             _ => {

@@ -14,6 +14,9 @@ pub enum Grads<'a> {
     Bf16(&'a [bf16]),
     /// fp16 gradients.
     F16(&'a [f16]),
+    /// fp32 gradients multiplied by a factor as they are read (clipping's coefficient): each element is `g * factor`
+    /// rounded once, bitwise what scaling them in place first gives, without a pass over them before the step.
+    Scaled(&'a [f32], f32),
 }
 
 /// Where updated parameters are copied in 16 bits (the model's weights under mixed precision).
@@ -46,7 +49,7 @@ impl Grads<'_> {
     /// Elements.
     pub fn len(&self) -> usize {
         match self {
-            Grads::F32(g) => g.len(),
+            Grads::F32(g) | Grads::Scaled(g, _) => g.len(),
             Grads::Bf16(g) => g.len(),
             Grads::F16(g) => g.len(),
         }
@@ -60,7 +63,7 @@ impl Grads<'_> {
     /// Bytes per element, for bandwidth accounting.
     pub fn elem_bytes(&self) -> usize {
         match self {
-            Grads::F32(_) => 4,
+            Grads::F32(_) | Grads::Scaled(..) => 4,
             _ => 2,
         }
     }
@@ -76,6 +79,11 @@ impl Grads<'_> {
                 }
             }
             Grads::F16(g) => half::slice::HalfFloatSliceExt::convert_to_f32_slice(&g[range], dst),
+            Grads::Scaled(g, factor) => {
+                for (d, s) in dst.iter_mut().zip(&g[range]) {
+                    *d = s * factor;
+                }
+            }
         }
     }
 }

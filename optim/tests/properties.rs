@@ -382,6 +382,36 @@ fn a_step_in_pieces_equals_the_whole_step_bitwise() {
 }
 
 #[test]
+fn scaled_gradients_step_bitwise_like_gradients_scaled_in_place_first() {
+    // Clipping's coefficient read with the gradients (Grads::Scaled) against norm::scale_in_place before the step,
+    // every optimizer (Lamb's trust ratio included), two groups, three steps.
+    let n = 50_001;
+    let groups = vec![
+        Group { range: 0..20_000, lr: 1e-2, weight_decay: 0.1 },
+        Group { range: 20_000..n, lr: 3e-3, weight_decay: 0.0 },
+    ];
+    let with_lamb = |n| {
+        let mut all = element_wise_optimizers(n);
+        all.push(Box::new(Lamb::new(LambConfig::default(), n)) as Box<dyn Optimizer>);
+        all
+    };
+    for (mut fused, mut first) in with_lamb(n).into_iter().zip(with_lamb(n)) {
+        let (mut p_fused, mut p_first) = (data(n, 3), data(n, 3));
+        for step in 0..3 {
+            let g = data(n, 50 + step);
+            let coef = 0.37f32 + step as f32 * 0.11;
+            fused.step(&mut p_fused, Grads::Scaled(&g, coef), &groups, None).unwrap();
+            let mut scaled = g.clone();
+            norm::scale_in_place(&mut scaled, coef);
+            first.step(&mut p_first, Grads::F32(&scaled), &groups, None).unwrap();
+        }
+        let name = fused.name();
+        assert!(p_fused.iter().zip(&p_first).all(|(a, b)| a.to_bits() == b.to_bits()), "{name}: params differ");
+        assert_eq!(fused.state(), first.state(), "{name}: states differ");
+    }
+}
+
+#[test]
 fn a_piece_outside_the_shard_and_lamb_are_refused() {
     let n = 10;
     let mut adam = Adam::new(AdamConfig::default(), n);

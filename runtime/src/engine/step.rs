@@ -136,10 +136,8 @@ impl Engine {
             return self.skip_step(loss);
         }
         let grad_norm = (sq[0] as f64).sqrt() / scale;
+        // Clipping's coefficient (and fp16's unscaling): applied by the optimizer step as it reads the gradients.
         let coef = norm::clip_coefficient(grad_norm, self.config.gradient_clipping) / scale;
-        if coef != 1.0 {
-            flat_math::scale(self.residence, &self.gradients.for_step(&self.shard.optimized), coef as f32)?;
-        }
         for g in &mut self.shard.groups {
             g.lr = lr;
         }
@@ -148,7 +146,7 @@ impl Engine {
             self.shard.tier.set_momentum(momentum);
         }
         match stepped {
-            None => self.timed(Phase::Step, Self::apply_optimizer)?,
+            None => self.timed(Phase::Step, |e| e.apply_optimizer(coef as f32))?,
             // What the pieces left in flight (NVMe writes of states and values) ends with the step.
             Some(_) => {
                 self.shard.tier.finish_step()?;
@@ -323,9 +321,10 @@ impl Engine {
         Ok(loss[0] as f64)
     }
 
-    fn apply_optimizer(&mut self) -> Result<()> {
+    fn apply_optimizer(&mut self, grad_scale: f32) -> Result<()> {
         let (rank, precision) = (self.comm.rank(), self.precision());
         self.shard.step(StepTarget {
+            grad_scale,
             parameters: &mut self.states.parameters,
             gradients: &mut self.gradients,
             layout: &self.states.layout,

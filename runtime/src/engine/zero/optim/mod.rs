@@ -51,6 +51,10 @@ pub(crate) struct OptimizerShard {
 
 /// What a step reads and writes beside the optimizer's own state.
 pub(crate) struct StepTarget<'a> {
+    /// What the reduced gradients are multiplied by before the update (clipping's coefficient, fp16's unscaling):
+    /// folded into the update's read of them where the step reads host fp32 gradients in one pass, else applied in
+    /// place first. Bitwise the same either way.
+    pub grad_scale: f32,
     pub parameters: &'a mut Parameters,
     pub gradients: &'a mut Gradients,
     pub layout: &'a FlatLayout,
@@ -97,6 +101,13 @@ impl OptimizerShard {
 
     /// Steps this rank's values with the reduced fp32 gradients (the groups carry the learning rate).
     pub fn step(&mut self, t: StepTarget<'_>) -> Result<()> {
+        let folds_scale = self.master.is_none()
+            && !steps_on_device(&mut self.tier)
+            && !self.steps_in_pieces(&t)
+            && !(t.parameters.steps_a_copy(t.plan) || t.residence.device_path());
+        if t.grad_scale != 1.0 && !folds_scale {
+            flat_math::scale(t.residence, &t.gradients.for_step(&self.optimized), t.grad_scale)?;
+        }
         if let Some(adam) = self.tier.as_any_mut().and_then(|a| a.downcast_mut::<DeviceOptimizer>()) {
             return step_on_device(adam, self.master.as_ref(), &self.optimized, &self.groups, t);
         }
@@ -115,7 +126,8 @@ impl OptimizerShard {
                 let params = &mut unsafe { views::slice::<f32>(&t.parameters.flat) }[range];
                 let grads = t.gradients.for_step(&self.optimized);
                 // SAFETY: the only view of the reduced gradients during the step (the parameters are another buffer).
-                self.tier.step(params, unsafe { views::slice::<f32>(&grads) }, &self.groups, None)?;
+                let grads = unsafe { views::slice::<f32>(&grads) };
+                self.tier.step_scaled(params, grads, t.grad_scale, &self.groups, None)?;
             }
             Some(master) => {
                 // The update writes the 16-bit model copy of the range in the same pass.
