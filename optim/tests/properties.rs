@@ -350,14 +350,19 @@ fn element_wise_optimizers(n: usize) -> Vec<Box<dyn Optimizer>> {
     ]
 }
 
+/// A decayed group and one without decay, split at element 20,000 of `n`.
+fn two_groups(n: usize) -> Vec<Group> {
+    vec![
+        Group { range: 0..20_000, lr: 1e-2, weight_decay: 0.1 },
+        Group { range: 20_000..n, lr: 3e-3, weight_decay: 0.0 },
+    ]
+}
+
 #[test]
 fn a_step_in_pieces_equals_the_whole_step_bitwise() {
     // Pieces cut across both groups' boundaries, in backward's order (last piece first), with a 16-bit copy.
     let n = 50_001;
-    let groups = vec![
-        Group { range: 0..20_000, lr: 1e-2, weight_decay: 0.1 },
-        Group { range: 20_000..n, lr: 3e-3, weight_decay: 0.0 },
-    ];
+    let groups = two_groups(n);
     let pieces = [40_000..n, 17_000..40_000, 0..17_000];
     for (mut whole, mut parts) in element_wise_optimizers(n).into_iter().zip(element_wise_optimizers(n)) {
         let (mut p_whole, mut p_parts) = (data(n, 3), data(n, 3));
@@ -386,10 +391,7 @@ fn scaled_gradients_step_bitwise_like_gradients_scaled_in_place_first() {
     // Clipping's coefficient read with the gradients (Grads::Scaled) against norm::scale_in_place before the step,
     // every optimizer (Lamb's trust ratio included), two groups, three steps.
     let n = 50_001;
-    let groups = vec![
-        Group { range: 0..20_000, lr: 1e-2, weight_decay: 0.1 },
-        Group { range: 20_000..n, lr: 3e-3, weight_decay: 0.0 },
-    ];
+    let groups = two_groups(n);
     let with_lamb = |n| {
         let mut all = element_wise_optimizers(n);
         all.push(Box::new(Lamb::new(LambConfig::default(), n)) as Box<dyn Optimizer>);
