@@ -2,7 +2,9 @@
 //! into buckets of about `reduce_bucket_size` elements (whole parameters, layout order); the gradient hooks count a
 //! bucket down as autograd writes its gradients and, once it is complete, start its all-reduce in place on the
 //! communication thread while backward goes on. Buckets start in one fixed order on every rank, the last first
-//! (the hooks' [`super::hooks::Countdown`]). The step then finds its gradients reduced but for the post-factor.
+//! (the hooks' [`super::hooks::Countdown`]). Waiting for them at the end of backward, the engine sums each landed
+//! bucket's squares for the norm (or, with `optimizer_in_backward`, steps the bucket); the step then finds its
+//! gradients reduced but for the post-factor.
 //!
 //! The reduction happens in the backward of the micro-step that reduces: every micro-step for 16-bit models (they
 //! accumulate reduced gradients in fp32), the boundary's for fp32 models (autograd accumulates the micro-batches
@@ -184,8 +186,8 @@ impl GradientSync<'_> {
             }
             stepping += t.elapsed();
         }
+        // Stepping in backward is backward's time, as at stage 3; the wait for the wire is the reduction's.
         self.times.add(crate::report::Phase::ReduceScatter, started.elapsed().saturating_sub(stepping));
-        self.times.add(crate::report::Phase::Step, stepping);
         if let Some(e) = first_error {
             return Err(e);
         }
