@@ -255,6 +255,20 @@ fn gpt_launch_with(
     steps: u64,
     extra: &[&str],
 ) -> (std::path::PathBuf, String) {
+    let (dir, out, _) = gpt_launch_logged(ranks, t, stage, config_extra, tag, steps, extra);
+    (dir, out)
+}
+
+/// [`gpt_launch_with`], also returning the ranks' log (the launcher's stderr).
+fn gpt_launch_logged(
+    ranks: usize,
+    t: usize,
+    stage: u8,
+    config_extra: &str,
+    tag: &str,
+    steps: u64,
+    extra: &[&str],
+) -> (std::path::PathBuf, String, String) {
     let dir = run_dir(tag);
     std::fs::create_dir_all(&dir).unwrap();
     let config = dir.join("config.json");
@@ -265,6 +279,8 @@ fn gpt_launch_with(
     let out = dir.join("final.safetensors");
     let gpt = examples::example("gpt");
     let run = std::process::Command::new(env!("CARGO_BIN_EXE_zerorun"))
+        // The examples' default, and each step's line (`steps_per_print`) for the tests that read the log.
+        .env("RUST_LOG", "warn,zerorun::summary=info,zerorun_runtime::engine::step=info")
         .args(["launch", "--nproc-per-node", &ranks.to_string(), "--"])
         .arg(gpt)
         .args(["--config", config.to_str().unwrap(), "--steps", &steps.to_string(), "--seed", "3", "--layers", "2"])
@@ -275,12 +291,9 @@ fn gpt_launch_with(
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&run.stdout).into_owned();
-    assert!(
-        run.status.success(),
-        "{ranks} ranks, T={t}, stage {stage}, {extra:?}:\n{text}\n{}",
-        String::from_utf8_lossy(&run.stderr)
-    );
-    (dir, text)
+    let log = String::from_utf8_lossy(&run.stderr).into_owned();
+    assert!(run.status.success(), "{ranks} ranks, T={t}, stage {stage}, {extra:?}:\n{text}\n{log}");
+    (dir, text, log)
 }
 
 /// The weights `gpt_launch` saved for `tag`, sorted by name; its folder is removed.
@@ -441,6 +454,48 @@ fn tensor_parallel_with_activation_checkpointing_and_16_bit() {
             .collect();
         assert!(losses[0] < 4.6, "{precision}: T=1 trains ({losses:?})");
         assert!((losses[0] - losses[1]).abs() <= 2e-3, "{precision}: T=1 and T=2 end at {losses:?}");
+    }
+}
+
+/// `optimizer_in_backward` with tensor parallelism: the step's reported norm counts the parameters every member
+/// holds whole (layer norms, row-parallel biases) once, as the ordinary step's does, and the weights are the same;
+/// stage 0 over 2 data-parallel ranks (each bucket stepped as its all-reduce lands) and stage 3's walk.
+#[test]
+fn the_optimizer_in_backward_reports_the_tensor_parallel_norm_as_the_ordinary_step_does() {
+    // Rank 0's lines (each data-parallel group's rank 0 logs its steps).
+    let norms = |log: &str| -> Vec<f64> {
+        let values = log
+            .lines()
+            .filter(|l| l.starts_with("[rank 0]"))
+            .filter_map(|l| l.split_once("grad_norm="))
+            .map(|(_, v)| v);
+        values
+            .map(|v| {
+                v[..v.find(|c: char| c != '.' && c != '-' && c != 'e' && !c.is_ascii_digit()).unwrap_or(v.len())]
+                    .parse()
+                    .unwrap()
+            })
+            .collect()
+    };
+    for (ranks, t, stage) in [(4, 2, 0), (2, 2, 3)] {
+        let runs: Vec<(Vec<f64>, Vec<(String, Tensor)>)> = [false, true]
+            .iter()
+            .map(|in_backward| {
+                let tag = format!("oib{in_backward}-r{ranks}s{stage}");
+                let extra = format!(
+                    r#", "gradient_clipping": 0.0, "steps_per_print": 1, "optimizer_in_backward": {in_backward}"#
+                );
+                let (_, _, log) = gpt_launch_logged(ranks, t, stage, &extra, &tag, 3, &[]);
+                (norms(&log), gpt_launch_weights(&tag))
+            })
+            .collect();
+        let what = format!("{ranks} ranks, T={t}, stage {stage}");
+        let (ordinary, in_backward) = (&runs[0].0, &runs[1].0);
+        assert_eq!(ordinary.len(), 3, "{what}: a norm per step in the log");
+        for (a, b) in ordinary.iter().zip(in_backward) {
+            assert!((a - b).abs() <= 1e-5 * a.abs(), "{what}: norms {ordinary:?} and {in_backward:?}");
+        }
+        assert_same_weights(&runs[0].1, &runs[1].1, &what);
     }
 }
 

@@ -191,7 +191,7 @@ impl Engine {
 
     /// What reducing gradients needs, borrowed from the engine's fields.
     pub(super) fn gradient_sync(&mut self) -> zero::grads::GradientSync<'_> {
-        // Only while stage 3's optimizer in backward has begun a step.
+        // Only while the optimizer in backward has begun a step.
         let stepper = self.shard.in_backward.as_mut().map(|progress| zero::optim::in_backward::ShardStepper {
             tier: &mut self.shard.tier,
             groups: &self.shard.groups,
@@ -201,6 +201,7 @@ impl Engine {
             },
             progress,
             residence: self.residence,
+            replicated: self.placement.replicated.as_ref(),
         });
         zero::grads::GradientSync {
             gradients: &mut self.gradients,

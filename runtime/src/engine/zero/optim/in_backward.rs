@@ -5,6 +5,8 @@
 //! once, then `update_range` per reduced bucket), which gives bitwise the values of one whole step because every
 //! element's update is its own. What needs every gradient before any update (clipping, accumulation, an overflow
 //! that skips the step, LAMB's trust ratio) is refused by the config.
+use std::ops::Range;
+
 use tch::Tensor;
 use zerorun_optim::Group;
 
@@ -46,12 +48,33 @@ pub(crate) struct ShardStepper<'a> {
     pub values: ShardValues<'a>,
     pub progress: &'a mut StepInBackward,
     pub residence: crate::engine::device::Residence,
+    /// Ranges of the optimized values every rank of the model-parallel group holds whole, and how many copies
+    /// there are: each rank adds 1/copies of their squares to the norm (as the ordinary step's norm does).
+    pub replicated: Option<&'a (Vec<Range<usize>>, usize)>,
+}
+
+impl ShardStepper<'_> {
+    /// The squares of a part at `at` the norm counts: all of them, less (1 - 1/copies) of the replicated ones'.
+    fn sum_of_squares(&self, at: usize, grads: &Tensor) -> Result<f64> {
+        let mut sq = flat_math::sum_of_squares(self.residence, grads)?;
+        if let Some((ranges, copies)) = self.replicated {
+            let n = grads.numel();
+            for r in ranges {
+                let (start, end) = (r.start.max(at), r.end.min(at + n));
+                if start < end {
+                    let part = grads.narrow(0, (start - at) as i64, (end - start) as i64);
+                    sq -= flat_math::sum_of_squares(self.residence, &part)? * (1.0 - 1.0 / *copies as f64);
+                }
+            }
+        }
+        Ok(sq)
+    }
 }
 
 impl StepPart for ShardStepper<'_> {
     fn step_part(&mut self, at: usize, grads: &Tensor) -> Result<()> {
         let n = grads.numel();
-        self.progress.sum_of_squares += flat_math::sum_of_squares(self.residence, grads)?;
+        self.progress.sum_of_squares += self.sum_of_squares(at, grads)?;
         let device_adam = self.tier.as_any_mut().and_then(|a| a.downcast_mut::<DeviceOptimizer>());
         match (&mut self.values, device_adam) {
             // The device path: the part is stepped where the shard lives.
