@@ -478,7 +478,7 @@ fn the_optimizer_in_backward_reports_the_tensor_parallel_norm_as_the_ordinary_st
             .collect()
     };
     for (ranks, t, stage) in [(4, 2, 0), (2, 2, 3)] {
-        let runs: Vec<(Vec<f64>, Vec<(String, Tensor)>)> = [false, true]
+        let runs: Vec<_> = [false, true]
             .iter()
             .map(|in_backward| {
                 let tag = format!("oib{in_backward}-r{ranks}s{stage}");

@@ -101,11 +101,13 @@ impl OptimizerShard {
 
     /// Steps this rank's values with the reduced fp32 gradients (the groups carry the learning rate).
     pub fn step(&mut self, t: StepTarget<'_>) -> Result<()> {
-        let folds_scale = self.master.is_none()
-            && !steps_on_device(&mut self.tier)
-            && !self.steps_in_pieces(&t)
-            && !(t.parameters.steps_a_copy(t.plan) || t.residence.device_path());
-        if t.grad_scale != 1.0 && !folds_scale {
+        // Only the contiguous host step of fp32 values reads the gradients once, in the tier.
+        let scales_first = self.master.is_some()
+            || steps_on_device(&mut self.tier)
+            || self.steps_in_pieces(&t)
+            || t.parameters.steps_a_copy(t.plan)
+            || t.residence.device_path();
+        if t.grad_scale != 1.0 && scales_first {
             flat_math::scale(t.residence, &t.gradients.for_step(&self.optimized), t.grad_scale)?;
         }
         if let Some(adam) = self.tier.as_any_mut().and_then(|a| a.downcast_mut::<DeviceOptimizer>()) {
