@@ -28,9 +28,16 @@ VENV_BIN = os.path.join(ROOT, ".venv/bin")
 SHAPE = {"in": 1024, "hidden": 4096, "layers": 5, "out": 8}
 
 # name: (zerorun's zero_optimization given the ranks per host (None: not run at that layout), DeepSpeed's; None:
-# zerorun's only, measured against DeepSpeed's plain stage 3). hpZ and shard groups span a host's ranks.
+# zerorun's only, measured against DeepSpeed's plain stage 3), and optionally (zerorun's, DeepSpeed's) top-level
+# keys. hpZ and shard groups span a host's ranks.
 CASES = {
     "stage0": (lambda k: {"stage": 0}, {"stage": 0}),
+    # zerorun steps each bucket as its all-reduce lands (no clipping there), DeepSpeed's stage 0 without clipping.
+    "stage0_in_backward": (
+        lambda k: {"stage": 0},
+        {"stage": 0},
+        ({"gradient_clipping": 0.0, "optimizer_in_backward": True}, {"gradient_clipping": 0.0}),
+    ),
     "stage2": (lambda k: {"stage": 2}, {"stage": 2}),
     "stage2_overlap": (lambda k: {"stage": 2, "overlap_comm": True}, {"stage": 2, "overlap_comm": True}),
     "stage3": (lambda k: {"stage": 3}, {"stage": 3}),
@@ -44,8 +51,8 @@ CASES = {
 }
 
 
-def config(zero, batch):
-    return {
+def config(zero, batch, top=None):
+    return (top or {}) | {
         "train_batch_size": batch,
         "gradient_accumulation_steps": 1,
         "steps_per_print": 1000,
@@ -125,18 +132,19 @@ def main():
             for layout in a.layouts.split(","):
                 hosts, per_host = map(int, layout.split("x"))
                 for name in a.cases.split(","):
-                    zr_zero, ds_zero = CASES[name]
+                    zr_zero, ds_zero = CASES[name][:2]
+                    zr_top, ds_top = CASES[name][2] if len(CASES[name]) > 2 else ({}, {})
                     zr_zero = zr_zero(per_host)
                     if zr_zero is None:
                         continue
                     ds_zero = ds_zero if ds_zero is not None else {"stage": 3}
                     zr_cfg = os.path.join(tmp, f"{name}_zerorun.json")
                     ds_cfg = os.path.join(tmp, f"{name}_deepspeed.json")
-                    json.dump(config(zr_zero, a.batch), open(zr_cfg, "w"))
-                    json.dump(config(ds_zero, a.batch), open(ds_cfg, "w"))
+                    json.dump(config(zr_zero, a.batch, zr_top), open(zr_cfg, "w"))
+                    json.dump(config(ds_zero, a.batch, ds_top), open(ds_cfg, "w"))
                     zr = cluster(hosts, per_host, link, "zerorun", [MLP, "--config", zr_cfg] + common)
                     # DeepSpeed's plain stage 3 once per layout and link serves every stage-3 row.
-                    key = (link, layout, json.dumps(ds_zero, sort_keys=True))
+                    key = (link, layout, json.dumps(config(ds_zero, a.batch, ds_top), sort_keys=True))
                     if key not in ds_runs:
                         ds_runs[key] = cluster(
                             hosts, per_host, link, "torchrun",
