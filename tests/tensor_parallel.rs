@@ -242,25 +242,13 @@ fn gpt_launch(
     steps: u64,
     extra: &[&str],
 ) -> (std::path::PathBuf, String) {
-    gpt_launch_with(ranks, t, stage, "", tag, steps, extra)
-}
-
-/// [`gpt_launch`] with `config_extra` added to the config's keys (`, "key": value`).
-fn gpt_launch_with(
-    ranks: usize,
-    t: usize,
-    stage: u8,
-    config_extra: &str,
-    tag: &str,
-    steps: u64,
-    extra: &[&str],
-) -> (std::path::PathBuf, String) {
-    let (dir, out, _) = gpt_launch_logged(ranks, t, stage, config_extra, tag, steps, extra);
+    let (dir, out, _) = gpt_launch_with(ranks, t, stage, "", tag, steps, extra);
     (dir, out)
 }
 
-/// [`gpt_launch_with`], also returning the ranks' log (the launcher's stderr).
-fn gpt_launch_logged(
+/// [`gpt_launch`] with `config_extra` added to the config's keys (`, "key": value`); also returns the ranks' log
+/// (the launcher's stderr).
+fn gpt_launch_with(
     ranks: usize,
     t: usize,
     stage: u8,
@@ -394,7 +382,7 @@ fn tensor_parallel_inside_pipeline_stages_ends_where_one_rank_does() {
     };
     let checkpoints = run_dir("pipe-ckpt");
     let ck = checkpoints.to_str().unwrap().to_string();
-    let (_, text) = gpt_launch_with(
+    let (_, text, _) = gpt_launch_with(
         4,
         2,
         1,
@@ -447,7 +435,7 @@ fn tensor_parallel_with_activation_checkpointing_and_16_bit() {
             .iter()
             .map(|&(ranks, t)| {
                 let tag = format!("{precision}-t{t}");
-                let (_, text) = gpt_launch_with(ranks, t, stage, &extra, &tag, 4, &[]);
+                let (_, text, _) = gpt_launch_with(ranks, t, stage, &extra, &tag, 4, &[]);
                 gpt_launch_weights(&tag);
                 last_loss(&text)
             })
@@ -485,7 +473,7 @@ fn the_optimizer_in_backward_reports_the_tensor_parallel_norm_as_the_ordinary_st
                 let extra = format!(
                     r#", "gradient_clipping": 0.0, "steps_per_print": 1, "optimizer_in_backward": {in_backward}"#
                 );
-                let (_, _, log) = gpt_launch_logged(ranks, t, stage, &extra, &tag, 3, &[]);
+                let (_, _, log) = gpt_launch_with(ranks, t, stage, &extra, &tag, 3, &[]);
                 (norms(&log), gpt_launch_weights(&tag))
             })
             .collect();

@@ -256,8 +256,10 @@ impl Engine {
             && views::comm_kind(config.communication_data_type, precision) == views::kind_of(precision);
         // Stage 0 steps each bucket as its all-reduce lands; a single rank has no all-reduce, and its ordinary step
         // gives the same values.
-        plan.steps_in_backward = config.optimizer_in_backward && (z.stage == 3 || plan.all_reduce_in_backward);
-        if config.optimizer_in_backward && z.stage == 0 && world_size > 1 && !plan.all_reduce_in_backward {
+        // (The config allows the key at stages 0 and 3 only.)
+        let stage_0 = !plan.partitions_parameters();
+        plan.steps_in_backward = config.optimizer_in_backward && (!stage_0 || plan.all_reduce_in_backward);
+        if config.optimizer_in_backward && stage_0 && world_size > 1 && !plan.all_reduce_in_backward {
             return Err(crate::config::ConfigError::Conflict {
                 path: "optimizer_in_backward".into(),
                 message: "stage 0 steps each bucket as its all-reduce in backward lands, which runs over one group of ranks, in the model's dtype, every step: not with asynchronous training or a `communication_data_type` other than the model's".into(),

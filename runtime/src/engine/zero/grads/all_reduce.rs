@@ -157,8 +157,7 @@ impl GradientSync<'_> {
         let handles = std::mem::take(&mut self.in_backward().in_flight);
         let staging = self.gradients.queue.staging().shallow_clone();
         // The norm's sum of squares, bucket by bucket while the later ones are on the wire (else the step's pass).
-        let mut landed = (self.sums_as_landing() && staging.kind() == tch::Kind::Float)
-            .then(|| PiecewiseSumOfSquares::new(staging.numel()));
+        let mut landed = self.sums_as_landing().then(|| PiecewiseSumOfSquares::new(staging.numel()));
         let base = staging.data_ptr() as *const f32;
         let mut first_error = None;
         for (b, h) in handles {
@@ -171,7 +170,7 @@ impl GradientSync<'_> {
             if let Some(sum) = landed.as_mut() {
                 let range = self.in_backward().ranges[b].clone();
                 sum.add_final(range, |r| {
-                    // SAFETY: fp32 elements of the host staging buffer (checked above), read-only, whose
+                    // SAFETY: fp32 elements of the host staging buffer (`sums_as_landing`), read-only, whose
                     // all-reduces have landed: the comm thread writes only the buckets still in flight, and nothing
                     // else writes these before the step.
                     zerorun_optim::Grads::F32(unsafe { std::slice::from_raw_parts(base.add(r.start), r.len()) })
@@ -201,6 +200,7 @@ impl GradientSync<'_> {
     fn sums_as_landing(&mut self) -> bool {
         let g = &*self.gradients;
         g.reduced == ReducedGradients::Staging
+            && g.queue.staging().kind() == tch::Kind::Float
             && g.how.post.is_none()
             && !g.how.residence.device_path()
             && self.stepper.is_none()

@@ -52,8 +52,8 @@ pub(crate) struct OptimizerShard {
 /// What a step reads and writes beside the optimizer's own state.
 pub(crate) struct StepTarget<'a> {
     /// What the reduced gradients are multiplied by before the update (clipping's coefficient, fp16's unscaling):
-    /// folded into the update's read of them where the step reads host fp32 gradients in one pass, else applied in
-    /// place first. Bitwise the same either way.
+    /// folded into the tier's read of them where the step is one contiguous host step, else applied in place first
+    /// ([`scale_first`]). Bitwise the same either way.
     pub grad_scale: f32,
     pub parameters: &'a mut Parameters,
     pub gradients: &'a mut Gradients,
@@ -66,6 +66,15 @@ pub(crate) struct StepTarget<'a> {
     /// there as soon as its chunk is stepped.
     pub thread: Option<&'a CommThread>,
     pub volume: &'a mut CommVolume,
+}
+
+/// Multiplies the reduced gradients by `t.grad_scale` in place: what the steps that do not read them in one pass
+/// of a host tier (`OptimizerTier::step_scaled`) do first.
+fn scale_first(optimized: &Optimized, t: &StepTarget<'_>) -> Result<()> {
+    if t.grad_scale != 1.0 {
+        flat_math::scale(t.residence, &t.gradients.for_step(optimized), t.grad_scale)?;
+    }
+    Ok(())
 }
 
 /// Whether `tier` is the device path's optimizer, which keeps the master and the gradients on the model's device.
@@ -101,22 +110,17 @@ impl OptimizerShard {
 
     /// Steps this rank's values with the reduced fp32 gradients (the groups carry the learning rate).
     pub fn step(&mut self, t: StepTarget<'_>) -> Result<()> {
-        // Only the contiguous host step of fp32 values reads the gradients once, in the tier.
-        let scales_first = self.master.is_some()
-            || steps_on_device(&mut self.tier)
-            || self.steps_in_pieces(&t)
-            || t.parameters.steps_a_copy(t.plan)
-            || t.residence.device_path();
-        if t.grad_scale != 1.0 && scales_first {
-            flat_math::scale(t.residence, &t.gradients.for_step(&self.optimized), t.grad_scale)?;
-        }
-        if let Some(adam) = self.tier.as_any_mut().and_then(|a| a.downcast_mut::<DeviceOptimizer>()) {
+        if steps_on_device(&mut self.tier) {
+            scale_first(&self.optimized, &t)?;
+            let adam = self.tier.as_any_mut().and_then(|a| a.downcast_mut::<DeviceOptimizer>()).expect("checked");
             return step_on_device(adam, self.master.as_ref(), &self.optimized, &self.groups, t);
         }
         if self.steps_in_pieces(&t) {
+            scale_first(&self.optimized, &t)?;
             return self.step_in_pieces(t);
         }
         if t.parameters.steps_a_copy(t.plan) || t.residence.device_path() {
+            scale_first(&self.optimized, &t)?;
             return self.step_on_copy(t);
         }
         // Contiguous in the flat buffer: the flat range at stages 0-1, the shard buffer itself at stage 3.
@@ -143,7 +147,7 @@ impl OptimizerShard {
                 // SAFETY: the master and the accumulator are this shard's own host buffers, viewed for the step.
                 let (master, grads) =
                     unsafe { (views::slice::<f32>(master), views::slice::<f32>(t.gradients.accumulator())) };
-                self.tier.step(master, grads, &self.groups, Some(out))?;
+                self.tier.step_scaled(master, grads, t.grad_scale, &self.groups, Some(out))?;
                 t.gradients.clear_accumulator();
             }
         }
