@@ -29,6 +29,7 @@ fn main() {
                 "native/region_allocator.cpp",
                 "native/counting_allocator.cpp",
                 "native/grad_hooks.cpp",
+                "native/unit_scopes.cpp",
                 "native/cuda_loader.cpp",
                 "native/gloo_backend.cpp",
                 "native/tensor_parallel.cpp",

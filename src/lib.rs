@@ -37,7 +37,7 @@ pub use zerorun_runtime::config::{self, Config, ConfigError};
 pub use zerorun_runtime::cuda;
 pub use zerorun_runtime::cuda::local_device;
 pub use zerorun_runtime::engine::no_decay_for_1d;
-pub use zerorun_runtime::engine::{BuiltModel, Sequence, UnitBuilders, UnitForward, UnitModel, Whole};
+pub use zerorun_runtime::engine::{BuiltModel, Sequence, UnitBuilders, UnitForward, UnitModel, UnitOutput, Whole};
 pub use zerorun_runtime::estimate::{estimate, EstimateInput, EstimateRow};
 pub use zerorun_runtime::gloo::communicator_from_env;
 pub use zerorun_runtime::mesh::{Dim, Mesh, MeshOptions, MeshShape};
@@ -47,7 +47,7 @@ pub use zerorun_runtime::pipeline::{
 pub use zerorun_runtime::tensor_parallel::TensorParallel;
 pub use zerorun_runtime::{
     initialize, initialize_pipeline, initialize_with, BufferSync, Engine, EngineOptions, Error, PretrainedOptions,
-    SaveOptions, StepOutcome,
+    Result, SaveOptions, StepOutcome,
 };
 
 mod logging;

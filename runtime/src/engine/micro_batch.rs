@@ -109,8 +109,13 @@ impl Engine {
             let factor = self.loss_scale() / self.batch.gradient_accumulation_steps as f64;
             let (started, comm_before) = (Instant::now(), self.report.times.comm());
             let _span = Phase::Backward.span().entered();
-            // The walk records its own events, unit by unit.
-            return self.backward_units_impl(model, loss, factor).map(|()| self.end_backward(started, comm_before));
+            // The walk (or the scopes' hooks) records its own events, unit by unit.
+            let ran = if self.backward_is_scoped() {
+                self.backward_scopes(loss, factor)
+            } else {
+                self.backward_units_impl(model, loss, factor)
+            };
+            return ran.map(|()| self.end_backward(started, comm_before));
         }
         self.backward_root(Root::Loss(loss))
     }
@@ -347,7 +352,7 @@ impl Engine {
                 ""
             };
             return Err(Error::Usage(format!(
-                "the engine runs the model's units at stage {stage}: the loss must come from `engine.forward(&model, input)` (run with gradients), once per backward{plain}"
+                "the engine runs the model's units at stage {stage}: the loss must come from `engine.forward(&model, input)` or from units entered with `engine.unit(name, ..)` (run with gradients), once per backward{plain}"
             )));
         }
         if self.plan.steps_in_backward {

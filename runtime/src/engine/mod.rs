@@ -46,6 +46,7 @@ mod reporting;
 pub mod sampler;
 mod setup;
 mod step;
+mod unit_scopes;
 #[doc(hidden)] // the engine's parts: what a program uses is re-exported below
 pub mod zero;
 
@@ -63,6 +64,7 @@ pub use reporting::{MemoryReportFiles, MEMORY_REPORT_ENV};
 pub use zero::builders::{BuiltModel, UnitBuilders, UnitForward};
 pub use zero::layout::{self, FlatLayout, ParamSlot, UnitSpan};
 use zero::plan::StagePlan;
+pub use zero::scopes::UnitOutput;
 pub use zero::units::{self, Sequence, UnitModel, Whole};
 pub use zero::variables::BufferSync;
 

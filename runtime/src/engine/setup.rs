@@ -303,7 +303,7 @@ impl Engine {
         };
         let broadcast: Vec<&Tensor> = frozen_whole.iter().chain(&buffers).map(|(_, t)| t).collect();
         variables::broadcast_values(comm.as_ref(), &broadcast)?;
-        let (flat_params, mut swapped_params, params, sharded_units) = if plan.partitions_parameters() {
+        let (flat_params, mut swapped_params, params, mut sharded_units) = if plan.partitions_parameters() {
             let materialize = materialize.as_deref_mut();
             crate::engine::zero::unit_walk::shard_units(
                 &layout,
@@ -319,12 +319,21 @@ impl Engine {
             let (flat, params, units) = pack(&layout, named, kind, comm.as_ref(), &plan, shared, residence)?;
             (flat, None, params, units)
         };
-        let frozen_units = if plan.partitions_parameters() && frozen_by_unit.iter().any(|u| !u.is_empty()) {
+        let mut frozen_units = if plan.partitions_parameters() && frozen_by_unit.iter().any(|u| !u.is_empty()) {
             let persistent: Vec<bool> = sharded_units.iter().map(|u| u.persistent).collect();
             Some(frozen::FrozenUnits::new(frozen_by_unit, &persistent, comm.as_ref(), residence, materialize)?)
         } else {
             None
         };
+        // A released parameter's error names its unit.
+        for (u, unit) in sharded_units.iter_mut().enumerate() {
+            let name = unit_prefixes[u].first().map_or("", String::as_str);
+            unit.describe(&layout.slots[layout.units[u].slots.clone()], name)?;
+            if let Some(frozen) = frozen_units.as_mut() {
+                let slots = frozen.layout.slots[frozen.layout.units[u].slots.clone()].to_vec();
+                frozen.units[u].describe(&slots, name)?;
+            }
+        }
 
         // A 16-bit model's fp32 master starts from the values: read back unit by unit where they are on NVMe.
         let values = match (&mut swapped_params, precision) {
@@ -387,6 +396,7 @@ impl Engine {
                 unit_prefixes,
                 records: Vec::new(),
                 activation_checkpointing: options.activation_checkpointing,
+                scopes: None,
             },
             gradients,
             shard,

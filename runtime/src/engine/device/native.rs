@@ -37,7 +37,20 @@ extern "C" {
     fn zerorun_tensor_impl(t: *mut c_void) -> *const c_void;
     fn zerorun_pin_memory(t: *mut c_void, out: *mut *mut c_void) -> *mut c_char;
     fn zerorun_is_pinned(t: *mut c_void) -> i32;
+    fn zerorun_released_like(like: *mut c_void, what: *const c_char, out: *mut *mut c_void) -> *mut c_char;
+    fn zerorun_point_at(var: *mut c_void, data: *mut c_void) -> *mut c_char;
+    fn zerorun_on_output_grad(
+        t: *mut c_void,
+        f: OutputReadyFn,
+        ctx: *mut c_void,
+        drop: extern "C" fn(*mut c_void),
+        unit: i64,
+    ) -> *mut c_char;
 }
+
+/// What a unit's output hook calls: `(ctx, unit)`, returning null to go on or a malloc'ed message that stops the
+/// backward with it.
+pub type OutputReadyFn = extern "C" fn(*mut c_void, i64) -> *mut c_char;
 
 fn ptr(t: &Tensor) -> *mut c_void {
     t.as_ptr() as *mut c_void
@@ -167,4 +180,48 @@ pub fn pin_memory(t: &Tensor) -> Result<Tensor> {
 /// Whether the host tensor `t` is page-locked (no device named, as in [`pin_memory`]).
 pub fn is_pinned(t: &Tensor) -> bool {
     unsafe { zerorun_is_pinned(ptr(t)) != 0 }
+}
+
+/// A tensor shaped and typed like `like` that every libtorch operator refuses with `zerorun: {what} [operator]`
+/// (`native/unit_scopes.cpp`): what a stage-3 parameter points at between its unit's scopes.
+pub fn released_like(like: &Tensor, what: &str) -> Result<Tensor> {
+    let what = std::ffi::CString::new(what.replace('\0', " ")).expect("no NUL left");
+    let mut out = std::ptr::null_mut::<c_void>();
+    check(unsafe { zerorun_released_like(ptr(like), what.as_ptr(), &mut out) }, "making a released parameter")?;
+    // SAFETY: allocated by the shim with `new at::Tensor`, owned by tch's Tensor from here.
+    Ok(unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) })
+}
+
+/// Points the variable `var` at `data` (its storage, shape and device), keeping the variable's identity, autograd
+/// state and version counter: `set_data` without its same-backend check, so a parameter moves between its unit's
+/// buffer and a [`released_like`] tensor.
+pub fn point_at(var: &Tensor, data: &Tensor) -> Result<()> {
+    check(unsafe { zerorun_point_at(ptr(var), ptr(data)) }, "pointing a parameter at its values")
+}
+
+/// Calls `f(ctx, unit)` before autograd computes anything that `t` (which requires grad) was computed from. The
+/// hook owns `ctx` and calls `drop(ctx)` when it goes with its graph.
+pub fn on_output_grad(
+    t: &Tensor,
+    f: OutputReadyFn,
+    ctx: *mut c_void,
+    drop: extern "C" fn(*mut c_void),
+    unit: usize,
+) -> Result<()> {
+    check(unsafe { zerorun_on_output_grad(ptr(t), f, ctx, drop, unit as i64) }, "registering a unit's backward hook")
+}
+
+/// A malloc'ed copy of `text`, for a hook's message to the shim (which frees it).
+pub fn malloc_message(text: &str) -> *mut c_char {
+    let bytes = text.as_bytes();
+    // SAFETY: a fresh allocation of len + 1 bytes, filled and NUL-terminated here; the shim frees it.
+    unsafe {
+        let m = libc::malloc(bytes.len() + 1) as *mut u8;
+        if m.is_null() {
+            return std::ptr::null_mut();
+        }
+        std::ptr::copy_nonoverlapping(bytes.as_ptr(), m, bytes.len());
+        *m.add(bytes.len()) = 0;
+        m as *mut c_char
+    }
 }

@@ -11,6 +11,7 @@ pub mod layout;
 pub(crate) mod optim;
 pub(crate) mod parameters;
 pub(crate) mod plan;
+pub mod scopes;
 pub(crate) mod sharded_unit;
 pub(crate) mod sizing;
 pub(crate) mod swapped_params;

@@ -1,8 +1,9 @@
 //! One unit's parameters at stage 3 (FSDP's FlatParameter): a flat buffer of the unit's padded length whose
 //! storage exists only while the unit is gathered. Sharded -> Gathered -> Sharded, one explicit state.
 //!
-//! The model's tensors are views into the buffer while gathered and point at an empty tensor while sharded, so a
-//! stray use outside the engine is a shape error, not a read of freed memory. Releasing resizes the buffer's
+//! The model's tensors are views into the buffer while gathered and point at a released tensor while sharded
+//! ([`native::released_like`]: every libtorch operator refuses it with an error naming the parameter and its
+//! unit), so a stray use outside the engine is an error, never a read of freed memory. Releasing resizes the buffer's
 //! storage to zero bytes, which also frees what autograd's saved views of the parameters hold; gathering grows it
 //! back before backward needs them.
 use tch::{Kind, Tensor};
@@ -36,7 +37,8 @@ pub struct ShardedUnit {
     views: Vec<Tensor>,
     /// The model's tensors (same TensorImpl as the VarStore's).
     params: Vec<Tensor>,
-    empty: Tensor,
+    /// What each of `params` points at while the unit is sharded ([`native::released_like`]).
+    released: Vec<Tensor>,
     state: UnitState,
     /// The prefetch in flight (state Gathering).
     pending: Option<Handle<()>>,
@@ -82,7 +84,7 @@ impl ShardedUnit {
                 views.push(view);
             }
         });
-        let empty = Tensor::f_zeros([0], (kind, residence.device()))?;
+        let released = released_params(slots, &views, "")?;
         Ok(ShardedUnit {
             span,
             shard_offset,
@@ -90,7 +92,7 @@ impl ShardedUnit {
             full,
             views,
             params,
-            empty,
+            released,
             state: UnitState::Gathered,
             pending: None,
             in_place: false,
@@ -146,7 +148,6 @@ impl ShardedUnit {
                     .view(slot.shape.as_slice())
             })
             .collect();
-        let empty = Tensor::zeros([0], (region.kind(), region.device()));
         ShardedUnit {
             span,
             shard_offset,
@@ -154,7 +155,7 @@ impl ShardedUnit {
             full: region,
             views,
             params,
-            empty,
+            released: Vec::new(),
             state: UnitState::Gathered,
             pending: None,
             in_place: true,
@@ -263,7 +264,7 @@ impl ShardedUnit {
         native::resize_storage(&self.full, self.full_bytes())?;
         if self.span.range.is_empty() {
             // A unit without parameters of this kind (all frozen, or none frozen): nothing to gather.
-            self.point_params_at_views();
+            self.point_params_at_views()?;
             return Ok(0);
         }
         if self.put_host_copy()? {
@@ -274,7 +275,7 @@ impl ShardedUnit {
         }
         // The peers free their copies of this unit soon: their pages need not stay in this resident set.
         comm.forget_gathered_pages();
-        self.point_params_at_views();
+        self.point_params_at_views()?;
         Ok(self.span.range.len())
     }
 
@@ -283,17 +284,30 @@ impl ShardedUnit {
         debug_assert_eq!(self.state, UnitState::Gathering);
         self.pending.take().expect("a gathering unit has a handle").wait()?;
         self.keep_host_copy()?;
-        self.point_params_at_views();
+        self.point_params_at_views()
+    }
+
+    fn point_params_at_views(&mut self) -> Result<()> {
+        for (t, v) in self.params.iter().zip(&self.views) {
+            native::point_at(t, v)?;
+        }
+        self.state = UnitState::Gathered;
         Ok(())
     }
 
-    fn point_params_at_views(&mut self) {
-        tch::no_grad(|| {
-            for (t, v) in self.params.iter_mut().zip(&self.views) {
-                t.set_data(v);
+    /// Names the unit in the error a released parameter gives (`unit`: its name, as `engine.unit` takes it).
+    pub fn describe(&mut self, slots: &[ParamSlot], unit: &str) -> Result<()> {
+        if self.in_place {
+            return Ok(());
+        }
+        let released = released_params(slots, &self.views, unit)?;
+        if self.state == UnitState::Sharded {
+            for (t, r) in self.params.iter().zip(&released) {
+                native::point_at(t, r)?;
             }
-        });
-        self.state = UnitState::Gathered;
+        }
+        self.released = released;
+        Ok(())
     }
 
     /// Sharded -> Gathering: regrows the buffer, puts this rank's `chunk` in and starts the all-gather on the
@@ -302,7 +316,7 @@ impl ShardedUnit {
         debug_assert_eq!(self.state, UnitState::Sharded);
         native::resize_storage(&self.full, self.full_bytes())?;
         if self.span.range.is_empty() {
-            self.point_params_at_views();
+            self.point_params_at_views()?;
             return Ok(0);
         }
         let in_host = self.put_host_copy()?;
@@ -377,11 +391,9 @@ impl ShardedUnit {
             }
             UnitState::Gathered => {}
         }
-        tch::no_grad(|| {
-            for t in self.params.iter_mut() {
-                t.set_data(&self.empty);
-            }
-        });
+        for (t, r) in self.params.iter().zip(&self.released) {
+            native::point_at(t, r)?;
+        }
         native::resize_storage(&self.full, 0)?;
         debug_assert_eq!(native::storage_nbytes(&self.full), 0);
         self.state = UnitState::Sharded;
@@ -400,6 +412,32 @@ impl ShardedUnit {
     pub fn shard_range(&self, ws: usize) -> std::ops::Range<usize> {
         self.shard_offset..self.shard_offset + self.span.chunk_len(ws)
     }
+}
+
+/// What the parameters of a unit point at while it is sharded: tensors of their shapes that every operator refuses
+/// with an error naming the parameter and `unit` (none given: the parameter alone).
+fn released_params(slots: &[ParamSlot], views: &[Tensor], unit: &str) -> Result<Vec<Tensor>> {
+    slots
+        .iter()
+        .zip(views)
+        .map(|(slot, view)| {
+            let what = if unit.is_empty() {
+                format!(
+                    "parameter `{}` is released (ZeRO stage 3 keeps only this rank's shard of it outside its unit): \
+                     run the code that reads it inside its unit's scope, `engine.unit(..)`, or through `engine.forward`",
+                    slot.name
+                )
+            } else {
+                format!(
+                    "parameter `{}` of unit `{unit}` is released (ZeRO stage 3 keeps only this rank's shard of it \
+                     outside the unit): run the code that reads it inside `engine.unit(\"{unit}\", ..)`, or through \
+                     `engine.forward`",
+                    slot.name
+                )
+            };
+            native::released_like(view, &what)
+        })
+        .collect()
 }
 
 /// The all-gather of a unit's buffer, quantized when the unit's gathers are.

@@ -25,6 +25,8 @@ pub(crate) struct Walk {
     pub records: Vec<UnitRecord>,
     /// Keep only each unit's input in forward and recompute the unit in backward.
     pub activation_checkpointing: bool,
+    /// Units entered as scopes of the program's forward (`engine.unit`), set up on first use.
+    pub scopes: Option<crate::engine::zero::scopes::Scopes>,
 }
 
 /// Start-up at stage 3: packs each unit's parameters into its buffer, takes rank 0's values, keeps this

@@ -1,0 +1,248 @@
+//! Units entered from the program's own forward: `engine.unit(name, |engine| ...)` gathers the unit, runs the
+//! closure, hooks its outputs for backward and releases it; `engine.backward` runs autograd over the program's own
+//! graph while the hooks gather, reduce and release unit by unit (`zero/scopes.rs`). At stages 0-1, and stage 2
+//! without units, every rank holds every parameter and a scope is just the call, so one program runs at every
+//! stage.
+use std::time::Instant;
+
+use tch::Tensor;
+
+use crate::engine::device::native;
+use crate::engine::zero::plan::GradientPath;
+use crate::engine::zero::scopes::{Scopes, UnitOutput};
+use crate::engine::zero::sharded_unit::UnitState;
+use crate::engine::Engine;
+use crate::error::{Error, Result};
+use crate::report::allocations::{owned_by, Owner};
+use crate::report::memory::MemoryCategory;
+use crate::report::Phase;
+
+impl Engine {
+    /// Runs `forward` as the unit `name` (any of its prefixes in [`EngineOptions::units`](crate::EngineOptions)):
+    /// at stage 3 the unit's parameters are gathered for the call and released after it, and gathered again in
+    /// backward before autograd needs them. `forward` gets the engine back, to enter units nested in this one. Any
+    /// dataflow works: several inputs and outputs, outputs read by several later units, a unit entered more than
+    /// once (a tied embedding and head), units skipped. What the scope returns must hold every tensor it computed
+    /// that the rest of the forward reads ([`UnitOutput`]: a tensor, tuples, vectors, tch's LSTM and GRU states).
+    /// At stages 0-2 without units it only calls `forward`.
+    ///
+    /// ```
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use tch::nn::{self, Module};
+    /// use tch::{Device, Kind, Tensor};
+    /// let vs = nn::VarStore::new(Device::Cpu);
+    /// let enc = nn::linear(vs.root() / "enc", 4, 8, Default::default());
+    /// let dec = nn::linear(vs.root() / "dec", 8, 4, Default::default());
+    /// let options = zerorun_runtime::EngineOptions { units: Some(vec![vec!["enc".into()], vec!["dec".into()]]), ..Default::default() };
+    /// let config: zerorun_runtime::Config = r#"{"train_batch_size": 2, "zero_optimization": {"stage": 3}}"#.parse()?;
+    /// let mesh = zerorun_runtime::Mesh::from_env(&config, Default::default())?;
+    /// let mut engine = zerorun_runtime::initialize_with(&vs, config, mesh, options)?;
+    /// let x = Tensor::randn([2, 4], (Kind::Float, Device::Cpu));
+    /// let h = engine.unit("enc", |_| enc.forward(&x).relu())?;
+    /// // The decoder reads the encoder's output and the input: no chain needed.
+    /// let y = engine.unit("dec", |_| dec.forward(&h) + &x)?;
+    /// engine.backward(&y.square().mean(Kind::Float))?;
+    /// engine.step()?;
+    /// # Ok(()) }
+    /// ```
+    pub fn unit<T: UnitOutput>(&mut self, name: &str, forward: impl FnOnce(&mut Engine) -> T) -> Result<T> {
+        if self.plan.gradients != GradientPath::UnitWalk {
+            return Ok(forward(self));
+        }
+        let u = self.scopes()?.unit_named(name)?;
+        if self.walk.activation_checkpointing {
+            return Err(Error::Usage(format!(
+                "engine.unit(\"{name}\", ..) with activation checkpointing: a unit scope keeps autograd's graph; \
+                 recomputing units runs through `engine.forward` with a UnitModel (or checkpoint inside the unit)"
+            )));
+        }
+        let train = native::grad_enabled();
+        let outermost = self.scopes()?.depth == 0;
+        let (started, comm_before) = (Instant::now(), self.report.times.comm());
+        let times_before = (!train && outermost).then(|| self.report.times.clone());
+        self.gather_unit(u)?;
+        if train {
+            self.memory_event(|| format!("forward: unit {name} gathered"), &[]);
+        }
+        self.enter_phase(|| format!("forward: unit {name}"));
+        let scopes = self.walk.scopes.as_mut().expect("installed above");
+        scopes.open[u] += 1;
+        scopes.depth += 1;
+        let out = {
+            let _owner = owned_by(Owner::Forward);
+            forward(self)
+        };
+        let scopes = self.walk.scopes.as_mut().expect("installed above");
+        scopes.open[u] -= 1;
+        scopes.depth -= 1;
+        let (open, kept) = (scopes.open[u], scopes.kept[u]);
+        if train {
+            let scopes = self.walk.scopes.as_ref().expect("installed above");
+            for t in out.tensors() {
+                if t.defined() && t.requires_grad() {
+                    scopes.hook_output(t, u)?;
+                }
+            }
+            self.walk.scopes.as_mut().expect("installed above").forward_ran = true;
+            self.memory_event(|| format!("forward: unit {name} computed"), &[]);
+        } else {
+            self.memory_event(|| format!("forward (no grad): unit {name} computed"), &[]);
+        }
+        if open == 0 && !self.states.parameters.units[u].persistent && !(train && kept) {
+            self.release_unit(u)?;
+        }
+        match times_before {
+            Some(before) => self.report.times = before,
+            None if outermost => self
+                .report
+                .times
+                .add(Phase::Forward, started.elapsed().saturating_sub(self.report.times.comm() - comm_before)),
+            None => {}
+        }
+        Ok(out)
+    }
+
+    /// The scopes' state, installed (with its gradient hooks) on first use.
+    fn scopes(&mut self) -> Result<&mut Scopes> {
+        if self.walk.scopes.is_none() {
+            let layout = &self.states.layout;
+            let mut unit_of_slot = vec![0; layout.slots.len()];
+            for (u, span) in layout.units.iter().enumerate() {
+                for s in span.slots.clone() {
+                    unit_of_slot[s] = u;
+                }
+            }
+            let n = self.states.parameters.units.len();
+            let has_frozen: Vec<bool> = (0..n)
+                .map(|u| {
+                    self.states.parameters.frozen_units.as_ref().is_some_and(|f| !f.units[u].span.range.is_empty())
+                })
+                .collect();
+            let kept = self.states.parameters.kept_after_forward(&self.config.zero_optimization);
+            let scopes =
+                Scopes::install(&self.walk.unit_prefixes, &self.states.params, unit_of_slot, has_frozen, kept)?;
+            self.walk.scopes = Some(scopes);
+        }
+        Ok(self.walk.scopes.as_mut().expect("installed"))
+    }
+
+    /// Whether the next backward runs over units entered by scopes.
+    pub(crate) fn backward_is_scoped(&self) -> bool {
+        self.walk.records.is_empty() && self.walk.scopes.as_ref().is_some_and(|s| s.forward_ran)
+    }
+
+    /// Stage 3's backward of a forward run through scopes: autograd over the program's graph with the hooks lent
+    /// the engine, then the units whose gradients did not all come are reduced and every unit is released.
+    pub(crate) fn backward_scopes(&mut self, loss: &Tensor, factor: f64) -> Result<()> {
+        if self.plan.steps_in_backward {
+            self.shard.begin_step_in_backward()?;
+        }
+        self.scopes()?.begin_backward();
+        let root = if factor != 1.0 { loss * factor } else { loss.shallow_clone() };
+        let engine: *mut Engine = self;
+        self.walk.scopes.as_ref().expect("installed").lend(engine);
+        let ran = {
+            let _owner = owned_by(Owner::Backward);
+            root.f_backward()
+        };
+        let scopes = self.walk.scopes.as_mut().expect("installed");
+        scopes.unlend();
+        scopes.forward_ran = false;
+        let hook_error = scopes.error.take();
+        let finished = match (hook_error, ran) {
+            (Some(e), _) => Err(e),
+            (None, Err(e)) => Err(e.into()),
+            (None, Ok(())) => self.reduce_remaining_units(),
+        };
+        // Whatever happened, no unit stays gathered past its backward (the persistent ones always are).
+        let released = self.release_scoped_units();
+        finished?;
+        released?;
+        self.gradient_sync().drain()
+    }
+
+    /// Reduces, last unit first (one order on every rank), every unit with trainable parameters that this backward
+    /// did not reduce yet: some of its parameters took no part, or it was not entered (zeros).
+    fn reduce_remaining_units(&mut self) -> Result<()> {
+        let n = self.states.parameters.units.len();
+        for u in (0..n).rev() {
+            let scopes = self.walk.scopes.as_ref().expect("installed");
+            if scopes.trains(u) && !scopes.reduced[u] {
+                self.reduce_scoped_unit(u)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn release_scoped_units(&mut self) -> Result<()> {
+        for u in 0..self.states.parameters.units.len() {
+            let unit = &self.states.parameters.units[u];
+            if !unit.persistent && unit.owns_buffer() && unit.state() != UnitState::Sharded {
+                self.release_unit(u)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Reduces unit `u`'s gradients (from its parameters' `.grad`; a missing one counts as zeros) into this rank's
+    /// shard and frees them.
+    fn reduce_scoped_unit(&mut self, u: usize) -> Result<()> {
+        let grads: Vec<Option<Tensor>> = self.states.parameters.units[u]
+            .params()
+            .iter()
+            .map(|p| {
+                let g = p.grad();
+                g.defined().then_some(g)
+            })
+            .collect();
+        let bytes: usize = grads.iter().flatten().map(|g| g.numel() * g.kind().elt_size_in_bytes()).sum();
+        let name = self.walk.scopes.as_ref().expect("installed").names[u].clone();
+        self.memory_event(|| format!("backward: unit {name} gradients"), &[(MemoryCategory::GradientsUnit, bytes)]);
+        self.walk.scopes.as_mut().expect("installed").reduced[u] = true;
+        self.gradient_sync().reduce_unit(u, &grads)?;
+        drop(grads);
+        for p in self.states.parameters.units[u].params() {
+            native::reset_grad(p);
+        }
+        self.memory_event(|| format!("backward: unit {name} reduced"), &[]);
+        Ok(())
+    }
+
+    /// A unit's output hook: the unit gathered before autograd computes anything inside it.
+    pub(crate) fn scope_output_ready(&mut self, u: usize) -> Result<()> {
+        if self.walk.scopes.as_ref().is_some_and(|s| s.error.is_some()) {
+            // The first error is the one returned; this stops autograd before it reads a released unit.
+            return Err(Error::Usage("an earlier gradient hook failed".into()));
+        }
+        if self.states.parameters.units[u].state() != UnitState::Gathered {
+            self.gather_unit(u)?;
+            let name = self.walk.scopes.as_ref().expect("installed").names[u].clone();
+            self.memory_event(|| format!("backward: unit {name} gathered"), &[]);
+            self.enter_phase(|| format!("backward: unit {name}"));
+        }
+        Ok(())
+    }
+
+    /// A parameter's gradient hook: when its unit has all of its gradients, the unit is reduced and released.
+    pub(crate) fn scope_grad_ready(&mut self, slot: usize) -> Result<()> {
+        let scopes = self.walk.scopes.as_mut().expect("hooks come with scopes");
+        if scopes.error.is_some() {
+            return Ok(());
+        }
+        let Some(u) = scopes.count_down(slot) else { return Ok(()) };
+        let frozen_part = scopes.has_frozen[u];
+        self.reduce_scoped_unit(u)?;
+        // Frozen parameters have no gradient to say when backward is done with them: their unit waits for the end.
+        if !self.states.parameters.units[u].persistent && !frozen_part {
+            self.release_unit(u)?;
+        }
+        Ok(())
+    }
+
+    /// Keeps the first error a hook met, for `backward` to return.
+    pub(crate) fn scope_error(&mut self, e: Error) {
+        if let Some(scopes) = self.walk.scopes.as_mut() {
+            scopes.error.get_or_insert(e);
+        }
+    }
+}

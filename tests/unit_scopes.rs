@@ -1,0 +1,293 @@
+//! Stage 3 for any model: units entered from the program's own forward with `engine.unit`. Three models that are
+//! not a chain (an encoder-decoder with cross-attention in every decoder block and a tied embedding, a U-Net-like
+//! conv net with skips across units, an LSTM language model) trained at stage 3 on 2 and 3 ranks end within 1e-5
+//! of the same program at stage 0 on 1 rank; a parameter read outside its unit is an error naming the unit for
+//! every kind of layer, never a signal; a backward outside the engine is refused by name.
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use tch::nn::{self, Module, ModuleT, RNN};
+use tch::{Device, Kind, Tensor};
+use zerorun::runtime::comm::threads;
+use zerorun::{Config, Engine, EngineOptions};
+
+#[path = "../examples/support/scoped_models.rs"]
+mod scoped_models;
+use scoped_models::*;
+
+#[path = "common/compare.rs"]
+mod compare;
+use compare::{full_parameters, max_relative_difference};
+
+const GLOBAL_BATCH: i64 = 6;
+const STEPS: i64 = 4;
+/// Adam's epsilon: its default 1e-8 turns a rounding-level gradient (a sum over samples in another order on 3 ranks
+/// than on 1) into a full-size step, which no data-parallel split reproduces; 1e-6 keeps such elements near zero.
+const EPS: f64 = 1e-6;
+
+/// libtorch's default generator is process-wide: whoever seeds and draws from it holds this lock.
+static RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn config(stage: u64, zero: Value) -> Config {
+    let mut z = json!({"stage": stage, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0});
+    for (k, v) in zero.as_object().unwrap() {
+        z[k] = v.clone();
+    }
+    Config::from_value(json!({
+        "train_batch_size": GLOBAL_BATCH, "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01, "eps": EPS}},
+        "zero_optimization": z
+    }))
+    .unwrap()
+}
+
+/// A model the test trains: built on a path, its units, and the loss of a micro-batch (rows of the global batch).
+trait Trained {
+    fn build(p: &nn::Path) -> Self;
+    fn units(&self) -> Vec<Vec<String>>;
+    /// The global batch of `step` as tensors whose first dimension is the sample.
+    fn batch(step: i64) -> Vec<Tensor>;
+    fn loss(&self, engine: &mut Engine, batch: &[Tensor]) -> zerorun::Result<Tensor>;
+}
+
+/// Values in [0, 1) from a private generator (libtorch's is process-wide and tests run in parallel).
+fn uniform(n: i64, seed: u64) -> Vec<f32> {
+    let mut state = 0x9e37_79b9_7f4a_7c15u64 ^ seed.wrapping_mul(0x2545_f491_4f6c_dd1d);
+    (0..n)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 40) as f32 / (1u64 << 24) as f32
+        })
+        .collect()
+}
+
+fn tokens(shape: [i64; 2], vocab: i64, seed: u64) -> Tensor {
+    let ids: Vec<i64> = uniform(shape[0] * shape[1], seed).iter().map(|u| (u * vocab as f32) as i64).collect();
+    Tensor::from_slice(&ids).view(shape)
+}
+
+const SEQ2SEQ: Seq2SeqSize = Seq2SeqSize { vocab: 11, d: 16, heads: 2, layers: 2, max_len: 8 };
+
+impl Trained for Seq2Seq {
+    fn build(p: &nn::Path) -> Self {
+        Seq2Seq::new(p, SEQ2SEQ)
+    }
+    fn units(&self) -> Vec<Vec<String>> {
+        Seq2Seq::units(self)
+    }
+    fn batch(step: i64) -> Vec<Tensor> {
+        let source = tokens([GLOBAL_BATCH, 7], SEQ2SEQ.vocab, step as u64);
+        // The target is the source reversed, after a start token 0.
+        let target = Tensor::cat(&[Tensor::zeros([GLOBAL_BATCH, 1], (Kind::Int64, Device::Cpu)), source.flip([1])], 1);
+        vec![source, target]
+    }
+    fn loss(&self, engine: &mut Engine, b: &[Tensor]) -> zerorun::Result<Tensor> {
+        Seq2Seq::loss(self, engine, &b[0], &b[1])
+    }
+}
+
+impl Trained for UNet {
+    fn build(p: &nn::Path) -> Self {
+        UNet::new(p)
+    }
+    fn units(&self) -> Vec<Vec<String>> {
+        UNet::units()
+    }
+    fn batch(step: i64) -> Vec<Tensor> {
+        let x = Tensor::from_slice(&uniform(GLOBAL_BATCH * 64, 100 + step as u64)).view([GLOBAL_BATCH, 1, 8, 8]);
+        // Denoising a smooth target.
+        let y = (&x * 3.0).sin();
+        vec![x, y]
+    }
+    fn loss(&self, engine: &mut Engine, b: &[Tensor]) -> zerorun::Result<Tensor> {
+        Ok(self.forward(engine, &b[0])?.mse_loss(&b[1], tch::Reduction::Mean))
+    }
+}
+
+impl Trained for LstmLm {
+    fn build(p: &nn::Path) -> Self {
+        LstmLm::new(p, 13, 8, 12)
+    }
+    fn units(&self) -> Vec<Vec<String>> {
+        LstmLm::units()
+    }
+    fn batch(step: i64) -> Vec<Tensor> {
+        vec![tokens([GLOBAL_BATCH, 9], 13, 200 + step as u64)]
+    }
+    fn loss(&self, engine: &mut Engine, b: &[Tensor]) -> zerorun::Result<Tensor> {
+        LstmLm::loss(self, engine, &b[0])
+    }
+}
+
+/// What a rank ended with: its final full parameters, its last loss, its peak of gathered parameter bytes and the
+/// bytes of its two largest units.
+type Ended = (Vec<(String, Vec<f32>)>, f64, usize, usize);
+
+/// Trains `M` on `world` thread ranks with `config`.
+fn train<M: Trained>(world: usize, config: Config) -> Vec<Ended> {
+    let comms = threads::group(world, Duration::from_secs(60));
+    std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .into_iter()
+            .map(|comm| {
+                let config = config.clone();
+                s.spawn(move || {
+                    let vs = nn::VarStore::new(Device::Cpu);
+                    let model = {
+                        let _rng = RNG.lock().unwrap_or_else(|p| p.into_inner());
+                        tch::manual_seed(7);
+                        M::build(&vs.root())
+                    };
+                    let options = EngineOptions { units: Some(model.units()), ..Default::default() };
+                    let mut engine = Engine::new(&vs, config, Box::new(comm), options).unwrap();
+                    let (rank, micro) =
+                        (engine.rank() as i64, engine.batch_sizes().train_micro_batch_size_per_gpu as i64);
+                    let mut last = f64::NAN;
+                    for step in 0..STEPS {
+                        let batch: Vec<Tensor> =
+                            M::batch(step).iter().map(|t| t.narrow(0, rank * micro, micro)).collect();
+                        let loss = model.loss(&mut engine, &batch).unwrap();
+                        engine.backward(&loss).unwrap();
+                        if let zerorun::StepOutcome::Stepped { loss, .. } = engine.step().unwrap() {
+                            last = loss;
+                        }
+                    }
+                    let mut unit_bytes: Vec<usize> = engine.layout().units.iter().map(|u| u.range.len() * 4).collect();
+                    unit_bytes.sort_unstable_by(|a, b| b.cmp(a));
+                    let two_largest = unit_bytes.iter().take(2).sum();
+                    let peak = engine.gathered_bytes().peak;
+                    (full_parameters(&mut engine), last, peak, two_largest)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+fn stage3_matches_stage0<M: Trained>(what: &str) {
+    let reference = train::<M>(1, config(0, json!({}))).remove(0);
+    assert!(reference.1.is_finite(), "{what}: the reference trained");
+    for (world, zero) in [
+        (2, json!({"overlap_comm": true})),
+        (3, json!({"overlap_comm": false})),
+        (2, json!({"stage3_param_persistence_threshold": 100, "stage3_max_reuse_distance": 1000000})),
+    ] {
+        let runs = train::<M>(world, config(3, zero.clone()));
+        for (rank, (params, loss, peak, two_largest)) in runs.iter().enumerate() {
+            // Units are released as soon as their gradients are reduced, in forward as soon as they exit: never
+            // more than two gathered at once (without persistence or reuse).
+            if zero.get("stage3_max_reuse_distance").is_none() {
+                assert!(
+                    peak <= two_largest,
+                    "{what} on {world} ranks: {peak} bytes gathered at once, two largest units {two_largest}"
+                );
+            }
+            let d = max_relative_difference(params, &reference.0);
+            assert!(d <= 1e-5, "{what}, stage 3 on {world} ranks ({zero}), rank {rank}: parameters differ by {d:e}");
+            assert!(
+                (loss - reference.1).abs() <= 1e-5 * reference.1.abs().max(1.0),
+                "{what}: loss {loss} vs {}",
+                reference.1
+            );
+        }
+    }
+}
+
+#[test]
+fn an_encoder_decoder_with_a_tied_embedding_at_stage_3_matches_stage_0() {
+    stage3_matches_stage0::<Seq2Seq>("encoder-decoder");
+}
+
+#[test]
+fn a_unet_with_skips_across_units_at_stage_3_matches_stage_0() {
+    stage3_matches_stage0::<UNet>("U-Net");
+}
+
+#[test]
+fn an_lstm_language_model_at_stage_3_matches_stage_0() {
+    stage3_matches_stage0::<LstmLm>("LSTM");
+}
+
+/// A call that must fail.
+type Call<'a> = Box<dyn Fn() + 'a>;
+
+/// The message of a panic that `f` ends in (tch's non-`f_` calls panic with libtorch's error).
+fn panic_message(f: impl FnOnce()) -> String {
+    let e = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).expect_err("the call must fail");
+    e.downcast_ref::<String>().cloned().or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default()
+}
+
+#[test]
+fn a_parameter_read_outside_its_unit_is_an_error_naming_the_unit_for_every_kind_of_layer() {
+    let comms = threads::group(2, Duration::from_secs(60));
+    std::thread::scope(|s| {
+        for comm in comms {
+            s.spawn(move || {
+                let vs = nn::VarStore::new(Device::Cpu);
+                let root = vs.root();
+                let _rng = RNG.lock().unwrap_or_else(|p| p.into_inner());
+                let lin = nn::linear(&root / "lin", 4, 4, Default::default());
+                let emb = nn::embedding(&root / "emb", 10, 4, Default::default());
+                let ln = nn::layer_norm(&root / "ln", vec![4], Default::default());
+                let conv = nn::conv2d(&root / "conv", 2, 3, 3, Default::default());
+                let bn = nn::batch_norm2d(&root / "bn", 2, Default::default());
+                let rnn_config = nn::RNNConfig { batch_first: true, ..Default::default() };
+                let lstm = nn::lstm(&root / "lstm", 4, 5, rnn_config);
+                let gru = nn::gru(&root / "gru", 4, 5, rnn_config);
+                let attn = Attention::new(&(&root / "attn"), 4, 2);
+                let units: Vec<Vec<String>> = ["lin", "emb", "ln", "conv", "bn", "lstm", "gru", "attn"]
+                    .iter()
+                    .map(|u| vec![u.to_string()])
+                    .collect();
+                let options = EngineOptions { units: Some(units), ..Default::default() };
+                drop(_rng);
+                let mut engine = Engine::new(&vs, config(3, json!({})), Box::new(comm), options).unwrap();
+                let x = Tensor::ones([2, 3, 4], (Kind::Float, Device::Cpu));
+                let img = Tensor::ones([1, 2, 5, 5], (Kind::Float, Device::Cpu));
+                let ids = Tensor::from_slice(&[1i64, 2, 3]);
+                let cases: Vec<(&str, Call)> = vec![
+                    ("lin", Box::new(|| drop(lin.forward(&x)))),
+                    ("lin", Box::new(|| drop(x.matmul(&lin.ws)))),
+                    ("emb", Box::new(|| drop(emb.forward(&ids)))),
+                    ("ln", Box::new(|| drop(ln.forward(&x)))),
+                    ("conv", Box::new(|| drop(conv.forward(&img)))),
+                    ("bn", Box::new(|| drop(bn.forward_t(&img, true)))),
+                    ("lstm", Box::new(|| drop(lstm.seq(&x)))),
+                    ("gru", Box::new(|| drop(gru.seq(&x)))),
+                    ("attn", Box::new(|| drop(attn.forward(&x, &x, true)))),
+                ];
+                for (unit, call) in &cases {
+                    let m = panic_message(call);
+                    // tch's panic quotes the error in Debug form.
+                    assert!(
+                        m.contains(&format!("of unit `{unit}` is released"))
+                            && m.contains(&format!("engine.unit(\\\"{unit}\\\"")),
+                        "unit {unit}: {m}"
+                    );
+                }
+                // Operators that reach a released parameter only through a tensor they made from it cannot name it.
+                for call in [
+                    Box::new(|| drop(lin.ws.sum(Kind::Float))) as Call,
+                    Box::new(|| drop(format!("{:?}", lin.ws.to_kind(Kind::Double)))),
+                ] {
+                    let m = panic_message(call);
+                    assert!(m.contains("released stage-3 parameter") && m.contains("engine.unit("), "{m}");
+                }
+                // Inside their units the same calls work.
+                let y = engine.unit("lstm", |_| lstm.seq(&x)).unwrap();
+                assert_eq!(y.0.size(), [2, 3, 5]);
+                let y = engine.unit("attn", |_| attn.forward(&x, &x, true)).unwrap();
+                assert_eq!(y.size(), [2, 3, 4]);
+                // An unknown unit is named with the ones there are.
+                let e = engine.unit("decoder", |_| ()).unwrap_err().to_string();
+                assert!(e.contains("engine.unit(\"decoder\", ..): no unit has that name"), "{e}");
+                // A backward the engine does not run reaches a released unit: refused by name, not a signal.
+                let y = engine.unit("lin", |_| lin.forward(&x)).unwrap();
+                let e = y.sum(Kind::Float).f_backward().unwrap_err().to_string();
+                assert!(e.contains("unit `lin` is sharded") && e.contains("engine.backward(&loss)"), "{e}");
+            });
+        }
+    });
+}
