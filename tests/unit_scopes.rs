@@ -291,3 +291,30 @@ fn a_parameter_read_outside_its_unit_is_an_error_naming_the_unit_for_every_kind_
         }
     });
 }
+
+/// `config(3, ..)` with the top-level keys in `top` replaced.
+fn config_with(zero: Value, top: Value) -> Config {
+    let mut v = serde_json::to_value(config(3, zero)).unwrap();
+    for (k, x) in top.as_object().unwrap() {
+        v[k] = x.clone();
+    }
+    Config::from_value(v).unwrap()
+}
+
+#[test]
+fn scopes_step_in_backward_and_from_nvme_like_the_ordinary_step() {
+    // The optimizer in backward steps each unit as its reduction lands, from a gradient hook: bitwise the
+    // ordinary step (no clipping: it needs the whole gradient's norm first).
+    let ordinary = train::<Seq2Seq>(2, config_with(json!({}), json!({"gradient_clipping": 0.0})));
+    let in_backward =
+        train::<Seq2Seq>(2, config_with(json!({}), json!({"gradient_clipping": 0.0, "optimizer_in_backward": true})));
+    assert_eq!(max_relative_difference(&in_backward[0].0, &ordinary[0].0), 0.0, "optimizer in backward");
+    // Parameters and optimizer states on NVMe: units are read back for each gather, in forward and in backward.
+    let dir = std::env::temp_dir().join(format!("zerorun-scopes-nvme-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let nvme = json!({"device": "nvme", "nvme_path": dir.to_str().unwrap()});
+    let on_nvme = train::<UNet>(2, config(3, json!({"offload_param": nvme, "offload_optimizer": nvme})));
+    let in_memory = train::<UNet>(2, config(3, json!({})));
+    std::fs::remove_dir_all(&dir).ok();
+    assert!(max_relative_difference(&on_nvme[0].0, &in_memory[0].0) <= 1e-6, "NVMe");
+}

@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 pub mod gpt_model;
 pub mod llama_model;
+pub mod scoped_models;
 use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
