@@ -156,6 +156,7 @@ impl Seq2Seq {
     }
 
     /// Next-token logits of `target_in` (teacher forcing) given `source`.
+    // ANCHOR: scoped_forward
     pub fn forward(&self, engine: &mut Engine, source: &Tensor, target_in: &Tensor) -> Result<Tensor> {
         let mut h = engine.unit("embed", |_| self.embed(source))?;
         for (i, block) in self.encoder.iter().enumerate() {
@@ -170,6 +171,7 @@ impl Seq2Seq {
         // The head is the token embedding, transposed: a third entry of its unit.
         engine.unit("embed", |_| self.ln_f.forward(&y).matmul(&self.tok.ws.tr()))
     }
+    // ANCHOR_END: scoped_forward
 
     /// Mean cross-entropy of the next target token.
     pub fn loss(&self, engine: &mut Engine, source: &Tensor, target: &Tensor) -> Result<Tensor> {

@@ -43,6 +43,12 @@ impl BatchInput {
                 (None, None, _) => return Err(ConfigError::BatchMissing),
             };
         let err = |message| ConfigError::Batch { message, train, micro, gas, world_size: ws };
+        // A micro-batch inferred as 0: the global batch does not give every rank a sample.
+        if micro == 0 && train > 0 && ws > 0 && self.train_micro_batch_size_per_gpu.is_none() {
+            return Err(err(
+                "train_batch_size gives fewer samples than ranks times gradient_accumulation_steps, so a rank's micro-batch would be empty: raise train_batch_size to a multiple of them, or run fewer ranks",
+            ));
+        }
         if train == 0 || micro == 0 || gas == 0 || ws == 0 {
             return Err(err("every value must be > 0"));
         }
@@ -56,5 +62,17 @@ impl BatchInput {
             train_micro_batch_size_per_gpu: micro,
             gradient_accumulation_steps: gas,
         })
+    }
+}
+
+#[cfg(test)]
+mod batch_tests {
+    use super::*;
+
+    #[test]
+    fn a_batch_smaller_than_the_world_says_so() {
+        let input = BatchInput { train_batch_size: Some(2), ..Default::default() };
+        let e = input.resolve(3).unwrap_err().to_string();
+        assert!(e.contains("fewer samples than ranks") && e.contains("world_size 3"), "{e}");
     }
 }
