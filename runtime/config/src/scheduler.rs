@@ -39,6 +39,17 @@ pub(crate) fn read_scheduler(mut s: Section, optimizer_lr: f64) -> Result<Schedu
         });
     };
     let mut p = s.section("params")?;
+    let config = read_params(kind, &mut p, optimizer_lr);
+    // Unknown keys first: a misspelt key reads as its default, which may then fail a range check that would hide
+    // the typo (`warmup_num_step` -> warmup_num_steps 1000 > total_num_steps).
+    p.finish()?;
+    let config = config?;
+    s.finish()?;
+    Ok(config)
+}
+
+/// The `params` of a scheduler of type `kind`, their ranges checked.
+fn read_params(kind: &str, p: &mut Section, optimizer_lr: f64) -> Result<SchedulerConfig> {
     let warmup = |p: &mut Section| -> Result<WarmupLrParams> {
         Ok(WarmupLrParams {
             warmup_min_lr: p.float("warmup_min_lr", 0.0)?,
@@ -49,10 +60,10 @@ pub(crate) fn read_scheduler(mut s: Section, optimizer_lr: f64) -> Result<Schedu
         })
     };
     let config = match kind {
-        "WarmupLR" => SchedulerConfig::WarmupLR(warmup(&mut p)?),
+        "WarmupLR" => SchedulerConfig::WarmupLR(warmup(p)?),
         "WarmupDecayLR" => {
-            let w = warmup(&mut p)?;
-            let total_num_steps = required_steps(&mut p, "total_num_steps", kind)?;
+            let w = warmup(p)?;
+            let total_num_steps = required_steps(p, "total_num_steps", kind)?;
             if w.warmup_num_steps > total_num_steps {
                 return Err(ConfigError::Invalid {
                     path: p.path_of("warmup_num_steps"),
@@ -64,11 +75,11 @@ pub(crate) fn read_scheduler(mut s: Section, optimizer_lr: f64) -> Result<Schedu
         }
         "WarmupCosineLR" => {
             let c = WarmupCosineLrParams {
-                total_num_steps: required_steps(&mut p, "total_num_steps", kind)?,
+                total_num_steps: required_steps(p, "total_num_steps", kind)?,
                 warmup_min_ratio: p.float("warmup_min_ratio", 0.0)?,
                 warmup_num_steps: p.uint("warmup_num_steps", 1000)?,
                 cos_min_ratio: p.float("cos_min_ratio", 1e-4)?,
-                warmup_type: warmup_type(&mut p)?,
+                warmup_type: warmup_type(p)?,
                 last_batch_iteration: p.opt_int("last_batch_iteration")?.unwrap_or(-1),
             };
             if c.warmup_num_steps > c.total_num_steps {
@@ -140,7 +151,5 @@ pub(crate) fn read_scheduler(mut s: Section, optimizer_lr: f64) -> Result<Schedu
             SchedulerConfig::LRRangeTest(c)
         }
     };
-    p.finish()?;
-    s.finish()?;
     Ok(config)
 }
