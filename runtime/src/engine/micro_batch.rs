@@ -432,7 +432,7 @@ impl Engine {
         Ok(())
     }
 
-    fn prefetch(&mut self, order: impl Iterator<Item = usize>) -> Result<()> {
+    pub(crate) fn prefetch(&mut self, order: impl Iterator<Item = usize>) -> Result<()> {
         self.states.parameters.prefetch(order, &self.comm, &self.config.zero_optimization, &mut self.report.comm_volume)
     }
 

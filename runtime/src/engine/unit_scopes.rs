@@ -62,6 +62,11 @@ impl Engine {
         let times_before = (!train && outermost).then(|| self.report.times.clone());
         self.gather_unit(u)?;
         if train {
+            // The next units of the traced order start gathering while this one runs.
+            if let Some(next) = self.walk.scopes.as_mut().expect("installed above").entered(u) {
+                self.prefetch(next.iter().copied())?;
+                self.states.parameters.read_ahead(next.into_iter());
+            }
             self.memory_event(|| format!("forward: unit {name} gathered"), &[]);
         }
         self.enter_phase(|| format!("forward: unit {name}"));
@@ -156,9 +161,39 @@ impl Engine {
         };
         // Whatever happened, no unit stays gathered past its backward (the persistent ones always are).
         let released = self.release_scoped_units();
+        self.retrace();
         finished?;
         released?;
         self.gradient_sync().drain()
+    }
+
+    /// This micro-batch's order becomes the trace the next ones prefetch along (and decide, from its last units,
+    /// which stay gathered after forward); a changed order is logged, once as a warning.
+    fn retrace(&mut self) {
+        let rank = self.rank();
+        let scopes = self.walk.scopes.as_mut().expect("installed");
+        if let Some(note) = scopes.retrace() {
+            if scopes.noticed_before() {
+                tracing::debug!(rank, "the units ran in another order ({note}): prefetch follows it from now on");
+            } else {
+                tracing::warn!(
+                    rank,
+                    "the units ran in another order than the micro-batch before ({note}): prefetch follows the new order from the next micro-batch (later changes are logged at debug level)"
+                );
+            }
+        }
+        // The units in the order of their last entry: the last ones stay gathered for backward.
+        let mut order: Vec<usize> = Vec::new();
+        for &u in scopes.trace().forward.iter().rev() {
+            if !order.contains(&u) {
+                order.push(u);
+            }
+        }
+        order.reverse();
+        if !order.is_empty() {
+            let kept = self.states.parameters.kept_after_forward_in(&order, &self.config.zero_optimization);
+            self.walk.scopes.as_mut().expect("installed").kept = kept;
+        }
     }
 
     /// Reduces, last unit first (one order on every rank), every unit with trainable parameters that this backward
@@ -214,11 +249,19 @@ impl Engine {
             // The first error is the one returned; this stops autograd before it reads a released unit.
             return Err(Error::Usage("an earlier gradient hook failed".into()));
         }
+        let (first, next) = self.walk.scopes.as_mut().expect("installed").reached(u);
         if self.states.parameters.units[u].state() != UnitState::Gathered {
             self.gather_unit(u)?;
             let name = self.walk.scopes.as_ref().expect("installed").names[u].clone();
             self.memory_event(|| format!("backward: unit {name} gathered"), &[]);
+        }
+        if first {
+            let name = self.walk.scopes.as_ref().expect("installed").names[u].clone();
             self.enter_phase(|| format!("backward: unit {name}"));
+        }
+        if let Some(next) = next {
+            self.prefetch(next.iter().copied())?;
+            self.states.parameters.read_ahead(next.into_iter());
         }
         Ok(())
     }

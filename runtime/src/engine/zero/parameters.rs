@@ -132,9 +132,21 @@ impl Parameters {
 
     /// Which units forward leaves gathered because backward reuses them soon ([`plan::kept_after_forward`]).
     pub fn kept_after_forward(&self, z: &ZeroConfig) -> Vec<bool> {
-        let sizes: Vec<u64> = (0..self.units.len()).map(|i| self.unit_elements(i)).collect();
-        let persistent: Vec<bool> = self.units.iter().map(|u| u.persistent).collect();
-        plan::kept_after_forward(&sizes, &persistent, z.stage3_max_reuse_distance, z.stage3_max_live_parameters)
+        self.kept_after_forward_in(&(0..self.units.len()).collect::<Vec<_>>(), z)
+    }
+
+    /// [`Parameters::kept_after_forward`] for units run in `order` (each once, the last run last); units not in it
+    /// are not kept.
+    pub fn kept_after_forward_in(&self, order: &[usize], z: &ZeroConfig) -> Vec<bool> {
+        let sizes: Vec<u64> = order.iter().map(|&i| self.unit_elements(i)).collect();
+        let persistent: Vec<bool> = order.iter().map(|&i| self.units[i].persistent).collect();
+        let keep =
+            plan::kept_after_forward(&sizes, &persistent, z.stage3_max_reuse_distance, z.stage3_max_live_parameters);
+        let mut kept = vec![false; self.units.len()];
+        for (&u, k) in order.iter().zip(keep) {
+            kept[u] = k;
+        }
+        kept
     }
 
     /// With a communication thread (`overlap_comm`), starts the all-gathers of the units that come next in `order`

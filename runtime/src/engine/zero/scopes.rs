@@ -88,6 +88,46 @@ tuple_output!(A 0, B 1);
 tuple_output!(A 0, B 1, C 2);
 tuple_output!(A 0, B 1, C 2, D 3);
 
+/// The order one micro-batch ran its units in: entered in forward (every entry), and first reached in backward
+/// (each unit once). The next micro-batches prefetch along it, as DeepSpeed prefetches along its trace.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub(crate) struct Trace {
+    pub forward: Vec<usize>,
+    pub backward: Vec<usize>,
+}
+
+/// Where this micro-batch is in the last one's order.
+#[derive(Debug, Default)]
+struct Follow {
+    /// The last micro-batch's order (empty before the first backward).
+    trace: Trace,
+    /// This micro-batch's order so far.
+    recording: Trace,
+    /// The next positions expected in `trace`; None once this micro-batch left it.
+    forward_at: Option<usize>,
+    backward_at: Option<usize>,
+    /// Per unit: reached in this backward.
+    reached: Vec<bool>,
+    /// A changed order was logged once (later ones go to the debug log).
+    noticed: bool,
+}
+
+impl Follow {
+    /// Records `u` as the next of `recorded` and returns what the trace says follows it (None: no trace yet, or
+    /// this micro-batch left it).
+    fn next(trace: &[usize], recorded: &mut Vec<usize>, at: &mut Option<usize>, u: usize) -> Option<Vec<usize>> {
+        recorded.push(u);
+        let k = (*at)?;
+        if trace.get(k) == Some(&u) {
+            *at = Some(k + 1);
+            Some(trace[k + 1..].to_vec())
+        } else {
+            *at = None;
+            None
+        }
+    }
+}
+
 /// What a hook reaches: the engine while `engine.backward` runs autograd (null otherwise), and the units' names for
 /// the error a backward outside it gets.
 pub(crate) struct HookTarget {
@@ -123,6 +163,8 @@ pub(crate) struct Scopes {
     /// The first error a hook met; `backward` returns it.
     pub error: Option<Error>,
     target: Arc<HookTarget>,
+    /// The units' order, traced from the last micro-batch, and this one's place in it.
+    follow: Follow,
     /// The parameters carrying the gradient hooks (removed on drop).
     hooked: Vec<Tensor>,
 }
@@ -163,6 +205,7 @@ impl Scopes {
             has_frozen,
             error: None,
             target,
+            follow: Follow { reached: vec![false; n], ..Follow::default() },
             hooked: params.iter().map(Tensor::shallow_clone).collect(),
         };
         let ctx = Arc::as_ptr(&scopes.target) as *mut c_void;
@@ -193,6 +236,60 @@ impl Scopes {
         self.pending.copy_from_slice(&self.trainable);
         self.reduced.fill(false);
         self.error = None;
+        self.follow.reached.fill(false);
+    }
+
+    /// Unit `u` entered in a forward with gradients: the units the trace says come after it, to prefetch (None
+    /// before the first trace, or once this micro-batch's order left it).
+    pub fn entered(&mut self, u: usize) -> Option<Vec<usize>> {
+        let f = &mut self.follow;
+        if f.recording.forward.is_empty() {
+            f.forward_at = (!f.trace.forward.is_empty()).then_some(0);
+            f.backward_at = (!f.trace.backward.is_empty()).then_some(0);
+        }
+        Follow::next(&f.trace.forward, &mut f.recording.forward, &mut f.forward_at, u)
+    }
+
+    /// Unit `u` reached in backward (its first output hook): whether for the first time in this backward, and
+    /// the units the trace says come after it.
+    pub fn reached(&mut self, u: usize) -> (bool, Option<Vec<usize>>) {
+        let f = &mut self.follow;
+        if std::mem::replace(&mut f.reached[u], true) {
+            return (false, None);
+        }
+        (true, Follow::next(&f.trace.backward, &mut f.recording.backward, &mut f.backward_at, u))
+    }
+
+    /// The micro-batch's backward ended: its order becomes the trace. Returns a description of the change when
+    /// the order differs from the last trace's (None when it is the same, or the first).
+    pub fn retrace(&mut self) -> Option<String> {
+        let f = &mut self.follow;
+        let recorded = std::mem::take(&mut f.recording);
+        let changed = !f.trace.forward.is_empty() && recorded != f.trace;
+        let note = changed.then(|| {
+            let name = |v: &[usize]| v.iter().map(|&u| self.names[u].as_str()).collect::<Vec<_>>().join(", ");
+            format!(
+                "forward [{}] then backward [{}], traced before as forward [{}] then backward [{}]",
+                name(&recorded.forward),
+                name(&recorded.backward),
+                name(&f.trace.forward),
+                name(&f.trace.backward)
+            )
+        });
+        f.trace = recorded;
+        f.forward_at = None;
+        f.backward_at = None;
+        note
+    }
+
+    /// Whether a changed order was logged already (and marks it logged).
+    pub fn noticed_before(&mut self) -> bool {
+        std::mem::replace(&mut self.follow.noticed, true)
+    }
+
+    /// The traced order (the last micro-batch's).
+    pub fn trace(&self) -> &Trace {
+        &self.follow.trace
     }
 
     /// A gradient of `slot` came: whether its unit has all of its gradients now (and was not reduced yet).
