@@ -48,6 +48,11 @@ struct Args {
     /// the initial weights are the same either way.
     #[arg(long)]
     whole_model: bool,
+    /// Enter the model's units from this loop with `engine.unit` (units as scopes of the program's forward, the
+    /// backward's hooks gathering and reducing them) instead of `engine.forward`'s walk: the same result; `zerorun
+    /// bench scopes` times both.
+    #[arg(long, conflicts_with_all = ["pipeline_stages", "tensor_parallel", "activation_checkpointing"])]
+    scoped: bool,
 }
 
 fn main() {
@@ -115,9 +120,17 @@ fn run(args: &Args) -> Result<(), String> {
                 let range = micro_batch_range(rank, world, m, b.train_micro_batch_size_per_gpu);
                 let (x, y) = corpus.batch(a.seed, step, b.train_batch_size, range, cfg.block);
                 let (x, y) = (x.to_device(device), y.to_device(device));
-                let logits = engine.forward(model, &x).map_err(|e| e.to_string())?.to_kind(tch::Kind::Float);
-                let loss = logits.view([-1, cfg.vocab]).cross_entropy_for_logits(&y.view([-1]));
-                engine.backward_units(model, &loss).map_err(|e| e.to_string())?;
+                let logits = if args.scoped {
+                    forward_scoped(&mut engine, model, &x)?
+                } else {
+                    engine.forward(model, &x).map_err(|e| e.to_string())?
+                };
+                let loss = logits.to_kind(tch::Kind::Float).view([-1, cfg.vocab]).cross_entropy_for_logits(&y.view([-1]));
+                if args.scoped {
+                    engine.backward(&loss).map_err(|e| e.to_string())?;
+                } else {
+                    engine.backward_units(model, &loss).map_err(|e| e.to_string())?;
+                }
                 let outcome = engine.step().map_err(|e| e.to_string())?;
                 progress.record(&engine, outcome);
                 maybe_save(a, &mut engine, outcome)?;

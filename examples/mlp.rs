@@ -52,6 +52,10 @@ struct Args {
     /// Milliseconds the slow rank sleeps per micro-batch (with --slow-rank or --slow-rotate).
     #[arg(long)]
     slow_ms: Option<u64>,
+    /// Enter the model's units from this loop with `engine.unit` (units as scopes of the program's forward)
+    /// instead of `engine.forward`'s walk: the same result; `zerorun bench scopes` times both.
+    #[arg(long, conflicts_with_all = ["plain_loop", "activation_checkpointing"])]
+    scoped: bool,
 }
 
 pub struct Mlp {
@@ -242,11 +246,13 @@ fn run(args: &Args) -> Result<(), String> {
                 let input = x.index_select(0, &idx);
                 let pred = if args.plain_loop {
                     (0..model.unit_prefixes().len()).fold(input, |h, i| model.forward_unit(i, &h))
+                } else if args.scoped {
+                    forward_scoped(&mut engine, model, &input)?
                 } else {
                     engine.forward(model, &input).map_err(|e| e.to_string())?
                 };
                 let loss = pred.to_kind(Kind::Float).mse_loss(&y.index_select(0, &idx), tch::Reduction::Mean);
-                if args.plain_loop {
+                if args.plain_loop || args.scoped {
                     engine.backward(&loss).map_err(|e| e.to_string())?;
                 } else {
                     engine.backward_units(model, &loss).map_err(|e| e.to_string())?;

@@ -381,6 +381,17 @@ pub fn share_cores(ranks: usize) {
     }
 }
 
+/// The model's units entered one after another with `engine.unit` from the program's loop (`--scoped`), instead of
+/// `engine.forward`'s walk: the same result, with backward through `engine.backward`.
+pub fn forward_scoped(engine: &mut Engine, model: &dyn zerorun::UnitModel, x: &Tensor) -> Result<Tensor, String> {
+    let mut h = x.shallow_clone();
+    for (i, prefixes) in model.unit_prefixes().iter().enumerate() {
+        let name = prefixes.first().map_or("", String::as_str);
+        h = engine.unit(name, |_| model.forward_unit(i, &h)).map_err(|e| e.to_string())?;
+    }
+    Ok(h)
+}
+
 /// At the end of a run: the memory report when asked for (`memory_breakdown` or `zerorun launch --memory-report`),
 /// and the wall-clock breakdown when the config sets `wall_clock_breakdown` (rank 0 prints them); every rank
 /// prints `peak_rss_bytes`.

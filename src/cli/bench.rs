@@ -8,6 +8,26 @@ use super::CliError;
 
 #[derive(Subcommand)]
 pub enum BenchCommand {
+    /// Stage 3's two ways of running a model's units, alternately in one sitting: the GPT and MLP examples through
+    /// `engine.forward`'s walk over the chain of units, and with the same units entered by `engine.unit` from the
+    /// loop (`--scoped`): median step and peak RSS of each, and their ratios.
+    Scopes {
+        /// A stage-3 ds_config.json.
+        #[arg(long, default_value = "configs/zero3.json")]
+        config: std::path::PathBuf,
+        /// Rank processes per run.
+        #[arg(long, default_value_t = 2)]
+        ranks: usize,
+        /// Optimizer steps per run (the examples report their median step).
+        #[arg(long, default_value_t = 12)]
+        steps: usize,
+        /// Runs of each path per model, alternating.
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
+        /// One JSON object per model.
+        #[arg(long)]
+        json: bool,
+    },
     /// A cluster of --hosts hosts simulated here (network namespaces joined by veth links limited to --link each
     /// way), one `zerorun launch --nnodes H` in each: the median step, the bytes each rank sent across and inside
     /// hosts, and the link floor. Needs root.
@@ -134,6 +154,12 @@ pub fn run(command: BenchCommand) -> Result<(), CliError> {
         }
         BenchCommand::Comm { backend, ranks, max_bytes, dtype, repeats, json, worker } => {
             super::bench_comm::run(&backend, ranks, max_bytes, &dtype, repeats.max(1), json, worker)
+        }
+        BenchCommand::Scopes { config, ranks, steps, rounds, json } => {
+            if ranks == 0 || steps == 0 || rounds == 0 {
+                return Err(CliError::Usage("bench scopes: --ranks, --steps and --rounds at least 1".into()));
+            }
+            super::bench_scopes::run(super::bench_scopes::ScopesBenchArgs { config, ranks, steps, rounds, json })
         }
         BenchCommand::Async { ranks, steps, slow_factor, json, plot, backend } => {
             if ranks.iter().any(|&r| r < 2) || slow_factor.iter().any(|&f| f.is_nan() || f < 1.0) || steps == 0 {

@@ -2,6 +2,7 @@
 //! `bench adam` runs in the `zerorun-torch` helper (`torch_helper.rs`, `bench_adam.rs`).
 pub mod bench;
 pub mod bench_async;
+pub mod bench_scopes;
 pub mod bench_cluster;
 pub mod bench_comm;
 pub mod bench_swap;
