@@ -125,7 +125,8 @@ fn run(args: &Args) -> Result<(), String> {
                 } else {
                     engine.forward(model, &x).map_err(|e| e.to_string())?
                 };
-                let loss = logits.to_kind(tch::Kind::Float).view([-1, cfg.vocab]).cross_entropy_for_logits(&y.view([-1]));
+                let loss =
+                    logits.to_kind(tch::Kind::Float).view([-1, cfg.vocab]).cross_entropy_for_logits(&y.view([-1]));
                 if args.scoped {
                     engine.backward(&loss).map_err(|e| e.to_string())?;
                 } else {

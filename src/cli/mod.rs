@@ -2,9 +2,9 @@
 //! `bench adam` runs in the `zerorun-torch` helper (`torch_helper.rs`, `bench_adam.rs`).
 pub mod bench;
 pub mod bench_async;
-pub mod bench_scopes;
 pub mod bench_cluster;
 pub mod bench_comm;
+pub mod bench_scopes;
 pub mod bench_swap;
 pub mod config;
 pub mod consolidate;

@@ -284,6 +284,9 @@ impl Engine {
                 self.walk.unit_prefixes
             )));
         }
+        if !self.walk.activation_checkpointing {
+            return self.forward_scoped(model, input);
+        }
         let train = native::grad_enabled();
         self.walk.records.clear();
         let n = self.states.parameters.units.len();
@@ -331,6 +334,31 @@ impl Engine {
                 self.release_unit(i)?;
             }
             h = y;
+        }
+        Ok(h)
+    }
+
+    /// The units of `model` in order, each entered as a scope (`engine.unit`): the program's graph runs through
+    /// them as written, and backward's hooks gather, reduce and release each. Records each unit's activations for
+    /// the memory report.
+    fn forward_scoped(&mut self, model: &dyn UnitModel, input: &Tensor) -> Result<Tensor> {
+        // `engine.forward` times the whole forward itself: its scopes are not the outermost ones.
+        self.scopes()?.depth += 1;
+        let out = self.forward_units_scoped(model, input);
+        self.walk.scopes.as_mut().expect("installed").depth -= 1;
+        out
+    }
+
+    fn forward_units_scoped(&mut self, model: &dyn UnitModel, input: &Tensor) -> Result<Tensor> {
+        let train = native::grad_enabled();
+        let mut h = input.shallow_clone();
+        for i in 0..self.states.parameters.units.len() {
+            let before = self.forward_live_bytes();
+            let x = h;
+            h = self.enter_unit(i, |_| model.forward_unit(i, &x))?;
+            if train {
+                self.record_unit_activations(i, before, &x);
+            }
         }
         Ok(h)
     }

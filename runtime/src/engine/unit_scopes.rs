@@ -56,6 +56,12 @@ impl Engine {
                  recomputing units runs through `engine.forward` with a UnitModel (or checkpoint inside the unit)"
             )));
         }
+        self.enter_unit(u, forward)
+    }
+
+    /// [`Engine::unit`] for unit `u` (its index), at stage 3 or stage 2 with units.
+    pub(crate) fn enter_unit<T: UnitOutput>(&mut self, u: usize, forward: impl FnOnce(&mut Engine) -> T) -> Result<T> {
+        let name = self.scopes()?.label(u);
         let train = native::grad_enabled();
         let outermost = self.scopes()?.depth == 0;
         let (started, comm_before) = (Instant::now(), self.report.times.comm());
@@ -108,7 +114,7 @@ impl Engine {
     }
 
     /// The scopes' state, installed (with its gradient hooks) on first use.
-    fn scopes(&mut self) -> Result<&mut Scopes> {
+    pub(crate) fn scopes(&mut self) -> Result<&mut Scopes> {
         if self.walk.scopes.is_none() {
             let layout = &self.states.layout;
             let mut unit_of_slot = vec![0; layout.slots.len()];

@@ -215,6 +215,14 @@ impl Scopes {
         Ok(scopes)
     }
 
+    /// How events and logs name unit `u`: its name, or its index where the name is empty (the whole model).
+    pub fn label(&self, u: usize) -> String {
+        match self.names[u].as_str() {
+            "" => u.to_string(),
+            name => name.to_string(),
+        }
+    }
+
     /// The unit `name` enters: one of its prefixes.
     pub fn unit_named(&self, name: &str) -> Result<usize> {
         self.by_name.get(name).copied().ok_or_else(|| {
