@@ -215,6 +215,11 @@ fn run(args: &Args) -> Result<(), String> {
                 }
             }
             // ANCHOR: engine
+            // `options`: `EngineOptions { activation_checkpointing, ..Default::default() }` from the flags. `comm`:
+            // this rank's communicator from `run_ranks` (examples/support): under `zerorun launch` it is
+            // `zerorun::communicator_from_env(timeout)?`, `timeout` a `std::time::Duration` (the config's
+            // `comms_timeout`); with `--ranks N`, one of N thread ranks. `zerorun::initialize(&vs, config)` does
+            // the same from the environment when a program needs no options.
             let options = if args.plain_loop { options } else { options.units_of(&model) };
             // The job's communicator as a data-parallel mesh (shard groups from `mics_shard_size`, if set).
             let engine = zerorun::initialize_with(&vs, config.clone(), comm, options).map_err(|e| e.to_string())?;

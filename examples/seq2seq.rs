@@ -76,7 +76,9 @@ fn run(args: &Args) -> Result<(), String> {
         vs.set_device(device);
         to_config_precision(&config, &mut vs);
         // ANCHOR: engine
-        // The units by parameter-name prefixes; the forward enters them by name.
+        // The units by parameter-name prefixes; the forward enters them by name. `comm` is this rank's
+        // communicator from `run_ranks` (examples/support): `zerorun::communicator_from_env(timeout)?` under
+        // `zerorun launch`, `timeout` a `std::time::Duration`.
         let options = EngineOptions { units: Some(model.units()), ..Default::default() };
         let mut engine = zerorun::initialize_with(&vs, config.clone(), comm, options).map_err(|e| e.to_string())?;
         // ANCHOR_END: engine

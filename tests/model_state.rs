@@ -389,7 +389,8 @@ fn stage_3_without_units_is_refused_unless_the_model_stays_gathered() {
     let (vs, _) = build(1, false);
     let comm = threads::group(1, Duration::from_secs(10)).pop().unwrap();
     let err = Engine::new(&vs, config(3, 1), Box::new(comm), EngineOptions::default()).unwrap_err().to_string();
-    assert!(err.starts_with("stage 3 partitions the parameters and gathers them only inside `engine.forward`, but the engine was built without the model's units: pass them (`EngineOptions::default().units_of(&model)`, or `zerorun::Whole(|x| model.forward(x))` for one unit)"), "{err}");
+    assert!(err.starts_with("stage 3 partitions the parameters and gathers a unit's only while it runs, but the engine was built without the model's units: name them (`EngineOptions::units`, each unit's parameter-name prefixes) and enter each with `engine.unit(name, ..)`"), "{err}");
+    assert!(err.contains("stage3_param_persistence_threshold = 0, under which the model would stay gathered"), "{err}");
     // Under the persistence threshold the model stays gathered and a plain loop works.
     let small = Config::from_value(json!({"train_batch_size": BATCH, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}, "zero_optimization": {"stage": 3}})).unwrap();
     let comm = threads::group(1, Duration::from_secs(10)).pop().unwrap();

@@ -29,6 +29,20 @@ fn loop_worker() {
     }
 }
 
+/// Worker: rank 1 takes part in one all-reduce and ends normally; the others wait in a second one.
+fn early_exit_worker() {
+    let c = communicator_from_env(Duration::from_secs(60)).unwrap();
+    let mut b = vec![1f32; 1024];
+    c.all_reduce(&mut b, ReduceOp::Sum).unwrap();
+    if c.rank() == 1 {
+        return;
+    }
+    if let Err(e) = c.all_reduce(&mut b, ReduceOp::Sum) {
+        eprintln!("error: {e}");
+        std::process::exit(2);
+    }
+}
+
 /// Worker: all-gathers 16 MiB per rank in the shared region, then lets go of the peers' pages it read: they leave this
 /// process's resident set (RssShmem) and the gathered values stay.
 fn forget_worker() {
@@ -75,6 +89,7 @@ fn worker_entry() {
         }
         Ok("loop") => loop_worker(),
         Ok("forget") => forget_worker(),
+        Ok("early_exit") => early_exit_worker(),
         _ => {}
     }
 }
@@ -215,4 +230,17 @@ fn a_killed_rank_stops_the_job_with_its_name_and_leaves_nothing() {
     let after: Vec<String> = segments().into_iter().filter(|s| !before.contains(s) && s.starts_with(&ours)).collect();
     assert!(after.is_empty(), "left in /dev/shm: {after:?}");
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_rank_that_ends_normally_is_named_as_exited_not_dead() {
+    let out = launch(2, "early_exit", &std::env::temp_dir()).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    let line = stderr
+        .lines()
+        .find(|l| l.starts_with("[rank 0] error: all_reduce on rank 0 of group"))
+        .unwrap_or_else(|| panic!("rank 0 did not report its peer:\n{stderr}"));
+    assert!(line.contains("rank 1 (pid ") && line.contains(") exited before this collective"), "{line}");
+    assert!(!line.contains("died"), "{line}");
 }

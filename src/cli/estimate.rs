@@ -215,6 +215,12 @@ pub fn run(a: EstimateArgs) -> Result<(), CliError> {
             off(r.offload_param)
         ))?;
     }
+    emit(
+        "per device: accelerator memory per rank (a rank process's memory on a CPU cluster), DeepSpeed's estimator; \
+         per host: CPU memory per node for what is offloaded, DeepSpeed's estimator with its buffer factor; \
+         model states: the exact parameter, gradient and optimizer-state bytes one rank holds wherever they live \
+         (device, host or NVMe), no buffers",
+    )?;
     if let Some((micro, (end, peak))) = activation_bytes {
         let how = if a.activation_checkpointing { "with every layer recomputed" } else { "without recomputation" };
         emit(&format!(

@@ -176,7 +176,9 @@ fn plan(o: PlanOptions) -> Result<(), CliError> {
     if fitting == 0 {
         emit("nothing fits; the smallest peaks:")?;
     }
-    emit(&table(&shown))?;
+    // A model known by measured totals without a sequence length counts samples, not tokens.
+    let per_sample = matches!(&model, zerorun_plan::Model::Measured(m) if m.seq_len <= 1);
+    emit(&table(&shown, if per_sample { "samples/s" } else { "tokens/s" }))?;
     if let Some(best) = shown.first() {
         emit(&describe(best))?;
     }
@@ -187,24 +189,12 @@ fn gib(b: f64) -> f64 {
     b / (1u64 << 30) as f64
 }
 
-/// The rows as a table, one line each.
-pub fn table(rows: &[&Row]) -> String {
+/// The rows as a table, one line each; `rate`: the throughput column's unit (tokens/s, or samples/s for a model
+/// without a sequence).
+pub fn table(rows: &[&Row], rate: &str) -> String {
     let mut out = format!(
         "{:>3} {:>5} {:<21} {:>3} {:>3} {:>5} {:>5} {:>4} {:>3} {:>10} {:>10} {:>10} {:>12} {:>5}",
-        "#",
-        "stage",
-        "offload",
-        "pp",
-        "tp",
-        "dp",
-        "micro",
-        "gas",
-        "ac",
-        "peak GiB",
-        "act GiB",
-        "step s",
-        "tokens/s",
-        "fits"
+        "#", "stage", "offload", "pp", "tp", "dp", "micro", "gas", "ac", "peak GiB", "act GiB", "step s", rate, "fits"
     );
     for (i, r) in rows.iter().enumerate() {
         let s = &r.strategy;

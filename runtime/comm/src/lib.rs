@@ -87,8 +87,8 @@ pub enum CommError {
         /// How long this rank waited.
         waited: Duration,
     },
-    #[error("{op} on rank {rank} of group {group}: rank {dead} (pid {pid}) died; waited {waited:?}")]
-    /// A rank's process died while this one waited.
+    #[error("{op} on rank {rank} of group {group}: rank {dead} (pid {pid}) {how}; waited {waited:?}", how = departure(*.exited))]
+    /// A rank's process ended while this one waited: it died, or exited without this collective.
     PeerDied {
         /// The collective.
         op: &'static str,
@@ -102,6 +102,9 @@ pub enum CommError {
         pid: u32,
         /// How long this rank waited.
         waited: Duration,
+        /// It left the group cleanly (its communicator was dropped: the program ended or gave up on its own error)
+        /// rather than being killed.
+        exited: bool,
     },
     #[error("{op} on rank {rank}: timed out after {waited:?} waiting for ranks {missing:?} (comms_timeout)")]
     /// Ranks did not arrive within `comms_timeout`.
@@ -341,3 +344,12 @@ pub trait Collectives: Communicator {
 }
 
 impl<C: Communicator + ?Sized> Collectives for C {}
+
+/// How a rank that is gone left, for [`CommError::PeerDied`].
+fn departure(exited: bool) -> &'static str {
+    if exited {
+        "exited before this collective (its program ended or dropped its communicator; its own output says why)"
+    } else {
+        "died"
+    }
+}

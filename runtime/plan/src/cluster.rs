@@ -65,7 +65,8 @@ pub struct Cluster {
     /// process's memory is the rank's memory and only NVMe offload frees it. Default true.
     #[serde(default = "yes")]
     pub accelerator: bool,
-    /// Resident memory of a rank before the model: the runtime, libraries, a CUDA context. Default 1 GiB.
+    /// Resident memory of a rank before the model: the runtime, libraries, a CUDA context. Default 1 GiB with an
+    /// accelerator (a CUDA context), [`CPU_PROCESS_FLOOR_BYTES`] without (`zerorun plan measure` measures it).
     #[serde(default = "gib")]
     pub process_floor_bytes: f64,
     /// Parameters per second one rank's optimizer steps (AdamW) where the states live; default: 2e10 on an
@@ -99,6 +100,10 @@ fn yes() -> bool {
     true
 }
 
+/// A CPU rank's resident memory before the model: a zerorun process with libtorch loaded measured about 120 MiB
+/// (`zerorun bench matmul` here, 2026-12-04).
+pub const CPU_PROCESS_FLOOR_BYTES: f64 = 128.0 * 1024.0 * 1024.0;
+
 fn gib() -> f64 {
     (1u64 << 30) as f64
 }
@@ -106,7 +111,13 @@ fn gib() -> f64 {
 impl Cluster {
     /// A cluster from its JSON (`what` names the file in errors), every value checked.
     pub fn from_json(text: &str, what: &str) -> Result<Cluster, PlanError> {
-        let c: Cluster = serde_json::from_str(text).map_err(|e| PlanError::Input(format!("{what}: {e}")))?;
+        let value: serde_json::Value =
+            serde_json::from_str(text).map_err(|e| PlanError::Input(format!("{what}: {e}")))?;
+        let mut c: Cluster =
+            serde_json::from_value(value.clone()).map_err(|e| PlanError::Input(format!("{what}: {e}")))?;
+        if !c.accelerator && value.get("process_floor_bytes").is_none() {
+            c.process_floor_bytes = CPU_PROCESS_FLOOR_BYTES;
+        }
         c.check(what)?;
         Ok(c)
     }

@@ -174,17 +174,19 @@ fn colour(name: &str, i: usize) -> RGBAColor {
     }
 }
 
-/// The legend in a strip at the top, five entries a row, so it never hides bars: a swatch per category, then
-/// `lines`. Returns the area below it.
+/// The legend in a strip at the top, as many entries a row as the width holds (five at most), so it never hides
+/// bars and no entry is cut off: a swatch per category, then `lines`. Returns the area below it.
 fn legend<DB: DrawingBackend>(
     root: &DrawingArea<DB, Shift>,
     names: &[String],
     lines: &[(&str, RGBColor)],
 ) -> std::result::Result<DrawingArea<DB, Shift>, String> {
     let err = |e: DrawingAreaErrorKind<DB::ErrorType>| e.to_string();
-    let rows = (names.len() + lines.len()).div_ceil(5) as u32;
+    const ENTRY_WIDTH: u32 = 188;
+    let per_row = ((root.dim_in_pixel().0.saturating_sub(12)) / ENTRY_WIDTH).clamp(1, 5) as usize;
+    let rows = (names.len() + lines.len()).div_ceil(per_row) as u32;
     let (strip, body) = root.split_vertically(12 + 20 * rows);
-    let entry = |i: usize| (12 + (i % 5) as i32 * 188, 10 + (i / 5) as i32 * 20);
+    let entry = |i: usize| (12 + (i % per_row) as i32 * ENTRY_WIDTH as i32, 10 + (i / per_row) as i32 * 20);
     let font = ("sans-serif", 13).into_font();
     for (i, name) in names.iter().enumerate() {
         let (x, y) = entry(i);

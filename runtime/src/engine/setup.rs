@@ -107,8 +107,9 @@ pub(super) fn check_whole_model_persists(z: &ZeroConfig, numel: u64) -> Result<(
         return Ok(());
     }
     Err(Error::Usage(format!(
-        "stage 3 partitions the parameters and gathers them only inside `engine.forward`, but the engine was built without the model's units: pass them (`EngineOptions::default().units_of(&model)`, or `zerorun::Whole(|x| model.forward(x))` for one unit) and compute the loss from `engine.forward(&model, input)` ({numel} parameters is over zero_optimization.stage3_param_persistence_threshold = {}, under which the model would stay gathered)",
-        z.stage3_param_persistence_threshold
+        "stage 3 partitions the parameters and gathers a unit's only while it runs, but the engine was built without the model's units: name them (`EngineOptions::units`, each unit's parameter-name prefixes) and enter each with `engine.unit(name, ..)` where your forward runs it, or pass a UnitModel (`EngineOptions::default().units_of(&model)`; `zerorun::Whole(|x| model.forward(x))` for one unit) and compute the loss from `engine.forward(&model, input)` ({numel} parameters is over zero_optimization.stage3_param_persistence_threshold = {}{}, under which the model would stay gathered)",
+        z.stage3_param_persistence_threshold,
+        if z.stage3_param_persistence_threshold == 100_000 { ", its default: \"auto\" sizes it from the units" } else { "" }
     )))
 }
 
@@ -325,9 +326,9 @@ impl Engine {
         } else {
             None
         };
-        // A released parameter's error names its unit.
-        for (u, unit) in sharded_units.iter_mut().enumerate() {
-            let name = unit_prefixes[u].first().map_or("", String::as_str);
+        // A released parameter's error names its unit (stage 3: only its units are ever released).
+        for (u, unit) in sharded_units.iter_mut().enumerate().filter(|_| plan.partitions_parameters()) {
+            let name = unit_prefixes.get(u).and_then(|p| p.first()).map_or("", String::as_str);
             unit.describe(&layout.slots[layout.units[u].slots.clone()], name)?;
             if let Some(frozen) = frozen_units.as_mut() {
                 let slots = frozen.layout.slots[frozen.layout.units[u].slots.clone()].to_vec();

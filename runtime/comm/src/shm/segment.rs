@@ -66,6 +66,9 @@ pub(super) const R_P2P_ANSWER: usize = 18;
 pub(super) const R_P2P_ACKED: usize = 19;
 pub(super) const R_P2P_THEIR_LEN: usize = 20;
 pub(super) const R_P2P_THEIR_DTYPE: usize = 21;
+/// Set when this rank's segment is dropped (its communicator goes: the program ended or gave up): a peer that finds
+/// its process gone says it exited rather than died.
+const R_EXITED: usize = 22;
 
 /// One wait of a polling loop. Peers of one collective arrive within microseconds of each other: spin, then yield
 /// (which hands the core to any other runnable rank on an oversubscribed host), and only sleep (whose wake-up costs
@@ -242,6 +245,7 @@ impl Segment {
                         dead: k,
                         pid: self.pid(k),
                         waited,
+                        exited: self.exited(k),
                     });
                 }
                 if waited >= self.timeout {
@@ -311,7 +315,13 @@ impl Segment {
             dead,
             pid: self.pid(dead),
             waited: Duration::ZERO,
+            exited: self.exited(dead),
         }
+    }
+
+    /// Whether rank `k` dropped its segment (left cleanly) rather than being killed.
+    fn exited(&self, k: usize) -> bool {
+        self.rank_word(k, R_EXITED).load(Ordering::Acquire) != 0
     }
 
     fn alive(pid: u64) -> bool {
@@ -348,5 +358,12 @@ impl Segment {
             self.rank_word(self.rank, R_FAILED).store(1, Ordering::Release);
         }
         r
+    }
+}
+
+impl Drop for Segment {
+    /// Leaving cleanly: a peer that finds this process gone says it exited, not died.
+    fn drop(&mut self) {
+        self.rank_word(self.rank, R_EXITED).store(1, Ordering::Release);
     }
 }
