@@ -121,9 +121,12 @@ impl Trained for LstmLm {
     }
 }
 
+/// Named parameter values, sorted by name.
+type Params = Vec<(String, Vec<f32>)>;
+
 /// What a rank ended with: its final full parameters, its last loss, its peak of gathered parameter bytes and its
 /// units' bytes, largest first.
-type Ended = (Vec<(String, Vec<f32>)>, f64, usize, Vec<usize>);
+type Ended = (Params, f64, usize, Vec<usize>);
 
 /// Trains `M` on `world` thread ranks with `config`.
 fn train<M: Trained>(world: usize, config: Config) -> Vec<Ended> {
@@ -392,4 +395,82 @@ fn later_micro_batches_prefetch_along_the_traced_order_and_a_changed_order_is_re
         assert_eq!(inside_b[2], unit, "rank {rank}: step 2 left the trace");
         assert_eq!(inside_b[3], 2 * unit, "rank {rank}: step 3 prefetched d along the new trace");
     }
+}
+
+/// Three residual blocks (linear, then dropout with probability `p`), checkpointed or not; every rank's final
+/// parameters and how many times the checkpointed forwards ran.
+fn train_checkpointed(world: usize, config: Config, checkpointed: bool, p: f64) -> Vec<(Params, usize)> {
+    use std::cell::Cell;
+    use std::rc::Rc;
+    let comms = threads::group(world, Duration::from_secs(60));
+    std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .into_iter()
+            .map(|comm| {
+                let config = config.clone();
+                s.spawn(move || {
+                    let vs = nn::VarStore::new(Device::Cpu);
+                    let blocks: Vec<Rc<nn::Linear>> = {
+                        let _rng = RNG.lock().unwrap_or_else(|p| p.into_inner());
+                        tch::manual_seed(5);
+                        (0..3)
+                            .map(|i| Rc::new(nn::linear(vs.root() / "blocks" / i, 8, 8, Default::default())))
+                            .collect()
+                    };
+                    let units = (0..3).map(|i| vec![format!("blocks.{i}")]).collect();
+                    let options = EngineOptions { units: Some(units), ..Default::default() };
+                    let mut engine = Engine::new(&vs, config, Box::new(comm), options).unwrap();
+                    let (rank, micro) =
+                        (engine.rank() as i64, engine.batch_sizes().train_micro_batch_size_per_gpu as i64);
+                    let runs = Rc::new(Cell::new(0usize));
+                    for step in 0..STEPS {
+                        let x =
+                            Tensor::from_slice(&uniform(GLOBAL_BATCH * 8, 400 + step as u64)).view([GLOBAL_BATCH, 8]);
+                        let x = x.narrow(0, rank * micro, micro);
+                        let mut h = x.shallow_clone();
+                        // Dropout draws from the process-wide generator: one rank at a time (world 1 only).
+                        let _rng = (p > 0.0).then(|| RNG.lock().unwrap_or_else(|p| p.into_inner()));
+                        if p > 0.0 {
+                            tch::manual_seed(100 + step);
+                        }
+                        for (i, block) in blocks.iter().enumerate() {
+                            let name = format!("blocks.{i}");
+                            let (b, runs) = (Rc::clone(block), Rc::clone(&runs));
+                            let f = move |xs: &[Tensor]| {
+                                runs.set(runs.get() + 1);
+                                &xs[0] + b.forward(&xs[0]).tanh().dropout(p, true)
+                            };
+                            h = if checkpointed {
+                                engine.unit_checkpointed(&name, &[&h], f).unwrap()
+                            } else {
+                                engine.unit(&name, |_| f(&[h.shallow_clone()])).unwrap()
+                            };
+                        }
+                        let loss = (&h - x.cos()).square().mean(Kind::Float);
+                        engine.backward(&loss).unwrap();
+                        engine.step().unwrap();
+                    }
+                    (full_parameters(&mut engine), runs.get())
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+#[test]
+fn a_checkpointed_unit_is_recomputed_in_backward_and_trains_as_the_plain_one() {
+    let reference = train_checkpointed(1, config(0, json!({})), false, 0.0).remove(0);
+    assert_eq!(reference.1, 3 * STEPS as usize, "each block ran once per step");
+    for (world, zero) in [(2, json!({"overlap_comm": true})), (3, json!({"overlap_comm": false}))] {
+        for (rank, (params, runs)) in train_checkpointed(world, config(3, zero.clone()), true, 0.0).iter().enumerate() {
+            assert_eq!(*runs, 2 * 3 * STEPS as usize, "rank {rank}: each block ran again in backward");
+            let d = max_relative_difference(params, &reference.0);
+            assert!(d <= 1e-5, "checkpointed, stage 3 on {world} ranks ({zero}), rank {rank}: {d:e}");
+        }
+    }
+    // Dropout draws the same masks in backward's run as in forward's: the same training as without checkpointing.
+    let plain = train_checkpointed(1, config(0, json!({})), false, 0.3).remove(0);
+    let checkpointed = train_checkpointed(1, config(3, json!({})), true, 0.3).remove(0);
+    assert_eq!(max_relative_difference(&checkpointed.0, &plain.0), 0.0, "dropout replayed");
 }

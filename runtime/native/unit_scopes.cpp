@@ -143,3 +143,106 @@ extern "C" char *zerorun_on_output_grad(at::Tensor *t, OutputReadyFn fn, void *c
         return message(e.what());
     }
 }
+
+// Activation checkpointing inside a unit's scope: a custom autograd function whose forward runs a Rust closure
+// without recording (only its inputs are kept) and whose backward runs it again with recording, from its inputs
+// detached, and takes the gradients of the inputs and of the unit's parameters from that graph. The parameters are
+// inputs of the function too (the closure reads them as it captured them), so the result requires grad when they
+// do, and their gradients reach `.grad` through autograd's own accumulation (and its hooks), once.
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/custom_class.h>
+
+// `(data, inputs, n, out)`: the closure on `n` inputs; writes its output (a new at::Tensor) to `out`; a non-null
+// message is an error.
+using RunFn = char *(*)(void *, at::Tensor **, int64_t, at::Tensor **);
+
+namespace {
+
+struct Closure final : torch::CustomClassHolder {
+    Closure(void *d, RunFn f, DropFn dr) : data(d), run(f), drop(dr) {}
+    ~Closure() override { drop(data); }
+    at::Tensor call(const torch::autograd::variable_list &inputs) const {
+        std::vector<at::Tensor *> handles;
+        handles.reserve(inputs.size());
+        for (const auto &t : inputs) handles.push_back(new at::Tensor(t));
+        at::Tensor *out = nullptr;
+        // The closure takes each handle (Rust's Tensor owns and frees it).
+        char *m = run(data, handles.data(), static_cast<int64_t>(handles.size()), &out);
+        if (m != nullptr) {
+            std::string text(m);
+            std::free(m);
+            throw std::runtime_error(text);
+        }
+        at::Tensor result = *out;
+        delete out;
+        return result;
+    }
+    void *data;
+    RunFn run;
+    DropFn drop;
+};
+
+struct Checkpoint : public torch::autograd::Function<Checkpoint> {
+    // `all`: the closure's inputs, then `all.size() - inputs` parameters.
+    // A TensorList, not a variable_list: only tensors and lists of them count as the function's variables.
+    static torch::autograd::variable_list forward(torch::autograd::AutogradContext *ctx, at::TensorList all_list,
+                                                  int64_t inputs, c10::intrusive_ptr<Closure> closure) {
+        torch::autograd::variable_list all(all_list.begin(), all_list.end());
+        ctx->save_for_backward(all);
+        ctx->saved_data["closure"] = c10::IValue::make_capsule(closure);
+        ctx->saved_data["inputs"] = inputs;
+        torch::autograd::variable_list in(all.begin(), all.begin() + inputs);
+        return {closure->call(in)};
+    }
+
+    static torch::autograd::variable_list backward(torch::autograd::AutogradContext *ctx,
+                                                   torch::autograd::variable_list grads) {
+        auto closure = c10::static_intrusive_pointer_cast<Closure>(ctx->saved_data["closure"].toCapsule());
+        const int64_t inputs = ctx->saved_data["inputs"].toInt();
+        auto all = ctx->get_saved_variables();
+        torch::autograd::variable_list in, wrt;
+        std::vector<size_t> at;  // which of `all` each of `wrt` is
+        for (size_t i = 0; i < all.size(); ++i) {
+            const bool is_input = static_cast<int64_t>(i) < inputs;
+            auto t = is_input ? all[i].detach() : all[i];
+            if (is_input && all[i].requires_grad()) t.requires_grad_(true);
+            if (is_input) in.push_back(t);
+            if (t.requires_grad()) {
+                wrt.push_back(t);
+                at.push_back(i);
+            }
+        }
+        at::Tensor out;
+        {
+            at::AutoGradMode recording(true);
+            out = closure->call(in);
+        }
+        torch::autograd::variable_list result(all.size() + 2);  // + the count and the closure
+        if (out.requires_grad() && grads[0].defined() && !wrt.empty()) {
+            auto g = torch::autograd::grad({out}, wrt, {grads[0]}, /*retain_graph=*/false, /*create_graph=*/false,
+                                           /*allow_unused=*/true);
+            for (size_t k = 0; k < at.size(); ++k) result[at[k]] = g[k];
+        }
+        return result;
+    }
+};
+
+}  // namespace
+
+// Runs the closure `(data, run)` on `inputs` as a checkpoint (above), `params` being the parameters it reads;
+// `drop(data)` once nothing needs it (also on an error).
+extern "C" char *zerorun_checkpoint(at::Tensor **inputs, int64_t n, at::Tensor **params, int64_t n_params, void *data,
+                                    RunFn run, DropFn drop, at::Tensor **out) {
+    try {
+        auto closure = c10::make_intrusive<Closure>(data, run, drop);
+        torch::autograd::variable_list all;
+        for (int64_t i = 0; i < n; ++i) all.push_back(*inputs[i]);
+        for (int64_t i = 0; i < n_params; ++i) all.push_back(*params[i]);
+        auto outputs = Checkpoint::apply(at::TensorList(all), n, closure);
+        *out = new at::Tensor(outputs[0]);
+        return nullptr;
+    } catch (const std::exception &e) {
+        return message(e.what());
+    }
+}

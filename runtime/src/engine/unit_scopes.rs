@@ -52,11 +52,78 @@ impl Engine {
         let u = self.scopes()?.unit_named(name)?;
         if self.walk.activation_checkpointing {
             return Err(Error::Usage(format!(
-                "engine.unit(\"{name}\", ..) with activation checkpointing: a unit scope keeps autograd's graph; \
-                 recomputing units runs through `engine.forward` with a UnitModel (or checkpoint inside the unit)"
+                "engine.unit(\"{name}\", ..) with EngineOptions::activation_checkpointing, which recomputes the units \
+                 of `engine.forward`'s walk: checkpoint a scope with `engine.unit_checkpointed(name, inputs, forward)` \
+                 and build the engine without that option"
             )));
         }
         self.enter_unit(u, forward)
+    }
+
+    /// [`Engine::unit`] with activation checkpointing: `forward` runs on `inputs` without autograd keeping anything
+    /// but them, and runs again in backward, right after the unit is gathered for it, to backpropagate through (the
+    /// CPU generator replayed, so dropout draws the same masks). The parameters it reads must be the unit's (at
+    /// stages 0-2: those whose names start with `name`), whose gradients it passes on. `forward` reads its tensors from `inputs` (what
+    /// it captures is constant to autograd) and must own what it captures (`'static`: modules behind an `Rc`,
+    /// say), since backward calls it after this returns. At every stage; at stages 0-2 only the activations are
+    /// saved.
+    ///
+    /// ```
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use std::rc::Rc;
+    /// use tch::nn::{self, Module};
+    /// use tch::{Device, Kind, Tensor};
+    /// let vs = nn::VarStore::new(Device::Cpu);
+    /// let block = Rc::new(nn::linear(vs.root() / "block", 4, 4, Default::default()));
+    /// let options = zerorun_runtime::EngineOptions { units: Some(vec![vec!["block".into()]]), ..Default::default() };
+    /// let config: zerorun_runtime::Config = r#"{"train_batch_size": 2, "zero_optimization": {"stage": 3}}"#.parse()?;
+    /// let mesh = zerorun_runtime::Mesh::from_env(&config, Default::default())?;
+    /// let mut engine = zerorun_runtime::initialize_with(&vs, config, mesh, options)?;
+    /// let x = Tensor::randn([2, 4], (Kind::Float, Device::Cpu));
+    /// let b = Rc::clone(&block);
+    /// let y = engine.unit_checkpointed("block", &[&x], move |xs| b.forward(&xs[0]).gelu("none"))?;
+    /// engine.backward(&y.square().mean(Kind::Float))?;
+    /// engine.step()?;
+    /// # Ok(()) }
+    /// ```
+    pub fn unit_checkpointed(
+        &mut self,
+        name: &str,
+        inputs: &[&Tensor],
+        forward: impl Fn(&[Tensor]) -> Tensor + 'static,
+    ) -> Result<Tensor> {
+        let state = native::rng_state()?;
+        let ran = std::cell::Cell::new(false);
+        let replaying: native::Recompute = Box::new(move |xs: &[Tensor]| {
+            if !ran.replace(true) {
+                return forward(xs);
+            }
+            // Backward's run draws what the forward drew. The state is restored after (errors here would be
+            // libtorch refusing its own state: nothing to recover).
+            let now = native::rng_state().ok();
+            let _ = native::set_rng_state(&state);
+            let y = forward(xs);
+            if let Some(now) = now {
+                let _ = native::set_rng_state(&now);
+            }
+            y
+        });
+        if self.plan.gradients != GradientPath::UnitWalk {
+            // Every rank holds every parameter: the unit's are those under its name.
+            let params: Vec<Tensor> = self
+                .states
+                .layout
+                .slots
+                .iter()
+                .zip(&self.states.params)
+                .filter(|(slot, _)| crate::engine::zero::units::owns(name, &slot.name))
+                .map(|(_, p)| p.shallow_clone())
+                .collect();
+            return native::checkpoint(inputs, &params, replaying);
+        }
+        let u = self.scopes()?.unit_named(name)?;
+        let params: Vec<Tensor> = self.states.parameters.units[u].params().iter().map(Tensor::shallow_clone).collect();
+        self.enter_unit(u, |_| native::checkpoint(inputs, &params, replaying))?
     }
 
     /// [`Engine::unit`] for unit `u` (its index), at stage 3 or stage 2 with units.

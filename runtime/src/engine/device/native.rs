@@ -46,7 +46,25 @@ extern "C" {
         drop: extern "C" fn(*mut c_void),
         unit: i64,
     ) -> *mut c_char;
+    fn zerorun_checkpoint(
+        inputs: *const *mut c_void,
+        n: i64,
+        params: *const *mut c_void,
+        n_params: i64,
+        data: *mut c_void,
+        run: RunFn,
+        drop: extern "C" fn(*mut c_void),
+        out: *mut *mut c_void,
+    ) -> *mut c_char;
 }
+
+/// What a checkpoint calls to run its closure: `(data, inputs, n, out)`.
+type RunFn = extern "C" fn(*mut c_void, *mut *mut c_void, i64, *mut *mut c_void) -> *mut c_char;
+
+/// A checkpointed forward: run once without recording, again in backward with recording. Not `Send`: libtorch runs
+/// a CPU backward on the thread that called it (a device backward on its device thread while that one waits), so
+/// it runs where it was made or while its thread is blocked, and modules behind an `Rc` work.
+pub type Recompute = Box<dyn Fn(&[Tensor]) -> Tensor>;
 
 /// What a unit's output hook calls: `(ctx, unit)`, returning null to go on or a malloc'ed message that stops the
 /// backward with it.
@@ -224,4 +242,61 @@ pub fn malloc_message(text: &str) -> *mut c_char {
         *m.add(bytes.len()) = 0;
         m as *mut c_char
     }
+}
+
+/// Runs `f` on `inputs` as an activation checkpoint (`native/unit_scopes.cpp`): now without recording anything but
+/// the inputs, and again in backward, with recording, to take the gradients of `inputs` and of `params` (the
+/// parameters `f` reads, which it captures) from; they reach `.grad` through autograd's accumulation, once.
+pub fn checkpoint(inputs: &[&Tensor], params: &[Tensor], f: Recompute) -> Result<Tensor> {
+    let handles: Vec<*mut c_void> = inputs.iter().map(|t| ptr(t)).collect();
+    let param_handles: Vec<*mut c_void> = params.iter().map(ptr).collect();
+    let data = Box::into_raw(Box::new(f)) as *mut c_void;
+    let mut out = std::ptr::null_mut::<c_void>();
+    // The shim owns `data` from here: it drops it through `drop_recompute` when the graph goes (or on an error).
+    check(
+        unsafe {
+            zerorun_checkpoint(
+                handles.as_ptr(),
+                handles.len() as i64,
+                param_handles.as_ptr(),
+                param_handles.len() as i64,
+                data,
+                run_recompute,
+                drop_recompute,
+                &mut out,
+            )
+        },
+        "a checkpointed unit",
+    )?;
+    // SAFETY: allocated by the shim with `new at::Tensor`, owned by tch's Tensor from here.
+    Ok(unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) })
+}
+
+extern "C" fn run_recompute(data: *mut c_void, inputs: *mut *mut c_void, n: i64, out: *mut *mut c_void) -> *mut c_char {
+    // SAFETY: `data` is the Recompute `checkpoint` boxed; the shim keeps it alive while it calls.
+    let f = unsafe { &*(data as *const Recompute) };
+    // SAFETY: the shim made each handle with `new at::Tensor` for us to own.
+    let inputs: Vec<Tensor> =
+        (0..n as usize).map(|i| unsafe { Tensor::from_ptr(*inputs.add(i) as *mut torch_sys::C_tensor) }).collect();
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&inputs))) {
+        Ok(mut t) => {
+            // SAFETY: `out` is the shim's slot; it takes ownership of the handle (tch's Tensor must not free it).
+            unsafe { *out = t.as_mut_ptr() as *mut c_void };
+            std::mem::forget(t);
+            std::ptr::null_mut()
+        }
+        Err(panic) => {
+            let why = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_default();
+            malloc_message(&format!("a checkpointed unit's forward panicked: {why}"))
+        }
+    }
+}
+
+extern "C" fn drop_recompute(data: *mut c_void) {
+    // SAFETY: made by Box::into_raw in `checkpoint`; the shim calls this once.
+    drop(unsafe { Box::from_raw(data as *mut Recompute) });
 }

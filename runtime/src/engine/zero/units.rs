@@ -109,7 +109,8 @@ impl UnitModel for Sequence<'_> {
     }
 }
 
-fn owns(prefix: &str, name: &str) -> bool {
+/// Whether the parameter `name` is under `prefix` (whole path segments; the empty prefix takes every name).
+pub(crate) fn owns(prefix: &str, name: &str) -> bool {
     prefix.is_empty()
         || name == prefix
         || (name.starts_with(prefix) && name.as_bytes().get(prefix.len()) == Some(&b'.'))
