@@ -44,7 +44,7 @@ pub fn advice(report: &MemoryReport) -> Vec<String> {
         lines.push((
             held / 2,
             format!(
-                "activations hold {} at the peak ({} at the end of forward): activation checkpointing (stage 3 with the model's units, EngineOptions::activation_checkpointing) keeps only each unit's input",
+                "activations hold {} at the peak ({} at the end of forward): activation checkpointing (`engine.unit_checkpointed` for a scope, EngineOptions::activation_checkpointing for `engine.forward`'s units) keeps only each unit's input",
                 mib(held), mib(end_of_forward)
             ),
         ));

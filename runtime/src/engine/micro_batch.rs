@@ -102,6 +102,11 @@ impl Engine {
 
     fn backward_impl(&mut self, model: Option<&dyn UnitModel>, loss: &Tensor) -> Result<()> {
         let _owner = owned_by(Owner::Engine);
+        // A forward the program ran through scopes of its own has no end the engine saw: it ends here.
+        let marked = std::mem::take(&mut self.walk.forward_marked);
+        if !marked && self.backward_is_scoped() {
+            self.memory_event(|| "forward".into(), &[]);
+        }
         self.memory_event(|| "backward start".into(), &[]);
         self.enter_phase(|| "backward".into());
         if self.plan.gradients == GradientPath::UnitWalk {
@@ -258,6 +263,7 @@ impl Engine {
         // The end of forward, where the activations autograd keeps peak: a sample at every stage.
         if out.is_ok() && training {
             self.memory_event(|| "forward".to_string(), &[]);
+            self.walk.forward_marked = true;
         }
         out
     }

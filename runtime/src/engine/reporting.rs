@@ -187,12 +187,18 @@ impl Engine {
     /// Stage 3, after unit `i`'s forward: what it left alive for backward since `before` (forward's live bytes
     /// then) and its input's bytes.
     pub(super) fn record_unit_activations(&mut self, i: usize, before: u64, input: &Tensor) {
+        self.record_unit_activation_bytes(i, before, (input.numel() * input.kind().elt_size_in_bytes()) as u64);
+    }
+
+    /// [`Engine::record_unit_activations`] with the input's bytes given (0 for a scope, whose inputs are whatever
+    /// its closure reads).
+    pub(super) fn record_unit_activation_bytes(&mut self, i: usize, before: u64, input_bytes: u64) {
         let Some(live) = self.live_bytes() else { return };
         let n = self.states.parameters.units.len();
         self.report.unit_activations.resize(n, 0);
         self.report.unit_inputs.resize(n, 0);
         self.report.unit_activations[i] = live.of(Owner::Forward).saturating_sub(before);
-        self.report.unit_inputs[i] = (input.numel() * input.kind().elt_size_in_bytes()) as u64;
+        self.report.unit_inputs[i] = input_bytes;
     }
 
     /// Live bytes of the model's forward now (0 without counting).

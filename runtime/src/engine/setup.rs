@@ -398,6 +398,7 @@ impl Engine {
                 records: Vec::new(),
                 activation_checkpointing: options.activation_checkpointing,
                 scopes: None,
+                forward_marked: false,
             },
             gradients,
             shard,

@@ -14,7 +14,6 @@ use crate::engine::zero::sharded_unit::UnitState;
 use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::report::allocations::{owned_by, Owner};
-use crate::report::memory::MemoryCategory;
 use crate::report::Phase;
 
 impl Engine {
@@ -143,6 +142,9 @@ impl Engine {
             self.memory_event(|| format!("forward: unit {name} gathered"), &[]);
         }
         self.enter_phase(|| format!("forward: unit {name}"));
+        // What the unit leaves alive for backward, for the memory report (the outermost scopes: nested ones count
+        // in theirs).
+        let activations_before = (train && outermost).then(|| self.forward_live_bytes());
         let scopes = self.walk.scopes.as_mut().expect("installed above");
         scopes.open[u] += 1;
         scopes.depth += 1;
@@ -154,6 +156,9 @@ impl Engine {
         scopes.open[u] -= 1;
         scopes.depth -= 1;
         let (open, kept) = (scopes.open[u], scopes.kept[u]);
+        if let Some(before) = activations_before {
+            self.record_unit_activation_bytes(u, before, 0);
+        }
         if train {
             let scopes = self.walk.scopes.as_ref().expect("installed above");
             for t in out.tensors() {
@@ -303,9 +308,9 @@ impl Engine {
                 g.defined().then_some(g)
             })
             .collect();
-        let bytes: usize = grads.iter().flatten().map(|g| g.numel() * g.kind().elt_size_in_bytes()).sum();
-        let name = self.walk.scopes.as_ref().expect("installed").names[u].clone();
-        self.memory_event(|| format!("backward: unit {name} gradients"), &[(MemoryCategory::GradientsUnit, bytes)]);
+        let name = self.walk.scopes.as_ref().expect("installed").label(u);
+        // The unit's gradients are its parameters' `.grad`: the report counts them as gradients_full already.
+        self.memory_event(|| format!("backward: unit {name} gradients"), &[]);
         self.walk.scopes.as_mut().expect("installed").reduced[u] = true;
         self.gradient_sync().reduce_unit(u, &grads)?;
         drop(grads);
@@ -325,11 +330,11 @@ impl Engine {
         let (first, next) = self.walk.scopes.as_mut().expect("installed").reached(u);
         if self.states.parameters.units[u].state() != UnitState::Gathered {
             self.gather_unit(u)?;
-            let name = self.walk.scopes.as_ref().expect("installed").names[u].clone();
+            let name = self.walk.scopes.as_ref().expect("installed").label(u);
             self.memory_event(|| format!("backward: unit {name} gathered"), &[]);
         }
         if first {
-            let name = self.walk.scopes.as_ref().expect("installed").names[u].clone();
+            let name = self.walk.scopes.as_ref().expect("installed").label(u);
             self.enter_phase(|| format!("backward: unit {name}"));
         }
         if let Some(next) = next {

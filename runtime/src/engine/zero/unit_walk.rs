@@ -27,6 +27,9 @@ pub(crate) struct Walk {
     pub activation_checkpointing: bool,
     /// Units entered as scopes of the program's forward (`engine.unit`), set up on first use.
     pub scopes: Option<crate::engine::zero::scopes::Scopes>,
+    /// `engine.forward` recorded the end of this micro-batch's forward for the memory report (a forward of the
+    /// program's own scopes ends at its backward).
+    pub forward_marked: bool,
 }
 
 /// Start-up at stage 3: packs each unit's parameters into its buffer, takes rank 0's values, keeps this
