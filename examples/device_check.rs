@@ -75,10 +75,12 @@ fn run_rank(
         engine.step().unwrap();
     }
     let peak = zerorun::cuda::device_memory(device).map(|m| m.allocated_peak);
-    let mut weights: Weights = vs
-        .variables()
+    // Through the engine (collective): at stage 3 a released unit's tensors in the VarStore hold no values.
+    let mut weights: Weights = engine
+        .full_parameters()
+        .unwrap()
         .into_iter()
-        .map(|(n, t)| (n, Vec::<f32>::try_from(&t.to_kind(Kind::Float).view([-1])).unwrap()))
+        .map(|(n, t)| (n, Vec::<f32>::try_from(&t.to_kind(Kind::Float).to_device(Device::Cpu).view([-1])).unwrap()))
         .collect();
     weights.sort_by(|a, b| a.0.cmp(&b.0));
     (weights, peak)

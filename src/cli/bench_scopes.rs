@@ -1,7 +1,8 @@
 //! `zerorun bench scopes`: stage 3's two ways of running a model's units, in one sitting. The GPT and MLP examples
-//! run under `zerorun launch` (rank processes over shared memory) at stage 3, alternately through `engine.forward`'s
-//! walk over the chain of units and with `--scoped` (the same units entered with `engine.unit` from the loop,
-//! gathered and reduced by autograd's hooks, prefetched along the traced order). Reported per model: the median of
+//! run under `zerorun launch` (rank processes over shared memory) at stage 3, alternately through the walk over the
+//! detached chain of units (`engine.forward` with `ZERORUN_STAGE3_WALK=chain`, the path before scopes) and with
+//! `--scoped` (the same units entered with `engine.unit` from the loop, gathered and reduced by autograd's hooks,
+//! prefetched along the traced order). Reported per model: the median of
 //! the runs' median step times and the largest peak RSS of any rank, each path's, and scoped over chain.
 use std::path::Path;
 use std::process::Command;
@@ -100,6 +101,8 @@ fn measure(
         .args(flags);
     if scoped {
         cmd.arg("--scoped");
+    } else {
+        cmd.env(zerorun::runtime::engine::CHAIN_WALK_ENV, "chain");
     }
     let what = format!("{} {}", example.display(), if scoped { "--scoped" } else { "(chain)" });
     let out = cmd.output().map_err(|e| CliError::Io { context: format!("running {what}"), source: e })?;

@@ -290,7 +290,7 @@ impl Engine {
                 self.walk.unit_prefixes
             )));
         }
-        if !self.walk.activation_checkpointing {
+        if !self.walk.chain {
             return self.forward_scoped(model, input);
         }
         let train = native::grad_enabled();

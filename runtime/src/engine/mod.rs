@@ -65,6 +65,7 @@ pub use zero::builders::{BuiltModel, UnitBuilders, UnitForward};
 pub use zero::layout::{self, FlatLayout, ParamSlot, UnitSpan};
 use zero::plan::StagePlan;
 pub use zero::scopes::UnitOutput;
+pub use zero::unit_walk::CHAIN_WALK_ENV;
 pub use zero::units::{self, Sequence, UnitModel, Whole};
 pub use zero::variables::BufferSync;
 

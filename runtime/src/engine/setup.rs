@@ -397,6 +397,7 @@ impl Engine {
                 unit_prefixes,
                 records: Vec::new(),
                 activation_checkpointing: options.activation_checkpointing,
+                chain: options.activation_checkpointing || crate::engine::zero::unit_walk::chain_walk_from_env(),
                 scopes: None,
                 forward_marked: false,
             },

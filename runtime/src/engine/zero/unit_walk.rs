@@ -9,6 +9,16 @@ use crate::engine::zero::sharded_unit::ShardedUnit;
 use crate::engine::zero::swapped_params::SwappedParams;
 use crate::error::Result;
 
+/// `ZERORUN_STAGE3_WALK=chain`: `engine.forward` at stage 3 walks the units as a detached chain (the path before
+/// scopes, kept for activation checkpointing) instead of entering them as scopes: the reference `zerorun bench
+/// scopes` measures against.
+pub const CHAIN_WALK_ENV: &str = "ZERORUN_STAGE3_WALK";
+
+/// Whether the environment asks for the chain walk ([`CHAIN_WALK_ENV`]).
+pub(crate) fn chain_walk_from_env() -> bool {
+    std::env::var(CHAIN_WALK_ENV).is_ok_and(|v| v.trim() == "chain")
+}
+
 /// What forward keeps of one unit for backward.
 pub(crate) struct UnitRecord {
     /// The unit's input as run: a leaf that requires grad (units after the first, floating inputs).
@@ -25,6 +35,8 @@ pub(crate) struct Walk {
     pub records: Vec<UnitRecord>,
     /// Keep only each unit's input in forward and recompute the unit in backward.
     pub activation_checkpointing: bool,
+    /// `engine.forward` walks the detached chain even without activation checkpointing ([`CHAIN_WALK_ENV`]).
+    pub chain: bool,
     /// Units entered as scopes of the program's forward (`engine.unit`), set up on first use.
     pub scopes: Option<crate::engine::zero::scopes::Scopes>,
     /// `engine.forward` recorded the end of this micro-batch's forward for the memory report (a forward of the
