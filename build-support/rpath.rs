@@ -12,7 +12,9 @@
 //! (zerorun-runtime: tensors in the shm backend's shared buffer region) and `native/gloo_backend.cpp` (zerorun-runtime:
 //! libtorch's TCPStore and ProcessGroupGloo, the backend across hosts) and `native/tensor_parallel.cpp`
 //! (zerorun-runtime: tensor parallelism's conjugate operators as autograd functions) and `native/counting_allocator.cpp`
-//! (zerorun-runtime: libtorch's CPU allocator with live-byte counters by owner, for the memory report).
+//! (zerorun-runtime: libtorch's CPU allocator with live-byte counters by owner, for the memory report) and
+//! `native/unit_scopes.cpp` (zerorun-runtime: stage 3's scopes: released parameters every operator refuses, the
+//! pre-backward hook on a unit's outputs, activation checkpointing as a custom autograd function).
 fn main() {
     println!("cargo:rerun-if-env-changed=DEP_TCH_LIBTORCH_LIB");
     if let Ok(lib) = std::env::var("DEP_TCH_LIBTORCH_LIB") {
