@@ -87,12 +87,7 @@ struct Args {
 }
 
 fn main() {
-    let args = Args::parse();
-    zerorun::init_logging();
-    if let Err(e) = run(&args) {
-        eprintln!("error: {e}");
-        std::process::exit(1);
-    }
+    run_main(&Args::parse(), run);
 }
 
 /// The model's shape: from `--hf DIR/config.json`, else the flags.

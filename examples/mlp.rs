@@ -143,12 +143,7 @@ fn load_data(path: &std::path::Path) -> Result<(Tensor, Tensor), String> {
 }
 
 fn main() {
-    let args = Args::parse();
-    zerorun::init_logging();
-    if let Err(e) = run(&args) {
-        eprintln!("error: {e}");
-        std::process::exit(1);
-    }
+    run_main(&Args::parse(), run);
 }
 
 fn run(args: &Args) -> Result<(), String> {
@@ -287,18 +282,8 @@ fn run(args: &Args) -> Result<(), String> {
             // Bounded staleness: the gradients this rank applied as an owner, by how stale they were.
             println!("staleness_counts {counts:?}");
         }
-        if let Some(path) = &a.save_final {
-            save_final(&mut engine, path)?;
-        }
-        finish_reports(&mut engine)?;
-        Ok((progress.median_step_s(), progress.last_loss, engine.world_size()))
+        finish_rank(a, &mut engine, &progress)
     })?;
-    let Some((median, last, world)) = result else { return Ok(()) };
-    println!("median_step_s {median:.6}");
-    println!(
-        "summary: {world} ranks, ZeRO stage {}, {} optimizer steps, final loss {last:.6}",
-        config.stage(),
-        a.steps
-    );
+    print_summary(result, &config, a.steps);
     Ok(())
 }

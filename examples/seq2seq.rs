@@ -48,12 +48,7 @@ fn batch(seed: u64, step: u64, rows: i64, len: i64, vocab: i64) -> (Tensor, Tens
 }
 
 fn main() {
-    let args = Args::parse();
-    zerorun::init_logging();
-    if let Err(e) = run(&args) {
-        eprintln!("error: {e}");
-        std::process::exit(1);
-    }
+    run_main(&Args::parse(), run);
 }
 
 fn run(args: &Args) -> Result<(), String> {
@@ -117,18 +112,8 @@ fn run(args: &Args) -> Result<(), String> {
             println!("eval_loss {eval_loss:.6}");
             println!("eval_token_accuracy {accuracy:.4}");
         }
-        if let Some(path) = &a.save_final {
-            save_final(&mut engine, path)?;
-        }
-        finish_reports(&mut engine)?;
-        Ok((progress.median_step_s(), progress.last_loss, engine.world_size()))
+        finish_rank(a, &mut engine, &progress)
     })?;
-    let Some((median, last, world)) = result else { return Ok(()) };
-    println!("median_step_s {median:.6}");
-    println!(
-        "summary: {world} ranks, ZeRO stage {}, {} optimizer steps, final loss {last:.6}",
-        config.stage(),
-        a.steps
-    );
+    print_summary(result, &config, a.steps);
     Ok(())
 }

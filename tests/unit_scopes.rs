@@ -130,41 +130,30 @@ type Ended = (Params, f64, usize, Vec<usize>);
 
 /// Trains `M` on `world` thread ranks with `config`.
 fn train<M: Trained>(world: usize, config: Config) -> Vec<Ended> {
-    let comms = threads::group(world, Duration::from_secs(60));
-    std::thread::scope(|s| {
-        let hs: Vec<_> = comms
-            .into_iter()
-            .map(|comm| {
-                let config = config.clone();
-                s.spawn(move || {
-                    let vs = nn::VarStore::new(Device::Cpu);
-                    let model = {
-                        let _rng = RNG.lock().unwrap_or_else(|p| p.into_inner());
-                        tch::manual_seed(7);
-                        M::build(&vs.root())
-                    };
-                    let options = EngineOptions { units: Some(model.units()), ..Default::default() };
-                    let mut engine = Engine::new(&vs, config, Box::new(comm), options).unwrap();
-                    let (rank, micro) =
-                        (engine.rank() as i64, engine.batch_sizes().train_micro_batch_size_per_gpu as i64);
-                    let mut last = f64::NAN;
-                    for step in 0..STEPS {
-                        let batch: Vec<Tensor> =
-                            M::batch(step).iter().map(|t| t.narrow(0, rank * micro, micro)).collect();
-                        let loss = model.loss(&mut engine, &batch).unwrap();
-                        engine.backward(&loss).unwrap();
-                        if let zerorun::StepOutcome::Stepped { loss, .. } = engine.step().unwrap() {
-                            last = loss;
-                        }
-                    }
-                    let mut unit_bytes: Vec<usize> = engine.layout().units.iter().map(|u| u.range.len() * 4).collect();
-                    unit_bytes.sort_unstable_by(|a, b| b.cmp(a));
-                    let peak = engine.gathered_bytes().peak;
-                    (full_parameters(&mut engine), last, peak, unit_bytes)
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    on_ranks(world, |comm| {
+        let config = config.clone();
+        let vs = nn::VarStore::new(Device::Cpu);
+        let model = {
+            let _rng = RNG.lock().unwrap_or_else(|p| p.into_inner());
+            tch::manual_seed(7);
+            M::build(&vs.root())
+        };
+        let options = EngineOptions { units: Some(model.units()), ..Default::default() };
+        let mut engine = Engine::new(&vs, config, Box::new(comm), options).unwrap();
+        let (rank, micro) = (engine.rank() as i64, engine.batch_sizes().train_micro_batch_size_per_gpu as i64);
+        let mut last = f64::NAN;
+        for step in 0..STEPS {
+            let batch: Vec<Tensor> = M::batch(step).iter().map(|t| t.narrow(0, rank * micro, micro)).collect();
+            let loss = model.loss(&mut engine, &batch).unwrap();
+            engine.backward(&loss).unwrap();
+            if let zerorun::StepOutcome::Stepped { loss, .. } = engine.step().unwrap() {
+                last = loss;
+            }
+        }
+        let mut unit_bytes: Vec<usize> = engine.layout().units.iter().map(|u| u.range.len() * 4).collect();
+        unit_bytes.sort_unstable_by(|a, b| b.cmp(a));
+        let peak = engine.gathered_bytes().peak;
+        (full_parameters(&mut engine), last, peak, unit_bytes)
     })
 }
 
@@ -215,6 +204,15 @@ fn an_lstm_language_model_at_stage_3_matches_stage_0() {
     stage3_matches_stage0::<LstmLm>("LSTM");
 }
 
+/// Runs `rank(comm)` on `world` thread ranks (60 s timeout); what each returned, in rank order.
+fn on_ranks<R: Send>(world: usize, rank: impl Fn(threads::ThreadComm) -> R + Sync) -> Vec<R> {
+    let comms = threads::group(world, Duration::from_secs(60));
+    std::thread::scope(|s| {
+        let hs: Vec<_> = comms.into_iter().map(|comm| s.spawn(|| rank(comm))).collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
 /// A call that must fail.
 type Call<'a> = Box<dyn Fn() + 'a>;
 
@@ -226,74 +224,67 @@ fn panic_message(f: impl FnOnce()) -> String {
 
 #[test]
 fn a_parameter_read_outside_its_unit_is_an_error_naming_the_unit_for_every_kind_of_layer() {
-    let comms = threads::group(2, Duration::from_secs(60));
-    std::thread::scope(|s| {
-        for comm in comms {
-            s.spawn(move || {
-                let vs = nn::VarStore::new(Device::Cpu);
-                let root = vs.root();
-                let _rng = RNG.lock().unwrap_or_else(|p| p.into_inner());
-                let lin = nn::linear(&root / "lin", 4, 4, Default::default());
-                let emb = nn::embedding(&root / "emb", 10, 4, Default::default());
-                let ln = nn::layer_norm(&root / "ln", vec![4], Default::default());
-                let conv = nn::conv2d(&root / "conv", 2, 3, 3, Default::default());
-                let bn = nn::batch_norm2d(&root / "bn", 2, Default::default());
-                let rnn_config = nn::RNNConfig { batch_first: true, ..Default::default() };
-                let lstm = nn::lstm(&root / "lstm", 4, 5, rnn_config);
-                let gru = nn::gru(&root / "gru", 4, 5, rnn_config);
-                let attn = Attention::new(&(&root / "attn"), 4, 2);
-                let units: Vec<Vec<String>> = ["lin", "emb", "ln", "conv", "bn", "lstm", "gru", "attn"]
-                    .iter()
-                    .map(|u| vec![u.to_string()])
-                    .collect();
-                let options = EngineOptions { units: Some(units), ..Default::default() };
-                drop(_rng);
-                let mut engine = Engine::new(&vs, config(3, json!({})), Box::new(comm), options).unwrap();
-                let x = Tensor::ones([2, 3, 4], (Kind::Float, Device::Cpu));
-                let img = Tensor::ones([1, 2, 5, 5], (Kind::Float, Device::Cpu));
-                let ids = Tensor::from_slice(&[1i64, 2, 3]);
-                let cases: Vec<(&str, Call)> = vec![
-                    ("lin", Box::new(|| drop(lin.forward(&x)))),
-                    ("lin", Box::new(|| drop(x.matmul(&lin.ws)))),
-                    ("emb", Box::new(|| drop(emb.forward(&ids)))),
-                    ("ln", Box::new(|| drop(ln.forward(&x)))),
-                    ("conv", Box::new(|| drop(conv.forward(&img)))),
-                    ("bn", Box::new(|| drop(bn.forward_t(&img, true)))),
-                    ("lstm", Box::new(|| drop(lstm.seq(&x)))),
-                    ("gru", Box::new(|| drop(gru.seq(&x)))),
-                    ("attn", Box::new(|| drop(attn.forward(&x, &x, true)))),
-                ];
-                for (unit, call) in &cases {
-                    let m = panic_message(call);
-                    // tch's panic quotes the error in Debug form.
-                    assert!(
-                        m.contains(&format!("of unit `{unit}` is released"))
-                            && m.contains(&format!("engine.unit(\\\"{unit}\\\"")),
-                        "unit {unit}: {m}"
-                    );
-                }
-                // Operators that reach a released parameter only through a tensor they made from it cannot name it.
-                for call in [
-                    Box::new(|| drop(lin.ws.sum(Kind::Float))) as Call,
-                    Box::new(|| drop(format!("{:?}", lin.ws.to_kind(Kind::Double)))),
-                ] {
-                    let m = panic_message(call);
-                    assert!(m.contains("released stage-3 parameter") && m.contains("engine.unit("), "{m}");
-                }
-                // Inside their units the same calls work.
-                let y = engine.unit("lstm", |_| lstm.seq(&x)).unwrap();
-                assert_eq!(y.0.size(), [2, 3, 5]);
-                let y = engine.unit("attn", |_| attn.forward(&x, &x, true)).unwrap();
-                assert_eq!(y.size(), [2, 3, 4]);
-                // An unknown unit is named with the ones there are.
-                let e = engine.unit("decoder", |_| ()).unwrap_err().to_string();
-                assert!(e.contains("engine.unit(\"decoder\", ..): no unit has that name"), "{e}");
-                // A backward the engine does not run reaches a released unit: refused by name, not a signal.
-                let y = engine.unit("lin", |_| lin.forward(&x)).unwrap();
-                let e = y.sum(Kind::Float).f_backward().unwrap_err().to_string();
-                assert!(e.contains("unit `lin` is sharded") && e.contains("engine.backward(&loss)"), "{e}");
-            });
+    on_ranks(2, |comm| {
+        let vs = nn::VarStore::new(Device::Cpu);
+        let root = vs.root();
+        let _rng = RNG.lock().unwrap_or_else(|p| p.into_inner());
+        let lin = nn::linear(&root / "lin", 4, 4, Default::default());
+        let emb = nn::embedding(&root / "emb", 10, 4, Default::default());
+        let ln = nn::layer_norm(&root / "ln", vec![4], Default::default());
+        let conv = nn::conv2d(&root / "conv", 2, 3, 3, Default::default());
+        let bn = nn::batch_norm2d(&root / "bn", 2, Default::default());
+        let rnn_config = nn::RNNConfig { batch_first: true, ..Default::default() };
+        let lstm = nn::lstm(&root / "lstm", 4, 5, rnn_config);
+        let gru = nn::gru(&root / "gru", 4, 5, rnn_config);
+        let attn = Attention::new(&(&root / "attn"), 4, 2);
+        let units: Vec<Vec<String>> =
+            ["lin", "emb", "ln", "conv", "bn", "lstm", "gru", "attn"].iter().map(|u| vec![u.to_string()]).collect();
+        let options = EngineOptions { units: Some(units), ..Default::default() };
+        drop(_rng);
+        let mut engine = Engine::new(&vs, config(3, json!({})), Box::new(comm), options).unwrap();
+        let x = Tensor::ones([2, 3, 4], (Kind::Float, Device::Cpu));
+        let img = Tensor::ones([1, 2, 5, 5], (Kind::Float, Device::Cpu));
+        let ids = Tensor::from_slice(&[1i64, 2, 3]);
+        let cases: Vec<(&str, Call)> = vec![
+            ("lin", Box::new(|| drop(lin.forward(&x)))),
+            ("lin", Box::new(|| drop(x.matmul(&lin.ws)))),
+            ("emb", Box::new(|| drop(emb.forward(&ids)))),
+            ("ln", Box::new(|| drop(ln.forward(&x)))),
+            ("conv", Box::new(|| drop(conv.forward(&img)))),
+            ("bn", Box::new(|| drop(bn.forward_t(&img, true)))),
+            ("lstm", Box::new(|| drop(lstm.seq(&x)))),
+            ("gru", Box::new(|| drop(gru.seq(&x)))),
+            ("attn", Box::new(|| drop(attn.forward(&x, &x, true)))),
+        ];
+        for (unit, call) in &cases {
+            let m = panic_message(call);
+            // tch's panic quotes the error in Debug form.
+            assert!(
+                m.contains(&format!("of unit `{unit}` is released"))
+                    && m.contains(&format!("engine.unit(\\\"{unit}\\\"")),
+                "unit {unit}: {m}"
+            );
         }
+        // Operators that reach a released parameter only through a tensor they made from it cannot name it.
+        for call in [
+            Box::new(|| drop(lin.ws.sum(Kind::Float))) as Call,
+            Box::new(|| drop(format!("{:?}", lin.ws.to_kind(Kind::Double)))),
+        ] {
+            let m = panic_message(call);
+            assert!(m.contains("released stage-3 parameter") && m.contains("engine.unit("), "{m}");
+        }
+        // Inside their units the same calls work.
+        let y = engine.unit("lstm", |_| lstm.seq(&x)).unwrap();
+        assert_eq!(y.0.size(), [2, 3, 5]);
+        let y = engine.unit("attn", |_| attn.forward(&x, &x, true)).unwrap();
+        assert_eq!(y.size(), [2, 3, 4]);
+        // An unknown unit is named with the ones there are.
+        let e = engine.unit("decoder", |_| ()).unwrap_err().to_string();
+        assert!(e.contains("engine.unit(\"decoder\", ..): no unit has that name"), "{e}");
+        // A backward the engine does not run reaches a released unit: refused by name, not a signal.
+        let y = engine.unit("lin", |_| lin.forward(&x)).unwrap();
+        let e = y.sum(Kind::Float).f_backward().unwrap_err().to_string();
+        assert!(e.contains("unit `lin` is sharded") && e.contains("engine.backward(&loss)"), "{e}");
     });
 }
 
@@ -327,54 +318,43 @@ fn scopes_step_in_backward_and_from_nvme_like_the_ordinary_step() {
 /// Four 8 x 8 linear units run in the order `schedule(step)`; every rank's final parameters and, per step, the
 /// gathered bytes seen inside unit `b`.
 fn train_reordered(world: usize, config: Config, schedule: fn(i64) -> [&'static str; 4]) -> Vec<Ended> {
-    let comms = threads::group(world, Duration::from_secs(60));
-    std::thread::scope(|s| {
-        let hs: Vec<_> = comms
-            .into_iter()
-            .map(|comm| {
-                let config = config.clone();
-                s.spawn(move || {
-                    let vs = nn::VarStore::new(Device::Cpu);
-                    let names = ["a", "b", "c", "d"];
-                    let layers: Vec<nn::Linear> = {
-                        let _rng = RNG.lock().unwrap_or_else(|p| p.into_inner());
-                        tch::manual_seed(11);
-                        names.iter().map(|n| nn::linear(vs.root() / *n, 8, 8, Default::default())).collect()
-                    };
-                    let units = names.iter().map(|n| vec![n.to_string()]).collect();
-                    let options = EngineOptions { units: Some(units), ..Default::default() };
-                    let mut engine = Engine::new(&vs, config, Box::new(comm), options).unwrap();
-                    let (rank, micro) =
-                        (engine.rank() as i64, engine.batch_sizes().train_micro_batch_size_per_gpu as i64);
-                    let mut inside_b = Vec::new();
-                    let mut last = f64::NAN;
-                    for step in 0..STEPS {
-                        let x =
-                            Tensor::from_slice(&uniform(GLOBAL_BATCH * 8, 300 + step as u64)).view([GLOBAL_BATCH, 8]);
-                        let x = x.narrow(0, rank * micro, micro);
-                        let mut h = x.shallow_clone();
-                        for name in schedule(step) {
-                            let layer = &layers[names.iter().position(|n| *n == name).unwrap()];
-                            h = engine
-                                .unit(name, |engine| {
-                                    if name == "b" {
-                                        inside_b.push(engine.gathered_bytes().current);
-                                    }
-                                    layer.forward(&h).tanh()
-                                })
-                                .unwrap();
+    on_ranks(world, |comm| {
+        let config = config.clone();
+        let vs = nn::VarStore::new(Device::Cpu);
+        let names = ["a", "b", "c", "d"];
+        let layers: Vec<nn::Linear> = {
+            let _rng = RNG.lock().unwrap_or_else(|p| p.into_inner());
+            tch::manual_seed(11);
+            names.iter().map(|n| nn::linear(vs.root() / *n, 8, 8, Default::default())).collect()
+        };
+        let units = names.iter().map(|n| vec![n.to_string()]).collect();
+        let options = EngineOptions { units: Some(units), ..Default::default() };
+        let mut engine = Engine::new(&vs, config, Box::new(comm), options).unwrap();
+        let (rank, micro) = (engine.rank() as i64, engine.batch_sizes().train_micro_batch_size_per_gpu as i64);
+        let mut inside_b = Vec::new();
+        let mut last = f64::NAN;
+        for step in 0..STEPS {
+            let x = Tensor::from_slice(&uniform(GLOBAL_BATCH * 8, 300 + step as u64)).view([GLOBAL_BATCH, 8]);
+            let x = x.narrow(0, rank * micro, micro);
+            let mut h = x.shallow_clone();
+            for name in schedule(step) {
+                let layer = &layers[names.iter().position(|n| *n == name).unwrap()];
+                h = engine
+                    .unit(name, |engine| {
+                        if name == "b" {
+                            inside_b.push(engine.gathered_bytes().current);
                         }
-                        let loss = (&h - x.sin()).square().mean(Kind::Float);
-                        engine.backward(&loss).unwrap();
-                        if let zerorun::StepOutcome::Stepped { loss, .. } = engine.step().unwrap() {
-                            last = loss;
-                        }
-                    }
-                    (full_parameters(&mut engine), last, 0, inside_b)
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+                        layer.forward(&h).tanh()
+                    })
+                    .unwrap();
+            }
+            let loss = (&h - x.sin()).square().mean(Kind::Float);
+            engine.backward(&loss).unwrap();
+            if let zerorun::StepOutcome::Stepped { loss, .. } = engine.step().unwrap() {
+                last = loss;
+            }
+        }
+        (full_parameters(&mut engine), last, 0, inside_b)
     })
 }
 
@@ -402,59 +382,46 @@ fn later_micro_batches_prefetch_along_the_traced_order_and_a_changed_order_is_re
 fn train_checkpointed(world: usize, config: Config, checkpointed: bool, p: f64) -> Vec<(Params, usize)> {
     use std::cell::Cell;
     use std::rc::Rc;
-    let comms = threads::group(world, Duration::from_secs(60));
-    std::thread::scope(|s| {
-        let hs: Vec<_> = comms
-            .into_iter()
-            .map(|comm| {
-                let config = config.clone();
-                s.spawn(move || {
-                    let vs = nn::VarStore::new(Device::Cpu);
-                    let blocks: Vec<Rc<nn::Linear>> = {
-                        let _rng = RNG.lock().unwrap_or_else(|p| p.into_inner());
-                        tch::manual_seed(5);
-                        (0..3)
-                            .map(|i| Rc::new(nn::linear(vs.root() / "blocks" / i, 8, 8, Default::default())))
-                            .collect()
-                    };
-                    let units = (0..3).map(|i| vec![format!("blocks.{i}")]).collect();
-                    let options = EngineOptions { units: Some(units), ..Default::default() };
-                    let mut engine = Engine::new(&vs, config, Box::new(comm), options).unwrap();
-                    let (rank, micro) =
-                        (engine.rank() as i64, engine.batch_sizes().train_micro_batch_size_per_gpu as i64);
-                    let runs = Rc::new(Cell::new(0usize));
-                    for step in 0..STEPS {
-                        let x =
-                            Tensor::from_slice(&uniform(GLOBAL_BATCH * 8, 400 + step as u64)).view([GLOBAL_BATCH, 8]);
-                        let x = x.narrow(0, rank * micro, micro);
-                        let mut h = x.shallow_clone();
-                        // Dropout draws from the process-wide generator: one rank at a time (world 1 only).
-                        let _rng = (p > 0.0).then(|| RNG.lock().unwrap_or_else(|p| p.into_inner()));
-                        if p > 0.0 {
-                            tch::manual_seed(100 + step);
-                        }
-                        for (i, block) in blocks.iter().enumerate() {
-                            let name = format!("blocks.{i}");
-                            let (b, runs) = (Rc::clone(block), Rc::clone(&runs));
-                            let f = move |xs: &[Tensor]| {
-                                runs.set(runs.get() + 1);
-                                &xs[0] + b.forward(&xs[0]).tanh().dropout(p, true)
-                            };
-                            h = if checkpointed {
-                                engine.unit_checkpointed(&name, &[&h], f).unwrap()
-                            } else {
-                                engine.unit(&name, |_| f(&[h.shallow_clone()])).unwrap()
-                            };
-                        }
-                        let loss = (&h - x.cos()).square().mean(Kind::Float);
-                        engine.backward(&loss).unwrap();
-                        engine.step().unwrap();
-                    }
-                    (full_parameters(&mut engine), runs.get())
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    on_ranks(world, |comm| {
+        let config = config.clone();
+        let vs = nn::VarStore::new(Device::Cpu);
+        let blocks: Vec<Rc<nn::Linear>> = {
+            let _rng = RNG.lock().unwrap_or_else(|p| p.into_inner());
+            tch::manual_seed(5);
+            (0..3).map(|i| Rc::new(nn::linear(vs.root() / "blocks" / i, 8, 8, Default::default()))).collect()
+        };
+        let units = (0..3).map(|i| vec![format!("blocks.{i}")]).collect();
+        let options = EngineOptions { units: Some(units), ..Default::default() };
+        let mut engine = Engine::new(&vs, config, Box::new(comm), options).unwrap();
+        let (rank, micro) = (engine.rank() as i64, engine.batch_sizes().train_micro_batch_size_per_gpu as i64);
+        let runs = Rc::new(Cell::new(0usize));
+        for step in 0..STEPS {
+            let x = Tensor::from_slice(&uniform(GLOBAL_BATCH * 8, 400 + step as u64)).view([GLOBAL_BATCH, 8]);
+            let x = x.narrow(0, rank * micro, micro);
+            let mut h = x.shallow_clone();
+            // Dropout draws from the process-wide generator: one rank at a time (world 1 only).
+            let _rng = (p > 0.0).then(|| RNG.lock().unwrap_or_else(|p| p.into_inner()));
+            if p > 0.0 {
+                tch::manual_seed(100 + step);
+            }
+            for (i, block) in blocks.iter().enumerate() {
+                let name = format!("blocks.{i}");
+                let (b, runs) = (Rc::clone(block), Rc::clone(&runs));
+                let f = move |xs: &[Tensor]| {
+                    runs.set(runs.get() + 1);
+                    &xs[0] + b.forward(&xs[0]).tanh().dropout(p, true)
+                };
+                h = if checkpointed {
+                    engine.unit_checkpointed(&name, &[&h], f).unwrap()
+                } else {
+                    engine.unit(&name, |_| f(&[h.shallow_clone()])).unwrap()
+                };
+            }
+            let loss = (&h - x.cos()).square().mean(Kind::Float);
+            engine.backward(&loss).unwrap();
+            engine.step().unwrap();
+        }
+        (full_parameters(&mut engine), runs.get())
     })
 }
 

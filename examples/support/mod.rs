@@ -381,6 +381,33 @@ pub fn share_cores(ranks: usize) {
     }
 }
 
+/// An example's `main`: the runtime's warnings on stderr, then `run(args)`; an error is printed as text (zerorun's
+/// messages say what is wrong and where) and exits with status 1.
+pub fn run_main<A>(args: &A, run: impl FnOnce(&A) -> Result<(), String>) {
+    zerorun::init_logging();
+    if let Err(e) = run(args) {
+        eprintln!("error: {e}");
+        std::process::exit(1);
+    }
+}
+
+/// The end of an example's rank: the final weights when asked (`--save-final`), the reports, and what the summary
+/// line needs: the median step, the last loss and the world size.
+pub fn finish_rank(args: &CommonArgs, engine: &mut Engine, progress: &Progress) -> Result<(f64, f64, usize), String> {
+    if let Some(path) = &args.save_final {
+        save_final(engine, path)?;
+    }
+    finish_reports(engine)?;
+    Ok((progress.median_step_s(), progress.last_loss, engine.world_size()))
+}
+
+/// Rank 0's closing lines: the median step and the summary (nothing in the other ranks' processes).
+pub fn print_summary(result: Option<(f64, f64, usize)>, config: &Config, steps: u64) {
+    let Some((median, last, world)) = result else { return };
+    println!("median_step_s {median:.6}");
+    println!("summary: {world} ranks, ZeRO stage {}, {steps} optimizer steps, final loss {last:.6}", config.stage());
+}
+
 /// The model's units entered one after another with `engine.unit` from the program's loop (`--scoped`), instead of
 /// `engine.forward`'s walk: the same result, with backward through `engine.backward`.
 pub fn forward_scoped(engine: &mut Engine, model: &dyn zerorun::UnitModel, x: &Tensor) -> Result<Tensor, String> {

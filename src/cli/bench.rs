@@ -188,3 +188,25 @@ pub fn run(command: BenchCommand) -> Result<(), CliError> {
         }
     }
 }
+
+/// What an example run by a benchmark (`bench`) under `zerorun launch` printed on stdout; a failed run is an error
+/// naming it (`what`) with its output.
+pub(super) fn example_output(bench: &str, what: &str, cmd: &mut std::process::Command) -> Result<String, CliError> {
+    let out = cmd.output().map_err(|e| CliError::Io { context: format!("running {what}"), source: e })?;
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    if !out.status.success() {
+        return Err(CliError::Usage(format!(
+            "bench {bench}: {what} failed:\n{text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        )));
+    }
+    Ok(text)
+}
+
+/// Rank 0's `key value` line in a launched example's `text` (`[rank 0] key value`), or an error naming the run.
+pub(super) fn rank0_value(bench: &str, what: &str, text: &str, key: &str) -> Result<f64, CliError> {
+    text.lines()
+        .find_map(|l| l.strip_prefix("[rank 0] ").and_then(|l| l.strip_prefix(key)))
+        .and_then(|v| v.trim().parse().ok())
+        .ok_or_else(|| CliError::Usage(format!("bench {bench}: {what} printed no `{key}`:\n{text}")))
+}

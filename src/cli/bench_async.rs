@@ -225,20 +225,8 @@ fn measure(
         config.display(),
         slow.map_or(String::new(), |(s, ms)| format!(", a {} slow rank sleeping {ms} ms", s.name()))
     );
-    let out = cmd.output().map_err(|e| CliError::Io { context: format!("running {what}"), source: e })?;
-    let text = String::from_utf8_lossy(&out.stdout);
-    if !out.status.success() {
-        return Err(CliError::Usage(format!(
-            "bench async: {what} failed:\n{text}{}",
-            String::from_utf8_lossy(&out.stderr)
-        )));
-    }
-    let value = |key: &str| -> Result<f64, CliError> {
-        text.lines()
-            .find_map(|l| l.strip_prefix("[rank 0] ").and_then(|l| l.strip_prefix(key)))
-            .and_then(|v| v.trim().parse().ok())
-            .ok_or_else(|| CliError::Usage(format!("bench async: {what} printed no `{key}`:\n{text}")))
-    };
+    let text = super::bench::example_output("async", &what, &mut cmd)?;
+    let value = |key: &str| super::bench::rank0_value("async", &what, &text, key);
     let losses = text
         .lines()
         .filter_map(|l| l.strip_prefix("[rank 0] step "))

@@ -105,19 +105,8 @@ fn measure(
         cmd.env(zerorun::runtime::engine::CHAIN_WALK_ENV, "chain");
     }
     let what = format!("{} {}", example.display(), if scoped { "--scoped" } else { "(chain)" });
-    let out = cmd.output().map_err(|e| CliError::Io { context: format!("running {what}"), source: e })?;
-    let text = String::from_utf8_lossy(&out.stdout);
-    if !out.status.success() {
-        return Err(CliError::Usage(format!(
-            "bench scopes: {what} failed:\n{text}{}",
-            String::from_utf8_lossy(&out.stderr)
-        )));
-    }
-    let step_s = text
-        .lines()
-        .find_map(|l| l.strip_prefix("[rank 0] median_step_s "))
-        .and_then(|v| v.trim().parse().ok())
-        .ok_or_else(|| CliError::Usage(format!("bench scopes: {what} printed no median_step_s:\n{text}")))?;
+    let text = super::bench::example_output("scopes", &what, &mut cmd)?;
+    let step_s = super::bench::rank0_value("scopes", &what, &text, "median_step_s")?;
     let peak_rss = text
         .lines()
         .filter_map(|l| l.split_once("] peak_rss_bytes ").and_then(|(_, v)| v.trim().parse::<u64>().ok()))

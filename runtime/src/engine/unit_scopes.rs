@@ -127,9 +127,9 @@ impl Engine {
 
     /// [`Engine::unit`] for unit `u` (its index), at stage 3 or stage 2 with units.
     pub(crate) fn enter_unit<T: UnitOutput>(&mut self, u: usize, forward: impl FnOnce(&mut Engine) -> T) -> Result<T> {
-        let name = self.scopes()?.label(u);
+        let scopes = self.scopes()?;
+        let (name, outermost) = (scopes.label(u), scopes.depth == 0);
         let train = native::grad_enabled();
-        let outermost = self.scopes()?.depth == 0;
         let (started, comm_before) = (Instant::now(), self.report.times.comm());
         let times_before = (!train && outermost).then(|| self.report.times.clone());
         self.gather_unit(u)?;
@@ -188,13 +188,8 @@ impl Engine {
     /// The scopes' state, installed (with its gradient hooks) on first use.
     pub(crate) fn scopes(&mut self) -> Result<&mut Scopes> {
         if self.walk.scopes.is_none() {
-            let layout = &self.states.layout;
-            let mut unit_of_slot = vec![0; layout.slots.len()];
-            for (u, span) in layout.units.iter().enumerate() {
-                for s in span.slots.clone() {
-                    unit_of_slot[s] = u;
-                }
-            }
+            let unit_slots: Vec<std::ops::Range<usize>> =
+                self.states.layout.units.iter().map(|span| span.slots.clone()).collect();
             let n = self.states.parameters.units.len();
             let has_frozen: Vec<bool> = (0..n)
                 .map(|u| {
@@ -202,8 +197,7 @@ impl Engine {
                 })
                 .collect();
             let kept = self.states.parameters.kept_after_forward(&self.config.zero_optimization);
-            let scopes =
-                Scopes::install(&self.walk.unit_prefixes, &self.states.params, unit_of_slot, has_frozen, kept)?;
+            let scopes = Scopes::install(&self.walk.unit_prefixes, &self.states.params, &unit_slots, has_frozen, kept)?;
             self.walk.scopes = Some(scopes);
         }
         Ok(self.walk.scopes.as_mut().expect("installed"))
@@ -328,13 +322,12 @@ impl Engine {
             return Err(Error::Usage("an earlier gradient hook failed".into()));
         }
         let (first, next) = self.walk.scopes.as_mut().expect("installed").reached(u);
+        let name = self.walk.scopes.as_ref().expect("installed").label(u);
         if self.states.parameters.units[u].state() != UnitState::Gathered {
             self.gather_unit(u)?;
-            let name = self.walk.scopes.as_ref().expect("installed").label(u);
             self.memory_event(|| format!("backward: unit {name} gathered"), &[]);
         }
         if first {
-            let name = self.walk.scopes.as_ref().expect("installed").label(u);
             self.enter_phase(|| format!("backward: unit {name}"));
         }
         if let Some(next) = next {

@@ -128,8 +128,8 @@ impl Follow {
     }
 }
 
-/// What a hook reaches: the engine while `engine.backward` runs autograd (null otherwise), and the units' names for
-/// the error a backward outside it gets.
+/// What a hook reaches: the engine while `engine.backward` runs autograd (null otherwise), and the units' names
+/// (each one's first prefix, as `engine.unit` takes it), also for the error a backward outside it gets.
 pub(crate) struct HookTarget {
     lent: AtomicPtr<Engine>,
     names: Vec<String>,
@@ -137,8 +137,6 @@ pub(crate) struct HookTarget {
 
 /// The scopes' state: names, what this micro-batch's forward entered, what its backward still waits for.
 pub(crate) struct Scopes {
-    /// Each unit's name as `engine.unit` takes it (its first prefix).
-    pub names: Vec<String>,
     /// The unit of every name: every prefix of every unit.
     by_name: HashMap<String, usize>,
     /// Per unit: scopes of it open now (nested or re-entered).
@@ -170,11 +168,11 @@ pub(crate) struct Scopes {
 }
 
 impl Scopes {
-    /// Installs the gradient hooks on `params` (layout order; `unit_of_slot` gives each one's unit).
+    /// Installs the gradient hooks on `params` (layout order; `unit_slots[u]`: unit u's slots in it).
     pub fn install(
         prefixes: &[Vec<String>],
         params: &[Tensor],
-        unit_of_slot: Vec<usize>,
+        unit_slots: &[std::ops::Range<usize>],
         has_frozen: Vec<bool>,
         kept: Vec<bool>,
     ) -> Result<Scopes> {
@@ -186,13 +184,11 @@ impl Scopes {
                 by_name.insert(p.clone(), u);
             }
         }
-        let mut trainable = vec![0; n];
-        for &u in &unit_of_slot {
-            trainable[u] += 1;
-        }
-        let target = Arc::new(HookTarget { lent: AtomicPtr::new(std::ptr::null_mut()), names: names.clone() });
+        let unit_of_slot: Vec<usize> =
+            unit_slots.iter().enumerate().flat_map(|(u, slots)| slots.clone().map(move |_| u)).collect();
+        let trainable: Vec<usize> = unit_slots.iter().map(|slots| slots.len()).collect();
+        let target = Arc::new(HookTarget { lent: AtomicPtr::new(std::ptr::null_mut()), names });
         let scopes = Scopes {
-            names,
             by_name,
             open: vec![0; n],
             depth: 0,
@@ -217,7 +213,7 @@ impl Scopes {
 
     /// How events and logs name unit `u`: its name, or its index where the name is empty (the whole model).
     pub fn label(&self, u: usize) -> String {
-        match self.names[u].as_str() {
+        match self.target.names[u].as_str() {
             "" => u.to_string(),
             name => name.to_string(),
         }
@@ -228,7 +224,7 @@ impl Scopes {
         self.by_name.get(name).copied().ok_or_else(|| {
             Error::Usage(format!(
                 "engine.unit(\"{name}\", ..): no unit has that name; the units are {:?} (EngineOptions::units: a unit is named by any of its prefixes)",
-                self.names
+                self.target.names
             ))
         })
     }
@@ -275,7 +271,7 @@ impl Scopes {
         let recorded = std::mem::take(&mut f.recording);
         let changed = !f.trace.forward.is_empty() && recorded != f.trace;
         let note = changed.then(|| {
-            let name = |v: &[usize]| v.iter().map(|&u| self.names[u].as_str()).collect::<Vec<_>>().join(", ");
+            let name = |v: &[usize]| v.iter().map(|&u| self.target.names[u].as_str()).collect::<Vec<_>>().join(", ");
             format!(
                 "forward [{}] then backward [{}], traced before as forward [{}] then backward [{}]",
                 name(&recorded.forward),
