@@ -12,6 +12,7 @@ mod elasticity;
 mod error;
 pub mod estimate;
 pub mod keys;
+mod monitor;
 mod notices;
 mod optimizer;
 mod pipeline;
@@ -31,6 +32,7 @@ pub use batch::{BatchInput, BatchSizes};
 pub use checkpointing::{ActivationCheckpointingConfig, CheckpointConfig, TagValidation};
 pub use elasticity::ElasticityConfig;
 pub use error::{ConfigError, Result};
+pub use monitor::{comm_op_name, CommsLoggerConfig, FlopsProfilerConfig, MonitorConfig, MonitorOutput, COMM_OPS};
 pub use notices::Notice;
 pub use optimizer::{AdagradParams, AdamParams, LambParams, LionParams, OptimizerConfig, SgdParams, ZERO_SUPPORTED};
 pub use pipeline::{Partition, PipelineConfig, ScheduleName};
@@ -140,6 +142,10 @@ pub struct Config {
     /// land, so the step hides behind the all-reduces still on the wire. Needs what a step in pieces allows: no
     /// clipping, no accumulation, fp32, an element-wise optimizer.
     pub optimizer_in_backward: bool,
+    /// The monitors (`tensorboard`, `csv_monitor`), `flops_profiler` and `comms_logger`, at the top level as in
+    /// DeepSpeed's config.
+    #[serde(flatten)]
+    pub monitor: MonitorConfig,
     /// Keys given that have no effect here, each with the reason (logged as warnings when the config is read).
     #[serde(skip)]
     pub notices: Vec<Notice>,
@@ -147,12 +153,6 @@ pub struct Config {
 
 /// Top-level DeepSpeed sections zerorun accepts and does not act on (monitoring, autotuning, other features).
 const IGNORED_SECTIONS: &[&str] = &[
-    "tensorboard",
-    "wandb",
-    "csv_monitor",
-    "comet",
-    "flops_profiler",
-    "comms_logger",
     "autotuning",
     "data_efficiency",
     "curriculum_learning",
@@ -246,13 +246,15 @@ impl Config {
                 }
             }),
         };
+        let monitor = MonitorConfig::read(&mut s)?;
         let config = Config {
             train_batch_size,
             train_micro_batch_size_per_gpu,
             gradient_accumulation_steps,
             gradient_clipping: s.float("gradient_clipping", 1.0)?,
             steps_per_print: s.opt_uint("steps_per_print")?,
-            wall_clock_breakdown: s.bool("wall_clock_breakdown", false)?,
+            // The flops profiler reads the phase timers, as DeepSpeed's turns them on.
+            wall_clock_breakdown: s.bool("wall_clock_breakdown", false)? || monitor.flops_profiler.enabled,
             memory_breakdown: s.bool("memory_breakdown", false)?,
             prescale_gradients: s.bool("prescale_gradients", false)?,
             gradient_predivide_factor: s.float("gradient_predivide_factor", 1.0)?,
@@ -273,6 +275,7 @@ impl Config {
             elasticity: ElasticityConfig::read(s.section("elasticity")?)?,
             async_training: AsyncTraining::read(s.section("async_training")?)?,
             optimizer_in_backward: s.bool("optimizer_in_backward", false)?,
+            monitor,
             notices: Vec::new(),
         };
         let mut config = config;
