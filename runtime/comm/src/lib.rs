@@ -13,6 +13,7 @@ mod cma;
 pub mod env;
 pub mod groups;
 pub mod heartbeat;
+pub mod logged;
 pub mod hierarchical;
 #[cfg(feature = "mpi")]
 pub mod mpi;

@@ -47,6 +47,7 @@ pub mod sampler;
 mod setup;
 mod step;
 mod unit_scopes;
+mod watching;
 #[doc(hidden)] // the engine's parts: what a program uses is re-exported below
 pub mod zero;
 
@@ -68,6 +69,7 @@ pub use zero::scopes::UnitOutput;
 pub use zero::unit_walk::CHAIN_WALK_ENV;
 pub use zero::units::{self, Sequence, UnitModel, Whole};
 pub use zero::variables::BufferSync;
+pub use watching::{measure_peak_flops, StepRates, Throughput};
 
 /// What `step` did.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -192,6 +194,8 @@ pub struct Engine {
     sync: async_training::Synchronization,
     /// The asynchronous checkpoint being written, if any (`checkpoint.async_save`).
     in_flight: checkpointing::background::InFlight,
+    /// The monitors, the throughput and MFU, the communication logger.
+    watch: watching::Watch,
 }
 
 impl Engine {

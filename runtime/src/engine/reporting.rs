@@ -215,8 +215,8 @@ impl Engine {
         self.report.memory.end_step();
     }
 
-    /// After every optimizer step (taken or skipped): a memory sample and the step's phase times.
-    pub(super) fn end_of_step(&mut self) {
+    /// After every optimizer step (taken or skipped): a memory sample and the step's phase times (returned).
+    pub(super) fn end_of_step(&mut self) -> [std::time::Duration; 6] {
         // The step's last event: after the step's own tail (stage 3 regathers kept units), so its window ends.
         if self.report.sample_events {
             self.sample_event(self.progress.global_steps, "step done".into(), &[]);
@@ -244,6 +244,7 @@ impl Engine {
             );
         }
         self.progress.step_started = None;
+        times
     }
 
     /// Time spent updating the parameters (the optimizer's own work, without the norm's collectives) so far.

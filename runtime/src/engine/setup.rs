@@ -378,6 +378,8 @@ impl Engine {
             Some(m) => Synchronization::Meetings(m),
             None => Synchronization::Synchronous,
         };
+        // The communication logger records training's collectives, not set-up's.
+        let (watch, comm, replicas) = super::watching::Watch::wrap_comms(&config, comm, replicas);
         let mut engine = Engine {
             comm: engine_comm::EngineComm::new(comm, replicas, plan.threaded_comm()),
             residence,
@@ -408,6 +410,7 @@ impl Engine {
             placement: Placement::default(),
             in_flight: Default::default(),
             sync,
+            watch,
         };
         engine.start_bounded_staleness()?;
         if plan.hooks_gradients() {

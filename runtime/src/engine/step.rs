@@ -192,7 +192,8 @@ impl Engine {
         self.progress.global_steps += 1;
         self.progress.global_samples += self.batch.train_batch_size;
         self.log_step(loss, lr, grad_norm);
-        self.end_of_step();
+        let times = self.end_of_step();
+        self.watch_step(loss, lr, Some(grad_norm), times);
         StepOutcome::Stepped { step: self.progress.global_steps, loss, grad_norm, lr }
     }
 
@@ -225,7 +226,8 @@ impl Engine {
             self.precision(),
             if self.shard.scaler.is_some() { " (the loss scale drops once the hysteresis is used up)" } else { "" }
         );
-        self.end_of_step();
+        let times = self.end_of_step();
+        self.watch_step(loss, self.lr(), None, times);
         Ok(StepOutcome::Skipped { step: self.progress.global_steps, loss, scale })
     }
 
