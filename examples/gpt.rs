@@ -4,7 +4,9 @@
 //!     cargo run --release --example gpt -- --config configs/zero2.json --ranks 2 --steps 30
 use std::time::Duration;
 
-use clap::Parser;
+use std::path::PathBuf;
+
+use clap::{Parser, ValueEnum};
 use tch::Tensor;
 use zerorun::runtime::engine::{no_decay_for_1d, EngineOptions};
 use zerorun::{Config, Dim, Engine, Mesh, MeshOptions, MicroBatch, StagePlacement};
@@ -12,7 +14,8 @@ use zerorun::{Config, Dim, Engine, Mesh, MeshOptions, MicroBatch, StagePlacement
 #[path = "support/mod.rs"]
 mod support;
 use support::gpt_model::tp::{TpGpt, TpUnits};
-use support::gpt_model::{gpt_builders, padded_vocab, pipeline_model, Corpus, Gpt, GptConfig};
+use support::gpt_model::{gpt_builders, held_out_sums, padded_vocab, pipeline_model, Corpus, Gpt, GptConfig};
+use support::nanogpt_model::{NanoGpt, NanoGptConfig};
 use support::*;
 
 #[derive(Parser, Debug)]
@@ -53,7 +56,38 @@ struct Args {
     /// bench scopes` times both.
     #[arg(long, conflicts_with_all = ["pipeline_stages", "tensor_parallel", "activation_checkpointing"])]
     scoped: bool,
+    /// The text to train on, characters as tokens (default: the bundled first 300 kB of Shakespeare;
+    /// examples/data/tinyshakespeare.txt is the whole corpus nanoGPT trains on).
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// Hold out the last F of the corpus (nanoGPT's split; never trained on) and report the loss on all of it, in
+    /// non-overlapping windows of --block tokens, after the last step (`step N val loss X`).
+    #[arg(long, default_value_t = 0.0)]
+    val_fraction: f64,
+    /// Also evaluate every N optimizer steps (needs --val-fraction).
+    #[arg(long)]
+    eval_every: Option<u64>,
+    /// The model: this example's GPT (every parallelism), or nanoGPT's (its head tied to the token embedding, no
+    /// biases, its initialisation, units entered with `engine.unit`; data parallel at every ZeRO stage).
+    #[arg(long, value_enum, default_value_t = Arch::Zerorun)]
+    arch: Arch,
 }
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Arch {
+    Zerorun,
+    Nanogpt,
+}
+
+impl Args {
+    /// Whether step `step` (1-based, done) is followed by an evaluation.
+    fn evaluates_after(&self, step: u64) -> bool {
+        self.val_fraction > 0.0 && (step == self.common.steps || self.eval_every.is_some_and(|k| k > 0 && step % k == 0))
+    }
+}
+
+/// Windows of the held-out part per forward.
+const EVAL_ROWS: i64 = 64;
 
 fn main() {
     run_main(&Args::parse(), run);
@@ -63,13 +97,22 @@ fn run(args: &Args) -> Result<(), String> {
     let a = &args.common;
     a.check()?;
     let config = load_config(&a.config)?;
-    let corpus = Corpus::load();
+    if args.eval_every.is_some() && args.val_fraction <= 0.0 {
+        return Err("--eval-every needs a held-out part: give --val-fraction F (nanoGPT's is 0.1)".into());
+    }
+    let corpus = Corpus::from_args(args.data.as_deref())?.hold_out(args.val_fraction, args.block)?;
     let cfg =
         GptConfig { vocab: corpus.vocab, block: args.block, layers: args.layers, heads: args.heads, embd: args.embd };
     share_cores(a.ranks);
     let device = a.device()?;
     if device != tch::Device::Cpu && (args.pipeline_stages.is_some() || args.tensor_parallel.is_some()) {
         return Err("--device cuda trains the data-parallel GPT; with --pipeline-stages or --tensor-parallel this example runs on the CPU only".into());
+    }
+    if args.arch == Arch::Nanogpt {
+        if args.pipeline_stages.is_some() || args.tensor_parallel.is_some() || a.activation_checkpointing {
+            return Err("--arch nanogpt trains data parallel (every ZeRO stage); --pipeline-stages, --tensor-parallel and --activation-checkpointing run --arch zerorun".into());
+        }
+        return run_nanogpt(args, &config, &corpus);
     }
     if let Some(stages) = args.pipeline_stages {
         return run_pipeline(args, &config, &corpus, cfg, stages);
@@ -131,6 +174,33 @@ fn run(args: &Args) -> Result<(), String> {
                 progress.record(&engine, outcome);
                 maybe_save(a, &mut engine, outcome)?;
             }
+            if args.evaluates_after(step + 1) {
+                let loss = engine
+                    .evaluate(|e| {
+                        let ranks = (e.rank(), e.world_size());
+                        let mut sums = held_out_sums(
+                            &corpus,
+                            cfg.block,
+                            ranks,
+                            EVAL_ROWS,
+                            |x, y| {
+                                let (x, y) = (x.to_device(device), y.to_device(device));
+                                let logits = if args.scoped {
+                                    forward_scoped(e, model, &x)?
+                                } else {
+                                    e.forward(model, &x).map_err(|e| e.to_string())?
+                                };
+                                Ok(token_loss_sum(&logits, &y, cfg.vocab))
+                            },
+                        );
+                        if let Ok(s) = sums.as_mut() {
+                            e.data_parallel_mean(s)?;
+                        }
+                        Ok(sums.map(|s| s[0] as f64 / s[1] as f64))
+                    })
+                    .map_err(|e| e.to_string())??;
+                report_val_loss(&mut engine, step + 1, loss)?;
+            }
         }
         if let Some(path) = &a.save_final {
             save_final(&mut engine, path)?;
@@ -155,6 +225,94 @@ fn run(args: &Args) -> Result<(), String> {
         "summary: {world} ranks, ZeRO stage {stage}, {params} parameters, {} optimizer steps, loss {first:.4} -> {last:.4}, model-state bytes on rank 0: {bytes}",
         a.steps
     );
+    Ok(())
+}
+
+/// The summed cross-entropy of `logits` [b, t, vocab] against `targets` [b, t].
+fn token_loss_sum(logits: &Tensor, targets: &Tensor, vocab: i64) -> f64 {
+    let loss = logits.to_kind(tch::Kind::Float).view([-1, vocab]).cross_entropy_for_logits(&targets.view([-1]));
+    loss.double_value(&[]) * targets.numel() as f64
+}
+
+/// `step N val loss X` (rank 0), and `Train/Samples/eval_loss` to the monitors.
+fn report_val_loss(engine: &mut Engine, step: u64, loss: f64) -> Result<(), String> {
+    if engine.rank() == 0 {
+        println!("step {step} val loss {loss:.4}");
+    }
+    engine.record_eval_loss(loss).map_err(|e| e.to_string())
+}
+
+/// `--arch nanogpt`: nanoGPT's model, its units entered from its own forward (`engine.unit`), data parallel at
+/// every ZeRO stage; step lines carry MFU (PaLM's 6N + 12·L·H·Q·T FLOPs per token, nanoGPT's N).
+fn run_nanogpt(args: &Args, config: &zerorun::Config, corpus: &Corpus) -> Result<(), String> {
+    let a = &args.common;
+    let device = a.device()?;
+    let c = NanoGptConfig { vocab: corpus.vocab, block: args.block, layers: args.layers, heads: args.heads, embd: args.embd };
+    if c.embd % c.heads != 0 {
+        return Err(format!("--embd {} must divide by --heads {}", c.embd, c.heads));
+    }
+    let timeout = Duration::from_secs_f64(config.comms_timeout);
+    let result = run_ranks(a.ranks, timeout, |comm| {
+        let (mut vs, model) = build_model(a.seed, a.init.as_ref(), |vs| NanoGpt::new(&vs.root(), c))?;
+        vs.set_device(device);
+        to_config_precision(config, &mut vs);
+        let options =
+            EngineOptions { units: Some(model.units()), no_weight_decay: Some(no_decay_for_1d), ..Default::default() };
+        let mut engine = zerorun::initialize_with(&vs, config.clone(), comm, options).map_err(|e| e.to_string())?;
+        let (l, h, e) = (c.layers as u64, c.heads as u64, c.embd as u64);
+        engine.set_throughput(zerorun::Throughput {
+            tokens_per_sample: c.block as u64,
+            flops_per_token: zerorun::Throughput::transformer_flops_per_token(
+                model.num_params(),
+                l,
+                h,
+                e / h,
+                c.block as u64,
+            ),
+            peak_flops_per_rank: None,
+        });
+        let b = engine.batch_sizes();
+        let (rank, world) = (engine.rank(), engine.world_size());
+        let mut progress = Progress::new(a.steps).in_tokens(c.block);
+        let first = resume(a, &mut engine)?;
+        for step in first..a.steps {
+            for m in 0..b.gradient_accumulation_steps {
+                let range = micro_batch_range(rank, world, m, b.train_micro_batch_size_per_gpu);
+                let (x, y) = corpus.batch(a.seed, step, b.train_batch_size, range, c.block);
+                let (x, y) = (x.to_device(device), y.to_device(device));
+                let loss = model.loss(&mut engine, &x, &y).map_err(|e| e.to_string())?;
+                engine.backward(&loss).map_err(|e| e.to_string())?;
+                let outcome = engine.step().map_err(|e| e.to_string())?;
+                progress.record(&engine, outcome);
+                maybe_save(a, &mut engine, outcome)?;
+            }
+            if args.evaluates_after(step + 1) {
+                let loss = engine
+                    .evaluate(|e| {
+                        let ranks = (e.rank(), e.world_size());
+                        let mut sums = held_out_sums(
+                            corpus,
+                            c.block,
+                            ranks,
+                            EVAL_ROWS,
+                            |x, y| {
+                                let (x, y) = (x.to_device(device), y.to_device(device));
+                                let logits = model.forward(e, &x).map_err(|e| e.to_string())?;
+                                Ok(token_loss_sum(&logits, &y, c.vocab))
+                            },
+                        );
+                        if let Ok(s) = sums.as_mut() {
+                            e.data_parallel_mean(s)?;
+                        }
+                        Ok(sums.map(|s| s[0] as f64 / s[1] as f64))
+                    })
+                    .map_err(|e| e.to_string())??;
+                report_val_loss(&mut engine, step + 1, loss)?;
+            }
+        }
+        finish_rank(a, &mut engine, &progress)
+    })?;
+    print_summary(result, config, a.steps);
     Ok(())
 }
 
@@ -224,6 +382,14 @@ fn run_pipeline(args: &Args, config: &Config, corpus: &Corpus, cfg: GptConfig, s
                     pipe.save_checkpoint(dir, None).map_err(|e| e.to_string())?;
                 }
             }
+            if args.evaluates_after(step + 1) {
+                let m = b.gradient_accumulation_steps as i64;
+                let loss = pipeline_held_out_loss(&mut pipe, corpus, cfg.block, m, (first, last))?;
+                if placement.rank == 0 {
+                    println!("step {} val loss {loss:.4}", step + 1);
+                }
+                pipe.engine_mut().record_eval_loss(loss).map_err(|e| e.to_string())?;
+            }
         }
         // Asynchronous training ends with every rank holding the final values (a no-op when synchronous).
         pipe.finish().map_err(|e| e.to_string())?;
@@ -271,6 +437,33 @@ fn run_pipeline(args: &Args, config: &Config, corpus: &Corpus, cfg: GptConfig, s
         a.steps
     );
     Ok(())
+}
+
+/// The held-out loss through a pipeline: every replica runs every window (`eval_batch` averages over the replicas,
+/// which then agree), `m` equal micro-batches a call (`gradient_accumulation_steps`; with m > 1 the last
+/// windows that do not fill m micro-batches, fewer than m, are left out).
+fn pipeline_held_out_loss(
+    pipe: &mut zerorun::PipelineEngine,
+    corpus: &Corpus,
+    block: i64,
+    m: i64,
+    (first, last): (bool, bool),
+) -> Result<f64, String> {
+    let (x, y) = corpus.held_out_windows(block);
+    let windows = x.size()[0];
+    let (mut sum, mut counted, mut at) = (0.0, 0i64, 0i64);
+    while windows - at >= m {
+        let per = EVAL_ROWS.min((windows - at) / m);
+        let mut parts = (0..m).map(|i| {
+            let (xs, ys) = (x.narrow(0, at + i * per, per), y.narrow(0, at + i * per, per));
+            MicroBatch { inputs: first.then_some(xs), labels: last.then_some(ys) }
+        });
+        let loss = tch::no_grad(|| pipe.eval_batch(&mut parts)).map_err(|e| e.to_string())?;
+        sum += loss * (m * per) as f64;
+        counted += m * per;
+        at += m * per;
+    }
+    Ok(sum / counted.max(1) as f64)
 }
 
 /// The model at tensor-parallel degree `t`: what splits must split (the vocabulary padded to a multiple of 8).
@@ -354,6 +547,27 @@ fn run_tensor_parallel(args: &Args, config: &Config, corpus: &Corpus, cfg: GptCo
                 let outcome = engine.step().map_err(|e| e.to_string())?;
                 progress.record_for(rank == 0, b.train_batch_size, outcome);
                 maybe_save(a, &mut engine, outcome)?;
+            }
+            if args.evaluates_after(step + 1) {
+                // The tensor-parallel group runs the same windows (its collectives split every layer); the
+                // data-parallel ranks share them out.
+                let loss = engine
+                    .evaluate(|e| {
+                        let mut sums = held_out_sums(corpus, cfg.block, (data_index, data_size), EVAL_ROWS, |x, y| {
+                            let logits = e.forward(&units, x).map_err(|e| e.to_string())?;
+                            let loss = model.loss(&tp, &logits, y).map_err(|e| e.to_string())?;
+                            Ok(loss.double_value(&[]) * y.numel() as f64)
+                        });
+                        if let Ok(s) = sums.as_mut() {
+                            e.data_parallel_mean(s)?;
+                        }
+                        Ok(sums.map(|s| s[0] as f64 / s[1] as f64))
+                    })
+                    .map_err(|e| e.to_string())??;
+                if rank == 0 {
+                    println!("step {} val loss {loss:.4}", step + 1);
+                }
+                engine.record_eval_loss(loss).map_err(|e| e.to_string())?;
             }
         }
         if let Some(path) = &a.save_final {

@@ -37,6 +37,7 @@ pub use zerorun_runtime::config::{self, Config, ConfigError};
 pub use zerorun_runtime::cuda;
 pub use zerorun_runtime::cuda::local_device;
 pub use zerorun_runtime::engine::no_decay_for_1d;
+pub use zerorun_runtime::engine::{measure_peak_flops, StepRates, Throughput};
 pub use zerorun_runtime::engine::{BuiltModel, Sequence, UnitBuilders, UnitForward, UnitModel, UnitOutput, Whole};
 pub use zerorun_runtime::estimate::{estimate, EstimateInput, EstimateRow};
 pub use zerorun_runtime::gloo::communicator_from_env;

@@ -219,19 +219,58 @@ pub fn gpt_builders(c: &GptConfig) -> zerorun::UnitBuilders<'static> {
 pub struct Corpus {
     pub ids: Vec<i64>,
     pub vocab: i64,
+    /// Tokens before the held-out part (all of them without one): batches are drawn from here only.
+    pub train_len: usize,
 }
 
 impl Corpus {
+    /// The bundled 300 kB of Shakespeare.
     pub fn load() -> Self {
-        let text = include_str!("../data/shakespeare.txt");
+        Corpus::from_text(include_str!("../data/shakespeare.txt"))
+    }
+
+    /// Characters as tokens: the vocabulary is the text's distinct characters, sorted (nanoGPT's
+    /// shakespeare_char/prepare.py).
+    pub fn from_text(text: &str) -> Self {
         let mut chars: Vec<char> = text.chars().collect();
         chars.sort_unstable();
         chars.dedup();
-        let ids = text.chars().map(|c| chars.binary_search(&c).unwrap() as i64).collect();
-        Corpus { ids, vocab: chars.len() as i64 }
+        let ids: Vec<i64> = text.chars().map(|c| chars.binary_search(&c).unwrap() as i64).collect();
+        Corpus { train_len: ids.len(), ids, vocab: chars.len() as i64 }
     }
 
-    /// Samples `range` of global batch `step`: (inputs, targets), each [len, block].
+    /// `--data PATH`, or the bundled text.
+    pub fn from_args(path: Option<&std::path::Path>) -> Result<Self, String> {
+        match path {
+            None => Ok(Corpus::load()),
+            Some(p) => {
+                let text = std::fs::read_to_string(p).map_err(|e| format!("--data {}: {e}", p.display()))?;
+                if text.chars().count() < 2 {
+                    return Err(format!("--data {}: needs at least two characters", p.display()));
+                }
+                Ok(Corpus::from_text(&text))
+            }
+        }
+    }
+
+    /// Holds out the last `fraction` of the tokens (nanoGPT's split: `data[int(n*0.9):]` for 0.1), never trained on.
+    pub fn hold_out(mut self, fraction: f64, block: i64) -> Result<Self, String> {
+        if !(0.0..1.0).contains(&fraction) {
+            return Err(format!("--val-fraction {fraction} must be in [0, 1)"));
+        }
+        let n = self.ids.len();
+        let train_len = (n as f64 * (1.0 - fraction)) as usize;
+        if fraction > 0.0 && (train_len <= block as usize + 1 || n - train_len <= block as usize) {
+            return Err(format!(
+                "--val-fraction {fraction} leaves {train_len} training and {} held-out tokens of {n}; each needs more than --block {block}",
+                n - train_len
+            ));
+        }
+        self.train_len = train_len;
+        Ok(self)
+    }
+
+    /// Samples `range` of global batch `step`: (inputs, targets), each [len, block], from the training part.
     pub fn batch(
         &self,
         seed: u64,
@@ -241,7 +280,7 @@ impl Corpus {
         block: i64,
     ) -> (Tensor, Tensor) {
         let mut rng = Rng::new(seed, step);
-        let limit = (self.ids.len() as i64 - block - 1) as u64;
+        let limit = (self.train_len as i64 - block - 1) as u64;
         let starts: Vec<usize> = (0..train).map(|_| rng.below(limit) as usize).collect();
         let (mut xs, mut ys) = (Vec::new(), Vec::new());
         for &s in &starts[range.clone()] {
@@ -251,6 +290,46 @@ impl Corpus {
         let n = range.len() as i64;
         (Tensor::from_slice(&xs).view([n, block]), Tensor::from_slice(&ys).view([n, block]))
     }
+
+    /// The held-out part as non-overlapping windows of `block` tokens: (inputs, targets), each [windows, block].
+    pub fn held_out_windows(&self, block: i64) -> (Tensor, Tensor) {
+        let held = &self.ids[self.train_len..];
+        let n = (held.len().saturating_sub(1) / block as usize) as i64;
+        let x = Tensor::from_slice(&held[..(n * block) as usize]).view([n, block]);
+        let y = Tensor::from_slice(&held[1..1 + (n * block) as usize]).view([n, block]);
+        (x, y)
+    }
+}
+
+/// This rank's share of the next-token loss over every held-out window, as `[summed loss, tokens]`: the windows
+/// dealt to the data-parallel ranks in chunks of `rows`, `loss_sum(x, y)` a chunk's summed token loss (a forward of
+/// the rank's model). Every rank runs as many chunks (one with none left reruns its first and counts nothing), so
+/// the collectives of stage 3's gathers and of pipelines match. The loss is the ratio of the ranks' means of the two.
+pub fn held_out_sums(
+    corpus: &Corpus,
+    block: i64,
+    (rank, ranks): (usize, usize),
+    rows: i64,
+    mut loss_sum: impl FnMut(&Tensor, &Tensor) -> Result<f64, String>,
+) -> Result<[f32; 2], String> {
+    let (x, y) = corpus.held_out_windows(block);
+    let windows = x.size()[0];
+    let chunks = (windows + rows - 1) / rows;
+    let calls = (chunks + ranks as i64 - 1) / ranks as i64;
+    let (mut sum, mut tokens) = (0.0f64, 0.0f64);
+    for call in 0..calls {
+        let chunk = call * ranks as i64 + rank as i64;
+        let counted = chunk < chunks;
+        let start = if counted { chunk * rows } else { 0 };
+        let n = rows.min(windows - start);
+        let (cx, cy) = (x.narrow(0, start, n), y.narrow(0, start, n));
+        let s = loss_sum(&cx, &cy)?;
+        if counted {
+            sum += s;
+            tokens += (n * block) as f64;
+        }
+    }
+    Ok([sum as f32, tokens as f32])
 }
 
 /// The vocabulary padded to a multiple of 8 (Megatron-LM's `make_vocab_size_divisible_by`), so that it splits

@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 pub mod gpt_model;
 pub mod llama_model;
+pub mod nanogpt_model;
 pub mod scoped_models;
 use std::path::PathBuf;
 use std::sync::Mutex;
@@ -222,6 +223,8 @@ pub struct Progress {
     terminal: bool,
     /// Tokens per sample (a sequence model's block), to print tokens/s; 0 prints samples/s.
     tokens_per_sample: u64,
+    /// The step's model FLOPs utilisation, when the engine knows what a sample costs (`engine.set_throughput`).
+    mfu: Option<f64>,
 }
 
 impl Progress {
@@ -235,6 +238,7 @@ impl Progress {
             total_steps,
             terminal: std::io::stdout().is_terminal(),
             tokens_per_sample: 0,
+            mfu: None,
         }
     }
 
@@ -247,13 +251,18 @@ impl Progress {
     /// "1234 tokens/s" or "56 samples/s" for `train_batch_size` samples in `secs`.
     fn rate(&self, train_batch_size: u64, secs: f64) -> String {
         let samples_per_s = train_batch_size as f64 / secs.max(1e-9);
-        match self.tokens_per_sample {
+        let rate = match self.tokens_per_sample {
             0 => format!("{samples_per_s:.1} samples/s"),
             t => format!("{:.0} tokens/s", samples_per_s * t as f64),
+        };
+        match self.mfu {
+            Some(mfu) => format!("{rate} mfu {:.1}%", mfu * 100.0),
+            None => rate,
         }
     }
 
     pub fn record(&mut self, engine: &Engine, outcome: StepOutcome) {
+        self.mfu = engine.step_rates().mfu;
         self.record_for(engine.rank() == 0, engine.batch_sizes().train_batch_size, outcome);
     }
 
@@ -431,6 +440,10 @@ pub fn finish_reports(engine: &mut Engine) -> Result<(), String> {
     }
     if engine.config().wall_clock_breakdown && engine.rank() == 0 {
         println!("{}", engine.wall_clock_summary());
+    }
+    // `comms_logger`: DeepSpeed's summary table, with the bytes each rank sent per optimizer step.
+    if let (Some(summary), 0) = (engine.comms_summary(), engine.rank()) {
+        println!("{summary}");
     }
     // Every rank: this process's peak resident memory (what sharding and offloading lower).
     println!("peak_rss_bytes {}", zerorun::runtime::report::memory::rss().1);

@@ -143,6 +143,8 @@ impl Engine {
         if let (Some(log), Some(was)) = (self.watch.comm_log.as_ref(), paused) {
             log.resume(was);
         }
+        // The next step's time (tokens/s, MFU) starts after the evaluation.
+        self.watch.last_step_end = Some(Instant::now());
         out
     }
 
