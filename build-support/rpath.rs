@@ -13,6 +13,7 @@
 //! libtorch's TCPStore and ProcessGroupGloo, the backend across hosts) and `native/tensor_parallel.cpp`
 //! (zerorun-runtime: tensor parallelism's conjugate operators as autograd functions) and `native/counting_allocator.cpp`
 //! (zerorun-runtime: libtorch's CPU allocator with live-byte counters by owner, for the memory report) and
+//! `native/flops_counter.cpp` (zerorun-runtime: the flops profiler's counter, libtorch's profiler with FLOPs) and
 //! `native/unit_scopes.cpp` (zerorun-runtime: stage 3's scopes: released parameters every operator refuses, the
 //! pre-backward hook on a unit's outputs, activation checkpointing as a custom autograd function).
 fn main() {
@@ -36,6 +37,7 @@ fn main() {
                 "native/gloo_backend.cpp",
                 "native/tensor_parallel.cpp",
                 "native/fused_adam.cpp",
+                "native/flops_counter.cpp",
             ],
             _ => &[],
         };

@@ -34,9 +34,9 @@ enum Command {
     Plan(cli::plan::PlanArgs),
     /// Start N ranks of a program on this host (torchrun-compatible variables).
     Launch(cli::launch::LaunchArgs),
-    /// Memory reports of several runs, side by side.
-    #[command(subcommand)]
-    Report(cli::report::ReportCommand),
+    /// A run's memory report: as an HTML page (DIR --html OUT), again (show), or several runs side by side
+    /// (compare).
+    Report(cli::report::ReportArgs),
     /// Pipeline schedules, simulated: the table by stage and time step, the bubble, the activations held.
     #[command(subcommand)]
     Pipeline(cli::pipeline::PipelineCommand),

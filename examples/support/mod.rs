@@ -101,8 +101,13 @@ impl CommonArgs {
 pub struct Rng(u64);
 
 impl Rng {
+    /// The generator of `stream` (a step, a rank) under `seed`. Both are hashed into the state: SplitMix64 walks one
+    /// sequence by a fixed increment, so a state of `seed ^ stream x increment` made stream s + 1 the same draws as
+    /// stream s one place on (consecutive steps' batches shared all but one sample).
     pub fn new(seed: u64, stream: u64) -> Self {
-        Rng(seed ^ stream.wrapping_mul(0x9E37_79B9_7F4A_7C15))
+        let mut s = Rng(seed);
+        let mut t = Rng(stream ^ 0xD1B5_4A32_D192_ED03);
+        Rng(s.next_u64() ^ t.next_u64().rotate_left(29))
     }
 
     pub fn next_u64(&mut self) -> u64 {

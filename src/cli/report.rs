@@ -1,3 +1,5 @@
+//! `zerorun report DIR --html OUT`: the run's memory report as one self-contained HTML page (the peak step's
+//! events stacked by category, every step, the peak's window, what would help; no network needed to open it).
 //! `zerorun report show DIR`: a run's memory report again (the table, what would help, the peak's largest
 //! allocations when recorded) and its pictures redrawn (DIR/memory.svg and .png: every step, the peak step's
 //! timeline). `zerorun report compare DIR... [--label L]... --out STEM`: runs' memory reports side by side (every
@@ -15,6 +17,20 @@ pub enum ReportCommand {
     Show(ShowArgs),
     /// Draw several runs' memory reports side by side (e.g. stage 0, stage 3, stage 3 with NVMe offload).
     Compare(CompareArgs),
+}
+
+/// `zerorun report`: a subcommand, or a run's folder with `--html OUT`.
+#[derive(Args)]
+#[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
+pub struct ReportArgs {
+    #[command(subcommand)]
+    command: Option<ReportCommand>,
+    /// The run's `--memory-report` folder (memory_rank{r}.json), for --html.
+    #[arg(required = true)]
+    dir: Option<PathBuf>,
+    /// Write the report as one self-contained HTML page here (inline styles, script and pictures).
+    #[arg(long, value_name = "OUT", required = true)]
+    html: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -46,7 +62,12 @@ fn read_run(dir: &std::path::Path) -> Result<Vec<MemoryReport>, CliError> {
     Ok(reports)
 }
 
-pub fn run(c: ReportCommand) -> Result<(), CliError> {
+pub fn run(args: ReportArgs) -> Result<(), CliError> {
+    let c = match (args.command, args.dir, args.html) {
+        (Some(c), _, _) => c,
+        (None, Some(dir), Some(out)) => return write_html(&dir, &out),
+        _ => return Err(CliError::Usage("zerorun report DIR --html OUT, or `report show` / `report compare`".into())),
+    };
     let a = match c {
         ReportCommand::Show(s) => return show(&s.dir),
         ReportCommand::Compare(a) => a,
@@ -82,4 +103,15 @@ fn show(dir: &std::path::Path) -> Result<(), CliError> {
     emit(&zerorun_report::table::table(&reports))?;
     let (svg, png) = zerorun_report::plot::draw_memory(dir, &reports).map_err(|e| CliError::Usage(e.to_string()))?;
     emit(&format!("wrote {} and {}", svg.display(), png.display()))
+}
+
+fn write_html(dir: &std::path::Path, out: &std::path::Path) -> Result<(), CliError> {
+    let reports = read_run(dir)?;
+    let page = zerorun_report::html::html(&reports);
+    if let Some(parent) = out.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent)
+            .map_err(|e| CliError::Io { context: format!("creating {}", parent.display()), source: e })?;
+    }
+    std::fs::write(out, page).map_err(|e| CliError::Io { context: format!("writing {}", out.display()), source: e })?;
+    emit(&format!("wrote {}", out.display()))
 }

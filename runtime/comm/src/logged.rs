@@ -129,7 +129,7 @@ impl CommLog {
     /// group's size; `steps` optimizer steps ran (for the bytes per step line).
     pub fn summary(&self, steps: u64) -> String {
         let mut out = format!(
-            "{:<16}{:>14}{:>8}{:>8}{:>19}{:>17}{:>16}{:>16}\n",
+            "{:<16}{:>14}{:>8}{:>8}{:>19}{:>17}{:>17}{:>18}\n",
             "Comm. Op", "Message Size", "Ranks", "Count", "Total Latency(ms)", "Avg Latency(ms)", "tput_avg (Gbps)", "busbw_avg (Gbps)"
         );
         let mut last = "";
@@ -140,7 +140,7 @@ impl CommLog {
             let per = total / s.count.max(1) as f64;
             let algbw = if per > 0.0 { k.bytes as f64 * 8.0 / per / 1e9 } else { 0.0 };
             out.push_str(&format!(
-                "{:<16}{:>14}{:>8}{:>8}{:>19.3}{:>17.4}{:>16.3}{:>16.3}\n",
+                "{:<16}{:>14}{:>8}{:>8}{:>19.3}{:>17.4}{:>17.3}{:>18.3}\n",
                 op,
                 human_bytes(k.bytes as f64),
                 k.group_size,

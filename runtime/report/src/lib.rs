@@ -5,6 +5,7 @@
 #![warn(missing_docs)]
 pub mod advice;
 pub mod curves;
+pub mod html;
 pub mod memory;
 pub mod plot;
 pub mod rss;

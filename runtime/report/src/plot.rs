@@ -37,7 +37,7 @@ const MIB: f64 = 1024.0 * 1024.0;
 
 /// Colors by category, in stacking order (model states first); event-only categories (`gradients_unit`) too.
 /// Bytes on NVMe are not host memory: they are in the tables, never stacked with what is resident.
-fn categories<'a>(reports: impl IntoIterator<Item = &'a MemoryReport>) -> Vec<String> {
+pub(crate) fn categories<'a>(reports: impl IntoIterator<Item = &'a MemoryReport>) -> Vec<String> {
     let mut names: Vec<String> = Vec::new();
     for r in reports {
         for n in r.categories.keys().chain(r.events.iter().flat_map(|e| e.categories.keys())) {
@@ -69,7 +69,7 @@ fn stack_order(n: &str) -> usize {
 }
 
 /// One bar's segments: the floor, `categories` (resident ones), and the rest of `rss` they leave unexplained.
-fn segments(categories: &BTreeMap<String, u64>, floor: u64, rss: u64) -> BTreeMap<String, u64> {
+pub(crate) fn segments(categories: &BTreeMap<String, u64>, floor: u64, rss: u64) -> BTreeMap<String, u64> {
     let mut out: BTreeMap<String, u64> =
         categories.iter().filter(|(n, _)| !crate::memory::is_on_nvme(n)).map(|(n, b)| (n.clone(), *b)).collect();
     let held: u64 = out.values().sum::<u64>() + floor;
@@ -166,7 +166,7 @@ fn stacked<DB: DrawingBackend>(
 }
 
 /// The floor grey, what nothing explains light grey, the rest from the palette.
-fn colour(name: &str, i: usize) -> RGBAColor {
+pub(crate) fn colour(name: &str, i: usize) -> RGBAColor {
     match name {
         FLOOR => RGBColor(150, 150, 150).to_rgba(),
         UNEXPLAINED => RGBColor(225, 225, 225).to_rgba(),

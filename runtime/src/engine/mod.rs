@@ -39,6 +39,7 @@ mod counters;
 #[doc(hidden)] // the engine's parts: what a program uses is re-exported below
 pub mod device;
 mod engine_comm;
+mod flops_profile;
 mod micro_batch;
 #[doc(hidden)] // the engine's parts: what a program uses is re-exported below
 pub mod parallel;

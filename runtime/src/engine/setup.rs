@@ -413,6 +413,9 @@ impl Engine {
             watch,
         };
         engine.start_bounded_staleness()?;
+        if engine.config.monitor.flops_profiler.profile_step == 1 && engine.profiling_this_step() {
+            engine.start_whole_step_profile();
+        }
         if plan.hooks_gradients() {
             engine.gradients.hooks =
                 Some(crate::engine::zero::grads::hooks::GradHooks::install(&engine.states.params)?);

@@ -150,7 +150,11 @@ impl Engine {
         scopes.depth += 1;
         let out = {
             let _owner = owned_by(Owner::Forward);
-            forward(self)
+            if train && outermost {
+                self.profile_unit(u, &name, forward)?
+            } else {
+                forward(self)
+            }
         };
         let scopes = self.walk.scopes.as_mut().expect("installed above");
         scopes.open[u] -= 1;

@@ -76,6 +76,8 @@ pub(crate) struct Watch {
     pub last: StepRates,
     /// Collective time (the comm log's) at the previous step's end.
     comm_seconds_before: f64,
+    /// `flops_profiler`'s step.
+    pub profile: super::flops_profile::FlopsProfile,
 }
 
 /// Rates of the last optimizer step (wall time from the previous step's end).
@@ -175,7 +177,7 @@ impl Engine {
 
     /// Whether this engine writes the monitors: data-parallel rank 0 of the first model-parallel rank (DeepSpeed's
     /// global rank 0).
-    fn writes_monitors(&self) -> bool {
+    pub(super) fn writes_monitors(&self) -> bool {
         self.rank() == 0 && self.placement.model_parallel.as_ref().map_or(true, |g| g.rank() == 0)
     }
 
@@ -216,6 +218,7 @@ impl Engine {
             rates.mfu = (peak > 0.0).then(|| tokens * t.flops_per_token / seconds.max(1e-9) / peak);
         }
         self.watch.last = rates;
+        self.profile_step_boundary(&times);
         if !self.config.monitor.writes_scalars() || !self.writes_monitors() {
             return;
         }

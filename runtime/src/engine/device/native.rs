@@ -17,6 +17,8 @@ extern "C" {
         outputs: *mut *mut c_void,
     ) -> *mut c_char;
     fn zerorun_grad_enabled() -> i32;
+    fn zerorun_flops_start() -> *mut c_char;
+    fn zerorun_flops_stop(flops: *mut u64, ops: *mut u64) -> *mut c_char;
     fn zerorun_set_grad(param: *mut c_void, grad: *mut c_void) -> *mut c_char;
     fn zerorun_rng_state_len() -> i64;
     fn zerorun_rng_state_get(out: *mut u8, len: i64) -> *mut c_char;
@@ -94,6 +96,18 @@ pub fn resize_storage(t: &Tensor, nbytes: usize) -> Result<()> {
 /// Bytes of the storage under `t`.
 pub fn storage_nbytes(t: &Tensor) -> usize {
     unsafe { zerorun_storage_nbytes(ptr(t)) as usize }
+}
+
+/// Starts counting the FLOPs of the operators this thread runs (libtorch's profiler, `with_flops`).
+pub fn flops_start() -> Result<()> {
+    check(unsafe { zerorun_flops_start() }, "starting libtorch's profiler")
+}
+
+/// Stops counting: (FLOPs, operators) since [`flops_start`].
+pub fn flops_stop() -> Result<(u64, u64)> {
+    let (mut flops, mut ops) = (0u64, 0u64);
+    check(unsafe { zerorun_flops_stop(&mut flops, &mut ops) }, "stopping libtorch's profiler")?;
+    Ok((flops, ops))
 }
 
 /// Whether autograd records operations on this thread (false inside `tch::no_grad`).

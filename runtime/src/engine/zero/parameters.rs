@@ -99,7 +99,7 @@ impl Parameters {
     }
 
     /// Elements of unit `i` gathered together: its trainable and its frozen parameters.
-    fn unit_elements(&self, i: usize) -> u64 {
+    pub(crate) fn unit_elements(&self, i: usize) -> u64 {
         let frozen = self.frozen_units.as_ref().map_or(0, |f| f.units[i].span.range.len());
         (self.units[i].span.range.len() + frozen) as u64
     }
