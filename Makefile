@@ -5,7 +5,8 @@ PYTHON ?= python3
 VENV := .venv
 TORCH_VERSION := 2.11.0
 # Debian packages the build and the tests need (checked with dpkg, installed only when missing).
-APT_PACKAGES := pkg-config libopenmpi-dev openmpi-bin libclang-dev fonts-dejavu-core libgloo-dev iproute2
+# chromium: tests/monitors.rs renders the HTML memory report headless.
+APT_PACKAGES := pkg-config libopenmpi-dev openmpi-bin libclang-dev fonts-dejavu-core libgloo-dev iproute2 chromium
 CARGO ?= cargo
 
 .PHONY: setup demo test docs book-check bench bench-deepspeed bench-deepspeed-cluster gpu-binaries
@@ -20,14 +21,15 @@ setup: .libtorch
 
 # Python packages of the venv: torch (libtorch for tch), numpy (torch warns without it), safetensors (tests read
 # zerorun's consolidated checkpoints from Python), transformers (the Llama example's tests compare against its
-# LlamaForCausalLM; 4.57 is the newest whose dependencies PyPI here has). Installed only when one is missing or a pin
-# differs.
+# LlamaForCausalLM; 4.57 is the newest whose dependencies PyPI here has), tensorboard (tests/monitors.rs reads the
+# event files back with its EventAccumulator). Installed only when one is missing or a pin differs.
 TRANSFORMERS_VERSION := 4.57.6
-PY_PACKAGES := torch==$(TORCH_VERSION) numpy safetensors transformers==$(TRANSFORMERS_VERSION)
-VENV_STAMP := $(VENV)/.deps-torch$(TORCH_VERSION)-numpy-safetensors-transformers$(TRANSFORMERS_VERSION)
+TENSORBOARD_VERSION := 2.21.0
+PY_PACKAGES := torch==$(TORCH_VERSION) numpy safetensors transformers==$(TRANSFORMERS_VERSION) tensorboard==$(TENSORBOARD_VERSION)
+VENV_STAMP := $(VENV)/.deps-torch$(TORCH_VERSION)-numpy-safetensors-transformers$(TRANSFORMERS_VERSION)-tensorboard$(TENSORBOARD_VERSION)
 
 $(VENV_STAMP):
-	@if ! $(VENV)/bin/python -c 'import torch, numpy, safetensors, transformers, sys; sys.exit(torch.__version__.split("+")[0] != "$(TORCH_VERSION)" or transformers.__version__ != "$(TRANSFORMERS_VERSION)")' 2>/dev/null; then \
+	@if ! $(VENV)/bin/python -c 'import torch, numpy, safetensors, transformers, tensorboard, sys; sys.exit(torch.__version__.split("+")[0] != "$(TORCH_VERSION)" or transformers.__version__ != "$(TRANSFORMERS_VERSION)" or tensorboard.__version__ != "$(TENSORBOARD_VERSION)")' 2>/dev/null; then \
 	  echo "setup: installing $(PY_PACKAGES) into $(VENV)"; \
 	  ( [ -x $(VENV)/bin/python ] || $(PYTHON) -m venv $(VENV) ) && \
 	  $(VENV)/bin/pip install --quiet --progress-bar off --disable-pip-version-check $(PY_PACKAGES); \

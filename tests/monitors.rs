@@ -102,9 +102,10 @@ fn tensorboard_and_csv_hold_deepspeeds_tags_at_steps_of_samples_equal_to_the_ste
         assert_eq!(*step, n * 8, "step = samples seen");
         assert!((value - printed).abs() <= 1e-5, "step {n}: tensorboard {value} vs printed {printed}");
     }
-    // The lr of each step: the linear warmup's (0, 1/4, 2/4, 3/4 of 0.003, then 0.003).
+    // The lr each step used: DeepSpeed's linear WarmupLR over 4 iterations (iteration -1 and 0 at 0, then 1/4,
+    // 2/4, 3/4 of 0.003, then 0.003).
     let lr: Vec<f64> = series(&tb, "Train/Samples/lr").iter().map(|p| p.1).collect();
-    for (got, want) in lr.iter().zip([0.0, 0.00075, 0.0015, 0.00225, 0.003, 0.003]) {
+    for (got, want) in lr.iter().zip([0.0, 0.0, 0.00075, 0.0015, 0.00225, 0.003]) {
         assert!((got - want).abs() <= 1e-7, "lr {lr:?}");
     }
     for tag in ["forward", "backward", "backward_inner", "backward_allreduce", "step"] {
@@ -134,7 +135,7 @@ fn tensorboard_and_csv_hold_deepspeeds_tags_at_steps_of_samples_equal_to_the_ste
         assert!((value.parse::<f64>().unwrap() - printed).abs() <= 1e-5, "{row}");
     }
     let lr_csv = std::fs::read_to_string(dir.join("logs/csv/Train_Samples_lr.csv")).unwrap();
-    assert!(lr_csv.starts_with("step,lr\n8,0\n16,0.00075"), "{lr_csv}");
+    assert!(lr_csv.starts_with("step,lr\n8,0\n16,0\n24,0.00075\n32,0.0015\n"), "{lr_csv}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -183,15 +184,23 @@ fn a_run_killed_mid_way_leaves_readable_event_and_csv_files() {
 #[test]
 fn comms_logger_bytes_per_step_at_stage_3_are_three_times_the_parameters_over_the_ranks() {
     let dir = temp_dir("comms");
-    // Every unit gathered twice (forward, backward) and reduce-scattered once: no persistent parameter and no
-    // unit kept from forward to backward.
+    // No persistent parameter and no unit kept from forward for backward beyond the last (always kept: backward
+    // starts with it): every other unit gathered in forward and in backward, every unit reduce-scattered once.
     let config = json!({
         "train_batch_size": 8,
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0},
         "comms_logger": {"enabled": true},
     });
     let cfg = write_config(&dir, &config);
-    let text = gpt(&cfg, &dir, &["--ranks", "2", "--steps", "3"]);
+    let steps = 2;
+    let out = Command::new(examples::example("gpt"))
+        .args(["--config", cfg.to_str().unwrap(), "--layers", "4", "--embd", "128", "--heads", "4", "--block", "16"])
+        .args(["--ranks", "2", "--steps", &steps.to_string()])
+        .current_dir(&dir)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "{text}");
     let line = text.lines().find(|l| l.starts_with("bus bytes per optimizer step")).unwrap_or_else(|| panic!("{text}"));
     let bytes: f64 = line.split(": ").nth(1).unwrap().split_whitespace().next().unwrap().parse().unwrap();
     let params: f64 = text
@@ -203,8 +212,26 @@ fn comms_logger_bytes_per_step_at_stage_3_are_three_times_the_parameters_over_th
         .unwrap();
     let want = 3.0 * params * 4.0 * (2.0 - 1.0) / 2.0;
     assert!((bytes - want).abs() / want <= 0.01, "{bytes} bytes per step, the arithmetic {want} ({params} fp32 parameters)\n{text}");
+    // Exactly: the rows' counts per step are 2 gathers of every unit but the last (1) and 1 reduce-scatter each.
+    let rows: Vec<(String, f64, u64)> = text
+        .lines()
+        .skip_while(|l| !l.starts_with("Comm. Op"))
+        .skip(1)
+        .take_while(|l| !l.starts_with("bus bytes"))
+        .scan(String::new(), |op, l| {
+            let w: Vec<&str> = l.split_whitespace().collect();
+            let (name, rest) = if l.starts_with(' ') { (op.clone(), &w[..]) } else { (w[0].to_string(), &w[1..]) };
+            *op = name.clone();
+            let unit = match rest[1] { "B" => 1.0, "KB" => 1024.0, "MB" => 1048576.0, u => panic!("{u}") };
+            Some((name, rest[0].parse::<f64>().unwrap() * unit, rest[3].parse().unwrap()))
+        })
+        .collect();
+    let gathers: Vec<u64> = rows.iter().filter(|r| r.0 == "all_gather").map(|r| r.2 / steps).collect();
+    let scatters: Vec<u64> = rows.iter().filter(|r| r.0 == "reduce_scatter").map(|r| r.2 / steps).collect();
+    assert!(scatters.iter().all(|c| *c == 1 || *c == 4), "one reduce-scatter per unit and step: {rows:?}");
+    assert_eq!(gathers.iter().filter(|c| **c == 1).count(), 1, "the last unit, kept: {rows:?}");
     for op in ["all_gather", "reduce_scatter", "all_reduce"] {
-        assert!(text.lines().any(|l| l.starts_with(op)), "{op} row\n{text}");
+        assert!(rows.iter().any(|r| r.0 == op), "{op} row\n{text}");
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }

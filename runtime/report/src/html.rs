@@ -149,6 +149,20 @@ pub fn html(reports: &[MemoryReport]) -> String {
             n = esc(n)
         );
     }
+    // What lives on NVMe is named too, beside the resident memory (never stacked in it).
+    let mut on_nvme: Vec<&String> =
+        reports.iter().flat_map(|r| r.categories.keys()).filter(|n| crate::memory::is_on_nvme(n)).collect();
+    on_nvme.sort();
+    on_nvme.dedup();
+    for n in on_nvme {
+        let peak = reports.iter().filter_map(|r| r.categories.get(n)).map(|c| c.peak_bytes).max().unwrap_or(0);
+        let _ = write!(
+            body,
+            "<li data-category=\"{n}\"><span class=\"swatch nvme\"></span>{n} <small>(on NVMe, not resident: peak {:.2} MiB)</small></li>",
+            peak as f64 / MIB,
+            n = esc(n)
+        );
+    }
     body.push_str("<li><span class=\"swatch rss\"></span>resident memory (RSS)</li></ul>");
     for r in reports {
         let _ = write!(
@@ -212,6 +226,7 @@ body {{ font: 14px/1.4 sans-serif; margin: 24px; color: #222; max-width: 960px; 
 .meta {{ color: #555; }}
 .legend {{ list-style: none; padding: 0; display: flex; flex-wrap: wrap; gap: 6px 18px; }}
 .swatch {{ display: inline-block; width: 12px; height: 12px; margin-right: 6px; vertical-align: -1px; border: 1px solid #888; }}
+.swatch.nvme {{ background: repeating-linear-gradient(45deg, #fff, #fff 2px, #888 2px, #888 4px); }}
 .swatch.rss {{ background: #d00; height: 3px; vertical-align: 3px; }}
 svg.chart {{ display: block; margin: 8px 0 16px; }}
 svg .title {{ font-weight: bold; font-size: 13px; }}
