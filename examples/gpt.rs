@@ -82,7 +82,8 @@ enum Arch {
 impl Args {
     /// Whether step `step` (1-based, done) is followed by an evaluation.
     fn evaluates_after(&self, step: u64) -> bool {
-        self.val_fraction > 0.0 && (step == self.common.steps || self.eval_every.is_some_and(|k| k > 0 && step % k == 0))
+        self.val_fraction > 0.0
+            && (step == self.common.steps || self.eval_every.is_some_and(|k| k > 0 && step % k == 0))
     }
 }
 
@@ -178,21 +179,15 @@ fn run(args: &Args) -> Result<(), String> {
                 let loss = engine
                     .evaluate(|e| {
                         let ranks = (e.rank(), e.world_size());
-                        let mut sums = held_out_sums(
-                            &corpus,
-                            cfg.block,
-                            ranks,
-                            EVAL_ROWS,
-                            |x, y| {
-                                let (x, y) = (x.to_device(device), y.to_device(device));
-                                let logits = if args.scoped {
-                                    forward_scoped(e, model, &x)?
-                                } else {
-                                    e.forward(model, &x).map_err(|e| e.to_string())?
-                                };
-                                Ok(token_loss_sum(&logits, &y, cfg.vocab))
-                            },
-                        );
+                        let mut sums = held_out_sums(&corpus, cfg.block, ranks, EVAL_ROWS, |x, y| {
+                            let (x, y) = (x.to_device(device), y.to_device(device));
+                            let logits = if args.scoped {
+                                forward_scoped(e, model, &x)?
+                            } else {
+                                e.forward(model, &x).map_err(|e| e.to_string())?
+                            };
+                            Ok(token_loss_sum(&logits, &y, cfg.vocab))
+                        });
                         if let Ok(s) = sums.as_mut() {
                             e.data_parallel_mean(s)?;
                         }
@@ -247,7 +242,13 @@ fn report_val_loss(engine: &mut Engine, step: u64, loss: f64) -> Result<(), Stri
 fn run_nanogpt(args: &Args, config: &zerorun::Config, corpus: &Corpus) -> Result<(), String> {
     let a = &args.common;
     let device = a.device()?;
-    let c = NanoGptConfig { vocab: corpus.vocab, block: args.block, layers: args.layers, heads: args.heads, embd: args.embd };
+    let c = NanoGptConfig {
+        vocab: corpus.vocab,
+        block: args.block,
+        layers: args.layers,
+        heads: args.heads,
+        embd: args.embd,
+    };
     if c.embd % c.heads != 0 {
         return Err(format!("--embd {} must divide by --heads {}", c.embd, c.heads));
     }
@@ -290,17 +291,11 @@ fn run_nanogpt(args: &Args, config: &zerorun::Config, corpus: &Corpus) -> Result
                 let loss = engine
                     .evaluate(|e| {
                         let ranks = (e.rank(), e.world_size());
-                        let mut sums = held_out_sums(
-                            corpus,
-                            c.block,
-                            ranks,
-                            EVAL_ROWS,
-                            |x, y| {
-                                let (x, y) = (x.to_device(device), y.to_device(device));
-                                let logits = model.forward(e, &x).map_err(|e| e.to_string())?;
-                                Ok(token_loss_sum(&logits, &y, c.vocab))
-                            },
-                        );
+                        let mut sums = held_out_sums(corpus, c.block, ranks, EVAL_ROWS, |x, y| {
+                            let (x, y) = (x.to_device(device), y.to_device(device));
+                            let logits = model.forward(e, &x).map_err(|e| e.to_string())?;
+                            Ok(token_loss_sum(&logits, &y, c.vocab))
+                        });
                         if let Ok(s) = sums.as_mut() {
                             e.data_parallel_mean(s)?;
                         }

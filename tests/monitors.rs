@@ -113,14 +113,13 @@ fn tensorboard_and_csv_hold_deepspeeds_tags_at_steps_of_samples_equal_to_the_ste
         assert!(s.len() == 6 && s.iter().all(|p| p.1 >= 0.0), "{tag}: {s:?}");
     }
     // zerorun's own beside them; eval_loss at the evaluations (steps 3 and 6), equal to the printed lines.
-    for tag in ["Train/Samples/grad_norm", "Train/Samples/samples_per_s", "Memory/peak_rss_bytes", "Memory/parameters"] {
+    for tag in ["Train/Samples/grad_norm", "Train/Samples/samples_per_s", "Memory/peak_rss_bytes", "Memory/parameters"]
+    {
         assert_eq!(series(&tb, tag).len(), 6, "{tag}");
     }
     let eval = series(&tb, "Train/Samples/eval_loss");
-    let printed: Vec<f64> = text
-        .lines()
-        .filter_map(|l| l.split(" val loss ").nth(1).map(|v| v.trim().parse().unwrap()))
-        .collect();
+    let printed: Vec<f64> =
+        text.lines().filter_map(|l| l.split(" val loss ").nth(1).map(|v| v.trim().parse().unwrap())).collect();
     assert_eq!(eval.iter().map(|p| p.0).collect::<Vec<_>>(), vec![24, 48]);
     for (e, p) in eval.iter().zip(&printed) {
         assert!((e.1 - p).abs() <= 1e-4, "eval {eval:?} vs printed {printed:?}");
@@ -211,7 +210,10 @@ fn comms_logger_bytes_per_step_at_stage_3_are_three_times_the_parameters_over_th
         .parse()
         .unwrap();
     let want = 3.0 * params * 4.0 * (2.0 - 1.0) / 2.0;
-    assert!((bytes - want).abs() / want <= 0.01, "{bytes} bytes per step, the arithmetic {want} ({params} fp32 parameters)\n{text}");
+    assert!(
+        (bytes - want).abs() / want <= 0.01,
+        "{bytes} bytes per step, the arithmetic {want} ({params} fp32 parameters)\n{text}"
+    );
     // Exactly: the rows' counts per step are 2 gathers of every unit but the last (1) and 1 reduce-scatter each.
     let rows: Vec<(String, f64, u64)> = text
         .lines()
@@ -222,7 +224,12 @@ fn comms_logger_bytes_per_step_at_stage_3_are_three_times_the_parameters_over_th
             let w: Vec<&str> = l.split_whitespace().collect();
             let (name, rest) = if l.starts_with(' ') { (op.clone(), &w[..]) } else { (w[0].to_string(), &w[1..]) };
             *op = name.clone();
-            let unit = match rest[1] { "B" => 1.0, "KB" => 1024.0, "MB" => 1048576.0, u => panic!("{u}") };
+            let unit = match rest[1] {
+                "B" => 1.0,
+                "KB" => 1024.0,
+                "MB" => 1048576.0,
+                u => panic!("{u}"),
+            };
             Some((name, rest[0].parse::<f64>().unwrap() * unit, rest[3].parse().unwrap()))
         })
         .collect();
@@ -268,7 +275,20 @@ fn the_html_memory_report_renders_in_headless_chromium_with_every_category_named
         .arg(dir.join("report"))
         .arg("--")
         .arg(examples::example("gpt"))
-        .args(["--config", cfg.to_str().unwrap(), "--layers", "2", "--embd", "32", "--heads", "2", "--block", "16", "--steps", "3"])
+        .args([
+            "--config",
+            cfg.to_str().unwrap(),
+            "--layers",
+            "2",
+            "--embd",
+            "32",
+            "--heads",
+            "2",
+            "--block",
+            "16",
+            "--steps",
+            "3",
+        ])
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -302,5 +322,58 @@ fn the_html_memory_report_renders_in_headless_chromium_with_every_category_named
     for name in ["activations", "floor", "unaccounted", "Rank 0", "Rank 1", "What would help"] {
         assert!(dom.contains(name), "{name}");
     }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A number as the profiler prints it ("1.70M", "612.00 K"): its value.
+fn count(text: &str) -> f64 {
+    let t = text.trim();
+    let (num, scale) = match t.chars().last() {
+        Some('T') => (&t[..t.len() - 1], 1e12),
+        Some('G') => (&t[..t.len() - 1], 1e9),
+        Some('M') => (&t[..t.len() - 1], 1e6),
+        Some('K') => (&t[..t.len() - 1], 1e3),
+        _ => (t, 1.0),
+    };
+    num.trim().parse::<f64>().unwrap_or_else(|_| panic!("{text}")) * scale
+}
+
+#[test]
+fn flops_profiler_counts_each_units_forward_from_the_shapes_libtorch_ran() {
+    let dir = temp_dir("flops");
+    let profile = dir.join("profile.txt");
+    let config = json!({
+        "train_batch_size": 8,
+        "zero_optimization": {"stage": 3},
+        "flops_profiler": {"enabled": true, "profile_step": 2, "detailed": true, "output_file": profile,
+                           "recompute_fwd_factor": 1.0},
+    });
+    let cfg = write_config(&dir, &config);
+    gpt(&cfg, &dir, &["--ranks", "2", "--steps", "3"]);
+    let text = std::fs::read_to_string(&profile).unwrap();
+    assert!(text.contains("zerorun flops profiler: step 2"), "{text}");
+    // A block's forward (E = 32, 2 heads, block 16, 4 samples a rank): its linears 2 x tokens x 12 E^2 (q, k, v and
+    // the projection E^2 each, the MLP 8 E^2) and attention's two batched matmuls 2 x 2 x b t^2 E.
+    let (e, t, b) = (32.0, 16.0, 4.0);
+    let want = 2.0 * b * t * 12.0 * e * e + 4.0 * b * t * t * e;
+    let row = |name: &str| -> Vec<String> {
+        let line =
+            text.lines().find(|l| l.starts_with(&format!("{name} "))).unwrap_or_else(|| panic!("{name}\n{text}"));
+        line.split_whitespace().map(str::to_string).collect()
+    };
+    for unit in ["blocks.0", "blocks.1"] {
+        let got = count(&row(unit)[3]);
+        assert!((got - want).abs() / want < 0.01, "{unit}: {got} FLOPs, the shapes give {want}\n{text}");
+    }
+    assert!(count(&row("tok")[1]) > 0.0 && count(&row("ln_f")[3]) > 0.0, "{text}");
+    // With recompute_fwd_factor 1 the step counts (1 + 2 + 1) x the forward.
+    let value = |key: &str| -> f64 {
+        let line = text.lines().find(|l| l.starts_with(key)).unwrap_or_else(|| panic!("{key}\n{text}"));
+        let v = line[key.len()..].trim().trim_end_matches("FLOPS").trim_end_matches("FLOPs").trim_end_matches("ms");
+        count(v)
+    };
+    let (fwd, iter, flops) = (value("fwd flops per rank:"), value("iter latency:"), value("FLOPS per rank:"));
+    let expect = 4.0 * fwd / (iter / 1e3);
+    assert!((flops - expect).abs() / expect < 0.02, "{flops} vs 4 x {fwd} / {iter} ms\n{text}");
     std::fs::remove_dir_all(&dir).unwrap();
 }

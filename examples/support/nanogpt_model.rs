@@ -59,7 +59,8 @@ impl NanoBlock {
         let qkv = layer_norm(x, &self.ln_1).linear(&self.c_attn, None::<Tensor>);
         let split = |t_: Tensor| t_.view([b, t, self.heads, e / self.heads]).transpose(1, 2);
         let parts = qkv.split(e, 2);
-        let (q, k, v) = (split(parts[0].shallow_clone()), split(parts[1].shallow_clone()), split(parts[2].shallow_clone()));
+        let (q, k, v) =
+            (split(parts[0].shallow_clone()), split(parts[1].shallow_clone()), split(parts[2].shallow_clone()));
         let y = Tensor::scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, true, None, false);
         let y = y.transpose(1, 2).contiguous().view([b, t, e]);
         let x = x + y.linear(&self.attn_proj, None::<Tensor>);
@@ -103,7 +104,12 @@ impl NanoGpt {
         let blocks: i64 = self
             .blocks
             .iter()
-            .map(|b| [&b.ln_1, &b.c_attn, &b.attn_proj, &b.ln_2, &b.c_fc, &b.mlp_proj].iter().map(|t| t.numel() as i64).sum::<i64>())
+            .map(|b| {
+                [&b.ln_1, &b.c_attn, &b.attn_proj, &b.ln_2, &b.c_fc, &b.mlp_proj]
+                    .iter()
+                    .map(|t| t.numel() as i64)
+                    .sum::<i64>()
+            })
             .sum();
         (self.wte.numel() as i64 + blocks + self.ln_f.numel() as i64) as u64
     }

@@ -13,8 +13,8 @@ mod cma;
 pub mod env;
 pub mod groups;
 pub mod heartbeat;
-pub mod logged;
 pub mod hierarchical;
+pub mod logged;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 #[cfg(feature = "nccl")]

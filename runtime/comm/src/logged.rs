@@ -87,7 +87,8 @@ impl CommLog {
     }
 
     fn records(&self, op: &str) -> bool {
-        !self.paused.load(std::sync::atomic::Ordering::Relaxed) && self.policy.only.as_ref().map_or(true, |only| only.contains(&op))
+        !self.paused.load(std::sync::atomic::Ordering::Relaxed)
+            && self.policy.only.as_ref().map_or(true, |only| only.contains(&op))
     }
 
     fn record(&self, key: OpKey, took: Duration) {
@@ -130,7 +131,14 @@ impl CommLog {
     pub fn summary(&self, steps: u64) -> String {
         let mut out = format!(
             "{:<16}{:>14}{:>8}{:>8}{:>19}{:>17}{:>17}{:>18}\n",
-            "Comm. Op", "Message Size", "Ranks", "Count", "Total Latency(ms)", "Avg Latency(ms)", "tput_avg (Gbps)", "busbw_avg (Gbps)"
+            "Comm. Op",
+            "Message Size",
+            "Ranks",
+            "Count",
+            "Total Latency(ms)",
+            "Avg Latency(ms)",
+            "tput_avg (Gbps)",
+            "busbw_avg (Gbps)"
         );
         let mut last = "";
         for (k, s) in self.rows() {
@@ -329,5 +337,30 @@ mod tests {
         assert_eq!(log.bus_bytes(), 2.0 * 16.0 + 4.0 * 32.0);
         assert!(log.summary(2).contains("all_gather"));
         assert_eq!(human_bytes(678.86 * 1024.0 * 1024.0), "678.86 MB");
+    }
+
+    #[test]
+    fn prof_all_false_records_only_prof_ops_and_a_pause_records_nothing() {
+        // comms_logger.prof_all false with prof_ops ["all_reduce"]: the engine's policy.
+        let log = CommLog::new(LogPolicy { only: Some(vec!["all_reduce"]), verbose: true });
+        let comms = crate::threads::group(2, std::time::Duration::from_secs(10));
+        std::thread::scope(|s| {
+            for c in comms {
+                let log = log.clone();
+                s.spawn(move || {
+                    let c = Logged::new(Box::new(c), log.clone());
+                    let mut buf = vec![1.0f32; 4];
+                    c.all_gather_in_place(&mut buf).unwrap();
+                    c.all_reduce(&mut buf, ReduceOp::Sum).unwrap();
+                    c.barrier().unwrap();
+                    let was = log.pause();
+                    c.all_reduce(&mut buf, ReduceOp::Sum).unwrap();
+                    log.resume(was);
+                });
+            }
+        });
+        let rows = log.rows();
+        assert_eq!(rows.len(), 1, "{rows:?}");
+        assert_eq!((rows[0].0.op, rows[0].1.count), ("all_reduce", 2));
     }
 }

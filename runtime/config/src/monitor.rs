@@ -130,7 +130,8 @@ pub struct CommsLoggerConfig {
 }
 
 /// The collectives' names as DeepSpeed's logger writes them.
-pub const COMM_OPS: &[&str] = &["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send", "recv", "barrier"];
+pub const COMM_OPS: &[&str] =
+    &["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send", "recv", "barrier"];
 
 impl CommsLoggerConfig {
     fn read(mut s: Section) -> Result<Self> {
@@ -141,7 +142,9 @@ impl CommsLoggerConfig {
         let prof_ops = match s.take("prof_ops") {
             None => Vec::new(),
             Some(v) => {
-                let list = v.as_array().and_then(|a| a.iter().map(|x| x.as_str().map(str::to_string)).collect::<Option<Vec<_>>>());
+                let list = v
+                    .as_array()
+                    .and_then(|a| a.iter().map(|x| x.as_str().map(str::to_string)).collect::<Option<Vec<_>>>());
                 let Some(list) = list else {
                     return Err(ConfigError::Type {
                         path: s.path_of("prof_ops"),
@@ -224,11 +227,15 @@ impl MonitorConfig {
             }
             section.finish()?;
             if enabled {
-                return Err(ConfigError::Invalid {
+                let import = if key == "wandb" {
+                    " (event files TensorBoard reads and W&B's TensorBoard sync imports)"
+                } else {
+                    ""
+                };
+                return Err(ConfigError::Conflict {
                     path: format!("{key}.enabled"),
-                    value: "true".into(),
-                    allowed: format!(
-                        "false: zerorun does not log to {what}; set `tensorboard.enabled` (event files any TensorBoard reader, and {what}'s TensorBoard import, take) or `csv_monitor.enabled` instead"
+                    message: format!(
+                        "zerorun does not log to {what}: set this to false and turn on `tensorboard`{import} or `csv_monitor` instead"
                     ),
                 });
             }

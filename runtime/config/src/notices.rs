@@ -195,5 +195,33 @@ pub(crate) fn collect(config: &Config, given: &BTreeSet<String>, ignored: Vec<St
             "zerorun's Adam is one kernel with torch.optim.Adam's arithmetic: there is no second implementation to choose",
         );
     }
+    let m = &config.monitor;
+    for key in ["wandb.group", "wandb.team", "wandb.project"] {
+        note(key, true, "zerorun does not log to Weights & Biases (`wandb.enabled` must be false)");
+    }
+    for key in [
+        "api_key",
+        "experiment_key",
+        "experiment_name",
+        "mode",
+        "online",
+        "project",
+        "samples_log_interval",
+        "workspace",
+    ] {
+        note(&format!("comet.{key}"), true, "zerorun does not log to Comet (`comet.enabled` must be false)");
+    }
+    let f = &m.flops_profiler;
+    note(
+        "flops_profiler.module_depth",
+        f.module_depth != -1,
+        "zerorun profiles its units, one level: every unit is listed",
+    );
+    note(
+        "flops_profiler.top_modules",
+        f.top_modules != 1,
+        "zerorun profiles its units, one level: every unit is listed",
+    );
+    note("comms_logger.debug", m.comms_logger.debug, "zerorun's records carry no caller's name");
     out
 }

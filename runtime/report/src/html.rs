@@ -192,7 +192,11 @@ pub fn html(reports: &[MemoryReport]) -> String {
                 .iter()
                 .map(|e| event_bar(e, r.floor_rss_bytes, closing.as_deref() == Some(e.event.as_str())))
                 .collect();
-            body.push_str(&chart(&format!("rank {}: the events of step {step} (its peak step)", r.rank), &names, &bars));
+            body.push_str(&chart(
+                &format!("rank {}: the events of step {step} (its peak step)", r.rank),
+                &names,
+                &bars,
+            ));
         }
         if !r.steps.is_empty() {
             let bars: Vec<Bar> = r

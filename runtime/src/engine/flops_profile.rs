@@ -39,7 +39,12 @@ impl Engine {
     }
 
     /// Runs a unit's forward (outermost scopes), counting its FLOPs when this step is profiled.
-    pub(super) fn profile_unit<T>(&mut self, u: usize, name: &str, forward: impl FnOnce(&mut Engine) -> T) -> Result<T> {
+    pub(super) fn profile_unit<T>(
+        &mut self,
+        u: usize,
+        name: &str,
+        forward: impl FnOnce(&mut Engine) -> T,
+    ) -> Result<T> {
         if !self.profiling_this_step() || self.watch.profile.whole_step {
             return Ok(forward(self));
         }
@@ -99,8 +104,11 @@ impl Engine {
     fn flops_report(&self, times: &[Duration; 6], whole_step_flops: Option<u64>) -> String {
         let p = &self.config.monitor.flops_profiler;
         let ms = |phase: Phase| times[phase as usize].as_secs_f64() * 1e3;
-        let (fwd, bwd, step) =
-            (ms(Phase::Forward) + ms(Phase::AllGather), ms(Phase::Backward) + ms(Phase::ReduceScatter), ms(Phase::Step));
+        let (fwd, bwd, step) = (
+            ms(Phase::Forward) + ms(Phase::AllGather),
+            ms(Phase::Backward) + ms(Phase::ReduceScatter),
+            ms(Phase::Step),
+        );
         let iter = fwd + bwd + step;
         let bwd_factor = 2.0 + p.recompute_fwd_factor;
         let model_params = self.states.layout.numel as u64;
@@ -110,15 +118,27 @@ impl Engine {
         };
         let b = self.batch;
         let mut s = String::new();
-        let _ = writeln!(s, "-------------------------- zerorun flops profiler: step {} --------------------------", p.profile_step);
+        let _ = writeln!(
+            s,
+            "-------------------------- zerorun flops profiler: step {} --------------------------",
+            p.profile_step
+        );
         let _ = writeln!(s, "world size:                     {}", self.world_size());
-        let _ = writeln!(s, "batch size per rank:            {}", b.train_micro_batch_size_per_gpu * b.gradient_accumulation_steps);
+        let _ = writeln!(
+            s,
+            "batch size per rank:            {}",
+            b.train_micro_batch_size_per_gpu * b.gradient_accumulation_steps
+        );
         let _ = writeln!(s, "params of model:                {}", human(model_params as f64, ""));
         let _ = writeln!(s, "params held per rank:           {}", human(held as f64, ""));
         let fwd_flops: u64 = match whole_step_flops {
             Some(total) => {
                 let _ = writeln!(s, "flops of the step per rank:     {} (measured over forward, backward and the optimizer step: no units to split it by)", human(total as f64, "FLOPs"));
-                let _ = writeln!(s, "FLOPS per rank:                 {}", human(total as f64 / (iter / 1e3).max(1e-9), "FLOPS"));
+                let _ = writeln!(
+                    s,
+                    "FLOPS per rank:                 {}",
+                    human(total as f64 / (iter / 1e3).max(1e-9), "FLOPS")
+                );
                 (total as f64 / (1.0 + bwd_factor)) as u64
             }
             None => self.watch.profile.rows.iter().map(|r| r.flops).sum(),
@@ -129,13 +149,25 @@ impl Engine {
             let _ = writeln!(s, "fwd latency:                    {fwd:.2} ms");
             let _ = writeln!(s, "fwd FLOPS per rank:             {}", human(fwd_flops as f64 / secs(fwd), "FLOPS"));
             let _ = writeln!(s, "bwd latency:                    {bwd:.2} ms");
-            let _ = writeln!(s, "bwd FLOPS per rank:             {}", human(bwd_factor * fwd_flops as f64 / secs(bwd), "FLOPS"));
-            let _ = writeln!(s, "fwd+bwd FLOPS per rank:         {}", human((1.0 + bwd_factor) * fwd_flops as f64 / secs(fwd + bwd), "FLOPS"));
+            let _ = writeln!(
+                s,
+                "bwd FLOPS per rank:             {}",
+                human(bwd_factor * fwd_flops as f64 / secs(bwd), "FLOPS")
+            );
+            let _ = writeln!(
+                s,
+                "fwd+bwd FLOPS per rank:         {}",
+                human((1.0 + bwd_factor) * fwd_flops as f64 / secs(fwd + bwd), "FLOPS")
+            );
         }
         let _ = writeln!(s, "step latency:                   {step:.2} ms");
         let _ = writeln!(s, "iter latency:                   {iter:.2} ms");
         if whole_step_flops.is_none() {
-            let _ = writeln!(s, "FLOPS per rank:                 {}", human((1.0 + bwd_factor) * fwd_flops as f64 / secs(iter), "FLOPS"));
+            let _ = writeln!(
+                s,
+                "FLOPS per rank:                 {}",
+                human((1.0 + bwd_factor) * fwd_flops as f64 / secs(iter), "FLOPS")
+            );
         }
         let _ = writeln!(s, "samples/second:                 {:.2}", b.train_batch_size as f64 / secs(iter));
         if p.detailed && whole_step_flops.is_none() {
@@ -172,6 +204,8 @@ fn human(v: f64, unit: &str) -> String {
         .into_iter()
         .find(|(f, _)| v >= *f)
         .map_or((v, ""), |(f, p)| (v / f, p));
-    let space = if unit.is_empty() && prefix.is_empty() { "" } else { " " };
-    format!("{scaled:.2}{space}{prefix}{unit}")
+    match unit {
+        "" => format!("{scaled:.2}{prefix}"),
+        _ => format!("{scaled:.2} {prefix}{unit}"),
+    }
 }

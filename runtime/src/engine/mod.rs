@@ -63,6 +63,7 @@ use counters::Progress;
 pub use counters::{CommVolume, GatheredBytes};
 pub use device::optimizer as device_optimizer;
 pub use reporting::{MemoryReportFiles, MEMORY_REPORT_ENV};
+pub use watching::{measure_peak_flops, StepRates, Throughput};
 pub use zero::builders::{BuiltModel, UnitBuilders, UnitForward};
 pub use zero::layout::{self, FlatLayout, ParamSlot, UnitSpan};
 use zero::plan::StagePlan;
@@ -70,7 +71,6 @@ pub use zero::scopes::UnitOutput;
 pub use zero::unit_walk::CHAIN_WALK_ENV;
 pub use zero::units::{self, Sequence, UnitModel, Whole};
 pub use zero::variables::BufferSync;
-pub use watching::{measure_peak_flops, StepRates, Throughput};
 
 /// What `step` did.
 #[derive(Debug, Clone, Copy, PartialEq)]

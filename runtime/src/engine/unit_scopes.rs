@@ -129,6 +129,9 @@ impl Engine {
     pub(crate) fn enter_unit<T: UnitOutput>(&mut self, u: usize, forward: impl FnOnce(&mut Engine) -> T) -> Result<T> {
         let scopes = self.scopes()?;
         let (name, outermost) = (scopes.label(u), scopes.depth == 0);
+        // No unit open around this one (engine.forward's walk counts as depth, not as a unit): the flops
+        // profiler's rows are these.
+        let top_unit = scopes.open.iter().all(|&n| n == 0);
         let train = native::grad_enabled();
         let (started, comm_before) = (Instant::now(), self.report.times.comm());
         let times_before = (!train && outermost).then(|| self.report.times.clone());
@@ -150,7 +153,7 @@ impl Engine {
         scopes.depth += 1;
         let out = {
             let _owner = owned_by(Owner::Forward);
-            if train && outermost {
+            if train && top_unit {
                 self.profile_unit(u, &name, forward)?
             } else {
                 forward(self)

@@ -223,7 +223,8 @@ impl Engine {
             return;
         }
         let step = self.progress.global_samples;
-        let mut events = vec![Event::new("Train/Samples/train_loss", loss, step), Event::new("Train/Samples/lr", lr, step)];
+        let mut events =
+            vec![Event::new("Train/Samples/train_loss", loss, step), Event::new("Train/Samples/lr", lr, step)];
         if self.config.fp16.enabled {
             events.push(Event::new("Train/Samples/loss_scale", self.loss_scale(), step));
         }
@@ -243,7 +244,8 @@ impl Engine {
         if let Some(g) = grad_norm {
             events.push(Event::new("Train/Samples/grad_norm", g, step));
         }
-        let rate_tag = if self.watch.throughput.is_some() { "Train/Samples/tokens_per_s" } else { "Train/Samples/samples_per_s" };
+        let rate_tag =
+            if self.watch.throughput.is_some() { "Train/Samples/tokens_per_s" } else { "Train/Samples/samples_per_s" };
         events.push(Event::new(rate_tag, rates.tokens_per_second, step));
         if let Some(mfu) = rates.mfu {
             events.push(Event::new("Train/Samples/mfu", mfu, step));
@@ -252,7 +254,11 @@ impl Engine {
             Some(log) => log.total_time().as_secs_f64(),
             None => self.report.times.comm().as_secs_f64(),
         };
-        events.push(Event::new("Train/Samples/comm_time_ms", (comm_seconds - self.watch.comm_seconds_before) * 1e3, step));
+        events.push(Event::new(
+            "Train/Samples/comm_time_ms",
+            (comm_seconds - self.watch.comm_seconds_before) * 1e3,
+            step,
+        ));
         self.watch.comm_seconds_before = comm_seconds;
         events.push(Event::new("Memory/peak_rss_bytes", crate::report::memory::rss().1 as f64, step));
         for (category, bytes) in self.memory_bytes() {
