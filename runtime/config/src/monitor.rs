@@ -102,7 +102,7 @@ impl FlopsProfilerConfig {
                 allowed: "must be >= 1 (the first optimizer step is 1)".into(),
             });
         }
-        if !(c.recompute_fwd_factor >= 0.0) {
+        if c.recompute_fwd_factor.is_nan() || c.recompute_fwd_factor < 0.0 {
             return Err(ConfigError::Invalid {
                 path: s.path_of("recompute_fwd_factor"),
                 value: c.recompute_fwd_factor.to_string(),
