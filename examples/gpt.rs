@@ -150,6 +150,14 @@ fn run(args: &Args) -> Result<(), String> {
             (vs, Box::new(model), engine)
         };
         let model = model.as_ref();
+        // MFU in the step lines: PaLM's FLOPs per token, nanoGPT's N (all but the position embedding).
+        let n = engine.layout().numel as u64 - (cfg.block * cfg.embd) as u64;
+        let (l, h, e, t) = (cfg.layers as u64, cfg.heads as u64, cfg.embd as u64, cfg.block as u64);
+        engine.set_throughput(zerorun::Throughput {
+            tokens_per_sample: t,
+            flops_per_token: zerorun::Throughput::transformer_flops_per_token(n, l, h, e / h, t),
+            peak_flops_per_rank: None,
+        });
         let b = engine.batch_sizes();
         let (rank, world) = (engine.rank(), engine.world_size());
         let mut progress = Progress::new(a.steps).in_tokens(cfg.block);

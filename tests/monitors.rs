@@ -113,10 +113,21 @@ fn tensorboard_and_csv_hold_deepspeeds_tags_at_steps_of_samples_equal_to_the_ste
         assert!(s.len() == 6 && s.iter().all(|p| p.1 >= 0.0), "{tag}: {s:?}");
     }
     // zerorun's own beside them; eval_loss at the evaluations (steps 3 and 6), equal to the printed lines.
-    for tag in ["Train/Samples/grad_norm", "Train/Samples/samples_per_s", "Memory/peak_rss_bytes", "Memory/parameters"]
-    {
+    for tag in [
+        "Train/Samples/grad_norm",
+        "Train/Samples/tokens_per_s",
+        "Train/Samples/mfu",
+        "Memory/peak_rss_bytes",
+        "Memory/parameters",
+    ] {
         assert_eq!(series(&tb, tag).len(), 6, "{tag}");
     }
+    // MFU against the rank's measured matmul peak: a share, above 0 (the example gives PaLM's FLOPs per token).
+    assert!(
+        series(&tb, "Train/Samples/mfu").iter().all(|p| p.1 > 0.0 && p.1 < 2.0),
+        "{:?}",
+        tb.get("Train/Samples/mfu")
+    );
     let eval = series(&tb, "Train/Samples/eval_loss");
     let printed: Vec<f64> =
         text.lines().filter_map(|l| l.split(" val loss ").nth(1).map(|v| v.trim().parse().unwrap())).collect();
