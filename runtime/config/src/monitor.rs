@@ -228,7 +228,7 @@ impl MonitorConfig {
             section.finish()?;
             if enabled {
                 let import = if key == "wandb" {
-                    " (event files TensorBoard reads and W&B's TensorBoard sync imports)"
+                    " (event files TensorBoard reads, which W&B's TensorBoard integration can import)"
                 } else {
                     ""
                 };
