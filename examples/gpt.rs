@@ -184,25 +184,15 @@ fn run(args: &Args) -> Result<(), String> {
                 maybe_save(a, &mut engine, outcome)?;
             }
             if args.evaluates_after(step + 1) {
-                let loss = engine
-                    .evaluate(|e| {
-                        let ranks = (e.rank(), e.world_size());
-                        let mut sums = held_out_sums(&corpus, cfg.block, ranks, EVAL_ROWS, |x, y| {
-                            let (x, y) = (x.to_device(device), y.to_device(device));
-                            let logits = if args.scoped {
-                                forward_scoped(e, model, &x)?
-                            } else {
-                                e.forward(model, &x).map_err(|e| e.to_string())?
-                            };
-                            Ok(token_loss_sum(&logits, &y, cfg.vocab))
-                        });
-                        if let Ok(s) = sums.as_mut() {
-                            e.data_parallel_mean(s)?;
-                        }
-                        Ok(sums.map(|s| s[0] as f64 / s[1] as f64))
-                    })
-                    .map_err(|e| e.to_string())??;
-                report_val_loss(&mut engine, step + 1, loss)?;
+                let ranks = (rank, world);
+                evaluate_held_out(&mut engine, &corpus, cfg.block, ranks, rank == 0, step + 1, |e, x, y| {
+                    let x = x.to_device(device);
+                    let logits = match args.scoped {
+                        true => forward_scoped(e, model, &x)?,
+                        false => e.forward(model, &x).map_err(|e| e.to_string())?,
+                    };
+                    Ok(token_loss_sum(&logits, &y.to_device(device), cfg.vocab))
+                })?;
             }
         }
         if let Some(path) = &a.save_final {
@@ -237,9 +227,33 @@ fn token_loss_sum(logits: &Tensor, targets: &Tensor, vocab: i64) -> f64 {
     loss.double_value(&[]) * targets.numel() as f64
 }
 
-/// `step N val loss X` (rank 0), and `Train/Samples/eval_loss` to the monitors.
-fn report_val_loss(engine: &mut Engine, step: u64, loss: f64) -> Result<(), String> {
-    if engine.rank() == 0 {
+/// After step `step`: the held-out loss through `engine`, as an evaluation (stage 3 keeps nothing for backward);
+/// `loss_sum(engine, x, y)` is a chunk's summed token loss, `ranks` this rank's place among the data-parallel ranks
+/// that share the windows out. Reported by [`report_val_loss`].
+fn evaluate_held_out(
+    engine: &mut Engine,
+    corpus: &Corpus,
+    block: i64,
+    ranks: (usize, usize),
+    print: bool,
+    step: u64,
+    mut loss_sum: impl FnMut(&mut Engine, &Tensor, &Tensor) -> Result<f64, String>,
+) -> Result<(), String> {
+    let loss = engine
+        .evaluate(|e| {
+            let mut sums = held_out_sums(corpus, block, ranks, EVAL_ROWS, |x, y| loss_sum(e, x, y))
+                .map_err(zerorun::Error::Usage)?;
+            // The ratio of the ranks' means of the sums is the ratio of the sums.
+            e.data_parallel_mean(&mut sums)?;
+            Ok(sums[0] as f64 / sums[1] as f64)
+        })
+        .map_err(|e| e.to_string())?;
+    report_val_loss(engine, print, step, loss)
+}
+
+/// `step N val loss X` (when `print`), and `Train/Samples/eval_loss` to the monitors.
+fn report_val_loss(engine: &mut Engine, print: bool, step: u64, loss: f64) -> Result<(), String> {
+    if print {
         println!("step {step} val loss {loss:.4}");
     }
     engine.record_eval_loss(loss).map_err(|e| e.to_string())
@@ -296,21 +310,10 @@ fn run_nanogpt(args: &Args, config: &zerorun::Config, corpus: &Corpus) -> Result
                 maybe_save(a, &mut engine, outcome)?;
             }
             if args.evaluates_after(step + 1) {
-                let loss = engine
-                    .evaluate(|e| {
-                        let ranks = (e.rank(), e.world_size());
-                        let mut sums = held_out_sums(corpus, c.block, ranks, EVAL_ROWS, |x, y| {
-                            let (x, y) = (x.to_device(device), y.to_device(device));
-                            let logits = model.forward(e, &x).map_err(|e| e.to_string())?;
-                            Ok(token_loss_sum(&logits, &y, c.vocab))
-                        });
-                        if let Ok(s) = sums.as_mut() {
-                            e.data_parallel_mean(s)?;
-                        }
-                        Ok(sums.map(|s| s[0] as f64 / s[1] as f64))
-                    })
-                    .map_err(|e| e.to_string())??;
-                report_val_loss(&mut engine, step + 1, loss)?;
+                evaluate_held_out(&mut engine, corpus, c.block, (rank, world), rank == 0, step + 1, |e, x, y| {
+                    let logits = model.forward(e, &x.to_device(device)).map_err(|e| e.to_string())?;
+                    Ok(token_loss_sum(&logits, &y.to_device(device), c.vocab))
+                })?;
             }
         }
         finish_rank(a, &mut engine, &progress)
@@ -388,10 +391,7 @@ fn run_pipeline(args: &Args, config: &Config, corpus: &Corpus, cfg: GptConfig, s
             if args.evaluates_after(step + 1) {
                 let m = b.gradient_accumulation_steps as i64;
                 let loss = pipeline_held_out_loss(&mut pipe, corpus, cfg.block, m, (first, last))?;
-                if placement.rank == 0 {
-                    println!("step {} val loss {loss:.4}", step + 1);
-                }
-                pipe.engine_mut().record_eval_loss(loss).map_err(|e| e.to_string())?;
+                report_val_loss(pipe.engine_mut(), placement.rank == 0, step + 1, loss)?;
             }
         }
         // Asynchronous training ends with every rank holding the final values (a no-op when synchronous).
@@ -554,23 +554,12 @@ fn run_tensor_parallel(args: &Args, config: &Config, corpus: &Corpus, cfg: GptCo
             if args.evaluates_after(step + 1) {
                 // The tensor-parallel group runs the same windows (its collectives split every layer); the
                 // data-parallel ranks share them out.
-                let loss = engine
-                    .evaluate(|e| {
-                        let mut sums = held_out_sums(corpus, cfg.block, (data_index, data_size), EVAL_ROWS, |x, y| {
-                            let logits = e.forward(&units, x).map_err(|e| e.to_string())?;
-                            let loss = model.loss(&tp, &logits, y).map_err(|e| e.to_string())?;
-                            Ok(loss.double_value(&[]) * y.numel() as f64)
-                        });
-                        if let Ok(s) = sums.as_mut() {
-                            e.data_parallel_mean(s)?;
-                        }
-                        Ok(sums.map(|s| s[0] as f64 / s[1] as f64))
-                    })
-                    .map_err(|e| e.to_string())??;
-                if rank == 0 {
-                    println!("step {} val loss {loss:.4}", step + 1);
-                }
-                engine.record_eval_loss(loss).map_err(|e| e.to_string())?;
+                let ranks = (data_index, data_size);
+                evaluate_held_out(&mut engine, corpus, cfg.block, ranks, rank == 0, step + 1, |e, x, y| {
+                    let logits = e.forward(&units, x).map_err(|e| e.to_string())?;
+                    let loss = model.loss(&tp, &logits, y).map_err(|e| e.to_string())?;
+                    Ok(loss.double_value(&[]) * y.numel() as f64)
+                })?;
             }
         }
         if let Some(path) = &a.save_final {

@@ -29,10 +29,19 @@ fn write_config(dir: &Path, config: &Value) -> PathBuf {
     path
 }
 
+/// The GPT example's model for these tests: 2 x 32, 2 heads, block 16.
+const SMALL_GPT: [&str; 8] = ["--layers", "2", "--embd", "32", "--heads", "2", "--block", "16"];
+
 /// A small GPT run of the example (`--ranks` thread ranks), its stdout.
 fn gpt(config: &Path, cwd: &Path, extra: &[&str]) -> String {
+    gpt_sized(config, cwd, &SMALL_GPT, extra)
+}
+
+/// [`gpt`] with the model's size flags given.
+fn gpt_sized(config: &Path, cwd: &Path, model: &[&str], extra: &[&str]) -> String {
     let out = Command::new(examples::example("gpt"))
-        .args(["--config", config.to_str().unwrap(), "--layers", "2", "--embd", "32", "--heads", "2", "--block", "16"])
+        .args(["--config", config.to_str().unwrap()])
+        .args(model)
         .args(extra)
         .current_dir(cwd)
         .output()
@@ -160,7 +169,8 @@ fn a_run_killed_mid_way_leaves_readable_event_and_csv_files() {
     });
     let cfg = write_config(&dir, &config);
     let mut child = Command::new(examples::example("gpt"))
-        .args(["--config", cfg.to_str().unwrap(), "--layers", "2", "--embd", "32", "--heads", "2", "--block", "16"])
+        .args(["--config", cfg.to_str().unwrap()])
+        .args(SMALL_GPT)
         .args(["--steps", "100000"])
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
@@ -203,14 +213,8 @@ fn comms_logger_bytes_per_step_at_stage_3_are_three_times_the_parameters_over_th
     });
     let cfg = write_config(&dir, &config);
     let steps = 2;
-    let out = Command::new(examples::example("gpt"))
-        .args(["--config", cfg.to_str().unwrap(), "--layers", "4", "--embd", "128", "--heads", "4", "--block", "16"])
-        .args(["--ranks", "2", "--steps", &steps.to_string()])
-        .current_dir(&dir)
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(out.status.success(), "{text}");
+    let model = ["--layers", "4", "--embd", "128", "--heads", "4", "--block", "16"];
+    let text = gpt_sized(&cfg, &dir, &model, &["--ranks", "2", "--steps", &steps.to_string()]);
     let line = text.lines().find(|l| l.starts_with("bus bytes per optimizer step")).unwrap_or_else(|| panic!("{text}"));
     let bytes: f64 = line.split(": ").nth(1).unwrap().split_whitespace().next().unwrap().parse().unwrap();
     let params: f64 = text

@@ -8,8 +8,8 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Once;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use crate::buffer::{BufMut, BufRef, DeviceBuf};
-use crate::{groups, CommResult, Communicator, ReduceOp};
+use crate::observed::{Call, Observed, Observer};
+use crate::CommResult;
 
 /// The environment variable naming this rank's heartbeat file.
 pub const HEARTBEAT_ENV: &str = "ZERORUN_HEARTBEAT_FILE";
@@ -62,113 +62,19 @@ impl Drop for InCollective {
     }
 }
 
-/// A communicator whose collectives count as waiting in the heartbeat; groups made from it are watched too.
-pub struct Watched(pub Box<dyn Communicator>);
+/// The heartbeat's [`Observer`]: a call in progress (a collective, a group's making) counts as waiting.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Heartbeat;
 
-impl Communicator for Watched {
-    fn rank(&self) -> usize {
-        self.0.rank()
-    }
-    fn world_size(&self) -> usize {
-        self.0.world_size()
-    }
-    fn all_reduce_buf(&self, buf: BufMut<'_>, op: ReduceOp) -> CommResult<()> {
+impl Observer for Heartbeat {
+    fn around<R>(&self, _call: Call, f: impl FnOnce() -> CommResult<R>) -> CommResult<R> {
         let _waiting = InCollective::enter();
-        self.0.all_reduce_buf(buf, op)
-    }
-    fn reduce_scatter_buf(&self, input: BufRef<'_>, output: BufMut<'_>, op: ReduceOp) -> CommResult<()> {
-        let _waiting = InCollective::enter();
-        self.0.reduce_scatter_buf(input, output, op)
-    }
-    fn all_gather_buf(&self, buf: BufMut<'_>) -> CommResult<()> {
-        let _waiting = InCollective::enter();
-        self.0.all_gather_buf(buf)
-    }
-    fn broadcast_buf(&self, buf: BufMut<'_>, root: usize) -> CommResult<()> {
-        let _waiting = InCollective::enter();
-        self.0.broadcast_buf(buf, root)
-    }
-    fn host_layout(&self) -> Option<(usize, usize)> {
-        self.0.host_layout()
-    }
-    fn host_all_gather_buf(&self, buf: BufMut<'_>) -> CommResult<()> {
-        let _waiting = InCollective::enter();
-        self.0.host_all_gather_buf(buf)
-    }
-    fn all_to_all_buf(&self, input: BufRef<'_>, output: BufMut<'_>) -> CommResult<()> {
-        let _waiting = InCollective::enter();
-        self.0.all_to_all_buf(input, output)
-    }
-    fn reduce_scatter_quantized_buf(
-        &self,
-        input: BufRef<'_>,
-        output: BufMut<'_>,
-        op: ReduceOp,
-        block: usize,
-    ) -> CommResult<()> {
-        let _waiting = InCollective::enter();
-        self.0.reduce_scatter_quantized_buf(input, output, op, block)
-    }
-    fn barrier(&self) -> CommResult<()> {
-        let _waiting = InCollective::enter();
-        self.0.barrier()
-    }
-    fn send_buf(&self, buf: BufRef<'_>, dst: usize) -> CommResult<()> {
-        let _waiting = InCollective::enter();
-        self.0.send_buf(buf, dst)
-    }
-    fn recv_buf(&self, buf: BufMut<'_>, src: usize) -> CommResult<()> {
-        let _waiting = InCollective::enter();
-        self.0.recv_buf(buf, src)
-    }
-    fn send_recv_buf(&self, send: BufRef<'_>, dst: usize, recv: BufMut<'_>, src: usize) -> CommResult<()> {
-        let _waiting = InCollective::enter();
-        self.0.send_recv_buf(send, dst, recv, src)
-    }
-    fn split_group(&self, split: &groups::Split) -> CommResult<Option<Box<dyn Communicator>>> {
-        let group = {
-            let _waiting = InCollective::enter();
-            self.0.split_group(split)?
-        };
-        Ok(group.map(|g| Box::new(Watched(g)) as Box<dyn Communicator>))
-    }
-    fn group_name(&self) -> String {
-        self.0.group_name()
-    }
-    fn prefers_shared_buffers(&self) -> bool {
-        self.0.prefers_shared_buffers()
-    }
-    fn forget_gathered_pages(&self) {
-        self.0.forget_gathered_pages()
-    }
-    fn window(&self, local: &mut [u8]) -> CommResult<Option<Vec<usize>>> {
-        let _waiting = InCollective::enter();
-        self.0.window(local)
-    }
-    fn independent_groups(&self) -> bool {
-        self.0.independent_groups()
-    }
-    unsafe fn all_reduce_device(&self, buf: DeviceBuf, op: ReduceOp) -> CommResult<bool> {
-        let _waiting = InCollective::enter();
-        // SAFETY: the caller's guarantees, passed on.
-        unsafe { self.0.all_reduce_device(buf, op) }
-    }
-    unsafe fn reduce_scatter_device(&self, input: DeviceBuf, output: DeviceBuf, op: ReduceOp) -> CommResult<bool> {
-        let _waiting = InCollective::enter();
-        // SAFETY: the caller's guarantees, passed on.
-        unsafe { self.0.reduce_scatter_device(input, output, op) }
-    }
-    unsafe fn all_gather_device(&self, buf: DeviceBuf) -> CommResult<bool> {
-        let _waiting = InCollective::enter();
-        // SAFETY: the caller's guarantees, passed on.
-        unsafe { self.0.all_gather_device(buf) }
-    }
-    unsafe fn broadcast_device(&self, buf: DeviceBuf, root: usize) -> CommResult<bool> {
-        let _waiting = InCollective::enter();
-        // SAFETY: the caller's guarantees, passed on.
-        unsafe { self.0.broadcast_device(buf, root) }
+        f()
     }
 }
+
+/// A communicator whose collectives count as waiting in the heartbeat; groups made from it are watched too.
+pub type Watched = Observed<Heartbeat>;
 
 /// A heartbeat line as the launcher reads it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -19,6 +19,7 @@ pub mod logged;
 pub mod mpi;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+pub mod observed;
 mod pair_sum;
 pub mod quantized;
 pub mod rank_info;

@@ -1,6 +1,7 @@
-//! The communication logger (DeepSpeed's `comms_logger`): a communicator that times every collective it runs and
-//! records it by name (DeepSpeed's: all_reduce, all_gather, reduce_scatter, all_to_all, broadcast, send, recv,
-//! barrier), group size and message size; groups split from it record into the same [`CommLog`]. Bandwidths follow
+//! The communication logger (DeepSpeed's `comms_logger`): the [`Observer`] of a [`Logged`] communicator, timing every
+//! collective it runs and recording it by name (DeepSpeed's: all_reduce, all_gather, reduce_scatter, all_to_all,
+//! broadcast, send, recv, barrier), group size and message size; groups split from it record into the same
+//! [`CommLog`]. Bandwidths follow
 //! nccl-tests (doc/PERFORMANCE.md): algorithm bandwidth = S / t with S the whole buffer (the gathered buffer, the
 //! reduce-scatter's input), bus bandwidth = algbw x 2(n-1)/n for all-reduce, x (n-1)/n for all-gather,
 //! reduce-scatter and all-to-all, x 1 otherwise, n the group's size (DeepSpeed uses the world's). Bus bytes
@@ -12,8 +13,8 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::buffer::{BufMut, BufRef, DeviceBuf};
-use crate::{groups, CommResult, Communicator, ReduceOp};
+use crate::observed::{Call, Observed, Observer};
+use crate::CommResult;
 
 /// Which collectives a [`Logged`] communicator records.
 #[derive(Debug, Clone, Default)]
@@ -140,8 +141,9 @@ impl CommLog {
             "tput_avg (Gbps)",
             "busbw_avg (Gbps)"
         );
+        let rows = self.rows();
         let mut last = "";
-        for (k, s) in self.rows() {
+        for &(k, s) in &rows {
             let op = if k.op == last { "" } else { k.op };
             last = k.op;
             let total = s.total.as_secs_f64();
@@ -160,11 +162,12 @@ impl CommLog {
             ));
         }
         let steps = steps.max(1) as f64;
+        let bus_bytes: f64 = rows.iter().map(|(k, s)| k.bus_bytes() * s.count as f64).sum::<f64>() / steps;
+        let seconds: f64 = rows.iter().map(|(_, s)| s.total.as_secs_f64()).sum::<f64>() / steps;
         out.push_str(&format!(
-            "bus bytes per optimizer step (what this rank sent, S x nccl-tests' bus factor): {:.0} ({}); time in collectives per step: {:.3} ms",
-            self.bus_bytes() / steps,
-            human_bytes(self.bus_bytes() / steps),
-            self.total_time().as_secs_f64() * 1e3 / steps
+            "bus bytes per optimizer step (what this rank sent, S x nccl-tests' bus factor): {bus_bytes:.0} ({}); time in collectives per step: {:.3} ms",
+            human_bytes(bus_bytes),
+            seconds * 1e3
         ));
         out
     }
@@ -182,135 +185,25 @@ pub fn human_bytes(b: f64) -> String {
     format!("{v:.2} {}", units[i])
 }
 
-/// A communicator whose collectives are timed and recorded in a [`CommLog`].
-pub struct Logged {
-    inner: Box<dyn Communicator>,
-    log: Arc<CommLog>,
-}
-
-impl Logged {
-    /// Wraps `inner`; its records go to `log`.
-    pub fn new(inner: Box<dyn Communicator>, log: Arc<CommLog>) -> Logged {
-        Logged { inner, log }
-    }
-
-    fn timed<R>(&self, op: &'static str, bytes: usize, f: impl FnOnce() -> CommResult<R>) -> CommResult<R> {
-        if !self.log.records(op) {
+impl Observer for Arc<CommLog> {
+    fn around<R>(&self, call: Call, f: impl FnOnce() -> CommResult<R>) -> CommResult<R> {
+        if !self.records(call.op) {
             return f();
         }
         let started = Instant::now();
         let r = f()?;
-        self.log.record(OpKey { op, group_size: self.inner.world_size(), bytes }, started.elapsed());
+        self.record(OpKey { op: call.op, group_size: call.group_size, bytes: call.bytes }, started.elapsed());
         Ok(r)
     }
 }
 
-fn device_bytes(b: &DeviceBuf) -> usize {
-    b.count * b.dtype.size()
-}
-
-impl Communicator for Logged {
-    fn rank(&self) -> usize {
-        self.inner.rank()
-    }
-    fn world_size(&self) -> usize {
-        self.inner.world_size()
-    }
-    fn all_reduce_buf(&self, buf: BufMut<'_>, op: ReduceOp) -> CommResult<()> {
-        self.timed("all_reduce", buf.bytes.len(), || self.inner.all_reduce_buf(buf, op))
-    }
-    fn reduce_scatter_buf(&self, input: BufRef<'_>, output: BufMut<'_>, op: ReduceOp) -> CommResult<()> {
-        self.timed("reduce_scatter", input.bytes.len(), || self.inner.reduce_scatter_buf(input, output, op))
-    }
-    fn all_gather_buf(&self, buf: BufMut<'_>) -> CommResult<()> {
-        self.timed("all_gather", buf.bytes.len(), || self.inner.all_gather_buf(buf))
-    }
-    fn broadcast_buf(&self, buf: BufMut<'_>, root: usize) -> CommResult<()> {
-        self.timed("broadcast", buf.bytes.len(), || self.inner.broadcast_buf(buf, root))
-    }
-    fn all_to_all_buf(&self, input: BufRef<'_>, output: BufMut<'_>) -> CommResult<()> {
-        self.timed("all_to_all", input.bytes.len(), || self.inner.all_to_all_buf(input, output))
-    }
-    fn reduce_scatter_quantized_buf(
-        &self,
-        input: BufRef<'_>,
-        output: BufMut<'_>,
-        op: ReduceOp,
-        block: usize,
-    ) -> CommResult<()> {
-        // Counted at the bytes it would move unquantized: the logger's rows stay comparable across runs.
-        self.timed("reduce_scatter", input.bytes.len(), || {
-            self.inner.reduce_scatter_quantized_buf(input, output, op, block)
-        })
-    }
-    fn barrier(&self) -> CommResult<()> {
-        self.timed("barrier", 0, || self.inner.barrier())
-    }
-    fn send_buf(&self, buf: BufRef<'_>, dst: usize) -> CommResult<()> {
-        self.timed("send", buf.bytes.len(), || self.inner.send_buf(buf, dst))
-    }
-    fn recv_buf(&self, buf: BufMut<'_>, src: usize) -> CommResult<()> {
-        self.timed("recv", buf.bytes.len(), || self.inner.recv_buf(buf, src))
-    }
-    fn send_recv_buf(&self, send: BufRef<'_>, dst: usize, recv: BufMut<'_>, src: usize) -> CommResult<()> {
-        self.timed("send", send.bytes.len(), || self.inner.send_recv_buf(send, dst, recv, src))
-    }
-    fn split_group(&self, split: &groups::Split) -> CommResult<Option<Box<dyn Communicator>>> {
-        let group = self.inner.split_group(split)?;
-        Ok(group.map(|g| Box::new(Logged::new(g, self.log.clone())) as Box<dyn Communicator>))
-    }
-    fn group_name(&self) -> String {
-        self.inner.group_name()
-    }
-    fn prefers_shared_buffers(&self) -> bool {
-        self.inner.prefers_shared_buffers()
-    }
-    fn forget_gathered_pages(&self) {
-        self.inner.forget_gathered_pages()
-    }
-    fn window(&self, local: &mut [u8]) -> CommResult<Option<Vec<usize>>> {
-        self.inner.window(local)
-    }
-    fn host_layout(&self) -> Option<(usize, usize)> {
-        self.inner.host_layout()
-    }
-    fn host_all_gather_buf(&self, buf: BufMut<'_>) -> CommResult<()> {
-        let bytes = buf.bytes.len();
-        let started = Instant::now();
-        self.inner.host_all_gather_buf(buf)?;
-        if self.log.records("all_gather") {
-            let ranks = self.inner.host_layout().map_or(1, |(_, per_host)| per_host);
-            self.log.record(OpKey { op: "all_gather", group_size: ranks, bytes }, started.elapsed());
-        }
-        Ok(())
-    }
-    fn independent_groups(&self) -> bool {
-        self.inner.independent_groups()
-    }
-    unsafe fn all_reduce_device(&self, buf: DeviceBuf, op: ReduceOp) -> CommResult<bool> {
-        // SAFETY: the caller's guarantees, passed on.
-        self.timed("all_reduce", device_bytes(&buf), || unsafe { self.inner.all_reduce_device(buf, op) })
-    }
-    unsafe fn reduce_scatter_device(&self, input: DeviceBuf, output: DeviceBuf, op: ReduceOp) -> CommResult<bool> {
-        // SAFETY: the caller's guarantees, passed on.
-        self.timed("reduce_scatter", device_bytes(&input), || unsafe {
-            self.inner.reduce_scatter_device(input, output, op)
-        })
-    }
-    unsafe fn all_gather_device(&self, buf: DeviceBuf) -> CommResult<bool> {
-        // SAFETY: the caller's guarantees, passed on.
-        self.timed("all_gather", device_bytes(&buf), || unsafe { self.inner.all_gather_device(buf) })
-    }
-    unsafe fn broadcast_device(&self, buf: DeviceBuf, root: usize) -> CommResult<bool> {
-        // SAFETY: the caller's guarantees, passed on.
-        self.timed("broadcast", device_bytes(&buf), || unsafe { self.inner.broadcast_device(buf, root) })
-    }
-}
+/// A communicator whose collectives are timed and recorded in a [`CommLog`] (`Logged::new(comm, log)`).
+pub type Logged = Observed<Arc<CommLog>>;
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::Collectives;
+    use crate::{Collectives, Communicator, ReduceOp};
 
     #[test]
     fn collectives_are_counted_by_name_and_size_with_nccl_tests_factors() {

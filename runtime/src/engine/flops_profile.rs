@@ -69,22 +69,22 @@ impl Engine {
     /// At the end of every step: starts the whole-step profile of a model without units before its profiled step
     /// (at set-up for step 1), and writes the report after it.
     pub(super) fn profile_step_boundary(&mut self, times: &[Duration; 6]) {
-        let p = self.config.monitor.flops_profiler.clone();
+        let p = &self.config.monitor.flops_profiler;
         if !p.enabled || !self.writes_monitors() {
             return;
         }
-        let done = self.progress.global_steps;
-        if done == p.profile_step {
+        let (done, profile_step) = (self.progress.global_steps, p.profile_step);
+        if done == profile_step {
             let whole = self.watch.profile.whole_step.then(native::flops_stop);
             let report = self.flops_report(times, whole.and_then(|r| r.ok()).map(|(f, _)| f));
             tracing::info!("\n{report}");
-            if let Some(path) = &p.output_file {
+            if let Some(path) = &self.config.monitor.flops_profiler.output_file {
                 if let Err(e) = std::fs::write(path, &report) {
                     tracing::error!(file = %path, "flops_profiler.output_file: {e}");
                 }
             }
             self.watch.profile.report = Some(report);
-        } else if done + 1 == p.profile_step {
+        } else if done + 1 == profile_step {
             self.start_whole_step_profile();
         }
     }

@@ -10,7 +10,11 @@ use crate::comm::{CommError, CommResult, Communicator};
 pub fn communicator_from_env(timeout: Duration) -> CommResult<Box<dyn Communicator>> {
     let comm = backend_from_env(timeout)?;
     // Under `zerorun launch`: the launcher watches this rank's heartbeat (a hung rank is found and named).
-    Ok(if crate::comm::heartbeat::start_from_env() { Box::new(crate::comm::heartbeat::Watched(comm)) } else { comm })
+    Ok(if crate::comm::heartbeat::start_from_env() {
+        Box::new(crate::comm::heartbeat::Watched::new(comm, crate::comm::heartbeat::Heartbeat))
+    } else {
+        comm
+    })
 }
 
 fn backend_from_env(timeout: Duration) -> CommResult<Box<dyn Communicator>> {
