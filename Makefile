@@ -5,8 +5,10 @@ PYTHON ?= python3
 VENV := .venv
 TORCH_VERSION := 2.11.0
 # Debian packages the build and the tests need (checked with dpkg, installed only when missing).
-# chromium: tests/monitors.rs renders the HTML memory report headless.
-APT_PACKAGES := pkg-config libopenmpi-dev openmpi-bin libclang-dev fonts-dejavu-core libgloo-dev iproute2 chromium
+# chromium: tests/monitors.rs renders the HTML memory report headless. openssh-*, slurm*, munge: tests/clusters.rs
+# runs the real sshd and Slurm on simulated hosts (started and stopped by the test, nothing left running).
+APT_PACKAGES := pkg-config libopenmpi-dev openmpi-bin libclang-dev fonts-dejavu-core libgloo-dev iproute2 chromium \
+  openssh-client openssh-server slurmd slurmctld slurm-client munge
 CARGO ?= cargo
 
 .PHONY: setup demo test docs book-check bench bench-deepspeed bench-deepspeed-cluster gpu-binaries

@@ -39,9 +39,11 @@ fn parse_nnodes(text: &str) -> Result<NodeCount, String> {
 
 #[derive(Args)]
 pub struct LaunchArgs {
-    /// Ranks to start on this host. (Each two-word flag also takes torchrun's spelling, e.g. --nproc_per_node.)
+    /// Ranks to start on this host (with --hostfile: on every host, at most its slots; default its slots; inside a
+    /// Slurm allocation: default its tasks per node). (Each two-word flag also takes torchrun's spelling, e.g.
+    /// --nproc_per_node.)
     #[arg(long, alias = "nproc_per_node")]
-    pub nproc_per_node: usize,
+    pub nproc_per_node: Option<usize>,
     /// Hosts (nodes) in the job, each running one `zerorun launch` with its own --node-rank: N, or MIN:MAX for an
     /// elastic job (torchrun's spelling) that goes on with the nodes left when one is lost, while at least MIN
     /// remain (with --max-restarts), and takes in a node that joins late at the next restart.
@@ -51,12 +53,40 @@ pub struct LaunchArgs {
     /// fixed N). Each round numbers the nodes present in the order of their ids.
     #[arg(long, alias = "node_rank", default_value_t = 0)]
     pub node_rank: usize,
-    /// The address of node 0, where every rank meets (the gloo backend's TCPStore).
-    #[arg(long, alias = "master_addr", default_value = "127.0.0.1")]
-    pub master_addr: String,
-    /// Default: a free port (one node only: with several, every node must give the same).
+    /// The address of node 0, where every rank meets (the gloo backend's TCPStore). Default: 127.0.0.1; with
+    /// --hostfile the first host's address (its `hostname -I`, as DeepSpeed asks it); under Slurm the first host
+    /// of the allocation.
+    #[arg(long, alias = "master_addr")]
+    pub master_addr: Option<String>,
+    /// Default: a free port (one node only: with several, every node must give the same); with --hostfile 29500;
+    /// under Slurm a port from the job id.
     #[arg(long, alias = "master_port")]
     pub master_port: Option<u16>,
+    /// DeepSpeed's hostfile (`HOST slots=N` per line, `#` comments): one command here starts every host's launcher
+    /// over ssh (OpenSSH's client, your ~/.ssh/config; extra options in ZERORUN_SSH_OPTIONS), each host's output
+    /// prefixed by host and rank, everything stopped on Ctrl-C or a failure. zerorun, the program and the working
+    /// directory must be at the same paths on every host. Forwarded: ZERORUN_*, NCCL_*, GLOO_*, RUST_LOG and the
+    /// lines of ~/.deepspeed_env and ./.deepspeed_env (DS_ENV_FILE names another file).
+    #[arg(short = 'H', long, value_name = "FILE")]
+    pub hostfile: Option<std::path::PathBuf>,
+    /// With --hostfile: only these hosts, or slots of them: `host1:0,1@host2` (DeepSpeed's syntax).
+    #[arg(short = 'i', long, value_name = "HOSTS", conflicts_with = "exclude")]
+    pub include: Option<String>,
+    /// With --hostfile: not these hosts, or slots of them: `host1:0,1@host2`.
+    #[arg(short = 'e', long, value_name = "HOSTS")]
+    pub exclude: Option<String>,
+    /// With --hostfile: the first N hosts only.
+    #[arg(long, alias = "num_nodes", value_name = "N")]
+    pub num_nodes: Option<usize>,
+    /// With --hostfile: the first N slots of each host only (DeepSpeed's spelling of --nproc-per-node).
+    #[arg(long, alias = "num_gpus", value_name = "N")]
+    pub num_gpus: Option<usize>,
+    /// With --hostfile: the port every host's sshd listens on (default: ssh's, from ~/.ssh/config or 22).
+    #[arg(long, alias = "ssh_port", value_name = "PORT")]
+    pub ssh_port: Option<u16>,
+    /// Started over ssh by --hostfile: stop the ranks when standard input closes (the ssh connection ended).
+    #[arg(long, hide = true)]
+    pub until_stdin_closes: bool,
     /// How the ranks communicate: shm (shared memory; the default on one node), gloo (libtorch's TCP backend; the
     /// default across nodes) or nccl (GPUs).
     #[arg(long)]
@@ -82,8 +112,41 @@ pub struct LaunchArgs {
     pub command: Vec<String>,
 }
 
-pub fn run(args: LaunchArgs) -> Result<(), CliError> {
-    let n = args.nproc_per_node;
+impl LaunchArgs {
+    /// Ranks on this host (`run` resolves it first).
+    pub fn ranks_per_node(&self) -> usize {
+        self.nproc_per_node.unwrap_or(1)
+    }
+
+    /// Node 0's address (`run` resolves it first).
+    pub fn master(&self) -> &str {
+        self.master_addr.as_deref().unwrap_or("127.0.0.1")
+    }
+}
+
+pub fn run(mut args: LaunchArgs) -> Result<(), CliError> {
+    if let Some(hostfile) = args.hostfile.clone() {
+        return super::launch_ssh::run(args, &hostfile);
+    }
+    for (flag, given) in [
+        ("--include", args.include.is_some()),
+        ("--exclude", args.exclude.is_some()),
+        ("--num_nodes", args.num_nodes.is_some()),
+        ("--num_gpus", args.num_gpus.is_some()),
+        ("--ssh-port", args.ssh_port.is_some()),
+    ] {
+        if given {
+            return Err(CliError::Usage(format!("{flag} chooses among the hosts of a --hostfile; give one")));
+        }
+    }
+    // Inside a Slurm job: in a batch script, one launcher per node through srun; as one of srun's tasks (one per
+    // node), this node's place from Slurm.
+    if let Some(job) = super::launch_slurm::settle(&mut args)? {
+        return job.run(&args);
+    }
+    let Some(n) = args.nproc_per_node else {
+        return Err(CliError::Usage("--nproc-per-node: how many ranks to start on this host".into()));
+    };
     if n == 0 {
         return Err(CliError::Usage("--nproc-per-node must be >= 1".into()));
     }
@@ -114,10 +177,15 @@ pub fn run(args: LaunchArgs) -> Result<(), CliError> {
     if multi_node && args.master_port.is_none() {
         return Err(CliError::Usage("--master-port: with --nnodes above 1 every node must give the same port".into()));
     }
-    let stop = Arc::new(AtomicBool::new(false));
-    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
-        signal_hook::flag::register(sig, stop.clone())
-            .map_err(|e| CliError::Io { context: "installing signal handlers".into(), source: e })?;
+    let stop = stop_flag()?;
+    if args.until_stdin_closes {
+        // The ssh connection that started this launcher is its lifeline: when it closes (the driver stopped or
+        // was killed, its host lost), stop the ranks as a signal would.
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let _ = std::io::copy(&mut std::io::stdin().lock(), &mut std::io::sink());
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        });
     }
     if multi_node {
         return super::launch_nodes::run_job(&args, &backend, &stop);
@@ -146,6 +214,16 @@ pub fn run(args: LaunchArgs) -> Result<(), CliError> {
     Err(gave_up(args.max_restarts, &failures))
 }
 
+/// A flag that SIGINT and SIGTERM set: the launcher stops its ranks (or hosts) and ends.
+pub(super) fn stop_flag() -> Result<Arc<AtomicBool>, CliError> {
+    let stop = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(sig, stop.clone())
+            .map_err(|e| CliError::Io { context: "installing signal handlers".into(), source: e })?;
+    }
+    Ok(stop)
+}
+
 /// The error after the last allowed restart failed: every start's failure.
 pub(super) fn gave_up(max_restarts: usize, failures: &[String]) -> CliError {
     CliError::Usage(format!(
@@ -172,7 +250,7 @@ mod tests {
             ["launch", "--nproc_per_node", "2", "--nnodes", "2", "--node_rank", "1", "--master_addr", "10.0.0.1"];
         let tail = ["--master_port", "29500", "--max_restarts", "3", "--", "prog"];
         let a = Launch::try_parse_from(argv.iter().chain(&tail)).unwrap().args;
-        assert_eq!((a.nproc_per_node, a.node_rank, a.master_addr.as_str()), (2, 1, "10.0.0.1"));
+        assert_eq!((a.nproc_per_node, a.node_rank, a.master()), (Some(2), 1, "10.0.0.1"));
         assert_eq!((a.master_port, a.max_restarts, a.command), (Some(29500), 3, vec!["prog".to_string()]));
         assert!(Launch::try_parse_from(["launch", "--nproc_per_nod", "2", "--", "prog"]).is_err());
     }

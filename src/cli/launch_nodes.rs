@@ -21,7 +21,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::launch::{gave_up, LaunchArgs};
-use super::launch_ranks::{free_port, run_round, Failure, Peers, RemoteFailure, Round};
+use super::launch_ranks::{free_port, run_round, this_host, Failure, Peers, RemoteFailure, Round};
 use super::CliError;
 
 /// How long the nodes have to find each other at the start.
@@ -40,15 +40,16 @@ fn send(stream: &mut TcpStream, line: &str) {
 }
 
 fn fail_line(round: usize, f: &RemoteFailure) -> String {
-    format!("FAIL {round} {} {} {}", f.rank, f.node, f.how.replace('\n', " "))
+    format!("FAIL {round} {} {} {} {}", f.rank, f.node, f.host, f.how.replace('\n', " "))
 }
 
 fn parse_fail(line: &str) -> Option<(usize, RemoteFailure)> {
-    let mut it = line.strip_prefix("FAIL ")?.splitn(4, ' ');
+    let mut it = line.strip_prefix("FAIL ")?.splitn(5, ' ');
     let round = it.next()?.parse().ok()?;
     let rank = it.next()?.parse().ok()?;
     let node = it.next()?.parse().ok()?;
-    Some((round, RemoteFailure { rank, node, how: it.next()?.to_string() }))
+    let host = it.next()?.to_string();
+    Some((round, RemoteFailure { rank, node, host, how: it.next()?.to_string() }))
 }
 
 /// Runs this node's part of a job of several nodes.
@@ -109,7 +110,7 @@ impl Coordinator {
             source: e,
         })?;
         let hub = Arc::new(Mutex::new(Hub::default()));
-        let ranks_per_node = args.nproc_per_node;
+        let ranks_per_node = args.ranks_per_node();
         let accepting = hub.clone();
         std::thread::spawn(move || {
             for stream in listener.incoming().flatten() {
@@ -125,8 +126,11 @@ impl Coordinator {
         let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
         let Ok(reader) = stream.try_clone() else { return };
         let mut lines = BufReader::new(reader).lines();
-        let Some(id) = lines.next().and_then(Result::ok).and_then(|l| l.strip_prefix("JOIN ")?.trim().parse().ok())
-        else {
+        let Some((id, host)) = lines.next().and_then(Result::ok).and_then(|l| {
+            let mut words = l.strip_prefix("JOIN ")?.split_whitespace();
+            let id: usize = words.next()?.parse().ok()?;
+            Some((id, words.next().unwrap_or("unknown").to_string()))
+        }) else {
             return;
         };
         let _ = stream.set_read_timeout(None);
@@ -165,7 +169,8 @@ impl Coordinator {
                 let failure = RemoteFailure {
                     rank: m.index * ranks_per_node,
                     node: m.index,
-                    how: format!("was lost with its node (the launcher of node {} disconnected)", m.index),
+                    how: format!("was lost with its node (the launcher of node {} on {host} disconnected)", m.index),
+                    host,
                 };
                 let line = fail_line(h.round, &failure);
                 h.remote.get_or_insert(failure);
@@ -200,7 +205,7 @@ impl Coordinator {
                     "only {present} of the {} nodes needed joined within {} s at {}:{} (each node runs `zerorun launch` with the same --master-addr and --master-port)",
                     args.nnodes.min,
                     RENDEZVOUS_TIMEOUT.as_secs(),
-                    args.master_addr,
+                    args.master(),
                     args.master_port.unwrap_or_default() as u32 + 1
                 )));
             }
@@ -331,7 +336,7 @@ struct CoordinatorPeers<'a> {
 impl Peers for CoordinatorPeers<'_> {
     fn report(&self, rank: usize, how: &str) {
         let mut h = lock(self.hub);
-        let line = fail_line(h.round, &RemoteFailure { rank, node: 0, how: how.to_string() });
+        let line = fail_line(h.round, &RemoteFailure { rank, node: 0, host: this_host(), how: how.to_string() });
         h.relay(&line, None);
     }
 
@@ -361,7 +366,8 @@ struct NodePeers<'a> {
 
 impl Peers for NodePeers<'_> {
     fn report(&self, rank: usize, how: &str) {
-        let line = fail_line(self.round, &RemoteFailure { rank, node: self.node, how: how.to_string() });
+        let line =
+            fail_line(self.round, &RemoteFailure { rank, node: self.node, host: this_host(), how: how.to_string() });
         send(&mut lock(self.writer), &line);
     }
 
@@ -373,7 +379,7 @@ impl Peers for NodePeers<'_> {
 /// A node other than node 0: joins, then runs the rounds node 0 starts until it says the job is over.
 fn run_node(args: &LaunchArgs, backend: &str, stop: &Arc<AtomicBool>, port: u16) -> Result<(), CliError> {
     let side = port as u32 + 1;
-    let address = format!("{}:{side}", args.master_addr);
+    let address = format!("{}:{side}", args.master());
     let started = Instant::now();
     let stream = loop {
         match TcpStream::connect(&address) {
@@ -393,10 +399,11 @@ fn run_node(args: &LaunchArgs, backend: &str, stop: &Arc<AtomicBool>, port: u16)
     let io =
         |e: std::io::Error| CliError::Io { context: format!("the link to node 0's launcher at {address}"), source: e };
     let writer = Mutex::new(stream.try_clone().map_err(io)?);
-    send(&mut lock(&writer), &format!("JOIN {}", args.node_rank));
+    send(&mut lock(&writer), &format!("JOIN {} {}", args.node_rank, this_host()));
     let inbox = Arc::new(Mutex::new(Inbox::default()));
     {
         let inbox = inbox.clone();
+        let args_master = args.master().to_string();
         std::thread::spawn(move || {
             for line in BufReader::new(stream).lines().map_while(Result::ok) {
                 let mut b = lock(&inbox);
@@ -414,6 +421,7 @@ fn run_node(args: &LaunchArgs, backend: &str, stop: &Arc<AtomicBool>, port: u16)
                 b.remote.get_or_insert(RemoteFailure {
                     rank: 0,
                     node: 0,
+                    host: args_master.clone(),
                     how: "was lost with its node (node 0's launcher, the rendezvous, disconnected)".into(),
                 });
             }
@@ -486,7 +494,8 @@ mod tests {
 
     #[test]
     fn a_failure_line_round_trips() {
-        let f = RemoteFailure { rank: 5, node: 1, how: "was killed by signal 9 (SIGKILL)".into() };
+        let f =
+            RemoteFailure { rank: 5, node: 1, host: "gpu-b".into(), how: "was killed by signal 9 (SIGKILL)".into() };
         assert_eq!(parse_fail(&fail_line(3, &f)), Some((3, f)));
         assert_eq!(parse_fail("hello"), None);
     }

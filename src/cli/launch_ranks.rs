@@ -33,8 +33,30 @@ pub struct RemoteFailure {
     pub rank: usize,
     /// Its node's index in the round.
     pub node: usize,
+    /// Its node's host name.
+    pub host: String,
     /// How it ended (`was killed by signal 9 (SIGKILL)`, `'s launcher is gone`, ...).
     pub how: String,
+}
+
+impl RemoteFailure {
+    /// `rank 3 (node 1, host gpu-b)`.
+    pub fn rank_name(&self) -> String {
+        format!("rank {} (node {}, host {})", self.rank, self.node, self.host)
+    }
+}
+
+/// This machine's host name, as the failures of a job of several nodes name it.
+pub fn this_host() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: gethostname writes at most buf.len() bytes into buf.
+    let ok = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) } == 0;
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    if ok && end > 0 {
+        String::from_utf8_lossy(&buf[..end]).into_owned()
+    } else {
+        "unknown".into()
+    }
 }
 
 /// The other launchers of a job of several nodes, as one round of ranks sees them.
@@ -130,7 +152,7 @@ pub fn run_round(
     stop: &Arc<AtomicBool>,
     peers: Option<&dyn Peers>,
 ) -> Result<(), Failure> {
-    let n = args.nproc_per_node;
+    let n = args.ranks_per_node();
     let multi_node = peers.is_some();
     let io = |context: String, source: std::io::Error| Failure::of(CliError::Io { context, source }.to_string());
     let port = round.port;
@@ -146,7 +168,7 @@ pub fn run_round(
     };
     // One id for the whole job: nodes agree on the master's address and port.
     let run_id = if multi_node {
-        format!("{}-{port}", args.master_addr)
+        format!("{}-{port}", args.master())
     } else {
         format!(
             "{}-{}",
@@ -176,7 +198,7 @@ pub fn run_round(
             .env("WORLD_SIZE", world.to_string())
             .env("LOCAL_WORLD_SIZE", n.to_string())
             .env("GROUP_RANK", round.node.to_string())
-            .env("MASTER_ADDR", &args.master_addr)
+            .env("MASTER_ADDR", args.master())
             .env("MASTER_PORT", port.to_string())
             .env("ZERORUN_BACKEND", backend)
             .env("ZERORUN_RUN_ID", &run_id)
@@ -312,16 +334,14 @@ pub fn run_round(
     }
     let remote = peers.and_then(|l| l.remote_failure());
     if let (None, Some(r)) = (failed, &remote) {
-        return Err(Failure::of(format!(
-            "rank {} (node {}) {}; this node's ranks were stopped",
-            r.rank, r.node, r.how
-        )));
+        return Err(Failure::of(format!("{} {}; this node's ranks were stopped", r.rank_name(), r.how)));
     }
     if let Some((local, status, _)) = failed {
         // Ranks by their place in the job; with several nodes, which node's.
+        let host = this_host();
         let name = |i: usize| {
             if multi_node {
-                format!("rank {} (node {})", first_rank + i, round.node)
+                format!("rank {} (node {}, host {host})", first_rank + i, round.node)
             } else {
                 format!("rank {}", first_rank + i)
             }
@@ -340,7 +360,7 @@ pub fn run_round(
             remote.filter(|r| remote_stop.is_some() || (status.signal().is_none() && r.how.contains("signal")))
         {
             others.insert(0, msg);
-            msg = format!("rank {} (node {}) {}", r.rank, r.node, r.how);
+            msg = format!("{} {}", r.rank_name(), r.how);
         }
         if !others.is_empty() {
             msg += &format!("; then {}", others.join(", "));

@@ -12,6 +12,8 @@ pub mod estimate;
 pub mod launch;
 mod launch_nodes;
 mod launch_ranks;
+mod launch_slurm;
+mod launch_ssh;
 pub mod pipeline;
 pub mod plan;
 pub mod plan_validate;

@@ -1,6 +1,8 @@
 //! Where this process sits in the job, from the environment: `zerorun launch` and torchrun set RANK, LOCAL_RANK,
-//! WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT; mpirun sets OMPI_COMM_WORLD_*; ZERORUN_BACKEND picks
+//! WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT; mpirun sets OMPI_COMM_WORLD_*; `srun` sets SLURM_*
+//! (`slurm.rs`: the first host of the step meets the others, at a port from the job id); ZERORUN_BACKEND picks
 //! the backend. Read here, used by the backend factory (`env.rs`) and the backends' rendezvous.
+use super::slurm::{port_of_job, SlurmStep};
 use super::{CommError, CommResult};
 
 /// The backends a process of a multi-process job can use (thread ranks live inside one process instead).
@@ -79,6 +81,19 @@ fn parse(name: &str, value: Option<String>, default: usize) -> CommResult<usize>
 impl RankInfo {
     /// Reads the variables; a single process with none set is rank 0 of 1.
     pub fn from_env() -> CommResult<RankInfo> {
+        // torchrun's variables (also what `zerorun launch` gives its ranks inside a Slurm job) and mpirun's come
+        // first; a process that `srun` started with neither reads Slurm's.
+        if var(&["RANK", "OMPI_COMM_WORLD_RANK"]).is_none() {
+            let step = SlurmStep::from_env().map_err(|what| CommError::Rendezvous {
+                rank: 0,
+                world_size: 0,
+                place: "Slurm's variables".into(),
+                what,
+            })?;
+            if let Some(step) = step {
+                return RankInfo::from_slurm(step);
+            }
+        }
         let rank = parse("RANK", var(&["RANK", "OMPI_COMM_WORLD_RANK"]), 0)?;
         let world_size = parse("WORLD_SIZE", var(&["WORLD_SIZE", "OMPI_COMM_WORLD_SIZE"]), 1)?;
         let local_rank = parse("LOCAL_RANK", var(&["LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK"]), rank)?;
@@ -94,6 +109,35 @@ impl RankInfo {
                 what: "RANK must be below WORLD_SIZE".into(),
             });
         }
+        RankInfo::with_backend(rank, local_rank, world_size, local_world_size, master_addr, master_port)
+    }
+
+    /// A rank of a Slurm job step: the step's first host is the master unless MASTER_ADDR says otherwise, the port
+    /// comes from the job id unless MASTER_PORT says otherwise.
+    fn from_slurm(step: SlurmStep) -> CommResult<RankInfo> {
+        let master_addr = var(&["MASTER_ADDR"]).unwrap_or_else(|| step.hosts[0].clone());
+        let master_port = match var(&["MASTER_PORT"]) {
+            Some(p) => parse("MASTER_PORT", Some(p), 29500)? as u16,
+            None => port_of_job(step.job_id),
+        };
+        RankInfo::with_backend(
+            step.rank,
+            step.local_rank,
+            step.world_size,
+            step.local_world_size,
+            master_addr,
+            master_port,
+        )
+    }
+
+    fn with_backend(
+        rank: usize,
+        local_rank: usize,
+        world_size: usize,
+        local_world_size: usize,
+        master_addr: String,
+        master_port: u16,
+    ) -> CommResult<RankInfo> {
         let run_id = var(&["ZERORUN_RUN_ID"]).unwrap_or_else(|| format!("{master_addr}-{master_port}"));
         // Under mpirun the MPI backend is the natural choice; elsewhere shared memory.
         let under_mpirun = std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some();
