@@ -118,7 +118,10 @@ fn a_lost_host_shrinks_the_job_which_ends_as_the_reference_run_at_the_smaller_si
     let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "node 0: {stdout}\n{stderr}");
     let restart = stderr.lines().find(|l| l.contains("restarting (1 of 1) on 1 node from the latest checkpoint"));
-    assert!(restart.is_some_and(|l| l.contains("(node 1) was lost with its node")), "{stderr}");
+    assert!(
+        restart.is_some_and(|l| l.contains(format!("(node 1, host {h}) was lost with its node", h = host_name()).as_str())),
+        "{stderr}"
+    );
     assert!(stderr.contains("zerorun launch: start 2 on 1 node (2 ranks)"), "{stderr}");
     let (step, world) = resumed(&stdout);
     assert!(step >= 4 && world == 2, "resumed from step {step} at world size {world}");
@@ -191,7 +194,12 @@ fn a_failed_rank_restarts_every_node_of_a_fixed_job() {
     assert!(outs[0].status.success() && outs[1].status.success(), "node 0:\n{}\nnode 1:\n{}", text(0), text(1));
     let restart = text(0);
     let line = restart.lines().find(|l| l.contains("restarting (1 of 1) on 2 nodes from the latest checkpoint"));
-    assert!(line.is_some_and(|l| l.contains("(node 1) was killed by signal 9 (SIGKILL)")), "{restart}");
+    assert!(
+        line.is_some_and(
+            |l| l.contains(format!("(node 1, host {h}) was killed by signal 9 (SIGKILL)", h = host_name()).as_str())
+        ),
+        "{restart}"
+    );
     let (step, world) = resumed(&String::from_utf8_lossy(&outs[0].stdout));
     assert!(step >= 4 && world == 4, "resumed from step {step} at world size {world}");
     std::fs::remove_dir_all(&dir).unwrap();
@@ -222,7 +230,10 @@ fn a_fixed_job_that_loses_a_host_says_how_many_remain_and_bad_node_counts_are_re
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(err.contains("error: 1 node lost: 1 remains, fewer than the 2 --nnodes asks for"), "{err}");
-    assert!(err.contains("start 1: rank 1 (node 1) was lost with its node"), "{err}");
+    assert!(
+        err.contains(format!("start 1: rank 1 (node 1, host {h}) was lost with its node", h = host_name()).as_str()),
+        "{err}"
+    );
     assert!(start.elapsed() < Duration::from_secs(20), "took {:?}", start.elapsed());
 
     for (nnodes, why) in
@@ -235,4 +246,10 @@ fn a_fixed_job_that_loses_a_host_says_how_many_remain_and_bad_node_counts_are_re
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success() && err.contains(why), "--nnodes {nnodes}: {err}");
     }
+}
+
+/// This machine's name, as the launchers name each node's host.
+fn host_name() -> String {
+    let o = std::process::Command::new("hostname").output().unwrap();
+    String::from_utf8_lossy(&o.stdout).trim().to_string()
 }

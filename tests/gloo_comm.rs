@@ -141,11 +141,17 @@ fn a_rank_killed_on_one_node_stops_both_launchers_naming_it() {
     let err: Vec<String> = outs.iter().map(|o| String::from_utf8_lossy(&o.stderr).into_owned()).collect();
     assert!(outs.iter().all(|o| !o.status.success()), "both launchers fail:\n{}\n{}", err[0], err[1]);
     assert!(elapsed < Duration::from_secs(20 + 6), "took {elapsed:?}");
-    assert!(err[1].contains("error: rank 1 (node 1) was killed by signal 9 (SIGKILL)"), "{}", err[1]);
+    assert!(
+        err[1].contains(
+            format!("error: rank 1 (node 1, host {h}) was killed by signal 9 (SIGKILL)", h = host_name()).as_str()
+        ),
+        "{}",
+        err[1]
+    );
     // Node 0's rank only saw the connection close; its launcher names the rank that died on node 1 first.
     assert!(
         err[0].contains(
-            "error: rank 1 (node 1) was killed by signal 9 (SIGKILL); then rank 0 (node 0) exited with status 2"
+            format!("error: rank 1 (node 1, host {h}) was killed by signal 9 (SIGKILL); then rank 0 (node 0, host {h}) exited with status 2", h = host_name()).as_str()
         ),
         "{}",
         err[0]
@@ -165,12 +171,22 @@ fn a_failure_on_one_node_stops_the_ranks_of_the_other() {
     let outs: Vec<_> = launchers.into_iter().map(|l| l.wait_with_output().unwrap()).collect();
     let err: Vec<String> = outs.iter().map(|o| String::from_utf8_lossy(&o.stderr).into_owned()).collect();
     assert!(start.elapsed() < Duration::from_secs(40), "the sleeping rank was not stopped: {:?}", start.elapsed());
-    assert!(err[0].contains("error: rank 0 (node 0) exited with status 3"), "{}", err[0]);
+    assert!(
+        err[0].contains(format!("error: rank 0 (node 0, host {h}) exited with status 3", h = host_name()).as_str()),
+        "{}",
+        err[0]
+    );
     assert!(
         err[1].contains(
-            "error: rank 0 (node 0) exited with status 3; then rank 1 (node 1) was killed by signal 15 (SIGTERM)"
+            format!("error: rank 0 (node 0, host {h}) exited with status 3; then rank 1 (node 1, host {h}) was killed by signal 15 (SIGTERM)", h = host_name()).as_str()
         ),
         "{}",
         err[1]
     );
+}
+
+/// This machine's name, as the launchers name each node's host.
+fn host_name() -> String {
+    let o = std::process::Command::new("hostname").output().unwrap();
+    String::from_utf8_lossy(&o.stdout).trim().to_string()
 }

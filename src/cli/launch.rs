@@ -1,6 +1,10 @@
 //! `zerorun launch --nproc-per-node N [--nnodes M|MIN:MAX --node-rank R] [--master-addr A] [--master-port P]
 //! [--backend B] [--memory-report [DIR]] [--max-restarts R] [--heartbeat-timeout S] -- PROGRAM ARGS...`
 //!
+//! `zerorun launch --hostfile FILE [--include H|--exclude H] [--num_nodes N] [--num_gpus N] -- PROGRAM ARGS...`
+//! starts every host's launcher over ssh (`launch_ssh.rs`); inside a Slurm allocation the launcher starts one
+//! launcher per node through srun, or takes its node's place from Slurm (`launch_slurm.rs`).
+//!
 //! Starts N ranks (this node's, of M nodes: ranks R*N..R*N+N of M*N) as child processes with torchrun's variables
 //! (`launch_ranks.rs`); when one rank fails the others stop within 5 seconds, and then, up to R times, the job starts
 //! again (the program resumes from its latest checkpoint), else the launcher exits non-zero naming the rank, how it

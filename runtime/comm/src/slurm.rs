@@ -30,10 +30,6 @@ pub fn port_of_job(job_id: u64) -> u16 {
     15000 + (job_id % 20000) as u16 * 2
 }
 
-fn var(name: &str) -> Option<String> {
-    std::env::var(name).ok()
-}
-
 fn number(name: &str, value: &str) -> Result<usize, String> {
     value.trim().parse().map_err(|_| format!("{name}={value:?} is not a number"))
 }
@@ -41,6 +37,11 @@ fn number(name: &str, value: &str) -> Result<usize, String> {
 impl SlurmStep {
     /// This process's step, when `srun` started it (SLURM_STEP_ID and SLURM_PROCID set); else None.
     pub fn from_env() -> Result<Option<SlurmStep>, String> {
+        SlurmStep::from_vars(&|name: &str| std::env::var(name).ok())
+    }
+
+    /// `from_env` over the variables `var` gives.
+    pub fn from_vars(var: super::rank_info::Lookup) -> Result<Option<SlurmStep>, String> {
         let (Some(_), Some(procid)) = (var("SLURM_STEP_ID").or_else(|| var("SLURM_STEPID")), var("SLURM_PROCID"))
         else {
             return Ok(None);
