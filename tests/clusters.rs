@@ -295,8 +295,26 @@ fn sigkill_of_a_hosts_ranks_or_ctrl_c_stops_every_host() {
 }
 
 #[test]
-fn bad_hosts_and_hostfiles_are_named() {
+fn hostfile_forwards_the_environment_and_names_bad_hosts_and_lines() {
     let cluster = Cluster::up();
+    // ZERORUN_* from here and ~/.deepspeed_env's lines reach every host's ranks; --ssh-port reaches ssh.
+    std::fs::write(cluster.dir.join(".deepspeed_env"), "DS_SAYS=from-deepspeed-env\n# a comment\n").unwrap();
+    let hosts = cluster.file("hosts-env", "node0 slots=1\nnode1 slots=1\n");
+    let o = cluster
+        .on("node0", &[ZERORUN, "launch", "--hostfile", hosts.to_str().unwrap(), "--ssh-port", "2222", "--"])
+        .args(["sh", "-c", "echo \"env $ZERORUN_TEST_VALUE $DS_SAYS $(hostname) $RANK\""])
+        .env("ZERORUN_TEST_VALUE", "from-here")
+        .env("HOME", &cluster.dir)
+        .output()
+        .unwrap();
+    let text = ok("the environment job", &o);
+    for line in [
+        "[node0] [rank 0] env from-here from-deepspeed-env node0 0",
+        "[node1] [rank 1] env from-here from-deepspeed-env node1 1",
+    ] {
+        assert!(text.lines().any(|l| l == line), "no {line:?} in:\n{text}");
+    }
+
     let run = |hostfile: &str, extra: &[&str]| {
         let hosts = cluster.file("hosts-bad", hostfile);
         let o = cluster
@@ -323,5 +341,54 @@ fn bad_hosts_and_hostfiles_are_named() {
     let err = run("node0 slots=1\n10.214.0.99 slots=1\n", &[]);
     assert!(start.elapsed() < Duration::from_secs(20), "took {:?}", start.elapsed());
     assert!(err.starts_with("error: host 10.214.0.99 failed over ssh (unreachable"), "{err}");
+    assert!(cluster.leftovers().is_empty(), "left running: {:?}", cluster.leftovers());
+}
+
+/// `--nnodes 1:2 --max-restarts 1` over a hostfile: a host lost mid-run (its launcher and ranks SIGKILLed) and the
+/// job goes on from the latest checkpoint on the host left, to the end.
+#[test]
+fn an_elastic_hostfile_job_goes_on_without_a_lost_host() {
+    let mlp = examples::example("mlp");
+    let cluster = Cluster::up();
+    let cfg = config(&cluster.dir);
+    let ck = cluster.dir.join("ck");
+    let hostfile = cluster.file("hostfile", "node0 slots=2\nnode1 slots=2\n");
+    let hosts = hostfile.to_str().unwrap();
+    let driver = cluster
+        .on("node0", &[ZERORUN, "launch", "--hostfile", hosts, "--nnodes", "1:2", "--max-restarts", "1", "--"])
+        .arg(&mlp)
+        .args(["--config", cfg.to_str().unwrap(), "--steps", "24", "--in", "16", "--hidden", "48"])
+        .args(["--checkpoint-dir", ck.to_str().unwrap(), "--save-every", "2", "--resume"])
+        .args(["--slow-rank", "0", "--slow-ms", "60"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    while !ck.join("latest").exists() {
+        assert!(start.elapsed() < Duration::from_secs(120), "no checkpoint was written");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // The whole host: its launcher and its ranks.
+    let o = Command::new("ip").args(["netns", "pids", &format!("{}-node1", cluster.name)]).output().unwrap();
+    let job: Vec<i32> = String::from_utf8_lossy(&o.stdout)
+        .split_whitespace()
+        .filter(|pid| {
+            let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+            cmd.contains("examples/mlp")
+        })
+        .filter_map(|p| p.parse().ok())
+        .collect();
+    assert!(job.len() >= 3, "node1's launcher and two ranks: {job:?}");
+    for pid in job {
+        // SAFETY: kill(2) on the test's own job.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+    }
+    let o = driver.wait_with_output().unwrap();
+    let (out, err) = (String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert!(o.status.success(), "the elastic job failed:\n{out}\n{err}");
+    assert!(err.contains("restarting (1 of 1) on 1 node from the latest checkpoint"), "{err}");
+    assert!(out.contains("[node0] [rank 0] summary: 2 ranks, ZeRO stage 2, 24 optimizer steps"), "{out}");
     assert!(cluster.leftovers().is_empty(), "left running: {:?}", cluster.leftovers());
 }

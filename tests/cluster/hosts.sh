@@ -2,7 +2,8 @@
 # A cluster of simulated hosts on this machine for the launcher tests (tests/clusters.rs): each host a network
 # namespace (node0, node1, ... at 10.214.0.{1,2,...} behind one bridge, names resolvable in every host through
 # /etc/netns/<ns>/hosts), each with its own UTS namespace for its hostname, running the real daemons:
-#   - OpenSSH's sshd (Debian's openssh-server) with a key made here; `DIR/ssh_config` is the client's config;
+#   - OpenSSH's sshd (Debian's openssh-server, on ports 22 and 2222) with a key made here; `DIR/ssh_config` is the
+#     client's config;
 #   - one slurmd per host and slurmctld on node0 (Debian's slurm-wlm), authenticated by this cluster's own munged
 #     (own key and socket), configured by `DIR/slurm.conf` (export SLURM_CONF to use it).
 #
@@ -67,6 +68,8 @@ up() {
   for ((i = 0; i < hosts; i++)); do
     cat > "$dir/sshd_config.node$i" <<EOF
 ListenAddress 10.214.0.$((i + 1))
+Port 22
+Port 2222
 HostKey $dir/host_key
 PidFile $dir/sshd.node$i.pid
 AuthorizedKeysFile $dir/authorized_keys
