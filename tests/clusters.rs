@@ -392,3 +392,58 @@ fn an_elastic_hostfile_job_goes_on_without_a_lost_host() {
     assert!(out.contains("[node0] [rank 0] summary: 2 ranks, ZeRO stage 2, 24 optimizer steps"), "{out}");
     assert!(cluster.leftovers().is_empty(), "left running: {:?}", cluster.leftovers());
 }
+
+/// Under Slurm, SIGKILL of one host's ranks stops the whole job within 5 s, the host and rank named: by the
+/// launchers' protocol in an `sbatch` script, by Slurm itself when `srun` started the ranks.
+#[test]
+fn sigkill_under_slurm_stops_every_host() {
+    let mlp = examples::example("mlp");
+    let cluster = Cluster::up();
+    let cfg = config(&cluster.dir);
+    let long = format!("{} --config {} --steps 1000000 --in 16 --hidden 48", mlp.display(), cfg.display());
+    for (name, body) in [
+        ("sbatch-launch", format!("{ZERORUN} launch -- {long}")),
+        ("sbatch-srun", format!("srun --kill-on-bad-exit=1 {long}")),
+    ] {
+        let log = cluster.dir.join(format!("{name}.log"));
+        let script = cluster.file(&format!("{name}.sh"), &format!("#!/bin/bash\n{body}\n"));
+        let submitted = cluster
+            .on("node0", &["sbatch", "--nodes=2", "--ntasks-per-node=2", "-o", log.to_str().unwrap()])
+            .arg(&script)
+            .output()
+            .unwrap();
+        ok(&format!("{name}: sbatch"), &submitted);
+        let start = Instant::now();
+        while !std::fs::read_to_string(&log).unwrap_or_default().contains("step 3 ") {
+            assert!(start.elapsed() < Duration::from_secs(120), "{name}: no third step");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let victims = cluster.ranks_on("node1");
+        assert_eq!(victims.len(), 2, "{name}: node1 runs two ranks");
+        for pid in &victims {
+            // SAFETY: kill(2) on the test's own job's ranks.
+            unsafe { libc::kill(*pid, libc::SIGKILL) };
+        }
+        let killed = Instant::now();
+        while !cluster.leftovers().is_empty() {
+            assert!(killed.elapsed() <= Duration::from_secs(5), "{name}: still running: {:?}", cluster.leftovers());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        // The batch script's last lines land in the log as the job ends.
+        let wanted = if name == "sbatch-launch" {
+            "(node 1, host node1) was killed by signal 9 (SIGKILL)"
+        } else {
+            "node1: task"
+        };
+        let mut text = String::new();
+        while killed.elapsed() < Duration::from_secs(30) {
+            text = std::fs::read_to_string(&log).unwrap_or_default();
+            if text.contains(wanted) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        assert!(text.contains(wanted), "{name}: the log names no host and rank ({wanted:?}):\n{text}");
+        eprintln!("{name}: {}", text.lines().filter(|l| l.contains(wanted)).collect::<Vec<_>>().join(" | "));
+    }
+}
