@@ -25,7 +25,7 @@ const NODE0_VERDICT: Duration = Duration::from_secs(3);
 /// Lines of each host's output kept for the error.
 const TAIL: usize = 20;
 /// Variables forwarded to every host, by prefix (and RUST_LOG), as DeepSpeed forwards NCCL_*, PYTHON*, UCX_*.
-const FORWARDED_PREFIXES: [&str; 4] = ["ZERORUN_", "NCCL_", "GLOO_", "CUDA_LAUNCH_BLOCKING"];
+const FORWARDED_PREFIXES: [&str; 3] = ["ZERORUN_", "NCCL_", "GLOO_"];
 
 /// A host of the job and the slots it gives (slot numbers: GPU indices on a GPU host).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -399,23 +399,35 @@ fn watch(mut remotes: Vec<Remote>, elastic: bool, stop: &Arc<std::sync::atomic::
                 )))
             };
         }
-        // ssh's own failure (255; also how ssh reports a remote launcher killed by a signal): the host could not
-        // be reached, or was lost. Node 0 notices a lost node at once and names it with its rank; a host that
-        // never joined leaves node 0 waiting, so after a moment the host is named here.
-        if let Some(r) = remotes.iter().skip(1).find(|r| r.status.is_some_and(|s| s.code() == Some(255))) {
+        // Another host's launcher ended first, badly: ssh's own failure (255, also how ssh reports a remote
+        // launcher killed by a signal: the host unreachable, or lost), or the launcher could not start there.
+        // Node 0 notices a lost node at once and names it with its rank; a host that never joined leaves node 0
+        // waiting, so after a moment a fixed job ends here, naming the host.
+        if let Some(r) = remotes.iter().skip(1).find(|r| r.status.is_some_and(|s| !s.success())) {
             let since = *lost_since.get_or_insert_with(Instant::now);
             if !elastic && since.elapsed() >= NODE0_VERDICT {
-                break Err(CliError::Usage(format!(
-                    "host {} failed over ssh (unreachable, or its connection lost): {}",
-                    r.host,
-                    error_of(r)
-                )));
+                let status = r.status.expect("ended");
+                let what = if status.code() == Some(255) {
+                    "failed over ssh (unreachable, or its connection lost)".to_string()
+                } else {
+                    format!("'s launcher {} before the job ended", super::launch_ranks::describe(status))
+                };
+                break Err(CliError::Usage(format!("host {}{}: {}", r.host, fix_space(&what), error_of(r))));
             }
         }
         std::thread::sleep(Duration::from_millis(50));
     };
     teardown(&mut remotes);
     result
+}
+
+/// `host X failed ...`, but `host X's launcher ...`.
+fn fix_space(what: &str) -> String {
+    if what.starts_with('\'') {
+        what.to_string()
+    } else {
+        format!(" {what}")
+    }
 }
 
 /// Closes every host's lifeline (its launcher stops its ranks), waits for the ssh clients to end, and kills those
