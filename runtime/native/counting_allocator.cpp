@@ -8,19 +8,24 @@
 // allocator's do. An opt-in trace records every live block with the operator that made it (RecordFunction) for
 // the peak's largest allocations; it costs a lock per allocation, so it is off unless asked for.
 //
-// Large blocks can be kept for reuse (`zr_counting_allocator_keep`): the engine fixes malloc's mmap threshold, so
-// every block from there up is mapped, and zeroed by the kernel page by page, each time it is allocated; a ZeRO
-// step allocates the same sizes every step (a unit's gathered parameters, autograd's weight gradients), so a freed
-// block is kept and handed to the next allocation of the same size. A miss first gives back kept blocks (oldest
-// first) until the live and kept large blocks together, with the new one, are no more than the most large blocks
-// that were live at once, plus the largest block allocated when asked (`headroom`): a step whose live mix
-// changes (a unit's gradient live beside the next unit in backward, activations in forward) otherwise evicts,
-// at its peak, the very blocks it needs next, and maps them afresh every step; one block of headroom keeps them
-// (measured: 2 hosts x 2 ranks, ZeRO++ 1.38-1.45 -> 1.16-1.21 s a step, peak resident memory up by that block).
+// Large blocks (from the engine's threshold up, 256 KiB) get a mapping of their own, and can be kept for reuse (`zr_counting_allocator_keep`): a ZeRO step
+// allocates the same sizes every step (a unit's gathered parameters, autograd's weight gradients, the
+// activations), so a freed block is kept and handed to the next allocation of the same size instead of being
+// mapped and zeroed afresh. Kept blocks are bounded by every byte live: whenever the live and kept bytes together
+// pass the most bytes that were live at once (plus the largest block when asked, `headroom`), the oldest kept
+// blocks are given back. So at the step's peak (forward's end, the activations live) nothing is kept, and the
+// resident peak is the live peak; between peaks the kept blocks fill what the peak will need again. (Bounded by
+// the large blocks alone, as before, they sat on top of the activations' peak: measured, the demo's GPT at
+// stage 3, 150-250 MiB of the peak. malloc's heap, which held the smaller blocks, kept another 150 MiB of pages
+// that temporaries had walked through.) One block of headroom keeps a step whose live mix changes (a unit's
+// gradient live beside the next unit in backward) from evicting the very blocks it needs next (measured: 2 hosts
+// x 2 ranks, ZeRO++ 1.38-1.45 -> 1.16-1.21 s a step).
 #include <ATen/record_function.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/alloc_cpu.h>
+#include <c10/util/Exception.h>
+#include <sys/mman.h>
 
 #include <algorithm>
 #include <atomic>
@@ -42,11 +47,31 @@ struct Header {
     uint64_t bytes;     // asked for
     uint64_t capacity;  // mapped: bytes rounded up to a page, the key of reuse
     uint8_t tag;
-    bool large;  // counted in the large blocks live, kept when freed
+    bool large;  // mapped here (not malloc's), counted in the large blocks live, kept when freed
 };
 static_assert(sizeof(Header) <= kHeader, "the header fits in front of the data");
 
 constexpr uint64_t kPage = 4096;
+// A large block's own mapping: given back whole when it is freed (or when a kept one is let go).
+Header *map_large(uint64_t capacity) {
+    uint64_t len = (capacity + kHeader + kPage - 1) / kPage * kPage;
+    void *p = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    TORCH_CHECK(p != MAP_FAILED, "zerorun's CPU allocator: out of memory mapping ", len, " bytes");
+    return static_cast<Header *>(p);
+}
+
+void unmap_large(Header *h) {
+    uint64_t len = (h->capacity + kHeader + kPage - 1) / kPage * kPage;
+    munmap(h, len);
+}
+
+void free_block(Header *h) {
+    if (h->large) {
+        unmap_large(h);
+    } else {
+        c10::free_cpu(h);
+    }
+}
 
 std::atomic<int64_t> g_live[kTags];
 std::atomic<int64_t> g_total{0};
@@ -65,47 +90,68 @@ std::string g_phase;
 thread_local std::vector<std::string> t_ops;
 
 // Kept blocks, oldest first. A step keeps tens of them, so a scan costs nothing beside mapping a block.
-std::atomic<uint64_t> g_keep_from{0};  // 0: nothing kept
+std::atomic<uint64_t> g_large_from{0};  // blocks from here up are large (0: none, all from c10's alloc_cpu)
+std::atomic<bool> g_keeping{false};     // freed large blocks are kept
 std::atomic<int64_t> g_kept_bytes{0};
 std::mutex g_kept_mutex;
 std::vector<Header *> g_kept;
 
-// Large blocks live now (by capacity) and the most that were live at once.
-int64_t g_large_live = 0;
-int64_t g_large_peak = 0;
-int64_t g_large_block = 0;            // the largest large block allocated
+// The most bytes that were live at once (every block, large or not), and the largest large block allocated.
+std::atomic<int64_t> g_total_peak{0};
+int64_t g_large_block = 0;
 std::atomic<bool> g_headroom{false};  // kept blocks may exceed the peak by g_large_block
 
-// A kept block of exactly `capacity` (the most recently kept), or null after giving back the oldest kept blocks
-// until the large blocks live and kept, with this one, stay within the most that were live at once (plus the
-// largest block, with headroom).
-Header *take_kept(uint64_t capacity) {
+// Whether the live and kept bytes together are over the peak (plus the largest block, with headroom).
+bool over_bound(int64_t live, int64_t kept) {
+    int64_t bound = g_total_peak.load(std::memory_order_relaxed) +
+                    (g_headroom.load(std::memory_order_relaxed) ? g_large_block : 0);
+    return kept > 0 && live + kept > bound;
+}
+
+// Gives back the oldest kept blocks until the live and kept bytes stay within the bound. Caller holds the lock;
+// the blocks come back to be unmapped outside it.
+void evict_over_bound(std::vector<Header *> &evicted) {
+    int64_t kept = g_kept_bytes.load(std::memory_order_relaxed);
+    int64_t live = g_total.load(std::memory_order_relaxed);
+    size_t n = 0;
+    while (n < g_kept.size() && over_bound(live, kept)) {
+        kept -= static_cast<int64_t>(g_kept[n]->capacity);
+        evicted.push_back(g_kept[n++]);
+    }
+    g_kept.erase(g_kept.begin(), g_kept.begin() + static_cast<std::ptrdiff_t>(n));
+    g_kept_bytes.store(kept, std::memory_order_relaxed);
+}
+
+// Counts `n` bytes live, raising the peak; then, when the kept blocks no longer fit under it, gives back the
+// oldest. Bounding the kept blocks by *every* byte live (not the large blocks alone) is what keeps them out of
+// the resident peak: where the step is at its most (forward's end, activations live), nothing is kept.
+void count_live(int64_t n) {
+    int64_t live = g_total.fetch_add(n, std::memory_order_relaxed) + n;
+    int64_t peak = g_total_peak.load(std::memory_order_relaxed);
+    while (live > peak && !g_total_peak.compare_exchange_weak(peak, live, std::memory_order_relaxed)) {
+    }
+    if (!over_bound(live, g_kept_bytes.load(std::memory_order_relaxed))) return;
     std::vector<Header *> evicted;
     {
         std::lock_guard<std::mutex> lock(g_kept_mutex);
-        int64_t cap = static_cast<int64_t>(capacity);
-        g_large_live += cap;
-        g_large_peak = std::max(g_large_peak, g_large_live);
-        g_large_block = std::max(g_large_block, cap);
-        for (size_t i = g_kept.size(); i-- > 0;) {
-            if (g_kept[i]->capacity == capacity) {
-                Header *h = g_kept[i];
-                g_kept.erase(g_kept.begin() + static_cast<std::ptrdiff_t>(i));
-                g_kept_bytes.fetch_sub(cap, std::memory_order_relaxed);
-                return h;
-            }
-        }
-        int64_t kept = g_kept_bytes.load(std::memory_order_relaxed);
-        size_t n = 0;
-        int64_t bound = g_large_peak + (g_headroom.load(std::memory_order_relaxed) ? g_large_block : 0);
-        while (n < g_kept.size() && g_large_live + kept > bound) {
-            kept -= static_cast<int64_t>(g_kept[n]->capacity);
-            evicted.push_back(g_kept[n++]);
-        }
-        g_kept.erase(g_kept.begin(), g_kept.begin() + static_cast<std::ptrdiff_t>(n));
-        g_kept_bytes.store(kept, std::memory_order_relaxed);
+        evict_over_bound(evicted);
     }
-    for (Header *h : evicted) c10::free_cpu(h);  // unmapping outside the lock
+    for (Header *h : evicted) unmap_large(h);  // outside the lock
+}
+
+// A kept block of exactly `capacity` (the most recently kept), or null.
+Header *take_kept(uint64_t capacity) {
+    std::lock_guard<std::mutex> lock(g_kept_mutex);
+    int64_t cap = static_cast<int64_t>(capacity);
+    g_large_block = std::max(g_large_block, cap);
+    for (size_t i = g_kept.size(); i-- > 0;) {
+        if (g_kept[i]->capacity == capacity) {
+            Header *h = g_kept[i];
+            g_kept.erase(g_kept.begin() + static_cast<std::ptrdiff_t>(i));
+            g_kept_bytes.fetch_sub(cap, std::memory_order_relaxed);
+            return h;
+        }
+    }
     return nullptr;
 }
 
@@ -117,10 +163,10 @@ void release_kept() {
         std::lock_guard<std::mutex> lock(g_kept_mutex);
         all.swap(g_kept);
         g_kept_bytes.store(0, std::memory_order_relaxed);
-        g_large_peak = g_large_live;
+        g_total_peak.store(g_total.load(std::memory_order_relaxed), std::memory_order_relaxed);
         g_large_block = 0;
     }
-    for (Header *h : all) c10::free_cpu(h);
+    for (Header *h : all) unmap_large(h);
 }
 
 void on_free(void *data) {
@@ -132,16 +178,13 @@ void on_free(void *data) {
         std::lock_guard<std::mutex> lock(g_trace_mutex);
         g_trace.erase(data);
     }
-    if (h->large) {
+    if (h->large && g_keeping.load(std::memory_order_relaxed)) {
         std::lock_guard<std::mutex> lock(g_kept_mutex);
-        g_large_live -= static_cast<int64_t>(h->capacity);
-        if (g_keep_from.load(std::memory_order_relaxed) != 0) {
-            g_kept.push_back(h);
-            g_kept_bytes.fetch_add(static_cast<int64_t>(h->capacity), std::memory_order_relaxed);
-            return;
-        }
+        g_kept.push_back(h);
+        g_kept_bytes.fetch_add(static_cast<int64_t>(h->capacity), std::memory_order_relaxed);
+        return;
     }
-    c10::free_cpu(h);
+    free_block(h);
 }
 
 class CountingAllocator final : public c10::Allocator {
@@ -149,11 +192,13 @@ class CountingAllocator final : public c10::Allocator {
     c10::DataPtr allocate(size_t n) override {
         c10::Device cpu(c10::DeviceType::CPU);
         if (n == 0) return c10::DataPtr(nullptr, nullptr, &on_free, cpu);
-        uint64_t keep_from = g_keep_from.load(std::memory_order_relaxed);
-        bool large = keep_from != 0 && n >= keep_from;
+        uint64_t large_from = g_large_from.load(std::memory_order_relaxed);
+        bool large = large_from != 0 && n >= large_from;
         uint64_t capacity = large ? (n + kPage - 1) / kPage * kPage : n;
         Header *h = large ? take_kept(capacity) : nullptr;
-        if (!h) h = static_cast<Header *>(c10::alloc_cpu(capacity + kHeader));
+        // Counted before a block is made, so kept blocks over the bound go back before the new one is touched.
+        count_live(static_cast<int64_t>(n));
+        if (!h) h = large ? map_large(capacity) : static_cast<Header *>(c10::alloc_cpu(capacity + kHeader));
         uint8_t tag = g_tag.load(std::memory_order_relaxed);
         h->bytes = n;
         h->capacity = capacity;
@@ -161,7 +206,6 @@ class CountingAllocator final : public c10::Allocator {
         h->tag = tag;
         void *data = reinterpret_cast<char *>(h) + kHeader;
         g_live[tag].fetch_add(static_cast<int64_t>(n), std::memory_order_relaxed);
-        g_total.fetch_add(static_cast<int64_t>(n), std::memory_order_relaxed);
         if (g_tracing.load(std::memory_order_relaxed)) {
             std::string op;
             if (!t_ops.empty()) {
@@ -216,12 +260,14 @@ extern "C" void zr_counting_allocator_stats(int64_t *out) {
     out[kTags + 1] = g_kept_bytes.load(std::memory_order_relaxed);
 }
 
-// Keeps freed blocks of at least `min_bytes` for reuse by allocations of the same size (0: keeps none and gives
-// back what is kept), within the large blocks' peak, plus the largest block when `headroom` is nonzero.
-extern "C" void zr_counting_allocator_keep(int64_t min_bytes, int headroom) {
+// Blocks of at least `min_bytes` get a mapping of their own (0: none; every block from c10's alloc_cpu); with
+// `keep`, freed ones are kept for reuse by allocations of the same size, within the most bytes live at once, plus
+// the largest block when `headroom` is nonzero; without, they are unmapped at once (and what is kept goes back).
+extern "C" void zr_counting_allocator_keep(int64_t min_bytes, int keep, int headroom) {
     g_headroom.store(headroom != 0, std::memory_order_relaxed);
-    g_keep_from.store(min_bytes > 0 ? static_cast<uint64_t>(min_bytes) : 0, std::memory_order_relaxed);
-    if (min_bytes <= 0) release_kept();
+    g_large_from.store(min_bytes > 0 ? static_cast<uint64_t>(min_bytes) : 0, std::memory_order_relaxed);
+    g_keeping.store(keep != 0 && min_bytes > 0, std::memory_order_relaxed);
+    if (keep == 0 || min_bytes <= 0) release_kept();
 }
 
 // Gives every kept block back.

@@ -420,7 +420,7 @@ impl MemoryTracker {
     /// taken) keeps its highest event.
     pub fn end_step(&mut self) {
         let events = std::mem::take(&mut self.current_events);
-        let Some(top) = events.iter().max_by_key(|e| e.rss_bytes) else { return };
+        let Some(top) = peak_of(&events) else { return };
         if let Some(last) = self.steps.last_mut().filter(|s| s.step == top.step) {
             last.peak_event = Some(top.clone());
         }
@@ -429,6 +429,24 @@ impl MemoryTracker {
             self.peak_step_events = events;
         }
     }
+}
+
+/// Resident memory within this much of a step's highest event counts as the same level (pages touched by small
+/// allocations in between, not a new need).
+const FLAT_PEAK_SLACK: u64 = 4 << 20;
+
+/// A step's peak event: its highest, or, where several are within [`FLAT_PEAK_SLACK`] of it, the one of them with
+/// the least memory retained by the allocator (the most live). The engine's allocator keeps freed blocks up to
+/// the step's own peak for the next step, so resident memory stays at its high-water mark from the moment the
+/// step reached it (the end of forward, say) to its end; the event that explains the peak is the one where the
+/// live bytes were there, not a later one where the same pages are kept for reuse.
+fn peak_of(events: &[EventSample]) -> Option<&EventSample> {
+    let highest = events.iter().map(|e| e.rss_bytes).max()?;
+    let retained = |e: &EventSample| e.categories.get("allocator_retained").copied().unwrap_or(0);
+    events
+        .iter()
+        .filter(|e| e.rss_bytes + FLAT_PEAK_SLACK >= highest)
+        .min_by_key(|e| (retained(e), u64::MAX - e.rss_bytes))
 }
 
 /// Model-state bytes of a category list (see [`MODEL_STATE_CATEGORIES`]).
@@ -538,6 +556,24 @@ mod tests {
         assert!(t.contains("cuda:0"), "{t}");
         assert!(table(&[report(0)]).find("CUDA allocator").is_none(), "a CPU run's table names no device memory");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_flat_high_water_is_explained_where_the_live_bytes_reached_it() {
+        let event = |name: &str, rss: u64, retained: u64| EventSample {
+            step: 1,
+            event: name.into(),
+            rss_bytes: rss << 20,
+            categories: [("allocator_retained".to_string(), retained << 20)].into(),
+        };
+        // Resident memory flat from forward's end to the step's end (freed blocks kept for the next step): the
+        // peak is forward's end, where they were live, though the step's end sits 1 MiB higher.
+        let flat = [event("forward: unit 0", 600, 300), event("forward", 749, 35), event("step done", 750, 242)];
+        assert_eq!(peak_of(&flat).unwrap().event, "forward");
+        // A clearly higher event is the peak whatever it retains.
+        let higher = [event("forward", 749, 35), event("optimizer step", 760, 250)];
+        assert_eq!(peak_of(&higher).unwrap().event, "optimizer step");
+        assert!(peak_of(&[]).is_none());
     }
 
     #[test]

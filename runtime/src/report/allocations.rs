@@ -18,7 +18,7 @@ pub use crate::comm::region::KeepBound;
 pub const COUNT_ALLOCATIONS_ENV: &str = "ZERORUN_COUNT_ALLOCATIONS";
 /// Records the peak's largest allocations (op, phase) when set to `1`: `memory_snapshot_rank{r}.json`.
 pub const SNAPSHOT_ENV: &str = "ZERORUN_MEMORY_SNAPSHOT";
-/// Which freed blocks are kept for reuse (read when an engine is built): `0` none, `peak` within the large blocks'
+/// Which freed blocks are kept for reuse (read when an engine is built): `0` none, `peak` within the live bytes'
 /// peak ([`KeepBound::Peak`]), unset or `1` within it plus the largest block ([`KeepBound::PeakAndLargest`]).
 pub const KEEP_FREED_ENV: &str = "ZERORUN_ALLOCATOR_CACHE";
 
@@ -26,7 +26,7 @@ extern "C" {
     fn zr_counting_allocator_install();
     fn zr_counting_allocator_set_tag(tag: c_int) -> c_int;
     fn zr_counting_allocator_stats(out: *mut i64);
-    fn zr_counting_allocator_keep(min_bytes: i64, headroom: c_int);
+    fn zr_counting_allocator_keep(min_bytes: i64, keep: c_int, headroom: c_int);
     fn zr_counting_allocator_release_kept();
     fn zr_counting_allocator_trace(on: c_int);
     fn zr_counting_allocator_set_phase(phase: *const c_char);
@@ -134,16 +134,19 @@ pub fn live() -> LiveBytes {
     LiveBytes { by_owner: [u(out[0]), u(out[1]), u(out[2]), u(out[3])], total: u(out[4]), kept: u(out[5]) }
 }
 
-/// From now on the counting allocator keeps each freed block of at least `min_bytes` and hands it to the next
-/// allocation of the same size (rounded up to a page); `None` keeps nothing and gives back what is kept. An
-/// allocation that finds no block of its size first gives back the oldest kept blocks until the live and kept
-/// large blocks, with the new one, are within `bound`: the most that were live at once ([`KeepBound::Peak`]:
-/// keeping never raises that peak), or that plus the largest block.
+/// From now on the counting allocator gives each block of at least `min_bytes` a mapping of its own (`None`: every
+/// block from libtorch's `alloc_cpu`, i.e. malloc) and, with `keep`, keeps each freed one for the next allocation
+/// of the same size (rounded up to a page); without, unmaps it at once and gives back what is kept. Kept blocks are
+/// bounded by every byte live: when the live and kept bytes pass the most that were live at once
+/// ([`KeepBound::Peak`]: keeping never raises that peak), or that plus the largest block, the oldest kept blocks
+/// are given back, before the allocation that passed it is made.
 /// Process-wide; nothing happens until the allocator is installed ([`Counting::start`]).
-pub fn keep_freed(min_bytes: Option<usize>, bound: KeepBound) {
-    let headroom = c_int::from(bound == KeepBound::PeakAndLargest);
-    // SAFETY: stores a threshold and a flag; with no threshold, frees the kept blocks under the shim's lock.
-    unsafe { zr_counting_allocator_keep(min_bytes.map_or(0, |b| b.max(1) as i64), headroom) }
+pub fn keep_freed(min_bytes: Option<usize>, keep: Option<KeepBound>) {
+    let headroom = c_int::from(keep == Some(KeepBound::PeakAndLargest));
+    // SAFETY: stores a threshold and two flags; not keeping frees the kept blocks under the shim's lock.
+    unsafe {
+        zr_counting_allocator_keep(min_bytes.map_or(0, |b| b.max(1) as i64), c_int::from(keep.is_some()), headroom)
+    }
 }
 
 /// Gives every kept block back to the system; the peak and the largest block count again from what is live.

@@ -1,23 +1,31 @@
-//! Keeping the process's allocator from holding freed memory. libtorch's CPU tensors come from glibc's malloc,
-//! whose mmap threshold rises to the size of the largest block freed (up to 32 MiB): from then on, blocks below it
-//! come from the heap, and freed heap pages stay resident. A ZeRO run frees large blocks all the time (the model's
-//! own tensors once packed, a unit's gradients once reduced), so without this the resident memory holds them all
-//! and the memory report shows them as unaccounted (measured, 16 x 2048 MLP at stage 3 on 2 ranks: 386 MiB of a
-//! 1143 MiB peak; with a fixed threshold 31 MiB of 788 MiB, at the same step time).
+//! Keeping the process's allocators from holding freed memory at the peak. libtorch's CPU tensors come from
+//! glibc's malloc, whose mmap threshold rises to the size of the largest block freed (up to 32 MiB): from then on,
+//! blocks below it come from the heap, and freed heap pages stay resident. The engine fixes the threshold at
+//! [`MMAP_THRESHOLD`] unless `EngineOptions::keep_allocator_settings`, and trims the heap when start-up freed the
+//! model's tensors (measured, 16 x 2048 MLP at stage 3 on 2 ranks: unaccounted 386 of a 1143 MiB peak before,
+//! 31 of 788 after, at the same step time).
 //!
-//! The engine fixes the threshold at [`MMAP_THRESHOLD`] (blocks from there up are mapped and unmapped on free)
-//! unless `EngineOptions::keep_allocator_settings`, and trims the heap when start-up freed the model's tensors.
-//! Mapping afresh costs page faults (the kernel zeroes each page at first touch), and a ZeRO step allocates the
-//! same large blocks every step, so the counting allocator and the shared region keep freed blocks from the
-//! threshold up for the next allocation of the same size (`report::allocations::keep_freed`,
-//! `comm::region::keep_freed`), bounded by the most of them live at once plus the largest block;
-//! measured, 2 hosts x 2 ranks at stage 3 with ZeRO++ on CPUs: a fifth of the CPU time was these page faults,
-//! and within the peak alone a step still mapped afresh about 220 MiB a rank (1.38-1.45 against 1.16-1.21 s).
+//! That left the heap itself: a step's activations and temporaries (0.25-4 MiB each for a small model) are
+//! allocated and freed all over it, and the pages they touched stay resident, so the heap holds their high-water
+//! mark plus what temporaries walked through (the demo's GPT at stage 3: 150 MiB over the live bytes at the peak,
+//! whether or not the heap is trimmed every step). So the counting allocator gives every tensor block from
+//! [`KEPT_TENSOR_BLOCKS_FROM`] up a mapping of its own (2 MiB-aligned and marked for transparent huge pages from
+//! 2 MiB, so a fresh one is zeroed 2 MiB per fault) and keeps freed ones for the next allocation of the same
+//! size: a step allocates the same sizes every step, so in the steady state nothing is mapped. Kept blocks are
+//! bounded by *every* byte live: kept plus live stays within the most bytes that were live at once (plus the
+//! largest block, `ZERORUN_ALLOCATOR_CACHE=1`), so where the step is at its most (forward's end) nothing is kept,
+//! and the resident peak is the live peak. Measured on the demo in the guide's Memory chapter.
+//! The shared region (`comm::region::keep_freed`) keeps its collective buffers from [`MMAP_THRESHOLD`] up the
+//! same way, bounded by its own peak.
 
 use crate::report::allocations::{self, KeepBound};
 
 /// Blocks of at least this many bytes are mapped by malloc and given back to the OS when freed.
 pub const MMAP_THRESHOLD: usize = 4 << 20;
+
+/// Tensor blocks of at least this many bytes get a mapping of their own from the counting allocator, kept for
+/// reuse when freed (see the module's doc): activations and temporaries of a small model are 0.25-4 MiB.
+pub const KEPT_TENSOR_BLOCKS_FROM: usize = 256 << 10;
 
 /// Fixes malloc's mmap threshold (glibc only; elsewhere nothing).
 pub(crate) fn fix_mmap_threshold() {
@@ -28,15 +36,16 @@ pub(crate) fn fix_mmap_threshold() {
     }
 }
 
-/// Keeps freed blocks of [`MMAP_THRESHOLD`] and up for reuse by the next allocation of the same size (tensors from
-/// the counting allocator and in the shm backend's shared region) as `ZERORUN_ALLOCATOR_CACHE` says: unset or `1`
-/// within the large blocks' peak plus the largest block, `peak` within the peak, `0` none.
+/// Maps tensor blocks of [`KEPT_TENSOR_BLOCKS_FROM`] and up one by one and keeps freed ones (and the shm backend's
+/// shared-region blocks of [`MMAP_THRESHOLD`] and up) for reuse by the next allocation of the same size, as
+/// `ZERORUN_ALLOCATOR_CACHE` says: unset or `1` within the live bytes' peak plus the largest block, `peak` within
+/// the peak, `0` none (every freed block given back at once: the least resident memory, a fresh mapping each time).
 pub(crate) fn keep_freed_blocks() -> crate::error::Result<()> {
     let value = std::env::var(allocations::KEEP_FREED_ENV).ok();
-    let (keep, bound) = match value.as_deref().map(str::trim) {
-        None | Some("" | "1") => (true, KeepBound::PeakAndLargest),
-        Some("peak") => (true, KeepBound::Peak),
-        Some("0") => (false, KeepBound::Peak),
+    let keep = match value.as_deref().map(str::trim) {
+        None | Some("" | "1") => Some(KeepBound::PeakAndLargest),
+        Some("peak") => Some(KeepBound::Peak),
+        Some("0") => None,
         Some(other) => {
             return Err(crate::error::Error::Usage(format!(
                 "{}={other:?}: expected 1 (keep freed blocks within the peak plus the largest block, the default), \
@@ -45,9 +54,8 @@ pub(crate) fn keep_freed_blocks() -> crate::error::Result<()> {
             )))
         }
     };
-    let from = keep.then_some(MMAP_THRESHOLD);
-    allocations::keep_freed(from, bound);
-    crate::comm::region::keep_freed(from, bound);
+    allocations::keep_freed(Some(KEPT_TENSOR_BLOCKS_FROM), keep);
+    crate::comm::region::keep_freed(keep.map(|_| MMAP_THRESHOLD), keep.unwrap_or(KeepBound::Peak));
     Ok(())
 }
 
