@@ -71,7 +71,7 @@ pub fn advice(report: &MemoryReport) -> Vec<String> {
         lines.push((
             retained,
             format!(
-                "malloc keeps {} of freed blocks at the peak ({:.0}% of it): heap blocks below its mmap threshold, and blocks of 4 MiB and up kept for the next allocation of their size, stay resident for reuse; a lower threshold (MALLOC_MMAP_THRESHOLD_ with EngineOptions::keep_allocator_settings) and ZERORUN_ALLOCATOR_CACHE=peak (within the peak) or 0 (none) return them, at the price of page faults",
+                "malloc keeps {} of freed blocks at the peak ({:.0}% of it): the pages of freed blocks below 256 KiB stay in its heap, and blocks from there up are kept for the next allocation of their size within the live peak plus the largest block; ZERORUN_ALLOCATOR_CACHE=peak keeps within the peak alone, 0 none (each freed block unmapped at once, at the price of mapping it again), and a program that keeps many small tensors across steps holds their heap pages itself",
                 mib(retained),
                 100.0 * retained as f64 / peak.rss_bytes.max(1) as f64
             ),
