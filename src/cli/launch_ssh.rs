@@ -275,6 +275,59 @@ fn error_of(r: &Remote) -> String {
     }
 }
 
+/// Where every host's launcher meets node 0's, and how many nodes the job takes.
+struct Node0 {
+    addr: String,
+    port: u16,
+    nnodes: NodeCount,
+}
+
+/// The shell command that runs host `node`'s launcher: in this working directory, with the forwarded environment,
+/// as node `node` of the job, holding its ssh connection as its lifeline.
+fn remote_command(
+    args: &LaunchArgs,
+    node0: &Node0,
+    node: usize,
+    h: &HostSlots,
+    env: &[(String, String)],
+    exe: &Path,
+    cwd: &Path,
+) -> String {
+    let mut words: Vec<String> = vec!["cd".into(), quote(&cwd.to_string_lossy()), "&&".into(), "exec".into()];
+    words.push("env".into());
+    words.extend(env.iter().map(|(k, v)| quote(&format!("{k}={v}"))));
+    // Slots other than the first N: the GPUs this host's ranks use, as DeepSpeed sets them.
+    if h.slots.iter().enumerate().any(|(i, &s)| i != s) {
+        let list: Vec<String> = h.slots.iter().map(|s| s.to_string()).collect();
+        words.push(quote(&format!("CUDA_VISIBLE_DEVICES={}", list.join(","))));
+    }
+    words.push(quote(&exe.to_string_lossy()));
+    let NodeCount { min, max } = node0.nnodes;
+    let nnodes = if min == max { max.to_string() } else { format!("{min}:{max}") };
+    words.extend(["launch".into(), "--until-stdin-closes".into()]);
+    for (flag, value) in [
+        ("--nproc-per-node", h.slots.len().to_string()),
+        ("--nnodes", nnodes),
+        ("--node-rank", node.to_string()),
+        ("--master-addr", node0.addr.clone()),
+        ("--master-port", node0.port.to_string()),
+        ("--max-restarts", args.max_restarts.to_string()),
+        ("--heartbeat-timeout", args.heartbeat_timeout.to_string()),
+    ] {
+        words.extend([flag.to_string(), quote(&value)]);
+    }
+    if let Some(b) = &args.backend {
+        words.extend(["--backend".into(), quote(b)]);
+    }
+    if let Some(d) = &args.memory_report {
+        let d = if d.is_absolute() { d.clone() } else { cwd.join(d) };
+        words.extend(["--memory-report".into(), quote(&d.to_string_lossy())]);
+    }
+    words.push("--".into());
+    words.extend(args.command.iter().map(|w| quote(w)));
+    words.join(" ")
+}
+
 /// Runs the job on the hostfile's hosts.
 pub fn run(args: LaunchArgs, hostfile: &Path) -> Result<(), CliError> {
     let text = std::fs::read_to_string(hostfile)
@@ -316,46 +369,11 @@ pub fn run(args: LaunchArgs, hostfile: &Path) -> Result<(), CliError> {
         std::env::current_dir().map_err(|e| CliError::Io { context: "the working directory".into(), source: e })?;
     let stop = super::launch::stop_flag()?;
 
+    let node0 = Node0 { addr: master_addr.clone(), port: master_port, nnodes };
     let mut remotes: Vec<Remote> = Vec::with_capacity(nodes);
     for (node, h) in hosts.iter().enumerate() {
-        let mut words: Vec<String> = vec!["cd".into(), quote(&cwd.to_string_lossy()), "&&".into(), "exec".into()];
-        words.push("env".into());
-        for (k, v) in &env {
-            words.push(quote(&format!("{k}={v}")));
-        }
-        // Slots other than the first N: the GPUs this host's ranks use, as DeepSpeed sets them.
-        if h.slots.iter().enumerate().any(|(i, &s)| i != s) {
-            let list: Vec<String> = h.slots.iter().map(|s| s.to_string()).collect();
-            words.push(quote(&format!("CUDA_VISIBLE_DEVICES={}", list.join(","))));
-        }
-        words.push(quote(&exe.to_string_lossy()));
-        let nn =
-            if nnodes.min == nnodes.max { nnodes.max.to_string() } else { format!("{}:{}", nnodes.min, nnodes.max) };
-        let flags = [
-            ("--until-stdin-closes", None),
-            ("--nproc-per-node", Some(h.slots.len().to_string())),
-            ("--nnodes", Some(nn)),
-            ("--node-rank", Some(node.to_string())),
-            ("--master-addr", Some(master_addr.clone())),
-            ("--master-port", Some(master_port.to_string())),
-            ("--max-restarts", Some(args.max_restarts.to_string())),
-            ("--heartbeat-timeout", Some(args.heartbeat_timeout.to_string())),
-        ];
-        words.push("launch".into());
-        for (flag, value) in flags {
-            words.push(flag.into());
-            words.extend(value.map(|v| quote(&v)));
-        }
-        if let Some(b) = &args.backend {
-            words.extend(["--backend".into(), quote(b)]);
-        }
-        if let Some(d) = &args.memory_report {
-            let d = if d.is_absolute() { d.clone() } else { cwd.join(d) };
-            words.extend(["--memory-report".into(), quote(&d.to_string_lossy())]);
-        }
-        words.push("--".into());
-        words.extend(args.command.iter().map(|w| quote(w)));
-        let mut cmd = ssh(&h.host, args.ssh_port, &words.join(" "));
+        let remote = remote_command(&args, &node0, node, h, &env, &exe, &cwd);
+        let mut cmd = ssh(&h.host, args.ssh_port, &remote);
         cmd.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped());
         let mut child = match cmd.spawn() {
             Ok(c) => c,
@@ -407,27 +425,18 @@ fn watch(mut remotes: Vec<Remote>, elastic: bool, stop: &Arc<std::sync::atomic::
             let since = *lost_since.get_or_insert_with(Instant::now);
             if !elastic && since.elapsed() >= NODE0_VERDICT {
                 let status = r.status.expect("ended");
-                let what = if status.code() == Some(255) {
-                    "failed over ssh (unreachable, or its connection lost)".to_string()
+                let why = if status.code() == Some(255) {
+                    format!("host {} failed over ssh (unreachable, or its connection lost)", r.host)
                 } else {
-                    format!("'s launcher {} before the job ended", super::launch_ranks::describe(status))
+                    format!("host {}'s launcher {} before the job ended", r.host, super::launch_ranks::describe(status))
                 };
-                break Err(CliError::Usage(format!("host {}{}: {}", r.host, fix_space(&what), error_of(r))));
+                break Err(CliError::Usage(format!("{why}: {}", error_of(r))));
             }
         }
         std::thread::sleep(Duration::from_millis(50));
     };
     teardown(&mut remotes);
     result
-}
-
-/// `host X failed ...`, but `host X's launcher ...`.
-fn fix_space(what: &str) -> String {
-    if what.starts_with('\'') {
-        what.to_string()
-    } else {
-        format!(" {what}")
-    }
 }
 
 /// Closes every host's lifeline (its launcher stops its ranks), waits for the ssh clients to end, and kills those
@@ -508,6 +517,28 @@ mod tests {
         assert_eq!(
             pick(None, None, Some(4), None).unwrap_err(),
             "--num_nodes 4: the hostfile (as filtered) has 3 hosts"
+        );
+    }
+
+    #[test]
+    fn each_host_gets_its_place_its_slots_and_the_environment() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Launch {
+            #[command(flatten)]
+            args: LaunchArgs,
+        }
+        let argv = ["launch", "--hostfile", "h", "--max-restarts", "1", "--memory-report", "rep", "--", "./t", "a b"];
+        let args = Launch::try_parse_from(argv).unwrap().args;
+        let node0 = Node0 { addr: "10.0.0.1".into(), port: 29500, nnodes: NodeCount { min: 1, max: 2 } };
+        let host = HostSlots { host: "gpu-b".into(), slots: vec![2, 3] };
+        let env = [("ZERORUN_X".to_string(), "it's".to_string())];
+        let cmd = remote_command(&args, &node0, 1, &host, &env, Path::new("/opt/zerorun"), Path::new("/work dir"));
+        assert_eq!(
+            cmd,
+            "cd '/work dir' && exec env 'ZERORUN_X=it'\\''s' CUDA_VISIBLE_DEVICES=2,3 /opt/zerorun launch \
+             --until-stdin-closes --nproc-per-node 2 --nnodes 1:2 --node-rank 1 --master-addr 10.0.0.1 \
+             --master-port 29500 --max-restarts 1 --heartbeat-timeout 1800 --memory-report '/work dir/rep' -- ./t 'a b'"
         );
     }
 
