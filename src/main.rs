@@ -32,7 +32,8 @@ enum Command {
     /// Every way to train a model on a cluster, its predicted peak memory and step time, those that fit fastest
     /// first; `plan measure` writes this machine as a cluster, `plan validate` checks predictions against runs.
     Plan(cli::plan::PlanArgs),
-    /// Start N ranks of a program on this host (torchrun-compatible variables).
+    /// Start a program's ranks: N on this host, on every host of a hostfile over ssh, or on each node of a Slurm
+    /// allocation (torchrun-compatible variables).
     Launch(cli::launch::LaunchArgs),
     /// A run's memory report: as an HTML page (DIR --html OUT), again (show), or several runs side by side
     /// (compare).
