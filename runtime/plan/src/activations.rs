@@ -46,8 +46,8 @@ pub fn layer_values(t: &Transformer) -> (f64, f64) {
 
 /// Values one layer's forward creates per sample, saved or not (split as [`layer_values`]): besides what it
 /// saves, the heads' contiguous copies of q, k, v, the scaled and masked scores, the merged heads, the projections'
-/// and residuals' outputs. glibc keeps the freed ones resident between the saved ones, so the heap's high-water
-/// mark is this count, not the saved one; and the elementwise work streams it through memory.
+/// and residuals' outputs. The elementwise work streams it through memory (the step time's memory term); what is
+/// freed of it is reused, not resident at the peak.
 pub fn layer_created_values(t: &Transformer) -> (f64, f64) {
     let (s, h, a) = (t.seq_len as f64, t.hidden as f64, t.heads as f64);
     let kv = (t.hidden / t.heads * t.kv_heads) as f64;

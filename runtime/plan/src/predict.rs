@@ -20,8 +20,8 @@ pub struct MemoryParts {
     pub reduction_buffers: f64,
     /// Autograd's saved tensors at the peak.
     pub activations: f64,
-    /// What the forward creates but does not keep (resident in the heap after it is freed), the logits' gradient
-    /// and one layer's largest intermediate, alive during backward.
+    /// The logits' gradient, and on an accelerator one layer's gradients and largest intermediate, alive during
+    /// backward.
     pub temporaries: f64,
     /// Offloaded to the host (per rank) and to NVMe (per rank), outside the peak.
     pub host: f64,
@@ -105,28 +105,24 @@ pub fn predict(model: &Model, cluster: &Cluster, options: &Options, s: &Strategy
     let in_flight = (p as f64).min(m);
     let act_per_sample = activations::bytes_per_sample(model, local_layers, t, s.activation_checkpointing, e);
     let activations = act_per_sample * b * in_flight;
-    // On a CPU, what the forward creates besides what it keeps stays in glibc's heap (recomputation creates one
-    // layer's at a time); an accelerator's caching allocator reuses it. Backward adds the logits' gradient (fp32)
-    // and one MLP activation's.
+    // What the forward creates besides what it keeps is reused, not retained at the peak: by an accelerator's
+    // caching allocator and by zerorun's CPU allocator alike (what it keeps for reuse is bounded by the live peak).
     let created_per_sample = activations::created_bytes_per_sample(model, local_layers, t, e);
-    let retained = if s.activation_checkpointing {
-        activations::created_bytes_per_sample(model, 1, t, e) - activations::bytes_per_sample(model, 1, t, false, e)
-    } else {
-        created_per_sample - act_per_sample
-    };
-    let retained = if cluster.accelerator { 0.0 } else { retained.max(0.0) };
     // Backward works through one layer at a time: the gradients of what that layer created.
     let layer_gradients = b * activations::created_bytes_per_sample(model, 1, t, e)
         - b * activations::created_bytes_per_sample(model, 0, t, e);
-    let temporaries = b * in_flight * retained
-        + layer_gradients
-        + match model {
-            Model::Transformer(tr) => {
-                let seq = tr.seq_len as f64;
-                b * seq * (4.0 * tr.vocab as f64 / t as f64 + e * tr.ffn as f64 / t as f64)
-            }
-            Model::Measured(_) => 0.0,
-        };
+    // On a CPU the step peaks where backward starts (zerorun's allocator keeps nothing there): the logits'
+    // gradient is the one temporary live. An accelerator's peak falls inside backward: a layer's gradients and
+    // one MLP activation's beside it.
+    let logits_gradient = match model {
+        Model::Transformer(tr) => b * tr.seq_len as f64 * 4.0 * tr.vocab as f64 / t as f64,
+        Model::Measured(_) => 0.0,
+    };
+    let within_backward = match model {
+        Model::Transformer(tr) => layer_gradients + b * tr.seq_len as f64 * e * tr.ffn as f64 / t as f64,
+        Model::Measured(_) => layer_gradients,
+    };
+    let temporaries = logits_gradient + if cluster.accelerator { within_backward } else { 0.0 };
     let peak = cluster.process_floor_bytes + resident + gathered + reduction + activations + temporaries;
     let host_per_host = cluster.ranks_per_host as f64 * (host + if cluster.accelerator { 0.0 } else { peak });
     let fits = peak <= cluster.memory_per_rank_bytes && host_per_host <= cluster.host_memory_bytes;
