@@ -57,31 +57,38 @@ impl Cluster {
         p
     }
 
-    /// The job's processes still running on any host (ranks or launchers).
-    fn leftovers(&self) -> Vec<String> {
-        (0..2)
-            .flat_map(|i| {
-                let o = Command::new("ip").args(["netns", "pids", &format!("{}-node{i}", self.name)]).output().unwrap();
-                String::from_utf8_lossy(&o.stdout).split_whitespace().map(String::from).collect::<Vec<_>>()
-            })
+    /// The processes running on `host` (in its network namespace): pid and command line (arguments joined by
+    /// spaces).
+    fn processes(&self, host: &str) -> Vec<(i32, String)> {
+        let o = Command::new("ip").args(["netns", "pids", &format!("{}-{host}", self.name)]).output().unwrap();
+        String::from_utf8_lossy(&o.stdout)
+            .split_whitespace()
             .filter_map(|pid| {
                 let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
-                let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
-                (cmd.contains("examples/mlp") || cmd.contains(" launch ")).then(|| format!("{pid}: {cmd}"))
+                Some((pid.parse().ok()?, String::from_utf8_lossy(&cmd).replace('\0', " ")))
             })
             .collect()
     }
 
-    /// The ranks (not launchers) of the job on `host`.
-    fn ranks_on(&self, host: &str) -> Vec<i32> {
-        let o = Command::new("ip").args(["netns", "pids", &format!("{}-{host}", self.name)]).output().unwrap();
-        String::from_utf8_lossy(&o.stdout)
-            .split_whitespace()
-            .filter(|pid| {
-                let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-                cmd.split(|&b| b == 0).next().is_some_and(|argv0| argv0.ends_with(b"examples/mlp"))
+    /// The job's processes still running on any host (ranks or launchers).
+    fn leftovers(&self) -> Vec<String> {
+        ["node0", "node1"]
+            .iter()
+            .flat_map(|h| self.processes(h))
+            .filter(|(_, cmd)| cmd.contains("examples/mlp") || cmd.contains(" launch "))
+            .map(|(pid, cmd)| format!("{pid}: {cmd}"))
+            .collect()
+    }
+
+    /// The job's processes on `host`: its ranks, and with `launcher` its launcher too.
+    fn job_on(&self, host: &str, launcher: bool) -> Vec<i32> {
+        self.processes(host)
+            .into_iter()
+            .filter(|(_, cmd)| {
+                let argv0 = cmd.split(' ').next().unwrap_or_default();
+                argv0.ends_with("examples/mlp") || (launcher && cmd.contains("examples/mlp"))
             })
-            .filter_map(|p| p.parse().ok())
+            .map(|(pid, _)| pid)
             .collect()
     }
 }
@@ -265,7 +272,7 @@ fn sigkill_of_a_hosts_ranks_or_ctrl_c_stops_every_host() {
     let cluster = Cluster::up();
 
     let (mut driver, stderr) = long_job(&cluster, &mlp);
-    let victims = cluster.ranks_on("node1");
+    let victims = cluster.job_on("node1", false);
     assert_eq!(victims.len(), 2, "node1 runs two ranks");
     for pid in &victims {
         // SAFETY: kill(2) on the test's own job's ranks.
@@ -370,16 +377,7 @@ fn an_elastic_hostfile_job_goes_on_without_a_lost_host() {
         std::thread::sleep(Duration::from_millis(50));
     }
     // The whole host: its launcher and its ranks.
-    let o = Command::new("ip").args(["netns", "pids", &format!("{}-node1", cluster.name)]).output().unwrap();
-    let job: Vec<i32> = String::from_utf8_lossy(&o.stdout)
-        .split_whitespace()
-        .filter(|pid| {
-            let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-            let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
-            cmd.contains("examples/mlp")
-        })
-        .filter_map(|p| p.parse().ok())
-        .collect();
+    let job = cluster.job_on("node1", true);
     assert!(job.len() >= 3, "node1's launcher and two ranks: {job:?}");
     for pid in job {
         // SAFETY: kill(2) on the test's own job.
@@ -418,7 +416,7 @@ fn sigkill_under_slurm_stops_every_host() {
             assert!(start.elapsed() < Duration::from_secs(120), "{name}: no third step");
             std::thread::sleep(Duration::from_millis(50));
         }
-        let victims = cluster.ranks_on("node1");
+        let victims = cluster.job_on("node1", false);
         assert_eq!(victims.len(), 2, "{name}: node1 runs two ranks");
         for pid in &victims {
             // SAFETY: kill(2) on the test's own job's ranks.

@@ -98,13 +98,13 @@ std::vector<Header *> g_kept;
 
 // The most bytes that were live at once (every block, large or not), and the largest large block allocated.
 std::atomic<int64_t> g_total_peak{0};
-int64_t g_large_block = 0;
+std::atomic<int64_t> g_large_block{0};  // read without the lock by every allocation's bound check
 std::atomic<bool> g_headroom{false};  // kept blocks may exceed the peak by g_large_block
 
 // Whether the live and kept bytes together are over the peak (plus the largest block, with headroom).
 bool over_bound(int64_t live, int64_t kept) {
     int64_t bound = g_total_peak.load(std::memory_order_relaxed) +
-                    (g_headroom.load(std::memory_order_relaxed) ? g_large_block : 0);
+                    (g_headroom.load(std::memory_order_relaxed) ? g_large_block.load(std::memory_order_relaxed) : 0);
     return kept > 0 && live + kept > bound;
 }
 
@@ -143,7 +143,7 @@ void count_live(int64_t n) {
 Header *take_kept(uint64_t capacity) {
     std::lock_guard<std::mutex> lock(g_kept_mutex);
     int64_t cap = static_cast<int64_t>(capacity);
-    g_large_block = std::max(g_large_block, cap);
+    if (cap > g_large_block.load(std::memory_order_relaxed)) g_large_block.store(cap, std::memory_order_relaxed);
     for (size_t i = g_kept.size(); i-- > 0;) {
         if (g_kept[i]->capacity == capacity) {
             Header *h = g_kept[i];
@@ -164,7 +164,7 @@ void release_kept() {
         all.swap(g_kept);
         g_kept_bytes.store(0, std::memory_order_relaxed);
         g_total_peak.store(g_total.load(std::memory_order_relaxed), std::memory_order_relaxed);
-        g_large_block = 0;
+        g_large_block.store(0, std::memory_order_relaxed);
     }
     for (Header *h : all) unmap_large(h);
 }

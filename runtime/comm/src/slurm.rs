@@ -35,12 +35,8 @@ fn number(name: &str, value: &str) -> Result<usize, String> {
 }
 
 impl SlurmStep {
-    /// This process's step, when `srun` started it (SLURM_STEP_ID and SLURM_PROCID set); else None.
-    pub fn from_env() -> Result<Option<SlurmStep>, String> {
-        SlurmStep::from_vars(&|name: &str| std::env::var(name).ok())
-    }
-
-    /// `from_env` over the variables `var` gives.
+    /// This process's step, when `srun` started it (SLURM_STEP_ID and SLURM_PROCID set among the variables `var`
+    /// gives: `RankInfo::from_env` passes the environment); else None.
     pub fn from_vars(var: super::rank_info::Lookup) -> Result<Option<SlurmStep>, String> {
         let (Some(_), Some(procid)) = (var("SLURM_STEP_ID").or_else(|| var("SLURM_STEPID")), var("SLURM_PROCID"))
         else {
