@@ -103,19 +103,26 @@ pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).unwrap_or(29500)
 }
 
-/// Copies a child's stream to ours line by line with a `[rank R]` prefix, keeping the last lines.
-fn pump(rank: usize, stream: impl std::io::Read + Send + 'static, to_stderr: bool, tail: Arc<Mutex<VecDeque<String>>>) {
+/// Copies a child's stream to ours line by line behind `prefix` (`[rank R]`, `[host]`), keeping its last `keep`
+/// lines (unprefixed) for the failure report.
+pub fn pump(
+    prefix: String,
+    stream: impl std::io::Read + Send + 'static,
+    to_stderr: bool,
+    tail: Arc<Mutex<VecDeque<String>>>,
+    keep: usize,
+) {
     std::thread::spawn(move || {
         for line in BufReader::new(stream).lines() {
             let Ok(line) = line else { break };
-            let text = format!("[rank {rank}] {line}");
-            if to_stderr {
-                let _ = writeln!(std::io::stderr().lock(), "{text}");
+            let text = format!("{prefix} {line}");
+            let _ = if to_stderr {
+                writeln!(std::io::stderr().lock(), "{text}")
             } else {
-                let _ = writeln!(std::io::stdout().lock(), "{text}");
-            }
+                writeln!(std::io::stdout().lock(), "{text}")
+            };
             let mut t = tail.lock().unwrap_or_else(|p| p.into_inner());
-            if t.len() == TAIL {
+            if t.len() == keep {
                 t.pop_front();
             }
             t.push_back(line);
@@ -231,8 +238,8 @@ pub fn run_round(
             }
         };
         let tail = Arc::new(Mutex::new(VecDeque::new()));
-        pump(rank, child.stdout.take().expect("piped"), false, tail.clone());
-        pump(rank, child.stderr.take().expect("piped"), true, tail.clone());
+        pump(format!("[rank {rank}]"), child.stdout.take().expect("piped"), false, tail.clone(), TAIL);
+        pump(format!("[rank {rank}]"), child.stderr.take().expect("piped"), true, tail.clone(), TAIL);
         ranks.push(Rank { child, tail, status: None });
     }
 

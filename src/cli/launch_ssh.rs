@@ -5,7 +5,6 @@
 //! prefixed `[host]` (the ranks' own `[rank R]` after it). The remote launchers stop their ranks when their ssh
 //! connection closes (`--until-stdin-closes`), so stopping this command, or losing it, leaves nothing running.
 use std::collections::VecDeque;
-use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
 use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
 use std::sync::atomic::Ordering;
@@ -13,6 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::launch::{LaunchArgs, NodeCount};
+use super::launch_ranks::pump;
 use super::CliError;
 
 /// How long ssh may take to reach a host before the host counts as unreachable.
@@ -237,30 +237,6 @@ struct Remote {
     status: Option<ExitStatus>,
 }
 
-fn pump(
-    host: String,
-    stream: impl std::io::Read + Send + 'static,
-    to_stderr: bool,
-    tail: Arc<Mutex<VecDeque<String>>>,
-) {
-    std::thread::spawn(move || {
-        for line in BufReader::new(stream).lines() {
-            let Ok(line) = line else { break };
-            let text = format!("[{host}] {line}");
-            let _ = if to_stderr {
-                writeln!(std::io::stderr().lock(), "{text}")
-            } else {
-                writeln!(std::io::stdout().lock(), "{text}")
-            };
-            let mut t = tail.lock().unwrap_or_else(|p| p.into_inner());
-            if t.len() == TAIL {
-                t.pop_front();
-            }
-            t.push_back(line);
-        }
-    });
-}
-
 /// The launcher's own error in a host's last lines (from its `error: ` line on), else its last lines.
 fn error_of(r: &Remote) -> String {
     let tail = r.tail.lock().unwrap_or_else(|p| p.into_inner());
@@ -383,8 +359,9 @@ pub fn run(args: LaunchArgs, hostfile: &Path) -> Result<(), CliError> {
             }
         };
         let tail = Arc::new(Mutex::new(VecDeque::new()));
-        pump(h.host.clone(), child.stdout.take().expect("piped"), false, tail.clone());
-        pump(h.host.clone(), child.stderr.take().expect("piped"), true, tail.clone());
+        let prefix = format!("[{}]", h.host);
+        pump(prefix.clone(), child.stdout.take().expect("piped"), false, tail.clone(), TAIL);
+        pump(prefix, child.stderr.take().expect("piped"), true, tail.clone(), TAIL);
         let stdin = child.stdin.take();
         remotes.push(Remote { host: h.host.clone(), child, stdin, tail, status: None });
     }
