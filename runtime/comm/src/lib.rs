@@ -25,6 +25,7 @@ pub mod quantized;
 pub mod rank_info;
 pub mod region;
 pub mod shm;
+pub mod signs;
 pub mod slurm;
 pub mod threads;
 pub mod topology;

@@ -1,0 +1,383 @@
+//! The 1-bit all-reduce of DeepSpeed's 1-bit Adam, 0/1 Adam and 1-bit LAMB (Tang et al. 2021), on every backend:
+//! each value travels as its sign, one bit, with one f32 scale per part, and what the signs lose is fed back into
+//! the next call on both sides (error feedback), so nothing is lost over steps, only delayed.
+//!
+//! With `W` ranks and a vector of `n` values (padded with zeros to a multiple of `64 W`):
+//! 1. **worker**: `x = values + worker_error`; `scale = ||x|| / sqrt(n)`; `worker_error = x - scale * sign(x)`
+//!    (sign(0) = +1: one bit has no zero). Part `q` of the signs goes to rank `q`, with the scale
+//!    ([`exchange_parts`]: one send/receive per peer, (W-1)/W of n/8 bytes out of every rank).
+//! 2. **server** (every rank, for its own part): the average of the W received parts, `sum_r scale_r/W * sign_r`,
+//!    plus `server_error`; its scale and signs the same way, and `server_error` the remainder.
+//! 3. the servers' signs and scales are all-gathered; every rank ends with the same values, `scale_q * sign` in part q.
+//!
+//! Per rank the wire carries 2 (W-1)/W x n/8 bytes (and 2 (W-1) scales): 1/32 of a ring all-reduce of fp32.
+//! Every step of the arithmetic is this rank's own, in a fixed order, so the result is bitwise the same whatever
+//! the backend (threads, shm, gloo, MPI, NCCL's host path) and whatever the thread count.
+//!
+//! Signs pack 64 to a word, value `j` of a part in bit `j % 64` of word `j / 64`; a part on the wire is its words,
+//! then one word holding the scale's bits (the collectives move whole i64 words).
+use super::{BufMut, BufRef, CommError, CommResult, Communicator, Dtype};
+
+/// Values per sign word.
+const WORD: usize = 64;
+
+/// The padded length of an `n`-value vector over `world` ranks: a multiple of `64 x world`, so each rank's part
+/// is whole words.
+pub fn padded_len(n: usize, world: usize) -> usize {
+    n.div_ceil(WORD * world) * WORD * world
+}
+
+/// Bytes one rank sends for an `n`-value vector over `world` ranks (both phases, scales included).
+pub fn wire_bytes(n: usize, world: usize) -> usize {
+    if world < 2 || n == 0 {
+        return 0;
+    }
+    let part_words = padded_len(n, world) / world / WORD + 1;
+    2 * (world - 1) * part_words * 8
+}
+
+/// The two error-feedback buffers of one exchanged vector: the worker's over the whole padded vector, the server's
+/// over this rank's part. Each rank's are its own (they differ from rank to rank); a checkpoint saves them per rank.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SignErrors {
+    /// What this rank's signs left out of the whole vector, padded ([`padded_len`]).
+    pub worker: Vec<f32>,
+    /// What this rank's server signs left out of its part (padded length / world).
+    pub server: Vec<f32>,
+}
+
+impl SignErrors {
+    /// Zero errors for an `n`-value vector over `world` ranks.
+    pub fn new(n: usize, world: usize) -> SignErrors {
+        let padded = padded_len(n, world.max(1));
+        SignErrors { worker: vec![0.0; padded], server: vec![0.0; padded / world.max(1)] }
+    }
+
+    /// Sets both buffers to zero (0/1 Adam, entering its local steps; a resume at another world size).
+    pub fn reset(&mut self) {
+        self.worker.fill(0.0);
+        self.server.fill(0.0);
+    }
+
+    /// Bytes the two buffers hold.
+    pub fn bytes(&self) -> usize {
+        4 * (self.worker.len() + self.server.len())
+    }
+}
+
+/// Replaces `values` by the 1-bit average over the ranks of `comm` (module docs), updating this rank's `errors`.
+/// Collective: every rank calls it with vectors of the same length. A single rank keeps its values exactly (there
+/// is nothing to exchange, as DeepSpeed's optimizers skip the call at one rank).
+pub fn all_reduce(comm: &dyn Communicator, values: &mut [f32], errors: &mut SignErrors) -> CommResult<()> {
+    const OP: &str = "1-bit all_reduce";
+    let (rank, world, n) = (comm.rank(), comm.world_size(), values.len());
+    if world == 1 || n == 0 {
+        return Ok(());
+    }
+    let padded = padded_len(n, world);
+    if errors.worker.len() != padded || errors.server.len() != padded / world {
+        return Err(CommError::BadArgument {
+            op: OP,
+            rank,
+            what: format!(
+                "error buffers of {} and {} values for {n} values over {world} ranks (expected {padded} and {})",
+                errors.worker.len(),
+                errors.server.len(),
+                padded / world
+            ),
+        });
+    }
+    let part = padded / world;
+    let part_words = part / WORD + 1;
+
+    // 1. The worker: compensate, take signs and scale, keep the remainder.
+    let compensated = &mut errors.worker;
+    for (e, v) in compensated.iter_mut().zip(values.iter()) {
+        *e += *v;
+    }
+    let mut sent = vec![0u64; world * part_words];
+    compress(compensated, &mut sent, part_words);
+    // 2. Each part to its server.
+    let mut received = vec![0u64; world * part_words];
+    exchange_parts(comm, &sent, &mut received, part_words)?;
+    // The server's part: the average of what every rank sent for it, in rank order, plus its error.
+    let server = &mut errors.server;
+    let mut average = vec![0f32; part];
+    for r in 0..world {
+        let words = &received[r * part_words..(r + 1) * part_words];
+        let weight = f32::from_bits(words[part_words - 1] as u32) / world as f32;
+        add_signs(&words[..part_words - 1], weight, &mut average);
+    }
+    for (s, a) in server.iter_mut().zip(&average) {
+        *s += *a;
+    }
+    drop(average);
+    // 3. The servers' signs and scales to every rank.
+    let mut gathered = vec![0u64; world * part_words];
+    compress(server, &mut gathered[rank * part_words..(rank + 1) * part_words], part_words);
+    comm.all_gather_buf(BufMut { bytes: bytemuck::cast_slice_mut(&mut gathered), dtype: Dtype::I64 })?;
+    for (q, out) in values.chunks_mut(part).enumerate() {
+        let words = &gathered[q * part_words..(q + 1) * part_words];
+        let s = f32::from_bits(words[part_words - 1] as u32);
+        write_signs(&words[..part_words - 1], s, out);
+    }
+    Ok(())
+}
+
+/// Takes the signs and scale of `x` (whole parts of `part_words - 1` sign words each, then the scale's word) into
+/// `out`, and leaves in `x` what they do not carry: `x - scale * sign(x)`. Returns the scale, `||x|| / sqrt(len)`.
+fn compress(x: &mut [f32], out: &mut [u64], part_words: usize) -> f32 {
+    let sum_sq: f64 = x.iter().map(|&v| (v as f64) * (v as f64)).sum();
+    let scale = (sum_sq / x.len() as f64).sqrt() as f32;
+    let sign_words = part_words - 1;
+    for (part, words) in x.chunks_mut(sign_words * WORD).zip(out.chunks_mut(part_words)) {
+        for (chunk, word) in part.chunks_mut(WORD).zip(words.iter_mut()) {
+            let mut bits = 0u64;
+            for (j, v) in chunk.iter_mut().enumerate() {
+                // sign(0) = +1, and a NaN stays NaN in the error (so it shows, as in an uncompressed reduction).
+                let positive = !(*v < 0.0);
+                bits |= (positive as u64) << j;
+                *v -= if positive { scale } else { -scale };
+            }
+            *word = bits;
+        }
+        words[sign_words] = scale.to_bits() as u64;
+    }
+    scale
+}
+
+/// `out[j] += weight * sign_j` for the signs in `words`.
+fn add_signs(words: &[u64], weight: f32, out: &mut [f32]) {
+    for (word, chunk) in words.iter().zip(out.chunks_mut(WORD)) {
+        for (j, o) in chunk.iter_mut().enumerate() {
+            *o += if word >> j & 1 == 1 { weight } else { -weight };
+        }
+    }
+}
+
+/// `out[j] = scale * sign_j` for the signs in `words` (the last part may be cut short: padding is dropped).
+fn write_signs(words: &[u64], scale: f32, out: &mut [f32]) {
+    for (word, chunk) in words.iter().zip(out.chunks_mut(WORD)) {
+        for (j, o) in chunk.iter_mut().enumerate() {
+            *o = if word >> j & 1 == 1 { scale } else { -scale };
+        }
+    }
+}
+
+/// All-to-all of `world` parts of `part_words` words: part q of `sent` goes to rank q, and part r of `received`
+/// comes from rank r. One send and one receive with each peer in turn (to rank + k, from rank - k in round k), so
+/// every backend moves exactly (world - 1) parts out of each rank; the trait's default all-to-all gathers whole
+/// inputs. Sends are rendezvous, so the order matters: round k's sends form cycles, and ranks at even places of
+/// their cycle send first, the others receive first. Where rank parity is that place's parity (an even world, an
+/// odd k) the backend's `send_recv_buf` runs, which has both in flight at once where it can (gloo).
+pub fn exchange_parts(
+    comm: &dyn Communicator,
+    sent: &[u64],
+    received: &mut [u64],
+    part_words: usize,
+) -> CommResult<()> {
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let words = |q: usize| q * part_words..(q + 1) * part_words;
+    received[words(rank)].copy_from_slice(&sent[words(rank)]);
+    for k in 1..world {
+        let (dst, src) = ((rank + k) % world, (rank + world - k) % world);
+        let out = BufRef { bytes: bytemuck::cast_slice(&sent[words(dst)]), dtype: Dtype::I64 };
+        let into = BufMut { bytes: bytemuck::cast_slice_mut(&mut received[words(src)]), dtype: Dtype::I64 };
+        if world % 2 == 0 && k % 2 == 1 {
+            comm.send_recv_buf(out, dst, into, src)?;
+            continue;
+        }
+        // This rank's place in its cycle: the cycle starts at rank % gcd(world, k) and steps by k.
+        let mut place = 0;
+        let mut x = rank % gcd(world, k);
+        while x != rank {
+            x = (x + k) % world;
+            place += 1;
+        }
+        if place % 2 == 0 {
+            comm.send_buf(out, dst)?;
+            comm.recv_buf(into, src)?;
+        } else {
+            comm.recv_buf(into, src)?;
+            comm.send_buf(out, dst)?;
+        }
+    }
+    Ok(())
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
+/// The same arithmetic with every rank's vector in one process: what [`all_reduce`] gives each rank, for tests
+/// (DeepSpeed's `torch_sim` in its backend tests). `values[r]` and `errors[r]` are rank r's; every `values[r]` ends
+/// with the result.
+pub fn simulate(values: &mut [Vec<f32>], errors: &mut [SignErrors]) {
+    let world = values.len();
+    if world < 2 {
+        return;
+    }
+    let n = values[0].len();
+    let padded = padded_len(n, world);
+    let part = padded / world;
+    let part_words = part / WORD + 1;
+    let mut sent = vec![vec![0u64; world * part_words]; world];
+    for r in 0..world {
+        for (e, v) in errors[r].worker.iter_mut().zip(&values[r]) {
+            *e += *v;
+        }
+        compress(&mut errors[r].worker, &mut sent[r], part_words);
+    }
+    let mut gathered = vec![0u64; world * part_words];
+    for q in 0..world {
+        let mut average = vec![0f32; part];
+        for s in &sent {
+            let words = &s[q * part_words..(q + 1) * part_words];
+            add_signs(
+                &words[..part_words - 1],
+                f32::from_bits(words[part_words - 1] as u32) / world as f32,
+                &mut average,
+            );
+        }
+        for (s, a) in errors[q].server.iter_mut().zip(&average) {
+            *s += *a;
+        }
+        compress(&mut errors[q].server, &mut gathered[q * part_words..(q + 1) * part_words], part_words);
+    }
+    for v in values.iter_mut() {
+        for (q, out) in v.chunks_mut(part).enumerate() {
+            let words = &gathered[q * part_words..(q + 1) * part_words];
+            write_signs(&words[..part_words - 1], f32::from_bits(words[part_words - 1] as u32), out);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use super::*;
+    use crate::threads::{self, ThreadComm};
+
+    fn on_threads<T: Send + 'static>(world: usize, f: impl Fn(&ThreadComm) -> T + Send + Sync + 'static) -> Vec<T> {
+        let f = Arc::new(f);
+        let handles: Vec<_> = threads::group(world, Duration::from_secs(20))
+            .into_iter()
+            .map(|c| {
+                let f = f.clone();
+                std::thread::spawn(move || f(&c))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    }
+
+    fn vectors(world: usize, n: usize, seed: u32) -> Vec<Vec<f32>> {
+        (0..world)
+            .map(|r| {
+                (0..n)
+                    .map(|i| {
+                        let x = (i as u32).wrapping_mul(2654435761).wrapping_add(seed + 97 * r as u32);
+                        (x % 2001) as f32 / 1000.0 - 1.0
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn every_rank_ends_with_the_simulated_values_bitwise() {
+        for (world, n) in [(2, 1000), (3, 130), (4, 4096), (6, 700), (2, 1)] {
+            let inputs = vectors(world, n, 7);
+            let mut expected = inputs.clone();
+            let mut sim_errors: Vec<SignErrors> = (0..world).map(|_| SignErrors::new(n, world)).collect();
+            // Two calls: the second carries the first's errors.
+            simulate(&mut expected, &mut sim_errors);
+            let mut again = inputs.clone();
+            simulate(&mut again, &mut sim_errors);
+            let inputs_for = inputs.clone();
+            let results = on_threads(world, move |comm| {
+                let inputs = &inputs_for;
+                let mut errors = SignErrors::new(n, world);
+                let mut v = inputs[comm.rank()].clone();
+                all_reduce(comm, &mut v, &mut errors).unwrap();
+                let first = v.clone();
+                let mut v = inputs[comm.rank()].clone();
+                all_reduce(comm, &mut v, &mut errors).unwrap();
+                (first, v, errors)
+            });
+            for (r, (first, second, errors)) in results.into_iter().enumerate() {
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&first), bits(&expected[r]), "world {world} n {n} rank {r}");
+                assert_eq!(bits(&second), bits(&again[r]), "world {world} n {n} rank {r}, second call");
+                assert_eq!(errors, sim_errors[r]);
+            }
+        }
+    }
+
+    #[test]
+    fn values_are_signs_times_part_scales_and_errors_hold_the_rest() {
+        let (world, n) = (2, 256);
+        let inputs = vectors(world, n, 3);
+        let mut out = inputs.clone();
+        let mut errors: Vec<SignErrors> = (0..world).map(|_| SignErrors::new(n, world)).collect();
+        simulate(&mut out, &mut errors);
+        // One magnitude per part.
+        for part in out[0].chunks(n / world) {
+            let m = part[0].abs();
+            assert!(m > 0.0 && part.iter().all(|x| x.abs() == m));
+        }
+        // The worker's error is what its signs missed: input = scale * sign + error.
+        let scale = {
+            let s: f64 = inputs[0].iter().map(|&v| (v as f64).powi(2)).sum();
+            (s / n as f64).sqrt() as f32
+        };
+        for (i, &x) in inputs[0].iter().enumerate() {
+            let sign = if x < 0.0 { -1.0 } else { 1.0 };
+            assert!((x - (scale * sign + errors[0].worker[i])).abs() < 1e-6);
+        }
+    }
+
+    #[test]
+    fn error_feedback_makes_the_running_sum_exact_up_to_the_errors() {
+        // Over many calls the sum of the outputs tracks the sum of the true averages: the difference is bounded by
+        // the error buffers, which do not grow.
+        let (world, n) = (2, 128);
+        let mut errors: Vec<SignErrors> = (0..world).map(|_| SignErrors::new(n, world)).collect();
+        let (mut out_sum, mut true_sum) = (vec![0f64; n], vec![0f64; n]);
+        for step in 0..200 {
+            let inputs = vectors(world, n, step);
+            for i in 0..n {
+                true_sum[i] += inputs.iter().map(|v| v[i] as f64).sum::<f64>() / world as f64;
+            }
+            let mut out = inputs;
+            simulate(&mut out, &mut errors);
+            for i in 0..n {
+                out_sum[i] += out[0][i] as f64;
+            }
+        }
+        let worst = (0..n).map(|i| (out_sum[i] - true_sum[i]).abs()).fold(0.0, f64::max);
+        assert!(worst < 5.0, "the outputs' running sum drifted {worst} from the averages' (200 calls)");
+    }
+
+    #[test]
+    fn wire_bytes_are_a_32nd_of_fp32s_ring() {
+        let n = 1 << 20;
+        // A ring all-reduce of fp32 sends 2 (W-1)/W x 4n bytes out of each rank: 4n at two ranks.
+        assert_eq!(wire_bytes(n, 2), 4 * n / 32 + 2 * 8);
+        assert_eq!(wire_bytes(n, 1), 0);
+    }
+
+    #[test]
+    fn wrong_error_buffers_are_named() {
+        let r = on_threads(2, |comm| {
+            let mut errors = SignErrors::new(10, 3);
+            all_reduce(comm, &mut [1.0; 10], &mut errors).unwrap_err().to_string()
+        });
+        assert!(r[0].contains("error buffers of 192 and 64 values for 10 values over 2 ranks"), "{}", r[0]);
+    }
+}
