@@ -37,6 +37,15 @@ pub trait OptimizerTier: Send {
     fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
         None
     }
+    /// The optimizer itself where the tier holds one whole in memory (what the engine asks a compressing optimizer:
+    /// whether it keeps gradients local, its per-rank state). None for tiers that build optimizers per sub-group.
+    fn optimizer(&self) -> Option<&dyn Optimizer> {
+        None
+    }
+    /// [`OptimizerTier::optimizer`], mutable.
+    fn optimizer_mut(&mut self) -> Option<&mut dyn Optimizer> {
+        None
+    }
     /// One step over all the optimized elements; `groups` are relative to them; `out` takes the 16-bit copy.
     fn step(
         &mut self,
@@ -110,6 +119,14 @@ impl OptimizerTier for InMemory {
 
     fn step_count(&self) -> u64 {
         self.0.state().step
+    }
+
+    fn optimizer(&self) -> Option<&dyn Optimizer> {
+        Some(self.0.as_ref())
+    }
+
+    fn optimizer_mut(&mut self) -> Option<&mut dyn Optimizer> {
+        Some(self.0.as_mut())
     }
 
     fn step(

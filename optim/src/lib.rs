@@ -12,6 +12,7 @@ mod lamb;
 mod lion;
 pub mod loss_scale;
 pub mod norm;
+pub mod one_bit;
 pub mod schedule;
 mod sgd;
 mod shard;
@@ -25,6 +26,7 @@ pub use dispatch::{simd_level, SimdLevel};
 pub use lamb::{Lamb, LambConfig};
 pub use lion::{Lion, LionConfig};
 pub use loss_scale::{LossScaler, LossScalerConfig, LossScalerState};
+pub use one_bit::{Exchange, OneBitAdam, OneBitAdamConfig, ZeroOneAdam, ZeroOneAdamConfig};
 pub use sgd::{Sgd, SgdConfig};
 pub use shard::{Grads, Group, ParamsOut};
 pub use state::OptimizerState;
@@ -61,6 +63,12 @@ pub enum OptimError {
         first: std::ops::Range<usize>,
         /// The other's.
         second: std::ops::Range<usize>,
+    },
+    #[error("the optimizer's exchange between ranks failed: {what}")]
+    /// A compressing optimizer's exchange (a collective) failed.
+    Exchange {
+        /// The collective's error.
+        what: String,
     },
     #[error("optimizer state has no buffer `{name}`")]
     /// A state buffer the optimizer needs is missing (a checkpoint of another optimizer).
@@ -133,4 +141,25 @@ pub trait Optimizer: Send {
     /// Sets the momentum a schedule cycles (OneCycle's `cycle_momentum`, as DeepSpeed applies it): beta1 of
     /// optimizers with betas, SGD's momentum. Optimizers without one (Adagrad) keep nothing.
     fn set_momentum(&mut self, _momentum: f64) {}
+    /// Whether the next step takes this rank's own gradients, unaveraged: the optimizer exchanges what it needs
+    /// itself (the 1-bit optimizers, [`one_bit`]). The engine then skips the gradients' reduction.
+    fn keeps_gradients_local(&self) -> bool {
+        false
+    }
+    /// Why the ranks' parameters differ after the last step, if they do (0/1 Adam between local-step meetings):
+    /// a checkpoint, which holds one copy of them, cannot be taken then.
+    fn ranks_differ(&self) -> Option<String> {
+        None
+    }
+    /// State that is this rank's own and not element-aligned with the shard (the 1-bit optimizers' error
+    /// feedback, named `worker_error` / `server_error`; 0/1 Adam's `schedule`), for a checkpoint per rank.
+    fn rank_state(&self) -> Vec<(String, Vec<f32>)> {
+        Vec::new()
+    }
+    /// Restores one buffer [`Optimizer::rank_state`] named.
+    fn load_rank_state(&mut self, name: &str, _values: &[f32]) -> Result<()> {
+        Err(OptimError::MissingState { name: name.into() })
+    }
+    /// Zeroes what of the rank state cannot be carried to another world size (the error feedback).
+    fn reset_rank_state(&mut self) {}
 }

@@ -197,6 +197,10 @@ pub struct Manifest {
     /// (`anchor/<name>`, `momentum/<name>`, fp32), in this file of the tag folder.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub outer_state_file: Option<String>,
+    /// The 1-bit optimizers' per-rank state (error feedback, 0/1 Adam's schedule), one file per rank of the run that
+    /// saved it, by rank: each rank's own, restored at the same world size.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub rank_state_files: Vec<String>,
     /// The model's buffers (BatchNorm's running statistics), rank 0's.
     #[serde(default)]
     pub buffers: Vec<VariableEntry>,
@@ -379,6 +383,7 @@ mod tests {
             pipeline_stages: 0,
             tensor_parallel: 0,
             outer_state_file: None,
+            rank_state_files: vec![],
             buffers: vec![],
             frozen: vec![],
             frozen_excluded: false,

@@ -65,24 +65,25 @@ impl SignErrors {
     }
 }
 
-/// Replaces `values` by the 1-bit average over the ranks of `comm` (module docs), updating this rank's `errors`.
+/// Replaces `values` by the 1-bit average over the ranks of `comm` (module docs), updating this rank's error
+/// feedback: `worker` ([`padded_len`] values) and `server` (padded length / world).
 /// Collective: every rank calls it with vectors of the same length. A single rank keeps its values exactly (there
 /// is nothing to exchange, as DeepSpeed's optimizers skip the call at one rank).
-pub fn all_reduce(comm: &dyn Communicator, values: &mut [f32], errors: &mut SignErrors) -> CommResult<()> {
+pub fn all_reduce(comm: &dyn Communicator, values: &mut [f32], worker: &mut [f32], server: &mut [f32]) -> CommResult<()> {
     const OP: &str = "1-bit all_reduce";
     let (rank, world, n) = (comm.rank(), comm.world_size(), values.len());
     if world == 1 || n == 0 {
         return Ok(());
     }
     let padded = padded_len(n, world);
-    if errors.worker.len() != padded || errors.server.len() != padded / world {
+    if worker.len() != padded || server.len() != padded / world {
         return Err(CommError::BadArgument {
             op: OP,
             rank,
             what: format!(
                 "error buffers of {} and {} values for {n} values over {world} ranks (expected {padded} and {})",
-                errors.worker.len(),
-                errors.server.len(),
+                worker.len(),
+                server.len(),
                 padded / world
             ),
         });
@@ -91,7 +92,7 @@ pub fn all_reduce(comm: &dyn Communicator, values: &mut [f32], errors: &mut Sign
     let part_words = part / WORD + 1;
 
     // 1. The worker: compensate, take signs and scale, keep the remainder.
-    let compensated = &mut errors.worker;
+    let compensated = worker;
     for (e, v) in compensated.iter_mut().zip(values.iter()) {
         *e += *v;
     }
@@ -101,7 +102,6 @@ pub fn all_reduce(comm: &dyn Communicator, values: &mut [f32], errors: &mut Sign
     let mut received = vec![0u64; world * part_words];
     exchange_parts(comm, &sent, &mut received, part_words)?;
     // The server's part: the average of what every rank sent for it, in rank order, plus its error.
-    let server = &mut errors.server;
     let mut average = vec![0f32; part];
     for r in 0..world {
         let words = &received[r * part_words..(r + 1) * part_words];
@@ -304,10 +304,10 @@ mod tests {
                 let inputs = &inputs_for;
                 let mut errors = SignErrors::new(n, world);
                 let mut v = inputs[comm.rank()].clone();
-                all_reduce(comm, &mut v, &mut errors).unwrap();
+                all_reduce(comm, &mut v, &mut errors.worker, &mut errors.server).unwrap();
                 let first = v.clone();
                 let mut v = inputs[comm.rank()].clone();
-                all_reduce(comm, &mut v, &mut errors).unwrap();
+                all_reduce(comm, &mut v, &mut errors.worker, &mut errors.server).unwrap();
                 (first, v, errors)
             });
             for (r, (first, second, errors)) in results.into_iter().enumerate() {
@@ -376,7 +376,7 @@ mod tests {
     fn wrong_error_buffers_are_named() {
         let r = on_threads(2, |comm| {
             let mut errors = SignErrors::new(10, 3);
-            all_reduce(comm, &mut [1.0; 10], &mut errors).unwrap_err().to_string()
+            all_reduce(comm, &mut [1.0; 10], &mut errors.worker, &mut errors.server).unwrap_err().to_string()
         });
         assert!(r[0].contains("error buffers of 192 and 64 values for 10 values over 2 ranks"), "{}", r[0]);
     }

@@ -34,7 +34,10 @@ pub use elasticity::ElasticityConfig;
 pub use error::{ConfigError, Result};
 pub use monitor::{comm_op_name, CommsLoggerConfig, FlopsProfilerConfig, MonitorConfig, MonitorOutput, COMM_OPS};
 pub use notices::Notice;
-pub use optimizer::{AdagradParams, AdamParams, LambParams, LionParams, OptimizerConfig, SgdParams, ZERO_SUPPORTED};
+pub use optimizer::{
+    AdagradParams, AdamParams, LambParams, LionParams, OneBitAdamParams, OneBitCommon, OneBitLambParams, OptimizerConfig,
+    SgdParams, ZeroOneAdamParams, ZERO_SUPPORTED,
+};
 pub use pipeline::{Partition, PipelineConfig, ScheduleName};
 pub use precision::{Bf16Config, Fp16Config, Precision};
 pub use scheduler::{
@@ -372,8 +375,31 @@ impl Config {
                 message: "\"sum\" is not supported at `zero_optimization.stage` 3; use \"mean\"".into(),
             });
         }
+        if let Some(opt) = self.optimizer.as_ref().filter(|o| o.one_bit().is_some()) {
+            // The exchange is of the whole momentum, which every rank holds at stage 0 only (DeepSpeed refuses
+            // every ZeRO stage too).
+            if z.stage > 0 {
+                return Err(ConfigError::Conflict {
+                    path: "optimizer.type".into(),
+                    message: format!(
+                        "{} runs at ZeRO stage 0 (this config has stage {}): its ranks exchange the whole momentum as signs, and at stages 1-3 no rank holds the whole momentum",
+                        opt.name(),
+                        z.stage
+                    ),
+                });
+            }
+            if self.async_training.is_async() {
+                return Err(ConfigError::Conflict {
+                    path: "optimizer.type".into(),
+                    message: format!(
+                        "{} communicates its momentum every step (or on its own schedule); asynchronous training (`async_training`) keeps ranks apart: use one or the other",
+                        opt.name()
+                    ),
+                });
+            }
+        }
         if let Some(opt) = &self.optimizer {
-            if z.stage >= 1 && !self.zero_allow_untested_optimizer && !ZERO_SUPPORTED.contains(&opt.name()) {
+            if z.stage >= 1 && opt.one_bit().is_none() && !self.zero_allow_untested_optimizer && !ZERO_SUPPORTED.contains(&opt.name()) {
                 return Err(ConfigError::Conflict {
                     path: "optimizer.type".into(),
                     message: format!(

@@ -35,6 +35,7 @@ macro_rules! stale_parts {
 #[doc(hidden)] // the engine's parts: what a program uses is re-exported below
 pub mod async_training;
 pub(crate) mod checkpointing;
+pub(crate) mod compression;
 mod counters;
 #[doc(hidden)] // the engine's parts: what a program uses is re-exported below
 pub mod device;

@@ -252,8 +252,11 @@ impl Engine {
         // Stage 0's all-reduce in backward reduces the staging buffer the `.grad` tensors are views of, in place,
         // over one group, every step: not across shard groups' replicas, not when asynchronous training keeps
         // gradients local or serves them stale, not with a communication dtype other than the model's.
+        let one_bit = config.optimizer.as_ref().is_some_and(|o| o.one_bit().is_some());
         plan.all_reduce_in_backward &= replica_count == 1
             && !config.async_training.is_async()
+            // The 1-bit optimizers decide step by step whether gradients are averaged at all.
+            && !one_bit
             && views::comm_kind(config.communication_data_type, precision) == views::kind_of(precision);
         // Stage 0 steps each bucket as its all-reduce lands; a single rank has no all-reduce, and its ordinary step
         // gives the same values.
@@ -341,8 +344,12 @@ impl Engine {
             (Some(s), Precision::Bf16 | Precision::Fp16) => s.read_all(layout.partition_len())?,
             _ => flat_params.shallow_clone(),
         };
+        let exchange = match one_bit {
+            true => Some(crate::engine::compression::exchange(&config, comm.as_ref(), replica_count)?),
+            false => None,
+        };
         let (shard, optimizer_device) =
-            optim::build::optimizer_shard(&config, &plan, &layout, &values, rank, residence)?;
+            optim::build::optimizer_shard(&config, &plan, &layout, &values, rank, residence, exchange)?;
         drop(values);
         let scheduler = optim::build::scheduler(&config, shard.base_lr);
         let gradients = grads::Gradients::new(

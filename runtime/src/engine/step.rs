@@ -90,6 +90,9 @@ impl Engine {
                 sync.finish_hooked_reduction()?;
             }
         }
+        // A 1-bit optimizer's step may take this rank's own gradients (it exchanges its momentum itself).
+        let one_bit_local = self.shard.tier.optimizer().is_some_and(|o| o.keeps_gradients_local());
+        self.gradients.keep_local(self.config.async_training.is_local() || one_bit_local);
         self.progress.micro_steps += 1;
         let boundary = self.progress.micro_steps % self.batch.gradient_accumulation_steps == 0;
         // After backward: 16-bit models reduce every micro-batch and accumulate in fp32; fp32 models accumulate in
@@ -120,6 +123,11 @@ impl Engine {
         }];
         if self.plan.partitions_optimizer() {
             self.comm.all_reduce(&mut sq, ReduceOp::Sum)?;
+        } else if one_bit_local {
+            // Each rank's own gradient: the mean of their squared norms (at least the averaged gradient's, and the
+            // same on every rank, so clipping and an overflow's skip are agreed on). DeepSpeed clips each rank by
+            // its own norm here.
+            self.comm.all_reduce(&mut sq, ReduceOp::Avg)?;
         }
         if let Some(others) = &self.placement.model_parallel {
             others.all_reduce(&mut sq, ReduceOp::Sum)?;

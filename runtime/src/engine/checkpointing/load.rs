@@ -304,6 +304,13 @@ impl Engine {
         }
         self.load_variables(&saved)?;
         self.load_outer_state(&saved)?;
+        crate::engine::compression::load_rank_state(
+            self.shard.tier.optimizer_mut(),
+            &saved.folder,
+            &m.rank_state_files,
+            self.comm.rank(),
+            self.comm.world_size(),
+        )?;
         if let (Some(s), Some(it)) = (self.shard.scheduler.as_mut(), m.scheduler_last_batch_iteration) {
             s.last_batch_iteration = it;
         }

@@ -203,6 +203,9 @@ impl Engine {
         if let Some(why) = self.sync.meetings().and_then(|m| m.refuses_checkpoint(self.progress.global_steps)) {
             return Err(crate::error::Error::Usage(why));
         }
+        if let Some(why) = self.shard.tier.optimizer().and_then(|o| o.ranks_differ()) {
+            return Err(crate::error::Error::Usage(format!("{why}; save right after a meeting")));
+        }
         let parts = stale_parts!(self);
         match self.sync.stale_mut() {
             Some(stale) => stale.quiesce(parts),
@@ -303,6 +306,13 @@ impl Engine {
             tch::Tensor::write_safetensors(&outer, &file)
                 .map_err(|e| CheckpointError::Io { path: file.clone(), what: e.to_string() })?;
         }
+        let rank_state_files = crate::engine::compression::save_rank_state(
+            self.shard.tier.optimizer(),
+            staging,
+            prefix,
+            rank,
+            ws,
+        )?;
         if rank != 0 {
             return Ok(None);
         }
@@ -353,6 +363,7 @@ impl Engine {
             pipeline_stages: 0,
             tensor_parallel: 0,
             outer_state_file,
+            rank_state_files,
             buffers: buffer_entries,
             frozen: frozen_entries,
             frozen_excluded: !with_frozen,

@@ -198,6 +198,12 @@ impl Gradients {
 
     /// After the gradients were used (the optimizer step, or a micro-batch's accumulation into fp32): with gradient
     /// views, zero the buffer autograd accumulates into (without views, the reduction cleared the `.grad` tensors).
+    /// Whether this step's gradients stay this rank's own, unreduced: asynchronous training's local steps always,
+    /// a 1-bit optimizer's steps when it says so (it exchanges what it needs itself). Set before each reduction.
+    pub fn keep_local(&mut self, local: bool) {
+        self.how.local = local;
+    }
+
     pub fn consume(&self) -> Result<()> {
         if let Some(g) = &self.grad_buffer {
             let _ = g.shallow_clone().f_zero_()?;

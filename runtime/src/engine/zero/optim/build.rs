@@ -1,7 +1,9 @@
 //! Builds the zerorun-optim optimizer and LR schedule named by the config.
 use zerorun_optim::schedule::LrScheduler;
+use zerorun_optim::one_bit::Exchange;
 use zerorun_optim::{
-    Adagrad, AdagradConfig, Adam, AdamConfig, Lamb, LambConfig, Lion, LionConfig, Optimizer, Sgd, SgdConfig,
+    Adagrad, AdagradConfig, Adam, AdamConfig, Lamb, LambConfig, Lion, LionConfig, OneBitAdam, OneBitAdamConfig,
+    Optimizer, Sgd, SgdConfig, ZeroOneAdam, ZeroOneAdamConfig,
 };
 
 use tch::{Device, Kind, Tensor};
@@ -49,7 +51,45 @@ pub fn build(config: &Config, len: usize) -> (Box<dyn Optimizer>, f64, f64) {
         OptimizerConfig::Lion(p) => {
             (Box::new(Lion::new(LionConfig { betas: (p.betas[0], p.betas[1]) }, len)), p.lr, p.weight_decay)
         }
+        OptimizerConfig::OneBitAdam(_) | OptimizerConfig::ZeroOneAdam(_) | OptimizerConfig::OneBitLamb(_) => {
+            unreachable!("the 1-bit optimizers are built with their exchange (`one_bit`)")
+        }
     }
+}
+
+/// The config's 1-bit optimizer over `len` elements, exchanging through `exchange`; None for other optimizers.
+fn one_bit(config: &Config, len: usize, exchange: Box<dyn Exchange>) -> Result<Option<(Box<dyn Optimizer>, f64, f64)>> {
+    let Some(optimizer) = &config.optimizer else { return Ok(None) };
+    let Some(common) = optimizer.one_bit() else { return Ok(None) };
+    let (betas, eps, bias_correction) = ((common.betas[0], common.betas[1]), common.eps, common.bias_correction);
+    let built: Box<dyn Optimizer> = match optimizer {
+        OptimizerConfig::OneBitAdam(p) => Box::new(OneBitAdam::new(
+            OneBitAdamConfig { betas, eps, bias_correction, freeze_step: p.freeze_step },
+            len,
+            exchange,
+        )),
+        OptimizerConfig::ZeroOneAdam(p) => Box::new(ZeroOneAdam::new(
+            ZeroOneAdamConfig {
+                betas,
+                eps,
+                bias_correction,
+                var_freeze_step: p.var_freeze_step,
+                var_update_scaler: p.var_update_scaler,
+                local_step_scaler: p.local_step_scaler,
+                local_step_clipper: p.local_step_clipper,
+            },
+            len,
+            exchange,
+        )),
+        _ => {
+            return Err(Error::Unsupported {
+                key: "optimizer.type",
+                value: format!("\"{}\"", optimizer.name()),
+                why: "1-bit LAMB needs LAMB's per-tensor trust ratios, which zerorun's flat shards do not keep yet (Lamb is refused the same way); use OneBitAdam or ZeroOneAdam",
+            })
+        }
+    };
+    Ok(Some((built, common.lr, common.weight_decay)))
 }
 
 /// The config's optimizer section; none: AdamW with DeepSpeed's defaults.
@@ -115,9 +155,21 @@ pub(crate) fn optimizer_tier(
     rank: usize,
     engine_id: usize,
     residence: Residence,
+    exchange: Option<Box<dyn Exchange>>,
 ) -> Result<(OptimizerTier, f64, f64)> {
     let z = &config.zero_optimization;
     let device = residence.device();
+    if let Some(exchange) = exchange {
+        if z.offload_optimizer.device == OffloadDevice::Nvme || residence.device_path() {
+            return Err(Error::Unsupported {
+                key: "optimizer.type",
+                value: format!("\"{}\"", config.optimizer.as_ref().map_or("", |o| o.name())),
+                why: "the 1-bit optimizers step the whole momentum in host memory: not with optimizer states on NVMe or on a device (use offload_optimizer.device \"cpu\" for a CUDA model)",
+            });
+        }
+        let (optimizer, lr, wd) = one_bit(config, optimized_len, exchange)?.expect("a 1-bit optimizer has an exchange");
+        return Ok((Box::new(zerorun_offload::InMemory(optimizer)), lr, wd));
+    }
     let nvme = z.offload_optimizer.device == OffloadDevice::Nvme;
     let on_device = z.offload_optimizer.device == OffloadDevice::None && residence.device_path();
     let (in_memory, base_lr, weight_decay) = build(config, if nvme || on_device { 0 } else { optimized_len });
@@ -179,11 +231,12 @@ pub(crate) fn optimizer_shard(
     flat: &Tensor,
     rank: usize,
     residence: Residence,
+    exchange: Option<Box<dyn Exchange>>,
 ) -> Result<(super::OptimizerShard, Device)> {
     let device = residence.device();
     let optimized = plan.optimized(layout, rank);
     let (mut tier, base_lr, weight_decay) =
-        optimizer_tier(config, optimized.len(), rank, crate::engine::next_engine_id(), residence)?;
+        optimizer_tier(config, optimized.len(), rank, crate::engine::next_engine_id(), residence, exchange)?;
     // The master lives with the optimizer's states: on the device for the device path's optimizer, else the host.
     let home = if super::steps_on_device(&mut tier) { device } else { Device::Cpu };
     let master = (config.precision() != Precision::Fp32)
