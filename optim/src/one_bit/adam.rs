@@ -166,6 +166,7 @@ impl Optimizer for OneBitAdam {
         let [m] = self.state.split::<1>();
         self.exchange.one_bit_average(m, &mut self.errors).map_err(exchange_failed)?;
         let [m, v] = self.state.split::<2>();
+        super::mask_never_moved(m, v);
         for_each_chunk(params, grads, groups, [m, v], out, &Frozen(&consts));
         Ok(())
     }

@@ -77,6 +77,19 @@ impl ErrorFeedback {
     }
 }
 
+/// Zeroes `values` where the variance `v` is exactly zero: elements whose gradient was zero at every step that
+/// updated the variance (the flat buffer's padding, parameters that never received a gradient, as BERT's position
+/// embeddings past the sequence length). One bit cannot say zero, so the exchange hands such elements plus or
+/// minus a scale, and with a zero variance that would be divided by `eps`: this is DeepSpeed's `exp_avg_mask`,
+/// found instead of asked for.
+pub(crate) fn mask_never_moved(values: &mut [f32], v: &[f32]) {
+    for (x, v) in values.iter_mut().zip(v) {
+        if *v == 0.0 {
+            *x = 0.0;
+        }
+    }
+}
+
 /// A failed exchange as this crate's error.
 pub(crate) fn exchange_failed(what: String) -> crate::OptimError {
     crate::OptimError::Exchange { what }

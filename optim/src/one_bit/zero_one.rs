@@ -136,6 +136,7 @@ impl ZeroOneAdam {
         }
         self.exchange.one_bit_average(&mut moved, &mut self.errors).map_err(exchange_failed)?;
         let [m, v, anchor] = self.state.split::<3>();
+        super::mask_never_moved(&mut moved, v);
         for (g, c) in groups.iter().zip(consts) {
             for i in g.range.clone() {
                 let denom = v[i].sqrt() / c.bias_correction2_sqrt + c.eps;
@@ -204,6 +205,7 @@ impl Optimizer for ZeroOneAdam {
                 let mut averaged = vec![0f32; n];
                 grads.load(0..n, &mut averaged);
                 self.exchange.one_bit_average(&mut averaged, &mut self.errors).map_err(exchange_failed)?;
+                super::mask_never_moved(&mut averaged, self.state.get("exp_avg_sq")?);
                 let [m] = self.state.split::<1>();
                 for_each_chunk(params, Grads::F32(&averaged), groups, [m], None, &Momentum(&consts));
                 let [m, v] = self.state.split::<2>();

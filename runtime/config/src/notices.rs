@@ -195,6 +195,18 @@ pub(crate) fn collect(config: &Config, given: &BTreeSet<String>, ignored: Vec<St
             "zerorun's Adam is one kernel with torch.optim.Adam's arithmetic: there is no second implementation to choose",
         );
     }
+    if let Some(common) = config.optimizer.as_ref().and_then(super::OptimizerConfig::one_bit) {
+        note(
+            "optimizer.params.cuda_aware",
+            common.cuda_aware,
+            "DeepSpeed's MPI backend of the 1-bit optimizers only: zerorun's 1-bit exchange runs on the engine's own backend",
+        );
+        note(
+            "optimizer.params.comm_backend_name",
+            true,
+            "zerorun's 1-bit exchange runs on the engine's own backend (threads, shm, gloo, MPI or NCCL's host path), whatever this names",
+        );
+    }
     let m = &config.monitor;
     for key in ["wandb.group", "wandb.team", "wandb.project"] {
         note(key, true, "zerorun does not log to Weights & Biases (`wandb.enabled` must be false)");

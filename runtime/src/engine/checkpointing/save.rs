@@ -313,6 +313,10 @@ impl Engine {
             rank,
             ws,
         )?;
+        if !rank_state_files.is_empty() {
+            // Every rank's file is in the staging folder before rank 0 publishes it.
+            self.comm.barrier()?;
+        }
         if rank != 0 {
             return Ok(None);
         }
