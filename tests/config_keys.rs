@@ -30,6 +30,8 @@ fn table() -> Vec<(&'static str, Effect)> {
     let adam = |params: Value| json!({"optimizer": {"type": "Adam", "params": params}});
     // Lamb is refused at initialize (optimizer.type), so its own keys never act.
     let lamb = "lamb_is_refused_at_initialize_so_its_own_keys_never_act";
+    let one_bit_lamb = "one_bit_lamb_is_refused_at_initialize_so_its_own_keys_never_act";
+    let one_bit = |params: Value| json!({"optimizer": {"type": "OneBitAdam", "params": params}});
     vec![
         ("activation_checkpointing", Section),
         (
@@ -152,10 +154,19 @@ fn table() -> Vec<(&'static str, Effect)> {
         ("optimizer.params.amsgrad", Acted("tests/optim_vs_torch.rs")),
         ("optimizer.params.betas", Acted("tests/optim_vs_torch.rs")),
         ("optimizer.params.bias_correction", Here("adam_bias_correction_off_takes_the_raw_moments")),
+        ("optimizer.params.coeff_beta", Here(one_bit_lamb)),
+        ("optimizer.params.comm_backend_name", Noticed(one_bit(json!({"comm_backend_name": "mpi"})))),
+        ("optimizer.params.cuda_aware", Noticed(one_bit(json!({"cuda_aware": true})))),
         ("optimizer.params.dampening", Acted("tests/optim_vs_torch.rs")),
         ("optimizer.params.eps", Acted("tests/optim_vs_torch.rs")),
         ("optimizer.params.eps_inside_sqrt", Here(lamb)),
+        ("optimizer.params.factor_max", Here(one_bit_lamb)),
+        ("optimizer.params.factor_min", Here(one_bit_lamb)),
+        ("optimizer.params.factor_threshold", Here(one_bit_lamb)),
+        ("optimizer.params.freeze_step", Acted("tests/compression.rs")),
         ("optimizer.params.initial_accumulator_value", Acted("tests/optim_vs_torch.rs")),
+        ("optimizer.params.local_step_clipper", Acted("tests/compression.rs")),
+        ("optimizer.params.local_step_scaler", Acted("tests/compression.rs")),
         ("optimizer.params.lr", Acted("tests/optim_vs_torch.rs")),
         ("optimizer.params.lr_decay", Acted("tests/optim_vs_torch.rs")),
         ("optimizer.params.max_coeff", Here(lamb)),
@@ -164,6 +175,8 @@ fn table() -> Vec<(&'static str, Effect)> {
         ("optimizer.params.momentum", Acted("tests/optim_vs_torch.rs")),
         ("optimizer.params.nesterov", Acted("tests/optim_vs_torch.rs")),
         ("optimizer.params.torch_adam", Noticed(adam(json!({"torch_adam": true})))),
+        ("optimizer.params.var_freeze_step", Acted("tests/compression.rs")),
+        ("optimizer.params.var_update_scaler", Acted("tests/compression.rs")),
         ("optimizer.params.weight_decay", Acted("tests/equivalence.rs")),
         ("optimizer.type", Acted("tests/equivalence.rs")),
         ("optimizer_in_backward", Acted("tests/stage3.rs")),

@@ -52,6 +52,11 @@ pub(crate) fn accepted() -> Vec<AcceptedKey> {
             read(every_section, &format!("{optimizer} with {scheduler}"));
         }
     }
+    // The 1-bit optimizers' keys (they run synchronously, at stage 0).
+    for optimizer in ["OneBitAdam", "ZeroOneAdam", "OneBitLamb"] {
+        let one_bit = serde_json::json!({"train_batch_size": 1, "optimizer": {"type": optimizer, "params": {}}});
+        read(one_bit, optimizer);
+    }
     // The keys of async_training's other modes.
     let bounded = serde_json::json!({
         "train_batch_size": 1, "gradient_clipping": 0, "zero_optimization": {"stage": 1},
@@ -278,23 +283,34 @@ const DOCS: &[KeyDoc] = &[
     KeyDoc { path: "optimizer", status: Section, what: "The optimizer: `type` and `params`.", deepspeed: "" },
     KeyDoc { path: "optimizer.params", status: Section, what: "The optimizer's parameters; which are read depends on `type`.", deepspeed: "" },
     KeyDoc { path: "optimizer.params.adam_w_mode", status: Acted, what: "Adam: decoupled weight decay (AdamW) when true, L2 in the gradient when false.", deepspeed: "" },
-    KeyDoc { path: "optimizer.params.amsgrad", status: Acted, what: "Adam/AdamW: keeps the maximum of the second moment.", deepspeed: "" },
-    KeyDoc { path: "optimizer.params.betas", status: Acted, what: "Adam/AdamW/Lamb/Lion: the moment coefficients.", deepspeed: "" },
-    KeyDoc { path: "optimizer.params.bias_correction", status: Acted, what: "Adam/AdamW/Lamb: bias-corrected moments.", deepspeed: "" },
+    KeyDoc { path: "optimizer.params.amsgrad", status: Acted, what: "Adam/AdamW: keeps the maximum of the second moment (the 1-bit optimizers refuse true, as DeepSpeed does).", deepspeed: "" },
+    KeyDoc { path: "optimizer.params.betas", status: Acted, what: "Adam/AdamW/Lamb/Lion and the 1-bit optimizers: the moment coefficients.", deepspeed: "" },
+    KeyDoc { path: "optimizer.params.bias_correction", status: Acted, what: "Adam/AdamW/Lamb and the 1-bit optimizers: bias-corrected moments (the 1-bit ones' variance correction stops with the variance).", deepspeed: "The 1-bit optimizers read it and never apply it: false gives their update." },
+    KeyDoc { path: "optimizer.params.coeff_beta", status: Acted, what: "OneBitLamb: the trust ratio's moving average in the warm-up (OneBitLamb is refused at initialize).", deepspeed: "" },
+    KeyDoc { path: "optimizer.params.comm_backend_name", status: Noticed, what: "1-bit optimizers: zerorun's exchange runs on the engine's backend, whatever this names (`nccl`, `mpi`, `hccl`, `compressed` accepted).", deepspeed: "Chooses the 1-bit optimizers' collective backend (GPU only)." },
+    KeyDoc { path: "optimizer.params.cuda_aware", status: Noticed, what: "1-bit optimizers: only `true` is noticed (DeepSpeed's MPI backend).", deepspeed: "CUDA-aware MPI for the 1-bit optimizers' MPI backend." },
     KeyDoc { path: "optimizer.params.dampening", status: Acted, what: "SGD: momentum dampening.", deepspeed: "" },
     KeyDoc { path: "optimizer.params.eps", status: Acted, what: "The denominator's epsilon (default per optimizer).", deepspeed: "" },
     KeyDoc { path: "optimizer.params.eps_inside_sqrt", status: Acted, what: "Lamb: epsilon inside the square root.", deepspeed: "" },
+    KeyDoc { path: "optimizer.params.factor_max", status: Acted, what: "OneBitLamb: upper bound of the compression stage's scaling factor (refused at initialize).", deepspeed: "" },
+    KeyDoc { path: "optimizer.params.factor_min", status: Acted, what: "OneBitLamb: lower bound of that factor (refused at initialize).", deepspeed: "" },
+    KeyDoc { path: "optimizer.params.factor_threshold", status: Acted, what: "OneBitLamb: the factor's largest change per step (refused at initialize).", deepspeed: "" },
+    KeyDoc { path: "optimizer.params.freeze_step", status: Acted, what: "OneBitAdam/OneBitLamb: steps of plain Adam on averaged gradients before the momentum travels as signs (>= 1).", deepspeed: "" },
     KeyDoc { path: "optimizer.params.initial_accumulator_value", status: Acted, what: "Adagrad: the accumulator's first value.", deepspeed: "" },
+    KeyDoc { path: "optimizer.params.local_step_clipper", status: Acted, what: "ZeroOneAdam: the largest local-step interval.", deepspeed: "" },
+    KeyDoc { path: "optimizer.params.local_step_scaler", status: Acted, what: "ZeroOneAdam: the local-step interval doubles every this many steps after `var_freeze_step`.", deepspeed: "" },
     KeyDoc { path: "optimizer.params.lr", status: Acted, what: "The learning rate (a schedule's bounds take it as default).", deepspeed: "" },
     KeyDoc { path: "optimizer.params.lr_decay", status: Acted, what: "Adagrad: learning-rate decay.", deepspeed: "" },
     KeyDoc { path: "optimizer.params.max_coeff", status: Acted, what: "Lamb: upper bound of the trust ratio.", deepspeed: "" },
-    KeyDoc { path: "optimizer.params.max_grad_norm", status: Refused, what: "Lamb: refused when non-zero; use `gradient_clipping`.", deepspeed: "" },
+    KeyDoc { path: "optimizer.params.max_grad_norm", status: Refused, what: "Lamb: refused when non-zero; Adam and the 1-bit optimizers: refused when given; use `gradient_clipping`.", deepspeed: "" },
     KeyDoc { path: "optimizer.params.min_coeff", status: Acted, what: "Lamb: lower bound of the trust ratio.", deepspeed: "" },
     KeyDoc { path: "optimizer.params.momentum", status: Acted, what: "SGD: momentum.", deepspeed: "" },
     KeyDoc { path: "optimizer.params.nesterov", status: Acted, what: "SGD: Nesterov momentum.", deepspeed: "" },
     KeyDoc { path: "optimizer.params.torch_adam", status: Noticed, what: "Only `true` is noticed: zerorun steps with its own vectorised kernels, equal to torch's.", deepspeed: "Selects torch's Adam over the fused kernel." },
+    KeyDoc { path: "optimizer.params.var_freeze_step", status: Acted, what: "ZeroOneAdam: the last step that may update the variance; local steps follow.", deepspeed: "" },
+    KeyDoc { path: "optimizer.params.var_update_scaler", status: Acted, what: "ZeroOneAdam: the variance-update interval doubles every this many updates.", deepspeed: "" },
     KeyDoc { path: "optimizer.params.weight_decay", status: Acted, what: "Weight decay (decoupled for AdamW; `EngineOptions::no_weight_decay` exempts parameters).", deepspeed: "" },
-    KeyDoc { path: "optimizer.type", status: Acted, what: "`Adam`, `AdamW`, `Adagrad`, `Lamb`, `Lion` or `SGD` (case-insensitive); at stages >= 1 the untested ones need `zero_allow_untested_optimizer`.", deepspeed: "" },
+    KeyDoc { path: "optimizer.type", status: Acted, what: "`Adam`, `AdamW`, `Adagrad`, `Lamb`, `Lion`, `SGD`, or the 1-bit `OneBitAdam`, `ZeroOneAdam`, `OneBitLamb` (stage 0; OneBitLamb refused at initialize) (case-insensitive); at stages >= 1 the untested ones need `zero_allow_untested_optimizer`.", deepspeed: "" },
     KeyDoc { path: "optimizer_in_backward", status: Acted, what: "zerorun's own key: steps each part as soon as its gradients are reduced, during backward: at stage 3 each unit's part of the shard (no gradient shard is held), at stage 0 each bucket as its all-reduce lands (the step hides behind the all-reduces still in flight).", deepspeed: "Not in DeepSpeed (torchtune's `optimizer_in_bwd`)." },
     KeyDoc { path: "pipeline", status: Section, what: "Pipeline parallelism (`zerorun::initialize_pipeline`).", deepspeed: "" },
     KeyDoc { path: "pipeline.activation_checkpoint_interval", status: Noticed, what: "No effect: pipeline layers checkpoint through `PipelineLayer`'s own flag.", deepspeed: "Checkpoints every N layers." },
