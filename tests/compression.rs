@@ -196,9 +196,14 @@ fn the_config_refuses_what_the_one_bit_optimizers_cannot_run_by_name() {
         "cuda_aware": true, "comm_backend_name": "mpi", "freeze_step": 3, "bias_correction": false}}}))
     .unwrap();
     let noticed: Vec<&str> = c.notices.iter().map(|n| n.path.as_str()).collect();
-    assert!(noticed.contains(&"optimizer.params.cuda_aware") && noticed.contains(&"optimizer.params.comm_backend_name"));
+    assert!(
+        noticed.contains(&"optimizer.params.cuda_aware") && noticed.contains(&"optimizer.params.comm_backend_name")
+    );
     // 1-bit LAMB is read, and refused when an engine would run it.
-    let lamb = config(json!({"type": "OneBitLamb", "params": {"freeze_step": 3, "coeff_beta": 0.9, "factor_max": 4.0, "factor_threshold": 0.1, "max_coeff": 0.3, "min_coeff": 0.01}}), json!({}));
+    let lamb = config(
+        json!({"type": "OneBitLamb", "params": {"freeze_step": 3, "coeff_beta": 0.9, "factor_max": 4.0, "factor_threshold": 0.1, "max_coeff": 0.3, "min_coeff": 0.01}}),
+        json!({}),
+    );
     let e = on_thread_ranks(1, |comm, _, _| {
         let (vs, _) = init_store();
         Engine::new(&vs, lamb.clone(), Box::new(comm), EngineOptions::default()).err().unwrap().to_string()
@@ -212,7 +217,9 @@ fn the_config_refuses_what_the_one_bit_optimizers_cannot_run_by_name() {
 /// averaged gradient at the end.
 fn least_squares(exchange: Option<bool>, steps: usize) -> f64 {
     let (n, world, lr) = (64usize, 2usize, 0.4f32);
-    let a = |w: usize, i: usize, j: usize| (((i * 31 + j * 17 + w * 7) % 23) as f32 / 23.0 - 0.5) + if i == j { 8.0 } else { 0.0 };
+    let a = |w: usize, i: usize, j: usize| {
+        (((i * 31 + j * 17 + w * 7) % 23) as f32 / 23.0 - 0.5) + if i == j { 8.0 } else { 0.0 }
+    };
     let b = |w: usize, i: usize| ((i * 13 + w * 5) % 11) as f32 / 11.0 - 0.5 + w as f32;
     let grad = |w: usize, x: &[f32]| -> Vec<f32> {
         let r: Vec<f32> = (0..n).map(|i| (0..n).map(|j| a(w, i, j) * x[j]).sum::<f32>() - b(w, i)).collect();
@@ -255,7 +262,10 @@ fn error_feedback_is_what_makes_signs_converge() {
     let with_feedback = least_squares(Some(true), 5000);
     let without = least_squares(Some(false), 5000);
     assert!(exact < 1e-5 * start, "exact gradient descent ends with gradient norm {exact} (from {start})");
-    assert!(with_feedback < 0.03 * start, "with error feedback the gradient norm ends at {with_feedback} (from {start})");
+    assert!(
+        with_feedback < 0.03 * start,
+        "with error feedback the gradient norm ends at {with_feedback} (from {start})"
+    );
     assert!(without > 0.25 * start, "without error feedback the gradient norm ends at {without} (from {start})");
     assert!(without > 10.0 * with_feedback, "without error feedback {without}, with it {with_feedback}");
 }

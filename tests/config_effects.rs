@@ -339,8 +339,11 @@ fn lamb_is_refused_at_initialize_so_its_own_keys_never_act() {
 
 #[test]
 fn one_bit_lamb_is_refused_at_initialize_so_its_own_keys_never_act() {
-    let params = json!({"freeze_step": 3, "coeff_beta": 0.8, "factor_max": 3.0, "factor_min": 0.6, "factor_threshold": 0.2});
-    let config = Config::from_value(json!({"train_batch_size": 4, "optimizer": {"type": "OneBitLamb", "params": params}})).unwrap();
+    let params =
+        json!({"freeze_step": 3, "coeff_beta": 0.8, "factor_max": 3.0, "factor_min": 0.6, "factor_threshold": 0.2});
+    let config =
+        Config::from_value(json!({"train_batch_size": 4, "optimizer": {"type": "OneBitLamb", "params": params}}))
+            .unwrap();
     let (vs, _model) = init_store();
     let comm = threads::group(1, std::time::Duration::from_secs(10)).pop().unwrap();
     let err = Engine::new(&vs, config, Box::new(comm), EngineOptions::default())

@@ -9,7 +9,9 @@ use zerorun_comm::{threads, BufMut, BufRef, Collectives, Communicator, Dtype, Re
 
 use super::{emit, CliError};
 
-const OPS: [&str; 5] = ["all_reduce", "reduce_scatter", "all_gather", "send_recv", "send_recv_ring"];
+/// `all_reduce_1bit` (f32 only): the 1-bit optimizers' sign all-reduce with error feedback (`signs::all_reduce`),
+/// its bandwidth counted as an fp32 all-reduce's of the same array, so it reads against `all_reduce` directly.
+const OPS: [&str; 6] = ["all_reduce", "all_reduce_1bit", "reduce_scatter", "all_gather", "send_recv", "send_recv_ring"];
 
 fn sizes(max_bytes: usize) -> Vec<usize> {
     std::iter::successors(Some(4096usize), |b| Some(b * 4)).take_while(|b| *b <= max_bytes.max(4096)).collect()
@@ -23,7 +25,7 @@ fn busbw(op: &str, bytes: usize, ranks: usize, secs: f64) -> f64 {
     let algbw = bytes as f64 / secs / 1e9;
     let n = ranks as f64;
     match op {
-        "all_reduce" => algbw * 2.0 * (n - 1.0) / n,
+        "all_reduce" | "all_reduce_1bit" => algbw * 2.0 * (n - 1.0) / n,
         "send_recv" | "send_recv_ring" => algbw,
         _ => algbw * (n - 1.0) / n,
     }
@@ -75,12 +77,18 @@ fn measure(c: &dyn Communicator, op: &str, bytes: usize, dtype: Dtype, repeats: 
     let (buf, out) = (&mut buf_mem.bytes()[..elems * es], &mut out_mem.bytes()[..elems / n * es]);
     fill_ones(buf, dtype);
     let fail = |e: zerorun_comm::CommError| CliError::Usage(e.to_string());
+    let mut errors = (op == "all_reduce_1bit").then(|| zerorun_comm::signs::SignErrors::new(elems, n));
     let mut times = Vec::with_capacity(repeats);
     for rep in 0..=repeats {
         c.barrier().map_err(fail)?;
         let t = Instant::now();
         match op {
             "all_reduce" => c.all_reduce_buf(BufMut { bytes: &mut *buf, dtype }, ReduceOp::Sum).map_err(fail)?,
+            "all_reduce_1bit" => {
+                let e = errors.as_mut().expect("made for this op");
+                zerorun_comm::signs::all_reduce(c, bytemuck::cast_slice_mut(&mut *buf), &mut e.worker, &mut e.server)
+                    .map_err(fail)?
+            }
             "reduce_scatter" => c
                 .reduce_scatter_buf(BufRef { bytes: &*buf, dtype }, BufMut { bytes: &mut *out, dtype }, ReduceOp::Sum)
                 .map_err(fail)?,
@@ -106,7 +114,7 @@ fn measure(c: &dyn Communicator, op: &str, bytes: usize, dtype: Dtype, repeats: 
         if rep > 0 {
             times.push(t.elapsed().as_secs_f64());
         }
-        if op == "all_reduce" {
+        if op == "all_reduce" || op == "all_reduce_1bit" {
             fill_ones(buf, dtype); // keep values finite across repeats
         }
     }
@@ -144,9 +152,9 @@ pub fn rank_main(
     let rows: Vec<(&str, usize, f64)> = {
         let mut rows = Vec::new();
         // Rank 0 shows the progress: every rank runs the same measurements in step.
-        let total = (OPS.len() * sizes(max_bytes).len()) as u64;
+        let total = ((OPS.len() - usize::from(dtype != Dtype::F32)) * sizes(max_bytes).len()) as u64;
         let mut progress = (c.rank() == 0).then(|| super::progress::Progress::new("bench comm", total));
-        for op in OPS {
+        for op in OPS.into_iter().filter(|op| *op != "all_reduce_1bit" || dtype == Dtype::F32) {
             for bytes in sizes(max_bytes) {
                 if let Some(p) = &mut progress {
                     p.item(&format!("{op} {bytes} B"));

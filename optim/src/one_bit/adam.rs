@@ -46,11 +46,8 @@ impl OneBitAdam {
         let (b1, b2) = self.config.betas;
         // The variance stops at the freeze: its correction stops with it.
         let tv = t.min(self.config.freeze_step.max(1));
-        let (bc1, bc2) = if self.config.bias_correction {
-            (1.0 - b1.powi(t as i32), 1.0 - b2.powi(tv as i32))
-        } else {
-            (1.0, 1.0)
-        };
+        let (bc1, bc2) =
+            if self.config.bias_correction { (1.0 - b1.powi(t as i32), 1.0 - b2.powi(tv as i32)) } else { (1.0, 1.0) };
         Consts {
             beta1: b1 as f32,
             one_minus_beta1: (1.0 - b1) as f32,
@@ -148,7 +145,11 @@ impl Optimizer for OneBitAdam {
     ) -> Result<()> {
         let n = params.len();
         if self.state.shard_len() != Some(n) {
-            return Err(OptimError::Length { what: "optimizer state", got: self.state.shard_len().unwrap_or(0), expected: n });
+            return Err(OptimError::Length {
+                what: "optimizer state",
+                got: self.state.shard_len().unwrap_or(0),
+                expected: n,
+            });
         }
         check(n, &grads, groups, out.as_ref())?;
         self.state.step += 1;

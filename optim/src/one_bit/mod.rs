@@ -70,7 +70,11 @@ impl ErrorFeedback {
             _ => return Ok(false),
         };
         if buf.len() != values.len() {
-            return Err(crate::OptimError::Length { what: "saved error-feedback buffer", got: values.len(), expected: buf.len() });
+            return Err(crate::OptimError::Length {
+                what: "saved error-feedback buffer",
+                got: values.len(),
+                expected: buf.len(),
+            });
         }
         buf.copy_from_slice(values);
         Ok(true)

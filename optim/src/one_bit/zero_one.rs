@@ -51,7 +51,15 @@ struct Schedule {
 
 impl Schedule {
     fn start() -> Schedule {
-        Schedule { var_interval: 1, var_counter: 0, var_updates: 0, local_interval: 1, local_counter: 0, lrs: 0.0, met: true }
+        Schedule {
+            var_interval: 1,
+            var_counter: 0,
+            var_updates: 0,
+            local_interval: 1,
+            local_counter: 0,
+            lrs: 0.0,
+            met: true,
+        }
     }
 
     fn words(&self) -> [u64; 7] {
@@ -182,7 +190,11 @@ impl Optimizer for ZeroOneAdam {
     ) -> Result<()> {
         let n = params.len();
         if self.state.shard_len() != Some(n) {
-            return Err(OptimError::Length { what: "optimizer state", got: self.state.shard_len().unwrap_or(0), expected: n });
+            return Err(OptimError::Length {
+                what: "optimizer state",
+                got: self.state.shard_len().unwrap_or(0),
+                expected: n,
+            });
         }
         check(n, &grads, groups, out.as_ref())?;
         self.state.step += 1;
@@ -294,8 +306,11 @@ impl Optimizer for ZeroOneAdam {
             return Ok(());
         }
         if name == "schedule" {
-            self.schedule = Schedule::from_words(&f32_to_words(values))
-                .ok_or(OptimError::Length { what: "saved 0/1 Adam schedule", got: values.len(), expected: 14 })?;
+            self.schedule = Schedule::from_words(&f32_to_words(values)).ok_or(OptimError::Length {
+                what: "saved 0/1 Adam schedule",
+                got: values.len(),
+                expected: 14,
+            })?;
             return Ok(());
         }
         Err(OptimError::MissingState { name: name.into() })

@@ -6,8 +6,8 @@
 //! 1. **worker**: `x = values + worker_error`; `scale = ||x|| / sqrt(n)`; `worker_error = x - scale * sign(x)`
 //!    (sign(0) = +1: one bit has no zero). Part `q` of the signs goes to rank `q`, with the scale
 //!    ([`exchange_parts`]: one send/receive per peer, (W-1)/W of n/8 bytes out of every rank).
-//! 2. **server** (every rank, for its own part): the average of the W received parts, `sum_r scale_r/W * sign_r`,
-//!    plus `server_error`; its scale and signs the same way, and `server_error` the remainder.
+//! 2. **server** (every rank, for its own part): `server_error` plus the average of the W received parts,
+//!    `sum_r scale_r/W * sign_r` (added in rank order); its scale and signs the same way, and `server_error` the remainder.
 //! 3. the servers' signs and scales are all-gathered; every rank ends with the same values, `scale_q * sign` in part q.
 //!
 //! Per rank the wire carries 2 (W-1)/W x n/8 bytes (and 2 (W-1) scales): 1/32 of a ring all-reduce of fp32.
@@ -69,7 +69,12 @@ impl SignErrors {
 /// feedback: `worker` ([`padded_len`] values) and `server` (padded length / world).
 /// Collective: every rank calls it with vectors of the same length. A single rank keeps its values exactly (there
 /// is nothing to exchange, as DeepSpeed's optimizers skip the call at one rank).
-pub fn all_reduce(comm: &dyn Communicator, values: &mut [f32], worker: &mut [f32], server: &mut [f32]) -> CommResult<()> {
+pub fn all_reduce(
+    comm: &dyn Communicator,
+    values: &mut [f32],
+    worker: &mut [f32],
+    server: &mut [f32],
+) -> CommResult<()> {
     const OP: &str = "1-bit all_reduce";
     let (rank, world, n) = (comm.rank(), comm.world_size(), values.len());
     if world == 1 || n == 0 {
@@ -90,76 +95,145 @@ pub fn all_reduce(comm: &dyn Communicator, values: &mut [f32], worker: &mut [f32
     }
     let part = padded / world;
     let part_words = part / WORD + 1;
+    SCRATCH.with(|scratch| {
+        // The sign words' buffers are kept between calls: a fresh allocation of them would be page faults each step.
+        let mut scratch = scratch.borrow_mut();
+        scratch.resize(3 * world * part_words, 0);
+        let (sent, rest) = scratch.split_at_mut(world * part_words);
+        let (received, gathered) = rest.split_at_mut(world * part_words);
+        // 1. The worker: compensate, take signs and scale, keep the remainder.
+        for (e, v) in worker.iter_mut().zip(values.iter()) {
+            *e += *v;
+        }
+        compress(worker, sent, part_words);
+        // 2. Each part to its server, which adds every rank's part of it (in rank order) to its error.
+        exchange_parts(comm, sent, received, part_words)?;
+        for r in 0..world {
+            let words = &received[r * part_words..(r + 1) * part_words];
+            let weight = f32::from_bits(words[part_words - 1] as u32) / world as f32;
+            add_signs(&words[..part_words - 1], weight, server);
+        }
+        // 3. The servers' signs and scales to every rank.
+        compress(server, &mut gathered[rank * part_words..(rank + 1) * part_words], part_words);
+        comm.all_gather_buf(BufMut { bytes: bytemuck::cast_slice_mut(gathered), dtype: Dtype::I64 })?;
+        for (q, out) in values.chunks_mut(part).enumerate() {
+            let words = &gathered[q * part_words..(q + 1) * part_words];
+            write_signs(&words[..part_words - 1], f32::from_bits(words[part_words - 1] as u32), out);
+        }
+        Ok(())
+    })
+}
 
-    // 1. The worker: compensate, take signs and scale, keep the remainder.
-    let compensated = worker;
-    for (e, v) in compensated.iter_mut().zip(values.iter()) {
-        *e += *v;
-    }
-    let mut sent = vec![0u64; world * part_words];
-    compress(compensated, &mut sent, part_words);
-    // 2. Each part to its server.
-    let mut received = vec![0u64; world * part_words];
-    exchange_parts(comm, &sent, &mut received, part_words)?;
-    // The server's part: the average of what every rank sent for it, in rank order, plus its error.
-    let mut average = vec![0f32; part];
-    for r in 0..world {
-        let words = &received[r * part_words..(r + 1) * part_words];
-        let weight = f32::from_bits(words[part_words - 1] as u32) / world as f32;
-        add_signs(&words[..part_words - 1], weight, &mut average);
-    }
-    for (s, a) in server.iter_mut().zip(&average) {
-        *s += *a;
-    }
-    drop(average);
-    // 3. The servers' signs and scales to every rank.
-    let mut gathered = vec![0u64; world * part_words];
-    compress(server, &mut gathered[rank * part_words..(rank + 1) * part_words], part_words);
-    comm.all_gather_buf(BufMut { bytes: bytemuck::cast_slice_mut(&mut gathered), dtype: Dtype::I64 })?;
-    for (q, out) in values.chunks_mut(part).enumerate() {
-        let words = &gathered[q * part_words..(q + 1) * part_words];
-        let s = f32::from_bits(words[part_words - 1] as u32);
-        write_signs(&words[..part_words - 1], s, out);
-    }
-    Ok(())
+thread_local! {
+    /// Sign words of the last call on this thread, reused.
+    static SCRATCH: std::cell::RefCell<Vec<u64>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Takes the signs and scale of `x` (whole parts of `part_words - 1` sign words each, then the scale's word) into
 /// `out`, and leaves in `x` what they do not carry: `x - scale * sign(x)`. Returns the scale, `||x|| / sqrt(len)`.
 fn compress(x: &mut [f32], out: &mut [u64], part_words: usize) -> f32 {
-    let sum_sq: f64 = x.iter().map(|&v| (v as f64) * (v as f64)).sum();
-    let scale = (sum_sq / x.len() as f64).sqrt() as f32;
+    let scale = (square_sum(x) / x.len() as f64).sqrt() as f32;
     let sign_words = part_words - 1;
     for (part, words) in x.chunks_mut(sign_words * WORD).zip(out.chunks_mut(part_words)) {
-        for (chunk, word) in part.chunks_mut(WORD).zip(words.iter_mut()) {
-            let mut bits = 0u64;
-            for (j, v) in chunk.iter_mut().enumerate() {
-                // sign(0) = +1, and a NaN stays NaN in the error (so it shows, as in an uncompressed reduction).
-                let positive = !(*v < 0.0);
-                bits |= (positive as u64) << j;
-                *v -= if positive { scale } else { -scale };
-            }
-            *word = bits;
-        }
+        pack(part, &mut words[..sign_words], scale);
         words[sign_words] = scale.to_bits() as u64;
     }
     scale
 }
 
+/// Values summed in f32 lanes before the lanes go into the f64 total: a fixed order (so the same bits on every
+/// machine and thread count) that vectorizes.
+const LANES: usize = 8;
+const BLOCK: usize = 4096;
+
+/// `sum x^2`: blocks of [`BLOCK`] values summed in [`LANES`] f32 lanes, blocks added in f64.
+fn square_sum(x: &[f32]) -> f64 {
+    let mut total = 0f64;
+    for block in x.chunks(BLOCK) {
+        let mut lanes = [0f32; LANES];
+        let mut it = block.chunks_exact(LANES);
+        for c in &mut it {
+            for k in 0..LANES {
+                lanes[k] += c[k] * c[k];
+            }
+        }
+        let tail: f32 = it.remainder().iter().map(|v| v * v).sum();
+        total += lanes.iter().map(|&l| l as f64).sum::<f64>() + tail as f64;
+    }
+    total
+}
+
+/// Sign bits of `x` into `words` (bit j of word w: value 64 w + j is not negative; NaN counts as not negative), and
+/// `x -= scale * sign(x)`.
+fn pack(x: &mut [f32], words: &mut [u64], scale: f32) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: AVX2 is present (checked above).
+        return unsafe { pack_avx2(x, words, scale) };
+    }
+    for (chunk, word) in x.chunks_mut(WORD).zip(words.iter_mut()) {
+        let mut bits = 0u64;
+        for (j, v) in chunk.iter_mut().enumerate() {
+            let positive = !(*v < 0.0);
+            bits |= (positive as u64) << j;
+            *v -= if positive { scale } else { -scale };
+        }
+        *word = bits;
+    }
+}
+
+/// [`pack`] with AVX2: eight compares, one movemask and one blend per eight values.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn pack_avx2(x: &mut [f32], words: &mut [u64], scale: f32) {
+    use std::arch::x86_64::*;
+    let (zero, plus, minus) = (_mm256_setzero_ps(), _mm256_set1_ps(scale), _mm256_set1_ps(-scale));
+    for (chunk, word) in x.chunks_mut(WORD).zip(words.iter_mut()) {
+        let mut bits = 0u64;
+        let whole = chunk.len() / 8 * 8;
+        for (k, eight) in chunk[..whole].chunks_exact_mut(8).enumerate() {
+            let v = _mm256_loadu_ps(eight.as_ptr());
+            let negative = _mm256_cmp_ps::<_CMP_LT_OQ>(v, zero);
+            bits |= ((!_mm256_movemask_ps(negative) as u64) & 0xff) << (8 * k);
+            _mm256_storeu_ps(eight.as_mut_ptr(), _mm256_sub_ps(v, _mm256_blendv_ps(plus, minus, negative)));
+        }
+        for (j, v) in chunk.iter_mut().enumerate().skip(whole) {
+            let positive = !(*v < 0.0);
+            bits |= (positive as u64) << j;
+            *v -= if positive { scale } else { -scale };
+        }
+        *word = bits;
+    }
+}
+
+/// Eight values of plus or minus one for each byte of signs (bit k: value k): what unpacking multiplies by.
+fn sign_table() -> &'static [[f32; 8]; 256] {
+    static TABLE: std::sync::OnceLock<[[f32; 8]; 256]> = std::sync::OnceLock::new();
+    TABLE.get_or_init(|| std::array::from_fn(|b| std::array::from_fn(|k| if b >> k & 1 == 1 { 1.0 } else { -1.0 })))
+}
+
 /// `out[j] += weight * sign_j` for the signs in `words`.
 fn add_signs(words: &[u64], weight: f32, out: &mut [f32]) {
+    let table = sign_table();
     for (word, chunk) in words.iter().zip(out.chunks_mut(WORD)) {
-        for (j, o) in chunk.iter_mut().enumerate() {
-            *o += if word >> j & 1 == 1 { weight } else { -weight };
+        for (k, eight) in chunk.chunks_mut(8).enumerate() {
+            let signs = &table[(word >> (8 * k)) as usize & 0xff];
+            for (o, s) in eight.iter_mut().zip(signs) {
+                *o += s * weight;
+            }
         }
     }
 }
 
 /// `out[j] = scale * sign_j` for the signs in `words` (the last part may be cut short: padding is dropped).
 fn write_signs(words: &[u64], scale: f32, out: &mut [f32]) {
+    let table = sign_table();
     for (word, chunk) in words.iter().zip(out.chunks_mut(WORD)) {
-        for (j, o) in chunk.iter_mut().enumerate() {
-            *o = if word >> j & 1 == 1 { scale } else { -scale };
+        for (k, eight) in chunk.chunks_mut(8).enumerate() {
+            let signs = &table[(word >> (8 * k)) as usize & 0xff];
+            for (o, s) in eight.iter_mut().zip(signs) {
+                *o = s * scale;
+            }
         }
     }
 }
@@ -234,17 +308,10 @@ pub fn simulate(values: &mut [Vec<f32>], errors: &mut [SignErrors]) {
     }
     let mut gathered = vec![0u64; world * part_words];
     for q in 0..world {
-        let mut average = vec![0f32; part];
         for s in &sent {
             let words = &s[q * part_words..(q + 1) * part_words];
-            add_signs(
-                &words[..part_words - 1],
-                f32::from_bits(words[part_words - 1] as u32) / world as f32,
-                &mut average,
-            );
-        }
-        for (s, a) in errors[q].server.iter_mut().zip(&average) {
-            *s += *a;
+            let weight = f32::from_bits(words[part_words - 1] as u32) / world as f32;
+            add_signs(&words[..part_words - 1], weight, &mut errors[q].server);
         }
         compress(&mut errors[q].server, &mut gathered[q * part_words..(q + 1) * part_words], part_words);
     }

@@ -35,8 +35,8 @@ pub use error::{ConfigError, Result};
 pub use monitor::{comm_op_name, CommsLoggerConfig, FlopsProfilerConfig, MonitorConfig, MonitorOutput, COMM_OPS};
 pub use notices::Notice;
 pub use optimizer::{
-    AdagradParams, AdamParams, LambParams, LionParams, OneBitAdamParams, OneBitCommon, OneBitLambParams, OptimizerConfig,
-    SgdParams, ZeroOneAdamParams, ZERO_SUPPORTED,
+    AdagradParams, AdamParams, LambParams, LionParams, OneBitAdamParams, OneBitCommon, OneBitLambParams,
+    OptimizerConfig, SgdParams, ZeroOneAdamParams, ZERO_SUPPORTED,
 };
 pub use pipeline::{Partition, PipelineConfig, ScheduleName};
 pub use precision::{Bf16Config, Fp16Config, Precision};
@@ -399,7 +399,11 @@ impl Config {
             }
         }
         if let Some(opt) = &self.optimizer {
-            if z.stage >= 1 && opt.one_bit().is_none() && !self.zero_allow_untested_optimizer && !ZERO_SUPPORTED.contains(&opt.name()) {
+            if z.stage >= 1
+                && opt.one_bit().is_none()
+                && !self.zero_allow_untested_optimizer
+                && !ZERO_SUPPORTED.contains(&opt.name())
+            {
                 return Err(ConfigError::Conflict {
                     path: "optimizer.type".into(),
                     message: format!(

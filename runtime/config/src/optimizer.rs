@@ -370,7 +370,11 @@ impl OptimizerConfig {
                     allowed,
                 };
                 if !(params.min_coeff > 0.0 && params.min_coeff <= params.max_coeff) {
-                    return Err(bad("min_coeff", params.min_coeff, format!("must be in (0, max_coeff = {}]", params.max_coeff)));
+                    return Err(bad(
+                        "min_coeff",
+                        params.min_coeff,
+                        format!("must be in (0, max_coeff = {}]", params.max_coeff),
+                    ));
                 }
                 if !(params.factor_min > 0.0 && params.factor_min <= params.factor_max) {
                     return Err(bad(
@@ -383,7 +387,11 @@ impl OptimizerConfig {
                     return Err(bad("coeff_beta", params.coeff_beta, "must be in [0, 1)".into()));
                 }
                 if !(params.factor_threshold >= 0.0 && params.factor_threshold.is_finite()) {
-                    return Err(bad("factor_threshold", params.factor_threshold, "must be a finite number >= 0".into()));
+                    return Err(bad(
+                        "factor_threshold",
+                        params.factor_threshold,
+                        "must be a finite number >= 0".into(),
+                    ));
                 }
                 OptimizerConfig::OneBitLamb(params)
             }
@@ -439,7 +447,9 @@ fn one_bit_common(p: &mut Section) -> Result<OneBitCommon> {
     if p.take("max_grad_norm").is_some() {
         return Err(ConfigError::Conflict {
             path: p.path_of("max_grad_norm"),
-            message: "not supported by the 1-bit optimizers (DeepSpeed raises too); use the top-level `gradient_clipping`".into(),
+            message:
+                "not supported by the 1-bit optimizers (DeepSpeed raises too); use the top-level `gradient_clipping`"
+                    .into(),
         });
     }
     if p.bool("amsgrad", false)? {
@@ -464,7 +474,10 @@ fn one_bit_common(p: &mut Section) -> Result<OneBitCommon> {
         return Err(ConfigError::Invalid {
             path: p.path_of("comm_backend_name"),
             value: format!("\"{}\"", common.comm_backend_name),
-            allowed: format!("one of {} (DeepSpeed's; zerorun uses the engine's backend for any)", quoted_list(BACKENDS)),
+            allowed: format!(
+                "one of {} (DeepSpeed's; zerorun uses the engine's backend for any)",
+                quoted_list(BACKENDS)
+            ),
         });
     }
     check_common(p, common.lr, Some(common.betas), Some(common.eps), common.weight_decay)?;

@@ -1,6 +1,6 @@
 //! Builds the zerorun-optim optimizer and LR schedule named by the config.
-use zerorun_optim::schedule::LrScheduler;
 use zerorun_optim::one_bit::Exchange;
+use zerorun_optim::schedule::LrScheduler;
 use zerorun_optim::{
     Adagrad, AdagradConfig, Adam, AdamConfig, Lamb, LambConfig, Lion, LionConfig, OneBitAdam, OneBitAdamConfig,
     Optimizer, Sgd, SgdConfig, ZeroOneAdam, ZeroOneAdamConfig,
