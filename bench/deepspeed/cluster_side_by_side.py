@@ -26,6 +26,8 @@ ZR = os.path.join(ROOT, "target/release/zerorun")
 MLP = os.path.join(ROOT, "target/release/examples/mlp")
 VENV_BIN = os.path.join(ROOT, ".venv/bin")
 SHAPE = {"in": 1024, "hidden": 4096, "layers": 5, "out": 8}
+# Uncompressed steps of the compression cases before the 1-bit exchange starts.
+WARMUP = 2
 
 # name: (zerorun's zero_optimization given the ranks per host (None: not run at that layout), DeepSpeed's; None:
 # zerorun's only, measured against DeepSpeed's plain stage 3), and optionally (zerorun's, DeepSpeed's) top-level
@@ -48,18 +50,30 @@ CASES = {
         None,
     ),
     "stage3_mics": (lambda k: {"stage": 3, "mics_shard_size": k} if k > 1 else None, None),
+    # Compression (zerorun's 1-bit optimizers at stage 0, warm-up of 2 steps) against DeepSpeed's plain Adam at
+    # stage 0: DeepSpeed's own 1-bit optimizers need cupy and a GPU.
+    "onebit_adam": (
+        lambda k: {"stage": 0},
+        {"stage": 0},
+        ({"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-4, "freeze_step": WARMUP}}}, {}),
+    ),
+    "zero_one_adam": (
+        lambda k: {"stage": 0},
+        {"stage": 0},
+        ({"optimizer": {"type": "ZeroOneAdam", "params": {"lr": 1e-4, "var_freeze_step": WARMUP}}}, {}),
+    ),
 }
 
 
 def config(zero, batch, top=None):
-    return (top or {}) | {
+    return {
         "train_batch_size": batch,
         "gradient_accumulation_steps": 1,
         "steps_per_print": 1000,
         # torch_adam: DeepSpeed's CPU path without offload is torch.optim.Adam (FusedAdam needs CUDA).
         "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "torch_adam": True}},
         "zero_optimization": zero,
-    }
+    } | (top or {})
 
 
 def inputs(tmp):
@@ -143,6 +157,18 @@ def main():
                     json.dump(config(zr_zero, a.batch, zr_top), open(zr_cfg, "w"))
                     json.dump(config(ds_zero, a.batch, ds_top), open(ds_cfg, "w"))
                     zr = cluster(hosts, per_host, link, "zerorun", [MLP, "--config", zr_cfg] + common)
+                    if "optimizer" in zr_top:
+                        # The bytes of a compressed step: this run's less a run of the warm-up alone (the same
+                        # start), over the steps between.
+                        warm_args = common[: common.index("--steps")] + ["--steps", str(WARMUP)]
+                        warm_args += common[common.index("--steps") + 2 :]
+                        warm = cluster(hosts, per_host, link, "zerorun", [MLP, "--config", zr_cfg] + warm_args)
+                        zr["compressed_step_bytes_per_rank"] = [
+                            (b * a.steps - w * WARMUP) / (a.steps - WARMUP)
+                            for b, w in zip(
+                                zr["cross_host_bytes_per_rank_per_step"], warm["cross_host_bytes_per_rank_per_step"]
+                            )
+                        ]
                     # DeepSpeed's plain stage 3 once per layout and link serves every stage-3 row.
                     key = (link, layout, json.dumps(config(ds_zero, a.batch, ds_top), sort_keys=True))
                     if key not in ds_runs:
@@ -183,6 +209,22 @@ def main():
             f"{zr['step_over_floor']:.2f} | {ds['step_over_floor']:.2f} | {zero_floor(r)} | "
             f"{zr['last_loss']} / {ds['last_loss']} |"
         )
+    compressed = [r for r in rows if "compressed_step_bytes_per_rank" in r["zerorun"]]
+    if compressed:
+        lines += [
+            "",
+            f"Compressed steps (after the {WARMUP}-step warm-up): cross-host bytes per rank per step, from this run's "
+            "bytes less a warm-up-only run's, against DeepSpeed's uncompressed step.",
+            "",
+            "| link | hosts x ranks | case | zerorun MiB/rank/compressed step | DeepSpeed MiB/rank/step | fraction |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in compressed:
+            z = max(r["zerorun"]["compressed_step_bytes_per_rank"]) / 2**20
+            d = mib(r["deepspeed"])
+            lines.append(
+                f"| {r['link']} | {r['hosts']}x{r['ranks_per_host']} | {r['case']} | {z:.2f} | {d:.1f} | 1/{d / z:.1f} |"
+            )
     open(os.path.join(HERE, a.out + ".md"), "w").write("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -96,6 +96,9 @@ pub struct ZeroOneAdam {
     exchange: Box<dyn Exchange>,
     errors: ErrorFeedback,
     schedule: Schedule,
+    /// What is exchanged (the averaged gradient before the freeze, each rank's move at a meeting): kept between
+    /// steps, as a fresh shard-sized buffer every step would be the step's page faults.
+    scratch: Vec<f32>,
 }
 
 impl ZeroOneAdam {
@@ -103,7 +106,7 @@ impl ZeroOneAdam {
     pub fn new(config: ZeroOneAdamConfig, len: usize, exchange: Box<dyn Exchange>) -> Self {
         let errors = ErrorFeedback::for_len(exchange.as_ref(), len);
         let state = OptimizerState::new(&["exp_avg", "exp_avg_sq", "anchor"], len, 0.0);
-        ZeroOneAdam { config, state, exchange, errors, schedule: Schedule::start() }
+        ZeroOneAdam { config, state, exchange, errors, schedule: Schedule::start(), scratch: Vec::new() }
     }
 
     /// Whether step `t` averages the gradient in full precision and updates the variance.
@@ -136,7 +139,9 @@ impl ZeroOneAdam {
     fn meet(&mut self, params: &mut [f32], consts: &[Consts], groups: &[Group]) -> Result<()> {
         let lrs = self.schedule.lrs as f32;
         let [_, v, anchor] = self.state.split::<3>();
-        let mut moved = vec![0f32; params.len()];
+        let mut moved = std::mem::take(&mut self.scratch);
+        moved.resize(params.len(), 0.0);
+        moved.fill(0.0);
         for (g, c) in groups.iter().zip(consts) {
             for i in g.range.clone() {
                 moved[i] = (params[i] - anchor[i]) * (v[i].sqrt() / c.bias_correction2_sqrt + c.eps);
@@ -155,6 +160,7 @@ impl ZeroOneAdam {
             }
         }
         self.schedule.lrs = 0.0;
+        self.scratch = moved;
         Ok(())
     }
 }
@@ -214,7 +220,8 @@ impl Optimizer for ZeroOneAdam {
             } else {
                 // The gradient itself, averaged as signs, moves the momentum; the variance waits.
                 let consts: Vec<Consts> = groups.iter().map(|g| self.consts(t, self.schedule.var_updates, g)).collect();
-                let mut averaged = vec![0f32; n];
+                let mut averaged = std::mem::take(&mut self.scratch);
+                averaged.resize(n, 0.0);
                 grads.load(0..n, &mut averaged);
                 self.exchange.one_bit_average(&mut averaged, &mut self.errors).map_err(exchange_failed)?;
                 super::mask_never_moved(&mut averaged, self.state.get("exp_avg_sq")?);
@@ -222,6 +229,7 @@ impl Optimizer for ZeroOneAdam {
                 for_each_chunk(params, Grads::F32(&averaged), groups, [m], None, &Momentum(&consts));
                 let [m, v] = self.state.split::<2>();
                 for_each_chunk(params, grads, groups, [m, v], out, &Frozen(&consts));
+                self.scratch = averaged;
             }
             self.schedule.met = true;
             return Ok(());
