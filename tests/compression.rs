@@ -169,6 +169,66 @@ fn a_resume_continues_bitwise_at_the_same_world_size_and_runs_at_another() {
     }
 }
 
+fn adamw() -> Value {
+    json!({"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}})
+}
+
+fn powersgd(start: u64, rank: u64) -> Value {
+    json!({"gradient_compression": {"type": "powersgd", "matrix_approximation_rank": rank,
+        "start_powerSGD_iter": start, "min_compression_rate": 1.5}})
+}
+
+#[test]
+fn powersgd_before_start_powersgd_iter_is_the_plain_run_bitwise() {
+    let plain = train(&config(adamw(), json!({})), RANKS, 0..STEPS, None, None);
+    let waiting = train(&config(adamw(), powersgd(1000, 2)), RANKS, 0..STEPS, None, None);
+    assert_eq!(bits(&waiting.params[0]), bits(&plain.params[0]));
+}
+
+#[test]
+fn powersgd_keeps_every_rank_bitwise_equal_learns_and_resumes_bitwise() {
+    let cfg = config(adamw(), powersgd(3, 2));
+    let whole = train(&cfg, RANKS, 0..STEPS, None, None);
+    for r in 1..RANKS {
+        assert_eq!(bits(&whole.params[r]), bits(&whole.params[0]), "rank {r}");
+    }
+    let plain = train(&config(adamw(), json!({})), RANKS, 0..STEPS, None, None);
+    assert_ne!(bits(&whole.params[0]), bits(&plain.params[0]), "the steps after the third were compressed");
+    let tail = |l: &[f64]| l[l.len() - 5..].iter().sum::<f64>() / 5.0;
+    let (c, e) = (tail(&whole.losses), tail(&plain.losses));
+    assert!(c < 0.9 * whole.losses[0] && (c - e).abs() < 0.1 * e, "last 5 losses {c}, uncompressed {e}");
+    // Error feedback, Q and the step count are saved per rank: the resumed run is the whole run.
+    let dir = tempdir("powersgd");
+    let first = train(&cfg, RANKS, 0..9, None, Some(&dir));
+    assert!(first.saved.iter().all(Result::is_ok), "{:?}", first.saved);
+    let resumed = train(&cfg, RANKS, 9..STEPS, Some(&dir), None);
+    assert_eq!(bits(&resumed.params[0]), bits(&whole.params[0]));
+}
+
+#[test]
+fn every_powersgd_option_changes_the_run() {
+    let run = |extra: Value| {
+        let mut compression = powersgd(3, 2);
+        for (k, v) in extra.as_object().unwrap() {
+            compression["gradient_compression"][k] = v.clone();
+        }
+        bits(&train(&config(adamw(), compression), RANKS, 0..8, None, None).params[0])
+    };
+    let default = run(json!({}));
+    for option in [
+        json!({"use_error_feedback": false}),
+        json!({"warm_start": false}),
+        json!({"random_seed": 7}),
+        json!({"orthogonalization_epsilon": 1e-3}),
+        json!({"matrix_approximation_rank": 1}),
+        json!({"start_powerSGD_iter": 5}),
+        // Every matrix now too small to gain: all averaged whole, the plain run.
+        json!({"min_compression_rate": 100.0}),
+    ] {
+        assert_ne!(run(option.clone()), default, "{option} changed nothing");
+    }
+}
+
 #[test]
 fn the_config_refuses_what_the_one_bit_optimizers_cannot_run_by_name() {
     let refused = |optimizer: Value, extra: Value| {
@@ -191,6 +251,20 @@ fn the_config_refuses_what_the_one_bit_optimizers_cannot_run_by_name() {
     assert!(e.contains("optimizer.params.comm_backend_name"), "{e}");
     let e = refused(one_bit_adam(10), json!({"async_training": {"mode": "local_sgd", "sync_every": 2}}));
     assert!(e.contains("asynchronous training"), "{e}");
+    let e = refused(adamw(), json!({"gradient_compression": {"type": "powersgd"}, "zero_optimization": {"stage": 2}}));
+    assert!(e.contains("gradient_compression.type") && e.contains("stage 0"), "{e}");
+    let e = refused(one_bit_adam(10), powersgd(0, 1));
+    assert!(e.contains("gradient_compression.type") && e.contains("OneBitAdam compresses its own exchange"), "{e}");
+    let e = refused(adamw(), json!({"gradient_compression": {"type": "powersgd", "matrix_approximation_rank": 0}}));
+    assert!(e.contains("gradient_compression.matrix_approximation_rank"), "{e}");
+    let e = refused(adamw(), json!({"gradient_compression": {"type": "powersgd", "min_compression_rate": 0.5}}));
+    assert!(e.contains("gradient_compression.min_compression_rate"), "{e}");
+    let e = refused(adamw(), json!({"gradient_compression": {"type": "powersgd", "orthogonalization_epsilon": -1.0}}));
+    assert!(e.contains("gradient_compression.orthogonalization_epsilon"), "{e}");
+    let e = refused(adamw(), json!({"gradient_compression": {"type": "powersgd"}, "prescale_gradients": true}));
+    assert!(e.contains("prescale_gradients"), "{e}");
+    let e = refused(adamw(), json!({"gradient_compression": {"type": "topk"}}));
+    assert!(e.contains("gradient_compression.type"), "{e}");
     // DeepSpeed's own spellings are accepted, the GPU-only knobs with a notice.
     let c = Config::from_value(json!({"train_batch_size": 8, "optimizer": {"type": "onebitadam", "params": {
         "cuda_aware": true, "comm_backend_name": "mpi", "freeze_step": 3, "bias_correction": false}}}))

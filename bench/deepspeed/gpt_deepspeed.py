@@ -71,7 +71,12 @@ class Rng:
     """splitmix64, as examples/support/mod.rs: batches depend only on (seed, step)."""
 
     def __init__(self, seed, stream):
-        self.s = (seed ^ (stream * 0x9E3779B97F4A7C15)) & MASK
+        # Both hashed into the state, as Rng::new does (a state of seed ^ stream x increment made consecutive
+        # streams the same draws one place apart).
+        s, t = Rng.__new__(Rng), Rng.__new__(Rng)
+        s.s, t.s = seed & MASK, (stream ^ 0xD1B54A32D192ED03) & MASK
+        u = t.next()
+        self.s = s.next() ^ (((u << 29) | (u >> 35)) & MASK)
 
     def next(self):
         self.s = (self.s + 0x9E3779B97F4A7C15) & MASK

@@ -57,6 +57,8 @@ pub(crate) fn accepted() -> Vec<AcceptedKey> {
         let one_bit = serde_json::json!({"train_batch_size": 1, "optimizer": {"type": optimizer, "params": {}}});
         read(one_bit, optimizer);
     }
+    let powersgd = serde_json::json!({"train_batch_size": 1, "gradient_compression": {"type": "powersgd"}});
+    read(powersgd, "PowerSGD");
     // The keys of async_training's other modes.
     let bounded = serde_json::json!({
         "train_batch_size": 1, "gradient_clipping": 0, "zero_optimization": {"stage": 1},
@@ -276,6 +278,15 @@ const DOCS: &[KeyDoc] = &[
     KeyDoc { path: "gradient_accumulation_steps", status: Acted, what: "Micro-batches per optimizer step (the batch rule infers it when absent or \"auto\").", deepspeed: "" },
     KeyDoc { path: "gradient_allreduce_op", status: Acted, what: "`mean` averages the ranks' gradients; `sum` sums them (stages 0-2).", deepspeed: "`sum` is refused at stage 3 in both." },
     KeyDoc { path: "gradient_clipping", status: Acted, what: "Clips the global gradient norm to this value (0 disables).", deepspeed: "" },
+    KeyDoc { path: "gradient_compression", status: Section, what: "zerorun's own: gradients averaged compressed at stage 0 (PowerSGD, PyTorch's `PowerSGDState` names and defaults). The 1-bit optimizers are `optimizer.type`s.", deepspeed: "Not a DeepSpeed key." },
+    KeyDoc { path: "gradient_compression.matrix_approximation_rank", status: Acted, what: "PowerSGD's rank r: each matrix gradient averaged as P Q^T, P n x r, Q m x r (default 1).", deepspeed: "" },
+    KeyDoc { path: "gradient_compression.min_compression_rate", status: Acted, what: "A matrix n x m is compressed when (n + m) r x this < n m; others, and every vector, are averaged whole (default 2).", deepspeed: "" },
+    KeyDoc { path: "gradient_compression.orthogonalization_epsilon", status: Acted, what: "Added to the column norms in Gram-Schmidt (default 0).", deepspeed: "" },
+    KeyDoc { path: "gradient_compression.random_seed", status: Acted, what: "Seed of Q's first values, the same on every rank (default 0).", deepspeed: "" },
+    KeyDoc { path: "gradient_compression.start_powerSGD_iter", status: Acted, what: "Optimizer steps averaged exactly before PowerSGD starts (default 1000; PyTorch suggests 10% of the run, after the warm-up).", deepspeed: "" },
+    KeyDoc { path: "gradient_compression.type", status: Acted, what: "`none` (default) or `powersgd` (stage 0; not with a 1-bit optimizer, asynchronous training, a sum reduction or predivision).", deepspeed: "" },
+    KeyDoc { path: "gradient_compression.use_error_feedback", status: Acted, what: "What the approximation missed is added to the next step's gradient (default true; per rank, saved in checkpoints).", deepspeed: "" },
+    KeyDoc { path: "gradient_compression.warm_start", status: Acted, what: "Q starts each step from the last step's (default true).", deepspeed: "" },
     KeyDoc { path: "gradient_predivide_factor", status: Acted, what: "Divides gradients by this before the reduction and by world size / factor after.", deepspeed: "" },
     KeyDoc { path: "hybrid_engine", status: Noticed, what: "No effect: DeepSpeed's RLHF hybrid engine.", deepspeed: "" },
     KeyDoc { path: "memory_breakdown", status: Acted, what: "Logs the memory accounting at every step.", deepspeed: "" },

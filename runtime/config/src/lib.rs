@@ -11,6 +11,7 @@ mod checkpointing;
 mod elasticity;
 mod error;
 pub mod estimate;
+mod gradient_compression;
 pub mod keys;
 mod monitor;
 mod notices;
@@ -32,6 +33,7 @@ pub use batch::{BatchInput, BatchSizes};
 pub use checkpointing::{ActivationCheckpointingConfig, CheckpointConfig, TagValidation};
 pub use elasticity::ElasticityConfig;
 pub use error::{ConfigError, Result};
+pub use gradient_compression::{GradientCompression, PowerSgd};
 pub use monitor::{comm_op_name, CommsLoggerConfig, FlopsProfilerConfig, MonitorConfig, MonitorOutput, COMM_OPS};
 pub use notices::Notice;
 pub use optimizer::{
@@ -140,6 +142,8 @@ pub struct Config {
     pub elasticity: ElasticityConfig,
     /// zerorun's own section: synchronous, or ranks stepping alone between meetings.
     pub async_training: AsyncTraining,
+    /// zerorun's own section: gradients averaged compressed (PowerSGD).
+    pub gradient_compression: GradientCompression,
     /// zerorun's own key: step each part as soon as its gradients are reduced, during backward (torchtune's
     /// `optimizer_in_bwd`): stage 3's units, so no gradient shard is held; stage 0's buckets as their all-reduces
     /// land, so the step hides behind the all-reduces still on the wire. Needs what a step in pieces allows: no
@@ -277,6 +281,7 @@ impl Config {
             pipeline: PipelineConfig::read(s.section("pipeline")?)?,
             elasticity: ElasticityConfig::read(s.section("elasticity")?)?,
             async_training: AsyncTraining::read(s.section("async_training")?)?,
+            gradient_compression: GradientCompression::read(s.section("gradient_compression")?)?,
             optimizer_in_backward: s.bool("optimizer_in_backward", false)?,
             monitor,
             notices: Vec::new(),
@@ -374,6 +379,31 @@ impl Config {
                 path: "gradient_allreduce_op".into(),
                 message: "\"sum\" is not supported at `zero_optimization.stage` 3; use \"mean\"".into(),
             });
+        }
+        if self.gradient_compression.powersgd().is_some() {
+            let conflict =
+                |message: String| Err(ConfigError::Conflict { path: "gradient_compression.type".into(), message });
+            if z.stage > 0 {
+                return conflict(format!(
+                    "PowerSGD averages whole gradient matrices at stage 0 (this config has stage {}); at stages 1-3 the gradients are reduce-scattered bucket by bucket, which PowerSGD's low-rank factors of whole matrices cannot ride on",
+                    z.stage
+                ));
+            }
+            if let Some(opt) = self.optimizer.as_ref().filter(|o| o.one_bit().is_some()) {
+                return conflict(format!(
+                    "{} compresses its own exchange; use one compression or the other",
+                    opt.name()
+                ));
+            }
+            if self.async_training.is_async() {
+                return conflict("asynchronous training keeps gradients local; PowerSGD averages them".into());
+            }
+            if self.gradient_allreduce_op == AllreduceOp::Sum
+                || self.prescale_gradients
+                || self.gradient_predivide_factor != 1.0
+            {
+                return conflict("PowerSGD averages the ranks' gradients (its Q is divided by the world size): not with `gradient_allreduce_op` \"sum\", `prescale_gradients` or a `gradient_predivide_factor`".into());
+            }
         }
         if let Some(opt) = self.optimizer.as_ref().filter(|o| o.one_bit().is_some()) {
             // The exchange is of the whole momentum, which every rank holds at stage 0 only (DeepSpeed refuses

@@ -253,10 +253,19 @@ impl Engine {
         // over one group, every step: not across shard groups' replicas, not when asynchronous training keeps
         // gradients local or serves them stale, not with a communication dtype other than the model's.
         let one_bit = config.optimizer.as_ref().is_some_and(|o| o.one_bit().is_some());
+        if config.gradient_compression.powersgd().is_some() && replica_count > 1 {
+            return Err(Error::Unsupported {
+                key: "gradient_compression.type",
+                value: "\"powersgd\"".into(),
+                why: "PowerSGD averages over one group of every data-parallel rank; shard groups (mics_shard_size) split it in two levels",
+            });
+        }
         plan.all_reduce_in_backward &= replica_count == 1
             && !config.async_training.is_async()
-            // The 1-bit optimizers decide step by step whether gradients are averaged at all.
+            // The 1-bit optimizers decide step by step whether gradients are averaged at all; PowerSGD averages
+            // the whole flat buffer at once.
             && !one_bit
+            && config.gradient_compression.powersgd().is_none()
             && views::comm_kind(config.communication_data_type, precision) == views::kind_of(precision);
         // Stage 0 steps each bucket as its all-reduce lands; a single rank has no all-reduce, and its ordinary step
         // gives the same values.

@@ -304,8 +304,9 @@ impl Engine {
         }
         self.load_variables(&saved)?;
         self.load_outer_state(&saved)?;
-        crate::engine::compression::load_rank_state(
+        crate::engine::compression::restore(
             self.shard.tier.optimizer_mut(),
+            self.gradients.powersgd.as_mut(),
             &saved.folder,
             &m.rank_state_files,
             self.comm.rank(),

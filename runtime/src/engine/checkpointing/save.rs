@@ -306,8 +306,13 @@ impl Engine {
             tch::Tensor::write_safetensors(&outer, &file)
                 .map_err(|e| CheckpointError::Io { path: file.clone(), what: e.to_string() })?;
         }
-        let rank_state_files =
-            crate::engine::compression::save_rank_state(self.shard.tier.optimizer(), staging, prefix, rank, ws)?;
+        let rank_state_files = crate::engine::compression::save_rank_state(
+            crate::engine::compression::rank_state(self.shard.tier.optimizer(), self.gradients.powersgd.as_ref()),
+            staging,
+            prefix,
+            rank,
+            ws,
+        )?;
         if !rank_state_files.is_empty() {
             // Every rank's file is in the staging folder before rank 0 publishes it.
             self.comm.barrier()?;

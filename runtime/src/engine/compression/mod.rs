@@ -2,6 +2,8 @@
 //! ranks ([`SignExchange`], the optimizers themselves are zerorun-optim's `one_bit`). The engine's part is small by
 //! design: it hands the optimizer an exchange over its own group, keeps a step's gradients local when the
 //! optimizer asks (`Optimizer::keeps_gradients_local`), and saves the optimizer's per-rank state.
+pub(crate) mod powersgd;
+
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -72,16 +74,26 @@ fn rank_state_file(prefix: &str, rank: usize) -> String {
     format!("{prefix}optimizer_rank{rank}.safetensors")
 }
 
-/// Writes this rank's own optimizer state (a 1-bit optimizer's error feedback and schedule) into `staging` and
-/// returns the files of every rank, as the manifest lists them; nothing for optimizers without such state.
-pub(crate) fn save_rank_state(
+/// What of a run is each rank's own and not element-aligned with the shard: a 1-bit optimizer's error feedback and
+/// schedule, PowerSGD's error, Q and step count. Saved per rank, restored by [`restore`].
+pub(crate) fn rank_state(
     optimizer: Option<&dyn zerorun_optim::Optimizer>,
+    powersgd: Option<&powersgd::PowerSgd>,
+) -> Vec<(String, Vec<f32>)> {
+    let mut state = optimizer.map(|o| o.rank_state()).unwrap_or_default();
+    state.extend(powersgd.map(|p| p.saved()).unwrap_or_default());
+    state
+}
+
+/// Writes this rank's own state ([`rank_state`]) into `staging` and returns the files of every rank, as the
+/// manifest lists them; nothing when there is none.
+pub(crate) fn save_rank_state(
+    state: Vec<(String, Vec<f32>)>,
     staging: &std::path::Path,
     prefix: &str,
     rank: usize,
     world_size: usize,
 ) -> crate::error::Result<Vec<String>> {
-    let state = optimizer.map(|o| o.rank_state()).unwrap_or_default();
     if state.is_empty() {
         return Ok(Vec::new());
     }
@@ -93,45 +105,57 @@ pub(crate) fn save_rank_state(
     Ok((0..world_size).map(|r| rank_state_file(prefix, r)).collect())
 }
 
-/// Restores this rank's optimizer state from a checkpoint's `files` (by rank): at the world size that saved it,
-/// this rank's own; at another, rank 0's without the error feedback, which is each rank's and sized by the world
-/// (it restarts at zero, as DeepSpeed restarts it on every load; 0/1 Adam's schedule carries over).
-pub(crate) fn load_rank_state(
-    optimizer: Option<&mut dyn zerorun_optim::Optimizer>,
+/// Restores this rank's own state from a checkpoint's `files` (by rank): at the world size that saved it, this
+/// rank's; at another, rank 0's without the error-feedback buffers (names ending `_error`), which are each rank's
+/// and sized by the world: they restart at zero, as DeepSpeed restarts them on every load, while 0/1 Adam's
+/// schedule and PowerSGD's Q and step count carry over.
+pub(crate) fn restore(
+    mut optimizer: Option<&mut dyn zerorun_optim::Optimizer>,
+    mut powersgd: Option<&mut powersgd::PowerSgd>,
     folder: &std::path::Path,
     files: &[String],
     rank: usize,
     world_size: usize,
 ) -> crate::error::Result<()> {
-    let Some(optimizer) = optimizer else { return Ok(()) };
-    if optimizer.rank_state().is_empty() {
+    let wanted = rank_state(optimizer.as_deref(), powersgd.as_deref());
+    if wanted.is_empty() {
         return Ok(());
     }
-    optimizer.reset_rank_state();
+    if let Some(o) = optimizer.as_deref_mut() {
+        o.reset_rank_state();
+    }
+    if let Some(p) = powersgd.as_deref_mut() {
+        p.reset_error();
+    }
     if files.is_empty() {
         tracing::warn!(
-            optimizer = optimizer.name(),
-            "the checkpoint has no per-rank optimizer state (saved by another optimizer): the error feedback starts at zero"
+            "the checkpoint has no per-rank state (saved without compression): error feedback starts at zero"
         );
         return Ok(());
     }
     let same_world = files.len() == world_size;
     let path = folder.join(&files[if same_world { rank } else { 0 }]);
     let file = crate::checkpoint::hf::WeightFiles::open(&path)?;
-    for (name, _) in optimizer.rank_state() {
+    for (name, _) in wanted {
         if !same_world && name.ends_with("_error") {
             continue;
         }
         let (_, t) = crate::engine::checkpointing::read_variable(&file, &name)?;
         let values: Vec<f32> = Vec::<f32>::try_from(t.to_kind(tch::Kind::Float).reshape([-1]))
             .map_err(|e| crate::checkpoint::CheckpointError::Io { path: path.clone(), what: e.to_string() })?;
-        optimizer.load_rank_state(&name, &values)?;
+        let taken = match powersgd.as_deref_mut() {
+            Some(p) => p.load(&name, &values)?,
+            None => false,
+        };
+        if let (false, Some(o)) = (taken, optimizer.as_deref_mut()) {
+            o.load_rank_state(&name, &values)?;
+        }
     }
     if !same_world && rank == 0 {
         tracing::info!(
             from = files.len(),
             to = world_size,
-            "another world size: the 1-bit error feedback restarts at zero (it is each rank's, sized by the world)"
+            "another world size: the error feedback restarts at zero (it is each rank's, sized by the world)"
         );
     }
     Ok(())

@@ -51,6 +51,8 @@ pub(crate) struct Gradients {
     unit_offsets: Vec<usize>,
     /// Stage 2 of a plain loop, stage 0's all-reduce in backward: the hooked buckets' countdown.
     pub countdown: Option<Countdown>,
+    /// `gradient_compression` PowerSGD (stage 0): the flat gradients averaged as low-rank factors.
+    pub powersgd: Option<crate::engine::compression::powersgd::PowerSgd>,
     /// Stage 0 with `overlap_comm`: the buckets all-reduced during backward.
     pub all_reduce_in_backward: Option<AllReduceInBackward>,
     /// The gradient hooks that reduce bucket by bucket during backward (the countdown's).
@@ -138,6 +140,10 @@ impl Gradients {
             unit_offsets,
             countdown,
             all_reduce_in_backward,
+            powersgd: config
+                .gradient_compression
+                .powersgd()
+                .map(|p| crate::engine::compression::powersgd::PowerSgd::new(*p, layout)),
             hooks: None,
             mark: 0,
             defers_reduction: false,
@@ -282,8 +288,14 @@ impl GradientSync<'_> {
                     if let Some(pre) = how.pre {
                         let _ = staging.shallow_clone().f_mul_scalar_(pre)?;
                     }
-                    views::all_reduce(how.residence, self.comm.as_ref(), &staging, how.op)?;
-                    self.volume.all_reduce_elements += self.layout.padded as u64;
+                    let sent = match self.gradients.powersgd.as_mut() {
+                        Some(p) => p.average(how.residence, self.comm.as_ref(), &staging)?,
+                        None => {
+                            views::all_reduce(how.residence, self.comm.as_ref(), &staging, how.op)?;
+                            self.layout.padded
+                        }
+                    };
+                    self.volume.all_reduce_elements += sent as u64;
                     if let Some(a) = self.gradients.all_reduce_in_backward.as_mut() {
                         a.add_aside(&staging)?;
                     }
