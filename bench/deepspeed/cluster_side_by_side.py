@@ -50,8 +50,8 @@ CASES = {
         None,
     ),
     "stage3_mics": (lambda k: {"stage": 3, "mics_shard_size": k} if k > 1 else None, None),
-    # Compression (zerorun's 1-bit optimizers at stage 0, warm-up of 2 steps) against DeepSpeed's plain Adam at
-    # stage 0: DeepSpeed's own 1-bit optimizers need cupy and a GPU.
+    # Compression (zerorun's 1-bit optimizers and PowerSGD at stage 0, warm-up of 2 steps) against DeepSpeed's
+    # plain Adam at stage 0: DeepSpeed's own 1-bit optimizers need cupy and a GPU, and its engine has no PowerSGD.
     "onebit_adam": (
         lambda k: {"stage": 0},
         {"stage": 0},
@@ -61,6 +61,14 @@ CASES = {
         lambda k: {"stage": 0},
         {"stage": 0},
         ({"optimizer": {"type": "ZeroOneAdam", "params": {"lr": 1e-4, "var_freeze_step": WARMUP}}}, {}),
+    ),
+    "powersgd_rank4": (
+        lambda k: {"stage": 0},
+        {"stage": 0},
+        (
+            {"gradient_compression": {"type": "powersgd", "matrix_approximation_rank": 4, "start_powerSGD_iter": WARMUP}},
+            {},
+        ),
     ),
 }
 
@@ -157,7 +165,7 @@ def main():
                     json.dump(config(zr_zero, a.batch, zr_top), open(zr_cfg, "w"))
                     json.dump(config(ds_zero, a.batch, ds_top), open(ds_cfg, "w"))
                     zr = cluster(hosts, per_host, link, "zerorun", [MLP, "--config", zr_cfg] + common)
-                    if "optimizer" in zr_top:
+                    if "optimizer" in zr_top or "gradient_compression" in zr_top:
                         # The bytes of a compressed step: this run's less a run of the warm-up alone (the same
                         # start), over the steps between.
                         warm_args = common[: common.index("--steps")] + ["--steps", str(WARMUP)]

@@ -136,37 +136,47 @@ impl PowerSgd {
             }
             self.warm = true;
         }
-        let matrices: Vec<Tensor> = self
-            .compressed
-            .iter()
-            .map(|c| g.narrow(0, c.range.start as i64, c.range.len() as i64).view([c.n, c.m]))
-            .collect();
+        // The products with the thin factors run here, one pass over each matrix per product (MKL's skinny gemms
+        // took several times as long on one core), in a fixed order, so every rank computes P Q^T identically.
+        // SAFETY: `g` is this call's fp32 host buffer (or the engine's, untouched during the reduction), and the
+        // factors are this state's own contiguous tensors; no other view of them is used while these are.
+        let values = unsafe { views::slice::<f32>(&g) };
         let mut ps = Vec::with_capacity(self.compressed.len());
-        for (c, m) in self.compressed.iter().zip(&matrices) {
+        for c in &self.compressed {
             orthogonalize(&c.q, eps)?;
-            ps.push(m.f_matmul(&c.q)?);
+            let qt = c.q.f_tr()?.f_contiguous()?;
+            let p = Tensor::f_zeros([c.n, c.q.size()[1]], (Kind::Float, tch::Device::Cpu))?;
+            let m = &values[c.range.clone()];
+            // SAFETY: as above.
+            unsafe { times_q(m, c.m as usize, views::slice::<f32>(&qt), views::slice::<f32>(&p)) };
+            ps.push(p);
         }
         sent += all_reduce_joined(comm, &ps, ReduceOp::Sum)?;
         for p in &ps {
             orthogonalize(p, eps)?;
         }
         // Q = M^T P, averaged: M's average is P Q^T on every rank.
-        for ((c, m), p) in self.compressed.iter().zip(&matrices).zip(&ps) {
-            let _ = c.q.shallow_clone().f_copy_(&m.f_tr()?.f_matmul(p)?)?;
+        let mut qts = Vec::with_capacity(self.compressed.len());
+        for (c, p) in self.compressed.iter().zip(&ps) {
+            let qt = Tensor::f_zeros([c.q.size()[1], c.m], (Kind::Float, tch::Device::Cpu))?;
+            let m = &values[c.range.clone()];
+            // SAFETY: as above.
+            unsafe { transposed_times_p(m, c.m as usize, views::slice::<f32>(p), views::slice::<f32>(&qt)) };
+            qts.push(qt);
         }
-        let qs: Vec<Tensor> = self.compressed.iter().map(|c| c.q.shallow_clone()).collect();
-        sent += all_reduce_joined(comm, &qs, ReduceOp::Sum)?;
-        for ((c, m), p) in self.compressed.iter().zip(&matrices).zip(&ps) {
-            let _ = c.q.shallow_clone().f_div_scalar_(world)?;
-            let approx = p.f_matmul(&c.q.f_tr()?)?;
-            if let Some(e) = &self.error {
-                // This rank's gradient (with the last error) less what the ranks agreed on.
-                let _ = e
-                    .narrow(0, c.range.start as i64, c.range.len() as i64)
-                    .shallow_clone()
-                    .f_copy_(&m.f_sub(&approx)?.view([-1]))?;
-            }
-            let _ = m.shallow_clone().f_copy_(&approx)?;
+        sent += all_reduce_joined(comm, &qts, ReduceOp::Sum)?;
+        let mut row = vec![0f32; self.compressed.iter().map(|c| c.m as usize).max().unwrap_or(0)];
+        for ((c, p), qt) in self.compressed.iter().zip(&ps).zip(&qts) {
+            let _ = qt.shallow_clone().f_div_scalar_(world)?;
+            let _ = c.q.shallow_clone().f_copy_(&qt.f_tr()?)?;
+            let m = &mut values[c.range.clone()];
+            let error = match &self.error {
+                // SAFETY: the error buffer is this state's own, viewed only here.
+                Some(e) => Some(&mut unsafe { views::slice::<f32>(e) }[c.range.clone()]),
+                None => None,
+            };
+            // SAFETY: as above.
+            unsafe { approximate(m, views::slice::<f32>(p), views::slice::<f32>(qt), error, &mut row[..c.m as usize]) };
         }
         // Back into the engine's buffer, in its dtype and on its device (nothing to do when `g` is the buffer).
         if g.data_ptr() != flat.data_ptr() {
@@ -241,6 +251,64 @@ impl PowerSgd {
         if let Some(e) = &self.error {
             let _ = e.shallow_clone().f_zero_();
         }
+    }
+}
+
+/// `p = M q` for M (rows of `cols` values) and q given transposed (`qt`, r rows of `cols`): p is rows x r.
+fn times_q(m: &[f32], cols: usize, qt: &[f32], p: &mut [f32]) {
+    let r = qt.len() / cols;
+    for (i, row) in m.chunks_exact(cols).enumerate() {
+        for k in 0..r {
+            p[i * r + k] = dot(row, &qt[k * cols..(k + 1) * cols]);
+        }
+    }
+}
+
+/// `qt = (M^T p)^T`: for every row i of M, `qt[k] += p[i][k] * row` (qt starts at zero).
+fn transposed_times_p(m: &[f32], cols: usize, p: &[f32], qt: &mut [f32]) {
+    let r = qt.len() / cols;
+    for (i, row) in m.chunks_exact(cols).enumerate() {
+        for k in 0..r {
+            axpy(&mut qt[k * cols..(k + 1) * cols], p[i * r + k], row);
+        }
+    }
+}
+
+/// Row by row: `approx = p[i] qt`; `error = M - approx` (when kept); `M = approx`. `row` is scratch of `cols`.
+fn approximate(m: &mut [f32], p: &[f32], qt: &[f32], mut error: Option<&mut [f32]>, row: &mut [f32]) {
+    let cols = row.len();
+    let r = qt.len() / cols;
+    for (i, values) in m.chunks_exact_mut(cols).enumerate() {
+        row.fill(0.0);
+        for k in 0..r {
+            axpy(row, p[i * r + k], &qt[k * cols..(k + 1) * cols]);
+        }
+        if let Some(e) = error.as_deref_mut() {
+            for ((e, v), a) in e[i * cols..(i + 1) * cols].iter_mut().zip(values.iter()).zip(row.iter()) {
+                *e = v - a;
+            }
+        }
+        values.copy_from_slice(row);
+    }
+}
+
+/// `sum a_j b_j` in eight f32 lanes (a fixed order that vectorizes).
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut lanes = [0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
+    for (x, y) in ca.zip(cb) {
+        for k in 0..8 {
+            lanes[k] += x[k] * y[k];
+        }
+    }
+    lanes.iter().sum::<f32>() + tail
+}
+
+/// `y += a x`.
+fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
+    for (y, x) in y.iter_mut().zip(x) {
+        *y += a * x;
     }
 }
 
