@@ -174,12 +174,19 @@ fn pack(x: &mut [f32], words: &mut [u64], scale: f32) {
     for (chunk, word) in x.chunks_mut(WORD).zip(words.iter_mut()) {
         let mut bits = 0u64;
         for (j, v) in chunk.iter_mut().enumerate() {
-            let positive = !(*v < 0.0);
+            let positive = not_negative(*v);
             bits |= (positive as u64) << j;
             *v -= if positive { scale } else { -scale };
         }
         *word = bits;
     }
+}
+
+/// What one sign bit says: not below zero (0 counts as +1, as DeepSpeed's sign; NaN too, which the error then
+/// carries, so a NaN shows as it would in an uncompressed reduction).
+#[inline(always)]
+fn not_negative(v: f32) -> bool {
+    v.partial_cmp(&0.0) != Some(std::cmp::Ordering::Less)
 }
 
 /// [`pack`] with AVX2: eight compares, one movemask and one blend per eight values.
@@ -198,7 +205,7 @@ unsafe fn pack_avx2(x: &mut [f32], words: &mut [u64], scale: f32) {
             _mm256_storeu_ps(eight.as_mut_ptr(), _mm256_sub_ps(v, _mm256_blendv_ps(plus, minus, negative)));
         }
         for (j, v) in chunk.iter_mut().enumerate().skip(whole) {
-            let positive = !(*v < 0.0);
+            let positive = not_negative(*v);
             bits |= (positive as u64) << j;
             *v -= if positive { scale } else { -scale };
         }

@@ -124,7 +124,7 @@ impl PowerSgd {
             sent += joined.numel();
             let mut at = 0;
             for (r, part) in self.whole.iter().zip(&whole) {
-                let _ = part.shallow_clone().f_copy_(&joined.narrow(0, at, r.len() as i64))?;
+                part.shallow_clone().f_copy_(&joined.narrow(0, at, r.len() as i64))?;
                 at += r.len() as i64;
             }
         }
@@ -132,7 +132,7 @@ impl PowerSgd {
         if !(self.options.warm_start && self.warm) {
             for c in &self.compressed {
                 let values: Vec<f32> = (0..c.q.numel()).map(|_| normal(&mut self.rng)).collect();
-                let _ = c.q.shallow_clone().f_copy_(&Tensor::from_slice(&values).view([c.m, c.q.size()[1]]))?;
+                c.q.shallow_clone().f_copy_(&Tensor::from_slice(&values).view([c.m, c.q.size()[1]]))?;
             }
             self.warm = true;
         }
@@ -168,19 +168,16 @@ impl PowerSgd {
         let mut row = vec![0f32; self.compressed.iter().map(|c| c.m as usize).max().unwrap_or(0)];
         for ((c, p), qt) in self.compressed.iter().zip(&ps).zip(&qts) {
             let _ = qt.shallow_clone().f_div_scalar_(world)?;
-            let _ = c.q.shallow_clone().f_copy_(&qt.f_tr()?)?;
+            c.q.shallow_clone().f_copy_(&qt.f_tr()?)?;
             let m = &mut values[c.range.clone()];
-            let error = match &self.error {
-                // SAFETY: the error buffer is this state's own, viewed only here.
-                Some(e) => Some(&mut unsafe { views::slice::<f32>(e) }[c.range.clone()]),
-                None => None,
-            };
+            // SAFETY: the error buffer is this state's own, viewed only here.
+            let error = self.error.as_ref().map(|e| &mut unsafe { views::slice::<f32>(e) }[c.range.clone()]);
             // SAFETY: as above.
             unsafe { approximate(m, views::slice::<f32>(p), views::slice::<f32>(qt), error, &mut row[..c.m as usize]) };
         }
         // Back into the engine's buffer, in its dtype and on its device (nothing to do when `g` is the buffer).
         if g.data_ptr() != flat.data_ptr() {
-            let _ = flat.shallow_clone().f_copy_(&g)?;
+            flat.shallow_clone().f_copy_(&g)?;
         }
         Ok(sent)
     }
@@ -217,7 +214,7 @@ impl PowerSgd {
                 if values.len() != e.numel() {
                     return Err(wrong(e.numel()));
                 }
-                let _ = e.shallow_clone().f_copy_(&Tensor::from_slice(values))?;
+                e.shallow_clone().f_copy_(&Tensor::from_slice(values))?;
             }
             "powersgd_q" => {
                 let total: usize = self.compressed.iter().map(|c| c.q.numel()).sum();
@@ -227,9 +224,7 @@ impl PowerSgd {
                 let mut at = 0;
                 for c in &self.compressed {
                     let k = c.q.numel();
-                    let _ =
-                        c.q.shallow_clone()
-                            .f_copy_(&Tensor::from_slice(&values[at..at + k]).view([c.m, c.q.size()[1]]))?;
+                    c.q.shallow_clone().f_copy_(&Tensor::from_slice(&values[at..at + k]).view([c.m, c.q.size()[1]]))?;
                     at += k;
                 }
             }
@@ -324,7 +319,7 @@ fn all_reduce_joined(comm: &dyn Communicator, parts: &[Tensor], op: ReduceOp) ->
     let mut at = 0;
     for p in parts {
         let k = p.numel() as i64;
-        let _ = p.shallow_clone().f_copy_(&joined.narrow(0, at, k).view(p.size().as_slice()))?;
+        p.shallow_clone().f_copy_(&joined.narrow(0, at, k).view(p.size().as_slice()))?;
         at += k;
     }
     Ok(joined.numel())

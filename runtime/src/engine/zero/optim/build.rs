@@ -58,7 +58,10 @@ pub fn build(config: &Config, len: usize) -> (Box<dyn Optimizer>, f64, f64) {
 }
 
 /// The config's 1-bit optimizer over `len` elements, exchanging through `exchange`; None for other optimizers.
-fn one_bit(config: &Config, len: usize, exchange: Box<dyn Exchange>) -> Result<Option<(Box<dyn Optimizer>, f64, f64)>> {
+/// An optimizer with its configured learning rate and weight decay.
+type Built = (Box<dyn Optimizer>, f64, f64);
+
+fn one_bit(config: &Config, len: usize, exchange: Box<dyn Exchange>) -> Result<Option<Built>> {
     let Some(optimizer) = &config.optimizer else { return Ok(None) };
     let Some(common) = optimizer.one_bit() else { return Ok(None) };
     let (betas, eps, bias_correction) = ((common.betas[0], common.betas[1]), common.eps, common.bias_correction);
