@@ -26,7 +26,9 @@ pub use dispatch::{simd_level, SimdLevel};
 pub use lamb::{Lamb, LambConfig};
 pub use lion::{Lion, LionConfig};
 pub use loss_scale::{LossScaler, LossScalerConfig, LossScalerState};
-pub use one_bit::{Exchange, OneBitAdam, OneBitAdamConfig, ZeroOneAdam, ZeroOneAdamConfig};
+pub use one_bit::{
+    Exchange, OneBitAdam, OneBitAdamConfig, OneBitLamb, OneBitLambConfig, ZeroOneAdam, ZeroOneAdamConfig,
+};
 pub use sgd::{Sgd, SgdConfig};
 pub use shard::{Grads, Group, ParamsOut};
 pub use state::OptimizerState;

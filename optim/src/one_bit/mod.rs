@@ -1,5 +1,5 @@
-//! The optimizers that communicate themselves: DeepSpeed's 1-bit Adam (Tang et al. 2021) and 0/1 Adam (Lu et al.
-//! 2022). After a warm-up of plain Adam on averaged gradients the variance stops changing, the update becomes
+//! The optimizers that communicate themselves: DeepSpeed's 1-bit Adam (Tang et al. 2021), 0/1 Adam (Lu et al.
+//! 2022) and 1-bit LAMB (Li et al. 2021). After a warm-up of plain Adam on averaged gradients the variance stops changing, the update becomes
 //! linear in the momentum, and what the ranks exchange is the momentum (or, for 0/1 Adam, the gradient and later
 //! the accumulated update) as one sign bit per value through an [`Exchange`], with error feedback so that what one
 //! step's signs leave out is added to the next step's. The engine keeps the gradients of such a step on their rank
@@ -10,9 +10,11 @@
 //! reads and ignores it: set it false for DeepSpeed's update); the error-feedback buffers and 0/1 Adam's schedule are
 //! saved in checkpoints per rank and restored at the same world size (DeepSpeed resets them on every load).
 mod adam;
+mod lamb;
 mod zero_one;
 
 pub use adam::{OneBitAdam, OneBitAdamConfig};
+pub use lamb::{OneBitLamb, OneBitLambConfig};
 pub use zero_one::{ZeroOneAdam, ZeroOneAdamConfig};
 
 /// The data-parallel ranks, as a compressing optimizer sees them: the engine implements it over its group.

@@ -238,11 +238,11 @@ impl Engine {
         // The batch spans every data-parallel rank: the shard groups' ranks times the groups.
         let data_world_size = world_size * replica_count;
         let batch = config.batch_sizes(data_world_size)?;
-        if let Some(OptimizerConfig::Lamb(_)) = &config.optimizer {
+        if let (Some(OptimizerConfig::Lamb(_)), 1..) = (&config.optimizer, config.zero_optimization.stage) {
             return Err(Error::Unsupported {
                 key: "optimizer.type",
                 value: "\"Lamb\"".into(),
-                why: "Lamb needs per-tensor trust ratios across ranks, not in this build yet",
+                why: "Lamb's trust ratios are per tensor, and at stages 1-3 a tensor's elements are split across ranks; it runs at stage 0",
             });
         }
         let z = &config.zero_optimization;

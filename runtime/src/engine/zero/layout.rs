@@ -134,6 +134,28 @@ impl FlatLayout {
             .collect()
     }
 
+    /// One group per slot within `range` (relative to its start), with its `decay`; padding joins the slot before
+    /// it. What LAMB-type optimizers step with: their trust ratio is per tensor.
+    pub fn slot_runs(&self, range: Range<usize>) -> Vec<(Range<usize>, bool)> {
+        let mut runs: Vec<(Range<usize>, bool)> = Vec::new();
+        for slot in &self.slots {
+            let (s, e) = (slot.range.start.max(range.start), slot.range.end.min(range.end));
+            if s >= e {
+                continue;
+            }
+            if let Some((last, _)) = runs.last_mut() {
+                last.end = s - range.start;
+            }
+            runs.push(((s - range.start)..(e - range.start), slot.decay));
+        }
+        match runs.last_mut() {
+            Some((last, _)) => last.end = range.len(),
+            None if !range.is_empty() => runs.push((0..range.len(), false)),
+            None => {}
+        }
+        runs
+    }
+
     /// Weight-decay groups within `range`, as ranges relative to its start: runs of slots with the same `decay`
     /// (padding joins the run before it; it has zero gradients and stays zero).
     pub fn decay_runs(&self, range: Range<usize>) -> Vec<(Range<usize>, bool)> {

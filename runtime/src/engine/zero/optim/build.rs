@@ -3,7 +3,7 @@ use zerorun_optim::one_bit::Exchange;
 use zerorun_optim::schedule::LrScheduler;
 use zerorun_optim::{
     Adagrad, AdagradConfig, Adam, AdamConfig, Lamb, LambConfig, Lion, LionConfig, OneBitAdam, OneBitAdamConfig,
-    Optimizer, Sgd, SgdConfig, ZeroOneAdam, ZeroOneAdamConfig,
+    OneBitLamb, OneBitLambConfig, Optimizer, Sgd, SgdConfig, ZeroOneAdam, ZeroOneAdamConfig,
 };
 
 use tch::{Device, Kind, Tensor};
@@ -84,13 +84,23 @@ fn one_bit(config: &Config, len: usize, exchange: Box<dyn Exchange>) -> Result<O
             len,
             exchange,
         )),
-        _ => {
-            return Err(Error::Unsupported {
-                key: "optimizer.type",
-                value: format!("\"{}\"", optimizer.name()),
-                why: "1-bit LAMB needs LAMB's per-tensor trust ratios, which zerorun's flat shards do not keep yet (Lamb is refused the same way); use OneBitAdam or ZeroOneAdam",
-            })
-        }
+        OptimizerConfig::OneBitLamb(p) => Box::new(OneBitLamb::new(
+            OneBitLambConfig {
+                betas,
+                eps,
+                bias_correction,
+                freeze_step: p.freeze_step,
+                max_coeff: p.max_coeff,
+                min_coeff: p.min_coeff,
+                coeff_beta: p.coeff_beta,
+                factor_max: p.factor_max,
+                factor_min: p.factor_min,
+                factor_threshold: p.factor_threshold,
+            },
+            len,
+            exchange,
+        )),
+        _ => unreachable!("one_bit() is Some for the three 1-bit optimizers only"),
     };
     Ok(Some((built, common.lr, common.weight_decay)))
 }
@@ -253,8 +263,11 @@ pub(crate) fn optimizer_shard(
             )
         })
         .transpose()?;
+    // LAMB's trust ratios are per tensor: a group per parameter (stage 0, where the shard is the whole model).
+    let per_tensor = matches!(config.optimizer, Some(OptimizerConfig::Lamb(_) | OptimizerConfig::OneBitLamb(_)));
     let runs = match &optimized {
         Optimized::Shard(_) => layout.shard_decay_runs(rank),
+        Optimized::Flat(plan::FlatRange(range)) if per_tensor => layout.slot_runs(range.clone()),
         Optimized::Flat(plan::FlatRange(range)) => layout.decay_runs(range.clone()),
     };
     let groups = runs
