@@ -127,6 +127,38 @@ fn one_bit_adam_after_freeze_step_keeps_every_rank_bitwise_equal_and_still_learn
 }
 
 #[test]
+fn one_bit_adam_at_stage_1_exchanges_the_gradient_and_the_change_as_signs() {
+    let stage1 = json!({"zero_optimization": {"stage": 1}});
+    // Before freeze_step: stage 1's AdamW.
+    let warm = train(&config(one_bit_adam(1000), stage1.clone()), RANKS, 0..STEPS, None, None);
+    let d = max_relative_difference(&warm.params[0], &adamw_reference());
+    assert!(d < 1e-5, "max relative difference to AdamW {d}");
+    let cfg = config(one_bit_adam(4), stage1.clone());
+    let compressed = train(&cfg, RANKS, 0..STEPS, None, None);
+    for r in 1..RANKS {
+        assert_eq!(bits(&compressed.params[r]), bits(&compressed.params[0]), "rank {r} differs from rank 0");
+    }
+    let exact = train(&config(one_bit_adam(1000), stage1.clone()), RANKS, 0..STEPS, None, None);
+    assert_ne!(bits(&compressed.params[0]), bits(&exact.params[0]));
+    let tail = |l: &[f64]| l[l.len() - 5..].iter().sum::<f64>() / 5.0;
+    let (c, e) = (tail(&compressed.losses), tail(&exact.losses));
+    assert!(c < 0.9 * compressed.losses[0] && (c - e).abs() < 0.1 * e, "last 5 losses {c}, uncompressed {e}");
+    // The errors are saved per rank: a resume at step 12 is the whole run.
+    let dir = tempdir("stage1");
+    train(&cfg, RANKS, 0..12, None, Some(&dir));
+    let resumed = train(&cfg, RANKS, 12..STEPS, Some(&dir), None);
+    assert_eq!(bits(&resumed.params[0]), bits(&compressed.params[0]), "resumed at step 12");
+    // 16-bit models are refused at stage 1, by name.
+    let bf16 = config(one_bit_adam(4), json!({"zero_optimization": {"stage": 1}, "bf16": {"enabled": true}}));
+    let e = on_thread_ranks(2, |comm, _, _| {
+        let (mut vs, _) = init_store();
+        vs.bfloat16();
+        Engine::new(&vs, bf16.clone(), Box::new(comm), EngineOptions::default()).err().map(|e| e.to_string())
+    });
+    assert!(e[0].as_deref().is_some_and(|e| e.contains("optimizer.type") && e.contains("fp32 master")), "{e:?}");
+}
+
+#[test]
 fn zero_one_adam_ranks_differ_between_meetings_and_agree_after_them() {
     // var_freeze_step 6, then meetings after steps 7, 8 (interval 1), 10 (interval 2), 12, 16, 20 (interval 4).
     let cfg = config(zero_one_adam(), json!({}));
@@ -274,8 +306,10 @@ fn the_config_refuses_what_the_one_bit_optimizers_cannot_run_by_name() {
         let base = json!({"train_batch_size": 8, "optimizer": optimizer});
         Config::from_value(json::merged(base, &extra)).unwrap_err().to_string()
     };
-    let e = refused(one_bit_adam(10), json!({"zero_optimization": {"stage": 1}}));
-    assert!(e.contains("optimizer.type") && e.contains("OneBitAdam runs at ZeRO stage 0"), "{e}");
+    let e = refused(one_bit_adam(10), json!({"zero_optimization": {"stage": 2}}));
+    assert!(e.contains("optimizer.type") && e.contains("OneBitAdam runs at ZeRO stage 0 or 1"), "{e}");
+    let e = refused(zero_one_adam(), json!({"zero_optimization": {"stage": 1}}));
+    assert!(e.contains("ZeroOneAdam runs at ZeRO stage 0 (this config has stage 1)"), "{e}");
     let e = refused(json!({"type": "OneBitAdam", "params": {"freeze_step": 0}}), json!({}));
     assert!(e.contains("optimizer.params.freeze_step"), "{e}");
     let e = refused(json!({"type": "OneBitAdam", "params": {"amsgrad": true}}), json!({}));

@@ -26,14 +26,17 @@ pub struct OneBitAdam {
     /// Its hyper-parameters.
     pub config: OneBitAdamConfig,
     state: OptimizerState,
-    exchange: Box<dyn Exchange>,
+    /// None: the sharded form (ZeRO stage 1), where the engine averages the gradient as signs before the step and
+    /// gathers the step's change as signs after it; the momentum here is then exact.
+    exchange: Option<Box<dyn Exchange>>,
     errors: ErrorFeedback,
 }
 
 impl OneBitAdam {
-    /// 1-bit Adam over `len` elements, exchanging through `exchange`.
-    pub fn new(config: OneBitAdamConfig, len: usize, exchange: Box<dyn Exchange>) -> Self {
-        let errors = ErrorFeedback::for_len(exchange.as_ref(), len);
+    /// 1-bit Adam over `len` elements, exchanging its momentum through `exchange` (stage 0), or over a partition
+    /// whose gradient and change the engine exchanges (`None`, stage 1).
+    pub fn new(config: OneBitAdamConfig, len: usize, exchange: Option<Box<dyn Exchange>>) -> Self {
+        let errors = exchange.as_deref().map(|e| ErrorFeedback::for_len(e, len)).unwrap_or_default();
         OneBitAdam { config, state: OptimizerState::new(&["exp_avg", "exp_avg_sq"], len, 0.0), exchange, errors }
     }
 
@@ -164,8 +167,10 @@ impl Optimizer for OneBitAdam {
             let [m] = self.state.split::<1>();
             for_each_chunk(params, grads, groups, [m], None, &Momentum(&consts));
         }
-        let [m] = self.state.split::<1>();
-        self.exchange.one_bit_average(m, &mut self.errors).map_err(exchange_failed)?;
+        if let Some(exchange) = self.exchange.as_mut() {
+            let [m] = self.state.split::<1>();
+            exchange.one_bit_average(m, &mut self.errors).map_err(exchange_failed)?;
+        }
         let [m, v] = self.state.split::<2>();
         super::mask_never_moved(m, v);
         for_each_chunk(params, grads, groups, [m, v], out, &Frozen(&consts));
@@ -201,7 +206,10 @@ impl Optimizer for OneBitAdam {
     }
 
     fn rank_state(&self) -> Vec<(String, Vec<f32>)> {
-        self.errors.saved()
+        match self.exchange {
+            Some(_) => self.errors.saved(),
+            None => Vec::new(),
+        }
     }
 
     fn load_rank_state(&mut self, name: &str, values: &[f32]) -> Result<()> {

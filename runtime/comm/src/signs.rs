@@ -129,6 +129,84 @@ thread_local! {
     static SCRATCH: std::cell::RefCell<Vec<u64>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
+/// The first half of [`all_reduce`] over parts of any length, for an optimizer whose states are partitioned
+/// (ZeRO stage 1): `worker` is `world` parts of `out.len()` values, this rank's vector already compensated (the
+/// caller has added its values to its worker error); their signs and one scale travel, `worker` keeps what they
+/// missed, and `out` gets the average of every rank's part `rank` as decoded, `sum_r scale_r / W * sign_r`. Each
+/// part's signs are padded to whole words on their own, so the parts are the engine's partitions. Collective.
+pub fn reduce_scatter_compensated(comm: &dyn Communicator, worker: &mut [f32], out: &mut [f32]) -> CommResult<()> {
+    const OP: &str = "1-bit reduce_scatter";
+    let (rank, world, part) = (comm.rank(), comm.world_size(), out.len());
+    if worker.len() != world * part {
+        return Err(CommError::BadArgument {
+            op: OP,
+            rank,
+            what: format!("a worker error of {} for parts of {part} over {world} ranks", worker.len()),
+        });
+    }
+    let words = part.div_ceil(WORD) + 1;
+    SCRATCH.with(|scratch| {
+        let mut scratch = scratch.borrow_mut();
+        scratch.resize(2 * world * words, 0);
+        let (sent, received) = scratch.split_at_mut(world * words);
+        let scale = (square_sum(worker) / worker.len().max(1) as f64).sqrt() as f32;
+        for (x, w) in worker.chunks_mut(part).zip(sent.chunks_mut(words)) {
+            pack(x, &mut w[..words - 1], scale);
+            w[words - 1] = scale.to_bits() as u64;
+        }
+        exchange_parts(comm, sent, received, words)?;
+        out.fill(0.0);
+        for r in 0..world {
+            let w = &received[r * words..(r + 1) * words];
+            add_signs(&w[..words - 1], f32::from_bits(w[words - 1] as u32) / world as f32, out);
+        }
+        Ok(())
+    })
+}
+
+/// The second half, over parts of any length: this rank's `part` plus its `server` error (the same length) travels
+/// as signs and one scale, the remainder stays in `server`, and every rank's decoded part is added to its place in
+/// `values` (`world` parts): the same additions on every rank. Collective.
+pub fn all_gather_add(comm: &dyn Communicator, part: &[f32], server: &mut [f32], values: &mut [f32]) -> CommResult<()> {
+    const OP: &str = "1-bit all_gather";
+    let (rank, world, len) = (comm.rank(), comm.world_size(), part.len());
+    if values.len() != world * len || server.len() != len {
+        return Err(CommError::BadArgument {
+            op: OP,
+            rank,
+            what: format!(
+                "{} values and a server error of {} for parts of {len} over {world} ranks",
+                values.len(),
+                server.len()
+            ),
+        });
+    }
+    let words = len.div_ceil(WORD) + 1;
+    SCRATCH.with(|scratch| {
+        let mut scratch = scratch.borrow_mut();
+        scratch.resize(world * words, 0);
+        let gathered = &mut scratch[..world * words];
+        for (e, v) in server.iter_mut().zip(part) {
+            *e += *v;
+        }
+        compress(server, &mut gathered[rank * words..(rank + 1) * words], words);
+        comm.all_gather_buf(BufMut { bytes: bytemuck::cast_slice_mut(gathered), dtype: Dtype::I64 })?;
+        for (q, out) in values.chunks_mut(len).enumerate() {
+            let w = &gathered[q * words..(q + 1) * words];
+            add_signs(&w[..words - 1], f32::from_bits(w[words - 1] as u32), out);
+        }
+        Ok(())
+    })
+}
+
+/// Bytes one rank sends through [`reduce_scatter_compensated`] and [`all_gather_add`] of parts of `part_len` over `world` ranks.
+pub fn sharded_wire_bytes(part_len: usize, world: usize) -> usize {
+    if world < 2 {
+        return 0;
+    }
+    2 * (world - 1) * (part_len.div_ceil(WORD) + 1) * 8
+}
+
 /// Takes the signs and scale of `x` (whole parts of `part_words - 1` sign words each, then the scale's word) into
 /// `out`, and leaves in `x` what they do not carry: `x - scale * sign(x)`. Returns the scale, `||x|| / sqrt(len)`.
 fn compress(x: &mut [f32], out: &mut [u64], part_words: usize) -> f32 {
@@ -444,6 +522,33 @@ mod tests {
         // A ring all-reduce of fp32 sends 2 (W-1)/W x 4n bytes out of each rank: 4n at two ranks.
         assert_eq!(wire_bytes(n, 2), 4 * n / 32 + 2 * 8);
         assert_eq!(wire_bytes(n, 1), 0);
+    }
+
+    #[test]
+    fn the_halves_decode_what_was_sent_and_every_rank_gathers_the_same() {
+        // Parts of 100 (not whole words): the reduce-scatter gives each rank the average of the signs sent for its
+        // part; the all-gather hands every rank every part's decoded signs.
+        let (world, part) = (3, 100);
+        let inputs = vectors(world, world * part, 11);
+        let results = on_threads(world, move |comm| {
+            let r = comm.rank();
+            let mut worker = inputs[r].clone();
+            let mut out = vec![0f32; part];
+            reduce_scatter_compensated(comm, &mut worker, &mut out).unwrap();
+            let mut server = vec![0f32; part];
+            let mut whole = vec![0f32; world * part];
+            all_gather_add(comm, &out, &mut server, &mut whole).unwrap();
+            (out, server, whole)
+        });
+        for (r, (out, server, whole)) in results.iter().enumerate() {
+            // What was gathered for part r is out + 0 (no earlier error) less what the server kept.
+            for i in 0..part {
+                assert!((whole[r * part + i] + server[i] - out[i]).abs() < 1e-6);
+            }
+            assert_eq!(whole, &results[0].2, "rank {r} gathered another vector");
+            // The reduce-scatter's output is the mean of three signs times scales: finite, and not all zero.
+            assert!(out.iter().all(|v| v.is_finite()) && out.iter().any(|v| *v != 0.0));
+        }
     }
 
     #[test]

@@ -406,15 +406,24 @@ impl Config {
             }
         }
         if let Some(opt) = self.optimizer.as_ref().filter(|o| o.one_bit().is_some()) {
-            // The exchange is of the whole momentum, which every rank holds at stage 0 only (DeepSpeed refuses
-            // every ZeRO stage too).
-            if z.stage > 0 {
+            // Stage 0: the exchange is of the whole momentum, which every rank holds. Stage 1 (1-bit Adam only):
+            // the gradient and the step's change travel as signs around an exact step of the partition. Stage 2
+            // reduces each bucket during backward and never holds the whole local gradient; 0/1 Adam's local steps
+            // and 1-bit LAMB's per-tensor ratios need every rank to hold the whole momentum.
+            let highest = if matches!(opt, OptimizerConfig::OneBitAdam(_)) { 1 } else { 0 };
+            if z.stage > highest {
                 return Err(ConfigError::Conflict {
                     path: "optimizer.type".into(),
                     message: format!(
-                        "{} runs at ZeRO stage 0 (this config has stage {}): its ranks exchange the whole momentum as signs, and at stages 1-3 no rank holds the whole momentum",
+                        "{} runs at ZeRO stage {} (this config has stage {}): {}",
                         opt.name(),
-                        z.stage
+                        if highest == 0 { "0" } else { "0 or 1" },
+                        z.stage,
+                        if highest == 0 {
+                            "its ranks exchange the whole momentum as signs, and at stages 1-3 no rank holds the whole momentum"
+                        } else {
+                            "at stage 1 the gradient travels as signs before the step; stages 2 and 3 reduce each bucket during backward and never hold the whole local gradient"
+                        }
                     ),
                 });
             }

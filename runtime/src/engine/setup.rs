@@ -353,9 +353,16 @@ impl Engine {
             (Some(s), Precision::Bf16 | Precision::Fp16) => s.read_all(layout.partition_len())?,
             _ => flat_params.shallow_clone(),
         };
-        let exchange = match one_bit {
-            true => Some(crate::engine::compression::exchange(&config, comm.as_ref(), replica_count)?),
-            false => None,
+        // A 1-bit optimizer exchanges its momentum itself at stage 0; at stage 1 the engine exchanges the gradient
+        // and the step's change as signs around an exact step of the partition (compression::ShardedSigns).
+        let (exchange, sharded_signs) = match (one_bit, plan.partitions_optimizer()) {
+            (false, _) => (None, None),
+            (true, false) => (Some(crate::engine::compression::exchange(&config, comm.as_ref(), replica_count)?), None),
+            (true, true) => {
+                crate::engine::compression::check_sharded(&config, precision, replica_count)?;
+                let group = crate::engine::compression::own_group(comm.as_ref())?;
+                (None, Some(crate::engine::compression::ShardedSigns::new(group, &layout)))
+            }
         };
         let (shard, optimizer_device) =
             optim::build::optimizer_shard(&config, &plan, &layout, &values, rank, residence, exchange)?;
@@ -371,6 +378,8 @@ impl Engine {
             residence,
             optimizer_device,
         )?;
+        let mut gradients = gradients;
+        gradients.sharded_signs = sharded_signs;
         let scaler = optim::build::loss_scaler(&config);
         if precision == Precision::Fp16 && rank == 0 && device == Device::Cpu {
             // Every parameter is on the CPU (checked in `arrange`).

@@ -153,6 +153,14 @@ impl Engine {
         if let Some(momentum) = self.shard.scheduler.as_ref().and_then(LrScheduler::momentum) {
             self.shard.tier.set_momentum(momentum);
         }
+        // 1-bit Adam at stage 1: the partition before the step, whose change the ranks exchange as signs after it.
+        let change_as_signs = one_bit_local && self.gradients.sharded_signs.is_some();
+        if change_as_signs {
+            let own = self.states.layout.partition(self.comm.rank());
+            // SAFETY: the flat parameters, read while nothing writes them (before the step).
+            let values = unsafe { views::slice::<f32>(&self.states.parameters.flat) };
+            self.gradients.sharded_signs.as_mut().expect("checked").keep(&values[own]);
+        }
         match stepped {
             None => self.timed(Phase::Step, |e| e.apply_optimizer(coef as f32))?,
             // What the pieces left in flight (NVMe writes of states and values) ends with the step.
@@ -165,7 +173,7 @@ impl Engine {
         }
         self.memory_event(|| "optimizer step".into(), &[]);
         self.gradients.consume()?;
-        self.after_step()?;
+        self.after_step(change_as_signs)?;
         if self.sync.meetings().is_some_and(|m| m.meets_after(self.progress.global_steps + 1)) {
             let _span = Phase::AllGather.span().entered();
             self.meet()?;
@@ -239,10 +247,19 @@ impl Engine {
         Ok(StepOutcome::Skipped { step: self.progress.global_steps, loss, scale })
     }
 
-    /// What brings every rank's updated values to the others ([`AfterStep`]).
-    fn after_step(&mut self) -> Result<()> {
+    /// What brings every rank's updated values to the others ([`AfterStep`]); `change_as_signs`: 1-bit Adam's
+    /// compressed step at stage 1, whose change travels as signs instead of the values.
+    fn after_step(&mut self, change_as_signs: bool) -> Result<()> {
         match self.plan.after_step() {
             AfterStep::Nothing => {}
+            AfterStep::AllGatherFlat if change_as_signs => {
+                let rank = self.comm.rank();
+                self.timed(Phase::AllGather, |e| {
+                    // SAFETY: the flat parameters, written here while no forward, backward or collective runs.
+                    let flat = unsafe { views::slice::<f32>(&e.states.parameters.flat) };
+                    e.gradients.sharded_signs.as_mut().expect("checked by the step").gather_change(flat, rank)
+                })?;
+            }
             AfterStep::AllGatherFlat => {
                 self.timed(Phase::AllGather, |e| {
                     views::all_gather(e.residence, e.comm.as_ref(), &e.states.parameters.flat)

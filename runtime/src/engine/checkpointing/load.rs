@@ -307,6 +307,7 @@ impl Engine {
         crate::engine::compression::restore(
             self.shard.tier.optimizer_mut(),
             self.gradients.powersgd.as_mut(),
+            self.gradients.sharded_signs.as_mut(),
             &saved.folder,
             &m.rank_state_files,
             self.comm.rank(),

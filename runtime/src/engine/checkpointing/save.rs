@@ -307,7 +307,11 @@ impl Engine {
                 .map_err(|e| CheckpointError::Io { path: file.clone(), what: e.to_string() })?;
         }
         let rank_state_files = crate::engine::compression::save_rank_state(
-            crate::engine::compression::rank_state(self.shard.tier.optimizer(), self.gradients.powersgd.as_ref()),
+            crate::engine::compression::rank_state(
+                self.shard.tier.optimizer(),
+                self.gradients.powersgd.as_ref(),
+                self.gradients.sharded_signs.as_ref(),
+            ),
             staging,
             prefix,
             rank,

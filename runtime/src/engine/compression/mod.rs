@@ -54,7 +54,6 @@ pub(crate) fn exchange(
     comm: &dyn Communicator,
     replicas: usize,
 ) -> crate::error::Result<Box<dyn Exchange>> {
-    use crate::comm::Collectives;
     let name = config.optimizer.as_ref().map_or("", |o| o.name());
     if replicas > 1 {
         return Err(crate::error::Error::Unsupported {
@@ -63,9 +62,8 @@ pub(crate) fn exchange(
             why: "the 1-bit optimizers exchange the momentum over one group of every data-parallel rank; shard groups split it in two levels",
         });
     }
-    let ranks: Vec<usize> = (0..comm.world_size()).collect();
-    let group = comm.new_group(&ranks)?.expect("every rank is in the group of all ranks");
-    tracing::debug!(optimizer = name, ranks = ranks.len(), "1-bit exchange over its own group");
+    let group = own_group(comm)?;
+    tracing::debug!(optimizer = name, ranks = group.world_size(), "1-bit exchange over its own group");
     Ok(Box::new(SignExchange::new(group, Arc::new(AtomicU64::new(0)))))
 }
 
@@ -79,9 +77,11 @@ fn rank_state_file(prefix: &str, rank: usize) -> String {
 pub(crate) fn rank_state(
     optimizer: Option<&dyn zerorun_optim::Optimizer>,
     powersgd: Option<&powersgd::PowerSgd>,
+    sharded: Option<&ShardedSigns>,
 ) -> Vec<(String, Vec<f32>)> {
     let mut state = optimizer.map(|o| o.rank_state()).unwrap_or_default();
     state.extend(powersgd.map(|p| p.saved()).unwrap_or_default());
+    state.extend(sharded.map(|s| s.saved()).unwrap_or_default());
     state
 }
 
@@ -112,12 +112,13 @@ pub(crate) fn save_rank_state(
 pub(crate) fn restore(
     mut optimizer: Option<&mut dyn zerorun_optim::Optimizer>,
     mut powersgd: Option<&mut powersgd::PowerSgd>,
+    mut sharded: Option<&mut ShardedSigns>,
     folder: &std::path::Path,
     files: &[String],
     rank: usize,
     world_size: usize,
 ) -> crate::error::Result<()> {
-    let wanted = rank_state(optimizer.as_deref(), powersgd.as_deref());
+    let wanted = rank_state(optimizer.as_deref(), powersgd.as_deref(), sharded.as_deref());
     if wanted.is_empty() {
         return Ok(());
     }
@@ -126,6 +127,9 @@ pub(crate) fn restore(
     }
     if let Some(p) = powersgd.as_deref_mut() {
         p.reset_error();
+    }
+    if let Some(s) = sharded.as_deref_mut() {
+        s.reset();
     }
     if files.is_empty() {
         tracing::warn!(
@@ -146,6 +150,9 @@ pub(crate) fn restore(
         let taken = match powersgd.as_deref_mut() {
             Some(p) => p.load(&name, &values)?,
             None => false,
+        } || match sharded.as_deref_mut() {
+            Some(s) => s.load(&name, &values)?,
+            None => false,
         };
         if let (false, Some(o)) = (taken, optimizer.as_deref_mut()) {
             o.load_rank_state(&name, &values)?;
@@ -159,4 +166,151 @@ pub(crate) fn restore(
         );
     }
     Ok(())
+}
+
+/// 1-bit Adam at stage 1, where the momentum is partitioned and no rank can form the whole local momentum the
+/// stage-0 exchange compresses. The two halves of the exchange move to either side of the step instead:
+///
+/// 1. before it, each rank's whole local gradient travels as signs (a 1-bit reduce-scatter, [`signs::reduce_scatter_compensated`],
+///    the worker error over the whole flat buffer): the owner of partition q steps with the average of the signs
+///    sent for q, moving its momentum exactly;
+/// 2. after it, the owner's change of its partition travels as signs (a 1-bit all-gather, [`signs::all_gather_add`],
+///    the server error over the partition): every rank adds every decoded change to the values it had, so the
+///    parameters stay bitwise equal on every rank, the owner's own partition included.
+///
+/// The same bytes as stage 0 (2 (W-1)/W x n/8 per rank); what differs: the gradient is compressed on the way in (not
+/// the momentum), the momentum is exact on its owner (not replaced by its compressed average each step), and the
+/// server-side error is the step's change (not the momentum). fp32 models only: a 16-bit model's owner keeps an fp32
+/// master the other ranks cannot rebuild from the 16-bit values plus the change.
+pub(crate) struct ShardedSigns {
+    group: Box<dyn Communicator>,
+    /// This rank's worker error, over the whole padded flat buffer.
+    worker: Vec<f32>,
+    /// This rank's server error, over its partition.
+    server: Vec<f32>,
+    /// This rank's partition before the step (the change is the step's values less these).
+    before: Vec<f32>,
+    /// The flat buffer's padding: zeroed after each gather (signs cannot say zero).
+    padding: Vec<std::ops::Range<usize>>,
+    sent: Arc<AtomicU64>,
+}
+
+impl ShardedSigns {
+    pub fn new(group: Box<dyn Communicator>, layout: &crate::engine::zero::layout::FlatLayout) -> ShardedSigns {
+        let mut padding = Vec::new();
+        let mut at = 0;
+        for slot in &layout.slots {
+            if slot.range.start > at {
+                padding.push(at..slot.range.start);
+            }
+            at = at.max(slot.range.end);
+        }
+        if at < layout.padded {
+            padding.push(at..layout.padded);
+        }
+        let part = layout.partition_len();
+        ShardedSigns {
+            group,
+            worker: vec![0.0; layout.padded],
+            server: vec![0.0; part],
+            before: vec![0.0; part],
+            padding,
+            sent: Arc::new(AtomicU64::new(0)),
+        }
+    }
+
+    /// Half 1: `gradients` (this rank's whole flat fp32 gradient) averaged as signs into `out`, this rank's part.
+    pub fn reduce_scatter(&mut self, gradients: &[f32], out: &mut [f32]) -> crate::error::Result<()> {
+        for (e, g) in self.worker.iter_mut().zip(gradients) {
+            *e += *g;
+        }
+        signs::reduce_scatter_compensated(self.group.as_ref(), &mut self.worker, out)?;
+        Ok(())
+    }
+
+    /// Before the step: this rank's partition as it is.
+    pub fn keep(&mut self, partition: &[f32]) {
+        self.before.copy_from_slice(partition);
+    }
+
+    /// Half 2, after the step: this rank's change (its partition now less [`ShardedSigns::keep`]'s) averaged as
+    /// signs and added to every rank's values; `flat` is the whole flat buffer, this rank's partition at `rank`.
+    pub fn gather_change(&mut self, flat: &mut [f32], rank: usize) -> crate::error::Result<()> {
+        let part = self.server.len();
+        let own = &mut flat[rank * part..(rank + 1) * part];
+        let change: Vec<f32> = own.iter().zip(&self.before).map(|(now, was)| now - was).collect();
+        // Every rank adds the decoded changes to the values it had before the step: the owner too.
+        own.copy_from_slice(&self.before);
+        signs::all_gather_add(self.group.as_ref(), &change, &mut self.server, flat)?;
+        for r in &self.padding {
+            flat[r.clone()].fill(0.0);
+        }
+        let world = self.group.world_size();
+        self.sent.fetch_add(signs::sharded_wire_bytes(part, world) as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// The state a checkpoint keeps per rank.
+    pub fn saved(&self) -> Vec<(String, Vec<f32>)> {
+        vec![
+            ("sharded_worker_error".to_string(), self.worker.clone()),
+            ("sharded_server_error".to_string(), self.server.clone()),
+        ]
+    }
+
+    /// Restores a buffer [`ShardedSigns::saved`] named; false for other names.
+    pub fn load(&mut self, name: &str, values: &[f32]) -> crate::error::Result<bool> {
+        let buf = match name {
+            "sharded_worker_error" => &mut self.worker,
+            "sharded_server_error" => &mut self.server,
+            _ => return Ok(false),
+        };
+        if buf.len() != values.len() {
+            return Err(crate::error::Error::Usage(format!(
+                "the checkpoint's `{name}` has {} values, this run's {}: another model or world size",
+                values.len(),
+                buf.len()
+            )));
+        }
+        buf.copy_from_slice(values);
+        Ok(true)
+    }
+
+    /// Zeroes both errors (a resume at another world size).
+    pub fn reset(&mut self) {
+        self.worker.fill(0.0);
+        self.server.fill(0.0);
+    }
+}
+
+/// What the sharded form ([`ShardedSigns`], stage 1) cannot run with, refused by name.
+pub(crate) fn check_sharded(
+    config: &crate::Config,
+    precision: crate::config::Precision,
+    replicas: usize,
+) -> crate::error::Result<()> {
+    let refuse =
+        |key: &'static str, value: String, why: &'static str| Err(crate::error::Error::Unsupported { key, value, why });
+    if precision != crate::config::Precision::Fp32 {
+        return refuse(
+            "optimizer.type",
+            "\"OneBitAdam\"".into(),
+            "at stage 1 the owner of a partition keeps an fp32 master that the other ranks cannot rebuild from 16-bit values plus the 1-bit change; train fp32, or at stage 0",
+        );
+    }
+    if replicas > 1 {
+        return refuse(
+            "zero_optimization.mics_shard_size",
+            config.zero_optimization.mics_shard_size.map_or(String::new(), |s| s.to_string()),
+            "the 1-bit exchange runs over one group of every data-parallel rank; shard groups split it in two levels",
+        );
+    }
+    Ok(())
+}
+
+/// A duplicate of the engine's group `comm`, for an exchange that owns its communicator for the run.
+pub(crate) fn own_group(comm: &dyn Communicator) -> crate::error::Result<Box<dyn Communicator>> {
+    use crate::comm::Collectives;
+    let ranks: Vec<usize> = (0..comm.world_size()).collect();
+    Ok(comm.new_group(&ranks)?.expect("every rank is in the group of all ranks"))
 }

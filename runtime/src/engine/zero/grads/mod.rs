@@ -51,6 +51,8 @@ pub(crate) struct Gradients {
     unit_offsets: Vec<usize>,
     /// Stage 2 of a plain loop, stage 0's all-reduce in backward: the hooked buckets' countdown.
     pub countdown: Option<Countdown>,
+    /// 1-bit Adam at stage 1: the gradient averaged as signs before the step, the change gathered as signs after.
+    pub sharded_signs: Option<crate::engine::compression::ShardedSigns>,
     /// `gradient_compression` PowerSGD (stage 0): the flat gradients averaged as low-rank factors.
     pub powersgd: Option<crate::engine::compression::powersgd::PowerSgd>,
     /// Stage 0 with `overlap_comm`: the buckets all-reduced during backward.
@@ -144,6 +146,7 @@ impl Gradients {
                 .gradient_compression
                 .powersgd()
                 .map(|p| crate::engine::compression::powersgd::PowerSgd::new(*p, layout)),
+            sharded_signs: None,
             hooks: None,
             mark: 0,
             defers_reduction: false,
@@ -309,6 +312,9 @@ impl GradientSync<'_> {
         }
         let ws = self.layout.world_size;
         let part = self.layout.partition_len();
+        if self.gradients.how.local && self.gradients.sharded_signs.is_some() {
+            return self.reduce_as_signs(part);
+        }
         let round_len = self.gradients.round_len;
         for c in (0..part).step_by(round_len) {
             let l = round_len.min(part - c);
@@ -329,6 +335,30 @@ impl GradientSync<'_> {
         }
         let g = &mut *self.gradients;
         g.queue.drain(&g.how, &mut Landing::Accumulate(&g.accumulator))?;
+        self.clear_param_grads();
+        Ok(())
+    }
+
+    /// 1-bit Adam at stage 1 (`compression::ShardedSigns`): this rank's whole fp32 gradient averaged as signs into
+    /// its reduced partition.
+    fn reduce_as_signs(&mut self, part: usize) -> Result<()> {
+        let whole = match &self.gradients.grad_buffer {
+            Some(buffer) if buffer.kind() == tch::Kind::Float => buffer.shallow_clone(),
+            _ => {
+                let t = Tensor::f_zeros([self.layout.padded as i64], (tch::Kind::Float, tch::Device::Cpu))?;
+                self.gather_grads(&t, 0..self.layout.padded)?;
+                t
+            }
+        };
+        let out = self.reduced_slice(0, part);
+        let reduced = Tensor::f_zeros([part as i64], (tch::Kind::Float, tch::Device::Cpu))?;
+        {
+            // SAFETY: `whole` is read here only (the gradient buffer, or this call's gather of the gradients), and
+            // `reduced` is this call's own; the partition `out` views is written after.
+            let (g, r) = unsafe { (views::slice::<f32>(&whole), views::slice::<f32>(&reduced)) };
+            self.gradients.sharded_signs.as_mut().expect("checked by the caller").reduce_scatter(g, r)?;
+        }
+        out.shallow_clone().f_copy_(&reduced)?;
         self.clear_param_grads();
         Ok(())
     }

@@ -61,7 +61,7 @@ pub fn build(config: &Config, len: usize) -> (Box<dyn Optimizer>, f64, f64) {
 /// An optimizer with its configured learning rate and weight decay.
 type Built = (Box<dyn Optimizer>, f64, f64);
 
-fn one_bit(config: &Config, len: usize, exchange: Box<dyn Exchange>) -> Result<Option<Built>> {
+fn one_bit(config: &Config, len: usize, exchange: Option<Box<dyn Exchange>>) -> Result<Option<Built>> {
     let Some(optimizer) = &config.optimizer else { return Ok(None) };
     let Some(common) = optimizer.one_bit() else { return Ok(None) };
     let (betas, eps, bias_correction) = ((common.betas[0], common.betas[1]), common.eps, common.bias_correction);
@@ -82,7 +82,7 @@ fn one_bit(config: &Config, len: usize, exchange: Box<dyn Exchange>) -> Result<O
                 local_step_clipper: p.local_step_clipper,
             },
             len,
-            exchange,
+            exchange.expect("0/1 Adam runs at stage 0, with an exchange"),
         )),
         OptimizerConfig::OneBitLamb(p) => Box::new(OneBitLamb::new(
             OneBitLambConfig {
@@ -98,7 +98,7 @@ fn one_bit(config: &Config, len: usize, exchange: Box<dyn Exchange>) -> Result<O
                 factor_threshold: p.factor_threshold,
             },
             len,
-            exchange,
+            exchange.expect("1-bit LAMB runs at stage 0, with an exchange"),
         )),
         _ => unreachable!("one_bit() is Some for the three 1-bit optimizers only"),
     };
@@ -172,7 +172,7 @@ pub(crate) fn optimizer_tier(
 ) -> Result<(OptimizerTier, f64, f64)> {
     let z = &config.zero_optimization;
     let device = residence.device();
-    if let Some(exchange) = exchange {
+    if config.optimizer.as_ref().is_some_and(|o| o.one_bit().is_some()) {
         if z.offload_optimizer.device == OffloadDevice::Nvme || residence.device_path() {
             return Err(Error::Unsupported {
                 key: "optimizer.type",
@@ -180,7 +180,7 @@ pub(crate) fn optimizer_tier(
                 why: "the 1-bit optimizers step the whole momentum in host memory: not with optimizer states on NVMe or on a device (use offload_optimizer.device \"cpu\" for a CUDA model)",
             });
         }
-        let (optimizer, lr, wd) = one_bit(config, optimized_len, exchange)?.expect("a 1-bit optimizer has an exchange");
+        let (optimizer, lr, wd) = one_bit(config, optimized_len, exchange)?.expect("the config's optimizer is 1-bit");
         return Ok((Box::new(zerorun_offload::InMemory(optimizer)), lr, wd));
     }
     let nvme = z.offload_optimizer.device == OffloadDevice::Nvme;
