@@ -57,6 +57,18 @@ CASES = {
         {"stage": 0},
         ({"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-4, "freeze_step": WARMUP}}}, {}),
     ),
+    # 1-bit Adam at stage 1 (the gradient and the step's change as signs) against DeepSpeed's stage 0 Adam, as the
+    # issue measures it (DeepSpeed refuses its 1-bit optimizers with any ZeRO stage).
+    "onebit_adam_stage1": (
+        lambda k: {"stage": 1},
+        {"stage": 0},
+        ({"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-4, "freeze_step": WARMUP}}}, {}),
+    ),
+    "onebit_lamb": (
+        lambda k: {"stage": 0},
+        {"stage": 0},
+        ({"optimizer": {"type": "OneBitLamb", "params": {"lr": 1e-4, "freeze_step": WARMUP, "coeff_beta": 0.5}}}, {}),
+    ),
     "zero_one_adam": (
         lambda k: {"stage": 0},
         {"stage": 0},
