@@ -65,6 +65,7 @@ pub fn run(c: &dyn Communicator) {
         assert!(e.unwrap_err().to_string().contains("buffer sizes differ between ranks"));
     }
     c.barrier().unwrap();
+    one_bit(c);
     println!("conformance ok on rank {rank} (shared buffers {})", c.prefers_shared_buffers());
 }
 
@@ -161,5 +162,27 @@ pub fn check_dtype<T: Element + PartialEq + std::fmt::Debug>(c: &dyn Communicato
         for (i, v) in shard.iter().enumerate() {
             assert_eq!(*v, fold(rank * part + i), "{:?} reduce_scatter {op:?} at {i}", T::DTYPE);
         }
+    }
+}
+
+/// The 1-bit all-reduce (`signs::all_reduce`, the 1-bit optimizers' exchange): bitwise what a one-process
+/// simulation of every rank gives, over two calls (the second carrying the first's errors), at sizes that are and
+/// are not whole words of every rank's part. Every backend runs the same arithmetic in the same order.
+fn one_bit(c: &dyn Communicator) {
+    use zerorun::runtime::comm::signs::{self, SignErrors};
+    let (rank, world) = (c.rank(), c.world_size());
+    for n in [1usize, 1000, 100_003] {
+        let inputs: Vec<Vec<f32>> = (0..world).map(|r| input(r, n, 11)).collect();
+        let mut sim_errors: Vec<SignErrors> = (0..world).map(|_| SignErrors::new(n, world)).collect();
+        let mut errors = SignErrors::new(n, world);
+        for call in 0..2 {
+            let mut expected = inputs.clone();
+            signs::simulate(&mut expected, &mut sim_errors);
+            let mut v = inputs[rank].clone();
+            signs::all_reduce(c, &mut v, &mut errors.worker, &mut errors.server).unwrap();
+            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert!(bits(&v) == bits(&expected[rank]), "1-bit all_reduce n {n} call {call}: not the simulation's bits");
+        }
+        assert_eq!(errors, sim_errors[rank], "1-bit all_reduce n {n}: error feedback");
     }
 }
