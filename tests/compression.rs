@@ -395,14 +395,64 @@ fn the_compressed_runs_are_bitwise_the_same_on_threads_and_shm() {
     let cases = [
         (one_bit.clone(), json!({}), 0),
         (one_bit, json!({}), 1),
-        (adamw, json!({"gradient_compression": {"type": "powersgd", "matrix_approximation_rank": 2, "start_powerSGD_iter": 2, "min_compression_rate": 1.5}}), 0),
+        (
+            adamw,
+            json!({"gradient_compression": {"type": "powersgd", "matrix_approximation_rank": 2, "start_powerSGD_iter": 2, "min_compression_rate": 1.5}}),
+            0,
+        ),
     ];
     for (optimizer, extra, stage) in cases {
         let threads = example_weights(None, optimizer.clone(), extra.clone(), stage, &dir);
-        for backend in ["shm"] {
-            let other = example_weights(Some(backend), optimizer.clone(), extra.clone(), stage, &dir);
-            assert!(other == threads, "{backend} differs from threads: {optimizer} {extra} at stage {stage}");
-        }
+        let shm = example_weights(Some("shm"), optimizer.clone(), extra.clone(), stage, &dir);
+        assert!(shm == threads, "shm differs from threads: {optimizer} {extra} at stage {stage}");
+    }
+}
+
+/// `wall_clock_breakdown` line of the mlp example on 2 thread ranks: mean ms per step by phase name.
+fn breakdown(
+    optimizer: Value,
+    extra: Value,
+    dir: &std::path::Path,
+    tag: &str,
+) -> std::collections::HashMap<String, f64> {
+    let cfg = dir.join(format!("{tag}.json"));
+    let base = json!({"train_batch_size": 8, "optimizer": optimizer, "zero_optimization": {"stage": 0},
+        "wall_clock_breakdown": true});
+    std::fs::write(&cfg, json::merged(base, &extra).to_string()).unwrap();
+    let o = std::process::Command::new(examples::example("mlp"))
+        .args(["--config", cfg.to_str().unwrap(), "--ranks", "2", "--steps", "6"])
+        .args(["--in", "64", "--hidden", "512", "--layers", "3", "--out", "4"])
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{tag}: {}", String::from_utf8_lossy(&o.stderr));
+    let line = out.lines().find(|l| l.starts_with("wall_clock_breakdown")).unwrap_or_else(|| panic!("{tag}: {out}"));
+    let (_, phases) = line.split_once("mean ms per step: ").unwrap();
+    phases
+        .split(", ")
+        .map(|p| {
+            let (name, ms) = p.rsplit_once(' ').unwrap();
+            (name.to_string(), ms.parse().unwrap())
+        })
+        .collect()
+}
+
+/// The step-time breakdown keeps a compressed exchange's arithmetic apart from its wire time: a `compression`
+/// phase that is zero without compression and holds the packing of signs and PowerSGD's products with it.
+#[test]
+fn the_breakdown_shows_the_compression_arithmetic_apart() {
+    let dir = tempdir("breakdown");
+    let adamw = json!({"type": "AdamW", "params": {"lr": 0.001}});
+    let plain = breakdown(adamw.clone(), json!({}), &dir, "plain");
+    assert_eq!(plain["compression"], 0.0, "{plain:?}");
+    assert!(plain["reduce_scatter"] > 0.0, "{plain:?}");
+    let one_bit = json!({"type": "OneBitAdam", "params": {"lr": 0.001, "freeze_step": 2}});
+    let powersgd =
+        json!({"gradient_compression": {"type": "powersgd", "matrix_approximation_rank": 2, "start_powerSGD_iter": 2}});
+    for (tag, optimizer, extra) in [("one_bit", one_bit, json!({})), ("powersgd", adamw, powersgd)] {
+        let phases = breakdown(optimizer, extra, &dir, tag);
+        assert!(phases["compression"] > 0.0, "{tag}: {phases:?}");
+        assert!(phases.values().all(|ms| ms.is_finite() && *ms >= 0.0), "{tag}: {phases:?}");
     }
 }
 

@@ -10,6 +10,7 @@ pub mod agreement;
 pub mod async_comm;
 pub mod buffer;
 mod cma;
+pub mod coding;
 pub mod env;
 pub mod groups;
 pub mod heartbeat;

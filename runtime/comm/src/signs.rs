@@ -16,7 +16,7 @@
 //!
 //! Signs pack 64 to a word, value `j` of a part in bit `j % 64` of word `j / 64`; a part on the wire is its words,
 //! then one word holding the scale's bits (the collectives move whole i64 words).
-use super::{BufMut, BufRef, CommError, CommResult, Communicator, Dtype};
+use super::{coding, BufMut, BufRef, CommError, CommResult, Communicator, Dtype};
 
 /// Values per sign word.
 const WORD: usize = 64;
@@ -102,24 +102,30 @@ pub fn all_reduce(
         let (sent, rest) = scratch.split_at_mut(world * part_words);
         let (received, gathered) = rest.split_at_mut(world * part_words);
         // 1. The worker: compensate, take signs and scale, keep the remainder.
-        for (e, v) in worker.iter_mut().zip(values.iter()) {
-            *e += *v;
-        }
-        compress(worker, sent, part_words);
+        coding::timed(|| {
+            for (e, v) in worker.iter_mut().zip(values.iter()) {
+                *e += *v;
+            }
+            compress(worker, sent, part_words);
+        });
         // 2. Each part to its server, which adds every rank's part of it (in rank order) to its error.
         exchange_parts(comm, sent, received, part_words)?;
-        for r in 0..world {
-            let words = &received[r * part_words..(r + 1) * part_words];
-            let weight = f32::from_bits(words[part_words - 1] as u32) / world as f32;
-            add_signs(&words[..part_words - 1], weight, server);
-        }
-        // 3. The servers' signs and scales to every rank.
-        compress(server, &mut gathered[rank * part_words..(rank + 1) * part_words], part_words);
+        coding::timed(|| {
+            for r in 0..world {
+                let words = &received[r * part_words..(r + 1) * part_words];
+                let weight = f32::from_bits(words[part_words - 1] as u32) / world as f32;
+                add_signs(&words[..part_words - 1], weight, server);
+            }
+            // 3. The servers' signs and scales to every rank.
+            compress(server, &mut gathered[rank * part_words..(rank + 1) * part_words], part_words);
+        });
         comm.all_gather_buf(BufMut { bytes: bytemuck::cast_slice_mut(gathered), dtype: Dtype::I64 })?;
-        for (q, out) in values.chunks_mut(part).enumerate() {
-            let words = &gathered[q * part_words..(q + 1) * part_words];
-            write_signs(&words[..part_words - 1], f32::from_bits(words[part_words - 1] as u32), out);
-        }
+        coding::timed(|| {
+            for (q, out) in values.chunks_mut(part).enumerate() {
+                let words = &gathered[q * part_words..(q + 1) * part_words];
+                write_signs(&words[..part_words - 1], f32::from_bits(words[part_words - 1] as u32), out);
+            }
+        });
         Ok(())
     })
 }
@@ -149,17 +155,21 @@ pub fn reduce_scatter_compensated(comm: &dyn Communicator, worker: &mut [f32], o
         let mut scratch = scratch.borrow_mut();
         scratch.resize(2 * world * words, 0);
         let (sent, received) = scratch.split_at_mut(world * words);
-        let scale = (square_sum(worker) / worker.len().max(1) as f64).sqrt() as f32;
-        for (x, w) in worker.chunks_mut(part).zip(sent.chunks_mut(words)) {
-            pack(x, &mut w[..words - 1], scale);
-            w[words - 1] = scale.to_bits() as u64;
-        }
+        coding::timed(|| {
+            let scale = (square_sum(worker) / worker.len().max(1) as f64).sqrt() as f32;
+            for (x, w) in worker.chunks_mut(part).zip(sent.chunks_mut(words)) {
+                pack(x, &mut w[..words - 1], scale);
+                w[words - 1] = scale.to_bits() as u64;
+            }
+        });
         exchange_parts(comm, sent, received, words)?;
-        out.fill(0.0);
-        for r in 0..world {
-            let w = &received[r * words..(r + 1) * words];
-            add_signs(&w[..words - 1], f32::from_bits(w[words - 1] as u32) / world as f32, out);
-        }
+        coding::timed(|| {
+            out.fill(0.0);
+            for r in 0..world {
+                let w = &received[r * words..(r + 1) * words];
+                add_signs(&w[..words - 1], f32::from_bits(w[words - 1] as u32) / world as f32, out);
+            }
+        });
         Ok(())
     })
 }
@@ -186,15 +196,19 @@ pub fn all_gather_add(comm: &dyn Communicator, part: &[f32], server: &mut [f32],
         let mut scratch = scratch.borrow_mut();
         scratch.resize(world * words, 0);
         let gathered = &mut scratch[..world * words];
-        for (e, v) in server.iter_mut().zip(part) {
-            *e += *v;
-        }
-        compress(server, &mut gathered[rank * words..(rank + 1) * words], words);
+        coding::timed(|| {
+            for (e, v) in server.iter_mut().zip(part) {
+                *e += *v;
+            }
+            compress(server, &mut gathered[rank * words..(rank + 1) * words], words);
+        });
         comm.all_gather_buf(BufMut { bytes: bytemuck::cast_slice_mut(gathered), dtype: Dtype::I64 })?;
-        for (q, out) in values.chunks_mut(len).enumerate() {
-            let w = &gathered[q * words..(q + 1) * words];
-            add_signs(&w[..words - 1], f32::from_bits(w[words - 1] as u32), out);
-        }
+        coding::timed(|| {
+            for (q, out) in values.chunks_mut(len).enumerate() {
+                let w = &gathered[q * words..(q + 1) * words];
+                add_signs(&w[..words - 1], f32::from_bits(w[words - 1] as u32), out);
+            }
+        });
         Ok(())
     })
 }

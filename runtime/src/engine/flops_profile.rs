@@ -68,7 +68,7 @@ impl Engine {
 
     /// At the end of every step: starts the whole-step profile of a model without units before its profiled step
     /// (at set-up for step 1), and writes the report after it.
-    pub(super) fn profile_step_boundary(&mut self, times: &[Duration; 6]) {
+    pub(super) fn profile_step_boundary(&mut self, times: &[Duration; Phase::COUNT]) {
         let p = &self.config.monitor.flops_profiler;
         if !p.enabled || !self.writes_monitors() {
             return;
@@ -101,7 +101,7 @@ impl Engine {
         self.watch.profile.report.as_deref()
     }
 
-    fn flops_report(&self, times: &[Duration; 6], whole_step_flops: Option<u64>) -> String {
+    fn flops_report(&self, times: &[Duration; Phase::COUNT], whole_step_flops: Option<u64>) -> String {
         let p = &self.config.monitor.flops_profiler;
         let ms = |phase: Phase| times[phase as usize].as_secs_f64() * 1e3;
         let (fwd, bwd, step) = (

@@ -216,7 +216,7 @@ impl Engine {
     }
 
     /// After every optimizer step (taken or skipped): a memory sample and the step's phase times (returned).
-    pub(super) fn end_of_step(&mut self) -> [std::time::Duration; 6] {
+    pub(super) fn end_of_step(&mut self) -> [std::time::Duration; crate::report::Phase::COUNT] {
         // The step's last event: after the step's own tail (stage 3 regathers kept units), so its window ends.
         if self.report.sample_events {
             self.sample_event(self.progress.global_steps, "step done".into(), &[]);
@@ -240,6 +240,7 @@ impl Engine {
                 all_gather_ms = ms(AllGather),
                 reduce_scatter_ms = ms(ReduceScatter),
                 offload_io_ms = ms(OffloadIo),
+                compression_ms = ms(Compression),
                 "wall_clock_breakdown"
             );
         }

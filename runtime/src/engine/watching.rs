@@ -205,7 +205,13 @@ impl Engine {
 
     /// After every optimizer step (taken or skipped): the rates, and the step's scalars to the monitors. A monitor
     /// that cannot write is logged once and turned off: a full disk does not stop the training.
-    pub(super) fn watch_step(&mut self, loss: f64, lr: f64, grad_norm: Option<f64>, times: [std::time::Duration; 6]) {
+    pub(super) fn watch_step(
+        &mut self,
+        loss: f64,
+        lr: f64,
+        grad_norm: Option<f64>,
+        times: [std::time::Duration; crate::report::Phase::COUNT],
+    ) {
         let now = Instant::now();
         let seconds = self.watch.last_step_end.map_or(0.0, |t| now.duration_since(t).as_secs_f64());
         self.watch.last_step_end = Some(now);
@@ -238,6 +244,10 @@ impl Engine {
                 ("step", ms(Phase::Step)),
             ] {
                 events.push(Event::new(format!("Train/Samples/elapsed_time_ms_{tag}"), v, step));
+            }
+            // zerorun's own: a compressed exchange's arithmetic, which the phases above leave out.
+            if ms(Phase::Compression) > 0.0 {
+                events.push(Event::new("Train/Samples/elapsed_time_ms_compression", ms(Phase::Compression), step));
             }
         }
         // zerorun's own, beside DeepSpeed's.

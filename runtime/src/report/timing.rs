@@ -17,12 +17,25 @@ pub enum Phase {
     ReduceScatter,
     /// NVMe reads and writes not hidden behind compute.
     OffloadIo,
+    /// The arithmetic of compressed exchanges (1-bit signs packed and unpacked, PowerSGD's factor products), taken
+    /// out of the phase that ran them so that phase's time is the wire's.
+    Compression,
 }
 
 impl Phase {
+    /// How many phases there are.
+    pub const COUNT: usize = 7;
+
     /// Every phase, in report order.
-    pub const ALL: [Phase; 6] =
-        [Phase::Forward, Phase::Backward, Phase::Step, Phase::AllGather, Phase::ReduceScatter, Phase::OffloadIo];
+    pub const ALL: [Phase; Phase::COUNT] = [
+        Phase::Forward,
+        Phase::Backward,
+        Phase::Step,
+        Phase::AllGather,
+        Phase::ReduceScatter,
+        Phase::OffloadIo,
+        Phase::Compression,
+    ];
 
     /// A tracing span for this phase (`RUST_LOG=zerorun_runtime=trace` with a span-aware subscriber shows them).
     pub fn span(self) -> tracing::Span {
@@ -38,6 +51,7 @@ impl Phase {
             Phase::AllGather => "all_gather",
             Phase::ReduceScatter => "reduce_scatter",
             Phase::OffloadIo => "offload_io",
+            Phase::Compression => "compression",
         }
     }
 }
@@ -45,16 +59,20 @@ impl Phase {
 /// Time per phase in the current optimizer step and over the run.
 #[derive(Debug, Default, Clone)]
 pub struct PhaseTimes {
-    current: [Duration; 6],
-    total: [Duration; 6],
+    current: [Duration; Phase::COUNT],
+    total: [Duration; Phase::COUNT],
     steps: u64,
 }
 
 impl PhaseTimes {
-    /// Adds `d` to `phase`.
+    /// Adds `d` to `phase`, less the compression arithmetic this thread ran since the last `add` (the comm
+    /// crate's coding clock), which goes to [`Phase::Compression`].
     pub fn add(&mut self, phase: Phase, d: Duration) {
-        self.current[phase as usize] += d;
-        self.total[phase as usize] += d;
+        let coding = crate::comm::coding::take().min(d);
+        for (p, t) in [(phase, d - coding), (Phase::Compression, coding)] {
+            self.current[p as usize] += t;
+            self.total[p as usize] += t;
+        }
     }
 
     /// Collective time so far (to take out of the phase that ran them).
@@ -63,13 +81,15 @@ impl PhaseTimes {
         self.total[phase as usize]
     }
 
-    /// Collective time so far (all-gather and reduce-scatter).
+    /// Collective time so far (all-gather, reduce-scatter and the compression of what they send).
     pub fn comm(&self) -> Duration {
-        self.total[Phase::AllGather as usize] + self.total[Phase::ReduceScatter as usize]
+        self.total[Phase::AllGather as usize]
+            + self.total[Phase::ReduceScatter as usize]
+            + self.total[Phase::Compression as usize]
     }
 
     /// Ends an optimizer step; returns its times.
-    pub fn end_step(&mut self) -> [Duration; 6] {
+    pub fn end_step(&mut self) -> [Duration; Phase::COUNT] {
         self.steps += 1;
         std::mem::take(&mut self.current)
     }
@@ -110,5 +130,17 @@ mod tests {
         assert!(t
             .summary()
             .starts_with("wall_clock_breakdown over 2 steps, mean ms per step: forward 3.000, backward 0.000"));
+    }
+
+    #[test]
+    fn compression_arithmetic_leaves_the_phase_that_ran_it() {
+        let mut t = PhaseTimes::default();
+        crate::comm::coding::take();
+        crate::comm::coding::timed(|| std::thread::sleep(Duration::from_millis(3)));
+        t.add(Phase::Step, Duration::from_millis(10));
+        let s = t.end_step();
+        let (step, coding) = (s[Phase::Step as usize], s[Phase::Compression as usize]);
+        assert!(coding >= Duration::from_millis(3) && coding <= Duration::from_millis(10), "{coding:?}");
+        assert_eq!(step + coding, Duration::from_millis(10));
     }
 }

@@ -19,7 +19,7 @@ use std::ops::Range;
 
 use tch::{Kind, Tensor};
 
-use crate::comm::{Communicator, ReduceOp};
+use crate::comm::{coding, Communicator, ReduceOp};
 use crate::config::PowerSgd as Options;
 use crate::engine::device::{views, Residence};
 use crate::engine::zero::layout::FlatLayout;
@@ -140,41 +140,54 @@ impl PowerSgd {
         // took several times as long on one core), in a fixed order, so every rank computes P Q^T identically.
         // SAFETY: `g` is this call's fp32 host buffer (or the engine's, untouched during the reduction), and the
         // factors are this state's own contiguous tensors; no other view of them is used while these are.
+        // The factor arithmetic runs on the coding clock, the all-reduces between it on the wire's (the breakdown's
+        // `compression` phase and its reduction phase).
         let values = unsafe { views::slice::<f32>(&g) };
-        let mut ps = Vec::with_capacity(self.compressed.len());
-        for c in &self.compressed {
-            orthogonalize(&c.q, eps)?;
-            let qt = c.q.f_tr()?.f_contiguous()?;
-            let p = Tensor::f_zeros([c.n, c.q.size()[1]], (Kind::Float, tch::Device::Cpu))?;
-            let m = &values[c.range.clone()];
-            // SAFETY: as above.
-            unsafe { times_q(m, c.m as usize, views::slice::<f32>(&qt), views::slice::<f32>(&p)) };
-            ps.push(p);
-        }
+        let ps = coding::timed(|| -> Result<Vec<Tensor>> {
+            let mut ps = Vec::with_capacity(self.compressed.len());
+            for c in &self.compressed {
+                orthogonalize(&c.q, eps)?;
+                let qt = c.q.f_tr()?.f_contiguous()?;
+                let p = Tensor::f_zeros([c.n, c.q.size()[1]], (Kind::Float, tch::Device::Cpu))?;
+                let m = &values[c.range.clone()];
+                // SAFETY: as above.
+                unsafe { times_q(m, c.m as usize, views::slice::<f32>(&qt), views::slice::<f32>(&p)) };
+                ps.push(p);
+            }
+            Ok(ps)
+        })?;
         sent += all_reduce_joined(comm, &ps, ReduceOp::Sum)?;
-        for p in &ps {
-            orthogonalize(p, eps)?;
-        }
         // Q = M^T P, averaged: M's average is P Q^T on every rank.
-        let mut qts = Vec::with_capacity(self.compressed.len());
-        for (c, p) in self.compressed.iter().zip(&ps) {
-            let qt = Tensor::f_zeros([c.q.size()[1], c.m], (Kind::Float, tch::Device::Cpu))?;
-            let m = &values[c.range.clone()];
-            // SAFETY: as above.
-            unsafe { transposed_times_p(m, c.m as usize, views::slice::<f32>(p), views::slice::<f32>(&qt)) };
-            qts.push(qt);
-        }
+        let qts = coding::timed(|| -> Result<Vec<Tensor>> {
+            for p in &ps {
+                orthogonalize(p, eps)?;
+            }
+            let mut qts = Vec::with_capacity(self.compressed.len());
+            for (c, p) in self.compressed.iter().zip(&ps) {
+                let qt = Tensor::f_zeros([c.q.size()[1], c.m], (Kind::Float, tch::Device::Cpu))?;
+                let m = &values[c.range.clone()];
+                // SAFETY: as above.
+                unsafe { transposed_times_p(m, c.m as usize, views::slice::<f32>(p), views::slice::<f32>(&qt)) };
+                qts.push(qt);
+            }
+            Ok(qts)
+        })?;
         sent += all_reduce_joined(comm, &qts, ReduceOp::Sum)?;
-        let mut row = vec![0f32; self.compressed.iter().map(|c| c.m as usize).max().unwrap_or(0)];
-        for ((c, p), qt) in self.compressed.iter().zip(&ps).zip(&qts) {
-            let _ = qt.shallow_clone().f_div_scalar_(world)?;
-            c.q.shallow_clone().f_copy_(&qt.f_tr()?)?;
-            let m = &mut values[c.range.clone()];
-            // SAFETY: the error buffer is this state's own, viewed only here.
-            let error = self.error.as_ref().map(|e| &mut unsafe { views::slice::<f32>(e) }[c.range.clone()]);
-            // SAFETY: as above.
-            unsafe { approximate(m, views::slice::<f32>(p), views::slice::<f32>(qt), error, &mut row[..c.m as usize]) };
-        }
+        coding::timed(|| -> Result<()> {
+            let mut row = vec![0f32; self.compressed.iter().map(|c| c.m as usize).max().unwrap_or(0)];
+            for ((c, p), qt) in self.compressed.iter().zip(&ps).zip(&qts) {
+                let _ = qt.shallow_clone().f_div_scalar_(world)?;
+                c.q.shallow_clone().f_copy_(&qt.f_tr()?)?;
+                let m = &mut values[c.range.clone()];
+                // SAFETY: the error buffer is this state's own, viewed only here.
+                let error = self.error.as_ref().map(|e| &mut unsafe { views::slice::<f32>(e) }[c.range.clone()]);
+                // SAFETY: as above.
+                unsafe {
+                    approximate(m, views::slice::<f32>(p), views::slice::<f32>(qt), error, &mut row[..c.m as usize])
+                };
+            }
+            Ok(())
+        })?;
         // Back into the engine's buffer, in its dtype and on its device (nothing to do when `g` is the buffer).
         if g.data_ptr() != flat.data_ptr() {
             flat.shallow_clone().f_copy_(&g)?;
