@@ -77,6 +77,28 @@ fn forget_worker() {
     println!("forget ok on rank {rank}: RssShmem {before} -> {after} KiB");
 }
 
+/// Worker: rank 0 sends round after round to rank 1 and then to rank 2, which is already waiting for it; every
+/// value must arrive in its round, and a lost answer is a hang the short timeout turns into an error.
+fn alternating_worker() {
+    let c = communicator_from_env(Duration::from_secs(20)).unwrap();
+    let rank = c.rank();
+    for round in 0..ALTERNATING_ROUNDS {
+        let mut v = [round as f32; 4];
+        let result = match rank {
+            0 => c.send(&v, 1).and_then(|_| c.send(&v, 2)),
+            _ => c.recv(&mut v, 0),
+        };
+        if let Err(e) = result {
+            eprintln!("error: rank {rank} in round {round}: {e}");
+            std::process::exit(2);
+        }
+        assert_eq!(v, [round as f32; 4], "rank {rank}, round {round}");
+    }
+    println!("alternating ok on rank {rank}");
+}
+
+const ALTERNATING_ROUNDS: usize = 20_000;
+
 #[test]
 #[ignore = "the ranks' entry point, run by the tests below in child processes"]
 fn worker_entry() {
@@ -90,6 +112,7 @@ fn worker_entry() {
         Ok("loop") => loop_worker(),
         Ok("forget") => forget_worker(),
         Ok("early_exit") => early_exit_worker(),
+        Ok("alternating") => alternating_worker(),
         _ => {}
     }
 }
@@ -243,4 +266,17 @@ fn a_rank_that_ends_normally_is_named_as_exited_not_dead() {
         .unwrap_or_else(|| panic!("rank 0 did not report its peer:\n{stderr}"));
     assert!(line.contains("rank 1 (pid ") && line.contains(") exited before this collective"), "{line}");
     assert!(!line.contains("died"), "{line}");
+}
+
+/// A sender that finishes a transfer to one rank and posts the next to another while that one is looking: the
+/// receiver must take the new transfer under its own number (it once took it under the old one, and the sender
+/// waited forever for an answer to the new).
+#[test]
+fn sends_to_one_rank_after_another_are_each_answered() {
+    let out = launch(3, "alternating", &std::env::temp_dir()).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    for r in 0..3 {
+        assert!(text.contains(&format!("alternating ok on rank {r}")), "rank {r}:\n{text}");
+    }
 }

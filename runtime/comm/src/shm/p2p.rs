@@ -74,12 +74,18 @@ impl ShmComm {
         let theirs = |w: usize| seg.rank_word(src, w);
         let last = self.received[src].get();
         let posted = std::cell::Cell::new(last);
-        // The number first: the sender writes it after the transfer's words and before the destination, and clears
-        // the destination before its next number, so a new number seen here comes with its own destination.
+        // The sender writes the transfer's words, then its number, then the destination, and clears the destination
+        // before its next number. The number is read on both sides of the destination: a sender that finished a
+        // transfer to another rank and posted the next one to this rank between the two reads shows a destination
+        // that is not the first number's (its number has moved on), and the receiver looks again. Read once, this
+        // rank took the new transfer's words under the old number and answered a number the sender no longer waited
+        // for: the sender hung (seen with the 1-bit exchange's sends to one rank after another, 4 shm ranks).
         seg.wait_for_peer(OP, src, || {
             let seq = theirs(R_P2P_SEQ).load(Ordering::Acquire);
             posted.set(seq);
-            seq != last && theirs(R_P2P_TO).load(Ordering::Acquire) == me as u64 + 1
+            seq != last
+                && theirs(R_P2P_TO).load(Ordering::Acquire) == me as u64 + 1
+                && theirs(R_P2P_SEQ).load(Ordering::Acquire) == seq
         })?;
         let seq = posted.get();
         self.received[src].set(seq);
