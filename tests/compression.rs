@@ -279,6 +279,42 @@ fn powersgd_keeps_every_rank_bitwise_equal_learns_and_resumes_bitwise() {
     assert_eq!(bits(&resumed.params[0]), bits(&whole.params[0]));
 }
 
+/// PowerSGD at stage 1: until `start_powerSGD_iter` it is plain stage 1 (reduce-scatter) bitwise; after it the
+/// whole gradient is averaged through the same low-rank factors as at stage 0 and each rank steps its partition, so
+/// the run follows stage 0's PowerSGD run within rounding; ranks agree bitwise and a resume is bitwise. 16-bit
+/// models are refused there by name.
+#[test]
+fn powersgd_at_stage_1_is_stage_0_powersgd_with_the_optimizer_sharded() {
+    let stage1 = json!({"zero_optimization": {"stage": 1}});
+    let waiting = json::merged(powersgd(1000, 2), &stage1);
+    let plain = train(&config(adamw(), stage1.clone()), RANKS, 0..STEPS, None, None);
+    let before = train(&config(adamw(), waiting), RANKS, 0..STEPS, None, None);
+    assert_eq!(bits(&before.params[0]), bits(&plain.params[0]));
+    let cfg = config(adamw(), json::merged(powersgd(3, 2), &stage1));
+    let sharded = train(&cfg, RANKS, 0..STEPS, None, None);
+    for r in 1..RANKS {
+        assert_eq!(bits(&sharded.params[r]), bits(&sharded.params[0]), "rank {r}");
+    }
+    assert_ne!(bits(&sharded.params[0]), bits(&plain.params[0]), "the steps after the third were compressed");
+    let stage0 = train(&config(adamw(), powersgd(3, 2)), RANKS, 0..STEPS, None, None);
+    let d = max_relative_difference(&sharded.params[0], &stage0.params[0]);
+    assert!(d < 1e-4, "max relative difference to stage 0's PowerSGD run {d}");
+    let dir = tempdir("powersgd-stage1");
+    train(&cfg, RANKS, 0..9, None, Some(&dir));
+    let resumed = train(&cfg, RANKS, 9..STEPS, Some(&dir), None);
+    assert_eq!(bits(&resumed.params[0]), bits(&sharded.params[0]), "resumed at step 9");
+    let bf16 = config(
+        adamw(),
+        json::merged(powersgd(3, 2), &json!({"zero_optimization": {"stage": 1}, "bf16": {"enabled": true}})),
+    );
+    let e = on_thread_ranks(2, |comm, _, _| {
+        let (mut vs, _) = init_store();
+        vs.bfloat16();
+        Engine::new(&vs, bf16.clone(), Box::new(comm), EngineOptions::default()).err().map(|e| e.to_string())
+    });
+    assert!(e[0].as_deref().is_some_and(|e| e.contains("gradient_compression.type") && e.contains("16-bit")), "{e:?}");
+}
+
 #[test]
 fn every_powersgd_option_changes_the_run() {
     let run = |extra: Value| {
@@ -328,7 +364,7 @@ fn the_config_refuses_what_the_one_bit_optimizers_cannot_run_by_name() {
     let e = refused(one_bit_adam(10), json!({"async_training": {"mode": "local_sgd", "sync_every": 2}}));
     assert!(e.contains("asynchronous training"), "{e}");
     let e = refused(adamw(), json!({"gradient_compression": {"type": "powersgd"}, "zero_optimization": {"stage": 2}}));
-    assert!(e.contains("gradient_compression.type") && e.contains("stage 0"), "{e}");
+    assert!(e.contains("gradient_compression.type") && e.contains("stages 0 and 1"), "{e}");
     let e = refused(one_bit_adam(10), powersgd(0, 1));
     assert!(e.contains("gradient_compression.type") && e.contains("OneBitAdam compresses its own exchange"), "{e}");
     let e = refused(adamw(), json!({"gradient_compression": {"type": "powersgd", "matrix_approximation_rank": 0}}));

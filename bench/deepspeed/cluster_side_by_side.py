@@ -74,6 +74,16 @@ CASES = {
         {"stage": 0},
         ({"optimizer": {"type": "ZeroOneAdam", "params": {"lr": 1e-4, "var_freeze_step": WARMUP}}}, {}),
     ),
+    # PowerSGD at stage 1: the whole gradient through the factors, each rank stepping its partition, the
+    # parameters all-gathered after (against DeepSpeed's stage 0 Adam, as the other compressed cases).
+    "powersgd_rank4_stage1": (
+        lambda k: {"stage": 1},
+        {"stage": 0},
+        (
+            {"gradient_compression": {"type": "powersgd", "matrix_approximation_rank": 4, "start_powerSGD_iter": WARMUP}},
+            {},
+        ),
+    ),
     "powersgd_rank4": (
         lambda k: {"stage": 0},
         {"stage": 0},

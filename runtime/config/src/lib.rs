@@ -383,9 +383,9 @@ impl Config {
         if self.gradient_compression.powersgd().is_some() {
             let conflict =
                 |message: String| Err(ConfigError::Conflict { path: "gradient_compression.type".into(), message });
-            if z.stage > 0 {
+            if z.stage > 1 {
                 return conflict(format!(
-                    "PowerSGD averages whole gradient matrices at stage 0 (this config has stage {}); at stages 1-3 the gradients are reduce-scattered bucket by bucket, which PowerSGD's low-rank factors of whole matrices cannot ride on",
+                    "PowerSGD averages whole gradient matrices at stages 0 and 1 (this config has stage {}); at stages 2-3 the gradients are reduce-scattered bucket by bucket during backward and no rank holds the whole gradient its low-rank factors are products of",
                     z.stage
                 ));
             }

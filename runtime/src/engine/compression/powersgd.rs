@@ -94,6 +94,17 @@ impl PowerSgd {
         self.iter >= self.options.start_powersgd_iter
     }
 
+    /// Counts a reduction the engine runs itself, when it is not compressed yet (stage 1 reduce-scatters the
+    /// first `start_powerSGD_iter` steps' gradients as plain stage 1 does): true then; false when this one is to be
+    /// compressed, through [`PowerSgd::average`].
+    pub fn pass_uncompressed(&mut self) -> bool {
+        let plain = !self.compresses_next();
+        if plain {
+            self.iter += 1;
+        }
+        plain
+    }
+
     /// Averages `flat` (this rank's gradients in the layout, stage 0's staging buffer) over `comm`: exactly for
     /// the first `start_powerSGD_iter` calls, then as PowerSGD. Collective. Returns the elements all-reduced.
     pub fn average(&mut self, residence: Residence, comm: &dyn Communicator, flat: &Tensor) -> Result<usize> {

@@ -315,6 +315,9 @@ impl GradientSync<'_> {
         if self.gradients.how.local && self.gradients.sharded_signs.is_some() {
             return self.reduce_as_signs(part);
         }
+        if self.gradients.powersgd.as_mut().is_some_and(|p| !p.pass_uncompressed()) {
+            return self.reduce_by_powersgd(part);
+        }
         let round_len = self.gradients.round_len;
         for c in (0..part).step_by(round_len) {
             let l = round_len.min(part - c);
@@ -339,17 +342,36 @@ impl GradientSync<'_> {
         Ok(())
     }
 
-    /// 1-bit Adam at stage 1 (`compression::ShardedSigns`): this rank's whole fp32 gradient averaged as signs into
-    /// its reduced partition.
-    fn reduce_as_signs(&mut self, part: usize) -> Result<()> {
-        let whole = match &self.gradients.grad_buffer {
+    /// This rank's whole fp32 gradient on the host: the gradient buffer itself where it is one, else a gather.
+    fn whole_fp32_gradient(&mut self) -> Result<Tensor> {
+        Ok(match &self.gradients.grad_buffer {
             Some(buffer) if buffer.kind() == tch::Kind::Float => buffer.shallow_clone(),
             _ => {
                 let t = Tensor::f_zeros([self.layout.padded as i64], (tch::Kind::Float, tch::Device::Cpu))?;
                 self.gather_grads(&t, 0..self.layout.padded)?;
                 t
             }
-        };
+        })
+    }
+
+    /// PowerSGD at stage 1, once `start_powerSGD_iter` steps have passed: the whole gradient averaged as stage 0
+    /// averages it (the same low-rank factors on every rank), and this rank's partition of the average kept. The
+    /// wire carries the factors instead of a reduce-scatter; the parameters' all-gather after the step is stage 1's.
+    fn reduce_by_powersgd(&mut self, part: usize) -> Result<()> {
+        let whole = self.whole_fp32_gradient()?;
+        let p = self.gradients.powersgd.as_mut().expect("checked by the caller");
+        let sent = p.average(self.gradients.how.residence, self.comm.as_ref(), &whole)?;
+        self.volume.all_reduce_elements += sent as u64;
+        let start = self.layout.partition(self.gradients.how.rank).start;
+        self.reduced_slice(0, part).f_copy_(&whole.narrow(0, start as i64, part as i64))?;
+        self.clear_param_grads();
+        Ok(())
+    }
+
+    /// 1-bit Adam at stage 1 (`compression::ShardedSigns`): this rank's whole fp32 gradient averaged as signs into
+    /// its reduced partition.
+    fn reduce_as_signs(&mut self, part: usize) -> Result<()> {
+        let whole = self.whole_fp32_gradient()?;
         let out = self.reduced_slice(0, part);
         let reduced = Tensor::f_zeros([part as i64], (tch::Kind::Float, tch::Device::Cpu))?;
         {
