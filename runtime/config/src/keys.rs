@@ -306,7 +306,7 @@ const DOCS: &[KeyDoc] = &[
     KeyDoc { path: "optimizer.params.factor_max", status: Acted, what: "OneBitLamb: upper bound of the compression stage's trust-ratio factor.", deepspeed: "" },
     KeyDoc { path: "optimizer.params.factor_min", status: Acted, what: "OneBitLamb: lower bound of that factor.", deepspeed: "" },
     KeyDoc { path: "optimizer.params.factor_threshold", status: Acted, what: "OneBitLamb: the factor's largest relative change per step.", deepspeed: "" },
-    KeyDoc { path: "optimizer.params.freeze_step", status: Acted, what: "OneBitAdam/OneBitLamb: steps of plain Adam on averaged gradients before the momentum travels as signs (>= 1).", deepspeed: "" },
+    KeyDoc { path: "optimizer.params.freeze_step", status: Acted, what: "OneBitAdam/OneBitLamb: steps of plain Adam on averaged gradients before the momentum travels as signs (>= 1). The variance is frozen after them: too few (a handful) and elements with a tiny variance take huge steps; DeepSpeed's guidance is 15-25% of the run's steps.", deepspeed: "" },
     KeyDoc { path: "optimizer.params.initial_accumulator_value", status: Acted, what: "Adagrad: the accumulator's first value.", deepspeed: "" },
     KeyDoc { path: "optimizer.params.local_step_clipper", status: Acted, what: "ZeroOneAdam: the largest local-step interval.", deepspeed: "" },
     KeyDoc { path: "optimizer.params.local_step_scaler", status: Acted, what: "ZeroOneAdam: the local-step interval doubles every this many steps after `var_freeze_step`.", deepspeed: "" },
