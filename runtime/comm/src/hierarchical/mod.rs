@@ -499,6 +499,38 @@ mod tests {
         }
     }
 
+    /// The 1-bit exchange runs on the two levels through the trait's sends and all-gather: the same bits as on the
+    /// flat group, which are the one-process simulation's.
+    #[test]
+    fn the_one_bit_all_reduce_equals_the_flat_group_bitwise() {
+        use crate::signs;
+        for (hosts, per_host) in [(2, 2), (2, 3)] {
+            let n = hosts * per_host;
+            let len = 1000;
+            let input = move |r: usize| -> Vec<f32> {
+                (0..len).map(|i| ((i * 31 + r * 17) % 101) as f32 / 7.0 - 6.0).collect()
+            };
+            let results = on_ranks_in_chunks(hosts, per_host, pipelined::CHUNK_BYTES, move |two, flat| {
+                let r = two.rank();
+                let (mut a, mut b) = (input(r), input(r));
+                let (mut ea, mut eb) = (signs::SignErrors::new(len, n), signs::SignErrors::new(len, n));
+                for _ in 0..2 {
+                    signs::all_reduce(two, &mut a, &mut ea.worker, &mut ea.server).unwrap();
+                    signs::all_reduce(flat, &mut b, &mut eb.worker, &mut eb.server).unwrap();
+                }
+                assert_eq!(a, b, "{hosts}x{per_host}, rank {r}");
+                a
+            });
+            let mut values: Vec<Vec<f32>> = (0..n).map(input).collect();
+            let mut errors: Vec<signs::SignErrors> = (0..n).map(|_| signs::SignErrors::new(len, n)).collect();
+            signs::simulate(&mut values, &mut errors);
+            signs::simulate(&mut values, &mut errors);
+            for (r, got) in results.iter().enumerate() {
+                assert_eq!(got, &values[r], "{hosts}x{per_host}, rank {r} against the simulation");
+            }
+        }
+    }
+
     #[test]
     fn bf16_differs_from_the_flat_order_by_at_most_two_units_in_the_last_place() {
         let results = on_ranks(2, 2, |two, flat| {
