@@ -253,20 +253,7 @@ impl Engine {
         // over one group, every step: not across shard groups' replicas, not when asynchronous training keeps
         // gradients local or serves them stale, not with a communication dtype other than the model's.
         let one_bit = config.optimizer.as_ref().is_some_and(|o| o.one_bit().is_some());
-        if config.gradient_compression.powersgd().is_some() && replica_count > 1 {
-            return Err(Error::Unsupported {
-                key: "gradient_compression.type",
-                value: "\"powersgd\"".into(),
-                why: "PowerSGD averages over one group of every data-parallel rank; shard groups (mics_shard_size) split it in two levels",
-            });
-        }
-        if config.gradient_compression.powersgd().is_some() && z.stage == 1 && precision != Precision::Fp32 {
-            return Err(Error::Unsupported {
-                key: "gradient_compression.type",
-                value: "\"powersgd\"".into(),
-                why: "at stage 1 a 16-bit model's gradients are reduce-scattered every micro-batch, in its dtype, into an fp32 partition; PowerSGD averages the whole fp32 gradient once a step: train fp32, or at stage 0",
-            });
-        }
+        crate::engine::compression::powersgd::check(&config, &plan, precision, replica_count)?;
         plan.all_reduce_in_backward &= replica_count == 1
             && !config.async_training.is_async()
             // The 1-bit optimizers decide step by step whether gradients are averaged at all; PowerSGD averages

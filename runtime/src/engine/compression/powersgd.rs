@@ -273,6 +273,29 @@ impl PowerSgd {
     }
 }
 
+/// What PowerSGD cannot run with, refused at initialize by name (the config refuses stages 2-3 itself): shard
+/// groups, and a 16-bit model where the optimizer is partitioned.
+pub(crate) fn check(
+    config: &crate::Config,
+    plan: &crate::engine::zero::plan::StagePlan,
+    precision: crate::config::Precision,
+    replicas: usize,
+) -> Result<()> {
+    if config.gradient_compression.powersgd().is_none() {
+        return Ok(());
+    }
+    let refuse = |why: &'static str| {
+        Err(crate::error::Error::Unsupported { key: "gradient_compression.type", value: "\"powersgd\"".into(), why })
+    };
+    if replicas > 1 {
+        return refuse("PowerSGD averages over one group of every data-parallel rank; shard groups (mics_shard_size) split it in two levels");
+    }
+    if plan.partitions_optimizer() && precision != crate::config::Precision::Fp32 {
+        return refuse("at stage 1 a 16-bit model's gradients are reduce-scattered every micro-batch, in its dtype, into an fp32 partition; PowerSGD averages the whole fp32 gradient once a step: train fp32, or at stage 0");
+    }
+    Ok(())
+}
+
 /// `p = M q` for M (rows of `cols` values) and q given transposed (`qt`, r rows of `cols`): p is rows x r.
 fn times_q(m: &[f32], cols: usize, qt: &[f32], p: &mut [f32]) {
     let r = qt.len() / cols;
