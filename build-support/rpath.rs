@@ -36,6 +36,7 @@ fn main() {
                 "native/cuda_loader.cpp",
                 "native/gloo_backend.cpp",
                 "native/tensor_parallel.cpp",
+                "native/expert_dispatch.cpp",
                 "native/fused_adam.cpp",
                 "native/flops_counter.cpp",
             ],

@@ -177,6 +177,31 @@ int zr_gloo_exchange_parts(void* group, void* input, void* slots, int64_t part, 
   });
 }
 
+// The all-to-all of parts of any length: `send_counts[q]` elements of `input` from `send_offsets[q]` go to rank q,
+// and `recv_counts[p]` from rank p land at `recv_offsets[p]` of `output`, every transfer in flight at once. Counts
+// were agreed before (an empty part is no transfer on either end); this rank's own part is the caller's to copy.
+int zr_gloo_exchange_v(void* group, void* input, const int64_t* send_offsets, const int64_t* send_counts,
+                       void* output, const int64_t* recv_offsets, const int64_t* recv_counts, int dtype, int tag,
+                       char* err, size_t err_len) {
+  auto g = static_cast<Group*>(group);
+  return guarded(err, err_len, [&] {
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    for (int k = 1; k < g->size; ++k) {
+      int to = (g->rank + k) % g->size;
+      int from = (g->rank - k + g->size) % g->size;
+      if (recv_counts[from] > 0) {
+        std::vector<at::Tensor> recv{view(static_cast<char*>(output) + recv_offsets[from], recv_counts[from], dtype)};
+        works.push_back(g->pg->recv(recv, from, tag));
+      }
+      if (send_counts[to] > 0) {
+        std::vector<at::Tensor> send{view(static_cast<char*>(input) + send_offsets[to], send_counts[to], dtype)};
+        works.push_back(g->pg->send(send, to, tag));
+      }
+    }
+    for (auto& w : works) wait(g, w);
+  });
+}
+
 // The all-gather's exchange: this rank's part `rank` of `data` goes to every peer and each peer's part arrives in
 // its place, all in flight at once ((size-1)/size of the buffer each way per rank, no copy of this rank's part).
 int zr_gloo_share_parts(void* group, void* data, int64_t part, int dtype, int tag, char* err, size_t err_len) {

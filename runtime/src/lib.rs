@@ -26,6 +26,7 @@ pub mod engine;
 mod error;
 pub mod gloo;
 pub mod mesh;
+pub mod moe;
 pub mod pipeline;
 pub mod report;
 pub mod tensor_parallel;

@@ -11,7 +11,10 @@ use super::{emit, CliError};
 
 /// `all_reduce_1bit` (f32 only): the 1-bit optimizers' sign all-reduce with error feedback (`signs::all_reduce`),
 /// its bandwidth counted as an fp32 all-reduce's of the same array, so it reads against `all_reduce` directly.
-const OPS: [&str; 6] = ["all_reduce", "all_reduce_1bit", "reduce_scatter", "all_gather", "send_recv", "send_recv_ring"];
+/// `all_to_all` runs the all-to-all of parts of any length (`all_to_all_v_buf`, what a mixture-of-experts layer
+/// dispatches with) on equal parts; its bus bandwidth is nccl-tests' alltoall's, (n-1)/n of S / t.
+const OPS: [&str; 7] =
+    ["all_reduce", "all_reduce_1bit", "reduce_scatter", "all_gather", "all_to_all", "send_recv", "send_recv_ring"];
 
 fn sizes(max_bytes: usize) -> Vec<usize> {
     std::iter::successors(Some(4096usize), |b| Some(b * 4)).take_while(|b| *b <= max_bytes.max(4096)).collect()
@@ -71,8 +74,8 @@ fn measure(c: &dyn Communicator, op: &str, bytes: usize, dtype: Dtype, repeats: 
         }
     };
     let (mut buf_mem, mut out_mem) = (alloc(elems), alloc(elems / n));
-    // The ring shift receives a whole buffer beside the one it sends.
-    let mut ring_mem = (op == "send_recv_ring").then(|| alloc(elems));
+    // The ring shift and the all-to-all receive a whole buffer beside the one they send.
+    let mut ring_mem = (op == "send_recv_ring" || op == "all_to_all").then(|| alloc(elems));
     let mut ring = ring_mem.as_mut().map(|m| &mut m.bytes()[..elems * es]);
     let (buf, out) = (&mut buf_mem.bytes()[..elems * es], &mut out_mem.bytes()[..elems / n * es]);
     fill_ones(buf, dtype);
@@ -108,6 +111,11 @@ fn measure(c: &dyn Communicator, op: &str, bytes: usize, dtype: Dtype, repeats: 
                     previous,
                 )
                 .map_err(fail)?
+            }
+            "all_to_all" => {
+                let counts = vec![elems / n; n];
+                let into = BufMut { bytes: ring.as_deref_mut().expect("allocated for the all-to-all"), dtype };
+                c.all_to_all_v_buf(BufRef { bytes: &*buf, dtype }, &counts, into, &counts).map_err(fail)?
             }
             _ => c.all_gather_buf(BufMut { bytes: &mut *buf, dtype }).map_err(fail)?,
         }

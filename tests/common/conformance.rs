@@ -66,6 +66,7 @@ pub fn run(c: &dyn Communicator) {
     }
     c.barrier().unwrap();
     one_bit(c);
+    all_to_all(c);
     println!("conformance ok on rank {rank} (shared buffers {})", c.prefers_shared_buffers());
 }
 
@@ -184,5 +185,49 @@ fn one_bit(c: &dyn Communicator) {
             assert!(bits(&v) == bits(&expected[rank]), "1-bit all_reduce n {n} call {call}: not the simulation's bits");
         }
         assert_eq!(errors, sim_errors[rank], "1-bit all_reduce n {n}: error feedback");
+    }
+}
+
+/// The all-to-all of equal parts, and of parts of every length (empty ones and 16 MiB ones among them): rank r sends
+/// rank q `len(r, q)` elements valued by both; counts that disagree between two ranks are an error on every rank,
+/// and the group stays usable.
+fn all_to_all(c: &dyn Communicator) {
+    let (rank, world) = (c.rank(), c.world_size());
+    let value = |from: usize, to: usize, i: usize| (from * 1000 + to * 10) as f32 + (i % 7) as f32;
+    let mut equal = vec![-1f32; 3 * world];
+    let sent: Vec<f32> = (0..world).flat_map(|q| (0..3).map(move |i| value(rank, q, i))).collect();
+    c.all_to_all_buf(zerorun::runtime::comm::BufRef::new(&sent), zerorun::runtime::comm::BufMut::new(&mut equal))
+        .unwrap();
+    let expected: Vec<f32> = (0..world).flat_map(|p| (0..3).map(move |i| value(p, rank, i))).collect();
+    assert_eq!(equal, expected, "all_to_all of equal parts");
+    for big in [false, true] {
+        let len = |from: usize, to: usize| match (from + 2 * to) % 3 {
+            0 => 0,
+            1 => 5 + from,
+            _ if big => (4 << 20) + to,
+            _ => 1000 + to,
+        };
+        let send: Vec<usize> = (0..world).map(|q| len(rank, q)).collect();
+        let recv: Vec<usize> = (0..world).map(|p| len(p, rank)).collect();
+        let input: Vec<f32> = (0..world).flat_map(|q| (0..send[q]).map(move |i| value(rank, q, i))).collect();
+        let mut output = vec![-1f32; recv.iter().sum()];
+        c.all_to_all_v(&input, &send, &mut output, &recv).unwrap();
+        let expected: Vec<f32> = (0..world).flat_map(|p| (0..recv[p]).map(move |i| value(p, rank, i))).collect();
+        assert!(output == expected, "all_to_all_v (big {big}) on rank {rank}");
+    }
+    if world > 1 {
+        // Rank 0 expects one element more from rank 1 than rank 1 sends.
+        let send = vec![1usize; world];
+        let mut recv = vec![1usize; world];
+        if rank == 0 {
+            recv[1] = 2;
+        }
+        let input = vec![0f32; world];
+        let mut output = vec![0f32; recv.iter().sum()];
+        let e = c.all_to_all_v(&input, &send, &mut output, &recv).unwrap_err().to_string();
+        if rank <= 1 {
+            assert!(e.contains("all_to_all") && e.contains(&format!("rank {rank}")), "{e}");
+        }
+        c.barrier().unwrap();
     }
 }

@@ -61,7 +61,7 @@ pub fn root(op: &'static str, rank: usize, world_size: usize, root: usize) -> Co
     Ok(())
 }
 
-const OPS: [&str; 5] = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier"];
+const OPS: [&str; 6] = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier", "all_to_all"];
 const DTYPES: [Dtype; 4] = [Dtype::F32, Dtype::Bf16, Dtype::F16, Dtype::I64];
 
 /// What one rank passed to a collective, as three words a backend can publish anywhere (shared memory, MPI).

@@ -247,6 +247,22 @@ impl Communicator for CommThread {
         self.submit("all_to_all", move |c| c.all_to_all_buf(unsafe { i.buf_ref() }, unsafe { o.buf_mut() })).wait()
     }
 
+    fn all_to_all_v_buf(
+        &self,
+        input: BufRef<'_>,
+        send: &[usize],
+        output: BufMut<'_>,
+        recv: &[usize],
+    ) -> CommResult<()> {
+        let i = RawBuf::new(input.bytes.as_ptr() as *mut u8, input.bytes.len(), input.dtype);
+        let o = RawBuf::new(output.bytes.as_mut_ptr(), output.bytes.len(), output.dtype);
+        let (send, recv) = (send.to_vec(), recv.to_vec());
+        self.submit("all_to_all", move |c| {
+            c.all_to_all_v_buf(unsafe { i.buf_ref() }, &send, unsafe { o.buf_mut() }, &recv)
+        })
+        .wait()
+    }
+
     fn reduce_scatter_quantized_buf(
         &self,
         input: BufRef<'_>,

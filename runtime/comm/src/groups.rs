@@ -158,6 +158,16 @@ impl Communicator for Named {
         self.named(self.inner.all_to_all_buf(input, output))
     }
 
+    fn all_to_all_v_buf(
+        &self,
+        input: BufRef<'_>,
+        send: &[usize],
+        output: BufMut<'_>,
+        recv: &[usize],
+    ) -> CommResult<()> {
+        self.named(self.inner.all_to_all_v_buf(input, send, output, recv))
+    }
+
     fn host_layout(&self) -> Option<(usize, usize)> {
         self.inner.host_layout()
     }

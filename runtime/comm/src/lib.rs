@@ -7,6 +7,7 @@
 //! the vector sums of `pair_sum`.
 #![warn(missing_docs)]
 pub mod agreement;
+pub mod all_to_all;
 pub mod async_comm;
 pub mod buffer;
 mod cma;
@@ -191,9 +192,24 @@ pub trait Communicator: Send {
     /// Every rank ends with `root`'s `buf`.
     fn broadcast_buf(&self, buf: BufMut<'_>, root: usize) -> CommResult<()>;
     /// `input` and `output` are `world_size` equal parts: rank r's part q goes to rank q, landing in its part r.
-    /// The default gathers every rank's whole input (world_size times the bytes); gloo exchanges the parts.
+    /// The default sends each part straight to its rank ([`all_to_all::pairwise`]); gloo has every transfer in
+    /// flight at once.
     fn all_to_all_buf(&self, input: BufRef<'_>, output: BufMut<'_>) -> CommResult<()> {
-        quantized::all_to_all_by_gathering(self, input, output)
+        all_to_all::equal_parts(self, input, output)
+    }
+    /// All-to-all of parts of any length (MPI's alltoallv): part q of `input` (`send[q]` elements, in rank order)
+    /// goes to rank q, and part r of `output` (`recv[r]` elements) comes from rank r. What rank r sends rank q must be
+    /// what q expects from r (exchange the counts first where they are not known: an all-to-all of one count per
+    /// rank); counts that disagree are an error on both ranks. The default moves each part once, point to point
+    /// ([`all_to_all::pairwise`]); gloo and MPI run their own.
+    fn all_to_all_v_buf(
+        &self,
+        input: BufRef<'_>,
+        send: &[usize],
+        output: BufMut<'_>,
+        recv: &[usize],
+    ) -> CommResult<()> {
+        all_to_all::pairwise(self, input, send, output, recv)
     }
     /// [`Communicator::reduce_scatter_buf`] of floats with the parts that travel quantized to int8 in blocks of
     /// `block` values (ZeRO++ qgZ), summed in f32 after dequantizing. The default quantizes every part a peer
@@ -335,6 +351,16 @@ pub trait Collectives: Communicator {
     /// [`Communicator::send_recv_buf`] of typed slices.
     fn send_recv<T: Element>(&self, send: &[T], dst: usize, recv: &mut [T], src: usize) -> CommResult<()> {
         self.send_recv_buf(BufRef::new(send), dst, BufMut::new(recv), src)
+    }
+    /// [`Communicator::all_to_all_v_buf`].
+    fn all_to_all_v<T: Element>(
+        &self,
+        input: &[T],
+        send: &[usize],
+        output: &mut [T],
+        recv: &[usize],
+    ) -> CommResult<()> {
+        self.all_to_all_v_buf(BufRef::new(input), send, BufMut::new(output), recv)
     }
     /// MPI_Comm_split: ranks that pass the same `color` form a group, ranked by `key` and then by their rank here;
     /// `None` joins no group (and gets None). Collective over this group.

@@ -18,7 +18,7 @@ use mpi::traits::*;
 
 use super::agreement::{self, Call};
 use super::groups::{self, Split};
-use super::{reduce_into, BufMut, BufRef, CommError, CommResult, Communicator, Dtype, ReduceOp};
+use super::{all_to_all, reduce_into, BufMut, BufRef, CommError, CommResult, Communicator, Dtype, ReduceOp};
 
 /// One rank's MPI communicator: MPI_COMM_WORLD, or a group split from it (MPI_Comm_split).
 pub struct MpiComm {
@@ -209,6 +209,38 @@ impl Communicator for MpiComm {
         let mine = bytes_of(&mut staging[2], pb);
         mine.copy_from_slice(&buf.bytes[self.rank * pb..(self.rank + 1) * pb]);
         self.watch(OP, || self.world.all_gather_into(&mine[..], &mut buf.bytes[..]));
+        Ok(())
+    }
+
+    /// MPI's alltoallv, after an exchange of the counts (MPI cannot tell a part of the wrong size: a disagreement
+    /// is an error on every rank here, not an MPI abort).
+    fn all_to_all_v_buf(
+        &self,
+        input: BufRef<'_>,
+        send: &[usize],
+        output: BufMut<'_>,
+        recv: &[usize],
+    ) -> CommResult<()> {
+        const OP: &str = "all_to_all";
+        let (n, es) = (self.world_size, input.dtype.size());
+        let (sends, recvs) = all_to_all::offsets(OP, self.rank, n, &input, send, &output, recv)?;
+        all_to_all::agree(self, OP, send, recv, input.dtype)?;
+        // MPI counts are ints: bytes per part and offsets must fit.
+        let ints = |v: &[usize]| -> CommResult<Vec<i32>> {
+            v.iter()
+                .map(|x| {
+                    i32::try_from(x * es).map_err(|_| CommError::BadArgument {
+                        op: OP,
+                        rank: self.rank,
+                        what: format!("{} bytes exceed MPI's int counts", x * es),
+                    })
+                })
+                .collect()
+        };
+        let (sc, sd, rc, rd) = (ints(send)?, ints(&sends[..n])?, ints(recv)?, ints(&recvs[..n])?);
+        let outgoing = mpi::datatype::Partition::new(input.bytes, &sc[..], &sd[..]);
+        let mut incoming = mpi::datatype::PartitionMut::new(output.bytes, &rc[..], &rd[..]);
+        self.watch(OP, || self.world.all_to_all_varcount_into(&outgoing, &mut incoming));
         Ok(())
     }
 

@@ -62,6 +62,16 @@ impl<O: Observer> Communicator for Observed<O> {
     fn all_to_all_buf(&self, input: BufRef<'_>, output: BufMut<'_>) -> CommResult<()> {
         self.around("all_to_all", input.bytes.len(), || self.inner.all_to_all_buf(input, output))
     }
+
+    fn all_to_all_v_buf(
+        &self,
+        input: BufRef<'_>,
+        send: &[usize],
+        output: BufMut<'_>,
+        recv: &[usize],
+    ) -> CommResult<()> {
+        self.around("all_to_all", input.bytes.len(), || self.inner.all_to_all_v_buf(input, send, output, recv))
+    }
     fn reduce_scatter_quantized_buf(
         &self,
         input: BufRef<'_>,

@@ -165,27 +165,6 @@ fn all_gather_typed<T: Float>(comm: &dyn Communicator, values: &mut [T], part: u
     })
 }
 
-/// [`Communicator::all_to_all_buf`] for any backend: every rank's whole input gathered, this rank's parts picked.
-pub fn all_to_all_by_gathering<C: Communicator + ?Sized>(
-    comm: &C,
-    input: BufRef<'_>,
-    output: BufMut<'_>,
-) -> CommResult<()> {
-    const OP: &str = "all_to_all";
-    let (rank, n) = (comm.rank(), comm.world_size());
-    let part = agreement::exchange_output(OP, rank, n, &input, &output)?;
-    let (whole, part_bytes) = (input.bytes.len(), part * input.dtype.size());
-    let mut all = vec![0u64; (n * whole).div_ceil(8)];
-    let bytes = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut all)[..n * whole];
-    bytes[rank * whole..(rank + 1) * whole].copy_from_slice(input.bytes);
-    comm.all_gather_buf(BufMut { bytes: &mut *bytes, dtype: input.dtype })?;
-    for r in 0..n {
-        let from = r * whole + rank * part_bytes;
-        output.bytes[r * part_bytes..(r + 1) * part_bytes].copy_from_slice(&bytes[from..from + part_bytes]);
-    }
-    Ok(())
-}
-
 /// An all-reduce whose traffic is int8 blocks: a quantized [`reduce_scatter`] of `buf` (padded to a multiple of
 /// the ranks with zeros), then a quantized [`all_gather`] of the reduced parts, so every rank ends with the same
 /// values, within a quantization step of the reduce-scatter's and one of the gather's. A maximum, and integers,

@@ -5,7 +5,7 @@
 //! With `W` ranks and a vector of `n` values (padded with zeros to a multiple of `64 W`):
 //! 1. **worker**: `x = values + worker_error`; `scale = ||x|| / sqrt(n)`; `worker_error = x - scale * sign(x)`
 //!    (sign(0) = +1: one bit has no zero). Part `q` of the signs goes to rank `q`, with the scale
-//!    ([`exchange_parts`]: one send/receive per peer, (W-1)/W of n/8 bytes out of every rank).
+//!    ([`crate::all_to_all`]: each part straight to its rank, (W-1)/W of n/8 bytes out of every rank).
 //! 2. **server** (every rank, for its own part): `server_error` plus the average of the W received parts,
 //!    `sum_r scale_r/W * sign_r` (added in rank order); its scale and signs the same way, and `server_error` the remainder.
 //! 3. the servers' signs and scales are all-gathered; every rank ends with the same values, `scale_q * sign` in part q.
@@ -16,7 +16,7 @@
 //!
 //! Signs pack 64 to a word, value `j` of a part in bit `j % 64` of word `j / 64`; a part on the wire is its words,
 //! then one word holding the scale's bits (the collectives move whole i64 words).
-use super::{coding, BufMut, BufRef, CommError, CommResult, Communicator, Dtype};
+use super::{coding, BufMut, CommError, CommResult, Communicator, Dtype};
 
 /// Values per sign word.
 const WORD: usize = 64;
@@ -109,7 +109,7 @@ pub fn all_reduce(
             compress(worker, sent, part_words);
         });
         // 2. Each part to its server, which adds every rank's part of it (in rank order) to its error.
-        exchange_parts(comm, sent, received, part_words)?;
+        crate::all_to_all::exchange_words(comm, sent, received)?;
         coding::timed(|| {
             for r in 0..world {
                 let words = &received[r * part_words..(r + 1) * part_words];
@@ -162,7 +162,7 @@ pub fn reduce_scatter_compensated(comm: &dyn Communicator, worker: &mut [f32], o
                 w[words - 1] = scale.to_bits() as u64;
             }
         });
-        exchange_parts(comm, sent, received, words)?;
+        crate::all_to_all::exchange_words(comm, sent, received)?;
         coding::timed(|| {
             out.fill(0.0);
             for r in 0..world {
@@ -334,55 +334,6 @@ fn write_signs(words: &[u64], scale: f32, out: &mut [f32]) {
                 *o = s * scale;
             }
         }
-    }
-}
-
-/// All-to-all of `world` parts of `part_words` words: part q of `sent` goes to rank q, and part r of `received`
-/// comes from rank r. One send and one receive with each peer in turn (to rank + k, from rank - k in round k), so
-/// every backend moves exactly (world - 1) parts out of each rank; the trait's default all-to-all gathers whole
-/// inputs. Sends are rendezvous, so the order matters: round k's sends form cycles, and ranks at even places of
-/// their cycle send first, the others receive first. Where rank parity is that place's parity (an even world, an
-/// odd k) the backend's `send_recv_buf` runs, which has both in flight at once where it can (gloo).
-pub fn exchange_parts(
-    comm: &dyn Communicator,
-    sent: &[u64],
-    received: &mut [u64],
-    part_words: usize,
-) -> CommResult<()> {
-    let (rank, world) = (comm.rank(), comm.world_size());
-    let words = |q: usize| q * part_words..(q + 1) * part_words;
-    received[words(rank)].copy_from_slice(&sent[words(rank)]);
-    for k in 1..world {
-        let (dst, src) = ((rank + k) % world, (rank + world - k) % world);
-        let out = BufRef { bytes: bytemuck::cast_slice(&sent[words(dst)]), dtype: Dtype::I64 };
-        let into = BufMut { bytes: bytemuck::cast_slice_mut(&mut received[words(src)]), dtype: Dtype::I64 };
-        if world % 2 == 0 && k % 2 == 1 {
-            comm.send_recv_buf(out, dst, into, src)?;
-            continue;
-        }
-        // This rank's place in its cycle: the cycle starts at rank % gcd(world, k) and steps by k.
-        let mut place = 0;
-        let mut x = rank % gcd(world, k);
-        while x != rank {
-            x = (x + k) % world;
-            place += 1;
-        }
-        if place % 2 == 0 {
-            comm.send_buf(out, dst)?;
-            comm.recv_buf(into, src)?;
-        } else {
-            comm.recv_buf(into, src)?;
-            comm.send_buf(out, dst)?;
-        }
-    }
-    Ok(())
-}
-
-fn gcd(a: usize, b: usize) -> usize {
-    if b == 0 {
-        a
-    } else {
-        gcd(b, a % b)
     }
 }
 

@@ -276,6 +276,45 @@ impl Communicator for GlooComm {
         Ok(())
     }
 
+    /// The counts exchanged and checked first (gloo cannot tell a part of the wrong size), then every part in flight
+    /// at once, straight into its place; this rank's own part is copied.
+    fn all_to_all_v_buf(
+        &self,
+        input: BufRef<'_>,
+        send: &[usize],
+        output: BufMut<'_>,
+        recv: &[usize],
+    ) -> CommResult<()> {
+        const OP: &str = "all_to_all";
+        let (n, rank, es, dtype) = (self.world_size, self.rank, input.dtype.size(), input.dtype);
+        let (sends, recvs) = crate::comm::all_to_all::offsets(OP, rank, n, &input, send, &output, recv)?;
+        crate::comm::all_to_all::agree(self, OP, send, recv, dtype)?;
+        let bytes = |v: &[usize]| v.iter().map(|x| (x * es) as i64).collect::<Vec<i64>>();
+        let counts = |v: &[usize]| v.iter().map(|x| *x as i64).collect::<Vec<i64>>();
+        let (so, sc, ro, rc) = (bytes(&sends), counts(send), bytes(&recvs), counts(recv));
+        let (i, o) = (input.bytes.as_ptr() as *mut c_void, output.bytes.as_mut_ptr() as *mut c_void);
+        // SAFETY: every part lies within its buffer (offsets checked against the lengths above); the input is only
+        // read.
+        self.call(OP, |e, l| unsafe {
+            zr_gloo_exchange_v(
+                self.group,
+                i,
+                so.as_ptr(),
+                sc.as_ptr(),
+                o,
+                ro.as_ptr(),
+                rc.as_ptr(),
+                dtype as c_int,
+                TAG_PARTS,
+                e,
+                l,
+            )
+        })?;
+        output.bytes[recvs[rank] * es..recvs[rank + 1] * es]
+            .copy_from_slice(&input.bytes[sends[rank] * es..sends[rank + 1] * es]);
+        Ok(())
+    }
+
     /// Bandwidth-optimal: this rank's part goes to every peer, each peer's arrives in its place.
     fn all_gather_buf(&self, buf: BufMut<'_>) -> CommResult<()> {
         const OP: &str = "all_gather";

@@ -51,6 +51,20 @@ extern "C" {
         err: *mut c_char,
         err_len: usize,
     ) -> c_int;
+    #[allow(clippy::too_many_arguments)] // the C signature
+    pub(super) fn zr_gloo_exchange_v(
+        group: *mut c_void,
+        input: *mut c_void,
+        send_offsets: *const i64,
+        send_counts: *const i64,
+        output: *mut c_void,
+        recv_offsets: *const i64,
+        recv_counts: *const i64,
+        dtype: c_int,
+        tag: c_int,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
     pub(super) fn zr_gloo_share_parts(
         group: *mut c_void,
         data: *mut c_void,

@@ -290,6 +290,16 @@ impl Communicator for Hierarchical {
         self.world.all_to_all_buf(input, output)
     }
 
+    fn all_to_all_v_buf(
+        &self,
+        input: BufRef<'_>,
+        send: &[usize],
+        output: BufMut<'_>,
+        recv: &[usize],
+    ) -> CommResult<()> {
+        self.world.all_to_all_v_buf(input, send, output, recv)
+    }
+
     fn host_layout(&self) -> Option<(usize, usize)> {
         Some((self.local.rank(), self.per_host()))
     }

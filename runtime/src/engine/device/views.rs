@@ -237,6 +237,20 @@ unsafe fn buf_of(t: &Tensor) -> crate::comm::BufMut<'_> {
     }
 }
 
+/// The all-to-all of parts of any length ([`crate::comm::Communicator::all_to_all_v_buf`]) from one host tensor of
+/// floats into another: `send[q]` elements of `input` to rank q, `recv[p]` from rank p into `output`.
+pub fn all_to_all_v(
+    comm: &dyn Communicator,
+    input: &Tensor,
+    send: &[usize],
+    output: &Tensor,
+    recv: &[usize],
+) -> CommResult<()> {
+    check_disjoint(input, output);
+    // SAFETY: the caller's two buffers (disjoint, checked), untouched by anything else during the blocking call.
+    unsafe { comm.all_to_all_v_buf(buf_of(input).into(), send, buf_of(output), recv) }
+}
+
 /// [`all_gather`] with every rank's part block-quantized to int8 on the way (`zero_quantized_weights`; see
 /// [`crate::comm::quantized`]). On host memory: a device tensor is staged through a host copy.
 pub fn all_gather_quantized(residence: Residence, comm: &dyn Communicator, t: &Tensor, block: usize) -> CommResult<()> {

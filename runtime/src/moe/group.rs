@@ -1,0 +1,163 @@
+//! An expert-parallel group: the ranks that split a layer's experts between them, and the all-to-all of rows that
+//! takes tokens to their experts' ranks, an autograd function of the C++ shim (`native/expert_dispatch.cpp`) whose
+//! collective is this group's communicator, reached through a callback here.
+use std::cell::Cell;
+use std::ffi::{c_char, c_void, CString};
+
+use tch::Tensor;
+
+use crate::comm::Communicator;
+use crate::engine::device::views;
+use crate::error::{Error, Result};
+
+type AllToAll = extern "C" fn(*mut c_void, *mut c_void, *const i64, *mut c_void, *const i64, i64) -> *mut c_char;
+
+extern "C" {
+    fn zerorun_moe_all_to_all(
+        x: *mut c_void,
+        send: *const i64,
+        recv: *const i64,
+        n: i64,
+        fn_: AllToAll,
+        group: *mut c_void,
+        out: *mut *mut c_void,
+    ) -> *mut c_char;
+}
+
+/// The all-to-alls this group ran, forward and backward together (each rank counts its own).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ExpertParallelCounts {
+    /// All-to-alls of rows.
+    pub all_to_all: u64,
+    /// Elements this rank sent to other ranks.
+    pub elements_sent: u64,
+}
+
+/// What the shim's callback reaches. Boxed, so its address stays put while graphs that hold it exist.
+struct Inner {
+    comm: Box<dyn Communicator>,
+    counts: Cell<ExpertParallelCounts>,
+}
+
+/// The ranks that hold different experts of each layer.
+pub struct ExpertParallel {
+    inner: Box<Inner>,
+}
+
+impl ExpertParallel {
+    /// The group of `comm`'s ranks.
+    pub fn new(comm: Box<dyn Communicator>) -> ExpertParallel {
+        ExpertParallel { inner: Box::new(Inner { comm, counts: Cell::new(ExpertParallelCounts::default()) }) }
+    }
+
+    /// This rank in the group.
+    pub fn rank(&self) -> usize {
+        self.inner.comm.rank()
+    }
+
+    /// Ranks in the group.
+    pub fn size(&self) -> usize {
+        self.inner.comm.world_size()
+    }
+
+    /// The all-to-alls run so far.
+    pub fn counts(&self) -> ExpertParallelCounts {
+        self.inner.counts.get()
+    }
+
+    /// Every rank's `mine[q]` counts for rank q: an all-to-all of `per_rank` counts per rank (no graph). Rank q
+    /// ends with rank p's block for it as block p.
+    pub fn exchange_counts(&self, mine: &[i64], per_rank: usize) -> Result<Vec<i64>> {
+        let n = self.size();
+        let mut theirs = vec![0i64; mine.len()];
+        let counts = vec![per_rank; n];
+        use crate::comm::Collectives;
+        self.inner.comm.all_to_all_v(mine, &counts, &mut theirs, &counts).map_err(Error::from)?;
+        Ok(theirs)
+    }
+
+    /// Sends `send[q]` rows of `x` (in rank order) to rank q and returns the `recv[p]` rows from each rank p, in
+    /// rank order; backward sends each row's gradient back where the row came from.
+    pub fn all_to_all_rows(&self, x: &Tensor, send: &[i64], recv: &[i64]) -> Result<Tensor> {
+        let n = self.size();
+        if send.len() != n || recv.len() != n {
+            return Err(Error::Usage(format!(
+                "expert parallel all-to-all: {} send and {} receive counts for a group of {n} ranks",
+                send.len(),
+                recv.len()
+            )));
+        }
+        let mut out: *mut c_void = std::ptr::null_mut();
+        let group = &*self.inner as *const Inner as *mut c_void;
+        // SAFETY: `x` is a live tensor and the counts hold n entries each; `group` stays valid while this value
+        // lives (the caller keeps it alive as long as graphs through this operator may run backward).
+        let message = unsafe {
+            zerorun_moe_all_to_all(
+                x.as_ptr() as *mut c_void,
+                send.as_ptr(),
+                recv.as_ptr(),
+                n as i64,
+                all_to_all,
+                group,
+                &mut out,
+            )
+        };
+        if !message.is_null() {
+            // SAFETY: a NUL-terminated string from malloc, ours to free.
+            let text = unsafe { std::ffi::CStr::from_ptr(message) }.to_string_lossy().into_owned();
+            unsafe { libc::free(message as *mut c_void) };
+            return Err(Error::Torch(tch::TchError::Torch(format!("expert parallel: {text}"))));
+        }
+        // SAFETY: the shim allocated the result with `new at::Tensor`, which tch's Tensor owns from here.
+        Ok(unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) })
+    }
+}
+
+/// The shim's callback: the all-to-all of `input` into `output` over the group's communicator (host memory; a
+/// device tensor travels through a host copy). Returns null or a malloc'ed message.
+extern "C" fn all_to_all(
+    group: *mut c_void,
+    input: *mut c_void,
+    send: *const i64,
+    output: *mut c_void,
+    recv: *const i64,
+    n: i64,
+) -> *mut c_char {
+    // A panic must not cross into C++: it becomes the message.
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        // SAFETY: `group` is the `Inner` of a live `ExpertParallel`; the tensors are the shim's, borrowed for this
+        // call (ManuallyDrop: tch must not delete them); the counts hold n entries each.
+        let inner = unsafe { &*(group as *const Inner) };
+        let (input, output) = unsafe {
+            (
+                std::mem::ManuallyDrop::new(Tensor::from_ptr(input as *mut torch_sys::C_tensor)),
+                std::mem::ManuallyDrop::new(Tensor::from_ptr(output as *mut torch_sys::C_tensor)),
+            )
+        };
+        let counts = |p: *const i64| -> Vec<usize> {
+            // SAFETY: as above.
+            unsafe { std::slice::from_raw_parts(p, n as usize) }.iter().map(|c| *c as usize).collect()
+        };
+        let (send, recv) = (counts(send), counts(recv));
+        let mut c = inner.counts.get();
+        c.all_to_all += 1;
+        let me = inner.comm.rank();
+        c.elements_sent += send.iter().enumerate().filter(|(q, _)| *q != me).map(|(_, s)| *s as u64).sum::<u64>();
+        inner.counts.set(c);
+        let comm = inner.comm.as_ref();
+        if input.device() == tch::Device::Cpu {
+            return views::all_to_all_v(comm, &input, &send, &output, &recv).map_err(|e| e.to_string());
+        }
+        let (host_in, host_out) = (input.to_device(tch::Device::Cpu), output.to_device(tch::Device::Cpu));
+        views::all_to_all_v(comm, &host_in, &send, &host_out, &recv).map_err(|e| e.to_string())?;
+        tch::no_grad(|| output.shallow_clone().f_copy_(&host_out)).map(|_| ()).map_err(|e| e.to_string())
+    }));
+    let text = match result {
+        Ok(Ok(())) => return std::ptr::null_mut(),
+        Ok(Err(e)) => e,
+        Err(_) => "the all-to-all panicked".to_string(),
+    };
+    let c = CString::new(text.replace('\0', " ")).unwrap_or_default();
+    // SAFETY: strdup copies into malloc'ed memory, which the shim frees.
+    unsafe { libc::strdup(c.as_ptr()) }
+}

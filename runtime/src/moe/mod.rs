@@ -1,0 +1,16 @@
+//! Mixture of experts as tch layers a model composes (Mixtral's and Qwen3-MoE's sparse blocks, DeepSpeed-MoE's
+//! options): a router that picks each token's top-k experts (`router.rs`, with transformers' load-balancing loss),
+//! experts as SwiGLU MLPs (`experts.rs`), and the dispatch that brings each token to its experts and their outputs
+//! back (`dispatch.rs`): dropless by default (tokens sorted by expert, every one computed), or with DeepSpeed's
+//! capacity factor (the tokens over an expert's capacity dropped, their slot passing nothing, so the block's
+//! residual carries them). With an [`ExpertParallel`] group (`group.rs`) each rank holds `experts / E` of the
+//! experts and tokens travel to them by an all-to-all of rows, forward and backward.
+mod dispatch;
+mod experts;
+mod group;
+mod router;
+
+pub use dispatch::{Capacity, MoeLayer, MoeOutput};
+pub use experts::{ExpertNames, SwiGluExperts};
+pub use group::{ExpertParallel, ExpertParallelCounts};
+pub use router::{load_balancing_loss, Router, Routing};
