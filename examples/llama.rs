@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::Parser;
-use support::llama_model::{self, DecoderLayer, Head, LlamaConfig};
+use support::llama_model::{self, DecoderLayer, Head, LlamaConfig, RouterLogits};
 use support::*;
 use tch::{nn, Kind, Tensor};
 use zerorun::runtime::checkpoint::files::MappedTensors;
@@ -72,6 +72,16 @@ struct Args {
     /// Tie the output projection to the embedding (without --hf).
     #[arg(long)]
     tie_embeddings: bool,
+    /// A mixture of experts (without --hf): every decoder layer's MLP becomes this many SwiGLU experts of --ffn
+    /// width behind a router, as Mixtral's (model_type "mixtral", its parameter names).
+    #[arg(long)]
+    experts: Option<i64>,
+    /// With --experts: experts per token.
+    #[arg(long, default_value_t = 2)]
+    top_k: i64,
+    /// With --experts: the load-balancing loss's weight in the loss (transformers' router_aux_loss_coef).
+    #[arg(long, default_value_t = 0.001)]
+    aux_loss_coef: f64,
     /// Tokens per row of the corpus (without --data).
     #[arg(long, default_value_t = 64)]
     seq_len: i64,
@@ -97,7 +107,7 @@ fn model_config(args: &Args) -> Result<LlamaConfig, String> {
     }
     let ffn = args.ffn.unwrap_or_else(|| (8 * args.hidden / 3 + 63) / 64 * 64);
     let c = LlamaConfig {
-        model_type: "llama".into(),
+        model_type: if args.experts.is_some() { "mixtral" } else { "llama" }.into(),
         vocab_size: args.vocab,
         hidden_size: args.hidden,
         intermediate_size: ffn,
@@ -113,6 +123,16 @@ fn model_config(args: &Args) -> Result<LlamaConfig, String> {
         attention_bias: false,
         mlp_bias: false,
         rope_scaling: None,
+        moe: match args.experts {
+            None => Default::default(),
+            Some(e) => llama_model::MoeKeys {
+                num_local_experts: Some(e),
+                num_experts_per_tok: Some(args.top_k),
+                router_aux_loss_coef: Some(args.aux_loss_coef),
+                output_router_logits: true,
+                ..Default::default()
+            },
+        },
     };
     c.check()?;
     Ok(c)
@@ -203,12 +223,19 @@ impl Rows {
 
 /// The model as one builder per unit (the embedding, each decoder layer, the norm with the head), so at stage 3
 /// no rank ever holds it whole; tied embeddings make it one unit. With `--hf`, the weights come from its files.
-fn builders(c: &LlamaConfig, hf: Option<&Path>) -> UnitBuilders<'static> {
+/// Sparse layers put their router logits in `router` as they run, for the load-balancing loss.
+fn builders(c: &LlamaConfig, hf: Option<&Path>, router: &RouterLogits) -> UnitBuilders<'static> {
     let c = c.clone();
     let builders = if c.tie_word_embeddings {
+        let router = router.clone();
         UnitBuilders::new().unit(["model"], move |root: &nn::Path| {
             let model = llama_model::Llama::new(root, &c);
-            Box::new(move |x: &Tensor| model.forward(x))
+            let router = router.clone();
+            Box::new(move |x: &Tensor| {
+                let (logits, routed) = model.forward_routed(x);
+                routed.into_iter().for_each(|l| router.push(l));
+                logits
+            })
         })
     } else {
         let layers = c.num_hidden_layers;
@@ -219,9 +246,15 @@ fn builders(c: &LlamaConfig, hf: Option<&Path>) -> UnitBuilders<'static> {
         });
         for i in 0..layers {
             let c = c.clone();
+            let router = router.clone();
             b = b.unit([format!("model.layers.{i}")], move |root: &nn::Path| {
-                let layer = DecoderLayer::new(root / "model" / "layers" / i, &c);
-                Box::new(move |x: &Tensor| layer.forward(x))
+                let layer = DecoderLayer::new(root / "model" / "layers" / i, &c, i);
+                let router = router.clone();
+                Box::new(move |x: &Tensor| {
+                    let (out, logits) = layer.forward_routed(x);
+                    logits.into_iter().for_each(|l| router.push(l));
+                    out
+                })
             });
         }
         let c = c.clone();
@@ -261,6 +294,12 @@ fn run(args: &Args) -> Result<(), String> {
         llama_model::tp::check(&c, t)?;
     }
     if args.pipeline_stages.is_some() || args.tensor_parallel.is_some() {
+        if c.experts().is_some() {
+            return Err(format!(
+                "--pipeline-stages and --tensor-parallel: not with a mixture of experts in this example (model_type {:?})",
+                c.model_type
+            ));
+        }
         if device != tch::Device::Cpu {
             return Err("--pipeline-stages and --tensor-parallel run on the CPU only in this example".into());
         }
@@ -275,8 +314,9 @@ fn run(args: &Args) -> Result<(), String> {
         tch::manual_seed(a.seed as i64);
         let vs = nn::VarStore::new(device);
         let options = EngineOptions { activation_checkpointing: a.activation_checkpointing, ..Default::default() };
+        let router = RouterLogits::default();
         let (mut engine, model) =
-            Engine::from_builders(&vs, config.clone(), comm, options, builders(&c, args.hf.as_deref()))
+            Engine::from_builders(&vs, config.clone(), comm, options, builders(&c, args.hf.as_deref(), &router))
                 .map_err(|e| e.to_string())?;
         let b = engine.batch_sizes();
         let (rank, world) = (engine.rank() as u64, engine.world_size() as u64);
@@ -290,8 +330,9 @@ fn run(args: &Args) -> Result<(), String> {
             let base = step * global + rank * (global / world);
             for m in 0..b.gradient_accumulation_steps {
                 let (x, y) = rows.batch(base + m * micro, micro);
+                router.take(); // a recomputation's (activation checkpointing) from the last backward
                 let logits = engine.forward(&model, &x.to_device(device)).map_err(|e| e.to_string())?;
-                let loss = llama_model::loss(&logits, &y.to_device(device));
+                let loss = llama_model::loss_with_aux(&c, &logits, &y.to_device(device), &router.take());
                 engine.backward_units(&model, &loss).map_err(|e| e.to_string())?;
                 let outcome = engine.step().map_err(|e| e.to_string())?;
                 progress.record(&engine, outcome);

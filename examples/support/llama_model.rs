@@ -7,6 +7,7 @@ use std::path::Path;
 
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
+use zerorun::runtime::moe::{load_balancing_loss, ExpertNames, MoeLayer};
 
 /// The keys of transformers' `LlamaConfig` this model reads (config.json). Options it does not implement are
 /// refused by name rather than ignored.
@@ -41,6 +42,46 @@ pub struct LlamaConfig {
     pub mlp_bias: bool,
     #[serde(default)]
     pub rope_scaling: Option<serde_json::Value>,
+    /// Mixtral's and Qwen3-MoE's keys (absent for Llama).
+    #[serde(flatten)]
+    pub moe: MoeKeys,
+}
+
+/// The mixture-of-experts keys of transformers' `MixtralConfig` and `Qwen3MoeConfig`; absent ones take that
+/// model type's default.
+#[derive(Debug, Clone, Default, serde::Deserialize, serde::Serialize)]
+pub struct MoeKeys {
+    /// Mixtral's experts per layer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub num_local_experts: Option<i64>,
+    /// Qwen3-MoE's experts per layer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub num_experts: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub num_experts_per_tok: Option<i64>,
+    /// Qwen3-MoE's expert width (the dense MLP's is `intermediate_size`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moe_intermediate_size: Option<i64>,
+    /// Qwen3-MoE: renormalise the top-k weights (Mixtral always does).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub norm_topk_prob: Option<bool>,
+    /// Qwen3-MoE: every this many layers is sparse.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decoder_sparse_step: Option<i64>,
+    /// Qwen3-MoE: layers with a dense MLP.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mlp_only_layers: Vec<i64>,
+    /// The load-balancing loss's weight in the loss (when `output_router_logits`, as transformers adds it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub router_aux_loss_coef: Option<f64>,
+    #[serde(default)]
+    pub output_router_logits: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub router_jitter_noise: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sliding_window: Option<serde_json::Value>,
+    #[serde(default)]
+    pub use_sliding_window: bool,
 }
 
 fn llama() -> String {
@@ -72,10 +113,30 @@ impl LlamaConfig {
 
     /// Refuses what this model does not compute.
     pub fn check(&self) -> Result<(), String> {
-        if self.model_type != "llama" {
+        if !["llama", "mixtral", "qwen3_moe"].contains(&self.model_type.as_str()) {
             return Err(format!(
-                "model_type {:?} is not supported: this example implements Llama (model_type \"llama\")",
+                "model_type {:?} is not supported: this example implements Llama, Mixtral and Qwen3-MoE (model_type \"llama\", \"mixtral\", \"qwen3_moe\")",
                 self.model_type
+            ));
+        }
+        if let Some(e) = self.experts() {
+            let k = self.top_k();
+            if e < 1 || k < 1 || k > e {
+                return Err(format!("num_experts_per_tok ({k}) must be within 1..={e} experts"));
+            }
+            if self.moe.router_jitter_noise.is_some_and(|j| j != 0.0) {
+                return Err("router_jitter_noise is not supported (0 only)".into());
+            }
+        }
+        let window = self.moe.sliding_window.as_ref().filter(|v| !v.is_null());
+        let windowed = match self.model_type.as_str() {
+            "qwen3_moe" => self.moe.use_sliding_window,
+            _ => window.is_some(),
+        };
+        if windowed {
+            return Err(format!(
+                "sliding_window {} is not supported (full causal attention only)",
+                window.map_or("set".into(), |w| w.to_string())
             ));
         }
         if let Some(scaling) = self.rope_scaling.as_ref().filter(|v| !v.is_null()) {
@@ -111,11 +172,59 @@ impl LlamaConfig {
         self.head_dim.unwrap_or(self.hidden_size / self.num_attention_heads)
     }
 
+    /// Experts per sparse layer (None for Llama).
+    pub fn experts(&self) -> Option<i64> {
+        match self.model_type.as_str() {
+            "mixtral" => Some(self.moe.num_local_experts.unwrap_or(8)),
+            "qwen3_moe" => Some(self.moe.num_experts.unwrap_or(128)),
+            _ => None,
+        }
+    }
+
+    /// Experts each token goes to.
+    pub fn top_k(&self) -> i64 {
+        self.moe.num_experts_per_tok.unwrap_or(if self.model_type == "mixtral" { 2 } else { 8 })
+    }
+
+    /// Whether decoder layer `i` has experts (Qwen3-MoE's `mlp_only_layers` and `decoder_sparse_step`).
+    pub fn sparse_layer(&self, i: i64) -> bool {
+        match self.model_type.as_str() {
+            "mixtral" => true,
+            "qwen3_moe" => {
+                let step = self.moe.decoder_sparse_step.unwrap_or(1);
+                !self.moe.mlp_only_layers.contains(&i) && self.experts().unwrap_or(0) > 0 && (i + 1) % step == 0
+            }
+            _ => false,
+        }
+    }
+
+    /// An expert's width.
+    pub fn expert_ffn(&self) -> i64 {
+        match self.model_type.as_str() {
+            "qwen3_moe" => self.moe.moe_intermediate_size.unwrap_or(768),
+            _ => self.intermediate_size,
+        }
+    }
+
+    /// The load-balancing loss's weight in the training loss: 0 unless `output_router_logits` (transformers adds
+    /// it only then).
+    pub fn aux_loss_coef(&self) -> f64 {
+        match self.experts() {
+            Some(_) if self.moe.output_router_logits => self.moe.router_aux_loss_coef.unwrap_or(0.001),
+            _ => 0.0,
+        }
+    }
+
     /// The config.json transformers writes for this shape (for a model made here, without `--hf`).
     pub fn to_json(&self) -> serde_json::Value {
-        serde_json::json!({
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+        let architecture = match self.model_type.as_str() {
+            "mixtral" => "MixtralForCausalLM",
+            "qwen3_moe" => "Qwen3MoeForCausalLM",
+            _ => "LlamaForCausalLM",
+        };
+        let mut json = serde_json::json!({
+            "architectures": [architecture],
+            "model_type": self.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -133,16 +242,31 @@ impl LlamaConfig {
             "mlp_bias": false,
             "initializer_range": 0.02,
             "torch_dtype": "float32",
-        })
+        });
+        if let (Some(map), serde_json::Value::Object(moe)) =
+            (json.as_object_mut(), serde_json::to_value(&self.moe).expect("keys serialize"))
+        {
+            map.extend(moe);
+        }
+        json
     }
 
     /// Parameters of the model.
     pub fn parameters(&self) -> i64 {
         let (h, hd) = (self.hidden_size, self.head_dim());
         let attention = h * hd * (2 * self.num_attention_heads + 2 * self.kv_heads());
-        let layer = attention + 3 * h * self.intermediate_size + 2 * h;
+        let qk_norms = if self.model_type == "qwen3_moe" { 2 * hd } else { 0 };
+        let layers: i64 = (0..self.num_hidden_layers)
+            .map(|i| {
+                let mlp = match self.experts() {
+                    Some(e) if self.sparse_layer(i) => e * h + e * 3 * h * self.expert_ffn(),
+                    _ => 3 * h * self.intermediate_size,
+                };
+                attention + qk_norms + mlp + 2 * h
+            })
+            .sum();
         let head = if self.tie_word_embeddings { 0 } else { self.vocab_size * h };
-        self.vocab_size * h + self.num_hidden_layers * layer + h + head
+        self.vocab_size * h + layers + h + head
     }
 }
 
@@ -209,18 +333,25 @@ fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, theta: f64) -> Tensor {
     probs.matmul(&v).transpose(1, 2).contiguous().view([b, t, heads * hd])
 }
 
-/// One decoder layer: pre-norm grouped-query attention with rotary positions, then a pre-norm SwiGLU MLP, each
-/// added to the residual stream.
+/// A decoder layer's feed-forward part: Llama's SwiGLU MLP (`mlp.{gate,up,down}_proj`), or a sparse mixture of
+/// experts (Mixtral's `block_sparse_moe`, Qwen3-MoE's `mlp`: a router and SwiGLU experts, zerorun's `MoeLayer`).
+pub enum FeedForward {
+    Dense { gate_proj: Tensor, up_proj: Tensor, down_proj: Tensor },
+    Experts(MoeLayer),
+}
+
+/// One decoder layer: pre-norm grouped-query attention with rotary positions (Qwen3-MoE: each head's queries and
+/// keys RMS-normed first), then a pre-norm feed-forward part, each added to the residual stream.
 pub struct DecoderLayer {
     input_layernorm: RmsNorm,
     q_proj: Tensor,
     k_proj: Tensor,
     v_proj: Tensor,
     o_proj: Tensor,
+    q_norm: Option<RmsNorm>,
+    k_norm: Option<RmsNorm>,
     post_attention_layernorm: RmsNorm,
-    gate_proj: Tensor,
-    up_proj: Tensor,
-    down_proj: Tensor,
+    feed_forward: FeedForward,
     heads: i64,
     kv_heads: i64,
     head_dim: i64,
@@ -229,27 +360,56 @@ pub struct DecoderLayer {
 
 impl DecoderLayer {
     /// Variables under `p` (`model.layers.{i}`), in transformers' order of creation.
-    pub fn new(p: nn::Path, c: &LlamaConfig) -> DecoderLayer {
+    pub fn new(p: nn::Path, c: &LlamaConfig, i: i64) -> DecoderLayer {
         let (h, hd) = (c.hidden_size, c.head_dim());
         let attn = &p / "self_attn";
-        let mlp = &p / "mlp";
         let q_proj = weight(&(&attn / "q_proj"), "weight", c.num_attention_heads * hd, h);
         let k_proj = weight(&(&attn / "k_proj"), "weight", c.kv_heads() * hd, h);
         let v_proj = weight(&(&attn / "v_proj"), "weight", c.kv_heads() * hd, h);
         let o_proj = weight(&(&attn / "o_proj"), "weight", h, c.num_attention_heads * hd);
-        let gate_proj = weight(&(&mlp / "gate_proj"), "weight", c.intermediate_size, h);
-        let up_proj = weight(&(&mlp / "up_proj"), "weight", c.intermediate_size, h);
-        let down_proj = weight(&(&mlp / "down_proj"), "weight", h, c.intermediate_size);
+        let (q_norm, k_norm) = match c.model_type.as_str() {
+            "qwen3_moe" => (
+                Some(RmsNorm::new(&attn / "q_norm", hd, c.rms_norm_eps)),
+                Some(RmsNorm::new(&attn / "k_norm", hd, c.rms_norm_eps)),
+            ),
+            _ => (None, None),
+        };
+        let feed_forward = match c.experts() {
+            Some(experts) if c.sparse_layer(i) => {
+                let (block, names) = match c.model_type.as_str() {
+                    "mixtral" => (&p / "block_sparse_moe", ExpertNames::Mixtral),
+                    _ => (&p / "mlp", ExpertNames::GateUpDown),
+                };
+                let layer = MoeLayer::new(&block, names, h, c.expert_ffn(), experts, c.top_k())
+                    .normalize_top_k(c.model_type == "mixtral" || c.moe.norm_topk_prob.unwrap_or(false));
+                // transformers' initialisation (normal(0, 0.02)), in the order the layer made them.
+                tch::no_grad(|| {
+                    let _ = layer.router.weight.shallow_clone().normal_(0.0, 0.02);
+                    for w in layer.experts.weights.iter().flatten() {
+                        let _ = w.shallow_clone().normal_(0.0, 0.02);
+                    }
+                });
+                FeedForward::Experts(layer)
+            }
+            _ => {
+                let mlp = &p / "mlp";
+                FeedForward::Dense {
+                    gate_proj: weight(&(&mlp / "gate_proj"), "weight", c.intermediate_size, h),
+                    up_proj: weight(&(&mlp / "up_proj"), "weight", c.intermediate_size, h),
+                    down_proj: weight(&(&mlp / "down_proj"), "weight", h, c.intermediate_size),
+                }
+            }
+        };
         DecoderLayer {
             input_layernorm: RmsNorm::new(&p / "input_layernorm", h, c.rms_norm_eps),
             q_proj,
             k_proj,
             v_proj,
             o_proj,
+            q_norm,
+            k_norm,
             post_attention_layernorm: RmsNorm::new(&p / "post_attention_layernorm", h, c.rms_norm_eps),
-            gate_proj,
-            up_proj,
-            down_proj,
+            feed_forward,
             heads: c.num_attention_heads,
             kv_heads: c.kv_heads(),
             head_dim: hd,
@@ -259,17 +419,69 @@ impl DecoderLayer {
 
     fn attention(&self, x: &Tensor) -> Tensor {
         let (b, t, _) = x.size3().unwrap();
-        let heads = |w: &Tensor, n: i64| x.linear::<Tensor>(w, None).view([b, t, n, self.head_dim]).transpose(1, 2);
-        let (q, k, v) =
-            (heads(&self.q_proj, self.heads), heads(&self.k_proj, self.kv_heads), heads(&self.v_proj, self.kv_heads));
+        let heads = |w: &Tensor, n: i64, norm: &Option<RmsNorm>| {
+            let y = x.linear::<Tensor>(w, None).view([b, t, n, self.head_dim]);
+            let y = match norm {
+                Some(norm) => norm.forward(&y),
+                None => y,
+            };
+            y.transpose(1, 2)
+        };
+        let (q, k, v) = (
+            heads(&self.q_proj, self.heads, &self.q_norm),
+            heads(&self.k_proj, self.kv_heads, &self.k_norm),
+            heads(&self.v_proj, self.kv_heads, &None),
+        );
         causal_attention(&q, &k, &v, self.theta).linear::<Tensor>(&self.o_proj, None)
     }
 
-    pub fn forward(&self, x: &Tensor) -> Tensor {
+    /// The layer's output, and its router's logits [tokens, experts] when it has experts.
+    pub fn forward_routed(&self, x: &Tensor) -> (Tensor, Option<Tensor>) {
         let h = x + self.attention(&self.input_layernorm.forward(x));
         let n = self.post_attention_layernorm.forward(&h);
-        let gated = n.linear::<Tensor>(&self.gate_proj, None).silu() * n.linear::<Tensor>(&self.up_proj, None);
-        &h + gated.linear::<Tensor>(&self.down_proj, None)
+        match &self.feed_forward {
+            FeedForward::Dense { gate_proj, up_proj, down_proj } => {
+                let gated = n.linear::<Tensor>(gate_proj, None).silu() * n.linear::<Tensor>(up_proj, None);
+                (&h + gated.linear::<Tensor>(down_proj, None), None)
+            }
+            FeedForward::Experts(moe) => {
+                let out = moe.forward(&n).expect("a layer holding every expert routes any input");
+                (&h + out.output, Some(out.router_logits))
+            }
+        }
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Tensor {
+        self.forward_routed(x).0
+    }
+}
+
+/// Where each decoder layer's router logits go during a forward, for the load-balancing loss: shared by the
+/// layers' units and the loss (cleared before each forward).
+#[derive(Clone, Default)]
+pub struct RouterLogits(std::sync::Arc<std::sync::Mutex<Vec<Tensor>>>);
+
+impl RouterLogits {
+    pub fn push(&self, logits: Tensor) {
+        self.0.lock().unwrap().push(logits);
+    }
+
+    /// The logits since the last take, emptied.
+    pub fn take(&self) -> Vec<Tensor> {
+        std::mem::take(&mut *self.0.lock().unwrap())
+    }
+}
+
+/// transformers' training loss: the mean next-token cross-entropy, plus `router_aux_loss_coef` times the
+/// load-balancing loss over every sparse layer's router logits (when `output_router_logits`).
+pub fn loss_with_aux(c: &LlamaConfig, logits: &Tensor, targets: &Tensor, router: &[Tensor]) -> Tensor {
+    let ce = loss(logits, targets);
+    match c.experts() {
+        Some(e) if c.aux_loss_coef() != 0.0 && !router.is_empty() => {
+            let all: Vec<&Tensor> = router.iter().collect();
+            ce + load_balancing_loss(&all, e, c.top_k()).to_kind(Kind::Float) * c.aux_loss_coef()
+        }
+        _ => ce,
     }
 }
 
@@ -324,18 +536,26 @@ pub struct Llama {
 impl Llama {
     pub fn new(root: &nn::Path, c: &LlamaConfig) -> Llama {
         let embed = embedding(root, c);
-        let layers = (0..c.num_hidden_layers).map(|i| DecoderLayer::new(root / "model" / "layers" / i, c)).collect();
+        let layers = (0..c.num_hidden_layers).map(|i| DecoderLayer::new(root / "model" / "layers" / i, c, i)).collect();
         let head = Head::new(root, c, c.tie_word_embeddings.then_some(&embed.ws));
         Llama { embed, layers, head }
     }
 
     /// Logits [b, t, vocab] of token ids [b, t].
     pub fn forward(&self, ids: &Tensor) -> Tensor {
+        self.forward_routed(ids).0
+    }
+
+    /// Logits and the sparse layers' router logits, in layer order.
+    pub fn forward_routed(&self, ids: &Tensor) -> (Tensor, Vec<Tensor>) {
         let mut h = self.embed.forward(ids);
+        let mut router = Vec::new();
         for layer in &self.layers {
-            h = layer.forward(&h);
+            let (out, logits) = layer.forward_routed(&h);
+            h = out;
+            router.extend(logits);
         }
-        self.head.forward(&h)
+        (self.head.forward(&h), router)
     }
 }
 
@@ -359,7 +579,7 @@ pub fn pipeline_model<'a>(c: &LlamaConfig) -> zerorun::PipelineModel<'a> {
     for i in 0..c.num_hidden_layers {
         let c = c.clone();
         model = model.layer(format!("model.layers.{i}"), move |p: &nn::Path| {
-            let layer = DecoderLayer::new(p / "model" / "layers" / i, &c);
+            let layer = DecoderLayer::new(p / "model" / "layers" / i, &c, i);
             Box::new(move |x: &Tensor| layer.forward(x))
         });
     }
