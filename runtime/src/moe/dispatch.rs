@@ -36,7 +36,7 @@ pub struct MoeOutput {
     pub output: Tensor,
     /// The router's logits, [tokens, experts]: for [`super::load_balancing_loss`].
     pub router_logits: Tensor,
-    /// Slots each expert was chosen for on this rank's tokens (before any drop), [experts].
+    /// Slots each expert was chosen for on this rank's tokens (before any drop), `[experts]`.
     pub tokens_per_expert: Vec<i64>,
     /// Slots over capacity, which passed nothing (0 when dropless).
     pub dropped: i64,

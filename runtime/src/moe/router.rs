@@ -24,7 +24,7 @@ pub struct Router {
     pub top_k: i64,
     /// Top-k weights renormalised to sum to one: Mixtral always, Qwen3-MoE as `norm_topk_prob` says.
     pub normalize: bool,
-    /// The auxiliary-loss-free balancing bias (DeepSeek-V3), [experts], fp32: added to the probabilities to choose
+    /// The auxiliary-loss-free balancing bias (DeepSeek-V3), `[experts]`, fp32: added to the probabilities to choose
     /// the experts only (the weights stay the probabilities), moved by [`Router::update_bias`], not by gradients.
     pub bias: Option<Tensor>,
 }
@@ -64,7 +64,7 @@ impl Router {
     }
 
     /// DeepSeek-V3's bias update: each expert's bias moves by `rate` toward balance, up when it received fewer
-    /// than the mean tokens, down when more. `tokens_per_expert` [experts] is what the step routed: summed over the
+    /// than the mean tokens, down when more. `tokens_per_expert` (`[experts]`) is what the step routed: summed over the
     /// data-parallel ranks first, so that every rank's bias moves alike.
     pub fn update_bias(&self, tokens_per_expert: &Tensor, rate: f64) {
         if let Some(b) = &self.bias {
