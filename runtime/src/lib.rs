@@ -24,11 +24,13 @@ pub use zerorun_config::estimate;
 pub mod cuda;
 pub mod engine;
 mod error;
+pub mod exchange;
 pub mod gloo;
 pub mod mesh;
 pub mod moe;
 pub mod pipeline;
 pub mod report;
+pub mod sequence;
 pub mod tensor_parallel;
 
 pub use config::{Config, ConfigError};

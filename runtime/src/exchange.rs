@@ -1,6 +1,7 @@
-//! An expert-parallel group: the ranks that split a layer's experts between them, and the all-to-all of rows that
-//! takes tokens to their experts' ranks, an autograd function of the C++ shim (`native/expert_dispatch.cpp`) whose
-//! collective is this group's communicator, reached through a callback here.
+//! A group of ranks that trade rows of a tensor by an all-to-all inside the model's forward, as an autograd
+//! function of the C++ shim (`native/expert_dispatch.cpp`) whose collective is this group's communicator, reached
+//! through a callback here: a mixture of experts sends tokens to their experts' ranks (`moe::ExpertParallel`), and
+//! sequence parallelism trades a sequence's slices for heads (`sequence::SequenceParallel`).
 use std::cell::Cell;
 use std::ffi::{c_char, c_void, CString};
 
@@ -26,7 +27,7 @@ extern "C" {
 
 /// The all-to-alls this group ran, forward and backward together (each rank counts its own).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct ExpertParallelCounts {
+pub struct AllToAllCounts {
     /// All-to-alls of rows.
     pub all_to_all: u64,
     /// Elements this rank sent to other ranks.
@@ -36,18 +37,18 @@ pub struct ExpertParallelCounts {
 /// What the shim's callback reaches. Boxed, so its address stays put while graphs that hold it exist.
 struct Inner {
     comm: Box<dyn Communicator>,
-    counts: Cell<ExpertParallelCounts>,
+    counts: Cell<AllToAllCounts>,
 }
 
-/// The ranks that hold different experts of each layer.
-pub struct ExpertParallel {
+/// Ranks that trade rows inside the model's forward.
+pub struct AllToAllGroup {
     inner: Box<Inner>,
 }
 
-impl ExpertParallel {
+impl AllToAllGroup {
     /// The group of `comm`'s ranks.
-    pub fn new(comm: Box<dyn Communicator>) -> ExpertParallel {
-        ExpertParallel { inner: Box::new(Inner { comm, counts: Cell::new(ExpertParallelCounts::default()) }) }
+    pub fn new(comm: Box<dyn Communicator>) -> AllToAllGroup {
+        AllToAllGroup { inner: Box::new(Inner { comm, counts: Cell::new(AllToAllCounts::default()) }) }
     }
 
     /// This rank in the group.
@@ -61,8 +62,13 @@ impl ExpertParallel {
     }
 
     /// The all-to-alls run so far.
-    pub fn counts(&self) -> ExpertParallelCounts {
+    pub fn counts(&self) -> AllToAllCounts {
         self.inner.counts.get()
+    }
+
+    /// The group's communicator (for collectives outside the graph: a loss's token counts).
+    pub fn comm(&self) -> &dyn Communicator {
+        self.inner.comm.as_ref()
     }
 
     /// Every rank's `mine[q]` counts for rank q: an all-to-all of `per_rank` counts per rank (no graph). Rank q
@@ -82,7 +88,7 @@ impl ExpertParallel {
         let n = self.size();
         if send.len() != n || recv.len() != n {
             return Err(Error::Usage(format!(
-                "expert parallel all-to-all: {} send and {} receive counts for a group of {n} ranks",
+                "all-to-all of rows: {} send and {} receive counts for a group of {n} ranks",
                 send.len(),
                 recv.len()
             )));
@@ -106,7 +112,7 @@ impl ExpertParallel {
             // SAFETY: a NUL-terminated string from malloc, ours to free.
             let text = unsafe { std::ffi::CStr::from_ptr(message) }.to_string_lossy().into_owned();
             unsafe { libc::free(message as *mut c_void) };
-            return Err(Error::Torch(tch::TchError::Torch(format!("expert parallel: {text}"))));
+            return Err(Error::Torch(tch::TchError::Torch(format!("all-to-all of rows: {text}"))));
         }
         // SAFETY: the shim allocated the result with `new at::Tensor`, which tch's Tensor owns from here.
         Ok(unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) })
@@ -125,7 +131,7 @@ extern "C" fn all_to_all(
 ) -> *mut c_char {
     // A panic must not cross into C++: it becomes the message.
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        // SAFETY: `group` is the `Inner` of a live `ExpertParallel`; the tensors are the shim's, borrowed for this
+        // SAFETY: `group` is the `Inner` of a live `AllToAllGroup`; the tensors are the shim's, borrowed for this
         // call (ManuallyDrop: tch must not delete them); the counts hold n entries each.
         let inner = unsafe { &*(group as *const Inner) };
         let (input, output) = unsafe {
