@@ -25,6 +25,7 @@ use support::llama_model::{self, DecoderLayer, Head, LlamaConfig, RouterLogits};
 use support::*;
 use tch::{nn, Kind, Tensor};
 use zerorun::runtime::checkpoint::files::MappedTensors;
+use zerorun::runtime::sequence::{self, SequenceParallel};
 use zerorun::runtime::tensor_parallel::TensorParallel;
 use zerorun::{
     Dim, Engine, EngineOptions, Mesh, MeshOptions, MicroBatch, PretrainedOptions, StagePlacement, UnitBuilders,
@@ -79,6 +80,11 @@ struct Args {
     /// With --experts: experts per token.
     #[arg(long, default_value_t = 2)]
     top_k: i64,
+    /// Split each row's sequence over this many adjacent ranks (DeepSpeed-Ulysses: attention trades the slices for
+    /// heads by all-to-alls); ZeRO runs over every rank and a batch's rows over the world / S data-parallel ranks.
+    /// The same as ds_config's `sequence_parallel_size` (either may say it; both must agree).
+    #[arg(long)]
+    sequence_parallel: Option<u64>,
     /// With --experts: the load-balancing loss's weight in the loss (transformers' router_aux_loss_coef).
     #[arg(long, default_value_t = 0.001)]
     aux_loss_coef: f64,
@@ -223,8 +229,14 @@ impl Rows {
 
 /// The model as one builder per unit (the embedding, each decoder layer, the norm with the head), so at stage 3
 /// no rank ever holds it whole; tied embeddings make it one unit. With `--hf`, the weights come from its files.
-/// Sparse layers put their router logits in `router` as they run, for the load-balancing loss.
-fn builders(c: &LlamaConfig, hf: Option<&Path>, router: &RouterLogits) -> UnitBuilders<'static> {
+/// Sparse layers put their router logits in `router` as they run, for the load-balancing loss; with `sp` each
+/// decoder layer's attention runs over the sequence-parallel group.
+fn builders<'a>(
+    c: &LlamaConfig,
+    hf: Option<&Path>,
+    router: &RouterLogits,
+    sp: Option<&'a SequenceParallel>,
+) -> UnitBuilders<'a> {
     let c = c.clone();
     let builders = if c.tie_word_embeddings {
         let router = router.clone();
@@ -232,7 +244,7 @@ fn builders(c: &LlamaConfig, hf: Option<&Path>, router: &RouterLogits) -> UnitBu
             let model = llama_model::Llama::new(root, &c);
             let router = router.clone();
             Box::new(move |x: &Tensor| {
-                let (logits, routed) = model.forward_routed(x);
+                let (logits, routed) = model.forward_in(x, sp);
                 routed.into_iter().for_each(|l| router.push(l));
                 logits
             })
@@ -251,7 +263,7 @@ fn builders(c: &LlamaConfig, hf: Option<&Path>, router: &RouterLogits) -> UnitBu
                 let layer = DecoderLayer::new(root / "model" / "layers" / i, &c, i);
                 let router = router.clone();
                 Box::new(move |x: &Tensor| {
-                    let (out, logits) = layer.forward_routed(x);
+                    let (out, logits) = layer.forward_in(x, sp);
                     logits.into_iter().for_each(|l| router.push(l));
                     out
                 })
@@ -275,8 +287,9 @@ fn run(args: &Args) -> Result<(), String> {
     if a.init.is_some() {
         return Err("--init: give the weights as --hf DIR (config.json and model.safetensors)".into());
     }
-    let config = load_config(&a.config)?;
+    let mut config = load_config(&a.config)?;
     let c = model_config(args)?;
+    let sp = sequence_parallel(args, &mut config, &c)?;
     // No data to read when no step runs (a conversion: --steps 0 --save-hf).
     let rows = match a.steps {
         0 => None,
@@ -315,11 +328,31 @@ fn run(args: &Args) -> Result<(), String> {
         let vs = nn::VarStore::new(device);
         let options = EngineOptions { activation_checkpointing: a.activation_checkpointing, ..Default::default() };
         let router = RouterLogits::default();
-        let (mut engine, model) =
-            Engine::from_builders(&vs, config.clone(), comm, options, builders(&c, args.hf.as_deref(), &router))
+        // Adjacent ranks split each row's sequence; the engine runs over all of them.
+        let group = match sp {
+            1 => None,
+            s => {
+                let rank = comm.rank();
+                let split = zerorun::runtime::comm::Collectives::split(
+                    comm.as_ref(),
+                    Some((rank / s as usize) as u32),
+                    rank as i64,
+                )
                 .map_err(|e| e.to_string())?;
+                Some(SequenceParallel::new(split.expect("every rank has a sequence group")))
+            }
+        };
+        let (mut engine, model) = Engine::from_builders(
+            &vs,
+            config.clone(),
+            comm,
+            options,
+            builders(&c, args.hf.as_deref(), &router, group.as_ref()),
+        )
+        .map_err(|e| e.to_string())?;
         let b = engine.batch_sizes();
-        let (rank, world) = (engine.rank() as u64, engine.world_size() as u64);
+        // The data-parallel rank and ranks: sequence groups share their rows.
+        let (rank, world) = (engine.rank() as u64 / sp, engine.world_size() as u64 / sp);
         let (global, micro) = (b.train_batch_size, b.train_micro_batch_size_per_gpu);
         let mut progress = Progress::new(a.steps).in_tokens(args.seq_len);
         let first = resume(a, &mut engine)?;
@@ -331,8 +364,21 @@ fn run(args: &Args) -> Result<(), String> {
             for m in 0..b.gradient_accumulation_steps {
                 let (x, y) = rows.batch(base + m * micro, micro);
                 router.take(); // a recomputation's (activation checkpointing) from the last backward
+                let (x, y) = match &group {
+                    None => (x, y),
+                    Some(g) => {
+                        let cut = |t: &Tensor| sequence::slice(g, t, 1).map_err(|e| e.to_string());
+                        (cut(&x)?, cut(&y)?)
+                    }
+                };
                 let logits = engine.forward(&model, &x.to_device(device)).map_err(|e| e.to_string())?;
-                let loss = llama_model::loss_with_aux(&c, &logits, &y.to_device(device), &router.take());
+                let loss = match &group {
+                    None => llama_model::loss_with_aux(&c, &logits, &y.to_device(device), &router.take()),
+                    Some(g) => {
+                        let sum = llama_model::token_loss_sum(&logits, &y.to_device(device));
+                        sequence::sequence_loss(g, &sum, y.numel() as i64).map_err(|e| e.to_string())?
+                    }
+                };
                 engine.backward_units(&model, &loss).map_err(|e| e.to_string())?;
                 let outcome = engine.step().map_err(|e| e.to_string())?;
                 progress.record(&engine, outcome);
@@ -364,6 +410,37 @@ fn run(args: &Args) -> Result<(), String> {
         a.steps
     );
     Ok(())
+}
+
+/// The sequence-parallel degree: `--sequence-parallel` and ds_config's `sequence_parallel_size` (either, or both
+/// agreeing), written into the config the engine reads. Checked against the model's heads and the other flags.
+fn sequence_parallel(args: &Args, config: &mut zerorun::Config, c: &LlamaConfig) -> Result<u64, String> {
+    let s = match (args.sequence_parallel, config.sequence_parallel_size) {
+        (Some(flag), 1) => flag,
+        (Some(flag), key) if flag != key => {
+            return Err(format!("--sequence-parallel {flag} and ds_config's sequence_parallel_size {key} disagree"))
+        }
+        (_, key) => key,
+    };
+    if s <= 1 {
+        return Ok(1);
+    }
+    if c.num_attention_heads % s as i64 != 0 {
+        return Err(format!(
+            "--sequence-parallel {s}: {} attention heads do not split over {s} ranks (Ulysses trades heads for sequence)",
+            c.num_attention_heads
+        ));
+    }
+    if args.seq_len % s as i64 != 0 && args.data.is_none() {
+        return Err(format!("--sequence-parallel {s}: --seq-len {} does not split into {s} slices", args.seq_len));
+    }
+    if c.experts().is_some() || args.pipeline_stages.is_some() || args.tensor_parallel.is_some() {
+        return Err(format!(
+            "--sequence-parallel {s}: not with experts, --pipeline-stages or --tensor-parallel in this example yet"
+        ));
+    }
+    config.sequence_parallel_size = s;
+    Ok(s)
 }
 
 /// `--save-hf OUT`: the weights as transformers writes them and the config.json (`--hf`'s, or this shape's).

@@ -232,6 +232,7 @@ fn table() -> Vec<(&'static str, Effect)> {
         ("scheduler.params.warmup_num_steps", Acted("tests/checkpoint.rs")),
         ("scheduler.params.warmup_type", Acted("tests/checkpoint.rs")),
         ("scheduler.type", Acted("tests/checkpoint.rs")),
+        ("sequence_parallel_size", Acted("tests/llama.rs")),
         ignored("sparse_attention"),
         ignored("sparse_gradients"),
         ("steps_per_print", Here("steps_per_print_and_wall_clock_breakdown_log_on_rank_0")),

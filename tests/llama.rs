@@ -152,6 +152,56 @@ fn mixtral_and_qwen3_moe_give_transformers_logits_and_train_as_it_does() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// Sequence parallelism (DeepSpeed-Ulysses; grouped-query attention, 4 heads over 2 key/value heads): each row's
+/// 16 tokens split over 2 ranks at stage 3 (`--sequence-parallel 2`, the batch's 8 rows in 4 micro-batches of the
+/// one data-parallel rank), and over 2 x data 2 = 4 ranks at stage 2 (ds_config's `sequence_parallel_size`), train 5
+/// steps with transformers' losses step by step and end within 1e-4 of transformers trained on the whole batches.
+#[test]
+fn sequence_parallel_trains_as_transformers_on_the_whole_sequences() {
+    let dir = scratch("sequence");
+    let source = dir.join("source");
+    reference(&["make", s(&source), "untied", ""]);
+    let data = dir.join("tokens.safetensors");
+    reference(&["tokens", s(&data), "12", "17", "128", "int64"]);
+    let ds = config(&dir, 3, 8, 2, 1e-3);
+    let expected = dir.join("expected");
+    let reference_text = reference(&["train", s(&source), s(&data), s(&ds), "5", s(&expected)]);
+    let theirs: Vec<f64> = reference_text
+        .lines()
+        .filter_map(|l| l.strip_prefix("reference step ").and_then(|r| r.split(" loss ").nth(1)))
+        .map(|v| v.trim().parse().unwrap())
+        .collect();
+    for (ranks, stage, by_key) in [(2usize, 3u8, false), (4, 2, true)] {
+        let mut ds_json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(config(&dir, stage, 8, 2, 1e-3)).unwrap()).unwrap();
+        let mut flag = vec!["--sequence-parallel", "2"];
+        if by_key {
+            ds_json["sequence_parallel_size"] = 2.into();
+            flag.clear();
+        }
+        let ds = dir.join(format!("ds_sp_{ranks}.json"));
+        std::fs::write(&ds, ds_json.to_string()).unwrap();
+        let trained = dir.join(format!("trained-{ranks}"));
+        let args =
+            ["--config", s(&ds), "--hf", s(&source), "--data", s(&data), "--steps", "5", "--save-hf", s(&trained)];
+        let (ok, text) = llama(ranks, &[&args[..], &flag].concat());
+        assert!(ok, "{ranks} ranks: {text}");
+        let ours = losses(&text);
+        assert_eq!(ours.len(), 5, "{text}");
+        for (step, (a, b)) in ours.iter().zip(&theirs).enumerate() {
+            assert!((a - b).abs() <= 1e-5 * b.abs(), "{ranks} ranks step {}: {a} vs transformers {b}", step + 1);
+        }
+        eprintln!("{}", reference(&["compare", s(&expected), s(&trained), "1e-4"]));
+    }
+    // Heads that do not split, and a flag that disagrees with the key, are refused by name.
+    let (ok, text) = llama(
+        1,
+        &["--config", s(&ds), "--hf", s(&source), "--data", s(&data), "--steps", "1", "--sequence-parallel", "3"],
+    );
+    assert!(!ok && text.contains("4 attention heads do not split over 3 ranks"), "{text}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// ZeRO-3 on 2 ranks (2 micro-batches each, clipping, AdamW) from transformers' sharded files on an int32 token
 /// file has transformers' losses step by step (1e-5) and ends within 1e-4 (every element; training moved them by
 /// 5e-3) of transformers' model trained by torch.optim.AdamW on the full batches in one process;

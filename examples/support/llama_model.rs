@@ -8,6 +8,7 @@ use std::path::Path;
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
 use zerorun::runtime::moe::{load_balancing_loss, ExpertNames, MoeLayer};
+use zerorun::runtime::sequence::SequenceParallel;
 
 /// The keys of transformers' `LlamaConfig` this model reads (config.json). Options it does not implement are
 /// refused by name rather than ignored.
@@ -417,27 +418,40 @@ impl DecoderLayer {
         }
     }
 
-    fn attention(&self, x: &Tensor) -> Tensor {
+    /// Attention of `x` [b, t, hidden]; with a sequence-parallel group `x` is this rank's slice of the sequence
+    /// and the heads meet the whole sequence by Ulysses' all-to-alls.
+    fn attention(&self, x: &Tensor, sp: Option<&SequenceParallel>) -> Tensor {
         let (b, t, _) = x.size3().unwrap();
+        // [b, t, n, head_dim], each head's queries and keys normed first (Qwen3).
         let heads = |w: &Tensor, n: i64, norm: &Option<RmsNorm>| {
             let y = x.linear::<Tensor>(w, None).view([b, t, n, self.head_dim]);
-            let y = match norm {
+            match norm {
                 Some(norm) => norm.forward(&y),
                 None => y,
-            };
-            y.transpose(1, 2)
+            }
         };
         let (q, k, v) = (
             heads(&self.q_proj, self.heads, &self.q_norm),
             heads(&self.k_proj, self.kv_heads, &self.k_norm),
             heads(&self.v_proj, self.kv_heads, &None),
         );
-        causal_attention(&q, &k, &v, self.theta).linear::<Tensor>(&self.o_proj, None)
+        let attend = |q: &Tensor, k: &Tensor, v: &Tensor| causal_attention(q, k, v, self.theta);
+        let out = match sp {
+            None => attend(&q.transpose(1, 2), &k.transpose(1, 2), &v.transpose(1, 2)),
+            Some(g) => zerorun::runtime::sequence::ulysses_attention(g, &q, &k, &v, attend)
+                .unwrap_or_else(|e| panic!("sequence parallel attention: {e}")),
+        };
+        out.linear::<Tensor>(&self.o_proj, None)
     }
 
     /// The layer's output, and its router's logits [tokens, experts] when it has experts.
     pub fn forward_routed(&self, x: &Tensor) -> (Tensor, Option<Tensor>) {
-        let h = x + self.attention(&self.input_layernorm.forward(x));
+        self.forward_in(x, None)
+    }
+
+    /// [`DecoderLayer::forward_routed`] on this rank's slice of the sequence of a sequence-parallel group.
+    pub fn forward_in(&self, x: &Tensor, sp: Option<&SequenceParallel>) -> (Tensor, Option<Tensor>) {
+        let h = x + self.attention(&self.input_layernorm.forward(x), sp);
         let n = self.post_attention_layernorm.forward(&h);
         match &self.feed_forward {
             FeedForward::Dense { gate_proj, up_proj, down_proj } => {
@@ -548,15 +562,33 @@ impl Llama {
 
     /// Logits and the sparse layers' router logits, in layer order.
     pub fn forward_routed(&self, ids: &Tensor) -> (Tensor, Vec<Tensor>) {
+        self.forward_in(ids, None)
+    }
+
+    /// [`Llama::forward_routed`] of this rank's slice of the sequence of a sequence-parallel group.
+    pub fn forward_in(&self, ids: &Tensor, sp: Option<&SequenceParallel>) -> (Tensor, Vec<Tensor>) {
         let mut h = self.embed.forward(ids);
         let mut router = Vec::new();
         for layer in &self.layers {
-            let (out, logits) = layer.forward_routed(&h);
+            let (out, logits) = layer.forward_in(&h, sp);
             h = out;
             router.extend(logits);
         }
         (self.head.forward(&h), router)
     }
+}
+
+/// The summed next-token cross-entropy of `logits` [b, t, vocab] against `targets` [b, t], in fp32 (a sequence
+/// slice's part of the rows' loss).
+pub fn token_loss_sum(logits: &Tensor, targets: &Tensor) -> Tensor {
+    let vocab = *logits.size().last().unwrap();
+    logits.to_kind(Kind::Float).reshape([-1, vocab]).cross_entropy_loss::<Tensor>(
+        &targets.reshape([-1]),
+        None,
+        tch::Reduction::Sum,
+        -100,
+        0.0,
+    )
 }
 
 /// The mean next-token cross-entropy of `logits` [b, t, vocab] against `targets` [b, t], in fp32.

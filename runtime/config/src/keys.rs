@@ -364,6 +364,7 @@ const DOCS: &[KeyDoc] = &[
     KeyDoc { path: "scheduler.params.warmup_num_steps", status: Acted, what: "Warmup*: steps of warmup.", deepspeed: "" },
     KeyDoc { path: "scheduler.params.warmup_type", status: Acted, what: "Warmup*: `log` or `linear` growth.", deepspeed: "" },
     KeyDoc { path: "scheduler.type", status: Acted, what: "`WarmupLR`, `WarmupDecayLR`, `WarmupCosineLR`, `OneCycle` or `LRRangeTest`.", deepspeed: "" },
+    KeyDoc { path: "sequence_parallel_size", status: Acted, what: "Ranks that split each row's sequence (DeepSpeed-Ulysses, `zerorun::runtime::sequence`): a batch's rows are counted over the world divided by it, and ZeRO shards over every rank. The model's attention trades slices for heads over the group (`ulysses_attention`) and its loss is `sequence_loss`; not with pipeline stages, tensor parallelism or shard groups yet.", deepspeed: "" },
     KeyDoc { path: "sparse_attention", status: Noticed, what: "No effect: DeepSpeed's sparse attention kernels.", deepspeed: "" },
     KeyDoc { path: "sparse_gradients", status: Noticed, what: "No effect: DeepSpeed's sparse embedding gradients.", deepspeed: "" },
     KeyDoc { path: "steps_per_print", status: Acted, what: "Rank 0 logs the step, loss, learning rate and (with `wall_clock_breakdown`) timings every N steps.", deepspeed: "" },

@@ -112,6 +112,9 @@ pub struct Config {
     pub gradient_predivide_factor: f64,
     /// `gradient_allreduce_op`.
     pub gradient_allreduce_op: AllreduceOp,
+    /// `sequence_parallel_size`: ranks that split each row's sequence (DeepSpeed-Ulysses). A batch's rows are
+    /// counted over the data-parallel ranks alone (the world divided by it); ZeRO runs over all of them.
+    pub sequence_parallel_size: u64,
     /// None: gradients travel in the parameters' dtype.
     pub communication_data_type: Option<CommDataType>,
     /// `zero_allow_untested_optimizer`.
@@ -266,6 +269,7 @@ impl Config {
             prescale_gradients: s.bool("prescale_gradients", false)?,
             gradient_predivide_factor: s.float("gradient_predivide_factor", 1.0)?,
             gradient_allreduce_op,
+            sequence_parallel_size: s.uint("sequence_parallel_size", 1)?,
             communication_data_type,
             zero_allow_untested_optimizer: s.bool("zero_allow_untested_optimizer", false)?,
             zero_force_ds_cpu_optimizer: s.bool("zero_force_ds_cpu_optimizer", true)?,
@@ -555,10 +559,27 @@ impl Config {
 
     /// The batch sizes for `world_size` data-parallel ranks.
     pub fn batch_sizes(&self, world_size: usize) -> Result<BatchSizes> {
+        let world_size = self.data_parallel_size(world_size)?;
         if self.elasticity.enabled {
             return self.elasticity.batch_sizes(world_size as u64);
         }
         self.batch_input().resolve(world_size as u64)
+    }
+
+    /// The ranks a batch's rows are split over among `world_size`: all of them, or with `sequence_parallel_size`
+    /// S the world divided by S (each row's sequence is split over S ranks).
+    pub fn data_parallel_size(&self, world_size: usize) -> Result<usize> {
+        let s = self.sequence_parallel_size as usize;
+        if s == 0 || world_size % s != 0 {
+            return Err(ConfigError::Invalid {
+                path: "sequence_parallel_size".into(),
+                value: s.to_string(),
+                allowed: format!(
+                    "a divisor of the {world_size} data-parallel ranks (each row's sequence is split over that many)"
+                ),
+            });
+        }
+        Ok(world_size / s)
     }
 
     /// A copy with the batch values inferred for `world_size`: the fully resolved config.

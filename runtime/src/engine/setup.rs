@@ -237,6 +237,13 @@ impl Engine {
         check_shard_groups(&config, world_size, replica_count)?;
         // The batch spans every data-parallel rank: the shard groups' ranks times the groups.
         let data_world_size = world_size * replica_count;
+        if config.sequence_parallel_size > 1 && replica_count > 1 {
+            return Err(Error::Unsupported {
+                key: "sequence_parallel_size",
+                value: config.sequence_parallel_size.to_string(),
+                why: "with shard groups (mics_shard_size, hpZ) not yet: ZeRO runs over every data x sequence rank",
+            });
+        }
         let batch = config.batch_sizes(data_world_size)?;
         if let (Some(OptimizerConfig::Lamb(_)), 1..) = (&config.optimizer, config.zero_optimization.stage) {
             return Err(Error::Unsupported {
@@ -473,6 +480,13 @@ impl Engine {
     /// the mesh's tensor-parallel layers recorded). A data-parallel mesh's engine runs on its communicator itself.
     pub(crate) fn on_mesh(vs: &nn::VarStore, config: Config, mesh: Mesh, options: EngineOptions) -> Result<Engine> {
         let mesh = mesh.with_shard_groups(config.zero_optimization.mics_shard_size)?;
+        if config.sequence_parallel_size > 1 && (mesh.shape().tensor > 1 || mesh.shape().pipeline > 1) {
+            return Err(Error::Unsupported {
+                key: "sequence_parallel_size",
+                value: config.sequence_parallel_size.to_string(),
+                why: "with tensor parallelism or pipeline stages not yet: a sequence group is adjacent ranks of a data-parallel mesh",
+            });
+        }
         if mesh.shape().replicate > 1 {
             return Engine::on_shard_groups(vs, config, mesh, options);
         }

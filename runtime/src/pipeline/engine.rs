@@ -120,6 +120,13 @@ impl<'a> PipelineEngine<'a> {
                 why: "shard groups run on a data-parallel mesh; with pipeline stages they are not built yet",
             });
         }
+        if config.sequence_parallel_size > 1 {
+            return Err(Error::Unsupported {
+                key: "sequence_parallel_size",
+                value: config.sequence_parallel_size.to_string(),
+                why: "with pipeline stages not yet: a sequence group is adjacent ranks of a data-parallel mesh",
+            });
+        }
         if options.units.is_some() {
             return Err(Error::Usage(
                 "a pipeline stage runs its layers itself: leave EngineOptions::units unset".into(),
