@@ -92,6 +92,20 @@ fn activations_of_a_transformer_micro_batch() {
     // The text names what it is.
     let (ok, out, _) = zerorun(&["estimate", "--model", m, "--micro-batch", "12"]);
     assert!(ok && out.contains("Activations per rank, micro-batch 12, without recomputation"), "{out}");
+    // Each sequence split over 2 ranks (Ulysses): every term halves (the tokens; the attention's heads), by the
+    // flag or by the config's sequence_parallel_size; a split that does not divide the sequence is refused.
+    let config = dir.join("sp.json");
+    std::fs::write(&config, r#"{"train_batch_size": 8, "sequence_parallel_size": 2}"#).unwrap();
+    for how in [["--sequence-parallel", "2"], ["--config", config.to_str().unwrap()]] {
+        let (ok, out, err) =
+            zerorun(&[&["estimate", "--model", m, "--micro-batch", "12", "--json"][..], &how].concat());
+        assert!(ok, "{err}");
+        let v_: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(v_["activations"]["peak_bytes"], kept / 2, "{how:?}");
+        assert_eq!(v_["activations"]["sequence_parallel"], 2);
+    }
+    let (ok, _, err) = zerorun(&["estimate", "--model", m, "--micro-batch", "12", "--sequence-parallel", "3"]);
+    assert!(!ok && err.contains("the sequence of 64 tokens does not split into 3 slices"), "{err}");
     // Without heads, or without a model: named.
     std::fs::write(&model, r#"{"layers": 8, "hidden": 512, "vocab": 65, "seq_len": 64}"#).unwrap();
     let (ok, _, err) = zerorun(&["estimate", "--model", m, "--micro-batch", "12"]);

@@ -44,6 +44,10 @@ pub struct EstimateArgs {
     /// Activations with every layer recomputed in backward (each layer keeps its input; one layer is rebuilt).
     #[arg(long)]
     activation_checkpointing: bool,
+    /// Ranks each sequence is split over (DeepSpeed-Ulysses): a rank keeps 1/S of every activation (its slice of the
+    /// tokens; its heads/S of the attention's probabilities). Default: --config's `sequence_parallel_size`, else 1.
+    #[arg(long)]
+    sequence_parallel: Option<u64>,
     /// Print `{"rows": [...]}`.
     #[arg(long)]
     json: bool,
@@ -155,8 +159,15 @@ pub fn run(a: EstimateArgs) -> Result<(), CliError> {
                     Some(zerorun_config::Precision::Fp32) | None => 4.0,
                     _ => 2.0,
                 };
-                activation_bytes =
-                    Some((micro, activations(&desc, path, micro.max(1), a.activation_checkpointing, value_bytes)?));
+                let s = a.sequence_parallel.or(config.as_ref().map(|c| c.sequence_parallel_size)).unwrap_or(1);
+                if s == 0 || desc.seq_len.is_some_and(|t| t % s != 0) {
+                    return Err(CliError::Usage(format!(
+                        "--sequence-parallel {s}: the sequence of {} tokens does not split into {s} slices",
+                        desc.seq_len.unwrap_or(0)
+                    )));
+                }
+                let (end, peak) = activations(&desc, path, micro.max(1), a.activation_checkpointing, value_bytes)?;
+                activation_bytes = Some((micro, (end / s as f64, peak / s as f64), s));
             }
             desc.sizes(path)?
         }
@@ -186,9 +197,9 @@ pub fn run(a: EstimateArgs) -> Result<(), CliError> {
     }
     let rows = estimate(&input);
     let mine = config.as_ref().and_then(|c| row_for(&rows, c));
-    let activations_json = activation_bytes.map(|(micro, (end, peak))| {
+    let activations_json = activation_bytes.map(|(micro, (end, peak), s)| {
         serde_json::json!({"micro_batch": micro, "activation_checkpointing": a.activation_checkpointing,
-            "end_of_forward_bytes": end.round() as u64, "peak_bytes": peak.round() as u64})
+            "sequence_parallel": s, "end_of_forward_bytes": end.round() as u64, "peak_bytes": peak.round() as u64})
     });
     if a.json {
         return emit(&serde_json::json!({ "params": params, "frozen_params": input.frozen_params, "ranks": a.nodes * a.gpus_per_node, "rows": rows, "activations": activations_json }).to_string());
@@ -221,10 +232,11 @@ pub fn run(a: EstimateArgs) -> Result<(), CliError> {
          model states: the exact parameter, gradient and optimizer-state bytes one rank holds wherever they live \
          (device, host or NVMe), no buffers",
     )?;
-    if let Some((micro, (end, peak))) = activation_bytes {
+    if let Some((micro, (end, peak), s)) = activation_bytes {
         let how = if a.activation_checkpointing { "with every layer recomputed" } else { "without recomputation" };
+        let split = if s > 1 { format!(", each sequence split over {s} ranks") } else { String::new() };
         emit(&format!(
-            "Activations per rank, micro-batch {micro}, {how}: {} at the end of forward, {} at the peak of backward (not in the rows above; `zerorun plan` adds them up)",
+            "Activations per rank, micro-batch {micro}, {how}{split}: {} at the end of forward, {} at the peak of backward (not in the rows above; `zerorun plan` adds them up)",
             human(end.round() as u64),
             human(peak.round() as u64)
         ))?;
