@@ -37,6 +37,7 @@ fn main() {
                 "native/gloo_backend.cpp",
                 "native/tensor_parallel.cpp",
                 "native/expert_dispatch.cpp",
+                "native/ring_attention.cpp",
                 "native/fused_adam.cpp",
                 "native/flops_counter.cpp",
             ],

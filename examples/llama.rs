@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::Parser;
-use support::llama_model::{self, DecoderLayer, Head, LlamaConfig, RouterLogits};
+use support::llama_model::{self, DecoderLayer, Head, LlamaConfig, RouterLogits, SplitAttention};
 use support::*;
 use tch::{nn, Kind, Tensor};
 use zerorun::runtime::checkpoint::files::MappedTensors;
@@ -85,6 +85,10 @@ struct Args {
     /// The same as ds_config's `sequence_parallel_size` (either may say it; both must agree).
     #[arg(long)]
     sequence_parallel: Option<u64>,
+    /// With --sequence-parallel: ring attention (each rank a head and a tail chunk of every row; key/value blocks
+    /// travel around the ranks) instead of Ulysses. Taken anyway when the heads do not divide over the ranks.
+    #[arg(long)]
+    ring_attention: bool,
     /// With --experts: the load-balancing loss's weight in the loss (transformers' router_aux_loss_coef).
     #[arg(long, default_value_t = 0.001)]
     aux_loss_coef: f64,
@@ -235,7 +239,7 @@ fn builders<'a>(
     c: &LlamaConfig,
     hf: Option<&Path>,
     router: &RouterLogits,
-    sp: Option<&'a SequenceParallel>,
+    sp: Option<SplitAttention<'a>>,
 ) -> UnitBuilders<'a> {
     let c = c.clone();
     let builders = if c.tie_word_embeddings {
@@ -289,7 +293,7 @@ fn run(args: &Args) -> Result<(), String> {
     }
     let mut config = load_config(&a.config)?;
     let c = model_config(args)?;
-    let sp = sequence_parallel(args, &mut config, &c)?;
+    let (sp, ring) = sequence_parallel(args, &mut config, &c)?;
     // No data to read when no step runs (a conversion: --steps 0 --save-hf).
     let rows = match a.steps {
         0 => None,
@@ -342,14 +346,13 @@ fn run(args: &Args) -> Result<(), String> {
                 Some(SequenceParallel::new(split.expect("every rank has a sequence group")))
             }
         };
-        let (mut engine, model) = Engine::from_builders(
-            &vs,
-            config.clone(),
-            comm,
-            options,
-            builders(&c, args.hf.as_deref(), &router, group.as_ref()),
-        )
-        .map_err(|e| e.to_string())?;
+        let split = group.as_ref().map(|g| match ring {
+            true => SplitAttention::Ring(g),
+            false => SplitAttention::Ulysses(g),
+        });
+        let (mut engine, model) =
+            Engine::from_builders(&vs, config.clone(), comm, options, builders(&c, args.hf.as_deref(), &router, split))
+                .map_err(|e| e.to_string())?;
         let b = engine.batch_sizes();
         // The data-parallel rank and ranks: sequence groups share their rows.
         let (rank, world) = (engine.rank() as u64 / sp, engine.world_size() as u64 / sp);
@@ -364,19 +367,19 @@ fn run(args: &Args) -> Result<(), String> {
             for m in 0..b.gradient_accumulation_steps {
                 let (x, y) = rows.batch(base + m * micro, micro);
                 router.take(); // a recomputation's (activation checkpointing) from the last backward
-                let (x, y) = match &group {
+                let (x, y) = match &split {
                     None => (x, y),
-                    Some(g) => {
-                        let cut = |t: &Tensor| sequence::slice(g, t, 1).map_err(|e| e.to_string());
+                    Some(split) => {
+                        let cut = |t: &Tensor| split.part(t, 1).map_err(|e| e.to_string());
                         (cut(&x)?, cut(&y)?)
                     }
                 };
                 let logits = engine.forward(&model, &x.to_device(device)).map_err(|e| e.to_string())?;
-                let loss = match &group {
+                let loss = match &split {
                     None => llama_model::loss_with_aux(&c, &logits, &y.to_device(device), &router.take()),
-                    Some(g) => {
+                    Some(split) => {
                         let sum = llama_model::token_loss_sum(&logits, &y.to_device(device));
-                        sequence::sequence_loss(g, &sum, y.numel() as i64).map_err(|e| e.to_string())?
+                        sequence::sequence_loss(split.group(), &sum, y.numel() as i64).map_err(|e| e.to_string())?
                     }
                 };
                 engine.backward_units(&model, &loss).map_err(|e| e.to_string())?;
@@ -414,7 +417,8 @@ fn run(args: &Args) -> Result<(), String> {
 
 /// The sequence-parallel degree: `--sequence-parallel` and ds_config's `sequence_parallel_size` (either, or both
 /// agreeing), written into the config the engine reads. Checked against the model's heads and the other flags.
-fn sequence_parallel(args: &Args, config: &mut zerorun::Config, c: &LlamaConfig) -> Result<u64, String> {
+/// Returns (S, ring attention): ring when asked, or when the heads do not divide over S (Ulysses needs them to).
+fn sequence_parallel(args: &Args, config: &mut zerorun::Config, c: &LlamaConfig) -> Result<(u64, bool), String> {
     let s = match (args.sequence_parallel, config.sequence_parallel_size) {
         (Some(flag), 1) => flag,
         (Some(flag), key) if flag != key => {
@@ -423,16 +427,22 @@ fn sequence_parallel(args: &Args, config: &mut zerorun::Config, c: &LlamaConfig)
         (_, key) => key,
     };
     if s <= 1 {
-        return Ok(1);
+        if args.ring_attention {
+            return Err("--ring-attention: needs --sequence-parallel S (or sequence_parallel_size) above 1".into());
+        }
+        return Ok((1, false));
     }
-    if c.num_attention_heads % s as i64 != 0 {
-        return Err(format!(
-            "--sequence-parallel {s}: {} attention heads do not split over {s} ranks (Ulysses trades heads for sequence)",
-            c.num_attention_heads
-        ));
+    let ring = args.ring_attention || c.num_attention_heads % s as i64 != 0;
+    if ring && !args.ring_attention {
+        tracing::info!(
+            heads = c.num_attention_heads,
+            ranks = s,
+            "the heads do not divide over the sequence-parallel ranks: ring attention rather than Ulysses"
+        );
     }
-    if args.seq_len % s as i64 != 0 && args.data.is_none() {
-        return Err(format!("--sequence-parallel {s}: --seq-len {} does not split into {s} slices", args.seq_len));
+    let parts = if ring { 2 * s } else { s };
+    if args.seq_len % parts as i64 != 0 && args.data.is_none() {
+        return Err(format!("--sequence-parallel {s}: --seq-len {} does not split into {parts} parts", args.seq_len));
     }
     if c.experts().is_some() || args.pipeline_stages.is_some() || args.tensor_parallel.is_some() {
         return Err(format!(
@@ -440,7 +450,7 @@ fn sequence_parallel(args: &Args, config: &mut zerorun::Config, c: &LlamaConfig)
         ));
     }
     config.sequence_parallel_size = s;
-    Ok(s)
+    Ok((s, ring))
 }
 
 /// `--save-hf OUT`: the weights as transformers writes them and the config.json (`--hf`'s, or this shape's).

@@ -2,7 +2,9 @@
 //! whose key/value heads split over S, and whose do not) gives every rank its slice of the whole attention output,
 //! and the gradients of its slices of the queries, keys and values; the sequence loss is the rows' mean on every
 //! rank, and its gradients summed over the ranks (as the engine's average times S) are the whole loss's; heads that
-//! do not split are refused by name.
+//! do not split are refused by name. Ring attention over S = 2 and 3 ranks (3 heads, which do not split over 2; one
+//! key/value head; the load-balanced head-and-tail chunks and contiguous slices) gives every rank the whole
+//! attention at its positions, and the gradients of its queries, keys and values.
 use std::time::Duration;
 
 use tch::{Device, Kind, Tensor};
@@ -124,5 +126,70 @@ fn heads_that_do_not_split_are_refused_by_name() {
     });
     for e in runs {
         assert!(e.contains("6 attention heads do not split over 4 ranks"), "{e}");
+    }
+}
+
+/// Rotates `x` [b, t, h, d] by its tokens' positions `pos` [t] (as rotary embeddings do, before attention).
+fn rotate(x: &Tensor, pos: &Tensor) -> Tensor {
+    let angle = pos.to_kind(Kind::Float).reshape([1, -1, 1, 1]) * 0.1;
+    x * angle.cos() + x.flip([-1]) * angle.sin()
+}
+
+/// Causal attention of q [b, h, t, d] over k, v [b, kv, t, d] at positions 0..t, heads side by side [b, t, h d].
+fn plain_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Tensor {
+    let (b, h, t, d) = q.size4().unwrap();
+    let r = h / k.size()[1];
+    let (k, v) = (k.repeat_interleave_self_int(r, 1, None), v.repeat_interleave_self_int(r, 1, None));
+    let scores = q.matmul(&k.transpose(-2, -1)) / (d as f64).sqrt();
+    let mask = Tensor::ones([t, t], (Kind::Bool, Device::Cpu)).triu(1);
+    let probs = scores.masked_fill(&mask, f64::NEG_INFINITY).softmax(-1, Kind::Float);
+    probs.matmul(&v).transpose(1, 2).reshape([b, t, h * d])
+}
+
+#[test]
+fn ring_attention_is_the_whole_attention_at_each_ranks_positions() {
+    let (heads, kv, t) = (3i64, 1i64, 12i64);
+    tch::manual_seed(8);
+    let q = Tensor::randn([B, t, heads, D], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    let k = Tensor::randn([B, t, kv, D], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    let v = Tensor::randn([B, t, kv, D], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    let c = Tensor::randn([B, t, heads * D], (Kind::Float, Device::Cpu));
+    let all = Tensor::arange(t, (Kind::Int64, Device::Cpu));
+    let whole =
+        plain_attention(&rotate(&q, &all).transpose(1, 2), &rotate(&k, &all).transpose(1, 2), &v.transpose(1, 2));
+    (&whole * &c).sum(Kind::Float).backward();
+    for (s, balanced) in [(2usize, true), (3, true), (2, false)] {
+        let per_rank: Vec<[Tensor; 4]> = (0..s).map(|_| [&q, &k, &v, &c].map(|x| x.detach())).collect();
+        let runs = on_ranks(per_rank, |g, [q, k, v, c]| {
+            let pos = if balanced {
+                sequence::ring_positions(&g, t).unwrap()
+            } else {
+                let n = t / g.size() as i64;
+                Tensor::arange_start(g.rank() as i64 * n, (g.rank() as i64 + 1) * n, (Kind::Int64, Device::Cpu))
+            };
+            let take = |x: &Tensor| x.index_select(1, &pos).set_requires_grad(true);
+            let (qs, ks, vs) = (take(&q), take(&k), take(&v));
+            if balanced {
+                assert!(sequence::ring_slice(&g, &q, 1).unwrap().equal(&qs.detach()));
+            }
+            let y = sequence::ring_attention(
+                &g,
+                &rotate(&qs, &pos).transpose(1, 2),
+                &rotate(&ks, &pos).transpose(1, 2),
+                &vs.transpose(1, 2),
+                &pos,
+            )
+            .unwrap();
+            (&y * c.index_select(1, &pos)).sum(Kind::Float).backward();
+            (pos, y.detach(), qs.grad(), ks.grad(), vs.grad())
+        });
+        for (r, (pos, y, gq, gk, gv)) in runs.iter().enumerate() {
+            let at = |x: &Tensor| x.index_select(1, pos);
+            let what = format!("S = {s} (balanced {balanced}), rank {r}");
+            close(y, &at(&whole), &format!("{what}: output"));
+            close(gq, &at(&q.grad()), &format!("{what}: the queries' gradient"));
+            close(gk, &at(&k.grad()), &format!("{what}: the keys' gradient"));
+            close(gv, &at(&v.grad()), &format!("{what}: the values' gradient"));
+        }
     }
 }

@@ -299,10 +299,16 @@ impl RmsNorm {
 /// The rotary embedding's cos and sin for positions 0..t, [t, head_dim], computed in fp32 (transformers'
 /// `LlamaRotaryEmbedding` with the default rope type), in `kind`.
 fn rotary(t: i64, head_dim: i64, theta: f64, kind: Kind, device: tch::Device) -> (Tensor, Tensor) {
+    rotary_at(&Tensor::arange(t, (Kind::Int64, device)), head_dim, theta, kind)
+}
+
+/// [`rotary`] at the sequence's `positions` [t] (a ring-attention rank's tokens are not positions 0..t).
+fn rotary_at(positions: &Tensor, head_dim: i64, theta: f64, kind: Kind) -> (Tensor, Tensor) {
+    let device = positions.device();
     let exponents =
         Tensor::arange_start_step(0, head_dim, 2, (Kind::Int64, device)).to_kind(Kind::Float) / head_dim as f64;
     let inv_freq = Tensor::pow_scalar(theta, &exponents).reciprocal();
-    let positions = Tensor::arange(t, (Kind::Float, device));
+    let positions = positions.to_kind(Kind::Float);
     let freqs = positions.unsqueeze(1) * inv_freq.unsqueeze(0);
     let emb = Tensor::cat(&[&freqs, &freqs], -1);
     (emb.cos().to_kind(kind), emb.sin().to_kind(kind))
@@ -332,6 +338,31 @@ fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, theta: f64) -> Tensor {
     let mask = Tensor::ones([t, t], (Kind::Bool, q.device())).triu(1);
     let probs = scores.masked_fill(&mask, f64::NEG_INFINITY).softmax(-1, Kind::Float).to_kind(q.kind());
     probs.matmul(&v).transpose(1, 2).contiguous().view([b, t, heads * hd])
+}
+
+/// How attention meets the rest of a sequence split over a group's ranks: Ulysses (each rank a slice; all-to-alls
+/// trade it for heads of the whole sequence) or ring attention (each rank a head and a tail chunk; key/value blocks
+/// travel around the ring; for heads that do not divide over the group).
+#[derive(Clone, Copy)]
+pub enum SplitAttention<'a> {
+    Ulysses(&'a SequenceParallel),
+    Ring(&'a SequenceParallel),
+}
+
+impl SplitAttention<'_> {
+    /// This rank's tokens of `x` along `dim`.
+    pub fn part(&self, x: &Tensor, dim: i64) -> Result<Tensor, zerorun::Error> {
+        match self {
+            SplitAttention::Ulysses(g) => zerorun::runtime::sequence::slice(g, x, dim),
+            SplitAttention::Ring(g) => zerorun::runtime::sequence::ring_slice(g, x, dim),
+        }
+    }
+
+    pub fn group(&self) -> &SequenceParallel {
+        match self {
+            SplitAttention::Ulysses(g) | SplitAttention::Ring(g) => g,
+        }
+    }
 }
 
 /// A decoder layer's feed-forward part: Llama's SwiGLU MLP (`mlp.{gate,up,down}_proj`), or a sparse mixture of
@@ -418,9 +449,9 @@ impl DecoderLayer {
         }
     }
 
-    /// Attention of `x` [b, t, hidden]; with a sequence-parallel group `x` is this rank's slice of the sequence
-    /// and the heads meet the whole sequence by Ulysses' all-to-alls.
-    fn attention(&self, x: &Tensor, sp: Option<&SequenceParallel>) -> Tensor {
+    /// Attention of `x` [b, t, hidden]; with a sequence-parallel group `x` is this rank's part of the sequence,
+    /// and the heads meet the whole sequence by Ulysses' all-to-alls or around the ring.
+    fn attention(&self, x: &Tensor, sp: Option<SplitAttention<'_>>) -> Tensor {
         let (b, t, _) = x.size3().unwrap();
         // [b, t, n, head_dim], each head's queries and keys normed first (Qwen3).
         let heads = |w: &Tensor, n: i64, norm: &Option<RmsNorm>| {
@@ -438,8 +469,21 @@ impl DecoderLayer {
         let attend = |q: &Tensor, k: &Tensor, v: &Tensor| causal_attention(q, k, v, self.theta);
         let out = match sp {
             None => attend(&q.transpose(1, 2), &k.transpose(1, 2), &v.transpose(1, 2)),
-            Some(g) => zerorun::runtime::sequence::ulysses_attention(g, &q, &k, &v, attend)
+            Some(SplitAttention::Ulysses(g)) => zerorun::runtime::sequence::ulysses_attention(g, &q, &k, &v, attend)
                 .unwrap_or_else(|e| panic!("sequence parallel attention: {e}")),
+            Some(SplitAttention::Ring(g)) => {
+                // This rank's head-and-tail chunks, rotated at their positions of the whole sequence.
+                let positions = zerorun::runtime::sequence::ring_positions(g, t * g.size() as i64)
+                    .unwrap_or_else(|e| panic!("ring attention: {e}"))
+                    .to_device(x.device());
+                let (cos, sin) = rotary_at(&positions, self.head_dim, self.theta, q.kind());
+                let rope = |y: &Tensor| {
+                    let y = y.transpose(1, 2);
+                    &y * &cos + rotate_half(&y) * &sin
+                };
+                zerorun::runtime::sequence::ring_attention(g, &rope(&q), &rope(&k), &v.transpose(1, 2), &positions)
+                    .unwrap_or_else(|e| panic!("ring attention: {e}"))
+            }
         };
         out.linear::<Tensor>(&self.o_proj, None)
     }
@@ -449,8 +493,8 @@ impl DecoderLayer {
         self.forward_in(x, None)
     }
 
-    /// [`DecoderLayer::forward_routed`] on this rank's slice of the sequence of a sequence-parallel group.
-    pub fn forward_in(&self, x: &Tensor, sp: Option<&SequenceParallel>) -> (Tensor, Option<Tensor>) {
+    /// [`DecoderLayer::forward_routed`] on this rank's part of the sequence of a sequence-parallel group.
+    pub fn forward_in(&self, x: &Tensor, sp: Option<SplitAttention<'_>>) -> (Tensor, Option<Tensor>) {
         let h = x + self.attention(&self.input_layernorm.forward(x), sp);
         let n = self.post_attention_layernorm.forward(&h);
         match &self.feed_forward {
@@ -565,8 +609,8 @@ impl Llama {
         self.forward_in(ids, None)
     }
 
-    /// [`Llama::forward_routed`] of this rank's slice of the sequence of a sequence-parallel group.
-    pub fn forward_in(&self, ids: &Tensor, sp: Option<&SequenceParallel>) -> (Tensor, Vec<Tensor>) {
+    /// [`Llama::forward_routed`] of this rank's part of the sequence of a sequence-parallel group.
+    pub fn forward_in(&self, ids: &Tensor, sp: Option<SplitAttention<'_>>) -> (Tensor, Vec<Tensor>) {
         let mut h = self.embed.forward(ids);
         let mut router = Vec::new();
         for layer in &self.layers {

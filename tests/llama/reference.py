@@ -29,6 +29,12 @@ def tiny_moe(kind, seed):
 def tiny(tied, seed):
     if tied in ("mixtral", "qwen3_moe"):
         model = tiny_moe(tied, seed)
+    elif tied == "heads3":
+        # Three heads over one key/value head: heads that do not divide over 2 ranks.
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(LlamaConfig(hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                                             num_attention_heads=3, num_key_value_heads=1, vocab_size=128,
+                                             max_position_embeddings=64, rms_norm_eps=1e-6)).eval()
     else:
         model = tiny_llama(tied == "tied", seed)
     # Random norm weights too: ones would hide a norm applied in the wrong place.
