@@ -321,8 +321,10 @@ fn rotate_half(x: &Tensor) -> Tensor {
 }
 
 /// Causal grouped-query attention of queries [b, heads, t, hd] over keys and values [b, kv_heads, t, hd], rotary
-/// positions applied to both: the heads' outputs side by side, [b, t, heads · hd] (transformers' eager attention:
-/// scores scaled by hd^-1/2, softmax in fp32, each key/value head serving heads / kv_heads queries).
+/// positions applied to both: the heads' outputs side by side, [b, t, heads · hd]. libtorch's
+/// scaled_dot_product_attention, as transformers' default (`attn_implementation="sdpa"`): scores scaled by
+/// hd^-1/2, each key/value head serving heads / kv_heads queries; on a CPU its flash kernel keeps a log-sum-exp per
+/// query for backward rather than the t x t probabilities, so activations grow linearly with the sequence.
 fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, theta: f64) -> Tensor {
     let (b, heads, t, hd) = q.size4().unwrap();
     let kv_heads = k.size()[1];
@@ -334,10 +336,11 @@ fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, theta: f64) -> Tensor {
         r => kv.unsqueeze(2).expand([b, kv_heads, r, t, hd], false).reshape([b, heads, t, hd]),
     };
     let (k, v) = (expand(&k), expand(v));
-    let scores = q.matmul(&k.transpose(-2, -1)) * (1.0 / (hd as f64).sqrt());
-    let mask = Tensor::ones([t, t], (Kind::Bool, q.device())).triu(1);
-    let probs = scores.masked_fill(&mask, f64::NEG_INFINITY).softmax(-1, Kind::Float).to_kind(q.kind());
-    probs.matmul(&v).transpose(1, 2).contiguous().view([b, t, heads * hd])
+    let scale = 1.0 / (hd as f64).sqrt();
+    Tensor::scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, true, scale, false)
+        .transpose(1, 2)
+        .contiguous()
+        .view([b, t, heads * hd])
 }
 
 /// How attention meets the rest of a sequence split over a group's ranks: Ulysses (each rank a slice; all-to-alls

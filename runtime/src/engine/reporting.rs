@@ -241,6 +241,7 @@ impl Engine {
                 reduce_scatter_ms = ms(ReduceScatter),
                 offload_io_ms = ms(OffloadIo),
                 compression_ms = ms(Compression),
+                all_to_all_ms = ms(AllToAll),
                 "wall_clock_breakdown"
             );
         }

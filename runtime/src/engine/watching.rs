@@ -246,6 +246,9 @@ impl Engine {
                 events.push(Event::new(format!("Train/Samples/elapsed_time_ms_{tag}"), v, step));
             }
             // zerorun's own: a compressed exchange's arithmetic, which the phases above leave out.
+            if ms(Phase::AllToAll) > 0.0 {
+                events.push(Event::new("Train/Samples/elapsed_time_ms_all_to_all", ms(Phase::AllToAll), step));
+            }
             if ms(Phase::Compression) > 0.0 {
                 events.push(Event::new("Train/Samples/elapsed_time_ms_compression", ms(Phase::Compression), step));
             }

@@ -20,11 +20,14 @@ pub enum Phase {
     /// The arithmetic of compressed exchanges (1-bit signs packed and unpacked, PowerSGD's factor products), taken
     /// out of the phase that ran them so that phase's time is the wire's.
     Compression,
+    /// The model's own exchanges inside forward and backward (a mixture of experts' and Ulysses' all-to-alls of
+    /// rows, ring attention's hops), taken out of forward and backward (`crate::exchange`'s clock).
+    AllToAll,
 }
 
 impl Phase {
     /// How many phases there are.
-    pub const COUNT: usize = 7;
+    pub const COUNT: usize = 8;
 
     /// Every phase, in report order.
     pub const ALL: [Phase; Phase::COUNT] = [
@@ -35,6 +38,7 @@ impl Phase {
         Phase::ReduceScatter,
         Phase::OffloadIo,
         Phase::Compression,
+        Phase::AllToAll,
     ];
 
     /// A tracing span for this phase (`RUST_LOG=zerorun_runtime=trace` with a span-aware subscriber shows them).
@@ -52,6 +56,7 @@ impl Phase {
             Phase::ReduceScatter => "reduce_scatter",
             Phase::OffloadIo => "offload_io",
             Phase::Compression => "compression",
+            Phase::AllToAll => "all_to_all",
         }
     }
 }
@@ -67,9 +72,16 @@ pub struct PhaseTimes {
 impl PhaseTimes {
     /// Adds `d` to `phase`, less the compression arithmetic this thread ran since the last `add` (the comm
     /// crate's coding clock), which goes to [`Phase::Compression`].
+    /// Forward and backward also give up the model's exchanges this thread ran since their last `add`
+    /// (`crate::exchange`'s clock), which go to [`Phase::AllToAll`]; the clock runs on through other phases' adds
+    /// (a stage-3 gather inside forward does not take it).
     pub fn add(&mut self, phase: Phase, d: Duration) {
         let coding = crate::comm::coding::take().min(d);
-        for (p, t) in [(phase, d - coding), (Phase::Compression, coding)] {
+        let exchange = match phase {
+            Phase::Forward | Phase::Backward => crate::exchange::clock::take().min(d - coding),
+            _ => Duration::ZERO,
+        };
+        for (p, t) in [(phase, d - coding - exchange), (Phase::Compression, coding), (Phase::AllToAll, exchange)] {
             self.current[p as usize] += t;
             self.total[p as usize] += t;
         }
@@ -86,6 +98,7 @@ impl PhaseTimes {
         self.total[Phase::AllGather as usize]
             + self.total[Phase::ReduceScatter as usize]
             + self.total[Phase::Compression as usize]
+            + self.total[Phase::AllToAll as usize]
     }
 
     /// Ends an optimizer step; returns its times.
@@ -142,5 +155,22 @@ mod tests {
         let (step, coding) = (s[Phase::Step as usize], s[Phase::Compression as usize]);
         assert!(coding >= Duration::from_millis(3) && coding <= Duration::from_millis(10), "{coding:?}");
         assert_eq!(step + coding, Duration::from_millis(10));
+    }
+
+    #[test]
+    fn the_models_exchanges_leave_forward_and_backward_not_a_gather() {
+        let mut t = PhaseTimes::default();
+        crate::exchange::clock::take();
+        crate::exchange::clock::timed(|| std::thread::sleep(Duration::from_millis(3)));
+        // A stage-3 gather between the exchange and forward's end keeps its own time...
+        t.add(Phase::AllGather, Duration::from_millis(5));
+        // ...and forward gives the exchange up.
+        t.add(Phase::Forward, Duration::from_millis(20));
+        let s = t.end_step();
+        let exchange = s[Phase::AllToAll as usize];
+        assert_eq!(s[Phase::AllGather as usize], Duration::from_millis(5));
+        assert!(exchange >= Duration::from_millis(3) && exchange <= Duration::from_millis(20), "{exchange:?}");
+        assert_eq!(s[Phase::Forward as usize] + exchange, Duration::from_millis(20));
+        assert_eq!(Phase::AllToAll.name(), "all_to_all");
     }
 }

@@ -201,6 +201,25 @@ extern "C" fn ring_shift(
     recv: *mut std::ffi::c_void,
 ) -> *mut std::ffi::c_char {
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| -> std::result::Result<(), String> {
+        crate::exchange::clock::timed(|| ring_shift_now(group, send, recv))
+    }));
+    let text = match result {
+        Ok(Ok(())) => return std::ptr::null_mut(),
+        Ok(Err(e)) => e,
+        Err(_) => "the ring shift panicked".to_string(),
+    };
+    let c = std::ffi::CString::new(text.replace('\0', " ")).unwrap_or_default();
+    // SAFETY: strdup copies into malloc'ed memory, which the shim frees.
+    unsafe { libc::strdup(c.as_ptr()) }
+}
+
+/// [`ring_shift`]'s work.
+fn ring_shift_now(
+    group: *mut std::ffi::c_void,
+    send: *mut std::ffi::c_void,
+    recv: *mut std::ffi::c_void,
+) -> std::result::Result<(), String> {
+    {
         // SAFETY: `group` is the live group `ring_attention` passed; the tensors are the shim's, borrowed for this
         // call (ManuallyDrop: tch must not delete them).
         let group = unsafe { &*(group as *const SequenceParallel) };
@@ -232,13 +251,5 @@ extern "C" fn ring_shift(
             tch::no_grad(|| recv.shallow_clone().f_copy_(&host_recv)).map_err(|e| e.to_string())?;
         }
         Ok(())
-    }));
-    let text = match result {
-        Ok(Ok(())) => return std::ptr::null_mut(),
-        Ok(Err(e)) => e,
-        Err(_) => "the ring shift panicked".to_string(),
-    };
-    let c = std::ffi::CString::new(text.replace('\0', " ")).unwrap_or_default();
-    // SAFETY: strdup copies into malloc'ed memory, which the shim frees.
-    unsafe { libc::strdup(c.as_ptr()) }
+    }
 }
