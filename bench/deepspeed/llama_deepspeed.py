@@ -2,7 +2,12 @@
 (s-1)·B .. s·B of the token file, rank r's share r·B/W .. (r+1)·B/W in micro-batches), from the same Hugging Face
 folder and ds_config.json. Prints what the tch example prints: `step N loss X` (mean over ranks), `median_step_s T`
 and every rank's `peak_rss_bytes B`. Run under DeepSpeed's launcher:
-    deepspeed --num_gpus 2 llama_deepspeed.py --config C --hf DIR --data TOKENS --steps N"""
+    deepspeed --num_gpus 2 llama_deepspeed.py --config C --hf DIR --data TOKENS --steps N [--sequence-parallel S]
+
+With --sequence-parallel S (the config's `sequence_parallel_size` too): DeepSpeed-Ulysses through its Hugging Face
+path (ALST's UlyssesSPAttentionHF over sdpa): S adjacent ranks take the same rows, each its slice of the sequence
+with its positions, and each rank's loss is its tokens' summed cross-entropy over the group's tokens (the printed
+loss is the group's sum of those: the rows' mean)."""
 import argparse
 import json
 import os
@@ -32,6 +37,7 @@ def main():
     p.add_argument("--data", required=True)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--local_rank", type=int, default=0)
+    p.add_argument("--sequence-parallel", type=int, default=1)
     a = p.parse_args()
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -39,24 +45,50 @@ def main():
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     cfg = json.load(open(a.config))
     dtype = torch.bfloat16 if cfg.get("bf16", {}).get("enabled") else torch.float32
-    model = LlamaForCausalLM.from_pretrained(a.hf, dtype=dtype)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    sp = a.sequence_parallel
     rows = load_file(a.data)["tokens"].long()
     n = rows.shape[0]
+    if sp > 1:
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+        cfg["sequence_parallel_size"] = sp
+        model = LlamaForCausalLM.from_pretrained(a.hf, dtype=dtype, attn_implementation="sdpa")
+        mpu = UlyssesSPAttentionHF.register_with_transformers(
+            model_name_or_path=model, core_attn_implementation="sdpa", sequence_parallel_size=sp,
+            micro_batch_size=cfg["train_micro_batch_size_per_gpu"], seq_length=rows.shape[1] - 1,
+            seq_length_is_variable=False)
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg, mpu=mpu)
+        group = mpu.get_sequence_parallel_group()
+    else:
+        model = LlamaForCausalLM.from_pretrained(a.hf, dtype=dtype)
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     train, micro, gas = engine.train_batch_size(), engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    data_rank, data_world = rank // sp, world // sp
     times = []
     for step in range(a.steps):
         started = time.perf_counter()
         losses = []
-        base = step * train + rank * (train // world)
+        base = step * train + data_rank * (train // data_world)
         for m in range(gas):
             index = torch.tensor([(base + m * micro + i) % n for i in range(micro)])
             x, y = rows[index, :-1], rows[index, 1:]
-            logits = engine(input_ids=x).logits
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+            if sp == 1:
+                logits = engine(input_ids=x).logits
+                loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+                continue
+            t = x.shape[1] // sp
+            r = torch.distributed.get_rank(group)
+            xs, ys = x[:, r * t:(r + 1) * t], y[:, r * t:(r + 1) * t]
+            positions = torch.arange(r * t, (r + 1) * t).unsqueeze(0).expand(x.shape[0], t)
+            logits = engine(input_ids=xs, position_ids=positions).logits
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), ys.reshape(-1), reduction="sum") / y.numel()
             engine.backward(loss)
             engine.step()
-            losses.append(loss.item())
+            whole = loss.detach().clone()
+            torch.distributed.all_reduce(whole, group=group)
+            losses.append(whole.item())
         mean = torch.tensor([sum(losses) / len(losses)], dtype=torch.float32)
         torch.distributed.all_reduce(mean)
         times.append(time.perf_counter() - started)

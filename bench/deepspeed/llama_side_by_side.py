@@ -4,7 +4,9 @@ ds_config.json, 2 ranks on this machine, stages 0 and 3.
 
     make bench-deepspeed            (or: .venv/bin/python bench/deepspeed/llama_side_by_side.py [--steps N])
 
-Writes llama_results.json and llama_results.md next to this file."""
+Writes llama_results.json and llama_results.md next to this file. With --sequence-parallel 2: both split each row
+over the 2 ranks (`sequence_parallel_size`; DeepSpeed-Ulysses through its Hugging Face path), stages 1 and 3, into
+llama_results_sp2.json and .md."""
 import argparse
 import json
 import os
@@ -77,7 +79,11 @@ def main():
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=4, help="train_batch_size (2 ranks, 2 per rank)")
+    ap.add_argument("--sequence-parallel", type=int, default=1)
     a = ap.parse_args()
+    sp = a.sequence_parallel
+    cases = CASES if sp == 1 else {f"sp{sp}_stage1": {"stage": 1}, f"sp{sp}_stage3": {"stage": 3}}
+    suffix = "" if sp == 1 else f"_sp{sp}"
     work = os.path.join(a.out, "work", "llama")
     os.makedirs(work, exist_ok=True)
     model_dir = os.path.join(work, "model")
@@ -85,14 +91,18 @@ def main():
     data = os.path.join(model_dir, "tokens.safetensors")
     env = dict(os.environ, DS_ACCELERATOR="cpu", PATH=VENV_BIN + ":" + os.environ.get("PATH", ""), OMP_NUM_THREADS="1")
     rows = []
-    for i, (name, zero) in enumerate(CASES.items()):
+    for i, (name, zero) in enumerate(cases.items()):
         cfg = os.path.join(work, f"{name}.json")
-        json.dump(config(zero, a.batch, a.batch // 2), open(cfg, "w"), indent=2)
+        # With sequence parallelism the 2 ranks are one data-parallel rank: the micro-batch is the whole batch.
+        c = config(zero, a.batch, a.batch // 2 * sp)
+        if sp > 1:
+            c["sequence_parallel_size"] = sp
+        json.dump(c, open(cfg, "w"), indent=2)
         zr = run([ZR, "launch", "--nproc-per-node", "2", "--", LLAMA, "--config", cfg, "--hf", model_dir, "--data", data,
                   "--steps", str(a.steps)], env, os.path.join(work, f"{name}.zerorun.log"))
         ds = run([os.path.join(VENV_BIN, "deepspeed"), "--num_gpus", "2", "--master_port", str(29650 + i),
                   os.path.join(HERE, "llama_deepspeed.py"), "--config", cfg, "--hf", model_dir, "--data", data,
-                  "--steps", str(a.steps)], env, os.path.join(work, f"{name}.deepspeed.log"))
+                  "--steps", str(a.steps), "--sequence-parallel", str(sp)], env, os.path.join(work, f"{name}.deepspeed.log"))
         zl, zt, zrss = parse(zr)
         dl, dt, drss = parse(ds)
         steps = sorted(set(zl) & set(dl))
@@ -107,14 +117,14 @@ def main():
         print(json.dumps(row), flush=True)
     model = {"layers": a.layers, "hidden": a.hidden, "ffn": a.ffn, "heads": a.heads, "kv_heads": a.kv_heads,
              "vocab": a.vocab, "seq": a.seq, "params": params, "train_batch_size": a.batch}
-    json.dump({"steps": a.steps, "ranks": 2, "model": model, "rows": rows}, open(os.path.join(a.out, "llama_results.json"), "w"), indent=2)
+    json.dump({"steps": a.steps, "ranks": 2, "model": model, "rows": rows}, open(os.path.join(a.out, f"llama_results{suffix}.json"), "w"), indent=2)
     md = [f"Llama {a.layers} layers, hidden {a.hidden}, {a.heads} heads ({a.kv_heads} kv), vocab {a.vocab}, {params / 1e6:.1f}M parameters, "
-          f"sequence {a.seq}, global batch {a.batch}, 2 ranks, {a.steps} steps, fp32", "",
+          f"sequence {a.seq}{f' split over {sp} ranks' if sp > 1 else ''}, global batch {a.batch}, 2 ranks, {a.steps} steps, fp32", "",
           "| case | max loss rel. diff | step time zerorun / DeepSpeed | peak RSS per rank zerorun / DeepSpeed |", "|---|---|---|---|"]
     for r in rows:
         md.append(f"| {r['case']} | {r['max_loss_rel_diff']:.1e} | {r['median_step_s_zerorun']:.2f} s / {r['median_step_s_deepspeed']:.2f} s = "
                   f"{r['step_time_ratio']:.2f} | {max(r['peak_rss_zerorun']) / 2**20:.0f} MiB / {max(r['peak_rss_deepspeed']) / 2**20:.0f} MiB = {r['peak_rss_ratio']:.2f} |")
-    open(os.path.join(a.out, "llama_results.md"), "w").write("\n".join(md) + "\n")
+    open(os.path.join(a.out, f"llama_results{suffix}.md"), "w").write("\n".join(md) + "\n")
     print("\n".join(md))
 
 
