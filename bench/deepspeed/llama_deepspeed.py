@@ -61,7 +61,8 @@ def main():
     else:
         model = LlamaForCausalLM.from_pretrained(a.hf, dtype=dtype)
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-    train, micro, gas = engine.train_batch_size(), engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    train, micro = engine.train_batch_size(), engine.train_micro_batch_size_per_gpu()
+    gas = int(engine.gradient_accumulation_steps())  # a float with sequence_parallel_size
     data_rank, data_world = rank // sp, world // sp
     times = []
     for step in range(a.steps):
