@@ -141,7 +141,7 @@ pub fn ring_slice(group: &SequenceParallel, x: &Tensor, dim: i64) -> Result<Tens
 
 /// Ring attention (context parallelism): causal attention of this rank's queries `q` [b, heads, t, d] over the
 /// whole sequence's keys and values, each rank holding `k`, `v` [b, kv_heads, t, d] of its own tokens, at
-/// `positions` [t] of the sequence (rotary positions already applied to q and k). The key/value blocks travel around
+/// `positions` (`[t]`) of the sequence (rotary positions already applied to q and k). The key/value blocks travel around
 /// the group's ring with an online softmax (S - 1 hops forward, S backward, the gradients riding with their blocks),
 /// so no rank holds the whole sequence's keys, and the heads need not divide by S (where Ulysses needs them to).
 /// Returns this rank's output, [b, t, heads · d]. `positions` from [`ring_positions`] balance the causal work.
