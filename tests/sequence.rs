@@ -4,7 +4,9 @@
 //! rank, and its gradients summed over the ranks (as the engine's average times S) are the whole loss's; heads that
 //! do not split are refused by name. Ring attention over S = 2 and 3 ranks (3 heads, which do not split over 2; one
 //! key/value head; the load-balanced head-and-tail chunks and contiguous slices) gives every rank the whole
-//! attention at its positions, and the gradients of its queries, keys and values.
+//! attention at its positions, and the gradients of its queries, keys and values. An engine with
+//! `sequence_parallel_size` 2 on 4 ranks counts a batch's rows over 2 data-parallel ranks, and its sampler gives the
+//! two ranks of a sequence group the same rows.
 use std::time::Duration;
 
 use tch::{Device, Kind, Tensor};
@@ -192,4 +194,45 @@ fn ring_attention_is_the_whole_attention_at_each_ranks_positions() {
             close(gv, &at(&v.grad()), &format!("{what}: the values' gradient"));
         }
     }
+}
+
+#[test]
+fn the_engine_counts_rows_over_data_ranks_and_samples_them_per_sequence_group() {
+    use zerorun::{Engine, EngineOptions};
+    let config: zerorun::Config =
+        r#"{"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "sequence_parallel_size": 2}"#.parse().unwrap();
+    let comms = threads::group(4, Duration::from_secs(30));
+    let rows: Vec<(usize, Vec<Vec<usize>>, u64)> = std::thread::scope(|scope| {
+        let hs: Vec<_> = comms
+            .into_iter()
+            .map(|c| {
+                let config = config.clone();
+                scope.spawn(move || {
+                    let vs = tch::nn::VarStore::new(Device::Cpu);
+                    let _ = vs.root().var("w", &[4], tch::nn::Init::Const(1.0));
+                    let engine = Engine::new(&vs, config, Box::new(c), EngineOptions::default()).unwrap();
+                    let b = engine.batch_sizes();
+                    let micro = engine.sampler(64, 3, true).next_micro_batches(0);
+                    (engine.rank(), micro, b.gradient_accumulation_steps)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (rank, micro, accumulation) in &rows {
+        // 8 rows over 2 data-parallel ranks of micro-batches of 2: two micro-batches each.
+        assert_eq!(*accumulation, 2, "rank {rank}");
+        assert_eq!(micro.len(), 2, "rank {rank}");
+    }
+    assert_eq!(rows[0].1, rows[1].1, "ranks 0 and 1 split the same rows");
+    assert_eq!(rows[2].1, rows[3].1, "ranks 2 and 3 split the same rows");
+    let (a, b): (Vec<usize>, Vec<usize>) = (rows[0].1.concat(), rows[2].1.concat());
+    assert!(a.iter().all(|i| !b.contains(i)), "the two data-parallel ranks take different rows: {a:?} {b:?}");
+    // A degree that does not divide the ranks is refused by name.
+    let bad: zerorun::Config = r#"{"train_batch_size": 8, "sequence_parallel_size": 3}"#.parse().unwrap();
+    let comm = threads::group(1, Duration::from_secs(5)).pop().unwrap();
+    let vs = tch::nn::VarStore::new(Device::Cpu);
+    let _ = vs.root().var("w", &[4], tch::nn::Init::Const(1.0));
+    let e = Engine::new(&vs, bad, Box::new(comm), EngineOptions::default()).err().unwrap().to_string();
+    assert!(e.contains("sequence_parallel_size"), "{e}");
 }

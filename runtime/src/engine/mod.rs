@@ -280,6 +280,8 @@ impl Engine {
     }
 
     /// A sampler giving this rank its micro-batches of every global batch (torch's DistributedSampler by batch).
+    /// With `sequence_parallel_size` S the S ranks of a sequence group get the same rows (the data-parallel rank is
+    /// the rank / S), each then taking its slice of their sequences (`runtime::sequence`).
     ///
     /// ```
     /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -305,9 +307,14 @@ impl Engine {
             seed,
             shuffle,
             batch: self.batch,
-            rank: self.rank(),
-            world_size: self.world_size(),
+            rank: self.rank() / self.sequence_parallel(),
+            world_size: self.world_size() / self.sequence_parallel(),
         }
+    }
+
+    /// Ranks each row's sequence is split over (`sequence_parallel_size`; 1 without sequence parallelism).
+    pub fn sequence_parallel(&self) -> usize {
+        self.config.sequence_parallel_size.max(1) as usize
     }
 
     /// Averages `buf` over the engine's (data-parallel) ranks.
