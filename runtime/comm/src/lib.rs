@@ -200,7 +200,7 @@ pub trait Communicator: Send {
     /// All-to-all of parts of any length (MPI's alltoallv): part q of `input` (`send[q]` elements, in rank order)
     /// goes to rank q, and part r of `output` (`recv[r]` elements) comes from rank r. What rank r sends rank q must be
     /// what q expects from r (exchange the counts first where they are not known: an all-to-all of one count per
-    /// rank); counts that disagree are an error on both ranks. The default moves each part once, point to point
+    /// rank); counts that disagree are an error on every rank. The default moves each part once, point to point
     /// ([`all_to_all::pairwise`]); gloo and MPI run their own.
     fn all_to_all_v_buf(
         &self,
