@@ -72,6 +72,27 @@ fn losses(text: &str) -> Vec<f64> {
         .collect()
 }
 
+/// transformers' losses step by step, from reference.py's `train` output.
+fn reference_losses(text: &str) -> Vec<f64> {
+    text.lines()
+        .filter_map(|l| l.strip_prefix("reference step ").and_then(|r| r.split(" loss ").nth(1)))
+        .map(|v| v.trim().parse().unwrap())
+        .collect()
+}
+
+/// Runs the example on `ranks` ranks with `args` (which train `theirs.len()` steps and --save-hf `trained`):
+/// transformers' losses step by step (1e-5), and weights within 1e-4 of transformers' trained folder `expected`.
+fn trains_as_transformers(ranks: usize, args: &[&str], theirs: &[f64], expected: &Path, trained: &Path, what: &str) {
+    let (ok, text) = llama(ranks, &[args, &["--save-hf", s(trained)]].concat());
+    assert!(ok, "{what}: {text}");
+    let ours = losses(&text);
+    assert_eq!(ours.len(), theirs.len(), "{what}: {text}");
+    for (step, (a, b)) in ours.iter().zip(theirs).enumerate() {
+        assert!((a - b).abs() <= 1e-5 * b.abs(), "{what} step {}: {a} vs transformers {b}", step + 1);
+    }
+    eprintln!("{}", reference(&["compare", s(expected), s(trained), "1e-4"]));
+}
+
 /// The example's model (built whole, loaded by name from transformers' files: one file tied, four shards and an
 /// index untied) gives transformers' logits on the same tokens.
 #[test]
@@ -125,28 +146,12 @@ fn mixtral_and_qwen3_moe_give_transformers_logits_and_train_as_it_does() {
 
         let expected = dir.join(format!("{kind}-expected"));
         let ds = config(&dir, 2, 8, 2, 1e-3);
-        let reference_text = reference(&["train", s(&source), s(&data), s(&ds), "5", s(&expected), "4"]);
-        let theirs: Vec<f64> = reference_text
-            .lines()
-            .filter_map(|l| l.strip_prefix("reference step ").and_then(|r| r.split(" loss ").nth(1)))
-            .map(|v| v.trim().parse().unwrap())
-            .collect();
+        let theirs = reference_losses(&reference(&["train", s(&source), s(&data), s(&ds), "5", s(&expected), "4"]));
         for stage in [2u8, 3] {
             let ds = config(&dir, stage, 8, 2, 1e-3);
             let trained = dir.join(format!("{kind}-stage{stage}"));
             let args = ["--config", s(&ds), "--hf", s(&source), "--data", s(&data), "--steps", "5"];
-            let (ok, text) = llama(2, &[&args[..], &["--save-hf", s(&trained)]].concat());
-            assert!(ok, "{kind} stage {stage}: {text}");
-            let ours = losses(&text);
-            assert_eq!(ours.len(), 5, "{text}");
-            for (step, (a, b)) in ours.iter().zip(&theirs).enumerate() {
-                assert!(
-                    (a - b).abs() <= 1e-5 * b.abs(),
-                    "{kind} stage {stage} step {}: {a} vs transformers {b}",
-                    step + 1
-                );
-            }
-            eprintln!("{}", reference(&["compare", s(&expected), s(&trained), "1e-4"]));
+            trains_as_transformers(2, &args, &theirs, &expected, &trained, &format!("{kind} stage {stage}"));
         }
     }
     std::fs::remove_dir_all(&dir).unwrap();
@@ -166,12 +171,7 @@ fn sequence_parallel_trains_as_transformers_on_the_whole_sequences() {
     reference(&["tokens", s(&data), "12", "17", "128", "int64"]);
     let ds = config(&dir, 3, 8, 2, 1e-3);
     let expected = dir.join("expected");
-    let reference_text = reference(&["train", s(&source), s(&data), s(&ds), "5", s(&expected)]);
-    let theirs: Vec<f64> = reference_text
-        .lines()
-        .filter_map(|l| l.strip_prefix("reference step ").and_then(|r| r.split(" loss ").nth(1)))
-        .map(|v| v.trim().parse().unwrap())
-        .collect();
+    let theirs = reference_losses(&reference(&["train", s(&source), s(&data), s(&ds), "5", s(&expected)]));
     for (ranks, stage, by_key) in [(2usize, 3u8, false), (4, 2, true)] {
         let mut ds_json: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(config(&dir, stage, 8, 2, 1e-3)).unwrap()).unwrap();
@@ -182,42 +182,36 @@ fn sequence_parallel_trains_as_transformers_on_the_whole_sequences() {
         }
         let ds = dir.join(format!("ds_sp_{ranks}.json"));
         std::fs::write(&ds, ds_json.to_string()).unwrap();
+        let args = ["--config", s(&ds), "--hf", s(&source), "--data", s(&data), "--steps", "5"];
         let trained = dir.join(format!("trained-{ranks}"));
-        let args =
-            ["--config", s(&ds), "--hf", s(&source), "--data", s(&data), "--steps", "5", "--save-hf", s(&trained)];
-        let (ok, text) = llama(ranks, &[&args[..], &flag].concat());
-        assert!(ok, "{ranks} ranks: {text}");
-        let ours = losses(&text);
-        assert_eq!(ours.len(), 5, "{text}");
-        for (step, (a, b)) in ours.iter().zip(&theirs).enumerate() {
-            assert!((a - b).abs() <= 1e-5 * b.abs(), "{ranks} ranks step {}: {a} vs transformers {b}", step + 1);
-        }
-        eprintln!("{}", reference(&["compare", s(&expected), s(&trained), "1e-4"]));
+        trains_as_transformers(
+            ranks,
+            &[&args[..], &flag].concat(),
+            &theirs,
+            &expected,
+            &trained,
+            &format!("{ranks} ranks"),
+        );
     }
     // Ring attention: three heads, which do not split over 2 ranks, take the ring by themselves (2 ranks, stage 3);
     // asked for by name on 2 x data 2 (stage 2). Each rank holds a head and a tail chunk of every row.
     let heads3 = dir.join("heads3");
     reference(&["make", s(&heads3), "heads3", ""]);
     let expected = dir.join("expected3");
-    let reference_text = reference(&["train", s(&heads3), s(&data), s(&ds), "5", s(&expected)]);
-    let theirs: Vec<f64> = reference_text
-        .lines()
-        .filter_map(|l| l.strip_prefix("reference step ").and_then(|r| r.split(" loss ").nth(1)))
-        .map(|v| v.trim().parse().unwrap())
-        .collect();
+    let theirs = reference_losses(&reference(&["train", s(&heads3), s(&data), s(&ds), "5", s(&expected)]));
     for (ranks, stage, flag) in [(2usize, 3u8, &[][..]), (4, 2, &["--ring-attention"][..])] {
         let ds = config(&dir, stage, 8, 2, 1e-3);
-        let trained = dir.join(format!("ring-{ranks}"));
         let args =
-            ["--config", s(&ds), "--hf", s(&heads3), "--data", s(&data), "--steps", "5", "--save-hf", s(&trained)];
-        let (ok, text) = llama(ranks, &[&args[..], &["--sequence-parallel", "2"], flag].concat());
-        assert!(ok, "ring, {ranks} ranks: {text}");
-        let ours = losses(&text);
-        assert_eq!(ours.len(), 5, "{text}");
-        for (step, (a, b)) in ours.iter().zip(&theirs).enumerate() {
-            assert!((a - b).abs() <= 1e-5 * b.abs(), "ring, {ranks} ranks step {}: {a} vs transformers {b}", step + 1);
-        }
-        eprintln!("{}", reference(&["compare", s(&expected), s(&trained), "1e-4"]));
+            ["--config", s(&ds), "--hf", s(&heads3), "--data", s(&data), "--steps", "5", "--sequence-parallel", "2"];
+        let trained = dir.join(format!("ring-{ranks}"));
+        trains_as_transformers(
+            ranks,
+            &[&args[..], flag].concat(),
+            &theirs,
+            &expected,
+            &trained,
+            &format!("ring, {ranks} ranks"),
+        );
     }
     // A degree that does not divide the ranks, and the ring without a sequence group, are refused by name.
     let base = ["--config", s(&ds), "--hf", s(&source), "--data", s(&data), "--steps", "1"];
@@ -252,11 +246,7 @@ fn zero3_on_two_ranks_trains_as_torch_adamw_and_saves_what_transformers_loads() 
     let expected = dir.join("expected");
     let reference_text = reference(&["train", s(&source), s(&data), s(&ds), "5", s(&expected)]);
     // The same losses step by step (the first before any update).
-    let theirs: Vec<f64> = reference_text
-        .lines()
-        .filter_map(|l| l.strip_prefix("reference step ").and_then(|r| r.split(" loss ").nth(1)))
-        .map(|v| v.trim().parse().unwrap())
-        .collect();
+    let theirs = reference_losses(&reference_text);
     for (step, (a, b)) in losses(&text).iter().zip(&theirs).enumerate() {
         assert!((a - b).abs() <= 1e-5 * b.abs(), "step {}: example {a} vs transformers {b}", step + 1);
     }
