@@ -62,6 +62,7 @@ fn json_rows_rank_what_fits_and_configs_load() {
         "offload",
         "pipeline",
         "tensor",
+        "sequence",
         "data",
         "micro_batch",
         "activation_checkpointing",
@@ -78,21 +79,24 @@ fn json_rows_rank_what_fits_and_configs_load() {
         assert_eq!(r["fits"], true);
         assert!(r["peak_bytes_per_rank"].as_f64().unwrap() <= 80e9);
         let (p, t, d) = (r["pipeline"].as_u64().unwrap(), r["tensor"].as_u64().unwrap(), r["data"].as_u64().unwrap());
-        assert_eq!(p * t * d, 16);
+        let sp = r["sequence"].as_u64().unwrap();
+        assert_eq!(p * t * sp * d, 16);
+        assert!(sp == 1 || (p == 1 && t == 1), "sequence parallelism beside tensor or pipeline parallelism: {r}");
         assert!(!(r["stage"] == 3 && p > 1), "stage 3 under a pipeline: {r}");
     }
     let steps: Vec<f64> = rows.iter().map(|r| r["step_seconds"].as_f64().unwrap()).collect();
     assert!(steps.windows(2).all(|w| w[0] <= w[1]), "{steps:?}");
     // One config per row shown, each with the row's batch arithmetic, accepted by `zerorun config show` at the
-    // row's data-parallel size.
+    // row's ranks.
     for (i, r) in rows.iter().enumerate() {
         let path = out_dir.join(format!("plan-{:02}.json", i + 1));
         let config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
         assert_eq!(config["zero_optimization"]["stage"], r["stage"]);
         assert_eq!(config["train_micro_batch_size_per_gpu"], r["micro_batch"]);
         assert_eq!(config["train_batch_size"], 64);
-        let data = r["data"].to_string();
-        let (ok, _, err) = zerorun(&["config", "show", &path.display().to_string(), "--world-size", &data]);
+        // The engine's ranks: the data-parallel ones times each sequence group's.
+        let ranks = (r["data"].as_u64().unwrap() * r["sequence"].as_u64().unwrap()).to_string();
+        let (ok, _, err) = zerorun(&["config", "show", &path.display().to_string(), "--world-size", &ranks]);
         assert!(ok, "{}: {err}", path.display());
     }
 }

@@ -142,6 +142,7 @@ fn validate(a: &ValidateArgs, zerorun: &Path, gpt: &Path, dir: &Path) -> Result<
             offload: case.offload,
             pipeline: case.pipeline,
             tensor: case.tensor,
+            sequence: 1,
             data,
             micro_batch: MICRO,
             gradient_accumulation: accumulation,

@@ -40,6 +40,9 @@ pub fn ds_config(s: &Strategy, precision: Precision, nvme_path: &str) -> Value {
     if s.pipeline > 1 {
         config["pipeline"] = json!({"stages": s.pipeline});
     }
+    if s.sequence > 1 {
+        config["sequence_parallel_size"] = json!(s.sequence);
+    }
     config
 }
 
@@ -55,6 +58,7 @@ mod tests {
                 offload,
                 pipeline: 1,
                 tensor: 1,
+                sequence: 1,
                 data: 4,
                 micro_batch: 2,
                 gradient_accumulation: 3,
@@ -66,5 +70,20 @@ mod tests {
             let b = c.batch_sizes(4).unwrap();
             assert_eq!((b.train_batch_size, b.gradient_accumulation_steps), (24, 3));
         }
+        // A sequence group of 2: the key, and the batch over the 4 data-parallel ranks of 8.
+        let s = Strategy {
+            stage: 3,
+            offload: Offload::None,
+            pipeline: 1,
+            tensor: 1,
+            sequence: 2,
+            data: 4,
+            micro_batch: 2,
+            gradient_accumulation: 3,
+            activation_checkpointing: false,
+        };
+        let c = zerorun_config::Config::from_json_str(&ds_config(&s, Precision::Fp32, "").to_string()).unwrap();
+        assert_eq!(c.sequence_parallel_size, 2);
+        assert_eq!(c.batch_sizes(8).unwrap().gradient_accumulation_steps, 3);
     }
 }

@@ -1,5 +1,5 @@
 //! `zerorun plan`: for a model and a cluster, every way to train it (ZeRO stage x offload x pipeline degree x
-//! tensor degree x micro-batch x activation checkpointing), each with its peak memory per rank and its step time,
+//! tensor degree x sequence-parallel degree x micro-batch x activation checkpointing), each with its peak memory per rank and its step time,
 //! predicted from formulas and the cluster's measured (or stated) bandwidths; the ones that fit, fastest first.
 //!
 //! Memory: model states exactly as `zerorun estimate` counts them, activations by the transformer's count
@@ -93,7 +93,10 @@ pub struct Strategy {
     pub pipeline: u64,
     /// Tensor-parallel degree.
     pub tensor: u64,
-    /// Data-parallel degree.
+    /// Sequence-parallel degree (`sequence_parallel_size`: DeepSpeed-Ulysses over adjacent ranks; ZeRO shards over
+    /// data x sequence ranks).
+    pub sequence: u64,
+    /// Data-parallel degree: the ranks a batch's rows are split over.
     pub data: u64,
     /// Samples per micro-batch per rank.
     pub micro_batch: u64,
@@ -142,7 +145,8 @@ pub struct Options {
 
 /// Every strategy the engine can run for this model on this cluster. Skipped, as the engine refuses them or as
 /// they cannot help: degrees that do not divide the world, tensor groups wider than a host or not dividing the
-/// heads, pipelines deeper than the layers or with fewer micro-batches than stages, stage 3 under a pipeline, offload
+/// heads, sequence groups wider than a host, not dividing the heads or the sequence, or beside tensor or pipeline
+/// parallelism (the engine refuses those), pipelines deeper than the layers or with fewer micro-batches than stages, stage 3 under a pipeline, offload
 /// at stage 0, parameter offload below stage 3, CPU offload on a CPU cluster (the host's memory is the rank's) and
 /// NVMe offload where the cluster names no NVMe.
 pub fn strategies(model: &Model, cluster: &Cluster, options: &Options) -> Vec<Strategy> {
@@ -152,44 +156,52 @@ pub fn strategies(model: &Model, cluster: &Cluster, options: &Options) -> Vec<St
         Model::Transformer(m) => m.heads % t == 0 && m.kv_heads % t == 0,
         Model::Measured(_) => t == 1,
     };
+    let sequence_ok = |sp: u64| match model {
+        Model::Transformer(m) => m.heads % sp == 0 && m.seq_len % sp == 0,
+        Model::Measured(_) => sp == 1,
+    };
     for t in divisors(cluster.ranks_per_host).into_iter().filter(|&t| world % t == 0 && heads_ok(t)) {
         for p in divisors(world / t).into_iter().filter(|&p| p <= model.layers()) {
-            let d = world / (t * p);
-            if options.global_batch % d != 0 {
-                continue;
-            }
-            let per_rank = options.global_batch / d;
-            for b in micro_batches(per_rank, options.max_micro_batch) {
-                let m = per_rank / b;
-                if m < p {
+            for sp in divisors(world / (t * p)) {
+                let usable = sp == 1 || (t == 1 && p == 1 && sp <= cluster.ranks_per_host && sequence_ok(sp));
+                let d = world / (t * p * sp);
+                if !usable || options.global_batch % d != 0 {
                     continue;
                 }
-                for stage in 0..=3u8 {
-                    if stage == 3 && p > 1 {
+                let per_rank = options.global_batch / d;
+                for b in micro_batches(per_rank, options.max_micro_batch) {
+                    let m = per_rank / b;
+                    if m < p {
                         continue;
                     }
-                    for offload in Offload::ALL {
-                        let usable = match offload {
-                            Offload::None => true,
-                            _ if stage == 0 => false,
-                            o if o.params() && stage != 3 => false,
-                            o if o.nvme() => cluster.nvme_bytes_per_s.is_some(),
-                            _ => cluster.accelerator,
-                        };
-                        if !usable {
+                    for stage in 0..=3u8 {
+                        if stage == 3 && p > 1 {
                             continue;
                         }
-                        for ac in [false, true] {
-                            out.push(Strategy {
-                                stage,
-                                offload,
-                                pipeline: p,
-                                tensor: t,
-                                data: d,
-                                micro_batch: b,
-                                gradient_accumulation: m,
-                                activation_checkpointing: ac,
-                            });
+                        for offload in Offload::ALL {
+                            let usable = match offload {
+                                Offload::None => true,
+                                _ if stage == 0 => false,
+                                o if o.params() && stage != 3 => false,
+                                o if o.nvme() => cluster.nvme_bytes_per_s.is_some(),
+                                _ => cluster.accelerator,
+                            };
+                            if !usable {
+                                continue;
+                            }
+                            for ac in [false, true] {
+                                out.push(Strategy {
+                                    stage,
+                                    offload,
+                                    pipeline: p,
+                                    tensor: t,
+                                    sequence: sp,
+                                    data: d,
+                                    micro_batch: b,
+                                    gradient_accumulation: m,
+                                    activation_checkpointing: ac,
+                                });
+                            }
                         }
                     }
                 }
@@ -270,7 +282,8 @@ mod tests {
         let all = strategies(&gpt(), &cluster(2, 8, true, false), &options);
         assert!(!all.is_empty());
         for s in &all {
-            assert_eq!(s.pipeline * s.tensor * s.data, 16, "{s:?}");
+            assert_eq!(s.pipeline * s.tensor * s.sequence * s.data, 16, "{s:?}");
+            assert!(s.sequence == 1 || (s.tensor == 1 && s.pipeline == 1 && s.sequence <= 8), "{s:?}");
             assert!(8 % s.tensor == 0 && 12 % s.tensor == 0, "{s:?}");
             assert_eq!(s.micro_batch * s.gradient_accumulation * s.data, 48, "{s:?}");
             assert!(!(s.stage == 3 && s.pipeline > 1), "stage 3 under a pipeline: {s:?}");
@@ -284,7 +297,10 @@ mod tests {
         assert!(flat.contains(&1) && flat.contains(&3) && !flat.contains(&2));
         // A batch no data degree divides but 1: 7 samples.
         let odd = strategies(&gpt(), &cluster(2, 8, true, false), &Options { global_batch: 7, ..options });
-        assert!(odd.iter().all(|s| s.data == 1 && s.pipeline * s.tensor == 16));
+        assert!(odd.iter().all(|s| s.data == 1 && s.pipeline * s.tensor * s.sequence == 16));
+        // Sequence groups: 12 heads and 1024 tokens split over 2 and 4 (within a host of 8), not 8 or 16.
+        let split: std::collections::BTreeSet<u64> = all.iter().map(|s| s.sequence).collect();
+        assert_eq!(split.into_iter().collect::<Vec<_>>(), vec![1, 2, 4]);
         // On a CPU cluster: no CPU offload; NVMe where the cluster has it.
         let cpu = strategies(&gpt(), &cluster(1, 2, false, true), &options);
         assert!(cpu.iter().all(|s| !matches!(s.offload, Offload::CpuOptimizer | Offload::CpuOptimizerParams)));

@@ -38,6 +38,8 @@ pub struct Breakdown {
     pub data_parallel_comm: f64,
     /// Tensor-parallel collectives.
     pub tensor_parallel_comm: f64,
+    /// Sequence parallelism's all-to-alls (Ulysses: four a layer forward, four backward).
+    pub sequence_parallel_comm: f64,
     /// Pipeline sends and receives between stages.
     pub pipeline_comm: f64,
     /// The optimizer step.
@@ -58,7 +60,10 @@ fn value_bytes(p: Precision) -> f64 {
 
 /// Predicts one strategy (see the crate's documentation for the model).
 pub fn predict(model: &Model, cluster: &Cluster, options: &Options, s: &Strategy) -> Row {
-    let (p, t, d, b, m) = (s.pipeline, s.tensor, s.data, s.micro_batch as f64, s.gradient_accumulation as f64);
+    let (p, t, b, m) = (s.pipeline, s.tensor, s.micro_batch as f64, s.gradient_accumulation as f64);
+    // ZeRO shards over the data x sequence ranks; each rank of a sequence group holds 1/sp of every row's tokens.
+    let (sp, d) = (s.sequence.max(1), s.data * s.sequence.max(1));
+    let split = sp as f64;
     let e = value_bytes(options.precision);
     // One rank's slice of the model: its pipeline stage, its tensor-parallel share.
     let local_params = model.params() as f64 / (p * t) as f64;
@@ -103,23 +108,26 @@ pub fn predict(model: &Model, cluster: &Cluster, options: &Options, s: &Strategy
     };
     // 1F1B: the first stage holds min(p, m) micro-batches' activations of its layers.
     let in_flight = (p as f64).min(m);
-    let act_per_sample = activations::bytes_per_sample(model, local_layers, t, s.activation_checkpointing, e);
+    // Sequence parallelism divides every term by sp: the rank's tokens, and (Ulysses) heads / sp of the attention
+    // over the whole sequence.
+    let act_per_sample = activations::bytes_per_sample(model, local_layers, t, s.activation_checkpointing, e) / split;
     let activations = act_per_sample * b * in_flight;
     // What the forward creates besides what it keeps is reused, not retained at the peak: by an accelerator's
     // caching allocator and by zerorun's CPU allocator alike (what it keeps for reuse is bounded by the live peak).
-    let created_per_sample = activations::created_bytes_per_sample(model, local_layers, t, e);
+    let created_per_sample = activations::created_bytes_per_sample(model, local_layers, t, e) / split;
     // Backward works through one layer at a time: the gradients of what that layer created.
-    let layer_gradients = b * activations::created_bytes_per_sample(model, 1, t, e)
-        - b * activations::created_bytes_per_sample(model, 0, t, e);
+    let layer_gradients = (b * activations::created_bytes_per_sample(model, 1, t, e)
+        - b * activations::created_bytes_per_sample(model, 0, t, e))
+        / split;
     // On a CPU the step peaks where backward starts (zerorun's allocator keeps nothing there): the logits'
     // gradient is the one temporary live. An accelerator's peak falls inside backward: a layer's gradients and
     // one MLP activation's beside it.
     let logits_gradient = match model {
-        Model::Transformer(tr) => b * tr.seq_len as f64 * 4.0 * tr.vocab as f64 / t as f64,
+        Model::Transformer(tr) => b * tr.seq_len as f64 / split * 4.0 * tr.vocab as f64 / t as f64,
         Model::Measured(_) => 0.0,
     };
     let within_backward = match model {
-        Model::Transformer(tr) => layer_gradients + b * tr.seq_len as f64 * e * tr.ffn as f64 / t as f64,
+        Model::Transformer(tr) => layer_gradients + b * tr.seq_len as f64 / split * e * tr.ffn as f64 / t as f64,
         Model::Measured(_) => layer_gradients,
     };
     let temporaries = logits_gradient + if cluster.accelerator { within_backward } else { 0.0 };
@@ -137,7 +145,7 @@ pub fn predict(model: &Model, cluster: &Cluster, options: &Options, s: &Strategy
     // And every operator costs its dispatch: about 100 per layer forward and backward (30 forward, twice that
     // backward, the norms' and residuals' included), 20 for the ends; recomputation runs the 30 again.
     let ops = local_layers as f64 * (90.0 + if s.activation_checkpointing { 30.0 } else { 0.0 }) + 20.0;
-    let micro_compute = model.flops_per_sample() * b * recompute / (p * t) as f64 / flops
+    let micro_compute = model.flops_per_sample() * b * recompute / (p * t) as f64 / split / flops
         + passes * created_per_sample * b / memory_bw
         + ops * cluster.op_overhead_s();
     // The pipeline's schedule: (m + p - 1) slots of one micro-batch's stage time.
@@ -173,6 +181,14 @@ pub fn predict(model: &Model, cluster: &Cluster, options: &Options, s: &Strategy
         Model::Measured(_) => (0.0, 0.0),
     };
     let tensor_parallel_comm = slots * local_layers as f64 * tp_per_layer;
+    // Ulysses: q, k, v and the output trade a rank's slice for its heads, forward and backward: 8 all-to-alls a
+    // layer of the slice's activation, (sp - 1) / sp of it crossing (an all-gather's traffic for the same bytes).
+    let sequence_parallel_comm = if sp > 1 {
+        let slice = activation_msg / split;
+        slots * local_layers as f64 * 8.0 * link_for(cluster, sp).seconds(AllGather, sp, slice)
+    } else {
+        0.0
+    };
     // Each micro-batch's activation forward and its gradient backward cross every stage boundary.
     let pipeline_comm =
         if p > 1 { slots * 2.0 * link_for(cluster, t * d * p).send_seconds(activation_msg) } else { 0.0 };
@@ -196,8 +212,22 @@ pub fn predict(model: &Model, cluster: &Cluster, options: &Options, s: &Strategy
     } else {
         (stepped / cluster.optimizer_params_per_s(), 0.0)
     };
-    let time = Breakdown { compute, data_parallel_comm, tensor_parallel_comm, pipeline_comm, optimizer, offload };
-    let step = compute + data_parallel_comm + tensor_parallel_comm + pipeline_comm + optimizer + offload;
+    let time = Breakdown {
+        compute,
+        data_parallel_comm,
+        tensor_parallel_comm,
+        sequence_parallel_comm,
+        pipeline_comm,
+        optimizer,
+        offload,
+    };
+    let step = compute
+        + data_parallel_comm
+        + tensor_parallel_comm
+        + sequence_parallel_comm
+        + pipeline_comm
+        + optimizer
+        + offload;
     Row {
         strategy: *s,
         peak_bytes_per_rank: peak,
@@ -275,6 +305,7 @@ mod tests {
             offload: Offload::None,
             pipeline: 1,
             tensor: 1,
+            sequence: 1,
             data: 2,
             micro_batch: 2,
             gradient_accumulation: 2,
@@ -315,5 +346,16 @@ mod tests {
         assert!((row.time.optimizer - params / 2.0 / 1e8).abs() < 1e-12);
         assert_eq!(row.host_bytes_per_host, 2.0 * row.peak_bytes_per_rank);
         assert!(row.fits);
+        // The same 2 ranks as one sequence group (one data-parallel rank, its 4 samples in 2 micro-batches of 2):
+        // model states sharded the same, half the activations and the compute per rank, and the all-to-alls:
+        // 8 a layer of half a micro-batch's activation (2 x 16 x 64 values), half of it crossing, at 1e9 B/s.
+        let split =
+            predict(&model, &cluster, &Options { global_batch: 4, ..options }, &Strategy { sequence: 2, data: 1, ..s });
+        assert_eq!(split.memory.model_states, row.memory.model_states);
+        assert_eq!(split.activation_bytes_per_rank, per_sample);
+        assert!((split.time.compute - row.time.compute / 2.0).abs() < 1e-12);
+        let all_to_alls = 2.0 * 2.0 * 8.0 * (0.5 * 2.0 * 16.0 * 64.0 * 4.0 / 1e9);
+        assert!((split.time.sequence_parallel_comm - all_to_alls).abs() < 1e-12, "{:?}", split.time);
+        assert_eq!(row.time.sequence_parallel_comm, 0.0);
     }
 }
