@@ -41,11 +41,11 @@ at::Tensor shift(Shift fn, void *group, const at::Tensor &x) {
   return recv;
 }
 
-// Scores of queries at `pq` [tq] against keys at `pk` [tk]: q [b,h,tq,d] k [b,h,tk,d], causal by position. Returns
-// the masked scores in fp32 and whether any pair is visible.
-std::pair<at::Tensor, bool> scores(const at::Tensor &q, const at::Tensor &k, const at::Tensor &pq,
+// Scores of queries at `pq` [tq] (the last at `q_last`) against keys at `pk` [tk]: q [b,h,tq,d] k [b,h,tk,d],
+// causal by position. Returns the masked scores in fp32 and whether any pair is visible.
+std::pair<at::Tensor, bool> scores(const at::Tensor &q, const at::Tensor &k, const at::Tensor &pq, int64_t q_last,
                                    const at::Tensor &pk, double scale) {
-  bool any = pk.min().item<int64_t>() <= pq.max().item<int64_t>();
+  bool any = pk.min().item<int64_t>() <= q_last;
   if (!any) return {at::Tensor(), false};
   at::Tensor s = at::matmul(q.to(at::kFloat), k.to(at::kFloat).transpose(-2, -1)) * scale;
   at::Tensor hidden = pk.unsqueeze(0) > pq.unsqueeze(1);  // [tq, tk]
@@ -65,8 +65,9 @@ struct RingAttention : public torch::autograd::Function<RingAttention> {
     at::Tensor m = at::full({sizes[0], sizes[1], sizes[2]}, -inf, q.options().dtype(at::kFloat));
     at::Tensor l = at::zeros({sizes[0], sizes[1], sizes[2]}, q.options().dtype(at::kFloat));
     at::Tensor kb = k.contiguous(), vb = v.contiguous(), pb = pk.contiguous();
+    const int64_t q_last = pq.max().item<int64_t>();
     for (int64_t step = 0; step < ranks; ++step) {
-      auto [s, any] = scores(q, kb, pq, pb, scale);
+      auto [s, any] = scores(q, kb, pq, q_last, pb, scale);
       if (any) {
         at::Tensor mb = std::get<0>(s.max(-1));
         at::Tensor m_new = at::maximum(m, mb);
@@ -111,8 +112,9 @@ struct RingAttention : public torch::autograd::Function<RingAttention> {
     at::Tensor kb = k.contiguous(), vb = v.contiguous(), pb = pk.contiguous();
     at::Tensor dkb = at::zeros(k.sizes(), k.options().dtype(at::kFloat));
     at::Tensor dvb = at::zeros(v.sizes(), v.options().dtype(at::kFloat));
+    const int64_t q_last = pq.max().item<int64_t>();
     for (int64_t step = 0; step < ranks; ++step) {
-      auto [s, any] = scores(q, kb, pq, pb, scale);
+      auto [s, any] = scores(q, kb, pq, q_last, pb, scale);
       if (any) {
         at::Tensor p = at::exp(s - lse_safe.unsqueeze(-1));  // masked scores give 0
         at::Tensor kf = kb.to(at::kFloat), vf = vb.to(at::kFloat);

@@ -11,32 +11,6 @@ use crate::comm::Communicator;
 use crate::engine::device::views;
 use crate::error::{Error, Result};
 
-/// A per-thread clock of the model's exchanges (the all-to-alls of rows, ring attention's hops), for the step-time
-/// breakdown's `all_to_all` phase: autograd runs a CPU model's backward on the thread that called it, so the engine
-/// reads the clock of the thread that runs forward and backward.
-pub mod clock {
-    use std::cell::Cell;
-    use std::time::{Duration, Instant};
-
-    thread_local! {
-        static EXCHANGE: Cell<Duration> = const { Cell::new(Duration::ZERO) };
-    }
-
-    /// Runs `f` and adds its wall time to this thread's exchange clock.
-    pub fn timed<T>(f: impl FnOnce() -> T) -> T {
-        let started = Instant::now();
-        let out = f();
-        let spent = started.elapsed();
-        EXCHANGE.with(|c| c.set(c.get() + spent));
-        out
-    }
-
-    /// The exchange time counted on this thread since the last call, and the clock back to zero.
-    pub fn take() -> Duration {
-        EXCHANGE.with(|c| c.replace(Duration::ZERO))
-    }
-}
-
 type AllToAll = extern "C" fn(*mut c_void, *mut c_void, *const i64, *mut c_void, *const i64, i64) -> *mut c_char;
 
 extern "C" {
@@ -177,7 +151,7 @@ extern "C" fn all_to_all(
         c.elements_sent += send.iter().enumerate().filter(|(q, _)| *q != me).map(|(_, s)| *s as u64).sum::<u64>();
         inner.counts.set(c);
         let comm = inner.comm.as_ref();
-        clock::timed(|| {
+        crate::comm::coding::EXCHANGE.timed(|| {
             if input.device() == tch::Device::Cpu {
                 return views::all_to_all_v(comm, &input, &send, &output, &recv).map_err(|e| e.to_string());
             }

@@ -21,7 +21,7 @@ pub enum Phase {
     /// out of the phase that ran them so that phase's time is the wire's.
     Compression,
     /// The model's own exchanges inside forward and backward (a mixture of experts' and Ulysses' all-to-alls of
-    /// rows, ring attention's hops), taken out of forward and backward (`crate::exchange`'s clock).
+    /// rows, ring attention's hops), taken out of forward and backward (the comm crate's `coding::EXCHANGE` clock).
     AllToAll,
 }
 
@@ -73,12 +73,12 @@ impl PhaseTimes {
     /// Adds `d` to `phase`, less the compression arithmetic this thread ran since the last `add` (the comm
     /// crate's coding clock), which goes to [`Phase::Compression`].
     /// Forward and backward also give up the model's exchanges this thread ran since their last `add`
-    /// (`crate::exchange`'s clock), which go to [`Phase::AllToAll`]; the clock runs on through other phases' adds
+    /// (the comm crate's `coding::EXCHANGE` clock), which go to [`Phase::AllToAll`]; the clock runs on through other phases' adds
     /// (a stage-3 gather inside forward does not take it).
     pub fn add(&mut self, phase: Phase, d: Duration) {
         let coding = crate::comm::coding::take().min(d);
         let exchange = match phase {
-            Phase::Forward | Phase::Backward => crate::exchange::clock::take().min(d - coding),
+            Phase::Forward | Phase::Backward => crate::comm::coding::EXCHANGE.take().min(d - coding),
             _ => Duration::ZERO,
         };
         for (p, t) in [(phase, d - coding - exchange), (Phase::Compression, coding), (Phase::AllToAll, exchange)] {
@@ -160,8 +160,8 @@ mod tests {
     #[test]
     fn the_models_exchanges_leave_forward_and_backward_not_a_gather() {
         let mut t = PhaseTimes::default();
-        crate::exchange::clock::take();
-        crate::exchange::clock::timed(|| std::thread::sleep(Duration::from_millis(3)));
+        crate::comm::coding::EXCHANGE.take();
+        crate::comm::coding::EXCHANGE.timed(|| std::thread::sleep(Duration::from_millis(3)));
         // A stage-3 gather between the exchange and forward's end keeps its own time...
         t.add(Phase::AllGather, Duration::from_millis(5));
         // ...and forward gives the exchange up.

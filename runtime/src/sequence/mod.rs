@@ -201,7 +201,7 @@ extern "C" fn ring_shift(
     recv: *mut std::ffi::c_void,
 ) -> *mut std::ffi::c_char {
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| -> std::result::Result<(), String> {
-        crate::exchange::clock::timed(|| ring_shift_now(group, send, recv))
+        crate::comm::coding::EXCHANGE.timed(|| ring_shift_now(group, send, recv))
     }));
     let text = match result {
         Ok(Ok(())) => return std::ptr::null_mut(),
