@@ -21,10 +21,11 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::Parser;
-use support::llama_model::{self, DecoderLayer, Head, LlamaConfig, RouterLogits, SplitAttention};
+use support::llama_model::{self, DecoderLayer, Groups, Head, LlamaConfig, RouterLogits, SplitAttention};
 use support::*;
 use tch::{nn, Kind, Tensor};
 use zerorun::runtime::checkpoint::files::MappedTensors;
+use zerorun::runtime::moe::ExpertParallel;
 use zerorun::runtime::sequence::{self, SequenceParallel};
 use zerorun::runtime::tensor_parallel::TensorParallel;
 use zerorun::{
@@ -89,6 +90,12 @@ struct Args {
     /// travel around the ranks) instead of Ulysses. Taken anyway when the heads do not divide over the ranks.
     #[arg(long)]
     ring_attention: bool,
+    /// Split every mixture-of-experts layer's experts over groups of this many adjacent ranks: each computes
+    /// experts / E of them for the group's tokens, which travel to it by all-to-alls. Every rank holds every
+    /// expert, and ZeRO shards them over all ranks. The same as ds_config's `expert_parallel` block
+    /// (`enabled`, `autoep_size`; either may say it, both must agree).
+    #[arg(long)]
+    expert_parallel: Option<u64>,
     /// With --experts: the load-balancing loss's weight in the loss (transformers' router_aux_loss_coef).
     #[arg(long, default_value_t = 0.001)]
     aux_loss_coef: f64,
@@ -233,14 +240,10 @@ impl Rows {
 
 /// The model as one builder per unit (the embedding, each decoder layer, the norm with the head), so at stage 3
 /// no rank ever holds it whole; tied embeddings make it one unit. With `--hf`, the weights come from its files.
-/// Sparse layers put their router logits in `router` as they run, for the load-balancing loss; with `sp` each
-/// decoder layer's attention runs over the sequence-parallel group.
-fn builders<'a>(
-    c: &LlamaConfig,
-    hf: Option<&Path>,
-    router: &RouterLogits,
-    sp: Option<SplitAttention<'a>>,
-) -> UnitBuilders<'a> {
+/// Sparse layers put their router logits in `router` as they run, for the load-balancing loss; with `groups`
+/// each decoder layer's attention runs over the sequence-parallel group and its experts over the expert-parallel
+/// one.
+fn builders<'a>(c: &LlamaConfig, hf: Option<&Path>, router: &RouterLogits, groups: Groups<'a>) -> UnitBuilders<'a> {
     let c = c.clone();
     let builders = if c.tie_word_embeddings {
         let router = router.clone();
@@ -248,7 +251,7 @@ fn builders<'a>(
             let model = llama_model::Llama::new(root, &c);
             let router = router.clone();
             Box::new(move |x: &Tensor| {
-                let (logits, routed) = model.forward_in(x, sp);
+                let (logits, routed) = model.forward_in(x, groups);
                 routed.into_iter().for_each(|l| router.push(l));
                 logits
             })
@@ -267,7 +270,7 @@ fn builders<'a>(
                 let layer = DecoderLayer::new(root / "model" / "layers" / i, &c, i);
                 let router = router.clone();
                 Box::new(move |x: &Tensor| {
-                    let (out, logits) = layer.forward_in(x, sp);
+                    let (out, logits) = layer.forward_in(x, groups);
                     logits.into_iter().for_each(|l| router.push(l));
                     out
                 })
@@ -294,6 +297,7 @@ fn run(args: &Args) -> Result<(), String> {
     let mut config = load_config(&a.config)?;
     let c = model_config(args)?;
     let (sp, ring) = sequence_parallel(args, &mut config, &c)?;
+    let ep = expert_parallel(args, &mut config, &c)?;
     // No data to read when no step runs (a conversion: --steps 0 --save-hf).
     let rows = match a.steps {
         0 => None,
@@ -335,24 +339,21 @@ fn run(args: &Args) -> Result<(), String> {
         // Adjacent ranks split each row's sequence; the engine runs over all of them.
         let group = match sp {
             1 => None,
-            s => {
-                let rank = comm.rank();
-                let split = zerorun::runtime::comm::Collectives::split(
-                    comm.as_ref(),
-                    Some((rank / s as usize) as u32),
-                    rank as i64,
-                )
-                .map_err(|e| e.to_string())?;
-                Some(SequenceParallel::new(split.expect("every rank has a sequence group")))
-            }
+            s => Some(SequenceParallel::adjacent(comm.as_ref(), s as usize).map_err(|e| e.to_string())?),
         };
         let split = group.as_ref().map(|g| match ring {
             true => SplitAttention::Ring(g),
             false => SplitAttention::Ulysses(g),
         });
+        // Adjacent ranks split the experts; the engine runs over all of them.
+        let experts = match ep {
+            1 => None,
+            e => Some(ExpertParallel::adjacent(comm.as_ref(), e as usize).map_err(|e| e.to_string())?),
+        };
+        let groups = Groups { sequence: split, experts: experts.as_ref() };
+        let built = builders(&c, args.hf.as_deref(), &router, groups);
         let (mut engine, model) =
-            Engine::from_builders(&vs, config.clone(), comm, options, builders(&c, args.hf.as_deref(), &router, split))
-                .map_err(|e| e.to_string())?;
+            Engine::from_builders(&vs, config.clone(), comm, options, built).map_err(|e| e.to_string())?;
         let b = engine.batch_sizes();
         // The data-parallel rank and ranks: sequence groups share their rows.
         let (rank, world) = (engine.rank() as u64 / sp, engine.world_size() as u64 / sp);
@@ -451,6 +452,47 @@ fn sequence_parallel(args: &Args, config: &mut zerorun::Config, c: &LlamaConfig)
     }
     config.sequence_parallel_size = s;
     Ok((s, ring))
+}
+
+/// The expert-parallel degree: `--expert-parallel` and ds_config's `expert_parallel` block (either, or both
+/// agreeing), written into the config the engine checks. It must divide every sparse layer's experts.
+fn expert_parallel(args: &Args, config: &mut zerorun::Config, c: &LlamaConfig) -> Result<u64, String> {
+    let key = config.expert_parallel.size();
+    let e = match (args.expert_parallel, key) {
+        (Some(flag), 1) => flag,
+        (Some(flag), key) if flag != key => {
+            return Err(format!("--expert-parallel {flag} and ds_config's expert_parallel.autoep_size {key} disagree"))
+        }
+        (_, key) => key,
+    };
+    if let Some(preset) = &config.expert_parallel.preset_model {
+        if *preset != c.model_type {
+            return Err(format!(
+                "ds_config's expert_parallel.preset_model {preset:?} is not the model's model_type {:?}",
+                c.model_type
+            ));
+        }
+    }
+    if e == 0 {
+        return Err("--expert-parallel 0: at least 1 rank per group".into());
+    }
+    if e == 1 {
+        return Ok(1);
+    }
+    let Some(experts) = c.experts() else {
+        return Err(format!("--expert-parallel {e}: the model has no experts (model_type {:?})", c.model_type));
+    };
+    if experts % e as i64 != 0 {
+        return Err(format!("--expert-parallel {e}: the {experts} experts of a layer do not split over {e} ranks"));
+    }
+    if args.pipeline_stages.is_some() || args.tensor_parallel.is_some() {
+        return Err(format!(
+            "--expert-parallel {e}: not with --pipeline-stages or --tensor-parallel in this example yet"
+        ));
+    }
+    config.expert_parallel.enabled = true;
+    config.expert_parallel.autoep_size = e;
+    Ok(e)
 }
 
 /// `--save-hf OUT`: the weights as transformers writes them and the config.json (`--hf`'s, or this shape's).

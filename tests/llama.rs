@@ -120,9 +120,10 @@ fn the_models_logits_are_transformers_logits() {
 
 /// Mixtral and Qwen3-MoE folders (4 experts, top 2; the Qwen3-MoE with a dense layer, without renormalised top-k
 /// weights, with its per-head query and key norms): the example's model gives transformers' logits; trained 5 steps
-/// on 2 ranks at stages 2 and 3 (2 micro-batches each, each part's loss its cross-entropy plus 0.02 times its
-/// load-balancing loss, AdamW, clipping) it has transformers' losses step by step and ends within 1e-4 of
-/// transformers trained on the same parts in one process; the saved folder loads with no missing or unexpected key.
+/// (each part's loss its cross-entropy plus 0.02 times its load-balancing loss, AdamW, clipping) on 2 ranks at
+/// stages 2 and 3 (2 micro-batches each), with the experts split over both (expert parallel 2, stage 2), and on 4
+/// ranks as expert parallel 2 x data 2 (stage 3), it has transformers' losses step by step and ends within 1e-4 of
+/// transformers trained on the same 4 parts in one process; the saved folder loads with no missing or unexpected key.
 #[test]
 fn mixtral_and_qwen3_moe_give_transformers_logits_and_train_as_it_does() {
     let dir = scratch("moe");
@@ -147,11 +148,26 @@ fn mixtral_and_qwen3_moe_give_transformers_logits_and_train_as_it_does() {
         let expected = dir.join(format!("{kind}-expected"));
         let ds = config(&dir, 2, 8, 2, 1e-3);
         let theirs = reference_losses(&reference(&["train", s(&source), s(&data), s(&ds), "5", s(&expected), "4"]));
-        for stage in [2u8, 3] {
-            let ds = config(&dir, stage, 8, 2, 1e-3);
-            let trained = dir.join(format!("{kind}-stage{stage}"));
+        // (ranks, stage, expert-parallel degree, by ds_config's block): E = 1 at stages 2 and 3; E = 2 on 2 ranks
+        // (--expert-parallel); E = 2 x data 2 on 4 ranks (the `expert_parallel` block, its preset checked).
+        for (ranks, stage, e, by_key) in [(2usize, 2u8, 1, false), (2, 3, 1, false), (2, 2, 2, false), (4, 3, 2, true)]
+        {
+            let mut ds_json: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(config(&dir, stage, 8, 2, 1e-3)).unwrap()).unwrap();
+            let e_text = e.to_string();
+            let mut flag = vec![];
+            if by_key {
+                ds_json["expert_parallel"] =
+                    serde_json::json!({"enabled": true, "autoep_size": e, "preset_model": kind});
+            } else if e > 1 {
+                flag = vec!["--expert-parallel", e_text.as_str()];
+            }
+            let ds = dir.join(format!("ds_{kind}_{ranks}_{stage}_{e}.json"));
+            std::fs::write(&ds, ds_json.to_string()).unwrap();
+            let what = format!("{kind} on {ranks} ranks, stage {stage}, expert parallel {e}");
+            let trained = dir.join(format!("{kind}-{ranks}-{stage}-{e}"));
             let args = ["--config", s(&ds), "--hf", s(&source), "--data", s(&data), "--steps", "5"];
-            trains_as_transformers(2, &args, &theirs, &expected, &trained, &format!("{kind} stage {stage}"));
+            trains_as_transformers(ranks, &[&args[..], &flag].concat(), &theirs, &expected, &trained, &what);
         }
     }
     std::fs::remove_dir_all(&dir).unwrap();

@@ -7,7 +7,7 @@ use std::path::Path;
 
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
-use zerorun::runtime::moe::{load_balancing_loss, ExpertNames, MoeLayer};
+use zerorun::runtime::moe::{load_balancing_loss, ExpertNames, ExpertParallel, MoeLayer};
 use zerorun::runtime::sequence::SequenceParallel;
 
 /// The keys of transformers' `LlamaConfig` this model reads (config.json). Options it does not implement are
@@ -352,6 +352,14 @@ pub enum SplitAttention<'a> {
     Ring(&'a SequenceParallel),
 }
 
+/// The groups a decoder layer's parts run over besides the data-parallel ranks: attention over a
+/// sequence-parallel group, the experts over an expert-parallel one.
+#[derive(Clone, Copy, Default)]
+pub struct Groups<'a> {
+    pub sequence: Option<SplitAttention<'a>>,
+    pub experts: Option<&'a ExpertParallel>,
+}
+
 impl SplitAttention<'_> {
     /// This rank's tokens of `x` along `dim`.
     pub fn part(&self, x: &Tensor, dim: i64) -> Result<Tensor, zerorun::Error> {
@@ -493,12 +501,13 @@ impl DecoderLayer {
 
     /// The layer's output, and its router's logits [tokens, experts] when it has experts.
     pub fn forward_routed(&self, x: &Tensor) -> (Tensor, Option<Tensor>) {
-        self.forward_in(x, None)
+        self.forward_in(x, Groups::default())
     }
 
-    /// [`DecoderLayer::forward_routed`] on this rank's part of the sequence of a sequence-parallel group.
-    pub fn forward_in(&self, x: &Tensor, sp: Option<SplitAttention<'_>>) -> (Tensor, Option<Tensor>) {
-        let h = x + self.attention(&self.input_layernorm.forward(x), sp);
+    /// [`DecoderLayer::forward_routed`] over `groups`: on this rank's part of the sequence of a sequence-parallel
+    /// group, the experts computed over an expert-parallel group.
+    pub fn forward_in(&self, x: &Tensor, groups: Groups<'_>) -> (Tensor, Option<Tensor>) {
+        let h = x + self.attention(&self.input_layernorm.forward(x), groups.sequence);
         let n = self.post_attention_layernorm.forward(&h);
         match &self.feed_forward {
             FeedForward::Dense { gate_proj, up_proj, down_proj } => {
@@ -506,7 +515,11 @@ impl DecoderLayer {
                 (&h + gated.linear::<Tensor>(down_proj, None), None)
             }
             FeedForward::Experts(moe) => {
-                let out = moe.forward(&n).expect("a layer holding every expert routes any input");
+                let out = match groups.experts {
+                    None => moe.forward(&n),
+                    Some(g) => moe.forward_parallel(g, &n),
+                }
+                .unwrap_or_else(|e| panic!("mixture of experts: {e}"));
                 (&h + out.output, Some(out.router_logits))
             }
         }
@@ -609,15 +622,15 @@ impl Llama {
 
     /// Logits and the sparse layers' router logits, in layer order.
     pub fn forward_routed(&self, ids: &Tensor) -> (Tensor, Vec<Tensor>) {
-        self.forward_in(ids, None)
+        self.forward_in(ids, Groups::default())
     }
 
     /// [`Llama::forward_routed`] of this rank's part of the sequence of a sequence-parallel group.
-    pub fn forward_in(&self, ids: &Tensor, sp: Option<SplitAttention<'_>>) -> (Tensor, Vec<Tensor>) {
+    pub fn forward_in(&self, ids: &Tensor, groups: Groups<'_>) -> (Tensor, Vec<Tensor>) {
         let mut h = self.embed.forward(ids);
         let mut router = Vec::new();
         for layer in &self.layers {
-            let (out, logits) = layer.forward_in(&h, sp);
+            let (out, logits) = layer.forward_in(&h, groups);
             h = out;
             router.extend(logits);
         }

@@ -51,6 +51,20 @@ impl AllToAllGroup {
         AllToAllGroup { inner: Box::new(Inner { comm, counts: Cell::new(AllToAllCounts::default()) }) }
     }
 
+    /// The group of `size` adjacent ranks of `comm` this rank is in (ranks `r / size * size ..` of it): an
+    /// expert-parallel group (`expert_parallel.autoep_size`) or a sequence-parallel one (`sequence_parallel_size`),
+    /// so its all-to-alls stay within a host where the ranks of a host are adjacent. Collective over `comm`.
+    pub fn adjacent(comm: &dyn Communicator, size: usize) -> Result<AllToAllGroup> {
+        let world = comm.world_size();
+        if size == 0 || world % size != 0 {
+            return Err(Error::Usage(format!("a group of {size} adjacent ranks does not divide the {world} ranks")));
+        }
+        use crate::comm::Collectives;
+        let rank = comm.rank();
+        let split = comm.split(Some((rank / size) as u32), rank as i64)?;
+        Ok(AllToAllGroup::new(split.expect("every rank has a color")))
+    }
+
     /// This rank in the group.
     pub fn rank(&self) -> usize {
         self.inner.comm.rank()

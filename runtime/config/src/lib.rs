@@ -11,6 +11,7 @@ mod checkpointing;
 mod elasticity;
 mod error;
 pub mod estimate;
+mod expert_parallel;
 mod gradient_compression;
 pub mod keys;
 mod monitor;
@@ -33,6 +34,7 @@ pub use batch::{BatchInput, BatchSizes};
 pub use checkpointing::{ActivationCheckpointingConfig, CheckpointConfig, TagValidation};
 pub use elasticity::ElasticityConfig;
 pub use error::{ConfigError, Result};
+pub use expert_parallel::ExpertParallelConfig;
 pub use gradient_compression::{GradientCompression, PowerSgd};
 pub use monitor::{comm_op_name, CommsLoggerConfig, FlopsProfilerConfig, MonitorConfig, MonitorOutput, COMM_OPS};
 pub use notices::Notice;
@@ -115,6 +117,8 @@ pub struct Config {
     /// `sequence_parallel_size`: ranks that split each row's sequence (DeepSpeed-Ulysses). A batch's rows are
     /// counted over the data-parallel ranks alone (the world divided by it); ZeRO runs over all of them.
     pub sequence_parallel_size: u64,
+    /// The `expert_parallel` section (DeepSpeed's AutoEP block): ranks per expert-parallel group.
+    pub expert_parallel: ExpertParallelConfig,
     /// None: gradients travel in the parameters' dtype.
     pub communication_data_type: Option<CommDataType>,
     /// `zero_allow_untested_optimizer`.
@@ -270,6 +274,7 @@ impl Config {
             gradient_predivide_factor: s.float("gradient_predivide_factor", 1.0)?,
             gradient_allreduce_op,
             sequence_parallel_size: s.uint("sequence_parallel_size", 1)?,
+            expert_parallel: ExpertParallelConfig::read(s.section("expert_parallel")?)?,
             communication_data_type,
             zero_allow_untested_optimizer: s.bool("zero_allow_untested_optimizer", false)?,
             zero_force_ds_cpu_optimizer: s.bool("zero_force_ds_cpu_optimizer", true)?,
@@ -342,6 +347,15 @@ impl Config {
                     z.stage
                 ));
             }
+        }
+        if self.expert_parallel.size() > 1 && self.sequence_parallel_size > 1 {
+            return Err(ConfigError::Conflict {
+                path: "expert_parallel.autoep_size".into(),
+                message: format!(
+                    "expert parallelism with `sequence_parallel_size` {} is not built yet (DeepSpeed's AutoEP refuses it too): a sequence group's ranks hold parts of the same rows",
+                    self.sequence_parallel_size
+                ),
+            });
         }
         if self.optimizer_in_backward {
             self.validate_optimizer_in_backward()?;
@@ -568,6 +582,7 @@ impl Config {
 
     /// The ranks a batch's rows are split over among `world_size`: all of them, or with `sequence_parallel_size`
     /// S the world divided by S (each row's sequence is split over S ranks).
+    /// With `expert_parallel` E must divide the ranks too (groups of E adjacent ranks split the experts).
     pub fn data_parallel_size(&self, world_size: usize) -> Result<usize> {
         let s = self.sequence_parallel_size as usize;
         if s == 0 || world_size % s != 0 {
@@ -576,6 +591,16 @@ impl Config {
                 value: s.to_string(),
                 allowed: format!(
                     "a divisor of the {world_size} data-parallel ranks (each row's sequence is split over that many)"
+                ),
+            });
+        }
+        let e = self.expert_parallel.size() as usize;
+        if world_size % e != 0 {
+            return Err(ConfigError::Invalid {
+                path: "expert_parallel.autoep_size".into(),
+                value: e.to_string(),
+                allowed: format!(
+                    "a divisor of the {world_size} data-parallel ranks (groups of that many adjacent ranks split the experts)"
                 ),
             });
         }

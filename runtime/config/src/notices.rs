@@ -51,6 +51,9 @@ pub(crate) fn collect(config: &Config, given: &BTreeSet<String>, ignored: Vec<St
             out.push(Notice { path: path.into(), why: why.into() });
         }
     };
+    for key in ["expert_parallel.use_grouped_mm", "expert_parallel.disable_triton_grouped_mm"] {
+        note(key, true, "DeepSpeed's grouped-GEMM switches; zerorun's experts run libtorch's matmuls");
+    }
     let z = &config.zero_optimization;
     note(
         "zero_optimization.contiguous_gradients",

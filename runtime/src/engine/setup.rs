@@ -487,6 +487,13 @@ impl Engine {
                 why: "with tensor parallelism or pipeline stages not yet: a sequence group is adjacent ranks of a data-parallel mesh",
             });
         }
+        if config.expert_parallel.size() > 1 && (mesh.shape().tensor > 1 || mesh.shape().pipeline > 1) {
+            return Err(Error::Unsupported {
+                key: "expert_parallel.autoep_size",
+                value: config.expert_parallel.autoep_size.to_string(),
+                why: "with tensor parallelism or pipeline stages not yet: an expert-parallel group is adjacent ranks of a data-parallel mesh",
+            });
+        }
         if mesh.shape().replicate > 1 {
             return Engine::on_shard_groups(vs, config, mesh, options);
         }

@@ -64,41 +64,6 @@ impl MoeLayer {
         MoeLayer { router, experts: experts_here, num_experts: experts, capacity: None }
     }
 
-    /// A layer under `path` holding this rank's `experts / group.size()` experts of the group: the router and
-    /// the held experts start as [`MoeLayer::new`]'s do from the same generator state (every expert is built and
-    /// the others dropped), so a model compares at any expert-parallel degree.
-    pub fn parallel(
-        path: &nn::Path,
-        group: &ExpertParallel,
-        names: ExpertNames,
-        hidden: i64,
-        ffn: i64,
-        experts: i64,
-        top_k: i64,
-    ) -> Result<MoeLayer> {
-        let n = group.size() as i64;
-        if experts % n != 0 {
-            return Err(Error::Usage(format!(
-                "mixture of experts: {experts} experts do not split over an expert-parallel group of {n} ranks"
-            )));
-        }
-        let router = Router::new(path, hidden, experts, top_k, true);
-        let per = experts / n;
-        let first = group.rank() as i64 * per;
-        // Every expert drawn in order (so the generator advances as for the whole layer), this rank's kept.
-        let scratch = nn::VarStore::new(tch::Device::Cpu);
-        let whole = SwiGluExperts::new(&scratch.root(), names, hidden, ffn, 0, experts);
-        let held = SwiGluExperts::new(path, names, hidden, ffn, first, per);
-        tch::no_grad(|| {
-            for (mine, from) in held.weights.iter().zip(&whole.weights[first as usize..]) {
-                for (m, f) in mine.iter().zip(from) {
-                    m.shallow_clone().copy_(f);
-                }
-            }
-        });
-        Ok(MoeLayer { router, experts: held, num_experts: experts, capacity: None })
-    }
-
     /// With Qwen3-MoE's `norm_topk_prob` (Mixtral renormalises always).
     pub fn normalize_top_k(mut self, normalize: bool) -> MoeLayer {
         self.router.normalize = normalize;
@@ -116,8 +81,16 @@ impl MoeLayer {
         self.run(x, None)
     }
 
-    /// The layer on `x` [..., hidden] over the expert-parallel `group`: every rank of the group calls it (the
-    /// all-to-alls pair up), each with its own tokens.
+    /// The layer on `x` [..., hidden] over the expert-parallel `group` of E ranks: every rank of the group calls
+    /// it (the all-to-alls pair up), each with its own tokens, and rank g computes experts `g * experts / E ..
+    /// (g + 1) * experts / E` for every token of the group that chose them.
+    ///
+    /// Every rank holds every expert's parameters (the same names and values on every rank), so the ZeRO engine
+    /// treats them as any data-parallel parameter: its reduction adds the ranks' gradients, in which an expert's
+    /// come only from the rank that computed it (the others have none, zeros), and divides by the data-parallel
+    /// degree: the gradient of the whole batch's loss. ZeRO shards the experts' states (stages 1-3), gradients
+    /// (2-3) and parameters (3) over every data-parallel rank; the group divides the experts' compute and their
+    /// activations by E.
     pub fn forward_parallel(&self, group: &ExpertParallel, x: &Tensor) -> Result<MoeOutput> {
         self.run(x, Some(group))
     }
@@ -125,13 +98,22 @@ impl MoeLayer {
     fn run(&self, x: &Tensor, group: Option<&ExpertParallel>) -> Result<MoeOutput> {
         let shape = x.size();
         let hidden = *shape.last().ok_or_else(|| Error::Usage("mixture of experts: a scalar input".into()))?;
-        let ranks = group.map_or(1, |g| g.size() as i64);
-        if self.experts.count() * ranks != self.num_experts {
+        if self.experts.count() != self.num_experts || self.experts.first != 0 {
             return Err(Error::Usage(format!(
-                "mixture of experts: {} experts held on each of {ranks} ranks, but the layer has {}",
+                "mixture of experts: the layer has {} experts but holds {} from expert {}: every rank holds every expert",
+                self.num_experts,
                 self.experts.count(),
-                self.num_experts
+                self.experts.first
             )));
+        }
+        if let Some(g) = group {
+            if self.num_experts % g.size() as i64 != 0 {
+                return Err(Error::Usage(format!(
+                    "mixture of experts: {} experts do not split over an expert-parallel group of {} ranks",
+                    self.num_experts,
+                    g.size()
+                )));
+            }
         }
         let x = x.reshape([-1, hidden]);
         let routing = self.router.route(&x);
@@ -163,7 +145,7 @@ impl MoeLayer {
         let token = order.divide_scalar_mode(k, "floor");
         let rows = x.index_select(0, &token);
         let outputs = match group {
-            None => self.experts.forward_grouped(&rows, &per_expert),
+            None => self.experts.forward_grouped(&rows, &per_expert, 0),
             Some(g) => self.through_group(g, &rows, &per_expert)?,
         };
         let weights = routing.weights.reshape([-1]).index_select(0, &order).unsqueeze(1);
@@ -176,10 +158,12 @@ impl MoeLayer {
         })
     }
 
-    /// Rows sorted by expert (`per_expert[i]` for global expert i) to the ranks that hold their experts, through
-    /// those experts, and back in the same order.
+    /// Rows sorted by expert (`per_expert[i]` for global expert i) to the ranks that compute their experts,
+    /// through those experts, and back in the same order.
     fn through_group(&self, g: &ExpertParallel, rows: &Tensor, per_expert: &[i64]) -> Result<Tensor> {
-        let (n, held) = (g.size(), self.experts.count() as usize);
+        // This rank computes `held` experts from `first`.
+        let (n, held) = (g.size(), (self.num_experts as usize) / g.size());
+        let first = g.rank() * held;
         // What each rank sends each other: the counts for the receiver's experts.
         let arriving = g.exchange_counts(per_expert, held)?;
         let send: Vec<i64> = per_expert.chunks(held).map(|c| c.iter().sum()).collect();
@@ -206,7 +190,7 @@ impl MoeLayer {
         let device = rows.device();
         let index = Tensor::from_slice(&grouped).to_device(device);
         let rows_per_held: Vec<i64> = (0..held).map(|e| (0..n).map(|p| arriving[p * held + e]).sum()).collect();
-        let computed = self.experts.forward_grouped(&received.index_select(0, &index), &rows_per_held);
+        let computed = self.experts.forward_grouped(&received.index_select(0, &index), &rows_per_held, first);
         let back = computed.zeros_like().index_copy(0, &index, &computed);
         g.all_to_all_rows(&back, &recv, &send)
     }

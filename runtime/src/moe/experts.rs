@@ -61,13 +61,13 @@ impl SwiGluExperts {
         (x.matmul(&gate.tr()).silu() * x.matmul(&up.tr())).matmul(&down.tr())
     }
 
-    /// Rows grouped by held expert (`rows[e]` rows for expert e, in order) through their experts. Every held expert
-    /// runs, on no rows when it received none, so each has a gradient (zeros) after every backward: a ZeRO stage
-    /// that waits for each parameter's gradient never waits on an expert that no token chose.
-    pub fn forward_grouped(&self, x: &Tensor, rows: &[i64]) -> Tensor {
-        assert_eq!(rows.len(), self.weights.len(), "one row count per held expert");
+    /// Rows grouped by expert (`rows[e]` rows for held expert `from + e`, in order) through their experts. Every
+    /// expert of the range runs, on no rows when it received none, so each has a gradient (zeros) after every
+    /// backward: a ZeRO stage that waits for each parameter's gradient never waits on an expert no token chose.
+    pub fn forward_grouped(&self, x: &Tensor, rows: &[i64], from: usize) -> Tensor {
+        assert!(from + rows.len() <= self.weights.len(), "one row count per held expert of the range");
         let parts: Vec<Tensor> =
-            x.split_with_sizes(rows, 0).iter().enumerate().map(|(e, x)| self.expert(e, x)).collect();
+            x.split_with_sizes(rows, 0).iter().enumerate().map(|(e, x)| self.expert(from + e, x)).collect();
         Tensor::cat(&parts, 0)
     }
 }

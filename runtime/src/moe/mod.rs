@@ -3,8 +3,9 @@
 //! experts as SwiGLU MLPs (`experts.rs`), and the dispatch that brings each token to its experts and their outputs
 //! back (`dispatch.rs`): dropless by default (tokens sorted by expert, every one computed), or with DeepSpeed's
 //! capacity factor (the tokens over an expert's capacity dropped, their slot passing nothing, so the block's
-//! residual carries them). With an [`ExpertParallel`] group (`crate::exchange`) each rank holds `experts / E` of the
-//! experts and tokens travel to them by an all-to-all of rows, forward and backward.
+//! residual carries them). With an [`ExpertParallel`] group (`crate::exchange`) of E ranks each rank computes
+//! `experts / E` of the experts and tokens travel to them by an all-to-all of rows, forward and backward; every rank
+//! holds every expert's parameters, which ZeRO shards over all data-parallel ranks as it does the dense ones.
 mod dispatch;
 mod experts;
 mod router;
@@ -13,7 +14,7 @@ pub use crate::exchange::AllToAllCounts;
 pub use dispatch::{Capacity, MoeLayer, MoeOutput};
 pub use experts::{ExpertNames, SwiGluExperts};
 
-/// The ranks that hold different experts of each layer: tokens travel to their experts' ranks by an all-to-all of
-/// rows, forward and backward.
+/// The ranks that compute different experts of each layer: tokens travel to their experts' ranks by an all-to-all
+/// of rows, forward and backward.
 pub type ExpertParallel = crate::exchange::AllToAllGroup;
 pub use router::{load_balancing_loss, Router, Routing};
