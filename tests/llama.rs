@@ -169,8 +169,53 @@ fn mixtral_and_qwen3_moe_give_transformers_logits_and_train_as_it_does() {
             let args = ["--config", s(&ds), "--hf", s(&source), "--data", s(&data), "--steps", "5"];
             trains_as_transformers(ranks, &[&args[..], &flag].concat(), &theirs, &expected, &trained, &what);
         }
+        if kind == "mixtral" {
+            resumes_across_expert_parallel_degrees(&dir, &source, &data, &theirs, &expected);
+        }
     }
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A Mixtral run stopped and resumed at other expert-parallel degrees, world sizes and stages: steps 1-2 on 4
+/// ranks at E = 2 (stage 3), 3-4 on 2 ranks at E = 1 (stage 2), 5 on 2 ranks at E = 2 (stage 3). The experts keep
+/// their index in the checkpoint, so the run is the uninterrupted one: transformers' losses step by step and weights.
+fn resumes_across_expert_parallel_degrees(dir: &Path, source: &Path, data: &Path, theirs: &[f64], expected: &Path) {
+    let checkpoints = dir.join("ep-checkpoints");
+    let mut ours = Vec::new();
+    let trained = dir.join("ep-resumed");
+    for (ranks, stage, e, steps) in [(4usize, 3u8, "2", "2"), (2, 2, "1", "4"), (2, 3, "2", "5")] {
+        let ds = config(dir, stage, 8, 2, 1e-3);
+        let args = [
+            "--config",
+            s(&ds),
+            "--hf",
+            s(source),
+            "--data",
+            s(data),
+            "--steps",
+            steps,
+            "--expert-parallel",
+            e,
+            "--checkpoint-dir",
+            s(&checkpoints),
+            "--save-every",
+            "2",
+            "--resume",
+            "--save-hf",
+            s(&trained),
+        ];
+        let (ok, text) = llama(ranks, &args);
+        assert!(ok, "{ranks} ranks, E = {e}, to step {steps}: {text}");
+        if steps != "2" {
+            assert!(text.contains("resumed from step"), "{ranks} ranks, E = {e}: {text}");
+        }
+        ours.extend(losses(&text));
+    }
+    assert_eq!(ours.len(), theirs.len(), "{ours:?}");
+    for (step, (a, b)) in ours.iter().zip(theirs).enumerate() {
+        assert!((a - b).abs() <= 1e-5 * b.abs(), "resumed across E, step {}: {a} vs transformers {b}", step + 1);
+    }
+    eprintln!("{}", reference(&["compare", s(expected), s(&trained), "1e-4"]));
 }
 
 /// Sequence parallelism (DeepSpeed-Ulysses; grouped-query attention, 4 heads over 2 key/value heads): each row's
