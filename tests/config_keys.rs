@@ -37,10 +37,7 @@ fn table() -> Vec<(&'static str, Effect)> {
             "activation_checkpointing.contiguous_memory_optimization",
             Noticed(json!({"activation_checkpointing": {"contiguous_memory_optimization": true}})),
         ),
-        (
-            "activation_checkpointing.cpu_checkpointing",
-            Noticed(json!({"activation_checkpointing": {"partition_activations": true, "cpu_checkpointing": true}})),
-        ),
+        ("activation_checkpointing.cpu_checkpointing", Acted("tests/device_emulation.rs")),
         (
             "activation_checkpointing.number_checkpoints",
             Noticed(json!({"activation_checkpointing": {"number_checkpoints": 4}})),

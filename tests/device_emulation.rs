@@ -4,7 +4,8 @@
 //! matches zerorun-optim's Adam (both modes, amsgrad, groups of their own lr and decay, a step in pieces, its
 //! states through a checkpoint); the engine under emulation at stages 0-3, fp32 and bf16, stage 3's optimizer in
 //! backward, with CPU offload (host optimizer, device buffers), ends where the host path does and resumes from
-//! its checkpoints. One test function: the variable is the process's.
+//! its checkpoints; `cpu_checkpointing` sends checkpointed inputs to host memory and back. One test function: the
+//! variable is the process's.
 use serde_json::{json, Value};
 use tch::Tensor;
 use zerorun::runtime::comm::Communicator;
@@ -129,6 +130,19 @@ fn train(
     load: Option<&std::path::Path>,
     save: Option<&std::path::Path>,
 ) -> Vec<(String, Vec<f32>)> {
+    train_with(ranks, c, steps, load, save, false).0
+}
+
+/// [`train`], with activation checkpointing when `checkpointing`; also rank 0's bytes of checkpointed inputs
+/// sent to host memory.
+fn train_with(
+    ranks: usize,
+    c: &Config,
+    steps: std::ops::Range<i64>,
+    load: Option<&std::path::Path>,
+    save: Option<&std::path::Path>,
+    checkpointing: bool,
+) -> (Vec<(String, Vec<f32>)>, u64) {
     let bf16 = c.bf16.enabled;
     on_thread_ranks(ranks, |comm, x, y| {
         let rank = comm.rank();
@@ -137,7 +151,8 @@ fn train(
         if bf16 {
             vs.bfloat16();
         }
-        let options = EngineOptions::default().units_of(&model);
+        let options =
+            EngineOptions { activation_checkpointing: checkpointing, ..EngineOptions::default().units_of(&model) };
         let mut engine = Engine::new(&vs, c.clone(), Box::new(comm), options).unwrap();
         if let Some(dir) = load {
             engine.load_checkpoint(dir, None).unwrap();
@@ -157,9 +172,29 @@ fn train(
         }
         // Through the engine: at stage 3 the VarStore's tensors of a released unit hold no values (reading them is
         // an error naming the unit).
-        compare::full_parameters(&mut engine)
+        (compare::full_parameters(&mut engine), engine.inputs_sent_to_host_bytes())
     })
     .swap_remove(0)
+}
+
+/// `activation_checkpointing.cpu_checkpointing` at stage 3: on the device path the checkpointed inputs of every
+/// unit but the last go to host memory and come back for the recomputation (every micro-batch: the first two
+/// units' inputs), and training is the same, bitwise, as with them kept where the model is; on a host run it has
+/// no effect.
+fn cpu_checkpointing_sends_the_checkpointed_inputs_to_host_memory() {
+    let base = json!({"zero_optimization": {"stage": 3}});
+    let mut offloaded = base.clone();
+    offloaded["activation_checkpointing"] = json!({"partition_activations": true, "cpu_checkpointing": true});
+    let (kept, to_host) = (config(base), config(offloaded));
+    let steps = 0..6;
+    let (reference, none) = with_emulation(true, || train_with(3, &kept, steps.clone(), None, None, true));
+    assert_eq!(none, 0, "without cpu_checkpointing nothing goes to host memory");
+    let (moved, sent) = with_emulation(true, || train_with(3, &to_host, steps.clone(), None, None, true));
+    assert_eq!(moved, reference, "the inputs that went to host memory and back recompute the same units");
+    let micro = (GLOBAL_BATCH / 3) as u64;
+    assert_eq!(sent, steps.end as u64 * micro * (IN + HIDDEN) as u64 * 4, "units 0 and 1's inputs, every step");
+    let (_, on_host_run) = with_emulation(false, || train_with(3, &to_host, steps.clone(), None, None, true));
+    assert_eq!(on_host_run, 0, "a host run keeps its inputs where they are");
 }
 
 fn with_emulation<R>(on: bool, f: impl FnOnce() -> R) -> R {
@@ -172,6 +207,7 @@ fn with_emulation<R>(on: bool, f: impl FnOnce() -> R) -> R {
 #[test]
 fn the_device_path_steps_checkpoints_and_trains_as_the_host_path() {
     tier_matches_the_host_adam();
+    cpu_checkpointing_sends_the_checkpointed_inputs_to_host_memory();
     let steps = 0..8;
     let nvme = std::env::temp_dir().to_string_lossy().into_owned();
     for (stage, extra) in [

@@ -203,7 +203,7 @@ fn expert_parallel_groups_equal_one_rank_holding_every_expert() {
                         }
                     }
                     if g.defined() {
-                        sums.get_mut(name).unwrap().g_add_(g);
+                        let _ = sums.get_mut(name).unwrap().g_add_(g);
                     }
                 }
             }
@@ -261,7 +261,6 @@ fn clone_layer(l: &MoeLayer) -> MoeLayer {
             bias: None,
         },
         experts: SwiGluExperts {
-            first: l.experts.first,
             weights: l.experts.weights.iter().map(|w| w.each_ref().map(|t| t.shallow_clone())).collect(),
         },
         num_experts: l.num_experts,

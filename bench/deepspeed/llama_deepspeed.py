@@ -7,7 +7,8 @@ and every rank's `peak_rss_bytes B`. Run under DeepSpeed's launcher:
 With --sequence-parallel S (the config's `sequence_parallel_size` too): DeepSpeed-Ulysses through its Hugging Face
 path (ALST's UlyssesSPAttentionHF over sdpa): S adjacent ranks take the same rows, each its slice of the sequence
 with its positions, and each rank's loss is its tokens' summed cross-entropy over the group's tokens (the printed
-loss is the group's sum of those: the rows' mean)."""
+loss is the group's sum of those: the rows' mean). A Mixtral folder (its config's output_router_logits) adds
+router_aux_loss_coef times transformers' load-balancing loss to each micro-batch's cross-entropy, as the example."""
 import argparse
 import json
 import os
@@ -16,7 +17,7 @@ import time
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
-from transformers import LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
 import deepspeed
 
@@ -51,7 +52,7 @@ def main():
     if sp > 1:
         from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
         cfg["sequence_parallel_size"] = sp
-        model = LlamaForCausalLM.from_pretrained(a.hf, dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_pretrained(a.hf, dtype=dtype, attn_implementation="sdpa")
         mpu = UlyssesSPAttentionHF.register_with_transformers(
             model_name_or_path=model, core_attn_implementation="sdpa", sequence_parallel_size=sp,
             micro_batch_size=cfg["train_micro_batch_size_per_gpu"], seq_length=rows.shape[1] - 1,
@@ -59,7 +60,7 @@ def main():
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg, mpu=mpu)
         group = mpu.get_sequence_parallel_group()
     else:
-        model = LlamaForCausalLM.from_pretrained(a.hf, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(a.hf, dtype=dtype)
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     train, micro = engine.train_batch_size(), engine.train_micro_batch_size_per_gpu()
     gas = int(engine.gradient_accumulation_steps())  # a float with sequence_parallel_size
@@ -73,8 +74,11 @@ def main():
             index = torch.tensor([(base + m * micro + i) % n for i in range(micro)])
             x, y = rows[index, :-1], rows[index, 1:]
             if sp == 1:
-                logits = engine(input_ids=x).logits
+                out = engine(input_ids=x)
+                logits = out.logits
                 loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+                if getattr(out, "aux_loss", None) is not None:
+                    loss = loss + model.config.router_aux_loss_coef * out.aux_loss
                 engine.backward(loss)
                 engine.step()
                 losses.append(loss.item())

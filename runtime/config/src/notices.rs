@@ -184,7 +184,6 @@ pub(crate) fn collect(config: &Config, given: &BTreeSet<String>, ignored: Vec<St
     for (key, applies) in [
         ("partition_activations", a.partition_activations),
         ("contiguous_memory_optimization", a.contiguous_memory_optimization),
-        ("cpu_checkpointing", a.cpu_checkpointing),
         ("number_checkpoints", a.number_checkpoints.is_some()),
         ("synchronize_checkpoint_boundary", a.synchronize_checkpoint_boundary),
         ("profile", a.profile),

@@ -11,6 +11,7 @@ use std::time::Instant;
 use tch::Tensor;
 
 use crate::config::Precision;
+use crate::engine::device::host_inputs::HostInput;
 use crate::engine::device::native;
 use crate::engine::zero::plan::GradientPath;
 use crate::engine::zero::unit_walk::UnitRecord;
@@ -335,7 +336,16 @@ impl Engine {
             self.record_unit_activations(i, before, &x);
             // The unit's output and what autograd saved, beside its parameters and the next unit's prefetch.
             self.memory_event(|| format!("forward: unit {i} computed"), &[]);
-            self.walk.records.push(UnitRecord { input: x, output: (!recompute).then(|| y.shallow_clone()) });
+            // With cpu_checkpointing the input waits in host memory; the device copy goes once its copy is queued.
+            let on_host = (recompute && self.walk.inputs_to_host).then(|| HostInput::send(self.residence, &x));
+            let input = match &on_host {
+                Some(h) => {
+                    self.walk.inputs_sent_bytes += h.bytes() as u64;
+                    Tensor::new()
+                }
+                None => x,
+            };
+            self.walk.records.push(UnitRecord { input, output: (!recompute).then(|| y.shallow_clone()), on_host });
             if !last && !self.states.parameters.units[i].persistent && !kept {
                 self.release_unit(i)?;
             }
@@ -398,7 +408,13 @@ impl Engine {
         for i in (0..units).rev() {
             let last = i + 1 == units;
             // Taken, so the unit's activations are freed once its backward is done (as autograd frees saved ones).
-            let rec = records.pop().expect("a record per unit");
+            let mut rec = records.pop().expect("a record per unit");
+            // Inputs waiting in host memory come back one unit ahead of their recomputation.
+            for r in std::iter::once(&mut rec).chain(records.last_mut()) {
+                if let Some(h) = r.on_host.take() {
+                    r.input = h.bring_back(self.residence);
+                }
+            }
             self.gather_unit(i)?;
             self.prefetch((0..i).rev())?;
             self.states.parameters.read_ahead((0..i).rev());

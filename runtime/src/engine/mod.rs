@@ -332,6 +332,12 @@ impl Engine {
         self.states.parameters.gathered
     }
 
+    /// Bytes of checkpointed unit inputs this rank sent to host memory since the engine started
+    /// (`activation_checkpointing.cpu_checkpointing` on the device path; 0 otherwise).
+    pub fn inputs_sent_to_host_bytes(&self) -> u64 {
+        self.walk.inputs_sent_bytes
+    }
+
     /// Elements this rank's collectives moved since the engine started.
     pub fn comm_volume(&self) -> CommVolume {
         self.report.comm_volume

@@ -99,6 +99,23 @@ pub(super) fn arrange(
     Ok(Arrangement { named, layout, unit_prefixes, frozen_by_unit })
 }
 
+/// Whether the unit inputs activation checkpointing keeps wait in host memory: `cpu_checkpointing` with
+/// checkpointing on, on the device path (on a host run they are in host memory already: said once).
+fn inputs_to_host(config: &Config, options: &EngineOptions, residence: Residence) -> bool {
+    if !config.activation_checkpointing.cpu_checkpointing {
+        return false;
+    }
+    if !options.activation_checkpointing {
+        tracing::warn!("activation_checkpointing.cpu_checkpointing: no effect, the engine checkpoints no activations (EngineOptions::activation_checkpointing is off)");
+        return false;
+    }
+    if !residence.device_path() {
+        tracing::warn!("activation_checkpointing.cpu_checkpointing: no effect on a CPU run, the checkpointed inputs are in host memory already");
+        return false;
+    }
+    true
+}
+
 /// Stage 3 without units makes the whole model one unit, gathered only inside `engine.forward`: unless it is
 /// small enough to stay gathered (the persistence thresholds), the model's own forward would meet empty tensors.
 /// `numel`: trainable and frozen elements.
@@ -406,6 +423,7 @@ impl Engine {
         };
         // The communication logger records training's collectives, not set-up's.
         let (watch, comm, replicas) = super::watching::Watch::wrap_comms(&config, comm, replicas);
+        let inputs_to_host = inputs_to_host(&config, &options, residence);
         let mut engine = Engine {
             comm: engine_comm::EngineComm::new(comm, replicas, plan.threaded_comm()),
             residence,
@@ -425,6 +443,8 @@ impl Engine {
                 unit_prefixes,
                 records: Vec::new(),
                 activation_checkpointing: options.activation_checkpointing,
+                inputs_to_host,
+                inputs_sent_bytes: 0,
                 chain: options.activation_checkpointing || crate::engine::zero::unit_walk::chain_walk_from_env(),
                 scopes: None,
                 forward_marked: false,

@@ -47,7 +47,7 @@ pub struct MoeOutput {
 pub struct MoeLayer {
     /// The router (`gate.weight`).
     pub router: Router,
-    /// The experts held on this rank.
+    /// Every expert of the layer (each rank holds them all; an expert-parallel group divides their compute).
     pub experts: SwiGluExperts,
     /// Every expert of the layer (across the group).
     pub num_experts: i64,
@@ -60,7 +60,7 @@ impl MoeLayer {
     /// each expert initialised as `nn::linear`'s, in that order.
     pub fn new(path: &nn::Path, names: ExpertNames, hidden: i64, ffn: i64, experts: i64, top_k: i64) -> MoeLayer {
         let router = Router::new(path, hidden, experts, top_k, true);
-        let experts_here = SwiGluExperts::new(path, names, hidden, ffn, 0, experts);
+        let experts_here = SwiGluExperts::new(path, names, hidden, ffn, experts);
         MoeLayer { router, experts: experts_here, num_experts: experts, capacity: None }
     }
 
@@ -98,12 +98,11 @@ impl MoeLayer {
     fn run(&self, x: &Tensor, group: Option<&ExpertParallel>) -> Result<MoeOutput> {
         let shape = x.size();
         let hidden = *shape.last().ok_or_else(|| Error::Usage("mixture of experts: a scalar input".into()))?;
-        if self.experts.count() != self.num_experts || self.experts.first != 0 {
+        if self.experts.count() != self.num_experts {
             return Err(Error::Usage(format!(
-                "mixture of experts: the layer has {} experts but holds {} from expert {}: every rank holds every expert",
+                "mixture of experts: the layer has {} experts but holds {}: every rank holds every expert",
                 self.num_experts,
-                self.experts.count(),
-                self.experts.first
+                self.experts.count()
             )));
         }
         if let Some(g) = group {
@@ -161,7 +160,7 @@ impl MoeLayer {
     /// Rows sorted by expert (`per_expert[i]` for global expert i) to the ranks that compute their experts,
     /// through those experts, and back in the same order.
     fn through_group(&self, g: &ExpertParallel, rows: &Tensor, per_expert: &[i64]) -> Result<Tensor> {
-        // This rank computes `held` experts from `first`.
+        // This rank computes `held` of the experts, from `first`.
         let (n, held) = (g.size(), (self.num_experts as usize) / g.size());
         let first = g.rank() * held;
         // What each rank sends each other: the counts for the receiver's experts.

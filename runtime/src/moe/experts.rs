@@ -1,6 +1,5 @@
-//! Experts as SwiGLU MLPs, `down(silu(gate(x)) * up(x))` without biases: the ones this rank holds, each under its
-//! expert index (`experts.{i}.…`), so checkpoints and Hugging Face files name an expert the same at any
-//! expert-parallel degree.
+//! Experts as SwiGLU MLPs, `down(silu(gate(x)) * up(x))` without biases, each under its expert index
+//! (`experts.{i}.…`), as Hugging Face files name them.
 use tch::{nn, Tensor};
 
 /// The parameter names of one expert's three matrices.
@@ -22,22 +21,19 @@ impl ExpertNames {
     }
 }
 
-/// The experts `first..first + count` of a layer.
+/// Every expert of a layer.
 #[derive(Debug)]
 pub struct SwiGluExperts {
-    /// The global index of the first expert held here.
-    pub first: i64,
-    /// Each held expert's (gate [ffn, hidden], up [ffn, hidden], down [hidden, ffn]) weights.
+    /// Each expert's (gate [ffn, hidden], up [ffn, hidden], down [hidden, ffn]) weights.
     pub weights: Vec<[Tensor; 3]>,
 }
 
 impl SwiGluExperts {
-    /// Experts `first..first + count` under `path` (`path / "experts" / i / name / "weight"`), each initialised as
-    /// `nn::linear`'s.
-    pub fn new(path: &nn::Path, names: ExpertNames, hidden: i64, ffn: i64, first: i64, count: i64) -> SwiGluExperts {
+    /// `count` experts under `path` (`path / "experts" / i / name / "weight"`), each initialised as `nn::linear`'s.
+    pub fn new(path: &nn::Path, names: ExpertNames, hidden: i64, ffn: i64, count: i64) -> SwiGluExperts {
         let no_bias = nn::LinearConfig { bias: false, ..Default::default() };
         let [gate, up, down] = names.names();
-        let weights = (first..first + count)
+        let weights = (0..count)
             .map(|i| {
                 let p = path / "experts" / i;
                 [
@@ -47,10 +43,10 @@ impl SwiGluExperts {
                 ]
             })
             .collect();
-        SwiGluExperts { first, weights }
+        SwiGluExperts { weights }
     }
 
-    /// Experts held here.
+    /// Experts.
     pub fn count(&self) -> i64 {
         self.weights.len() as i64
     }
@@ -61,11 +57,11 @@ impl SwiGluExperts {
         (x.matmul(&gate.tr()).silu() * x.matmul(&up.tr())).matmul(&down.tr())
     }
 
-    /// Rows grouped by expert (`rows[e]` rows for held expert `from + e`, in order) through their experts. Every
+    /// Rows grouped by expert (`rows[e]` rows for expert `from + e`, in order) through their experts. Every
     /// expert of the range runs, on no rows when it received none, so each has a gradient (zeros) after every
     /// backward: a ZeRO stage that waits for each parameter's gradient never waits on an expert no token chose.
     pub fn forward_grouped(&self, x: &Tensor, rows: &[i64], from: usize) -> Tensor {
-        assert!(from + rows.len() <= self.weights.len(), "one row count per held expert of the range");
+        assert!(from + rows.len() <= self.weights.len(), "one row count per expert of the range");
         let parts: Vec<Tensor> =
             x.split_with_sizes(rows, 0).iter().enumerate().map(|(e, x)| self.expert(from + e, x)).collect();
         Tensor::cat(&parts, 0)

@@ -1,9 +1,11 @@
 //! Where the engine's buffers live and how they are reached: host views of tensors and the collectives on them
 //! (`views.rs`), host staging of device memory (`staging.rs`), the flat arithmetic on either side
-//! (`flat_math.rs`), storage operations of the C++ shim (`native.rs`), glibc's allocator settings
+//! (`flat_math.rs`), checkpointed unit inputs waiting in host memory (`host_inputs.rs`), storage operations of the
+//! C++ shim (`native.rs`), glibc's allocator settings
 //! (`allocator.rs`), and the device path's optimizer ([`optimizer`]), whose states stay on the model's device.
 pub(crate) mod allocator;
 pub(crate) mod flat_math;
+pub(crate) mod host_inputs;
 pub(crate) mod native;
 pub mod optimizer;
 pub(crate) mod staging;

@@ -21,10 +21,13 @@ pub(crate) fn chain_walk_from_env() -> bool {
 
 /// What forward keeps of one unit for backward.
 pub(crate) struct UnitRecord {
-    /// The unit's input as run: a leaf that requires grad (units after the first, floating inputs).
+    /// The unit's input as run: a leaf that requires grad (units after the first, floating inputs). Undefined while
+    /// it waits in host memory (`on_host`).
     pub input: Tensor,
     /// The unit's output with its graph (None under activation checkpointing: recomputed in backward).
     pub output: Option<Tensor>,
+    /// The input in host memory (`activation_checkpointing.cpu_checkpointing`), until backward brings it back.
+    pub on_host: Option<crate::engine::device::host_inputs::HostInput>,
 }
 
 /// Stage 3's walk over the model's units.
@@ -35,6 +38,10 @@ pub(crate) struct Walk {
     pub records: Vec<UnitRecord>,
     /// Keep only each unit's input in forward and recompute the unit in backward.
     pub activation_checkpointing: bool,
+    /// Those inputs wait in host memory (`activation_checkpointing.cpu_checkpointing` on the device path).
+    pub inputs_to_host: bool,
+    /// Bytes of checkpointed inputs sent to host memory since the engine started.
+    pub inputs_sent_bytes: u64,
     /// `engine.forward` walks the detached chain even without activation checkpointing ([`CHAIN_WALK_ENV`]).
     pub chain: bool,
     /// Units entered as scopes of the program's forward (`engine.unit`), set up on first use.
