@@ -31,6 +31,23 @@ def peak_rss():
     return 0
 
 
+def every_expert_runs():
+    """transformers' Mixtral block runs only the experts some token chose, so a rank whose tokens left an expert
+    unchosen has no gradient for it, and DeepSpeed's ZeRO-2 buckets differ across the ranks: its all-reduce fails
+    (gloo: "Received data size doesn't match expected size"; DeepSpeed #4808 is the ZeRO-3 hang). As zerorun's layer
+    does, every expert also runs on no rows here: zeros added, a gradient (zeros) for each."""
+    from transformers.models.mixtral import modeling_mixtral as mixtral
+
+    original = mixtral.MixtralSparseMoeBlock.forward
+
+    def forward(self, hidden_states):
+        out, logits = original(self, hidden_states)
+        none = hidden_states.reshape(-1, hidden_states.shape[-1])[:0]
+        return out + sum(expert(none).sum() for expert in self.experts), logits
+
+    mixtral.MixtralSparseMoeBlock.forward = forward
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--config", required=True)
@@ -47,6 +64,8 @@ def main():
     cfg = json.load(open(a.config))
     dtype = torch.bfloat16 if cfg.get("bf16", {}).get("enabled") else torch.float32
     sp = a.sequence_parallel
+    if json.load(open(os.path.join(a.hf, "config.json"))).get("model_type") == "mixtral":
+        every_expert_runs()
     rows = load_file(a.data)["tokens"].long()
     n = rows.shape[0]
     if sp > 1:

@@ -30,6 +30,18 @@ pub fn korthikanti_layer_bytes(s: f64, b: f64, h: f64, a: f64, t: f64, sequence_
     }
 }
 
+/// Values the MLP keeps per sample: GELU's two (2 ffn s), SwiGLU's four (4 ffn s); with experts, SwiGLU's for
+/// each of a token's top-k experts, the rows gathered for them and their weighted outputs (2 k h s), and the
+/// router's logits, probabilities and choice (3 experts s).
+fn mlp_values(t: &Transformer) -> f64 {
+    let (s, ffn) = (t.seq_len as f64, t.ffn as f64);
+    if t.experts == 0 {
+        return if t.gated { 4.0 } else { 2.0 } * ffn * s;
+    }
+    let k = t.top_k as f64;
+    s * (k * (4.0 * ffn + 2.0 * t.hidden as f64) + 3.0 * t.experts as f64)
+}
+
 /// Values (not bytes) one layer of a transformer written in tch without dropout keeps per sample, split into the
 /// part tensor parallelism divides and the part every tensor-parallel rank keeps whole. GPT's layer: the two
 /// norms' inputs and outputs (4 sh, whole); q, k, v, the attention's output (4 sh), the softmax probabilities
@@ -38,7 +50,7 @@ pub fn korthikanti_layer_bytes(s: f64, b: f64, h: f64, a: f64, t: f64, sequence_
 pub fn layer_values(t: &Transformer) -> (f64, f64) {
     let (s, h, a) = (t.seq_len as f64, t.hidden as f64, t.heads as f64);
     let kv = (t.hidden / t.heads * t.kv_heads) as f64;
-    let mlp = if t.gated { 4.0 } else { 2.0 } * t.ffn as f64 * s;
+    let mlp = mlp_values(t);
     let probabilities = if t.flash_attention { 0.0 } else { a * s * s };
     let divided = s * (2.0 * h + 2.0 * kv) + probabilities + mlp;
     (divided, 4.0 * s * h)
@@ -51,7 +63,7 @@ pub fn layer_values(t: &Transformer) -> (f64, f64) {
 pub fn layer_created_values(t: &Transformer) -> (f64, f64) {
     let (s, h, a) = (t.seq_len as f64, t.hidden as f64, t.heads as f64);
     let kv = (t.hidden / t.heads * t.kv_heads) as f64;
-    let mlp = if t.gated { 4.0 } else { 2.0 } * t.ffn as f64 * s;
+    let mlp = mlp_values(t);
     let scores = if t.flash_attention { 0.0 } else { 4.0 * a * s * s };
     let divided = 2.0 * s * (h + 2.0 * kv) + scores + 2.0 * s * h + mlp;
     (divided, 6.0 * s * h)

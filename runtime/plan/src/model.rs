@@ -3,7 +3,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::PlanError;
 
-/// A decoder-only transformer (GPT or Llama style), the keys `zerorun estimate --model` reads.
+/// A decoder-only transformer (GPT or Llama style, dense or Mixtral's mixture of experts), the keys `zerorun
+/// estimate --model` reads.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Transformer {
     /// Transformer layers.
@@ -27,6 +28,11 @@ pub struct Transformer {
     /// Fused attention (FlashAttention, SDPA) keeps no s x s matrices; eager attention (the examples') keeps the
     /// softmax probabilities. Default false.
     pub flash_attention: bool,
+    /// A mixture of experts (Mixtral's layer): each block's MLP is this many SwiGLU experts behind a router; 0 for
+    /// a dense MLP.
+    pub experts: u64,
+    /// Experts each token runs (with `experts`).
+    pub top_k: u64,
 }
 
 /// A model known by measured totals (`zerorun plan --from-report`, or written by hand).
@@ -70,6 +76,8 @@ struct ModelFile {
     tied: Option<bool>,
     gated: Option<bool>,
     flash_attention: Option<bool>,
+    experts: Option<u64>,
+    top_k: Option<u64>,
     params: Option<f64>,
     largest_layer_params: Option<f64>,
     activation_bytes_per_sample: Option<f64>,
@@ -115,6 +123,17 @@ impl Model {
             return Err(bad("kv_heads", &format!("({kv_heads}) must divide \"heads\" ({heads})")));
         }
         let gated = f.gated.unwrap_or(false);
+        let experts = f.experts.unwrap_or(0);
+        let top_k = f.top_k.unwrap_or(if experts > 0 { 2 } else { 0 });
+        if experts > 0 && !gated {
+            return Err(bad("experts", "needs \"gated\": true (SwiGLU experts: Mixtral's, Qwen3-MoE's)"));
+        }
+        if experts > 0 && !(1..=experts).contains(&top_k) {
+            return Err(bad("top_k", &format!("({top_k}) must be within 1..={experts} (\"experts\")")));
+        }
+        if experts == 0 && f.top_k.is_some() {
+            return Err(bad("top_k", "needs \"experts\""));
+        }
         Ok(Model::Transformer(Transformer {
             layers,
             hidden,
@@ -126,6 +145,8 @@ impl Model {
             tied: f.tied.unwrap_or(false),
             gated,
             flash_attention: f.flash_attention.unwrap_or(false),
+            experts,
+            top_k,
         }))
     }
 
@@ -167,7 +188,7 @@ impl Model {
         match self {
             Model::Transformer(t) => {
                 let (s, h, l) = (t.seq_len as f64, t.hidden as f64, t.layers as f64);
-                let matmul_params = l * t.block_matrix_params() as f64 + (t.vocab * t.hidden) as f64;
+                let matmul_params = l * t.block_active_matrix_params() as f64 + (t.vocab * t.hidden) as f64;
                 6.0 * matmul_params * s + 3.0 * l * 4.0 * s * s * h
             }
             Model::Measured(m) => m.flops_per_sample,
@@ -180,12 +201,27 @@ impl Transformer {
         self.hidden / self.heads * self.kv_heads
     }
 
-    /// Weight-matrix parameters of one block (what matmuls touch).
+    /// Weight-matrix parameters of one block: attention's, and the MLP's (every expert's and the router's in a
+    /// mixture of experts).
     pub fn block_matrix_params(&self) -> u64 {
+        self.attention_matrix_params() + self.mlp_matrix_params(self.experts.max(1))
+    }
+
+    /// The weight-matrix parameters one token's forward multiplies in a block: with experts, its `top_k` experts'
+    /// and the router's.
+    pub fn block_active_matrix_params(&self) -> u64 {
+        self.attention_matrix_params() + self.mlp_matrix_params(self.top_k.max(1))
+    }
+
+    fn attention_matrix_params(&self) -> u64 {
         let h = self.hidden;
-        let attention = 2 * h * h + 2 * h * self.kv_dim();
-        let mlp = if self.gated { 3 } else { 2 } * h * self.ffn;
-        attention + mlp
+        2 * h * h + 2 * h * self.kv_dim()
+    }
+
+    /// `experts` MLPs, and the router when the block has experts.
+    fn mlp_matrix_params(&self, experts: u64) -> u64 {
+        let one = if self.gated { 3 } else { 2 } * self.hidden * self.ffn;
+        experts * one + self.hidden * self.experts
     }
 
     /// Every parameter of one block: GPT-2's has biases and two LayerNorms (12 h^2 + 13 h at ffn = 4h), Llama's two
@@ -229,6 +265,17 @@ mod tests {
         )
         .unwrap();
         assert_eq!(llama.params(), 6_738_415_616);
+        // Mixtral 8x7B: 46,702,792,704 parameters, 12,879,925,248 of them a token's (2 of 8 experts).
+        let mixtral = Model::from_json(
+            r#"{"layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8, "ffn": 14336, "vocab": 32000,
+                "seq_len": 4096, "gated": true, "experts": 8, "top_k": 2}"#,
+            "m",
+        )
+        .unwrap();
+        assert_eq!(mixtral.params(), 46_702_792_704);
+        let Model::Transformer(t) = &mixtral else { unreachable!() };
+        let active = t.layers * (t.block_active_matrix_params() + 2 * t.hidden) + 2 * t.vocab * t.hidden + t.hidden;
+        assert_eq!(active, 12_879_925_248);
     }
 
     #[test]
@@ -239,5 +286,8 @@ mod tests {
         assert!(err(r#"{"layers": 2, "hidden": 64, "heads": 4, "vocab": 10}"#).contains("\"seq_len\" is missing"));
         assert!(err(r#"{"params": 1e6}"#).contains("\"largest_layer_params\" is needed"));
         assert!(err(r#"{"layrs": 2}"#).contains("unknown field `layrs`"));
+        let moe = r#"{"layers": 2, "hidden": 64, "heads": 4, "vocab": 10, "seq_len": 8, "experts": 4"#;
+        assert!(err(&format!("{moe}}}")).contains("\"experts\" needs \"gated\": true"));
+        assert!(err(&format!("{moe}, \"gated\": true, \"top_k\": 5}}")).contains("\"top_k\" (5) must be within 1..=4"));
     }
 }

@@ -89,8 +89,8 @@ impl MoeLayer {
     /// treats them as any data-parallel parameter: its reduction adds the ranks' gradients, in which an expert's
     /// come only from the rank that computed it (the others have none, zeros), and divides by the data-parallel
     /// degree: the gradient of the whole batch's loss. ZeRO shards the experts' states (stages 1-3), gradients
-    /// (2-3) and parameters (3) over every data-parallel rank; the group divides the experts' compute and their
-    /// activations by E.
+    /// (2-3) and parameters (3) over every data-parallel rank. Each rank runs experts / E experts on E times the
+    /// rows per call (its share of the group's slots: on average as many as without the group).
     pub fn forward_parallel(&self, group: &ExpertParallel, x: &Tensor) -> Result<MoeOutput> {
         self.run(x, Some(group))
     }
