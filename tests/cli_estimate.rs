@@ -116,3 +116,37 @@ fn activations_of_a_transformer_micro_batch() {
     let (ok, _, err) = zerorun(&["estimate", "--params", "1e9", "--micro-batch", "12"]);
     assert!(!ok && err.contains("--micro-batch needs --model MODEL_DESC.json"), "{err}");
 }
+
+/// The planner's transformer keys: Mixtral 8x7B (every expert counted: 46.7B parameters; stage 3 gathers a block
+/// with its 8 experts), and its keys without heads and a sequence length refused by name.
+#[test]
+fn a_mixture_of_experts_counts_every_expert() {
+    let dir = std::env::temp_dir().join(format!("zerorun-est-moe-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let model = dir.join("mixtral.json");
+    std::fs::write(
+        &model,
+        r#"{"layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8, "ffn": 14336, "vocab": 32000, "seq_len": 4096,
+            "gated": true, "flash_attention": true, "experts": 8, "top_k": 2}"#,
+    )
+    .unwrap();
+    let (ok, out, err) = zerorun(&["estimate", "--model", model.to_str().unwrap(), "--gpus-per-node", "8", "--json"]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["params"], 46_702_792_704u64);
+    // Stage 3, nothing offloaded: DeepSpeed's estimator, 18 bytes a parameter over the 8 ranks plus 4 bytes a value
+    // of the largest layer, a block: attention, its 8 experts, the router and two norms.
+    let block: u64 = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 8 * 3 * 4096 * 14336 + 4096 * 8 + 2 * 4096;
+    let row = v["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["stage"] == 3 && r["offload_param"] == "none" && r["offload_optimizer"] == "none")
+        .unwrap();
+    assert_eq!(row["per_device_bytes"], 18 * 46_702_792_704u64 / 8 + 4 * block, "{row}");
+    std::fs::write(&model, r#"{"layers": 2, "hidden": 64, "vocab": 65, "experts": 4, "gated": true}"#).unwrap();
+    let (ok, _, err) = zerorun(&["estimate", "--model", model.to_str().unwrap()]);
+    assert!(!ok);
+    assert!(err.contains("experts and top_k describe a transformer with \"layers\", \"hidden\", \"heads\""), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

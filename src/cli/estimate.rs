@@ -33,8 +33,9 @@ pub struct EstimateArgs {
     /// A ds_config.json: its precision and optimizer are used, and its row is marked.
     #[arg(long)]
     config: Option<PathBuf>,
-    /// A model description: {"layers", "hidden", "vocab", "seq_len"} of a GPT (with "heads" for --micro-batch), or
-    /// {"params"}.
+    /// A model description: {"layers", "hidden", "vocab", "seq_len"} of a GPT (with "heads" for --micro-batch; with
+    /// "heads" and the planner's keys "kv_heads", "ffn", "gated", "flash_attention", "experts", "top_k" any of
+    /// `zerorun plan`'s transformers, Llama's and Mixtral's), or {"params"}.
     #[arg(long)]
     model: Option<PathBuf>,
     /// Samples per micro-batch: with a transformer --model that names "heads" and "seq_len", the activations one
@@ -66,6 +67,14 @@ struct ModelDesc {
     largest_layer_params: Option<f64>,
     /// Attention heads: with `seq_len`, what the activation estimate needs.
     heads: Option<u64>,
+    /// The planner's transformer keys (`zerorun plan`'s model file): grouped-query attention, the MLP's width,
+    /// Llama's SwiGLU, fused attention, Mixtral's experts. With them the counts are the planner's.
+    kv_heads: Option<u64>,
+    ffn: Option<u64>,
+    gated: Option<bool>,
+    flash_attention: Option<bool>,
+    experts: Option<u64>,
+    top_k: Option<u64>,
 }
 
 impl ModelDesc {
@@ -75,6 +84,10 @@ impl ModelDesc {
     fn sizes(&self, file: &std::path::Path) -> Result<(u64, Option<u64>), CliError> {
         if let Some(p) = self.params {
             return Ok((p as u64, self.largest_layer_params.map(|l| l as u64)));
+        }
+        if let Some(model) = self.planner_model(file)? {
+            let largest = self.largest_layer_params.map_or(model.largest_layer_params(), |x| x as u64);
+            return Ok((model.params(), Some(largest)));
         }
         match (self.layers, self.hidden, self.vocab) {
             (Some(l), Some(h), Some(v)) => {
@@ -94,6 +107,48 @@ impl ModelDesc {
     }
 }
 
+impl ModelDesc {
+    /// The planner's transformer, when the description names heads and a sequence length (what it needs); an
+    /// error when it gives the planner's own keys without them.
+    fn planner_model(&self, file: &std::path::Path) -> Result<Option<zerorun_plan::Model>, CliError> {
+        let planner_only = self.kv_heads.is_some()
+            || self.ffn.is_some()
+            || self.gated.is_some()
+            || self.flash_attention.is_some()
+            || self.experts.is_some()
+            || self.top_k.is_some();
+        let (Some(layers), Some(hidden), Some(heads), Some(vocab), Some(seq_len)) =
+            (self.layers, self.hidden, self.heads, self.vocab, self.seq_len)
+        else {
+            return match planner_only {
+                true => Err(CliError::Usage(format!(
+                    "{}: kv_heads, ffn, gated, flash_attention, experts and top_k describe a transformer with \"layers\", \"hidden\", \"heads\", \"vocab\" and \"seq_len\"",
+                    file.display()
+                ))),
+                false => Ok(None),
+            };
+        };
+        let mut json = serde_json::json!({"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab,
+            "seq_len": seq_len, "tied": self.tied.unwrap_or(false)});
+        let optional = [
+            ("kv_heads", self.kv_heads.map(serde_json::Value::from)),
+            ("ffn", self.ffn.map(serde_json::Value::from)),
+            ("gated", self.gated.map(serde_json::Value::from)),
+            ("flash_attention", self.flash_attention.map(serde_json::Value::from)),
+            ("experts", self.experts.map(serde_json::Value::from)),
+            ("top_k", self.top_k.map(serde_json::Value::from)),
+        ];
+        for (key, value) in optional {
+            if let Some(v) = value {
+                json[key] = v;
+            }
+        }
+        zerorun_plan::Model::from_json(&json.to_string(), &file.display().to_string())
+            .map(Some)
+            .map_err(|e| CliError::Usage(e.to_string()))
+    }
+}
+
 /// The activations of one micro-batch of `micro` samples on one rank (values of `value_bytes`): kept at the end of
 /// forward, and at the peak of backward (with recomputation, one layer rebuilt on top). The count is the planner's
 /// (`zerorun_plan::activations`): what a tch transformer layer without dropout saves.
@@ -104,20 +159,14 @@ fn activations(
     recompute: bool,
     value_bytes: f64,
 ) -> Result<(f64, f64), CliError> {
-    let (Some(layers), Some(hidden), Some(heads), Some(vocab), Some(seq_len)) =
-        (desc.layers, desc.hidden, desc.heads, desc.vocab, desc.seq_len)
-    else {
-        return Err(CliError::Usage(format!(
+    let needs = || {
+        CliError::Usage(format!(
             "{}: --micro-batch needs a transformer description with \"layers\", \"hidden\", \"heads\", \"vocab\" and \"seq_len\"",
             path.display()
-        )));
+        ))
     };
-    let text = format!(
-        r#"{{"layers": {layers}, "hidden": {hidden}, "heads": {heads}, "vocab": {vocab}, "seq_len": {seq_len}, "tied": {}}}"#,
-        desc.tied.unwrap_or(false)
-    );
-    let model = zerorun_plan::Model::from_json(&text, &path.display().to_string())
-        .map_err(|e| CliError::Usage(e.to_string()))?;
+    let model = desc.planner_model(path).map_err(|_| needs())?.ok_or_else(needs)?;
+    let layers = model.layers();
     let per_sample = zerorun_plan::activations::bytes_per_sample(&model, layers, 1, recompute, value_bytes);
     let layer = zerorun_plan::activations::bytes_per_sample(&model, 1, 1, false, value_bytes)
         - zerorun_plan::activations::bytes_per_sample(&model, 0, 1, false, value_bytes);
