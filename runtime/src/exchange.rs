@@ -57,7 +57,9 @@ impl AllToAllGroup {
     pub fn adjacent(comm: &dyn Communicator, size: usize) -> Result<AllToAllGroup> {
         let world = comm.world_size();
         if size == 0 || world % size != 0 {
-            return Err(Error::Usage(format!("a group of {size} adjacent ranks does not divide the {world} ranks")));
+            return Err(Error::Usage(format!(
+                "a group of {size} adjacent ranks (expert_parallel.autoep_size, sequence_parallel_size) does not divide the {world} ranks"
+            )));
         }
         use crate::comm::Collectives;
         let rank = comm.rank();
