@@ -119,6 +119,10 @@ impl Communicator for ShmComm {
         self.seg.flag_failure(self.recv_impl(buf, src))
     }
 
+    fn send_recv_buf(&self, send: BufRef<'_>, dst: usize, recv: BufMut<'_>, src: usize) -> CommResult<()> {
+        self.seg.flag_failure(self.send_recv_impl(send, dst, recv, src))
+    }
+
     /// A group of its own segment, named after this one's, the split and the color; its members meet there.
     fn split_group(&self, split: &Split) -> CommResult<Option<Box<dyn Communicator>>> {
         let Some(color) = split.color(self.seg.rank) else { return Ok(None) };

@@ -26,6 +26,31 @@ fn answer(seq: u64, code: u64) -> u64 {
 
 impl ShmComm {
     pub(super) fn send_impl(&self, buf: BufRef<'_>, dst: usize) -> CommResult<()> {
+        let seq = self.post(&buf, dst)?;
+        self.finish_send(seq, &buf, dst)
+    }
+
+    /// A send and a receive in flight at once (a ring shift): this rank posts its transfer, takes the one `src`
+    /// posted to it (the peers read each other's buffers at the same time, where the default sends and then
+    /// receives, one copy after the other), then waits for `dst` to have its own. Staged groups, and transfers to or
+    /// from this rank itself, take the default order.
+    pub(super) fn send_recv_impl(&self, send: BufRef<'_>, dst: usize, recv: BufMut<'_>, src: usize) -> CommResult<()> {
+        let me = self.seg.rank;
+        if !self.peers.direct() || dst == me || src == me {
+            return if me % 2 == 0 {
+                self.send_impl(send, dst).and_then(|()| self.recv_impl(recv, src))
+            } else {
+                self.recv_impl(recv, src).and_then(|()| self.send_impl(send, dst))
+            };
+        }
+        let seq = self.post(&send, dst)?;
+        let received = self.recv_impl(recv, src);
+        let sent = self.finish_send(seq, &send, dst);
+        received.and(sent)
+    }
+
+    /// Posts `buf` for `dst` in this rank's block; returns the transfer's number.
+    fn post(&self, buf: &BufRef<'_>, dst: usize) -> CommResult<u64> {
         const OP: &str = "send";
         let seg = &self.seg;
         let me = seg.rank;
@@ -39,6 +64,15 @@ impl ShmComm {
         word(R_P2P_ACKED).store(0, Ordering::Relaxed);
         word(R_P2P_SEQ).store(seq, Ordering::Release);
         word(R_P2P_TO).store(dst as u64 + 1, Ordering::Release);
+        Ok(seq)
+    }
+
+    /// Waits for `dst`'s answer to transfer `seq` (staging the data when asked), then clears the post.
+    fn finish_send(&self, seq: u64, buf: &BufRef<'_>, dst: usize) -> CommResult<()> {
+        const OP: &str = "send";
+        let seg = &self.seg;
+        let me = seg.rank;
+        let word = |w: usize| seg.rank_word(me, w);
         let answered = |code: u64| word(R_P2P_ANSWER).load(Ordering::Acquire) == answer(seq, code);
         let result = (|| {
             seg.wait_for_peer(OP, dst, || answered(DONE) || answered(REFUSED) || answered(GO_STAGED))?;
