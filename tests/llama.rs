@@ -220,7 +220,8 @@ fn resumes_across_expert_parallel_degrees(dir: &Path, source: &Path, data: &Path
 }
 
 /// The memory report's model states per rank (what the engine keeps between steps, measured) against
-/// `zerorun estimate`'s formula for the run, within 1%, at stages 1-3 with the 4 experts over 4 ranks (E = 4; E = 1
+/// `zerorun estimate`'s formula for the run, within 1%, and the experts' part of them named (over the ranks, the
+/// experts' share of the parameters), at stages 1-3 with the 4 experts over 4 ranks (E = 4; E = 1
 /// and 2 are the runs above, whose states are the same: every rank holds every expert, ZeRO shards them all).
 fn model_states_at_every_expert_parallel_degree_are_the_estimate(dir: &Path, source: &Path, data: &Path) {
     for stage in [1u8, 2, 3] {
@@ -234,6 +235,7 @@ fn model_states_at_every_expert_parallel_degree_are_the_estimate(dir: &Path, sou
             .unwrap();
         let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
         assert!(out.status.success(), "stage {stage}, E = 4: {text}");
+        let (mut all, mut experts, mut share) = (0.0, 0.0, 0.0);
         for r in 0..4 {
             let json: serde_json::Value =
                 serde_json::from_str(&std::fs::read_to_string(report.join(format!("memory_rank{r}.json"))).unwrap())
@@ -243,7 +245,16 @@ fn model_states_at_every_expert_parallel_degree_are_the_estimate(dir: &Path, sou
                 (states["measured_bytes"].as_f64().unwrap(), states["estimated_bytes"].as_f64().unwrap());
             let off = (measured - estimated).abs() / estimated;
             assert!(off <= 0.01, "stage {stage}, E = 4, rank {r}: measured {measured} vs estimate {estimated}");
+            // The report names the experts' part: summed over the ranks, the experts' share of the parameters.
+            let e = &json["experts"];
+            let bytes: f64 = e["categories"].as_object().unwrap().values().map(|b| b.as_f64().unwrap()).sum();
+            share = e["parameters"].as_f64().unwrap() / e["model_parameters"].as_f64().unwrap();
+            (all, experts) = (all + measured, experts + bytes);
         }
+        assert!(
+            share > 0.5 && (experts / all - share).abs() <= 0.01,
+            "stage {stage}: experts {experts} of {all}, {share}"
+        );
     }
 }
 

@@ -134,6 +134,7 @@ mod tests {
             unit_input_bytes: vec![2 * MIB; 10],
             peak_allocations: None,
             peak_window: None,
+            experts: None,
             alternatives: vec![
                 Alternative {
                     change: "zero_optimization.offload_optimizer.device: nvme".into(),

@@ -236,6 +236,29 @@ pub struct MemoryReport {
     /// Where the process's resident memory peaked, between which events (when measured).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub peak_window: Option<PeakWindow>,
+    /// A mixture of experts: the part of this rank's model states that is the experts' (parameters named
+    /// `experts.{i}.`). Absent for a dense model.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub experts: Option<ExpertStates>,
+}
+
+/// The experts' part of one rank's model states: each model-state category's bytes in the proportion of expert
+/// elements in what that category holds (every parameter at stages 0-2, this rank's partition otherwise).
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct ExpertStates {
+    /// Expert parameters in the model.
+    pub parameters: u64,
+    /// Every trainable parameter of the model.
+    pub model_parameters: u64,
+    /// Expert bytes by model-state category.
+    pub categories: BTreeMap<String, u64>,
+}
+
+impl ExpertStates {
+    /// The experts' model-state bytes on this rank.
+    pub fn bytes(&self) -> u64 {
+        self.categories.values().sum()
+    }
 }
 
 /// The largest live tensor allocations at one event.
@@ -531,6 +554,7 @@ mod tests {
             peak_allocations: None,
             alternatives: Vec::new(),
             peak_window: None,
+            experts: None,
         }
     }
 

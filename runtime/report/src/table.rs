@@ -37,6 +37,24 @@ pub fn table(reports: &[MemoryReport]) -> String {
     }
     rows.push(("model states, measured".into(), reports.iter().map(|r| mib(r.model_states.measured_bytes)).collect()));
     rows.push(("model states, estimate".into(), reports.iter().map(|r| mib(r.model_states.estimated_bytes)).collect()));
+    if reports.iter().any(|r| r.experts.is_some()) {
+        // A mixture of experts: how much of the model states is the experts', and of that the parameters' part.
+        let cell = |r: &MemoryReport, f: &dyn Fn(&crate::memory::ExpertStates) -> u64| {
+            r.experts.as_ref().map_or("-".into(), |e| mib(f(e)))
+        };
+        rows.push(("model states, experts'".into(), reports.iter().map(|r| cell(r, &|e| e.bytes())).collect()));
+        for name in ["parameters", "gradients_full", "gradients_shard", "master_fp32", "optimizer_states"] {
+            if reports
+                .iter()
+                .any(|r| r.experts.as_ref().is_some_and(|e| e.categories.get(name).is_some_and(|b| *b > 0)))
+            {
+                rows.push((
+                    format!("  of which {name}"),
+                    reports.iter().map(|r| cell(r, &|e| e.categories.get(name).copied().unwrap_or(0))).collect(),
+                ));
+            }
+        }
+    }
     rows.push(("process floor (RSS at initialize)".into(), reports.iter().map(|r| mib(r.floor_rss_bytes)).collect()));
     rows.push(("peak RSS during initialize".into(), reports.iter().map(|r| mib(r.init_peak_rss_bytes)).collect()));
     rows.push((

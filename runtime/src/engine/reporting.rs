@@ -374,7 +374,47 @@ impl Engine {
             peak_allocations: self.report.peak_allocations.clone(),
             alternatives: self.alternatives(),
             peak_window: self.report.memory.peak_window.clone(),
+            experts: self.expert_states(&now),
         }
+    }
+
+    /// A mixture of experts' part of this rank's model states (`moe::is_expert_parameter` names them): each
+    /// category in the proportion of expert elements in what it holds: every parameter (stages 0-2's parameters,
+    /// full gradients), or this rank's optimized pieces (its partition: stage 3's parameters, the gradient shard,
+    /// the master and the optimizer's states). None for a model without experts.
+    fn expert_states(&self, now: &[(MemoryCategory, usize)]) -> Option<crate::report::memory::ExpertStates> {
+        let layout = &self.states.layout;
+        let expert = |slot: &crate::engine::ParamSlot| crate::moe::is_expert_parameter(&slot.name);
+        let parameters: usize = layout.slots.iter().filter(|s| expert(s)).map(|s| s.range.len()).sum();
+        if parameters == 0 {
+            return None;
+        }
+        let whole = parameters as f64 / layout.numel as f64;
+        let elements = |pick: &dyn Fn(&crate::engine::ParamSlot) -> bool| -> usize {
+            let pieces = self.optimized_pieces(self.comm.rank());
+            pieces.into_iter().flat_map(|p| layout.runs_where(p, pick)).map(|r| r.len()).sum()
+        };
+        let held = elements(&|_| true);
+        let partition = if held == 0 { 0.0 } else { elements(&expert) as f64 / held as f64 };
+        let stage3 = self.plan.stage() == 3;
+        use MemoryCategory::*;
+        let categories = now
+            .iter()
+            .filter_map(|(category, bytes)| {
+                let share = match category {
+                    Parameters | ParametersNvme if stage3 => partition,
+                    Parameters | ParametersNvme | GradientsFull => whole,
+                    GradientsShard | MasterFp32 | OptimizerStates | OptimizerStatesNvme => partition,
+                    _ => return None,
+                };
+                Some((category.name().to_string(), (*bytes as f64 * share).round() as u64))
+            })
+            .collect();
+        Some(crate::report::memory::ExpertStates {
+            parameters: parameters as u64,
+            model_parameters: layout.numel as u64,
+            categories,
+        })
     }
 
     /// Where the memory report goes: `zerorun launch --memory-report DIR` (through the environment), else the

@@ -18,3 +18,11 @@ pub use experts::{ExpertNames, SwiGluExperts};
 /// of rows, forward and backward.
 pub type ExpertParallel = crate::exchange::AllToAllGroup;
 pub use router::{load_balancing_loss, Router, Routing};
+
+/// Whether a parameter is an expert's: a name with an `experts.{index}` part, as zerorun's [`SwiGluExperts`] and
+/// Hugging Face's MoE models name them (`...block_sparse_moe.experts.3.w1.weight`). The memory report counts these
+/// apart from the dense parameters.
+pub fn is_expert_parameter(name: &str) -> bool {
+    let parts: Vec<&str> = name.split('.').collect();
+    parts.windows(2).any(|w| w[0] == "experts" && !w[1].is_empty() && w[1].bytes().all(|b| b.is_ascii_digit()))
+}
