@@ -37,6 +37,17 @@ pub struct SwappedOptimizer {
     /// A step taken in pieces: the sub-groups' writes still in flight (with their bytes), which the next read of a
     /// sub-group waits for (the swapper orders a key's read after its write); `finish_step` waits for all.
     piece_writes: VecDeque<(SwapHandle<HostBuffer>, usize)>,
+    /// A step in pieces going forward (a step unit by unit): the sub-group the last piece ended inside, still lent
+    /// to its optimizer, so the next piece, which starts there, steps on without reading and writing it again.
+    /// Packed and written when a piece starts elsewhere or the step ends.
+    open: Option<usize>,
+    /// The read started for the sub-group after `open`, where the next piece goes on.
+    ahead: Option<(usize, SwapHandle<HostBuffer>)>,
+    /// Where the last piece started: pieces in increasing order carry their last sub-group over (the optimizer
+    /// in backward's go the other way).
+    last_piece_start: Option<usize>,
+    /// Sub-group reads started, for the tests.
+    reads: std::cell::Cell<u64>,
 }
 
 fn key(k: usize) -> String {
@@ -83,6 +94,10 @@ impl SwappedOptimizer {
             buffer_count,
             scratch: Vec::new(),
             piece_writes: VecDeque::new(),
+            open: None,
+            ahead: None,
+            last_piece_start: None,
+            reads: std::cell::Cell::new(0),
         };
         // Every sub-group starts from the initial state of its length (at most two lengths): packed once per
         // length and written to each sub-group's file, so start-up holds one sub-group's state, not one per
@@ -119,8 +134,53 @@ impl SwappedOptimizer {
     }
 
     fn read(&self, k: usize) -> SwapHandle<HostBuffer> {
+        self.reads.set(self.reads.get() + 1);
         let bytes = self.subgroups[k].range.len() * 4 * self.state_names.len();
         self.swapper.swap_in(&key(k), self.pool.take(bytes))
+    }
+
+    /// Sub-group `k`'s state: the read started ahead for it, or a read started now (a read ahead for another one
+    /// is let go).
+    fn take_read(&mut self, k: usize) -> Result<SwapHandle<HostBuffer>> {
+        match self.ahead.take() {
+            Some((a, h)) if a == k => return Ok(h),
+            Some((_, h)) => self.pool.give_back(h.wait().map_err(offload_err)?),
+            None => {}
+        }
+        Ok(self.read(k))
+    }
+
+    /// Packs the sub-group still lent from the last piece and starts its write (bounded as the pieces' are).
+    fn close_open(&mut self) -> Result<()> {
+        let Some(k) = self.open.take() else { return Ok(()) };
+        let sg = &mut self.subgroups[k];
+        let len = sg.range.len();
+        let scratch =
+            &mut self.scratch.iter_mut().find(|(l, _)| *l == len).expect("a scratch set per sub-group length").1;
+        let packed = pack(&self.pool, sg.optimizer.as_mut(), len);
+        take_back(sg.optimizer.as_mut(), scratch);
+        let bytes = len * 4 * self.state_names.len();
+        self.piece_writes.push_back((self.swapper.swap_out(&key(k), packed, bytes), bytes));
+        self.finish_piece_writes(self.max_piece_writes())
+    }
+
+    /// Ends a step in pieces: the sub-group left open written, the read ahead let go, every write waited for.
+    fn settle(&mut self) -> Result<()> {
+        self.close_open()?;
+        if let Some((_, h)) = self.ahead.take() {
+            self.pool.give_back(h.wait().map_err(offload_err)?);
+        }
+        self.last_piece_start = None;
+        self.finish_piece_writes(0)
+    }
+
+    /// Writes in flight a step in pieces keeps: one buffer is being stepped and one read ahead.
+    fn max_piece_writes(&self) -> usize {
+        if self.pipeline_write {
+            self.buffer_count.saturating_sub(2).max(1)
+        } else {
+            0
+        }
     }
 
     /// Waits for the pieces' writes until at most `keep` are in flight.
@@ -154,14 +214,17 @@ impl OptimizerTier for SwappedOptimizer {
     }
 
     fn begin_step(&mut self) -> std::result::Result<(), TierError> {
-        self.finish_piece_writes(0)?;
+        self.settle()?;
         self.step += 1;
         Ok(())
     }
 
     /// A piece of a step begun with `begin_step` (stage 3's optimizer in backward, or a step unit by unit with the
     /// parameters on NVMe): every sub-group `range` touches is read (the next one while this one steps), its part
-    /// updated, and written back behind. A sub-group that two pieces share is read twice, its state whole each time.
+    /// updated, and written back behind. Pieces in increasing order (a step unit by unit) leave the sub-group the
+    /// piece ends inside lent to its optimizer, with the next one read ahead: the next piece starts there and
+    /// steps on, so a sub-group that two pieces share is read and written once. In other orders (the optimizer in
+    /// backward's) a shared sub-group is read twice, its state whole each time.
     fn update_range(
         &mut self,
         range: Range<usize>,
@@ -182,12 +245,24 @@ impl OptimizerTier for SwappedOptimizer {
         let first = self.subgroups.partition_point(|g| g.range.end <= range.start);
         let touched: Vec<usize> =
             (first..self.subgroups.len()).take_while(|&k| self.subgroups[k].range.start < range.end).collect();
-        let mut next_read = touched.first().map(|&k| self.read(k));
-        let max_writes = if self.pipeline_write { self.buffer_count.saturating_sub(2).max(1) } else { 0 };
+        let forward = self.last_piece_start.is_none_or(|s| range.start >= s);
+        self.last_piece_start = Some(range.start);
+        if self.open.is_some() && (touched.first() != self.open.as_ref() || !forward) {
+            self.close_open()?;
+        }
+        let mut next_read = match touched.first() {
+            Some(&k) if self.open != Some(k) => Some(self.take_read(k)?),
+            _ => None,
+        };
+        let max_writes = self.max_piece_writes();
         for (i, &k) in touched.iter().enumerate() {
-            let buf = next_read.take().expect("sub-group k was read").wait().map_err(offload_err)?;
+            // The first sub-group may still be lent from the last piece; the others are read.
+            let buf = match self.open.take() {
+                Some(o) if o == k => None,
+                _ => Some(next_read.take().expect("sub-group k was read").wait().map_err(offload_err)?),
+            };
             if let Some(&after) = touched.get(i + 1) {
-                next_read = Some(self.read(after));
+                next_read = Some(self.take_read(after)?);
             }
             let sg = &mut self.subgroups[k];
             let len = sg.range.len();
@@ -197,8 +272,10 @@ impl OptimizerTier for SwappedOptimizer {
             let sg_groups = within(groups, &sg.range);
             let scratch =
                 &mut self.scratch.iter_mut().find(|(l, _)| *l == len).expect("a scratch set per sub-group length").1;
-            lend(sg.optimizer.as_mut(), scratch, len, &buf, self.step);
-            self.pool.give_back(buf);
+            if let Some(buf) = buf {
+                lend(sg.optimizer.as_mut(), scratch, len, &buf, self.step);
+                self.pool.give_back(buf);
+            }
             let sub_out = out.as_mut().map(|o| match o {
                 ParamsOut::Bf16(s) => ParamsOut::Bf16(&mut s[piece.clone()]),
                 ParamsOut::F16(s) => ParamsOut::F16(&mut s[piece.clone()]),
@@ -210,6 +287,15 @@ impl OptimizerTier for SwappedOptimizer {
                 &sg_groups,
                 sub_out,
             );
+            if r.is_ok() && forward && i + 1 == touched.len() && b < sg.range.end {
+                // The piece ends inside this sub-group: kept lent for the next piece, the one after read ahead.
+                self.open = Some(k);
+                if k + 1 < self.subgroups.len() && self.ahead.is_none() {
+                    let h = self.read(k + 1);
+                    self.ahead = Some((k + 1, h));
+                }
+                return Ok(());
+            }
             let packed = pack(&self.pool, sg.optimizer.as_mut(), len);
             take_back(sg.optimizer.as_mut(), scratch);
             r?;
@@ -221,7 +307,7 @@ impl OptimizerTier for SwappedOptimizer {
     }
 
     fn finish_step(&mut self) -> std::result::Result<(), TierError> {
-        self.finish_piece_writes(0)
+        self.settle()
     }
 
     fn set_momentum(&mut self, momentum: f64) {
@@ -261,7 +347,7 @@ impl OptimizerTier for SwappedOptimizer {
         groups: &[Group],
         mut out: Option<ParamsOut<'_>>,
     ) -> std::result::Result<(), TierError> {
-        self.finish_piece_writes(0)?;
+        self.settle()?;
         for g in &mut self.subgroups {
             g.groups = within(groups, &g.range);
         }
@@ -314,6 +400,7 @@ impl OptimizerTier for SwappedOptimizer {
 
     /// Writes state buffer `index` of the whole range, reading one sub-group at a time.
     fn write_state(&mut self, index: usize, w: &mut dyn std::io::Write) -> std::io::Result<()> {
+        self.settle().map_err(|e| std::io::Error::other(e.to_string()))?;
         let names = self.state_names.len();
         for k in 0..self.subgroups.len() {
             let buf = self.read(k).wait().map_err(|e| std::io::Error::other(e.to_string()))?;
@@ -329,6 +416,7 @@ impl OptimizerTier for SwappedOptimizer {
     /// Replaces the state (checkpoint load): `fill` writes each sub-group's part into a host buffer, which goes to
     /// the sub-group's swap file before the next is filled.
     fn import_from(&mut self, step: u64, fill: &mut FillState<'_>) -> std::result::Result<(), TierError> {
+        self.settle()?;
         let names = self.state_names.len();
         for k in 0..self.subgroups.len() {
             let r = self.subgroups[k].range.clone();
@@ -450,8 +538,9 @@ mod tests {
     }
 
     /// A step taken in pieces (begin_step, update_range per piece, finish_step) gives bitwise the whole step's
-    /// values, states and 16-bit output: pieces inside one sub-group, straddling several, and in backward's order
-    /// (last piece first).
+    /// values, states and 16-bit output: pieces inside one sub-group, straddling several, in backward's order (last
+    /// piece first) and in increasing order (a step unit by unit), where each sub-group is read once a step (the
+    /// one a piece ends inside carried over to the next piece).
     #[test]
     fn a_step_in_pieces_over_swapped_sub_groups_equals_the_whole_step() {
         let n = 1000;
@@ -475,13 +564,20 @@ mod tests {
             for s in 0..3 {
                 let grads = values(n, 10 + s);
                 swapped.begin_step().unwrap();
-                for r in pieces.iter().rev() {
+                let reads = swapped.reads.get();
+                // Steps 1 and 3 in increasing order, step 2 in backward's.
+                let order: Vec<&std::ops::Range<usize>> =
+                    if s == 1 { pieces.iter().rev().collect() } else { pieces.iter().collect() };
+                for r in order {
                     let o = ParamsOut::Bf16(&mut out[r.clone()]);
                     swapped
                         .update_range(r.clone(), &mut params[r.clone()], &grads[r.clone()], &groups, Some(o))
                         .unwrap();
                 }
                 swapped.finish_step().unwrap();
+                if s != 1 {
+                    assert_eq!(swapped.reads.get() - reads, n.div_ceil(sub_group) as u64, "sub-groups of {sub_group}");
+                }
             }
             assert_eq!(params, expected, "sub-groups of {sub_group}");
             assert_eq!(out, expected_out);
