@@ -245,7 +245,7 @@ impl OptimizerTier for SwappedOptimizer {
         let first = self.subgroups.partition_point(|g| g.range.end <= range.start);
         let touched: Vec<usize> =
             (first..self.subgroups.len()).take_while(|&k| self.subgroups[k].range.start < range.end).collect();
-        let forward = self.last_piece_start.is_none_or(|s| range.start >= s);
+        let forward = self.last_piece_start.map_or(true, |s| range.start >= s);
         self.last_piece_start = Some(range.start);
         if self.open.is_some() && (touched.first() != self.open.as_ref() || !forward) {
             self.close_open()?;
