@@ -416,17 +416,24 @@ fn run(args: &Args) -> Result<(), String> {
     Ok(())
 }
 
+/// A degree a flag and a ds_config key may both give: the flag where the key is 1 (its default), the key where
+/// the flag is absent; both given must agree.
+fn agreed(flag: Option<u64>, key: u64, flag_name: &str, key_name: &str) -> Result<u64, String> {
+    match (flag, key) {
+        (Some(flag), 1) => Ok(flag),
+        (Some(flag), key) if flag != key => {
+            Err(format!("{flag_name} {flag} and ds_config's {key_name} {key} disagree"))
+        }
+        (_, key) => Ok(key),
+    }
+}
+
 /// The sequence-parallel degree: `--sequence-parallel` and ds_config's `sequence_parallel_size` (either, or both
 /// agreeing), written into the config the engine reads. Checked against the model's heads and the other flags.
 /// Returns (S, ring attention): ring when asked, or when the heads do not divide over S (Ulysses needs them to).
 fn sequence_parallel(args: &Args, config: &mut zerorun::Config, c: &LlamaConfig) -> Result<(u64, bool), String> {
-    let s = match (args.sequence_parallel, config.sequence_parallel_size) {
-        (Some(flag), 1) => flag,
-        (Some(flag), key) if flag != key => {
-            return Err(format!("--sequence-parallel {flag} and ds_config's sequence_parallel_size {key} disagree"))
-        }
-        (_, key) => key,
-    };
+    let s =
+        agreed(args.sequence_parallel, config.sequence_parallel_size, "--sequence-parallel", "sequence_parallel_size")?;
     if s <= 1 {
         if args.ring_attention {
             return Err("--ring-attention: needs --sequence-parallel S (or sequence_parallel_size) above 1".into());
@@ -457,14 +464,12 @@ fn sequence_parallel(args: &Args, config: &mut zerorun::Config, c: &LlamaConfig)
 /// The expert-parallel degree: `--expert-parallel` and ds_config's `expert_parallel` block (either, or both
 /// agreeing), written into the config the engine checks. It must divide every sparse layer's experts.
 fn expert_parallel(args: &Args, config: &mut zerorun::Config, c: &LlamaConfig) -> Result<u64, String> {
-    let key = config.expert_parallel.size();
-    let e = match (args.expert_parallel, key) {
-        (Some(flag), 1) => flag,
-        (Some(flag), key) if flag != key => {
-            return Err(format!("--expert-parallel {flag} and ds_config's expert_parallel.autoep_size {key} disagree"))
-        }
-        (_, key) => key,
-    };
+    let e = agreed(
+        args.expert_parallel,
+        config.expert_parallel.size(),
+        "--expert-parallel",
+        "expert_parallel.autoep_size",
+    )?;
     if let Some(preset) = &config.expert_parallel.preset_model {
         if *preset != c.model_type {
             return Err(format!(
@@ -484,11 +489,6 @@ fn expert_parallel(args: &Args, config: &mut zerorun::Config, c: &LlamaConfig) -
     };
     if experts % e as i64 != 0 {
         return Err(format!("--expert-parallel {e}: the {experts} experts of a layer do not split over {e} ranks"));
-    }
-    if args.pipeline_stages.is_some() || args.tensor_parallel.is_some() {
-        return Err(format!(
-            "--expert-parallel {e}: not with --pipeline-stages or --tensor-parallel in this example yet"
-        ));
     }
     config.expert_parallel.enabled = true;
     config.expert_parallel.autoep_size = e;

@@ -150,18 +150,29 @@ impl SwappedOptimizer {
         Ok(self.read(k))
     }
 
-    /// Packs the sub-group still lent from the last piece and starts its write (bounded as the pieces' are).
-    fn close_open(&mut self) -> Result<()> {
-        let Some(k) = self.open.take() else { return Ok(()) };
+    /// Packs sub-group `k`'s state, lent to its optimizer, into a host buffer and takes the scratch back.
+    fn unlend(&mut self, k: usize) -> HostBuffer {
         let sg = &mut self.subgroups[k];
         let len = sg.range.len();
         let scratch =
             &mut self.scratch.iter_mut().find(|(l, _)| *l == len).expect("a scratch set per sub-group length").1;
         let packed = pack(&self.pool, sg.optimizer.as_mut(), len);
         take_back(sg.optimizer.as_mut(), scratch);
-        let bytes = len * 4 * self.state_names.len();
+        packed
+    }
+
+    /// Starts writing sub-group `k`'s packed state behind (bounded as the pieces' writes are).
+    fn write_behind(&mut self, k: usize, packed: HostBuffer) -> Result<()> {
+        let bytes = self.subgroups[k].range.len() * 4 * self.state_names.len();
         self.piece_writes.push_back((self.swapper.swap_out(&key(k), packed, bytes), bytes));
         self.finish_piece_writes(self.max_piece_writes())
+    }
+
+    /// Packs the sub-group still lent from the last piece and starts its write.
+    fn close_open(&mut self) -> Result<()> {
+        let Some(k) = self.open.take() else { return Ok(()) };
+        let packed = self.unlend(k);
+        self.write_behind(k, packed)
     }
 
     /// Ends a step in pieces: the sub-group left open written, the read ahead let go, every write waited for.
@@ -174,7 +185,7 @@ impl SwappedOptimizer {
         self.finish_piece_writes(0)
     }
 
-    /// Writes in flight a step in pieces keeps: one buffer is being stepped and one read ahead.
+    /// Writes a step keeps in flight: one buffer is being stepped and one read ahead, the rest may be writing.
     fn max_piece_writes(&self) -> usize {
         if self.pipeline_write {
             self.buffer_count.saturating_sub(2).max(1)
@@ -254,7 +265,6 @@ impl OptimizerTier for SwappedOptimizer {
             Some(&k) if self.open != Some(k) => Some(self.take_read(k)?),
             _ => None,
         };
-        let max_writes = self.max_piece_writes();
         for (i, &k) in touched.iter().enumerate() {
             // The first sub-group may still be lent from the last piece; the others are read.
             let buf = match self.open.take() {
@@ -296,12 +306,12 @@ impl OptimizerTier for SwappedOptimizer {
                 }
                 return Ok(());
             }
-            let packed = pack(&self.pool, sg.optimizer.as_mut(), len);
-            take_back(sg.optimizer.as_mut(), scratch);
-            r?;
-            let bytes = len * 4 * self.state_names.len();
-            self.piece_writes.push_back((self.swapper.swap_out(&key(k), packed, bytes), bytes));
-            self.finish_piece_writes(max_writes)?;
+            let packed = self.unlend(k);
+            if let Err(e) = r {
+                self.pool.give_back(packed);
+                return Err(e.into());
+            }
+            self.write_behind(k, packed)?;
         }
         Ok(())
     }
@@ -380,9 +390,7 @@ impl OptimizerTier for SwappedOptimizer {
             take_back(sg.optimizer.as_mut(), scratch);
             r?;
             writes.push_back(self.swapper.swap_out(&key(k), packed, range.len() * 4 * self.state_names.len()));
-            // One buffer is being stepped and one read ahead; the rest may be writes in flight.
-            let max_writes = if self.pipeline_write { self.buffer_count.saturating_sub(2).max(1) } else { 0 };
-            while writes.len() > max_writes {
+            while writes.len() > self.max_piece_writes() {
                 let b = writes.pop_front().expect("non-empty").wait().map_err(offload_err)?;
                 self.pool.give_back(b);
             }

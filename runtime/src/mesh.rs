@@ -321,6 +321,19 @@ impl Mesh {
     }
 }
 
+/// The groups of adjacent data-parallel ranks a model's layers run over (sequence parallelism's, expert
+/// parallelism's), refused where the mesh has other dimensions (`why` says which).
+pub(crate) fn refuse_adjacent_groups(config: &Config, why: &'static str) -> Result<()> {
+    let groups = [
+        ("sequence_parallel_size", config.sequence_parallel_size),
+        ("expert_parallel.autoep_size", config.expert_parallel.size()),
+    ];
+    match groups.into_iter().find(|(_, size)| *size > 1) {
+        Some((key, size)) => Err(Error::Unsupported { key, value: size.to_string(), why }),
+        None => Ok(()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -81,11 +81,16 @@ impl ModelDesc {
     /// (params, largest layer) of a GPT: 12 h^2 + 13 h per block (attention 4 h^2, MLP 8 h^2, biases, two norms),
     /// token and position embeddings, a final norm and (unless tied) the output head; the largest layer is the
     /// embedding or one block.
-    fn sizes(&self, file: &std::path::Path) -> Result<(u64, Option<u64>), CliError> {
+    /// With the planner's transformer (`planner`), its counts.
+    fn sizes(
+        &self,
+        planner: Option<&zerorun_plan::Model>,
+        file: &std::path::Path,
+    ) -> Result<(u64, Option<u64>), CliError> {
         if let Some(p) = self.params {
             return Ok((p as u64, self.largest_layer_params.map(|l| l as u64)));
         }
-        if let Some(model) = self.planner_model(file)? {
+        if let Some(model) = planner {
             let largest = self.largest_layer_params.map_or(model.largest_layer_params(), |x| x as u64);
             return Ok((model.params(), Some(largest)));
         }
@@ -105,74 +110,44 @@ impl ModelDesc {
             ))),
         }
     }
-}
 
-impl ModelDesc {
-    /// The planner's transformer, when the description names heads and a sequence length (what it needs); an
-    /// error when it gives the planner's own keys without them.
-    fn planner_model(&self, file: &std::path::Path) -> Result<Option<zerorun_plan::Model>, CliError> {
+    /// The planner's transformer (the file `text` read by the planner), when the description names heads and a
+    /// sequence length (what it needs) and no `params`; an error when it gives the planner's own keys without them.
+    fn planner_model(&self, text: &str, file: &std::path::Path) -> Result<Option<zerorun_plan::Model>, CliError> {
+        if self.params.is_some() {
+            return Ok(None);
+        }
         let planner_only = self.kv_heads.is_some()
             || self.ffn.is_some()
             || self.gated.is_some()
             || self.flash_attention.is_some()
             || self.experts.is_some()
             || self.top_k.is_some();
-        let (Some(layers), Some(hidden), Some(heads), Some(vocab), Some(seq_len)) =
-            (self.layers, self.hidden, self.heads, self.vocab, self.seq_len)
-        else {
-            return match planner_only {
-                true => Err(CliError::Usage(format!(
-                    "{}: kv_heads, ffn, gated, flash_attention, experts and top_k describe a transformer with \"layers\", \"hidden\", \"heads\", \"vocab\" and \"seq_len\"",
-                    file.display()
-                ))),
-                false => Ok(None),
-            };
-        };
-        let mut json = serde_json::json!({"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab,
-            "seq_len": seq_len, "tied": self.tied.unwrap_or(false)});
-        let optional = [
-            ("kv_heads", self.kv_heads.map(serde_json::Value::from)),
-            ("ffn", self.ffn.map(serde_json::Value::from)),
-            ("gated", self.gated.map(serde_json::Value::from)),
-            ("flash_attention", self.flash_attention.map(serde_json::Value::from)),
-            ("experts", self.experts.map(serde_json::Value::from)),
-            ("top_k", self.top_k.map(serde_json::Value::from)),
-        ];
-        for (key, value) in optional {
-            if let Some(v) = value {
-                json[key] = v;
-            }
+        let shaped = [self.layers, self.hidden, self.heads, self.vocab, self.seq_len].iter().all(Option::is_some);
+        match (shaped, planner_only) {
+            (true, _) => zerorun_plan::Model::from_json(text, &file.display().to_string())
+                .map(Some)
+                .map_err(|e| CliError::Usage(e.to_string())),
+            (false, true) => Err(CliError::Usage(format!(
+                "{}: kv_heads, ffn, gated, flash_attention, experts and top_k describe a transformer with \"layers\", \"hidden\", \"heads\", \"vocab\" and \"seq_len\"",
+                file.display()
+            ))),
+            (false, false) => Ok(None),
         }
-        zerorun_plan::Model::from_json(&json.to_string(), &file.display().to_string())
-            .map(Some)
-            .map_err(|e| CliError::Usage(e.to_string()))
     }
 }
 
 /// The activations of one micro-batch of `micro` samples on one rank (values of `value_bytes`): kept at the end of
 /// forward, and at the peak of backward (with recomputation, one layer rebuilt on top). The count is the planner's
 /// (`zerorun_plan::activations`): what a tch transformer layer without dropout saves.
-fn activations(
-    desc: &ModelDesc,
-    path: &std::path::Path,
-    micro: u64,
-    recompute: bool,
-    value_bytes: f64,
-) -> Result<(f64, f64), CliError> {
-    let needs = || {
-        CliError::Usage(format!(
-            "{}: --micro-batch needs a transformer description with \"layers\", \"hidden\", \"heads\", \"vocab\" and \"seq_len\"",
-            path.display()
-        ))
-    };
-    let model = desc.planner_model(path).map_err(|_| needs())?.ok_or_else(needs)?;
+fn activations(model: &zerorun_plan::Model, micro: u64, recompute: bool, value_bytes: f64) -> (f64, f64) {
     let layers = model.layers();
-    let per_sample = zerorun_plan::activations::bytes_per_sample(&model, layers, 1, recompute, value_bytes);
-    let layer = zerorun_plan::activations::bytes_per_sample(&model, 1, 1, false, value_bytes)
-        - zerorun_plan::activations::bytes_per_sample(&model, 0, 1, false, value_bytes);
+    let per_sample = zerorun_plan::activations::bytes_per_sample(model, layers, 1, recompute, value_bytes);
+    let layer = zerorun_plan::activations::bytes_per_sample(model, 1, 1, false, value_bytes)
+        - zerorun_plan::activations::bytes_per_sample(model, 0, 1, false, value_bytes);
     let peak = per_sample * micro as f64;
     let end_of_forward = if recompute { peak - layer * micro as f64 } else { peak };
-    Ok((end_of_forward, peak))
+    (end_of_forward, peak)
 }
 
 /// Bytes in the largest binary unit that keeps the number >= 1.
@@ -203,7 +178,14 @@ pub fn run(a: EstimateArgs) -> Result<(), CliError> {
                 .map_err(|e| CliError::Io { context: format!("reading {}", path.display()), source: e })?;
             let desc: ModelDesc =
                 serde_json::from_str(&text).map_err(|e| CliError::Usage(format!("{}: {e}", path.display())))?;
+            let planner = desc.planner_model(&text, path)?;
             if let Some(micro) = a.micro_batch {
+                let model = planner.as_ref().ok_or_else(|| {
+                    CliError::Usage(format!(
+                        "{}: --micro-batch needs a transformer description with \"layers\", \"hidden\", \"heads\", \"vocab\" and \"seq_len\"",
+                        path.display()
+                    ))
+                })?;
                 let value_bytes = match config.as_ref().map(Config::precision) {
                     Some(zerorun_config::Precision::Fp32) | None => 4.0,
                     _ => 2.0,
@@ -215,10 +197,10 @@ pub fn run(a: EstimateArgs) -> Result<(), CliError> {
                         desc.seq_len.unwrap_or(0)
                     )));
                 }
-                let (end, peak) = activations(&desc, path, micro.max(1), a.activation_checkpointing, value_bytes)?;
+                let (end, peak) = activations(model, micro.max(1), a.activation_checkpointing, value_bytes);
                 activation_bytes = Some((micro, (end / s as f64, peak / s as f64), s));
             }
-            desc.sizes(path)?
+            desc.sizes(planner.as_ref(), path)?
         }
         (None, Some(p)) if p >= 1.0 => (p as u64, None),
         (Some(_), Some(_)) => return Err(CliError::Usage("give --params or --model, not both".into())),

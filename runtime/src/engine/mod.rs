@@ -317,11 +317,6 @@ impl Engine {
         self.config.sequence_parallel_size.max(1) as usize
     }
 
-    /// Ranks per expert-parallel group (`expert_parallel.autoep_size` when enabled; 1 without).
-    pub fn expert_parallel(&self) -> usize {
-        self.config.expert_parallel.size() as usize
-    }
-
     /// Averages `buf` over the engine's (data-parallel) ranks.
     pub fn data_parallel_mean(&self, buf: &mut [f32]) -> Result<()> {
         Ok(self.comm.all_reduce_data(buf, crate::comm::ReduceOp::Avg)?)

@@ -390,9 +390,9 @@ impl Engine {
             return None;
         }
         let whole = parameters as f64 / layout.numel as f64;
+        let pieces = self.optimized_pieces(self.comm.rank());
         let elements = |pick: &dyn Fn(&crate::engine::ParamSlot) -> bool| -> usize {
-            let pieces = self.optimized_pieces(self.comm.rank());
-            pieces.into_iter().flat_map(|p| layout.runs_where(p, pick)).map(|r| r.len()).sum()
+            pieces.iter().flat_map(|p| layout.runs_where(p.clone(), pick)).map(|r| r.len()).sum()
         };
         let held = elements(&|_| true);
         let partition = if held == 0 { 0.0 } else { elements(&expert) as f64 / held as f64 };

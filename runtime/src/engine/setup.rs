@@ -500,19 +500,8 @@ impl Engine {
     /// the mesh's tensor-parallel layers recorded). A data-parallel mesh's engine runs on its communicator itself.
     pub(crate) fn on_mesh(vs: &nn::VarStore, config: Config, mesh: Mesh, options: EngineOptions) -> Result<Engine> {
         let mesh = mesh.with_shard_groups(config.zero_optimization.mics_shard_size)?;
-        if config.sequence_parallel_size > 1 && (mesh.shape().tensor > 1 || mesh.shape().pipeline > 1) {
-            return Err(Error::Unsupported {
-                key: "sequence_parallel_size",
-                value: config.sequence_parallel_size.to_string(),
-                why: "with tensor parallelism or pipeline stages not yet: a sequence group is adjacent ranks of a data-parallel mesh",
-            });
-        }
-        if config.expert_parallel.size() > 1 && (mesh.shape().tensor > 1 || mesh.shape().pipeline > 1) {
-            return Err(Error::Unsupported {
-                key: "expert_parallel.autoep_size",
-                value: config.expert_parallel.autoep_size.to_string(),
-                why: "with tensor parallelism or pipeline stages not yet: an expert-parallel group is adjacent ranks of a data-parallel mesh",
-            });
+        if mesh.shape().tensor > 1 || mesh.shape().pipeline > 1 {
+            crate::mesh::refuse_adjacent_groups(&config, "with tensor parallelism or pipeline stages not yet")?;
         }
         if mesh.shape().replicate > 1 {
             return Engine::on_shard_groups(vs, config, mesh, options);

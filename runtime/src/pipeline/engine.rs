@@ -120,20 +120,7 @@ impl<'a> PipelineEngine<'a> {
                 why: "shard groups run on a data-parallel mesh; with pipeline stages they are not built yet",
             });
         }
-        if config.expert_parallel.size() > 1 {
-            return Err(Error::Unsupported {
-                key: "expert_parallel.autoep_size",
-                value: config.expert_parallel.autoep_size.to_string(),
-                why: "with pipeline stages not yet: an expert-parallel group is adjacent ranks of a data-parallel mesh",
-            });
-        }
-        if config.sequence_parallel_size > 1 {
-            return Err(Error::Unsupported {
-                key: "sequence_parallel_size",
-                value: config.sequence_parallel_size.to_string(),
-                why: "with pipeline stages not yet: a sequence group is adjacent ranks of a data-parallel mesh",
-            });
-        }
+        crate::mesh::refuse_adjacent_groups(&config, "with pipeline stages not yet")?;
         if options.units.is_some() {
             return Err(Error::Usage(
                 "a pipeline stage runs its layers itself: leave EngineOptions::units unset".into(),
