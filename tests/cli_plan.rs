@@ -83,6 +83,11 @@ fn json_rows_rank_what_fits_and_configs_load() {
         assert_eq!(p * t * sp * d, 16);
         assert!(sp == 1 || (p == 1 && t == 1), "sequence parallelism beside tensor or pipeline parallelism: {r}");
         assert!(!(r["stage"] == 3 && p > 1), "stage 3 under a pipeline: {r}");
+        // A stated cluster (a data sheet's figures, not `plan measure`'s): every part at least 25% unsure.
+        let c = &r["confidence"];
+        let relative = c["relative"].as_f64().unwrap();
+        assert!((0.25..=0.5 + 1e-9).contains(&relative), "{r}");
+        assert!(c["least_sure_part"].is_string() && c["shared_cores"] == false, "{r}");
     }
     let steps: Vec<f64> = rows.iter().map(|r| r["step_seconds"].as_f64().unwrap()).collect();
     assert!(steps.windows(2).all(|w| w[0] <= w[1]), "{steps:?}");
@@ -110,6 +115,10 @@ fn a_model_too_big_for_the_cluster_shows_the_smallest_peaks() {
     assert!(ok, "{err}");
     assert!(out.contains("0 fit"), "{out}");
     assert!(out.contains("nothing fits; the smallest peaks:"), "{out}");
+    // Stated figures: the table's +-% column and the rows the planner is least sure of, named with their part.
+    assert!(out.lines().nth(2).is_some_and(|l| l.contains("+-%")), "{out}");
+    let least = out.lines().find(|l| l.starts_with("least sure: ")).unwrap_or_else(|| panic!("{out}"));
+    assert!(least.contains("+-50% (compute)") && least.contains("zerorun plan measure"), "{least}");
 }
 
 #[test]
@@ -149,7 +158,16 @@ fn validate_predicts_every_rows_peak_memory_within_ten_percent() {
         let (pred, meas) = (r["predicted_peak_bytes"].as_f64().unwrap(), r["measured_peak_bytes"].as_f64().unwrap());
         assert!((pred / meas - 1.0).abs() < 0.10, "{}: predicted {pred}, measured {meas}", r["name"]);
         assert!(r["predicted_step_s"].as_f64().unwrap() > 0.0 && r["measured_step_s"].as_f64().unwrap() > 0.0);
+        // This machine measured: compute priced at 15%, NVMe at 40%, and the 4 ranks share 2 cores.
+        let u = r["step_uncertainty"].as_f64().unwrap();
+        assert!((0.1..=0.7).contains(&u), "{}: +-{u}", r["name"]);
+        let shared = r["ranks"].as_u64().unwrap() as usize > std::thread::available_parallelism().unwrap().get();
+        assert_eq!(r["predicted"]["confidence"]["shared_cores"], shared, "{}", r["name"]);
     }
+    // The NVMe row is less sure than the same stage in memory: its disk traffic is priced at 40%.
+    let u = |name: &str| rows.iter().find(|r| r["name"] == name).unwrap()["step_uncertainty"].as_f64().unwrap();
+    assert!(u("stage 3 + NVMe, 2 ranks") > u("stage 3, 2 ranks"));
+    assert!(v["within_uncertainty"].as_u64().unwrap() <= 10);
     let published = v["published"].as_array().unwrap();
     assert!(published.iter().all(|p| p["error"].as_f64().unwrap().abs() < 0.01 || p["rounds_to_published"] == true));
 }

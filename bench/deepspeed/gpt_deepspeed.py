@@ -86,6 +86,41 @@ class Rng:
         return z ^ (z >> 31)
 
 
+class Embed(nn.Module):
+    """The pipeline's first layer: the token and position embeddings (examples/support/gpt_model.rs's "embed")."""
+
+    def __init__(self, vocab, block, embd):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, embd)
+        self.pos = nn.Embedding(block, embd)
+
+    def forward(self, idx):
+        return self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+
+
+class Head(nn.Module):
+    """The pipeline's last layer: the final norm and the head."""
+
+    def __init__(self, vocab, embd):
+        super().__init__()
+        self.ln_f = nn.LayerNorm(embd)
+        self.head = nn.Linear(embd, vocab)
+
+    def forward(self, x):
+        return self.head(self.ln_f(x))
+
+
+def pipeline_layers(vocab, block, layers, heads, embd):
+    """The GPT as DeepSpeed's PipelineModule takes it, with the whole model's parameter name of each of its
+    parameters (PipelineModule names them `{layer}.{name}`)."""
+    modules = [Embed(vocab, block, embd)] + [Block(embd, heads) for _ in range(layers)] + [Head(vocab, embd)]
+    names = {}
+    for i, m in enumerate(modules):
+        for n, _ in m.named_parameters():
+            names[f"{i}.{n}"] = n if i == 0 or i == len(modules) - 1 else f"blocks.{i - 1}.{n}"
+    return modules, names
+
+
 def corpus(path):
     text = open(path, encoding="utf-8").read()
     chars = sorted(set(text))
@@ -129,6 +164,7 @@ def main():
     p.add_argument("--embd", type=int, default=64)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--block", type=int, default=64)
+    p.add_argument("--pipeline-stages", type=int, help="train through DeepSpeed's PipelineModule and train_batch")
     p.add_argument("--local_rank", type=int, default=0)
     a = p.parse_args()
 
@@ -137,6 +173,8 @@ def main():
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     here = os.path.dirname(os.path.abspath(__file__))
     ids, vocab = corpus(os.path.join(here, "../../examples/data/shakespeare.txt"))
+    if a.pipeline_stages:
+        return train_pipeline(a, ids, vocab, rank, world)
     model = Gpt(vocab, a.block, a.layers, a.heads, a.embd)
     init = load_file(a.init)
     missing = set(dict(model.named_parameters())) ^ set(init)
@@ -176,6 +214,52 @@ def main():
         with deepspeed.zero.GatheredParameters(params, enabled=cfg.get("zero_optimization", {}).get("stage", 0) == 3):
             if rank == 0:
                 save_file({n: p.detach().float().contiguous().clone() for n, p in engine.module.named_parameters()}, a.save_final)
+    torch.distributed.barrier()
+    print(f"peak_rss_bytes {peak_rss()}", flush=True)
+    leave()
+
+
+def train_pipeline(a, ids, vocab, rank, world):
+    """The same GPT cut into `--pipeline-stages` stages by DeepSpeed's PipelineModule (partition by parameters,
+    its default and zerorun's), one `train_batch` over gradient_accumulation_steps micro-batches per step."""
+    from deepspeed.pipe import PipelineModule
+
+    modules, names = pipeline_layers(vocab, a.block, a.layers, a.heads, a.embd)
+    init = load_file(a.init)
+    for i, m in enumerate(modules):
+        m.load_state_dict({n: init[names[f"{i}.{n}"]] for n, _ in m.named_parameters()}, strict=True)
+    loss_fn = lambda logits, y: F.cross_entropy(logits.float().view(-1, vocab), y.view(-1))
+    model = PipelineModule(layers=modules, num_stages=a.pipeline_stages, loss_fn=loss_fn, partition_method="parameters")
+    cfg = json.load(open(a.config))
+    decay = [p for _, p in model.named_parameters() if p.dim() > 1]
+    no_decay = [p for _, p in model.named_parameters() if p.dim() <= 1]
+    groups = [g for g in ({"params": decay}, {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=cfg)
+    train, micro, gas = engine.train_batch_size(), engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    dp, dp_rank = engine.grid.get_data_parallel_world_size(), engine.grid.get_data_parallel_rank()
+    if rank == 0:
+        print(f"pipeline parts {model.parts}", flush=True)
+    times = []
+    for step in range(a.steps):
+        parts = [batch(ids, a.seed, step, train, ((m * dp + dp_rank) * micro, (m * dp + dp_rank + 1) * micro), a.block) for m in range(gas)]
+        started = time.perf_counter()
+        loss = engine.train_batch(iter(parts))
+        times.append(time.perf_counter() - started)
+        mean = torch.tensor([float(loss)], dtype=torch.float32)
+        torch.distributed.all_reduce(mean)
+        if rank == 0:
+            print(f"step {step + 1} loss {mean.item() / world:.6f}", flush=True)
+    t = sorted(times[2:] or times)
+    if rank == 0:
+        print(f"median_step_s {t[len(t) // 2]:.6f}", flush=True)
+    if a.save_final:
+        # Each stage's parameters (named `{layer}.{name}` by the global layer index) under the whole model's names,
+        # gathered to rank 0.
+        own = {names[n]: p.detach().float().clone() for n, p in engine.module.named_parameters()} if dp_rank == 0 else {}
+        every = [None] * world
+        torch.distributed.all_gather_object(every, own)
+        if rank == 0:
+            save_file({k: v.contiguous() for d in every for k, v in d.items()}, a.save_final)
     torch.distributed.barrier()
     print(f"peak_rss_bytes {peak_rss()}", flush=True)
     leave()

@@ -179,6 +179,9 @@ fn plan(o: PlanOptions) -> Result<(), CliError> {
     // A model known by measured totals without a sequence length counts samples, not tokens.
     let per_sample = matches!(&model, zerorun_plan::Model::Measured(m) if m.seq_len <= 1);
     emit(&table(&shown, if per_sample { "samples/s" } else { "tokens/s" }))?;
+    if let Some(line) = least_sure(&shown) {
+        emit(&line)?;
+    }
     if let Some(best) = shown.first() {
         emit(&describe(best))?;
     }
@@ -193,7 +196,7 @@ fn gib(b: f64) -> f64 {
 /// without a sequence).
 pub fn table(rows: &[&Row], rate: &str) -> String {
     let mut out = format!(
-        "{:>3} {:>5} {:<21} {:>3} {:>3} {:>3} {:>5} {:>5} {:>4} {:>3} {:>10} {:>10} {:>10} {:>12} {:>5}",
+        "{:>3} {:>5} {:<21} {:>3} {:>3} {:>3} {:>5} {:>5} {:>4} {:>3} {:>10} {:>10} {:>10} {:>5} {:>12} {:>5}",
         "#",
         "stage",
         "offload",
@@ -207,13 +210,14 @@ pub fn table(rows: &[&Row], rate: &str) -> String {
         "peak GiB",
         "act GiB",
         "step s",
+        "+-%",
         rate,
         "fits"
     );
     for (i, r) in rows.iter().enumerate() {
         let s = &r.strategy;
         out.push_str(&format!(
-            "\n{:>3} {:>5} {:<21} {:>3} {:>3} {:>3} {:>5} {:>5} {:>4} {:>3} {:>10.2} {:>10.2} {:>10.4} {:>12.0} {:>5}",
+            "\n{:>3} {:>5} {:<21} {:>3} {:>3} {:>3} {:>5} {:>5} {:>4} {:>3} {:>10.2} {:>10.2} {:>10.4} {:>5.0} {:>12.0} {:>5}",
             i + 1,
             s.stage,
             s.offload.name(),
@@ -227,11 +231,38 @@ pub fn table(rows: &[&Row], rate: &str) -> String {
             gib(r.peak_bytes_per_rank),
             gib(r.activation_bytes_per_rank),
             r.step_seconds,
+            100.0 * r.confidence.relative,
             r.tokens_per_s,
             if r.fits { "yes" } else { "no" }
         ));
     }
     out
+}
+
+/// The shown rows the planner is least sure of (up to three, by relative uncertainty) and why, or that every row
+/// is as sure; None when every row is within 20%.
+pub fn least_sure(rows: &[&Row]) -> Option<String> {
+    let mut order: Vec<(usize, &Row)> =
+        rows.iter().enumerate().map(|(i, r)| (i + 1, *r)).filter(|(_, r)| r.confidence.relative > 0.2).collect();
+    order.sort_by(|a, b| b.1.confidence.relative.total_cmp(&a.1.confidence.relative).then(a.0.cmp(&b.0)));
+    let why = |r: &Row| {
+        let c = &r.confidence;
+        let part = c.least_sure_part.replace('_', " ");
+        let cores = if c.shared_cores { ", ranks sharing cores" } else { "" };
+        format!("+-{:.0}% ({part}{cores})", 100.0 * c.relative)
+    };
+    let stated = rows.iter().any(|r| r.confidence.relative >= 0.5 - 1e-9);
+    let hint = if stated {
+        "; figures stated rather than measured are priced at +-50%: `zerorun plan measure` measures a machine"
+    } else {
+        ""
+    };
+    let (first, last) = (order.first()?, order.last()?);
+    if order.len() == rows.len() && first.1.confidence.relative - last.1.confidence.relative < 0.01 {
+        return Some(format!("least sure: every row alike, {}{hint}", why(first.1)));
+    }
+    let named: Vec<String> = order.iter().take(3).map(|(i, r)| format!("#{i} {}", why(r))).collect();
+    Some(format!("least sure: {}{hint}", named.join(", ")))
 }
 
 /// The first row's breakdown and how to run it.
@@ -424,9 +455,12 @@ pub fn measure_machine(m: &MeasureArgs) -> Result<Cluster, CliError> {
     let (link, memory) = measure_link("shm", k)?;
     let inter = if m.hosts > 1 { Some(measure_link("gloo", 2)?.0) } else { None };
     let adam = measure_adam()? * share;
-    let nvme = match &m.nvme_dir {
-        Some(dir) => Some(measure_nvme(dir)?),
-        None => None,
+    let (nvme, nvme_latency) = match &m.nvme_dir {
+        Some(dir) => {
+            let (bandwidth, latency) = measure_nvme(dir)?;
+            (Some(bandwidth), Some(latency))
+        }
+        None => (None, None),
     };
     let host = mem_total();
     Ok(Cluster {
@@ -442,6 +476,9 @@ pub fn measure_machine(m: &MeasureArgs) -> Result<Cluster, CliError> {
         host_optimizer_params_per_s: None,
         host_link_bytes_per_s: None,
         nvme_bytes_per_s: nvme,
+        nvme_request_latency_s: nvme_latency,
+        cores_per_host: Some(cores() as u64),
+        measured: true,
         // With more ranks than cores, each gets its share of the time.
         memory_bytes_per_s: memory.map(|b| b * share),
         op_overhead_s: None,
@@ -449,18 +486,28 @@ pub fn measure_machine(m: &MeasureArgs) -> Result<Cluster, CliError> {
     })
 }
 
-/// The slower of the NVMe swapper's write and read bytes/s on `dir` (bench swap, 256 MiB).
-fn measure_nvme(dir: &Path) -> Result<f64, CliError> {
-    let exe = std::env::current_exe().map_err(|e| CliError::Io { context: "finding zerorun".into(), source: e })?;
-    let out = Command::new(&exe)
-        .args(["bench", "swap", "--json", "--repeats", "1", "--size", &(256u64 << 20).to_string(), "--dir"])
-        .arg(dir)
-        .output()
-        .map_err(|e| CliError::Io { context: "running zerorun bench swap".into(), source: e })?;
-    let v = json_line(&out.stdout, &out.stderr, "bench swap")?;
-    let gib = (1u64 << 30) as f64;
-    match (v["write_gibps"].as_f64(), v["read_gibps"].as_f64()) {
-        (Some(w), Some(r)) => Ok(w.min(r) * gib),
-        _ => Err(CliError::Usage(format!("bench swap printed no write/read GiB/s: {v}"))),
-    }
+/// The NVMe swapper on `dir` as training uses it: (bytes/s, seconds per request). The bandwidth is the slower of
+/// its write and read of 256 MiB (bench swap); the request's fixed cost is what a 1 MiB write and read (the mean of
+/// the two, median of five) take beyond their bytes at that bandwidth.
+fn measure_nvme(dir: &Path) -> Result<(f64, f64), CliError> {
+    let swap = |size: u64, repeats: &str| -> Result<(f64, f64), CliError> {
+        let exe = std::env::current_exe().map_err(|e| CliError::Io { context: "finding zerorun".into(), source: e })?;
+        let out = Command::new(&exe)
+            .args(["bench", "swap", "--json", "--repeats", repeats, "--size", &size.to_string(), "--dir"])
+            .arg(dir)
+            .output()
+            .map_err(|e| CliError::Io { context: "running zerorun bench swap".into(), source: e })?;
+        let v = json_line(&out.stdout, &out.stderr, "bench swap")?;
+        let gib = (1u64 << 30) as f64;
+        match (v["write_gibps"].as_f64(), v["read_gibps"].as_f64()) {
+            (Some(w), Some(r)) => Ok((w * gib, r * gib)),
+            _ => Err(CliError::Usage(format!("bench swap printed no write/read GiB/s: {v}"))),
+        }
+    };
+    let (w, r) = swap(256 << 20, "1")?;
+    let bandwidth = w.min(r);
+    let small = (1u64 << 20) as f64;
+    let (sw, sr) = swap(1 << 20, "5")?;
+    let seconds = (small / sw + small / sr) / 2.0;
+    Ok((bandwidth, (seconds - small / bandwidth).max(0.0)))
 }

@@ -196,7 +196,9 @@ fn validate(a: &ValidateArgs, zerorun: &Path, gpt: &Path, dir: &Path) -> Result<
             "peak_error": p.peak_bytes_per_rank / measured.peak - 1.0,
             "predicted_step_s": p.step_seconds, "measured_step_s": measured.step,
             "step_error": p.step_seconds / measured.step - 1.0,
-            "predicted": {"memory": p.memory, "time": p.time},
+            "step_uncertainty": p.confidence.relative,
+            "within_uncertainty": (p.step_seconds / measured.step - 1.0).abs() <= p.confidence.relative,
+            "predicted": {"memory": p.memory, "time": p.time, "confidence": p.confidence},
         }));
     }
     let errors = |key: &str| -> (f64, f64) {
@@ -205,6 +207,7 @@ fn validate(a: &ValidateArgs, zerorun: &Path, gpt: &Path, dir: &Path) -> Result<
     };
     let (peak_mean, peak_max) = errors("peak_error");
     let (step_mean, step_max) = errors("step_error");
+    let within = rows.iter().filter(|r| r["within_uncertainty"] == true).count();
     let published = published_checks();
     if a.json {
         return emit(
@@ -212,34 +215,38 @@ fn validate(a: &ValidateArgs, zerorun: &Path, gpt: &Path, dir: &Path) -> Result<
                 "model": {"layers": LAYERS, "hidden": EMBD, "heads": HEADS, "seq_len": BLOCK, "micro_batch": MICRO},
                 "floor_bytes": floor, "clusters": clusters.iter().map(|(_, c)| c).collect::<Vec<_>>(),
                 "rows": rows, "peak_error": {"mean": peak_mean, "max": peak_max},
-                "step_error": {"mean": step_mean, "max": step_max}, "published": published,
+                "step_error": {"mean": step_mean, "max": step_max}, "within_uncertainty": within,
+                "published": published,
             })
             .to_string(),
         );
     }
     let mib = |v: &serde_json::Value| v.as_f64().unwrap_or(f64::NAN) / 1048576.0;
     let mut out = format!(
-        "the GPT example ({LAYERS} x {EMBD}, {HEADS} heads, block {BLOCK}, micro-batch {MICRO}, fp32) on this machine; process floor {:.0} MiB\n{:<34} {:>10} {:>10} {:>7} {:>9} {:>9} {:>7}",
-        floor / 1048576.0, "run", "peak pred", "measured", "error", "step pred", "measured", "error"
+        "the GPT example ({LAYERS} x {EMBD}, {HEADS} heads, block {BLOCK}, micro-batch {MICRO}, fp32) on this machine; process floor {:.0} MiB\n{:<34} {:>10} {:>10} {:>7} {:>9} {:>5} {:>9} {:>7}",
+        floor / 1048576.0, "run", "peak pred", "measured", "error", "step pred", "+-%", "measured", "error"
     );
     for r in &rows {
         out.push_str(&format!(
-            "\n{:<34} {:>6.0} MiB {:>6.0} MiB {:>+6.1}% {:>7.3} s {:>7.3} s {:>+6.1}%",
+            "\n{:<34} {:>6.0} MiB {:>6.0} MiB {:>+6.1}% {:>7.3} s {:>5.0} {:>7.3} s {:>+6.1}%{}",
             r["name"].as_str().unwrap_or(""),
             mib(&r["predicted_peak_bytes"]),
             mib(&r["measured_peak_bytes"]),
             100.0 * r["peak_error"].as_f64().unwrap_or(f64::NAN),
             r["predicted_step_s"].as_f64().unwrap_or(f64::NAN),
+            100.0 * r["step_uncertainty"].as_f64().unwrap_or(f64::NAN),
             r["measured_step_s"].as_f64().unwrap_or(f64::NAN),
             100.0 * r["step_error"].as_f64().unwrap_or(f64::NAN),
+            if r["within_uncertainty"] == true { "" } else { "  outside +-" },
         ));
     }
     out.push_str(&format!(
-        "\npeak memory error: mean {:.1}%, max {:.1}%; step time error: mean {:.1}%, max {:.1}%",
+        "\npeak memory error: mean {:.1}%, max {:.1}%; step time error: mean {:.1}%, max {:.1}%; {within} of {} steps within their +-%",
         100.0 * peak_mean,
         100.0 * peak_max,
         100.0 * step_mean,
-        100.0 * step_max
+        100.0 * step_max,
+        rows.len()
     ));
     out.push_str("\npublished numbers, computed by the planner's formulas:");
     for p in &published {

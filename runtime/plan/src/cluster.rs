@@ -90,6 +90,18 @@ pub struct Cluster {
     /// CPU; about the same to launch a CUDA kernel from eager mode).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub op_overhead_s: Option<f64>,
+    /// CPU cores of a host. Where its ranks are more, they take turns on the cores and every part of the step is
+    /// less sure ([`crate::confidence`]); absent: not known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cores_per_host: Option<u64>,
+    /// Seconds one NVMe request costs beyond its bytes (`nvme_bytes_per_s`): training reads a unit's parameter
+    /// shard and a sub-group's states at a time, requests of a few MiB, not one long stream. Default 0.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nvme_request_latency_s: Option<f64>,
+    /// The figures are this machine's benchmarks (`zerorun plan measure` writes true): a stated compute rate or
+    /// optimizer throughput makes predictions less sure ([`crate::confidence`]). Default false.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub measured: bool,
     /// Fraction of ZeRO's collective time hidden behind compute (prefetch, bucketed reduce-scatter): 0 on a CPU
     /// cluster whose ranks share the cores that compute; default 0.5 on accelerators.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -143,6 +155,14 @@ impl Cluster {
             ("memory_bytes_per_s", self.memory_bytes_per_s),
             ("op_overhead_s", self.op_overhead_s),
         ];
+        if let Some(l) = self.nvme_request_latency_s {
+            if !(l.is_finite() && l >= 0.0) {
+                return bad("nvme_request_latency_s", &format!("must be a number of seconds, 0 or more, not {l}"));
+            }
+        }
+        if self.cores_per_host == Some(0) {
+            return bad("cores_per_host", "must be at least 1");
+        }
         for (key, v) in positive {
             if let Some(v) = v {
                 if !(v.is_finite() && v > 0.0) {

@@ -9,11 +9,13 @@
 #![warn(missing_docs)]
 pub mod activations;
 pub mod cluster;
+pub mod confidence;
 mod ds_config;
 pub mod model;
 mod predict;
 
 pub use cluster::{Cluster, Collective, Cost, Link, Links};
+pub use confidence::Confidence;
 pub use ds_config::ds_config;
 pub use model::{Measured, Model, Transformer};
 pub use predict::{predict, Breakdown, MemoryParts};
@@ -130,6 +132,8 @@ pub struct Row {
     pub memory: MemoryParts,
     /// The step's parts.
     pub time: Breakdown,
+    /// How far the predicted step may be off, and which part is least sure.
+    pub confidence: Confidence,
 }
 
 /// What is planned for besides the model and the cluster.
@@ -269,6 +273,9 @@ mod tests {
             memory_bytes_per_s: None,
             op_overhead_s: None,
             comm_overlap: None,
+            cores_per_host: None,
+            nvme_request_latency_s: None,
+            measured: false,
         }
     }
 

@@ -4,6 +4,7 @@ use zerorun_config::estimate::{model_states_bytes, EstimateInput};
 use zerorun_config::Precision;
 
 use crate::cluster::Collective::{AllGather, AllReduce, ReduceScatter};
+use crate::confidence::confidence;
 use crate::{activations, Cluster, Link, Model, Options, Row, Strategy};
 
 /// The peak's parts, bytes per rank.
@@ -195,13 +196,19 @@ pub fn predict(model: &Model, cluster: &Cluster, options: &Options, s: &Strategy
 
     let (optimizer, offload) = if s.offload.optimizer() {
         let mut traffic = stepped * (gb + pb) as f64 / cluster.host_link_bytes_per_s();
+        // NVMe is read and written in requests, each paying the disk's fixed cost beside its bytes.
+        let request = cluster.nvme_request_latency_s.unwrap_or(0.0);
         if s.offload.nvme() {
-            // fp32 master, momentum and variance read and written back.
-            traffic += 2.0 * stepped * ob as f64 / cluster.nvme_bytes_per_s.unwrap_or(f64::INFINITY);
+            // fp32 master, momentum and variance read and written back, a sub-group at a time.
+            let sub_groups = (stepped / NVME_SUB_GROUP_SIZE).ceil().max(1.0);
+            traffic += 2.0 * stepped * ob as f64 / cluster.nvme_bytes_per_s.unwrap_or(f64::INFINITY)
+                + 2.0 * sub_groups * request;
         }
         if s.offload.params() {
-            // Forward and backward read the rank's parameter shard from where it lives.
+            // Forward and backward read the rank's parameter shard from where it lives: from NVMe a unit's
+            // shard a request (the layers and the two ends).
             let bw = if s.offload.nvme() {
+                traffic += m * 2.0 * (local_layers + 2) as f64 * request;
                 cluster.nvme_bytes_per_s.unwrap_or(f64::INFINITY)
             } else {
                 cluster.host_link_bytes_per_s()
@@ -228,6 +235,7 @@ pub fn predict(model: &Model, cluster: &Cluster, options: &Options, s: &Strategy
         + pipeline_comm
         + optimizer
         + offload;
+    let confidence = confidence(cluster, s, &time, step);
     Row {
         strategy: *s,
         peak_bytes_per_rank: peak,
@@ -248,6 +256,7 @@ pub fn predict(model: &Model, cluster: &Cluster, options: &Options, s: &Strategy
             nvme,
         },
         time,
+        confidence,
     }
 }
 
@@ -291,6 +300,9 @@ mod tests {
             memory_bytes_per_s: Some(1e10),
             op_overhead_s: Some(0.0),
             comm_overlap: None,
+            cores_per_host: None,
+            nvme_request_latency_s: None,
+            measured: false,
         };
         let model =
             Model::from_json(r#"{"layers": 2, "hidden": 64, "heads": 4, "vocab": 65, "seq_len": 32}"#, "m").unwrap();
@@ -357,5 +369,15 @@ mod tests {
         let all_to_alls = 2.0 * 2.0 * 8.0 * (0.5 * 2.0 * 16.0 * 64.0 * 4.0 / 1e9);
         assert!((split.time.sequence_parallel_comm - all_to_alls).abs() < 1e-12, "{:?}", split.time);
         assert_eq!(row.time.sequence_parallel_comm, 0.0);
+        // Stage 3 with states and parameters on NVMe at 1e9 B/s and 1 ms a request: Adam's states (8 P / 2 bytes
+        // in fp32, whose parameters are the master; one sub-group) read and written, two requests; each micro-batch reads the rank's parameter shard (4 P / 2
+        // bytes) forward and backward, a unit (2 layers and the two ends) a request; the host link's share as before.
+        let nvme = Cluster { nvme_bytes_per_s: Some(1e9), nvme_request_latency_s: Some(1e-3), ..cluster.clone() };
+        let on_nvme = Strategy { stage: 3, offload: Offload::NvmeOptimizerParams, ..s };
+        let row = predict(&model, &nvme, &options, &on_nvme);
+        let host_link = (params / 2.0) * 8.0 / 2.5e10;
+        let states = 2.0 * 8.0 * params / 2.0 / 1e9 + 2.0 * 1e-3;
+        let parameters = 2.0 * 2.0 * 4.0 * params / 2.0 / 1e9 + 2.0 * 2.0 * 4.0 * 1e-3;
+        assert!((row.time.offload - (host_link + states + parameters)).abs() < 1e-12, "{:?}", row.time);
     }
 }
