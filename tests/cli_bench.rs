@@ -189,3 +189,26 @@ fn bench_cluster_counts_the_bytes_that_cross_hosts_and_removes_its_namespaces() 
     assert!(!left.lines().any(|l| l.starts_with("zr")), "namespaces left behind: {left}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn bench_swap_training_pattern_reads_back_what_two_ranks_wrote() {
+    let dir = std::env::temp_dir().join(format!("zerorun-bench-swap-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_zerorun"))
+        .args(["bench", "swap", "--pattern", "training", "--ranks", "2", "--size", "8388608", "--chunk", "1048576"])
+        .args(["--repeats", "1", "--json", "--dir"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let row: serde_json::Value = serde_json::from_str(String::from_utf8_lossy(&out.stdout).trim()).unwrap();
+    assert_eq!((row["pattern"].as_str(), row["ranks"].as_u64()), (Some("training"), Some(2)), "{row}");
+    assert_eq!((row["chunk_bytes"].as_u64(), row["size_bytes_per_rank"].as_u64()), (Some(1 << 20), Some(8 << 20)));
+    for key in ["read_write_gibps_per_rank", "read_seconds_median", "read_seconds_p90"] {
+        assert!(row[key].as_f64().is_some_and(|v| v > 0.0), "{key} in {row}");
+    }
+    assert!(row["read_seconds_p90"].as_f64() >= row["read_seconds_median"].as_f64());
+    // Every rank's files are gone with its swapper.
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -144,6 +144,16 @@ pub enum BenchCommand {
         /// One JSON object.
         #[arg(long)]
         json: bool,
+        /// `stream` (one write and one read of --size) or `training`: --ranks ranks at once, each over --size
+        /// bytes in --chunk-byte requests, the next read ahead while the last is written back.
+        #[arg(long, default_value = "stream", value_parser = ["stream", "training"])]
+        pattern: String,
+        /// With --pattern training: bytes per request (a unit's parameter shard, a sub-group's states).
+        #[arg(long, default_value_t = 4 << 20)]
+        chunk: usize,
+        /// With --pattern training: ranks sharing the folder.
+        #[arg(long, default_value_t = 2)]
+        ranks: usize,
     },
 }
 
@@ -177,13 +187,15 @@ pub fn run(command: BenchCommand) -> Result<(), CliError> {
             })
         }
         BenchCommand::Cluster(a) => super::bench_cluster::run(a),
-        BenchCommand::Swap { dir, size, block_size, queue_depth, threads, repeats, json } => {
+        BenchCommand::Swap { dir, size, block_size, queue_depth, threads, repeats, json, pattern, chunk, ranks } => {
             super::bench_swap::run(super::bench_swap::SwapBenchArgs {
                 dir,
                 size,
                 io: zerorun_offload::IoConfig { block_size, queue_depth, intra_op_parallelism: threads },
                 repeats: repeats.max(1),
                 json,
+                training: (pattern == "training")
+                    .then_some(super::bench_swap::TrainingPattern { chunk, ranks: ranks.max(1) }),
             })
         }
     }

@@ -1,5 +1,11 @@
 //! `zerorun bench swap [--dir D] [--size BYTES] [--json]`: write and read GiB/s of the NVMe swapper on folder D
 //! beside `dd` with oflag=direct / iflag=direct on the same folder and size, measured in the same run.
+//!
+//! `--pattern training [--chunk BYTES] [--ranks R]`: the access pattern of a training step with states on NVMe
+//! instead of one stream: R ranks at once (threads, each with its own swapper and files, as rank processes have),
+//! each walking its `size` bytes in chunks (a unit's parameter shard, a sub-group's states) in order, reading the
+//! next chunk ahead while the current one is written back: reads and writes mixed on the disk. It gives the
+//! disk's rate per rank under that pattern and each read's time from its request to its data.
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
@@ -14,6 +20,111 @@ pub struct SwapBenchArgs {
     pub io: IoConfig,
     pub repeats: usize,
     pub json: bool,
+    /// None: one stream (and dd beside it); Some: the training pattern.
+    pub training: Option<TrainingPattern>,
+}
+
+/// [`run`]'s training pattern: `ranks` ranks at once, each over its bytes in `chunk`-byte requests.
+#[derive(Clone, Copy)]
+pub struct TrainingPattern {
+    pub chunk: usize,
+    pub ranks: usize,
+}
+
+/// One rank's walk: its chunks written, then read in order with the next read ahead and each written back
+/// behind; (seconds of the walk, each read's seconds from request to data).
+fn walk(swapper: &Swapper, size: usize, chunk: usize) -> Result<(f64, Vec<f64>), CliError> {
+    let err = |e: zerorun_offload::OffloadError| CliError::Usage(e.to_string());
+    let chunks = size.div_ceil(chunk);
+    let key = |i: usize| format!("chunk{i}");
+    // Laid out once (the run before the step), not timed.
+    for i in 0..chunks {
+        let mut buf = HostBuffer::new(chunk);
+        buf.as_mut_slice().fill(i as u8);
+        swapper.swap_out(&key(i), buf, chunk).wait().map_err(err)?;
+    }
+    let started = Instant::now();
+    let mut reads = Vec::with_capacity(chunks);
+    let mut ahead = Some((Instant::now(), swapper.swap_in(&key(0), HostBuffer::new(chunk))));
+    let mut behind: Option<zerorun_offload::SwapHandle<HostBuffer>> = None;
+    for i in 0..chunks {
+        let (asked, handle) = ahead.take().expect("read ahead");
+        let buf = handle.wait().map_err(err)?;
+        reads.push(asked.elapsed().as_secs_f64());
+        if buf.as_slice()[chunk - 1] != i as u8 {
+            return Err(CliError::Usage(format!("bench swap: chunk {i} read back other bytes than were written")));
+        }
+        if i + 1 < chunks {
+            ahead = Some((Instant::now(), swapper.swap_in(&key(i + 1), HostBuffer::new(chunk))));
+        }
+        // The previous chunk's write ends before this one's starts: one write in flight, as the step's write-behind.
+        if let Some(h) = behind.take() {
+            h.wait().map_err(err)?;
+        }
+        behind = Some(swapper.swap_out(&key(i), buf, chunk));
+    }
+    if let Some(h) = behind {
+        h.wait().map_err(err)?;
+    }
+    Ok((started.elapsed().as_secs_f64(), reads))
+}
+
+fn training(a: &SwapBenchArgs, p: TrainingPattern) -> Result<(), CliError> {
+    let chunk = p.chunk.div_ceil(zerorun_offload::PAGE).max(1) * zerorun_offload::PAGE;
+    let size = a.size.div_ceil(chunk).max(1) * chunk;
+    preflight::check(&a.dir, (p.ranks * size) as u64).map_err(|e| CliError::Usage(e.to_string()))?;
+    let mut progress = super::progress::Progress::new("bench swap", a.repeats as u64);
+    let (mut rates, mut reads) = (Vec::new(), Vec::new());
+    for repeat in 0..a.repeats {
+        progress.item(&format!("{} ranks' training pattern, repeat {}", p.ranks, repeat + 1));
+        let walks: Vec<Result<(f64, Vec<f64>), CliError>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..p.ranks)
+                .map(|r| {
+                    let dir = a.dir.clone();
+                    let io = a.io;
+                    scope.spawn(move || {
+                        let swapper = Swapper::new(&dir, &format!("zerorun-bench-{}-rank{r}", std::process::id()), io);
+                        walk(&swapper, size, chunk)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().expect("a bench rank panicked")).collect()
+        });
+        for w in walks {
+            let (seconds, r) = w?;
+            // Each rank read and wrote its bytes.
+            rates.push(2.0 * size as f64 / seconds);
+            reads.extend(r);
+        }
+        progress.done();
+    }
+    drop(progress);
+    let rate = median(rates);
+    reads.sort_by(f64::total_cmp);
+    let (p50, p90) = (reads[reads.len() / 2], reads[(reads.len() * 9 / 10).min(reads.len() - 1)]);
+    if a.json {
+        let row = serde_json::json!({
+            "dir": a.dir.display().to_string(), "pattern": "training", "ranks": p.ranks, "chunk_bytes": chunk,
+            "size_bytes_per_rank": size, "block_size": a.io.block_size, "queue_depth": a.io.queue_depth,
+            "read_write_gibps_per_rank": rate / GIB, "read_seconds_median": p50, "read_seconds_p90": p90,
+        });
+        return emit(&row.to_string());
+    }
+    emit(&format!(
+        "swap bench on {}, the training pattern: {} ranks at once, each {} MiB in {} KiB chunks read ahead and written behind (block {} KiB, queue depth {}, median of {}):\n  read + write  {:.2} GiB/s per rank ({:.2} GiB/s for the {} ranks)\n  a chunk's read from request to data: median {:.2} ms, p90 {:.2} ms",
+        a.dir.display(),
+        p.ranks,
+        size >> 20,
+        chunk >> 10,
+        a.io.block_size >> 10,
+        a.io.queue_depth,
+        a.repeats,
+        rate / GIB,
+        rate * p.ranks as f64 / GIB,
+        p.ranks,
+        1e3 * p50,
+        1e3 * p90
+    ))
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -53,6 +164,9 @@ fn dd_times(dir: &Path, size: usize) -> Result<(f64, f64, bool), CliError> {
 }
 
 pub fn run(a: SwapBenchArgs) -> Result<(), CliError> {
+    if let Some(p) = a.training {
+        return training(&a, p);
+    }
     let size = a.size.div_ceil(1 << 20).max(1) << 20;
     preflight::check(&a.dir, 2 * size as u64).map_err(|e| CliError::Usage(e.to_string()))?;
     let swapper = Swapper::new(&a.dir, &format!("zerorun-bench-{}", std::process::id()), a.io);
