@@ -479,8 +479,9 @@ pub fn measure_machine(m: &MeasureArgs) -> Result<Cluster, CliError> {
         nvme_request_latency_s: nvme_latency,
         cores_per_host: Some(cores() as u64),
         measured: true,
-        // With more ranks than cores, each gets its share of the time.
-        memory_bytes_per_s: memory.map(|b| b * share),
+        // Measured with every rank copying at once (`bench comm`'s memcpy_all_ranks_gbps): with more ranks than
+        // cores that already is each rank's share of the time, unlike the matmul and AdamW measured alone.
+        memory_bytes_per_s: memory,
         op_overhead_s: None,
         comm_overlap: Some(0.0),
     })
