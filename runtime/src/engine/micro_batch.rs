@@ -401,6 +401,7 @@ impl Engine {
         }
         if self.plan.steps_in_backward {
             self.shard.begin_step_in_backward()?;
+            self.states.parameters.keep_chunks_for_step(true);
         }
         let root = if factor != 1.0 { loss * factor } else { loss.shallow_clone() };
         let mut upstream: Option<Tensor> = None;

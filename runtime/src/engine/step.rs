@@ -114,6 +114,7 @@ impl Engine {
         let lr = self.lr();
         // The optimizer in backward (stage 3) has stepped already; what is left is the step's bookkeeping.
         let stepped = self.shard.in_backward.take();
+        self.states.parameters.keep_chunks_for_step(false);
 
         // Global squared norm: the ranks' parts are disjoint at stages 1-2, so one all-reduce of a scalar; an
         // inf or NaN anywhere makes it non-finite on every rank, which is how an fp16 overflow is agreed on.

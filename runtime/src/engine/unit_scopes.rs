@@ -220,6 +220,7 @@ impl Engine {
     pub(crate) fn backward_scopes(&mut self, loss: &Tensor, factor: f64) -> Result<()> {
         if self.plan.steps_in_backward {
             self.shard.begin_step_in_backward()?;
+            self.states.parameters.keep_chunks_for_step(true);
         }
         self.scopes()?.begin_backward();
         let root = if factor != 1.0 { loss * factor } else { loss.shallow_clone() };

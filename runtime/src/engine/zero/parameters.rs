@@ -61,7 +61,7 @@ impl Parameters {
                 let kept = self.units[i].host_copy_bytes();
                 let chunk = self.unit_chunk(i, comm.world_size())?;
                 let gathered = self.units[i].gather(comm, &chunk);
-                self.recycle(chunk);
+                self.recycle(i, chunk);
                 volume.all_gather_elements += gathered? as u64;
                 self.gathered.add(self.units[i].full_bytes() + self.units[i].host_copy_bytes() - kept);
             }
@@ -89,7 +89,7 @@ impl Parameters {
             if !was_sharded {
                 let chunk = self.unit_chunk(i, comm.world_size())?;
                 let n = self.units[i].refresh(comm, Some(&chunk));
-                self.recycle(chunk);
+                self.recycle(i, chunk);
                 volume.all_gather_elements += n? as u64;
             }
             Ok(())
@@ -115,9 +115,17 @@ impl Parameters {
         }
     }
 
-    fn recycle(&self, chunk: Chunk) {
-        if let Some(swapped) = &self.swapped {
-            swapped.recycle(chunk);
+    fn recycle(&mut self, unit: usize, chunk: Chunk) {
+        if let Some(swapped) = self.swapped.as_mut() {
+            swapped.recycle(unit, chunk);
+        }
+    }
+
+    /// With parameters on NVMe: keep the chunks gathers read for their units' steps while the optimizer in backward
+    /// steps (`on`), or give them back (the step ended). See [`SwappedParams::keep_for_step`].
+    pub fn keep_chunks_for_step(&mut self, on: bool) {
+        if let Some(swapped) = self.swapped.as_mut() {
+            swapped.keep_for_step(on);
         }
     }
 
@@ -176,7 +184,7 @@ impl Parameters {
         for u in picked {
             let chunk = self.unit_chunk(u, comm.world_size())?;
             let n = self.units[u].begin_gather(thread, &chunk);
-            self.recycle(chunk);
+            self.recycle(u, chunk);
             volume.all_gather_elements += n? as u64;
             self.gathered.add(self.units[u].full_bytes());
             if let Some(frozen) = self.frozen_units.as_mut() {
@@ -215,7 +223,7 @@ impl Parameters {
             let n = if self.units[i].owns_buffer() {
                 let chunk = self.unit_chunk(i, comm.world_size())?;
                 let n = self.units[i].refresh(comm, Some(&chunk));
-                self.recycle(chunk);
+                self.recycle(i, chunk);
                 n?
             } else {
                 self.units[i].refresh(comm, None)?

@@ -6,6 +6,10 @@
 //!
 //! The first units (execution order) whose chunks fit in `max_in_cpu` elements, and persistent units (which stay
 //! gathered anyway), keep their chunk in host memory instead.
+//!
+//! With the optimizer in backward and fp32 values (the chunks are what the optimizer steps), a chunk read for a
+//! gather in backward is kept for that unit's step, which comes as soon as its gradients are reduced: the step
+//! updates the buffer the gather read instead of reading the chunk a second time ([`SwappedParams::keep_for_step`]).
 use std::collections::{HashMap, VecDeque};
 use std::ops::Range;
 use std::path::Path;
@@ -58,7 +62,17 @@ pub(crate) struct SwappedParams {
     /// Writes in flight (the optimizer step's new values), with their buffers' bytes.
     writes: VecDeque<(SwapHandle<HostBuffer>, usize)>,
     buffer_count: usize,
+    /// Whether chunks read for gathers are kept for the unit's step (the optimizer in backward).
+    keeping: bool,
+    /// Chunks read for a gather and kept for their unit's step, oldest first, at most [`KEPT`].
+    kept: VecDeque<(usize, HostBuffer)>,
+    /// Chunks read from NVMe so far.
+    chunks_read: u64,
 }
+
+/// Chunks kept for their steps at once: the unit in backward and the one prefetched before it. The step of a
+/// unit comes before the gather of the one after next, so more would only hold memory.
+const KEPT: usize = 2;
 
 fn key(unit: usize) -> String {
     format!("param{unit}")
@@ -116,6 +130,9 @@ impl SwappedParams {
             reads: HashMap::new(),
             writes: VecDeque::new(),
             buffer_count,
+            keeping: false,
+            kept: VecDeque::new(),
+            chunks_read: 0,
         })
     }
 
@@ -143,37 +160,74 @@ impl SwappedParams {
     }
 
     /// Starts reading the chunks of the first units of `order` that `needed` says will be gathered, as far as
-    /// the buffers allow (one stays free for a read nobody saw coming).
+    /// the buffers allow (one stays free for a read nobody saw coming; chunks kept for their steps count against
+    /// them, so keeping holds no more host memory than `buffer_count` buffers).
     pub fn read_ahead(&mut self, order: impl Iterator<Item = usize>, needed: impl Fn(usize) -> bool) {
-        let window = self.buffer_count - 1;
-        for u in order.filter(|&u| needed(u) && self.in_memory[u].is_none()).take(window) {
+        let window = (self.buffer_count - 1).saturating_sub(self.kept.len());
+        let kept: Vec<usize> = self.kept.iter().map(|(u, _)| *u).collect();
+        for u in order.filter(|&u| needed(u) && self.in_memory[u].is_none() && !kept.contains(&u)).take(window) {
             if self.reads.len() >= window {
                 break;
             }
             if !self.reads.contains_key(&u) {
                 let buffer = self.pool.take(self.chunk_bytes(u));
                 self.reads.insert(u, self.swapper.swap_in(&key(u), buffer));
+                self.chunks_read += 1;
             }
         }
     }
 
-    /// Unit `unit`'s chunk: from memory, from the read started ahead, or read now.
+    /// Unit `unit`'s chunk: from memory, kept from its gather, from the read started ahead, or read now.
     pub fn chunk(&mut self, unit: usize) -> Result<Chunk> {
         if let Some(t) = &self.in_memory[unit] {
             return Ok(Chunk::InMemory(t.shallow_clone()));
         }
         let bytes = self.chunk_bytes(unit);
+        if let Some(at) = self.kept.iter().position(|(u, _)| *u == unit) {
+            let (_, buffer) = self.kept.remove(at).expect("found");
+            return Ok(Chunk::Read { buffer, bytes });
+        }
         let read = match self.reads.remove(&unit) {
             Some(r) => r,
-            None => self.swapper.swap_in(&key(unit), self.pool.take(bytes)),
+            None => {
+                self.chunks_read += 1;
+                self.swapper.swap_in(&key(unit), self.pool.take(bytes))
+            }
         };
         Ok(Chunk::Read { buffer: read.wait()?, bytes })
     }
 
-    /// Returns a chunk's buffer to the pool.
-    pub fn recycle(&self, chunk: Chunk) {
-        if let Chunk::Read { buffer, .. } = chunk {
+    /// Returns unit `unit`'s chunk once it is copied: to the pool, or while [`keep_for_step`](Self::keep_for_step)
+    /// is on, kept for the unit's step (its bytes are the chunk's until a write of the unit).
+    pub fn recycle(&mut self, unit: usize, chunk: Chunk) {
+        let Chunk::Read { buffer, .. } = chunk else { return };
+        if !self.keeping {
             self.pool.give_back(buffer);
+            return;
+        }
+        self.kept.push_back((unit, buffer));
+        while self.kept.len() > KEPT {
+            let (_, oldest) = self.kept.pop_front().expect("more than KEPT");
+            self.pool.give_back(oldest);
+        }
+    }
+
+    /// Keeps the chunks gathers read for their units' steps (`on`: the optimizer in backward begins a step over
+    /// fp32 values), or stops and gives back what is kept (the step ended).
+    pub fn keep_for_step(&mut self, on: bool) {
+        self.keeping = on && self.kind == Kind::Float;
+        if !on {
+            for (_, buffer) in self.kept.drain(..) {
+                self.pool.give_back(buffer);
+            }
+        }
+    }
+
+    /// Gives back unit `unit`'s kept chunk: a write makes it stale.
+    fn drop_kept(&mut self, unit: usize) {
+        if let Some(at) = self.kept.iter().position(|(u, _)| *u == unit) {
+            let (_, stale) = self.kept.remove(at).expect("found");
+            self.pool.give_back(stale);
         }
     }
 
@@ -199,6 +253,7 @@ impl SwappedParams {
         if let Some(stale) = self.reads.remove(&unit) {
             self.pool.give_back(stale.wait()?);
         }
+        self.drop_kept(unit);
         let bytes = self.chunk_bytes(unit);
         let mut buffer = self.pool.take(bytes);
         fill(&mut buffer.as_mut_slice()[..bytes]);
@@ -279,7 +334,7 @@ impl SwappedParams {
             // `out` is host memory made here, whatever the engine's residence.
             let host = crate::engine::device::Residence::Host;
             let copied = chunk.copy_into(&out.narrow(0, r.start as i64, r.len() as i64), host);
-            self.recycle(chunk);
+            self.recycle(u, chunk);
             copied?;
         }
         Ok(out)
@@ -331,6 +386,79 @@ impl SwappedParams {
     pub fn buffer_bytes(&self) -> usize {
         let reading: usize = self.reads.keys().map(|&u| self.chunk_bytes(u).div_ceil(PAGE) * PAGE).sum();
         let writing: usize = self.writes.iter().map(|(_, held)| held).sum();
-        self.pool.idle_bytes() + reading + writing
+        let kept: usize = self.kept.iter().map(|(_, b)| b.capacity()).sum();
+        self.pool.idle_bytes() + reading + writing + kept
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::OffloadDevice;
+
+    fn store(dir: &Path) -> SwappedParams {
+        let config = OffloadParamConfig {
+            device: OffloadDevice::Nvme,
+            nvme_path: Some(dir.display().to_string()),
+            buffer_count: 3,
+            buffer_size: 1 << 20,
+            max_in_cpu: 0,
+            pin_memory: false,
+        };
+        let io = IoConfig { block_size: 1 << 20, queue_depth: 4, intra_op_parallelism: 1 };
+        let mut s =
+            SwappedParams::create(Kind::Float, vec![0..1000, 1000..3000], &[false, false], &config, io, "t").unwrap();
+        s.put(0, &Tensor::arange(1000, (Kind::Float, tch::Device::Cpu))).unwrap();
+        s.put(1, &Tensor::arange_start(1000, 3000, (Kind::Float, tch::Device::Cpu))).unwrap();
+        s.finish().unwrap();
+        s
+    }
+
+    fn values(s: &mut SwappedParams, unit: usize) -> Vec<f32> {
+        let r = s.chunks[unit].clone();
+        let t = Tensor::zeros([r.len() as i64], (Kind::Float, tch::Device::Cpu));
+        let chunk = s.chunk(unit).unwrap();
+        chunk.copy_into(&t, crate::engine::device::Residence::Host).unwrap();
+        s.recycle(unit, chunk);
+        Vec::<f32>::try_from(t).unwrap()
+    }
+
+    #[test]
+    fn a_chunk_gathered_in_a_step_in_backward_is_stepped_without_a_second_read() {
+        let dir = std::env::temp_dir().join(format!("zerorun-swapped-params-keep-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut s = store(&dir);
+        // Without keeping, a gather and then the unit's step each read the chunk.
+        let before = s.chunks_read;
+        assert_eq!(values(&mut s, 1)[0], 1000.0);
+        s.update_f32(1000..3000, |_, v| {
+            v.iter_mut().for_each(|x| *x += 1.0);
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(s.chunks_read - before, 2);
+        // Kept: the gather's read is the step's; the step's new values are what the next read sees.
+        s.keep_for_step(true);
+        let before = s.chunks_read;
+        assert_eq!(values(&mut s, 1)[0], 1001.0);
+        s.update_f32(1000..3000, |_, v| {
+            v.iter_mut().for_each(|x| *x += 1.0);
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(s.chunks_read - before, 1, "the step updated the buffer its gather read");
+        // A kept chunk a write replaced is not handed out.
+        assert_eq!(values(&mut s, 0)[0], 0.0);
+        s.write(0, &Tensor::full([1000], 7.0, (Kind::Float, tch::Device::Cpu))).unwrap();
+        s.keep_for_step(false);
+        s.flush().unwrap();
+        assert_eq!(values(&mut s, 0)[0], 7.0);
+        assert_eq!(values(&mut s, 1)[..2], [1002.0, 1003.0]);
+        // The step's end gave every kept buffer back: reads come from NVMe again.
+        let before = s.chunks_read;
+        values(&mut s, 1);
+        assert_eq!(s.chunks_read - before, 1);
+        drop(s);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
