@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The NVMe step against the disk's floor (#63): a GPT at stage 3 with parameters and optimizer states on NVMe,
 # 2 ranks, each shipped NVMe config, beside what ZeRO-Infinity must move per step at `bench swap`'s rates on the same
-# folder, measured in the same run. Per rank and step: fp32 parameters read in forward and in backward and written
+# folder, measured in the same run. Both configs run one sample per rank a step (the floor is I/O; the plain
+# config's own batch of 24 would make its step compute). Per rank and step: fp32 parameters read in forward and in backward and written
 # after the step (3 x 4 Psi / N), Adam's states read and written (2 x 8 Psi / N); both ranks share the disk, so the
 # floor is all ranks' reads at the read rate plus their writes at the write rate.
 #
@@ -27,6 +28,11 @@ c = json.load(open(sys.argv[1]))
 for k in ("offload_optimizer", "offload_param"):
     c["zero_optimization"][k]["nvme_path"] = sys.argv[2]
 c["wall_clock_breakdown"] = sys.argv[4] == "1"
+# One sample per rank a step, as the floor is about I/O: zero3_offload_nvme.json's own batch (24) is 12 samples a
+# rank, whose compute alone is most of its step.
+for k in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+    c.pop(k, None)
+c["train_micro_batch_size_per_gpu"], c["gradient_accumulation_steps"] = 1, 1
 json.dump(c, open(sys.argv[3], "w"))
 PY
   $ZR launch --nproc-per-node 2 -- $GPT --config "$work/$(basename "$cfg")" --layers "$LAYERS" --embd "$EMBD" \
