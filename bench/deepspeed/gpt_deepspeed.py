@@ -144,6 +144,21 @@ def peak_rss():
     return 0
 
 
+def print_step(step, loss, rank, world):
+    """`step N loss X` on rank 0: this rank's loss averaged over the ranks, as the tch example prints it."""
+    mean = torch.tensor([loss], dtype=torch.float32)
+    torch.distributed.all_reduce(mean)
+    if rank == 0:
+        print(f"step {step + 1} loss {mean.item() / world:.6f}", flush=True)
+
+
+def print_median(times, rank):
+    """`median_step_s T` on rank 0: the median step after two warm-up steps."""
+    t = sorted(times[2:] or times)
+    if rank == 0:
+        print(f"median_step_s {t[len(t) // 2]:.6f}", flush=True)
+
+
 def leave():
     """Ends a rank once everything is written: DeepSpeed 0.19.8 on CPU can abort at interpreter exit ("terminate
     called without an active exception") after a finished run, so its exit handlers are not run."""
@@ -201,14 +216,9 @@ def main():
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
-        mean = torch.tensor([sum(losses) / len(losses)], dtype=torch.float32)
-        torch.distributed.all_reduce(mean)
         times.append(time.perf_counter() - started)
-        if rank == 0:
-            print(f"step {step + 1} loss {mean.item() / world:.6f}", flush=True)
-    t = sorted(times[2:] or times)
-    if rank == 0:
-        print(f"median_step_s {t[len(t) // 2]:.6f}", flush=True)
+        print_step(step, sum(losses) / len(losses), rank, world)
+    print_median(times, rank)
     if a.save_final:
         params = list(engine.module.parameters())
         with deepspeed.zero.GatheredParameters(params, enabled=cfg.get("zero_optimization", {}).get("stage", 0) == 3):
@@ -245,13 +255,8 @@ def train_pipeline(a, ids, vocab, rank, world):
         started = time.perf_counter()
         loss = engine.train_batch(iter(parts))
         times.append(time.perf_counter() - started)
-        mean = torch.tensor([float(loss)], dtype=torch.float32)
-        torch.distributed.all_reduce(mean)
-        if rank == 0:
-            print(f"step {step + 1} loss {mean.item() / world:.6f}", flush=True)
-    t = sorted(times[2:] or times)
-    if rank == 0:
-        print(f"median_step_s {t[len(t) // 2]:.6f}", flush=True)
+        print_step(step, float(loss), rank, world)
+    print_median(times, rank)
     if a.save_final:
         # Each stage's parameters (named `{layer}.{name}` by the global layer index) under the whole model's names,
         # gathered to rank 0.
