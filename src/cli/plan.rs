@@ -337,8 +337,16 @@ pub fn cores() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
-/// (FLOP/s, resident bytes of a process with libtorch loaded), from `zerorun bench matmul` in the helper.
+/// (FLOP/s, resident bytes of a process with libtorch loaded): the median of three `zerorun bench matmul` runs
+/// of the helper. One run on a shared machine can land in a slow moment and price every row's compute that much
+/// higher (`plan validate` saw a run whose 2-rank rows all read 21-37% over); three separate processes outvote it.
 pub fn measure_matmul(shape: [i64; 3], threads: usize) -> Result<(f64, f64), CliError> {
+    let mut runs = (0..3).map(|_| measure_matmul_once(shape, threads)).collect::<Result<Vec<_>, _>>()?;
+    runs.sort_by(|a, b| a.0.total_cmp(&b.0));
+    Ok(runs[1])
+}
+
+fn measure_matmul_once(shape: [i64; 3], threads: usize) -> Result<(f64, f64), CliError> {
     let exe = std::env::current_exe().map_err(|e| CliError::Io { context: "finding zerorun".into(), source: e })?;
     let helper = exe.with_file_name(super::torch_helper::HELPER);
     let out = Command::new(&helper)
