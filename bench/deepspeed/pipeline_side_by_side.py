@@ -12,7 +12,7 @@ import json
 import os
 import sys
 
-from side_by_side import GPT, HERE, VENV_BIN, ZR, config, load_safetensors, parse, run
+from side_by_side import GPT, HERE, VENV_BIN, ZR, config, load_safetensors, parse, prepare, run
 
 CASES = [(zero, gas) for zero in (0, 1) for gas in (4, 8)]
 
@@ -31,14 +31,7 @@ def main():
     a = ap.parse_args()
     cases = [tuple(int(v) for v in c.split(":")) for c in a.cases.split(",")] if a.cases else CASES
     shape = ["--layers", str(a.layers), "--embd", str(a.embd), "--heads", str(a.heads), "--block", str(a.block)]
-    work = os.path.join(a.out, "work")
-    os.makedirs(work, exist_ok=True)
-    env = dict(os.environ, DS_ACCELERATOR="cpu", PATH=VENV_BIN + ":" + os.environ.get("PATH", ""), OMP_NUM_THREADS="1")
-    init = os.path.join(work, "pipe_init.safetensors")
-    first_cfg = os.path.join(work, "pipe_init.json")
-    json.dump(config({"stage": 0}, False, a.batch), open(first_cfg, "w"))
-    run([GPT, "--config", first_cfg, "--steps", "0", "--save-final", init] + shape, env, os.path.join(work, "pipe_init.log"))
-    params = sum(len(v) for v in load_safetensors(init).values())
+    work, env, init, params = prepare(a.out, shape, a.batch, "pipe_init")
     rows = []
     for zero, gas in cases:
         name = f"zero{zero}_mb{gas}"

@@ -88,6 +88,20 @@ def run(cmd, env, log):
     return p.stdout, time.time() - t
 
 
+def prepare(out, shape, batch, name):
+    """The work folder under `out`, both runs' environment, and the initial weights made once from the tch model of
+    `shape` (0 steps, saved by name to `work/{name}.safetensors`; DeepSpeed loads the same file): (work, env, init
+    path, parameter count)."""
+    work = os.path.join(out, "work")
+    os.makedirs(work, exist_ok=True)
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PATH=VENV_BIN + ":" + os.environ.get("PATH", ""), OMP_NUM_THREADS="1")
+    init = os.path.join(work, f"{name}.safetensors")
+    first_cfg = os.path.join(work, f"{name}.json")
+    json.dump(config({"stage": 0}, False, batch), open(first_cfg, "w"))
+    run([GPT, "--config", first_cfg, "--steps", "0", "--save-final", init] + shape, env, os.path.join(work, f"{name}.log"))
+    return work, env, init, sum(len(v) for v in load_safetensors(init).values())
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=30)
@@ -100,15 +114,7 @@ def main():
     ap.add_argument("--batch", type=int, default=16, help="train_batch_size")
     a = ap.parse_args()
     shape = ["--layers", str(a.layers), "--embd", str(a.embd), "--heads", str(a.heads), "--block", str(a.block)]
-    work = os.path.join(a.out, "work")
-    os.makedirs(work, exist_ok=True)
-    env = dict(os.environ, DS_ACCELERATOR="cpu", PATH=VENV_BIN + ":" + os.environ.get("PATH", ""), OMP_NUM_THREADS="1")
-    init = os.path.join(work, "init.safetensors")
-    # The initial weights, once, from the tch model (0 steps, saved by name); DeepSpeed loads the same file.
-    first_cfg = os.path.join(work, "init.json")
-    json.dump(config({"stage": 0}, False, a.batch), open(first_cfg, "w"))
-    run([GPT, "--config", first_cfg, "--steps", "0", "--save-final", init] + shape, env, os.path.join(work, "init.log"))
-    params = sum(len(v) for v in load_safetensors(init).values())
+    work, env, init, params = prepare(a.out, shape, a.batch, "init")
     rows = []
     for name in a.cases.split(","):
         zero = CASES[name]

@@ -168,9 +168,7 @@ impl Engine {
             GradientPath::AfterBackward if all_reduces => {
                 let staging = self.gradients.view_buffer().expect("stage 0's gradients are views").shallow_clone();
                 // First: a second backward before the step is refused before anything is set aside.
-                if self.plan.steps_in_backward {
-                    self.shard.begin_step_in_backward()?;
-                }
+                self.begin_step_in_backward()?;
                 self.gradients.all_reduce_in_backward.as_mut().expect("checked").before_backward(&staging)?;
                 self.lend_hooks(autograd)?;
                 let mark = self.gradient_fingerprint();
@@ -192,6 +190,17 @@ impl Engine {
         let ran = hooks.lend(&mut self.gradient_sync(), autograd);
         self.gradients.hooks = Some(hooks);
         ran
+    }
+
+    /// With `optimizer_in_backward`, begins the step the backward about to run takes: the optimizer's (its
+    /// learning rate and count) and, with parameters on NVMe, keeping the chunks gathers read for their units'
+    /// steps (`step` ends both).
+    pub(super) fn begin_step_in_backward(&mut self) -> Result<()> {
+        if self.plan.steps_in_backward {
+            self.shard.begin_step_in_backward()?;
+            self.states.parameters.keep_chunks_for_step(true);
+        }
+        Ok(())
     }
 
     fn end_backward(&mut self, started: Instant, comm_before: std::time::Duration) {
@@ -399,10 +408,7 @@ impl Engine {
                 "the engine runs the model's units at stage {stage}: the loss must come from `engine.forward(&model, input)` or from units entered with `engine.unit(name, ..)` (run with gradients), once per backward{plain}"
             )));
         }
-        if self.plan.steps_in_backward {
-            self.shard.begin_step_in_backward()?;
-            self.states.parameters.keep_chunks_for_step(true);
-        }
+        self.begin_step_in_backward()?;
         let root = if factor != 1.0 { loss * factor } else { loss.shallow_clone() };
         let mut upstream: Option<Tensor> = None;
         let units = records.len();

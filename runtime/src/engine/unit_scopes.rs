@@ -218,10 +218,7 @@ impl Engine {
     /// Stage 3's backward of a forward run through scopes: autograd over the program's graph with the hooks lent
     /// the engine, then the units whose gradients did not all come are reduced and every unit is released.
     pub(crate) fn backward_scopes(&mut self, loss: &Tensor, factor: f64) -> Result<()> {
-        if self.plan.steps_in_backward {
-            self.shard.begin_step_in_backward()?;
-            self.states.parameters.keep_chunks_for_step(true);
-        }
+        self.begin_step_in_backward()?;
         self.scopes()?.begin_backward();
         let root = if factor != 1.0 { loss * factor } else { loss.shallow_clone() };
         let engine: *mut Engine = self;

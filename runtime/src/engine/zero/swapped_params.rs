@@ -183,8 +183,7 @@ impl SwappedParams {
             return Ok(Chunk::InMemory(t.shallow_clone()));
         }
         let bytes = self.chunk_bytes(unit);
-        if let Some(at) = self.kept.iter().position(|(u, _)| *u == unit) {
-            let (_, buffer) = self.kept.remove(at).expect("found");
+        if let Some(buffer) = self.take_kept(unit) {
             return Ok(Chunk::Read { buffer, bytes });
         }
         let read = match self.reads.remove(&unit) {
@@ -223,12 +222,10 @@ impl SwappedParams {
         }
     }
 
-    /// Gives back unit `unit`'s kept chunk: a write makes it stale.
-    fn drop_kept(&mut self, unit: usize) {
-        if let Some(at) = self.kept.iter().position(|(u, _)| *u == unit) {
-            let (_, stale) = self.kept.remove(at).expect("found");
-            self.pool.give_back(stale);
-        }
+    /// Unit `unit`'s kept chunk, no longer kept.
+    fn take_kept(&mut self, unit: usize) -> Option<HostBuffer> {
+        let at = self.kept.iter().position(|(u, _)| *u == unit)?;
+        self.kept.remove(at).map(|(_, buffer)| buffer)
     }
 
     /// Stores `values` (the unit's chunk, the model's dtype) as the unit's chunk. The write runs in the
@@ -253,7 +250,10 @@ impl SwappedParams {
         if let Some(stale) = self.reads.remove(&unit) {
             self.pool.give_back(stale.wait()?);
         }
-        self.drop_kept(unit);
+        // A kept chunk of the unit would hold the old values.
+        if let Some(stale) = self.take_kept(unit) {
+            self.pool.give_back(stale);
+        }
         let bytes = self.chunk_bytes(unit);
         let mut buffer = self.pool.take(bytes);
         fill(&mut buffer.as_mut_slice()[..bytes]);
