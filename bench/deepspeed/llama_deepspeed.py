@@ -1,4 +1,4 @@
-"""transformers' own LlamaForCausalLM trained with DeepSpeed on the data order of examples/llama.rs (rows
+"""transformers' own LlamaForCausalLM trained with DeepSpeed on the data order of examples/llama/ (rows
 (s-1)·B .. s·B of the token file, rank r's share r·B/W .. (r+1)·B/W in micro-batches), from the same Hugging Face
 folder and ds_config.json. Prints what the tch example prints: `step N loss X` (mean over ranks), `median_step_s T`
 and every rank's `peak_rss_bytes B`. Run under DeepSpeed's launcher:

@@ -1,4 +1,4 @@
-"""The Llama example (examples/llama.rs) beside DeepSpeed running transformers' own LlamaForCausalLM: the same
+"""The Llama example (examples/llama/) beside DeepSpeed running transformers' own LlamaForCausalLM: the same
 Hugging Face folder (a random ~100M-parameter Llama made here by transformers), token file, data order and
 ds_config.json, 2 ranks on this machine, stages 0 and 3.
 

@@ -1,7 +1,7 @@
 //! Llama's architecture in tch, as transformers' `LlamaForCausalLM` computes it: RMSNorm, rotary position
 //! embeddings, grouped-query attention, a SwiGLU MLP, tied or untied embeddings. Variable names are transformers'
 //! state-dict names, so a Hugging Face checkpoint loads by name and the trained model goes back in its form.
-//! Shared by examples/llama.rs and the tests.
+//! Shared by examples/llama/ and the tests.
 #![allow(dead_code)]
 use std::path::Path;
 
