@@ -1,7 +1,9 @@
 //! The engine's communicators: the shard group ZeRO partitions over, called directly or driven by its own thread
 //! (`overlap_comm`), so stage 3's next units' all-gathers and stages 1-3's reductions run while this rank computes
 //! (which units to start ahead is the plan's, [`crate::engine::zero::plan::units_to_prefetch`]); and with shard
-//! groups (MiCS, `mics_shard_size`) the replicas of this rank's shard across the other groups.
+//! groups (MiCS, `mics_shard_size`) the replicas of this rank's shard across the other groups; with expert
+//! parallelism, the ranks that hold the same experts as this one (the expert-data-parallel group), over which the
+//! units of those experts are split.
 use std::ops::Deref;
 use std::sync::{Arc, Mutex};
 
@@ -10,11 +12,15 @@ use tch::Tensor;
 use crate::comm::async_comm::CommThread;
 use crate::comm::{CommResult, Communicator, ReduceOp};
 use crate::engine::device::{views, Residence};
+use crate::engine::zero::layout::{UnitRanks, UnitSpan};
 
 /// The engine's process groups.
 pub(crate) struct EngineComm {
     shard: ShardGroup,
     replicas: Option<Replicas>,
+    /// The expert-data-parallel group: the ranks at this rank's expert-parallel position, which hold its experts
+    /// (units split over a group, [`UnitRanks::Group`]).
+    experts: Option<ShardGroup>,
 }
 
 enum ShardGroup {
@@ -76,23 +82,52 @@ impl Replicas {
 impl EngineComm {
     pub fn new(comm: Box<dyn Communicator>, replicas: Option<Box<dyn Communicator>>, threaded: bool) -> Self {
         let shard = if threaded { ShardGroup::Threaded(CommThread::spawn(comm)) } else { ShardGroup::Direct(comm) };
-        EngineComm { shard, replicas: replicas.filter(|r| r.world_size() > 1).map(Replicas::new) }
+        EngineComm { shard, replicas: replicas.filter(|r| r.world_size() > 1).map(Replicas::new), experts: None }
+    }
+
+    /// With the expert-data-parallel group `group` (on a thread of its own when `threaded`): the units split over
+    /// a group of ranks gather and reduce over it.
+    pub fn with_experts(mut self, group: Box<dyn Communicator>, threaded: bool) -> Self {
+        self.experts =
+            Some(if threaded { ShardGroup::Threaded(CommThread::spawn(group)) } else { ShardGroup::Direct(group) });
+        self
+    }
+
+    /// The expert-data-parallel group (only where the engine has units split over it).
+    pub fn experts_group(&self) -> &(dyn Communicator + 'static) {
+        self.experts.as_ref().expect("units split over a group come with the engine's group").as_ref()
+    }
+
+    /// The expert-data-parallel group's thread, when collectives can be started ahead.
+    pub fn experts_thread(&self) -> Option<&CommThread> {
+        self.experts.as_ref().and_then(ShardGroup::thread)
+    }
+
+    /// The group a unit is split over: the shard group, or the expert-data-parallel group.
+    pub fn of_unit(&self, span: &UnitSpan) -> &(dyn Communicator + 'static) {
+        match (&span.ranks, &self.experts) {
+            (UnitRanks::Group(_), Some(group)) => group.as_ref(),
+            (UnitRanks::Group(_), None) => unreachable!("units split over a group come with the engine's group"),
+            (UnitRanks::All, _) => self.as_ref(),
+        }
+    }
+
+    /// The thread of the group a unit is split over, when collectives can be started ahead.
+    pub fn thread_of_unit(&self, span: &UnitSpan) -> Option<&CommThread> {
+        match (&span.ranks, &self.experts) {
+            (UnitRanks::Group(_), Some(group)) => group.thread(),
+            _ => self.thread(),
+        }
     }
 
     /// The shard group.
     pub fn as_ref(&self) -> &(dyn Communicator + 'static) {
-        match &self.shard {
-            ShardGroup::Direct(c) => c.as_ref(),
-            ShardGroup::Threaded(t) => t,
-        }
+        self.shard.as_ref()
     }
 
     /// The thread, when collectives can be started ahead.
     pub fn thread(&self) -> Option<&CommThread> {
-        match &self.shard {
-            ShardGroup::Threaded(t) => Some(t),
-            ShardGroup::Direct(_) => None,
-        }
+        self.shard.thread()
     }
 
     /// The replicas of this rank's shard (MiCS), if there are any.
@@ -126,6 +161,22 @@ impl EngineComm {
         match &self.replicas {
             Some(r) => r.with(|g| g.barrier()),
             None => Ok(()),
+        }
+    }
+}
+
+impl ShardGroup {
+    fn as_ref(&self) -> &(dyn Communicator + 'static) {
+        match self {
+            ShardGroup::Direct(c) => c.as_ref(),
+            ShardGroup::Threaded(t) => t,
+        }
+    }
+
+    fn thread(&self) -> Option<&CommThread> {
+        match self {
+            ShardGroup::Threaded(t) => Some(t),
+            ShardGroup::Direct(_) => None,
         }
     }
 }

@@ -113,7 +113,7 @@ impl Engine {
         let bwd_factor = 2.0 + p.recompute_fwd_factor;
         let model_params = self.states.layout.numel as u64;
         let held = match self.plan.partitions_parameters() {
-            true => self.states.layout.partition_len() as u64,
+            true => self.states.layout.shard_len(self.rank()) as u64,
             false => model_params,
         };
         let b = self.batch;

@@ -254,6 +254,12 @@ impl Engine {
     /// # Ok(()) }
     /// ```
     pub fn forward(&mut self, model: &dyn UnitModel, input: &Tensor) -> Result<Tensor> {
+        if self.states.layout.has_groups() {
+            // The walk runs every unit on every rank; a rank holds only its own experts' units.
+            return Err(Error::Usage(
+                "engine.forward walks every unit on every rank, but with expert_parallel the units of each expert-parallel position's experts are split over that position's ranks only: enter the units from your forward with engine.unit(name, ..), each rank only its own experts'".into(),
+            ));
+        }
         let _span = crate::report::Phase::Forward.span().entered();
         let _owner = owned_by(Owner::Engine);
         self.enter_phase(|| "forward".into());
@@ -476,7 +482,7 @@ impl Engine {
 
     pub(crate) fn gather_unit(&mut self, i: usize) -> Result<()> {
         let t = std::time::Instant::now();
-        self.states.parameters.gather(i, self.comm.as_ref(), &mut self.report.comm_volume)?;
+        self.states.parameters.gather(i, &self.comm, &mut self.report.comm_volume)?;
         self.report.times.add(crate::report::Phase::AllGather, t.elapsed());
         Ok(())
     }
@@ -484,7 +490,7 @@ impl Engine {
     /// [`Engine::gather_unit`] with the shards' exact values where gathers are quantized (for saving the model).
     pub(crate) fn gather_unit_exact(&mut self, i: usize) -> Result<()> {
         let t = std::time::Instant::now();
-        self.states.parameters.gather_exact(i, self.comm.as_ref(), &mut self.report.comm_volume)?;
+        self.states.parameters.gather_exact(i, &self.comm, &mut self.report.comm_volume)?;
         self.report.times.add(crate::report::Phase::AllGather, t.elapsed());
         Ok(())
     }
@@ -499,7 +505,7 @@ impl Engine {
 
     /// After an optimizer step: units that stay gathered take the new values of every rank's shard.
     pub(crate) fn refresh_gathered_units(&mut self) -> Result<()> {
-        self.states.parameters.refresh_gathered(self.comm.as_ref(), &mut self.report.comm_volume)
+        self.states.parameters.refresh_gathered(&self.comm, &mut self.report.comm_volume)
     }
 }
 

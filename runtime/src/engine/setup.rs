@@ -33,16 +33,18 @@ pub(super) struct Arrangement {
 
 /// Orders the trainable parameters (by unit in execution order where the plan lays out by units, by name
 /// within), checks their device and dtype, and lays them out; assigns the frozen parameters to the same units.
-/// `trainable` and `frozen` come sorted by name.
+/// `trainable` and `frozen` come sorted by name. The config gives the bucket size (hooked stage 2), the precision
+/// and the expert-parallel degree (stage 3 splits a unit of one position's experts over that position's ranks).
 pub(super) fn arrange(
     trainable: Vec<(String, Tensor)>,
     frozen: Vec<(String, Tensor)>,
     options: &EngineOptions,
     plan: &StagePlan,
-    reduce_bucket_size: u64,
-    precision: Precision,
+    config: &Config,
     world_size: usize,
 ) -> Result<Arrangement> {
+    let (reduce_bucket_size, precision) = (config.zero_optimization.reduce_bucket_size, config.precision());
+    let expert_parallel = config.expert_parallel.size() as usize;
     let mut named = trainable;
     if named.is_empty() {
         let why = if frozen.is_empty() {
@@ -92,11 +94,40 @@ pub(super) fn arrange(
         for (spec, u) in specs.into_iter().zip(sorted_units) {
             by_unit[u].push(spec);
         }
-        FlatLayout::with_units(&by_unit, world_size)
+        // Stage 3 splits a unit of one expert-parallel position's experts over the ranks at that position.
+        let names: Vec<Vec<&str>> = by_unit.iter().map(|u| u.iter().map(|(n, _, _)| n.as_str()).collect()).collect();
+        let e = if plan.partitions_parameters() { expert_parallel } else { 1 };
+        let ranks = crate::engine::zero::expert_units::unit_ranks(&names, e, world_size)?;
+        FlatLayout::with_unit_ranks(&by_unit, &ranks, world_size)
     } else {
         FlatLayout::new(&specs, world_size)
     };
     Ok(Arrangement { named, layout, unit_prefixes, frozen_by_unit })
+}
+
+/// Units split over expert-data-parallel groups are built for the parameters in memory, gathered whole over their
+/// group; what would need them otherwise is refused by name.
+fn check_expert_units(config: &Config, frozen_by_unit: &[Vec<(String, Tensor)>], replica_count: usize) -> Result<()> {
+    let z = &config.zero_optimization;
+    let size = config.expert_parallel.size().to_string();
+    let refuse =
+        |why: &'static str| Err(Error::Unsupported { key: "expert_parallel.autoep_size", value: size.clone(), why });
+    if let Some((name, _)) = frozen_by_unit.iter().flatten().next() {
+        return Err(Error::Parameter {
+            name: name.clone(),
+            why: "is frozen: units of one expert-parallel position's experts are split over their own ranks, which takes trainable parameters only so far".into(),
+        });
+    }
+    if replica_count > 1 {
+        return refuse("with shard groups (mics_shard_size, hpZ) not yet: the experts' units are split over their own group of ranks");
+    }
+    if z.offload_param.device == crate::config::OffloadDevice::Nvme {
+        return refuse("with offload_param on NVMe not yet: the experts' units are gathered from a shard in memory");
+    }
+    if z.zero_hpz_partition_size > 1 || z.zero_quantized_weights {
+        return refuse("with hpZ or quantized weights (ZeRO++) not yet: the experts' units are gathered whole over their own group");
+    }
+    Ok(())
 }
 
 /// Whether the unit inputs activation checkpointing keeps wait in host memory: `cpu_checkpointing` with
@@ -250,6 +281,7 @@ impl Engine {
             allocator::keep_freed_blocks()?;
         }
         let (world_size, rank) = (comm.world_size(), comm.rank());
+        let expert_parallel = config.expert_parallel.size() as usize;
         let replica_count = replicas.as_ref().map_or(1, |r| r.world_size());
         check_shard_groups(&config, world_size, replica_count)?;
         // The batch spans every data-parallel rank: the shard groups' ranks times the groups.
@@ -315,9 +347,17 @@ impl Engine {
         let residence = Residence::of(device);
         let claim = variables::Claim::new(trainable.iter().chain(&frozen).chain(&buffers))?;
         let config = sizing::size_hooked_buckets(config, &plan, &trainable, rank);
-        let z = &config.zero_optimization;
         let Arrangement { named, layout, unit_prefixes, frozen_by_unit } =
-            arrange(trainable, frozen, &options, &plan, z.reduce_bucket_size, precision, world_size)?;
+            arrange(trainable, frozen, &options, &plan, &config, world_size)?;
+        let experts_group = if layout.has_groups() {
+            check_expert_units(&config, &frozen_by_unit, replica_count)?;
+            // This rank's expert-data-parallel group: the ranks at its expert-parallel position.
+            use crate::comm::Collectives;
+            let position = rank % expert_parallel;
+            Some(comm.split(Some(position as u32), rank as i64)?.expect("every rank has a position"))
+        } else {
+            None
+        };
         let config = sizing::size_from_model(config, &layout, &plan, rank);
         let z = &config.zero_optimization;
         let frozen_numel: Vec<u64> =
@@ -368,7 +408,7 @@ impl Engine {
 
         // A 16-bit model's fp32 master starts from the values: read back unit by unit where they are on NVMe.
         let values = match (&mut swapped_params, precision) {
-            (Some(s), Precision::Bf16 | Precision::Fp16) => s.read_all(layout.partition_len())?,
+            (Some(s), Precision::Bf16 | Precision::Fp16) => s.read_all(layout.shard_len(rank))?,
             _ => flat_params.shallow_clone(),
         };
         // A 1-bit optimizer exchanges its momentum itself at stage 0; at stage 1 the engine exchanges the gradient
@@ -410,7 +450,7 @@ impl Engine {
             stage = plan.stage(),
             ?precision,
             params = layout.numel,
-            partition = layout.partition_len(),
+            partition = layout.shard_len(rank),
             units = layout.units.len(),
             ?device,
             ?optimizer_device,
@@ -425,7 +465,11 @@ impl Engine {
         let (watch, comm, replicas) = super::watching::Watch::wrap_comms(&config, comm, replicas);
         let inputs_to_host = inputs_to_host(&config, &options, residence);
         let mut engine = Engine {
-            comm: engine_comm::EngineComm::new(comm, replicas, plan.threaded_comm()),
+            comm: match experts_group {
+                Some(group) => engine_comm::EngineComm::new(comm, replicas, plan.threaded_comm())
+                    .with_experts(group, plan.threaded_comm()),
+                None => engine_comm::EngineComm::new(comm, replicas, plan.threaded_comm()),
+            },
             residence,
             config,
             plan,

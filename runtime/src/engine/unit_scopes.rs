@@ -127,8 +127,15 @@ impl Engine {
 
     /// [`Engine::unit`] for unit `u` (its index), at stage 3 or stage 2 with units.
     pub(crate) fn enter_unit<T: UnitOutput>(&mut self, u: usize, forward: impl FnOnce(&mut Engine) -> T) -> Result<T> {
+        let rank = self.rank();
+        let held = self.states.layout.units[u].holds(rank);
         let scopes = self.scopes()?;
         let (name, outermost) = (scopes.label(u), scopes.depth == 0);
+        if !held {
+            return Err(Error::Usage(format!(
+                "engine.unit(\"{name}\", ..) on rank {rank}: the unit holds experts of another expert-parallel position, split over other ranks; enter only the units of this rank's experts (`ExpertParallel::rank`)"
+            )));
+        }
         // No unit open around this one (engine.forward's walk counts as depth, not as a unit): the flops
         // profiler's rows are these.
         let top_unit = scopes.open.iter().all(|&n| n == 0);
@@ -275,11 +282,12 @@ impl Engine {
 
     /// Reduces, last unit first (one order on every rank), every unit with trainable parameters that this backward
     /// did not reduce yet: some of its parameters took no part, or it was not entered (zeros).
+    /// Units of other ranks' experts (split over a group this rank is not in) are theirs to reduce.
     fn reduce_remaining_units(&mut self) -> Result<()> {
-        let n = self.states.parameters.units.len();
+        let (n, rank) = (self.states.parameters.units.len(), self.rank());
         for u in (0..n).rev() {
             let scopes = self.walk.scopes.as_ref().expect("installed");
-            if scopes.trains(u) && !scopes.reduced[u] {
+            if scopes.trains(u) && !scopes.reduced[u] && self.states.layout.units[u].holds(rank) {
                 self.reduce_scoped_unit(u)?;
             }
         }

@@ -78,7 +78,7 @@ impl MoeLayer {
 
     /// The layer on `x` [..., hidden], every expert on this rank.
     pub fn forward(&self, x: &Tensor) -> Result<MoeOutput> {
-        self.run(x, None)
+        self.run(x, None, &mut |experts| Ok(experts()))
     }
 
     /// The layer on `x` [..., hidden] over the expert-parallel `group` of E ranks: every rank of the group calls
@@ -92,10 +92,37 @@ impl MoeLayer {
     /// (2-3) and parameters (3) over every data-parallel rank. Each rank runs experts / E experts on E times the
     /// rows per call (its share of the group's slots: on average as many as without the group).
     pub fn forward_parallel(&self, group: &ExpertParallel, x: &Tensor) -> Result<MoeOutput> {
-        self.run(x, Some(group))
+        self.run(x, Some(group), &mut |experts| Ok(experts()))
     }
 
-    fn run(&self, x: &Tensor, group: Option<&ExpertParallel>) -> Result<MoeOutput> {
+    /// [`forward_parallel`](Self::forward_parallel) with this rank's experts computed inside `scope`: at ZeRO
+    /// stage 3 with `expert_parallel`, the unit of this rank's experts entered there (`scope` gets the computation
+    /// and returns it run, e.g. `&mut |experts| engine.unit(&name, |_| experts())`), so the engine gathers only
+    /// those experts, over the ranks that hold them ([`MoeLayer::expert_units`] names the units).
+    pub fn forward_parallel_scoped(
+        &self,
+        group: &ExpertParallel,
+        x: &Tensor,
+        scope: &mut dyn FnMut(&dyn Fn() -> Tensor) -> Result<Tensor>,
+    ) -> Result<MoeOutput> {
+        self.run(x, Some(group), scope)
+    }
+
+    /// The units of a layer under `path` (its parameters' prefix, `model.layers.3.mlp`) with `experts` experts
+    /// over expert-parallel groups of `ranks`: one per position, its experts' prefixes (`path.experts.{i}`). Put
+    /// them in `EngineOptions::units` beside the model's other units; position g's name (its first prefix) is what
+    /// the ranks at position g enter.
+    pub fn expert_units(path: &str, experts: i64, ranks: usize) -> Vec<Vec<String>> {
+        let per = experts as usize / ranks.max(1);
+        (0..ranks).map(|g| (g * per..(g + 1) * per).map(|i| format!("{path}.experts.{i}")).collect()).collect()
+    }
+
+    fn run(
+        &self,
+        x: &Tensor,
+        group: Option<&ExpertParallel>,
+        scope: &mut dyn FnMut(&dyn Fn() -> Tensor) -> Result<Tensor>,
+    ) -> Result<MoeOutput> {
         let shape = x.size();
         let hidden = *shape.last().ok_or_else(|| Error::Usage("mixture of experts: a scalar input".into()))?;
         if self.experts.count() != self.num_experts {
@@ -145,7 +172,7 @@ impl MoeLayer {
         let rows = x.index_select(0, &token);
         let outputs = match group {
             None => self.experts.forward_grouped(&rows, &per_expert, 0),
-            Some(g) => self.through_group(g, &rows, &per_expert)?,
+            Some(g) => self.through_group(g, &rows, &per_expert, scope)?,
         };
         let weights = routing.weights.reshape([-1]).index_select(0, &order).unsqueeze(1);
         let output = x.zeros_like().index_add(0, &token, &(outputs * weights));
@@ -159,7 +186,13 @@ impl MoeLayer {
 
     /// Rows sorted by expert (`per_expert[i]` for global expert i) to the ranks that compute their experts,
     /// through those experts, and back in the same order.
-    fn through_group(&self, g: &ExpertParallel, rows: &Tensor, per_expert: &[i64]) -> Result<Tensor> {
+    fn through_group(
+        &self,
+        g: &ExpertParallel,
+        rows: &Tensor,
+        per_expert: &[i64],
+        scope: &mut dyn FnMut(&dyn Fn() -> Tensor) -> Result<Tensor>,
+    ) -> Result<Tensor> {
         // This rank computes `held` of the experts, from `first`.
         let (n, held) = (g.size(), (self.num_experts as usize) / g.size());
         let first = g.rank() * held;
@@ -189,7 +222,8 @@ impl MoeLayer {
         let device = rows.device();
         let index = Tensor::from_slice(&grouped).to_device(device);
         let rows_per_held: Vec<i64> = (0..held).map(|e| (0..n).map(|p| arriving[p * held + e]).sum()).collect();
-        let computed = self.experts.forward_grouped(&received.index_select(0, &index), &rows_per_held, first);
+        let grouped_rows = received.index_select(0, &index);
+        let computed = scope(&|| self.experts.forward_grouped(&grouped_rows, &rows_per_held, first))?;
         let back = computed.zeros_like().index_copy(0, &index, &computed);
         g.all_to_all_rows(&back, &recv, &send)
     }

@@ -132,17 +132,39 @@ impl Engine {
     }
 
     /// Stage 3: gathers the units one at a time (collective) and shows `visit` each trainable parameter as `kind`
-    /// and, with `frozen`, each frozen one in its own dtype, in the units' order, while its unit is gathered.
+    /// and, with `frozen`, each frozen one in its own dtype, in the units' order, while its unit is gathered. A
+    /// unit split over a group (one expert-parallel position's experts) is gathered by its ranks and sent to the
+    /// others from the first of them, so every rank sees every parameter.
     fn visit_units(
         &mut self,
         kind: tch::Kind,
         frozen: bool,
         visit: &mut dyn FnMut(&str, &Tensor) -> Result<()>,
     ) -> Result<()> {
+        let rank = self.rank();
         for i in 0..self.states.parameters.units.len() {
             let was = self.states.parameters.units[i].state();
-            self.gather_unit_exact(i)?;
             let span = self.states.parameters.units[i].span.clone();
+            if let crate::engine::zero::layout::UnitRanks::Group(members) = &span.ranks {
+                let full = if span.holds(rank) {
+                    self.gather_unit_exact(i)?;
+                    self.states.parameters.units[i].full().shallow_clone()
+                } else {
+                    let like = self.states.parameters.units[i].full();
+                    Tensor::f_zeros([span.range.len() as i64], (like.kind(), like.device()))?
+                };
+                views::broadcast(self.residence, self.comm.as_ref(), &full, members[0])?;
+                for slot in &self.states.layout.slots[span.slots.clone()] {
+                    let at = (slot.range.start - span.range.start) as i64;
+                    let t = full.narrow(0, at, slot.range.len() as i64).view(slot.shape.as_slice());
+                    visit(&slot.name, &t.detach().to_kind(kind))?;
+                }
+                if was == crate::engine::zero::sharded_unit::UnitState::Sharded && span.holds(rank) {
+                    self.release_unit(i)?;
+                }
+                continue;
+            }
+            self.gather_unit_exact(i)?;
             for (slot, t) in self.states.layout.slots[span.slots].iter().zip(self.states.parameters.units[i].params()) {
                 visit(&slot.name, &t.detach().to_kind(kind))?;
             }

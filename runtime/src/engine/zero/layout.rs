@@ -14,30 +14,80 @@ pub struct ParamSlot {
     pub decay: bool,
 }
 
-/// A unit of the layout: a run of slots padded to a multiple of the world size, split evenly among the ranks.
+/// The ranks a unit is split over.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum UnitRanks {
+    /// Every rank of the layout.
+    #[default]
+    All,
+    /// These ranks of the layout, ascending (a chunk each, in this order): a mixture-of-experts layer's experts of
+    /// one expert-parallel position, split over the ranks that compute them (the expert-data-parallel group,
+    /// DeepSpeed's). The other ranks hold none of the unit and never gather it.
+    Group(Vec<usize>),
+}
+
+/// A unit of the layout: a run of slots padded to a multiple of the ranks it is split over, split evenly among
+/// them.
 #[derive(Debug, Clone, PartialEq)]
 pub struct UnitSpan {
     /// Padded flat range.
     pub range: Range<usize>,
     /// Indices of its slots.
     pub slots: Range<usize>,
+    /// The ranks it is split over.
+    pub ranks: UnitRanks,
 }
 
 impl UnitSpan {
-    /// Elements of the unit each rank owns.
-    pub fn chunk_len(&self, world_size: usize) -> usize {
-        self.range.len() / world_size
+    /// Ranks the unit is split over: the world size, or its group's.
+    pub fn split(&self, world_size: usize) -> usize {
+        match &self.ranks {
+            UnitRanks::All => world_size,
+            UnitRanks::Group(members) => members.len(),
+        }
     }
 
-    /// The flat range of the unit rank `r` owns.
+    /// Elements of the unit each of its ranks owns.
+    pub fn chunk_len(&self, world_size: usize) -> usize {
+        self.range.len() / self.split(world_size)
+    }
+
+    /// Where rank `rank` of the layout is among the unit's ranks (None: it holds none of the unit).
+    pub fn place_of(&self, rank: usize) -> Option<usize> {
+        match &self.ranks {
+            UnitRanks::All => Some(rank),
+            UnitRanks::Group(members) => members.iter().position(|&m| m == rank),
+        }
+    }
+
+    /// Whether rank `rank` of the layout holds a chunk of the unit.
+    pub fn holds(&self, rank: usize) -> bool {
+        self.place_of(rank).is_some()
+    }
+
+    /// Elements of the unit rank `rank` owns: its chunk's, or none.
+    pub fn held_len(&self, rank: usize, world_size: usize) -> usize {
+        if self.holds(rank) {
+            self.chunk_len(world_size)
+        } else {
+            0
+        }
+    }
+
+    /// The flat range of the unit rank `rank` of the layout owns (empty where it holds none).
     pub fn chunk(&self, rank: usize, world_size: usize) -> Range<usize> {
         let c = self.chunk_len(world_size);
-        self.range.start + rank * c..self.range.start + (rank + 1) * c
+        match self.place_of(rank) {
+            Some(p) => self.range.start + p * c..self.range.start + (p + 1) * c,
+            None => self.range.start..self.range.start,
+        }
     }
 }
 
-/// Parameters concatenated in order in units, each unit right-padded to a multiple of the world size and split
-/// evenly. Stages 0-2 use one unit (the whole model); stage 3 one per model unit, gathered one at a time.
+/// Parameters concatenated in order in units, each unit right-padded to a multiple of the ranks it is split over
+/// (the world size, or its group's) and split evenly. Stages 0-2 use one unit (the whole model); stage 3 one per
+/// model unit, gathered one at a time. Every rank has the same layout; a unit split over a group is empty on the
+/// other ranks.
 #[derive(Debug, Clone, PartialEq)]
 pub struct FlatLayout {
     /// Every parameter, in flat order.
@@ -58,13 +108,19 @@ impl FlatLayout {
         Self::with_units(&[params.to_vec()], world_size)
     }
 
-    /// Units in order, each a list of (name, shape, decay).
+    /// Units in order, each a list of (name, shape, decay), every one split over all ranks.
     pub fn with_units(units: &[Vec<(String, Vec<i64>, bool)>], world_size: usize) -> Self {
+        Self::with_unit_ranks(units, &vec![UnitRanks::All; units.len()], world_size)
+    }
+
+    /// Units in order, each a list of (name, shape, decay), split over the ranks `ranks` gives (one per unit).
+    pub fn with_unit_ranks(units: &[Vec<(String, Vec<i64>, bool)>], ranks: &[UnitRanks], world_size: usize) -> Self {
+        assert_eq!(units.len(), ranks.len(), "the ranks of every unit");
         let ws = world_size.max(1);
         let (mut offset, mut numel) = (0, 0);
         let mut slots = Vec::new();
         let mut spans = Vec::new();
-        for unit in units {
+        for (unit, unit_ranks) in units.iter().zip(ranks) {
             let (start, first_slot) = (offset, slots.len());
             for (name, shape, decay) in unit {
                 let n: usize = shape.iter().map(|&d| d as usize).product();
@@ -77,15 +133,38 @@ impl FlatLayout {
                 offset += n;
                 numel += n;
             }
-            offset = start + (offset - start).div_ceil(ws) * ws;
-            spans.push(UnitSpan { range: start..offset, slots: first_slot..slots.len() });
+            let split = match unit_ranks {
+                UnitRanks::All => ws,
+                UnitRanks::Group(members) => {
+                    assert!(
+                        !members.is_empty()
+                            && members.windows(2).all(|w| w[0] < w[1])
+                            && members[members.len() - 1] < ws,
+                        "a unit's group: ascending ranks of the layout"
+                    );
+                    members.len()
+                }
+            };
+            offset = start + (offset - start).div_ceil(split) * split;
+            spans.push(UnitSpan { range: start..offset, slots: first_slot..slots.len(), ranks: unit_ranks.clone() });
         }
         FlatLayout { slots, units: spans, numel, padded: offset, world_size: ws }
     }
 
-    /// Elements each rank owns.
+    /// Elements each rank owns where every unit is split over all ranks (stages 0-1 always): the flat length
+    /// over the world size. With units split over groups, ranks own different lengths: [`shard_len`](Self::shard_len).
     pub fn partition_len(&self) -> usize {
         self.padded / self.world_size
+    }
+
+    /// Elements rank `rank` owns: its chunk of every unit it holds (the length of its shard space).
+    pub fn shard_len(&self, rank: usize) -> usize {
+        self.units.iter().map(|u| u.held_len(rank, self.world_size)).sum()
+    }
+
+    /// Whether some unit is split over a group of ranks rather than all of them.
+    pub fn has_groups(&self) -> bool {
+        self.units.iter().any(|u| u.ranks != UnitRanks::All)
     }
 
     /// The flat range rank `r` owns, for a one-unit layout (stages 0-2).
@@ -219,6 +298,27 @@ mod tests {
         assert_eq!(l.shard_pieces(1), vec![5..10, 12..14]);
         // Rank 1's shard: a.weight[5], a.bias + padding (no decay), then b.weight[2..4].
         assert_eq!(l.shard_decay_runs(1), vec![(0..1, true), (1..5, false), (5..7, true)]);
+    }
+
+    #[test]
+    fn a_unit_split_over_a_group_is_empty_on_the_other_ranks() {
+        let dense = vec![("embed".to_string(), vec![5], true)];
+        let experts = vec![("experts.0.w".to_string(), vec![3], true)];
+        let l = FlatLayout::with_unit_ranks(
+            &[dense, experts.clone(), experts],
+            &[UnitRanks::All, UnitRanks::Group(vec![0, 2]), UnitRanks::Group(vec![1, 3])],
+            4,
+        );
+        // embed: 5 padded to 8 over 4 ranks; each experts unit: 3 padded to 4 over its 2 ranks.
+        assert_eq!(l.units.iter().map(|u| u.range.clone()).collect::<Vec<_>>(), vec![0..8, 8..12, 12..16]);
+        assert_eq!((l.units[1].chunk_len(4), l.units[1].split(4)), (2, 2));
+        assert_eq!(l.shard_pieces(2), vec![4..6, 10..12, 12..12]);
+        assert_eq!(l.shard_pieces(3), vec![6..8, 8..8, 14..16]);
+        assert_eq!((l.shard_len(0), l.shard_len(3)), (4, 4));
+        assert_eq!((l.units[2].holds(0), l.units[2].place_of(3)), (false, Some(1)));
+        assert!(l.has_groups() && !layout(2).has_groups());
+        // Rank 1's shard: embed[2..4], then the first chunk of the experts unit split over ranks 1 and 3.
+        assert_eq!(l.shard_decay_runs(1), vec![(0..2, true), (2..4, true)]);
     }
 
     #[test]

@@ -5,6 +5,7 @@
 //! models built unit by unit), the VarStore's variables (`variables.rs`); gradients in `grads/` and this rank's
 //! optimizer in `optim/`.
 pub mod builders;
+pub(crate) mod expert_units;
 pub(crate) mod frozen;
 pub(crate) mod grads;
 pub mod layout;

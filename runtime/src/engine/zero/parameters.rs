@@ -48,8 +48,10 @@ impl Parameters {
         Parameters { flat, swapped, units, frozen_units, gathered }
     }
 
-    /// Unit `i` gathered, its trainable and frozen parts (finishing a prefetch if one runs).
-    pub fn gather(&mut self, i: usize, comm: &dyn Communicator, volume: &mut CommVolume) -> Result<()> {
+    /// Unit `i` gathered, its trainable and frozen parts (finishing a prefetch if one runs), over the group it is
+    /// split over.
+    pub fn gather(&mut self, i: usize, comm: &EngineComm, volume: &mut CommVolume) -> Result<()> {
+        let comm = comm.of_unit(&self.units[i].span);
         match self.units[i].state() {
             UnitState::Gathered => {}
             UnitState::Gathering => {
@@ -79,13 +81,14 @@ impl Parameters {
 
     /// Unit `i` gathered with the values the shards hold, also where its gathers are quantized (a gathered unit then
     /// holds dequantized values, so it is gathered again, exactly): what saving the model reads.
-    pub fn gather_exact(&mut self, i: usize, comm: &dyn Communicator, volume: &mut CommVolume) -> Result<()> {
-        let Some(block) = self.units[i].take_quantized() else { return self.gather(i, comm, volume) };
+    pub fn gather_exact(&mut self, i: usize, engine_comm: &EngineComm, volume: &mut CommVolume) -> Result<()> {
+        let Some(block) = self.units[i].take_quantized() else { return self.gather(i, engine_comm, volume) };
+        let comm = engine_comm.of_unit(&self.units[i].span);
         // An hpZ host copy of a quantized gather holds dequantized values.
         self.gathered.current -= self.units[i].drop_host_copy();
         let exact = (|| {
             let was_sharded = self.units[i].state() == UnitState::Sharded;
-            self.gather(i, comm, volume)?;
+            self.gather(i, engine_comm, volume)?;
             if !was_sharded {
                 let chunk = self.unit_chunk(i, comm.world_size())?;
                 let n = self.units[i].refresh(comm, Some(&chunk));
@@ -166,11 +169,18 @@ impl Parameters {
         z: &ZeroConfig,
         volume: &mut CommVolume,
     ) -> Result<()> {
-        let Some(thread) = comm.thread() else { return Ok(()) };
+        if comm.thread().is_none() {
+            return Ok(());
+        }
         let sizes: Vec<u64> = (0..self.units.len()).map(|u| self.unit_elements(u)).collect();
-        let sharded: Vec<bool> = self.units.iter().map(|u| u.state() == UnitState::Sharded).collect();
-        let live: u64 =
-            (0..self.units.len()).filter(|&u| !self.units[u].persistent && !sharded[u]).map(|u| sizes[u]).sum();
+        // Units split over a group this rank is not in are never gathered here: neither sharded nor live.
+        let held: Vec<bool> = self.units.iter().map(|u| u.span.holds(comm.rank())).collect();
+        let sharded: Vec<bool> =
+            self.units.iter().zip(&held).map(|(u, &h)| h && u.state() == UnitState::Sharded).collect();
+        let live: u64 = (0..self.units.len())
+            .filter(|&u| held[u] && !self.units[u].persistent && !sharded[u])
+            .map(|u| sizes[u])
+            .sum();
         let in_flight = self.units.iter().filter(|u| u.state() == UnitState::Gathering).count();
         let picked = plan::units_to_prefetch(
             order,
@@ -182,7 +192,8 @@ impl Parameters {
             z.stage3_max_live_parameters,
         );
         for u in picked {
-            let chunk = self.unit_chunk(u, comm.world_size())?;
+            let thread = comm.thread_of_unit(&self.units[u].span).expect("both groups are threaded or neither");
+            let chunk = self.unit_chunk(u, thread.world_size())?;
             let n = self.units[u].begin_gather(thread, &chunk);
             self.recycle(u, chunk);
             volume.all_gather_elements += n? as u64;
@@ -211,7 +222,7 @@ impl Parameters {
     }
 
     /// After an optimizer step: units that stay gathered take the new values of every rank's shard.
-    pub fn refresh_gathered(&mut self, comm: &dyn Communicator, volume: &mut CommVolume) -> Result<()> {
+    pub fn refresh_gathered(&mut self, engine_comm: &EngineComm, volume: &mut CommVolume) -> Result<()> {
         // hpZ's host copies hold the old values.
         for unit in &mut self.units {
             self.gathered.current -= unit.drop_host_copy();
@@ -220,6 +231,7 @@ impl Parameters {
             if self.units[i].state() != UnitState::Gathered {
                 continue;
             }
+            let comm = engine_comm.of_unit(&self.units[i].span);
             let n = if self.units[i].owns_buffer() {
                 let chunk = self.unit_chunk(i, comm.world_size())?;
                 let n = self.units[i].refresh(comm, Some(&chunk));

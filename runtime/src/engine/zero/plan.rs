@@ -193,7 +193,7 @@ impl StagePlan {
         match self.strategy {
             Strategy::Replicated => Optimized::Flat(FlatRange(0..layout.padded)),
             Strategy::PartitionedOptimizer => Optimized::Flat(FlatRange(layout.partition(rank))),
-            _ => Optimized::Shard(ShardRange(0..layout.partition_len())),
+            _ => Optimized::Shard(ShardRange(0..layout.shard_len(rank))),
         }
     }
 }
@@ -248,6 +248,7 @@ impl GradientSizes {
         reduce_bucket_size: u64,
         fp32_model: bool,
         comm_in_model_dtype: bool,
+        rank: usize,
     ) -> GradientSizes {
         let ws = layout.world_size;
         let partition = layout.partition_len();
@@ -282,7 +283,8 @@ impl GradientSizes {
             Strategy::PartitionedOptimizer if fp32_in_place => ReducedGradients::ViewPartition,
             _ => ReducedGradients::Accumulator,
         };
-        let accumulator = if reduced == ReducedGradients::Accumulator { plan.optimized(layout, 0).len() } else { 0 };
+        // This rank's optimized length: with units split over groups of ranks, ranks hold different lengths.
+        let accumulator = if reduced == ReducedGradients::Accumulator { plan.optimized(layout, rank).len() } else { 0 };
         GradientSizes { staged, round_len, views, part, accumulator, reduced }
     }
 }
@@ -445,7 +447,7 @@ mod tests {
         let (by_units, flat) = layouts();
         let sizes = |stage, units, overlap, bucket, fp32, same| {
             let p = StagePlan::new(stage, units, overlap, true, 2);
-            GradientSizes::new(&p, if stage >= 2 { &by_units } else { &flat }, bucket, fp32, same)
+            GradientSizes::new(&p, if stage >= 2 { &by_units } else { &flat }, bucket, fp32, same, 0)
         };
         // Stage 0, fp32: autograd writes into the staging buffer, which is reduced in place.
         let s = sizes(0, false, false, 100, true, true);

@@ -122,7 +122,10 @@ impl ShardedUnit {
         let shared = comm.prefers_shared_buffers();
         let mut unit = ShardedUnit::new(span, slots, params, kind, shard_offset, persistent, shared, residence)?;
         views::broadcast(residence, comm, unit.full(), 0)?;
-        store(&unit.chunk_of_full(comm.rank(), comm.world_size()))?;
+        // A unit split over a group: its ranks keep their chunk, the others none.
+        if let Some(place) = unit.span.place_of(comm.rank()) {
+            store(&unit.chunk_of_full(place, comm.world_size()))?;
+        }
         if !persistent {
             unit.release()?;
         }

@@ -76,13 +76,17 @@ pub(crate) fn shard_units(
             layout.slots[span.slots.clone()].iter().map(|s| s.range.len() as u64).sum::<u64>() + frozen
         })
         .collect();
-    let persistence =
+    let mut persistence =
         plan::persistent_units(&numels, z.stage3_param_persistence_threshold, z.stage3_model_persistence_threshold);
+    // A unit split over a group this rank is not in is never gathered here, however small.
+    for (p, span) in persistence.iter_mut().zip(&layout.units) {
+        *p &= span.holds(rank);
+    }
     let mut chunks = Vec::with_capacity(layout.units.len());
     let mut offset = 0;
     for span in &layout.units {
-        chunks.push(offset..offset + span.chunk_len(ws));
-        offset += span.chunk_len(ws);
+        chunks.push(offset..offset + span.held_len(rank, ws));
+        offset += span.held_len(rank, ws);
     }
     let mut swapped = match z.offload_param.device {
         OffloadDevice::Nvme => {
@@ -97,7 +101,7 @@ pub(crate) fn shard_units(
         }
         OffloadDevice::None => None,
     };
-    let len = if swapped.is_some() { 0 } else { layout.partition_len() };
+    let len = if swapped.is_some() { 0 } else { layout.shard_len(rank) };
     let shard = Tensor::f_zeros([len as i64], (kind, residence.device()))?;
     let mut units = Vec::with_capacity(layout.units.len());
     for (u, (span, persistent)) in layout.units.iter().zip(persistence).enumerate() {

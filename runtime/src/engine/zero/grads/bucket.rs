@@ -85,6 +85,19 @@ pub(crate) struct Bucket {
     pub staged: Tensor,
     pub out: Tensor,
     pub lands_at: Option<usize>,
+    /// A unit split over the expert-data-parallel group: reduced there, with no replicas.
+    pub over_experts: bool,
+    /// Multiplies the reduced part after the post-factor: a mean over the expert-data-parallel group made a mean
+    /// over every data-parallel rank (each rank's gradient of its experts already sums the tokens of its
+    /// expert-parallel group).
+    pub scale: Option<f64>,
+}
+
+impl Bucket {
+    /// A bucket over the shard group (and its replicas).
+    pub fn new(staged: Tensor, out: Tensor, lands_at: Option<usize>) -> Bucket {
+        Bucket { staged, out, lands_at, over_experts: false, scale: None }
+    }
 }
 
 /// Where a finished bucket's reduced part goes ([`Bucket::lands_at`]).
@@ -120,13 +133,18 @@ impl Bucket {
         if let Some(pre) = how.pre {
             let _ = self.staged.shallow_clone().f_mul_scalar_(pre)?;
         }
-        let replicas = comm.replicas();
+        let replicas = comm.replicas().filter(|_| !self.over_experts);
+        let (group, thread) = if self.over_experts {
+            (comm.experts_group(), comm.experts_thread())
+        } else {
+            (comm.as_ref(), comm.thread())
+        };
         if let Some(r) = replicas {
             volume.all_reduce_elements += l as u64;
             tracing::trace!(elements = l, replicas = r.count(), "bucket part all-reduced across the shard groups");
         }
         if !how.scatter {
-            views::all_reduce(how.residence, comm.as_ref(), &self.staged, how.op)?;
+            views::all_reduce(how.residence, group, &self.staged, how.op)?;
             volume.all_reduce_elements += n as u64;
             self.out.shallow_clone().f_copy_(&self.staged.narrow(0, (how.rank * l) as i64, l as i64))?;
             if let Some(r) = replicas {
@@ -135,7 +153,7 @@ impl Bucket {
             return Ok(Started { bucket: self, handle: None });
         }
         volume.reduce_scatter_elements += n as u64;
-        let handle = match comm.thread() {
+        let handle = match thread {
             Some(thread) => {
                 // The job holds its own handles to both tensors, so their storage outlives it; the queue does not
                 // touch this half or this output again before `finish` waits.
@@ -144,7 +162,7 @@ impl Bucket {
                 Some(thread.submit("reduce_scatter", move |c| how.reduce(c, replicas.as_ref(), &staged, &out)))
             }
             None => {
-                how.reduce(comm.as_ref(), replicas, &self.staged, &self.out)?;
+                how.reduce(group, replicas, &self.staged, &self.out)?;
                 None
             }
         };
@@ -161,6 +179,9 @@ impl Started {
         let out = &self.bucket.out;
         if let Some(post) = how.post {
             let _ = out.shallow_clone().f_mul_scalar_(post)?;
+        }
+        if let Some(scale) = self.bucket.scale {
+            let _ = out.shallow_clone().f_mul_scalar_(scale)?;
         }
         if let Some(at) = self.bucket.lands_at {
             landing.land(how.residence, at, out)?;

@@ -8,6 +8,7 @@ pub(crate) mod hooks;
 
 use tch::{Device, Kind, Tensor};
 
+use crate::comm::ReduceOp;
 use crate::config::{Config, Precision};
 use crate::engine::counters::CommVolume;
 use crate::engine::device::native;
@@ -17,7 +18,7 @@ use crate::engine::engine_comm::EngineComm;
 use crate::engine::zero::grads::all_reduce::AllReduceInBackward;
 use crate::engine::zero::grads::bucket::{Bucket, BucketQueue, Landing, Reduction};
 use crate::engine::zero::grads::hooks::Countdown;
-use crate::engine::zero::layout::FlatLayout;
+use crate::engine::zero::layout::{FlatLayout, UnitRanks};
 use crate::engine::zero::optim::in_backward::ShardStepper;
 use crate::engine::zero::plan::{GradientPath, GradientSizes, GradientViews, Optimized, ReducedGradients, StagePlan};
 use crate::error::{Error, Result};
@@ -91,6 +92,7 @@ impl Gradients {
             config.zero_optimization.reduce_bucket_size,
             precision == Precision::Fp32,
             comm_kind == views::kind_of(precision),
+            rank,
         );
         let staging = views::comm_zeros(sizes.staged, comm_kind, shared, device)?;
         let grad_buffer = match sizes.views {
@@ -112,7 +114,7 @@ impl Gradients {
             .iter()
             .scan(0, |at, u| {
                 let start = *at;
-                *at += u.chunk_len(ws);
+                *at += u.held_len(rank, ws);
                 Some(start)
             })
             .collect();
@@ -329,7 +331,7 @@ impl GradientSync<'_> {
             let out = self.reduced_slice(c, l);
             let g = &mut *self.gradients;
             g.queue.launch(
-                Bucket { staged, out, lands_at: None },
+                Bucket::new(staged, out, None),
                 self.comm,
                 &g.how,
                 self.volume,
@@ -438,8 +440,13 @@ impl GradientSync<'_> {
     /// partition beside its own gradients). On the communication thread a round reduces while the next one, or the
     /// next unit's backward, runs.
     pub fn reduce_unit(&mut self, i: usize, grads: &[Option<Tensor>]) -> Result<()> {
-        let ws = self.layout.world_size;
         let span = &self.layout.units[i];
+        // The ranks the unit is split over: every rank, or its expert-data-parallel group.
+        let ws = span.split(self.layout.world_size);
+        let over_experts = span.ranks != UnitRanks::All;
+        // A mean over the group is made a mean over every rank (a sum with a post-factor already divides by them).
+        let scale =
+            (over_experts && self.gradients.how.op == ReduceOp::Avg).then(|| ws as f64 / self.layout.world_size as f64);
         let chunk = span.chunk_len(ws);
         if chunk == 0 {
             // A unit of frozen parameters only.
@@ -460,7 +467,7 @@ impl GradientSync<'_> {
             self.stage_unit_round(i, grads, &staged, c, l)?;
             let out = part.narrow(0, (half * part_half) as i64, l as i64);
             let g = &mut *self.gradients;
-            let bucket = Bucket { staged, out, lands_at: Some(offset + c) };
+            let bucket = Bucket { staged, out, lands_at: Some(offset + c), over_experts, scale };
             let mut landing = landing(&g.accumulator, &mut self.stepper);
             g.queue.launch(bucket, self.comm, &g.how, self.volume, &mut landing)?;
         }
@@ -479,8 +486,8 @@ impl GradientSync<'_> {
     /// staged slot by slot. Only what no gradient covers is zeroed (padding, unused parameters): zeroing it all
     /// first was one more pass over every unit's gradients each step.
     fn stage_unit_round(&self, i: usize, grads: &[Option<Tensor>], staged: &Tensor, c: usize, l: usize) -> Result<()> {
-        let ws = self.layout.world_size;
         let span = &self.layout.units[i];
+        let ws = span.split(self.layout.world_size);
         let chunk = span.chunk_len(ws);
         let slots = &self.layout.slots[span.slots.clone()];
         tch::no_grad(|| -> Result<()> {
