@@ -188,3 +188,75 @@ fn a_checkpoint_of_experts_split_over_their_ranks_resumes_at_another_degree() {
     }
     std::fs::remove_dir_all(&scratch).ok();
 }
+
+/// On every one of 2 thread ranks: `f(rank's comm)`'s error text.
+fn on_ranks(f: impl Fn(Box<dyn Communicator>) -> String + Sync) -> Vec<String> {
+    let comms = threads::group(2, Duration::from_secs(30));
+    std::thread::scope(|s| {
+        let hs: Vec<_> = comms.into_iter().map(|c| s.spawn(|| f(Box::new(c)))).collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+fn expert_options(e: usize) -> EngineOptions {
+    let mut units = vec![vec!["embed".to_string()], vec!["moe.gate".to_string()], vec!["head".to_string()]];
+    units.extend(MoeLayer::expert_units("moe", EXPERTS, e));
+    EngineOptions { units: Some(units), ..Default::default() }
+}
+
+/// A walk over the engine's units (never reached: the engine refuses the walk first).
+struct Walk(Vec<Vec<String>>);
+
+impl zerorun::UnitModel for Walk {
+    fn unit_prefixes(&self) -> Vec<Vec<String>> {
+        self.0.clone()
+    }
+    fn forward_unit(&self, _unit: usize, x: &Tensor) -> Tensor {
+        x.shallow_clone()
+    }
+}
+
+#[test]
+fn what_experts_split_over_their_ranks_cannot_do_is_refused_by_name() {
+    // The walk runs every unit on every rank; a rank entering another position's experts; a frozen parameter and
+    // parameters on NVMe at start-up.
+    let errors = on_ranks(|comm| {
+        let vs = nn::VarStore::new(Device::Cpu);
+        let _m = model(&vs);
+        let options = expert_options(2);
+        let walk = Walk(options.units.clone().unwrap());
+        let mut engine = Engine::new(&vs, config(2, 2), comm, options).unwrap();
+        let x = Tensor::zeros([2, HIDDEN], (Kind::Float, Device::Cpu));
+        let walked = engine.forward(&walk, &x).unwrap_err().to_string();
+        let theirs = MoeLayer::expert_units("moe", EXPERTS, 2)[1 - engine.rank()][0].clone();
+        let entered = engine.unit(&theirs, |_| x.shallow_clone()).unwrap_err().to_string();
+        format!("{walked}\n{entered}")
+    });
+    for (r, e) in errors.iter().enumerate() {
+        assert!(e.contains("engine.forward walks every unit on every rank"), "rank {r}: {e}");
+        assert!(
+            e.contains(&format!("on rank {r}: the unit holds experts of another expert-parallel position")),
+            "rank {r}: {e}"
+        );
+    }
+    let errors = on_ranks(|comm| {
+        let vs = nn::VarStore::new(Device::Cpu);
+        let m = model(&vs);
+        let _ = m.embed.bs.as_ref().unwrap().shallow_clone().set_requires_grad(false);
+        Engine::new(&vs, config(2, 2), comm, expert_options(2)).err().unwrap().to_string()
+    });
+    assert!(errors.iter().all(|e| e.starts_with("parameter `embed.bias`: is frozen")), "{errors:?}");
+    let swap = std::env::temp_dir().to_string_lossy().into_owned();
+    let errors = on_ranks(|comm| {
+        let vs = nn::VarStore::new(Device::Cpu);
+        let _m = model(&vs);
+        let mut c = config(2, 2);
+        c.zero_optimization.offload_param.device = zerorun::config::OffloadDevice::Nvme;
+        c.zero_optimization.offload_param.nvme_path = Some(swap.clone());
+        Engine::new(&vs, c, comm, expert_options(2)).err().unwrap().to_string()
+    });
+    assert!(
+        errors.iter().all(|e| e.contains("`expert_parallel.autoep_size` = 2: with offload_param on NVMe not yet")),
+        "{errors:?}"
+    );
+}

@@ -101,9 +101,10 @@ struct Args {
     #[arg(long)]
     ring_attention: bool,
     /// Split every mixture-of-experts layer's experts over groups of this many adjacent ranks: each computes
-    /// experts / E of them for the group's tokens, which travel to it by all-to-alls. Every rank holds every
-    /// expert, and ZeRO shards them over all ranks. The same as ds_config's `expert_parallel` block
-    /// (`enabled`, `autoep_size`; either may say it, both must agree).
+    /// experts / E of them for the group's tokens, which travel to it by all-to-alls. At stage 3 each layer's
+    /// experts of one position are a unit split over that position's ranks (the model is built whole first); at
+    /// stages 0-2 every rank holds every expert, which ZeRO shards over all ranks. The same as ds_config's
+    /// `expert_parallel` block (`enabled`, `autoep_size`; either may say it, both must agree).
     #[arg(long)]
     expert_parallel: Option<u64>,
     /// With --experts: the load-balancing loss's weight in the loss (transformers' router_aux_loss_coef).
@@ -215,6 +216,38 @@ fn builders<'a>(c: &LlamaConfig, hf: Option<&Path>, router: &RouterLogits, group
     }
 }
 
+/// The model a data-parallel run trains: built unit by unit and walked by the engine, or (stage 3 with expert
+/// parallelism) built whole and run through scopes, each layer's experts of one position a unit of their own.
+enum Model<'a> {
+    Built(zerorun::BuiltModel<'a>),
+    Scoped(llama_model::Llama, llama_model::ScopedUnits),
+}
+
+/// Whether this run splits each layer's experts over the ranks of their expert-parallel position (stage 3,
+/// `--expert-parallel` above 1, a mixture of experts, no sequence parallelism): the engine gathers and reduces a
+/// rank's experts only among the ranks that compute them. Where the engine cannot yet (activation
+/// checkpointing, tied embeddings, parameters on NVMe, hpZ or quantized weights), every rank holds every expert
+/// as at stages 0-2, which is said once.
+fn splits_experts(config: &zerorun::Config, c: &LlamaConfig, ep: u64, sp: u64, a: &CommonArgs) -> bool {
+    if config.stage() != 3 || ep <= 1 || c.experts().is_none() || sp > 1 {
+        return false;
+    }
+    let z = &config.zero_optimization;
+    let why = if a.activation_checkpointing {
+        "--activation-checkpointing"
+    } else if c.tie_word_embeddings {
+        "tied embeddings"
+    } else if z.offload_param.device == zerorun::config::OffloadDevice::Nvme {
+        "offload_param on NVMe"
+    } else if z.zero_hpz_partition_size > 1 || z.zero_quantized_weights || z.mics_shard_size.is_some() {
+        "hpZ, MiCS or quantized weights"
+    } else {
+        return true;
+    };
+    tracing::warn!("{why}: every rank holds every expert (ZeRO splits them over all ranks); without it, stage 3 splits each rank's experts over the ranks that compute them");
+    false
+}
+
 fn run(args: &Args) -> Result<(), String> {
     let a = &args.common;
     a.check()?;
@@ -278,9 +311,25 @@ fn run(args: &Args) -> Result<(), String> {
             e => Some(ExpertParallel::adjacent(comm.as_ref(), e as usize).map_err(|e| e.to_string())?),
         };
         let groups = Groups { sequence: split, experts: experts.as_ref() };
-        let built = builders(&c, args.hf.as_deref(), &router, groups);
-        let (mut engine, model) =
-            Engine::from_builders(&vs, config.clone(), comm, options, built).map_err(|e| e.to_string())?;
+        let (mut engine, model) = if splits_experts(&config, &c, ep, sp, a) {
+            // Stage 3 with expert parallelism: the whole model is built, then each layer's experts of one position
+            // are a unit the engine splits over that position's ranks, entered from the model's own forward.
+            let whole = llama_model::Llama::new(&vs.root(), &c);
+            if let Some(dir) = &args.hf {
+                zerorun::runtime::engine::load_mapped(&vs, dir).map_err(|e| format!("--hf {}: {e}", dir.display()))?;
+            }
+            let names: Vec<String> = vs.variables().into_keys().collect();
+            let position = experts.as_ref().expect("ep > 1").rank();
+            let units = llama_model::ScopedUnits::new(&c, &names, position, ep as usize);
+            let options = EngineOptions { units: Some(units.prefixes.clone()), ..options };
+            let engine = Engine::new(&vs, config.clone(), comm, options).map_err(|e| e.to_string())?;
+            (engine, Model::Scoped(whole, units))
+        } else {
+            let built = builders(&c, args.hf.as_deref(), &router, groups);
+            let (engine, model) =
+                Engine::from_builders(&vs, config.clone(), comm, options, built).map_err(|e| e.to_string())?;
+            (engine, Model::Built(model))
+        };
         let b = engine.batch_sizes();
         // The data-parallel rank and ranks: sequence groups share their rows.
         let (rank, world) = (engine.rank() as u64 / sp, engine.world_size() as u64 / sp);
@@ -302,7 +351,16 @@ fn run(args: &Args) -> Result<(), String> {
                         (cut(&x)?, cut(&y)?)
                     }
                 };
-                let logits = engine.forward(&model, &x.to_device(device)).map_err(|e| e.to_string())?;
+                let logits = match &model {
+                    Model::Built(model) => engine.forward(model, &x.to_device(device)),
+                    Model::Scoped(model, units) => {
+                        model.forward_units(&mut engine, units, &x.to_device(device), groups).map(|(logits, routed)| {
+                            routed.into_iter().for_each(|l| router.push(l));
+                            logits
+                        })
+                    }
+                }
+                .map_err(|e| e.to_string())?;
                 let loss = match &split {
                     None => llama_model::loss_with_aux(&c, &logits, &y.to_device(device), &router.take()),
                     Some(split) => {
@@ -310,7 +368,11 @@ fn run(args: &Args) -> Result<(), String> {
                         sequence::sequence_loss(split.group(), &sum, y.numel() as i64).map_err(|e| e.to_string())?
                     }
                 };
-                engine.backward_units(&model, &loss).map_err(|e| e.to_string())?;
+                match &model {
+                    Model::Built(model) => engine.backward_units(model, &loss),
+                    Model::Scoped(..) => engine.backward(&loss),
+                }
+                .map_err(|e| e.to_string())?;
                 let outcome = engine.step().map_err(|e| e.to_string())?;
                 progress.record(&engine, outcome);
                 maybe_save(a, &mut engine, outcome)?;

@@ -42,6 +42,10 @@ pub struct MoeOutput {
     pub dropped: i64,
 }
 
+/// Where a rank runs its experts' computation (given as a closure): at stage 3 with expert parallelism, inside
+/// the engine's unit of its experts (`&mut |experts| engine.unit(&name, |_| experts())`).
+pub type ExpertsScope<'a> = dyn FnMut(&dyn Fn() -> Tensor) -> Result<Tensor> + 'a;
+
 /// A sparse mixture-of-experts block: Mixtral's `block_sparse_moe`, Qwen3-MoE's `mlp`.
 #[derive(Debug)]
 pub struct MoeLayer {
@@ -85,12 +89,14 @@ impl MoeLayer {
     /// it (the all-to-alls pair up), each with its own tokens, and rank g computes experts `g * experts / E ..
     /// (g + 1) * experts / E` for every token of the group that chose them.
     ///
-    /// Every rank holds every expert's parameters (the same names and values on every rank), so the ZeRO engine
-    /// treats them as any data-parallel parameter: its reduction adds the ranks' gradients, in which an expert's
-    /// come only from the rank that computed it (the others have none, zeros), and divides by the data-parallel
-    /// degree: the gradient of the whole batch's loss. ZeRO shards the experts' states (stages 1-3), gradients
-    /// (2-3) and parameters (3) over every data-parallel rank. Each rank runs experts / E experts on E times the
-    /// rows per call (its share of the group's slots: on average as many as without the group).
+    /// Every rank builds every expert's parameters (the same names and values on every rank). Inside a unit with
+    /// other parameters (or at stages 0-2) the ZeRO engine treats them as any data-parallel parameter: its
+    /// reduction adds the ranks' gradients, in which an expert's come only from the rank that computed it (the
+    /// others have none, zeros), and divides by the data-parallel degree: the gradient of the whole batch's loss.
+    /// At stage 3 with each position's experts a unit of their own ([`MoeLayer::expert_units`],
+    /// [`forward_parallel_scoped`](Self::forward_parallel_scoped)) the engine splits such a unit over the ranks at
+    /// that position only. Each rank runs experts / E experts on E times the rows per call (its share of the
+    /// group's slots: on average as many as without the group).
     pub fn forward_parallel(&self, group: &ExpertParallel, x: &Tensor) -> Result<MoeOutput> {
         self.run(x, Some(group), &mut |experts| Ok(experts()))
     }
@@ -103,7 +109,7 @@ impl MoeLayer {
         &self,
         group: &ExpertParallel,
         x: &Tensor,
-        scope: &mut dyn FnMut(&dyn Fn() -> Tensor) -> Result<Tensor>,
+        scope: &mut ExpertsScope,
     ) -> Result<MoeOutput> {
         self.run(x, Some(group), scope)
     }
@@ -117,12 +123,7 @@ impl MoeLayer {
         (0..ranks).map(|g| (g * per..(g + 1) * per).map(|i| format!("{path}.experts.{i}")).collect()).collect()
     }
 
-    fn run(
-        &self,
-        x: &Tensor,
-        group: Option<&ExpertParallel>,
-        scope: &mut dyn FnMut(&dyn Fn() -> Tensor) -> Result<Tensor>,
-    ) -> Result<MoeOutput> {
+    fn run(&self, x: &Tensor, group: Option<&ExpertParallel>, scope: &mut ExpertsScope) -> Result<MoeOutput> {
         let shape = x.size();
         let hidden = *shape.last().ok_or_else(|| Error::Usage("mixture of experts: a scalar input".into()))?;
         if self.experts.count() != self.num_experts {
@@ -191,7 +192,7 @@ impl MoeLayer {
         g: &ExpertParallel,
         rows: &Tensor,
         per_expert: &[i64],
-        scope: &mut dyn FnMut(&dyn Fn() -> Tensor) -> Result<Tensor>,
+        scope: &mut ExpertsScope,
     ) -> Result<Tensor> {
         // This rank computes `held` of the experts, from `first`.
         let (n, held) = (g.size(), (self.num_experts as usize) / g.size());

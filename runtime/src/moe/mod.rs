@@ -5,13 +5,15 @@
 //! capacity factor (the tokens over an expert's capacity dropped, their slot passing nothing, so the block's
 //! residual carries them). With an [`ExpertParallel`] group (`crate::exchange`) of E ranks each rank computes
 //! `experts / E` of the experts and tokens travel to them by an all-to-all of rows, forward and backward; every rank
-//! holds every expert's parameters, which ZeRO shards over all data-parallel ranks as it does the dense ones.
+//! builds every expert's parameters, which ZeRO shards over all data-parallel ranks as it does the dense ones, or at
+//! stage 3, where each position's experts are a unit of their own, over the ranks at that position only
+//! (`engine/zero/expert_units.rs`).
 mod dispatch;
 mod experts;
 mod router;
 
 pub use crate::exchange::AllToAllCounts;
-pub use dispatch::{Capacity, MoeLayer, MoeOutput};
+pub use dispatch::{Capacity, ExpertsScope, MoeLayer, MoeOutput};
 pub use experts::{ExpertNames, SwiGluExperts};
 
 /// The ranks that compute different experts of each layer: tokens travel to their experts' ranks by an all-to-all
