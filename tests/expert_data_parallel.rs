@@ -48,15 +48,26 @@ fn batch(rank: usize, step: usize) -> (Tensor, Tensor) {
 }
 
 fn config(e: usize, world: usize) -> Config {
-    Config::from_value(json!({
+    config_with(e, world, &json!({}))
+}
+
+/// The config with `extra`'s keys set over it (`zero_optimization`'s merged key by key).
+fn config_with(e: usize, world: usize, extra: &serde_json::Value) -> Config {
+    let mut c = json!({
         "train_batch_size": world, "gradient_clipping": 1.0,
         // SGD: a gradient off by any factor shows (Adam would normalise it away).
         // With momentum: a checkpoint carries optimizer states.
         "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}, "zero_allow_untested_optimizer": true,
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 200},
         "expert_parallel": {"enabled": e > 1, "autoep_size": e}
-    }))
-    .unwrap()
+    });
+    for (k, v) in extra.as_object().into_iter().flatten() {
+        match (k.as_str(), v.as_object()) {
+            ("zero_optimization", Some(z)) => z.iter().for_each(|(z, v)| c[k][z] = v.clone()),
+            _ => c[k] = v.clone(),
+        }
+    }
+    Config::from_value(c).unwrap()
 }
 
 /// What a rank ends with: every parameter by name, the elements it all-gathered, its peak of gathered bytes.
@@ -70,6 +81,8 @@ struct Ran {
 #[derive(Clone, Default)]
 struct Span<'a> {
     steps: std::ops::Range<usize>,
+    /// Config keys over the test's own.
+    with: serde_json::Value,
     load: Option<&'a Path>,
     save: Option<&'a Path>,
 }
@@ -77,12 +90,13 @@ struct Span<'a> {
 /// One rank's run: the MoE layer's experts in a unit per expert-parallel position, this rank entering its own.
 fn rank_run(comm: Box<dyn Communicator>, e: usize, world: usize, span: &Span) -> Engine {
     let group = ExpertParallel::adjacent(comm.as_ref(), e).unwrap();
-    let vs = nn::VarStore::new(Device::Cpu);
+    let mut vs = nn::VarStore::new(Device::Cpu);
     let m = model(&vs);
-    let mut units = vec![vec!["embed".to_string()], vec!["moe.gate".to_string()], vec!["head".to_string()]];
-    units.extend(MoeLayer::expert_units("moe", EXPERTS, e));
-    let options = EngineOptions { units: Some(units), ..Default::default() };
-    let mut engine = Engine::new(&vs, config(e, world), comm, options).unwrap();
+    let config = config_with(e, world, &span.with);
+    if config.precision() == zerorun::config::Precision::Bf16 {
+        vs.bfloat16();
+    }
+    let mut engine = Engine::new(&vs, config, comm, expert_options(e)).unwrap();
     if let Some(dir) = span.load {
         engine.load_checkpoint(dir, None).unwrap();
     }
@@ -97,6 +111,8 @@ fn rank_run(comm: Box<dyn Communicator>, e: usize, world: usize, span: &Span) ->
 
 fn train_step(engine: &mut Engine, m: &Model, group: &ExpertParallel, step: usize) {
     let (x, y) = batch(engine.rank(), step);
+    let kind = m.head.ws.kind();
+    let (x, y) = (x.to_kind(kind), y.to_kind(kind));
     // This rank's experts: the unit of its position.
     let mine = MoeLayer::expert_units("moe", EXPERTS, group.size())[group.rank()][0].clone();
     let h = engine.unit("embed", |_| m.embed.forward(&x).relu()).unwrap();
@@ -133,11 +149,16 @@ fn run(e: usize, world: usize, span: Span) -> Vec<Ran> {
 }
 
 fn assert_close(got: &[(String, Tensor)], want: &[(String, Tensor)], what: &str) {
+    assert_within(got, want, 1e-6, what);
+}
+
+fn assert_within(got: &[(String, Tensor)], want: &[(String, Tensor)], tolerance: f64, what: &str) {
     assert_eq!(got.len(), want.len(), "{what}: parameters");
     for ((n, a), (m, b)) in got.iter().zip(want) {
         assert_eq!(n, m, "{what}: parameter order");
         let d = (a - b).abs().max().double_value(&[]);
-        assert!(d <= 1e-6, "{what}: `{n}` differs by {d:e}");
+        let scale = b.abs().max().double_value(&[]).max(1.0);
+        assert!(d <= tolerance * scale, "{what}: `{n}` differs by {d:e} (largest {scale:e})");
     }
 }
 
@@ -259,4 +280,26 @@ fn what_experts_split_over_their_ranks_cannot_do_is_refused_by_name() {
         errors.iter().all(|e| e.contains("`expert_parallel.autoep_size` = 2: with offload_param on NVMe not yet")),
         "{errors:?}"
     );
+}
+
+#[test]
+fn experts_split_over_their_ranks_step_in_backward_and_train_in_bf16() {
+    // The optimizer in backward steps each unit's part as its reduction lands: bitwise the whole step at E = 2
+    // (no clipping: it needs every gradient first), and E = 1's within rounding.
+    let span = |with: serde_json::Value| Span { steps: 0..STEPS, with, ..Default::default() };
+    let plain = span(json!({"gradient_clipping": 0.0}));
+    let in_backward = span(json!({"optimizer_in_backward": true, "gradient_clipping": 0.0}));
+    let (whole, pieces, every) = (run(2, 4, plain.clone()), run(2, 4, in_backward), run(1, 4, plain));
+    for (r, ((w, p), a)) in whole.iter().zip(&pieces).zip(&every).enumerate() {
+        for ((n, x), (_, y)) in p.params.iter().zip(&w.params) {
+            assert!(x.equal(y), "rank {r}: `{n}` stepped in backward differs from the whole step");
+        }
+        assert_within(&p.params, &a.params, 1e-5, &format!("in backward, rank {r}: E = 2 against E = 1"));
+    }
+    // bf16 reduces in bf16, so E = 1 and E = 2 round differently (a gradient off by a factor would be ~1e-2 off).
+    let bf16 = span(json!({"bf16": {"enabled": true}}));
+    let (split, every) = (run(2, 4, bf16.clone()), run(1, 4, bf16));
+    for (r, (s, a)) in split.iter().zip(&every).enumerate() {
+        assert_within(&s.params, &a.params, 2e-3, &format!("bf16, rank {r}: E = 2 against E = 1"));
+    }
 }
