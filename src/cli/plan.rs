@@ -196,13 +196,14 @@ fn gib(b: f64) -> f64 {
 /// without a sequence).
 pub fn table(rows: &[&Row], rate: &str) -> String {
     let mut out = format!(
-        "{:>3} {:>5} {:<21} {:>3} {:>3} {:>3} {:>5} {:>5} {:>4} {:>3} {:>10} {:>10} {:>10} {:>5} {:>12} {:>5}",
+        "{:>3} {:>5} {:<21} {:>3} {:>3} {:>3} {:>3} {:>5} {:>5} {:>4} {:>3} {:>10} {:>10} {:>10} {:>5} {:>12} {:>5}",
         "#",
         "stage",
         "offload",
         "pp",
         "tp",
         "sp",
+        "ep",
         "dp",
         "micro",
         "gas",
@@ -217,13 +218,14 @@ pub fn table(rows: &[&Row], rate: &str) -> String {
     for (i, r) in rows.iter().enumerate() {
         let s = &r.strategy;
         out.push_str(&format!(
-            "\n{:>3} {:>5} {:<21} {:>3} {:>3} {:>3} {:>5} {:>5} {:>4} {:>3} {:>10.2} {:>10.2} {:>10.4} {:>5.0} {:>12.0} {:>5}",
+            "\n{:>3} {:>5} {:<21} {:>3} {:>3} {:>3} {:>3} {:>5} {:>5} {:>4} {:>3} {:>10.2} {:>10.2} {:>10.4} {:>5.0} {:>12.0} {:>5}",
             i + 1,
             s.stage,
             s.offload.name(),
             s.pipeline,
             s.tensor,
             s.sequence,
+            s.experts,
             s.data,
             s.micro_batch,
             s.gradient_accumulation,
@@ -270,8 +272,12 @@ fn describe(r: &Row) -> String {
     let (m, t) = (&r.memory, &r.time);
     let s = &r.strategy;
     let mut flags = String::new();
-    if !(s.tensor > 1 || s.pipeline > 1 || s.sequence > 1 || s.activation_checkpointing) {
+    if !(s.tensor > 1 || s.pipeline > 1 || s.sequence > 1 || s.experts > 1 || s.activation_checkpointing) {
         flags.push_str(" none");
+    }
+    if s.experts > 1 {
+        // The config says it too (expert_parallel.autoep_size); the Llama example's flag.
+        flags.push_str(&format!(" --expert-parallel {}", s.experts));
     }
     if s.tensor > 1 {
         flags.push_str(&format!(" --tensor-parallel {}", s.tensor));
@@ -290,7 +296,7 @@ fn describe(r: &Row) -> String {
         flags.push_str(" --activation-checkpointing");
     }
     format!(
-        "#1: peak {:.2} GiB = floor {:.2} + model states {:.2} + gathered {:.2} + reduction buffers {:.2} + activations {:.2} + temporaries {:.2} (offloaded: host {:.2}, NVMe {:.2})\n    step {:.4} s = compute {:.4} + data-parallel comm {:.4} + tensor-parallel comm {:.4} + sequence-parallel comm {:.4} + pipeline comm {:.4} + optimizer {:.4} + offload {:.4}\n    run: the ds_config --write-config writes (plan-01.json), program flags:{flags}",
+        "#1: peak {:.2} GiB = floor {:.2} + model states {:.2} + gathered {:.2} + reduction buffers {:.2} + activations {:.2} + temporaries {:.2} (offloaded: host {:.2}, NVMe {:.2})\n    step {:.4} s = compute {:.4} + data-parallel comm {:.4} + tensor-parallel comm {:.4} + sequence-parallel comm {:.4} + expert-parallel comm {:.4} + pipeline comm {:.4} + optimizer {:.4} + offload {:.4}\n    run: the ds_config --write-config writes (plan-01.json), program flags:{flags}",
         gib(r.peak_bytes_per_rank),
         gib(m.floor),
         gib(m.model_states),
@@ -305,6 +311,7 @@ fn describe(r: &Row) -> String {
         t.data_parallel_comm,
         t.tensor_parallel_comm,
         t.sequence_parallel_comm,
+        t.expert_parallel_comm,
         t.pipeline_comm,
         t.optimizer,
         t.offload

@@ -143,6 +143,7 @@ fn validate(a: &ValidateArgs, zerorun: &Path, gpt: &Path, dir: &Path) -> Result<
             pipeline: case.pipeline,
             tensor: case.tensor,
             sequence: 1,
+            experts: 1,
             data,
             micro_batch: MICRO,
             gradient_accumulation: accumulation,

@@ -68,7 +68,7 @@ pub fn confidence(cluster: &Cluster, s: &Strategy, time: &Breakdown, step: f64) 
     } else {
         COMM_STATED
     };
-    let parts: [(&'static str, f64, f64); 7] = [
+    let parts: [(&'static str, f64, f64); 8] = [
         (
             "compute",
             time.compute,
@@ -77,6 +77,7 @@ pub fn confidence(cluster: &Cluster, s: &Strategy, time: &Breakdown, step: f64) 
         ("data_parallel_comm", time.data_parallel_comm, comm(data_span)),
         ("tensor_parallel_comm", time.tensor_parallel_comm, comm(s.tensor)),
         ("sequence_parallel_comm", time.sequence_parallel_comm, comm(s.sequence.max(1))),
+        ("expert_parallel_comm", time.expert_parallel_comm, comm(s.experts.max(1))),
         ("pipeline_comm", time.pipeline_comm, comm(data_span * s.pipeline)),
         (
             "optimizer",
@@ -145,6 +146,7 @@ mod tests {
             pipeline: 1,
             tensor: 1,
             sequence: 1,
+            experts: 1,
             data: 4,
             micro_batch: 1,
             gradient_accumulation: 1,
@@ -158,6 +160,7 @@ mod tests {
             data_parallel_comm: comm,
             tensor_parallel_comm: 0.0,
             sequence_parallel_comm: 0.0,
+            expert_parallel_comm: 0.0,
             pipeline_comm: 0.0,
             optimizer,
             offload,

@@ -40,6 +40,9 @@ pub fn ds_config(s: &Strategy, precision: Precision, nvme_path: &str) -> Value {
     if s.pipeline > 1 {
         config["pipeline"] = json!({"stages": s.pipeline});
     }
+    if s.experts > 1 {
+        config["expert_parallel"] = json!({"enabled": true, "autoep_size": s.experts});
+    }
     if s.sequence > 1 {
         config["sequence_parallel_size"] = json!(s.sequence);
     }
@@ -59,6 +62,7 @@ mod tests {
                 pipeline: 1,
                 tensor: 1,
                 sequence: 1,
+                experts: 1,
                 data: 4,
                 micro_batch: 2,
                 gradient_accumulation: 3,
@@ -77,6 +81,7 @@ mod tests {
             pipeline: 1,
             tensor: 1,
             sequence: 2,
+            experts: 1,
             data: 4,
             micro_batch: 2,
             gradient_accumulation: 3,

@@ -98,6 +98,10 @@ pub struct Strategy {
     /// Sequence-parallel degree (`sequence_parallel_size`: DeepSpeed-Ulysses over adjacent ranks; ZeRO shards over
     /// data x sequence ranks).
     pub sequence: u64,
+    /// Expert-parallel degree (`expert_parallel.autoep_size`): E adjacent ranks compute different experts of every
+    /// layer, the tokens travelling to them by all-to-alls; at stage 3 each position's experts are a unit split
+    /// over the data-parallel ranks at that position (1: none).
+    pub experts: u64,
     /// Data-parallel degree: the ranks a batch's rows are split over.
     pub data: u64,
     /// Samples per micro-batch per rank.
@@ -149,23 +153,25 @@ pub struct Options {
 
 /// Every strategy the engine can run for this model on this cluster. Skipped, as the engine refuses them or as
 /// they cannot help: degrees that do not divide the world, tensor groups wider than a host or not dividing the
-/// heads, sequence groups wider than a host, not dividing the heads or the sequence, or beside tensor or pipeline
+/// heads, tensor, sequence or pipeline parallelism with experts, expert parallelism below stage 3 (it would only add
+/// all-to-alls there) or not dividing the experts, sequence groups wider than a host, not dividing the heads or the sequence, or beside tensor or pipeline
 /// parallelism (the engine refuses those), pipelines deeper than the layers or with fewer micro-batches than stages, stage 3 under a pipeline, offload
 /// at stage 0, parameter offload below stage 3, CPU offload on a CPU cluster (the host's memory is the rank's) and
 /// NVMe offload where the cluster names no NVMe.
 pub fn strategies(model: &Model, cluster: &Cluster, options: &Options) -> Vec<Strategy> {
     let world = cluster.world();
     let mut out = Vec::new();
+    // A mixture of experts runs without tensor, sequence or pipeline parallelism (the Llama example refuses them).
     let heads_ok = |t: u64| match model {
-        Model::Transformer(m) => m.heads % t == 0 && m.kv_heads % t == 0,
+        Model::Transformer(m) => m.heads % t == 0 && m.kv_heads % t == 0 && (t == 1 || m.experts == 0),
         Model::Measured(_) => t == 1,
     };
     let sequence_ok = |sp: u64| match model {
-        Model::Transformer(m) => m.heads % sp == 0 && m.seq_len % sp == 0,
+        Model::Transformer(m) => m.heads % sp == 0 && m.seq_len % sp == 0 && (sp == 1 || m.experts == 0),
         Model::Measured(_) => sp == 1,
     };
     for t in divisors(cluster.ranks_per_host).into_iter().filter(|&t| world % t == 0 && heads_ok(t)) {
-        for p in divisors(world / t).into_iter().filter(|&p| p <= model.layers()) {
+        for p in divisors(world / t).into_iter().filter(|&p| p <= model.layers() && (p == 1 || model.experts() == 0)) {
             for sp in divisors(world / (t * p)) {
                 let usable = sp == 1 || (t == 1 && p == 1 && sp <= cluster.ranks_per_host && sequence_ok(sp));
                 let d = world / (t * p * sp);
@@ -193,18 +199,26 @@ pub fn strategies(model: &Model, cluster: &Cluster, options: &Options) -> Vec<St
                             if !usable {
                                 continue;
                             }
-                            for ac in [false, true] {
-                                out.push(Strategy {
-                                    stage,
-                                    offload,
-                                    pipeline: p,
-                                    tensor: t,
-                                    sequence: sp,
-                                    data: d,
-                                    micro_batch: b,
-                                    gradient_accumulation: m,
-                                    activation_checkpointing: ac,
-                                });
+                            // Expert parallelism at stage 3 only, where it splits each position's experts over
+                            // their own ranks (below, every rank holds every expert: it would only add all-to-alls),
+                            // without tensor, pipeline or sequence parallelism (the engine refuses those), and
+                            // without activation checkpointing (the engine's scopes refuse it there).
+                            let experts_ok = stage == 3 && t == 1 && p == 1 && sp == 1;
+                            for e in expert_degrees(model, d).into_iter().filter(|&e| e == 1 || experts_ok) {
+                                for ac in [false, true].into_iter().filter(|&ac| e == 1 || !ac) {
+                                    out.push(Strategy {
+                                        stage,
+                                        offload,
+                                        pipeline: p,
+                                        tensor: t,
+                                        sequence: sp,
+                                        experts: e,
+                                        data: d,
+                                        micro_batch: b,
+                                        gradient_accumulation: m,
+                                        activation_checkpointing: ac,
+                                    });
+                                }
                             }
                         }
                     }
@@ -213,6 +227,15 @@ pub fn strategies(model: &Model, cluster: &Cluster, options: &Options) -> Vec<St
         }
     }
     out
+}
+
+/// Expert-parallel degrees for `data` ranks: those dividing both the ranks and every layer's experts (1 for a
+/// dense model).
+fn expert_degrees(model: &Model, data: u64) -> Vec<u64> {
+    match model.experts() {
+        0 => vec![1],
+        n => divisors(data).into_iter().filter(|e| n % e == 0).collect(),
+    }
 }
 
 /// Every strategy predicted, those that fit first, each part fastest first (then by peak).

@@ -182,6 +182,34 @@ impl Model {
         }
     }
 
+    /// Experts of every mixture-of-experts layer (0: dense, or a measured model).
+    pub fn experts(&self) -> u64 {
+        match self {
+            Model::Transformer(t) => t.experts,
+            Model::Measured(_) => 0,
+        }
+    }
+
+    /// Parameters of every layer's experts (not their routers).
+    pub fn expert_params(&self) -> u64 {
+        match self {
+            Model::Transformer(t) => t.layers * t.experts * if t.gated { 3 } else { 2 } * t.hidden * t.ffn,
+            Model::Measured(_) => 0,
+        }
+    }
+
+    /// The largest unit stage 3 gathers when each layer's experts of one expert-parallel position (of `ranks`)
+    /// are a unit of their own, gathered with their layer's: the layer with experts / ranks of its experts.
+    pub fn largest_unit_params(&self, ranks: u64) -> u64 {
+        match self {
+            Model::Transformer(t) if t.experts > 0 && ranks > 1 => {
+                let experts = self.expert_params() / t.layers;
+                (t.block_params() - experts + experts / ranks).max(t.vocab * t.hidden)
+            }
+            _ => self.largest_layer_params(),
+        }
+    }
+
     /// Forward + backward FLOPs of one sample: 2 per multiply-add of every weight forward, twice that backward,
     /// plus attention's two s x s products per layer.
     pub fn flops_per_sample(&self) -> f64 {

@@ -41,6 +41,8 @@ pub struct Breakdown {
     pub tensor_parallel_comm: f64,
     /// Sequence parallelism's all-to-alls (Ulysses: four a layer forward, four backward).
     pub sequence_parallel_comm: f64,
+    /// Expert parallelism's all-to-alls of rows (two a mixture-of-experts layer forward, two backward).
+    pub expert_parallel_comm: f64,
     /// Pipeline sends and receives between stages.
     pub pipeline_comm: f64,
     /// The optimizer step.
@@ -96,7 +98,9 @@ pub fn predict(model: &Model, cluster: &Cluster, options: &Options, s: &Strategy
         (params + grads + optim - moved + swap_buffers, host)
     };
 
-    let unit = model.largest_layer_params() as f64 / t as f64;
+    // With expert parallelism at stage 3 a layer's unit holds experts / E of its experts.
+    let ep = s.experts.max(1);
+    let unit = model.largest_unit_params(ep) as f64 / t as f64;
     // Stage 3: the planner's configs leave the size keys to the engine, which sizes them from the units: two units
     // (the largest) live at a time, the one in use and the next one prefetched.
     let gathered = if s.stage == 3 { 2.0 * unit * pb as f64 } else { 0.0 };
@@ -163,6 +167,18 @@ pub fn predict(model: &Model, cluster: &Cluster, options: &Options, s: &Strategy
             m * dp_link.seconds(ReduceScatter, d, grad_bytes) + dp_link.seconds(AllGather, d, param_bytes),
             m * grad_bytes + param_bytes,
         ),
+        _ if ep > 1 => {
+            // Each position's experts are gathered and reduced over the d / E ranks at that position, a rank
+            // moving its position's experts / E; the dense parameters over all d.
+            let experts = model.expert_params() as f64;
+            let (dense, own) = (local_params - experts, experts / ep as f64);
+            let q = d / ep;
+            let over_all = 2.0 * dp_link.seconds(AllGather, d, dense * pb as f64)
+                + dp_link.seconds(ReduceScatter, d, dense * gb as f64);
+            let over_position = 2.0 * dp_link.seconds(AllGather, q, own * pb as f64)
+                + dp_link.seconds(ReduceScatter, q, own * gb as f64);
+            (m * (over_all + over_position), m * (dense + own) * (2.0 * pb as f64 + gb as f64))
+        }
         _ => (
             m * (2.0 * dp_link.seconds(AllGather, d, param_bytes) + dp_link.seconds(ReduceScatter, d, grad_bytes)),
             m * (2.0 * param_bytes + grad_bytes),
@@ -189,6 +205,15 @@ pub fn predict(model: &Model, cluster: &Cluster, options: &Options, s: &Strategy
         slots * local_layers as f64 * 8.0 * link_for(cluster, sp).seconds(AllGather, sp, slice)
     } else {
         0.0
+    };
+    // Expert parallelism: each layer sends a rank's token rows (top_k of them a token) to their experts' ranks and
+    // the outputs back, forward and backward: 4 all-to-alls a layer, (E - 1) / E of each crossing.
+    let expert_parallel_comm = match model {
+        Model::Transformer(tr) if ep > 1 => {
+            let rows = b * tr.seq_len as f64 * tr.top_k as f64 * tr.hidden as f64 * e;
+            slots * local_layers as f64 * 4.0 * link_for(cluster, ep).seconds(AllGather, ep, rows)
+        }
+        _ => 0.0,
     };
     // Each micro-batch's activation forward and its gradient backward cross every stage boundary.
     let pipeline_comm =
@@ -224,6 +249,7 @@ pub fn predict(model: &Model, cluster: &Cluster, options: &Options, s: &Strategy
         data_parallel_comm,
         tensor_parallel_comm,
         sequence_parallel_comm,
+        expert_parallel_comm,
         pipeline_comm,
         optimizer,
         offload,
@@ -232,6 +258,7 @@ pub fn predict(model: &Model, cluster: &Cluster, options: &Options, s: &Strategy
         + data_parallel_comm
         + tensor_parallel_comm
         + sequence_parallel_comm
+        + expert_parallel_comm
         + pipeline_comm
         + optimizer
         + offload;
@@ -318,6 +345,7 @@ mod tests {
             pipeline: 1,
             tensor: 1,
             sequence: 1,
+            experts: 1,
             data: 2,
             micro_batch: 2,
             gradient_accumulation: 2,
@@ -379,5 +407,66 @@ mod tests {
         let states = 2.0 * 8.0 * params / 2.0 / 1e9 + 2.0 * 1e-3;
         let parameters = 2.0 * 2.0 * 4.0 * params / 2.0 / 1e9 + 2.0 * 2.0 * 4.0 * 1e-3;
         assert!((row.time.offload - (host_link + states + parameters)).abs() < 1e-12, "{:?}", row.time);
+
+        // A mixture of experts (4 SwiGLU experts of 128, top 2) at stage 3 on the 2 ranks, E = 1 and E = 2: the
+        // experts of one position are gathered and reduced by the one rank at that position (no traffic), the dense
+        // parameters over both; a layer's unit holds half its experts; four all-to-alls a layer of a micro-batch's
+        // rows (2 samples x 32 tokens x 2 choices x 64 values), half of each crossing.
+        let moe = Model::from_json(
+            r#"{"layers": 2, "hidden": 64, "heads": 4, "vocab": 65, "seq_len": 32, "gated": true, "ffn": 128, "experts": 4, "top_k": 2}"#,
+            "m",
+        )
+        .unwrap();
+        let experts = 2.0 * 4.0 * 3.0 * 64.0 * 128.0;
+        assert_eq!(moe.expert_params() as f64, experts);
+        let stage3 = Strategy { stage: 3, ..s };
+        let (one, two) = (
+            predict(&moe, &cluster, &options, &stage3),
+            predict(&moe, &cluster, &options, &Strategy { experts: 2, ..stage3 }),
+        );
+        let dense = moe.params() as f64 - experts;
+        let comm =
+            |gathered: f64, copied: f64| 2.0 * (3.0 * 0.5 * 4.0 * gathered / 1e9 + 2.0 * 3.0 * 4.0 * copied / 1e10);
+        assert!((one.time.data_parallel_comm - comm(dense + experts, dense + experts)).abs() < 1e-12, "{:?}", one.time);
+        assert!((two.time.data_parallel_comm - comm(dense, dense + experts / 2.0)).abs() < 1e-12, "{:?}", two.time);
+        let layer_experts = experts / 2.0;
+        let block = moe.largest_layer_params() as f64;
+        assert_eq!(one.memory.gathered, 2.0 * block * 4.0);
+        assert_eq!(two.memory.gathered, 2.0 * (block - layer_experts / 2.0) * 4.0);
+        let rows = 2.0 * 32.0 * 2.0 * 64.0 * 4.0;
+        assert!((two.time.expert_parallel_comm - 2.0 * 2.0 * 4.0 * 0.5 * rows / 1e9).abs() < 1e-12, "{:?}", two.time);
+        assert_eq!(one.time.expert_parallel_comm, 0.0);
+        assert_eq!(two.model_state_bytes_per_rank, one.model_state_bytes_per_rank);
+    }
+
+    #[test]
+    fn expert_parallel_degrees_are_planned_at_stage_3_alone() {
+        let cluster = Cluster::from_json(
+            r#"{"hosts": 1, "ranks_per_host": 4, "memory_per_rank_bytes": 8e9, "host_memory_bytes": 3.2e10,
+                "links": {"intra": {"latency_s": 0, "bandwidth_bytes_per_s": 1e9}}}"#,
+            "c",
+        )
+        .unwrap();
+        let moe = Model::from_json(
+            r#"{"layers": 2, "hidden": 64, "heads": 4, "vocab": 65, "seq_len": 32, "gated": true, "ffn": 128, "experts": 4, "top_k": 2}"#,
+            "m",
+        )
+        .unwrap();
+        let options = Options { global_batch: 8, precision: Precision::Fp32, max_micro_batch: 2 };
+        let all = crate::strategies(&moe, &cluster, &options);
+        let degrees: std::collections::BTreeSet<u64> = all.iter().map(|s| s.experts).collect();
+        assert_eq!(degrees.into_iter().collect::<Vec<_>>(), vec![1, 2, 4]);
+        assert!(
+            all.iter().all(|s| s.tensor == 1 && s.pipeline == 1 && s.sequence == 1),
+            "no tensor, sequence or pipeline parallelism with experts"
+        );
+        for s in all.iter().filter(|s| s.experts > 1) {
+            assert_eq!(
+                (s.stage, s.tensor, s.pipeline, s.sequence, s.activation_checkpointing),
+                (3, 1, 1, 1, false),
+                "{s:?}"
+            );
+            assert_eq!(s.data % s.experts, 0, "{s:?}");
+        }
     }
 }
