@@ -114,7 +114,7 @@ fn train_step(engine: &mut Engine, m: &Model, group: &ExpertParallel, step: usiz
     let kind = m.head.ws.kind();
     let (x, y) = (x.to_kind(kind), y.to_kind(kind));
     // This rank's experts: the unit of its position.
-    let mine = MoeLayer::expert_units("moe", EXPERTS, group.size())[group.rank()][0].clone();
+    let mine = MoeLayer::own_expert_unit("moe", EXPERTS, group);
     let h = engine.unit("embed", |_| m.embed.forward(&x).relu()).unwrap();
     let moe = engine
         .unit("moe.gate", |e| {

@@ -123,6 +123,11 @@ impl MoeLayer {
         (0..ranks).map(|g| (g * per..(g + 1) * per).map(|i| format!("{path}.experts.{i}")).collect()).collect()
     }
 
+    /// The name this rank enters its experts' unit by (position `group.rank()` of [`MoeLayer::expert_units`]).
+    pub fn own_expert_unit(path: &str, experts: i64, group: &ExpertParallel) -> String {
+        Self::expert_units(path, experts, group.size())[group.rank()][0].clone()
+    }
+
     fn run(&self, x: &Tensor, group: Option<&ExpertParallel>, scope: &mut ExpertsScope) -> Result<MoeOutput> {
         let shape = x.size();
         let hidden = *shape.last().ok_or_else(|| Error::Usage("mixture of experts: a scalar input".into()))?;
