@@ -75,6 +75,8 @@ struct Ran {
     params: Vec<(String, Tensor)>,
     gathered_elements: u64,
     gathered_peak: usize,
+    /// The memory report's parameter shard bytes (0 where the shard is on NVMe).
+    parameters_in_memory: usize,
 }
 
 /// Where a run starts and what it leaves: its steps, the checkpoint it loads first and the one it saves last.
@@ -139,8 +141,10 @@ fn run(e: usize, world: usize, span: Span) -> Vec<Ran> {
                     let mut engine = rank_run(Box::new(c), e, world, &span);
                     let gathered_elements = engine.comm_volume().all_gather_elements;
                     let gathered_peak = engine.gathered_bytes().peak;
+                    let parameters_in_memory =
+                        engine.memory_bytes().iter().find(|(c, _)| c.name() == "parameters").map_or(0, |(_, b)| *b);
                     let params = engine.full_parameters().unwrap();
-                    Ran { params, gathered_elements, gathered_peak }
+                    Ran { params, gathered_elements, gathered_peak, parameters_in_memory }
                 })
             })
             .collect();
@@ -240,7 +244,7 @@ impl zerorun::UnitModel for Walk {
 #[test]
 fn what_experts_split_over_their_ranks_cannot_do_is_refused_by_name() {
     // The walk runs every unit on every rank; a rank entering another position's experts; a frozen parameter and
-    // parameters on NVMe at start-up.
+    // hpZ at start-up.
     let errors = on_ranks(|comm| {
         let vs = nn::VarStore::new(Device::Cpu);
         let _m = model(&vs);
@@ -267,17 +271,14 @@ fn what_experts_split_over_their_ranks_cannot_do_is_refused_by_name() {
         Engine::new(&vs, config(2, 2), comm, expert_options(2)).err().unwrap().to_string()
     });
     assert!(errors.iter().all(|e| e.starts_with("parameter `embed.bias`: is frozen")), "{errors:?}");
-    let swap = std::env::temp_dir().to_string_lossy().into_owned();
     let errors = on_ranks(|comm| {
         let vs = nn::VarStore::new(Device::Cpu);
         let _m = model(&vs);
-        let mut c = config(2, 2);
-        c.zero_optimization.offload_param.device = zerorun::config::OffloadDevice::Nvme;
-        c.zero_optimization.offload_param.nvme_path = Some(swap.clone());
+        let c = config_with(2, 2, &json!({"zero_optimization": {"zero_hpz_partition_size": 2}}));
         Engine::new(&vs, c, comm, expert_options(2)).err().unwrap().to_string()
     });
     assert!(
-        errors.iter().all(|e| e.contains("`expert_parallel.autoep_size` = 2: with offload_param on NVMe not yet")),
+        errors.iter().all(|e| e.contains("`expert_parallel.autoep_size` = 2: with hpZ or quantized weights")),
         "{errors:?}"
     );
 }
@@ -302,4 +303,25 @@ fn experts_split_over_their_ranks_step_in_backward_and_train_in_bf16() {
     for (r, (s, a)) in split.iter().zip(&every).enumerate() {
         assert_within(&s.params, &a.params, 2e-3, &format!("bf16, rank {r}: E = 2 against E = 1"));
     }
+}
+
+#[test]
+fn experts_split_over_their_ranks_train_from_nvme_as_from_memory() {
+    // Every chunk on NVMe (max_in_cpu 0) and the states too: a rank's chunks of other positions' experts are
+    // empty, never read; the weights are bitwise those in memory.
+    let swap = std::env::temp_dir().join(format!("zerorun-expert-dp-nvme-{}", std::process::id()));
+    std::fs::create_dir_all(&swap).unwrap();
+    let nvme = json!({"zero_optimization": {
+        "offload_param": {"device": "nvme", "nvme_path": swap, "max_in_cpu": 0},
+        "offload_optimizer": {"device": "nvme", "nvme_path": swap}
+    }});
+    let memory = run(2, 4, Span { steps: 0..STEPS, ..Default::default() });
+    let on_nvme = run(2, 4, Span { steps: 0..STEPS, with: nvme, ..Default::default() });
+    for (r, (n, m)) in on_nvme.iter().zip(&memory).enumerate() {
+        assert!(m.parameters_in_memory > 0 && n.parameters_in_memory == 0, "rank {r}: the shard is on NVMe");
+        for ((name, a), (_, b)) in n.params.iter().zip(&m.params) {
+            assert!(a.equal(b), "rank {r}: `{name}` from NVMe differs from memory");
+        }
+    }
+    std::fs::remove_dir_all(&swap).ok();
 }

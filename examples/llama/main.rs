@@ -226,7 +226,7 @@ enum Model<'a> {
 /// Whether this run splits each layer's experts over the ranks of their expert-parallel position (stage 3,
 /// `--expert-parallel` above 1, a mixture of experts, no sequence parallelism): the engine gathers and reduces a
 /// rank's experts only among the ranks that compute them. Where the engine cannot yet (activation
-/// checkpointing, tied embeddings, parameters on NVMe, hpZ or quantized weights), every rank holds every expert
+/// checkpointing, tied embeddings, hpZ, MiCS or quantized weights), every rank holds every expert
 /// as at stages 0-2, which is said once.
 fn splits_experts(config: &zerorun::Config, c: &LlamaConfig, ep: u64, sp: u64, a: &CommonArgs) -> bool {
     if config.stage() != 3 || ep <= 1 || c.experts().is_none() || sp > 1 {
@@ -237,8 +237,6 @@ fn splits_experts(config: &zerorun::Config, c: &LlamaConfig, ep: u64, sp: u64, a
         "--activation-checkpointing"
     } else if c.tie_word_embeddings {
         "tied embeddings"
-    } else if z.offload_param.device == zerorun::config::OffloadDevice::Nvme {
-        "offload_param on NVMe"
     } else if z.zero_hpz_partition_size > 1 || z.zero_quantized_weights || z.mics_shard_size.is_some() {
         "hpZ, MiCS or quantized weights"
     } else {

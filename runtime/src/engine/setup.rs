@@ -105,8 +105,8 @@ pub(super) fn arrange(
     Ok(Arrangement { named, layout, unit_prefixes, frozen_by_unit })
 }
 
-/// Units split over expert-data-parallel groups are built for the parameters in memory, gathered whole over their
-/// group; what would need them otherwise is refused by name.
+/// Units split over expert-data-parallel groups are gathered whole over their group (from memory or NVMe); what
+/// would need them otherwise is refused by name.
 fn check_expert_units(config: &Config, frozen_by_unit: &[Vec<(String, Tensor)>], replica_count: usize) -> Result<()> {
     let z = &config.zero_optimization;
     let size = config.expert_parallel.size().to_string();
@@ -120,9 +120,6 @@ fn check_expert_units(config: &Config, frozen_by_unit: &[Vec<(String, Tensor)>],
     }
     if replica_count > 1 {
         return refuse("with shard groups (mics_shard_size, hpZ) not yet: the experts' units are split over their own group of ranks");
-    }
-    if z.offload_param.device == crate::config::OffloadDevice::Nvme {
-        return refuse("with offload_param on NVMe not yet: the experts' units are gathered from a shard in memory");
     }
     if z.zero_hpz_partition_size > 1 || z.zero_quantized_weights {
         return refuse("with hpZ or quantized weights (ZeRO++) not yet: the experts' units are gathered whole over their own group");
