@@ -16,7 +16,7 @@ use crate::engine::zero::builders::{BuiltModel, UnitBuilders};
 use crate::engine::zero::layout::FlatLayout;
 use crate::engine::zero::plan::{self, GradientPath, StagePlan};
 use crate::engine::zero::sharded_unit::ShardedUnit;
-use crate::engine::zero::{frozen, grads, optim, parameters, sizing, units, variables};
+use crate::engine::zero::{expert_units, frozen, grads, optim, parameters, sizing, units, variables};
 use crate::engine::{engine_comm, Engine, EngineOptions};
 use crate::error::{Error, Result};
 use crate::mesh::{Dim, Mesh};
@@ -103,28 +103,6 @@ pub(super) fn arrange(
         FlatLayout::new(&specs, world_size)
     };
     Ok(Arrangement { named, layout, unit_prefixes, frozen_by_unit })
-}
-
-/// Units split over expert-data-parallel groups are gathered whole over their group (from memory or NVMe); what
-/// would need them otherwise is refused by name.
-fn check_expert_units(config: &Config, frozen_by_unit: &[Vec<(String, Tensor)>], replica_count: usize) -> Result<()> {
-    let z = &config.zero_optimization;
-    let size = config.expert_parallel.size().to_string();
-    let refuse =
-        |why: &'static str| Err(Error::Unsupported { key: "expert_parallel.autoep_size", value: size.clone(), why });
-    if let Some((name, _)) = frozen_by_unit.iter().flatten().next() {
-        return Err(Error::Parameter {
-            name: name.clone(),
-            why: "is frozen: units of one expert-parallel position's experts are split over their own ranks, which takes trainable parameters only so far".into(),
-        });
-    }
-    if replica_count > 1 {
-        return refuse("with shard groups (mics_shard_size, hpZ) not yet: the experts' units are split over their own group of ranks");
-    }
-    if z.zero_hpz_partition_size > 1 || z.zero_quantized_weights {
-        return refuse("with hpZ or quantized weights (ZeRO++) not yet: the experts' units are gathered whole over their own group");
-    }
-    Ok(())
 }
 
 /// Whether the unit inputs activation checkpointing keeps wait in host memory: `cpu_checkpointing` with
@@ -347,11 +325,8 @@ impl Engine {
         let Arrangement { named, layout, unit_prefixes, frozen_by_unit } =
             arrange(trainable, frozen, &options, &plan, &config, world_size)?;
         let experts_group = if layout.has_groups() {
-            check_expert_units(&config, &frozen_by_unit, replica_count)?;
-            // This rank's expert-data-parallel group: the ranks at its expert-parallel position.
-            use crate::comm::Collectives;
-            let position = rank % expert_parallel;
-            Some(comm.split(Some(position as u32), rank as i64)?.expect("every rank has a position"))
+            expert_units::check_supported(&config, &frozen_by_unit, replica_count)?;
+            Some(expert_units::position_group(comm.as_ref(), expert_parallel)?)
         } else {
             None
         };

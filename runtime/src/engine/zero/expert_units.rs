@@ -4,9 +4,14 @@
 //! whose trainable parameters are all experts of one position g is split over the ranks at that position,
 //! `g, g + E, g + 2E, ..` (W / E of them), not over all W: each of them gathers only its own experts, and their
 //! gradients are reduced among the ranks that computed them. Any other unit (dense, or experts of several
-//! positions together) is split over every rank, as without expert parallelism. Pure arithmetic on names.
+//! positions together) is split over every rank, as without expert parallelism. Also what such units cannot do yet
+//! (refused by name) and the group they are split over.
 use std::collections::BTreeMap;
 
+use tch::Tensor;
+
+use crate::comm::Communicator;
+use crate::config::Config;
 use crate::engine::zero::layout::UnitRanks;
 use crate::error::{Error, Result};
 
@@ -63,6 +68,40 @@ pub(crate) fn unit_ranks(units: &[Vec<&str>], expert_parallel: usize, world_size
             }
         })
         .collect())
+}
+
+/// Units split over expert-data-parallel groups are gathered whole over their group (from memory or NVMe); what
+/// would need them otherwise is refused by name.
+pub(crate) fn check_supported(
+    config: &Config,
+    frozen_by_unit: &[Vec<(String, Tensor)>],
+    replica_count: usize,
+) -> Result<()> {
+    let z = &config.zero_optimization;
+    let size = config.expert_parallel.size().to_string();
+    let refuse =
+        |why: &'static str| Err(Error::Unsupported { key: "expert_parallel.autoep_size", value: size.clone(), why });
+    if let Some((name, _)) = frozen_by_unit.iter().flatten().next() {
+        return Err(Error::Parameter {
+            name: name.clone(),
+            why: "is frozen: units of one expert-parallel position's experts are split over their own ranks, which takes trainable parameters only so far".into(),
+        });
+    }
+    if replica_count > 1 {
+        return refuse("with shard groups (mics_shard_size, hpZ) not yet: the experts' units are split over their own group of ranks");
+    }
+    if z.zero_hpz_partition_size > 1 || z.zero_quantized_weights {
+        return refuse("with hpZ or quantized weights (ZeRO++) not yet: the experts' units are gathered whole over their own group");
+    }
+    Ok(())
+}
+
+/// This rank's expert-data-parallel group: the ranks of `comm` at its expert-parallel position (`rank % E`), in
+/// rank order. Collective over `comm`.
+pub(crate) fn position_group(comm: &dyn Communicator, expert_parallel: usize) -> Result<Box<dyn Communicator>> {
+    use crate::comm::Collectives;
+    let position = comm.rank() % expert_parallel;
+    Ok(comm.split(Some(position as u32), comm.rank() as i64)?.expect("every rank has a position"))
 }
 
 #[cfg(test)]
