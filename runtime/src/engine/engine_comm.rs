@@ -93,31 +93,33 @@ impl EngineComm {
         self
     }
 
-    /// The expert-data-parallel group (only where the engine has units split over it).
-    pub fn experts_group(&self) -> &(dyn Communicator + 'static) {
-        self.experts.as_ref().expect("units split over a group come with the engine's group").as_ref()
+    /// The group a collective runs over: the expert-data-parallel group (`over_experts`, only where the engine has
+    /// units split over it), else the shard group.
+    fn group(&self, over_experts: bool) -> &ShardGroup {
+        match over_experts {
+            true => self.experts.as_ref().expect("units split over a group come with the engine's group"),
+            false => &self.shard,
+        }
     }
 
-    /// The expert-data-parallel group's thread, when collectives can be started ahead.
-    pub fn experts_thread(&self) -> Option<&CommThread> {
-        self.experts.as_ref().and_then(ShardGroup::thread)
+    /// [`group`](Self::group)'s communicator.
+    pub fn over(&self, over_experts: bool) -> &(dyn Communicator + 'static) {
+        self.group(over_experts).as_ref()
+    }
+
+    /// [`group`](Self::group)'s thread, when collectives can be started ahead.
+    pub fn thread_over(&self, over_experts: bool) -> Option<&CommThread> {
+        self.group(over_experts).thread()
     }
 
     /// The group a unit is split over: the shard group, or the expert-data-parallel group.
     pub fn of_unit(&self, span: &UnitSpan) -> &(dyn Communicator + 'static) {
-        match (&span.ranks, &self.experts) {
-            (UnitRanks::Group(_), Some(group)) => group.as_ref(),
-            (UnitRanks::Group(_), None) => unreachable!("units split over a group come with the engine's group"),
-            (UnitRanks::All, _) => self.as_ref(),
-        }
+        self.over(span.ranks != UnitRanks::All)
     }
 
     /// The thread of the group a unit is split over, when collectives can be started ahead.
     pub fn thread_of_unit(&self, span: &UnitSpan) -> Option<&CommThread> {
-        match (&span.ranks, &self.experts) {
-            (UnitRanks::Group(_), Some(group)) => group.thread(),
-            _ => self.thread(),
-        }
+        self.thread_over(span.ranks != UnitRanks::All)
     }
 
     /// The shard group.

@@ -145,27 +145,20 @@ impl Engine {
         for i in 0..self.states.parameters.units.len() {
             let was = self.states.parameters.units[i].state();
             let span = self.states.parameters.units[i].span.clone();
+            let holds = span.holds(rank);
+            let full = if holds {
+                self.gather_unit_exact(i)?;
+                self.states.parameters.units[i].full().shallow_clone()
+            } else {
+                let like = self.states.parameters.units[i].full();
+                Tensor::f_zeros([span.range.len() as i64], (like.kind(), like.device()))?
+            };
             if let crate::engine::zero::layout::UnitRanks::Group(members) = &span.ranks {
-                let full = if span.holds(rank) {
-                    self.gather_unit_exact(i)?;
-                    self.states.parameters.units[i].full().shallow_clone()
-                } else {
-                    let like = self.states.parameters.units[i].full();
-                    Tensor::f_zeros([span.range.len() as i64], (like.kind(), like.device()))?
-                };
                 views::broadcast(self.residence, self.comm.as_ref(), &full, members[0])?;
-                for slot in &self.states.layout.slots[span.slots.clone()] {
-                    let at = (slot.range.start - span.range.start) as i64;
-                    let t = full.narrow(0, at, slot.range.len() as i64).view(slot.shape.as_slice());
-                    visit(&slot.name, &t.detach().to_kind(kind))?;
-                }
-                if was == crate::engine::zero::sharded_unit::UnitState::Sharded && span.holds(rank) {
-                    self.release_unit(i)?;
-                }
-                continue;
             }
-            self.gather_unit_exact(i)?;
-            for (slot, t) in self.states.layout.slots[span.slots].iter().zip(self.states.parameters.units[i].params()) {
+            for slot in &self.states.layout.slots[span.slots.clone()] {
+                let at = (slot.range.start - span.range.start) as i64;
+                let t = full.narrow(0, at, slot.range.len() as i64).view(slot.shape.as_slice());
                 visit(&slot.name, &t.detach().to_kind(kind))?;
             }
             if let Some(units) = self.states.parameters.frozen_units.as_ref().filter(|_| frozen) {

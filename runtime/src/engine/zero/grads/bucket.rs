@@ -134,11 +134,7 @@ impl Bucket {
             let _ = self.staged.shallow_clone().f_mul_scalar_(pre)?;
         }
         let replicas = comm.replicas().filter(|_| !self.over_experts);
-        let (group, thread) = if self.over_experts {
-            (comm.experts_group(), comm.experts_thread())
-        } else {
-            (comm.as_ref(), comm.thread())
-        };
+        let (group, thread) = (comm.over(self.over_experts), comm.thread_over(self.over_experts));
         if let Some(r) = replicas {
             volume.all_reduce_elements += l as u64;
             tracing::trace!(elements = l, replicas = r.count(), "bucket part all-reduced across the shard groups");
