@@ -38,7 +38,9 @@ pub use zerorun_runtime::cuda;
 pub use zerorun_runtime::cuda::local_device;
 pub use zerorun_runtime::engine::no_decay_for_1d;
 pub use zerorun_runtime::engine::{measure_peak_flops, StepRates, Throughput};
-pub use zerorun_runtime::engine::{BuiltModel, Sequence, UnitBuilders, UnitForward, UnitModel, UnitOutput, Whole};
+pub use zerorun_runtime::engine::{
+    BuiltModel, NestedUnits, Sequence, UnitBuilders, UnitForward, UnitModel, UnitOutput, Whole,
+};
 pub use zerorun_runtime::estimate::{estimate, EstimateInput, EstimateRow};
 pub use zerorun_runtime::gloo::communicator_from_env;
 pub use zerorun_runtime::mesh::{Dim, Mesh, MeshOptions, MeshShape};

@@ -27,6 +27,9 @@ const EPS: f64 = 1e-6;
 
 /// libtorch's default generator is process-wide: whoever seeds and draws from it holds this lock.
 static RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
+/// A checkpointed unit's run in backward sets the process-wide generator back to the forward's state: the tests
+/// that checkpoint hold this, so one test's replay never moves another's dropout draws.
+static CHECKPOINTING: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn config(stage: u64, zero: Value) -> Config {
     let mut z = json!({"stage": stage, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0});
@@ -427,6 +430,7 @@ fn train_checkpointed(world: usize, config: Config, checkpointed: bool, p: f64) 
 
 #[test]
 fn a_checkpointed_unit_is_recomputed_in_backward_and_trains_as_the_plain_one() {
+    let _alone = CHECKPOINTING.lock().unwrap_or_else(|p| p.into_inner());
     let reference = train_checkpointed(1, config(0, json!({})), false, 0.0).remove(0);
     assert_eq!(reference.1, 3 * STEPS as usize, "each block ran once per step");
     for (world, zero) in [(2, json!({"overlap_comm": true})), (3, json!({"overlap_comm": false}))] {
@@ -440,4 +444,85 @@ fn a_checkpointed_unit_is_recomputed_in_backward_and_trains_as_the_plain_one() {
     let plain = train_checkpointed(1, config(0, json!({})), false, 0.3).remove(0);
     let checkpointed = train_checkpointed(1, config(3, json!({})), true, 0.3).remove(0);
     assert_eq!(max_relative_difference(&checkpointed.0, &plain.0), 0.0, "dropout replayed");
+}
+
+/// Two blocks, each a mixing linear (its own unit) with a second linear nested inside it (another unit, as a
+/// layer's experts are), returning the block's output and a side loss term (as a router's logits feed the
+/// load-balancing loss); checkpointed with the nested unit entered through `NestedUnits`, or entered plainly.
+/// Every rank's final parameters.
+fn train_nested(world: usize, config: Config, checkpointed: bool) -> Vec<Params> {
+    use std::rc::Rc;
+    on_ranks(world, |comm| {
+        let config = config.clone();
+        let vs = nn::VarStore::new(Device::Cpu);
+        let blocks: Vec<(Rc<nn::Linear>, Rc<nn::Linear>)> = {
+            let _rng = RNG.lock().unwrap_or_else(|p| p.into_inner());
+            tch::manual_seed(9);
+            (0..2)
+                .map(|i| {
+                    let p = vs.root() / "blocks" / i;
+                    let mix = nn::linear(&p / "mix", 8, 8, Default::default());
+                    (Rc::new(mix), Rc::new(nn::linear(&p / "inner", 8, 8, Default::default())))
+                })
+                .collect()
+        };
+        let units = (0..2).flat_map(|i| [vec![format!("blocks.{i}.mix")], vec![format!("blocks.{i}.inner")]]).collect();
+        let options = EngineOptions { units: Some(units), ..Default::default() };
+        let mut engine = Engine::new(&vs, config, Box::new(comm), options).unwrap();
+        let (rank, micro) = (engine.rank() as i64, engine.batch_sizes().train_micro_batch_size_per_gpu as i64);
+        for step in 0..STEPS {
+            let x = Tensor::from_slice(&uniform(GLOBAL_BATCH * 8, 700 + step as u64)).view([GLOBAL_BATCH, 8]);
+            let x = x.narrow(0, rank * micro, micro);
+            let (mut h, mut side) = (x.shallow_clone(), Vec::new());
+            for (i, (mix, inner)) in blocks.iter().enumerate() {
+                let (outer, nested) = (format!("blocks.{i}.mix"), format!("blocks.{i}.inner"));
+                let (m, n) = (Rc::clone(mix), Rc::clone(inner));
+                let block = move |xs: &[Tensor], enter: &mut dyn FnMut(&Tensor) -> zerorun::Result<Tensor>| {
+                    let a = m.forward(&xs[0]).tanh();
+                    let e = enter(&a)?;
+                    Ok(vec![&xs[0] + &e, a.square().mean(Kind::Float)])
+                };
+                let out = if checkpointed {
+                    engine
+                        .unit_checkpointed_with(&outer, &[&h], move |xs, units| {
+                            block(xs, &mut |a| units.unit(&nested, || n.forward(a).sin()))
+                        })
+                        .unwrap()
+                } else {
+                    let h = h.shallow_clone();
+                    engine
+                        .unit(&outer, |engine| block(&[h], &mut |a| engine.unit(&nested, |_| n.forward(a).sin())))
+                        .unwrap()
+                        .unwrap()
+                };
+                h = out[0].shallow_clone();
+                side.push(out[1].shallow_clone());
+            }
+            let loss = (&h - x.cos()).square().mean(Kind::Float) + 0.5 * Tensor::stack(&side, 0).sum(Kind::Float);
+            engine.backward(&loss).unwrap();
+            engine.step().unwrap();
+        }
+        full_parameters(&mut engine)
+    })
+}
+
+#[test]
+fn a_checkpointed_unit_with_a_unit_nested_inside_and_two_outputs_trains_as_the_plain_one() {
+    let _alone = CHECKPOINTING.lock().unwrap_or_else(|p| p.into_inner());
+    let reference = train_nested(1, config(0, json!({})), false).remove(0);
+    // Stage 3 and stage 2 gather the nested unit through the lent engine; stage 1 finds its parameters by name.
+    for (world, stage, zero) in [
+        (2, 3, json!({"overlap_comm": true})),
+        (3, 3, json!({"overlap_comm": false})),
+        (2, 2, json!({})),
+        (2, 1, json!({})),
+    ] {
+        for (rank, params) in train_nested(world, config(stage, zero.clone()), true).iter().enumerate() {
+            let d = max_relative_difference(params, &reference);
+            assert!(
+                d <= 1e-5,
+                "checkpointed with a nested unit, stage {stage} on {world} ranks ({zero}), rank {rank}: {d:e}"
+            );
+        }
+    }
 }

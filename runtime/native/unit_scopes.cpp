@@ -146,37 +146,50 @@ extern "C" char *zerorun_on_output_grad(at::Tensor *t, OutputReadyFn fn, void *c
 
 // Activation checkpointing inside a unit's scope: a custom autograd function whose forward runs a Rust closure
 // without recording (only its inputs are kept) and whose backward runs it again with recording, from its inputs
-// detached, and takes the gradients of the inputs and of the unit's parameters from that graph. The parameters are
-// inputs of the function too (the closure reads them as it captured them), so the result requires grad when they
-// do, and their gradients reach `.grad` through autograd's own accumulation (and its hooks), once.
+// detached, and runs a backward of that graph into the inputs, the unit's parameters and the parameters of units
+// entered inside it (which the closure names as it recomputes), as torch's reentrant checkpoint does. The
+// parameters reach `.grad` through autograd's own accumulation (and its hooks), once; the function returns the
+// inputs' gradients only. The unit's parameters are inputs of the function too (the closure reads them as it
+// captured them), so the outputs require grad when they do.
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/custom_class.h>
 
-// `(data, inputs, n, out)`: the closure on `n` inputs; writes its output (a new at::Tensor) to `out`; a non-null
-// message is an error.
-using RunFn = char *(*)(void *, at::Tensor **, int64_t, at::Tensor **);
+#include <unordered_set>
+#include <vector>
+
+// `(data, inputs, n, outputs, params)`: the closure on `n` inputs; pushes its outputs to `outputs` and the
+// parameters of the units it entered to `params` (both `std::vector<at::Tensor>`, through `zerorun_tensors_push`);
+// a non-null message is an error.
+using RunFn = char *(*)(void *, at::Tensor **, int64_t, void *, void *);
+// `(sink, tensor)`: takes one of a checkpoint's outputs (a new at::Tensor to own).
+using PushFn = void (*)(void *, at::Tensor *);
+
+// Appends `t` to `list` (a `std::vector<at::Tensor>` a checkpoint passed to its closure).
+extern "C" void zerorun_tensors_push(void *list, at::Tensor *t) {
+    static_cast<std::vector<at::Tensor> *>(list)->push_back(*t);
+}
 
 namespace {
 
 struct Closure final : torch::CustomClassHolder {
     Closure(void *d, RunFn f, DropFn dr) : data(d), run(f), drop(dr) {}
     ~Closure() override { drop(data); }
-    at::Tensor call(const torch::autograd::variable_list &inputs) const {
+    // The outputs; the parameters of the units entered inside go to `nested`.
+    torch::autograd::variable_list call(const torch::autograd::variable_list &inputs,
+                                        std::vector<at::Tensor> &nested) const {
         std::vector<at::Tensor *> handles;
         handles.reserve(inputs.size());
         for (const auto &t : inputs) handles.push_back(new at::Tensor(t));
-        at::Tensor *out = nullptr;
+        std::vector<at::Tensor> outputs;
         // The closure takes each handle (Rust's Tensor owns and frees it).
-        char *m = run(data, handles.data(), static_cast<int64_t>(handles.size()), &out);
+        char *m = run(data, handles.data(), static_cast<int64_t>(handles.size()), &outputs, &nested);
         if (m != nullptr) {
             std::string text(m);
             std::free(m);
             throw std::runtime_error(text);
         }
-        at::Tensor result = *out;
-        delete out;
-        return result;
+        return outputs;
     }
     void *data;
     RunFn run;
@@ -193,7 +206,8 @@ struct Checkpoint : public torch::autograd::Function<Checkpoint> {
         ctx->saved_data["closure"] = c10::IValue::make_capsule(closure);
         ctx->saved_data["inputs"] = inputs;
         torch::autograd::variable_list in(all.begin(), all.begin() + inputs);
-        return {closure->call(in)};
+        std::vector<at::Tensor> nested;  // entered again in backward: named there
+        return closure->call(in, nested);
     }
 
     static torch::autograd::variable_list backward(torch::autograd::AutogradContext *ctx,
@@ -201,28 +215,40 @@ struct Checkpoint : public torch::autograd::Function<Checkpoint> {
         auto closure = c10::static_intrusive_pointer_cast<Closure>(ctx->saved_data["closure"].toCapsule());
         const int64_t inputs = ctx->saved_data["inputs"].toInt();
         auto all = ctx->get_saved_variables();
-        torch::autograd::variable_list in, wrt;
-        std::vector<size_t> at;  // which of `all` each of `wrt` is
-        for (size_t i = 0; i < all.size(); ++i) {
-            const bool is_input = static_cast<int64_t>(i) < inputs;
-            auto t = is_input ? all[i].detach() : all[i];
-            if (is_input && all[i].requires_grad()) t.requires_grad_(true);
-            if (is_input) in.push_back(t);
-            if (t.requires_grad()) {
-                wrt.push_back(t);
-                at.push_back(i);
-            }
+        torch::autograd::variable_list in;
+        for (int64_t i = 0; i < inputs; ++i) {
+            auto t = all[i].detach();
+            if (all[i].requires_grad()) t.requires_grad_(true);
+            in.push_back(t);
         }
-        at::Tensor out;
+        std::vector<at::Tensor> nested;
+        torch::autograd::variable_list out;
         {
             at::AutoGradMode recording(true);
-            out = closure->call(in);
+            out = closure->call(in, nested);
+        }
+        // What the backward reaches: the inputs, the unit's parameters and the nested units', each once.
+        torch::autograd::variable_list wrt;
+        std::unordered_set<const c10::TensorImpl *> seen;
+        auto reach = [&](const at::Tensor &t) {
+            if (t.defined() && t.requires_grad() && seen.insert(t.unsafeGetTensorImpl()).second) wrt.push_back(t);
+        };
+        for (const auto &t : in) reach(t);
+        for (size_t i = inputs; i < all.size(); ++i) reach(all[i]);
+        for (const auto &t : nested) reach(t);
+        torch::autograd::variable_list roots, root_grads;
+        for (size_t k = 0; k < out.size() && k < grads.size(); ++k) {
+            if (out[k].defined() && out[k].requires_grad() && grads[k].defined()) {
+                roots.push_back(out[k]);
+                root_grads.push_back(grads[k]);
+            }
         }
         torch::autograd::variable_list result(all.size() + 2);  // + the count and the closure
-        if (out.requires_grad() && grads[0].defined() && !wrt.empty()) {
-            auto g = torch::autograd::grad({out}, wrt, {grads[0]}, /*retain_graph=*/false, /*create_graph=*/false,
-                                           /*allow_unused=*/true);
-            for (size_t k = 0; k < at.size(); ++k) result[at[k]] = g[k];
+        if (!roots.empty() && !wrt.empty()) {
+            torch::autograd::backward(roots, root_grads, /*retain_graph=*/false, /*create_graph=*/false, wrt);
+            for (int64_t i = 0; i < inputs; ++i) {
+                if (in[i].requires_grad()) result[i] = in[i].grad();
+            }
         }
         return result;
     }
@@ -231,16 +257,16 @@ struct Checkpoint : public torch::autograd::Function<Checkpoint> {
 }  // namespace
 
 // Runs the closure `(data, run)` on `inputs` as a checkpoint (above), `params` being the parameters it reads;
-// `drop(data)` once nothing needs it (also on an error).
+// pushes each output to `sink` through `push`; `drop(data)` once nothing needs it (also on an error).
 extern "C" char *zerorun_checkpoint(at::Tensor **inputs, int64_t n, at::Tensor **params, int64_t n_params, void *data,
-                                    RunFn run, DropFn drop, at::Tensor **out) {
+                                    RunFn run, DropFn drop, void *sink, PushFn push) {
     try {
         auto closure = c10::make_intrusive<Closure>(data, run, drop);
         torch::autograd::variable_list all;
         for (int64_t i = 0; i < n; ++i) all.push_back(*inputs[i]);
         for (int64_t i = 0; i < n_params; ++i) all.push_back(*params[i]);
         auto outputs = Checkpoint::apply(at::TensorList(all), n, closure);
-        *out = new at::Tensor(outputs[0]);
+        for (auto &t : outputs) push(sink, new at::Tensor(t));
         return nullptr;
     } catch (const std::exception &e) {
         return message(e.what());

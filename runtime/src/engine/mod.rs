@@ -64,6 +64,7 @@ use counters::Progress;
 pub use counters::{CommVolume, GatheredBytes};
 pub use device::optimizer as device_optimizer;
 pub use reporting::{MemoryReportFiles, MEMORY_REPORT_ENV};
+pub use unit_scopes::NestedUnits;
 pub use watching::{measure_peak_flops, StepRates, Throughput};
 pub use zero::builders::{BuiltModel, UnitBuilders, UnitForward};
 pub use zero::layout::{self, FlatLayout, ParamSlot, UnitSpan};

@@ -3,13 +3,14 @@
 //! graph while the hooks gather, reduce and release unit by unit (`zero/scopes.rs`). At stages 0-1, and stage 2
 //! without units, every rank holds every parameter and a scope is just the call, so one program runs at every
 //! stage.
+use std::sync::Arc;
 use std::time::Instant;
 
 use tch::Tensor;
 
 use crate::engine::device::native;
 use crate::engine::zero::plan::GradientPath;
-use crate::engine::zero::scopes::{Scopes, UnitOutput};
+use crate::engine::zero::scopes::{HookTarget, Scopes, UnitOutput};
 use crate::engine::zero::sharded_unit::UnitState;
 use crate::engine::Engine;
 use crate::error::{Error, Result};
@@ -62,10 +63,11 @@ impl Engine {
     /// [`Engine::unit`] with activation checkpointing: `forward` runs on `inputs` without autograd keeping anything
     /// but them, and runs again in backward, right after the unit is gathered for it, to backpropagate through (the
     /// CPU generator replayed, so dropout draws the same masks). The parameters it reads must be the unit's (at
-    /// stages 0-2: those whose names start with `name`), whose gradients it passes on. `forward` reads its tensors from `inputs` (what
-    /// it captures is constant to autograd) and must own what it captures (`'static`: modules behind an `Rc`,
-    /// say), since backward calls it after this returns. At every stage; at stages 0-2 only the activations are
-    /// saved.
+    /// stages 0-2: those under the unit's prefixes, or under `name`), whose gradients it passes on. `forward` reads
+    /// its tensors from `inputs` (what it captures is constant to autograd) and must own what it captures
+    /// (`'static`: modules behind an `Rc`, say), since backward calls it after this returns. At every stage; at
+    /// stages 0-2 only the activations are saved. Several outputs, or units entered inside:
+    /// [`Engine::unit_checkpointed_with`].
     ///
     /// ```
     /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -91,38 +93,87 @@ impl Engine {
         inputs: &[&Tensor],
         forward: impl Fn(&[Tensor]) -> Tensor + 'static,
     ) -> Result<Tensor> {
+        let mut outputs = self.unit_checkpointed_with(name, inputs, move |xs, _| Ok(vec![forward(xs)]))?;
+        Ok(outputs.remove(0))
+    }
+
+    /// [`Engine::unit_checkpointed`] with several outputs (each may carry a gradient: a layer's output and its
+    /// router's logits for a load-balancing loss), and with units entered inside it through [`NestedUnits`] (a
+    /// layer's experts, split over their own ranks): in backward's run they are gathered again, and their
+    /// gradients reach `.grad` and their reduction as the unit's own do.
+    ///
+    /// ```
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use std::rc::Rc;
+    /// use tch::nn::{self, Module};
+    /// use tch::{Device, Kind, Tensor};
+    /// let vs = nn::VarStore::new(Device::Cpu);
+    /// let outer = Rc::new(nn::linear(vs.root() / "layer" / "mix", 4, 4, Default::default()));
+    /// let inner = Rc::new(nn::linear(vs.root() / "layer" / "expert", 4, 4, Default::default()));
+    /// let units = vec![vec!["layer.mix".into()], vec!["layer.expert".into()]];
+    /// let options = zerorun_runtime::EngineOptions { units: Some(units), ..Default::default() };
+    /// let config: zerorun_runtime::Config = r#"{"train_batch_size": 2, "zero_optimization": {"stage": 3}}"#.parse()?;
+    /// let mesh = zerorun_runtime::Mesh::from_env(&config, Default::default())?;
+    /// let mut engine = zerorun_runtime::initialize_with(&vs, config, mesh, options)?;
+    /// let x = Tensor::randn([2, 4], (Kind::Float, Device::Cpu));
+    /// let (a, b) = (Rc::clone(&outer), Rc::clone(&inner));
+    /// let out = engine.unit_checkpointed_with("layer.mix", &[&x], move |xs, nested| {
+    ///     let h = a.forward(&xs[0]).relu();
+    ///     let e = nested.unit("layer.expert", || b.forward(&h))?;
+    ///     Ok(vec![&h + e, h.sum(Kind::Float)])
+    /// })?;
+    /// engine.backward(&(out[0].square().mean(Kind::Float) + 0.01 * &out[1]))?;
+    /// engine.step()?;
+    /// # Ok(()) }
+    /// ```
+    pub fn unit_checkpointed_with(
+        &mut self,
+        name: &str,
+        inputs: &[&Tensor],
+        forward: impl Fn(&[Tensor], &mut NestedUnits) -> Result<Vec<Tensor>> + 'static,
+    ) -> Result<Vec<Tensor>> {
         let state = native::rng_state()?;
         let ran = std::cell::Cell::new(false);
+        let scoped = self.plan.gradients == GradientPath::UnitWalk;
+        // Where a nested unit's parameters come from: the engine, lent (stage 3, stage 2 with units), or names.
+        let (reach, params) = if scoped {
+            let u = self.scopes()?.unit_named(name)?;
+            let params: Vec<Tensor> =
+                self.states.parameters.units[u].params().iter().map(Tensor::shallow_clone).collect();
+            (Reach::Lent(self.scopes()?.target()), params)
+        } else {
+            let by_name = Arc::new(ParamsByName::of(self));
+            let params = by_name.params(name);
+            (Reach::ByName(by_name), params)
+        };
         let replaying: native::Recompute = Box::new(move |xs: &[Tensor]| {
+            let mut nested = NestedUnits { reach: reach.clone(), params: Vec::new() };
             if !ran.replace(true) {
-                return forward(xs);
+                let outputs = forward(xs, &mut nested).map_err(|e| e.to_string())?;
+                return Ok(native::Recomputed { outputs, nested_params: nested.params });
             }
             // Backward's run draws what the forward drew. The state is restored after (errors here would be
             // libtorch refusing its own state: nothing to recover).
             let now = native::rng_state().ok();
             let _ = native::set_rng_state(&state);
-            let y = forward(xs);
+            let outputs = forward(xs, &mut nested);
             if let Some(now) = now {
                 let _ = native::set_rng_state(&now);
             }
-            y
+            Ok(native::Recomputed { outputs: outputs.map_err(|e| e.to_string())?, nested_params: nested.params })
         });
-        if self.plan.gradients != GradientPath::UnitWalk {
-            // Every rank holds every parameter: the unit's are those under its name.
-            let params: Vec<Tensor> = self
-                .states
-                .layout
-                .slots
-                .iter()
-                .zip(&self.states.params)
-                .filter(|(slot, _)| crate::engine::zero::units::owns(name, &slot.name))
-                .map(|(_, p)| p.shallow_clone())
-                .collect();
+        if !scoped {
             return native::checkpoint(inputs, &params, replaying);
         }
         let u = self.scopes()?.unit_named(name)?;
-        let params: Vec<Tensor> = self.states.parameters.units[u].params().iter().map(Tensor::shallow_clone).collect();
-        self.enter_unit(u, |_| native::checkpoint(inputs, &params, replaying))?
+        let target = self.scopes()?.target();
+        self.enter_unit(u, |engine| {
+            // The first run enters the nested units through the engine lent here, as backward's run does.
+            let before = target.swap(engine);
+            let outputs = native::checkpoint(inputs, &params, replaying);
+            target.restore(before);
+            outputs
+        })?
     }
 
     /// [`Engine::unit`] for unit `u` (its index), at stage 3 or stage 2 with units.
@@ -140,6 +191,26 @@ impl Engine {
         // profiler's rows are these.
         let top_unit = scopes.open.iter().all(|&n| n == 0);
         let train = native::grad_enabled();
+        // Inside a checkpointed unit's run in backward: gathered for the backward about to follow, not a forward.
+        let recomputing = train && scopes.in_backward;
+        if recomputing {
+            self.gather_unit(u)?;
+            self.memory_event(|| format!("backward: unit {name} gathered to recompute"), &[]);
+            let scopes = self.walk.scopes.as_mut().expect("installed above");
+            scopes.open[u] += 1;
+            scopes.depth += 1;
+            let out = forward(self);
+            let scopes = self.walk.scopes.as_mut().expect("installed above");
+            scopes.open[u] -= 1;
+            scopes.depth -= 1;
+            // Its gradient hooks release it once its gradients are reduced; backward's end releases what got none.
+            for t in out.tensors() {
+                if t.defined() && t.requires_grad() {
+                    scopes.hook_output(t, u)?;
+                }
+            }
+            return Ok(out);
+        }
         let (started, comm_before) = (Instant::now(), self.report.times.comm());
         let times_before = (!train && outermost).then(|| self.report.times.clone());
         self.gather_unit(u)?;
@@ -229,13 +300,16 @@ impl Engine {
         self.scopes()?.begin_backward();
         let root = if factor != 1.0 { loss * factor } else { loss.shallow_clone() };
         let engine: *mut Engine = self;
-        self.walk.scopes.as_ref().expect("installed").lend(engine);
+        let scopes = self.walk.scopes.as_mut().expect("installed");
+        scopes.lend(engine);
+        scopes.in_backward = true;
         let ran = {
             let _owner = owned_by(Owner::Backward);
             root.f_backward()
         };
         let scopes = self.walk.scopes.as_mut().expect("installed");
         scopes.unlend();
+        scopes.in_backward = false;
         scopes.forward_ran = false;
         let hook_error = scopes.error.take();
         let finished = match (hook_error, ran) {
@@ -370,6 +444,81 @@ impl Engine {
     pub(crate) fn scope_error(&mut self, e: Error) {
         if let Some(scopes) = self.walk.scopes.as_mut() {
             scopes.error.get_or_insert(e);
+        }
+    }
+}
+
+/// Where a checkpointed unit's closure enters the units nested in it from.
+#[derive(Clone)]
+enum Reach {
+    /// Units are gathered (stage 3, stage 2 with units): through the engine lent to the hooks, in forward by the
+    /// checkpointed unit's scope and in backward by `engine.backward`.
+    Lent(Arc<HookTarget>),
+    /// Every rank holds every parameter: a nested unit is its parameters, found by name.
+    ByName(Arc<ParamsByName>),
+}
+
+/// Every trainable parameter by name, and the units' prefixes (stages 0-2, where a unit is the parameters under
+/// its prefixes).
+struct ParamsByName {
+    slots: Vec<(String, Tensor)>,
+    units: Vec<Vec<String>>,
+}
+
+impl ParamsByName {
+    fn of(engine: &Engine) -> ParamsByName {
+        let slots = engine
+            .states
+            .layout
+            .slots
+            .iter()
+            .zip(&engine.states.params)
+            .map(|(slot, p)| (slot.name.clone(), p.shallow_clone()))
+            .collect();
+        ParamsByName { slots, units: engine.walk.unit_prefixes.clone() }
+    }
+
+    /// The parameters of the unit `name` names (all of its prefixes), or those under `name` where no unit has it.
+    fn params(&self, name: &str) -> Vec<Tensor> {
+        let own = [name.to_string()];
+        let prefixes = self.units.iter().find(|u| u.iter().any(|p| p == name)).map_or(&own[..], Vec::as_slice);
+        self.slots
+            .iter()
+            .filter(|(n, _)| prefixes.iter().any(|p| crate::engine::zero::units::owns(p, n)))
+            .map(|(_, p)| p.shallow_clone())
+            .collect()
+    }
+}
+
+/// The units a checkpointed unit's closure enters inside it ([`Engine::unit_checkpointed_with`]): each is
+/// gathered for the call (in forward's run and again in backward's), and the parameters it holds get their
+/// gradients from the checkpoint's backward beside the unit's own.
+pub struct NestedUnits {
+    reach: Reach,
+    params: Vec<Tensor>,
+}
+
+impl NestedUnits {
+    /// Runs `forward` as the unit `name` (any of its prefixes), nested in the checkpointed unit; its parameters
+    /// must be those `forward` reads, as for [`Engine::unit`].
+    pub fn unit<T: UnitOutput>(&mut self, name: &str, forward: impl FnOnce() -> T) -> Result<T> {
+        match &self.reach {
+            Reach::ByName(by_name) => {
+                self.params.extend(by_name.params(name));
+                Ok(forward())
+            }
+            Reach::Lent(target) => {
+                // SAFETY: the engine's lender (the checkpointed unit's scope, or `engine.backward`) waits in
+                // libtorch while this closure runs, and nothing else holds the engine.
+                let engine = unsafe { target.engine() }.ok_or_else(|| {
+                    Error::Usage(format!(
+                        "unit \"{name}\" nested in a checkpointed unit ran outside its forward and `engine.backward`"
+                    ))
+                })?;
+                let u = engine.scopes()?.unit_named(name)?;
+                self.params.extend(engine.states.parameters.units[u].params().iter().map(Tensor::shallow_clone));
+                engine.enter_unit(u, |_| forward())
+            }
         }
     }
 }

@@ -56,17 +56,28 @@ extern "C" {
         data: *mut c_void,
         run: RunFn,
         drop: extern "C" fn(*mut c_void),
-        out: *mut *mut c_void,
+        sink: *mut c_void,
+        push: extern "C" fn(*mut c_void, *mut c_void),
     ) -> *mut c_char;
+    fn zerorun_tensors_push(list: *mut c_void, t: *mut c_void);
 }
 
-/// What a checkpoint calls to run its closure: `(data, inputs, n, out)`.
-type RunFn = extern "C" fn(*mut c_void, *mut *mut c_void, i64, *mut *mut c_void) -> *mut c_char;
+/// What a checkpoint calls to run its closure: `(data, inputs, n, outputs, params)`, the last two the shim's lists
+/// to push to.
+type RunFn = extern "C" fn(*mut c_void, *mut *mut c_void, i64, *mut c_void, *mut c_void) -> *mut c_char;
+
+/// What a checkpointed forward's run gives: its outputs, and the parameters of the units it entered inside (their
+/// gradients are taken in backward beside the unit's own).
+pub struct Recomputed {
+    pub outputs: Vec<Tensor>,
+    pub nested_params: Vec<Tensor>,
+}
 
 /// A checkpointed forward: run once without recording, again in backward with recording. Not `Send`: libtorch runs
 /// a CPU backward on the thread that called it (a device backward on its device thread while that one waits), so
-/// it runs where it was made or while its thread is blocked, and modules behind an `Rc` work.
-pub type Recompute = Box<dyn Fn(&[Tensor]) -> Tensor>;
+/// it runs where it was made or while its thread is blocked, and modules behind an `Rc` work. An error stops the
+/// forward or the backward with its message.
+pub type Recompute = Box<dyn Fn(&[Tensor]) -> std::result::Result<Recomputed, String>>;
 
 /// What a unit's output hook calls: `(ctx, unit)`, returning null to go on or a malloc'ed message that stops the
 /// backward with it.
@@ -259,13 +270,14 @@ pub fn malloc_message(text: &str) -> *mut c_char {
 }
 
 /// Runs `f` on `inputs` as an activation checkpoint (`native/unit_scopes.cpp`): now without recording anything but
-/// the inputs, and again in backward, with recording, to take the gradients of `inputs` and of `params` (the
-/// parameters `f` reads, which it captures) from; they reach `.grad` through autograd's accumulation, once.
-pub fn checkpoint(inputs: &[&Tensor], params: &[Tensor], f: Recompute) -> Result<Tensor> {
+/// the inputs, and again in backward, with recording, followed by a backward of that graph into `inputs`, `params`
+/// (the parameters `f` reads, which it captures) and the parameters of the units `f` entered inside; the
+/// parameters' gradients reach `.grad` through autograd's accumulation, once. Returns `f`'s outputs.
+pub fn checkpoint(inputs: &[&Tensor], params: &[Tensor], f: Recompute) -> Result<Vec<Tensor>> {
     let handles: Vec<*mut c_void> = inputs.iter().map(|t| ptr(t)).collect();
     let param_handles: Vec<*mut c_void> = params.iter().map(ptr).collect();
     let data = Box::into_raw(Box::new(f)) as *mut c_void;
-    let mut out = std::ptr::null_mut::<c_void>();
+    let mut outputs: Vec<Tensor> = Vec::new();
     // The shim owns `data` from here: it drops it through `drop_recompute` when the graph goes (or on an error).
     check(
         unsafe {
@@ -277,28 +289,45 @@ pub fn checkpoint(inputs: &[&Tensor], params: &[Tensor], f: Recompute) -> Result
                 data,
                 run_recompute,
                 drop_recompute,
-                &mut out,
+                &mut outputs as *mut Vec<Tensor> as *mut c_void,
+                push_output,
             )
         },
         "a checkpointed unit",
     )?;
-    // SAFETY: allocated by the shim with `new at::Tensor`, owned by tch's Tensor from here.
-    Ok(unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) })
+    Ok(outputs)
 }
 
-extern "C" fn run_recompute(data: *mut c_void, inputs: *mut *mut c_void, n: i64, out: *mut *mut c_void) -> *mut c_char {
+extern "C" fn push_output(sink: *mut c_void, t: *mut c_void) {
+    // SAFETY: `sink` is `checkpoint`'s Vec, alive for the call; `t` was made by the shim with `new at::Tensor`,
+    // owned by tch's Tensor from here.
+    unsafe { (*(sink as *mut Vec<Tensor>)).push(Tensor::from_ptr(t as *mut torch_sys::C_tensor)) };
+}
+
+extern "C" fn run_recompute(
+    data: *mut c_void,
+    inputs: *mut *mut c_void,
+    n: i64,
+    outputs: *mut c_void,
+    params: *mut c_void,
+) -> *mut c_char {
     // SAFETY: `data` is the Recompute `checkpoint` boxed; the shim keeps it alive while it calls.
     let f = unsafe { &*(data as *const Recompute) };
     // SAFETY: the shim made each handle with `new at::Tensor` for us to own.
     let inputs: Vec<Tensor> =
         (0..n as usize).map(|i| unsafe { Tensor::from_ptr(*inputs.add(i) as *mut torch_sys::C_tensor) }).collect();
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&inputs))) {
-        Ok(mut t) => {
-            // SAFETY: `out` is the shim's slot; it takes ownership of the handle (tch's Tensor must not free it).
-            unsafe { *out = t.as_mut_ptr() as *mut c_void };
-            std::mem::forget(t);
+        Ok(Ok(run)) => {
+            // SAFETY: `outputs` and `params` are the shim's lists, alive for the call; it copies each tensor.
+            for t in &run.outputs {
+                unsafe { zerorun_tensors_push(outputs, ptr(t)) };
+            }
+            for t in &run.nested_params {
+                unsafe { zerorun_tensors_push(params, ptr(t)) };
+            }
             std::ptr::null_mut()
         }
+        Ok(Err(why)) => malloc_message(&why),
         Err(panic) => {
             let why = panic
                 .downcast_ref::<String>()

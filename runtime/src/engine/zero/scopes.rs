@@ -135,6 +135,30 @@ pub(crate) struct HookTarget {
     names: Vec<String>,
 }
 
+impl HookTarget {
+    /// Lends `engine` (a checkpointed unit's first run, in forward, where its closure enters nested units);
+    /// returns what was lent before, to restore.
+    pub fn swap(&self, engine: *mut Engine) -> *mut Engine {
+        self.lent.swap(engine, Ordering::AcqRel)
+    }
+
+    /// Puts back what [`HookTarget::swap`] returned.
+    pub fn restore(&self, engine: *mut Engine) {
+        self.lent.store(engine, Ordering::Release);
+    }
+
+    /// The engine lent now, if any.
+    ///
+    /// # Safety
+    /// The caller holds no other reference to the engine while it uses this one: the one that lent it (backward,
+    /// or a checkpointed unit's forward) waits in libtorch until the closure or hook returns.
+    pub unsafe fn engine(&self) -> Option<&mut Engine> {
+        let engine = self.lent.load(Ordering::Acquire);
+        // SAFETY: as the caller promised.
+        (!engine.is_null()).then(|| unsafe { &mut *engine })
+    }
+}
+
 /// The scopes' state: names, what this micro-batch's forward entered, what its backward still waits for.
 pub(crate) struct Scopes {
     /// The unit of every name: every prefix of every unit.
@@ -145,6 +169,8 @@ pub(crate) struct Scopes {
     pub depth: usize,
     /// A scope ran with gradients since the last backward: the next backward is the scopes'.
     pub forward_ran: bool,
+    /// `engine.backward` runs autograd now: a scope entered is a checkpointed unit's recomputation.
+    pub in_backward: bool,
     /// Per unit: stays gathered after a forward scope because backward reuses it soon (the last units of the
     /// forward, `stage3_max_reuse_distance`).
     pub kept: Vec<bool>,
@@ -193,6 +219,7 @@ impl Scopes {
             open: vec![0; n],
             depth: 0,
             forward_ran: false,
+            in_backward: false,
             kept,
             unit_of_slot,
             pending: trainable.clone(),
@@ -311,6 +338,11 @@ impl Scopes {
     /// Lends `engine` to the hooks until [`Scopes::unlend`].
     pub fn lend(&self, engine: *mut Engine) {
         self.target.lent.store(engine, Ordering::Release);
+    }
+
+    /// What the hooks reach, for a checkpointed unit's closure to enter the units nested in it from.
+    pub fn target(&self) -> Arc<HookTarget> {
+        Arc::clone(&self.target)
     }
 
     pub fn unlend(&self) {
