@@ -3,6 +3,7 @@
 //! that position only, gathered and reduced there. Training equals the same program at E = 1 (every unit split over
 //! every rank), with less gathered and a checkpoint any degree reads.
 use std::path::Path;
+use std::rc::Rc;
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -10,7 +11,7 @@ use serde_json::json;
 use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
 use zerorun::runtime::comm::{threads, Communicator};
-use zerorun::runtime::moe::{ExpertNames, ExpertParallel, MoeLayer};
+use zerorun::runtime::moe::{load_balancing_loss, ExpertNames, ExpertParallel, MoeLayer};
 use zerorun::{Config, Engine, EngineOptions};
 
 const HIDDEN: i64 = 16;
@@ -87,13 +88,15 @@ struct Span<'a> {
     with: serde_json::Value,
     load: Option<&'a Path>,
     save: Option<&'a Path>,
+    /// The MoE layer's unit is checkpointed, its experts' unit entered inside it (`unit_checkpointed_with`).
+    checkpointed: bool,
 }
 
 /// One rank's run: the MoE layer's experts in a unit per expert-parallel position, this rank entering its own.
 fn rank_run(comm: Box<dyn Communicator>, e: usize, world: usize, span: &Span) -> Engine {
-    let group = ExpertParallel::adjacent(comm.as_ref(), e).unwrap();
+    let group = Rc::new(ExpertParallel::adjacent(comm.as_ref(), e).unwrap());
     let mut vs = nn::VarStore::new(Device::Cpu);
-    let m = model(&vs);
+    let m = Rc::new(model(&vs));
     let config = config_with(e, world, &span.with);
     if config.precision() == zerorun::config::Precision::Bf16 {
         vs.bfloat16();
@@ -103,7 +106,7 @@ fn rank_run(comm: Box<dyn Communicator>, e: usize, world: usize, span: &Span) ->
         engine.load_checkpoint(dir, None).unwrap();
     }
     for step in span.steps.clone() {
-        train_step(&mut engine, &m, &group, step);
+        train_step(&mut engine, &m, &group, step, span.checkpointed);
     }
     if let Some(dir) = span.save {
         engine.save_checkpoint(dir, None).unwrap();
@@ -111,21 +114,37 @@ fn rank_run(comm: Box<dyn Communicator>, e: usize, world: usize, span: &Span) ->
     engine
 }
 
-fn train_step(engine: &mut Engine, m: &Model, group: &ExpertParallel, step: usize) {
+/// One step; the loss adds transformers' load-balancing term, so the router's logits carry a gradient out of the
+/// MoE layer's unit (a second output when it is checkpointed).
+fn train_step(engine: &mut Engine, m: &Rc<Model>, group: &Rc<ExpertParallel>, step: usize, checkpointed: bool) {
     let (x, y) = batch(engine.rank(), step);
     let kind = m.head.ws.kind();
     let (x, y) = (x.to_kind(kind), y.to_kind(kind));
     // This rank's experts: the unit of its position.
     let mine = MoeLayer::own_expert_unit("moe", EXPERTS, group);
     let h = engine.unit("embed", |_| m.embed.forward(&x).relu()).unwrap();
-    let moe = engine
-        .unit("moe.gate", |e| {
-            let out = m.moe.forward_parallel_scoped(group, &h, &mut |experts| e.unit(&mine, |_| experts()));
-            out.unwrap().output
-        })
-        .unwrap();
+    let (moe, router) = if checkpointed {
+        let (m, group) = (Rc::clone(m), Rc::clone(group));
+        let mut out = engine
+            .unit_checkpointed_with("moe.gate", &[&h], move |xs, units| {
+                let out = m.moe.forward_parallel_scoped(&group, &xs[0], &mut |experts| units.unit(&mine, experts))?;
+                Ok(vec![out.output, out.router_logits])
+            })
+            .unwrap();
+        let router = out.pop().unwrap();
+        (out.pop().unwrap(), router)
+    } else {
+        engine
+            .unit("moe.gate", |e| {
+                let out = m.moe.forward_parallel_scoped(group, &h, &mut |experts| e.unit(&mine, |_| experts()));
+                let out = out.unwrap();
+                (out.output, out.router_logits)
+            })
+            .unwrap()
+    };
     let pred = engine.unit("head", |_| m.head.forward(&(&h + moe))).unwrap();
-    let loss = pred.mse_loss(&y, tch::Reduction::Mean);
+    let balance = load_balancing_loss(&[&router], EXPERTS, TOP_K).to_kind(kind);
+    let loss = pred.mse_loss(&y, tch::Reduction::Mean) + 0.02 * balance;
     engine.backward(&loss).unwrap();
     engine.step().unwrap();
 }
@@ -189,6 +208,20 @@ fn experts_split_over_their_positions_ranks_train_as_every_rank_holding_them() {
             s.gathered_peak,
             a.gathered_peak
         );
+    }
+}
+
+#[test]
+fn a_checkpointed_layer_enters_its_split_experts_again_in_backward_and_trains_as_without() {
+    let all = Span { steps: 0..STEPS, ..Default::default() };
+    let every = run(1, 4, all.clone());
+    let checkpointed = Span { checkpointed: true, ..all };
+    // E = 2: the experts' unit, split over its position's ranks, is gathered again inside the layer's recomputation;
+    // the router's logits leave the checkpoint with their gradient (the load-balancing term).
+    for e in [2, 1] {
+        for (r, (c, a)) in run(e, 4, checkpointed.clone()).iter().zip(&every).enumerate() {
+            assert_close(&c.params, &a.params, &format!("rank {r}, checkpointed at E = {e} against E = 1"));
+        }
     }
 }
 
