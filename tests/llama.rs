@@ -4,7 +4,7 @@
 //! input named.
 #[path = "common/examples.rs"]
 mod examples;
-#[path = "../examples/support/llama_model.rs"]
+#[path = "../examples/support/llama_model/mod.rs"]
 mod llama_model;
 
 use std::path::{Path, PathBuf};
