@@ -148,10 +148,18 @@ fn mixtral_and_qwen3_moe_give_transformers_logits_and_train_as_it_does() {
         let expected = dir.join(format!("{kind}-expected"));
         let ds = config(&dir, 2, 8, 2, 1e-3);
         let theirs = reference_losses(&reference(&["train", s(&source), s(&data), s(&ds), "5", s(&expected), "4"]));
-        // (ranks, stage, expert-parallel degree, by ds_config's block): E = 1 at stages 2 and 3; E = 2 on 2 ranks
-        // (--expert-parallel); E = 2 x data 2 on 4 ranks (the `expert_parallel` block, its preset checked).
-        for (ranks, stage, e, by_key) in [(2usize, 2u8, 1, false), (2, 3, 1, false), (2, 2, 2, false), (4, 3, 2, true)]
-        {
+        // (ranks, stage, expert-parallel degree, by ds_config's block, activation checkpointing): E = 1 at stages 2
+        // and 3; E = 2 on 2 ranks (--expert-parallel); E = 2 x data 2 on 4 ranks (the `expert_parallel` block, its
+        // preset checked). Checkpointed layers recompute with their experts' unit inside and keep the router's
+        // gradient from the load-balancing loss: E = 2 x data 2 at stage 3, E = 1 at stage 2.
+        for (ranks, stage, e, by_key, checkpointed) in [
+            (2usize, 2u8, 1, false, false),
+            (2, 3, 1, false, false),
+            (2, 2, 2, false, false),
+            (4, 3, 2, true, false),
+            (4, 3, 2, false, true),
+            (2, 2, 1, false, true),
+        ] {
             let mut ds_json: serde_json::Value =
                 serde_json::from_str(&std::fs::read_to_string(config(&dir, stage, 8, 2, 1e-3)).unwrap()).unwrap();
             let e_text = e.to_string();
@@ -162,10 +170,14 @@ fn mixtral_and_qwen3_moe_give_transformers_logits_and_train_as_it_does() {
             } else if e > 1 {
                 flag = vec!["--expert-parallel", e_text.as_str()];
             }
+            if checkpointed {
+                flag.push("--activation-checkpointing");
+            }
             let ds = dir.join(format!("ds_{kind}_{ranks}_{stage}_{e}.json"));
             std::fs::write(&ds, ds_json.to_string()).unwrap();
-            let what = format!("{kind} on {ranks} ranks, stage {stage}, expert parallel {e}");
-            let trained = dir.join(format!("{kind}-{ranks}-{stage}-{e}"));
+            let what =
+                format!("{kind} on {ranks} ranks, stage {stage}, expert parallel {e}, checkpointed {checkpointed}");
+            let trained = dir.join(format!("{kind}-{ranks}-{stage}-{e}-{checkpointed}"));
             let args = ["--config", s(&ds), "--hf", s(&source), "--data", s(&data), "--steps", "5"];
             trains_as_transformers(ranks, &[&args[..], &flag].concat(), &theirs, &expected, &trained, &what);
         }

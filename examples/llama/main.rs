@@ -28,6 +28,7 @@ mod model_parallel;
 mod rows;
 
 use std::path::{Path, PathBuf};
+use std::rc::Rc;
 use std::time::Duration;
 
 use axes::{expert_parallel, sequence_parallel};
@@ -223,27 +224,34 @@ enum Model<'a> {
     Scoped(llama_model::Llama, llama_model::ScopedUnits),
 }
 
-/// Whether this run splits each layer's experts over the ranks of their expert-parallel position (stage 3,
-/// `--expert-parallel` above 1, a mixture of experts, no sequence parallelism): the engine gathers and reduces a
-/// rank's experts only among the ranks that compute them. Where the engine cannot yet (activation
-/// checkpointing, tied embeddings, hpZ, MiCS or quantized weights), every rank holds every expert
-/// as at stages 0-2, which is said once.
-fn splits_experts(config: &zerorun::Config, c: &LlamaConfig, ep: u64, sp: u64, a: &CommonArgs) -> bool {
-    if config.stage() != 3 || ep <= 1 || c.experts().is_none() || sp > 1 {
-        return false;
+/// How many expert-parallel positions the scoped model's expert units follow, for a mixture of experts that runs
+/// through scopes; None: the model runs as built units (dense, tied embeddings, sequence parallelism).
+/// - E at stage 3 with `--expert-parallel` E above 1: the engine gathers and reduces a rank's experts only among the
+///   ranks that compute them.
+/// - 1 with `--activation-checkpointing` otherwise: a checkpointed layer's router logits leave it with their
+///   gradient (the load-balancing loss), which the built units' recomputation cannot give.
+///
+/// Where the engine cannot split the experts yet (hpZ, MiCS, quantized weights, tied embeddings), every rank holds
+/// every expert as at stages 0-2, which is said once.
+fn expert_positions(config: &zerorun::Config, c: &LlamaConfig, ep: u64, sp: u64, a: &CommonArgs) -> Option<usize> {
+    if c.experts().is_none() || sp > 1 {
+        return None;
     }
     let z = &config.zero_optimization;
-    let why = if a.activation_checkpointing {
-        "--activation-checkpointing"
-    } else if c.tie_word_embeddings {
+    let wanted = config.stage() == 3 && ep > 1;
+    let why = if c.tie_word_embeddings {
         "tied embeddings"
     } else if z.zero_hpz_partition_size > 1 || z.zero_quantized_weights || z.mics_shard_size.is_some() {
         "hpZ, MiCS or quantized weights"
+    } else if wanted {
+        return Some(ep as usize);
     } else {
-        return true;
+        return a.activation_checkpointing.then_some(1);
     };
-    tracing::warn!("{why}: every rank holds every expert (ZeRO splits them over all ranks); without it, stage 3 splits each rank's experts over the ranks that compute them");
-    false
+    if wanted {
+        tracing::warn!("{why}: every rank holds every expert (ZeRO splits them over all ranks); without it, stage 3 splits each rank's experts over the ranks that compute them");
+    }
+    (!c.tie_word_embeddings && a.activation_checkpointing).then_some(1)
 }
 
 fn run(args: &Args) -> Result<(), String> {
@@ -306,20 +314,22 @@ fn run(args: &Args) -> Result<(), String> {
         // Adjacent ranks split the experts; the engine runs over all of them.
         let experts = match ep {
             1 => None,
-            e => Some(ExpertParallel::adjacent(comm.as_ref(), e as usize).map_err(|e| e.to_string())?),
+            e => Some(Rc::new(ExpertParallel::adjacent(comm.as_ref(), e as usize).map_err(|e| e.to_string())?)),
         };
-        let groups = Groups { sequence: split, experts: experts.as_ref() };
-        let (mut engine, model) = if splits_experts(&config, &c, ep, sp, a) {
-            // Stage 3 with expert parallelism: the whole model is built, then each layer's experts of one position
-            // are a unit the engine splits over that position's ranks, entered from the model's own forward.
+        let groups = Groups { sequence: split, experts: experts.as_deref() };
+        let (mut engine, model) = if let Some(positions) = expert_positions(&config, &c, ep, sp, a) {
+            // A mixture of experts through scopes: the whole model is built, then each layer's experts of one
+            // position are a unit (at stage 3 split over that position's ranks), entered from the model's own
+            // forward, each layer checkpointed there with --activation-checkpointing.
             let whole = llama_model::Llama::new(&vs.root(), &c);
             if let Some(dir) = &args.hf {
                 zerorun::runtime::engine::load_mapped(&vs, dir).map_err(|e| format!("--hf {}: {e}", dir.display()))?;
             }
             let names: Vec<String> = vs.variables().into_keys().collect();
-            let position = experts.as_ref().expect("ep > 1").rank();
-            let units = llama_model::ScopedUnits::new(&c, &names, position, ep as usize);
-            let options = EngineOptions { units: Some(units.prefixes.clone()), ..options };
+            let position = experts.as_ref().map_or(0, |g| g.rank()) % positions;
+            let units = llama_model::ScopedUnits::new(&c, &names, position, positions);
+            let options =
+                EngineOptions { units: Some(units.prefixes.clone()), activation_checkpointing: false, ..options };
             let engine = Engine::new(&vs, config.clone(), comm, options).map_err(|e| e.to_string())?;
             (engine, Model::Scoped(whole, units))
         } else {
@@ -352,10 +362,14 @@ fn run(args: &Args) -> Result<(), String> {
                 let logits = match &model {
                     Model::Built(model) => engine.forward(model, &x.to_device(device)),
                     Model::Scoped(model, units) => {
-                        model.forward_units(&mut engine, units, &x.to_device(device), groups).map(|(logits, routed)| {
-                            routed.into_iter().for_each(|l| router.push(l));
-                            logits
-                        })
+                        let checkpointed = a.activation_checkpointing;
+                        let ids = x.to_device(device);
+                        model.forward_units(&mut engine, units, &ids, experts.as_ref(), checkpointed).map(
+                            |(logits, routed)| {
+                                routed.into_iter().for_each(|l| router.push(l));
+                                logits
+                            },
+                        )
                     }
                 }
                 .map_err(|e| e.to_string())?;

@@ -257,7 +257,7 @@ impl DecoderLayer {
             }
             FeedForward::Experts(moe) => {
                 let out = match groups.experts {
-                    None => moe.forward(&n),
+                    None => moe.forward_scoped(&n, scope),
                     Some(g) => moe.forward_parallel_scoped(g, &n, scope),
                 }
                 .unwrap_or_else(|e| panic!("mixture of experts: {e}"));
@@ -344,14 +344,16 @@ pub fn unit_prefixes(c: &LlamaConfig) -> Vec<Vec<String>> {
 /// The whole model built at once (for tests and tools that hold it whole).
 pub struct Llama {
     pub(super) embed: nn::Embedding,
-    pub(super) layers: Vec<DecoderLayer>,
+    /// Shared: a checkpointed layer's recomputation holds its own.
+    pub(super) layers: Vec<std::rc::Rc<DecoderLayer>>,
     pub(super) head: Head,
 }
 
 impl Llama {
     pub fn new(root: &nn::Path, c: &LlamaConfig) -> Llama {
         let embed = embedding(root, c);
-        let layers = (0..c.num_hidden_layers).map(|i| DecoderLayer::new(root / "model" / "layers" / i, c, i)).collect();
+        let layers =
+            (0..c.num_hidden_layers).map(|i| DecoderLayer::new(root / "model" / "layers" / i, c, i).into()).collect();
         let head = Head::new(root, c, c.tie_word_embeddings.then_some(&embed.ws));
         Llama { embed, layers, head }
     }

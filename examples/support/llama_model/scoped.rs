@@ -1,14 +1,17 @@
 //! The model entered unit by unit from its own forward (stage 3 with its experts split over their own ranks).
+use std::rc::Rc;
 use tch::nn::Module;
+
 use tch::Tensor;
-use zerorun::runtime::moe::MoeLayer;
+use zerorun::runtime::moe::{ExpertParallel, MoeLayer};
 
 use super::*;
 
-/// Stage 3 with expert parallelism: the model's units as scopes of its own forward, each layer's experts of one
-/// expert-parallel position a unit of their own (split by the engine over the ranks at that position), and the
-/// forward that enters them: the embedding, each layer (its attention, norms and router), inside it this rank's
-/// experts, then the norm with the head. Untied embeddings.
+/// A mixture of experts entered unit by unit from its own forward: each layer's experts of one expert-parallel
+/// position a unit of their own (at stage 3 split by the engine over the ranks at that position; with one position,
+/// a layer's experts are one unit), and the forward that enters them: the embedding, each layer (its attention,
+/// norms and router, checkpointed or not), inside it this rank's experts, then the norm with the head. Untied
+/// embeddings.
 pub struct ScopedUnits {
     /// Every unit's prefixes (the engine's `EngineOptions::units`): whole parameter names for a layer's dense part,
     /// `...experts.{i}` for its experts.
@@ -51,21 +54,39 @@ impl ScopedUnits {
 
 impl Llama {
     /// Logits and the router logits of token ids `ids`, each part entered as its unit of `units` (collective over
-    /// the engine's ranks; the experts' all-to-alls over `groups.experts`).
+    /// the engine's ranks; the experts' all-to-alls over `experts`). With `checkpointed` each decoder layer is
+    /// recomputed in backward, its experts' unit entered again inside it, its router's logits a second output
+    /// that keeps its gradient for the load-balancing loss.
     pub fn forward_units(
         &self,
         engine: &mut zerorun::Engine,
         units: &ScopedUnits,
         ids: &Tensor,
-        groups: Groups<'_>,
+        experts: Option<&Rc<ExpertParallel>>,
+        checkpointed: bool,
     ) -> Result<(Tensor, Vec<Tensor>), zerorun::Error> {
+        let groups = Groups { sequence: None, experts: experts.map(|g| &**g) };
         let mut h = engine.unit("model.embed_tokens", |_| self.embed.forward(ids))?;
         let mut router = Vec::new();
         for (layer, (name, mine)) in self.layers.iter().zip(&units.layers) {
-            let (out, logits) = engine.unit(name, |e| match mine {
-                Some(mine) => layer.forward_scoped(&h, groups, &mut |experts| e.unit(mine, |_| experts())),
-                None => layer.forward_in(&h, groups),
-            })?;
+            let (out, logits) = if checkpointed {
+                let (layer, mine, experts) = (Rc::clone(layer), mine.clone(), experts.cloned());
+                let mut outputs = engine.unit_checkpointed_with(name, &[&h], move |xs, nested| {
+                    let groups = Groups { sequence: None, experts: experts.as_deref() };
+                    let (out, logits) = match &mine {
+                        Some(mine) => layer.forward_scoped(&xs[0], groups, &mut |f| nested.unit(mine, f)),
+                        None => layer.forward_in(&xs[0], groups),
+                    };
+                    Ok(std::iter::once(out).chain(logits).collect())
+                })?;
+                let out = outputs.remove(0);
+                (out, outputs.pop())
+            } else {
+                engine.unit(name, |e| match mine {
+                    Some(mine) => layer.forward_scoped(&h, groups, &mut |experts| e.unit(mine, |_| experts())),
+                    None => layer.forward_in(&h, groups),
+                })?
+            };
             h = out;
             router.extend(logits);
         }

@@ -85,6 +85,13 @@ impl MoeLayer {
         self.run(x, None, &mut |experts| Ok(experts()))
     }
 
+    /// [`forward`](Self::forward) with the experts computed inside `scope`: at ZeRO stage 3, the unit of the
+    /// layer's experts entered there (`&mut |experts| engine.unit(&name, |_| experts())`), as
+    /// [`forward_parallel_scoped`](Self::forward_parallel_scoped) does over a group.
+    pub fn forward_scoped(&self, x: &Tensor, scope: &mut ExpertsScope) -> Result<MoeOutput> {
+        self.run(x, None, scope)
+    }
+
     /// The layer on `x` [..., hidden] over the expert-parallel `group` of E ranks: every rank of the group calls
     /// it (the all-to-alls pair up), each with its own tokens, and rank g computes experts `g * experts / E ..
     /// (g + 1) * experts / E` for every token of the group that chose them.
@@ -177,7 +184,7 @@ impl MoeLayer {
         let token = order.divide_scalar_mode(k, "floor");
         let rows = x.index_select(0, &token);
         let outputs = match group {
-            None => self.experts.forward_grouped(&rows, &per_expert, 0),
+            None => scope(&|| self.experts.forward_grouped(&rows, &per_expert, 0))?,
             Some(g) => self.through_group(g, &rows, &per_expert, scope)?,
         };
         let weights = routing.weights.reshape([-1]).index_select(0, &order).unsqueeze(1);
