@@ -4,6 +4,7 @@
 # rounds, each run's median step and rank 0's peak RSS, and the losses (the same at every E).
 #
 #   bash bench/moe/expert_units.sh [ROUNDS]        (default 2; about 40 s a round on 2 cores)
+#   FLAGS=--activation-checkpointing bash bench/moe/expert_units.sh   (extra flags for every run)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROUNDS=${1:-2}
@@ -19,7 +20,7 @@ printf '%-6s %-3s %-14s %-16s %s\n' round E median_step_s peak_rss_rank0 losses
 for round in $(seq "$ROUNDS"); do
   for e in 1 2 4; do
     out=$($ZR launch --nproc-per-node 4 -- $LLAMA --config "$work/ds.json" --experts 8 --top-k 2 --layers 4 \
-      --hidden 512 --ffn 1024 --heads 8 --steps 6 --expert-parallel "$e" 2>&1)
+      --hidden 512 --ffn 1024 --heads 8 --steps 6 --expert-parallel "$e" ${FLAGS:-} 2>&1)
     median=$(grep -oP '^\[rank 0\] median_step_s \K[\d.]+' <<<"$out")
     rss=$(grep -oP '^\[rank 0\] peak_rss_bytes \K\d+' <<<"$out")
     losses=$(grep -oP '^\[rank 0\] summary: .*loss \K.*' <<<"$out")
