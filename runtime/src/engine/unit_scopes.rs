@@ -3,6 +3,7 @@
 //! graph while the hooks gather, reduce and release unit by unit (`zero/scopes.rs`). At stages 0-1, and stage 2
 //! without units, every rank holds every parameter and a scope is just the call, so one program runs at every
 //! stage.
+use std::rc::Rc;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -142,7 +143,7 @@ impl Engine {
                 self.states.parameters.units[u].params().iter().map(Tensor::shallow_clone).collect();
             (Reach::Lent(self.scopes()?.target()), params)
         } else {
-            let by_name = Arc::new(ParamsByName::of(self));
+            let by_name = Rc::new(ParamsByName::of(self));
             let params = by_name.params(name);
             (Reach::ByName(by_name), params)
         };
@@ -455,7 +456,7 @@ enum Reach {
     /// checkpointed unit's scope and in backward by `engine.backward`.
     Lent(Arc<HookTarget>),
     /// Every rank holds every parameter: a nested unit is its parameters, found by name.
-    ByName(Arc<ParamsByName>),
+    ByName(Rc<ParamsByName>),
 }
 
 /// Every trainable parameter by name, and the units' prefixes (stages 0-2, where a unit is the parameters under
@@ -508,13 +509,15 @@ impl NestedUnits {
                 Ok(forward())
             }
             Reach::Lent(target) => {
+                let engine = target.lent();
+                if engine.is_null() {
+                    return Err(Error::Usage(format!(
+                        "unit \"{name}\" nested in a checkpointed unit ran outside its forward and `engine.backward`"
+                    )));
+                }
                 // SAFETY: the engine's lender (the checkpointed unit's scope, or `engine.backward`) waits in
                 // libtorch while this closure runs, and nothing else holds the engine.
-                let engine = unsafe { target.engine() }.ok_or_else(|| {
-                    Error::Usage(format!(
-                        "unit \"{name}\" nested in a checkpointed unit ran outside its forward and `engine.backward`"
-                    ))
-                })?;
+                let engine = unsafe { &mut *engine };
                 let u = engine.scopes()?.unit_named(name)?;
                 self.params.extend(engine.states.parameters.units[u].params().iter().map(Tensor::shallow_clone));
                 engine.enter_unit(u, |_| forward())

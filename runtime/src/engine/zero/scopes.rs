@@ -147,15 +147,11 @@ impl HookTarget {
         self.lent.store(engine, Ordering::Release);
     }
 
-    /// The engine lent now, if any.
-    ///
-    /// # Safety
-    /// The caller holds no other reference to the engine while it uses this one: the one that lent it (backward,
-    /// or a checkpointed unit's forward) waits in libtorch until the closure or hook returns.
-    pub unsafe fn engine(&self) -> Option<&mut Engine> {
-        let engine = self.lent.load(Ordering::Acquire);
-        // SAFETY: as the caller promised.
-        (!engine.is_null()).then(|| unsafe { &mut *engine })
+    /// The engine lent now (null when none is). Whoever dereferences it holds no other reference to the engine
+    /// meanwhile: the one that lent it (backward, or a checkpointed unit's forward) waits in libtorch until the
+    /// closure or hook returns.
+    pub fn lent(&self) -> *mut Engine {
+        self.lent.load(Ordering::Acquire)
     }
 }
 
