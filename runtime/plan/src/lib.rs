@@ -201,11 +201,11 @@ pub fn strategies(model: &Model, cluster: &Cluster, options: &Options) -> Vec<St
                             }
                             // Expert parallelism at stage 3 only, where it splits each position's experts over
                             // their own ranks (below, every rank holds every expert: it would only add all-to-alls),
-                            // without tensor, pipeline or sequence parallelism (the engine refuses those), and
-                            // without activation checkpointing (the engine's scopes refuse it there).
+                            // without tensor, pipeline or sequence parallelism (the engine refuses those); with
+                            // activation checkpointing a layer recomputes with its experts' unit nested.
                             let experts_ok = stage == 3 && t == 1 && p == 1 && sp == 1;
                             for e in expert_degrees(model, d).into_iter().filter(|&e| e == 1 || experts_ok) {
-                                for ac in [false, true].into_iter().filter(|&ac| e == 1 || !ac) {
+                                for ac in [false, true] {
                                     out.push(Strategy {
                                         stage,
                                         offload,

@@ -207,11 +207,13 @@ pub fn predict(model: &Model, cluster: &Cluster, options: &Options, s: &Strategy
         0.0
     };
     // Expert parallelism: each layer sends a rank's token rows (top_k of them a token) to their experts' ranks and
-    // the outputs back, forward and backward: 4 all-to-alls a layer, (E - 1) / E of each crossing.
+    // the outputs back, forward and backward: 4 all-to-alls a layer, (E - 1) / E of each crossing; a recomputed
+    // layer (activation checkpointing) runs its forward's 2 again.
     let expert_parallel_comm = match model {
         Model::Transformer(tr) if ep > 1 => {
             let rows = b * tr.seq_len as f64 * tr.top_k as f64 * tr.hidden as f64 * e;
-            slots * local_layers as f64 * 4.0 * link_for(cluster, ep).seconds(AllGather, ep, rows)
+            let all_to_alls = if s.activation_checkpointing { 6.0 } else { 4.0 };
+            slots * local_layers as f64 * all_to_alls * link_for(cluster, ep).seconds(AllGather, ep, rows)
         }
         _ => 0.0,
     };
@@ -440,7 +442,7 @@ mod tests {
     }
 
     #[test]
-    fn expert_parallel_degrees_are_planned_at_stage_3_alone() {
+    fn expert_parallel_degrees_are_planned_at_stage_3_alone_and_with_checkpointing() {
         let cluster = Cluster::from_json(
             r#"{"hosts": 1, "ranks_per_host": 4, "memory_per_rank_bytes": 8e9, "host_memory_bytes": 3.2e10,
                 "links": {"intra": {"latency_s": 0, "bandwidth_bytes_per_s": 1e9}}}"#,
@@ -461,12 +463,16 @@ mod tests {
             "no tensor, sequence or pipeline parallelism with experts"
         );
         for s in all.iter().filter(|s| s.experts > 1) {
-            assert_eq!(
-                (s.stage, s.tensor, s.pipeline, s.sequence, s.activation_checkpointing),
-                (3, 1, 1, 1, false),
-                "{s:?}"
-            );
+            assert_eq!((s.stage, s.tensor, s.pipeline, s.sequence), (3, 1, 1, 1), "{s:?}");
             assert_eq!(s.data % s.experts, 0, "{s:?}");
         }
+        // Checkpointed layers recompute with their experts' unit nested: both, and the recomputation's forward
+        // all-to-alls priced (6 a layer instead of 4).
+        let e2: Vec<&Strategy> = all.iter().filter(|s| s.experts == 2 && s.micro_batch == 2).collect();
+        let plain = e2.iter().find(|s| !s.activation_checkpointing).expect("E = 2 without");
+        let checkpointed = e2.iter().find(|s| s.activation_checkpointing && s.offload == plain.offload).expect("with");
+        let (a, b) = (predict(&moe, &cluster, &options, plain), predict(&moe, &cluster, &options, checkpointed));
+        let ratio = b.time.expert_parallel_comm / a.time.expert_parallel_comm;
+        assert!((ratio - 1.5).abs() < 1e-12, "{ratio}");
     }
 }
