@@ -211,6 +211,32 @@ fn experts_split_over_their_positions_ranks_train_as_every_rank_holding_them() {
     }
 }
 
+/// Stage 2 with units: each position's experts reduced over their own ranks, and each rank steps and all-gathers
+/// its chunk over them. A rank outside a unit keeps its first values of it, which only leave the engine after
+/// coming from the unit's ranks (the full parameters below).
+#[test]
+fn at_stage_2_experts_split_over_their_positions_ranks_train_as_every_rank_holding_them() {
+    let stage2 = |e, checkpointed| {
+        let with = json!({"zero_optimization": {"stage": 2}});
+        run(e, 4, Span { steps: 0..STEPS, with, checkpointed, ..Default::default() })
+    };
+    let every = stage2(1, false);
+    let split = stage2(2, false);
+    for (r, (s, a)) in split.iter().zip(&every).enumerate() {
+        assert_close(&s.params, &a.params, &format!("stage 2, rank {r}, E = 2 against E = 1"));
+        // After each step a rank all-gathers the units it holds: the dense ones and its position's experts.
+        assert!(
+            s.gathered_elements < a.gathered_elements * 7 / 10,
+            "stage 2, rank {r}: gathered {} elements at E = 2, {} at E = 1",
+            s.gathered_elements,
+            a.gathered_elements
+        );
+    }
+    for (r, (c, a)) in stage2(2, true).iter().zip(&every).enumerate() {
+        assert_close(&c.params, &a.params, &format!("stage 2, rank {r}, checkpointed at E = 2 against E = 1"));
+    }
+}
+
 #[test]
 fn a_checkpointed_layer_enters_its_split_experts_again_in_backward_and_trains_as_without() {
     let all = Span { steps: 0..STEPS, ..Default::default() };

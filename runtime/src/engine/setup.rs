@@ -94,9 +94,10 @@ pub(super) fn arrange(
         for (spec, u) in specs.into_iter().zip(sorted_units) {
             by_unit[u].push(spec);
         }
-        // Stage 3 splits a unit of one expert-parallel position's experts over the ranks at that position.
+        // Units (stage 3, stage 2 with units) split a unit of one expert-parallel position's experts over the ranks
+        // at that position.
         let names: Vec<Vec<&str>> = by_unit.iter().map(|u| u.iter().map(|(n, _, _)| n.as_str()).collect()).collect();
-        let e = if plan.partitions_parameters() { expert_parallel } else { 1 };
+        let e = if plan.gradients == GradientPath::UnitWalk { expert_parallel } else { 1 };
         let ranks = crate::engine::zero::expert_units::unit_ranks(&names, e, world_size)?;
         FlatLayout::with_unit_ranks(&by_unit, &ranks, world_size)
     } else {

@@ -360,7 +360,7 @@ impl Engine {
             precision,
             rank,
             residence: self.residence,
-            thread: self.comm.thread(),
+            comm: &self.comm,
             volume: &mut self.report.comm_volume,
         })
     }

@@ -14,6 +14,7 @@ impl Engine {
         if self.plan.partitions_parameters() {
             return self.gather_full_parameters(kind, false);
         }
+        self.bring_other_positions_experts()?;
         Ok(self
             .states
             .layout
@@ -69,6 +70,18 @@ impl Engine {
         out.extend(self.states.buffers.iter().map(|(n, t)| (n.clone(), t.detach().copy())));
         out.sort_by(|a, b| a.0.cmp(&b.0));
         Ok(out)
+    }
+
+    /// Stage 2 with units split over expert-parallel groups: a rank outside such a unit never computes, reduces or
+    /// refreshes it, so its copy keeps the values it started with. Before the full parameters leave the engine,
+    /// every such unit comes from the first rank of its group (collective).
+    fn bring_other_positions_experts(&mut self) -> Result<()> {
+        for unit in &self.states.parameters.units {
+            if let crate::engine::zero::layout::UnitRanks::Group(members) = &unit.span.ranks {
+                views::broadcast(self.residence, self.comm.as_ref(), unit.full(), members[0])?;
+            }
+        }
+        Ok(())
     }
 
     /// (name, shape, kind) of every frozen parameter.
@@ -204,6 +217,7 @@ impl Engine {
         if self.plan.partitions_parameters() {
             self.visit_units(kind, true, &mut |n, t| visit(n, &as_run(t)))?;
         } else {
+            self.bring_other_positions_experts()?;
             for (slot, t) in self.states.layout.slots.iter().zip(&self.states.params) {
                 visit(&slot.name, &t.detach().to_kind(kind))?;
             }

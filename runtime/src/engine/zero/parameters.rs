@@ -228,7 +228,8 @@ impl Parameters {
             self.gathered.current -= unit.drop_host_copy();
         }
         for i in 0..self.units.len() {
-            if self.units[i].state() != UnitState::Gathered {
+            // A stage-2 unit of another expert-parallel position's experts stays as it is: its ranks gather it.
+            if self.units[i].state() != UnitState::Gathered || !self.units[i].span.holds(engine_comm.rank()) {
                 continue;
             }
             let comm = engine_comm.of_unit(&self.units[i].span);

@@ -15,13 +15,13 @@ pub(crate) mod in_backward;
 use tch::{Kind, Tensor};
 use zerorun_optim::{Group, ParamsOut};
 
-use crate::comm::async_comm::CommThread;
 use crate::config::Precision;
 use crate::engine::counters::CommVolume;
 use crate::engine::device::optimizer::DeviceOptimizer;
 use crate::engine::device::staging::{self, Staged};
 use crate::engine::device::views;
 use crate::engine::device::{flat_math, Residence};
+use crate::engine::engine_comm::EngineComm;
 use crate::engine::zero::grads::Gradients;
 use crate::engine::zero::layout::FlatLayout;
 use crate::engine::zero::optim::build::OptimizerTier;
@@ -62,9 +62,9 @@ pub(crate) struct StepTarget<'a> {
     pub precision: Precision,
     pub rank: usize,
     pub residence: Residence,
-    /// The communication thread, if the engine has one: stage 2's step in pieces starts each unit's all-gather
-    /// there as soon as its chunk is stepped.
-    pub thread: Option<&'a CommThread>,
+    /// The engine's groups: with a communication thread, stage 2's step in pieces starts each unit's all-gather
+    /// there (over the unit's group) as soon as its chunk is stepped.
+    pub comm: &'a EngineComm,
     pub volume: &'a mut CommVolume,
 }
 
@@ -182,7 +182,9 @@ impl OptimizerShard {
                 self.tier.update_range(at..at + n, &mut values[piece], &g[at..at + n], &self.groups, None)?;
             }
             at += n;
-            if let Some(thread) = t.thread {
+            // A unit of another expert-parallel position's experts is its ranks' to gather.
+            let span = &t.layout.units[i];
+            if let (true, Some(thread)) = (span.holds(t.rank), t.comm.thread_of_unit(span)) {
                 t.parameters.begin_refresh(i, thread, t.volume);
             }
         }
