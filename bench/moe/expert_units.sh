@@ -5,16 +5,18 @@
 #
 #   bash bench/moe/expert_units.sh [ROUNDS]        (default 2; about 40 s a round on 2 cores)
 #   FLAGS=--activation-checkpointing bash bench/moe/expert_units.sh   (extra flags for every run)
+#   ZERO='"stage": 2' bash bench/moe/expert_units.sh                     (the zero_optimization block's keys)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROUNDS=${1:-2}
 ZR=target/release/zerorun LLAMA=target/release/examples/llama
 [ -x $ZR ] && [ -x $LLAMA ] || cargo build --release --bin zerorun --example llama
 work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
-cat > "$work/ds.json" <<'JSON'
+ZERO=${ZERO:-'"stage": 3, "stage3_param_persistence_threshold": 0'}
+cat > "$work/ds.json" <<JSON
 {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
  "optimizer": {"type": "AdamW", "params": {"lr": 0.001}},
- "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+ "zero_optimization": {$ZERO}}
 JSON
 printf '%-6s %-3s %-14s %-16s %s\n' round E median_step_s peak_rss_rank0 losses
 for round in $(seq "$ROUNDS"); do
