@@ -256,17 +256,24 @@ fn a_checkpoint_of_experts_split_over_their_ranks_resumes_at_another_degree() {
     let scratch = std::env::temp_dir().join(format!("zerorun-expert-dp-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&scratch);
     let whole = run(1, 4, Span { steps: 0..STEPS, ..Default::default() });
-    // E 2 -> 1 and 1 -> 2 at step 2 of 3: the experts' values and momentum come back where the other degree holds
-    // them (by name and range from the ranks that saved them).
-    for (saved_at, resumed_at) in [(2, 1), (1, 2)] {
-        let dir = scratch.join(format!("e{saved_at}"));
-        run(saved_at, 4, Span { steps: 0..STEPS - 1, save: Some(&dir), ..Default::default() });
-        let resumed = run(resumed_at, 4, Span { steps: STEPS - 1..STEPS, load: Some(&dir), ..Default::default() });
+    // E 2 -> 1 and 1 -> 2 at step 2 of 3, at stage 3 and across stages 2 and 3: the experts' values and momentum
+    // come back where the other degree holds them (by name and range from the ranks that saved them).
+    let stage = |s: u8| json!({"zero_optimization": {"stage": s}});
+    for ((saved_at, saved_stage), (resumed_at, resumed_stage)) in
+        [((2, 3), (1, 3)), ((1, 3), (2, 3)), ((2, 2), (1, 3)), ((1, 3), (2, 2))]
+    {
+        let dir = scratch.join(format!("e{saved_at}-{saved_stage}-{resumed_stage}"));
+        let with = stage(saved_stage);
+        run(saved_at, 4, Span { steps: 0..STEPS - 1, save: Some(&dir), with, ..Default::default() });
+        let (with, load) = (stage(resumed_stage), Some(dir.as_path()));
+        let resumed = run(resumed_at, 4, Span { steps: STEPS - 1..STEPS, load, with, ..Default::default() });
         for (r, (got, want)) in resumed.iter().zip(&whole).enumerate() {
             assert_close(
                 &got.params,
                 &want.params,
-                &format!("rank {r}: saved at E = {saved_at}, resumed at E = {resumed_at}"),
+                &format!(
+                    "rank {r}: saved at E = {saved_at} (stage {saved_stage}), resumed at E = {resumed_at} (stage {resumed_stage})"
+                ),
             );
         }
     }
