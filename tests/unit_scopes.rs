@@ -526,3 +526,28 @@ fn a_checkpointed_unit_with_a_unit_nested_inside_and_two_outputs_trains_as_the_p
         }
     }
 }
+
+/// A checkpointed unit, or a unit nested in one, that no unit and no parameter is named by is an error naming it
+/// at every stage (a name that trains nothing would leave its parameters without gradients).
+#[test]
+fn a_checkpointed_or_nested_unit_of_no_name_is_an_error_naming_it() {
+    for stage in [1, 3] {
+        let errors = on_ranks(1, |comm| {
+            let vs = nn::VarStore::new(Device::Cpu);
+            let lin = std::rc::Rc::new(nn::linear(vs.root() / "a", 4, 4, Default::default()));
+            let options = EngineOptions { units: Some(vec![vec!["a".into()]]), ..Default::default() };
+            let mut engine = Engine::new(&vs, config(stage, json!({})), Box::new(comm), options).unwrap();
+            let x = Tensor::ones([1, 4], (Kind::Float, Device::Cpu));
+            let outer = engine.unit_checkpointed("b", &[&x], |xs| xs[0].shallow_clone()).unwrap_err().to_string();
+            let l = std::rc::Rc::clone(&lin);
+            let nested = engine
+                .unit_checkpointed_with("a", &[&x], move |xs, units| Ok(vec![units.unit("c", || l.forward(&xs[0]))?]))
+                .unwrap_err()
+                .to_string();
+            (outer, nested)
+        });
+        let (outer, nested) = &errors[0];
+        assert!(outer.contains("\"b\""), "stage {stage}: {outer}");
+        assert!(nested.contains("\"c\""), "stage {stage}: {nested}");
+    }
+}

@@ -144,7 +144,7 @@ impl Engine {
             (Reach::Lent(self.scopes()?.target()), params)
         } else {
             let by_name = Rc::new(ParamsByName::of(self));
-            let params = by_name.params(name);
+            let params = by_name.params(name)?;
             (Reach::ByName(by_name), params)
         };
         let replaying: native::Recompute = Box::new(move |xs: &[Tensor]| {
@@ -479,15 +479,23 @@ impl ParamsByName {
         ParamsByName { slots, units: engine.walk.unit_prefixes.clone() }
     }
 
-    /// The parameters of the unit `name` names (all of its prefixes), or those under `name` where no unit has it.
-    fn params(&self, name: &str) -> Vec<Tensor> {
+    /// The parameters of the unit `name` names (all of its prefixes), or those under `name` where no unit has it;
+    /// a name that is neither is an error (at stage 3 it would name no unit either).
+    fn params(&self, name: &str) -> Result<Vec<Tensor>> {
         let own = [name.to_string()];
         let prefixes = self.units.iter().find(|u| u.iter().any(|p| p == name)).map_or(&own[..], Vec::as_slice);
-        self.slots
+        let params: Vec<Tensor> = self
+            .slots
             .iter()
             .filter(|(n, _)| prefixes.iter().any(|p| crate::engine::zero::units::owns(p, n)))
             .map(|(_, p)| p.shallow_clone())
-            .collect()
+            .collect();
+        if params.is_empty() && prefixes == own {
+            return Err(Error::Usage(format!(
+                "a checkpointed unit \"{name}\": no unit and no trainable parameter has that name (EngineOptions::units names units by their prefixes)"
+            )));
+        }
+        Ok(params)
     }
 }
 
@@ -505,7 +513,7 @@ impl NestedUnits {
     pub fn unit<T: UnitOutput>(&mut self, name: &str, forward: impl FnOnce() -> T) -> Result<T> {
         match &self.reach {
             Reach::ByName(by_name) => {
-                self.params.extend(by_name.params(name));
+                self.params.extend(by_name.params(name)?);
                 Ok(forward())
             }
             Reach::Lent(target) => {
