@@ -4,7 +4,7 @@
 //! every rank), with less gathered and a checkpoint any degree reads.
 use std::path::Path;
 use std::rc::Rc;
-use std::sync::Mutex;
+use std::sync::{Mutex, RwLock};
 use std::time::Duration;
 
 use serde_json::json;
@@ -23,6 +23,9 @@ const ROWS: i64 = 6;
 
 /// libtorch's generator is the process's: models are built one at a time, each from the same seed.
 static BUILD: Mutex<()> = Mutex::new(());
+/// A checkpointed layer's recomputation sets the process's generator back to its forward's state for a moment:
+/// a checkpointed run runs alone, so no other run seeds and draws meanwhile.
+static RUNS: RwLock<()> = RwLock::new(());
 
 struct Model {
     embed: nn::Linear,
@@ -150,6 +153,10 @@ fn train_step(engine: &mut Engine, m: &Rc<Model>, group: &Rc<ExpertParallel>, st
 }
 
 fn run(e: usize, world: usize, span: Span) -> Vec<Ran> {
+    let (_alone, _beside) = match span.checkpointed {
+        true => (Some(RUNS.write().unwrap_or_else(|p| p.into_inner())), None),
+        false => (None, Some(RUNS.read().unwrap_or_else(|p| p.into_inner()))),
+    };
     let comms = threads::group(world, Duration::from_secs(60));
     std::thread::scope(|s| {
         let hs: Vec<_> = comms

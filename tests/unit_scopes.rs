@@ -27,9 +27,18 @@ const EPS: f64 = 1e-6;
 
 /// libtorch's default generator is process-wide: whoever seeds and draws from it holds this lock.
 static RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
-/// A checkpointed unit's run in backward sets the process-wide generator back to the forward's state: the tests
-/// that checkpoint hold this, so one test's replay never moves another's dropout draws.
-static CHECKPOINTING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+/// A checkpointed unit's run in backward sets the process-wide generator back to the forward's state for a moment:
+/// the tests that checkpoint hold this alone (`write`), the others that seed and draw beside each other (`read`), so
+/// a replay never moves another test's draws.
+static REPLAYS: std::sync::RwLock<()> = std::sync::RwLock::new(());
+
+fn beside_replays() -> std::sync::RwLockReadGuard<'static, ()> {
+    REPLAYS.read().unwrap_or_else(|p| p.into_inner())
+}
+
+fn alone() -> std::sync::RwLockWriteGuard<'static, ()> {
+    REPLAYS.write().unwrap_or_else(|p| p.into_inner())
+}
 
 fn config(stage: u64, zero: Value) -> Config {
     let mut z = json!({"stage": stage, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0});
@@ -161,6 +170,7 @@ fn train<M: Trained>(world: usize, config: Config) -> Vec<Ended> {
 }
 
 fn stage3_matches_stage0<M: Trained>(what: &str) {
+    let _beside = beside_replays();
     let reference = train::<M>(1, config(0, json!({}))).remove(0);
     assert!(reference.1.is_finite(), "{what}: the reference trained");
     for (world, zero) in [
@@ -302,6 +312,7 @@ fn config_with(zero: Value, top: Value) -> Config {
 
 #[test]
 fn scopes_step_in_backward_and_from_nvme_like_the_ordinary_step() {
+    let _beside = beside_replays();
     // The optimizer in backward steps each unit as its reduction lands, from a gradient hook: bitwise the
     // ordinary step (no clipping: it needs the whole gradient's norm first).
     let ordinary = train::<Seq2Seq>(2, config_with(json!({}), json!({"gradient_clipping": 0.0})));
@@ -363,6 +374,7 @@ fn train_reordered(world: usize, config: Config, schedule: fn(i64) -> [&'static 
 
 #[test]
 fn later_micro_batches_prefetch_along_the_traced_order_and_a_changed_order_is_retraced() {
+    let _beside = beside_replays();
     let schedule = |step| if step < 2 { ["a", "b", "c", "d"] } else { ["a", "c", "b", "d"] };
     let reference = train_reordered(1, config(0, json!({})), schedule).remove(0);
     let zero = json!({"overlap_comm": true, "stage3_prefetch_bucket_size": 1});
@@ -430,7 +442,7 @@ fn train_checkpointed(world: usize, config: Config, checkpointed: bool, p: f64) 
 
 #[test]
 fn a_checkpointed_unit_is_recomputed_in_backward_and_trains_as_the_plain_one() {
-    let _alone = CHECKPOINTING.lock().unwrap_or_else(|p| p.into_inner());
+    let _alone = alone();
     let reference = train_checkpointed(1, config(0, json!({})), false, 0.0).remove(0);
     assert_eq!(reference.1, 3 * STEPS as usize, "each block ran once per step");
     for (world, zero) in [(2, json!({"overlap_comm": true})), (3, json!({"overlap_comm": false}))] {
@@ -508,7 +520,7 @@ fn train_nested(world: usize, config: Config, checkpointed: bool) -> Vec<Params>
 
 #[test]
 fn a_checkpointed_unit_with_a_unit_nested_inside_and_two_outputs_trains_as_the_plain_one() {
-    let _alone = CHECKPOINTING.lock().unwrap_or_else(|p| p.into_inner());
+    let _alone = alone();
     let reference = train_nested(1, config(0, json!({})), false).remove(0);
     // Stage 3 and stage 2 gather the nested unit through the lent engine; stage 1 finds its parameters by name.
     for (world, stage, zero) in [
@@ -534,7 +546,11 @@ fn a_checkpointed_or_nested_unit_of_no_name_is_an_error_naming_it() {
     for stage in [1, 3] {
         let errors = on_ranks(1, |comm| {
             let vs = nn::VarStore::new(Device::Cpu);
-            let lin = std::rc::Rc::new(nn::linear(vs.root() / "a", 4, 4, Default::default()));
+            // Its initial values draw from the process-wide generator, which the other tests seed and draw from.
+            let lin = {
+                let _rng = RNG.lock().unwrap_or_else(|p| p.into_inner());
+                std::rc::Rc::new(nn::linear(vs.root() / "a", 4, 4, Default::default()))
+            };
             let options = EngineOptions { units: Some(vec![vec!["a".into()]]), ..Default::default() };
             let mut engine = Engine::new(&vs, config(stage, json!({})), Box::new(comm), options).unwrap();
             let x = Tensor::ones([1, 4], (Kind::Float, Device::Cpu));
