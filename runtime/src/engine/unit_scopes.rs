@@ -135,39 +135,36 @@ impl Engine {
     ) -> Result<Vec<Tensor>> {
         let state = native::rng_state()?;
         let ran = std::cell::Cell::new(false);
-        let scoped = self.plan.gradients == GradientPath::UnitWalk;
-        // Where a nested unit's parameters come from: the engine, lent (stage 3, stage 2 with units), or names.
-        let (reach, params) = if scoped {
+        // The unit (where units are gathered: stage 3, stage 2 with units), its parameters, and where a nested
+        // unit's come from: the engine, lent, or names.
+        let (unit, params, reach) = if self.plan.gradients == GradientPath::UnitWalk {
             let u = self.scopes()?.unit_named(name)?;
-            let params: Vec<Tensor> =
-                self.states.parameters.units[u].params().iter().map(Tensor::shallow_clone).collect();
-            (Reach::Lent(self.scopes()?.target()), params)
+            let params = self.states.parameters.units[u].params().iter().map(Tensor::shallow_clone).collect();
+            let target = self.scopes()?.target();
+            (Some((u, Arc::clone(&target))), params, Reach::Lent(target))
         } else {
             let by_name = Rc::new(ParamsByName::of(self));
-            let params = by_name.params(name)?;
-            (Reach::ByName(by_name), params)
+            (None, by_name.params(name)?, Reach::ByName(by_name))
         };
         let replaying: native::Recompute = Box::new(move |xs: &[Tensor]| {
             let mut nested = NestedUnits { reach: reach.clone(), params: Vec::new() };
-            if !ran.replace(true) {
-                let outputs = forward(xs, &mut nested).map_err(|e| e.to_string())?;
-                return Ok(native::Recomputed { outputs, nested_params: nested.params });
-            }
             // Backward's run draws what the forward drew. The state is restored after (errors here would be
             // libtorch refusing its own state: nothing to recover).
-            let now = native::rng_state().ok();
-            let _ = native::set_rng_state(&state);
+            let now = match ran.replace(true) {
+                true => {
+                    let now = native::rng_state().ok();
+                    let _ = native::set_rng_state(&state);
+                    now
+                }
+                false => None,
+            };
             let outputs = forward(xs, &mut nested);
             if let Some(now) = now {
                 let _ = native::set_rng_state(&now);
             }
             Ok(native::Recomputed { outputs: outputs.map_err(|e| e.to_string())?, nested_params: nested.params })
         });
-        if !scoped {
-            return native::checkpoint(inputs, &params, replaying);
-        }
-        let u = self.scopes()?.unit_named(name)?;
-        let target = self.scopes()?.target();
+        let Some((u, target)) = unit else { return native::checkpoint(inputs, &params, replaying) };
         self.enter_unit(u, |engine| {
             // The first run enters the nested units through the engine lent here, as backward's run does.
             let before = target.swap(engine);
@@ -197,19 +194,12 @@ impl Engine {
         if recomputing {
             self.gather_unit(u)?;
             self.memory_event(|| format!("backward: unit {name} gathered to recompute"), &[]);
-            let scopes = self.walk.scopes.as_mut().expect("installed above");
-            scopes.open[u] += 1;
-            scopes.depth += 1;
+            self.walk.scopes.as_mut().expect("installed above").open_scope(u);
             let out = forward(self);
             let scopes = self.walk.scopes.as_mut().expect("installed above");
-            scopes.open[u] -= 1;
-            scopes.depth -= 1;
+            scopes.close_scope(u);
             // Its gradient hooks release it once its gradients are reduced; backward's end releases what got none.
-            for t in out.tensors() {
-                if t.defined() && t.requires_grad() {
-                    scopes.hook_output(t, u)?;
-                }
-            }
+            scopes.hook_outputs(&out, u)?;
             return Ok(out);
         }
         let (started, comm_before) = (Instant::now(), self.report.times.comm());
@@ -227,9 +217,7 @@ impl Engine {
         // What the unit leaves alive for backward, for the memory report (the outermost scopes: nested ones count
         // in theirs).
         let activations_before = (train && outermost).then(|| self.forward_live_bytes());
-        let scopes = self.walk.scopes.as_mut().expect("installed above");
-        scopes.open[u] += 1;
-        scopes.depth += 1;
+        self.walk.scopes.as_mut().expect("installed above").open_scope(u);
         let out = {
             let _owner = owned_by(Owner::Forward);
             if train && top_unit {
@@ -239,20 +227,14 @@ impl Engine {
             }
         };
         let scopes = self.walk.scopes.as_mut().expect("installed above");
-        scopes.open[u] -= 1;
-        scopes.depth -= 1;
-        let (open, kept) = (scopes.open[u], scopes.kept[u]);
+        let (open, kept) = (scopes.close_scope(u), scopes.kept[u]);
         if let Some(before) = activations_before {
             self.record_unit_activation_bytes(u, before, 0);
         }
         if train {
-            let scopes = self.walk.scopes.as_ref().expect("installed above");
-            for t in out.tensors() {
-                if t.defined() && t.requires_grad() {
-                    scopes.hook_output(t, u)?;
-                }
-            }
-            self.walk.scopes.as_mut().expect("installed above").forward_ran = true;
+            let scopes = self.walk.scopes.as_mut().expect("installed above");
+            scopes.hook_outputs(&out, u)?;
+            scopes.forward_ran = true;
             self.memory_event(|| format!("forward: unit {name} computed"), &[]);
         } else {
             self.memory_event(|| format!("forward (no grad): unit {name} computed"), &[]);

@@ -258,6 +258,29 @@ impl Scopes {
         native::on_output_grad(t, output_ready, ctx, drop_target, unit)
     }
 
+    /// [`Scopes::hook_output`] on every tensor of a scope's output that requires grad.
+    pub fn hook_outputs(&self, out: &impl UnitOutput, unit: usize) -> Result<()> {
+        for t in out.tensors() {
+            if t.defined() && t.requires_grad() {
+                self.hook_output(t, unit)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// A scope of `unit` opens.
+    pub fn open_scope(&mut self, unit: usize) {
+        self.open[unit] += 1;
+        self.depth += 1;
+    }
+
+    /// A scope of `unit` closes; returns how many stay open.
+    pub fn close_scope(&mut self, unit: usize) -> usize {
+        self.open[unit] -= 1;
+        self.depth -= 1;
+        self.open[unit]
+    }
+
     /// A new backward's count.
     pub fn begin_backward(&mut self) {
         self.pending.copy_from_slice(&self.trainable);
