@@ -37,6 +37,7 @@ pub mod async_training;
 pub(crate) mod checkpointing;
 pub(crate) mod compression;
 mod counters;
+mod data_groups;
 #[doc(hidden)] // the engine's parts: what a program uses is re-exported below
 pub mod device;
 mod engine_comm;
@@ -210,7 +211,7 @@ impl Engine {
         options: EngineOptions,
     ) -> Result<Engine> {
         // Shard groups (`mics_shard_size`) split the communicator; without them it is the engine's group.
-        let groups = setup::DataGroups::of(comm, &config)?;
+        let groups = data_groups::DataGroups::of(comm, &config)?;
         Self::on_data_groups(vs, config, groups, options)
     }
 

@@ -164,9 +164,9 @@ impl<'a> UnitBuilders<'a> {
             return Ok((Engine::new(vs, config, comm, options)?, model));
         }
         // Shard groups (MiCS) split the communicator here; each group's first rank makes the values below.
-        let groups = crate::engine::setup::DataGroups::of(comm, &config)?;
+        let groups = crate::engine::data_groups::DataGroups::of(comm, &config)?;
         let init_replicas = groups.replicas_again()?;
-        let crate::engine::setup::DataGroups { shard: comm, replicas, mesh } = groups;
+        let crate::engine::data_groups::DataGroups { shard: comm, replicas, mesh } = groups;
         if let Some(path) = &builders.init {
             // Every rank reads its units from the file; nothing draws from the generator.
             let files = crate::checkpoint::hf::WeightFiles::open(path)?;
