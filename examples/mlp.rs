@@ -7,7 +7,7 @@ use std::time::Duration;
 use clap::Parser;
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
-use zerorun::{Engine, EngineOptions, UnitModel};
+use zerorun::{Engine, EngineOptions, StepOutcome, UnitModel};
 
 #[path = "support/mod.rs"]
 mod support;
@@ -224,14 +224,18 @@ fn run(args: &Args) -> Result<(), String> {
         let model: &dyn UnitModel = model.as_ref();
         let x = Tensor::from_slice(&xv).view([samples as i64, args.input]).to_device(device).to_kind(kind);
         let y = Tensor::from_slice(&yv).view([samples as i64, args.out]).to_device(device);
-        let b = engine.batch_sizes();
-        let (rank, world) = (engine.rank(), engine.world_size());
         let mut progress = Progress::new(a.steps);
         let first = resume(a, &mut engine)?;
         let training = std::time::Instant::now();
         // ANCHOR: loop
-        for step in first..a.steps {
+        let mut step = first;
+        while step < a.steps {
+            // The batch sizes and this rank's place among the data-parallel ranks: fixed, except under
+            // `fault_tolerance`, where the replica groups left split the same global batch.
+            let b = engine.batch_sizes();
+            let (rank, world) = (engine.rank(), engine.world_size());
             let mut rng = Rng::new(a.seed, step);
+            let mut redo = false;
             let order: Vec<i64> = (0..b.train_batch_size).map(|_| rng.below(samples) as i64).collect();
             for m in 0..b.gradient_accumulation_steps {
                 let slow = if args.slow_rotate { Some(step as usize % world) } else { args.slow_rank };
@@ -260,6 +264,11 @@ fn run(args: &Args) -> Result<(), String> {
                 let outcome = engine.step().map_err(|e| e.to_string())?;
                 progress.record(&engine, outcome);
                 maybe_save(a, &mut engine, outcome)?;
+                // A step the replica groups discarded (one was lost during it) is redone by those left.
+                redo |= matches!(outcome, StepOutcome::Discarded { .. });
+            }
+            if !redo {
+                step += 1;
             }
         }
         // ANCHOR_END: loop
@@ -272,8 +281,8 @@ fn run(args: &Args) -> Result<(), String> {
             let pred = engine.forward(model, &x).map_err(|e| e.to_string())?;
             Ok(pred.to_kind(Kind::Float).mse_loss(&y, tch::Reduction::Mean).double_value(&[]))
         })?;
-        if rank == 0 {
-            let samples = (a.steps - first) * b.train_batch_size;
+        if engine.rank() == 0 {
+            let samples = (a.steps - first) * engine.batch_sizes().train_batch_size;
             println!("train_samples_per_s {:.3}", samples as f64 / train_s.max(1e-9));
             println!("eval_loss {eval_loss:.6}");
         }

@@ -119,6 +119,11 @@ fn table() -> Vec<(&'static str, Effect)> {
         ("elasticity.num_gpus_per_node", Acted("tests/config.rs")),
         ("elasticity.prefer_larger_batch", Acted("tests/config.rs")),
         ("elasticity.version", Acted("tests/config.rs")),
+        ("fault_tolerance", Section),
+        ("fault_tolerance.enabled", Acted("tests/fault_tolerance.rs")),
+        ("fault_tolerance.heartbeat_ms", Acted("tests/fault_tolerance.rs")),
+        ("fault_tolerance.min_replicas", Acted("tests/fault_tolerance.rs")),
+        ("fault_tolerance.quorum_timeout", Acted("tests/fault_tolerance.rs")),
         ("expert_parallel", Section),
         ("expert_parallel.autoep_size", Acted("tests/llama.rs")),
         (

@@ -86,7 +86,9 @@ fn losses(outcomes: &[StepOutcome]) -> Vec<f64> {
         .iter()
         .map(|o| match o {
             StepOutcome::Stepped { loss, .. } | StepOutcome::Skipped { loss, .. } => *loss,
-            StepOutcome::Accumulating => unreachable!(),
+            StepOutcome::Accumulating | StepOutcome::Discarded { .. } => {
+                unreachable!("no accumulation, no fault tolerance")
+            }
         })
         .collect()
 }

@@ -272,4 +272,83 @@ int zr_gloo_recv(void* group, void* data, int64_t n, int dtype, int src, int tag
   });
 }
 
+// ---- The job's TCPStore as a key-value store (fault tolerance's quorum), and gloo groups made on it ----
+
+// A client connection of its own to the job's TCPStore (rank 0 serves it): the quorum's and the heartbeat's
+// traffic never waits behind a group's rendezvous. Every call waits at most `timeout_ms`.
+void* zr_store_connect(const char* addr, int port, int64_t timeout_ms, char* err, size_t err_len) {
+  c10d::TCPStore* out = nullptr;
+  guarded(err, err_len, [&] {
+    c10d::TCPStoreOptions so;
+    so.port = static_cast<std::uint16_t>(port);
+    so.isServer = false;
+    so.waitWorkers = false;
+    so.timeout = std::chrono::milliseconds(timeout_ms);
+    auto store = c10::make_intrusive<c10d::TCPStore>(std::string(addr), so);
+    out = store.release();
+  });
+  return out;
+}
+
+void zr_store_free(void* store) {
+  c10::intrusive_ptr<c10d::TCPStore>::reclaim(static_cast<c10d::TCPStore*>(store));
+}
+
+int zr_store_add(void* store, const char* key, int64_t delta, int64_t* out, char* err, size_t err_len) {
+  auto s = static_cast<c10d::TCPStore*>(store);
+  return guarded(err, err_len, [&] { *out = s->add(std::string(key), delta); });
+}
+
+int zr_store_set(void* store, const char* key, const char* value, char* err, size_t err_len) {
+  auto s = static_cast<c10d::TCPStore*>(store);
+  return guarded(err, err_len, [&] {
+    std::string v(value);
+    s->set(std::string(key), std::vector<uint8_t>(v.begin(), v.end()));
+  });
+}
+
+// The value at `key` into `out` (NUL-terminated, cut at out_len - 1), or `*found` = 0 when there is none yet
+// (never waits for the key).
+int zr_store_get(void* store, const char* key, char* out, size_t out_len, int* found, char* err, size_t err_len) {
+  auto s = static_cast<c10d::TCPStore*>(store);
+  return guarded(err, err_len, [&] {
+    std::string k(key);
+    *found = s->check({k}) ? 1 : 0;
+    if (*found == 0) return;
+    auto v = s->get(k);
+    put_error(std::string(v.begin(), v.end()), out, out_len);
+  });
+}
+
+// Sets `key` to `desired` if it has no value yet; `out` gets the value it holds afterwards (the first writer's).
+int zr_store_set_once(void* store, const char* key, const char* desired, char* out, size_t out_len, char* err,
+                      size_t err_len) {
+  auto s = static_cast<c10d::TCPStore*>(store);
+  return guarded(err, err_len, [&] {
+    std::string d(desired);
+    auto v = s->compareSet(std::string(key), std::vector<uint8_t>(), std::vector<uint8_t>(d.begin(), d.end()));
+    put_error(std::string(v.begin(), v.end()), out, out_len);
+  });
+}
+
+// A gloo group of `size` ranks on `store` under `prefix` (its members call this together), bound to `host`.
+void* zr_gloo_on_store(void* store, const char* prefix, const char* host, int rank, int size, int64_t timeout_ms,
+                       char* err, size_t err_len) {
+  Group* out = nullptr;
+  guarded(err, err_len, [&] {
+    auto tcp = c10::intrusive_ptr<c10d::TCPStore>::unsafe_reclaim_from_nonowning(static_cast<c10d::TCPStore*>(store));
+    auto timeout = std::chrono::milliseconds(timeout_ms);
+    auto prefixed = c10::make_intrusive<c10d::PrefixStore>(std::string(prefix), tcp);
+    auto g = new Group{tcp, nullptr, timeout, std::string(host), rank, size};
+    try {
+      g->pg = make_pg(prefixed, rank, size, timeout, g->host);
+    } catch (...) {
+      delete g;
+      throw;
+    }
+    out = g;
+  });
+  return out;
+}
+
 }  // extern "C"

@@ -69,6 +69,14 @@ pub enum Error {
         /// Why it did not load.
         why: String,
     },
+    /// Fault tolerance could not go on: no quorum of replica groups, or this rank's group was left out of one.
+    #[error("fault tolerance, replica group {group}: {why}")]
+    Quorum {
+        /// This rank's replica group.
+        group: usize,
+        /// What happened.
+        why: String,
+    },
 }
 
 /// The runtime's results.

@@ -25,6 +25,7 @@ pub mod cuda;
 pub mod engine;
 mod error;
 pub mod exchange;
+pub mod fault_tolerance;
 pub mod gloo;
 pub mod mesh;
 pub mod moe;

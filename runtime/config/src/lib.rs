@@ -12,6 +12,7 @@ mod elasticity;
 mod error;
 pub mod estimate;
 mod expert_parallel;
+mod fault_tolerance;
 mod gradient_compression;
 pub mod keys;
 mod monitor;
@@ -35,6 +36,7 @@ pub use checkpointing::{ActivationCheckpointingConfig, CheckpointConfig, TagVali
 pub use elasticity::ElasticityConfig;
 pub use error::{ConfigError, Result};
 pub use expert_parallel::ExpertParallelConfig;
+pub use fault_tolerance::FaultToleranceConfig;
 pub use gradient_compression::{GradientCompression, PowerSgd};
 pub use monitor::{comm_op_name, CommsLoggerConfig, FlopsProfilerConfig, MonitorConfig, MonitorOutput, COMM_OPS};
 pub use notices::Notice;
@@ -147,6 +149,8 @@ pub struct Config {
     pub pipeline: PipelineConfig,
     /// The `elasticity` section: when enabled, the batch sizes come from it for every world size.
     pub elasticity: ElasticityConfig,
+    /// zerorun's own section: replica groups (shard groups' replicas) that survive the loss of one another.
+    pub fault_tolerance: FaultToleranceConfig,
     /// zerorun's own section: synchronous, or ranks stepping alone between meetings.
     pub async_training: AsyncTraining,
     /// zerorun's own section: gradients averaged compressed (PowerSGD).
@@ -289,6 +293,7 @@ impl Config {
             activation_checkpointing: ActivationCheckpointingConfig::read(s.section("activation_checkpointing")?)?,
             pipeline: PipelineConfig::read(s.section("pipeline")?)?,
             elasticity: ElasticityConfig::read(s.section("elasticity")?)?,
+            fault_tolerance: FaultToleranceConfig::read(s.section("fault_tolerance")?)?,
             async_training: AsyncTraining::read(s.section("async_training")?)?,
             gradient_compression: GradientCompression::read(s.section("gradient_compression")?)?,
             optimizer_in_backward: s.bool("optimizer_in_backward", false)?,
@@ -359,6 +364,9 @@ impl Config {
         }
         if self.optimizer_in_backward {
             self.validate_optimizer_in_backward()?;
+        }
+        if self.fault_tolerance.enabled {
+            self.validate_fault_tolerance()?;
         }
         if let AsyncTraining::BoundedStaleness { .. } = self.async_training {
             self.validate_bounded_staleness()?;
@@ -523,6 +531,32 @@ impl Config {
     }
 
     /// `optimizer_in_backward` steps each unit as its gradients arrive: nothing may need every gradient first.
+    /// Fault tolerance makes the replicas of shard groups survive one another: it needs shard groups, and a step
+    /// that is taken whole before the groups vote on it.
+    fn validate_fault_tolerance(&self) -> Result<()> {
+        let conflict = |message: &str| {
+            Err(ConfigError::Conflict { path: "fault_tolerance.enabled".into(), message: message.into() })
+        };
+        if self.zero_optimization.mics_shard_size.is_none() {
+            return conflict(
+                "fault tolerance keeps the replica groups of shard groups going when one is lost: set `zero_optimization.mics_shard_size` (ranks per group, fewer than the data-parallel ranks)",
+            );
+        }
+        if self.optimizer_in_backward {
+            return conflict("`optimizer_in_backward` steps the optimizer during backward, before the replica groups vote on the step");
+        }
+        if self.async_training.is_async() {
+            return conflict("asynchronous training has no per-step reduction across the replica groups to vote on");
+        }
+        if self.elasticity.enabled {
+            return conflict("`elasticity` sizes the batch at each restart; fault tolerance keeps `train_batch_size` and splits it over the live groups (set one of them)");
+        }
+        if self.gradient_compression != GradientCompression::None {
+            return conflict("compressed gradients keep error-feedback state across the replica groups, which a lost group would leave inconsistent");
+        }
+        Ok(())
+    }
+
     fn validate_optimizer_in_backward(&self) -> Result<()> {
         let z = &self.zero_optimization;
         let conflict = |message: String| Err(ConfigError::Conflict { path: "optimizer_in_backward".into(), message });

@@ -35,6 +35,8 @@ impl GatheredBytes {
 #[derive(Debug, Clone, Default)]
 pub(super) struct Progress {
     pub micro_steps: u64,
+    /// `micro_steps` at the last accumulation boundary (the micro-batches per step change with fault tolerance).
+    pub micro_at_boundary: u64,
     /// Optimizer steps taken, skipped ones included (as DeepSpeed counts them).
     pub global_steps: u64,
     pub global_samples: u64,

@@ -5,6 +5,7 @@
 //! parallelism, the ranks that hold the same experts as this one (the expert-data-parallel group), over which the
 //! units of those experts are split.
 use std::ops::Deref;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use tch::Tensor;
@@ -34,27 +35,38 @@ enum ShardGroup {
 /// communication thread, which runs a bucket's reduce-scatter and then its all-reduce across replicas in one job;
 /// the lock orders nothing (the thread's jobs finish before the engine's own calls at a step boundary), it only
 /// makes the group `Sync`.
+/// With fault tolerance the place and the count are the live groups' ([`Replicas::set_live`]).
 #[derive(Clone)]
 pub(crate) struct Replicas {
     group: Arc<Mutex<Box<dyn Communicator>>>,
-    index: usize,
-    count: usize,
+    index: Arc<AtomicUsize>,
+    count: Arc<AtomicUsize>,
 }
 
 impl Replicas {
     fn new(group: Box<dyn Communicator>) -> Replicas {
         let (index, count) = (group.rank(), group.world_size());
-        Replicas { group: Arc::new(Mutex::new(group)), index, count }
+        Replicas {
+            group: Arc::new(Mutex::new(group)),
+            index: Arc::new(AtomicUsize::new(index)),
+            count: Arc::new(AtomicUsize::new(count)),
+        }
     }
 
     /// This rank's shard group among the replicas.
     pub fn index(&self) -> usize {
-        self.index
+        self.index.load(Ordering::Relaxed)
     }
 
-    /// Shard groups in the job.
+    /// Shard groups in the job (the live ones, with fault tolerance).
     pub fn count(&self) -> usize {
-        self.count
+        self.count.load(Ordering::Relaxed)
+    }
+
+    /// Fault tolerance: this rank's group is `index` of the `count` groups of the step's quorum.
+    pub fn set_live(&self, index: usize, count: usize) {
+        self.index.store(index, Ordering::Relaxed);
+        self.count.store(count, Ordering::Relaxed);
     }
 
     /// Runs `f` on the replicas' group.
@@ -139,12 +151,12 @@ impl EngineComm {
 
     /// This rank among all data-parallel ranks: shard groups are consecutive ranks, replicas the slower index.
     pub fn data_rank(&self) -> usize {
-        self.replicas.as_ref().map_or(0, |r| r.index * self.world_size()) + self.rank()
+        self.replicas.as_ref().map_or(0, |r| r.index() * self.world_size()) + self.rank()
     }
 
     /// Data-parallel ranks: shard groups times their ranks.
     pub fn data_world_size(&self) -> usize {
-        self.replicas.as_ref().map_or(1, |r| r.count) * self.world_size()
+        self.replicas.as_ref().map_or(1, |r| r.count()) * self.world_size()
     }
 
     /// All-reduces `buf` over every data-parallel rank: inside the shard group, then across the replicas (a mean

@@ -41,6 +41,7 @@ mod data_groups;
 #[doc(hidden)] // the engine's parts: what a program uses is re-exported below
 pub mod device;
 mod engine_comm;
+mod fault_tolerant;
 mod flops_profile;
 mod micro_batch;
 #[doc(hidden)] // the engine's parts: what a program uses is re-exported below
@@ -100,6 +101,15 @@ pub enum StepOutcome {
         loss: f64,
         /// The loss scale now.
         scale: f64,
+    },
+    /// `fault_tolerance`: a replica group failed or was lost during the step, and the groups' vote dropped it on
+    /// every rank: no update, not counted. Redo the step: its global batch split over the groups left, as
+    /// `batch_sizes()`, `rank()` and `world_size()` now say.
+    Discarded {
+        /// The optimizer step to redo.
+        step: u64,
+        /// The loss this rank saw (not a mean over the groups: some never finished the step).
+        loss: f64,
     },
 }
 
@@ -200,6 +210,8 @@ pub struct Engine {
     in_flight: checkpointing::background::InFlight,
     /// The monitors, the throughput and MFU, the communication logger.
     watch: watching::Watch,
+    /// `fault_tolerance`: the replica groups' manager (None when off).
+    fault_tolerance: Option<fault_tolerant::FaultTolerance>,
 }
 
 impl Engine {
@@ -342,7 +354,7 @@ impl Engine {
 
     /// Whether the next `step` is an optimizer step (the last micro-batch of an accumulation).
     pub fn is_gradient_accumulation_boundary(&self) -> bool {
-        (self.progress.micro_steps + 1) % self.batch.gradient_accumulation_steps == 0
+        (self.progress.micro_steps - self.progress.micro_at_boundary + 1) % self.batch.gradient_accumulation_steps == 0
     }
 }
 

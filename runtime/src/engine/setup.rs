@@ -436,6 +436,7 @@ impl Engine {
             None => Synchronization::Synchronous,
         };
         // The communication logger records training's collectives, not set-up's.
+        let (replicas, fault_tolerance) = super::fault_tolerant::wrap(&config, comm.as_ref(), replicas, batch)?;
         let (watch, comm, replicas) = super::watching::Watch::wrap_comms(&config, comm, replicas);
         let inputs_to_host = inputs_to_host(&config, &options, residence);
         let mut engine = Engine {
@@ -475,6 +476,7 @@ impl Engine {
             in_flight: Default::default(),
             sync,
             watch,
+            fault_tolerance,
         };
         engine.start_bounded_staleness()?;
         if engine.config.monitor.flops_profiler.profile_step == 1 && engine.profiling_this_step() {

@@ -16,6 +16,7 @@ use crate::engine::zero::plan::{AfterStep, GradientPath};
 use crate::engine::zero::variables;
 use crate::engine::{Engine, StepOutcome};
 use crate::error::{Error, Result};
+use crate::fault_tolerance::Verdict;
 use crate::report::Phase;
 
 impl Engine {
@@ -38,6 +39,7 @@ impl Engine {
     ///     zerorun_runtime::StepOutcome::Stepped { step, .. } => assert_eq!(step, 1),
     ///     zerorun_runtime::StepOutcome::Skipped { .. } => unreachable!("fp32 gradients never overflow here"),
     ///     zerorun_runtime::StepOutcome::Accumulating => unreachable!("one micro-batch per step"),
+    ///     zerorun_runtime::StepOutcome::Discarded { .. } => unreachable!("no fault tolerance here"),
     /// }
     /// # Ok(()) }
     /// ```
@@ -68,6 +70,9 @@ impl Engine {
             }
         }
         self.gradients.mark = self.gradient_fingerprint();
+        if let (Some(ft), false) = (&self.fault_tolerance, outcome == StepOutcome::Accumulating) {
+            self.batch = ft.next_quorum(self.progress.global_steps + 1, &self.comm)?;
+        }
         Ok(outcome)
     }
 
@@ -94,7 +99,8 @@ impl Engine {
         let one_bit_local = self.shard.tier.optimizer().is_some_and(|o| o.keeps_gradients_local());
         self.gradients.keep_local(self.config.async_training.is_local() || one_bit_local);
         self.progress.micro_steps += 1;
-        let boundary = self.progress.micro_steps % self.batch.gradient_accumulation_steps == 0;
+        let boundary =
+            (self.progress.micro_steps - self.progress.micro_at_boundary) % self.batch.gradient_accumulation_steps == 0;
         // After backward: 16-bit models reduce every micro-batch and accumulate in fp32; fp32 models accumulate in
         // autograd. Hooks and unit walks reduced during backward already.
         let after_backward = self.plan.gradients == GradientPath::AfterBackward;
@@ -105,6 +111,7 @@ impl Engine {
         if !boundary {
             return Ok(StepOutcome::Accumulating);
         }
+        self.progress.micro_at_boundary = self.progress.micro_steps;
         if self.sync.is_stale() {
             return self.bounded_staleness_step();
         }
@@ -134,6 +141,11 @@ impl Engine {
             others.all_reduce(&mut sq, ReduceOp::Sum)?;
         }
         let loss = self.finish_loss()?;
+        // Fault tolerance: every cross-group collective of the step is done; the groups commit it or drop it.
+        let step = self.progress.global_steps + 1;
+        if self.fault_tolerance.as_ref().map(|ft| ft.vote(step)).transpose()? == Some(Verdict::Discard) {
+            return self.discard_step(loss);
+        }
         let scale = self.loss_scale();
         let overflow = !sq[0].is_finite();
         let skip = match self.shard.scaler.as_mut() {
@@ -226,6 +238,17 @@ impl Engine {
         })?;
         let loss = self.finish_loss()?;
         Ok(self.count_step(loss, lr, grad_norm))
+    }
+
+    /// A step the replica groups' vote discarded: gradients dropped, no update, nothing counted; the program redoes
+    /// it over the groups of the next quorum.
+    fn discard_step(&mut self, loss: f64) -> Result<StepOutcome> {
+        self.gradients.clear_accumulator();
+        self.gradients.consume()?;
+        let step = self.progress.global_steps + 1;
+        tracing::warn!(step, "step {step} discarded by the replica groups' vote: it is redone by the groups left");
+        self.end_of_step();
+        Ok(StepOutcome::Discarded { step, loss })
     }
 
     /// A step skipped for overflowed gradients: counted, gradients dropped, no update.

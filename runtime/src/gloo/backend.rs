@@ -40,7 +40,7 @@ impl Drop for GlooComm {
 
 /// The address this rank's gloo device binds: `ZERORUN_HOST_ADDR`, else loopback when the master is local, else
 /// this host's name (which must resolve to an address the other hosts reach).
-fn host_address(master_addr: &str) -> String {
+pub(super) fn host_address(master_addr: &str) -> String {
     if let Ok(a) = std::env::var("ZERORUN_HOST_ADDR") {
         return a;
     }
@@ -88,6 +88,11 @@ impl GlooComm {
         }
         tracing::debug!(rank = info.rank, world_size = info.world_size, %host, "gloo backend ready");
         Ok(GlooComm { group, rank: info.rank, world_size: info.world_size, place, scratch: Default::default() })
+    }
+
+    /// A group made on a store by `zr_gloo_on_store` (null checked by the caller).
+    pub(super) fn from_group(group: *mut c_void, rank: usize, world_size: usize, place: String) -> GlooComm {
+        GlooComm { group, rank, world_size, place, scratch: Default::default() }
     }
 
     /// Runs one C call; its failure becomes an error of `op` naming this rank and what libtorch said.

@@ -117,6 +117,60 @@ extern "C" {
         err: *mut c_char,
         err_len: usize,
     ) -> c_int;
+    pub(super) fn zr_store_connect(
+        addr: *const c_char,
+        port: c_int,
+        timeout_ms: i64,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> *mut c_void;
+    pub(super) fn zr_store_free(store: *mut c_void);
+    pub(super) fn zr_store_add(
+        store: *mut c_void,
+        key: *const c_char,
+        delta: i64,
+        out: *mut i64,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    pub(super) fn zr_store_set(
+        store: *mut c_void,
+        key: *const c_char,
+        value: *const c_char,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    #[allow(clippy::too_many_arguments)] // the C signature
+    pub(super) fn zr_store_get(
+        store: *mut c_void,
+        key: *const c_char,
+        out: *mut c_char,
+        out_len: usize,
+        found: *mut c_int,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    #[allow(clippy::too_many_arguments)] // the C signature
+    pub(super) fn zr_store_set_once(
+        store: *mut c_void,
+        key: *const c_char,
+        desired: *const c_char,
+        out: *mut c_char,
+        out_len: usize,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    #[allow(clippy::too_many_arguments)] // the C signature
+    pub(super) fn zr_gloo_on_store(
+        store: *mut c_void,
+        prefix: *const c_char,
+        host: *const c_char,
+        rank: c_int,
+        size: c_int,
+        timeout_ms: i64,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> *mut c_void;
 }
 
 /// An error buffer for the C side, and the message it holds.

@@ -6,10 +6,13 @@
 //! division is the other backends' own), and groups on the same store.
 //!
 //! `ffi.rs` holds the C ABI and its error buffer, `backend.rs` the [`GlooComm`] communicator, `from_env.rs` the
-//! choice of backend from the environment (gloo flat, or in two levels when ranks span hosts).
+//! choice of backend from the environment (gloo flat, or in two levels when ranks span hosts), `store.rs` the
+//! job's TCPStore as a key-value store (fault tolerance's quorum) and gloo groups made on it.
 mod backend;
 mod ffi;
 mod from_env;
+mod store;
 
 pub use backend::GlooComm;
 pub use from_env::communicator_from_env;
+pub use store::TcpStore;

@@ -557,7 +557,9 @@ impl<'a> PipelineEngine<'a> {
     /// The last stage's loss for every stage (the others computed none).
     fn with_pipeline_loss(&mut self, outcome: StepOutcome) -> Result<StepOutcome> {
         let loss_of = |o: &StepOutcome| match o {
-            StepOutcome::Stepped { loss, .. } | StepOutcome::Skipped { loss, .. } => *loss,
+            StepOutcome::Stepped { loss, .. }
+            | StepOutcome::Skipped { loss, .. }
+            | StepOutcome::Discarded { loss, .. } => *loss,
             StepOutcome::Accumulating => f64::NAN,
         };
         let mut loss = [loss_of(&outcome) as f32];
@@ -566,6 +568,7 @@ impl<'a> PipelineEngine<'a> {
         Ok(match outcome {
             StepOutcome::Stepped { step, grad_norm, lr, .. } => StepOutcome::Stepped { step, loss, grad_norm, lr },
             StepOutcome::Skipped { step, scale, .. } => StepOutcome::Skipped { step, loss, scale },
+            StepOutcome::Discarded { step, .. } => StepOutcome::Discarded { step, loss },
             StepOutcome::Accumulating => StepOutcome::Accumulating,
         })
     }

@@ -339,6 +339,7 @@ impl Engine {
         self.progress.global_samples = m.global_samples;
         self.progress.skipped_steps = m.skipped_steps;
         self.progress.micro_steps = 0;
+        self.progress.micro_at_boundary = 0;
         self.progress.loss_sum = 0.0;
         self.progress.loss_count = 0;
         self.progress.backwards = 0;

@@ -1,0 +1,311 @@
+//! One rank's part in the replica groups' agreement: it heartbeats, joins each round's quorum, reduces across the
+//! quorum's groups on a gloo group made for those members, and votes on the step. A collective across the groups
+//! that fails (a member lost mid-step) is not an error: it marks the round failed, the rest of the step's
+//! collectives across the groups are skipped, and the vote discards the step on every rank, which redoes it with
+//! the groups left.
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use super::heartbeat::{Heartbeat, Liveness};
+use super::quorum::{self, Decision, Quorum};
+use crate::comm::groups::Split;
+use crate::comm::{BufMut, BufRef, CommResult, Communicator, ReduceOp};
+use crate::config::FaultToleranceConfig;
+use crate::error::{Error, Result};
+use crate::gloo::{GlooComm, TcpStore};
+
+/// How often a waiting rank reads the store again.
+const POLL: Duration = Duration::from_millis(1);
+
+/// Where this rank sits among the replica groups.
+#[derive(Debug, Clone, Copy)]
+pub struct Place {
+    /// This rank's replica group.
+    pub group: usize,
+    /// Replica groups in the job.
+    pub groups: usize,
+    /// This rank's place in its shard group.
+    pub shard_rank: usize,
+    /// Ranks per shard group.
+    pub shard_size: usize,
+}
+
+impl Place {
+    /// This rank's number among every data-parallel rank (its heartbeat's).
+    fn rank(&self) -> usize {
+        self.group * self.shard_size + self.shard_rank
+    }
+}
+
+/// A step's end, as the replica groups agreed on it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// Every member reduced and voted for it: take it.
+    Commit,
+    /// Some member failed or was lost: every rank drops the step's gradients and redoes it.
+    Discard,
+}
+
+struct State {
+    /// Rounds formed so far; the current round is `round - 1`.
+    round: u64,
+    quorum: Quorum,
+    liveness: Liveness,
+    last_look: Instant,
+    /// The current quorum's group across the replica groups at this shard position (None: a quorum of one).
+    group: Option<GlooComm>,
+    /// Why a collective across the groups failed this round.
+    failed: Option<String>,
+}
+
+/// This rank's fault-tolerance manager (torchft's `Manager`, with the job's TCPStore as its lighthouse).
+pub struct Manager {
+    store: Arc<TcpStore>,
+    prefix: String,
+    config: FaultToleranceConfig,
+    place: Place,
+    _heartbeat: Heartbeat,
+    state: Mutex<State>,
+}
+
+impl Manager {
+    /// Starts this rank's heartbeat and forms the first quorum (every group, which all start alive).
+    pub fn start(
+        config: FaultToleranceConfig,
+        store: Arc<TcpStore>,
+        prefix: &str,
+        place: Place,
+    ) -> Result<Arc<Manager>> {
+        let every = Duration::from_millis(config.heartbeat_ms);
+        let heartbeat = Heartbeat::start(store.clone(), prefix, place.rank(), every);
+        let liveness = Liveness::new(prefix, place.groups * place.shard_size, config.heartbeat_timeout());
+        let everyone = Quorum { id: 0, members: (0..place.groups).collect() };
+        let state =
+            State { round: 0, quorum: everyone, liveness, last_look: Instant::now(), group: None, failed: None };
+        let manager = Arc::new(Manager {
+            store,
+            prefix: prefix.into(),
+            config,
+            place,
+            _heartbeat: heartbeat,
+            state: Mutex::new(state),
+        });
+        manager.form_quorum(0)?;
+        Ok(manager)
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn error(&self, why: String) -> Error {
+        Error::Quorum { group: self.place.group, why }
+    }
+
+    /// The groups that take the current round's step.
+    pub fn quorum(&self) -> Quorum {
+        self.state().quorum.clone()
+    }
+
+    /// This rank's group among the quorum's members, and how many they are.
+    pub fn live_place(&self) -> (usize, usize) {
+        let s = self.state();
+        let index = s.quorum.members.iter().position(|&g| g == self.place.group).expect("a member of its quorum");
+        (index, s.quorum.members.len())
+    }
+
+    /// Reads the heartbeats again if half a beat passed since the last look.
+    fn look(&self, s: &mut State) -> Result<()> {
+        if s.last_look.elapsed() >= Duration::from_millis(self.config.heartbeat_ms / 2) {
+            s.liveness.observe(&self.store)?;
+            s.last_look = Instant::now();
+        }
+        Ok(())
+    }
+
+    /// Groups every rank of which is still heartbeating.
+    fn healthy(&self, s: &State) -> Vec<usize> {
+        let p = self.place;
+        (0..p.groups).filter(|g| (0..p.shard_size).all(|r| s.liveness.alive(g * p.shard_size + r))).collect()
+    }
+
+    /// Joins the next round and waits for its quorum; `step` (the optimizer step it is for) only names it in
+    /// the log. The members make their group across the replica groups anew when they changed.
+    pub fn form_quorum(&self, step: u64) -> Result<Quorum> {
+        let mut s = self.state();
+        let round = s.round;
+        let (p, prefix) = (self.place, &self.prefix);
+        self.store.add(&format!("{prefix}join/{round}/{}", p.group), 1)?;
+        let started = Instant::now();
+        let timeout = Duration::from_secs_f64(self.config.quorum_timeout);
+        let key = format!("{prefix}quorum/{round}");
+        let decided = loop {
+            if let Some(text) = self.store.get(&key)? {
+                break Quorum::decode(&text).ok_or_else(|| self.error(format!("`{key}` holds {text:?}")))?;
+            }
+            self.look(&mut s)?;
+            let healthy = self.healthy(&s);
+            let mut joined = Vec::new();
+            for g in 0..p.groups {
+                if self.store.add(&format!("{prefix}join/{round}/{g}"), 0)? >= p.shard_size as i64 {
+                    joined.push(g);
+                }
+            }
+            match quorum::decide(&joined, &healthy, self.config.min_replicas as usize, started.elapsed() >= timeout) {
+                Decision::Wait => std::thread::sleep(POLL),
+                Decision::Propose(members) => {
+                    let text = self.store.set_once(&key, &s.quorum.next(members).encode())?;
+                    break Quorum::decode(&text).ok_or_else(|| self.error(format!("`{key}` holds {text:?}")))?;
+                }
+                Decision::Fail(why) => return Err(self.error(format!("no quorum for step {step}: {why}"))),
+            }
+        };
+        if !decided.members.contains(&p.group) {
+            return Err(self.error(format!(
+                "left out of the {decided} for step {step} (it joined too late); it must restart and heal"
+            )));
+        }
+        for lost in s.quorum.members.iter().filter(|g| !decided.members.contains(g)) {
+            tracing::warn!(group = lost, step, "replica group {lost} lost at step {step}");
+        }
+        if decided.id != s.quorum.id || s.round == 0 {
+            if decided.members.len() < s.quorum.members.len() {
+                tracing::warn!(step, "continuing with {} of {} replica groups", decided.members.len(), p.groups);
+            }
+            s.group = None; // the old group's connections close before the new ones open
+            s.group = self.group_of(&decided)?;
+        }
+        tracing::debug!(round, step, "{decided} in {:?}", started.elapsed());
+        s.quorum = decided.clone();
+        s.failed = None;
+        s.round += 1;
+        Ok(decided)
+    }
+
+    /// The gloo group of the quorum's members at this rank's shard position (None for a quorum of one).
+    fn group_of(&self, q: &Quorum) -> Result<Option<GlooComm>> {
+        if q.members.len() < 2 {
+            return Ok(None);
+        }
+        let index = q.members.iter().position(|&g| g == self.place.group).expect("checked: a member");
+        let prefix = format!("{}group/{}/{}/", self.prefix, q.id, self.place.shard_rank);
+        Ok(Some(self.store.gloo_group(&prefix, index, q.members.len())?))
+    }
+
+    /// Votes on the current round's step (`ok`: this rank's collectives across the groups all succeeded) and
+    /// returns what every rank of the quorum agreed: commit only if every member rank voted for it; a vote
+    /// against, a member found lost, or `quorum_timeout` discards it. The first verdict written wins, so no two
+    /// ranks ever disagree.
+    pub fn vote(&self, step: u64) -> Result<Verdict> {
+        let mut s = self.state();
+        let round = s.round - 1;
+        let prefix = &self.prefix;
+        let ok = s.failed.is_none();
+        if let Some(why) = &s.failed {
+            tracing::warn!(step, "a collective across the replica groups failed: {why}; the step is discarded");
+        }
+        self.store.add(&format!("{prefix}vote/{round}/{}", if ok { "yes" } else { "no" }), 1)?;
+        let (yes_key, no_key) = (format!("{prefix}vote/{round}/yes"), format!("{prefix}vote/{round}/no"));
+        let voters = (s.quorum.members.len() * self.place.shard_size) as i64;
+        let verdict_key = format!("{prefix}verdict/{round}");
+        let started = Instant::now();
+        let timeout = Duration::from_secs_f64(self.config.quorum_timeout);
+        let proposal = loop {
+            if let Some(v) = self.store.get(&verdict_key)? {
+                break v;
+            }
+            if self.store.add(&no_key, 0)? > 0 {
+                break "discard".into();
+            }
+            if self.store.add(&yes_key, 0)? == voters {
+                break "commit".into();
+            }
+            self.look(&mut s)?;
+            let healthy = self.healthy(&s);
+            if let Some(lost) = s.quorum.members.iter().find(|g| !healthy.contains(g)) {
+                tracing::warn!(step, "replica group {lost} stopped heartbeating during step {step}");
+                break "discard".into();
+            }
+            if started.elapsed() >= timeout {
+                tracing::warn!(step, "the vote on step {step} waited `quorum_timeout` for the members' votes");
+                break "discard".into();
+            }
+            std::thread::sleep(POLL);
+        };
+        let verdict = self.store.set_once(&verdict_key, &proposal)?;
+        Ok(if verdict == "commit" { Verdict::Commit } else { Verdict::Discard })
+    }
+
+    /// Runs `f` on the current quorum's group across the replica groups, unless one of them failed this round
+    /// already; a failure is kept for the vote and is not an error here.
+    fn across<R: Default>(&self, op: &str, f: impl FnOnce(&GlooComm) -> CommResult<R>) -> CommResult<R> {
+        let mut s = self.state();
+        if s.failed.is_some() {
+            return Ok(R::default());
+        }
+        let Some(group) = s.group.as_ref() else { return Ok(R::default()) };
+        match f(group) {
+            Ok(r) => Ok(r),
+            Err(e) => {
+                tracing::warn!(op, "across the replica groups: {e}");
+                s.failed = Some(e.to_string());
+                Ok(R::default())
+            }
+        }
+    }
+}
+
+/// The replica groups as a communicator for the engine: its members are the current quorum's groups, so a
+/// mean is over the live groups only.
+pub struct ManagedReplicas(pub Arc<Manager>);
+
+impl Communicator for ManagedReplicas {
+    fn rank(&self) -> usize {
+        self.0.live_place().0
+    }
+
+    fn world_size(&self) -> usize {
+        self.0.live_place().1
+    }
+
+    fn all_reduce_buf(&self, buf: BufMut<'_>, op: ReduceOp) -> CommResult<()> {
+        self.0.across("all-reduce", |g| g.all_reduce_buf(buf, op))
+    }
+
+    fn reduce_scatter_buf(&self, input: BufRef<'_>, output: BufMut<'_>, op: ReduceOp) -> CommResult<()> {
+        self.0.across("reduce-scatter", |g| g.reduce_scatter_buf(input, output, op))
+    }
+
+    fn all_gather_buf(&self, buf: BufMut<'_>) -> CommResult<()> {
+        self.0.across("all-gather", |g| g.all_gather_buf(buf))
+    }
+
+    fn broadcast_buf(&self, buf: BufMut<'_>, root: usize) -> CommResult<()> {
+        self.0.across("broadcast", |g| g.broadcast_buf(buf, root))
+    }
+
+    fn barrier(&self) -> CommResult<()> {
+        self.0.across("barrier", |g| g.barrier())
+    }
+
+    fn send_buf(&self, buf: BufRef<'_>, dst: usize) -> CommResult<()> {
+        self.0.across("send", |g| g.send_buf(buf, dst))
+    }
+
+    fn recv_buf(&self, buf: BufMut<'_>, src: usize) -> CommResult<()> {
+        self.0.across("recv", |g| g.recv_buf(buf, src))
+    }
+
+    fn split_group(&self, _split: &Split) -> CommResult<Option<Box<dyn Communicator>>> {
+        Err(crate::comm::CommError::BadArgument {
+            op: "split",
+            rank: self.rank(),
+            what: "the fault-tolerant replica groups change members from step to step: no fixed group splits from them"
+                .into(),
+        })
+    }
+
+    fn group_name(&self) -> String {
+        "replica groups (fault-tolerant)".into()
+    }
+}

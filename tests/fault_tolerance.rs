@@ -1,0 +1,172 @@
+//! Replica groups that survive one another (`fault_tolerance`): four rank processes of the MLP example on gloo,
+//! two shard groups of two (`mics_shard_size` 2). The second group's ranks are SIGKILLed after step 4 of 12: the
+//! first group's ranks (the same processes) discard the step the loss broke, redo it with the whole global batch
+//! split over themselves, and end with the weights of the elastic reference (4 ranks to step 4, then 2 ranks from
+//! that checkpoint). Without a failure the run equals the plain one.
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::Instant;
+
+use tch::Tensor;
+
+#[path = "common/examples.rs"]
+mod examples;
+
+const STEPS: &str = "12";
+const BASE: &str = r#""train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "optimizer": {"type": "AdamW", "params": {"lr": 0.003}}, "zero_optimization": {"stage": 3, "mics_shard_size": 2}"#;
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+fn temp_dir(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("zerorun-ft-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join("ft.json"),
+        format!(r#"{{{BASE}, "fault_tolerance": {{"enabled": true, "heartbeat_ms": 20, "quorum_timeout": 20}}}}"#),
+    )
+    .unwrap();
+    std::fs::write(dir.join("plain.json"), format!("{{{BASE}}}")).unwrap();
+    dir
+}
+
+fn mlp(cmd: &mut Command, dir: &std::path::Path, config: &str, steps: &str, out: &str) {
+    cmd.arg(examples::example("mlp"))
+        .args(["--config", dir.join(config).to_str().unwrap(), "--steps", steps, "--seed", "5"])
+        .args(["--in", "32", "--hidden", "64", "--layers", "3", "--out", "4"])
+        .args(["--save-final", dir.join(out).to_str().unwrap()]);
+}
+
+/// Rank `rank` of 4, on gloo over loopback, its stdout and stderr piped.
+fn rank(dir: &std::path::Path, rank: usize, port: u16, slow_ms: u64) -> Child {
+    let mut cmd = Command::new(examples::example("mlp"));
+    cmd.envs([
+        ("RANK", rank.to_string()),
+        ("WORLD_SIZE", "4".into()),
+        ("LOCAL_RANK", rank.to_string()),
+        ("LOCAL_WORLD_SIZE", "4".into()),
+        ("MASTER_ADDR", "127.0.0.1".into()),
+        ("MASTER_PORT", port.to_string()),
+        ("ZERORUN_BACKEND", "gloo".into()),
+        ("ZERORUN_RUN_ID", format!("ft-{port}")),
+        ("RUST_LOG", "zerorun=info".into()),
+    ]);
+    let mut args = Command::new("unused");
+    mlp(&mut args, dir, "ft.json", STEPS, "ft.safetensors");
+    cmd.args(args.get_args().skip(1)).args(["--slow-rank", "0", "--slow-ms", &slow_ms.to_string()]);
+    cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap()
+}
+
+fn single(dir: &std::path::Path, ranks: &str, steps: &str, out: &str, extra: &[&str]) {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_zerorun"));
+    cmd.args(["launch", "--nproc-per-node", ranks, "--"]);
+    mlp(&mut cmd, dir, "plain.json", steps, out);
+    let out = cmd.args(extra).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+fn weights(path: &std::path::Path) -> Vec<(String, Tensor)> {
+    let mut w = Tensor::read_safetensors(path).unwrap();
+    w.sort_by(|a, b| a.0.cmp(&b.0));
+    w
+}
+
+fn assert_close(a: &std::path::Path, b: &std::path::Path, tol: f64) {
+    let (a, b) = (weights(a), weights(b));
+    assert_eq!(a.len(), b.len());
+    for ((name, x), (_, y)) in a.iter().zip(&b) {
+        let d = (x - y).abs().max().double_value(&[]);
+        assert!(d <= tol, "{name} differs by {d:e} from the reference run");
+    }
+}
+
+#[test]
+fn a_lost_replica_group_leaves_and_the_others_go_on_to_the_elastic_reference_without_a_restart() {
+    let dir = temp_dir("lost");
+    let port = free_port();
+    let mut ranks: Vec<Child> = (0..4).map(|r| rank(&dir, r, port, 60)).collect();
+    let pids: Vec<u32> = ranks.iter().map(Child::id).collect();
+    // Rank 0 prints `step N loss X`; after step 4 the second group's ranks are killed at once.
+    let stdout = BufReader::new(ranks[0].stdout.take().unwrap());
+    let mut lines = stdout.lines();
+    let mut seen = Vec::new();
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        seen.push(line.clone());
+        if line.starts_with("step 4 ") {
+            break;
+        }
+    }
+    let killed_at = Instant::now();
+    for pid in &pids[2..] {
+        unsafe { libc::kill(*pid as i32, libc::SIGKILL) };
+    }
+    let mut next_step_at = None;
+    for line in lines {
+        let line = line.unwrap();
+        if next_step_at.is_none() && line.starts_with("step 5 ") {
+            next_step_at = Some(killed_at.elapsed());
+        }
+        seen.push(line);
+    }
+    let mut errs = Vec::new();
+    for (r, child) in ranks.into_iter().enumerate() {
+        let out = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        if r < 2 {
+            assert!(out.status.success(), "rank {r} (pid {}) failed:\n{err}\n{}", pids[r], seen.join("\n"));
+        }
+        errs.push(err);
+    }
+    assert!(seen.iter().any(|l| l.starts_with("step 12 ")), "{}", seen.join("\n"));
+    assert!(errs[0].contains("replica group 1 lost at step 5"), "{}", errs[0]);
+    assert!(errs[0].contains("continuing with 1 of 2 replica groups"), "{}", errs[0]);
+    eprintln!("from the kill to step 5 committed: {next_step_at:?}");
+
+    // The elastic reference: 4 ranks to step 4, then 2 ranks from its checkpoint (the same samples per step).
+    let ck = dir.join("reference-ck");
+    let ck_args = ["--checkpoint-dir", ck.to_str().unwrap(), "--save-every", "4"];
+    single(&dir, "4", "4", "first.safetensors", &ck_args);
+    single(&dir, "2", STEPS, "reference.safetensors", &["--checkpoint-dir", ck.to_str().unwrap(), "--resume"]);
+    assert_close(&dir.join("ft.safetensors"), &dir.join("reference.safetensors"), 1e-5);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn with_no_failure_the_fault_tolerant_run_equals_the_plain_one() {
+    let dir = temp_dir("none");
+    let port = free_port();
+    let ranks: Vec<Child> = (0..4).map(|r| rank(&dir, r, port, 0)).collect();
+    for (r, child) in ranks.into_iter().enumerate() {
+        let out = child.wait_with_output().unwrap();
+        assert!(out.status.success(), "rank {r}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    single(&dir, "4", STEPS, "plain.safetensors", &[]);
+    assert_close(&dir.join("ft.safetensors"), &dir.join("plain.safetensors"), 1e-5);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn the_section_is_refused_by_name_where_it_cannot_work() {
+    use zerorun::Config;
+    let refused = |json: &str| json.parse::<Config>().unwrap_err().to_string();
+    let ft = |extra: &str| {
+        format!(
+            r#"{{"train_batch_size": 8, "zero_optimization": {{"stage": 3{extra}}}, "fault_tolerance": {{"enabled": true}}}}"#
+        )
+    };
+    // The replica groups are the failure domain: no shard groups, no fault tolerance.
+    assert!(refused(&ft("")).contains("`fault_tolerance.enabled`"), "{}", refused(&ft("")));
+    assert!(refused(&ft("")).contains("mics_shard_size"));
+    let bad = |section: &str| refused(&format!(r#"{{"train_batch_size": 8, "fault_tolerance": {section}}}"#));
+    assert!(bad(r#"{"min_replicas": 0}"#).contains("fault_tolerance.min_replicas"));
+    assert!(bad(r#"{"quorum_timeout": -1}"#).contains("fault_tolerance.quorum_timeout"));
+    // Five missed beats must fit in the quorum's timeout.
+    assert!(bad(r#"{"heartbeat_ms": 500, "quorum_timeout": 2}"#).contains("fault_tolerance.heartbeat_ms"));
+    assert!(bad(r#"{"lighthouse": "x"}"#).contains("fault_tolerance.lighthouse"));
+    let c: Config = ft(r#", "mics_shard_size": 2"#).parse().unwrap();
+    assert_eq!((c.fault_tolerance.min_replicas, c.fault_tolerance.heartbeat_ms), (1, 100));
+    assert_eq!(c.fault_tolerance.quorum_timeout, 60.0);
+}
