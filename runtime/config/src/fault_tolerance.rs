@@ -18,7 +18,7 @@ pub struct FaultToleranceConfig {
     pub min_replicas: u64,
     /// Seconds a quorum or a step's vote may wait for the groups that still heartbeat.
     pub quorum_timeout: f64,
-    /// Milliseconds between a rank's heartbeats; a rank silent for `heartbeat_ms` x [`MISSED_BEATS`] is lost.
+    /// Milliseconds between a rank's heartbeats; a rank silent for 5 of them (`MISSED_BEATS`) is lost.
     pub heartbeat_ms: u64,
 }
 
