@@ -13,6 +13,14 @@ use tch::Tensor;
 mod examples;
 
 const STEPS: &str = "12";
+
+/// The runs of four rank processes take turns: heartbeats of 40 ms on two cores shared by two such jobs could go
+/// unanswered long enough to count a live group lost.
+static JOBS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn one_job_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    JOBS.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
 const BASE: &str = r#""train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "optimizer": {"type": "AdamW", "params": {"lr": 0.003}}, "zero_optimization": {"stage": 3, "mics_shard_size": 2}"#;
 
 fn free_port() -> u16 {
@@ -25,7 +33,7 @@ fn temp_dir(name: &str) -> std::path::PathBuf {
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(
         dir.join("ft.json"),
-        format!(r#"{{{BASE}, "fault_tolerance": {{"enabled": true, "heartbeat_ms": 20, "quorum_timeout": 20}}}}"#),
+        format!(r#"{{{BASE}, "fault_tolerance": {{"enabled": true, "heartbeat_ms": 40, "quorum_timeout": 20}}}}"#),
     )
     .unwrap();
     std::fs::write(dir.join("plain.json"), format!("{{{BASE}}}")).unwrap();
@@ -33,15 +41,19 @@ fn temp_dir(name: &str) -> std::path::PathBuf {
 }
 
 fn mlp(cmd: &mut Command, dir: &std::path::Path, config: &str, steps: &str, out: &str) {
-    cmd.arg(examples::example("mlp"))
-        .args(["--config", dir.join(config).to_str().unwrap(), "--steps", steps, "--seed", "5"])
+    cmd.arg(examples::example("mlp"));
+    mlp_args(cmd, dir, config, steps, out);
+}
+
+fn mlp_args(cmd: &mut Command, dir: &std::path::Path, config: &str, steps: &str, out: &str) {
+    cmd.args(["--config", dir.join(config).to_str().unwrap(), "--steps", steps, "--seed", "5"])
         .args(["--in", "32", "--hidden", "64", "--layers", "3", "--out", "4"])
         .args(["--save-final", dir.join(out).to_str().unwrap()]);
 }
 
-/// Rank `rank` of 4, on gloo over loopback, its stdout and stderr piped.
-fn rank(dir: &std::path::Path, rank: usize, port: u16, slow_ms: u64) -> Child {
-    let mut cmd = Command::new(examples::example("mlp"));
+/// Rank `rank` of 4 of the MLP example `exe`, on gloo over loopback, its stdout and stderr piped.
+fn rank(exe: &std::path::Path, dir: &std::path::Path, rank: usize, port: u16, slow_ms: u64) -> Child {
+    let mut cmd = Command::new(exe);
     cmd.envs([
         ("RANK", rank.to_string()),
         ("WORLD_SIZE", "4".into()),
@@ -53,9 +65,8 @@ fn rank(dir: &std::path::Path, rank: usize, port: u16, slow_ms: u64) -> Child {
         ("ZERORUN_RUN_ID", format!("ft-{port}")),
         ("RUST_LOG", "zerorun=info".into()),
     ]);
-    let mut args = Command::new("unused");
-    mlp(&mut args, dir, "ft.json", STEPS, "ft.safetensors");
-    cmd.args(args.get_args().skip(1)).args(["--slow-rank", "0", "--slow-ms", &slow_ms.to_string()]);
+    mlp_args(&mut cmd, dir, "ft.json", STEPS, "ft.safetensors");
+    cmd.args(["--slow-rank", "0", "--slow-ms", &slow_ms.to_string()]);
     cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap()
 }
 
@@ -84,9 +95,10 @@ fn assert_close(a: &std::path::Path, b: &std::path::Path, tol: f64) {
 
 #[test]
 fn a_lost_replica_group_leaves_and_the_others_go_on_to_the_elastic_reference_without_a_restart() {
+    let _turn = one_job_at_a_time();
     let dir = temp_dir("lost");
-    let port = free_port();
-    let mut ranks: Vec<Child> = (0..4).map(|r| rank(&dir, r, port, 60)).collect();
+    let (port, exe) = (free_port(), examples::example("mlp"));
+    let mut ranks: Vec<Child> = (0..4).map(|r| rank(&exe, &dir, r, port, 60)).collect();
     let pids: Vec<u32> = ranks.iter().map(Child::id).collect();
     // Rank 0 prints `step N loss X`; after step 4 the second group's ranks are killed at once.
     let stdout = BufReader::new(ranks[0].stdout.take().unwrap());
@@ -136,9 +148,10 @@ fn a_lost_replica_group_leaves_and_the_others_go_on_to_the_elastic_reference_wit
 
 #[test]
 fn with_no_failure_the_fault_tolerant_run_equals_the_plain_one() {
+    let _turn = one_job_at_a_time();
     let dir = temp_dir("none");
-    let port = free_port();
-    let ranks: Vec<Child> = (0..4).map(|r| rank(&dir, r, port, 0)).collect();
+    let (port, exe) = (free_port(), examples::example("mlp"));
+    let ranks: Vec<Child> = (0..4).map(|r| rank(&exe, &dir, r, port, 0)).collect();
     for (r, child) in ranks.into_iter().enumerate() {
         let out = child.wait_with_output().unwrap();
         assert!(out.status.success(), "rank {r}: {}", String::from_utf8_lossy(&out.stderr));

@@ -85,10 +85,15 @@ impl FaultTolerance {
         self.manager.vote(step)
     }
 
-    /// After a step's vote: the quorum for step `step`, this rank's group's place among its groups, and the batch
-    /// sizes over them (the same global batch, gradient accumulation taking up the groups lost).
-    pub fn next_quorum(&self, step: u64, comm: &EngineComm) -> Result<BatchSizes> {
-        self.manager.form_quorum(step)?;
+    /// After a step's vote: the quorum for step `step` (the same after a commit, formed anew after a discard),
+    /// this rank's group's place among its groups, and the batch sizes over them (the same global batch,
+    /// gradient accumulation taking up the groups lost).
+    pub fn next_quorum(&self, step: u64, discarded: bool, comm: &EngineComm) -> Result<BatchSizes> {
+        if discarded {
+            self.manager.form_quorum(step)?;
+        } else {
+            self.manager.keep_quorum();
+        }
         let (index, live) = self.manager.live_place();
         if let Some(r) = comm.replicas() {
             r.set_live(index, live);

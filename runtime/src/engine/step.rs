@@ -71,7 +71,8 @@ impl Engine {
         }
         self.gradients.mark = self.gradient_fingerprint();
         if let (Some(ft), false) = (&self.fault_tolerance, outcome == StepOutcome::Accumulating) {
-            self.batch = ft.next_quorum(self.progress.global_steps + 1, &self.comm)?;
+            let discarded = matches!(outcome, StepOutcome::Discarded { .. });
+            self.batch = ft.next_quorum(self.progress.global_steps + 1, discarded, &self.comm)?;
         }
         Ok(outcome)
     }

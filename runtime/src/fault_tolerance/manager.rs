@@ -14,9 +14,6 @@ use crate::config::FaultToleranceConfig;
 use crate::error::{Error, Result};
 use crate::gloo::{GlooComm, TcpStore};
 
-/// How often a waiting rank reads the store again.
-const POLL: Duration = Duration::from_millis(1);
-
 /// Where this rank sits among the replica groups.
 #[derive(Debug, Clone, Copy)]
 pub struct Place {
@@ -130,18 +127,30 @@ impl Manager {
     }
 
     /// Joins the next round and waits for its quorum; `step` (the optimizer step it is for) only names it in
-    /// the log. The members make their group across the replica groups anew when they changed.
+    /// the log. The last rank of the previous quorum to join decides at once (the common case: nobody lost);
+    /// otherwise the ranks wait on the decision's key half a heartbeat at a time, looking at the heartbeats in
+    /// between. The members make their group across the replica groups anew when they changed.
     pub fn form_quorum(&self, step: u64) -> Result<Quorum> {
         let mut s = self.state();
         let round = s.round;
         let (p, prefix) = (self.place, &self.prefix);
+        let key = format!("{prefix}quorum/{round}");
+        let decode = |text: String| Quorum::decode(&text).ok_or_else(|| self.error(format!("`{key}` holds {text:?}")));
         self.store.add(&format!("{prefix}join/{round}/{}", p.group), 1)?;
+        let joined_all = self.store.add(&format!("{prefix}join/{round}/all"), 1)?;
         let started = Instant::now();
         let timeout = Duration::from_secs_f64(self.config.quorum_timeout);
-        let key = format!("{prefix}quorum/{round}");
+        let mut decided = None;
+        if joined_all == (s.quorum.members.len() * p.shard_size) as i64 {
+            let text = self.store.set_once(&key, &s.quorum.encode())?;
+            decided = Some(decode(text)?);
+        }
         let decided = loop {
-            if let Some(text) = self.store.get(&key)? {
-                break Quorum::decode(&text).ok_or_else(|| self.error(format!("`{key}` holds {text:?}")))?;
+            if let Some(q) = decided.take() {
+                break q;
+            }
+            if self.store.wait(&key, self.half_beat())? {
+                break decode(self.store.get(&key)?.unwrap_or_default())?;
             }
             self.look(&mut s)?;
             let healthy = self.healthy(&s);
@@ -152,10 +161,9 @@ impl Manager {
                 }
             }
             match quorum::decide(&joined, &healthy, self.config.min_replicas as usize, started.elapsed() >= timeout) {
-                Decision::Wait => std::thread::sleep(POLL),
+                Decision::Wait => {}
                 Decision::Propose(members) => {
-                    let text = self.store.set_once(&key, &s.quorum.next(members).encode())?;
-                    break Quorum::decode(&text).ok_or_else(|| self.error(format!("`{key}` holds {text:?}")))?;
+                    decided = Some(decode(self.store.set_once(&key, &s.quorum.next(members).encode())?)?);
                 }
                 Decision::Fail(why) => return Err(self.error(format!("no quorum for step {step}: {why}"))),
             }
@@ -182,6 +190,20 @@ impl Manager {
         Ok(decided)
     }
 
+    /// After a step the quorum committed: the next round keeps its members with no meeting of its own (a member
+    /// lost meanwhile fails a collective of the next step, whose vote discards it and forms a new quorum), so a
+    /// step costs the ranks one agreement, the vote.
+    pub fn keep_quorum(&self) {
+        let mut s = self.state();
+        s.round += 1;
+        s.failed = None;
+    }
+
+    /// Half a heartbeat: how long a waiting rank blocks on the store before it looks at the heartbeats again.
+    fn half_beat(&self) -> Duration {
+        Duration::from_millis((self.config.heartbeat_ms / 2).max(1))
+    }
+
     /// The gloo group of the quorum's members at this rank's shard position (None for a quorum of one).
     fn group_of(&self, q: &Quorum) -> Result<Option<GlooComm>> {
         if q.members.len() < 2 {
@@ -193,46 +215,43 @@ impl Manager {
     }
 
     /// Votes on the current round's step (`ok`: this rank's collectives across the groups all succeeded) and
-    /// returns what every rank of the quorum agreed: commit only if every member rank voted for it; a vote
-    /// against, a member found lost, or `quorum_timeout` discards it. The first verdict written wins, so no two
-    /// ranks ever disagree.
+    /// returns what every rank of the quorum agreed: commit only if every member rank voted for it (the last
+    /// voter writes the verdict); a vote against, a member found lost, or `quorum_timeout` discards it. The
+    /// first verdict written wins, so no two ranks ever disagree.
     pub fn vote(&self, step: u64) -> Result<Verdict> {
         let mut s = self.state();
         let round = s.round - 1;
         let prefix = &self.prefix;
-        let ok = s.failed.is_none();
-        if let Some(why) = &s.failed {
-            tracing::warn!(step, "a collective across the replica groups failed: {why}; the step is discarded");
-        }
-        self.store.add(&format!("{prefix}vote/{round}/{}", if ok { "yes" } else { "no" }), 1)?;
-        let (yes_key, no_key) = (format!("{prefix}vote/{round}/yes"), format!("{prefix}vote/{round}/no"));
-        let voters = (s.quorum.members.len() * self.place.shard_size) as i64;
         let verdict_key = format!("{prefix}verdict/{round}");
+        let voters = (s.quorum.members.len() * self.place.shard_size) as i64;
         let started = Instant::now();
         let timeout = Duration::from_secs_f64(self.config.quorum_timeout);
-        let proposal = loop {
-            if let Some(v) = self.store.get(&verdict_key)? {
-                break v;
+        let mut proposal = match &s.failed {
+            Some(why) => {
+                tracing::warn!(step, "a collective across the replica groups failed: {why}; the step is discarded");
+                Some("discard")
             }
-            if self.store.add(&no_key, 0)? > 0 {
-                break "discard".into();
+            None if self.store.add(&format!("{prefix}vote/{round}/yes"), 1)? == voters => Some("commit"),
+            None => None,
+        };
+        let verdict = loop {
+            if let Some(p) = proposal.take() {
+                break self.store.set_once(&verdict_key, p)?;
             }
-            if self.store.add(&yes_key, 0)? == voters {
-                break "commit".into();
+            if self.store.wait(&verdict_key, self.half_beat())? {
+                break self.store.get(&verdict_key)?.unwrap_or_default();
             }
             self.look(&mut s)?;
             let healthy = self.healthy(&s);
             if let Some(lost) = s.quorum.members.iter().find(|g| !healthy.contains(g)) {
                 tracing::warn!(step, "replica group {lost} stopped heartbeating during step {step}");
-                break "discard".into();
-            }
-            if started.elapsed() >= timeout {
+                proposal = Some("discard");
+            } else if started.elapsed() >= timeout {
                 tracing::warn!(step, "the vote on step {step} waited `quorum_timeout` for the members' votes");
-                break "discard".into();
+                proposal = Some("discard");
             }
-            std::thread::sleep(POLL);
         };
-        let verdict = self.store.set_once(&verdict_key, &proposal)?;
+        tracing::debug!(round, step, verdict, "vote in {:?}", started.elapsed());
         Ok(if verdict == "commit" { Verdict::Commit } else { Verdict::Discard })
     }
 

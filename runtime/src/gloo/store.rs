@@ -106,6 +106,17 @@ impl TcpStore {
         Ok((found != 0).then(|| text(&out)))
     }
 
+    /// Waits at most `timeout` for `key` to have a value; whether it has.
+    pub fn wait(&self, key: &str, timeout: Duration) -> CommResult<bool> {
+        let k = c_string(key);
+        let mut ready: c_int = 0;
+        // SAFETY: valid C string, an out pointer and an error buffer alive for the call.
+        self.call("store wait", key, |e, l| unsafe {
+            zr_store_wait(self.store, k.as_ptr(), timeout.as_millis() as i64, &mut ready, e, l)
+        })?;
+        Ok(ready != 0)
+    }
+
     /// Sets `key` to `value` unless it has a value already; returns the value it holds afterwards (the first
     /// writer's, whoever that was).
     pub fn set_once(&self, key: &str, value: &str) -> CommResult<String> {
