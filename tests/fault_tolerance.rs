@@ -1,8 +1,9 @@
-//! Replica groups that survive one another (`fault_tolerance`): four rank processes of the MLP example on gloo,
-//! two shard groups of two (`mics_shard_size` 2). The second group's ranks are SIGKILLed after step 4 of 12: the
-//! first group's ranks (the same processes) discard the step the loss broke, redo it with the whole global batch
-//! split over themselves, and end with the weights of the elastic reference (4 ranks to step 4, then 2 ranks from
-//! that checkpoint). Without a failure the run equals the plain one.
+//! Replica groups that survive one another (`fault_tolerance`): the MLP example on four ranks, two shard groups of
+//! two (`mics_shard_size` 2). Two `zerorun launch --fault-tolerant` launchers on loopback as two hosts of two
+//! ranks: host 1 (its launcher and ranks) is SIGKILLed after step 4 of 12, and host 0's ranks (the same
+//! processes) discard the step the loss broke, redo it with the whole global batch split over themselves, and end
+//! with the weights of the elastic reference (4 ranks to step 4, then 2 ranks from that checkpoint). Without a
+//! failure the run (four rank processes started by hand) equals the plain one.
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::Instant;
@@ -11,6 +12,9 @@ use tch::Tensor;
 
 #[path = "common/examples.rs"]
 mod examples;
+#[path = "common/processes.rs"]
+mod processes;
+use processes::children_running;
 
 const STEPS: &str = "12";
 
@@ -93,48 +97,70 @@ fn assert_close(a: &std::path::Path, b: &std::path::Path, tol: f64) {
     }
 }
 
+/// Node `node` of two (`zerorun launch --fault-tolerant`, 2 ranks each, gloo across the two "hosts" on
+/// loopback), rank 0 sleeping `slow_ms` per micro-batch so that the run lasts a few seconds.
+fn node(dir: &std::path::Path, node: usize, port: u16, slow_ms: u64) -> Child {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_zerorun"));
+    cmd.args(["launch", "--fault-tolerant", "--nnodes", "2", "--node-rank", &node.to_string()]).args([
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        &port.to_string(),
+        "--",
+    ]);
+    mlp(&mut cmd, dir, "ft.json", STEPS, "ft.safetensors");
+    cmd.args(["--slow-rank", "0", "--slow-ms", &slow_ms.to_string()]).env("RUST_LOG", "zerorun=info");
+    cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap()
+}
+
 #[test]
-fn a_lost_replica_group_leaves_and_the_others_go_on_to_the_elastic_reference_without_a_restart() {
+fn a_lost_host_leaves_and_the_other_goes_on_to_the_elastic_reference_without_a_restart() {
     let _turn = one_job_at_a_time();
     let dir = temp_dir("lost");
-    let (port, exe) = (free_port(), examples::example("mlp"));
-    let mut ranks: Vec<Child> = (0..4).map(|r| rank(&exe, &dir, r, port, 60)).collect();
-    let pids: Vec<u32> = ranks.iter().map(Child::id).collect();
-    // Rank 0 prints `step N loss X`; after step 4 the second group's ranks are killed at once.
-    let stdout = BufReader::new(ranks[0].stdout.take().unwrap());
-    let mut lines = stdout.lines();
+    let port = free_port();
+    let (mut node0, node1) = (node(&dir, 0, port, 60), node(&dir, 1, port, 60));
+    // Rank 0 prints `step N loss X`; after step 4 host 1 goes: its launcher and its ranks at once.
+    let mut lines = BufReader::new(node0.stdout.take().unwrap()).lines();
     let mut seen = Vec::new();
     for line in lines.by_ref() {
         let line = line.unwrap();
         seen.push(line.clone());
-        if line.starts_with("step 4 ") {
+        if line.contains("] step 4 ") {
             break;
         }
     }
+    let survivors = children_running(node0.id() as i32, "examples/mlp");
+    let lost = children_running(node1.id() as i32, "examples/mlp");
+    assert_eq!((survivors.len(), lost.len()), (2, 2), "{survivors:?} {lost:?}");
     let killed_at = Instant::now();
-    for pid in &pids[2..] {
-        unsafe { libc::kill(*pid as i32, libc::SIGKILL) };
+    for pid in lost.iter().copied().chain([node1.id() as i32]) {
+        unsafe { libc::kill(pid, libc::SIGKILL) };
     }
+    let _ = node1.wait_with_output();
     let mut next_step_at = None;
     for line in lines {
         let line = line.unwrap();
-        if next_step_at.is_none() && line.starts_with("step 5 ") {
+        if next_step_at.is_none() && line.contains("] step 5 ") {
             next_step_at = Some(killed_at.elapsed());
+        }
+        if line.contains("] step 8 ") {
+            // The same processes, not restarted ones.
+            assert_eq!(children_running(node0.id() as i32, "examples/mlp"), survivors);
         }
         seen.push(line);
     }
-    let mut errs = Vec::new();
-    for (r, child) in ranks.into_iter().enumerate() {
-        let out = child.wait_with_output().unwrap();
-        let err = String::from_utf8_lossy(&out.stderr).into_owned();
-        if r < 2 {
-            assert!(out.status.success(), "rank {r} (pid {}) failed:\n{err}\n{}", pids[r], seen.join("\n"));
-        }
-        errs.push(err);
-    }
-    assert!(seen.iter().any(|l| l.starts_with("step 12 ")), "{}", seen.join("\n"));
-    assert!(errs[0].contains("replica group 1 lost at step 5"), "{}", errs[0]);
-    assert!(errs[0].contains("continuing with 1 of 2 replica groups"), "{}", errs[0]);
+    let out = node0.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "node 0: {err}\n{}", seen.join("\n"));
+    assert!(seen.iter().any(|l| l.contains("] step 12 ")), "{}", seen.join("\n"));
+    assert!(err.contains("replica group 1 lost at step 5"), "{err}");
+    assert!(err.contains("continuing with 1 of 2 replica groups"), "{err}");
+    assert!(
+        err.contains("node 1 (") && err.contains("was lost (its launcher disconnected); the other nodes go on"),
+        "{err}"
+    );
     eprintln!("from the kill to step 5 committed: {next_step_at:?}");
 
     // The elastic reference: 4 ranks to step 4, then 2 ranks from its checkpoint (the same samples per step).
@@ -144,6 +170,21 @@ fn a_lost_replica_group_leaves_and_the_others_go_on_to_the_elastic_reference_wit
     single(&dir, "2", STEPS, "reference.safetensors", &["--checkpoint-dir", ck.to_str().unwrap(), "--resume"]);
     assert_close(&dir.join("ft.safetensors"), &dir.join("reference.safetensors"), 1e-5);
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn the_launcher_refuses_what_would_stop_the_survivors() {
+    let refused = |extra: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_zerorun"))
+            .args(["launch", "--fault-tolerant", "--nproc-per-node", "2"])
+            .args(extra)
+            .args(["--", "true"])
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    assert!(refused(&["--max-restarts", "1"]).contains("--fault-tolerant with --max-restarts"));
 }
 
 #[test]

@@ -111,6 +111,12 @@ pub struct LaunchArgs {
     /// 0 turns the heartbeat off. Default: 1800, as `comms_timeout`.
     #[arg(long, value_name = "SECONDS", default_value_t = 1800.0)]
     pub heartbeat_timeout: f64,
+    /// For a program whose config enables `fault_tolerance`: a failed rank (or a lost node) does not stop the
+    /// others, which go on without its replica group (a rank whose group broke ends on its own). The job succeeds
+    /// when the ranks of node 0 (which hosts the store) do; the failures are reported. A lost group is not
+    /// restarted yet: not with --max-restarts.
+    #[arg(long)]
+    pub fault_tolerant: bool,
     /// The program and its arguments.
     #[arg(last = true, required = true)]
     pub command: Vec<String>,
@@ -130,6 +136,11 @@ impl LaunchArgs {
 
 pub fn run(mut args: LaunchArgs) -> Result<(), CliError> {
     if let Some(hostfile) = args.hostfile.clone() {
+        if args.fault_tolerant {
+            return Err(CliError::Usage(
+                "--fault-tolerant with --hostfile: the ssh driver stops every host when one fails; start one `zerorun launch --fault-tolerant --nnodes N --node-rank I` per host instead".into(),
+            ));
+        }
         return super::launch_ssh::run(args, &hostfile);
     }
     for (flag, given) in [
@@ -146,6 +157,11 @@ pub fn run(mut args: LaunchArgs) -> Result<(), CliError> {
     // Inside a Slurm job: in a batch script, one launcher per node through srun; as one of srun's tasks (one per
     // node), this node's place from Slurm.
     if let Some(job) = super::launch_slurm::settle(&mut args)? {
+        if args.fault_tolerant {
+            return Err(CliError::Usage(
+                "--fault-tolerant in a batch script: srun's --kill-on-bad-exit stops every node when one fails; run one `srun --ntasks-per-node=1 zerorun launch --fault-tolerant ...` step yourself, without --kill-on-bad-exit".into(),
+            ));
+        }
         return job.run(&args);
     }
     let Some(n) = args.nproc_per_node else {
@@ -153,6 +169,11 @@ pub fn run(mut args: LaunchArgs) -> Result<(), CliError> {
     };
     if n == 0 {
         return Err(CliError::Usage("--nproc-per-node must be >= 1".into()));
+    }
+    if args.fault_tolerant && args.max_restarts > 0 {
+        return Err(CliError::Usage(
+            "--fault-tolerant with --max-restarts: a lost replica group is not restarted yet (it would have to heal from a live group's state); the other groups go on without it".into(),
+        ));
     }
     let elastic = args.nnodes.min < args.nnodes.max;
     if !elastic && args.node_rank >= args.nnodes.max {

@@ -110,19 +110,19 @@ impl Coordinator {
             source: e,
         })?;
         let hub = Arc::new(Mutex::new(Hub::default()));
-        let ranks_per_node = args.ranks_per_node();
+        let (ranks_per_node, fault_tolerant) = (args.ranks_per_node(), args.fault_tolerant);
         let accepting = hub.clone();
         std::thread::spawn(move || {
             for stream in listener.incoming().flatten() {
                 let hub = accepting.clone();
-                std::thread::spawn(move || Coordinator::welcome(hub, stream, ranks_per_node));
+                std::thread::spawn(move || Coordinator::welcome(hub, stream, ranks_per_node, fault_tolerant));
             }
         });
         Ok(Coordinator { hub, ranks_per_node })
     }
 
     /// Reads a node's `JOIN`, queues it for the next round, then reads its lines until it goes.
-    fn welcome(hub: Arc<Mutex<Hub>>, mut stream: TcpStream, ranks_per_node: usize) {
+    fn welcome(hub: Arc<Mutex<Hub>>, mut stream: TcpStream, ranks_per_node: usize, fault_tolerant: bool) {
         let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
         let Ok(reader) = stream.try_clone() else { return };
         let mut lines = BufReader::new(reader).lines();
@@ -165,7 +165,13 @@ impl Coordinator {
         let mut h = lock(&hub);
         h.waiting.remove(&id);
         if let Some(m) = h.members.remove(&id) {
-            if m.report.is_none() {
+            if m.report.is_none() && fault_tolerant {
+                eprintln!(
+                    "zerorun launch: node {} ({host}) was lost (its launcher disconnected); the other nodes go on (--fault-tolerant)",
+                    m.index
+                );
+                h.lost.push(id);
+            } else if m.report.is_none() {
                 let failure = RemoteFailure {
                     rank: m.index * ranks_per_node,
                     node: m.index,
@@ -280,6 +286,12 @@ impl Coordinator {
             let own = run_round(args, backend, round, stop, Some(&peers));
             let others = self.reports();
             let message = match (own, others.is_empty()) {
+                (Ok(()), false) if args.fault_tolerant => {
+                    // The job went on without them: what they said, not a failure of the job.
+                    eprintln!("zerorun launch: the job ended without some replica groups: {}", others.join("; "));
+                    self.exit_all("EXIT 0");
+                    return Ok(());
+                }
                 (Ok(()), true) => {
                     self.exit_all("EXIT 0");
                     return Ok(());

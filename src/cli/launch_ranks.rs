@@ -265,7 +265,20 @@ pub fn run_round(
                 }
             }
         }
-        if failed.is_none() {
+        if args.fault_tolerant {
+            // The replica groups go on without the rank's: nothing is stopped, nothing reported as a failure.
+            for &(i, s) in ended.iter().filter(|(_, s)| !s.success()) {
+                let name = if multi_node {
+                    format!("rank {} (node {}, host {})", first_rank + i, round.node, this_host())
+                } else {
+                    format!("rank {}", first_rank + i)
+                };
+                eprintln!(
+                    "zerorun launch: {name} {}: its replica group leaves; the other ranks go on (--fault-tolerant)",
+                    describe_rank(&hung, i, s)
+                );
+            }
+        } else if failed.is_none() {
             let bad = ended.iter().filter(|(_, s)| !s.success());
             if let Some(&(i, s)) = bad.clone().find(|(_, s)| s.signal().is_some()).or(bad.clone().next()) {
                 failed = Some((i, s, Instant::now()));
@@ -274,7 +287,11 @@ pub fn run_round(
                 }
             }
         }
-        if failed.is_none() && remote_stop.is_none() && peers.is_some_and(|l| l.remote_failure().is_some()) {
+        if !args.fault_tolerant
+            && failed.is_none()
+            && remote_stop.is_none()
+            && peers.is_some_and(|l| l.remote_failure().is_some())
+        {
             remote_stop = Some(Instant::now());
         }
         if ranks.iter().all(|r| r.status.is_some()) {
@@ -331,8 +348,23 @@ pub fn run_round(
         }
     }
     std::thread::sleep(Duration::from_millis(50)); // let the pumps flush the last lines
-                                                   // A rank here that exited with an error may have seen a peer on another node die: give that node's report a
-                                                   // moment to arrive, and name the failure that came first.
+    if args.fault_tolerant && !forwarded {
+        // The node's part succeeded if any of its ranks did (node 0's rank 0 decides the job's, at node 0).
+        let failed: Vec<String> = ranks
+            .iter()
+            .enumerate()
+            .filter_map(|(i, r)| {
+                r.status
+                    .filter(|s| !s.success())
+                    .map(|s| format!("rank {} {}", first_rank + i, describe_rank(&hung, i, s)))
+            })
+            .collect();
+        let done = ranks.iter().any(|r| r.status.is_some_and(|s| s.success()))
+            && (round.node != 0 || ranks[0].status.is_some_and(|s| s.success()));
+        return if done { Ok(()) } else { Err(Failure::of(failed.join("; "))) };
+    }
+    // A rank here that exited with an error may have seen a peer on another node die: give that node's report a
+    // moment to arrive, and name the failure that came first.
     if let (Some(peers), Some((_, status, _))) = (peers, failed) {
         let start = Instant::now();
         while status.signal().is_none() && peers.remote_failure().is_none() && start.elapsed() < GRACE {
