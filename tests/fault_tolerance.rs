@@ -6,7 +6,7 @@
 //! failure the run (four rank processes started by hand) equals the plain one.
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tch::Tensor;
 
@@ -26,6 +26,9 @@ fn one_job_at_a_time() -> std::sync::MutexGuard<'static, ()> {
     JOBS.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 const BASE: &str = r#""train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "optimizer": {"type": "AdamW", "params": {"lr": 0.003}}, "zero_optimization": {"stage": 3, "mics_shard_size": 2}"#;
+
+/// The fault-tolerant config: [`BASE`] with the section, heartbeats every 40 ms (a group silent for 0.2 s is lost).
+const FT_CONFIG: &str = r#"{"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "optimizer": {"type": "AdamW", "params": {"lr": 0.003}}, "zero_optimization": {"stage": 3, "mics_shard_size": 2}, "fault_tolerance": {"enabled": true, "heartbeat_ms": 40, "quorum_timeout": 20}}"#;
 
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
@@ -97,11 +100,11 @@ fn assert_close(a: &std::path::Path, b: &std::path::Path, tol: f64) {
     }
 }
 
-/// Node `node` of two (`zerorun launch --fault-tolerant`, 2 ranks each, gloo across the two "hosts" on
-/// loopback), rank 0 sleeping `slow_ms` per micro-batch so that the run lasts a few seconds.
-fn node(dir: &std::path::Path, node: usize, port: u16, slow_ms: u64) -> Child {
+/// Node `node` of `nodes` (`zerorun launch --fault-tolerant`, 2 ranks each, gloo across the "hosts" on loopback),
+/// rank 0 sleeping `slow_ms` per micro-batch so that the run lasts a few seconds.
+fn node(dir: &std::path::Path, config: &str, nodes: usize, node: usize, port: u16, slow_ms: u64) -> Child {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_zerorun"));
-    cmd.args(["launch", "--fault-tolerant", "--nnodes", "2", "--node-rank", &node.to_string()]).args([
+    cmd.args(["launch", "--fault-tolerant", "--nnodes", &nodes.to_string(), "--node-rank", &node.to_string()]).args([
         "--nproc-per-node",
         "2",
         "--master-addr",
@@ -110,19 +113,17 @@ fn node(dir: &std::path::Path, node: usize, port: u16, slow_ms: u64) -> Child {
         &port.to_string(),
         "--",
     ]);
-    mlp(&mut cmd, dir, "ft.json", STEPS, "ft.safetensors");
+    mlp(&mut cmd, dir, config, STEPS, "ft.safetensors");
     cmd.args(["--slow-rank", "0", "--slow-ms", &slow_ms.to_string()]).env("RUST_LOG", "zerorun=info");
     cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap()
 }
 
-#[test]
-fn a_lost_host_leaves_and_the_other_goes_on_to_the_elastic_reference_without_a_restart() {
-    let _turn = one_job_at_a_time();
-    let dir = temp_dir("lost");
+/// `nodes` hosts of 2 ranks, one replica group each; host `lost` (its launcher and ranks) SIGKILLed after step 4.
+/// Host 0's launcher's stdout lines and stderr, and how long from the kill to step 5's line.
+fn lose_a_host(dir: &std::path::Path, config: &str, nodes: usize, lost: usize) -> (Vec<String>, String, Duration) {
     let port = free_port();
-    let (mut node0, node1) = (node(&dir, 0, port, 60), node(&dir, 1, port, 60));
-    // Rank 0 prints `step N loss X`; after step 4 host 1 goes: its launcher and its ranks at once.
-    let mut lines = BufReader::new(node0.stdout.take().unwrap()).lines();
+    let mut hosts: Vec<Child> = (0..nodes).map(|n| node(dir, config, nodes, n, port, 60)).collect();
+    let mut lines = BufReader::new(hosts[0].stdout.take().unwrap()).lines();
     let mut seen = Vec::new();
     for line in lines.by_ref() {
         let line = line.unwrap();
@@ -131,29 +132,51 @@ fn a_lost_host_leaves_and_the_other_goes_on_to_the_elastic_reference_without_a_r
             break;
         }
     }
-    let survivors = children_running(node0.id() as i32, "examples/mlp");
-    let lost = children_running(node1.id() as i32, "examples/mlp");
-    assert_eq!((survivors.len(), lost.len()), (2, 2), "{survivors:?} {lost:?}");
+    let survivors = children_running(hosts[0].id() as i32, "examples/mlp");
+    let doomed = children_running(hosts[lost].id() as i32, "examples/mlp");
+    assert_eq!((survivors.len(), doomed.len()), (2, 2), "{survivors:?} {doomed:?}");
     let killed_at = Instant::now();
-    for pid in lost.iter().copied().chain([node1.id() as i32]) {
+    for pid in doomed.iter().copied().chain([hosts[lost].id() as i32]) {
         unsafe { libc::kill(pid, libc::SIGKILL) };
     }
-    let _ = node1.wait_with_output();
-    let mut next_step_at = None;
+    let mut next_step_at = Duration::MAX;
     for line in lines {
         let line = line.unwrap();
-        if next_step_at.is_none() && line.contains("] step 5 ") {
-            next_step_at = Some(killed_at.elapsed());
+        if next_step_at == Duration::MAX && line.contains("] step 5 ") {
+            next_step_at = killed_at.elapsed();
         }
         if line.contains("] step 8 ") {
             // The same processes, not restarted ones.
-            assert_eq!(children_running(node0.id() as i32, "examples/mlp"), survivors);
+            assert_eq!(children_running(hosts[0].id() as i32, "examples/mlp"), survivors);
         }
         seen.push(line);
     }
-    let out = node0.wait_with_output().unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "node 0: {err}\n{}", seen.join("\n"));
+    let mut err = String::new();
+    for (n, host) in hosts.into_iter().enumerate() {
+        let out = host.wait_with_output().unwrap();
+        if n == 0 {
+            err = String::from_utf8_lossy(&out.stderr).into_owned();
+            assert!(out.status.success(), "node 0: {err}\n{}", seen.join("\n"));
+        } else if n != lost {
+            assert!(out.status.success(), "node {n}: {}", String::from_utf8_lossy(&out.stderr));
+        }
+    }
+    (seen, err, next_step_at)
+}
+
+/// The elastic reference of a run at `before` ranks to step 4 and `after` ranks from there, into `reference`.
+fn elastic_reference(dir: &std::path::Path, before: &str, after: &str) {
+    let ck = dir.join("reference-ck");
+    let ck_args = ["--checkpoint-dir", ck.to_str().unwrap(), "--save-every", "4"];
+    single(dir, before, "4", "first.safetensors", &ck_args);
+    single(dir, after, STEPS, "reference.safetensors", &["--checkpoint-dir", ck.to_str().unwrap(), "--resume"]);
+}
+
+#[test]
+fn a_lost_host_leaves_and_the_other_goes_on_to_the_elastic_reference_without_a_restart() {
+    let _turn = one_job_at_a_time();
+    let dir = temp_dir("lost");
+    let (seen, err, next_step_at) = lose_a_host(&dir, "ft.json", 2, 1);
     assert!(seen.iter().any(|l| l.contains("] step 12 ")), "{}", seen.join("\n"));
     assert!(err.contains("replica group 1 lost at step 5"), "{err}");
     assert!(err.contains("continuing with 1 of 2 replica groups"), "{err}");
@@ -161,14 +184,73 @@ fn a_lost_host_leaves_and_the_other_goes_on_to_the_elastic_reference_without_a_r
         err.contains("node 1 (") && err.contains("was lost (its launcher disconnected); the other nodes go on"),
         "{err}"
     );
-    eprintln!("from the kill to step 5 committed: {next_step_at:?}");
-
-    // The elastic reference: 4 ranks to step 4, then 2 ranks from its checkpoint (the same samples per step).
-    let ck = dir.join("reference-ck");
-    let ck_args = ["--checkpoint-dir", ck.to_str().unwrap(), "--save-every", "4"];
-    single(&dir, "4", "4", "first.safetensors", &ck_args);
-    single(&dir, "2", STEPS, "reference.safetensors", &["--checkpoint-dir", ck.to_str().unwrap(), "--resume"]);
+    eprintln!("2 hosts, host 1 lost: from the kill to step 5 committed: {next_step_at:?}");
+    elastic_reference(&dir, "4", "2");
     assert_close(&dir.join("ft.safetensors"), &dir.join("reference.safetensors"), 1e-5);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn three_hosts_lose_the_middle_one_and_the_two_left_go_on_to_the_elastic_reference() {
+    let _turn = one_job_at_a_time();
+    let dir = temp_dir("three");
+    // 12 rows a step: 2 ranks of 6 micro-batches, 4 of 3, 6 of 2.
+    std::fs::write(
+        dir.join("ft3.json"),
+        FT_CONFIG.replace(
+            r#""train_batch_size": 8, "train_micro_batch_size_per_gpu": 2"#,
+            r#""train_batch_size": 12, "train_micro_batch_size_per_gpu": 1"#,
+        ),
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("plain.json"),
+        format!(
+            "{{{}}}",
+            BASE.replace(
+                r#""train_batch_size": 8, "train_micro_batch_size_per_gpu": 2"#,
+                r#""train_batch_size": 12, "train_micro_batch_size_per_gpu": 1"#
+            )
+        ),
+    )
+    .unwrap();
+    let (seen, err, next_step_at) = lose_a_host(&dir, "ft3.json", 3, 1);
+    assert!(seen.iter().any(|l| l.contains("] step 12 ")), "{}", seen.join("\n"));
+    assert!(err.contains("replica group 1 lost at step 5"), "{err}");
+    assert!(err.contains("continuing with 2 of 3 replica groups"), "{err}");
+    eprintln!("3 hosts, host 1 lost: from the kill to step 5 committed: {next_step_at:?}");
+    elastic_reference(&dir, "6", "4");
+    assert_close(&dir.join("ft.safetensors"), &dir.join("reference.safetensors"), 1e-5);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn below_min_replicas_the_groups_left_stop_naming_the_key_instead_of_hanging() {
+    let _turn = one_job_at_a_time();
+    let dir = temp_dir("min");
+    std::fs::write(
+        dir.join("ft-min.json"),
+        FT_CONFIG.replace(r#""quorum_timeout": 20"#, r#""quorum_timeout": 2, "min_replicas": 2"#),
+    )
+    .unwrap();
+    let port = free_port();
+    let mut hosts: Vec<Child> = (0..2).map(|n| node(&dir, "ft-min.json", 2, n, port, 60)).collect();
+    let mut lines = BufReader::new(hosts[0].stdout.take().unwrap()).lines();
+    for line in lines.by_ref() {
+        if line.unwrap().contains("] step 3 ") {
+            break;
+        }
+    }
+    let doomed = children_running(hosts[1].id() as i32, "examples/mlp");
+    for pid in doomed.iter().copied().chain([hosts[1].id() as i32]) {
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+    }
+    let started = Instant::now();
+    let out = hosts.remove(0).wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("no quorum for step 4") && err.contains("`fault_tolerance.min_replicas` is 2"), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(30), "stopped after {:?}", started.elapsed());
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
