@@ -255,6 +255,79 @@ fn below_min_replicas_the_groups_left_stop_naming_the_key_instead_of_hanging() {
 }
 
 #[test]
+fn a_restarted_group_heals_from_a_live_one_and_rejoins_with_nothing_lost() {
+    let _turn = one_job_at_a_time();
+    let dir = temp_dir("heal");
+    let port = free_port();
+    let start = |n: usize| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_zerorun"));
+        cmd.args(["launch", "--fault-tolerant", "--max-restarts", "1", "--nnodes", "2", "--node-rank", &n.to_string()])
+            .args(["--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", &port.to_string(), "--"]);
+        mlp(&mut cmd, &dir, "ft.json", "16", "ft.safetensors");
+        cmd.args(["--slow-rank", "0", "--slow-ms", "100"]).env("RUST_LOG", "zerorun=info");
+        cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap()
+    };
+    let (mut node0, node1) = (start(0), start(1));
+    let mut lines = BufReader::new(node0.stdout.take().unwrap()).lines();
+    let mut seen = Vec::new();
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        seen.push(line.clone());
+        if line.contains("] step 4 ") {
+            break;
+        }
+    }
+    // Host 1's ranks die; its launcher lives and starts them again.
+    let doomed = children_running(node1.id() as i32, "examples/mlp");
+    assert_eq!(doomed.len(), 2, "node 1's ranks: {doomed:?}");
+    for pid in doomed {
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+    }
+    seen.extend(lines.map(Result::unwrap));
+    let (out0, out1) = (node0.wait_with_output().unwrap(), node1.wait_with_output().unwrap());
+    let (err0, err1) = (String::from_utf8_lossy(&out0.stderr), String::from_utf8_lossy(&out1.stderr));
+    assert!(out0.status.success(), "node 0: {err0}\n{}", seen.join("\n"));
+    assert!(out1.status.success(), "node 1: {err1}");
+    assert!(err1.contains("restarting node 1's ranks (1 of 1) to rejoin the job"), "{err1}");
+    assert!(err0.contains("replica group 1 lost at step 5"), "{err0}");
+    // The step the restarted group took part in first: the survivors say when it rejoined.
+    let rejoined: u64 = err0
+        .split("replica group 1 rejoins at step ")
+        .nth(1)
+        .and_then(|rest| rest.split(|c: char| !c.is_ascii_digit()).next())
+        .and_then(|k| k.parse().ok())
+        .unwrap_or_else(|| panic!("no rejoin in node 0's log: {err0}"));
+    assert!(err0.contains("group 1 healed from group 0 at step"), "{err0}");
+    assert!((6..=16).contains(&rejoined), "rejoined at step {rejoined}");
+    eprintln!("the restarted group rejoined at step {rejoined}");
+    for l in err0.lines().chain(err1.lines()).filter(|l| {
+        l.contains("heal")
+            || l.contains("rejoin")
+            || l.contains("lost")
+            || l.contains("restarting")
+            || l.contains("continuing")
+    }) {
+        eprintln!("{l}");
+    }
+
+    // The reference: 4 ranks to step 4, 2 ranks to the step before the rejoin, 4 ranks from there.
+    let ck = dir.join("reference-ck");
+    let ck = ck.to_str().unwrap();
+    let last_alone = (rejoined - 1).to_string();
+    single(&dir, "4", "4", "first.safetensors", &["--checkpoint-dir", ck, "--save-every", "4"]);
+    single(
+        &dir,
+        "2",
+        &last_alone,
+        "second.safetensors",
+        &["--checkpoint-dir", ck, "--resume", "--save-every", &last_alone],
+    );
+    single(&dir, "4", "16", "reference.safetensors", &["--checkpoint-dir", ck, "--resume"]);
+    assert_close(&dir.join("ft.safetensors"), &dir.join("reference.safetensors"), 1e-5);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
 fn the_launcher_refuses_what_would_stop_the_survivors() {
     let refused = |extra: &[&str]| {
         let out = Command::new(env!("CARGO_BIN_EXE_zerorun"))
@@ -266,7 +339,7 @@ fn the_launcher_refuses_what_would_stop_the_survivors() {
         assert!(!out.status.success());
         String::from_utf8_lossy(&out.stderr).into_owned()
     };
-    assert!(refused(&["--max-restarts", "1"]).contains("--fault-tolerant with --max-restarts"));
+    assert!(refused(&["--max-restarts", "1"]).contains("--fault-tolerant with --max-restarts restarts a node's ranks"));
 }
 
 #[test]

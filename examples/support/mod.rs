@@ -330,6 +330,11 @@ impl Progress {
 /// --max-restarts`). Rank 0 says which (`resumed from step K at world size W`).
 pub fn resume(args: &CommonArgs, engine: &mut Engine) -> Result<u64, String> {
     let (rank, world) = (engine.rank(), engine.world_size());
+    // A fault-tolerant job's restarted replica group: `initialize` healed it from a live group, at that group's step.
+    if engine.global_steps() > 0 {
+        println!("rank {rank} healed from a live replica group: continuing at step {}", engine.global_steps());
+        return Ok(engine.global_steps());
+    }
     resume_with(args, rank == 0, world, |dir| {
         engine.load_latest_intact_checkpoint(dir).map_err(|e| e.to_string())?;
         Ok(engine.global_steps())

@@ -320,22 +320,6 @@ int zr_store_get(void* store, const char* key, char* out, size_t out_len, int* f
   });
 }
 
-// Waits up to `timeout_ms` for `key` to have a value: `*ready` = 1 when it has, 0 when the time ran out (not an
-// error: the caller looks at the heartbeats and waits again); a lost store is an error.
-int zr_store_wait(void* store, const char* key, int64_t timeout_ms, int* ready, char* err, size_t err_len) {
-  auto s = static_cast<c10d::TCPStore*>(store);
-  return guarded(err, err_len, [&] {
-    *ready = 0;
-    try {
-      s->wait({std::string(key)}, std::chrono::milliseconds(timeout_ms));
-      *ready = 1;
-    } catch (const c10::Error& e) {
-      std::string what = e.what();
-      if (what.find("imeout") == std::string::npos && what.find("timed out") == std::string::npos) throw;
-    }
-  });
-}
-
 // Sets `key` to `desired` if it has no value yet; `out` gets the value it holds afterwards (the first writer's).
 int zr_store_set_once(void* store, const char* key, const char* desired, char* out, size_t out_len, char* err,
                       size_t err_len) {

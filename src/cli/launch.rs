@@ -113,8 +113,10 @@ pub struct LaunchArgs {
     pub heartbeat_timeout: f64,
     /// For a program whose config enables `fault_tolerance`: a failed rank (or a lost node) does not stop the
     /// others, which go on without its replica group (a rank whose group broke ends on its own). The job succeeds
-    /// when the ranks of node 0 (which hosts the store) do; the failures are reported. A lost group is not
-    /// restarted yet: not with --max-restarts.
+    /// when the ranks of node 0 (which hosts the store) do; the failures are reported. With --max-restarts, a
+    /// node other than 0 whose rank fails stops its others and starts them again (its ranks are one replica
+    /// group, `mics_shard_size` = --nproc-per-node), up to that many times: they rejoin the running job and heal
+    /// from a live group's state (ZERORUN_FT_REJOIN tells them).
     #[arg(long)]
     pub fault_tolerant: bool,
     /// The program and its arguments.
@@ -170,9 +172,9 @@ pub fn run(mut args: LaunchArgs) -> Result<(), CliError> {
     if n == 0 {
         return Err(CliError::Usage("--nproc-per-node must be >= 1".into()));
     }
-    if args.fault_tolerant && args.max_restarts > 0 {
+    if args.fault_tolerant && args.max_restarts > 0 && args.nnodes.max == 1 {
         return Err(CliError::Usage(
-            "--fault-tolerant with --max-restarts: a lost replica group is not restarted yet (it would have to heal from a live group's state); the other groups go on without it".into(),
+            "--fault-tolerant with --max-restarts restarts a node's ranks as one replica group: with one node its ranks are every group; start one launcher per group (--nnodes N --node-rank I)".into(),
         ));
     }
     let elastic = args.nnodes.min < args.nnodes.max;

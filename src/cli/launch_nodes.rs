@@ -305,7 +305,8 @@ impl Coordinator {
             };
             let lost = lock(&self.hub).lost.len();
             let first_line = message.lines().next().unwrap_or_default().to_string();
-            if args.max_restarts == 0 {
+            // Fault-tolerant: nodes restart their own ranks; node 0's failing ends the job (it holds the store).
+            if args.max_restarts == 0 || args.fault_tolerant {
                 self.exit_all(&format!("EXIT 1 {first_line}"));
                 return Err(CliError::Usage(message));
             }

@@ -195,53 +195,63 @@ pub fn run_round(
         let _ = std::fs::remove_dir_all(dir);
         std::fs::create_dir_all(dir).map_err(|e| io(format!("creating {}", dir.display()), e))?;
     }
-    let mut ranks = Vec::with_capacity(n);
-    for local in 0..n {
-        let rank = first_rank + local;
-        let mut cmd = Command::new(&args.command[0]);
-        cmd.args(&args.command[1..])
-            .env("RANK", rank.to_string())
-            .env("LOCAL_RANK", local.to_string())
-            .env("WORLD_SIZE", world.to_string())
-            .env("LOCAL_WORLD_SIZE", n.to_string())
-            .env("GROUP_RANK", round.node.to_string())
-            .env("MASTER_ADDR", args.master())
-            .env("MASTER_PORT", port.to_string())
-            .env("ZERORUN_BACKEND", backend)
-            .env("ZERORUN_RUN_ID", &run_id)
-            .env("ZERORUN_RESTART_COUNT", attempt.to_string())
-            .env("TORCHELASTIC_RESTART_COUNT", attempt.to_string())
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .process_group(0);
-        if let Some(d) = &memory_report {
-            cmd.env(zerorun_comm::env::MEMORY_REPORT_ENV, d);
-        }
-        if let Some(dir) = &heartbeats {
-            cmd.env(zerorun_comm::heartbeat::HEARTBEAT_ENV, dir.join(format!("rank{rank}")));
-        }
-        // Share the cores among the ranks unless the user chose.
-        for var in ["OMP_NUM_THREADS", "RAYON_NUM_THREADS", "MKL_NUM_THREADS"] {
-            if std::env::var_os(var).is_none() {
-                cmd.env(var, &threads);
+    // This node's ranks; `rejoin` = k for the k-th restart of a fault-tolerant node's replica group.
+    let spawn = |rejoin: usize| -> Result<Vec<Rank>, Failure> {
+        let mut ranks = Vec::with_capacity(n);
+        for local in 0..n {
+            let rank = first_rank + local;
+            let mut cmd = Command::new(&args.command[0]);
+            cmd.args(&args.command[1..])
+                .env("RANK", rank.to_string())
+                .env("LOCAL_RANK", local.to_string())
+                .env("WORLD_SIZE", world.to_string())
+                .env("LOCAL_WORLD_SIZE", n.to_string())
+                .env("GROUP_RANK", round.node.to_string())
+                .env("MASTER_ADDR", args.master())
+                .env("MASTER_PORT", port.to_string())
+                .env("ZERORUN_BACKEND", backend)
+                .env("ZERORUN_RUN_ID", &run_id)
+                .env("ZERORUN_RESTART_COUNT", attempt.to_string())
+                .env("TORCHELASTIC_RESTART_COUNT", attempt.to_string())
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .process_group(0);
+            if rejoin > 0 {
+                cmd.env(zerorun_comm::env::FAULT_TOLERANT_REJOIN_ENV, rejoin.to_string());
             }
-        }
-        let mut child = match cmd.spawn() {
-            Ok(c) => c,
-            Err(e) => {
-                for r in &ranks {
-                    let r: &Rank = r;
-                    signal_group(&r.child, libc::SIGKILL);
+            if let Some(d) = &memory_report {
+                cmd.env(zerorun_comm::env::MEMORY_REPORT_ENV, d);
+            }
+            if let Some(dir) = &heartbeats {
+                cmd.env(zerorun_comm::heartbeat::HEARTBEAT_ENV, dir.join(format!("rank{rank}")));
+            }
+            // Share the cores among the ranks unless the user chose.
+            for var in ["OMP_NUM_THREADS", "RAYON_NUM_THREADS", "MKL_NUM_THREADS"] {
+                if std::env::var_os(var).is_none() {
+                    cmd.env(var, &threads);
                 }
-                return Err(io(format!("starting rank {rank} ({})", args.command[0]), e));
             }
-        };
-        let tail = Arc::new(Mutex::new(VecDeque::new()));
-        pump(format!("[rank {rank}]"), child.stdout.take().expect("piped"), false, tail.clone(), TAIL);
-        pump(format!("[rank {rank}]"), child.stderr.take().expect("piped"), true, tail.clone(), TAIL);
-        ranks.push(Rank { child, tail, status: None });
-    }
+            let mut child = match cmd.spawn() {
+                Ok(c) => c,
+                Err(e) => {
+                    for r in &ranks {
+                        let r: &Rank = r;
+                        signal_group(&r.child, libc::SIGKILL);
+                    }
+                    return Err(io(format!("starting rank {rank} ({})", args.command[0]), e));
+                }
+            };
+            let tail = Arc::new(Mutex::new(VecDeque::new()));
+            pump(format!("[rank {rank}]"), child.stdout.take().expect("piped"), false, tail.clone(), TAIL);
+            pump(format!("[rank {rank}]"), child.stderr.take().expect("piped"), true, tail.clone(), TAIL);
+            ranks.push(Rank { child, tail, status: None });
+        }
+        Ok(ranks)
+    };
+    let mut ranks = spawn(0)?;
+    // A fault-tolerant node's restarts of its ranks so far, and when its group broke (its other ranks stop).
+    let (mut rejoins, mut group_broke): (usize, Option<Instant>) = (0, None);
 
     let mut failed: Option<(usize, ExitStatus, Instant)> = None;
     // Ranks the heartbeat found hung (and the launcher killed): how, instead of "killed by signal 9".
@@ -277,6 +287,11 @@ pub fn run_round(
                     "zerorun launch: {name} {}: its replica group leaves; the other ranks go on (--fault-tolerant)",
                     describe_rank(&hung, i, s)
                 );
+                // A node of its own replica group (not node 0, which holds the store): its other ranks stop,
+                // and all restart to rejoin, while restarts are left.
+                if multi_node && round.node != 0 && rejoins < args.max_restarts && group_broke.is_none() {
+                    group_broke = Some(Instant::now());
+                }
             }
         } else if failed.is_none() {
             let bad = ended.iter().filter(|(_, s)| !s.success());
@@ -295,6 +310,21 @@ pub fn run_round(
             remote_stop = Some(Instant::now());
         }
         if ranks.iter().all(|r| r.status.is_some()) {
+            if group_broke.take().is_some() {
+                rejoins += 1;
+                eprintln!(
+                    "zerorun launch: restarting node {}'s ranks ({rejoins} of {}) to rejoin the job (--fault-tolerant)",
+                    round.node, args.max_restarts
+                );
+                if let Some(dir) = &heartbeats {
+                    let _ = std::fs::remove_dir_all(dir);
+                    let _ = std::fs::create_dir_all(dir);
+                }
+                ranks = spawn(rejoins)?;
+                hung = vec![None; n];
+                termed = false;
+                continue;
+            }
             break;
         }
         if let (Some(dir), true) = (&heartbeats, heartbeat_checked.elapsed() >= Duration::from_millis(500)) {
@@ -317,7 +347,7 @@ pub fn run_round(
                 signal_group(&r.child, libc::SIGTERM);
             }
         }
-        if let Some(at) = failed.map(|f| f.2).or(remote_stop) {
+        if let Some(at) = failed.map(|f| f.2).or(remote_stop).or(group_broke) {
             if !termed && at.elapsed() >= GRACE {
                 termed = true;
                 for r in ranks.iter().filter(|r| r.status.is_none()) {

@@ -5,6 +5,10 @@ use std::time::Duration;
 pub use super::rank_info::{Backend, RankInfo};
 use super::{shm, threads, CommError, CommResult, Communicator};
 
+/// Set by `zerorun launch --fault-tolerant --max-restarts N` on the ranks of a replica group it restarted: k for
+/// the k-th restart. Such ranks rejoin the running job (its `fault_tolerance` section) instead of starting one.
+pub const FAULT_TOLERANT_REJOIN_ENV: &str = "ZERORUN_FT_REJOIN";
+
 /// Set by `zerorun launch --memory-report DIR` for its ranks: where the memory report goes.
 pub const MEMORY_REPORT_ENV: &str = "ZERORUN_MEMORY_REPORT";
 

@@ -539,6 +539,14 @@ impl Engine {
     /// MiCS (`mics_shard_size`): ZeRO over the mesh's shard group, its reduced gradients all-reduced across the
     /// replicas ([`DataGroups::of_mesh`]).
     fn on_shard_groups(vs: &nn::VarStore, config: Config, mesh: Mesh, options: EngineOptions) -> Result<Engine> {
+        // A fault-tolerant job's restarted group: its groups from the store, its values from a live group's.
+        if let (true, Some(k)) = (config.fault_tolerance.enabled, crate::fault_tolerance::incarnation()) {
+            let groups = super::fault_tolerant::rejoining_groups(&config, mesh.shape().shard, mesh.world(), k)?;
+            let DataGroups { shard, replicas, .. } = groups;
+            let mut engine = Engine::new_materialized(vs, config, shard, replicas, options, None)?;
+            super::fault_tolerant::rejoin(&mut engine, k)?;
+            return Ok(engine);
+        }
         Engine::on_data_groups(vs, config, DataGroups::of_mesh(mesh)?, options)
     }
 

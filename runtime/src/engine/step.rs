@@ -70,9 +70,8 @@ impl Engine {
             }
         }
         self.gradients.mark = self.gradient_fingerprint();
-        if let (Some(ft), false) = (&self.fault_tolerance, outcome == StepOutcome::Accumulating) {
-            let discarded = matches!(outcome, StepOutcome::Discarded { .. });
-            self.batch = ft.next_quorum(self.progress.global_steps + 1, discarded, &self.comm)?;
+        if outcome != StepOutcome::Accumulating {
+            crate::engine::fault_tolerant::after_step(self)?;
         }
         Ok(outcome)
     }

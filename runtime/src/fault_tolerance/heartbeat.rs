@@ -9,9 +9,13 @@ use std::time::{Duration, Instant};
 use crate::comm::CommResult;
 use crate::gloo::TcpStore;
 
-/// The key of rank `rank`'s heartbeat counter.
-pub(crate) fn beat_key(prefix: &str, rank: usize) -> String {
-    format!("{prefix}beat/{rank}")
+/// The key of rank `rank`'s heartbeat counter in its incarnation `k` (0: the job's first start; a restarted
+/// group's ranks beat apart, so their old counter stands still and the group is found lost before it rejoins).
+pub(crate) fn beat_key(prefix: &str, rank: usize, k: u64) -> String {
+    match k {
+        0 => format!("{prefix}beat/{rank}"),
+        k => format!("{prefix}beat/{rank}@{k}"),
+    }
 }
 
 /// The thread that bumps this rank's counter; it stops when dropped (or when the store is gone).
@@ -20,9 +24,9 @@ pub(crate) struct Heartbeat {
 }
 
 impl Heartbeat {
-    pub fn start(store: Arc<TcpStore>, prefix: &str, rank: usize, every: Duration) -> Heartbeat {
+    pub fn start(store: Arc<TcpStore>, prefix: &str, rank: usize, k: u64, every: Duration) -> Heartbeat {
         let stop = Arc::new(AtomicBool::new(false));
-        let (key, flag) = (beat_key(prefix, rank), stop.clone());
+        let (key, flag) = (beat_key(prefix, rank, k), stop.clone());
         std::thread::Builder::new()
             .name(format!("zerorun-heartbeat-{rank}"))
             .spawn(move || {
@@ -51,6 +55,8 @@ pub(crate) struct Liveness {
     timeout: Duration,
     /// Per rank: the counter last read and when it was first seen at that value.
     seen: Vec<(i64, Instant)>,
+    /// Per rank: the incarnation whose counter is read.
+    incarnations: Vec<u64>,
     /// Ranks found lost (they stay lost: a lost rank's group must heal before it counts again).
     lost: Vec<bool>,
 }
@@ -58,7 +64,13 @@ pub(crate) struct Liveness {
 impl Liveness {
     pub fn new(prefix: &str, ranks: usize, timeout: Duration) -> Liveness {
         let now = Instant::now();
-        Liveness { prefix: prefix.into(), timeout, seen: vec![(-1, now); ranks], lost: vec![false; ranks] }
+        Liveness {
+            prefix: prefix.into(),
+            timeout,
+            seen: vec![(-1, now); ranks],
+            incarnations: vec![0; ranks],
+            lost: vec![false; ranks],
+        }
     }
 
     /// Reads every rank's counter; a counter that moved restarts that rank's clock.
@@ -68,7 +80,7 @@ impl Liveness {
             if self.lost[rank] {
                 continue;
             }
-            let v = store.add(&beat_key(&self.prefix, rank), 0)?;
+            let v = store.add(&beat_key(&self.prefix, rank, self.incarnations[rank]), 0)?;
             if v != *value {
                 *value = v;
                 *since = now;
@@ -77,6 +89,14 @@ impl Liveness {
             }
         }
         Ok(())
+    }
+
+    /// Counts rank `rank` alive again from now, reading its incarnation `k`'s counter (its group was restarted
+    /// and rejoins).
+    pub fn revive(&mut self, rank: usize, k: u64) {
+        self.lost[rank] = false;
+        self.incarnations[rank] = k;
+        self.seen[rank] = (-1, Instant::now());
     }
 
     /// Whether rank `rank` is still heartbeating (as of the last [`observe`](Self::observe)).

@@ -34,11 +34,29 @@ impl Place {
     }
 }
 
+/// A quorum as a round formed it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Formed {
+    /// The groups taking the next step.
+    pub quorum: Quorum,
+    /// Groups restarted that rejoined in this round: they heal from a member that stayed.
+    pub rejoined: Vec<usize>,
+}
+
+impl Formed {
+    /// The member the rejoined groups heal from: the first that stayed.
+    pub fn source(&self) -> Option<usize> {
+        self.quorum.members.iter().copied().find(|g| !self.rejoined.contains(g))
+    }
+}
+
 /// A step's end, as the replica groups agreed on it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Verdict {
     /// Every member reduced and voted for it: take it.
     Commit,
+    /// Take it, and form a quorum before the next step: a restarted group rejoins.
+    Regroup,
     /// Some member failed or was lost: every rank drops the step's gradients and redoes it.
     Discard,
 }
@@ -53,6 +71,8 @@ struct State {
     group: Option<GlooComm>,
     /// Why a collective across the groups failed this round.
     failed: Option<String>,
+    /// A restarted group's rank before its first quorum (its `quorum` is only a guess of the members).
+    joining: bool,
 }
 
 /// This rank's fault-tolerance manager (torchft's `Manager`, with the job's TCPStore as its lighthouse).
@@ -74,11 +94,24 @@ impl Manager {
         place: Place,
     ) -> Result<Arc<Manager>> {
         let every = Duration::from_millis(config.heartbeat_ms);
-        let heartbeat = Heartbeat::start(store.clone(), prefix, place.rank(), every);
-        let liveness = Liveness::new(prefix, place.groups * place.shard_size, config.heartbeat_timeout());
+        let k = crate::fault_tolerance::incarnation().unwrap_or(0);
+        // Its own connection: beats never queue behind this rank's reads of the store.
+        let beat_store = Arc::new(store.reconnect()?);
+        let heartbeat = Heartbeat::start(beat_store, prefix, place.rank(), k, every);
+        let mut liveness = Liveness::new(prefix, place.groups * place.shard_size, config.heartbeat_timeout());
+        for r in 0..place.shard_size {
+            liveness.revive(place.group * place.shard_size + r, k);
+        }
         let everyone = Quorum { id: 0, members: (0..place.groups).collect() };
-        let state =
-            State { round: 0, quorum: everyone, liveness, last_look: Instant::now(), group: None, failed: None };
+        let state = State {
+            round: 0,
+            quorum: everyone,
+            liveness,
+            last_look: Instant::now(),
+            group: None,
+            failed: None,
+            joining: false,
+        };
         let manager = Arc::new(Manager {
             store,
             prefix: prefix.into(),
@@ -87,7 +120,9 @@ impl Manager {
             _heartbeat: heartbeat,
             state: Mutex::new(state),
         });
-        manager.form_quorum(0)?;
+        if crate::fault_tolerance::incarnation().is_none() {
+            manager.form_quorum(0)?;
+        }
         Ok(manager)
     }
 
@@ -97,6 +132,11 @@ impl Manager {
 
     fn error(&self, why: String) -> Error {
         Error::Quorum { group: self.place.group, why }
+    }
+
+    /// This rank's replica group.
+    pub fn group(&self) -> usize {
+        self.place.group
     }
 
     /// The groups that take the current round's step.
@@ -127,30 +167,48 @@ impl Manager {
     }
 
     /// Joins the next round and waits for its quorum; `step` (the optimizer step it is for) only names it in
-    /// the log. The last rank of the previous quorum to join decides at once (the common case: nobody lost);
-    /// otherwise the ranks wait on the decision's key half a heartbeat at a time, looking at the heartbeats in
-    /// between. The members make their group across the replica groups anew when they changed.
-    pub fn form_quorum(&self, step: u64) -> Result<Quorum> {
+    /// the log. The last rank of the previous quorum (and of the groups rejoining in this round) to join decides
+    /// at once (the common case: nobody lost); otherwise the ranks wait on the decision's key half a heartbeat at a
+    /// time, looking at the heartbeats in between. The members make their group across the replica groups anew
+    /// when they changed.
+    pub fn form_quorum(&self, step: u64) -> Result<Formed> {
         let mut s = self.state();
         let round = s.round;
         let (p, prefix) = (self.place, &self.prefix);
         let key = format!("{prefix}quorum/{round}");
         let decode = |text: String| Quorum::decode(&text).ok_or_else(|| self.error(format!("`{key}` holds {text:?}")));
+        // Groups restarted that a vote took in for this round ([`Manager::vote`]): alive again.
+        let rejoining: Vec<(usize, u64)> = match self.store.get(&format!("{prefix}regroup_round/{round}"))? {
+            Some(list) => list
+                .split(',')
+                .filter_map(|gk| gk.split_once(':').and_then(|(g, k)| Some((g.parse().ok()?, k.parse().ok()?))))
+                .collect(),
+            None => Vec::new(),
+        };
+        for &(g, k) in &rejoining {
+            for r in 0..p.shard_size {
+                s.liveness.revive(g * p.shard_size + r, k);
+            }
+        }
+        let rejoining: Vec<usize> = rejoining.into_iter().map(|(g, _)| g).collect();
+        let mut expected: Vec<usize> = s.quorum.members.iter().chain(&rejoining).copied().collect();
+        expected.sort_unstable();
+        expected.dedup();
         self.store.add(&format!("{prefix}join/{round}/{}", p.group), 1)?;
         let joined_all = self.store.add(&format!("{prefix}join/{round}/all"), 1)?;
         let started = Instant::now();
         let timeout = Duration::from_secs_f64(self.config.quorum_timeout);
         let mut decided = None;
-        if joined_all == (s.quorum.members.len() * p.shard_size) as i64 {
-            let text = self.store.set_once(&key, &s.quorum.encode())?;
+        if joined_all == (expected.len() * p.shard_size) as i64 {
+            let text = self.store.set_once(&key, &s.quorum.next(expected.clone()).encode())?;
             decided = Some(decode(text)?);
         }
         let decided = loop {
             if let Some(q) = decided.take() {
                 break q;
             }
-            if self.store.wait(&key, self.half_beat())? {
-                break decode(self.store.get(&key)?.unwrap_or_default())?;
+            if let Some(text) = self.await_key(&key)? {
+                break decode(text)?;
             }
             self.look(&mut s)?;
             let healthy = self.healthy(&s);
@@ -176,9 +234,13 @@ impl Manager {
         for lost in s.quorum.members.iter().filter(|g| !decided.members.contains(g)) {
             tracing::warn!(group = lost, step, "replica group {lost} lost at step {step}");
         }
-        if decided.id != s.quorum.id || s.round == 0 {
+        let rejoined: Vec<usize> = rejoining.into_iter().filter(|g| decided.members.contains(g)).collect();
+        if decided.id != s.quorum.id || s.round == 0 || s.joining {
             if decided.members.len() < s.quorum.members.len() {
                 tracing::warn!(step, "continuing with {} of {} replica groups", decided.members.len(), p.groups);
+            }
+            for g in &rejoined {
+                tracing::info!(group = g, step, "replica group {g} rejoins at step {step}");
             }
             s.group = None; // the old group's connections close before the new ones open
             s.group = self.group_of(&decided)?;
@@ -186,8 +248,73 @@ impl Manager {
         tracing::debug!(round, step, "{decided} in {:?}", started.elapsed());
         s.quorum = decided.clone();
         s.failed = None;
+        s.joining = false;
         s.round += 1;
-        Ok(decided)
+        Ok(Formed { quorum: decided, rejoined })
+    }
+
+    /// The last voter of a step: the restarted groups whose ranks all wait to rejoin ([`Manager::rejoin`]) are
+    /// told the round they join (the next one, which every rank then forms: [`Verdict::Regroup`]).
+    fn take_in_rejoining(&self, s: &State) -> Result<bool> {
+        let (p, prefix, round) = (self.place, &self.prefix, s.round);
+        let mut taken = Vec::new();
+        for g in (0..p.groups).filter(|g| !s.quorum.members.contains(g)) {
+            let Some(k) = self.store.get(&format!("{prefix}rejoin/{g}"))? else { continue };
+            let ready = self.store.add(&format!("{prefix}ready/{g}/{k}"), 0)? >= p.shard_size as i64;
+            if ready && self.store.get(&format!("{prefix}served/{g}"))?.as_deref() != Some(k.as_str()) {
+                self.store.set(&format!("{prefix}served/{g}"), &k)?;
+                taken.push((g, k));
+            }
+        }
+        if taken.is_empty() {
+            return Ok(false);
+        }
+        let list: Vec<String> = taken.iter().map(|(g, k)| format!("{g}:{k}")).collect();
+        self.store.set(&format!("{prefix}regroup_round/{round}"), &list.join(","))?;
+        for (g, k) in &taken {
+            self.store.set(&format!("{prefix}regroup/{g}/{k}"), &format!("{round};{}", s.quorum.encode()))?;
+        }
+        Ok(true)
+    }
+
+    /// A restarted group's rank: says it waits to rejoin (incarnation `k`), waits until a step's last voter takes
+    /// its group in, and forms that round's quorum with the others. Waits at most `quorum_timeout` for a vote
+    /// after its whole group is ready.
+    pub fn rejoin(&self, k: u64) -> Result<Formed> {
+        let (p, prefix) = (self.place, self.prefix.clone());
+        {
+            let mut s = self.state();
+            s.joining = true;
+            self.store.set(&format!("{prefix}rejoin/{}", p.group), &k.to_string())?;
+            self.store.add(&format!("{prefix}ready/{}/{k}", p.group), 1)?;
+            let key = format!("{prefix}regroup/{}/{k}", p.group);
+            let started = Instant::now();
+            let timeout = Duration::from_secs_f64(self.config.quorum_timeout);
+            let text = loop {
+                if let Some(text) = self.await_key(&key)? {
+                    break text;
+                }
+                if started.elapsed() >= timeout {
+                    return Err(self.error(format!(
+                        "restarted (incarnation {k}), no live group's step took it in within `quorum_timeout`"
+                    )));
+                }
+            };
+            let parsed = text.split_once(';').and_then(|(r, q)| Some((r.parse::<u64>().ok()?, Quorum::decode(q)?)));
+            let Some((round, quorum)) = parsed else {
+                return Err(self.error(format!("`{key}` holds {text:?}")));
+            };
+            s.round = round;
+            s.quorum = quorum;
+        }
+        self.form_quorum(0)
+    }
+
+    /// Runs `f` on the current quorum's group across the replica groups (None for a quorum of one), its errors
+    /// this call's (a heal's transfer, unlike a step's collectives, has no vote to fall back on).
+    pub fn with_group<R>(&self, f: impl FnOnce(Option<&GlooComm>) -> CommResult<R>) -> Result<R> {
+        let s = self.state();
+        Ok(f(s.group.as_ref())?)
     }
 
     /// After a step the quorum committed: the next round keeps its members with no meeting of its own (a member
@@ -199,9 +326,24 @@ impl Manager {
         s.failed = None;
     }
 
-    /// Half a heartbeat: how long a waiting rank blocks on the store before it looks at the heartbeats again.
-    fn half_beat(&self) -> Duration {
-        Duration::from_millis((self.config.heartbeat_ms / 2).max(1))
+    /// The value of `key` once it has one, read for at most half a heartbeat (then None: the caller looks at
+    /// the heartbeats and asks again). Reads back off from 0.1 ms to 5 ms apart: a decision that comes at once
+    /// (the common case) is seen at once, a long wait costs the store little. (Not the store's own blocking
+    /// wait: c10d logs every one that times out, and it holds the connection while it waits.)
+    fn await_key(&self, key: &str) -> Result<Option<String>> {
+        let started = Instant::now();
+        let half_beat = Duration::from_millis((self.config.heartbeat_ms / 2).max(1));
+        let mut pause = Duration::from_micros(100);
+        loop {
+            if let Some(text) = self.store.get(key)? {
+                return Ok(Some(text));
+            }
+            if started.elapsed() >= half_beat {
+                return Ok(None);
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(5));
+        }
     }
 
     /// The gloo group of the quorum's members at this rank's shard position (None for a quorum of one).
@@ -231,15 +373,17 @@ impl Manager {
                 tracing::warn!(step, "a collective across the replica groups failed: {why}; the step is discarded");
                 Some("discard")
             }
-            None if self.store.add(&format!("{prefix}vote/{round}/yes"), 1)? == voters => Some("commit"),
+            None if self.store.add(&format!("{prefix}vote/{round}/yes"), 1)? == voters => {
+                Some(if self.take_in_rejoining(&s)? { "regroup" } else { "commit" })
+            }
             None => None,
         };
         let verdict = loop {
             if let Some(p) = proposal.take() {
                 break self.store.set_once(&verdict_key, p)?;
             }
-            if self.store.wait(&verdict_key, self.half_beat())? {
-                break self.store.get(&verdict_key)?.unwrap_or_default();
+            if let Some(text) = self.await_key(&verdict_key)? {
+                break text;
             }
             self.look(&mut s)?;
             let healthy = self.healthy(&s);
@@ -252,7 +396,11 @@ impl Manager {
             }
         };
         tracing::debug!(round, step, verdict, "vote in {:?}", started.elapsed());
-        Ok(if verdict == "commit" { Verdict::Commit } else { Verdict::Discard })
+        Ok(match verdict.as_str() {
+            "commit" => Verdict::Commit,
+            "regroup" => Verdict::Regroup,
+            _ => Verdict::Discard,
+        })
     }
 
     /// Runs `f` on the current quorum's group across the replica groups, unless one of them failed this round

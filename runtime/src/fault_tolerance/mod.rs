@@ -6,6 +6,8 @@
 mod heartbeat;
 mod manager;
 mod quorum;
+mod rejoin;
 
-pub use manager::{ManagedReplicas, Manager, Place, Verdict};
+pub use manager::{Formed, ManagedReplicas, Manager, Place, Verdict};
 pub use quorum::Quorum;
+pub use rejoin::{incarnation, RejoiningWorld, REJOIN_ENV};

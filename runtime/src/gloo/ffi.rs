@@ -150,14 +150,6 @@ extern "C" {
         err: *mut c_char,
         err_len: usize,
     ) -> c_int;
-    pub(super) fn zr_store_wait(
-        store: *mut c_void,
-        key: *const c_char,
-        timeout_ms: i64,
-        ready: *mut c_int,
-        err: *mut c_char,
-        err_len: usize,
-    ) -> c_int;
     #[allow(clippy::too_many_arguments)] // the C signature
     pub(super) fn zr_store_set_once(
         store: *mut c_void,

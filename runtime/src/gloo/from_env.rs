@@ -8,6 +8,11 @@ use crate::comm::{CommError, CommResult, Communicator};
 /// The communicator the environment asks for, gloo included (the other backends come from
 /// [`crate::comm::env::communicator_from_env`]).
 pub fn communicator_from_env(timeout: Duration) -> CommResult<Box<dyn Communicator>> {
+    // A fault-tolerant job's restarted replica group: its peers are mid-run, there is no world group to join.
+    if crate::fault_tolerance::incarnation().is_some() {
+        let info = RankInfo::from_env()?;
+        return Ok(Box::new(crate::fault_tolerance::RejoiningWorld { rank: info.rank, world_size: info.world_size }));
+    }
     let comm = backend_from_env(timeout)?;
     // Under `zerorun launch`: the launcher watches this rank's heartbeat (a hung rank is found and named).
     Ok(if crate::comm::heartbeat::start_from_env() {

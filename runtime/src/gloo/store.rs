@@ -54,6 +54,11 @@ impl TcpStore {
         Ok(TcpStore { store, rank, addr: addr.to_string(), port, timeout })
     }
 
+    /// Another connection to the same store.
+    pub fn reconnect(&self) -> CommResult<TcpStore> {
+        TcpStore::connect(&self.addr, self.port, self.rank, self.timeout)
+    }
+
     /// The job's store, from the environment `zerorun launch` (or torchrun) sets.
     pub fn from_env(timeout: Duration) -> CommResult<TcpStore> {
         let info = crate::comm::rank_info::RankInfo::from_env()?;
@@ -104,17 +109,6 @@ impl TcpStore {
             zr_store_get(self.store, k.as_ptr(), out.as_mut_ptr() as *mut _, out.len(), &mut found, e, l)
         })?;
         Ok((found != 0).then(|| text(&out)))
-    }
-
-    /// Waits at most `timeout` for `key` to have a value; whether it has.
-    pub fn wait(&self, key: &str, timeout: Duration) -> CommResult<bool> {
-        let k = c_string(key);
-        let mut ready: c_int = 0;
-        // SAFETY: valid C string, an out pointer and an error buffer alive for the call.
-        self.call("store wait", key, |e, l| unsafe {
-            zr_store_wait(self.store, k.as_ptr(), timeout.as_millis() as i64, &mut ready, e, l)
-        })?;
-        Ok(ready != 0)
     }
 
     /// Sets `key` to `value` unless it has a value already; returns the value it holds afterwards (the first

@@ -86,7 +86,7 @@ impl Engine {
     }
 
     /// The checkpoint of this engine's (shard) group.
-    fn save_group_checkpoint(&mut self, dir: &Path, options: &SaveOptions) -> Result<PathBuf> {
+    pub(crate) fn save_group_checkpoint(&mut self, dir: &Path, options: &SaveOptions) -> Result<PathBuf> {
         let _owner = crate::report::allocations::owned_by(crate::report::allocations::Owner::Engine);
         // One save in flight at a time: the previous asynchronous one finishes first (its error is this one's).
         if self.in_flight.is_busy() {
