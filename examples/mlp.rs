@@ -56,6 +56,13 @@ struct Args {
     /// instead of `engine.forward`'s walk: the same result; `zerorun bench scopes` times both.
     #[arg(long, conflicts_with_all = ["plain_loop", "activation_checkpointing"])]
     scoped: bool,
+    /// Fault injection: the process of rank R (`RANK`, with --crash-rank) aborts once step K is committed, as a
+    /// crashed host would; a replica group restarted by `zerorun launch --fault-tolerant` does not crash again.
+    #[arg(long, value_name = "K", requires = "crash_rank")]
+    crash_after_step: Option<u64>,
+    /// The rank --crash-after-step kills.
+    #[arg(long, value_name = "R")]
+    crash_rank: Option<usize>,
 }
 
 pub struct Mlp {
@@ -266,6 +273,15 @@ fn run(args: &Args) -> Result<(), String> {
                 maybe_save(a, &mut engine, outcome)?;
                 // A step the replica groups discarded (one was lost during it) is redone by those left.
                 redo |= matches!(outcome, StepOutcome::Discarded { .. });
+                if let (Some(k), Some(r), StepOutcome::Stepped { step, .. }) =
+                    (args.crash_after_step, args.crash_rank, outcome)
+                {
+                    let first_start = std::env::var_os(zerorun::runtime::fault_tolerance::REJOIN_ENV).is_none();
+                    let this = std::env::var("RANK").ok().and_then(|v| v.parse::<usize>().ok());
+                    if step == k && first_start && this == Some(r) {
+                        std::process::abort();
+                    }
+                }
             }
             if !redo {
                 step += 1;

@@ -48,6 +48,9 @@ pub struct ClusterArgs {
     /// (shared by all when there are fewer CPUs than hosts); 0 shares them all.
     #[arg(long, value_name = "N")]
     pub cores_per_host: Option<usize>,
+    /// More flags for every host's `zerorun launch` (repeat it), e.g. `--launch-arg=--fault-tolerant`.
+    #[arg(long = "launch-arg", value_name = "FLAG", allow_hyphen_values = true)]
+    pub launch_args: Vec<String>,
     /// The program to run on every host (its arguments follow), e.g. an example with its flags.
     #[arg(last = true, required = true)]
     pub command: Vec<String>,
@@ -255,7 +258,9 @@ pub fn run(a: ClusterArgs) -> Result<(), CliError> {
                 cmd.arg(&zerorun)
                     .args(["--quiet", "launch", "--nnodes", &nnodes, "--node-rank", &node_rank])
                     .args(["--nproc-per-node", &per_host, "--backend", "gloo"])
-                    .args(["--master-addr", &Cluster::address(0), "--master-port", port, "--"])
+                    .args(["--master-addr", &Cluster::address(0), "--master-port", port])
+                    .args(&a.launch_args)
+                    .arg("--")
                     // gloo binds this host's address (its hostname is the machine's, not the namespace's).
                     .env("ZERORUN_HOST_ADDR", Cluster::address(i));
             }

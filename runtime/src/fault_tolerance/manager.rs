@@ -327,13 +327,13 @@ impl Manager {
     }
 
     /// The value of `key` once it has one, read for at most half a heartbeat (then None: the caller looks at
-    /// the heartbeats and asks again). Reads back off from 0.1 ms to 5 ms apart: a decision that comes at once
+    /// the heartbeats and asks again). Reads back off from 0.05 ms to 1 ms apart: a decision that comes at once
     /// (the common case) is seen at once, a long wait costs the store little. (Not the store's own blocking
     /// wait: c10d logs every one that times out, and it holds the connection while it waits.)
     fn await_key(&self, key: &str) -> Result<Option<String>> {
         let started = Instant::now();
         let half_beat = Duration::from_millis((self.config.heartbeat_ms / 2).max(1));
-        let mut pause = Duration::from_micros(100);
+        let mut pause = Duration::from_micros(50);
         loop {
             if let Some(text) = self.store.get(key)? {
                 return Ok(Some(text));
@@ -342,7 +342,7 @@ impl Manager {
                 return Ok(None);
             }
             std::thread::sleep(pause);
-            pause = (pause * 2).min(Duration::from_millis(5));
+            pause = (pause * 2).min(Duration::from_millis(1));
         }
     }
 
