@@ -162,16 +162,22 @@ fn send_state(engine: &mut Engine, formed: &Formed) -> Result<()> {
     let files = heal_files(&folder, rank, engine.comm.world_size())?;
     let bytes: usize = files.iter().map(|(_, b)| b.len()).sum();
     let ft = engine.fault_tolerance.as_ref().expect("fault-tolerant");
-    for g in &formed.rejoined {
-        let dst = formed.quorum.members.iter().position(|m| m == g).expect("a member");
-        ft.manager.with_group(|c| send_files(c.expect("a quorum of several"), dst, &files))?;
+    let mut healed = Vec::new();
+    for &g in &formed.rejoined {
+        let dst = formed.quorum.members.iter().position(|&m| m == g).expect("a member");
+        // A rejoining group lost while it heals is not this group's failure: the next step's collectives fail,
+        // its vote discards the step, and the quorum after it goes on without that group.
+        match ft.manager.with_group(|c| send_files(c.expect("a quorum of several"), dst, &files)) {
+            Ok(()) => healed.push(g),
+            Err(e) => tracing::warn!(group = g, "healing replica group {g} failed: {e}; it leaves again"),
+        }
     }
     engine.comm.barrier()?;
     if rank == 0 {
         let _ = std::fs::remove_dir_all(&dir);
     }
     let secs = started.elapsed().as_secs_f64();
-    for g in &formed.rejoined {
+    for g in healed {
         tracing::info!(
             step = engine.progress.global_steps,
             bytes,

@@ -278,8 +278,8 @@ impl Manager {
     }
 
     /// A restarted group's rank: says it waits to rejoin (incarnation `k`), waits until a step's last voter takes
-    /// its group in, and forms that round's quorum with the others. Waits at most `quorum_timeout` for a vote
-    /// after its whole group is ready.
+    /// its group in (however long the live groups' step takes), and forms that round's quorum with the others.
+    /// Stops, naming why, when no other group has heartbeated for `quorum_timeout`.
     pub fn rejoin(&self, k: u64) -> Result<Formed> {
         let (p, prefix) = (self.place, self.prefix.clone());
         {
@@ -288,15 +288,18 @@ impl Manager {
             self.store.set(&format!("{prefix}rejoin/{}", p.group), &k.to_string())?;
             self.store.add(&format!("{prefix}ready/{}/{k}", p.group), 1)?;
             let key = format!("{prefix}regroup/{}/{k}", p.group);
-            let started = Instant::now();
             let timeout = Duration::from_secs_f64(self.config.quorum_timeout);
+            let mut others_seen = Instant::now();
             let text = loop {
                 if let Some(text) = self.await_key(&key)? {
                     break text;
                 }
-                if started.elapsed() >= timeout {
+                self.look(&mut s)?;
+                if self.healthy(&s).iter().any(|&g| g != p.group) {
+                    others_seen = Instant::now();
+                } else if others_seen.elapsed() >= timeout {
                     return Err(self.error(format!(
-                        "restarted (incarnation {k}), no live group's step took it in within `quorum_timeout`"
+                        "restarted (incarnation {k}) to rejoin, but no other replica group has heartbeated for `quorum_timeout`"
                     )));
                 }
             };
