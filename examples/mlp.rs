@@ -63,6 +63,11 @@ struct Args {
     /// The rank --crash-after-step kills.
     #[arg(long, value_name = "R")]
     crash_rank: Option<usize>,
+    /// The data cursor's log: after each step it committed, every rank prints `samples step N: P,P,..`, the
+    /// places in the step's global batch it trained on (what shows that no sample is lost or repeated when
+    /// fault-tolerant replica groups come and go).
+    #[arg(long)]
+    log_samples: bool,
 }
 
 pub struct Mlp {
@@ -243,6 +248,7 @@ fn run(args: &Args) -> Result<(), String> {
             let (rank, world) = (engine.rank(), engine.world_size());
             let mut rng = Rng::new(a.seed, step);
             let mut redo = false;
+            let mut places = Vec::new();
             let order: Vec<i64> = (0..b.train_batch_size).map(|_| rng.below(samples) as i64).collect();
             for m in 0..b.gradient_accumulation_steps {
                 let slow = if args.slow_rotate { Some(step as usize % world) } else { args.slow_rank };
@@ -251,9 +257,9 @@ fn run(args: &Args) -> Result<(), String> {
                         std::thread::sleep(Duration::from_millis(ms));
                     }
                 }
-                let idx =
-                    Tensor::from_slice(&order[micro_batch_range(rank, world, m, b.train_micro_batch_size_per_gpu)])
-                        .to_device(device);
+                let range = micro_batch_range(rank, world, m, b.train_micro_batch_size_per_gpu);
+                places.extend(range.clone());
+                let idx = Tensor::from_slice(&order[range]).to_device(device);
                 let input = x.index_select(0, &idx);
                 let pred = if args.plain_loop {
                     (0..model.unit_prefixes().len()).fold(input, |h, i| model.forward_unit(i, &h))
@@ -273,6 +279,10 @@ fn run(args: &Args) -> Result<(), String> {
                 maybe_save(a, &mut engine, outcome)?;
                 // A step the replica groups discarded (one was lost during it) is redone by those left.
                 redo |= matches!(outcome, StepOutcome::Discarded { .. });
+                if let (true, StepOutcome::Stepped { step, .. }) = (args.log_samples, outcome) {
+                    let list: Vec<String> = places.iter().map(usize::to_string).collect();
+                    println!("samples step {step}: {}", list.join(","));
+                }
                 if let (Some(k), Some(r), StepOutcome::Stepped { step, .. }) =
                     (args.crash_after_step, args.crash_rank, outcome)
                 {

@@ -114,23 +114,74 @@ fn node(dir: &std::path::Path, config: &str, nodes: usize, node: usize, port: u1
         "--",
     ]);
     mlp(&mut cmd, dir, config, STEPS, "ft.safetensors");
-    cmd.args(["--slow-rank", "0", "--slow-ms", &slow_ms.to_string()]).env("RUST_LOG", "zerorun=info");
+    cmd.args(["--slow-rank", "0", "--slow-ms", &slow_ms.to_string(), "--log-samples"]).env("RUST_LOG", "zerorun=info");
     cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap()
 }
 
-/// `nodes` hosts of 2 ranks, one replica group each; host `lost` (its launcher and ranks) SIGKILLed after step 4.
-/// Host 0's launcher's stdout lines and stderr, and how long from the kill to step 5's line.
-fn lose_a_host(dir: &std::path::Path, config: &str, nodes: usize, lost: usize) -> (Vec<String>, String, Duration) {
+/// The data cursor's log (`samples step N: P,..` from every rank, after each step it committed): every step from
+/// 1 to `steps` trained on each place of its global batch of `batch` exactly once, whichever groups took it.
+fn assert_every_sample_once(lines: &[String], steps: u64, batch: usize) {
+    let mut seen = vec![vec![0usize; batch]; steps as usize];
+    for line in lines {
+        let Some(rest) = line.split("samples step ").nth(1) else { continue };
+        let (step, places) = rest.split_once(": ").unwrap();
+        let step: usize = step.parse().unwrap();
+        for p in places.split(',') {
+            seen[step - 1][p.parse::<usize>().unwrap()] += 1;
+        }
+    }
+    for (s, counts) in seen.iter().enumerate() {
+        assert!(counts.iter().all(|&c| c == 1), "step {}: each place's count {counts:?}", s + 1);
+    }
+}
+
+/// Every line a launcher's stdout gave so far, with when it came (read by a thread of its own).
+#[derive(Clone, Default)]
+struct Lines(std::sync::Arc<std::sync::Mutex<Vec<(Instant, String)>>>);
+
+impl Lines {
+    fn read(child: &mut Child) -> Lines {
+        let lines = Lines::default();
+        let (out, sink) = (child.stdout.take().unwrap(), lines.0.clone());
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                sink.lock().unwrap().push((Instant::now(), line));
+            }
+        });
+        lines
+    }
+
+    /// When the first line containing `text` came, waiting up to 2 minutes for it.
+    fn wait_for(&self, text: &str) -> Instant {
+        let started = Instant::now();
+        loop {
+            if let Some((at, _)) = self.0.lock().unwrap().iter().find(|(_, l)| l.contains(text)) {
+                return *at;
+            }
+            assert!(started.elapsed() < Duration::from_secs(120), "no line with {text:?}: {}", self.text());
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    fn all(&self) -> Vec<String> {
+        self.0.lock().unwrap().iter().map(|(_, l)| l.clone()).collect()
+    }
+
+    fn text(&self) -> String {
+        self.all().join("\n")
+    }
+}
+
+/// `nodes` hosts of 2 ranks, one replica group each; host `lost` (its launcher and ranks) SIGKILLed once its
+/// ranks have logged step 4's samples. Host 0's stderr, how long from the kill to step 5's line, and every host's
+/// stdout lines.
+fn lose_a_host(dir: &std::path::Path, config: &str, nodes: usize, lost: usize) -> (String, Duration, Vec<String>) {
     let port = free_port();
     let mut hosts: Vec<Child> = (0..nodes).map(|n| node(dir, config, nodes, n, port, 60)).collect();
-    let mut lines = BufReader::new(hosts[0].stdout.take().unwrap()).lines();
-    let mut seen = Vec::new();
-    for line in lines.by_ref() {
-        let line = line.unwrap();
-        seen.push(line.clone());
-        if line.contains("] step 4 ") {
-            break;
-        }
+    let out: Vec<Lines> = hosts.iter_mut().map(Lines::read).collect();
+    out[0].wait_for("[rank 0] step 4 ");
+    for r in [2 * lost, 2 * lost + 1] {
+        out[lost].wait_for(&format!("[rank {r}] samples step 4:"));
     }
     let survivors = children_running(hosts[0].id() as i32, "examples/mlp");
     let doomed = children_running(hosts[lost].id() as i32, "examples/mlp");
@@ -139,29 +190,23 @@ fn lose_a_host(dir: &std::path::Path, config: &str, nodes: usize, lost: usize) -
     for pid in doomed.iter().copied().chain([hosts[lost].id() as i32]) {
         unsafe { libc::kill(pid, libc::SIGKILL) };
     }
-    let mut next_step_at = Duration::MAX;
-    for line in lines {
-        let line = line.unwrap();
-        if next_step_at == Duration::MAX && line.contains("] step 5 ") {
-            next_step_at = killed_at.elapsed();
-        }
-        if line.contains("] step 8 ") {
-            // The same processes, not restarted ones.
-            assert_eq!(children_running(hosts[0].id() as i32, "examples/mlp"), survivors);
-        }
-        seen.push(line);
-    }
+    let next_step_at = out[0].wait_for("[rank 0] step 5 ").duration_since(killed_at);
+    out[0].wait_for("[rank 0] step 8 ");
+    // The same processes, not restarted ones.
+    assert_eq!(children_running(hosts[0].id() as i32, "examples/mlp"), survivors);
     let mut err = String::new();
     for (n, host) in hosts.into_iter().enumerate() {
-        let out = host.wait_with_output().unwrap();
+        let done = host.wait_with_output().unwrap();
         if n == 0 {
-            err = String::from_utf8_lossy(&out.stderr).into_owned();
-            assert!(out.status.success(), "node 0: {err}\n{}", seen.join("\n"));
+            err = String::from_utf8_lossy(&done.stderr).into_owned();
+            assert!(done.status.success(), "node 0: {err}\n{}", out[0].text());
         } else if n != lost {
-            assert!(out.status.success(), "node {n}: {}", String::from_utf8_lossy(&out.stderr));
+            assert!(done.status.success(), "node {n}: {}", String::from_utf8_lossy(&done.stderr));
         }
     }
-    (seen, err, next_step_at)
+    std::thread::sleep(Duration::from_millis(100)); // the readers' last lines
+    assert!(out[0].text().contains("] step 12 "), "{}", out[0].text());
+    (err, next_step_at, out.iter().flat_map(Lines::all).collect())
 }
 
 /// The elastic reference of a run at `before` ranks to step 4 and `after` ranks from there, into `reference`.
@@ -176,8 +221,8 @@ fn elastic_reference(dir: &std::path::Path, before: &str, after: &str) {
 fn a_lost_host_leaves_and_the_other_goes_on_to_the_elastic_reference_without_a_restart() {
     let _turn = one_job_at_a_time();
     let dir = temp_dir("lost");
-    let (seen, err, next_step_at) = lose_a_host(&dir, "ft.json", 2, 1);
-    assert!(seen.iter().any(|l| l.contains("] step 12 ")), "{}", seen.join("\n"));
+    let (err, next_step_at, every) = lose_a_host(&dir, "ft.json", 2, 1);
+    assert_every_sample_once(&every, 12, 8);
     assert!(err.contains("replica group 1 lost at step 5"), "{err}");
     assert!(err.contains("continuing with 1 of 2 replica groups"), "{err}");
     assert!(
@@ -214,8 +259,8 @@ fn three_hosts_lose_the_middle_one_and_the_two_left_go_on_to_the_elastic_referen
         ),
     )
     .unwrap();
-    let (seen, err, next_step_at) = lose_a_host(&dir, "ft3.json", 3, 1);
-    assert!(seen.iter().any(|l| l.contains("] step 12 ")), "{}", seen.join("\n"));
+    let (err, next_step_at, every) = lose_a_host(&dir, "ft3.json", 3, 1);
+    assert_every_sample_once(&every, 12, 12);
     assert!(err.contains("replica group 1 lost at step 5"), "{err}");
     assert!(err.contains("continuing with 2 of 3 replica groups"), "{err}");
     eprintln!("3 hosts, host 1 lost: from the kill to step 5 committed: {next_step_at:?}");
@@ -264,31 +309,27 @@ fn a_restarted_group_heals_from_a_live_one_and_rejoins_with_nothing_lost() {
         cmd.args(["launch", "--fault-tolerant", "--max-restarts", "1", "--nnodes", "2", "--node-rank", &n.to_string()])
             .args(["--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", &port.to_string(), "--"]);
         mlp(&mut cmd, &dir, "ft.json", "16", "ft.safetensors");
-        cmd.args(["--slow-rank", "0", "--slow-ms", "100"]).env("RUST_LOG", "zerorun=info");
+        cmd.args(["--slow-rank", "0", "--slow-ms", "100", "--log-samples"]).env("RUST_LOG", "zerorun=info");
         cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap()
     };
-    let (mut node0, node1) = (start(0), start(1));
-    let mut lines = BufReader::new(node0.stdout.take().unwrap()).lines();
-    let mut seen = Vec::new();
-    for line in lines.by_ref() {
-        let line = line.unwrap();
-        seen.push(line.clone());
-        if line.contains("] step 4 ") {
-            break;
-        }
-    }
+    let (mut node0, mut node1) = (start(0), start(1));
+    let (out0, out1) = (Lines::read(&mut node0), Lines::read(&mut node1));
+    out0.wait_for("[rank 0] step 4 ");
+    out1.wait_for("[rank 2] samples step 4:");
+    out1.wait_for("[rank 3] samples step 4:");
     // Host 1's ranks die; its launcher lives and starts them again.
     let doomed = children_running(node1.id() as i32, "examples/mlp");
     assert_eq!(doomed.len(), 2, "node 1's ranks: {doomed:?}");
     for pid in doomed {
         unsafe { libc::kill(pid, libc::SIGKILL) };
     }
-    seen.extend(lines.map(Result::unwrap));
-    let (out0, out1) = (node0.wait_with_output().unwrap(), node1.wait_with_output().unwrap());
-    let (err0, err1) = (String::from_utf8_lossy(&out0.stderr), String::from_utf8_lossy(&out1.stderr));
-    assert!(out0.status.success(), "node 0: {err0}\n{}", seen.join("\n"));
-    assert!(out1.status.success(), "node 1: {err1}");
+    let (done0, done1) = (node0.wait_with_output().unwrap(), node1.wait_with_output().unwrap());
+    std::thread::sleep(Duration::from_millis(100)); // the readers' last lines
+    let (err0, err1) = (String::from_utf8_lossy(&done0.stderr), String::from_utf8_lossy(&done1.stderr));
+    assert!(done0.status.success(), "node 0: {err0}\n{}", out0.text());
+    assert!(done1.status.success(), "node 1: {err1}");
     assert!(err1.contains("restarting node 1's ranks (1 of 1) to rejoin the job"), "{err1}");
+    assert_every_sample_once(&[out0.all(), out1.all()].concat(), 16, 8);
     assert!(err0.contains("replica group 1 lost at step 5"), "{err0}");
     // The step the restarted group took part in first: the survivors say when it rejoined.
     let rejoined: u64 = err0
