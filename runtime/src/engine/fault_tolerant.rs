@@ -1,8 +1,10 @@
 //! The engine's side of `fault_tolerance`: at set-up the replica groups' communicator becomes the managed one
 //! (collectives over the step's quorum only, [`ManagedReplicas`]); at each step's end the ranks vote on it, and
 //! after the vote they form the next step's quorum, whose groups split the same global batch among themselves
-//! (more micro-batches per rank when fewer groups are left). The rule and the rounds are in
-//! [`crate::fault_tolerance`].
+//! (more micro-batches per rank when fewer groups are left). A group its launcher restarted builds its groups from
+//! the store ([`rejoining_groups`]) and, once a vote takes it in, loads the state the first group that stayed sends
+//! it, rank r from rank r (the group's checkpoint files, over the quorum's gloo group). The rule and the rounds are
+//! in [`crate::fault_tolerance`].
 use std::cell::Cell;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
