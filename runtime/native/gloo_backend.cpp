@@ -71,6 +71,19 @@ c10::intrusive_ptr<c10d::ProcessGroupGloo> make_pg(const c10::intrusive_ptr<c10d
   return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts);
 }
 
+// A group on `store` (the job's store, kept for later groups) whose rendezvous is under `prefixed`.
+Group* new_group(const c10::intrusive_ptr<c10d::Store>& store, const c10::intrusive_ptr<c10d::Store>& prefixed,
+                 int rank, int size, std::chrono::milliseconds timeout, const std::string& host) {
+  auto g = new Group{store, nullptr, timeout, host, rank, size};
+  try {
+    g->pg = make_pg(prefixed, rank, size, timeout, g->host);
+  } catch (...) {
+    delete g;
+    throw;
+  }
+  return g;
+}
+
 }  // namespace
 
 extern "C" {
@@ -95,14 +108,7 @@ void* zr_gloo_new(const char* master_addr, int master_port, int agent_store, con
     so.timeout = timeout;
     auto tcp = c10::make_intrusive<c10d::TCPStore>(std::string(master_addr), so);
     auto store = c10::make_intrusive<c10d::PrefixStore>(std::string(prefix), tcp);
-    auto g = new Group{tcp, nullptr, timeout, std::string(host), rank, size};
-    try {
-      g->pg = make_pg(store, rank, size, timeout, g->host);
-    } catch (...) {
-      delete g;
-      throw;
-    }
-    out = g;
+    out = new_group(tcp, store, rank, size, timeout, std::string(host));
   });
   return out;
 }
@@ -113,14 +119,7 @@ void* zr_gloo_subgroup(void* parent, const char* name, int rank, int size, char*
   auto p = static_cast<Group*>(parent);
   guarded(err, err_len, [&] {
     auto store = c10::make_intrusive<c10d::PrefixStore>(std::string(name), p->store);
-    auto g = new Group{p->store, nullptr, p->timeout, p->host, rank, size};
-    try {
-      g->pg = make_pg(store, rank, size, p->timeout, p->host);
-    } catch (...) {
-      delete g;
-      throw;
-    }
-    out = g;
+    out = new_group(p->store, store, rank, size, p->timeout, p->host);
   });
   return out;
 }
@@ -339,14 +338,7 @@ void* zr_gloo_on_store(void* store, const char* prefix, const char* host, int ra
     auto tcp = c10::intrusive_ptr<c10d::TCPStore>::unsafe_reclaim_from_nonowning(static_cast<c10d::TCPStore*>(store));
     auto timeout = std::chrono::milliseconds(timeout_ms);
     auto prefixed = c10::make_intrusive<c10d::PrefixStore>(std::string(prefix), tcp);
-    auto g = new Group{tcp, nullptr, timeout, std::string(host), rank, size};
-    try {
-      g->pg = make_pg(prefixed, rank, size, timeout, g->host);
-    } catch (...) {
-      delete g;
-      throw;
-    }
-    out = g;
+    out = new_group(tcp, prefixed, rank, size, timeout, std::string(host));
   });
   return out;
 }

@@ -37,6 +37,35 @@ impl FaultToleranceConfig {
         std::time::Duration::from_millis(self.heartbeat_ms * MISSED_BEATS)
     }
 
+    /// When enabled: what it needs of the rest of `config` (shard groups, and a step taken whole before the groups
+    /// vote on it).
+    pub(crate) fn check(&self, config: &super::Config) -> Result<()> {
+        if !self.enabled {
+            return Ok(());
+        }
+        let conflict = |message: &str| {
+            Err(ConfigError::Conflict { path: "fault_tolerance.enabled".into(), message: message.into() })
+        };
+        if config.zero_optimization.mics_shard_size.is_none() {
+            return conflict(
+                "fault tolerance keeps the replica groups of shard groups going when one is lost: set `zero_optimization.mics_shard_size` (ranks per group, fewer than the data-parallel ranks)",
+            );
+        }
+        if config.optimizer_in_backward {
+            return conflict("`optimizer_in_backward` steps the optimizer during backward, before the replica groups vote on the step");
+        }
+        if config.async_training.is_async() {
+            return conflict("asynchronous training has no per-step reduction across the replica groups to vote on");
+        }
+        if config.elasticity.enabled {
+            return conflict("`elasticity` sizes the batch at each restart; fault tolerance keeps `train_batch_size` and splits it over the live groups (set one of them)");
+        }
+        if config.gradient_compression != super::GradientCompression::None {
+            return conflict("compressed gradients keep error-feedback state across the replica groups, which a lost group would leave inconsistent");
+        }
+        Ok(())
+    }
+
     pub(crate) fn read(mut s: Section) -> Result<Self> {
         let d = FaultToleranceConfig::default();
         let enabled = s.bool("enabled", d.enabled)?;

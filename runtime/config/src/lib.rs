@@ -365,9 +365,7 @@ impl Config {
         if self.optimizer_in_backward {
             self.validate_optimizer_in_backward()?;
         }
-        if self.fault_tolerance.enabled {
-            self.validate_fault_tolerance()?;
-        }
+        self.fault_tolerance.check(self)?;
         if let AsyncTraining::BoundedStaleness { .. } = self.async_training {
             self.validate_bounded_staleness()?;
         }
@@ -531,32 +529,6 @@ impl Config {
     }
 
     /// `optimizer_in_backward` steps each unit as its gradients arrive: nothing may need every gradient first.
-    /// Fault tolerance makes the replicas of shard groups survive one another: it needs shard groups, and a step
-    /// that is taken whole before the groups vote on it.
-    fn validate_fault_tolerance(&self) -> Result<()> {
-        let conflict = |message: &str| {
-            Err(ConfigError::Conflict { path: "fault_tolerance.enabled".into(), message: message.into() })
-        };
-        if self.zero_optimization.mics_shard_size.is_none() {
-            return conflict(
-                "fault tolerance keeps the replica groups of shard groups going when one is lost: set `zero_optimization.mics_shard_size` (ranks per group, fewer than the data-parallel ranks)",
-            );
-        }
-        if self.optimizer_in_backward {
-            return conflict("`optimizer_in_backward` steps the optimizer during backward, before the replica groups vote on the step");
-        }
-        if self.async_training.is_async() {
-            return conflict("asynchronous training has no per-step reduction across the replica groups to vote on");
-        }
-        if self.elasticity.enabled {
-            return conflict("`elasticity` sizes the batch at each restart; fault tolerance keeps `train_batch_size` and splits it over the live groups (set one of them)");
-        }
-        if self.gradient_compression != GradientCompression::None {
-            return conflict("compressed gradients keep error-feedback state across the replica groups, which a lost group would leave inconsistent");
-        }
-        Ok(())
-    }
-
     fn validate_optimizer_in_backward(&self) -> Result<()> {
         let z = &self.zero_optimization;
         let conflict = |message: String| Err(ConfigError::Conflict { path: "optimizer_in_backward".into(), message });

@@ -13,6 +13,7 @@ use tch::Tensor;
 use crate::comm::async_comm::CommThread;
 use crate::comm::{CommResult, Communicator, ReduceOp};
 use crate::engine::device::{views, Residence};
+use crate::engine::fault_tolerant::FaultTolerance;
 use crate::engine::zero::layout::{UnitRanks, UnitSpan};
 
 /// The engine's process groups.
@@ -22,6 +23,8 @@ pub(crate) struct EngineComm {
     /// The expert-data-parallel group: the ranks at this rank's expert-parallel position, which hold its experts
     /// (units split over a group, [`UnitRanks::Group`]).
     experts: Option<ShardGroup>,
+    /// `fault_tolerance`: the manager of the replicas' membership (which groups take each step).
+    fault_tolerance: Option<FaultTolerance>,
 }
 
 enum ShardGroup {
@@ -94,7 +97,23 @@ impl Replicas {
 impl EngineComm {
     pub fn new(comm: Box<dyn Communicator>, replicas: Option<Box<dyn Communicator>>, threaded: bool) -> Self {
         let shard = if threaded { ShardGroup::Threaded(CommThread::spawn(comm)) } else { ShardGroup::Direct(comm) };
-        EngineComm { shard, replicas: replicas.filter(|r| r.world_size() > 1).map(Replicas::new), experts: None }
+        EngineComm {
+            shard,
+            replicas: replicas.filter(|r| r.world_size() > 1).map(Replicas::new),
+            experts: None,
+            fault_tolerance: None,
+        }
+    }
+
+    /// With fault tolerance's manager of the replicas (`fault_tolerance`).
+    pub(super) fn with_fault_tolerance(mut self, ft: Option<FaultTolerance>) -> Self {
+        self.fault_tolerance = ft;
+        self
+    }
+
+    /// Fault tolerance's manager of the replicas, when on.
+    pub(super) fn fault_tolerance(&self) -> Option<&FaultTolerance> {
+        self.fault_tolerance.as_ref()
     }
 
     /// With the expert-data-parallel group `group` (on a thread of its own when `threaded`): the units split over

@@ -116,7 +116,7 @@ impl FaultTolerance {
 /// when a restarted group rejoins), the batch over its groups, and, on the ranks of the group the rejoined ones
 /// heal from, their state sent.
 pub(super) fn after_step(engine: &mut Engine) -> Result<()> {
-    let Some(ft) = engine.fault_tolerance.as_ref() else { return Ok(()) };
+    let Some(ft) = engine.comm.fault_tolerance() else { return Ok(()) };
     let step = engine.progress.global_steps + 1;
     let formed = match ft.verdict.get() {
         Verdict::Commit => {
@@ -125,7 +125,8 @@ pub(super) fn after_step(engine: &mut Engine) -> Result<()> {
         }
         Verdict::Discard | Verdict::Regroup => Some(ft.manager.form_quorum(step)?),
     };
-    engine.batch = ft.live_batch(&engine.comm);
+    let batch = ft.live_batch(&engine.comm);
+    engine.batch = batch;
     match formed {
         Some(f) if !f.rejoined.is_empty() && f.source() == Some(ft.manager.group()) => send_state(engine, &f),
         _ => Ok(()),
@@ -135,9 +136,10 @@ pub(super) fn after_step(engine: &mut Engine) -> Result<()> {
 /// A restarted group's rank, its engine built: rejoins the job at the next step a live group's vote takes it in,
 /// and loads that group's state as it is there (its values, optimizer states, schedule, loss scale and step).
 pub(super) fn rejoin(engine: &mut Engine, incarnation: u64) -> Result<()> {
-    let Some(ft) = engine.fault_tolerance.as_ref() else { return Ok(()) };
+    let Some(ft) = engine.comm.fault_tolerance() else { return Ok(()) };
     let formed = ft.manager.rejoin(incarnation)?;
-    engine.batch = ft.live_batch(&engine.comm);
+    let batch = ft.live_batch(&engine.comm);
+    engine.batch = batch;
     receive_state(engine, &formed)
 }
 
@@ -154,7 +156,7 @@ const HEAL_TAG: &str = "heal";
 /// each rejoined group at its place, the files that rank loads (the manifest, the variables, its own shard).
 fn send_state(engine: &mut Engine, formed: &Formed) -> Result<()> {
     let started = Instant::now();
-    let ft = engine.fault_tolerance.as_ref().expect("fault-tolerant");
+    let ft = engine.comm.fault_tolerance().expect("fault-tolerant");
     let (group, run_id) = (ft.manager.group(), ft.run_id.clone());
     let dir = heal_dir(&run_id, &format!("g{group}"));
     let options = crate::engine::SaveOptions { tag: Some(HEAL_TAG.into()), ..Default::default() };
@@ -163,7 +165,7 @@ fn send_state(engine: &mut Engine, formed: &Formed) -> Result<()> {
     let rank = engine.comm.rank();
     let files = heal_files(&folder, rank, engine.comm.world_size())?;
     let bytes: usize = files.iter().map(|(_, b)| b.len()).sum();
-    let ft = engine.fault_tolerance.as_ref().expect("fault-tolerant");
+    let ft = engine.comm.fault_tolerance().expect("fault-tolerant");
     let mut healed = Vec::new();
     for &g in &formed.rejoined {
         let dst = formed.quorum.members.iter().position(|&m| m == g).expect("a member");
@@ -194,7 +196,7 @@ fn send_state(engine: &mut Engine, formed: &Formed) -> Result<()> {
 /// A rejoined group's rank: receives its files from the source group's rank at its place and loads them.
 fn receive_state(engine: &mut Engine, formed: &Formed) -> Result<()> {
     let started = Instant::now();
-    let ft = engine.fault_tolerance.as_ref().expect("fault-tolerant");
+    let ft = engine.comm.fault_tolerance().expect("fault-tolerant");
     let source = formed.source().expect("a group that stayed");
     let src = formed.quorum.members.iter().position(|&m| m == source).expect("a member");
     let files = ft.manager.with_group(|c| recv_files(c.expect("a quorum of several"), src))?;

@@ -210,8 +210,6 @@ pub struct Engine {
     in_flight: checkpointing::background::InFlight,
     /// The monitors, the throughput and MFU, the communication logger.
     watch: watching::Watch,
-    /// `fault_tolerance`: the replica groups' manager (None when off).
-    fault_tolerance: Option<fault_tolerant::FaultTolerance>,
 }
 
 impl Engine {

@@ -435,8 +435,8 @@ impl Engine {
             Some(m) => Synchronization::Meetings(m),
             None => Synchronization::Synchronous,
         };
-        // The communication logger records training's collectives, not set-up's.
         let (replicas, fault_tolerance) = super::fault_tolerant::wrap(&config, comm.as_ref(), replicas, batch)?;
+        // The communication logger records training's collectives, not set-up's.
         let (watch, comm, replicas) = super::watching::Watch::wrap_comms(&config, comm, replicas);
         let inputs_to_host = inputs_to_host(&config, &options, residence);
         let mut engine = Engine {
@@ -444,7 +444,8 @@ impl Engine {
                 Some(group) => engine_comm::EngineComm::new(comm, replicas, plan.threaded_comm())
                     .with_experts(group, plan.threaded_comm()),
                 None => engine_comm::EngineComm::new(comm, replicas, plan.threaded_comm()),
-            },
+            }
+            .with_fault_tolerance(fault_tolerance),
             residence,
             config,
             plan,
@@ -476,7 +477,6 @@ impl Engine {
             in_flight: Default::default(),
             sync,
             watch,
-            fault_tolerance,
         };
         engine.start_bounded_staleness()?;
         if engine.config.monitor.flops_profiler.profile_step == 1 && engine.profiling_this_step() {

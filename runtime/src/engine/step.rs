@@ -143,7 +143,7 @@ impl Engine {
         let loss = self.finish_loss()?;
         // Fault tolerance: every cross-group collective of the step is done; the groups commit it or drop it.
         let step = self.progress.global_steps + 1;
-        if self.fault_tolerance.as_ref().map(|ft| ft.vote(step)).transpose()? == Some(Verdict::Discard) {
+        if self.comm.fault_tolerance().map(|ft| ft.vote(step)).transpose()? == Some(Verdict::Discard) {
             return self.discard_step(loss);
         }
         let scale = self.loss_scale();

@@ -59,12 +59,6 @@ impl TcpStore {
         TcpStore::connect(&self.addr, self.port, self.rank, self.timeout)
     }
 
-    /// The job's store, from the environment `zerorun launch` (or torchrun) sets.
-    pub fn from_env(timeout: Duration) -> CommResult<TcpStore> {
-        let info = crate::comm::rank_info::RankInfo::from_env()?;
-        TcpStore::connect(&info.master_addr, info.master_port, info.rank, timeout)
-    }
-
     fn call(
         &self,
         op: &'static str,
