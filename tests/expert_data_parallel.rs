@@ -219,8 +219,8 @@ fn experts_split_over_their_positions_ranks_train_as_every_rank_holding_them() {
 }
 
 /// Stage 2 with units: each position's experts reduced over their own ranks, and each rank steps and all-gathers
-/// its chunk over them. A rank outside a unit keeps its first values of it, which only leave the engine after
-/// coming from the unit's ranks (the full parameters below).
+/// its chunk over them. A rank outside a unit keeps none of its values: they leave the engine from the unit's
+/// ranks (the full parameters below).
 #[test]
 fn at_stage_2_experts_split_over_their_positions_ranks_train_as_every_rank_holding_them() {
     let stage2 = |e, checkpointed| {
@@ -238,9 +238,33 @@ fn at_stage_2_experts_split_over_their_positions_ranks_train_as_every_rank_holdi
             s.gathered_elements,
             a.gathered_elements
         );
+        // And it keeps the values of those units only: the dense parameters and half the experts (fp32).
+        let experts: usize = a.params.iter().filter(|(n, _)| n.contains(".experts.")).map(|(_, t)| t.numel()).sum();
+        let expected = a.parameters_in_memory as f64 - 4.0 * experts as f64 / 2.0;
+        assert!(
+            experts > 0 && (s.parameters_in_memory as f64 - expected).abs() <= 0.01 * expected,
+            "stage 2, rank {r}: {} bytes of parameters at E = 2, {} at E = 1, {experts} expert elements",
+            s.parameters_in_memory,
+            a.parameters_in_memory
+        );
     }
     for (r, (c, a)) in stage2(2, true).iter().zip(&every).enumerate() {
         assert_close(&c.params, &a.params, &format!("stage 2, rank {r}, checkpointed at E = 2 against E = 1"));
+    }
+    // The optimizer on a copy of the rank's pieces (offloaded), and bf16's fp32 master, write back into the
+    // rank's own units.
+    let with = |extra: serde_json::Value| {
+        let mut with = json!({"zero_optimization": {"stage": 2}});
+        with.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        Span { steps: 0..STEPS, with, ..Default::default() }
+    };
+    let offloaded = with(json!({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}));
+    for (r, (o, a)) in run(2, 4, offloaded).iter().zip(&every).enumerate() {
+        assert_close(&o.params, &a.params, &format!("stage 2 offloaded, rank {r}: E = 2 against E = 1"));
+    }
+    let bf16 = with(json!({"bf16": {"enabled": true}}));
+    for (r, (s, a)) in run(2, 4, bf16.clone()).iter().zip(&run(1, 4, bf16)).enumerate() {
+        assert_within(&s.params, &a.params, 2e-3, &format!("stage 2 bf16, rank {r}: E = 2 against E = 1"));
     }
 }
 

@@ -36,6 +36,12 @@ pub struct EstimateInput {
     pub hpz_partition_size: u64,
     /// `mics_shard_size`: the model states are partitioned over groups of this many ranks, not over every rank.
     pub shard_group_size: Option<u64>,
+    /// Trainable parameters of a mixture of experts' experts (part of `params`), split over `expert_parallel`
+    /// positions: at stage 2 with units (the Llama example's, or `engine.unit` scopes) a rank holds the values
+    /// of its position's experts only. 0: none, or not split.
+    pub expert_params: u64,
+    /// `expert_parallel.autoep_size` (1: every rank computes every expert).
+    pub expert_parallel: u64,
 }
 
 impl EstimateInput {
@@ -53,6 +59,8 @@ impl EstimateInput {
             optimizer_in_backward: false,
             hpz_partition_size: 1,
             shard_group_size: None,
+            expert_params: 0,
+            expert_parallel: 1,
         }
     }
 
@@ -63,7 +71,22 @@ impl EstimateInput {
         self.optimizer_in_backward = config.optimizer_in_backward;
         self.hpz_partition_size = config.zero_optimization.zero_hpz_partition_size;
         self.shard_group_size = config.zero_optimization.mics_shard_size;
+        self.expert_parallel = config.expert_parallel.size();
         self
+    }
+
+    /// `params` of which are experts split over the expert-parallel positions (see [`EstimateInput::expert_params`]).
+    pub fn with_experts(mut self, params: u64) -> Self {
+        self.expert_params = params;
+        self
+    }
+
+    /// Parameter values one rank holds at stages 0-2: all of them, but at stage 2 only its expert-parallel
+    /// position's share of the experts.
+    fn resident_params(&self, stage: u8) -> f64 {
+        let e = self.expert_parallel.max(1) as f64;
+        let elsewhere = if stage == 2 { self.expert_params as f64 * (1.0 - 1.0 / e) } else { 0.0 };
+        self.params as f64 - elsewhere
     }
 
     fn ranks(&self) -> u64 {
@@ -117,14 +140,15 @@ pub struct EstimateRow {
 pub fn model_states_bytes(input: &EstimateInput, stage: u8) -> u64 {
     let (p, g, o) = input.bytes_per_param();
     let (psi, n) = (input.params as f64, input.partitions() as f64);
-    let per_param = match stage {
-        0 => (p + g + o) as f64,
-        1 => (p + g) as f64 + o as f64 / n,
-        2 => p as f64 + (g + o) as f64 / n,
-        _ if input.optimizer_in_backward => (p + o) as f64 / n,
-        _ => (p + g + o) as f64 / n,
+    let bytes = match stage {
+        0 => psi * (p + g + o) as f64,
+        1 => psi * ((p + g) as f64 + o as f64 / n),
+        // Each position's experts' gradients and states are split over its W / E ranks: experts / W a rank.
+        2 => input.resident_params(2) * p as f64 + psi * (g + o) as f64 / n,
+        _ if input.optimizer_in_backward => psi * (p + o) as f64 / n,
+        _ => psi * (p + g + o) as f64 / n,
     };
-    (psi * per_param + input.frozen_bytes(stage)).round() as u64
+    (bytes + input.frozen_bytes(stage)).round() as u64
 }
 
 /// Every stage and CPU-offload option, in DeepSpeed's estimator terms.
@@ -193,6 +217,20 @@ mod tests {
         assert!(model_states_bytes(&grouped, 3) > model_states_bytes(&eight, 3));
         let device = |i: &EstimateInput| estimate(i).iter().map(|r| r.per_device_bytes).collect::<Vec<_>>();
         assert_eq!(device(&grouped), device(&two));
+    }
+
+    #[test]
+    fn at_stage_2_a_rank_holds_its_expert_parallel_positions_experts_only() {
+        // 1M parameters of which 800k experts over E = 4 positions on 8 ranks, mixed-precision Adam.
+        let dense = EstimateInput { nodes: 1, gpus_per_node: 8, ..EstimateInput::new(1_000_000) };
+        let moe = EstimateInput { expert_parallel: 4, ..dense.clone() }.with_experts(800_000);
+        // Values: 200k dense + 200k of its position's experts, 2 bytes each; gradients and states over 8 ranks.
+        assert_eq!(model_states_bytes(&moe, 2), 2 * 400_000 + 14 * 1_000_000 / 8);
+        for stage in [0, 1, 3] {
+            assert_eq!(model_states_bytes(&moe, stage), model_states_bytes(&dense, stage), "stage {stage}");
+        }
+        let one = EstimateInput { expert_parallel: 1, ..moe.clone() };
+        assert_eq!(model_states_bytes(&one, 2), model_states_bytes(&dense, 2));
     }
 
     #[test]

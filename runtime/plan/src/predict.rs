@@ -61,6 +61,11 @@ fn value_bytes(p: Precision) -> f64 {
     }
 }
 
+/// The experts of one expert-parallel position of `ep`: every layer's experts / E.
+fn position_experts(model: &Model, ep: u64) -> f64 {
+    model.expert_params() as f64 / ep as f64
+}
+
 /// Predicts one strategy (see the crate's documentation for the model).
 pub fn predict(model: &Model, cluster: &Cluster, options: &Options, s: &Strategy) -> Row {
     let (p, t, b, m) = (s.pipeline, s.tensor, s.micro_batch as f64, s.gradient_accumulation as f64);
@@ -71,14 +76,19 @@ pub fn predict(model: &Model, cluster: &Cluster, options: &Options, s: &Strategy
     // One rank's slice of the model: its pipeline stage, its tensor-parallel share.
     let local_params = model.params() as f64 / (p * t) as f64;
     let local_layers = model.layers().div_ceil(p);
+    // With expert parallelism a layer's experts are split over E positions: at stage 3 a layer's unit holds
+    // experts / E of its experts, and at stage 2 a rank keeps the values of its position's experts only.
+    let ep = s.experts.max(1);
     let input = EstimateInput {
         gpus_per_node: d,
         precision: options.precision,
-        ..EstimateInput::new(local_params.round() as u64)
+        expert_parallel: ep,
+        ..EstimateInput::new(local_params.round() as u64).with_experts(model.expert_params())
     };
     let (pb, gb, ob) = input.bytes_per_param();
     let shard = |sharded: bool| if sharded { local_params / d as f64 } else { local_params };
-    let params = shard(s.stage == 3) * pb as f64;
+    let elsewhere = model.expert_params() as f64 * (1.0 - 1.0 / ep as f64);
+    let params = if s.stage == 3 { local_params / d as f64 } else { local_params - elsewhere } * pb as f64;
     let grads = shard(s.stage >= 2) * gb as f64;
     let optim = shard(s.stage >= 1) * ob as f64;
     let stepped = shard(s.stage >= 1);
@@ -98,8 +108,6 @@ pub fn predict(model: &Model, cluster: &Cluster, options: &Options, s: &Strategy
         (params + grads + optim - moved + swap_buffers, host)
     };
 
-    // With expert parallelism at stage 3 a layer's unit holds experts / E of its experts.
-    let ep = s.experts.max(1);
     let unit = model.largest_unit_params(ep) as f64 / t as f64;
     // Stage 3: the planner's configs leave the size keys to the engine, which sizes them from the units: two units
     // (the largest) live at a time, the one in use and the next one prefetched.
@@ -163,6 +171,16 @@ pub fn predict(model: &Model, cluster: &Cluster, options: &Options, s: &Strategy
     let (dp_comm, copied) = match s.stage {
         0 => (dp_link.seconds(AllReduce, d, grad_bytes), 0.0),
         1 => (dp_link.seconds(ReduceScatter, d, grad_bytes) + dp_link.seconds(AllGather, d, param_bytes), grad_bytes),
+        2 if ep > 1 => {
+            // Each position's experts are reduced and refreshed over the d / E ranks at that position, a rank
+            // moving its position's experts / E; the dense parameters over all d.
+            let (dense, own, q) = (local_params - model.expert_params() as f64, position_experts(model, ep), d / ep);
+            let reduce = dp_link.seconds(ReduceScatter, d, dense * gb as f64)
+                + dp_link.seconds(ReduceScatter, q, own * gb as f64);
+            let refresh =
+                dp_link.seconds(AllGather, d, dense * pb as f64) + dp_link.seconds(AllGather, q, own * pb as f64);
+            (m * reduce + refresh, m * (dense + own) * gb as f64 + (dense + own) * pb as f64)
+        }
         2 => (
             m * dp_link.seconds(ReduceScatter, d, grad_bytes) + dp_link.seconds(AllGather, d, param_bytes),
             m * grad_bytes + param_bytes,
@@ -170,9 +188,7 @@ pub fn predict(model: &Model, cluster: &Cluster, options: &Options, s: &Strategy
         _ if ep > 1 => {
             // Each position's experts are gathered and reduced over the d / E ranks at that position, a rank
             // moving its position's experts / E; the dense parameters over all d.
-            let experts = model.expert_params() as f64;
-            let (dense, own) = (local_params - experts, experts / ep as f64);
-            let q = d / ep;
+            let (dense, own, q) = (local_params - model.expert_params() as f64, position_experts(model, ep), d / ep);
             let over_all = 2.0 * dp_link.seconds(AllGather, d, dense * pb as f64)
                 + dp_link.seconds(ReduceScatter, d, dense * gb as f64);
             let over_position = 2.0 * dp_link.seconds(AllGather, q, own * pb as f64)
@@ -442,7 +458,7 @@ mod tests {
     }
 
     #[test]
-    fn expert_parallel_degrees_are_planned_at_stage_3_alone_and_with_checkpointing() {
+    fn expert_parallel_degrees_are_planned_at_stages_2_and_3_alone_and_with_checkpointing() {
         let cluster = Cluster::from_json(
             r#"{"hosts": 1, "ranks_per_host": 4, "memory_per_rank_bytes": 8e9, "host_memory_bytes": 3.2e10,
                 "links": {"intra": {"latency_s": 0, "bandwidth_bytes_per_s": 1e9}}}"#,
@@ -463,9 +479,20 @@ mod tests {
             "no tensor, sequence or pipeline parallelism with experts"
         );
         for s in all.iter().filter(|s| s.experts > 1) {
-            assert_eq!((s.stage, s.tensor, s.pipeline, s.sequence), (3, 1, 1, 1), "{s:?}");
+            assert!(s.stage >= 2 && (s.tensor, s.pipeline, s.sequence) == (1, 1, 1), "{s:?}");
             assert_eq!(s.data % s.experts, 0, "{s:?}");
         }
+        // At stage 2 a rank keeps its position's experts' values only: E = 2 holds half of them less (fp32).
+        let at = |stage: u8, experts: u64| {
+            let s = all.iter().find(|s| (s.stage, s.experts, s.offload) == (stage, experts, Offload::None)).unwrap();
+            predict(&moe, &cluster, &options, s)
+        };
+        let saved = 4.0 * moe.expert_params() as f64 / 2.0;
+        for row in [at(2, 1), at(2, 2)] {
+            assert_eq!(row.model_state_bytes_per_rank.round(), row.memory.model_states.round(), "{row:?}");
+        }
+        assert_eq!((at(2, 1).memory.model_states - at(2, 2).memory.model_states).round(), saved.round());
+        assert_eq!(at(3, 1).memory.model_states, at(3, 2).memory.model_states);
         // Checkpointed layers recompute with their experts' unit nested: both, and the recomputation's forward
         // all-to-alls priced (6 a layer instead of 4).
         let e2: Vec<&Strategy> = all.iter().filter(|s| s.experts == 2 && s.micro_batch == 2).collect();

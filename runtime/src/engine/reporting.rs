@@ -300,13 +300,18 @@ impl Engine {
                 self.states.frozen.first().map(|(_, t)| t.kind().elt_size_in_bytes() as u64),
             ),
         };
+        // Units of one expert-parallel position's experts, split over that position's ranks.
+        let layout = &self.states.layout;
+        let grouped = layout.units.iter().filter(|u| u.ranks != crate::engine::zero::layout::UnitRanks::All);
+        let expert_params = grouped.flat_map(|u| &layout.slots[u.slots.clone()]).map(|s| s.range.len() as u64).sum();
         EstimateInput {
             gpus_per_node: self.comm.world_size() as u64,
             frozen_params,
             frozen_bytes_per_param: frozen_bytes,
-            ..EstimateInput::new(self.states.layout.numel as u64)
+            ..EstimateInput::new(layout.numel as u64)
         }
         .with_config(&self.config)
+        .with_experts(expert_params)
     }
 
     /// Model-state bytes by ZeRO's formula for this run (the estimator's number).
@@ -379,8 +384,8 @@ impl Engine {
     }
 
     /// A mixture of experts' part of this rank's model states (`moe::is_expert_parameter` names them): each
-    /// category in the proportion of expert elements in what it holds: every parameter (stages 0-2's parameters,
-    /// full gradients), or this rank's optimized pieces (its partition: stage 3's parameters, the gradient shard,
+    /// category in the proportion of expert elements in what it holds: every parameter (stages 0-2's parameters but
+    /// another expert-parallel position's experts, full gradients), or this rank's optimized pieces (its partition: stage 3's parameters, the gradient shard,
     /// the master and the optimizer's states). None for a model without experts.
     fn expert_states(&self, now: &[(MemoryCategory, usize)]) -> Option<crate::report::memory::ExpertStates> {
         let layout = &self.states.layout;
@@ -396,6 +401,15 @@ impl Engine {
         };
         let held = elements(&|_| true);
         let partition = if held == 0 { 0.0 } else { elements(&expert) as f64 / held as f64 };
+        // Stage 2 with units split over expert-parallel groups: the parameters are the units this rank holds.
+        let rank = self.comm.rank();
+        let resident = if layout.has_groups() && !self.plan.partitions_parameters() {
+            let held = layout.units.iter().filter(|u| u.holds(rank));
+            let experts: usize = held.flat_map(|u| layout.runs_where(u.range.clone(), &expert)).map(|r| r.len()).sum();
+            experts as f64 / layout.resident_len(rank).max(1) as f64
+        } else {
+            whole
+        };
         let stage3 = self.plan.stage() == 3;
         use MemoryCategory::*;
         let categories = now
@@ -403,7 +417,8 @@ impl Engine {
             .filter_map(|(category, bytes)| {
                 let share = match category {
                     Parameters | ParametersNvme if stage3 => partition,
-                    Parameters | ParametersNvme | GradientsFull => whole,
+                    Parameters | ParametersNvme => resident,
+                    GradientsFull => whole,
                     GradientsShard | MasterFp32 | OptimizerStates | OptimizerStatesNvme => partition,
                     _ => return None,
                 };

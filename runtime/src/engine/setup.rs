@@ -182,7 +182,9 @@ fn check_parameters(named: &[(String, Tensor)], precision: Precision) -> Result<
 
 /// Stages 0-2: packs the parameters into one flat buffer (in the shared region when `shared`), makes the model's
 /// tensors views into it, and starts every rank from rank 0's weights. Stage 2 also gets one in-place unit per
-/// unit span (its chunk stays where it is; nothing is released).
+/// unit span (its chunk stays where it is; nothing is released). With units split over expert-parallel groups
+/// (stage 2), the buffer keeps only the units this rank holds ([`FlatLayout::resident_starts`]): another
+/// position's experts are never computed, reduced or stepped here, so their tensors keep no storage, as at stage 3.
 pub(super) fn pack(
     layout: &FlatLayout,
     named: Vec<(String, Tensor)>,
@@ -192,36 +194,75 @@ pub(super) fn pack(
     shared: bool,
     residence: Residence,
 ) -> Result<(Tensor, Vec<Tensor>, Vec<ShardedUnit>)> {
-    let flat_params = views::comm_zeros(layout.padded, kind, shared, residence.device())?;
-    let mut params = Vec::with_capacity(named.len());
-    tch::no_grad(|| {
-        for ((_, mut t), slot) in named.into_iter().zip(&layout.slots) {
-            let mut view = flat_params.narrow(0, slot.range.start as i64, slot.range.len() as i64);
-            view.copy_(&t.reshape([-1]));
-            t.set_data(&view.view(slot.shape.as_slice()));
-            params.push(t);
+    let mut params: Vec<Tensor> = named.into_iter().map(|(_, t)| t).collect();
+    let rank = comm.rank();
+    let starts = layout.resident_starts(rank);
+    let flat = views::comm_zeros(layout.resident_len(rank), kind, shared, residence.device())?;
+    if plan.shard_in_pieces() && layout.has_groups() {
+        // Unit by unit, so that no rank ever holds the model twice: each unit's values go from rank 0 into the
+        // units' regions of the ranks that hold them (through a scratch buffer where a rank does not).
+        for (i, span) in layout.units.iter().enumerate() {
+            let held = layout.resident_range(&starts, i, &span.range);
+            let buffer = match &held {
+                Some(r) => flat.narrow(0, r.start as i64, r.len() as i64),
+                None => Tensor::f_zeros([span.range.len() as i64], (kind, residence.device()))?,
+            };
+            let own = &mut params[span.slots.clone()];
+            let slots = &layout.slots[span.slots.clone()];
+            let view = |slot: &crate::engine::zero::layout::ParamSlot| {
+                let at = (slot.range.start - span.range.start) as i64;
+                buffer.narrow(0, at, slot.range.len() as i64)
+            };
+            if rank == 0 || held.is_some() {
+                for (t, slot) in own.iter().zip(slots) {
+                    tch::no_grad(|| view(slot).f_copy_(&t.reshape([-1])))?;
+                }
+            }
+            views::broadcast(residence, comm, &buffer, 0)?;
+            for (t, slot) in own.iter_mut().zip(slots) {
+                let data = match held {
+                    Some(_) => view(slot).view(slot.shape.as_slice()),
+                    None => {
+                        let hollow = Tensor::f_empty(t.size(), (kind, residence.device()))?;
+                        native::resize_storage(&hollow, 0)?;
+                        hollow
+                    }
+                };
+                tch::no_grad(|| t.set_data(&data));
+            }
         }
-    });
-    views::broadcast(residence, comm, &flat_params, 0)?;
+    } else {
+        tch::no_grad(|| {
+            for (t, slot) in params.iter_mut().zip(&layout.slots) {
+                let mut view = flat.narrow(0, slot.range.start as i64, slot.range.len() as i64);
+                view.copy_(&t.reshape([-1]));
+                t.set_data(&view.view(slot.shape.as_slice()));
+            }
+        });
+        views::broadcast(residence, comm, &flat, 0)?;
+        if !plan.shard_in_pieces() {
+            return Ok((flat, params, Vec::new()));
+        }
+    }
+    let world_size = comm.world_size();
     let mut units = Vec::new();
-    if plan.shard_in_pieces() {
-        let world_size = comm.world_size();
-        let mut offset = 0;
-        for span in &layout.units {
-            let own: Vec<Tensor> = params[span.slots.clone()].iter().map(Tensor::shallow_clone).collect();
-            let region = flat_params.narrow(0, span.range.start as i64, span.range.len() as i64);
-            units.push(ShardedUnit::in_place(
+    let mut offset = 0;
+    for (i, span) in layout.units.iter().enumerate() {
+        let own: Vec<Tensor> = params[span.slots.clone()].iter().map(Tensor::shallow_clone).collect();
+        units.push(match layout.resident_range(&starts, i, &span.range) {
+            Some(r) => ShardedUnit::in_place(
                 span.clone(),
                 &layout.slots[span.slots.clone()],
                 own,
-                region,
+                flat.narrow(0, r.start as i64, r.len() as i64),
                 offset,
                 residence,
-            ));
-            offset += span.chunk_len(world_size);
-        }
+            ),
+            None => ShardedUnit::held_elsewhere(span.clone(), own, kind, offset, residence)?,
+        });
+        offset += span.held_len(rank, world_size);
     }
-    Ok((flat_params, params, units))
+    Ok((flat, params, units))
 }
 
 /// The `aio` section as the offload crate takes it.

@@ -11,10 +11,10 @@ impl Engine {
     }
 
     pub(super) fn full_parameters_as(&mut self, kind: Kind) -> Result<Vec<(String, Tensor)>> {
-        if self.plan.partitions_parameters() {
+        // Stage 2 with units split over expert-parallel groups: another position's experts are not here either.
+        if self.plan.partitions_parameters() || self.states.layout.has_groups() {
             return self.gather_full_parameters(kind, false);
         }
-        self.bring_other_positions_experts()?;
         Ok(self
             .states
             .layout
@@ -70,18 +70,6 @@ impl Engine {
         out.extend(self.states.buffers.iter().map(|(n, t)| (n.clone(), t.detach().copy())));
         out.sort_by(|a, b| a.0.cmp(&b.0));
         Ok(out)
-    }
-
-    /// Stage 2 with units split over expert-parallel groups: a rank outside such a unit never computes, reduces or
-    /// refreshes it, so its copy keeps the values it started with. Before the full parameters leave the engine,
-    /// every such unit comes from the first rank of its group (collective).
-    fn bring_other_positions_experts(&mut self) -> Result<()> {
-        for unit in &self.states.parameters.units {
-            if let crate::engine::zero::layout::UnitRanks::Group(members) = &unit.span.ranks {
-                views::broadcast(self.residence, self.comm.as_ref(), unit.full(), members[0])?;
-            }
-        }
-        Ok(())
     }
 
     /// (name, shape, kind) of every frozen parameter.
@@ -146,8 +134,8 @@ impl Engine {
 
     /// Stage 3: gathers the units one at a time (collective) and shows `visit` each trainable parameter as `kind`
     /// and, with `frozen`, each frozen one in its own dtype, in the units' order, while its unit is gathered. A
-    /// unit split over a group (one expert-parallel position's experts) is gathered by its ranks and sent to the
-    /// others from the first of them, so every rank sees every parameter.
+    /// unit split over a group (one expert-parallel position's experts, at stage 2 too) is gathered by its ranks
+    /// and sent to the others from the first of them, so every rank sees every parameter.
     fn visit_units(
         &mut self,
         kind: tch::Kind,
@@ -217,9 +205,12 @@ impl Engine {
         if self.plan.partitions_parameters() {
             self.visit_units(kind, true, &mut |n, t| visit(n, &as_run(t)))?;
         } else {
-            self.bring_other_positions_experts()?;
-            for (slot, t) in self.states.layout.slots.iter().zip(&self.states.params) {
-                visit(&slot.name, &t.detach().to_kind(kind))?;
+            if self.states.layout.has_groups() {
+                self.visit_units(kind, false, visit)?;
+            } else {
+                for (slot, t) in self.states.layout.slots.iter().zip(&self.states.params) {
+                    visit(&slot.name, &t.detach().to_kind(kind))?;
+                }
             }
             let frozen = match &mut self.states.parameters.frozen_units {
                 Some(units) => units.full_copies(self.comm.as_ref())?,

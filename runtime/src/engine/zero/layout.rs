@@ -162,6 +162,47 @@ impl FlatLayout {
         self.units.iter().map(|u| u.held_len(rank, self.world_size)).sum()
     }
 
+    /// Stages 0-2: where each unit starts in rank `rank`'s buffer of full parameters, which lays the units it
+    /// holds out one after another (None for a unit it does not hold). Every rank holds every unit but another
+    /// expert-parallel position's experts (stage 2 with units split over groups), so without groups this is each
+    /// unit's own flat start.
+    pub fn resident_starts(&self, rank: usize) -> Vec<Option<usize>> {
+        let mut at = 0;
+        self.units
+            .iter()
+            .map(|u| {
+                u.holds(rank).then(|| {
+                    at += u.range.len();
+                    at - u.range.len()
+                })
+            })
+            .collect()
+    }
+
+    /// Elements of rank `rank`'s buffer of full parameters (stages 0-2): every unit it holds, padding included.
+    pub fn resident_len(&self, rank: usize) -> usize {
+        self.units.iter().filter(|u| u.holds(rank)).map(|u| u.range.len()).sum()
+    }
+
+    /// Where flat range `range`, inside unit `unit`, lies in rank `rank`'s buffer of full parameters, given
+    /// [`resident_starts`](Self::resident_starts); None where the rank does not hold the unit.
+    pub fn resident_range(&self, starts: &[Option<usize>], unit: usize, range: &Range<usize>) -> Option<Range<usize>> {
+        let span = &self.units[unit];
+        debug_assert!(span.range.start <= range.start && range.end <= span.range.end.max(range.start));
+        starts[unit].map(|s| s + range.start - span.range.start..s + range.end - span.range.start)
+    }
+
+    /// Rank `rank`'s chunk of every unit (its [`shard_pieces`](Self::shard_pieces)) as ranges of its buffer of
+    /// full parameters (stage 2's pieces, stepped in place); empty for the units it does not hold.
+    pub fn resident_pieces(&self, rank: usize) -> Vec<Range<usize>> {
+        let starts = self.resident_starts(rank);
+        self.shard_pieces(rank)
+            .iter()
+            .enumerate()
+            .map(|(i, piece)| self.resident_range(&starts, i, piece).unwrap_or(0..0))
+            .collect()
+    }
+
     /// Whether some unit is split over a group of ranks rather than all of them.
     pub fn has_groups(&self) -> bool {
         self.units.iter().any(|u| u.ranks != UnitRanks::All)
@@ -319,6 +360,15 @@ mod tests {
         assert!(l.has_groups() && !layout(2).has_groups());
         // Rank 1's shard: embed[2..4], then the first chunk of the experts unit split over ranks 1 and 3.
         assert_eq!(l.shard_decay_runs(1), vec![(0..2, true), (2..4, true)]);
+        // Rank 2's buffer of full parameters: embed, then the first experts unit only (8 + 4 elements).
+        assert_eq!(l.resident_starts(2), vec![Some(0), Some(8), None]);
+        assert_eq!(l.resident_starts(3), vec![Some(0), None, Some(8)]);
+        assert_eq!((l.resident_len(2), l.resident_len(3)), (12, 12));
+        assert_eq!(l.resident_pieces(2), vec![4..6, 10..12, 0..0]);
+        assert_eq!(l.resident_pieces(3), vec![6..8, 0..0, 10..12]);
+        // Without groups a rank's buffer is the flat layout itself.
+        let whole = layout(3);
+        assert_eq!((whole.resident_len(1), whole.resident_pieces(1)), (whole.padded, whole.shard_pieces(1)));
     }
 
     #[test]

@@ -18,8 +18,9 @@ use crate::engine::zero::swapped_params::{Chunk, SwappedParams};
 use crate::error::Result;
 
 pub(crate) struct Parameters {
-    /// All parameters in the model's dtype (stages 0-2); this rank's shard of every unit (stage 3; empty when the
-    /// shard is on NVMe).
+    /// All parameters in the model's dtype (stages 0-2; at stage 2 with units split over expert-parallel groups,
+    /// those of the units this rank holds, [`FlatLayout::resident_starts`]); this rank's shard of every unit
+    /// (stage 3; empty when the shard is on NVMe).
     pub flat: Tensor,
     /// Stage 3 with `offload_param.device = nvme`: where the shard lives instead of `flat`.
     pub swapped: Option<SwappedParams>,
@@ -292,7 +293,7 @@ impl Parameters {
         tch::no_grad(|| -> Result<()> {
             if plan.shard_in_pieces() {
                 let mut at = 0i64;
-                for piece in layout.shard_pieces(rank) {
+                for piece in layout.resident_pieces(rank) {
                     let n = piece.len() as i64;
                     self.flat.narrow(0, piece.start as i64, n).f_copy_(&values.narrow(0, at, n))?;
                     at += n;
@@ -314,7 +315,8 @@ impl Parameters {
 }
 
 /// This rank's optimized values in the model's dtype: a view of `flat` where they are contiguous (stages 0-1, 3's
-/// shard), the concatenation of its chunk of every unit at stage 2 (laid out by units).
+/// shard), the concatenation of its chunk of every unit at stage 2 (where `flat` holds the units this rank holds,
+/// [`FlatLayout::resident_pieces`]).
 pub(crate) fn shard_values(
     flat: &Tensor,
     layout: &FlatLayout,
@@ -324,7 +326,7 @@ pub(crate) fn shard_values(
 ) -> Tensor {
     if plan.shard_in_pieces() {
         let pieces: Vec<Tensor> =
-            layout.shard_pieces(rank).into_iter().map(|p| flat.narrow(0, p.start as i64, p.len() as i64)).collect();
+            layout.resident_pieces(rank).into_iter().map(|p| flat.narrow(0, p.start as i64, p.len() as i64)).collect();
         Tensor::cat(&pieces, 0)
     } else {
         let r = optimized.range();

@@ -169,6 +169,34 @@ impl ShardedUnit {
         }
     }
 
+    /// Stage 2: a unit of another expert-parallel position's experts, which this rank never computes, reduces or
+    /// steps. Its tensors (`params`) have no storage; its buffer is empty, and exports take its values from the
+    /// first rank of its group.
+    pub fn held_elsewhere(
+        span: UnitSpan,
+        params: Vec<Tensor>,
+        kind: tch::Kind,
+        shard_offset: usize,
+        residence: Residence,
+    ) -> Result<ShardedUnit> {
+        Ok(ShardedUnit {
+            span,
+            shard_offset,
+            persistent: true,
+            full: Tensor::f_empty([0], (kind, residence.device()))?,
+            views: Vec::new(),
+            params,
+            released: Vec::new(),
+            state: UnitState::Gathered,
+            pending: None,
+            in_place: true,
+            residence,
+            quantized_block: None,
+            host_piece: None,
+            host_copy: None,
+        })
+    }
+
     /// Quantizes this unit's gathers from now on (`zero_quantized_weights`): int8 in blocks of `block` values.
     pub fn quantize_gathers(&mut self, block: usize) {
         self.quantized_block = Some(block);

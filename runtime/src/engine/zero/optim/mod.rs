@@ -176,7 +176,7 @@ impl OptimizerShard {
         let (values, g) = unsafe { (views::slice::<f32>(&flat), views::slice::<f32>(&grads)) };
         self.tier.begin_step()?;
         let mut at = 0;
-        for (i, piece) in t.layout.shard_pieces(t.rank).into_iter().enumerate() {
+        for (i, piece) in t.layout.resident_pieces(t.rank).into_iter().enumerate() {
             let n = piece.len();
             if n > 0 {
                 self.tier.update_range(at..at + n, &mut values[piece], &g[at..at + n], &self.groups, None)?;
