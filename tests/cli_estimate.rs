@@ -144,6 +144,26 @@ fn a_mixture_of_experts_counts_every_expert() {
         .find(|r| r["stage"] == 3 && r["offload_param"] == "none" && r["offload_optimizer"] == "none")
         .unwrap();
     assert_eq!(row["per_device_bytes"], 18 * 46_702_792_704u64 / 8 + 4 * block, "{row}");
+    // With expert_parallel 8 at stage 2 a rank keeps the values of its position's experts only: 1/8 of them.
+    let ds = dir.join("ds.json");
+    std::fs::write(
+        &ds,
+        r#"{"train_batch_size": 8, "bf16": {"enabled": true}, "zero_optimization": {"stage": 2},
+            "expert_parallel": {"enabled": true, "autoep_size": 8}}"#,
+    )
+    .unwrap();
+    let args = ["estimate", "--model", model.to_str().unwrap(), "--gpus-per-node", "8", "--json", "--config"];
+    let (ok, out, err) = zerorun(&[&args[..], &[ds.to_str().unwrap()]].concat());
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let states = |stage: u64| {
+        let rows = v["rows"].as_array().unwrap();
+        let none = |r: &&serde_json::Value| r["offload_param"] == "none" && r["offload_optimizer"] == "none";
+        rows.iter().filter(none).find(|r| r["stage"] == stage).unwrap()["model_states_bytes"].as_u64().unwrap()
+    };
+    let (all, experts) = (46_702_792_704u64, 32 * 8 * 3 * 4096 * 14336u64);
+    assert_eq!(states(2), 2 * (all - experts / 8 * 7) + 14 * all / 8);
+    assert_eq!(states(1), 4 * all + 12 * all / 8, "stage 1 keeps every expert");
     std::fs::write(&model, r#"{"layers": 2, "hidden": 64, "vocab": 65, "experts": 4, "gated": true}"#).unwrap();
     let (ok, _, err) = zerorun(&["estimate", "--model", model.to_str().unwrap()]);
     assert!(!ok);

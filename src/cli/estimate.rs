@@ -172,7 +172,7 @@ pub fn run(a: EstimateArgs) -> Result<(), CliError> {
         return Err(CliError::Usage("--micro-batch needs --model MODEL_DESC.json (a transformer's shape)".into()));
     }
     let mut activation_bytes = None;
-    let (params, mut largest) = match (&a.model, a.params) {
+    let (params, mut largest, expert_params) = match (&a.model, a.params) {
         (Some(path), None) => {
             let text = std::fs::read_to_string(path)
                 .map_err(|e| CliError::Io { context: format!("reading {}", path.display()), source: e })?;
@@ -200,9 +200,10 @@ pub fn run(a: EstimateArgs) -> Result<(), CliError> {
                 let (end, peak) = activations(model, micro.max(1), a.activation_checkpointing, value_bytes);
                 activation_bytes = Some((micro, (end / s as f64, peak / s as f64), s));
             }
-            desc.sizes(planner.as_ref(), path)?
+            let (params, largest) = desc.sizes(planner.as_ref(), path)?;
+            (params, largest, planner.as_ref().map_or(0, zerorun_plan::Model::expert_params))
         }
-        (None, Some(p)) if p >= 1.0 => (p as u64, None),
+        (None, Some(p)) if p >= 1.0 => (p as u64, None, 0),
         (Some(_), Some(_)) => return Err(CliError::Usage("give --params or --model, not both".into())),
         _ => return Err(CliError::Usage("give --params P (>= 1) or --model MODEL_DESC.json".into())),
     };
@@ -224,7 +225,9 @@ pub fn run(a: EstimateArgs) -> Result<(), CliError> {
         ..EstimateInput::new(params)
     };
     if let Some(c) = &config {
-        input = input.with_config(c);
+        // With `expert_parallel`, stage 2 keeps a rank's position's experts only (a model of units, as the Llama
+        // example's).
+        input = input.with_config(c).with_experts(expert_params);
     }
     let rows = estimate(&input);
     let mine = config.as_ref().and_then(|c| row_for(&rows, c));
