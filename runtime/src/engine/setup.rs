@@ -371,6 +371,10 @@ impl Engine {
             expert_units::check_supported(&config, &frozen_by_unit, replica_count)?;
             Some(expert_units::position_group(comm.as_ref(), expert_parallel)?)
         } else {
+            if expert_parallel > 1 && rank == 0 && layout.slots.iter().any(|s| crate::moe::is_expert_parameter(&s.name))
+            {
+                tracing::info!("expert_parallel.autoep_size {expert_parallel} at stage {}: every rank holds every expert's parameters, which ZeRO splits over all ranks; at stages 2 and 3 a unit of each position's experts (MoeLayer::expert_units) is kept by that position's ranks alone", plan.stage());
+            }
             None
         };
         let config = sizing::size_from_model(config, &layout, &plan, rank);

@@ -5,7 +5,8 @@ use super::*;
 /// Full weights out of the engine: every parameter by name, and DeepSpeed's `save_16bit_model`.
 impl Engine {
     /// Every parameter by name as full fp32 copies (identical on every rank). Collective at stage 3, where it
-    /// gathers the units one at a time: every rank calls it.
+    /// gathers the units one at a time, and at stage 2 with units split over expert-parallel positions, whose
+    /// experts come from their ranks: every rank calls it.
     pub fn full_parameters(&mut self) -> Result<Vec<(String, Tensor)>> {
         self.full_parameters_as(Kind::Float)
     }
