@@ -179,22 +179,8 @@ impl ShardedUnit {
         shard_offset: usize,
         residence: Residence,
     ) -> Result<ShardedUnit> {
-        Ok(ShardedUnit {
-            span,
-            shard_offset,
-            persistent: true,
-            full: Tensor::f_empty([0], (kind, residence.device()))?,
-            views: Vec::new(),
-            params,
-            released: Vec::new(),
-            state: UnitState::Gathered,
-            pending: None,
-            in_place: true,
-            residence,
-            quantized_block: None,
-            host_piece: None,
-            host_copy: None,
-        })
+        let empty = Tensor::f_empty([0], (kind, residence.device()))?;
+        Ok(ShardedUnit::in_place(span, &[], params, empty, shard_offset, residence))
     }
 
     /// Quantizes this unit's gathers from now on (`zero_quantized_weights`): int8 in blocks of `block` values.
