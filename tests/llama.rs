@@ -237,6 +237,8 @@ fn resumes_across_expert_parallel_degrees(dir: &Path, source: &Path, data: &Path
 /// rank keeps the values of its position's experts only, so its states are below E = 1's by (1 - 1/E) of the
 /// experts' values.
 fn model_states_at_every_expert_parallel_degree_are_the_estimate(dir: &Path, source: &Path, data: &Path) {
+    // What stage 2's report at E = 1 says E = 4 would hold on rank 0 ("what would help").
+    let mut foretold = None;
     for (stage, e) in [1u8, 2, 3].into_iter().flat_map(|stage| [1u32, 2, 4].map(|e| (stage, e))) {
         let ds = config(dir, stage, 8, 2, 1e-3);
         let report = dir.join(format!("memory-e{e}-stage{stage}"));
@@ -265,6 +267,15 @@ fn model_states_at_every_expert_parallel_degree_are_the_estimate(dir: &Path, sou
             let (x, m) = (part["parameters"].as_f64().unwrap(), part["model_parameters"].as_f64().unwrap());
             share = x / m;
             (all, experts) = (all + measured, experts + bytes);
+            if (stage, e, r) == (2, 1, 0) {
+                let alternatives = json["alternatives"].as_array().unwrap();
+                let wider = alternatives.iter().find(|a| a["change"] == "expert_parallel.autoep_size: 4");
+                foretold = Some(wider.expect("E = 4 among the alternatives")["model_states_bytes"].as_f64().unwrap());
+            }
+            if (stage, e, r) == (2, 4, 0) {
+                let said = foretold.expect("the E = 1 run came first");
+                assert!((measured - said).abs() <= 0.01 * said, "stage 2, E = 4: {measured} bytes, foretold {said}");
+            }
             if stage == 2 {
                 // A rank keeps the values of its position's experts only: 1 / E of them beside the dense ones.
                 let values = json["categories"]["parameters"]["current_bytes"].as_f64().unwrap();

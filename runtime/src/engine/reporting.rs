@@ -260,7 +260,8 @@ impl Engine {
     }
 
     /// Model states other configurations would leave resident on this rank (the estimator's counts): the higher
-    /// stages, the optimizer's states offloaded, and at stage 3 the parameters too. To NVMe on a CPU model (its
+    /// stages, the optimizer's states offloaded, at stage 3 the parameters too, and at stage 2 of a mixture of
+    /// experts the widest expert-parallel degree (each position's experts a unit of their own). To NVMe on a CPU model (its
     /// memory is the host's), to the host on a device.
     fn alternatives(&self) -> Vec<memory::Alternative> {
         use crate::config::OffloadDevice;
@@ -288,6 +289,22 @@ impl Engine {
                 change: format!("zero_optimization.offload_optimizer.device and offload_param.device: {to}"),
                 model_states_bytes: (psi * g as f64 / n).round() as u64,
             });
+        }
+        // Stage 2 with units: at the widest expert-parallel degree the model allows, with each position's experts
+        // a unit (`MoeLayer::expert_units`, as the Llama example gives them), a rank keeps its own experts only.
+        if stage == 2 && self.plan.gradients == crate::engine::zero::plan::GradientPath::UnitWalk {
+            let layout = &self.states.layout;
+            let names = layout.slots.iter().map(|s| s.name.as_str());
+            let degrees = crate::engine::zero::expert_units::allowed_degrees(names, self.comm.world_size());
+            if let Some(&e) = degrees.last().filter(|&&e| e as u64 > input.expert_parallel) {
+                let experts = layout.slots.iter().filter(|s| crate::moe::is_expert_parameter(&s.name));
+                let input = EstimateInput { expert_parallel: e as u64, ..input.clone() }
+                    .with_experts(experts.map(|s| s.range.len() as u64).sum());
+                out.push(memory::Alternative {
+                    change: format!("expert_parallel.autoep_size: {e}"),
+                    model_states_bytes: model_states_bytes(&input, 2),
+                });
+            }
         }
         out
     }

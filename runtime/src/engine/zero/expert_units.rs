@@ -70,6 +70,21 @@ pub(crate) fn unit_ranks(units: &[Vec<&str>], expert_parallel: usize, world_size
         .collect())
 }
 
+/// The expert-parallel degrees a model of these parameters (`names`) allows on `world_size` ranks: those dividing
+/// the ranks and every layer's experts, ascending (empty for a model without experts).
+pub(crate) fn allowed_degrees<'a>(names: impl Iterator<Item = &'a str>, world_size: usize) -> Vec<usize> {
+    let mut indices: BTreeMap<&str, std::collections::BTreeSet<usize>> = BTreeMap::new();
+    for name in names {
+        if let Some((layer, i)) = expert_of(name) {
+            indices.entry(layer).or_default().insert(i);
+        }
+    }
+    if indices.is_empty() {
+        return Vec::new();
+    }
+    (1..=world_size).filter(|e| world_size % e == 0 && indices.values().all(|s| s.len() % e == 0)).collect()
+}
+
 /// Units split over expert-data-parallel groups are gathered whole over their group (from memory or NVMe); what
 /// would need them otherwise is refused by name.
 pub(crate) fn check_supported(
@@ -138,6 +153,14 @@ mod tests {
         assert_eq!(ranks[4], UnitRanks::All);
         assert_eq!(ranks[5], group(&[1, 3, 5]), "l2 has 2 experts: expert 1 is position 1's");
         assert!(unit_ranks(&units, 1, 6).unwrap().iter().all(|r| *r == UnitRanks::All));
+    }
+
+    #[test]
+    fn degrees_divide_the_ranks_and_every_layers_experts() {
+        let names = ["embed", "l0.experts.0.w", "l0.experts.1.w", "l0.experts.2.w", "l0.experts.3.w"];
+        assert_eq!(allowed_degrees(names.iter().copied(), 8), vec![1, 2, 4]);
+        assert_eq!(allowed_degrees(names.iter().copied(), 6), vec![1, 2]);
+        assert!(allowed_degrees(["embed", "head"].into_iter(), 4).is_empty());
     }
 
     #[test]
