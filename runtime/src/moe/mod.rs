@@ -6,8 +6,8 @@
 //! residual carries them). With an [`ExpertParallel`] group (`crate::exchange`) of E ranks each rank computes
 //! `experts / E` of the experts and tokens travel to them by an all-to-all of rows, forward and backward; every rank
 //! builds every expert's parameters, which ZeRO shards over all data-parallel ranks as it does the dense ones, or at
-//! stage 3, where each position's experts are a unit of their own, over the ranks at that position only
-//! (`engine/zero/expert_units.rs`).
+//! stages 2 and 3, where each position's experts are a unit of their own, over the ranks at that position only,
+//! the other ranks keeping none of their values (`engine/zero/expert_units.rs`).
 mod dispatch;
 mod experts;
 mod router;
