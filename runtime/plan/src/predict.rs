@@ -87,8 +87,11 @@ pub fn predict(model: &Model, cluster: &Cluster, options: &Options, s: &Strategy
     };
     let (pb, gb, ob) = input.bytes_per_param();
     let shard = |sharded: bool| if sharded { local_params / d as f64 } else { local_params };
-    let elsewhere = model.expert_params() as f64 * (1.0 - 1.0 / ep as f64);
-    let params = if s.stage == 3 { local_params / d as f64 } else { local_params - elsewhere } * pb as f64;
+    let params = match s.stage {
+        3 => local_params / d as f64,
+        2 => local_params - model.expert_params() as f64 * (1.0 - 1.0 / ep as f64),
+        _ => local_params,
+    } * pb as f64;
     let grads = shard(s.stage >= 2) * gb as f64;
     let optim = shard(s.stage >= 1) * ob as f64;
     let stepped = shard(s.stage >= 1);

@@ -292,7 +292,7 @@ impl Engine {
         }
         // Stage 2 with units: at the widest expert-parallel degree the model allows, with each position's experts
         // a unit (`MoeLayer::expert_units`, as the Llama example gives them), a rank keeps its own experts only.
-        if stage == 2 && self.plan.gradients == crate::engine::zero::plan::GradientPath::UnitWalk {
+        if self.plan.shard_in_pieces() && self.plan.gradients == crate::engine::zero::plan::GradientPath::UnitWalk {
             let layout = &self.states.layout;
             let names = layout.slots.iter().map(|s| s.name.as_str());
             let degrees = crate::engine::zero::expert_units::allowed_degrees(names, self.comm.world_size());
@@ -302,7 +302,7 @@ impl Engine {
                     .with_experts(experts.map(|s| s.range.len() as u64).sum());
                 out.push(memory::Alternative {
                     change: format!("expert_parallel.autoep_size: {e}"),
-                    model_states_bytes: model_states_bytes(&input, 2),
+                    model_states_bytes: model_states_bytes(&input, stage),
                 });
             }
         }

@@ -40,14 +40,7 @@ pub(crate) fn unit_ranks(units: &[Vec<&str>], expert_parallel: usize, world_size
     if e <= 1 {
         return Ok(vec![UnitRanks::All; units.len()]);
     }
-    // Experts per layer: the distinct indices under each layer's `experts`.
-    let mut indices: BTreeMap<&str, std::collections::BTreeSet<usize>> = BTreeMap::new();
-    for name in units.iter().flatten() {
-        if let Some((layer, i)) = expert_of(name) {
-            indices.entry(layer).or_default().insert(i);
-        }
-    }
-    let per_layer: BTreeMap<&str, usize> = indices.iter().map(|(l, s)| (*l, s.len())).collect();
+    let per_layer = experts_per_layer(units.iter().flatten().copied());
     for (layer, &n) in &per_layer {
         if n % e != 0 {
             return Err(Error::Usage(format!(
@@ -73,16 +66,22 @@ pub(crate) fn unit_ranks(units: &[Vec<&str>], expert_parallel: usize, world_size
 /// The expert-parallel degrees a model of these parameters (`names`) allows on `world_size` ranks: those dividing
 /// the ranks and every layer's experts, ascending (empty for a model without experts).
 pub(crate) fn allowed_degrees<'a>(names: impl Iterator<Item = &'a str>, world_size: usize) -> Vec<usize> {
+    let per_layer = experts_per_layer(names);
+    if per_layer.is_empty() {
+        return Vec::new();
+    }
+    (1..=world_size).filter(|e| world_size % e == 0 && per_layer.values().all(|n| n % e == 0)).collect()
+}
+
+/// Experts per layer among `names`: the distinct indices under each layer's `experts`.
+fn experts_per_layer<'a>(names: impl Iterator<Item = &'a str>) -> BTreeMap<&'a str, usize> {
     let mut indices: BTreeMap<&str, std::collections::BTreeSet<usize>> = BTreeMap::new();
     for name in names {
         if let Some((layer, i)) = expert_of(name) {
             indices.entry(layer).or_default().insert(i);
         }
     }
-    if indices.is_empty() {
-        return Vec::new();
-    }
-    (1..=world_size).filter(|e| world_size % e == 0 && indices.values().all(|s| s.len() % e == 0)).collect()
+    indices.into_iter().map(|(l, s)| (l, s.len())).collect()
 }
 
 /// Units split over expert-data-parallel groups are gathered whole over their group (from memory or NVMe); what

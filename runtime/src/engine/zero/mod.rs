@@ -1,6 +1,6 @@
 //! ZeRO's partitioning of the model states: what the stage partitions (`plan.rs`) and the sizes it takes from the
 //! model (`sizing.rs`), the flat layout of the parameters ([`layout`]), where their values live (`parameters.rs`:
-//! the flat buffer of stages 0-2, stage 3's shard and units, `sharded_unit.rs`, `frozen.rs`, `swapped_params.rs`
+//! the flat buffer of stages 0-2, packed by `pack.rs`, stage 3's shard and units, `sharded_unit.rs`, `frozen.rs`, `swapped_params.rs`
 //! for NVMe), the model's units and the stage-3 walk over them (`units.rs`, `unit_walk.rs`, `builders.rs` for
 //! models built unit by unit), the VarStore's variables (`variables.rs`); gradients in `grads/` and this rank's
 //! optimizer in `optim/`.
@@ -10,6 +10,7 @@ pub(crate) mod frozen;
 pub(crate) mod grads;
 pub mod layout;
 pub(crate) mod optim;
+pub(crate) mod pack;
 pub(crate) mod parameters;
 pub(crate) mod plan;
 pub mod scopes;
