@@ -36,6 +36,7 @@ pub use zerorun_runtime as runtime;
 pub use zerorun_runtime::config::{self, Config, ConfigError};
 pub use zerorun_runtime::cuda;
 pub use zerorun_runtime::cuda::local_device;
+pub use zerorun_runtime::engine::generator_lock;
 pub use zerorun_runtime::engine::no_decay_for_1d;
 pub use zerorun_runtime::engine::{measure_peak_flops, StepRates, Throughput};
 pub use zerorun_runtime::engine::{

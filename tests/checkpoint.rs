@@ -16,6 +16,14 @@ use compare::full_parameters;
 mod mlp;
 use mlp::*;
 
+/// The generator test seeds, saves, draws, loads and draws again: no other test of this file may seed or restore
+/// the process's generator meanwhile, so it runs alone and the others beside each other.
+static ALONE: std::sync::RwLock<()> = std::sync::RwLock::new(());
+
+fn beside_others() -> std::sync::RwLockReadGuard<'static, ()> {
+    ALONE.read().unwrap_or_else(|p| p.into_inner())
+}
+
 fn config(stage: u8, gas: u64, bf16: bool) -> Config {
     Config::from_value(json!({
         "train_batch_size": GLOBAL_BATCH, "gradient_accumulation_steps": gas, "gradient_clipping": CLIP,
@@ -105,6 +113,7 @@ fn rel(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) -> f64 {
 
 #[test]
 fn resume_at_the_same_world_size_and_stage_is_bitwise() {
+    let _beside = beside_others();
     for (stage, bf16) in [(0, false), (1, false), (2, false), (2, true), (3, false), (3, true)] {
         let dir = tmp(&format!("bitwise{stage}{bf16}"));
         let straight = train(2, config(stage, 2, bf16), 12, Ckpt::SaveAt(6, &dir));
@@ -117,6 +126,7 @@ fn resume_at_the_same_world_size_and_stage_is_bitwise() {
 
 #[test]
 fn resharding_across_world_sizes_and_stages() {
+    let _beside = beside_others();
     let reference = train(1, config(0, 1, false), 12, Ckpt::None);
     // 4 ranks at stage 2 -> 2 ranks at stage 1 -> 3 ranks at stage 3 -> 3 ranks at stage 0 (3 ranks: uneven
     // partitions; stage 3: a chunk of every unit per rank, laid out by unit).
@@ -140,6 +150,7 @@ fn load_err(dir: &Path) -> String {
 
 #[test]
 fn damaged_missing_and_newer_checkpoints_are_named() {
+    let _beside = beside_others();
     let dir = tmp("damaged");
     train(1, config(0, 1, false), 2, Ckpt::SaveAt(2, &dir));
     let file = dir.join("global_step2/rank0.safetensors");
@@ -166,6 +177,7 @@ fn damaged_missing_and_newer_checkpoints_are_named() {
 
 #[test]
 fn consolidate_gives_the_full_weights_by_name() {
+    let _beside = beside_others();
     let dir = tmp("consolidate");
     // Stage 3 on 3 ranks: every rank file holds a chunk of every unit.
     let params = train(3, config(3, 1, false), 3, Ckpt::SaveAt(3, &dir));
@@ -202,6 +214,7 @@ fn consolidate_gives_the_full_weights_by_name() {
 
 #[test]
 fn checkpoints_carry_the_rng_state_and_the_model_weights() {
+    let _alone = ALONE.write().unwrap_or_else(|p| p.into_inner());
     for (stage, gather) in [(2u8, false), (3, false), (3, true)] {
         let dir = tmp(&format!("rng{stage}{gather}"));
         let comm = threads::group(1, Duration::from_secs(10)).pop().unwrap();
@@ -212,15 +225,12 @@ fn checkpoints_carry_the_rng_state_and_the_model_weights() {
         }))
         .unwrap();
         let mut engine = Engine::new(&vs, cfg, Box::new(comm), EngineOptions::default().units_of(&model)).unwrap();
-        // The generator is process-wide: hold the init lock so no other test draws from it meanwhile.
-        let guard = rng_lock();
         tch::manual_seed(1234);
         let tag = engine.save_checkpoint(&dir, None).unwrap();
         let after_save = Tensor::randn([8], (Kind::Float, tch::Device::Cpu));
         let _ = Tensor::randn([100], (Kind::Float, tch::Device::Cpu));
         engine.load_checkpoint(&dir, None).unwrap();
         let after_load = Tensor::randn([8], (Kind::Float, tch::Device::Cpu));
-        drop(guard);
         assert_eq!(
             Vec::<f32>::try_from(after_load).unwrap(),
             Vec::<f32>::try_from(after_save).unwrap(),

@@ -4,7 +4,7 @@
 //! every rank), with less gathered and a checkpoint any degree reads.
 use std::path::Path;
 use std::rc::Rc;
-use std::sync::{Mutex, RwLock};
+use std::sync::RwLock;
 use std::time::Duration;
 
 use serde_json::json;
@@ -21,8 +21,11 @@ const TOP_K: i64 = 2;
 const STEPS: usize = 3;
 const ROWS: i64 = 6;
 
-/// libtorch's generator is the process's: models are built one at a time, each from the same seed.
-static BUILD: Mutex<()> = Mutex::new(());
+/// libtorch's generator is the process's: models and rows are drawn one seed at a time, under the lock the engine
+/// also holds when `load_checkpoint` restores a rank's generator.
+fn generator() -> std::sync::MutexGuard<'static, ()> {
+    zerorun::generator_lock()
+}
 /// A checkpointed layer's recomputation sets the process's generator back to its forward's state for a moment:
 /// a checkpointed run runs alone, so no other run seeds and draws meanwhile.
 static RUNS: RwLock<()> = RwLock::new(());
@@ -34,7 +37,7 @@ struct Model {
 }
 
 fn model(vs: &nn::VarStore) -> Model {
-    let _g = BUILD.lock().unwrap();
+    let _g = generator();
     tch::manual_seed(11);
     let root = vs.root();
     Model {
@@ -46,7 +49,7 @@ fn model(vs: &nn::VarStore) -> Model {
 
 /// Rank r's rows at step s, and their targets.
 fn batch(rank: usize, step: usize) -> (Tensor, Tensor) {
-    let _g = BUILD.lock().unwrap();
+    let _g = generator();
     tch::manual_seed(100 + 10 * step as i64 + rank as i64);
     (Tensor::randn([ROWS, HIDDEN], (Kind::Float, Device::Cpu)), Tensor::randn([ROWS, 1], (Kind::Float, Device::Cpu)))
 }

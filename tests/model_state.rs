@@ -56,13 +56,11 @@ impl UnitModel for Net {
     }
 }
 
-/// libtorch's generator is process-wide: model construction holds this lock.
-static RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
 /// The model built from `seed` (ranks build from different seeds, so initialize's broadcast shows); with
 /// `frozen_backbone`, everything but the head has requires_grad off.
 fn build(seed: i64, frozen_backbone: bool) -> (nn::VarStore, Net) {
-    let _g = RNG.lock().unwrap_or_else(|e| e.into_inner());
+    // libtorch's generator is process-wide: construction holds the lock `load_checkpoint` holds to restore it.
+    let _g = zerorun::generator_lock();
     tch::manual_seed(seed);
     let vs = nn::VarStore::new(tch::Device::Cpu);
     let net = Net::new(&vs.root());

@@ -50,11 +50,10 @@ pub fn batch_indices(step: i64) -> Vec<i64> {
     (0..GLOBAL_BATCH).map(|i| (step * 7 + i * 5) % SAMPLES).collect()
 }
 
-/// libtorch's default generator is process-wide: whoever seeds and draws from it holds this lock.
-static RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
+/// libtorch's default generator is process-wide: whoever seeds and draws from it holds this lock, the one the
+/// engine holds when it restores a checkpoint's generator state.
 pub fn rng_lock() -> std::sync::MutexGuard<'static, ()> {
-    RNG.lock().unwrap_or_else(|p| p.into_inner())
+    zerorun::generator_lock()
 }
 
 pub fn init_store() -> (nn::VarStore, nn::Sequential) {

@@ -64,6 +64,7 @@ use crate::error::Result;
 pub use checkpointing::{load_mapped, load_mapped_slices, write_pretrained, PretrainedOptions, SaveOptions};
 use counters::Progress;
 pub use counters::{CommVolume, GatheredBytes};
+pub use device::native::generator_lock;
 pub use device::optimizer as device_optimizer;
 pub use reporting::{MemoryReportFiles, MEMORY_REPORT_ENV};
 pub use unit_scopes::NestedUnits;

@@ -321,9 +321,10 @@ impl Engine {
         }
         match m.rng_states.get(self.comm.rank()) {
             Some(hex) if m.world_size == self.comm.world_size() && !part => {
-                crate::engine::device::native::set_rng_state(
-                    &from_hex(hex).map_err(|what| mismatch(format!("rng_states[{}]: {what}", self.comm.rank())))?,
-                )?
+                let state =
+                    from_hex(hex).map_err(|what| mismatch(format!("rng_states[{}]: {what}", self.comm.rank())))?;
+                let _generator = crate::engine::device::native::generator_lock();
+                crate::engine::device::native::set_rng_state(&state)?
             }
             _ if !m.rng_states.is_empty() => tracing::warn!(
                 from = m.world_size,

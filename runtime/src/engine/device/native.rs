@@ -201,6 +201,16 @@ pub fn reset_grad(param: &Tensor) {
     unsafe { zerorun_reset_grad(ptr(param)) }
 }
 
+/// libtorch's CPU generator is the process's: thread ranks share it. The engine holds this lock while it sets
+/// the generator where no collective follows (`load_checkpoint` restoring a rank's saved state, stage 3's rank 0
+/// building a unit again); a program whose thread ranks seed and then draw holds it across the seed and the
+/// draws, so no rank's restore lands between them. (A checkpointed unit's recomputation sets it too, across a
+/// forward that may gather: that one cannot hold a lock other ranks wait on.)
+pub fn generator_lock() -> std::sync::MutexGuard<'static, ()> {
+    static GENERATOR: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    GENERATOR.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// Restores a state from [`rng_state`].
 pub fn set_rng_state(state: &[u8]) -> Result<()> {
     check(unsafe { zerorun_rng_state_set(state.as_ptr(), state.len() as i64) }, "restoring the CPU generator state")

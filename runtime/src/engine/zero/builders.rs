@@ -191,9 +191,12 @@ impl<'a> UnitBuilders<'a> {
                 }
                 return Ok(());
             }
-            native::set_rng_state(&starts[unit])?;
             let scratch = nn::VarStore::new(tch::Device::Cpu);
-            let _forward = (builders.units[unit].1)(&scratch.root());
+            {
+                let _generator = native::generator_lock();
+                native::set_rng_state(&starts[unit])?;
+                let _forward = (builders.units[unit].1)(&scratch.root());
+            }
             let values = scratch.variables();
             for (name, t) in vars {
                 let v = values.get(*name).ok_or_else(|| Error::Parameter { name: name.to_string(), why: format!("the builder of unit {unit} did not create it again (builders must create the same variables every run)") })?;
@@ -210,7 +213,10 @@ impl<'a> UnitBuilders<'a> {
             Ok(())
         };
         let engine = Engine::new_materialized(vs, config, comm, replicas, options, Some(&mut materialize));
-        native::set_rng_state(&end)?;
+        {
+            let _generator = native::generator_lock();
+            native::set_rng_state(&end)?;
+        }
         let mut engine = engine?;
         engine.placement.mesh = mesh;
         drop(init_replicas);
