@@ -20,6 +20,13 @@ fn worker_entry() {
             conformance::run(c.as_ref());
             groups::point_to_point(c.as_ref());
             groups::groups(c.as_ref());
+            if let Some(layout) = c.host_layout() {
+                // A group of whole hosts (an expert-parallel group across them) runs in two levels too.
+                let g = c.split(Some(0), c.rank() as i64).unwrap().expect("every rank has a color");
+                assert_eq!(g.host_layout(), Some(layout), "a group of whole hosts is two-level");
+                conformance::run(g.as_ref());
+                println!("whole hosts ok on rank {}", c.rank());
+            }
         }
         Ok("exit-or-sleep") => {
             // Rank 0 fails after the rendezvous; rank 1 sleeps outside any collective, so only its launcher,
@@ -95,6 +102,7 @@ fn two_launchers_as_two_nodes_run_the_suites() {
         assert!(out.status.success(), "node {node}:\n{text}\n{}", String::from_utf8_lossy(&out.stderr));
         for r in [2 * node, 2 * node + 1] {
             assert!(text.contains(&format!("[rank {r}] groups ok on rank {r}")), "node {node}, rank {r}:\n{text}");
+            assert!(text.contains(&format!("[rank {r}] whole hosts ok on rank {r}")), "node {node}, rank {r}:\n{text}");
         }
     }
 }

@@ -40,14 +40,15 @@ pub fn offsets(
 /// Every rank's counts and element type, agreed before any part moves: one all-gather of each rank's call (the
 /// collective, its element type) and both its count lists. Anything that disagrees (another collective, another
 /// type, what rank p sends rank q against what q expects from p) is the same error on every rank, so no transfer
-/// waits for a part that never comes.
+/// waits for a part that never comes. Returns what every rank sends every rank: rank p's count for rank q at
+/// `p * world_size + q`.
 pub fn agree<C: Communicator + ?Sized>(
     comm: &C,
     op: &'static str,
     send: &[usize],
     recv: &[usize],
     dtype: Dtype,
-) -> CommResult<()> {
+) -> CommResult<Vec<usize>> {
     let (rank, n) = (comm.rank(), comm.world_size());
     let w = 3 + 2 * n;
     let mut all = vec![0i64; n * w];
@@ -73,7 +74,7 @@ pub fn agree<C: Communicator + ?Sized>(
             });
         }
     }
-    Ok(())
+    Ok(rows.iter().flat_map(|r| r[3..3 + n].iter().map(|&c| c as usize)).collect())
 }
 
 /// [`Communicator::all_to_all_v_buf`] from point-to-point transfers: part q of `input` (`send[q]` elements) goes to

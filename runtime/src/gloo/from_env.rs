@@ -45,6 +45,10 @@ fn backend_from_env(timeout: Duration) -> CommResult<Box<dyn Communicator>> {
 /// memory inside a host and gloo across; `flat` keeps every collective on gloo among all ranks (to compare).
 const HIERARCHY_VAR: &str = "ZERORUN_HIERARCHY";
 
+/// `ZERORUN_ALL_TO_ALL`: `two-level` (the default) runs a two-level group's all-to-alls in two levels as well;
+/// `flat` sends each part straight to its rank over gloo (to compare).
+const ALL_TO_ALL_VAR: &str = "ZERORUN_ALL_TO_ALL";
+
 /// The job's gloo group in two levels when its ranks span hosts with several on each (agreed by every rank, see
 /// [`crate::comm::hierarchical::agree_layout`]), else as it is.
 fn two_levels(world: Box<dyn Communicator>, info: &RankInfo, timeout: Duration) -> CommResult<Box<dyn Communicator>> {
@@ -60,6 +64,17 @@ fn two_levels(world: Box<dyn Communicator>, info: &RankInfo, timeout: Duration) 
                 op: "gloo",
                 rank: info.rank,
                 what: format!("{HIERARCHY_VAR}={other:?}: expected `auto` or `flat`"),
+            })
+        }
+    };
+    let two_level_all_to_all = match std::env::var(ALL_TO_ALL_VAR).as_deref() {
+        Err(_) | Ok("two-level") => true,
+        Ok("flat") => false,
+        Ok(other) => {
+            return Err(CommError::BadArgument {
+                op: "gloo",
+                rank: info.rank,
+                what: format!("{ALL_TO_ALL_VAR}={other:?}: expected `two-level` or `flat`"),
             })
         }
     };
@@ -82,5 +97,5 @@ fn two_levels(world: Box<dyn Communicator>, info: &RankInfo, timeout: Duration) 
         per_host = layout.per_host,
         "collectives: shared memory inside each host, gloo across hosts"
     );
-    Ok(Box::new(Hierarchical::over(world, local)?))
+    Ok(Box::new(Hierarchical::over(world, local)?.with_two_level_all_to_all(two_level_all_to_all)))
 }

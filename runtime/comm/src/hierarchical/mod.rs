@@ -34,6 +34,8 @@ pub struct Hierarchical {
     staged: RefCell<Scratch>,
     /// Bytes of each part's slice in one chunk of a large collective (see `pipelined`).
     chunk_bytes: usize,
+    /// All-to-alls in two levels ([`Hierarchical::two_level_all_to_all_v`]) or through the flat group.
+    two_level_all_to_all: bool,
 }
 
 /// How a job's ranks lie on hosts, as every rank agreed: `hosts` of `per_host` consecutive ranks.
@@ -97,7 +99,15 @@ impl Hierarchical {
             scratch: RefCell::new(Scratch::new(shared)),
             staged: RefCell::new(Scratch::new(shared)),
             chunk_bytes: pipelined::CHUNK_BYTES,
+            two_level_all_to_all: true,
         })
+    }
+
+    /// All-to-alls through the flat group (`false`) instead of in two levels, in this group and the groups split
+    /// from it: for comparing them (`ZERORUN_ALL_TO_ALL=flat`).
+    pub fn with_two_level_all_to_all(mut self, two_level: bool) -> Hierarchical {
+        self.two_level_all_to_all = two_level;
+        self
     }
 
     /// Builds the cross-host group from `world` (collective) and joins the two levels.
@@ -144,6 +154,121 @@ impl Hierarchical {
             divide(dtype, out, self.world_size());
         }
         Ok(())
+    }
+
+    /// The all-to-all of parts in two levels. Inside each host, rank k gives its host's rank k' every part bound for
+    /// a rank with place k' (on any host); across hosts, rank k then sends host h' the parts its host's ranks have
+    /// for rank (h', k), which land in `output` in source order. Every byte crosses the link once as in the flat
+    /// exchange, but each rank sends H - 1 messages across instead of (H - 1) K and its host's parts go through
+    /// shared memory instead of loopback TCP.
+    fn two_level_all_to_all_v(
+        &self,
+        input: BufRef<'_>,
+        send: &[usize],
+        output: BufMut<'_>,
+        recv: &[usize],
+    ) -> CommResult<()> {
+        const OP: &str = "all_to_all";
+        let (h, k, n) = (self.hosts(), self.per_host(), self.world_size());
+        let (send_at, _) = super::all_to_all::offsets(OP, self.rank(), n, &input, send, &output, recv)?;
+        let (place, host, dtype) = (self.local.rank(), self.cross.rank(), input.dtype);
+        // Counts that disagree are the same error on every rank before anything moves, as in the flat exchange;
+        // what the host's ranks send every rank gives the inside step's receive counts and the cross step's sends.
+        let sends = super::all_to_all::agree(self, OP, send, recv, dtype)?;
+        let of = |j: usize, d: usize| sends[(host * k + j) * n + d];
+        let size = dtype.size();
+        let mut scratch = self.scratch.borrow_mut();
+        let mut staged = self.staged.borrow_mut();
+        let received_inside: usize =
+            (0..k).flat_map(|j| (0..h).map(move |g| (j, g))).map(|(j, g)| of(j, g * k + place)).sum();
+        // Inside: the parts grouped by destination place, then host ([k'][h']).
+        let grouped = bytes_of(&mut scratch, input.bytes.len().max(received_inside * size));
+        let mut at = 0;
+        for kk in 0..k {
+            for g in 0..h {
+                let d = g * k + kk;
+                let bytes = send_at[d] * size..send_at[d + 1] * size;
+                grouped[at..at + bytes.len()].copy_from_slice(&input.bytes[bytes.clone()]);
+                at += bytes.len();
+            }
+        }
+        let inside_send: Vec<usize> = (0..k).map(|kk| (0..h).map(|g| send[g * k + kk]).sum()).collect();
+        let inside_recv: Vec<usize> = (0..k).map(|j| (0..h).map(|g| of(j, g * k + place)).sum()).collect();
+        let inside = bytes_of(&mut staged, received_inside * size);
+        self.local.all_to_all_v_buf(
+            BufRef { bytes: &grouped[..input.bytes.len()], dtype },
+            &inside_send,
+            BufMut { bytes: &mut *inside, dtype },
+            &inside_recv,
+        )?;
+        // Across: what arrived from place j for host g ([j][g]) regrouped by host, then place ([g][j]).
+        let mut from = vec![0usize; k * h + 1];
+        for j in 0..k {
+            for g in 0..h {
+                from[j * h + g + 1] = from[j * h + g] + of(j, g * k + place);
+            }
+        }
+        let mut at = 0;
+        for g in 0..h {
+            for j in 0..k {
+                let bytes = from[j * h + g] * size..from[j * h + g + 1] * size;
+                grouped[at..at + bytes.len()].copy_from_slice(&inside[bytes.clone()]);
+                at += bytes.len();
+            }
+        }
+        let across_send: Vec<usize> = (0..h).map(|g| (0..k).map(|j| of(j, g * k + place)).sum()).collect();
+        let across_recv: Vec<usize> = (0..h).map(|g| recv[g * k..(g + 1) * k].iter().sum()).collect();
+        debug_assert_eq!(host * k + place, self.rank());
+        self.cross.all_to_all_v_buf(
+            BufRef { bytes: &grouped[..received_inside * size], dtype },
+            &across_send,
+            output,
+            &across_recv,
+        )
+    }
+
+    /// [`Communicator::split_group`] of groups that are whole hosts: every rank splits the flat group, its host's
+    /// group (whole) and its cross-host group (the group's hosts), so the new group runs in two levels too. A
+    /// group whose ranks the keys put out of host order keeps the flat split alone.
+    fn split_whole_hosts(&self, split: &Split) -> CommResult<Option<Box<dyn Communicator>>> {
+        let (k, rank) = (self.per_host(), self.world.rank());
+        let (host, place) = (rank / k, rank % k);
+        let world = self.world.split_group(split)?;
+        let color = split.colors[rank];
+        let inside = Split {
+            colors: split.colors[host * k..(host + 1) * k].to_vec(),
+            members: if color.is_some() { (0..k).collect() } else { Vec::new() },
+            rank: if color.is_some() { place } else { 0 },
+            name: format!("{}.inside", split.name),
+            id: split.id,
+        };
+        let hosts: Vec<usize> = split.members.iter().filter(|&&r| r % k == place).map(|&r| r / k).collect();
+        let across = Split {
+            colors: (0..self.hosts()).map(|g| split.colors[g * k + place]).collect(),
+            rank: hosts.iter().position(|&g| g == host).unwrap_or(0),
+            members: hosts,
+            // Every place's cross-host group meets apart on the job's store (the same color at every place).
+            name: format!("{}.across{place}", split.name),
+            id: split.id,
+        };
+        let local = self.local.split_group(&inside)?;
+        let cross = self.cross.split_group(&across)?;
+        let in_host_order = split.members.windows(2).all(|w| w[0] < w[1]);
+        match (world, local, cross) {
+            (Some(world), Some(local), Some(cross)) if in_host_order && local.world_size() > 1 => {
+                let two = Hierarchical::new(world, local, cross)?;
+                tracing::info!(
+                    rank = two.rank(),
+                    group = %split.name,
+                    hosts = two.hosts(),
+                    per_host = k,
+                    two_level_all_to_all = self.two_level_all_to_all,
+                    "a group of whole hosts: two levels"
+                );
+                Ok(Some(Box::new(two.with_two_level_all_to_all(self.two_level_all_to_all))))
+            }
+            (world, _, _) => Ok(world),
+        }
     }
 
     fn per_host(&self) -> usize {
@@ -287,7 +412,9 @@ impl Communicator for Hierarchical {
     }
 
     fn all_to_all_buf(&self, input: BufRef<'_>, output: BufMut<'_>) -> CommResult<()> {
-        self.world.all_to_all_buf(input, output)
+        let part = agreement::equal_parts("all_to_all", self.rank(), self.world_size(), input.len())?;
+        let counts = vec![part; self.world_size()];
+        self.all_to_all_v_buf(input, &counts, output, &counts)
     }
 
     fn all_to_all_v_buf(
@@ -297,7 +424,10 @@ impl Communicator for Hierarchical {
         output: BufMut<'_>,
         recv: &[usize],
     ) -> CommResult<()> {
-        self.world.all_to_all_v_buf(input, send, output, recv)
+        match self.two_level_all_to_all {
+            true => self.two_level_all_to_all_v(input, send, output, recv),
+            false => self.world.all_to_all_v_buf(input, send, output, recv),
+        }
     }
 
     fn host_layout(&self) -> Option<(usize, usize)> {
@@ -340,15 +470,15 @@ impl Communicator for Hierarchical {
     /// Groups inside hosts split the host's group (shared memory: MiCS's shard group of a host's ranks), groups of
     /// ranks with one place on their hosts split the cross-host group (its replicas); any other from the flat one.
     /// Every rank decides alike from the colors.
+    /// Groups of whole hosts (an expert-parallel group of E = 2K ranks, say) are two-level themselves: the flat
+    /// group's split with this host's ranks inside and the group's hosts across.
     fn split_group(&self, split: &Split) -> CommResult<Option<Box<dyn Communicator>>> {
         match level_of(split, self.per_host()) {
-            Some(level) => {
-                let within = restrict(split, level, self.per_host(), self.world.rank());
-                match level {
-                    Level::InHost => self.local.split_group(&within),
-                    Level::AcrossHosts => self.cross.split_group(&within),
-                }
+            Some(Level::InHost) => self.local.split_group(&restrict(split, true, self.per_host(), self.world.rank())),
+            Some(Level::AcrossHosts) => {
+                self.cross.split_group(&restrict(split, false, self.per_host(), self.world.rank()))
             }
+            Some(Level::WholeHosts) => self.split_whole_hosts(split),
             None => self.world.split_group(split),
         }
     }
@@ -369,6 +499,8 @@ enum Level {
     InHost,
     /// Every group's ranks have one place on their hosts (each on another host).
     AcrossHosts,
+    /// Every host's ranks are in one group (or none): each group is whole hosts.
+    WholeHosts,
 }
 
 /// The level every group of `split` lies in (ranks are `per_host` to a host), or None when they span both.
@@ -384,17 +516,20 @@ fn level_of(split: &Split, per_host: usize) -> Option<Level> {
         Some(Level::InHost)
     } else if same(&|r| r % per_host) {
         Some(Level::AcrossHosts)
+    } else if split.colors.chunks(per_host).all(|host| host.iter().all(|c| *c == host[0])) {
+        Some(Level::WholeHosts)
     } else {
         None
     }
 }
 
-/// `split` as the split of the level's group holding `rank` (its ranks numbered in that group).
-fn restrict(split: &Split, level: Level, per_host: usize, rank: usize) -> Split {
+/// `split` as the split of the host's group holding `rank` (`in_host`) or of its cross-host group, its ranks
+/// numbered in that group.
+fn restrict(split: &Split, in_host: bool, per_host: usize, rank: usize) -> Split {
     let (host, place) = (rank / per_host, rank % per_host);
-    let (parents, index): (Vec<usize>, fn(usize, usize) -> usize) = match level {
-        Level::InHost => ((host * per_host..(host + 1) * per_host).collect(), |r, k| r % k),
-        Level::AcrossHosts => ((place..split.colors.len()).step_by(per_host).collect(), |r, k| r / k),
+    let (parents, index): (Vec<usize>, fn(usize, usize) -> usize) = match in_host {
+        true => ((host * per_host..(host + 1) * per_host).collect(), |r, k| r % k),
+        false => ((place..split.colors.len()).step_by(per_host).collect(), |r, k| r / k),
     };
     Split {
         colors: parents.iter().map(|&r| split.colors[r]).collect(),
@@ -509,6 +644,45 @@ mod tests {
         }
     }
 
+    /// The all-to-all in two levels gives every rank what the flat one gives: parts of any length (zeros among
+    /// them, as an expert no token was routed to) and equal ones.
+    #[test]
+    fn the_all_to_all_in_two_levels_equals_the_flat_group() {
+        for (hosts, per_host) in [(2, 2), (3, 2), (2, 3)] {
+            let n = hosts * per_host;
+            on_ranks(hosts, per_host, move |two, flat| {
+                let r = two.rank();
+                // Rank s sends rank d (s * 5 + d * 3) % 7 elements, numbered by both: 0 for some pairs.
+                let count = |s: usize, d: usize| (s * 5 + d * 3) % 7;
+                let send: Vec<usize> = (0..n).map(|d| count(r, d)).collect();
+                let recv: Vec<usize> = (0..n).map(|s| count(s, r)).collect();
+                let input: Vec<f32> =
+                    (0..n).flat_map(|d| (0..count(r, d)).map(move |i| (r * 1000 + d * 10 + i) as f32)).collect();
+                let expected: Vec<f32> =
+                    (0..n).flat_map(|s| (0..count(s, r)).map(move |i| (s * 1000 + r * 10 + i) as f32)).collect();
+                let (mut a, mut b) = (vec![0f32; expected.len()], vec![0f32; expected.len()]);
+                two.all_to_all_v(&input, &send, &mut a, &recv).unwrap();
+                flat.all_to_all_v(&input, &send, &mut b, &recv).unwrap();
+                assert_eq!(a, expected, "rank {r} of {hosts}x{per_host}: parts in source order");
+                assert_eq!(a, b);
+                let equal: Vec<f32> = (0..n * 4).map(|i| (r * 100 + i) as f32).collect();
+                let mut out = vec![0f32; n * 4];
+                two.all_to_all_buf(BufRef::new(&equal), BufMut::new(&mut out)).unwrap();
+                let want: Vec<f32> = (0..n).flat_map(|s| (0..4).map(move |i| (s * 100 + r * 4 + i) as f32)).collect();
+                assert_eq!(out, want, "equal parts, rank {r} of {hosts}x{per_host}");
+                // Rank 0 expects one element more from rank 1 than it sends: every rank errs, nothing moves.
+                let mut recv = vec![1usize; n];
+                if r == 0 {
+                    recv[1] = 2;
+                }
+                let mut out = vec![0f32; recv.iter().sum()];
+                let e = two.all_to_all_v(&vec![0f32; n], &vec![1; n], &mut out, &recv).unwrap_err().to_string();
+                assert!(e.contains("rank 1 sends rank 0 1 elements, which expects 2"), "{e}");
+                two.barrier().unwrap();
+            });
+        }
+    }
+
     /// The 1-bit exchange runs on the two levels through the trait's sends and all-gather: the same bits as on the
     /// flat group, which are the one-process simulation's.
     #[test]
@@ -596,10 +770,12 @@ mod tests {
         assert_eq!(level_of(&split(by_host.clone(), 3), 2), Some(Level::InHost));
         assert_eq!(level_of(&split(by_place.clone(), 3), 2), Some(Level::AcrossHosts));
         assert_eq!(level_of(&split(mixed, 3), 2), None);
+        let two_hosts: Vec<Option<u32>> = (0..6).map(|r| Some(u32::from(r >= 4))).collect();
+        assert_eq!(level_of(&split(two_hosts, 3), 2), Some(Level::WholeHosts));
         // Rank 3 is place 1 of host 1: its host's group numbers it 1, its cross-host group 1.
-        let within = restrict(&split(by_host, 3), Level::InHost, 2, 3);
+        let within = restrict(&split(by_host, 3), true, 2, 3);
         assert_eq!((within.colors, within.members, within.rank), (vec![Some(1), Some(1)], vec![0, 1], 1));
-        let across = restrict(&split(by_place, 3), Level::AcrossHosts, 2, 3);
+        let across = restrict(&split(by_place, 3), false, 2, 3);
         assert_eq!((across.colors, across.members, across.rank), (vec![Some(1); 3], vec![0, 1, 2], 1));
         // Ranks left out of every group do not decide the level.
         let some: Vec<Option<u32>> = (0..6).map(|r| (r != 2).then_some(r as u32 / 2)).collect();
@@ -626,6 +802,31 @@ mod tests {
             let place_sum = (0..3).map(|h| (h * 2 + r % 2) as f32).sum::<f32>();
             let mixed_sum = (r % 3 + r % 3 + 3) as f32;
             assert_eq!(s, &vec![(r % 2, 2, host_sum), (r / 2, 3, place_sum), (r / 3, 2, mixed_sum)], "rank {r}");
+        }
+    }
+
+    /// Groups of whole hosts (4 hosts x 2 in groups of two hosts, as an expert-parallel group of 4 adjacent ranks
+    /// is) run in two levels themselves, and their all-to-all and all-reduce give the flat results.
+    #[test]
+    fn groups_of_whole_hosts_are_two_level_groups() {
+        let results = on_ranks(4, 2, |two, _| {
+            let r = two.rank();
+            let g = two.split(Some(r as u32 / 4), r as i64).unwrap().unwrap();
+            let mut v = [r as f32];
+            g.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+            let send = vec![r + 1; 4];
+            let recv: Vec<usize> = (0..4).map(|s| r / 4 * 4 + s + 1).collect();
+            let input: Vec<f32> = (0..4).flat_map(|d| vec![(r * 10 + d) as f32; r + 1]).collect();
+            let mut out = vec![0f32; recv.iter().sum()];
+            g.all_to_all_v(&input, &send, &mut out, &recv).unwrap();
+            (g.rank(), g.world_size(), g.host_layout(), v[0], out)
+        });
+        for (r, (rank, size, layout, sum, out)) in results.into_iter().enumerate() {
+            let first = r / 4 * 4;
+            assert_eq!((rank, size, layout), (r % 4, 4, Some((r % 2, 2))), "rank {r}: a two-level group of 2 x 2");
+            assert_eq!(sum, (first..first + 4).sum::<usize>() as f32);
+            let want: Vec<f32> = (first..first + 4).flat_map(|s| vec![(s * 10 + r % 4) as f32; s + 1]).collect();
+            assert_eq!(out, want, "rank {r}'s all-to-all");
         }
     }
 
