@@ -49,6 +49,20 @@ const HIERARCHY_VAR: &str = "ZERORUN_HIERARCHY";
 /// `flat` sends each part straight to its rank over gloo (to compare).
 const ALL_TO_ALL_VAR: &str = "ZERORUN_ALL_TO_ALL";
 
+/// Whether `var` asks for `default` (also when unset; true) or `other` (false); anything else names both.
+fn either(var: &str, default: &str, other: &str, rank: usize) -> CommResult<bool> {
+    match std::env::var(var) {
+        Err(_) => Ok(true),
+        Ok(v) if v == default => Ok(true),
+        Ok(v) if v == other => Ok(false),
+        Ok(v) => Err(CommError::BadArgument {
+            op: "gloo",
+            rank,
+            what: format!("{var}={v:?}: expected `{default}` or `{other}`"),
+        }),
+    }
+}
+
 /// The job's gloo group in two levels when its ranks span hosts with several on each (agreed by every rank, see
 /// [`crate::comm::hierarchical::agree_layout`]), else as it is.
 fn two_levels(world: Box<dyn Communicator>, info: &RankInfo, timeout: Duration) -> CommResult<Box<dyn Communicator>> {
@@ -56,28 +70,8 @@ fn two_levels(world: Box<dyn Communicator>, info: &RankInfo, timeout: Duration) 
     if info.world_size == info.local_world_size {
         return Ok(world);
     }
-    let wanted = match std::env::var(HIERARCHY_VAR).as_deref() {
-        Err(_) | Ok("auto") => true,
-        Ok("flat") => false,
-        Ok(other) => {
-            return Err(CommError::BadArgument {
-                op: "gloo",
-                rank: info.rank,
-                what: format!("{HIERARCHY_VAR}={other:?}: expected `auto` or `flat`"),
-            })
-        }
-    };
-    let two_level_all_to_all = match std::env::var(ALL_TO_ALL_VAR).as_deref() {
-        Err(_) | Ok("two-level") => true,
-        Ok("flat") => false,
-        Ok(other) => {
-            return Err(CommError::BadArgument {
-                op: "gloo",
-                rank: info.rank,
-                what: format!("{ALL_TO_ALL_VAR}={other:?}: expected `two-level` or `flat`"),
-            })
-        }
-    };
+    let wanted = either(HIERARCHY_VAR, "auto", "flat", info.rank)?;
+    let two_level_all_to_all = either(ALL_TO_ALL_VAR, "two-level", "flat", info.rank)?;
     let Some(layout) = agree_layout(world.as_ref(), info.local_rank, info.local_world_size, wanted)? else {
         tracing::info!(rank = info.rank, "collectives: flat over gloo");
         return Ok(world);
@@ -98,4 +92,28 @@ fn two_levels(world: Box<dyn Communicator>, info: &RankInfo, timeout: Duration) 
         "collectives: shared memory inside each host, gloo across hosts"
     );
     Ok(Box::new(Hierarchical::over(world, local)?.with_two_level_all_to_all(two_level_all_to_all)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::either;
+
+    /// Unset or the default spelling: true; the other: false; anything else names the variable and both spellings.
+    #[test]
+    fn a_switch_takes_its_two_spellings_and_names_anything_else() {
+        // A variable of this test alone: tests run in parallel and share the environment.
+        const VAR: &str = "ZERORUN_TEST_EITHER_SWITCH";
+        assert!(either(VAR, "two-level", "flat", 3).unwrap());
+        for (value, expected) in [("two-level", Some(true)), ("flat", Some(false)), ("Flat", None)] {
+            std::env::set_var(VAR, value);
+            match expected {
+                Some(b) => assert_eq!(either(VAR, "two-level", "flat", 3).unwrap(), b, "{value}"),
+                None => assert_eq!(
+                    either(VAR, "two-level", "flat", 3).unwrap_err().to_string(),
+                    "gloo on rank 3: ZERORUN_TEST_EITHER_SWITCH=\"Flat\": expected `two-level` or `flat`"
+                ),
+            }
+        }
+        std::env::remove_var(VAR);
+    }
 }
