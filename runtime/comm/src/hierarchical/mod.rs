@@ -466,12 +466,11 @@ impl Communicator for Hierarchical {
         self.world.recv_buf(buf, src)
     }
 
-    /// Groups split from this one are the flat group's.
     /// Groups inside hosts split the host's group (shared memory: MiCS's shard group of a host's ranks), groups of
-    /// ranks with one place on their hosts split the cross-host group (its replicas); any other from the flat one.
-    /// Every rank decides alike from the colors.
-    /// Groups of whole hosts (an expert-parallel group of E = 2K ranks, say) are two-level themselves: the flat
-    /// group's split with this host's ranks inside and the group's hosts across.
+    /// ranks with one place on their hosts split the cross-host group (its replicas), groups of whole hosts (an
+    /// expert-parallel group of E = 2K adjacent ranks) are two-level themselves (the flat group's split, this host's
+    /// ranks inside and the group's hosts across), and any other splits the flat group. Every rank decides alike
+    /// from the colors.
     fn split_group(&self, split: &Split) -> CommResult<Option<Box<dyn Communicator>>> {
         match level_of(split, self.per_host()) {
             Some(Level::InHost) => self.local.split_group(&restrict(split, true, self.per_host(), self.world.rank())),
