@@ -829,6 +829,35 @@ mod tests {
         }
     }
 
+    /// Hosts 0 and 2 of 3 in one group, host 1 in none: a two-level group of 2 hosts, and no group on host 1. The
+    /// same hosts keyed in reverse order are not numbered host by host: a flat group.
+    #[test]
+    fn whole_hosts_left_out_get_no_group_and_reversed_keys_stay_flat() {
+        let results = on_ranks(3, 2, |two, _| {
+            let r = two.rank();
+            let color = (r / 2 != 1).then_some(0);
+            let ordered = two.split(color, r as i64).unwrap();
+            let reversed = two.split(color, -(r as i64)).unwrap();
+            let layout =
+                |g: &Option<Box<dyn Communicator>>| g.as_ref().map(|g| (g.rank(), g.world_size(), g.host_layout()));
+            let mut v = [r as f32];
+            if let Some(g) = &ordered {
+                g.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+            }
+            (layout(&ordered), layout(&reversed), v[0])
+        });
+        for (r, (ordered, reversed, sum)) in results.into_iter().enumerate() {
+            if r / 2 == 1 {
+                assert_eq!((ordered, reversed), (None, None), "rank {r} is on the host left out");
+                continue;
+            }
+            let at = if r < 2 { r } else { r - 2 };
+            assert_eq!(ordered, Some((at, 4, Some((r % 2, 2)))), "rank {r}: two levels of 2 hosts x 2");
+            assert_eq!(reversed, Some((3 - at, 4, None)), "rank {r}: reversed keys, a flat group");
+            assert_eq!(sum, (0 + 1 + 4 + 5) as f32);
+        }
+    }
+
     #[test]
     fn layouts_that_do_not_split_into_equal_consecutive_hosts_stay_flat() {
         let t = Duration::from_secs(20);
