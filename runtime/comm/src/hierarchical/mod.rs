@@ -854,7 +854,7 @@ mod tests {
             let at = if r < 2 { r } else { r - 2 };
             assert_eq!(ordered, Some((at, 4, Some((r % 2, 2)))), "rank {r}: two levels of 2 hosts x 2");
             assert_eq!(reversed, Some((3 - at, 4, None)), "rank {r}: reversed keys, a flat group");
-            assert_eq!(sum, (0 + 1 + 4 + 5) as f32);
+            assert_eq!(sum, [0, 1, 4, 5].iter().sum::<usize>() as f32, "the sum over ranks 0, 1, 4 and 5");
         }
     }
 
