@@ -8,6 +8,7 @@
 //! consecutive, as `zerorun launch` and torchrun number them). The reduction order differs from the flat one
 //! (each host's sum first): results agree with it to rounding, and every rank still ends with the same values.
 //! Everything that is not a reduce-scatter, all-gather, large all-reduce or large broadcast goes through the flat group.
+mod all_to_all;
 mod pipelined;
 
 use std::cell::RefCell;
@@ -154,77 +155,6 @@ impl Hierarchical {
             divide(dtype, out, self.world_size());
         }
         Ok(())
-    }
-
-    /// The all-to-all of parts in two levels. Inside each host, rank k gives its host's rank k' every part bound for
-    /// a rank with place k' (on any host); across hosts, rank k then sends host h' the parts its host's ranks have
-    /// for rank (h', k), which land in `output` in source order. Every byte crosses the link once as in the flat
-    /// exchange, but each rank sends H - 1 messages across instead of (H - 1) K and its host's parts go through
-    /// shared memory instead of loopback TCP.
-    fn two_level_all_to_all_v(
-        &self,
-        input: BufRef<'_>,
-        send: &[usize],
-        output: BufMut<'_>,
-        recv: &[usize],
-    ) -> CommResult<()> {
-        const OP: &str = "all_to_all";
-        let (h, k, n) = (self.hosts(), self.per_host(), self.world_size());
-        let (send_at, _) = super::all_to_all::offsets(OP, self.rank(), n, &input, send, &output, recv)?;
-        let (place, host, dtype) = (self.local.rank(), self.cross.rank(), input.dtype);
-        // Counts that disagree are the same error on every rank before anything moves, as in the flat exchange;
-        // what the host's ranks send every rank gives the inside step's receive counts and the cross step's sends.
-        let sends = super::all_to_all::agree(self, OP, send, recv, dtype)?;
-        let of = |j: usize, d: usize| sends[(host * k + j) * n + d];
-        let size = dtype.size();
-        let mut scratch = self.scratch.borrow_mut();
-        let mut staged = self.staged.borrow_mut();
-        let received_inside: usize =
-            (0..k).flat_map(|j| (0..h).map(move |g| (j, g))).map(|(j, g)| of(j, g * k + place)).sum();
-        // Inside: the parts grouped by destination place, then host ([k'][h']).
-        let grouped = bytes_of(&mut scratch, input.bytes.len().max(received_inside * size));
-        let mut at = 0;
-        for kk in 0..k {
-            for g in 0..h {
-                let d = g * k + kk;
-                let bytes = send_at[d] * size..send_at[d + 1] * size;
-                grouped[at..at + bytes.len()].copy_from_slice(&input.bytes[bytes.clone()]);
-                at += bytes.len();
-            }
-        }
-        let inside_send: Vec<usize> = (0..k).map(|kk| (0..h).map(|g| send[g * k + kk]).sum()).collect();
-        let inside_recv: Vec<usize> = (0..k).map(|j| (0..h).map(|g| of(j, g * k + place)).sum()).collect();
-        let inside = bytes_of(&mut staged, received_inside * size);
-        self.local.all_to_all_v_buf(
-            BufRef { bytes: &grouped[..input.bytes.len()], dtype },
-            &inside_send,
-            BufMut { bytes: &mut *inside, dtype },
-            &inside_recv,
-        )?;
-        // Across: what arrived from place j for host g ([j][g]) regrouped by host, then place ([g][j]).
-        let mut from = vec![0usize; k * h + 1];
-        for j in 0..k {
-            for g in 0..h {
-                from[j * h + g + 1] = from[j * h + g] + of(j, g * k + place);
-            }
-        }
-        let mut at = 0;
-        for g in 0..h {
-            for j in 0..k {
-                let bytes = from[j * h + g] * size..from[j * h + g + 1] * size;
-                grouped[at..at + bytes.len()].copy_from_slice(&inside[bytes.clone()]);
-                at += bytes.len();
-            }
-        }
-        let across_send: Vec<usize> = (0..h).map(|g| (0..k).map(|j| of(j, g * k + place)).sum()).collect();
-        let across_recv: Vec<usize> = (0..h).map(|g| recv[g * k..(g + 1) * k].iter().sum()).collect();
-        debug_assert_eq!(host * k + place, self.rank());
-        self.cross.all_to_all_v_buf(
-            BufRef { bytes: &grouped[..received_inside * size], dtype },
-            &across_send,
-            output,
-            &across_recv,
-        )
     }
 
     /// [`Communicator::split_group`] of groups that are whole hosts: every rank splits the flat group, its host's
@@ -412,7 +342,7 @@ impl Communicator for Hierarchical {
     }
 
     fn all_to_all_buf(&self, input: BufRef<'_>, output: BufMut<'_>) -> CommResult<()> {
-        let part = agreement::equal_parts("all_to_all", self.rank(), self.world_size(), input.len())?;
+        let part = agreement::exchange_output("all_to_all", self.rank(), self.world_size(), &input, &output)?;
         let counts = vec![part; self.world_size()];
         self.all_to_all_v_buf(input, &counts, output, &counts)
     }
