@@ -144,7 +144,8 @@ fn a_mixture_of_experts_counts_every_expert() {
         .find(|r| r["stage"] == 3 && r["offload_param"] == "none" && r["offload_optimizer"] == "none")
         .unwrap();
     assert_eq!(row["per_device_bytes"], 18 * 46_702_792_704u64 / 8 + 4 * block, "{row}");
-    // With expert_parallel 8 at stage 2 a rank keeps the values of its position's experts only: 1/8 of them.
+    // With expert_parallel 8 at stages 1-2 a rank keeps the values of its position's experts only: 1/8 of them (at
+    // stage 1 their gradients too).
     let ds = dir.join("ds.json");
     std::fs::write(
         &ds,
@@ -163,7 +164,8 @@ fn a_mixture_of_experts_counts_every_expert() {
     };
     let (all, experts) = (46_702_792_704u64, 32 * 8 * 3 * 4096 * 14336u64);
     assert_eq!(states(2), 2 * (all - experts / 8 * 7) + 14 * all / 8);
-    assert_eq!(states(1), 4 * all + 12 * all / 8, "stage 1 keeps every expert");
+    assert_eq!(states(1), 4 * (all - experts / 8 * 7) + 16 * all / 8, "stage 1 keeps its position's experts");
+    assert_eq!(states(0), 16 * all, "stage 0 keeps every expert");
     std::fs::write(&model, r#"{"layers": 2, "hidden": 64, "vocab": 65, "experts": 4, "gated": true}"#).unwrap();
     let (ok, _, err) = zerorun(&["estimate", "--model", model.to_str().unwrap()]);
     assert!(!ok);

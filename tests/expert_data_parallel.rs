@@ -172,7 +172,9 @@ fn run(e: usize, world: usize, span: Span) -> Vec<Ran> {
                     let gathered_peak = engine.gathered_bytes().peak;
                     let parameters_in_memory =
                         engine.memory_bytes().iter().find(|(c, _)| c.name() == "parameters").map_or(0, |(_, b)| *b);
-                    let params = engine.full_parameters().unwrap();
+                    // By name: stage 1 orders its flat buffer so at E = 1, by units where it splits experts.
+                    let mut params = engine.full_parameters().unwrap();
+                    params.sort_by(|a, b| a.0.cmp(&b.0));
                     Ran { params, gathered_elements, gathered_peak, parameters_in_memory }
                 })
             })
@@ -265,9 +267,80 @@ fn at_stage_2_experts_split_over_their_positions_ranks_train_as_every_rank_holdi
     for (r, (o, a)) in run(2, 4, offloaded).iter().zip(&every).enumerate() {
         assert_close(&o.params, &a.params, &format!("stage 2 offloaded, rank {r}: E = 2 against E = 1"));
     }
+    // All-reduced instead of reduce-scattered: each rank keeps its part by its place in the unit's group (it took
+    // its place in the world, past the group's end, before).
+    let all_reduced = with(json!({"zero_optimization": {"stage": 2, "reduce_scatter": false}}));
+    for (r, (o, a)) in run(2, 4, all_reduced).iter().zip(&every).enumerate() {
+        assert_close(&o.params, &a.params, &format!("stage 2 all-reduced, rank {r}: E = 2 against E = 1"));
+    }
     let bf16 = with(json!({"bf16": {"enabled": true}}));
     for (r, (s, a)) in run(2, 4, bf16.clone()).iter().zip(&run(1, 4, bf16)).enumerate() {
         assert_within(&s.params, &a.params, 2e-3, &format!("stage 2 bf16, rank {r}: E = 2 against E = 1"));
+    }
+}
+
+/// Stage 1 with units: stage 2's layout (each rank keeps the dense units and its position's experts), stage 1's
+/// reduction: autograd accumulates the micro-batches in `.grad`, and each held unit is reduced over its own ranks
+/// after backward. Equal to E = 1 (the flat buffer, every expert on every rank) in fp32, with accumulation,
+/// checkpointed, offloaded, overlapped, all-reduced, and in bf16.
+#[test]
+fn at_stage_1_experts_split_over_their_positions_ranks_train_as_every_rank_holding_them() {
+    let with = |extra: serde_json::Value| {
+        let mut with = json!({"zero_optimization": {"stage": 1}});
+        for (k, v) in extra.as_object().unwrap() {
+            match k.as_str() {
+                "zero_optimization" => with[k].as_object_mut().unwrap().extend(v.as_object().unwrap().clone()),
+                _ => with[k] = v.clone(),
+            }
+        }
+        with
+    };
+    let stage1 = |e, extra: serde_json::Value, checkpointed, steps| {
+        run(e, 4, Span { steps: 0..steps, with: with(extra), checkpointed, ..Default::default() })
+    };
+    let every = stage1(1, json!({}), false, STEPS);
+    let split = stage1(2, json!({}), false, STEPS);
+    for (r, (s, a)) in split.iter().zip(&every).enumerate() {
+        assert_close(&s.params, &a.params, &format!("stage 1, rank {r}, E = 2 against E = 1"));
+        // E = 1 all-gathers the whole flat buffer after each step; E = 2 the dense units and its position's experts.
+        assert!(
+            s.gathered_elements < a.gathered_elements * 7 / 10,
+            "stage 1, rank {r}: gathered {} elements at E = 2, {} at E = 1",
+            s.gathered_elements,
+            a.gathered_elements
+        );
+        let experts: usize = a.params.iter().filter(|(n, _)| n.contains(".experts.")).map(|(_, t)| t.numel()).sum();
+        let expected = a.parameters_in_memory as f64 - 4.0 * experts as f64 / 2.0;
+        assert!(
+            experts > 0 && (s.parameters_in_memory as f64 - expected).abs() <= 0.01 * expected,
+            "stage 1, rank {r}: {} bytes of parameters at E = 2, {} at E = 1, {experts} expert elements",
+            s.parameters_in_memory,
+            a.parameters_in_memory
+        );
+    }
+    // Two micro-batches a step: the gradients of both are reduced once, at the boundary.
+    let accumulating = json!({"train_batch_size": 8, "gradient_accumulation_steps": 2});
+    let (one, two) = (stage1(1, accumulating.clone(), false, 4), stage1(2, accumulating, false, 4));
+    for (r, (s, a)) in two.iter().zip(&one).enumerate() {
+        assert_close(&s.params, &a.params, &format!("stage 1 accumulating, rank {r}: E = 2 against E = 1"));
+    }
+    for (r, (c, a)) in stage1(2, json!({}), true, STEPS).iter().zip(&every).enumerate() {
+        assert_close(&c.params, &a.params, &format!("stage 1, rank {r}, checkpointed at E = 2 against E = 1"));
+    }
+    // Offloaded; reducing on the communication thread; all-reducing instead of reduce-scattering.
+    for zero in [
+        json!({"offload_optimizer": {"device": "cpu"}}),
+        json!({"overlap_comm": true}),
+        json!({"reduce_scatter": false}),
+    ] {
+        for (r, (o, a)) in stage1(2, json!({ "zero_optimization": zero }), false, STEPS).iter().zip(&every).enumerate()
+        {
+            assert_close(&o.params, &a.params, &format!("stage 1 with {zero}, rank {r}: E = 2 against E = 1"));
+        }
+    }
+    let bf16 = json!({"bf16": {"enabled": true}});
+    for (r, (s, a)) in stage1(2, bf16.clone(), false, STEPS).iter().zip(&stage1(1, bf16, false, STEPS)).enumerate() {
+        assert_within(&s.params, &a.params, 2e-3, &format!("stage 1 bf16, rank {r}: E = 2 against E = 1"));
     }
 }
 
@@ -290,11 +363,11 @@ fn a_checkpoint_of_experts_split_over_their_ranks_resumes_at_another_degree() {
     let scratch = std::env::temp_dir().join(format!("zerorun-expert-dp-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&scratch);
     let whole = run(1, 4, Span { steps: 0..STEPS, ..Default::default() });
-    // E 2 -> 1 and 1 -> 2 at step 2 of 3, at stage 3 and across stages 2 and 3: the experts' values and momentum
+    // E 2 -> 1 and 1 -> 2 at step 2 of 3, at stage 3 and across stages 1-3: the experts' values and momentum
     // come back where the other degree holds them (by name and range from the ranks that saved them).
     let stage = |s: u8| json!({"zero_optimization": {"stage": s}});
     for ((saved_at, saved_stage), (resumed_at, resumed_stage)) in
-        [((2, 3), (1, 3)), ((1, 3), (2, 3)), ((2, 2), (1, 3)), ((1, 3), (2, 2))]
+        [((2, 3), (1, 3)), ((1, 3), (2, 3)), ((2, 2), (1, 3)), ((1, 3), (2, 2)), ((2, 1), (1, 3)), ((1, 1), (2, 1))]
     {
         let dir = scratch.join(format!("e{saved_at}-{saved_stage}-{resumed_stage}"));
         let with = stage(saved_stage);

@@ -102,10 +102,9 @@ struct Args {
     #[arg(long)]
     ring_attention: bool,
     /// Split every mixture-of-experts layer's experts over groups of this many adjacent ranks: each computes
-    /// experts / E of them for the group's tokens, which travel to it by all-to-alls. At stages 2 and 3 each
-    /// layer's experts of one position are a unit split over that position's ranks (the model is built whole
-    /// first; stage 3 also gathers them there alone); at stages 0-1 ZeRO shards every expert over all ranks. The
-    /// same as ds_config's
+    /// experts / E of them for the group's tokens, which travel to it by all-to-alls. At stages 1-3 each layer's
+    /// experts of one position are a unit split over that position's ranks (the model is built whole first; stage
+    /// 3 also gathers them there alone); at stage 0 every rank holds every expert. The same as ds_config's
     /// `expert_parallel` block (`enabled`, `autoep_size`; either may say it, both must agree).
     #[arg(long)]
     expert_parallel: Option<u64>,
@@ -228,19 +227,19 @@ enum Model<'a> {
 
 /// How many expert-parallel positions the scoped model's expert units follow, for a mixture of experts that runs
 /// through scopes; None: the model runs as built units (dense, tied embeddings, sequence parallelism).
-/// - E at stages 2 and 3 with `--expert-parallel` E above 1: the engine reduces and steps a rank's experts (at stage
+/// - E at stages 1-3 with `--expert-parallel` E above 1: the engine reduces and steps a rank's experts (at stage
 ///   3 also gathers them) only among the ranks that compute them.
 /// - 1 with `--activation-checkpointing` otherwise: a checkpointed layer's router logits leave it with their
 ///   gradient (the load-balancing loss), which the built units' recomputation cannot give.
 ///
 /// Where the engine cannot split the experts yet (hpZ, MiCS, quantized weights, tied embeddings), every rank holds
-/// every expert as at stages 0-1, which is said once.
+/// every expert as at stage 0, which is said once.
 fn expert_positions(config: &zerorun::Config, c: &LlamaConfig, ep: u64, sp: u64, a: &CommonArgs) -> Option<usize> {
     if c.experts().is_none() || sp > 1 {
         return None;
     }
     let z = &config.zero_optimization;
-    let wanted = config.stage() >= 2 && ep > 1;
+    let wanted = config.stage() >= 1 && ep > 1;
     let why = if c.tie_word_embeddings {
         "tied embeddings"
     } else if z.zero_hpz_partition_size > 1 || z.zero_quantized_weights || z.mics_shard_size.is_some() {
@@ -251,7 +250,7 @@ fn expert_positions(config: &zerorun::Config, c: &LlamaConfig, ep: u64, sp: u64,
         return a.activation_checkpointing.then_some(1);
     };
     if wanted {
-        tracing::warn!("{why}: every rank holds every expert (ZeRO splits them over all ranks); without it, stages 2 and 3 split each rank's experts over the ranks that compute them");
+        tracing::warn!("{why}: every rank holds every expert (ZeRO splits them over all ranks); without it, stages 1-3 split each rank's experts over the ranks that compute them");
     }
     (!c.tie_word_embeddings && a.activation_checkpointing).then_some(1)
 }
@@ -321,7 +320,7 @@ fn run(args: &Args) -> Result<(), String> {
         let groups = Groups { sequence: split, experts: experts.as_deref() };
         let (mut engine, model) = if let Some(positions) = expert_positions(&config, &c, ep, sp, a) {
             // A mixture of experts through scopes: the whole model is built, then each layer's experts of one
-            // position are a unit (at stages 2-3 split over that position's ranks), entered from the model's own
+            // position are a unit (at stages 1-3 split over that position's ranks), entered from the model's own
             // forward, each layer checkpointed there with --activation-checkpointing.
             let whole = llama_model::Llama::new(&vs.root(), &c);
             if let Some(dir) = &args.hf {

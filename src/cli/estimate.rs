@@ -225,7 +225,7 @@ pub fn run(a: EstimateArgs) -> Result<(), CliError> {
         ..EstimateInput::new(params)
     };
     if let Some(c) = &config {
-        // With `expert_parallel`, stage 2 keeps a rank's position's experts only (a model of units, as the Llama
+        // With `expert_parallel`, stages 1-2 keep a rank's position's experts only (a model of units, as the Llama
         // example's).
         input = input.with_config(c).with_experts(expert_params);
     }

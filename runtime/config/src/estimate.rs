@@ -81,12 +81,22 @@ impl EstimateInput {
         self
     }
 
-    /// Parameter values one rank holds at stages 0-2: all of them, but at stage 2 only its expert-parallel
-    /// position's share of the experts.
+    /// Parameter values (and, at stage 1, gradients) one rank holds at stages 0-2: all of them, but at stages 1-2
+    /// only its expert-parallel position's share of the experts.
     fn resident_params(&self, stage: u8) -> f64 {
         let e = self.expert_parallel.max(1) as f64;
-        let elsewhere = if stage == 2 { self.expert_params as f64 * (1.0 - 1.0 / e) } else { 0.0 };
+        let elsewhere = if matches!(stage, 1 | 2) { self.expert_params as f64 * (1.0 - 1.0 / e) } else { 0.0 };
         self.params as f64 - elsewhere
+    }
+
+    /// Bytes per parameter of stage 1's fp32 gradient shard: 4 where it splits experts over their positions
+    /// (reduced unit by unit into a shard, as stage 2), 0 for the flat buffer (reduced in place in the gradients).
+    fn split_gradient_shard(&self) -> u64 {
+        if self.expert_params > 0 && self.expert_parallel > 1 {
+            4
+        } else {
+            0
+        }
     }
 
     fn ranks(&self) -> u64 {
@@ -142,7 +152,9 @@ pub fn model_states_bytes(input: &EstimateInput, stage: u8) -> u64 {
     let (psi, n) = (input.params as f64, input.partitions() as f64);
     let bytes = match stage {
         0 => psi * (p + g + o) as f64,
-        1 => psi * ((p + g) as f64 + o as f64 / n),
+        // Values and gradients of the dense parameters and this position's experts; states over every rank. Split
+        // so, stage 1 reduces each unit into an fp32 gradient shard as stage 2 does (the flat buffer reduces in place).
+        1 => input.resident_params(1) * (p + g) as f64 + psi * (o + input.split_gradient_shard()) as f64 / n,
         // Each position's experts' gradients and states are split over its W / E ranks: experts / W a rank.
         2 => input.resident_params(2) * p as f64 + psi * (g + o) as f64 / n,
         _ if input.optimizer_in_backward => psi * (p + o) as f64 / n,
@@ -220,17 +232,20 @@ mod tests {
     }
 
     #[test]
-    fn at_stage_2_a_rank_holds_its_expert_parallel_positions_experts_only() {
+    fn at_stages_1_2_a_rank_holds_its_expert_parallel_positions_experts_only() {
         // 1M parameters of which 800k experts over E = 4 positions on 8 ranks, mixed-precision Adam.
         let dense = EstimateInput { nodes: 1, gpus_per_node: 8, ..EstimateInput::new(1_000_000) };
         let moe = EstimateInput { expert_parallel: 4, ..dense.clone() }.with_experts(800_000);
         // Values: 200k dense + 200k of its position's experts, 2 bytes each; gradients and states over 8 ranks.
         assert_eq!(model_states_bytes(&moe, 2), 2 * 400_000 + 14 * 1_000_000 / 8);
-        for stage in [0, 1, 3] {
+        // Stage 1: the gradients of those 400k too; the states (12 bytes) and the fp32 gradient shard over 8 ranks.
+        assert_eq!(model_states_bytes(&moe, 1), (2 + 2) * 400_000 + (12 + 4) * 1_000_000 / 8);
+        for stage in [0, 3] {
             assert_eq!(model_states_bytes(&moe, stage), model_states_bytes(&dense, stage), "stage {stage}");
         }
         let one = EstimateInput { expert_parallel: 1, ..moe.clone() };
         assert_eq!(model_states_bytes(&one, 2), model_states_bytes(&dense, 2));
+        assert_eq!(model_states_bytes(&one, 1), model_states_bytes(&dense, 1));
     }
 
     #[test]

@@ -153,7 +153,7 @@ pub struct Options {
 
 /// Every strategy the engine can run for this model on this cluster. Skipped, as the engine refuses them or as
 /// they cannot help: degrees that do not divide the world, tensor groups wider than a host or not dividing the
-/// heads, tensor, sequence or pipeline parallelism with experts, expert parallelism below stage 2 (it would only add
+/// heads, tensor, sequence or pipeline parallelism with experts, expert parallelism at stage 0 (it would only add
 /// all-to-alls there) or not dividing the experts, sequence groups wider than a host, not dividing the heads or the sequence, or beside tensor or pipeline
 /// parallelism (the engine refuses those), pipelines deeper than the layers or with fewer micro-batches than stages, stage 3 under a pipeline, offload
 /// at stage 0, parameter offload below stage 3, CPU offload on a CPU cluster (the host's memory is the rank's) and
@@ -199,11 +199,11 @@ pub fn strategies(model: &Model, cluster: &Cluster, options: &Options) -> Vec<St
                             if !usable {
                                 continue;
                             }
-                            // Expert parallelism at stages 2 and 3, where it splits each position's experts over
-                            // their own ranks (at stages 0-1 every rank holds every expert: it would only add
+                            // Expert parallelism at stages 1-3, where it splits each position's experts over
+                            // their own ranks (at stage 0 every rank holds every expert: it would only add
                             // all-to-alls), without tensor, pipeline or sequence parallelism (the engine refuses
                             // those); with activation checkpointing a layer recomputes with its experts' unit nested.
-                            let experts_ok = stage >= 2 && t == 1 && p == 1 && sp == 1;
+                            let experts_ok = stage >= 1 && t == 1 && p == 1 && sp == 1;
                             for e in expert_degrees(model, d).into_iter().filter(|&e| e == 1 || experts_ok) {
                                 for ac in [false, true] {
                                     out.push(Strategy {

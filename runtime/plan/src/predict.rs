@@ -77,7 +77,7 @@ pub fn predict(model: &Model, cluster: &Cluster, options: &Options, s: &Strategy
     let local_params = model.params() as f64 / (p * t) as f64;
     let local_layers = model.layers().div_ceil(p);
     // With expert parallelism a layer's experts are split over E positions: at stage 3 a layer's unit holds
-    // experts / E of its experts, and at stage 2 a rank keeps the values of its position's experts only.
+    // experts / E of its experts, and at stages 1-2 a rank keeps the values of its position's experts only.
     let ep = s.experts.max(1);
     let input = EstimateInput {
         gpus_per_node: d,
@@ -87,12 +87,21 @@ pub fn predict(model: &Model, cluster: &Cluster, options: &Options, s: &Strategy
     };
     let (pb, gb, ob) = input.bytes_per_param();
     let shard = |sharded: bool| if sharded { local_params / d as f64 } else { local_params };
+    // Values a rank keeps: its shard at stage 3, the dense ones and its position's experts at stages 1-2 (where
+    // stage 1 keeps their gradients too), everything at stage 0.
+    let resident = local_params - model.expert_params() as f64 * (1.0 - 1.0 / ep as f64);
     let params = match s.stage {
         3 => local_params / d as f64,
-        2 => local_params - model.expert_params() as f64 * (1.0 - 1.0 / ep as f64),
+        1 | 2 => resident,
         _ => local_params,
     } * pb as f64;
-    let grads = shard(s.stage >= 2) * gb as f64;
+    // Stage 1 splitting experts reduces each unit into an fp32 gradient shard too, as stage 2 does.
+    let splits = s.stage == 1 && ep > 1 && model.expert_params() > 0;
+    let grads = match s.stage {
+        2.. => local_params / d as f64 * gb as f64,
+        1 => resident * gb as f64 + if splits { local_params / d as f64 * 4.0 } else { 0.0 },
+        _ => local_params * gb as f64,
+    };
     let optim = shard(s.stage >= 1) * ob as f64;
     let stepped = shard(s.stage >= 1);
     let moved = if s.offload.params() { params } else { 0.0 } + if s.offload.optimizer() { optim } else { 0.0 };
@@ -461,7 +470,7 @@ mod tests {
     }
 
     #[test]
-    fn expert_parallel_degrees_are_planned_at_stages_2_and_3_alone_and_with_checkpointing() {
+    fn expert_parallel_degrees_are_planned_at_stages_1_to_3_alone_and_with_checkpointing() {
         let cluster = Cluster::from_json(
             r#"{"hosts": 1, "ranks_per_host": 4, "memory_per_rank_bytes": 8e9, "host_memory_bytes": 3.2e10,
                 "links": {"intra": {"latency_s": 0, "bandwidth_bytes_per_s": 1e9}}}"#,
@@ -482,10 +491,10 @@ mod tests {
             "no tensor, sequence or pipeline parallelism with experts"
         );
         for s in all.iter().filter(|s| s.experts > 1) {
-            assert!(s.stage >= 2 && (s.tensor, s.pipeline, s.sequence) == (1, 1, 1), "{s:?}");
+            assert!(s.stage >= 1 && (s.tensor, s.pipeline, s.sequence) == (1, 1, 1), "{s:?}");
             assert_eq!(s.data % s.experts, 0, "{s:?}");
         }
-        // At stage 2 a rank keeps its position's experts' values only: E = 2 holds half of them less (fp32).
+        // At stages 1-2 a rank keeps its position's experts' values only: E = 2 holds half of them less (fp32).
         let at = |stage: u8, experts: u64| {
             let s = all.iter().find(|s| (s.stage, s.experts, s.offload) == (stage, experts, Offload::None)).unwrap();
             predict(&moe, &cluster, &options, s)
@@ -495,6 +504,13 @@ mod tests {
             assert_eq!(row.model_state_bytes_per_rank.round(), row.memory.model_states.round(), "{row:?}");
         }
         assert_eq!((at(2, 1).memory.model_states - at(2, 2).memory.model_states).round(), saved.round());
+        // Stage 1 keeps those experts' gradients too (twice as much less), beside an fp32 gradient shard.
+        for row in [at(1, 1), at(1, 2)] {
+            assert_eq!(row.model_state_bytes_per_rank.round(), row.memory.model_states.round(), "{row:?}");
+        }
+        let shard = 4.0 * moe.params() as f64 / 4.0;
+        let less = at(1, 1).memory.model_states - at(1, 2).memory.model_states;
+        assert_eq!(less.round(), (2.0 * saved - shard).round());
         assert_eq!(at(3, 1).memory.model_states, at(3, 2).memory.model_states);
         // Checkpointed layers recompute with their experts' unit nested: both, and the recomputation's forward
         // all-to-alls priced (6 a layer instead of 4).

@@ -174,7 +174,7 @@ impl Engine {
                 let mark = self.gradient_fingerprint();
                 self.gradients.all_reduce_in_backward.as_mut().expect("checked").mark_reduced(mark);
             }
-            GradientPath::AfterBackward => autograd()?,
+            GradientPath::AfterBackward | GradientPath::UnitsAfterBackward => autograd()?,
             GradientPath::Hooks if defer => autograd()?,
             GradientPath::Hooks => self.lend_hooks(autograd)?,
             GradientPath::UnitWalk => unreachable!("unit walks run in backward_impl"),

@@ -14,7 +14,7 @@ use crate::engine::device::{allocator, native, views, Residence};
 use crate::engine::parallel::placement::{Placement, PlacementInputs};
 use crate::engine::reporting::Reporting;
 use crate::engine::zero::builders::{BuiltModel, UnitBuilders};
-use crate::engine::zero::layout::FlatLayout;
+use crate::engine::zero::layout::{FlatLayout, UnitRanks};
 use crate::engine::zero::plan::{self, GradientPath, StagePlan};
 use crate::engine::zero::{expert_units, frozen, grads, optim, pack, parameters, sizing, units, variables};
 use crate::engine::{engine_comm, Engine, EngineOptions};
@@ -34,14 +34,17 @@ pub(super) struct Arrangement {
 /// Orders the trainable parameters (by unit in execution order where the plan lays out by units, by name
 /// within), checks their device and dtype, and lays them out; assigns the frozen parameters to the same units.
 /// `trainable` and `frozen` come sorted by name. The config gives the bucket size (hooked stage 2), the precision
-/// and the expert-parallel degree (stage 3 splits a unit of one position's experts over that position's ranks).
+/// and the expert-parallel degree (stages 1-3 split a unit of one position's experts over that position's ranks;
+/// at stage 1 the plan learns it here, [`StagePlan::split_units_over_groups`], unless `flat_at_stage_1` says why
+/// stage 1 keeps its flat buffer).
 pub(super) fn arrange(
     trainable: Vec<(String, Tensor)>,
     frozen: Vec<(String, Tensor)>,
     options: &EngineOptions,
-    plan: &StagePlan,
+    plan: &mut StagePlan,
     config: &Config,
     world_size: usize,
+    flat_at_stage_1: Option<&'static str>,
 ) -> Result<Arrangement> {
     let (reduce_bucket_size, precision) = (config.zero_optimization.reduce_bucket_size, config.precision());
     let expert_parallel = config.expert_parallel.size() as usize;
@@ -62,6 +65,19 @@ pub(super) fn arrange(
     let mut frozen_by_unit: Vec<Vec<(String, Tensor)>> = (0..unit_prefixes.len()).map(|_| Vec::new()).collect();
     for ((name, t), &u) in frozen.into_iter().zip(frozen_units) {
         frozen_by_unit[u].push((name, t));
+    }
+    if plan.stage() == 1 && expert_parallel > 1 && options.units.is_some() {
+        let names: Vec<Vec<&str>> = (0..unit_prefixes.len())
+            .map(|u| named.iter().zip(trainable_units).filter(|(_, &v)| v == u).map(|((n, _), _)| n.as_str()).collect())
+            .collect();
+        let split = expert_units::unit_ranks(&names, expert_parallel, world_size)?.iter().any(|r| *r != UnitRanks::All);
+        match (split, flat_at_stage_1.or(frozen_by_unit.iter().flatten().next().map(|_| "with frozen parameters"))) {
+            (true, None) => plan.split_units_over_groups(),
+            (true, Some(why)) => tracing::info!(
+                "expert_parallel.autoep_size {expert_parallel} at stage 1 {why}: the flat buffer holds every expert on every rank (ZeRO splits their states over all ranks)"
+            ),
+            (false, _) => {}
+        }
     }
     let hooked = plan.gradients == GradientPath::Hooks;
     let unit_of = if hooked {
@@ -94,10 +110,11 @@ pub(super) fn arrange(
         for (spec, u) in specs.into_iter().zip(sorted_units) {
             by_unit[u].push(spec);
         }
-        // Units (stage 3, stage 2 with units) split a unit of one expert-parallel position's experts over the ranks
-        // at that position.
+        // Units (stage 3, stage 2 with units, stage 1 so split) split a unit of one expert-parallel position's experts
+        // over the ranks at that position.
         let names: Vec<Vec<&str>> = by_unit.iter().map(|u| u.iter().map(|(n, _, _)| n.as_str()).collect()).collect();
-        let e = if plan.gradients == GradientPath::UnitWalk { expert_parallel } else { 1 };
+        let by_groups = matches!(plan.gradients, GradientPath::UnitWalk | GradientPath::UnitsAfterBackward);
+        let e = if by_groups { expert_parallel } else { 1 };
         let ranks = crate::engine::zero::expert_units::unit_ranks(&names, e, world_size)?;
         FlatLayout::with_unit_ranks(&by_unit, &ranks, world_size)
     } else {
@@ -279,15 +296,33 @@ impl Engine {
         let residence = Residence::of(device);
         let claim = variables::Claim::new(trainable.iter().chain(&frozen).chain(&buffers))?;
         let config = sizing::size_hooked_buckets(config, &plan, &trainable, rank);
+        // Stage 1 splits a unit of one position's experts over that position's ranks as stages 2-3 do, unless what
+        // it runs reads the whole flat buffer on every rank.
+        let flat_at_stage_1 = match () {
+            _ if one_bit => Some("with a 1-bit optimizer (its signs cover the flat buffer)"),
+            _ if config.gradient_compression.powersgd().is_some() => {
+                Some("with PowerSGD (its factors cover the flat buffer)")
+            }
+            _ if config.async_training.is_async() => {
+                Some("with asynchronous training (its exchanges cover the flat buffer)")
+            }
+            _ if replica_count > 1
+                || config.zero_optimization.zero_hpz_partition_size > 1
+                || config.zero_optimization.zero_quantized_weights =>
+            {
+                Some("with shard groups, hpZ or quantized weights")
+            }
+            _ => None,
+        };
         let Arrangement { named, layout, unit_prefixes, frozen_by_unit } =
-            arrange(trainable, frozen, &options, &plan, &config, world_size)?;
+            arrange(trainable, frozen, &options, &mut plan, &config, world_size, flat_at_stage_1)?;
         let experts_group = if layout.has_groups() {
             expert_units::check_supported(&config, &frozen_by_unit, replica_count)?;
             Some(expert_units::position_group(comm.as_ref(), expert_parallel)?)
         } else {
             if expert_parallel > 1 && rank == 0 && layout.slots.iter().any(|s| crate::moe::is_expert_parameter(&s.name))
             {
-                tracing::info!("expert_parallel.autoep_size {expert_parallel} at stage {}: every rank holds every expert's parameters, which ZeRO splits over all ranks; at stages 2 and 3 a unit of each position's experts (MoeLayer::expert_units) is kept by that position's ranks alone", plan.stage());
+                tracing::info!("expert_parallel.autoep_size {expert_parallel} at stage {}: every rank holds every expert's parameters, which ZeRO splits over all ranks; at stages 1-3 a unit of each position's experts (MoeLayer::expert_units) is kept by that position's ranks alone", plan.stage());
             }
             None
         };

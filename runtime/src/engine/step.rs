@@ -103,7 +103,8 @@ impl Engine {
             (self.progress.micro_steps - self.progress.micro_at_boundary) % self.batch.gradient_accumulation_steps == 0;
         // After backward: 16-bit models reduce every micro-batch and accumulate in fp32; fp32 models accumulate in
         // autograd. Hooks and unit walks reduced during backward already.
-        let after_backward = self.plan.gradients == GradientPath::AfterBackward;
+        let after_backward =
+            matches!(self.plan.gradients, GradientPath::AfterBackward | GradientPath::UnitsAfterBackward);
         // Bounded staleness pushes the gradients as autograd accumulated them: nothing is reduced.
         if self.precision() != Precision::Fp32 && after_backward && !self.sync.is_stale() {
             self.timed(Phase::ReduceScatter, Self::reduce_micro_batch)?;
@@ -342,6 +343,10 @@ impl Engine {
 
     /// fp32 models at the boundary: reduce, and (stage 1 into a partition buffer) take the partition as fp32.
     fn reduce_fp32(&mut self) -> Result<()> {
+        if self.plan.gradients == GradientPath::UnitsAfterBackward {
+            // Into the accumulator, which the step clears after it.
+            return self.gradient_sync().reduce_held_units();
+        }
         let partitioned = self.plan.partitions_optimizer();
         self.gradient_sync().reduce_after_backward(partitioned)?;
         if !self.gradients.in_flat_buffer() {
@@ -353,6 +358,9 @@ impl Engine {
 
     /// 16-bit models, every micro-batch: reduce, accumulate the optimized range in fp32.
     fn reduce_micro_batch(&mut self) -> Result<()> {
+        if self.plan.gradients == GradientPath::UnitsAfterBackward {
+            return self.gradient_sync().reduce_held_units();
+        }
         let partitioned = self.plan.partitions_optimizer();
         self.gradient_sync().reduce_after_backward(partitioned)?;
         self.gradients.accumulate_partition()?;

@@ -1,8 +1,8 @@
 //! Units entered from the program's own forward: `engine.unit(name, |engine| ...)` gathers the unit, runs the
 //! closure, hooks its outputs for backward and releases it; `engine.backward` runs autograd over the program's own
 //! graph while the hooks gather, reduce and release unit by unit (`zero/scopes.rs`). At stages 0-1, and stage 2
-//! without units, every rank holds every parameter and a scope is just the call, so one program runs at every
-//! stage.
+//! without units, a scope is just the call, so one program runs at every stage (at stage 1 with units split over
+//! expert-parallel groups, a unit this rank does not hold is refused, as at stages 2-3).
 use std::rc::Rc;
 use std::sync::Arc;
 use std::time::Instant;
@@ -48,6 +48,15 @@ impl Engine {
     /// ```
     pub fn unit<T: UnitOutput>(&mut self, name: &str, forward: impl FnOnce(&mut Engine) -> T) -> Result<T> {
         if self.plan.gradients != GradientPath::UnitWalk {
+            if self.plan.gradients == GradientPath::UnitsAfterBackward {
+                // Stage 1 keeps no storage for another position's experts: refused as at stages 2-3.
+                let rank = self.rank();
+                let prefixes = &self.walk.unit_prefixes;
+                let u = prefixes.iter().position(|p| p.iter().any(|q| q == name));
+                if u.is_some_and(|u| !self.states.layout.units[u].holds(rank)) {
+                    return Err(another_positions_unit(name, rank));
+                }
+            }
             return Ok(forward(self));
         }
         let u = self.scopes()?.unit_named(name)?;
@@ -181,9 +190,7 @@ impl Engine {
         let scopes = self.scopes()?;
         let (name, outermost) = (scopes.label(u), scopes.depth == 0);
         if !held {
-            return Err(Error::Usage(format!(
-                "engine.unit(\"{name}\", ..) on rank {rank}: the unit holds experts of another expert-parallel position, split over other ranks; enter only the units of this rank's experts (`ExpertParallel::rank`)"
-            )));
+            return Err(another_positions_unit(&name, rank));
         }
         // No unit open around this one (engine.forward's walk counts as depth, not as a unit): the flops
         // profiler's rows are these.
@@ -514,4 +521,11 @@ impl NestedUnits {
             }
         }
     }
+}
+
+/// `engine.unit(name, ..)` on a rank that does not hold the unit: another expert-parallel position's experts.
+fn another_positions_unit(name: &str, rank: usize) -> Error {
+    Error::Usage(format!(
+        "engine.unit(\"{name}\", ..) on rank {rank}: the unit holds experts of another expert-parallel position, split over other ranks; enter only the units of this rank's experts (`ExpertParallel::rank`)"
+    ))
 }

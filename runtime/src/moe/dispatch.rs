@@ -97,10 +97,10 @@ impl MoeLayer {
     /// (g + 1) * experts / E` for every token of the group that chose them.
     ///
     /// Every rank builds every expert's parameters (the same names and values on every rank). Inside a unit with
-    /// other parameters (or at stages 0-1) the ZeRO engine treats them as any data-parallel parameter: its
+    /// other parameters (or at stage 0) the ZeRO engine treats them as any data-parallel parameter: its
     /// reduction adds the ranks' gradients, in which an expert's come only from the rank that computed it (the
     /// others have none, zeros), and divides by the data-parallel degree: the gradient of the whole batch's loss.
-    /// At stages 2 and 3 with each position's experts a unit of their own ([`MoeLayer::expert_units`],
+    /// At stages 1-3 with each position's experts a unit of their own ([`MoeLayer::expert_units`],
     /// [`forward_parallel_scoped`](Self::forward_parallel_scoped)) the engine splits such a unit over the ranks at
     /// that position only; the other ranks keep none of its values. Each rank runs experts / E experts on E times the rows per call (its share of the
     /// group's slots: on average as many as without the group).

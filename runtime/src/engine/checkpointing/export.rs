@@ -5,7 +5,7 @@ use super::*;
 /// Full weights out of the engine: every parameter by name, and DeepSpeed's `save_16bit_model`.
 impl Engine {
     /// Every parameter by name as full fp32 copies (identical on every rank). Collective at stage 3, where it
-    /// gathers the units one at a time, and at stage 2 with units split over expert-parallel positions, whose
+    /// gathers the units one at a time, and at stages 1-2 with units split over expert-parallel positions, whose
     /// experts come from their ranks: every rank calls it.
     pub fn full_parameters(&mut self) -> Result<Vec<(String, Tensor)>> {
         self.full_parameters_as(Kind::Float)
@@ -135,7 +135,7 @@ impl Engine {
 
     /// Stage 3: gathers the units one at a time (collective) and shows `visit` each trainable parameter as `kind`
     /// and, with `frozen`, each frozen one in its own dtype, in the units' order, while its unit is gathered. A
-    /// unit split over a group (one expert-parallel position's experts, at stage 2 too) is gathered by its ranks
+    /// unit split over a group (one expert-parallel position's experts, at stages 1-2 too) is gathered by its ranks
     /// and sent to the others from the first of them, so every rank sees every parameter.
     fn visit_units(
         &mut self,

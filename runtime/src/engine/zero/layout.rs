@@ -151,7 +151,7 @@ impl FlatLayout {
         FlatLayout { slots, units: spans, numel, padded: offset, world_size: ws }
     }
 
-    /// Elements each rank owns where every unit is split over all ranks (stages 0-1 always): the flat length
+    /// Elements each rank owns where every unit is split over all ranks (stages 0-1 without groups): the flat length
     /// over the world size. With units split over groups, ranks own different lengths: [`shard_len`](Self::shard_len).
     pub fn partition_len(&self) -> usize {
         self.padded / self.world_size
@@ -164,7 +164,7 @@ impl FlatLayout {
 
     /// Stages 0-2: where each unit starts in rank `rank`'s buffer of full parameters, which lays the units it
     /// holds out one after another (None for a unit it does not hold). Every rank holds every unit but another
-    /// expert-parallel position's experts (stage 2 with units split over groups), so without groups this is each
+    /// expert-parallel position's experts (stages 1-2 with units split over groups), so without groups this is each
     /// unit's own flat start.
     pub fn resident_starts(&self, rank: usize) -> Vec<Option<usize>> {
         let mut at = 0;

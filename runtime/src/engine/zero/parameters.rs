@@ -18,13 +18,14 @@ use crate::engine::zero::swapped_params::{Chunk, SwappedParams};
 use crate::error::Result;
 
 pub(crate) struct Parameters {
-    /// All parameters in the model's dtype (stages 0-2; at stage 2 with units split over expert-parallel groups,
+    /// All parameters in the model's dtype (stages 0-2; at stages 1-2 with units split over expert-parallel groups,
     /// those of the units this rank holds, [`FlatLayout::resident_starts`]); this rank's shard of every unit
     /// (stage 3; empty when the shard is on NVMe).
     pub flat: Tensor,
     /// Stage 3 with `offload_param.device = nvme`: where the shard lives instead of `flat`.
     pub swapped: Option<SwappedParams>,
-    /// One per unit, in execution order (stages 2-3; empty at stages 0-1). Stage 2's are regions of `flat`.
+    /// One per unit, in execution order (stages 2-3, and stage 1 with units split over groups; empty otherwise).
+    /// Stages 1-2's are regions of `flat`.
     pub units: Vec<ShardedUnit>,
     /// Stage 3: the frozen parameters, partitioned unit by unit beside `units`.
     pub frozen_units: Option<FrozenUnits>,

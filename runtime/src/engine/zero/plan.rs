@@ -43,6 +43,10 @@ pub(crate) enum GradientPath {
     /// The engine walks the model's units in reverse and reduces each unit's gradients as they are computed
     /// (stage 2 with units, stage 3).
     UnitWalk,
+    /// Stage 1 with units split over expert-data-parallel groups ([`StagePlan::split_units_over_groups`]):
+    /// autograd accumulates into `.grad` as at stage 1, and the reduction takes the held units one by one, each
+    /// over its own ranks, into this rank's chunk of each (stage 2's layout, stage 1's reduction after backward).
+    UnitsAfterBackward,
 }
 
 /// What follows the optimizer step.
@@ -141,22 +145,34 @@ impl StagePlan {
         self.strategy == Strategy::PartitionedParameters
     }
 
-    /// Parameters are laid out unit by unit (stages 2-3): stage 3 gathers them so, stage 2 reduces gradients so
-    /// during backward (the model's units, or hook buckets laid out like units in a plain loop).
-    pub fn lays_out_by_units(&self) -> bool {
-        matches!(self.strategy, Strategy::PartitionedGradients | Strategy::PartitionedParameters)
+    /// Stage 1 whose units are split over expert-data-parallel groups: laid out by units as stage 2 is (each rank
+    /// keeps only the units it holds, and steps its chunk of each), reduced unit by unit after backward. Asked by
+    /// the set-up once it knows the layout splits some unit over a group; other stages keep their path.
+    pub fn split_units_over_groups(&mut self) {
+        if self.strategy == Strategy::PartitionedOptimizer {
+            self.gradients = GradientPath::UnitsAfterBackward;
+        }
     }
 
-    /// This rank's optimized values are pieces of the full parameter buffer, a chunk of every unit (stage 2).
+    /// Parameters are laid out unit by unit (stages 2-3, and stage 1 with units split over groups): stage 3
+    /// gathers them so, stage 2 reduces gradients so during backward (the model's units, or hook buckets laid out
+    /// like units in a plain loop), stage 1 so after it.
+    pub fn lays_out_by_units(&self) -> bool {
+        matches!(self.strategy, Strategy::PartitionedGradients | Strategy::PartitionedParameters)
+            || self.gradients == GradientPath::UnitsAfterBackward
+    }
+
+    /// This rank's optimized values are pieces of the full parameter buffer, a chunk of every unit (stage 2, and
+    /// stage 1 with units split over groups).
     pub fn shard_in_pieces(&self) -> bool {
-        self.strategy == Strategy::PartitionedGradients
+        self.strategy == Strategy::PartitionedGradients || self.gradients == GradientPath::UnitsAfterBackward
     }
 
     /// What brings every rank's updated values to the others after the optimizer step.
     pub fn after_step(&self) -> AfterStep {
         match self.strategy {
             Strategy::Replicated => AfterStep::Nothing,
-            Strategy::PartitionedOptimizer => AfterStep::AllGatherFlat,
+            Strategy::PartitionedOptimizer if !self.shard_in_pieces() => AfterStep::AllGatherFlat,
             _ => AfterStep::RefreshGatheredUnits,
         }
     }
@@ -192,8 +208,8 @@ impl StagePlan {
     pub fn optimized(&self, layout: &FlatLayout, rank: usize) -> Optimized {
         match self.strategy {
             Strategy::Replicated => Optimized::Flat(FlatRange(0..layout.padded)),
-            Strategy::PartitionedOptimizer => Optimized::Flat(FlatRange(layout.partition(rank))),
-            _ => Optimized::Shard(ShardRange(0..layout.shard_len(rank))),
+            _ if self.lays_out_by_units() => Optimized::Shard(ShardRange(0..layout.shard_len(rank))),
+            _ => Optimized::Flat(FlatRange(layout.partition(rank))),
         }
     }
 }
@@ -258,7 +274,7 @@ impl GradientSizes {
             (Strategy::Replicated, _) => layout.padded,
             (_, GradientPath::Hooks) => largest_unit * plan.staging_halves(),
             // Units larger than a bucket reduce in rounds of `round_len` per rank.
-            (_, GradientPath::UnitWalk) => largest_unit.min(round_len * ws),
+            (_, GradientPath::UnitWalk | GradientPath::UnitsAfterBackward) => largest_unit.min(round_len * ws),
             // Two halves with overlap_comm: one reduces while the next round is gathered into the other.
             _ => round_len * ws * plan.staging_halves(),
         };
@@ -272,7 +288,7 @@ impl GradientSizes {
         let part = match plan.gradients {
             _ if !plan.partitions_optimizer() || fp32_in_place => None,
             GradientPath::Hooks => Some(largest_unit / ws * plan.staging_halves()),
-            GradientPath::UnitWalk => Some((largest_unit / ws).min(round_len)),
+            GradientPath::UnitWalk | GradientPath::UnitsAfterBackward => Some((largest_unit / ws).min(round_len)),
             GradientPath::AfterBackward => Some(partition),
         };
         let reduced = match plan.strategy {
@@ -429,6 +445,29 @@ mod tests {
         assert!(StagePlan::new(2, true, true, true, 2).threaded_comm());
         assert!(!StagePlan::new(2, true, false, true, 2).threaded_comm());
         assert!(StagePlan::new(3, true, true, true, 2).threaded_comm());
+    }
+
+    #[test]
+    fn stage_1_with_units_over_groups_lays_out_as_stage_2_and_reduces_after_backward() {
+        let (by_units, _) = layouts();
+        let mut p = StagePlan::new(1, true, true, true, 2);
+        p.split_units_over_groups();
+        assert_eq!((p.stage(), p.gradients), (1, GradientPath::UnitsAfterBackward));
+        assert!(p.lays_out_by_units() && p.shard_in_pieces() && p.partitions_optimizer());
+        assert!(!p.partitions_parameters() && !p.hooks_gradients());
+        assert_eq!(p.after_step(), AfterStep::RefreshGatheredUnits);
+        assert_eq!(p.optimized(&by_units, 1), Optimized::Shard(ShardRange(0..9)));
+        // The unit rounds' buffers, as the unit walk's: one staging half, a part of the largest unit's chunk.
+        let s = GradientSizes::new(&p, &by_units, 100, true, true, 0);
+        assert_eq!((s.staged, s.views, s.part, s.accumulator), (10, GradientViews::None, Some(5), 9));
+        assert_eq!(s.reduced, ReducedGradients::Accumulator);
+        // Other stages keep their path.
+        for stage in [0, 2, 3] {
+            let mut q = StagePlan::new(stage, true, true, true, 2);
+            let before = q.gradients;
+            q.split_units_over_groups();
+            assert_eq!(q.gradients, before, "stage {stage}");
+        }
     }
 
     #[test]

@@ -142,7 +142,10 @@ impl Bucket {
         if !how.scatter {
             views::all_reduce(how.residence, group, &self.staged, how.op)?;
             volume.all_reduce_elements += n as u64;
-            self.out.shallow_clone().f_copy_(&self.staged.narrow(0, (how.rank * l) as i64, l as i64))?;
+            // This rank's part by its place in the group the bucket was reduced over (an expert-data-parallel
+            // group's ranks number from 0 there).
+            let own = group.rank() * l;
+            self.out.shallow_clone().f_copy_(&self.staged.f_narrow(0, own as i64, l as i64)?)?;
             if let Some(r) = replicas {
                 r.all_reduce(how.residence, &self.out, how.op, None)?;
             }

@@ -475,6 +475,26 @@ impl GradientSync<'_> {
         Ok(())
     }
 
+    /// Stage 1 with units split over groups, after backward: each unit this rank holds reduced from the
+    /// parameters' `.grad` over its own ranks (every rank, or its expert-data-parallel group) into this rank's
+    /// chunk of it, added to the fp32 accumulator; then the `.grad` tensors are zeroed for the next micro-batch.
+    /// Every rank walks the units in layout order, so each group's ranks meet its units in one order.
+    pub fn reduce_held_units(&mut self) -> Result<()> {
+        let rank = self.gradients.how.rank;
+        for i in 0..self.layout.units.len() {
+            let span = &self.layout.units[i];
+            if !span.holds(rank) {
+                continue;
+            }
+            let grads: Vec<Option<Tensor>> =
+                self.params[span.slots.clone()].iter().map(|t| Some(t.grad()).filter(Tensor::defined)).collect();
+            self.reduce_unit(i, &grads)?;
+        }
+        self.drain()?;
+        self.clear_param_grads();
+        Ok(())
+    }
+
     /// Finishes every reduction in flight (the end of a backward, before anything reads the accumulator).
     pub fn drain(&mut self) -> Result<()> {
         let g = &mut *self.gradients;
