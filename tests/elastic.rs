@@ -10,16 +10,15 @@ use tch::Tensor;
 
 #[path = "common/examples.rs"]
 mod examples;
+#[path = "common/ports.rs"]
+mod ports;
+use ports::free_port;
 #[path = "common/processes.rs"]
 mod processes;
 use processes::children_running;
 
 const STEPS: &str = "24";
 const CONFIG: &str = r#"{"train_batch_size": 8, "gradient_clipping": 1.0, "optimizer": {"type": "AdamW", "params": {"lr": 0.003}}, "zero_optimization": {"stage": 2}}"#;
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
 
 /// The MLP example's arguments: seeded data, `steps` steps, final weights into `out`.
 fn mlp_args(cmd: &mut Command, dir: &std::path::Path, steps: &str, out: &str) {

@@ -12,6 +12,9 @@ use tch::Tensor;
 
 #[path = "common/examples.rs"]
 mod examples;
+#[path = "common/ports.rs"]
+mod ports;
+use ports::free_port;
 #[path = "common/processes.rs"]
 mod processes;
 use processes::children_running;
@@ -29,10 +32,6 @@ const BASE: &str = r#""train_batch_size": 8, "train_micro_batch_size_per_gpu": 2
 
 /// The fault-tolerant config: [`BASE`] with the section, heartbeats every 40 ms (a group silent for 0.2 s is lost).
 const FT_CONFIG: &str = r#"{"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "optimizer": {"type": "AdamW", "params": {"lr": 0.003}}, "zero_optimization": {"stage": 3, "mics_shard_size": 2}, "fault_tolerance": {"enabled": true, "heartbeat_ms": 40, "quorum_timeout": 20}}"#;
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
 
 fn temp_dir(name: &str) -> std::path::PathBuf {
     let dir = std::env::temp_dir().join(format!("zerorun-ft-{name}-{}", std::process::id()));

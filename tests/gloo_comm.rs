@@ -10,6 +10,9 @@ use zerorun::runtime::comm::{Collectives, ReduceOp};
 mod conformance;
 #[path = "common/groups.rs"]
 mod groups;
+#[path = "common/ports.rs"]
+mod ports;
+use ports::free_port;
 
 #[test]
 #[ignore = "the ranks' entry point, run by the tests below in child processes"]
@@ -60,10 +63,6 @@ fn worker(cmd: &mut Command) -> &mut Command {
         .arg(std::env::current_exe().unwrap())
         .args(["--exact", "worker_entry", "--ignored", "--nocapture", "--test-threads", "1"])
         .env("ZERORUN_TEST_WORKER", "gloo")
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
 #[test]

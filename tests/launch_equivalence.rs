@@ -8,6 +8,8 @@ use std::process::Command;
 
 #[path = "common/examples.rs"]
 mod examples;
+#[path = "common/ports.rs"]
+mod ports;
 
 fn mlp_example() -> PathBuf {
     examples::example("mlp")
@@ -141,7 +143,7 @@ fn processes_at_stages_2_and_3_match_one_process() {
 fn run_two_nodes(mlp: &Path, dir: &Path, zero: &str, hierarchy: &str, out: &Path) -> (Vec<String>, String) {
     let cfg = dir.join(format!("nodes-{}.json", out.file_stem().unwrap().to_string_lossy()));
     std::fs::write(&cfg, format!(r#"{{"train_batch_size": 12, "gradient_clipping": 1.0, "optimizer": {{"type": "AdamW", "params": {{"lr": 0.003, "weight_decay": 0.01}}}}, "zero_optimization": {zero}}}"#)).unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let port = ports::free_port().to_string();
     let launchers: Vec<_> = (0..2)
         .map(|node| {
             let mut cmd = Command::new(env!("CARGO_BIN_EXE_zerorun"));
@@ -279,7 +281,7 @@ fn two_torchrun_nodes_match_one_process() {
     let cfg = dir.join("torchrun.json");
     std::fs::write(&cfg, r#"{"train_batch_size": 12, "gradient_clipping": 1.0, "optimizer": {"type": "AdamW", "params": {"lr": 0.003, "weight_decay": 0.01}}, "zero_optimization": {"stage": 2}}"#).unwrap();
     let out = dir.join("torchrun.safetensors");
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let port = ports::free_port().to_string();
     let agents: Vec<_> = (0..2)
         .map(|node| {
             let mut cmd = Command::new(&torchrun);
@@ -351,7 +353,7 @@ fn an_expert_parallel_group_across_two_nodes_exchanges_in_two_levels() {
     };
     let two_nodes = |all_to_all: &str| -> (Vec<String>, String, PathBuf) {
         let out = dir.join(format!("{all_to_all}.safetensors"));
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+        let port = ports::free_port().to_string();
         let nodes: Vec<_> = (0..2)
             .map(|node| {
                 Command::new(env!("CARGO_BIN_EXE_zerorun"))
