@@ -344,6 +344,41 @@ fn at_stage_1_experts_split_over_their_positions_ranks_train_as_every_rank_holdi
     }
 }
 
+/// Where what stage 1 runs covers the whole flat buffer (PowerSGD's factors, a frozen parameter the split refuses),
+/// it keeps every expert on every rank, as at E = 1, and trains; with nothing in the way it splits them.
+#[test]
+fn stage_1_keeps_the_flat_buffer_where_what_it_runs_covers_it() {
+    let held = |e: usize, extra: serde_json::Value, frozen: bool| {
+        on_ranks(move |comm| {
+            let group = Rc::new(ExpertParallel::adjacent(comm.as_ref(), e).unwrap());
+            let vs = nn::VarStore::new(Device::Cpu);
+            let m = Rc::new(model(&vs));
+            if frozen {
+                let _ = m.embed.bs.as_ref().unwrap().shallow_clone().set_requires_grad(false);
+            }
+            let mut with = json!({"zero_optimization": {"stage": 1}});
+            with.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+            let mut engine = Engine::new(&vs, config_with(e, 2, &with), comm, expert_options(e)).unwrap();
+            for step in 0..2 {
+                train_step(&mut engine, &m, &group, step, false);
+            }
+            let bytes = engine.memory_bytes().iter().find(|(c, _)| c.name() == "parameters").map_or(0, |(_, b)| *b);
+            bytes.to_string()
+        })
+    };
+    let powersgd = json!({"gradient_compression": {"type": "powersgd", "matrix_approximation_rank": 2}});
+    for (what, extra, frozen) in
+        [("nothing", json!({}), false), ("PowerSGD", powersgd, false), ("frozen", json!({}), true)]
+    {
+        let (flat, at_2) = (held(1, extra.clone(), frozen), held(2, extra, frozen));
+        let split = what == "nothing";
+        for (r, (a, b)) in flat.iter().zip(&at_2).enumerate() {
+            let (a, b): (usize, usize) = (a.parse().unwrap(), b.parse().unwrap());
+            assert_eq!(b < a, split, "{what}, rank {r}: {b} bytes of parameters at E = 2, {a} at E = 1");
+        }
+    }
+}
+
 #[test]
 fn a_checkpointed_layer_enters_its_split_experts_again_in_backward_and_trains_as_without() {
     let all = Span { steps: 0..STEPS, ..Default::default() };
