@@ -223,6 +223,41 @@ fn experts_split_over_their_positions_ranks_train_as_every_rank_holding_them() {
     }
 }
 
+/// Units split over their position's ranks at E = 2 (`split`) against E = 1 (`every`), rank by rank: the same
+/// weights; after each step a rank all-gathers only the units it holds (the dense ones and its position's
+/// experts), and it keeps the values of those units only (the dense parameters and half the experts, fp32).
+fn assert_split_matches_every(stage: u8, split: &[Ran], every: &[Ran]) {
+    for (r, (s, a)) in split.iter().zip(every).enumerate() {
+        assert_close(&s.params, &a.params, &format!("stage {stage}, rank {r}, E = 2 against E = 1"));
+        assert!(
+            s.gathered_elements < a.gathered_elements * 7 / 10,
+            "stage {stage}, rank {r}: gathered {} elements at E = 2, {} at E = 1",
+            s.gathered_elements,
+            a.gathered_elements
+        );
+        let experts: usize = a.params.iter().filter(|(n, _)| n.contains(".experts.")).map(|(_, t)| t.numel()).sum();
+        let expected = a.parameters_in_memory as f64 - 4.0 * experts as f64 / 2.0;
+        assert!(
+            experts > 0 && (s.parameters_in_memory as f64 - expected).abs() <= 0.01 * expected,
+            "stage {stage}, rank {r}: {} bytes of parameters at E = 2, {} at E = 1, {experts} expert elements",
+            s.parameters_in_memory,
+            a.parameters_in_memory
+        );
+    }
+}
+
+/// `zero_optimization.stage` with `extra`'s keys beside it (its `zero_optimization` keys merged into the stage's).
+fn at_stage(stage: u8, extra: serde_json::Value) -> serde_json::Value {
+    let mut with = json!({"zero_optimization": {"stage": stage}});
+    for (k, v) in extra.as_object().unwrap() {
+        match (k.as_str(), v.as_object()) {
+            ("zero_optimization", Some(z)) => with[k].as_object_mut().unwrap().extend(z.clone()),
+            _ => with[k] = v.clone(),
+        }
+    }
+    with
+}
+
 /// Stage 2 with units: each position's experts reduced over their own ranks, and each rank steps and all-gathers
 /// its chunk over them. A rank outside a unit keeps none of its values: they leave the engine from the unit's
 /// ranks (the full parameters below).
@@ -234,42 +269,20 @@ fn at_stage_2_experts_split_over_their_positions_ranks_train_as_every_rank_holdi
     };
     let every = stage2(1, false);
     let split = stage2(2, false);
-    for (r, (s, a)) in split.iter().zip(&every).enumerate() {
-        assert_close(&s.params, &a.params, &format!("stage 2, rank {r}, E = 2 against E = 1"));
-        // After each step a rank all-gathers the units it holds: the dense ones and its position's experts.
-        assert!(
-            s.gathered_elements < a.gathered_elements * 7 / 10,
-            "stage 2, rank {r}: gathered {} elements at E = 2, {} at E = 1",
-            s.gathered_elements,
-            a.gathered_elements
-        );
-        // And it keeps the values of those units only: the dense parameters and half the experts (fp32).
-        let experts: usize = a.params.iter().filter(|(n, _)| n.contains(".experts.")).map(|(_, t)| t.numel()).sum();
-        let expected = a.parameters_in_memory as f64 - 4.0 * experts as f64 / 2.0;
-        assert!(
-            experts > 0 && (s.parameters_in_memory as f64 - expected).abs() <= 0.01 * expected,
-            "stage 2, rank {r}: {} bytes of parameters at E = 2, {} at E = 1, {experts} expert elements",
-            s.parameters_in_memory,
-            a.parameters_in_memory
-        );
-    }
+    assert_split_matches_every(2, &split, &every);
     for (r, (c, a)) in stage2(2, true).iter().zip(&every).enumerate() {
         assert_close(&c.params, &a.params, &format!("stage 2, rank {r}, checkpointed at E = 2 against E = 1"));
     }
     // The optimizer on a copy of the rank's pieces (offloaded), and bf16's fp32 master, write back into the
     // rank's own units.
-    let with = |extra: serde_json::Value| {
-        let mut with = json!({"zero_optimization": {"stage": 2}});
-        with.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
-        Span { steps: 0..STEPS, with, ..Default::default() }
-    };
-    let offloaded = with(json!({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}));
+    let with = |extra: serde_json::Value| Span { steps: 0..STEPS, with: at_stage(2, extra), ..Default::default() };
+    let offloaded = with(json!({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}));
     for (r, (o, a)) in run(2, 4, offloaded).iter().zip(&every).enumerate() {
         assert_close(&o.params, &a.params, &format!("stage 2 offloaded, rank {r}: E = 2 against E = 1"));
     }
     // All-reduced instead of reduce-scattered: each rank keeps its part by its place in the unit's group (it took
     // its place in the world, past the group's end, before).
-    let all_reduced = with(json!({"zero_optimization": {"stage": 2, "reduce_scatter": false}}));
+    let all_reduced = with(json!({"zero_optimization": {"reduce_scatter": false}}));
     for (r, (o, a)) in run(2, 4, all_reduced).iter().zip(&every).enumerate() {
         assert_close(&o.params, &a.params, &format!("stage 2 all-reduced, rank {r}: E = 2 against E = 1"));
     }
@@ -285,39 +298,12 @@ fn at_stage_2_experts_split_over_their_positions_ranks_train_as_every_rank_holdi
 /// checkpointed, offloaded, overlapped, all-reduced, and in bf16.
 #[test]
 fn at_stage_1_experts_split_over_their_positions_ranks_train_as_every_rank_holding_them() {
-    let with = |extra: serde_json::Value| {
-        let mut with = json!({"zero_optimization": {"stage": 1}});
-        for (k, v) in extra.as_object().unwrap() {
-            match k.as_str() {
-                "zero_optimization" => with[k].as_object_mut().unwrap().extend(v.as_object().unwrap().clone()),
-                _ => with[k] = v.clone(),
-            }
-        }
-        with
-    };
     let stage1 = |e, extra: serde_json::Value, checkpointed, steps| {
-        run(e, 4, Span { steps: 0..steps, with: with(extra), checkpointed, ..Default::default() })
+        run(e, 4, Span { steps: 0..steps, with: at_stage(1, extra), checkpointed, ..Default::default() })
     };
     let every = stage1(1, json!({}), false, STEPS);
     let split = stage1(2, json!({}), false, STEPS);
-    for (r, (s, a)) in split.iter().zip(&every).enumerate() {
-        assert_close(&s.params, &a.params, &format!("stage 1, rank {r}, E = 2 against E = 1"));
-        // E = 1 all-gathers the whole flat buffer after each step; E = 2 the dense units and its position's experts.
-        assert!(
-            s.gathered_elements < a.gathered_elements * 7 / 10,
-            "stage 1, rank {r}: gathered {} elements at E = 2, {} at E = 1",
-            s.gathered_elements,
-            a.gathered_elements
-        );
-        let experts: usize = a.params.iter().filter(|(n, _)| n.contains(".experts.")).map(|(_, t)| t.numel()).sum();
-        let expected = a.parameters_in_memory as f64 - 4.0 * experts as f64 / 2.0;
-        assert!(
-            experts > 0 && (s.parameters_in_memory as f64 - expected).abs() <= 0.01 * expected,
-            "stage 1, rank {r}: {} bytes of parameters at E = 2, {} at E = 1, {experts} expert elements",
-            s.parameters_in_memory,
-            a.parameters_in_memory
-        );
-    }
+    assert_split_matches_every(1, &split, &every);
     // Two micro-batches a step: the gradients of both are reduced once, at the boundary.
     let accumulating = json!({"train_batch_size": 8, "gradient_accumulation_steps": 2});
     let (one, two) = (stage1(1, accumulating.clone(), false, 4), stage1(2, accumulating, false, 4));
@@ -356,8 +342,7 @@ fn stage_1_keeps_the_flat_buffer_where_what_it_runs_covers_it() {
             if frozen {
                 let _ = m.embed.bs.as_ref().unwrap().shallow_clone().set_requires_grad(false);
             }
-            let mut with = json!({"zero_optimization": {"stage": 1}});
-            with.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+            let with = at_stage(1, extra.clone());
             let mut engine = Engine::new(&vs, config_with(e, 2, &with), comm, expert_options(e)).unwrap();
             for step in 0..2 {
                 train_step(&mut engine, &m, &group, step, false);
