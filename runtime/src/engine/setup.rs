@@ -29,6 +29,8 @@ pub(super) struct Arrangement {
     pub unit_prefixes: Vec<Vec<String>>,
     /// The frozen parameters of each unit (units of the model, or the one unit of everything), by name.
     pub frozen_by_unit: Vec<Vec<(String, Tensor)>>,
+    /// Why stage 1 keeps its flat buffer although the units split experts over their positions (said at start).
+    pub experts_kept_flat: Option<&'static str>,
 }
 
 /// Orders the trainable parameters (by unit in execution order where the plan lays out by units, by name
@@ -66,16 +68,16 @@ pub(super) fn arrange(
     for ((name, t), &u) in frozen.into_iter().zip(frozen_units) {
         frozen_by_unit[u].push((name, t));
     }
+    let mut experts_kept_flat = None;
     if plan.stage() == 1 && expert_parallel > 1 && options.units.is_some() {
         let names: Vec<Vec<&str>> = (0..unit_prefixes.len())
             .map(|u| named.iter().zip(trainable_units).filter(|(_, &v)| v == u).map(|((n, _), _)| n.as_str()).collect())
             .collect();
         let split = expert_units::unit_ranks(&names, expert_parallel, world_size)?.iter().any(|r| *r != UnitRanks::All);
-        match (split, flat_at_stage_1.or(frozen_by_unit.iter().flatten().next().map(|_| "with frozen parameters"))) {
+        let why = flat_at_stage_1.or(frozen_by_unit.iter().flatten().next().map(|_| "with frozen parameters"));
+        match (split, why) {
             (true, None) => plan.split_units_over_groups(),
-            (true, Some(why)) => tracing::info!(
-                "expert_parallel.autoep_size {expert_parallel} at stage 1 {why}: the flat buffer holds every expert on every rank (ZeRO splits their states over all ranks)"
-            ),
+            (true, Some(why)) => experts_kept_flat = Some(why),
             (false, _) => {}
         }
     }
@@ -120,7 +122,7 @@ pub(super) fn arrange(
     } else {
         FlatLayout::new(&specs, world_size)
     };
-    Ok(Arrangement { named, layout, unit_prefixes, frozen_by_unit })
+    Ok(Arrangement { named, layout, unit_prefixes, frozen_by_unit, experts_kept_flat })
 }
 
 /// Whether the unit inputs activation checkpointing keeps wait in host memory: `cpu_checkpointing` with
@@ -314,7 +316,7 @@ impl Engine {
             }
             _ => None,
         };
-        let Arrangement { named, layout, unit_prefixes, frozen_by_unit } =
+        let Arrangement { named, layout, unit_prefixes, frozen_by_unit, experts_kept_flat } =
             arrange(trainable, frozen, &options, &mut plan, &config, world_size, flat_at_stage_1)?;
         let experts_group = if layout.has_groups() {
             expert_units::check_supported(&config, &frozen_by_unit, replica_count)?;
@@ -322,7 +324,10 @@ impl Engine {
         } else {
             if expert_parallel > 1 && rank == 0 && layout.slots.iter().any(|s| crate::moe::is_expert_parameter(&s.name))
             {
-                tracing::info!("expert_parallel.autoep_size {expert_parallel} at stage {}: every rank holds every expert's parameters, which ZeRO splits over all ranks; at stages 1-3 a unit of each position's experts (MoeLayer::expert_units) is kept by that position's ranks alone", plan.stage());
+                match experts_kept_flat {
+                    Some(why) => tracing::info!("expert_parallel.autoep_size {expert_parallel} at stage 1 {why}: every rank holds every expert's parameters, which ZeRO splits over all ranks"),
+                    None => tracing::info!("expert_parallel.autoep_size {expert_parallel} at stage {}: every rank holds every expert's parameters, which ZeRO splits over all ranks; at stages 1-3 a unit of each position's experts (MoeLayer::expert_units) is kept by that position's ranks alone", plan.stage()),
+                }
             }
             None
         };
