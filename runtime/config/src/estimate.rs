@@ -83,7 +83,7 @@ impl EstimateInput {
 
     /// Parameter values (and, at stage 1, gradients) one rank holds at stages 0-2: all of them, but at stages 1-2
     /// only its expert-parallel position's share of the experts.
-    fn resident_params(&self, stage: u8) -> f64 {
+    pub fn resident_params(&self, stage: u8) -> f64 {
         let e = self.expert_parallel.max(1) as f64;
         let elsewhere = if matches!(stage, 1 | 2) { self.expert_params as f64 * (1.0 - 1.0 / e) } else { 0.0 };
         self.params as f64 - elsewhere
@@ -91,7 +91,7 @@ impl EstimateInput {
 
     /// Bytes per parameter of stage 1's fp32 gradient shard: 4 where it splits experts over their positions
     /// (reduced unit by unit into a shard, as stage 2), 0 for the flat buffer (reduced in place in the gradients).
-    fn split_gradient_shard(&self) -> u64 {
+    pub fn split_gradient_shard(&self) -> u64 {
         if self.expert_params > 0 && self.expert_parallel > 1 {
             4
         } else {

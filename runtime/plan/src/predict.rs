@@ -88,18 +88,15 @@ pub fn predict(model: &Model, cluster: &Cluster, options: &Options, s: &Strategy
     let (pb, gb, ob) = input.bytes_per_param();
     let shard = |sharded: bool| if sharded { local_params / d as f64 } else { local_params };
     // Values a rank keeps: its shard at stage 3, the dense ones and its position's experts at stages 1-2 (where
-    // stage 1 keeps their gradients too), everything at stage 0.
-    let resident = local_params - model.expert_params() as f64 * (1.0 - 1.0 / ep as f64);
+    // stage 1 keeps their gradients too, beside the fp32 gradient shard it reduces them into), everything at stage 0:
+    // the estimate's own counts.
     let params = match s.stage {
         3 => local_params / d as f64,
-        1 | 2 => resident,
-        _ => local_params,
+        stage => input.resident_params(stage),
     } * pb as f64;
-    // Stage 1 splitting experts reduces each unit into an fp32 gradient shard too, as stage 2 does.
-    let splits = s.stage == 1 && ep > 1 && model.expert_params() > 0;
     let grads = match s.stage {
         2.. => local_params / d as f64 * gb as f64,
-        1 => resident * gb as f64 + if splits { local_params / d as f64 * 4.0 } else { 0.0 },
+        1 => input.resident_params(1) * gb as f64 + local_params / d as f64 * input.split_gradient_shard() as f64,
         _ => local_params * gb as f64,
     };
     let optim = shard(s.stage >= 1) * ob as f64;
