@@ -450,6 +450,20 @@ fn what_experts_split_over_their_ranks_cannot_do_is_refused_by_name() {
         let entered = engine.unit(&theirs, |_| x.shallow_clone()).unwrap_err().to_string();
         format!("{walked}\n{entered}")
     });
+    // Stage 1 keeps no storage for another position's experts either.
+    let at_stage_1 = on_ranks(|comm| {
+        let vs = nn::VarStore::new(Device::Cpu);
+        let _m = model(&vs);
+        let c = config_with(2, 2, &at_stage(1, json!({})));
+        let mut engine = Engine::new(&vs, c, comm, expert_options(2)).unwrap();
+        let theirs = MoeLayer::expert_units("moe", EXPERTS, 2)[1 - engine.rank()][0].clone();
+        let x = Tensor::zeros([2, HIDDEN], (Kind::Float, Device::Cpu));
+        engine.unit(&theirs, |_| x.shallow_clone()).unwrap_err().to_string()
+    });
+    for (r, e) in at_stage_1.iter().enumerate() {
+        let says = format!("on rank {r}: the unit holds experts of another expert-parallel position");
+        assert!(e.contains(&says), "stage 1, rank {r}: {e}");
+    }
     for (r, e) in errors.iter().enumerate() {
         assert!(e.contains("engine.forward walks every unit on every rank"), "rank {r}: {e}");
         assert!(

@@ -438,6 +438,14 @@ impl Engine {
         // The communication logger records training's collectives, not set-up's.
         let (watch, comm, replicas) = super::watching::Watch::wrap_comms(&config, comm, replicas);
         let inputs_to_host = inputs_to_host(&config, &options, residence);
+        // Stage 1 with units split over groups: the units `engine.unit` refuses on this rank.
+        let not_held: std::collections::HashSet<String> = match plan.gradients {
+            GradientPath::UnitsAfterBackward => (layout.units.iter().zip(&unit_prefixes))
+                .filter(|(span, _)| !span.holds(rank))
+                .flat_map(|(_, prefixes)| prefixes.iter().cloned())
+                .collect(),
+            _ => Default::default(),
+        };
         let mut engine = Engine {
             comm: match experts_group {
                 Some(group) => engine_comm::EngineComm::new(comm, replicas, plan.threaded_comm())
@@ -459,6 +467,7 @@ impl Engine {
                 _claim: claim,
             },
             walk: crate::engine::zero::unit_walk::Walk {
+                not_held,
                 unit_prefixes,
                 records: Vec::new(),
                 activation_checkpointing: options.activation_checkpointing,

@@ -48,14 +48,9 @@ impl Engine {
     /// ```
     pub fn unit<T: UnitOutput>(&mut self, name: &str, forward: impl FnOnce(&mut Engine) -> T) -> Result<T> {
         if self.plan.gradients != GradientPath::UnitWalk {
-            if self.plan.gradients == GradientPath::UnitsAfterBackward {
-                // Stage 1 keeps no storage for another position's experts: refused as at stages 2-3.
-                let rank = self.rank();
-                let prefixes = &self.walk.unit_prefixes;
-                let u = prefixes.iter().position(|p| p.iter().any(|q| q == name));
-                if u.is_some_and(|u| !self.states.layout.units[u].holds(rank)) {
-                    return Err(another_positions_unit(name, rank));
-                }
+            // Stage 1 keeps no storage for another position's experts: refused as at stages 2-3.
+            if self.walk.not_held.contains(name) {
+                return Err(another_positions_unit(name, self.rank()));
             }
             return Ok(forward(self));
         }

@@ -46,6 +46,9 @@ pub(crate) struct Walk {
     pub chain: bool,
     /// Units entered as scopes of the program's forward (`engine.unit`), set up on first use.
     pub scopes: Option<crate::engine::zero::scopes::Scopes>,
+    /// Stage 1 with units split over expert groups: the prefixes of the units this rank does not hold (another
+    /// position's experts, kept without storage), which `engine.unit` refuses. Empty otherwise.
+    pub not_held: std::collections::HashSet<String>,
     /// `engine.forward` recorded the end of this micro-batch's forward for the memory report (a forward of the
     /// program's own scopes ends at its backward).
     pub forward_marked: bool,
